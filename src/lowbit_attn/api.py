@@ -1,0 +1,218 @@
+"""Public functions: argument checks, layout handling, dispatch."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from . import checks, forward
+from .arch import backend_for, get_capability
+from .quantized import Seqs
+from .recipes import Recipe, resolve
+
+# Captured at import, before anyone patches F.scaled_dot_product_attention with ours.
+_TORCH_SDPA = F.scaled_dot_product_attention
+
+
+def _capability(device: torch.device):
+    return get_capability() if device.type == "cuda" else None
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    layout: str = "HND",
+    recipe: "str | Recipe" = "auto",
+    return_lse: bool = False,
+):
+    """Low-bit attention ``softmax(q·kᵀ·scale)·v``.
+
+    Args:
+        q: ``[B, Hq, Nq, D]`` (layout ``"HND"``) or ``[B, Nq, Hq, D]`` (``"NHD"``); float16, bfloat16
+            or float32; any strides.
+        k, v: ``[B, Hkv, Nk, D]`` or ``[B, Nk, Hkv, D]``, same dtype and device as q; ``Hq`` must be a
+            multiple of ``Hkv`` (GQA/MQA). Head dims 64 and 128 are the fast path; 1 to 256 work.
+        is_causal: query ``i`` sees key ``j`` iff ``j <= i + Nk - Nq`` (aligned bottom-right, as in
+            FlashAttention; rows that see no key give 0).
+        scale: softmax scale, ``D ** -0.5`` by default.
+        layout: ``"HND"`` or ``"NHD"``; the output has the same layout.
+        recipe: ``"auto"`` (FP8 P·V on sm_89 and newer, FP16 P·V before and on CPU),
+            ``"qk_int8_pv_fp8"``, ``"qk_int8_pv_fp16"``, ``"exact"``, or a :class:`Recipe`.
+        return_lse: also return the natural-log log-sum-exp of each row's scores.
+    Returns:
+        the output (q's dtype, shape and layout), and with ``return_lse`` the LSE ``[B, Hq, Nq]``
+        fp32 (``-inf`` for rows that see no key).
+
+    On a CUDA GPU the Triton kernels run; on a CPU the PyTorch reference with the same numerics.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        checks.tensor(name, x, 4)
+    checks.layout(layout)
+    checks.flag("is_causal", is_causal)
+    checks.flag("return_lse", return_lse)
+    checks.same_kind(q, k, v)
+    qh, kh, vh = (x.transpose(1, 2) if layout == "NHD" else x for x in (q, k, v))
+    checks.heads_and_dims(
+        tuple(qh.shape), tuple(kh.shape), tuple(vh.shape), batch_dim=0, head_dim_axis=1, seq_axis=2
+    )
+    r = resolve(recipe, _capability(q.device))
+    sm_scale = checks.softmax_scale(scale, q.shape[-1])
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out_h = out.transpose(1, 2) if layout == "NHD" else out
+    b, hq, nq, _ = qh.shape
+    nk = kh.shape[2]
+    if nq == 0:
+        lse = torch.empty((b, hq, 0), device=q.device)
+        return (out, lse) if return_lse else out
+    lse = forward.run(
+        qh, kh, vh, out=out_h, recipe=r, scale=sm_scale, is_causal=is_causal,
+        causal_offset=nk - nq, return_lse=return_lse, backend=backend_for(q.device),
+    )
+    return (out, lse) if return_lse else out
+
+
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    recipe: "str | Recipe" = "auto",
+    return_lse: bool = False,
+):
+    """Attention over packed sequences, as FlashAttention's ``flash_attn_varlen_func``.
+
+    Args:
+        q: ``[total_q, Hq, D]``; k, v: ``[total_k, Hkv, D]``; sequence ``b`` holds rows
+            ``cu_seqlens[b]:cu_seqlens[b+1]``.
+        cu_seqlens_q, cu_seqlens_k: int32 ``[B + 1]`` offsets on q's device, starting at 0.
+        max_seqlen_q, max_seqlen_k: at least the longest sequence.
+        is_causal: per sequence, aligned bottom-right.
+    Returns:
+        the output ``[total_q, Hq, D]`` (q's dtype), and with ``return_lse`` the LSE ``[Hq, total_q]``.
+
+    Smoothing and quantization statistics are per sequence, never across sequences.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        checks.tensor(name, x, 3)
+    checks.flag("is_causal", is_causal)
+    checks.flag("return_lse", return_lse)
+    checks.same_kind(q, k, v)
+    checks.heads_and_dims(
+        tuple(q.shape), tuple(k.shape), tuple(v.shape), batch_dim=None, head_dim_axis=1,
+        seq_axis=None,
+    )
+    bq = checks.cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
+    bk = checks.cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
+    if len(bq) != len(bk):
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
+            f"{len(bq) - 1} and {len(bk) - 1}"
+        )
+    for name, value, bounds in (("max_seqlen_q", max_seqlen_q, bq), ("max_seqlen_k", max_seqlen_k, bk)):
+        longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+        if isinstance(value, bool) or not isinstance(value, int) or value < longest:
+            raise ValueError(f"{name} must be an int >= the longest sequence ({longest}), got {value!r}")
+    r = resolve(recipe, _capability(q.device))
+    sm_scale = checks.softmax_scale(scale, q.shape[-1])
+    batch = len(bq) - 1
+    seqs = (
+        Seqs(batch, max(max_seqlen_q, 1), cu_seqlens_q.to(torch.int32), tuple(bq)),
+        Seqs(batch, max(max_seqlen_k, 1), cu_seqlens_k.to(torch.int32), tuple(bk)),
+    )
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = forward.run(
+        q, k, v, out=out, recipe=r, scale=sm_scale, is_causal=is_causal, causal_offset=0,
+        return_lse=return_lse, backend=backend_for(q.device), seqs=seqs,
+    )
+    return (out, lse) if return_lse else out
+
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_once(reason: str) -> None:
+    with _warned_lock:
+        if reason in _warned:
+            return
+        _warned.add(reason)
+    warnings.warn(
+        f"lowbit_attn.scaled_dot_product_attention: {reason}; falling back to PyTorch's exact "
+        "attention for such calls",
+        stacklevel=3,
+    )
+
+
+def _fallback_reason(query, key, value, attn_mask, dropout_p, enable_gqa) -> str | None:
+    if not all(isinstance(x, torch.Tensor) for x in (query, key, value)):
+        return "inputs are not tensors"
+    if attn_mask is not None:
+        return "an attn_mask was given"
+    if dropout_p != 0.0:
+        return "dropout_p > 0"
+    if not (query.dim() == key.dim() == value.dim() and query.dim() in (3, 4)):
+        return f"only 3-D and 4-D inputs are supported (got {query.dim()}-D)"
+    if not (query.dtype == key.dtype == value.dtype) or query.dtype not in checks.FLOAT_DTYPES:
+        return f"dtype {query.dtype} is not supported"
+    if not (query.device == key.device == value.device):
+        return "inputs are on different devices"
+    if key.shape != value.shape or query.shape[-1] != key.shape[-1]:
+        return "value's head dim differs from query's"
+    if not 1 <= query.shape[-1] <= checks.MAX_HEAD_DIM:
+        return f"head dim {query.shape[-1]} is not supported"
+    if query.shape[0] != key.shape[0] or query.shape[-2] == 0 or key.shape[-2] == 0:
+        return "shapes need broadcasting or are empty"
+    if query.dim() == 4 and query.shape[1] != key.shape[1]:
+        if not enable_gqa or query.shape[1] % key.shape[1] != 0:
+            return "query and key heads differ without enable_gqa"
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value)):
+        return "a gradient is required (these kernels are forward-only)"
+    return None
+
+
+def scaled_dot_product_attention(
+    query,
+    key,
+    value,
+    attn_mask=None,
+    dropout_p=0.0,
+    is_causal=False,
+    scale=None,
+    enable_gqa=False,
+):
+    """Drop-in for :func:`torch.nn.functional.scaled_dot_product_attention` with the same
+    signature and semantics (causal masks aligned top-left, as PyTorch does), computed with the
+    ``"auto"`` recipe. Calls the kernels cannot serve (an ``attn_mask``, dropout, autograd,
+    unsupported shapes or dtypes) go to PyTorch's own function, with one warning per reason.
+    """
+    reason = _fallback_reason(query, key, value, attn_mask, dropout_p, enable_gqa)
+    if reason is not None:
+        _warn_once(reason)
+        return _TORCH_SDPA(
+            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+            scale=scale, enable_gqa=enable_gqa,
+        )
+    squeeze = query.dim() == 3
+    q, k, v = (x.unsqueeze(1) for x in (query, key, value)) if squeeze else (query, key, value)
+    checks.flag("is_causal", bool(is_causal))
+    sm_scale = checks.softmax_scale(scale, q.shape[-1])
+    r = resolve("auto", _capability(q.device))
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    forward.run(
+        q, k, v, out=out, recipe=r, scale=sm_scale, is_causal=bool(is_causal), causal_offset=0,
+        return_lse=False, backend=backend_for(q.device),
+    )
+    return out.squeeze(1) if squeeze else out

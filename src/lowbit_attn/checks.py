@@ -1,0 +1,102 @@
+"""Argument validation for the public functions: each error names the argument, what it got and what
+it needs."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+LAYOUTS = ("HND", "NHD")
+MAX_HEAD_DIM = 256
+
+
+def tensor(name: str, x, ndim: int) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{name} must be float16, bfloat16 or float32, got {x.dtype}"
+        )
+
+
+def same_kind(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if not (q.device == k.device == v.device):
+        raise ValueError(
+            f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}"
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+
+
+def layout(value) -> None:
+    if value not in LAYOUTS:
+        raise ValueError(f"layout must be 'HND' ([B, H, N, D]) or 'NHD' ([B, N, H, D]), got {value!r}")
+
+
+def flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
+def softmax_scale(scale, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    return float(scale)
+
+
+def heads_and_dims(
+    q_shape: tuple[int, ...], k_shape: tuple[int, ...], v_shape: tuple[int, ...],
+    *, batch_dim: int | None, head_dim_axis: int, seq_axis: int | None,
+) -> None:
+    """Shared checks of (batch,) heads, head dim and K/V agreement; axes index the given shapes."""
+    if k_shape != v_shape:
+        raise ValueError(f"k and v must have the same shape, got {k_shape} and {v_shape}")
+    if batch_dim is not None and q_shape[batch_dim] != k_shape[batch_dim]:
+        raise ValueError(
+            f"q and k must have the same batch size, got {q_shape[batch_dim]} and {k_shape[batch_dim]}"
+        )
+    if q_shape[-1] != k_shape[-1]:
+        raise ValueError(
+            f"q and k must have the same head dim, got {q_shape[-1]} and {k_shape[-1]}"
+        )
+    d = q_shape[-1]
+    if not 1 <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim must be between 1 and {MAX_HEAD_DIM}, got {d}")
+    hq, hkv = q_shape[head_dim_axis], k_shape[head_dim_axis]
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(
+            f"the number of query heads ({hq}) must be a multiple of the number of key/value "
+            f"heads ({hkv})"
+        )
+    if seq_axis is not None and k_shape[seq_axis] == 0:
+        raise ValueError(f"k and v must hold at least one token, got shape {k_shape}")
+
+
+def cu_seqlens(name: str, cu: torch.Tensor, total: int, device: torch.device) -> list[int]:
+    """Validate a ``cu_seqlens`` tensor and return it on the host (one small copy)."""
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype not in (torch.int32, torch.int64) or cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(
+            f"{name} must be a 1-D int32 tensor of batch+1 offsets, got dtype {cu.dtype}, "
+            f"shape {tuple(cu.shape)}"
+        )
+    if cu.device != device:
+        raise ValueError(f"{name} must be on {device}, got {cu.device}")
+    bounds = cu.tolist()
+    if bounds[0] != 0 or bounds[-1] != total:
+        raise ValueError(
+            f"{name} must start at 0 and end at the number of packed tokens ({total}), "
+            f"got {bounds[0]} … {bounds[-1]}"
+        )
+    if any(b > a for a, b in zip(bounds[1:], bounds[:-1])):
+        raise ValueError(f"{name} must be non-decreasing, got {bounds}")
+    return bounds

@@ -1,0 +1,86 @@
+"""One attention forward: choose the path (Triton kernels or PyTorch reference), run it, fill ``out``."""
+
+from __future__ import annotations
+
+import torch
+
+from .prepare import quantize_qkv
+from .quantized import Seqs
+from .recipes import Recipe
+from .reference.attention import exact_attention, quantized_attention
+
+
+def _dense_reference(q, k, v, *, recipe: Recipe, scale: float, causal_offset, return_lse: bool):
+    if recipe.is_exact:
+        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        return exact_attention(q, k, v, scale=scale, causal_offset=causal_offset, dtype=dtype)
+    qz = quantize_qkv(q, k, v, recipe, scale, need_lse_shift=return_lse, backend="reference")
+    return quantized_attention(
+        qz, pv=recipe.pv, granularity=recipe.granularity, block_q=recipe.block_q,
+        block_k=recipe.block_k, causal_offset=causal_offset,
+    )
+
+
+def _as_dense(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Rows ``lo:hi`` of a packed ``[total, H, D]`` tensor as a ``[1, H, n, D]`` view."""
+    return x[lo:hi].transpose(0, 1).unsqueeze(0)
+
+
+def run(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    out: torch.Tensor,
+    recipe: Recipe,
+    scale: float,
+    is_causal: bool,
+    causal_offset: int,
+    return_lse: bool,
+    backend: str,
+    seqs: tuple[Seqs, Seqs] | None = None,
+) -> torch.Tensor | None:
+    """Attention of logical ``[B, H, N, D]`` views (or packed ``[total, H, D]`` tensors with
+    ``seqs``) written into ``out``; returns the natural-log LSE when ``return_lse``.
+
+    ``causal_offset``: key ``j`` is visible to query ``i`` iff ``j <= i + causal_offset`` (dense
+    calls only; packed sequences are each aligned bottom-right).
+    """
+    offset = causal_offset if is_causal else None
+    if backend == "triton" and not recipe.is_exact:
+        from .kernels import attn_fwd_int8
+
+        seqs_q, seqs_k = seqs if seqs is not None else (None, None)
+        qz = quantize_qkv(
+            q, k, v, recipe, scale, need_lse_shift=return_lse, backend="triton",
+            seqs_q=seqs_q, seqs_k=seqs_k,
+        )
+        return attn_fwd_int8.attention(
+            qz, out=out, pv=recipe.pv, granularity=recipe.granularity, block_q=recipe.block_q,
+            block_k=recipe.block_k, causal_offset=offset, return_lse=return_lse,
+            seqs_q=seqs_q, seqs_k=seqs_k,
+        )
+    if seqs is None:
+        o, lse = _dense_reference(q, k, v, recipe=recipe, scale=scale, causal_offset=offset,
+                                  return_lse=return_lse)
+        out.copy_(o)
+        return lse.float() if return_lse else None
+    seqs_q, seqs_k = seqs
+    lse_all = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device) if return_lse else None
+    for b in range(seqs_q.batch):
+        q0, q1 = seqs_q.bounds[b], seqs_q.bounds[b + 1]
+        k0, k1 = seqs_k.bounds[b], seqs_k.bounds[b + 1]
+        if q1 == q0:
+            continue
+        if k1 == k0:
+            out[q0:q1].zero_()
+            continue
+        seq_offset = (k1 - k0) - (q1 - q0) if is_causal else None
+        o, lse = _dense_reference(
+            _as_dense(q, q0, q1), _as_dense(k, k0, k1), _as_dense(v, k0, k1), recipe=recipe,
+            scale=scale, causal_offset=seq_offset, return_lse=return_lse,
+        )
+        out[q0:q1].copy_(o[0].transpose(0, 1))
+        if return_lse:
+            lse_all[:, q0:q1] = lse[0]
+    return lse_all

@@ -1,0 +1,236 @@
+"""Attention forward with INT8 Q·Kᵀ and fp16 or FP8 P·V (SageAttention / SageAttention2 numerics).
+
+One program computes ``BLOCK_M`` query rows of one (batch, query head) with an online softmax in base
+2 over key blocks of ``BLOCK_N``. Scores are ``int32(Q̂·K̂ᵀ)·s_q·s_k`` (+ the Q-smoothing correction);
+P̃ goes to fp16, or to E4M3 as ``exp2(S - m + log2 448)``; each key block's P·V is a fresh tensor-core
+product added into the fp32 accumulator (two-level accumulation). Twin:
+``lowbit_attn.reference.attention.quantized_attention``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..arch import get_capability, interpreter_enabled
+from ..quantized import LOG2_FP8_MAX, QuantizedQKV, Seqs, dense_seqs
+from .common import bhnd_strides, exact_fp8, next_pow2, row_strides, to_e4m3
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    num_warps: int
+    num_stages: int
+
+
+# Named per architecture; BLOCK_M and BLOCK_N come from the recipe (they are also the per-block
+# quantization groups), so only warps and pipeline depth are tuned.
+CONFIGS = {
+    "interpreter": [LaunchConfig(4, 1)],
+    "sm_80": [LaunchConfig(4, 2), LaunchConfig(4, 3), LaunchConfig(8, 2)],
+    "sm_89": [LaunchConfig(4, 2), LaunchConfig(8, 2), LaunchConfig(4, 3)],
+    "sm_90": [LaunchConfig(8, 2), LaunchConfig(8, 3), LaunchConfig(4, 3), LaunchConfig(8, 4)],
+}
+
+
+def configs_for(capability: tuple[int, int] | None) -> list[LaunchConfig]:
+    if interpreter_enabled() or capability is None:
+        return CONFIGS["interpreter"]
+    if capability >= (9, 0):
+        return CONFIGS["sm_90"]
+    if capability >= (8, 9):
+        return CONFIGS["sm_89"]
+    return CONFIGS["sm_80"]
+
+
+def _triton_configs():
+    return [
+        triton.Config({}, num_warps=c.num_warps, num_stages=c.num_stages)
+        for c in configs_for(get_capability())
+    ]
+
+
+@triton.jit
+def _attn_fwd_int8_kernel(
+    Q, K, V, QS, KS, VS, VM, DS, LSH, O, LSE, CUQ, CUK,
+    sqb, sqh, sqn, sqd,
+    skb, skh, skn, skd,
+    svb, svh, svn, svd,
+    sqsb, sqsh, sqsn,
+    sksb, sksh, sksn,
+    svsb, svsh, svsd,
+    sdb, sdh, sdq, sdn,
+    slb, slh, sln,
+    sob, soh, son, sod,
+    seb, seh, sen,
+    NQ, NK, HQ, GROUP, D, causal_offset,
+    IS_CAUSAL: tl.constexpr, PER_TOKEN: tl.constexpr, PV_FP8: tl.constexpr,
+    HAS_VMEAN: tl.constexpr, HAS_DS: tl.constexpr, HAS_LSH: tl.constexpr, WRITE_LSE: tl.constexpr,
+    EXACT_FP8: tl.constexpr, VARLEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // HQ
+    h = pid_bh % HQ
+    hk = h // GROUP
+    if VARLEN:
+        q_start = tl.load(CUQ + b)
+        nq = tl.load(CUQ + b + 1) - q_start
+        k_start = tl.load(CUK + b)
+        nk = tl.load(CUK + b + 1) - k_start
+        causal_offset = nk - nq  # packed sequences align causal masks bottom-right, each its own
+    else:
+        q_start = 0
+        nq = NQ
+        k_start = 0
+        nk = NK
+    if pid_m * BLOCK_M >= nq:
+        return
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mmask = offs_m < nq
+    dmask = offs_d < D
+
+    q = tl.load(
+        Q + b * sqb + h * sqh + (q_start + offs_m)[:, None] * sqn + offs_d[None, :] * sqd,
+        mask=mmask[:, None] & dmask[None, :], other=0,
+    )
+    if PER_TOKEN:
+        qs = tl.load(QS + b * sqsb + h * sqsh + (q_start + offs_m) * sqsn, mask=mmask, other=0.0)
+    else:
+        qs = tl.load(QS + b * sqsb + h * sqsh + pid_m * sqsn)
+
+    k_base = K + b * skb + hk * skh + k_start * skn
+    v_base = V + b * svb + hk * svh + k_start * svn
+    if PV_FP8:
+        offset = LOG2_FP8_MAX
+    else:
+        offset = 0.0
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    hi = nk
+    if IS_CAUSAL:
+        hi = tl.minimum(nk, (pid_m + 1) * BLOCK_M + causal_offset)
+    for start_n in range(0, hi, BLOCK_N):
+        cols = start_n + offs_n
+        nmask = cols < nk
+        kt = tl.load(k_base + cols[None, :] * skn + offs_d[:, None] * skd,
+                     mask=nmask[None, :] & dmask[:, None], other=0)
+        s_int = tl.dot(q, kt, out_dtype=tl.int32)
+        if PER_TOKEN:
+            ks = tl.load(KS + b * sksb + hk * sksh + (k_start + cols) * sksn, mask=nmask, other=0.0)
+            s = s_int.to(tl.float32) * (qs[:, None] * ks[None, :])
+        else:
+            ks = tl.load(KS + b * sksb + hk * sksh + (start_n // BLOCK_N) * sksn)
+            s = s_int.to(tl.float32) * (qs * ks)
+        if HAS_DS:
+            ds = tl.load(DS + b * sdb + h * sdh + pid_m * sdq + cols * sdn, mask=nmask, other=0.0)
+            s = s + ds[None, :]
+        if IS_CAUSAL:
+            valid = (cols[None, :] <= offs_m[:, None] + causal_offset) & nmask[None, :]
+        else:
+            valid = nmask[None, :]
+        s = tl.where(valid, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - (m_safe - offset)[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + cols[:, None] * svn + offs_d[None, :] * svd,
+                    mask=nmask[:, None] & dmask[None, :], other=0.0)
+        if PV_FP8:
+            pv = tl.dot(to_e4m3(p, EXACT_FP8), v, out_dtype=tl.float32)
+        else:
+            pv = tl.dot(p.to(tl.float16), v, out_dtype=tl.float32)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    if PV_FP8:
+        vs = tl.load(VS + b * svsb + hk * svsh + offs_d * svsd, mask=dmask, other=0.0)
+        out = out * vs[None, :]
+    if HAS_VMEAN:
+        vm = tl.load(VM + b * svsb + hk * svsh + offs_d * svsd, mask=dmask, other=0.0)
+        out = out + vm[None, :]
+    out = tl.where(empty[:, None], 0.0, out)
+    tl.store(
+        O + b * sob + h * soh + (q_start + offs_m)[:, None] * son + offs_d[None, :] * sod,
+        out.to(O.dtype.element_ty), mask=mmask[:, None] & dmask[None, :],
+    )
+    if WRITE_LSE:
+        lse = (m_i + tl.log2(l_i) - offset) * 0.6931471805599453
+        if HAS_LSH:
+            lse += tl.load(LSH + b * slb + h * slh + (q_start + offs_m) * sln, mask=mmask, other=0.0)
+        tl.store(LSE + b * seb + h * seh + (q_start + offs_m) * sen, lse, mask=mmask)
+
+
+_attn_fwd_int8 = triton.autotune(
+    configs=_triton_configs(),
+    key=["BLOCK_D", "IS_CAUSAL", "PER_TOKEN", "PV_FP8", "VARLEN", "BLOCK_M", "BLOCK_N"],
+)(
+    triton.heuristics(
+        {
+            "HAS_VMEAN": lambda a: a["VM"] is not None,
+            "HAS_DS": lambda a: a["DS"] is not None,
+            "HAS_LSH": lambda a: a["LSH"] is not None,
+            "WRITE_LSE": lambda a: a["LSE"] is not None,
+        }
+    )(_attn_fwd_int8_kernel)
+)
+
+
+def attention(
+    qz: QuantizedQKV,
+    *,
+    out: torch.Tensor,
+    pv: str,
+    granularity: str,
+    block_q: int,
+    block_k: int,
+    causal_offset: int | None,
+    return_lse: bool,
+    seqs_q: Seqs | None = None,
+    seqs_k: Seqs | None = None,
+) -> torch.Tensor | None:
+    """Run the kernel; writes ``out`` (logical ``[B, Hq, Nq, D]`` view or packed ``[total, Hq, D]``)
+    and returns the LSE (``[B, Hq, Nq]`` or ``[Hq, total]`` fp32) when asked."""
+    seqs_q = seqs_q or dense_seqs(qz.q)
+    seqs_k = seqs_k or dense_seqs(qz.k)
+    packed = seqs_q.packed
+    hq, d = qz.q.shape[1], qz.q.shape[-1]
+    hkv = qz.k.shape[1]
+    per_token = granularity == "per_token"
+    lse = None
+    if return_lse:
+        if packed:
+            lse = torch.empty((hq, qz.q.shape[0]), device=out.device, dtype=torch.float32)
+        else:
+            lse = torch.empty(qz.q.shape[:3], device=out.device, dtype=torch.float32)
+    vec = qz.v_scale if qz.v_scale is not None else qz.v_mean
+    grid = (triton.cdiv(seqs_q.max_len, block_q), seqs_q.batch * hq)
+    _attn_fwd_int8[grid](
+        qz.q, qz.k, qz.v, qz.q_scale, qz.k_scale, qz.v_scale, qz.v_mean, qz.delta_s, qz.lse_shift,
+        out, lse, seqs_q.cu_seqlens, seqs_k.cu_seqlens,
+        *bhnd_strides(qz.q, packed), *bhnd_strides(qz.k, packed), *bhnd_strides(qz.v, packed),
+        *row_strides(qz.q_scale, packed and per_token),
+        *row_strides(qz.k_scale, packed and per_token),
+        *(vec.stride() if vec is not None else (0, 0, 0)),
+        *(qz.delta_s.stride() if qz.delta_s is not None else (0, 0, 0, 0)),
+        *row_strides(qz.lse_shift, packed), *bhnd_strides(out, packed), *row_strides(lse, packed),
+        seqs_q.max_len, seqs_k.max_len, hq, hq // hkv, d,
+        0 if causal_offset is None else int(causal_offset),
+        IS_CAUSAL=causal_offset is not None, PER_TOKEN=per_token, PV_FP8=pv == "fp8",
+        EXACT_FP8=exact_fp8(), VARLEN=packed,
+        BLOCK_M=block_q, BLOCK_N=block_k, BLOCK_D=next_pow2(d),
+    )
+    return lse

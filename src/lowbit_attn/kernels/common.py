@@ -1,0 +1,86 @@
+"""Pieces shared by the Triton kernels: exact rounding helpers and stride bookkeeping."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..arch import interpreter_enabled
+
+# fp32 RNE to an integer: adding 1.5·2^23 leaves no fraction bits, so the FPU's own round-to-nearest-
+# even does the work; exact for |x| < 2^22. Same bits on a GPU and under the interpreter.
+RNE_MAGIC = 12582912.0
+
+
+@triton.jit
+def round_half_even(x):
+    return (x + RNE_MAGIC) - RNE_MAGIC
+
+
+@triton.jit
+def to_int8(y):
+    """fp32 → int8: round half to even, clamp to ±127, NaN → 0 (its scale carries the NaN)."""
+    r = round_half_even(y)
+    r = tl.minimum(tl.maximum(r, -127.0), 127.0)
+    r = tl.where(r == r, r, 0.0)
+    return r.to(tl.int8)
+
+
+@triton.jit
+def to_e4m3(x, EXACT: tl.constexpr):
+    """fp32 → E4M3 (``float8e4nv``), round to nearest even, saturating to ±448.
+
+    On a GPU the hardware conversion (``cvt.rn.satfinite``) does this. ``EXACT`` builds the bits
+    arithmetically instead, for the interpreter, whose own conversion neither rounds to even nor
+    handles subnormals and NaN.
+    """
+    if EXACT:
+        ax = tl.minimum(tl.abs(x), 480.0)
+        exp = (ax.to(tl.int32, bitcast=True) >> 23) - 127
+        exp = tl.maximum(exp, -6)  # below 2^-6 the E4M3 grid is the subnormal step 2^-9
+        # 1.5·2^(exp+20): its ulp is 2^(exp-3), E4M3's spacing at this exponent.
+        magic = (((exp + 147) << 23) | 0x400000).to(tl.float32, bitcast=True)
+        r = tl.minimum((ax + magic) - magic, 448.0)
+        rbits = r.to(tl.int32, bitcast=True)
+        rexp = (rbits >> 23) - 127
+        normal = r >= 0.015625
+        code = tl.where(
+            normal,
+            ((rexp + 7) << 3) | ((rbits >> 20) & 0x7),
+            (r * 512.0).to(tl.int32),
+        )
+        code = tl.where(x < 0, code | 0x80, code)
+        code = tl.where(x != x, 0x7F, code)
+        return code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    else:
+        return x.to(tl.float8e4nv)
+
+
+def exact_fp8() -> bool:
+    """Whether kernels must build E4M3 bits arithmetically (under the interpreter)."""
+    return interpreter_enabled()
+
+
+def bhnd_strides(x: torch.Tensor | None, packed: bool) -> tuple[int, int, int, int]:
+    """Strides ``(batch, head, token, dim)`` of a logical ``[B, H, N, D]`` tensor, or of a packed
+    ``[total, H, D]`` one (batch stride 0: a sequence's first token comes from ``cu_seqlens``)."""
+    if x is None:
+        return (0, 0, 0, 0)
+    if packed:
+        return (0, x.stride(1), x.stride(0), x.stride(2))
+    return tuple(x.stride())  # type: ignore[return-value]
+
+
+def row_strides(x: torch.Tensor | None, packed_per_token: bool) -> tuple[int, int, int]:
+    """Strides ``(batch, head, row)`` of a scale/LSE vector: ``[B, H, R]``, or ``[H, total]`` for
+    per-token vectors of packed calls."""
+    if x is None:
+        return (0, 0, 0)
+    if packed_per_token:
+        return (0, x.stride(0), x.stride(1))
+    return tuple(x.stride())  # type: ignore[return-value]
+
+
+def next_pow2(n: int, minimum: int = 16) -> int:
+    return max(minimum, triton.next_power_of_2(n))

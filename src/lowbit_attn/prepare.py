@@ -1,0 +1,83 @@
+"""Smoothing, balancing and quantization of Q, K, V for one call: the recipe's first stage.
+
+The same sequence of steps serves both backends; each step runs as a Triton kernel or as its
+PyTorch twin. Only the balancing factors and the FP8 scales (tiny ``[B, H, D]`` tensors) are
+computed here in PyTorch for both, so both backends quantize with identical factors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .quantized import LOG2E, QuantizedQKV
+from .recipes import Recipe
+from .reference import attention as ref_attn
+from .reference import quant as ref_quant
+
+
+def _ops(backend: str):
+    if backend == "triton":
+        from .kernels import quantize as kq
+
+        return kq, kq, kq
+    return ref_quant, ref_quant, ref_attn
+
+
+def quantize_qkv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    recipe: Recipe,
+    softmax_scale: float,
+    *,
+    need_lse_shift: bool,
+    backend: str,
+    seqs_q=None,
+    seqs_k=None,
+) -> QuantizedQKV:
+    """Q, K, V (logical ``[B, H, N, D]`` views, or packed ``[total, H, D]`` with ``seqs_*`` on the
+    Triton backend) → :class:`QuantizedQKV`."""
+    stats, quant, extra = _ops(backend)
+    kw_q = {"seqs": seqs_q} if backend == "triton" else {}
+    kw_k = {"seqs": seqs_k} if backend == "triton" else {}
+    hq, hkv = q.shape[1], k.shape[1]
+
+    k_mean = k_amax = q_mean = q_amax = None
+    if recipe.smooth_k or recipe.balance_qk:
+        k_mean, k_amax = stats.channel_stats(k, center="mean" if recipe.smooth_k else "none", **kw_k)
+    if recipe.smooth_q or recipe.balance_qk:
+        q_mean, q_amax = stats.channel_stats(
+            q, center="block_mean" if recipe.smooth_q else "none", block=recipe.block_q, **kw_q
+        )
+    q_mult = k_mult = None
+    if recipe.balance_qk:
+        alpha = ref_quant.balance_factors(q_amax, k_amax)
+        q_mult = alpha.repeat_interleave(hq // hkv, dim=1)
+        k_mult = 1.0 / alpha
+
+    q8, q_scale = quant.quantize_int8(
+        q, granularity=recipe.granularity, block=recipe.block_q, center=q_mean,
+        center_per_block=True, multiplier=q_mult, scale_multiplier=softmax_scale * LOG2E, **kw_q,
+    )
+    k8, k_scale = quant.quantize_int8(
+        k, granularity=recipe.granularity, block=recipe.block_k, center=k_mean,
+        multiplier=k_mult, **kw_k,
+    )
+
+    v_mean = v_scale = None
+    if recipe.pv == "fp8" or recipe.smooth_v:
+        v_mean, v_amax = stats.channel_stats(v, center="mean" if recipe.smooth_v else "none", **kw_k)
+        if recipe.pv == "fp8":
+            v_scale = ref_quant.fp8_scale(v_amax)
+    vq = quant.convert_v(v, pv=recipe.pv, center=v_mean, scale=v_scale, **kw_k)
+
+    delta = shift = None
+    if recipe.smooth_q:
+        kw_ds = {"block_q": recipe.block_q, "seqs_q": seqs_q, **kw_k} if backend == "triton" else {}
+        delta = extra.delta_s(q_mean, k, k_mean, softmax_scale * LOG2E, **kw_ds)
+    if need_lse_shift and k_mean is not None:
+        shift = extra.lse_shift(q, k_mean, softmax_scale, **kw_q)
+    return QuantizedQKV(
+        q=q8, q_scale=q_scale, k=k8, k_scale=k_scale, v=vq, v_scale=v_scale, v_mean=v_mean,
+        delta_s=delta, lse_shift=shift,
+    )

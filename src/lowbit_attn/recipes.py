@@ -1,0 +1,118 @@
+"""Named numeric recipes: what is quantized, how, and with which exact transformations.
+
+A recipe is a frozen dataclass; the public functions accept either its name or an instance, so
+options are set with :meth:`Recipe.replace`::
+
+    r = lowbit_attn.get_recipe("qk_int8_pv_fp8").replace(granularity="per_token")
+    out = lowbit_attn.attention(q, k, v, recipe=r)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+Granularity = Literal["per_block", "per_token"]
+
+GRANULARITIES = ("per_block", "per_token")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How attention is computed.
+
+    Attributes:
+        name: the recipe's name (``"exact"``, ``"qk_int8_pv_fp16"``, ``"qk_int8_pv_fp8"``).
+        qk: ``"int8"`` for INT8 Q·Kᵀ with int32 accumulation, ``"none"`` for exact.
+        pv: ``"fp16"`` (P̃ and V in fp16, fp32 accumulation), ``"fp8"`` (E4M3 P̃ with static scale 448,
+            E4M3 V with one scale per channel, each key block's product added into an fp32 accumulator)
+            or ``"none"``.
+        granularity: INT8 scale groups for Q and K: ``"per_block"`` (one scale per ``block_q`` query
+            rows and per ``block_k`` key rows) or ``"per_token"`` (one scale per row).
+        smooth_k: subtract the per-(batch, head, channel) mean of K over tokens. Exact: softmax ignores
+            the constant it adds to each row of scores.
+        smooth_q: subtract the mean of each block of ``block_q`` query rows and add the correction
+            ``ΔS = mean(Q_block)·K'ᵀ`` back to every score, computed in fp32.
+        smooth_v: subtract the per-channel mean of V and add it back to O (rows of P sum to 1).
+        balance_qk: rescale channel c of Q by ``α_c`` and of K by ``1/α_c`` with
+            ``α_c = sqrt(amax|K'_c| / amax|Q'_c|)`` per (batch, KV head), after smoothing. Scores are
+            unchanged in exact arithmetic; outlier channels stop dominating one operand's scale.
+        block_q, block_k: query and key rows per tile (and per scale group with ``per_block``).
+    """
+
+    name: str
+    qk: Literal["int8", "none"]
+    pv: Literal["fp16", "fp8", "none"]
+    granularity: Granularity = "per_block"
+    smooth_k: bool = True
+    smooth_q: bool = False
+    smooth_v: bool = False
+    balance_qk: bool = True
+    block_q: int = 128
+    block_k: int = 64
+
+    def __post_init__(self) -> None:
+        if self.qk not in ("int8", "none"):
+            raise ValueError(f"Recipe.qk must be 'int8' or 'none', got {self.qk!r}")
+        if self.pv not in ("fp16", "fp8", "none"):
+            raise ValueError(f"Recipe.pv must be 'fp16', 'fp8' or 'none', got {self.pv!r}")
+        if (self.qk == "none") != (self.pv == "none"):
+            raise ValueError("Recipe: qk and pv must both be 'none' (exact) or both be quantized")
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(
+                f"Recipe.granularity must be one of {GRANULARITIES}, got {self.granularity!r}"
+            )
+        for field in ("block_q", "block_k"):
+            value = getattr(self, field)
+            if value not in (16, 32, 64, 128):
+                raise ValueError(f"Recipe.{field} must be 16, 32, 64 or 128, got {value!r}")
+
+    @property
+    def is_exact(self) -> bool:
+        return self.qk == "none"
+
+    def replace(self, **changes) -> "Recipe":
+        """A copy with some options changed (validated)."""
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise TypeError(f"Recipe.replace got unknown option(s) {sorted(unknown)}")
+        return dataclasses.replace(self, **changes)
+
+
+EXACT = Recipe(name="exact", qk="none", pv="none", smooth_k=False, balance_qk=False)
+QK_INT8_PV_FP16 = Recipe(name="qk_int8_pv_fp16", qk="int8", pv="fp16")
+QK_INT8_PV_FP8 = Recipe(name="qk_int8_pv_fp8", qk="int8", pv="fp8")
+
+RECIPES: dict[str, Recipe] = {r.name: r for r in (EXACT, QK_INT8_PV_FP16, QK_INT8_PV_FP8)}
+
+
+def get_recipe(name: str) -> Recipe:
+    """The named recipe with its default options (``"auto"`` is resolved per device by
+    :func:`resolve`)."""
+    if not isinstance(name, str):
+        raise TypeError(f"recipe name must be a str, got {type(name).__name__}")
+    try:
+        return RECIPES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown recipe {name!r}; expected 'auto' or one of {sorted(RECIPES)}"
+        ) from None
+
+
+def auto_recipe(capability: tuple[int, int] | None) -> Recipe:
+    """FP8 P·V where the GPU has FP8 tensor cores (sm_89 and newer), FP16 P·V before and on CPU."""
+    if capability is not None and capability >= (8, 9):
+        return QK_INT8_PV_FP8
+    return QK_INT8_PV_FP16
+
+
+def resolve(recipe: "str | Recipe", capability: tuple[int, int] | None) -> Recipe:
+    """Turn the ``recipe`` argument of the public functions into a :class:`Recipe`."""
+    if isinstance(recipe, Recipe):
+        return recipe
+    if recipe == "auto":
+        return auto_recipe(capability)
+    if isinstance(recipe, str):
+        return get_recipe(recipe)
+    raise TypeError(f"recipe must be a str or lowbit_attn.Recipe, got {type(recipe).__name__}")

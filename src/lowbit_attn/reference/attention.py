@@ -1,0 +1,162 @@
+"""Attention in plain PyTorch: exact attention (the oracle) and the quantized recipes' numerics.
+
+The quantized forward walks the key blocks in the kernel's order with the same online softmax in
+base 2, so it matches the Triton kernel to rounding, and it runs anywhere PyTorch does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..quantized import LN2, LOG2_FP8_MAX, LOG2E, QuantizedQKV
+from .quant import to_e4m3
+
+
+def visible(nq: int, nk: int, causal_offset: int | None, device, rows=None, cols=None):
+    """Boolean ``[nq, nk]`` mask: key ``j`` is visible to query ``i`` iff ``j <= i + causal_offset``
+    (everything when ``causal_offset`` is None)."""
+    i = torch.arange(nq, device=device) if rows is None else rows
+    j = torch.arange(nk, device=device) if cols is None else cols
+    if causal_offset is None:
+        return torch.ones(len(i), len(j), dtype=torch.bool, device=device)
+    return j[None, :] <= i[:, None] + causal_offset
+
+
+def _expand_heads(x: torch.Tensor, hq: int) -> torch.Tensor:
+    """``[B, Hkv, ...]`` → ``[B, Hq, ...]`` (query head h reads KV head ``h // (Hq/Hkv)``)."""
+    group = hq // x.shape[1]
+    return x if group == 1 else x.repeat_interleave(group, dim=1)
+
+
+def exact_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    causal_offset: int | None = None,
+    dtype: torch.dtype = torch.float64,
+    chunk: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact softmax attention in ``dtype``, query rows in chunks to bound memory.
+
+    Args:
+        q: ``[B, Hq, Nq, D]``; k, v: ``[B, Hkv, Nk, D]`` (HND).
+    Returns:
+        ``(out [B, Hq, Nq, D] in dtype, lse [B, Hq, Nq] natural log in dtype)``. Rows that see no key
+        give 0 and LSE ``-inf``.
+    """
+    hq = q.shape[1]
+    k = _expand_heads(k, hq).to(dtype)
+    v = _expand_heads(v, hq).to(dtype)
+    nq, nk = q.shape[2], k.shape[2]
+    outs, lses = [], []
+    for start in range(0, nq, chunk):
+        qc = q[:, :, start : start + chunk].to(dtype)
+        s = torch.matmul(qc, k.transpose(-1, -2)) * scale
+        rows = torch.arange(start, start + qc.shape[2], device=q.device)
+        mask = visible(nq, nk, causal_offset, q.device, rows=rows)
+        s = s.masked_fill(~mask, float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
+        p = torch.where(mask, p, torch.zeros((), dtype=dtype, device=q.device))
+        outs.append(torch.matmul(p, v))
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+
+def quantized_attention(
+    qz: QuantizedQKV,
+    *,
+    pv: str,
+    granularity: str,
+    block_q: int,
+    block_k: int,
+    causal_offset: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The INT8-Q·Kᵀ attention forward of the recipes, dense HND tensors.
+
+    Returns:
+        ``(out fp32 [B, Hq, Nq, D], lse fp32 [B, Hq, Nq])`` with the LSE in natural log of the
+        unsmoothed scores when ``qz.lse_shift`` is given (of the smoothed scores otherwise).
+    """
+    b, hq, nq, d = qz.q.shape
+    nk = qz.k.shape[2]
+    dev = qz.q.device
+    qf = qz.q.float()
+    kf = _expand_heads(qz.k, hq).float()
+    vf = _expand_heads(qz.v, hq).float()
+    if granularity == "per_block":
+        q_scale = qz.q_scale.repeat_interleave(block_q, dim=-1)[..., :nq]
+        k_scale = _expand_heads(qz.k_scale, hq).repeat_interleave(block_k, dim=-1)[..., :nk]
+    else:
+        q_scale = qz.q_scale
+        k_scale = _expand_heads(qz.k_scale, hq)
+    delta = None
+    if qz.delta_s is not None:
+        delta = qz.delta_s.repeat_interleave(block_q, dim=2)[:, :, :nq]
+
+    m = torch.full((b, hq, nq), float("-inf"), device=dev)
+    l_sum = torch.zeros((b, hq, nq), device=dev)
+    acc = torch.zeros((b, hq, nq, d), device=dev)
+    rows = torch.arange(nq, device=dev)
+    offset = LOG2_FP8_MAX if pv == "fp8" else 0.0
+    for start in range(0, nk, block_k):
+        stop = min(start + block_k, nk)
+        # int8 products summed in fp32 are exact: |sum| <= 127² · D < 2^24.
+        s_int = torch.matmul(qf, kf[:, :, start:stop].transpose(-1, -2))
+        s = s_int * (q_scale.unsqueeze(-1) * k_scale[:, :, None, start:stop])
+        if delta is not None:
+            s = s + delta[..., start:stop]
+        mask = visible(nq, nk, causal_offset, dev, rows=rows, cols=torch.arange(start, stop, device=dev))
+        s = s.masked_fill(~mask, float("-inf"))
+        m_new = torch.maximum(m, s.amax(dim=-1))
+        m_safe = torch.where(torch.isneginf(m_new), 0.0, m_new)
+        alpha = torch.exp2(m - m_safe)
+        p = torch.exp2(s - (m_safe - offset).unsqueeze(-1))
+        l_sum = l_sum * alpha + p.sum(dim=-1)
+        p_q = to_e4m3(p) if pv == "fp8" else p.to(torch.float16)
+        acc = acc * alpha.unsqueeze(-1) + torch.matmul(p_q.float(), vf[:, :, start:stop])
+        m = m_new
+    empty = l_sum == 0
+    out = acc / torch.where(empty, 1.0, l_sum).unsqueeze(-1)
+    if qz.v_scale is not None:
+        out = out * _expand_heads(qz.v_scale, hq).unsqueeze(-2)
+    if qz.v_mean is not None:
+        out = out + _expand_heads(qz.v_mean, hq).unsqueeze(-2)
+    out = torch.where(empty.unsqueeze(-1), 0.0, out)
+    lse = (m + torch.log2(l_sum) - offset) * LN2
+    if qz.lse_shift is not None:
+        lse = lse + qz.lse_shift
+    return out, lse
+
+
+def delta_s(qm: torch.Tensor, k: torch.Tensor, k_mean: torch.Tensor | None, scale_multiplier: float):
+    """Q-smoothing correction ``ΔS = mean(Q_block)·(K - mean(K))ᵀ``, fp32, times ``scale_multiplier``.
+
+    Args:
+        qm: ``[B, Hq, nbq, D]`` fp32 block means of Q; k: ``[B, Hkv, Nk, D]``; k_mean: ``[B, Hkv, D]``.
+    Returns:
+        ``[B, Hq, nbq, Nk]`` fp32.
+    """
+    kf = k.float()
+    if k_mean is not None:
+        kf = kf - k_mean.unsqueeze(-2)
+    kf = _expand_heads(kf, qm.shape[1])
+    return torch.matmul(qm, kf.transpose(-1, -2)) * scale_multiplier
+
+
+def lse_shift(q: torch.Tensor, k_mean: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    """``softmax_scale·(q·mean(K))`` per query row ``[B, Hq, Nq]``: what K smoothing took off each
+    row of scores, so the LSE can be reported for the unsmoothed scores."""
+    km = _expand_heads(k_mean, q.shape[1])
+    return torch.matmul(q.float(), km.unsqueeze(-1)).squeeze(-1) * softmax_scale
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
+
+
+__all__ = ["exact_attention", "quantized_attention", "delta_s", "lse_shift", "visible", "LOG2E"]

@@ -1,0 +1,164 @@
+"""PyTorch twins of the quantization kernels. Given the same statistics, they produce the same bits.
+
+All functions take dense ``[B, H, N, D]`` tensors (a packed sequence is handled one sequence at a
+time by the caller). Arithmetic is fp32 and in the kernels' order, so results are bit-identical.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..quantized import FP8_MAX, INT8_MAX
+
+
+def _poison(y: torch.Tensor, dims) -> torch.Tensor:
+    """0 where every element of the group is finite, NaN otherwise (``sum(y·0)``): added to an
+    ``amax`` it keeps a NaN or Inf from being hidden behind a finite scale."""
+    return (y * 0.0).sum(dim=dims)
+
+
+def channel_stats(
+    x: torch.Tensor, *, center: str, block: int = 0
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Per-channel statistics over tokens.
+
+    Args:
+        x: ``[B, H, N, D]``.
+        center: ``"none"``, ``"mean"`` (one mean per (batch, head, channel)) or ``"block_mean"``
+            (one mean per block of ``block`` consecutive tokens).
+    Returns:
+        ``(mean, amax)``: ``mean`` is ``None``, ``[B, H, D]`` or ``[B, H, ceil(N/block), D]`` fp32;
+        ``amax`` is ``max |x - mean|`` per channel, ``[B, H, D]`` fp32, NaN if any input is not finite.
+    """
+    xf = x.float()
+    n = x.shape[-2]
+    if center == "none":
+        mean = None
+        centered = xf
+    elif center == "mean":
+        mean = xf.sum(dim=-2) / n
+        centered = xf - mean.unsqueeze(-2)
+    elif center == "block_mean":
+        mean = block_means(xf, block)
+        centered = xf - expand_blocks(mean, block, n)
+    else:
+        raise ValueError(f"center must be 'none', 'mean' or 'block_mean', got {center!r}")
+    amax = centered.abs().amax(dim=-2) + _poison(centered, -2)
+    return mean, amax
+
+
+def block_means(xf: torch.Tensor, block: int) -> torch.Tensor:
+    """Mean of each block of ``block`` tokens (the last block may be partial): ``[B, H, nb, D]``."""
+    b, h, n, d = xf.shape
+    nb = -(-n // block)
+    padded = torch.nn.functional.pad(xf, (0, 0, 0, nb * block - n))
+    sums = padded.view(b, h, nb, block, d).sum(dim=3)
+    counts = torch.full((nb,), float(block), device=xf.device)
+    counts[-1] = n - (nb - 1) * block
+    return sums / counts[:, None]
+
+
+def expand_blocks(per_block: torch.Tensor, block: int, n: int) -> torch.Tensor:
+    """``[..., nb, X]`` → ``[..., n, X]``: each block's row repeated for its tokens."""
+    return per_block.repeat_interleave(block, dim=-2)[..., :n, :]
+
+
+def balance_factors(amax_q: torch.Tensor, amax_k: torch.Tensor) -> torch.Tensor:
+    """``α_c = sqrt(amax|K_c| / amax|Q_c|)`` per (batch, KV head, channel), ``[B, Hkv, D]``.
+
+    Q's amax is taken over all query heads that share the KV head. A channel where either side is
+    all zero keeps ``α = 1``; NaN statistics give NaN (never hidden).
+    """
+    b, hq, d = amax_q.shape
+    hkv = amax_k.shape[1]
+    aq = amax_q.view(b, hkv, hq // hkv, d).amax(dim=2)
+    alpha = torch.sqrt(amax_k / aq)
+    degenerate = (aq == 0) | (amax_k == 0)
+    return torch.where(degenerate, torch.ones_like(alpha), alpha)
+
+
+def quantize_int8(
+    x: torch.Tensor,
+    *,
+    granularity: str,
+    block: int,
+    center: torch.Tensor | None = None,
+    center_per_block: bool = False,
+    multiplier: torch.Tensor | None = None,
+    scale_multiplier: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric INT8: ``s = amax(|y|)/127`` per group, ``round_half_even(y/s)`` in ``[-127, 127]``,
+    where ``y = (x - center)·multiplier``.
+
+    Args:
+        x: ``[B, H, N, D]`` (any float dtype).
+        granularity: ``"per_block"`` (one scale per ``block`` tokens) or ``"per_token"``.
+        center: ``[B, H, D]``, or ``[B, H, nb, D]`` with ``center_per_block``; ``None`` for no shift.
+        multiplier: ``[B, H, D]`` per-channel factor (balancing) or ``None``.
+        scale_multiplier: folded into the returned scales (``softmax_scale·log2 e`` for Q).
+    Returns:
+        ``(values int8 [B, H, N, D], scales fp32 [B, H, nb] or [B, H, N])``.
+    """
+    b, h, n, d = x.shape
+    y = x.float()
+    if center is not None:
+        y = y - (expand_blocks(center, block, n) if center_per_block else center.unsqueeze(-2))
+    if multiplier is not None:
+        y = y * multiplier.unsqueeze(-2)
+    if granularity == "per_token":
+        amax = y.abs().amax(dim=-1) + _poison(y, -1)
+        scale = _int8_scale(amax)
+        per_row = scale
+    elif granularity == "per_block":
+        nb = -(-n // block)
+        padded = torch.nn.functional.pad(y, (0, 0, 0, nb * block - n)).view(b, h, nb, block * d)
+        amax = padded.abs().amax(dim=-1) + _poison(padded, -1)
+        scale = _int8_scale(amax)
+        per_row = scale.repeat_interleave(block, dim=-1)[..., :n]
+    else:
+        raise ValueError(f"granularity must be 'per_block' or 'per_token', got {granularity!r}")
+    values = round_half_even_int8(y / per_row.unsqueeze(-1))
+    if scale_multiplier != 1.0:
+        scale = scale * scale_multiplier
+    return values, scale
+
+
+def _int8_scale(amax: torch.Tensor) -> torch.Tensor:
+    scale = amax * (1.0 / INT8_MAX)
+    return torch.where(scale == 0, torch.ones_like(scale), scale)
+
+
+def round_half_even_int8(y: torch.Tensor) -> torch.Tensor:
+    """Round half to even, clamp to ±127, NaN → 0 (its scale is NaN, which carries it), to int8."""
+    r = torch.clamp(torch.round(y), -INT8_MAX, INT8_MAX)
+    return torch.nan_to_num(r, nan=0.0).to(torch.int8)
+
+
+def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
+    """Per-channel E4M3 scale ``amax/448`` (1 where the channel is all zero). Shared by both
+    backends: the kernels receive it."""
+    scale = amax * (1.0 / FP8_MAX)
+    return torch.where(scale == 0, torch.ones_like(scale), scale)
+
+
+def convert_v(
+    x: torch.Tensor,
+    *,
+    pv: str,
+    center: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """V for the P·V product: ``x - center`` (fp32) rounded to fp16 (``pv="fp16"``), or divided by
+    the per-channel ``scale`` ``[B, H, D]`` and rounded to E4M3 (``pv="fp8"``)."""
+    y = x.float()
+    if center is not None:
+        y = y - center.unsqueeze(-2)
+    if pv == "fp8":
+        return to_e4m3(y / scale.unsqueeze(-2))
+    return y.to(torch.float16)
+
+
+def to_e4m3(y: torch.Tensor) -> torch.Tensor:
+    """fp32 → E4M3 (``float8_e4m3fn``): round to nearest even, saturate to ±448, NaN stays NaN."""
+    return torch.clamp(y, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
