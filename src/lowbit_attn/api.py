@@ -17,8 +17,11 @@ from .recipes import Recipe, resolve
 _TORCH_SDPA = F.scaled_dot_product_attention
 
 
-def _capability(device: torch.device):
-    return get_capability() if device.type == "cuda" else None
+def _resolve(recipe, device: torch.device) -> Recipe:
+    capability = get_capability() if device.type == "cuda" else None
+    r = resolve(recipe, capability)
+    checks.recipe_runs_here(r, device, capability)
+    return r
 
 
 def attention(
@@ -62,7 +65,7 @@ def attention(
     checks.heads_and_dims(
         tuple(qh.shape), tuple(kh.shape), tuple(vh.shape), batch_dim=0, head_dim_axis=1, seq_axis=2
     )
-    r = resolve(recipe, _capability(q.device))
+    r = _resolve(recipe, q.device)
     sm_scale = checks.softmax_scale(scale, q.shape[-1])
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     out_h = out.transpose(1, 2) if layout == "NHD" else out
@@ -125,7 +128,7 @@ def attention_varlen(
         longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
         if isinstance(value, bool) or not isinstance(value, int) or value < longest:
             raise ValueError(f"{name} must be an int >= the longest sequence ({longest}), got {value!r}")
-    r = resolve(recipe, _capability(q.device))
+    r = _resolve(recipe, q.device)
     sm_scale = checks.softmax_scale(scale, q.shape[-1])
     batch = len(bq) - 1
     seqs = (
@@ -209,7 +212,7 @@ def scaled_dot_product_attention(
     q, k, v = (x.unsqueeze(1) for x in (query, key, value)) if squeeze else (query, key, value)
     checks.flag("is_causal", bool(is_causal))
     sm_scale = checks.softmax_scale(scale, q.shape[-1])
-    r = resolve("auto", _capability(q.device))
+    r = _resolve("auto", q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     forward.run(
         q, k, v, out=out, recipe=r, scale=sm_scale, is_causal=bool(is_causal), causal_offset=0,

@@ -231,6 +231,6 @@ def attention(
         0 if causal_offset is None else int(causal_offset),
         IS_CAUSAL=causal_offset is not None, PER_TOKEN=per_token, PV_FP8=pv == "fp8",
         EXACT_FP8=exact_fp8(), VARLEN=packed,
-        BLOCK_M=block_q, BLOCK_N=block_k, BLOCK_D=next_pow2(d),
+        BLOCK_M=block_q, BLOCK_N=block_k, BLOCK_D=next_pow2(d, minimum=32),  # int8 MMA: k ≥ 32
     )
     return lse

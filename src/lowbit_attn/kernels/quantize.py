@@ -294,7 +294,10 @@ def convert_v(
         scale = None
     block_n = 64
     grid = (triton.cdiv(seqs.max_len, block_n), seqs.batch * h)
-    cstr = center.stride() if center is not None else (0, 0, 0)
+    # center and scale are both contiguous [B, H, D] channel vectors: one set of strides.
+    cstr = (h * d, d, 1)
+    for vec in (center, scale):
+        assert vec is None or (vec.is_contiguous() and vec.shape == (seqs.batch, h, d))
     _convert_v_kernel[grid](
         x, out, center, scale, seqs.cu_seqlens,
         *bhnd_strides(x, seqs.packed), *bhnd_strides(out, seqs.packed), *cstr,

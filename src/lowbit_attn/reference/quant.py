@@ -52,7 +52,7 @@ def block_means(xf: torch.Tensor, block: int) -> torch.Tensor:
     b, h, n, d = xf.shape
     nb = -(-n // block)
     padded = torch.nn.functional.pad(xf, (0, 0, 0, nb * block - n))
-    sums = padded.view(b, h, nb, block, d).sum(dim=3)
+    sums = padded.reshape(b, h, nb, block, d).sum(dim=3)
     counts = torch.full((nb,), float(block), device=xf.device)
     counts[-1] = n - (nb - 1) * block
     return sums / counts[:, None]
@@ -111,7 +111,7 @@ def quantize_int8(
         per_row = scale
     elif granularity == "per_block":
         nb = -(-n // block)
-        padded = torch.nn.functional.pad(y, (0, 0, 0, nb * block - n)).view(b, h, nb, block * d)
+        padded = torch.nn.functional.pad(y, (0, 0, 0, nb * block - n)).reshape(b, h, nb, block * d)
         amax = padded.abs().amax(dim=-1) + _poison(padded, -1)
         scale = _int8_scale(amax)
         per_row = scale.repeat_interleave(block, dim=-1)[..., :n]

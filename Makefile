@@ -1,0 +1,39 @@
+# Set-up is automatic: every target creates .venv and installs the project when needed.
+PYTHON      ?= python3
+VENV        ?= .venv
+PY          := $(VENV)/bin/python
+# torch 2.13.0 (CPU wheel on CPU-only machines) and the Triton the project's GPU machines run.
+TORCH_SPEC  ?= torch==2.13.0
+TRITON_SPEC ?= triton==3.6.0
+STAMP       := $(VENV)/.installed
+
+.PHONY: setup demo test test-quick bench accuracy clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)" "$(TRITON_SPEC)"
+	$(PY) -m pip install --quiet -e ".[test,bench]"
+	@touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/lowbit-attn doctor
+	$(VENV)/bin/lowbit-attn accuracy
+	$(VENV)/bin/lowbit-attn bench --quick
+
+test: setup
+	$(PY) -m pytest -q
+
+test-quick: setup
+	$(PY) -m pytest -q -m "not slow"
+
+bench: setup
+	$(VENV)/bin/lowbit-attn bench
+
+accuracy: setup
+	$(VENV)/bin/lowbit-attn accuracy
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,227 @@
+"""Public API: argument checks, dtypes, the SDPA drop-in and its fallbacks (PyTorch reference path)."""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lowbit_attn
+from helpers import assert_close, channel_biased
+from lowbit_attn import api
+from lowbit_attn.reference.attention import exact_attention
+
+
+def qkv(b=1, hq=2, hkv=2, nq=64, nk=64, d=64, dtype=torch.float16):
+    return channel_biased((b, hq, nq, d), (b, hkv, nk, d), seed=nq * 7 + nk, dtype=dtype)
+
+
+BAD_CALLS = [
+    pytest.param(lambda q, k, v: lowbit_attn.attention(q[0], k, v), ValueError, "q must have 4",
+                 id="q-rank"),
+    pytest.param(lambda q, k, v: lowbit_attn.attention(q, k[:, :, :, :32], v), ValueError,
+                 "k and v must have the same shape", id="kv-shape"),
+    pytest.param(lambda q, k, v: lowbit_attn.attention(q, k[:, :, :, :32], v[:, :, :, :32]),
+                 ValueError, "same head dim", id="head-dim"),
+    pytest.param(lambda q, k, v: lowbit_attn.attention(q.repeat(2, 1, 1, 1), k, v), ValueError,
+                 "same batch size", id="batch"),
+    pytest.param(lambda q, k, v: lowbit_attn.attention(q[:, :1].repeat(1, 3, 1, 1), k, v),
+                 ValueError, "multiple of the number of key/value heads", id="gqa-ratio"),
+    pytest.param(lambda q, k, v: lowbit_attn.attention(q.to(torch.int32), k, v), TypeError,
+                 "q must be float16, bfloat16 or float32", id="int-dtype"),
+    pytest.param(lambda q, k, v: lowbit_attn.attention(q, k.float(), v), TypeError,
+                 "share one dtype", id="mixed-dtype"),
+    pytest.param(lambda q, k, v: lowbit_attn.attention(q, k, v, layout="BHSD"), ValueError,
+                 "layout must be", id="layout"),
+    pytest.param(lambda q, k, v: lowbit_attn.attention(q, k, v, recipe="int4"), ValueError,
+                 "unknown recipe 'int4'", id="recipe"),
+    pytest.param(lambda q, k, v: lowbit_attn.attention(q, k, v, recipe=3), TypeError,
+                 "recipe must be a str", id="recipe-type"),
+    pytest.param(lambda q, k, v: lowbit_attn.attention(q, k, v, scale=-1.0), ValueError,
+                 "scale must be a positive", id="scale"),
+    pytest.param(lambda q, k, v: lowbit_attn.attention(q, k, v, is_causal=1), TypeError,
+                 "is_causal must be a bool", id="causal-type"),
+    pytest.param(lambda q, k, v: lowbit_attn.attention(q, k[:, :, :0], v[:, :, :0]), ValueError,
+                 "at least one token", id="empty-kv"),
+    pytest.param(lambda q, k, v: lowbit_attn.attention(q, k, v.numpy()), TypeError,
+                 "v must be a torch.Tensor", id="not-a-tensor"),
+    pytest.param(lambda q, k, v: lowbit_attn.attention(q, k, v, recipe=lowbit_attn.get_recipe(
+        "qk_int8_pv_fp8").replace(granularity="per_warp")), ValueError, "granularity",
+                 id="granularity"),
+    pytest.param(lambda q, k, v: lowbit_attn.attention(q[..., :0], k[..., :0], v[..., :0]),
+                 ValueError, "head dim must be between", id="head-dim-zero"),
+]
+
+
+@pytest.mark.parametrize("call,error,message", BAD_CALLS)
+def test_bad_input_raises_a_clear_error(call, error, message):
+    q, k, v = qkv()
+    with pytest.raises(error, match=message):
+        call(q, k, v)
+
+
+def test_mixed_devices_are_rejected():
+    q, k, v = qkv()
+    meta = torch.empty(k.shape, dtype=k.dtype, device="meta")
+    with pytest.raises(ValueError, match="one device"):
+        lowbit_attn.attention(q, meta, v)
+
+
+VARLEN_BAD = [
+    pytest.param(dict(cu_seqlens_q=torch.tensor([0, 10, 20])), "end at the number of packed tokens", id="cu-end"),
+    pytest.param(dict(cu_seqlens_q=torch.tensor([0, 20, 10, 30], dtype=torch.int32)),
+                 "non-decreasing", id="cu-order"),
+    pytest.param(dict(cu_seqlens_q=torch.tensor([[0, 30]], dtype=torch.int32)), "1-D int32",
+                 id="cu-rank"),
+    pytest.param(dict(max_seqlen_q=5), "max_seqlen_q must be an int >= the longest", id="max-len"),
+    pytest.param(dict(cu_seqlens_k=torch.tensor([0, 30], dtype=torch.int32)),
+                 "same number of sequences", id="batch-mismatch"),
+]
+
+
+@pytest.mark.parametrize("change,message", VARLEN_BAD)
+def test_varlen_bad_input(change, message):
+    q = torch.randn(30, 2, 32)
+    cu = torch.tensor([0, 10, 30], dtype=torch.int32)
+    args = dict(q=q, k=q, v=q, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=20, max_seqlen_k=20)
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        lowbit_attn.attention_varlen(**args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("recipe", ["exact", "qk_int8_pv_fp16", "qk_int8_pv_fp8"])
+def test_dtypes_shapes_and_accuracy(dtype, recipe):
+    q, k, v = qkv(hq=4, hkv=2, nq=70, nk=129, d=64, dtype=dtype)
+    out, lse = lowbit_attn.attention(q, k, v, recipe=recipe, is_causal=True, return_lse=True)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert lse.dtype == torch.float32 and lse.shape == (1, 4, 70)
+    ref, ref_lse = exact_attention(q, k, v, scale=64**-0.5, causal_offset=129 - 70)
+    errs = lowbit_attn.errors(out, ref)
+    assert errs.cosine > (0.99999 if recipe == "exact" else 0.999)
+    assert_close(lse, ref_lse, atol=0.05 if recipe != "exact" else 1e-4, name="lse")
+
+
+@pytest.mark.parametrize("recipe", ["qk_int8_pv_fp16", "qk_int8_pv_fp8"])
+def test_head_dims_beyond_the_fast_path(recipe):
+    for d in (32, 96, 256, 8):
+        q, k, v = qkv(nq=50, nk=60, d=d, dtype=torch.float32)
+        out = lowbit_attn.attention(q, k, v, recipe=recipe)
+        ref, _ = exact_attention(q, k, v, scale=d**-0.5)
+        assert lowbit_attn.errors(out, ref).cosine > 0.999, d
+
+
+def test_empty_query_returns_empty():
+    q, k, v = qkv(nq=0)
+    out, lse = lowbit_attn.attention(q, k, v, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (1, 2, 0)
+
+
+def test_auto_recipe_follows_the_device():
+    from lowbit_attn.recipes import auto_recipe
+
+    assert auto_recipe(None).name == "qk_int8_pv_fp16"
+    assert auto_recipe((8, 0)).name == "qk_int8_pv_fp16"
+    assert auto_recipe((8, 9)).name == "qk_int8_pv_fp8"
+    assert auto_recipe((9, 0)).name == "qk_int8_pv_fp8"
+
+
+def test_recipe_options_are_validated():
+    r = lowbit_attn.get_recipe("qk_int8_pv_fp8")
+    assert r.replace(granularity="per_token").granularity == "per_token"
+    with pytest.raises(TypeError, match="unknown option"):
+        r.replace(smoothing=True)
+    with pytest.raises(ValueError, match="block_q"):
+        r.replace(block_q=100)
+
+
+def test_sdpa_signature_is_pytorchs():
+    ours = inspect.signature(lowbit_attn.scaled_dot_product_attention)
+    assert list(ours.parameters) == [
+        "query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"
+    ]
+    for name, p in ours.parameters.items():
+        assert p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD, name
+
+
+@pytest.mark.parametrize("nq,nk", [(64, 64), (40, 100), (100, 40)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_drop_in_follows_pytorch_semantics(nq, nk, causal):
+    q, k, v = qkv(nq=nq, nk=nk, dtype=torch.float32)
+    ours = lowbit_attn.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    theirs = F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # top-left causal
+    assert lowbit_attn.errors(ours, theirs).cosine > 0.999
+
+
+def test_sdpa_three_dims_gqa_and_scale():
+    q, k, v = qkv(hq=4, hkv=2, nq=33, nk=47, dtype=torch.float32)
+    ours = lowbit_attn.scaled_dot_product_attention(q, k, v, scale=0.07, enable_gqa=True)
+    theirs = F.scaled_dot_product_attention(q, k, v, scale=0.07, enable_gqa=True)
+    assert lowbit_attn.errors(ours, theirs).cosine > 0.999
+    ours3 = lowbit_attn.scaled_dot_product_attention(q[0, :2], k[0], v[0])
+    assert ours3.shape == q[0, :2].shape
+    theirs3 = F.scaled_dot_product_attention(q[0, :2], k[0], v[0])
+    assert lowbit_attn.errors(ours3, theirs3).cosine > 0.999
+
+
+FALLBACKS = [
+    pytest.param(dict(attn_mask=torch.ones(32, 32, dtype=torch.bool).tril()), "attn_mask",
+                 id="mask"),
+    pytest.param(dict(dropout_p=0.1), "dropout_p", id="dropout"),
+]
+
+
+@pytest.mark.parametrize("kwargs,reason", FALLBACKS)
+def test_sdpa_fallback_is_exact_and_warns_once(kwargs, reason, monkeypatch):
+    monkeypatch.setattr(api, "_warned", set())
+    q, k, v = qkv(nq=32, nk=32, dtype=torch.float32)
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match=reason):
+        ours = lowbit_attn.scaled_dot_product_attention(q, k, v, **kwargs)
+    torch.manual_seed(0)
+    theirs = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    assert torch.equal(ours, theirs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lowbit_attn.scaled_dot_product_attention(q, k, v, **kwargs)  # second time: silent
+
+
+def test_sdpa_falls_back_for_autograd_and_stays_differentiable(monkeypatch):
+    monkeypatch.setattr(api, "_warned", set())
+    q, k, v = (x.requires_grad_() for x in qkv(dtype=torch.float32))
+    with pytest.warns(UserWarning, match="gradient"):
+        out = lowbit_attn.scaled_dot_product_attention(q, k, v)
+    out.sum().backward()
+    assert q.grad is not None
+
+
+def test_sdpa_can_replace_the_torch_function(monkeypatch):
+    q, k, v = qkv(dtype=torch.float32)
+    expected = F.scaled_dot_product_attention(q, k, v)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lowbit_attn.scaled_dot_product_attention)
+    got = F.scaled_dot_product_attention(q, k, v)
+    assert lowbit_attn.errors(got, expected).cosine > 0.999
+    # a fallback must reach the original, not recurse into the patched name
+    with pytest.warns(UserWarning):
+        F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+
+
+def test_inputs_are_never_modified():
+    q, k, v = qkv(dtype=torch.float32)
+    snapshots = [x.clone() for x in (q, k, v)]
+    for recipe in ("qk_int8_pv_fp16", "qk_int8_pv_fp8"):
+        lowbit_attn.attention(q, k, v, recipe=recipe)
+    for x, s in zip((q, k, v), snapshots):
+        assert torch.equal(x, s)
+
+
+@pytest.mark.parametrize("recipe", ["qk_int8_pv_fp16", "qk_int8_pv_fp8"])
+def test_nan_input_gives_nan_output_on_the_reference(recipe):
+    q, k, v = qkv(dtype=torch.float32)
+    k[0, 0, 3, 5] = float("nan")
+    out = lowbit_attn.attention(q, k, v, recipe=recipe)
+    assert torch.isnan(out[0, 0]).any(dim=-1).all()
+    assert torch.isfinite(out[0, 1]).all()

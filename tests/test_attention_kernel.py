@@ -1,0 +1,172 @@
+"""The Triton attention kernel against the PyTorch reference, under the interpreter (small shapes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lowbit_attn
+from helpers import assert_close, channel_biased
+from lowbit_attn.prepare import quantize_qkv
+from lowbit_attn.recipes import get_recipe
+from lowbit_attn.reference.attention import exact_attention, quantized_attention
+
+pytestmark = pytest.mark.interpreter
+
+RECIPES = ["qk_int8_pv_fp16", "qk_int8_pv_fp8"]
+
+CASES = [
+    pytest.param(1, 2, 2, 130, 130, 64, id="B1-H2-N130-D64"),
+    pytest.param(2, 4, 2, 77, 200, 32, id="B2-GQA4:2-Nq77-Nk200-D32"),
+    pytest.param(1, 3, 1, 200, 90, 96, id="B1-MQA3:1-Nq200-Nk90-D96"),
+    pytest.param(1, 1, 1, 1, 257, 128, id="B1-H1-decode-Nq1-Nk257-D128"),
+]
+
+
+def _kernel_attention(qz, recipe, causal_offset, return_lse=True):
+    from lowbit_attn.kernels import attn_fwd_int8
+
+    out = torch.empty(qz.q.shape, dtype=torch.float32)
+    lse = attn_fwd_int8.attention(
+        qz, out=out, pv=recipe.pv, granularity=recipe.granularity, block_q=recipe.block_q,
+        block_k=recipe.block_k, causal_offset=causal_offset, return_lse=return_lse,
+    )
+    return out, lse
+
+
+@pytest.mark.parametrize("b,hq,hkv,nq,nk,d", CASES)
+@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("granularity", ["per_block", "per_token"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_kernel_matches_reference_on_the_same_quantized_inputs(b, hq, hkv, nq, nk, d, name,
+                                                                granularity, causal):
+    recipe = get_recipe(name).replace(granularity=granularity)
+    q, k, v = channel_biased((b, hq, nq, d), (b, hkv, nk, d), seed=nq + nk)
+    qz = quantize_qkv(q, k, v, recipe, d**-0.5, need_lse_shift=True, backend="reference")
+    offset = nk - nq if causal else None
+    want, want_lse = quantized_attention(
+        qz, pv=recipe.pv, granularity=granularity, block_q=recipe.block_q,
+        block_k=recipe.block_k, causal_offset=offset,
+    )
+    got, got_lse = _kernel_attention(qz, recipe, offset)
+    # exp2 differs in the last bit between implementations, which now and then moves P̃ across an
+    # fp16 (2^-11) or E4M3 (2^-4) rounding boundary: a bound of a few such steps of one weight.
+    assert_close(got, want, atol=3e-4 if recipe.pv == "fp16" else 4e-3, name="out")
+    assert lowbit_attn.errors(got, want).cosine > 0.999999
+    assert_close(got_lse, want_lse, atol=1e-5, rtol=1e-5, name="lse")
+
+
+@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param({"smooth_q": True, "smooth_v": True}, id="smooth_qv"),
+        pytest.param({"smooth_k": False, "balance_qk": False}, id="no_smoothing"),
+        pytest.param({"block_q": 64, "block_k": 32, "granularity": "per_block"}, id="blocks64x32"),
+    ],
+)
+def test_public_call_triton_equals_reference(name, options, monkeypatch):
+    recipe = get_recipe(name).replace(**options)
+    q, k, v = channel_biased((2, 4, 100, 64), (2, 2, 150, 64), seed=5, dtype=torch.float16)
+    monkeypatch.setenv("LOWBIT_ATTN_BACKEND", "reference")
+    want, want_lse = lowbit_attn.attention(q, k, v, recipe=recipe, is_causal=True, return_lse=True)
+    monkeypatch.setenv("LOWBIT_ATTN_BACKEND", "triton")
+    got, got_lse = lowbit_attn.attention(q, k, v, recipe=recipe, is_causal=True, return_lse=True)
+    assert got.dtype == torch.float16
+    # Statistics are summed in another order, so a few scales differ in the last bit and a few
+    # quantized values (INT8, and FP8 of P̃) land on the other side of a rounding boundary.
+    assert_close(got.float(), want.float(), atol=2e-2 if recipe.pv == "fp8" else 3e-3, name="out")
+    assert lowbit_attn.errors(got, want).cosine > 0.99999
+    assert_close(got_lse, want_lse, atol=1e-3, name="lse")
+
+
+def test_lse_is_that_of_the_unsmoothed_scores(triton_backend):
+    q, k, v = channel_biased((1, 2, 96, 64), (1, 2, 96, 64), seed=8)
+    _, lse = lowbit_attn.attention(q, k, v, recipe="qk_int8_pv_fp16", return_lse=True)
+    _, exact_lse = exact_attention(q, k, v, scale=64**-0.5)
+    assert_close(lse, exact_lse.float(), atol=0.05, name="lse")
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_layouts_strides_and_offsets(layout, triton_backend):
+    base = torch.randn(3, 2, 150, 40)
+    # non-contiguous views with a storage offset, in either layout
+    q = base[1:, :, 10:110, :32]
+    k = base[:2, :, 20:140:1, 4:36]
+    v = base[:2, :, 5:125, 8:40]
+    if layout == "NHD":
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    snapshot = base.clone()
+    out = lowbit_attn.attention(q, k, v, layout=layout, recipe="qk_int8_pv_fp16")
+    assert torch.equal(base, snapshot), "the caller's tensors must not be modified"
+    assert out.shape == q.shape and out.is_contiguous()
+    qh, kh, vh = ((x.transpose(1, 2) if layout == "NHD" else x) for x in (q, k, v))
+    ref, _ = exact_attention(qh, kh, vh, scale=32**-0.5)
+    ref = ref.transpose(1, 2) if layout == "NHD" else ref
+    assert lowbit_attn.errors(out, ref).cosine > 0.9995
+
+
+@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_equals_each_sequence_alone(name, causal, triton_backend):
+    lens_q, lens_k = [5, 70, 0, 33], [9, 40, 3, 33]
+    d, hq, hkv = 32, 4, 2
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(sum(lens_q), hq, d, generator=g)
+    k = torch.randn(sum(lens_k), hkv, d, generator=g) + 3 * torch.randn(hkv, d, generator=g)
+    v = torch.randn(sum(lens_k), hkv, d, generator=g)
+    cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32)
+    cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32)
+    out, lse = lowbit_attn.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
+                                            is_causal=causal, recipe=name, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (hq, q.shape[0])
+    for i in range(len(lens_q)):
+        q0, q1, k0, k1 = cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]
+        if q1 == q0:
+            continue
+        alone, alone_lse = lowbit_attn.attention(
+            q[q0:q1].unsqueeze(0), k[k0:k1].unsqueeze(0), v[k0:k1].unsqueeze(0), layout="NHD",
+            is_causal=causal, recipe=name, return_lse=True,
+        )
+        assert_close(out[q0:q1], alone[0], atol=1e-5, name=f"seq{i}")
+        assert_close(lse[:, q0:q1], alone_lse[0], atol=1e-5, name=f"lse{i}")
+
+
+def test_varlen_reference_backend_agrees(monkeypatch):
+    lens = [17, 64, 1]
+    q = torch.randn(sum(lens), 2, 64)
+    k = torch.randn(sum(lens), 2, 64) + 2
+    v = torch.randn(sum(lens), 2, 64)
+    cu = torch.tensor([0, 17, 81, 82], dtype=torch.int32)
+    results = []
+    for backend in ("reference", "triton"):
+        monkeypatch.setenv("LOWBIT_ATTN_BACKEND", backend)
+        results.append(lowbit_attn.attention_varlen(q, k, v, cu, cu, 64, 64, is_causal=True,
+                                                    recipe="qk_int8_pv_fp16"))
+    assert_close(results[1], results[0], atol=3e-3, name="out")
+
+
+def test_causal_rows_that_see_nothing_are_zero(triton_backend):
+    q, k, v = channel_biased((1, 1, 40, 32), (1, 1, 16, 32), seed=3)
+    out, lse = lowbit_attn.attention(q, k, v, is_causal=True, recipe="qk_int8_pv_fp8",
+                                     return_lse=True)
+    # bottom-right alignment: query i sees keys j <= i - 24
+    assert torch.all(out[0, 0, :24] == 0) and torch.all(torch.isneginf(lse[0, 0, :24]))
+    ref, _ = exact_attention(q, k, v, scale=32**-0.5, causal_offset=-24)
+    assert lowbit_attn.errors(out[0, 0, 24:], ref[0, 0, 24:]).cosine > 0.999
+
+
+@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+def test_nan_and_inf_are_never_hidden(name, where, triton_backend):
+    q, k, v = channel_biased((1, 2, 80, 32), (1, 2, 80, 32), seed=4)
+    tensors = {"q": q, "k": k, "v": v}
+    for bad in (float("nan"), float("inf")):
+        poisoned = {n: t.clone() for n, t in tensors.items()}
+        poisoned[where][0, 1, 5, 3] = bad
+        out = lowbit_attn.attention(poisoned["q"], poisoned["k"], poisoned["v"], recipe=name)
+        assert torch.isfinite(out[0, 0]).all(), "a head without the bad value stays finite"
+        if where == "q":
+            assert not torch.isfinite(out[0, 1, 5]).all()  # the row that reads it
+        else:
+            assert (~torch.isfinite(out[0, 1])).any(dim=-1).all()  # every row reads key 5

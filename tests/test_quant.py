@@ -1,0 +1,170 @@
+"""Quantizers: the Triton kernels against their PyTorch twins, bit for bit, and the numerics' edges."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from helpers import assert_close
+from lowbit_attn.reference import quant as ref
+
+pytestmark = pytest.mark.interpreter
+
+
+def kq():
+    from lowbit_attn.kernels import quantize
+
+    return quantize
+
+
+SHAPES = [
+    pytest.param((1, 1, 63, 60), id="B1-H1-N63-D60"),
+    pytest.param((2, 3, 111, 100), id="B2-H3-N111-D100"),
+    pytest.param((1, 2, 128, 64), id="B1-H2-N128-D64"),
+    pytest.param((1, 1, 1, 128), id="B1-H1-N1-D128"),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("granularity", ["per_block", "per_token"])
+@pytest.mark.parametrize("center", ["none", "mean", "block_mean"])
+def test_int8_kernel_matches_twin_bit_for_bit(shape, granularity, center):
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(shape, generator=g) * 3 + torch.randn(shape[-1], generator=g)).half()
+    b, h, n, d = shape
+    block = 64
+    mult = torch.rand(b, h, d, generator=g) + 0.5
+    c = None
+    if center == "mean":
+        c = torch.randn(b, h, d, generator=g)
+    elif center == "block_mean":
+        c = torch.randn(b, h, -(-n // block), d, generator=g)
+    kw = dict(granularity=granularity, block=block, center=c, center_per_block=center == "block_mean",
+              multiplier=mult, scale_multiplier=0.18)
+    v_ref, s_ref = ref.quantize_int8(x, **kw)
+    v_k, s_k = kq().quantize_int8(x, **kw)
+    assert torch.equal(v_k, v_ref)
+    assert torch.equal(s_k, s_ref)
+
+
+def test_int8_rounds_half_to_even():
+    # amax 127 gives scale exactly 1, so these are exact ties.
+    row = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5, 126.5, -126.5, 0.0, 4.5,
+                        -3.5, 5.5, 6.5, 7.5])
+    x = row.view(1, 1, 1, 16)
+    expected = torch.tensor([127, 0, 2, 2, 0, -2, -2, 4, 126, -126, 0, 4, -4, 6, 6, 8],
+                            dtype=torch.int8).view(1, 1, 1, 16)
+    for impl in (ref, kq()):
+        values, scale = impl.quantize_int8(x, granularity="per_token", block=16)
+        assert torch.equal(values, expected)
+        assert scale.item() == 1.0
+
+
+@pytest.mark.parametrize("impl_name", ["reference", "triton"])
+def test_int8_zero_group_and_non_finite(impl_name):
+    impl = ref if impl_name == "reference" else kq()
+    x = torch.zeros(1, 1, 32, 16)
+    x[0, 0, 16:] = torch.randn(16, 16)
+    x[0, 0, 20, 3] = float("nan")
+    values, scale = impl.quantize_int8(x, granularity="per_block", block=16)
+    assert scale[0, 0, 0].item() == 1.0 and torch.all(values[0, 0, :16] == 0)
+    assert torch.isnan(scale[0, 0, 1])  # a NaN makes its block's scale NaN: never hidden
+    x[0, 0, 20, 3] = float("inf")
+    _, scale = impl.quantize_int8(x, granularity="per_token", block=16)
+    assert torch.isnan(scale[0, 0, 20]) and torch.isfinite(scale[0, 0, 21])
+
+
+def test_int8_dequantization_error_is_within_half_a_step():
+    x = torch.randn(1, 2, 96, 64)
+    values, scale = ref.quantize_int8(x, granularity="per_token", block=64)
+    err = (values.float() * scale.unsqueeze(-1) - x).abs()
+    assert torch.all(err <= scale.unsqueeze(-1) * 0.5 * (1 + 1e-6))
+
+
+def _e4m3_probe_values() -> torch.Tensor:
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = torch.sort(grid[torch.isfinite(grid)]).values
+    mids = (grid[:-1] + grid[1:]) / 2  # exact ties between neighbours
+    extra = torch.tensor([448.0, 449.0, 463.9, 464.0, 470.0, 1e6, -1e6, 1e-9, -1e-9, 2.0**-10,
+                          3 * 2.0**-11, float("inf"), float("-inf")])
+    return torch.cat([grid, mids, mids * 1.0001, mids * 0.9999, extra])
+
+
+def test_e4m3_kernel_conversion_matches_torch():
+    vals = _e4m3_probe_values()
+    n = vals.numel()
+    x = vals.view(1, 1, n, 1).expand(1, 1, n, 16).contiguous()
+    scale = torch.ones(1, 1, 16)
+    got = kq().convert_v(x, pv="fp8", scale=scale)
+    want = ref.convert_v(x, pv="fp8", scale=scale)
+    assert torch.equal(got.float().nan_to_num(nan=1234.0), want.float().nan_to_num(nan=1234.0))
+
+
+def test_e4m3_saturates_and_keeps_nan():
+    x = torch.tensor([500.0, -1e9, float("nan"), 0.0])
+    y = ref.to_e4m3(x).float()
+    assert y[0] == 448 and y[1] == -448 and torch.isnan(y[2]) and y[3] == 0
+
+
+@pytest.mark.parametrize("center", ["none", "mean"])
+@pytest.mark.parametrize("pv", ["fp16", "fp8"])
+def test_convert_v_matches_twin(center, pv):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 77, 48, generator=g).bfloat16()
+    c = torch.randn(2, 3, 48, generator=g) if center == "mean" else None
+    scale = ref.fp8_scale(torch.rand(2, 3, 48, generator=g) * 5 + 0.1) if pv == "fp8" else None
+    got = kq().convert_v(x, pv=pv, center=c, scale=scale)
+    want = ref.convert_v(x, pv=pv, center=c, scale=scale)
+    assert got.shape == want.shape
+    assert torch.equal(got.float(), want.float())
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("center", ["none", "mean", "block_mean"])
+def test_channel_stats_match_twin_to_rounding(shape, center):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(shape, generator=g) * 2 + 3 * torch.randn(shape[-1], generator=g)
+    m_ref, a_ref = ref.channel_stats(x, center=center, block=32)
+    m_k, a_k = kq().channel_stats(x, center=center, block=32)
+    assert_close(a_k, a_ref, atol=1e-5, rtol=1e-5, name="amax")
+    if center == "none":
+        assert m_ref is None and m_k is None
+    else:
+        assert_close(m_k, m_ref, atol=1e-5, rtol=1e-5, name="mean")
+
+
+def test_channel_stats_propagate_nan():
+    x = torch.randn(1, 2, 40, 8)
+    x[0, 1, 7, 2] = float("nan")
+    for impl in (ref, kq()):
+        mean, amax = impl.channel_stats(x, center="mean")
+        assert torch.isnan(amax[0, 1]).all() or torch.isnan(amax[0, 1, 2])
+        assert torch.isfinite(amax[0, 0]).all()
+
+
+def test_balance_factors_equalize_ranges_and_keep_degenerate_channels():
+    aq = torch.tensor([[[1.0, 4.0, 0.0, 2.0], [3.0, 1.0, 1.0, 2.0]]])  # B=1, Hq=2
+    ak = torch.tensor([[[16.0, 1.0, 5.0, 0.0]]])  # Hkv=1: both q heads share it
+    alpha = ref.balance_factors(aq, ak)
+    # amax over the group of q heads: [3, 4, 1, 2]
+    assert torch.allclose(alpha, torch.tensor([[[(16 / 3) ** 0.5, 0.5, 5**0.5, 1.0]]]))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(
+    n=st.integers(1, 70),
+    d=st.sampled_from([16, 24, 40, 64]),
+    per_token=st.booleans(),
+    scale_exp=st.integers(-8, 8),
+    seed=st.integers(0, 2**16),
+)
+def test_int8_twins_agree_on_random_shapes_and_ranges(n, d, per_token, scale_exp, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, 2, n, d, generator=g) * (2.0**scale_exp)
+    kw = dict(granularity="per_token" if per_token else "per_block", block=32)
+    v_ref, s_ref = ref.quantize_int8(x, **kw)
+    v_k, s_k = kq().quantize_int8(x, **kw)
+    assert torch.equal(v_k, v_ref) and torch.equal(s_k, s_ref)
+    assert int(v_ref.abs().max()) <= 127
