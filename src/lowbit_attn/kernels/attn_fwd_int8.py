@@ -20,6 +20,10 @@ from ..quantized import LOG2_FP8_MAX, QuantizedQKV, Seqs, dense_seqs
 from .common import bhnd_strides, exact_fp8, next_pow2, row_strides, to_e4m3
 
 
+# Globals read inside @triton.jit functions must be constexpr.
+_LOG2_FP8_MAX = tl.constexpr(LOG2_FP8_MAX)
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
     num_warps: int
@@ -109,7 +113,7 @@ def _attn_fwd_int8_kernel(
     k_base = K + b * skb + hk * skh + k_start * skn
     v_base = V + b * svb + hk * svh + k_start * svn
     if PV_FP8:
-        offset = LOG2_FP8_MAX
+        offset = _LOG2_FP8_MAX
     else:
         offset = 0.0
 

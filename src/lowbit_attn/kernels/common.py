@@ -10,7 +10,7 @@ from ..arch import interpreter_enabled
 
 # fp32 RNE to an integer: adding 1.5·2^23 leaves no fraction bits, so the FPU's own round-to-nearest-
 # even does the work; exact for |x| < 2^22. Same bits on a GPU and under the interpreter.
-RNE_MAGIC = 12582912.0
+RNE_MAGIC = tl.constexpr(12582912.0)
 
 
 @triton.jit

@@ -180,6 +180,11 @@ def _quantize_int8_kernel(
              mask=mask)
 
 
+def _warps(rows: int, d: int) -> int:
+    """A tile of ``rows × d`` fp32 values: 8 warps from 8k elements on, to keep it in registers."""
+    return 8 if rows * d >= 8192 else 4
+
+
 def _new_like_layout(x: torch.Tensor, seqs: Seqs, dtype: torch.dtype) -> torch.Tensor:
     """A contiguous buffer for ``x``'s logical shape (``[B, H, N, D]`` or packed ``[total, H, D]``)."""
     return torch.empty(x.shape, device=x.device, dtype=dtype)
@@ -229,7 +234,7 @@ def quantize_int8(
         *(multiplier.stride() if multiplier is not None else (0, 0, 0)),
         seqs.max_len, h, d, float(scale_multiplier),
         PER_TOKEN=per_token, CENTER=mode, BLOCK_N=block, BLOCK_D=next_pow2(d),
-        VARLEN=seqs.packed,
+        VARLEN=seqs.packed, num_warps=_warps(block, d),
     )
     return out, scale
 
@@ -303,7 +308,7 @@ def convert_v(
         *bhnd_strides(x, seqs.packed), *bhnd_strides(out, seqs.packed), *cstr,
         seqs.max_len, h, d,
         FP8=pv == "fp8", CENTER=0 if center is None else 1, EXACT_FP8=exact_fp8(),
-        BLOCK_N=block_n, BLOCK_D=next_pow2(d), VARLEN=seqs.packed,
+        BLOCK_N=block_n, BLOCK_D=next_pow2(d), VARLEN=seqs.packed, num_warps=_warps(block_n, d),
     )
     return out
 
