@@ -1,0 +1,47 @@
+#!/usr/bin/env python
+"""Redraw the chart (and, with --markdown, the tables) of a benchmark results JSON.
+
+    python benchmarks/plot.py benchmarks/results/nvidia-h100-80gb-hbm3-2026-11-23.json
+    python benchmarks/plot.py RESULTS.json -o chart.png --markdown
+
+The chart is drawn from the JSON alone (no GPU needed): grouped bars of TOP/s per method, one panel
+per (head dim, causal); bars of methods that failed the accuracy check are hatched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+try:
+    from lowbit_attn.benchmark import plot_results, render_markdown
+except ImportError:  # a source checkout that is not installed
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    from lowbit_attn.benchmark import plot_results, render_markdown
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", type=Path, help="a results JSON written by the benchmark")
+    parser.add_argument("-o", "--output", type=Path, default=None,
+                        help="PNG path (default: next to the JSON, same name)")
+    parser.add_argument("--markdown", action="store_true",
+                        help="also rewrite the markdown tables next to the PNG")
+    args = parser.parse_args(argv)
+    results = json.loads(args.results.read_text())
+    png = args.output or args.results.with_suffix(".png")
+    if args.markdown:
+        md = png.with_suffix(".md")
+        md.write_text(render_markdown(results) + "\n")
+        print(f"wrote {md}")
+    path = plot_results(results, png)
+    if path is None:
+        return 1
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

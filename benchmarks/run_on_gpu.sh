@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# GPU run for the device machine (H100, Triton 3.6, torch 2.11, CUDA 13, no network), in one call:
+# environment report, GPU correctness tests (pytest -m gpu), then the full benchmark of
+# DESIGN.md ("Benchmark protocol"), its short table printed last.
+#
+#   bash benchmarks/run_on_gpu.sh [all|tests|bench|quick]      (default: all)
+#
+# The wheels travel in wheels/ (ignored by git: pass it in the device tool's `carry`):
+# sageattention-1.0.6 (the SageAttention baseline) and pytest with its dependencies (installed only
+# if the machine lacks pytest). Results go to $OUT (what comes back from the device machine) and to
+# benchmarks/results/. Time: the whole script stays under TOTAL_BUDGET seconds (default 540, for
+# the tool's 600 s limit): the tests get at most TEST_TIMEOUT (default 150) and the benchmark
+# stops starting measurements when the budget is spent (recorded as skipped; partial results are
+# saved after every configuration).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+STAGE="${1:-all}"
+PY="${PYTHON:-python}"
+OUT="${OUT:-$PWD/out}"
+TOTAL_BUDGET="${TOTAL_BUDGET:-540}"
+TEST_TIMEOUT="${TEST_TIMEOUT:-150}"
+mkdir -p "$OUT" benchmarks/results
+SITE="$(mktemp -d)/site"
+mkdir -p "$SITE"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+
+log() { echo "== $*" >&2; }
+
+# Pure-Python wheels: pip without the network; where pip cannot write (or refuses), unpack them
+# onto PYTHONPATH instead (a wheel is a zip of the installed files).
+install_wheels() {
+    "$PY" -m pip install --no-index --no-deps --quiet "$@" 2>/dev/null && return 0
+    log "pip could not install $*; unpacking into $SITE"
+    for w in "$@"; do "$PY" -m zipfile -e "$w" "$SITE" || return 1; done
+    export PYTHONPATH="$SITE:$PYTHONPATH"
+}
+
+log "environment"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>&1 | head -4
+"$PY" - <<'EOF'
+import platform, torch, triton
+print(f"python {platform.python_version()}  torch {torch.__version__}  triton {triton.__version__}  "
+      f"CUDA {torch.version.cuda}  cuDNN {torch.backends.cudnn.version()}")
+print(f"device: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'NO CUDA'}")
+EOF
+
+if ! "$PY" -c "import sageattention" 2>/dev/null; then
+    if compgen -G "wheels/sageattention-*.whl" >/dev/null; then
+        install_wheels wheels/sageattention-*.whl || log "sageattention could not be installed"
+    else
+        log "no wheels/sageattention-*.whl (carry wheels/): the SageAttention rows will say so"
+    fi
+fi
+"$PY" -c "import sageattention, importlib.metadata as m; print('sageattention', m.version('sageattention'))" \
+    || log "sageattention not importable"
+
+rc_tests=0
+if [[ "$STAGE" == all || "$STAGE" == tests ]]; then
+    if ! "$PY" -c "import pytest, hypothesis" 2>/dev/null; then
+        mapfile -t TEST_WHEELS < <(ls wheels/*.whl 2>/dev/null | grep -v -e sageattention -e typing_extensions)
+        if ((${#TEST_WHEELS[@]})); then
+            install_wheels "${TEST_WHEELS[@]}" || log "test wheels could not be installed"
+        fi
+    fi
+    log "GPU tests: pytest -m gpu (at most ${TEST_TIMEOUT} s; full log in \$OUT/pytest-gpu.log)"
+    timeout "$TEST_TIMEOUT" "$PY" -m pytest -m gpu -q -p no:cacheprovider >"$OUT/pytest-gpu.log" 2>&1
+    rc_tests=$?
+    tail -n 25 "$OUT/pytest-gpu.log"
+    case $rc_tests in
+        0) log "GPU tests passed" ;;
+        5) log "no GPU tests were collected" ;;
+        124) log "GPU tests stopped after ${TEST_TIMEOUT} s" ;;
+        *) log "GPU tests FAILED (exit $rc_tests)" ;;
+    esac
+fi
+
+rc_bench=0
+if [[ "$STAGE" == all || "$STAGE" == bench || "$STAGE" == quick ]]; then
+    budget=$((TOTAL_BUDGET - SECONDS - 25))
+    if ((budget < 60)); then budget=60; fi
+    args=(--out "$OUT" --time-budget "$budget" --no-progress)
+    if "$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+        args+=(--out benchmarks/results)
+    else
+        log "NO CUDA: the benchmark will only time the CPU reference (not a kernel benchmark)"
+    fi
+    [[ "$STAGE" == quick ]] && args+=(--quick)
+    log "benchmark: python -m lowbit_attn.benchmark ${args[*]} (log in \$OUT/bench.log)"
+    "$PY" -m lowbit_attn.benchmark "${args[@]}" >"$OUT/bench-table.txt" 2>"$OUT/bench.log"
+    rc_bench=$?
+    grep -v -e '^  D=' "$OUT/bench.log" | tail -n 40
+    log "measurements that are not ok (unsupported, oom, error, failed check):"
+    grep -e '^  D=' "$OUT/bench.log" | grep -v ' pass$' | grep -v -E 'prepare: [0-9.]+ ms$' | tail -n 30
+    log "benchmark exit $rc_bench (1 = one of our rows failed its check or raised); files in \$OUT:"
+    ls "$OUT"
+    echo
+    log "summary: GPU tests exit $rc_tests, benchmark exit $rc_bench, ${SECONDS} s"
+    cat "$OUT/bench-table.txt"
+fi
+exit $((rc_tests != 0 && rc_tests != 5 ? rc_tests : rc_bench))
