@@ -30,19 +30,24 @@ SHAPES = [
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("granularity", ["per_block", "per_token"])
 @pytest.mark.parametrize("center", ["none", "mean", "block_mean"])
-def test_int8_kernel_matches_twin_bit_for_bit(shape, granularity, center):
+@pytest.mark.parametrize("role", ["q", "k"])
+def test_int8_kernel_matches_twin_bit_for_bit(shape, granularity, center, role):
     g = torch.Generator().manual_seed(1)
     x = (torch.randn(shape, generator=g) * 3 + torch.randn(shape[-1], generator=g)).half()
     b, h, n, d = shape
     block = 64
-    mult = torch.rand(b, h, d, generator=g) + 0.5
+    # GQA statistics: x is Q with h heads sharing one KV head, or K whose heads each serve 2 Q heads
+    hq, hkv = (h, 1) if role == "q" else (2 * h, h)
+    amax_q = torch.rand(b, hq, d, generator=g) * 3
+    amax_q[..., 0] = 0.0  # a channel that is all zero on one side keeps α = 1
+    amax_k = torch.rand(b, hkv, d, generator=g) * 20
     c = None
     if center == "mean":
         c = torch.randn(b, h, d, generator=g)
     elif center == "block_mean":
         c = torch.randn(b, h, -(-n // block), d, generator=g)
     kw = dict(granularity=granularity, block=block, center=c, center_per_block=center == "block_mean",
-              multiplier=mult, scale_multiplier=0.18)
+              balance=(amax_q, amax_k), balance_role=role, scale_multiplier=0.18)
     v_ref, s_ref = ref.quantize_int8(x, **kw)
     v_k, s_k = kq().quantize_int8(x, **kw)
     assert torch.equal(v_k, v_ref)
@@ -96,9 +101,10 @@ def test_e4m3_kernel_conversion_matches_torch():
     vals = _e4m3_probe_values()
     n = vals.numel()
     x = vals.view(1, 1, n, 1).expand(1, 1, n, 16).contiguous()
-    scale = torch.ones(1, 1, 16)
-    got = kq().convert_v(x, pv="fp8", scale=scale)
-    want = ref.convert_v(x, pv="fp8", scale=scale)
+    amax = torch.full((1, 1, 16), 448.0)  # scale 1
+    got, got_scale = kq().convert_v(x, pv="fp8", amax=amax)
+    want, want_scale = ref.convert_v(x, pv="fp8", amax=amax)
+    assert torch.equal(got_scale, want_scale) and torch.all(want_scale == 1)
     assert torch.equal(got.float().nan_to_num(nan=1234.0), want.float().nan_to_num(nan=1234.0))
 
 
@@ -114,11 +120,17 @@ def test_convert_v_matches_twin(center, pv):
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 3, 77, 48, generator=g).bfloat16()
     c = torch.randn(2, 3, 48, generator=g) if center == "mean" else None
-    scale = ref.fp8_scale(torch.rand(2, 3, 48, generator=g) * 5 + 0.1) if pv == "fp8" else None
-    got = kq().convert_v(x, pv=pv, center=c, scale=scale)
-    want = ref.convert_v(x, pv=pv, center=c, scale=scale)
+    amax = torch.rand(2, 3, 48, generator=g) * 5 if pv == "fp8" else None
+    if amax is not None:
+        amax[0, 0, 0] = 0.0  # an all-zero channel gets scale 1
+    got, got_scale = kq().convert_v(x, pv=pv, center=c, amax=amax)
+    want, want_scale = ref.convert_v(x, pv=pv, center=c, amax=amax)
     assert got.shape == want.shape
     assert torch.equal(got.float(), want.float())
+    if pv == "fp8":
+        assert torch.equal(got_scale, want_scale) and want_scale[0, 0, 0] == 1
+    else:
+        assert got_scale is None and want_scale is None
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -1,8 +1,8 @@
 """Smoothing, balancing and quantization of Q, K, V for one call: the recipe's first stage.
 
 The same sequence of steps serves both backends; each step runs as a Triton kernel or as its
-PyTorch twin. Only the balancing factors and the FP8 scales (tiny ``[B, H, D]`` tensors) are
-computed here in PyTorch for both, so both backends quantize with identical factors.
+PyTorch twin. A call launches one statistics pass per tensor that needs one and one quantization
+pass per tensor; the balancing factors and FP8 scales are computed inside the quantization passes.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ def quantize_qkv(
     stats, quant, extra = _ops(backend)
     kw_q = {"seqs": seqs_q} if backend == "triton" else {}
     kw_k = {"seqs": seqs_k} if backend == "triton" else {}
-    hq, hkv = q.shape[1], k.shape[1]
 
     k_mean = k_amax = q_mean = q_amax = None
     if recipe.smooth_k or recipe.balance_qk:
@@ -49,27 +48,21 @@ def quantize_qkv(
         q_mean, q_amax = stats.channel_stats(
             q, center="block_mean" if recipe.smooth_q else "none", block=recipe.block_q, **kw_q
         )
-    q_mult = k_mult = None
-    if recipe.balance_qk:
-        alpha = ref_quant.balance_factors(q_amax, k_amax)
-        q_mult = alpha.repeat_interleave(hq // hkv, dim=1)
-        k_mult = 1.0 / alpha
-
+    balance = (q_amax, k_amax) if recipe.balance_qk else None
     q8, q_scale = quant.quantize_int8(
         q, granularity=recipe.granularity, block=recipe.block_q, center=q_mean,
-        center_per_block=True, multiplier=q_mult, scale_multiplier=softmax_scale * LOG2E, **kw_q,
+        center_per_block=True, balance=balance, balance_role="q",
+        scale_multiplier=softmax_scale * LOG2E, **kw_q,
     )
     k8, k_scale = quant.quantize_int8(
         k, granularity=recipe.granularity, block=recipe.block_k, center=k_mean,
-        multiplier=k_mult, **kw_k,
+        balance=balance, balance_role="k", **kw_k,
     )
 
-    v_mean = v_scale = None
+    v_mean = v_amax = None
     if recipe.pv == "fp8" or recipe.smooth_v:
         v_mean, v_amax = stats.channel_stats(v, center="mean" if recipe.smooth_v else "none", **kw_k)
-        if recipe.pv == "fp8":
-            v_scale = ref_quant.fp8_scale(v_amax)
-    vq = quant.convert_v(v, pv=recipe.pv, center=v_mean, scale=v_scale, **kw_k)
+    vq, v_scale = quant.convert_v(v, pv=recipe.pv, center=v_mean, amax=v_amax, **kw_k)
 
     delta = shift = None
     if recipe.smooth_q:

@@ -111,10 +111,36 @@ def channel_stats(
 
 
 @triton.jit
+def _balance_multiplier(AQ, AK, b, h, offs_d, D, saqb, saqh, sakb, sakh, GROUP,
+                        ROLE: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Per-channel balancing factor: ``α = sqrt(amax_k / max over the group's amax_q)`` for Q
+    (``ROLE`` 1, head ``h`` of Q) or ``1/α`` for K (``ROLE`` 2, head ``h`` of K); 1 where a side is
+    all zero; NaN statistics give NaN. Twin: ``reference.quant.balance_factors``."""
+    dmask = offs_d < D
+    if ROLE == 1:
+        hk = h // GROUP
+    else:
+        hk = h
+    ak = tl.load(AK + b * sakb + hk * sakh + offs_d, mask=dmask, other=1.0)
+    aq = tl.zeros([BLOCK_D], dtype=tl.float32)
+    poison = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for g in range(0, GROUP):
+        a = tl.load(AQ + b * saqb + (hk * GROUP + g) * saqh + offs_d, mask=dmask, other=1.0)
+        aq = tl.maximum(aq, a)
+        poison += a * 0.0  # a GPU max drops NaN; the sum keeps it
+    aq = aq + poison
+    alpha = tl.sqrt_rn(tl.div_rn(ak, aq))
+    alpha = tl.where((aq == 0.0) | (ak == 0.0), 1.0, alpha)
+    if ROLE == 2:
+        alpha = tl.div_rn(tl.full([BLOCK_D], 1.0, tl.float32), alpha)
+    return alpha
+
+
+@triton.jit
 def _load_centered(
-    X, CENTER_PTR, MULT, b, h, start, pid_n, n,
-    sxb, sxh, sxn, sxd, scb, sch, sck, scd, smb, smh, smd, D,
-    CENTER: tl.constexpr, HAS_MULT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    X, CENTER_PTR, b, h, start, pid_n, n,
+    sxb, sxh, sxn, sxd, scb, sch, sck, scd, D,
+    CENTER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -131,24 +157,20 @@ def _load_centered(
             CENTER_PTR + b * scb + h * sch + pid_n * sck + offs_d * scd, mask=offs_d < D, other=0.0
         )
         x = x - c[None, :]
-    if HAS_MULT:
-        mult = tl.load(MULT + b * smb + h * smh + offs_d * smd, mask=offs_d < D, other=0.0)
-        x = x * mult[None, :]
     x = tl.where(mask, x, 0.0)
     return x, rows, offs_d, mask
 
 
-@triton.heuristics({"HAS_MULT": lambda args: args["MULT"] is not None})
 @triton.jit
 def _quantize_int8_kernel(
-    X, OUT, SCALE, CENTER_PTR, MULT, CU,
+    X, OUT, SCALE, CENTER_PTR, AQ, AK, CU,
     sxb, sxh, sxn, sxd,
     sob, soh, son, sod,
     ssb, ssh, ssn,
     scb, sch, sck, scd,
-    smb, smh, smd,
-    N, H, D, scale_multiplier,
-    PER_TOKEN: tl.constexpr, CENTER: tl.constexpr, HAS_MULT: tl.constexpr,
+    saqb, saqh, sakb, sakh,
+    N, H, D, GROUP, scale_multiplier,
+    PER_TOKEN: tl.constexpr, CENTER: tl.constexpr, BALANCE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -159,10 +181,14 @@ def _quantize_int8_kernel(
     if pid_n * BLOCK_N >= n:
         return
     x, rows, offs_d, mask = _load_centered(
-        X, CENTER_PTR, MULT, b, h, start, pid_n, n,
-        sxb, sxh, sxn, sxd, scb, sch, sck, scd, smb, smh, smd, D,
-        CENTER, HAS_MULT, BLOCK_N, BLOCK_D,
+        X, CENTER_PTR, b, h, start, pid_n, n,
+        sxb, sxh, sxn, sxd, scb, sch, sck, scd, D,
+        CENTER, BLOCK_N, BLOCK_D,
     )
+    if BALANCE != 0:
+        mult = _balance_multiplier(AQ, AK, b, h, offs_d, D, saqb, saqh, sakb, sakh, GROUP,
+                                   BALANCE, BLOCK_D)
+        x = x * mult[None, :]
     if PER_TOKEN:
         amax = tl.max(tl.abs(x), axis=1) + tl.sum(x * 0.0, axis=1)
         scale = amax * (1.0 / 127.0)
@@ -211,7 +237,8 @@ def quantize_int8(
     block: int,
     center: torch.Tensor | None = None,
     center_per_block: bool = False,
-    multiplier: torch.Tensor | None = None,
+    balance: tuple[torch.Tensor, torch.Tensor] | None = None,
+    balance_role: str = "q",
     scale_multiplier: float = 1.0,
     seqs: Seqs | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -222,32 +249,42 @@ def quantize_int8(
     per_token = granularity == "per_token"
     if per_token:
         scale = _per_token_vector(x, seqs)
-    else:
-        scale = torch.ones((seqs.batch, h, triton.cdiv(seqs.max_len, block)), device=x.device)
+    else:  # blocks past a short sequence's end stay unwritten; the attention never reads them
+        scale = torch.empty((seqs.batch, h, triton.cdiv(seqs.max_len, block)), device=x.device)
     mode = 0 if center is None else (2 if center_per_block else 1)
+    amax_q, amax_k = balance if balance is not None else (None, None)
+    group = amax_q.shape[1] // amax_k.shape[1] if balance is not None else 1
     grid = (triton.cdiv(seqs.max_len, block), seqs.batch * h)
     _quantize_int8_kernel[grid](
-        x, out, scale, center, multiplier, seqs.cu_seqlens,
+        x, out, scale, center, amax_q, amax_k, seqs.cu_seqlens,
         *bhnd_strides(x, seqs.packed), *bhnd_strides(out, seqs.packed),
         *row_strides(scale, seqs.packed and per_token),
         *_center_strides(center, center_per_block),
-        *(multiplier.stride() if multiplier is not None else (0, 0, 0)),
-        seqs.max_len, h, d, float(scale_multiplier),
-        PER_TOKEN=per_token, CENTER=mode, BLOCK_N=block, BLOCK_D=next_pow2(d),
-        VARLEN=seqs.packed, num_warps=_warps(block, d),
+        *_channel_vector_strides(amax_q), *_channel_vector_strides(amax_k),
+        seqs.max_len, h, d, group, float(scale_multiplier),
+        PER_TOKEN=per_token, CENTER=mode,
+        BALANCE=0 if balance is None else (1 if balance_role == "q" else 2),
+        BLOCK_N=block, BLOCK_D=next_pow2(d), VARLEN=seqs.packed, num_warps=_warps(block, d),
     )
     return out, scale
 
 
-@triton.heuristics({"HAS_SCALE": lambda args: args["SCALE"] is not None})
+def _channel_vector_strides(vec: torch.Tensor | None) -> tuple[int, int]:
+    """(batch, head) strides of a contiguous ``[B, H, D]`` statistics vector."""
+    if vec is None:
+        return (0, 0)
+    assert vec.is_contiguous()
+    return (vec.stride(0), vec.stride(1))
+
+
 @triton.jit
 def _convert_v_kernel(
-    X, OUT, CENTER_PTR, SCALE, CU,
+    X, OUT, CENTER_PTR, AMAX, SCALE, CU,
     sxb, sxh, sxn, sxd,
     sob, soh, son, sod,
     scb, sch, scd,
     N, H, D,
-    FP8: tl.constexpr, CENTER: tl.constexpr, HAS_SCALE: tl.constexpr, EXACT_FP8: tl.constexpr,
+    FP8: tl.constexpr, CENTER: tl.constexpr, EXACT_FP8: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -258,12 +295,16 @@ def _convert_v_kernel(
     if pid_n * BLOCK_N >= n:
         return
     x, rows, offs_d, mask = _load_centered(
-        X, CENTER_PTR, X, b, h, start, pid_n, n,
-        sxb, sxh, sxn, sxd, scb, sch, 0, scd, 0, 0, 0, D,
-        CENTER, False, BLOCK_N, BLOCK_D,
+        X, CENTER_PTR, b, h, start, pid_n, n,
+        sxb, sxh, sxn, sxd, scb, sch, 0, scd, D,
+        CENTER, BLOCK_N, BLOCK_D,
     )
     if FP8:
-        s = tl.load(SCALE + b * scb + h * sch + offs_d * scd, mask=offs_d < D, other=1.0)
+        amax = tl.load(AMAX + b * scb + h * sch + offs_d * scd, mask=offs_d < D, other=0.0)
+        s = amax * (1.0 / 448.0)
+        s = tl.where(s == 0.0, 1.0, s)
+        if pid_n == 0:
+            tl.store(SCALE + b * scb + h * sch + offs_d * scd, s, mask=offs_d < D)
         y = to_e4m3(tl.div_rn(x, s[None, :]), EXACT_FP8)
     else:
         y = x.to(tl.float16)
@@ -276,12 +317,12 @@ def convert_v(
     *,
     pv: str,
     center: torch.Tensor | None = None,
-    scale: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
     seqs: Seqs | None = None,
-) -> torch.Tensor:
-    """V for the P·V product: fp16 (``pv="fp16"``) in ``x``'s layout, or E4M3 divided by the
-    per-channel ``scale`` (``pv="fp8"``) stored token-contiguous (``[B, H, D, N']``, returned as a
-    transposed view), which is the operand order FP8 tensor cores need."""
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Triton twin of :func:`lowbit_attn.reference.quant.convert_v` (bit-identical). The E4M3
+    values are stored token-contiguous (``[B, H, D, N']``, returned as a transposed view), the
+    operand order FP8 tensor cores need."""
     seqs = seqs or dense_seqs(x)
     h, d = x.shape[1], x.shape[-1]
     if pv == "fp8":
@@ -294,23 +335,24 @@ def convert_v(
             buf = torch.empty((x.shape[0], h, d, triton.cdiv(x.shape[2], 16) * 16),
                               device=x.device, dtype=torch.float8_e4m3fn)
             out = buf[..., : x.shape[2]].transpose(-1, -2)
+        scale = torch.empty((seqs.batch, h, d), device=x.device, dtype=torch.float32)
     else:
         out = _new_like_layout(x, seqs, torch.float16)
         scale = None
     block_n = 64
     grid = (triton.cdiv(seqs.max_len, block_n), seqs.batch * h)
-    # center and scale are both contiguous [B, H, D] channel vectors: one set of strides.
+    # center, amax and scale are contiguous [B, H, D] channel vectors: one set of strides.
     cstr = (h * d, d, 1)
-    for vec in (center, scale):
+    for vec in (center, amax):
         assert vec is None or (vec.is_contiguous() and vec.shape == (seqs.batch, h, d))
     _convert_v_kernel[grid](
-        x, out, center, scale, seqs.cu_seqlens,
+        x, out, center, amax, scale, seqs.cu_seqlens,
         *bhnd_strides(x, seqs.packed), *bhnd_strides(out, seqs.packed), *cstr,
         seqs.max_len, h, d,
         FP8=pv == "fp8", CENTER=0 if center is None else 1, EXACT_FP8=exact_fp8(),
         BLOCK_N=block_n, BLOCK_D=next_pow2(d), VARLEN=seqs.packed, num_warps=_warps(block_n, d),
     )
-    return out
+    return out, scale
 
 
 @triton.heuristics({"HAS_KMEAN": lambda args: args["KMEAN"] is not None})

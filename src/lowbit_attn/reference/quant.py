@@ -84,17 +84,19 @@ def quantize_int8(
     block: int,
     center: torch.Tensor | None = None,
     center_per_block: bool = False,
-    multiplier: torch.Tensor | None = None,
+    balance: tuple[torch.Tensor, torch.Tensor] | None = None,
+    balance_role: str = "q",
     scale_multiplier: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric INT8: ``s = amax(|y|)/127`` per group, ``round_half_even(y/s)`` in ``[-127, 127]``,
-    where ``y = (x - center)·multiplier``.
+    where ``y = (x - center)`` times the balancing factor of its channel.
 
     Args:
         x: ``[B, H, N, D]`` (any float dtype).
         granularity: ``"per_block"`` (one scale per ``block`` tokens) or ``"per_token"``.
         center: ``[B, H, D]``, or ``[B, H, nb, D]`` with ``center_per_block``; ``None`` for no shift.
-        multiplier: ``[B, H, D]`` per-channel factor (balancing) or ``None``.
+        balance: ``(amax_q [B, Hq, D], amax_k [B, Hkv, D])`` to multiply Q's channels by
+            ``α`` (``balance_role="q"``) or K's by ``1/α`` (``"k"``), see :func:`balance_factors`.
         scale_multiplier: folded into the returned scales (``softmax_scale·log2 e`` for Q).
     Returns:
         ``(values int8 [B, H, N, D], scales fp32 [B, H, nb] or [B, H, N])``.
@@ -103,7 +105,12 @@ def quantize_int8(
     y = x.float()
     if center is not None:
         y = y - (expand_blocks(center, block, n) if center_per_block else center.unsqueeze(-2))
-    if multiplier is not None:
+    if balance is not None:
+        alpha = balance_factors(*balance)
+        if balance_role == "q":
+            multiplier = alpha.repeat_interleave(h // alpha.shape[1], dim=1)
+        else:
+            multiplier = 1.0 / alpha
         y = y * multiplier.unsqueeze(-2)
     if granularity == "per_token":
         amax = y.abs().amax(dim=-1) + _poison(y, -1)
@@ -134,28 +141,27 @@ def round_half_even_int8(y: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(r, nan=0.0).to(torch.int8)
 
 
-def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
-    """Per-channel E4M3 scale ``amax/448`` (1 where the channel is all zero). Shared by both
-    backends: the kernels receive it."""
-    scale = amax * (1.0 / FP8_MAX)
-    return torch.where(scale == 0, torch.ones_like(scale), scale)
-
-
 def convert_v(
     x: torch.Tensor,
     *,
     pv: str,
     center: torch.Tensor | None = None,
-    scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """V for the P·V product: ``x - center`` (fp32) rounded to fp16 (``pv="fp16"``), or divided by
-    the per-channel ``scale`` ``[B, H, D]`` and rounded to E4M3 (``pv="fp8"``)."""
+    amax: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """V for the P·V product: ``y = x - center`` (fp32) rounded to fp16 (``pv="fp16"``), or
+    divided by the per-channel scale ``s = amax/448`` and rounded to E4M3 (``pv="fp8"``).
+
+    Returns:
+        ``(values [B, H, N, D], s [B, H, D] fp32 or None)``.
+    """
     y = x.float()
     if center is not None:
         y = y - center.unsqueeze(-2)
-    if pv == "fp8":
-        return to_e4m3(y / scale.unsqueeze(-2))
-    return y.to(torch.float16)
+    if pv != "fp8":
+        return y.to(torch.float16), None
+    scale = amax * (1.0 / FP8_MAX)
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    return to_e4m3(y / scale.unsqueeze(-2)), scale
 
 
 def to_e4m3(y: torch.Tensor) -> torch.Tensor:
