@@ -71,7 +71,7 @@ def _attn_fwd_int8_kernel(
     slb, slh, sln,
     sob, soh, son, sod,
     seb, seh, sen,
-    NQ, NK, HQ, GROUP, D, causal_offset,
+    NQ, NK, HQ, GROUP, D, causal_offset, N_BUCKET,
     IS_CAUSAL: tl.constexpr, PER_TOKEN: tl.constexpr, PV_FP8: tl.constexpr,
     HAS_VMEAN: tl.constexpr, HAS_DS: tl.constexpr, HAS_LSH: tl.constexpr, WRITE_LSE: tl.constexpr,
     EXACT_FP8: tl.constexpr, VARLEN: tl.constexpr,
@@ -181,7 +181,8 @@ def _attn_fwd_int8_kernel(
 
 _attn_fwd_int8 = triton.autotune(
     configs=_triton_configs(),
-    key=["BLOCK_D", "IS_CAUSAL", "PER_TOKEN", "PV_FP8", "VARLEN", "BLOCK_M", "BLOCK_N"],
+    # N_BUCKET (a power of two of the key length, unused by the kernel): tune per length range.
+    key=["N_BUCKET", "BLOCK_D", "IS_CAUSAL", "PER_TOKEN", "PV_FP8", "VARLEN", "BLOCK_M", "BLOCK_N"],
 )(
     triton.heuristics(
         {
@@ -234,6 +235,7 @@ def attention(
         *row_strides(qz.lse_shift, packed), *bhnd_strides(out, packed), *row_strides(lse, packed),
         seqs_q.max_len, seqs_k.max_len, hq, hq // hkv, d,
         0 if causal_offset is None else int(causal_offset),
+        min(triton.next_power_of_2(seqs_k.max_len), 32768),
         IS_CAUSAL=causal_offset is not None, PER_TOKEN=per_token, PV_FP8=pv == "fp8",
         EXACT_FP8=exact_fp8(), VARLEN=packed,
         BLOCK_M=block_q, BLOCK_N=block_k, BLOCK_D=next_pow2(d, minimum=32),  # int8 MMA: k ≥ 32
