@@ -59,6 +59,60 @@ def _triton_configs():
 
 
 @triton.jit
+def _attend_block(
+    acc, m_i, l_i, q, qs, start_n, offs_m, offs_n, offs_d, dmask, nk, causal_offset,
+    k_base, v_base, KS, DS, b, h, hk, k_start, pid_m, skn, skd, svn, svd,
+    sksb, sksh, sksn, sdb, sdh, sdq, sdn, offset,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PER_TOKEN: tl.constexpr, PV_FP8: tl.constexpr,
+    HAS_DS: tl.constexpr, EXACT_FP8: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One key block of the online softmax. ``MASKED`` blocks may hold keys past the sequence's end
+    or past the causal diagonal; the others are seen whole by every row."""
+    cols = start_n + offs_n
+    nmask = cols < nk
+    if MASKED:
+        kt = tl.load(k_base + cols[None, :] * skn + offs_d[:, None] * skd,
+                     mask=nmask[None, :] & dmask[:, None], other=0)
+    else:
+        kt = tl.load(k_base + cols[None, :] * skn + offs_d[:, None] * skd,
+                     mask=dmask[:, None], other=0)
+    s_int = tl.dot(q, kt, out_dtype=tl.int32)
+    if PER_TOKEN:
+        ks = tl.load(KS + b * sksb + hk * sksh + (k_start + cols) * sksn, mask=nmask, other=0.0)
+        s = s_int.to(tl.float32) * (qs[:, None] * ks[None, :])
+    else:
+        ks = tl.load(KS + b * sksb + hk * sksh + (start_n // BLOCK_N) * sksn)
+        s = s_int.to(tl.float32) * (qs * ks)
+    if HAS_DS:
+        ds = tl.load(DS + b * sdb + h * sdh + pid_m * sdq + cols * sdn, mask=nmask, other=0.0)
+        s = s + ds[None, :]
+    if MASKED:
+        if IS_CAUSAL:
+            valid = (cols[None, :] <= offs_m[:, None] + causal_offset) & nmask[None, :]
+        else:
+            valid = nmask[None, :]
+        s = tl.where(valid, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # a row may have seen no key yet (all -inf): subtract 0 instead of -inf, which would give NaN
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - (m_safe - offset)[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if MASKED:
+        v = tl.load(v_base + cols[:, None] * svn + offs_d[None, :] * svd,
+                    mask=nmask[:, None] & dmask[None, :], other=0.0)
+    else:
+        v = tl.load(v_base + cols[:, None] * svn + offs_d[None, :] * svd,
+                    mask=dmask[None, :], other=0.0)
+    if PV_FP8:
+        pv = tl.dot(to_e4m3(p, EXACT_FP8), v, out_dtype=tl.float32)
+    else:
+        pv = tl.dot(p.to(tl.float16), v, out_dtype=tl.float32)
+    acc = acc * alpha[:, None] + pv
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _attn_fwd_int8_kernel(
     Q, K, V, QS, KS, VS, VM, DS, LSH, O, LSE, CUQ, CUK,
     sqb, sqh, sqn, sqd,
@@ -122,42 +176,28 @@ def _attn_fwd_int8_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
+    # Key blocks that every row of this query block sees in full run without masks; the rest
+    # (the sequence's tail, the causal diagonal) with them.
+    full_hi = (nk // BLOCK_N) * BLOCK_N
     hi = nk
     if IS_CAUSAL:
         hi = tl.minimum(nk, (pid_m + 1) * BLOCK_M + causal_offset)
-    for start_n in range(0, hi, BLOCK_N):
-        cols = start_n + offs_n
-        nmask = cols < nk
-        kt = tl.load(k_base + cols[None, :] * skn + offs_d[:, None] * skd,
-                     mask=nmask[None, :] & dmask[:, None], other=0)
-        s_int = tl.dot(q, kt, out_dtype=tl.int32)
-        if PER_TOKEN:
-            ks = tl.load(KS + b * sksb + hk * sksh + (k_start + cols) * sksn, mask=nmask, other=0.0)
-            s = s_int.to(tl.float32) * (qs[:, None] * ks[None, :])
-        else:
-            ks = tl.load(KS + b * sksb + hk * sksh + (start_n // BLOCK_N) * sksn)
-            s = s_int.to(tl.float32) * (qs * ks)
-        if HAS_DS:
-            ds = tl.load(DS + b * sdb + h * sdh + pid_m * sdq + cols * sdn, mask=nmask, other=0.0)
-            s = s + ds[None, :]
-        if IS_CAUSAL:
-            valid = (cols[None, :] <= offs_m[:, None] + causal_offset) & nmask[None, :]
-        else:
-            valid = nmask[None, :]
-        s = tl.where(valid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - (m_safe - offset)[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + cols[:, None] * svn + offs_d[None, :] * svd,
-                    mask=nmask[:, None] & dmask[None, :], other=0.0)
-        if PV_FP8:
-            pv = tl.dot(to_e4m3(p, EXACT_FP8), v, out_dtype=tl.float32)
-        else:
-            pv = tl.dot(p.to(tl.float16), v, out_dtype=tl.float32)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        first_row_sees = pid_m * BLOCK_M + causal_offset + 1
+        full_hi = tl.minimum(full_hi, tl.maximum(first_row_sees, 0) // BLOCK_N * BLOCK_N)
+    for start_n in range(0, full_hi, BLOCK_N):
+        acc, m_i, l_i = _attend_block(
+            acc, m_i, l_i, q, qs, start_n, offs_m, offs_n, offs_d, dmask, nk, causal_offset,
+            k_base, v_base, KS, DS, b, h, hk, k_start, pid_m, skn, skd, svn, svd,
+            sksb, sksh, sksn, sdb, sdh, sdq, sdn, offset,
+            False, IS_CAUSAL, PER_TOKEN, PV_FP8, HAS_DS, EXACT_FP8, BLOCK_N,
+        )
+    for start_n in range(full_hi, hi, BLOCK_N):
+        acc, m_i, l_i = _attend_block(
+            acc, m_i, l_i, q, qs, start_n, offs_m, offs_n, offs_d, dmask, nk, causal_offset,
+            k_base, v_base, KS, DS, b, h, hk, k_start, pid_m, skn, skd, svn, svd,
+            sksb, sksh, sksn, sdb, sdh, sdq, sdn, offset,
+            True, IS_CAUSAL, PER_TOKEN, PV_FP8, HAS_DS, EXACT_FP8, BLOCK_N,
+        )
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
