@@ -7,7 +7,7 @@ TORCH_SPEC  ?= torch==2.13.0
 TRITON_SPEC ?= triton==3.6.0
 STAMP       := $(VENV)/.installed
 
-.PHONY: setup demo test test-quick bench accuracy clean
+.PHONY: setup demo test test-quick bench accuracy gpu-wheels clean
 
 setup: $(STAMP)
 
@@ -34,6 +34,11 @@ bench: setup
 
 accuracy: setup
 	$(VENV)/bin/lowbit-attn accuracy
+
+# Wheels for a GPU machine without network: the SageAttention baseline and the test runner.
+gpu-wheels: setup
+	$(PY) -m pip download --quiet --no-deps -d wheels sageattention==1.0.6 pytest hypothesis \
+		iniconfig pluggy packaging pygments sortedcontainers exceptiongroup tomli
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .hypothesis
