@@ -6,11 +6,9 @@ base 2, so it matches the Triton kernel to rounding, and it runs anywhere PyTorc
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from ..quantized import LN2, LOG2_FP8_MAX, LOG2E, QuantizedQKV
+from ..quantized import LN2, LOG2_FP8_MAX, QuantizedQKV
 from .quant import to_e4m3
 
 
@@ -154,9 +152,3 @@ def lse_shift(q: torch.Tensor, k_mean: torch.Tensor, softmax_scale: float) -> to
     km = _expand_heads(k_mean, q.shape[1])
     return torch.matmul(q.float(), km.unsqueeze(-1)).squeeze(-1) * softmax_scale
 
-
-def default_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)
-
-
-__all__ = ["exact_attention", "quantized_attention", "delta_s", "lse_shift", "visible", "LOG2E"]
