@@ -8,7 +8,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from . import checks, forward
+from . import checks, forward, ops
 from .arch import backend_for, get_capability
 from .quantized import Seqs
 from .recipes import Recipe, resolve
@@ -65,18 +65,18 @@ def attention(
     checks.heads_and_dims(
         tuple(qh.shape), tuple(kh.shape), tuple(vh.shape), batch_dim=0, head_dim_axis=1, seq_axis=2
     )
+    checks.forward_only(q, k, v)
     r = _resolve(recipe, q.device)
     sm_scale = checks.softmax_scale(scale, q.shape[-1])
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    out_h = out.transpose(1, 2) if layout == "NHD" else out
     b, hq, nq, _ = qh.shape
     nk = kh.shape[2]
     if nq == 0:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty((b, hq, 0), device=q.device)
         return (out, lse) if return_lse else out
-    lse = forward.run(
-        qh, kh, vh, out=out_h, recipe=r, scale=sm_scale, is_causal=is_causal,
-        causal_offset=nk - nq, return_lse=return_lse, backend=backend_for(q.device),
+    out, lse = ops.call(
+        q, k, v, r, scale=sm_scale, is_causal=is_causal, causal_offset=nk - nq,
+        nhd=layout == "NHD", return_lse=return_lse,
     )
     return (out, lse) if return_lse else out
 
@@ -113,6 +113,7 @@ def attention_varlen(
     checks.flag("is_causal", is_causal)
     checks.flag("return_lse", return_lse)
     checks.same_kind(q, k, v)
+    checks.forward_only(q, k, v)
     checks.heads_and_dims(
         tuple(q.shape), tuple(k.shape), tuple(v.shape), batch_dim=None, head_dim_axis=1,
         seq_axis=None,
@@ -213,9 +214,8 @@ def scaled_dot_product_attention(
     checks.flag("is_causal", bool(is_causal))
     sm_scale = checks.softmax_scale(scale, q.shape[-1])
     r = _resolve("auto", q.device)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    forward.run(
-        q, k, v, out=out, recipe=r, scale=sm_scale, is_causal=bool(is_causal), causal_offset=0,
-        return_lse=False, backend=backend_for(q.device),
+    out, _ = ops.call(
+        q, k, v, r, scale=sm_scale, is_causal=bool(is_causal), causal_offset=0, nhd=False,
+        return_lse=False,
     )
     return out.squeeze(1) if squeeze else out

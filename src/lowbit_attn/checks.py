@@ -116,3 +116,12 @@ def recipe_runs_here(recipe, device: torch.device, capability) -> None:
             f"recipe {recipe.name!r} needs FP8 tensor cores (compute capability 8.9 or newer), "
             f"this GPU is {capability[0]}.{capability[1]}; use recipe='qk_int8_pv_fp16'"
         )
+
+
+def forward_only(*tensors: torch.Tensor) -> None:
+    """The kernels have no backward: refuse to cut a graph silently."""
+    if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
+        raise ValueError(
+            "q, k and v must not require grad: lowbit_attn attention is forward-only (no backward); "
+            "call it under torch.no_grad() or torch.inference_mode(), or detach them"
+        )

@@ -1,0 +1,51 @@
+"""torch.compile and torch.library: the public functions trace as one custom op (reference path)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lowbit_attn
+from helpers import channel_biased
+from lowbit_attn import ops
+
+
+class Block(torch.nn.Module):
+    def forward(self, q, k, v):
+        a = lowbit_attn.attention(q, k, v, is_causal=True, recipe="qk_int8_pv_fp8")
+        b = lowbit_attn.scaled_dot_product_attention(q, k, v)
+        o, lse = lowbit_attn.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                       layout="NHD", return_lse=True)
+        return a + b + o.transpose(1, 2), lse
+
+
+def test_fullgraph_compile_matches_eager():
+    torch._dynamo.reset()
+    q, k, v = channel_biased((1, 2, 40, 32), (1, 2, 56, 32), seed=2)
+    with torch.no_grad():
+        eager = Block()(q, k, v)
+        compiled = torch.compile(Block(), fullgraph=True, backend="aot_eager")(q, k, v)
+    for e, c in zip(eager, compiled):
+        assert torch.equal(e, c)
+
+
+@pytest.mark.parametrize("nhd", [False, True])
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_custom_op_passes_opcheck(nhd, return_lse):
+    q, k, v = channel_biased((1, 4, 20, 16), (1, 2, 24, 16), seed=1)
+    if nhd:
+        q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+    r = lowbit_attn.get_recipe("qk_int8_pv_fp16")
+    args = (q, k, v, r.name, r.qk, r.pv, r.granularity, r.smooth_k, r.smooth_q, r.smooth_v,
+            r.balance_qk, r.block_q, r.block_k, 0.25, True, 4, nhd, return_lse)
+    torch.library.opcheck(ops.attention_fwd, args,
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+
+
+def test_inputs_that_require_grad_are_refused():
+    q, k, v = channel_biased((1, 2, 16, 16), (1, 2, 16, 16), seed=0)
+    q.requires_grad_()
+    with pytest.raises(ValueError, match="must not require grad"):
+        lowbit_attn.attention(q, k, v)
+    with torch.no_grad():
+        assert lowbit_attn.attention(q, k, v).shape == q.shape
