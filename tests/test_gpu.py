@@ -104,3 +104,18 @@ def test_nan_is_not_hidden_on_the_gpu():
         out = lowbit_attn.attention(q, k, v, recipe=name)
         assert torch.isfinite(out[0, 0]).all()
         assert (~torch.isfinite(out[0, 1])).any(dim=-1).all()
+
+
+def test_offsets_past_two_to_the_31_elements():
+    """A batch stride over 2^31 elements (a view into a 4 GiB buffer): int32 offsets would wrap."""
+    stride_b = 2**31 + 4096
+    storage = torch.randn(stride_b + 128 * 64, device="cuda", dtype=torch.float16)
+    q = torch.as_strided(storage, (2, 1, 128, 64), (stride_b, 128 * 64, 64, 1))
+    k = torch.as_strided(storage[1000:], (2, 1, 128, 64), (stride_b, 128 * 64, 64, 1))
+    v = torch.as_strided(storage[5000:], (2, 1, 128, 64), (stride_b, 128 * 64, 64, 1))
+    for name in RECIPES:
+        if name == "qk_int8_pv_fp8" and torch.cuda.get_device_capability() < (8, 9):
+            continue
+        out = lowbit_attn.attention(q, k, v, recipe=name)
+        ref, _ = exact_attention(q, k, v, scale=64**-0.5)
+        assert lowbit_attn.errors(out[1], ref[1]).cosine > 0.999, name

@@ -18,6 +18,7 @@ import triton.language as tl
 from ..arch import get_capability, interpreter_enabled
 from ..quantized import LOG2_FP8_MAX, QuantizedQKV, Seqs, dense_seqs
 from .common import bhnd_strides, exact_fp8, next_pow2, row_strides, to_e4m3
+from .quantize import _batch_head, _seq_span
 
 
 # Globals read inside @triton.jit functions must be constexpr.
@@ -61,8 +62,7 @@ def _triton_configs():
 @triton.jit
 def _attend_block(
     acc, m_i, l_i, q, qs, start_n, offs_m, offs_n, offs_d, dmask, nk, causal_offset,
-    k_base, v_base, KS, DS, b, h, hk, k_start, pid_m, skn, skd, svn, svd,
-    sksb, sksh, sksn, sdb, sdh, sdq, sdn, offset,
+    k_base, v_base, ks_base, ds_base, skn, skd, svn, svd, sksn, sdn, offset,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PER_TOKEN: tl.constexpr, PV_FP8: tl.constexpr,
     HAS_DS: tl.constexpr, EXACT_FP8: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -78,13 +78,13 @@ def _attend_block(
                      mask=dmask[:, None], other=0)
     s_int = tl.dot(q, kt, out_dtype=tl.int32)
     if PER_TOKEN:
-        ks = tl.load(KS + b * sksb + hk * sksh + (k_start + cols) * sksn, mask=nmask, other=0.0)
+        ks = tl.load(ks_base + cols * sksn, mask=nmask, other=0.0)
         s = s_int.to(tl.float32) * (qs[:, None] * ks[None, :])
     else:
-        ks = tl.load(KS + b * sksb + hk * sksh + (start_n // BLOCK_N) * sksn)
+        ks = tl.load(ks_base + (start_n // BLOCK_N) * sksn)
         s = s_int.to(tl.float32) * (qs * ks)
     if HAS_DS:
-        ds = tl.load(DS + b * sdb + h * sdh + pid_m * sdq + cols * sdn, mask=nmask, other=0.0)
+        ds = tl.load(ds_base + cols * sdn, mask=nmask, other=0.0)
         s = s + ds[None, :]
     if MASKED:
         if IS_CAUSAL:
@@ -133,20 +133,13 @@ def _attn_fwd_int8_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = pid_bh // HQ
-    h = pid_bh % HQ
+    # int64 batch/head/token bases: offsets of large tensors may pass 2^31 elements
+    b, h = _batch_head(pid_bh, HQ)
     hk = h // GROUP
+    q_start, nq = _seq_span(CUQ, b, NQ, VARLEN)
+    k_start, nk = _seq_span(CUK, b, NK, VARLEN)
     if VARLEN:
-        q_start = tl.load(CUQ + b)
-        nq = tl.load(CUQ + b + 1) - q_start
-        k_start = tl.load(CUK + b)
-        nk = tl.load(CUK + b + 1) - k_start
         causal_offset = nk - nq  # packed sequences align causal masks bottom-right, each its own
-    else:
-        q_start = 0
-        nq = NQ
-        k_start = 0
-        nk = NK
     if pid_m * BLOCK_M >= nq:
         return
 
@@ -165,8 +158,16 @@ def _attn_fwd_int8_kernel(
     else:
         qs = tl.load(QS + b * sqsb + h * sqsh + pid_m * sqsn)
 
+    # Loop-invariant bases (int64 arithmetic once; the loop adds int32 offsets within a head).
     k_base = K + b * skb + hk * skh + k_start * skn
     v_base = V + b * svb + hk * svh + k_start * svn
+    if PER_TOKEN:
+        ks_base = KS + b * sksb + hk * sksh + k_start * sksn
+    else:
+        ks_base = KS + b * sksb + hk * sksh
+    ds_base = DS
+    if HAS_DS:
+        ds_base = DS + b * sdb + h * sdh + pid_m * sdq
     if PV_FP8:
         offset = _LOG2_FP8_MAX
     else:
@@ -187,15 +188,13 @@ def _attn_fwd_int8_kernel(
     for start_n in range(0, full_hi, BLOCK_N):
         acc, m_i, l_i = _attend_block(
             acc, m_i, l_i, q, qs, start_n, offs_m, offs_n, offs_d, dmask, nk, causal_offset,
-            k_base, v_base, KS, DS, b, h, hk, k_start, pid_m, skn, skd, svn, svd,
-            sksb, sksh, sksn, sdb, sdh, sdq, sdn, offset,
+            k_base, v_base, ks_base, ds_base, skn, skd, svn, svd, sksn, sdn, offset,
             False, IS_CAUSAL, PER_TOKEN, PV_FP8, HAS_DS, EXACT_FP8, BLOCK_N,
         )
     for start_n in range(full_hi, hi, BLOCK_N):
         acc, m_i, l_i = _attend_block(
             acc, m_i, l_i, q, qs, start_n, offs_m, offs_n, offs_d, dmask, nk, causal_offset,
-            k_base, v_base, KS, DS, b, h, hk, k_start, pid_m, skn, skd, svn, svd,
-            sksb, sksh, sksn, sdb, sdh, sdq, sdn, offset,
+            k_base, v_base, ks_base, ds_base, skn, skd, svn, svd, sksn, sdn, offset,
             True, IS_CAUSAL, PER_TOKEN, PV_FP8, HAS_DS, EXACT_FP8, BLOCK_N,
         )
 

@@ -19,13 +19,20 @@ CENTERS = {"none": 0, "mean": 1, "block_mean": 2}
 
 @triton.jit
 def _seq_span(CU, b, N, VARLEN: tl.constexpr):
+    """First token (int64, so that token offsets never overflow) and length of sequence ``b``."""
     if VARLEN:
-        start = tl.load(CU + b)
-        n = tl.load(CU + b + 1) - start
+        start = tl.load(CU + b).to(tl.int64)
+        n = tl.load(CU + b + 1) - tl.load(CU + b)
     else:
-        start = 0
+        start = b.to(tl.int64) * 0
         n = N
     return start, n
+
+
+@triton.jit
+def _batch_head(pid_bh, H):
+    """(batch, head) of a program as int64: ``b·stride`` may pass 2^31 elements in large tensors."""
+    return (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)
 
 
 @triton.jit
@@ -39,8 +46,7 @@ def _channel_stats_kernel(
 ):
     pid_bh = tl.program_id(0)
     pid_d = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
+    b, h = _batch_head(pid_bh, H)
     start, n = _seq_span(CU, b, N, VARLEN)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = offs_d < D
@@ -175,8 +181,7 @@ def _quantize_int8_kernel(
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
+    b, h = _batch_head(pid_bh, H)
     start, n = _seq_span(CU, b, N, VARLEN)
     if pid_n * BLOCK_N >= n:
         return
@@ -289,8 +294,7 @@ def _convert_v_kernel(
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
+    b, h = _batch_head(pid_bh, H)
     start, n = _seq_span(CU, b, N, VARLEN)
     if pid_n * BLOCK_N >= n:
         return
@@ -369,8 +373,7 @@ def _delta_s_kernel(
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = pid_bh // HQ
-    h = pid_bh % HQ
+    b, h = _batch_head(pid_bh, HQ)
     hk = h // GROUP
     k_start, nk = _seq_span(CUK, b, NK, VARLEN)
     q_start, nq = _seq_span(CUQ, b, NQ, VARLEN)
@@ -428,8 +431,7 @@ def _lse_shift_kernel(
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = pid_bh // HQ
-    h = pid_bh % HQ
+    b, h = _batch_head(pid_bh, HQ)
     start, n = _seq_span(CU, b, N, VARLEN)
     if pid_n * BLOCK_N >= n:
         return
