@@ -37,8 +37,10 @@ def exact_attention(
     causal_offset: int | None = None,
     dtype: torch.dtype = torch.float64,
     chunk: int = 1024,
+    max_chunk_bytes: int = 1 << 28,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact softmax attention in ``dtype``, query rows in chunks to bound memory.
+    """Exact softmax attention in ``dtype``, query rows in chunks whose score matrix stays under
+    ``max_chunk_bytes`` (so that long sequences do not allocate an N×N matrix).
 
     Args:
         q: ``[B, Hq, Nq, D]``; k, v: ``[B, Hkv, Nk, D]`` (HND).
@@ -50,6 +52,8 @@ def exact_attention(
     k = _expand_heads(k, hq).to(dtype)
     v = _expand_heads(v, hq).to(dtype)
     nq, nk = q.shape[2], k.shape[2]
+    row_bytes = q.shape[0] * hq * nk * torch.finfo(dtype).bits // 8
+    chunk = max(1, min(chunk, max_chunk_bytes // max(row_bytes, 1)))
     outs, lses = [], []
     for start in range(0, nq, chunk):
         qc = q[:, :, start : start + chunk].to(dtype)
