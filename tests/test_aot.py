@@ -160,7 +160,13 @@ def test_compiles_identically_after_the_interpreter_ran(compiled, monkeypatch):
     monkeypatch.setenv("TRITON_ALWAYS_COMPILE", "1")  # no Triton cache hit: really compile
     after = attention_report(aot.compile_recipe("qk_int8_pv_fp8", "sm_90a"))
     assert after.ok, describe(after)
-    assert after.ptx == before.ptx
+    assert _code(after.ptx) == _code(before.ptx)
+
+
+def _code(ptx: str) -> str:
+    """PTX without its ``.file`` debug directives, which name the checkout's path (a Triton cache
+    hit may come from another checkout of the same source)."""
+    return "\n".join(line for line in ptx.splitlines() if not line.lstrip().startswith(".file"))
 
 
 def test_instruction_parsing_strips_operands_and_counts():
