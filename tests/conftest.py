@@ -33,6 +33,8 @@ def _poison(t: torch.Tensor) -> torch.Tensor:
         t.fill_(float("nan"))
     elif t.dtype == torch.int8:
         t.fill_(-128)  # never produced by the quantizers, which clamp to ±127
+    elif t.dtype == torch.uint8:
+        t.fill_(0xFF)  # packed FP4 (-6, -6) or an E8M0 NaN scale: loud in bit comparisons
     return t
 
 

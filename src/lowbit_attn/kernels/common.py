@@ -28,6 +28,26 @@ def to_int8(y):
 
 
 @triton.jit
+def e4m3_round(ax):
+    """Non-negative fp32 → ``(nearest E4M3 value as fp32, its 7-bit code as int32)``: round to
+    nearest even, saturating at 448. Built from fp32 and integer arithmetic alone. NaN gives garbage:
+    callers select their own NaN encoding."""
+    ax = tl.minimum(ax, 480.0)
+    exp = (ax.to(tl.int32, bitcast=True) >> 23) - 127
+    exp = tl.maximum(exp, -6)  # below 2^-6 the E4M3 grid is the subnormal step 2^-9
+    # 1.5·2^(exp+20): its ulp is 2^(exp-3), E4M3's spacing at this exponent.
+    magic = (((exp + 147) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    r = tl.minimum((ax + magic) - magic, 448.0)
+    rbits = r.to(tl.int32, bitcast=True)
+    code = tl.where(
+        r >= 0.015625,
+        ((((rbits >> 23) - 127) + 7) << 3) | ((rbits >> 20) & 0x7),
+        (r * 512.0).to(tl.int32),
+    )
+    return r, code
+
+
+@triton.jit
 def to_e4m3(x, EXACT: tl.constexpr):
     """fp32 → E4M3 (``float8e4nv``), round to nearest even, saturating to ±448.
 
@@ -36,20 +56,7 @@ def to_e4m3(x, EXACT: tl.constexpr):
     handles subnormals and NaN.
     """
     if EXACT:
-        ax = tl.minimum(tl.abs(x), 480.0)
-        exp = (ax.to(tl.int32, bitcast=True) >> 23) - 127
-        exp = tl.maximum(exp, -6)  # below 2^-6 the E4M3 grid is the subnormal step 2^-9
-        # 1.5·2^(exp+20): its ulp is 2^(exp-3), E4M3's spacing at this exponent.
-        magic = (((exp + 147) << 23) | 0x400000).to(tl.float32, bitcast=True)
-        r = tl.minimum((ax + magic) - magic, 448.0)
-        rbits = r.to(tl.int32, bitcast=True)
-        rexp = (rbits >> 23) - 127
-        normal = r >= 0.015625
-        code = tl.where(
-            normal,
-            ((rexp + 7) << 3) | ((rbits >> 20) & 0x7),
-            (r * 512.0).to(tl.int32),
-        )
+        _, code = e4m3_round(tl.abs(x))
         code = tl.where(x < 0, code | 0x80, code)
         code = tl.where(x != x, 0x7F, code)
         return code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)

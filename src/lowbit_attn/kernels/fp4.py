@@ -1,0 +1,195 @@
+"""Triton FP4 quantizers: NVFP4 and MXFP4. Twins: ``lowbit_attn.reference.fp4`` (bit-identical);
+the numerics and the edge-case conventions are documented there.
+
+Every code (E2M1 values, E4M3 and E8M0 scales) is built with fp32 arithmetic and integer bit
+operations, never with Triton's float8 conversions, so a GPU and the interpreter give the same bits.
+Inputs are ``[..., K]``; the leading dimensions are flattened into rows, and one program handles a
+block of ``BLOCK_R`` rows × ``BLOCK_G`` groups.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import e4m3_round, round_half_even
+
+NVFP4_GROUP = 16
+MXFP4_GROUP = 32
+_TENSOR_DIVISOR = 2688.0  # 448·6
+_FLT_MIN = 2.0**-126
+
+
+@triton.jit
+def _e2m1_code(y):
+    """fp32 → E2M1 code (int32, 0..15): RNE on the code (even code = even mantissa), saturating at
+    ±6, NaN → 0, sign bit for every negative input. Twin: ``reference.fp4.e2m1_code``."""
+    a = tl.minimum(tl.abs(y), 6.0)
+    code = tl.where(
+        a < 2.0,
+        round_half_even(a * 2.0),
+        tl.where(a < 4.0, round_half_even(a) + 2.0, round_half_even(a * 0.5) + 4.0),
+    )
+    code = tl.where(y == y, code, 0.0).to(tl.int32)
+    return tl.where(y < 0.0, code | 8, code)
+
+
+@triton.jit
+def _e4m3_scale(s, nonzero):
+    """Non-negative (or NaN) fp32 → ``(E4M3 value as fp32, E4M3 bits as int32)``: RNE, saturating
+    at 448, NaN → 0x7F, at least 2^-9 (code 1) where ``nonzero``."""
+    r, code = e4m3_round(s)
+    tiny = nonzero & (r == 0.0)
+    r = tl.where(tiny, 0.001953125, r)
+    code = tl.where(tiny, 1, code)
+    nan = s != s
+    return tl.where(nan, float("nan"), r), tl.where(nan, 0x7F, code)
+
+
+@triton.jit
+def _load_group_halves(X, pid_r, pid_g, R, NG, sxr, sxk,
+                       GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
+    """The even and the odd elements of ``BLOCK_R × BLOCK_G`` groups, ``[BLOCK_R·BLOCK_G, GROUP/2]``
+    fp32 each (0 outside the tensor), with the (row, group) of each tile row."""
+    m = tl.arange(0, BLOCK_R * BLOCK_G)
+    row = pid_r * BLOCK_R + m // BLOCK_G
+    grp = pid_g * BLOCK_G + m % BLOCK_G
+    valid = (row < R) & (grp < NG)
+    half = tl.arange(0, GROUP // 2)
+    col = grp[:, None] * GROUP + 2 * half[None, :]
+    ptr = X + row.to(tl.int64)[:, None] * sxr + col.to(tl.int64) * sxk
+    mask = valid[:, None]
+    x_even = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+    x_odd = tl.load(ptr + sxk, mask=mask, other=0.0).to(tl.float32)
+    return x_even, x_odd, row, grp, valid
+
+
+@triton.jit
+def _group_amax(x_even, x_odd):
+    """max |x| per group, NaN if any element is NaN or ±Inf (a GPU max drops NaN; the sum keeps it)."""
+    amax = tl.maximum(tl.max(tl.abs(x_even), axis=1), tl.max(tl.abs(x_odd), axis=1))
+    return amax + (tl.sum(x_even * 0.0, axis=1) + tl.sum(x_odd * 0.0, axis=1))
+
+
+@triton.jit
+def _store_packed(OUT, x_even, x_odd, denom, row, grp, valid, sor,
+                  GROUP: tl.constexpr):
+    lo = _e2m1_code(tl.div_rn(x_even, denom[:, None]))
+    hi = _e2m1_code(tl.div_rn(x_odd, denom[:, None]))
+    byte = (lo | (hi << 4)).to(tl.uint8)
+    half = tl.arange(0, GROUP // 2)
+    ptr = OUT + row.to(tl.int64)[:, None] * sor + (grp[:, None] * (GROUP // 2) + half[None, :])
+    tl.store(ptr, byte, mask=valid[:, None])
+
+
+@triton.jit
+def _quantize_nvfp4_kernel(
+    X, OUT, SCALE, GSCALE,
+    R, NG, sxr, sxk, sor, ssr,
+    BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
+):
+    pid_r = tl.program_id(0)
+    pid_g = tl.program_id(1)
+    x_even, x_odd, row, grp, valid = _load_group_halves(
+        X, pid_r, pid_g, R, NG, sxr, sxk, 16, BLOCK_R, BLOCK_G
+    )
+    g = tl.load(GSCALE)
+    amax = _group_amax(x_even, x_odd)
+    s, code = _e4m3_scale(tl.div_rn(tl.div_rn(amax, 6.0), g), amax > 0.0)
+    denom = tl.where(code == 0, 1.0, s * g)  # all-zero group: no 0/0
+    tl.store(SCALE + row.to(tl.int64) * ssr + grp, code.to(tl.uint8), mask=valid)
+    _store_packed(OUT, x_even, x_odd, denom, row, grp, valid, sor, 16)
+
+
+@triton.jit
+def _quantize_mxfp4_kernel(
+    X, OUT, SCALE,
+    R, NG, sxr, sxk, sor, ssr,
+    BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
+):
+    pid_r = tl.program_id(0)
+    pid_g = tl.program_id(1)
+    x_even, x_odd, row, grp, valid = _load_group_halves(
+        X, pid_r, pid_g, R, NG, sxr, sxk, 32, BLOCK_R, BLOCK_G
+    )
+    amax = _group_amax(x_even, x_odd)
+    # floor(log2(amax)) - 2 from the exponent field; zero and subnormal amax clamp to -127
+    exp_field = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    code = tl.minimum(tl.maximum(exp_field - 129, -127), 127) + 127
+    nan = amax != amax
+    code = tl.where(nan, 255, code)
+    scale = tl.where(code >= 1, code << 23, 0x400000).to(tl.float32, bitcast=True)
+    scale = tl.where(nan, float("nan"), scale)
+    tl.store(SCALE + row.to(tl.int64) * ssr + grp, code.to(tl.uint8), mask=valid)
+    _store_packed(OUT, x_even, x_odd, scale, row, grp, valid, sor, 32)
+
+
+def _check(x: torch.Tensor, group: int) -> None:
+    if not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
+    if x.dim() < 1 or x.shape[-1] % group != 0:
+        got = tuple(x.shape)
+        raise ValueError(
+            f"x's last dimension must be a multiple of the group size {group}, got shape {got}"
+        )
+
+
+def _tiles(ng: int) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_G): up to 16 groups of a row, and rows enough for ~64 groups a program."""
+    block_g = min(16, triton.next_power_of_2(ng))
+    return 64 // block_g, block_g
+
+
+def _launch(kernel, x: torch.Tensor, group: int, scale_dtype: torch.dtype, *extra):
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    r, ng = x2.shape[0], k // group
+    packed = torch.empty((r, k // 2), device=x.device, dtype=torch.uint8)
+    scales = torch.empty((r, ng), device=x.device, dtype=scale_dtype)
+    codes = scales.view(torch.uint8)  # store bits: no float8 conversion anywhere
+    block_r, block_g = _tiles(max(ng, 1))
+    grid = (triton.cdiv(r, block_r), triton.cdiv(ng, block_g))
+    if r > 0 and ng > 0:
+        kernel[grid](
+            x2, packed, codes, *extra,
+            r, ng, x2.stride(0), x2.stride(1), packed.stride(0), codes.stride(0),
+            BLOCK_R=block_r, BLOCK_G=block_g,
+        )
+    lead = x.shape[:-1]
+    return packed.view(*lead, k // 2), scales.view(*lead, ng)
+
+
+def nvfp4_global_scale(x: torch.Tensor) -> torch.Tensor:
+    """``g = amax/2688`` over the finite elements (1 if that is 0; at least 2^-126), a 0-dim fp32
+    tensor; the same op as the twin's."""
+    xf = x.float()
+    amax = torch.where(torch.isfinite(xf), xf.abs(), torch.zeros_like(xf)).amax()
+    g = torch.clamp(amax / _TENSOR_DIVISOR, min=_FLT_MIN)
+    return torch.where(amax == 0, torch.ones_like(g), g)
+
+
+def quantize_nvfp4(
+    x: torch.Tensor, *, global_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton twin of :func:`lowbit_attn.reference.fp4.quantize_nvfp4` (bit-identical).
+
+    Returns ``(packed uint8 [..., K/2], scales float8_e4m3fn [..., K/16], global_scale fp32 0-dim)``.
+    """
+    _check(x, NVFP4_GROUP)
+    g = nvfp4_global_scale(x) if global_scale is None else global_scale.float().reshape(())
+    g = g.contiguous()
+    packed, scales = _launch(_quantize_nvfp4_kernel, x, NVFP4_GROUP, torch.float8_e4m3fn, g)
+    return packed, scales, g
+
+
+def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of :func:`lowbit_attn.reference.fp4.quantize_mxfp4` (bit-identical).
+
+    Returns ``(packed uint8 [..., K/2], scales uint8 E8M0 [..., K/32])``.
+    """
+    _check(x, MXFP4_GROUP)
+    return _launch(_quantize_mxfp4_kernel, x, MXFP4_GROUP, torch.uint8)
+
+
+__all__ = ["nvfp4_global_scale", "quantize_nvfp4", "quantize_mxfp4"]

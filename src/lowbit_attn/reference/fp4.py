@@ -1,0 +1,204 @@
+"""FP4 microscaling quantizers in plain PyTorch: NVFP4 and MXFP4. Twins: ``lowbit_attn.kernels.fp4``.
+
+Both formats hold E2M1 values (codes 0..7 = 0, 0.5, 1, 1.5, 2, 3, 4, 6; bit 3 is the sign), grouped
+along the last (reduction) dimension, two per byte with element ``2i`` in the low nibble and ``2i+1``
+in the high nibble. Arithmetic is fp32, in the kernels' order, so both twins give the same bits.
+
+**NVFP4** (groups of 16, one E4M3 scale per group, one fp32 scale per tensor)::
+
+    amax_t = max |x| over the finite elements of the tensor
+    g      = amax_t / 2688            (2688 = 448·6; g = 1 if amax_t == 0; at least 2^-126, normal)
+    s      = e4m3_rne((amax_group / 6) / g)      (saturating at 448)
+    values = e2m1_rne(x / (s · g))               (saturating at ±6)
+    x̂      = value · (s · g)
+
+**MXFP4** (groups of 32, E8M0 power-of-two scales, OCP MX v1.0)::
+
+    e      = clamp(floor(log2(amax_group)) - 2, -127, 127)     code = e + 127
+    values = e2m1_rne(x / 2^e)                                 (saturating at ±6)
+    x̂      = value · 2^e
+
+Edge cases, the same in both twins:
+
+- *All-zero group*: NVFP4 scale 0 (and ``s == 0`` happens for no other group); MXFP4 scale code 0
+  (2^-127, what the formula gives with ``log2(0) = -inf``). All value codes 0.
+- *Tiny non-zero NVFP4 group* whose ``(amax/6)/g`` rounds to E4M3 zero (below 2^-10): the scale is
+  raised to E4M3's smallest step 2^-9, so the group still quantizes (its values are then below 3
+  and never saturate) instead of being flushed to zero.
+- *NaN or ±Inf anywhere in a group*: the group's scale is NaN (E4M3 code 0x7F, E8M0 code 255) and
+  its value codes are 0, so the whole group dequantizes to NaN: never hidden, never spread to other
+  groups (NVFP4's tensor scale is taken over the finite elements only).
+- The sign bit is set for every negative input, also one that rounds to zero (code 0x8, −0).
+"""
+
+from __future__ import annotations
+
+import torch
+
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+NVFP4_GROUP = 16
+MXFP4_GROUP = 32
+NVFP4_TENSOR_DIVISOR = 2688.0  # 448·6: the largest group scale times the largest E2M1 value
+FLT_MIN = 2.0**-126
+E4M3_MIN_STEP = 2.0**-9
+E4M3_NAN = 0x7F
+E8M0_NAN = 255
+
+# The E2M1 value of each 4-bit code (bit 3 is the sign).
+E2M1_VALUES = torch.tensor(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+)
+
+
+def _check_groups(x: torch.Tensor, group: int, name: str = "x") -> None:
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+    if x.dim() < 1 or x.shape[-1] % group != 0:
+        got = tuple(x.shape)
+        raise ValueError(
+            f"{name}'s last dimension must be a multiple of the group size {group}, got shape {got}"
+        )
+
+
+def _poison(y: torch.Tensor) -> torch.Tensor:
+    """0 where every element of the group (last dim) is finite, NaN otherwise."""
+    return (y * 0.0).sum(dim=-1)
+
+
+def e2m1_code(y: torch.Tensor) -> torch.Tensor:
+    """fp32 → 4-bit E2M1 code (uint8 in 0..15): round to nearest, ties to even, saturate at ±6.
+
+    The grid's step is 0.5 below 2, 1 in [2, 4) and 2 from 4 on, so the code is ``rne(2a)``,
+    ``rne(a) + 2`` or ``rne(a/2) + 4`` of ``a = min(|y|, 6)``; even codes are the even mantissas,
+    so RNE on the code is RNE on the value. NaN gives code 0 (its group's scale carries the NaN).
+    """
+    y = y.float()
+    a = torch.clamp(y.abs(), max=E2M1_MAX)
+    code = torch.where(
+        a < 2.0,
+        torch.round(a * 2.0),
+        torch.where(a < 4.0, torch.round(a) + 2.0, torch.round(a * 0.5) + 4.0),
+    )
+    code = torch.nan_to_num(code, nan=0.0).to(torch.uint8)
+    return torch.where(y < 0, code | 8, code)
+
+
+def e2m1_value(code: torch.Tensor) -> torch.Tensor:
+    """4-bit E2M1 code (any integer dtype, 0..15) → fp32 value."""
+    return E2M1_VALUES.to(code.device)[code.long() & 0xF]
+
+
+def e2m1_round(x: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to the E2M1 grid (fp32): nearest, ties to even, saturating at ±6."""
+    return e2m1_value(e2m1_code(x))
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """``[..., K]`` 4-bit codes → ``[..., K/2]`` uint8, element ``2i`` in the low nibble."""
+    c = codes.to(torch.uint8)
+    return c[..., 0::2] | (c[..., 1::2] << 4)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """``[..., K/2]`` uint8 → ``[..., K]`` 4-bit codes (uint8)."""
+    lo = packed & 0xF
+    hi = packed >> 4
+    return torch.stack((lo, hi), dim=-1).flatten(-2)
+
+
+def _grouped(x: torch.Tensor, group: int) -> torch.Tensor:
+    return x.float().reshape(*x.shape[:-1], x.shape[-1] // group, group)
+
+
+def nvfp4_global_scale(x: torch.Tensor) -> torch.Tensor:
+    """NVFP4's per-tensor fp32 scale ``g`` (a 0-dim tensor), see the module docstring.
+
+    The amax is over the finite elements: a NaN or Inf marks its own group (NaN scale), not the
+    whole tensor.
+    """
+    xf = x.float()
+    amax = torch.where(torch.isfinite(xf), xf.abs(), torch.zeros_like(xf)).amax()
+    g = torch.clamp(amax / NVFP4_TENSOR_DIVISOR, min=FLT_MIN)
+    return torch.where(amax == 0, torch.ones_like(g), g)
+
+
+def e4m3_scale_code(s: torch.Tensor, nonzero: torch.Tensor) -> torch.Tensor:
+    """Non-negative (or NaN) fp32 scales → E4M3 bits (uint8): RNE, saturating at 448, NaN → 0x7F,
+    and at least the smallest step 2^-9 (code 1) where ``nonzero``."""
+    code = torch.clamp(s, max=E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    code = torch.where(nonzero & (code == 0), torch.ones_like(code), code)
+    return torch.where(torch.isnan(s), torch.full_like(code, E4M3_NAN), code)
+
+
+def quantize_nvfp4(
+    x: torch.Tensor, *, global_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """NVFP4: E2M1 values in groups of 16 along the last dimension, E4M3 group scales, one fp32
+    tensor scale.
+
+    Args:
+        x: ``[..., K]`` any float dtype, ``K`` a multiple of 16.
+        global_scale: the tensor scale ``g`` (0-dim fp32); default :func:`nvfp4_global_scale`.
+    Returns:
+        ``(packed uint8 [..., K/2], scales float8_e4m3fn [..., K/16], global_scale fp32 0-dim)``.
+    """
+    _check_groups(x, NVFP4_GROUP)
+    g = nvfp4_global_scale(x) if global_scale is None else global_scale.float().reshape(())
+    xg = _grouped(x, NVFP4_GROUP)
+    amax = xg.abs().amax(dim=-1) + _poison(xg)
+    code = e4m3_scale_code((amax / 6.0) / g, amax > 0)
+    s = code.view(torch.float8_e4m3fn).float()
+    sg = torch.where(code == 0, torch.ones_like(s), s * g)  # all-zero group: no 0/0
+    codes = e2m1_code(xg / sg.unsqueeze(-1))
+    return pack_fp4(codes.flatten(-2)), code.view(torch.float8_e4m3fn), g
+
+
+def dequantize_nvfp4(
+    packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor
+) -> torch.Tensor:
+    """``value · (s · g)`` in fp32, ``[..., K]``. A group with a NaN scale is all NaN."""
+    vals = e2m1_value(unpack_fp4(packed))
+    sg = scales.float() * global_scale.float()
+    return (_grouped(vals, NVFP4_GROUP) * sg.unsqueeze(-1)).flatten(-2)
+
+
+def e8m0_value(code: torch.Tensor) -> torch.Tensor:
+    """E8M0 bits (uint8) → fp32 ``2^(code - 127)``; 255 → NaN. Built from bits: exact, 2^-127 too."""
+    c = code.to(torch.int32)
+    bits = torch.where(c >= 1, c << 23, torch.full_like(c, 0x400000))
+    v = bits.view(torch.float32)
+    return torch.where(c == E8M0_NAN, torch.full_like(v, float("nan")), v)
+
+
+def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 (OCP MX): E2M1 values in groups of 32 along the last dimension, E8M0 scales.
+
+    Args:
+        x: ``[..., K]`` any float dtype, ``K`` a multiple of 32.
+    Returns:
+        ``(packed uint8 [..., K/2], scales uint8 E8M0 [..., K/32])`` (127 = 2^0, 255 = NaN).
+    """
+    _check_groups(x, MXFP4_GROUP)
+    xg = _grouped(x, MXFP4_GROUP)
+    amax = xg.abs().amax(dim=-1) + _poison(xg)
+    # floor(log2(amax)) is the exponent field - 127 (subnormal and zero amax clamp to -127 anyway)
+    exp_field = (amax.view(torch.int32) >> 23) & 0xFF
+    shared = torch.clamp(exp_field - 127 - 2, -127, 127)
+    code = torch.where(torch.isnan(amax), torch.full_like(shared, E8M0_NAN), shared + 127)
+    code = code.to(torch.uint8)
+    codes = e2m1_code(xg / e8m0_value(code).unsqueeze(-1))
+    return pack_fp4(codes.flatten(-2)), code
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``value · 2^e`` in fp32, ``[..., K]``. A group with scale code 255 is all NaN."""
+    vals = e2m1_value(unpack_fp4(packed))
+    return (_grouped(vals, MXFP4_GROUP) * e8m0_value(scales).unsqueeze(-1)).flatten(-2)
+
+
+__all__ = [
+    "E2M1_VALUES", "e2m1_code", "e2m1_value", "e2m1_round", "pack_fp4", "unpack_fp4",
+    "nvfp4_global_scale", "quantize_nvfp4", "dequantize_nvfp4",
+    "e8m0_value", "quantize_mxfp4", "dequantize_mxfp4",
+]
