@@ -125,3 +125,15 @@ def forward_only(*tensors: torch.Tensor) -> None:
             "q, k and v must not require grad: lowbit_attn attention is forward-only (no backward); "
             "call it under torch.no_grad() or torch.inference_mode(), or detach them"
         )
+
+
+def quant_groups(x, group: int, name: str = "x") -> None:
+    """A tensor to quantize in groups of ``group`` along its last dimension."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"{name} must be a floating-point tensor, got {got}")
+    if x.dim() < 1 or x.shape[-1] % group != 0:
+        raise ValueError(
+            f"{name}'s last dimension must be a multiple of the group size {group}, "
+            f"got shape {tuple(x.shape)}"
+        )

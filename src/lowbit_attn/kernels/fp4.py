@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..checks import quant_groups
 from .common import e4m3_round, round_half_even
 
 NVFP4_GROUP = 16
@@ -125,16 +126,6 @@ def _quantize_mxfp4_kernel(
     _store_packed(OUT, x_even, x_odd, scale, row, grp, valid, sor, 32)
 
 
-def _check(x: torch.Tensor, group: int) -> None:
-    if not x.is_floating_point():
-        raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
-    if x.dim() < 1 or x.shape[-1] % group != 0:
-        got = tuple(x.shape)
-        raise ValueError(
-            f"x's last dimension must be a multiple of the group size {group}, got shape {got}"
-        )
-
-
 def _tiles(ng: int) -> tuple[int, int]:
     """(BLOCK_R, BLOCK_G): up to 16 groups of a row, and rows enough for ~64 groups a program."""
     block_g = min(16, triton.next_power_of_2(ng))
@@ -176,7 +167,7 @@ def quantize_nvfp4(
 
     Returns ``(packed uint8 [..., K/2], scales float8_e4m3fn [..., K/16], global_scale fp32 0-dim)``.
     """
-    _check(x, NVFP4_GROUP)
+    quant_groups(x, NVFP4_GROUP)
     g = nvfp4_global_scale(x) if global_scale is None else global_scale.float().reshape(())
     g = g.contiguous()
     packed, scales = _launch(_quantize_nvfp4_kernel, x, NVFP4_GROUP, torch.float8_e4m3fn, g)
@@ -188,7 +179,7 @@ def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Returns ``(packed uint8 [..., K/2], scales uint8 E8M0 [..., K/32])``.
     """
-    _check(x, MXFP4_GROUP)
+    quant_groups(x, MXFP4_GROUP)
     return _launch(_quantize_mxfp4_kernel, x, MXFP4_GROUP, torch.uint8)
 
 

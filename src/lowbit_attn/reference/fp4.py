@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import torch
 
+from ..checks import quant_groups
+
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 NVFP4_GROUP = 16
@@ -49,16 +51,6 @@ E8M0_NAN = 255
 E2M1_VALUES = torch.tensor(
     [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 )
-
-
-def _check_groups(x: torch.Tensor, group: int, name: str = "x") -> None:
-    if not x.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
-    if x.dim() < 1 or x.shape[-1] % group != 0:
-        got = tuple(x.shape)
-        raise ValueError(
-            f"{name}'s last dimension must be a multiple of the group size {group}, got shape {got}"
-        )
 
 
 def _poison(y: torch.Tensor) -> torch.Tensor:
@@ -143,7 +135,7 @@ def quantize_nvfp4(
     Returns:
         ``(packed uint8 [..., K/2], scales float8_e4m3fn [..., K/16], global_scale fp32 0-dim)``.
     """
-    _check_groups(x, NVFP4_GROUP)
+    quant_groups(x, NVFP4_GROUP)
     g = nvfp4_global_scale(x) if global_scale is None else global_scale.float().reshape(())
     xg = _grouped(x, NVFP4_GROUP)
     amax = xg.abs().amax(dim=-1) + _poison(xg)
@@ -179,7 +171,7 @@ def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Returns:
         ``(packed uint8 [..., K/2], scales uint8 E8M0 [..., K/32])`` (127 = 2^0, 255 = NaN).
     """
-    _check_groups(x, MXFP4_GROUP)
+    quant_groups(x, MXFP4_GROUP)
     xg = _grouped(x, MXFP4_GROUP)
     amax = xg.abs().amax(dim=-1) + _poison(xg)
     # floor(log2(amax)) is the exponent field - 127 (subnormal and zero amax clamp to -127 anyway)
