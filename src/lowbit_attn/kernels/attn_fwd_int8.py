@@ -17,8 +17,7 @@ import triton.language as tl
 
 from ..arch import get_capability, interpreter_enabled
 from ..quantized import LOG2_FP8_MAX, QuantizedQKV, Seqs, dense_seqs
-from .common import bhnd_strides, exact_fp8, next_pow2, row_strides, to_e4m3
-from .quantize import _batch_head, _seq_span
+from .common import batch_head, bhnd_strides, exact_fp8, next_pow2, row_strides, seq_span, to_e4m3
 
 
 # Globals read inside @triton.jit functions must be constexpr.
@@ -134,10 +133,10 @@ def _attn_fwd_int8_kernel(
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     # int64 batch/head/token bases: offsets of large tensors may pass 2^31 elements
-    b, h = _batch_head(pid_bh, HQ)
+    b, h = batch_head(pid_bh, HQ)
     hk = h // GROUP
-    q_start, nq = _seq_span(CUQ, b, NQ, VARLEN)
-    k_start, nk = _seq_span(CUK, b, NK, VARLEN)
+    q_start, nq = seq_span(CUQ, b, NQ, VARLEN)
+    k_start, nk = seq_span(CUK, b, NK, VARLEN)
     if VARLEN:
         causal_offset = nk - nq  # packed sequences align causal masks bottom-right, each its own
     if pid_m * BLOCK_M >= nq:

@@ -64,6 +64,24 @@ def to_e4m3(x, EXACT: tl.constexpr):
         return x.to(tl.float8e4nv)
 
 
+@triton.jit
+def seq_span(CU, b, N, VARLEN: tl.constexpr):
+    """First token (int64, so that token offsets never overflow) and length of sequence ``b``."""
+    if VARLEN:
+        start = tl.load(CU + b).to(tl.int64)
+        n = tl.load(CU + b + 1) - tl.load(CU + b)
+    else:
+        start = b.to(tl.int64) * 0
+        n = N
+    return start, n
+
+
+@triton.jit
+def batch_head(pid_bh, H):
+    """(batch, head) of a program as int64: ``b·stride`` may pass 2^31 elements in large tensors."""
+    return (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)
+
+
 def exact_fp8() -> bool:
     """Whether kernels must build E4M3 bits arithmetically (under the interpreter)."""
     return interpreter_enabled()

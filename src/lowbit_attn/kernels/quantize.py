@@ -12,27 +12,11 @@ import triton
 import triton.language as tl
 
 from ..quantized import Seqs, dense_seqs
-from .common import bhnd_strides, exact_fp8, next_pow2, row_strides, to_e4m3, to_int8
+from .common import (
+    batch_head, bhnd_strides, exact_fp8, next_pow2, row_strides, seq_span, to_e4m3, to_int8,
+)
 
 CENTERS = {"none": 0, "mean": 1, "block_mean": 2}
-
-
-@triton.jit
-def _seq_span(CU, b, N, VARLEN: tl.constexpr):
-    """First token (int64, so that token offsets never overflow) and length of sequence ``b``."""
-    if VARLEN:
-        start = tl.load(CU + b).to(tl.int64)
-        n = tl.load(CU + b + 1) - tl.load(CU + b)
-    else:
-        start = b.to(tl.int64) * 0
-        n = N
-    return start, n
-
-
-@triton.jit
-def _batch_head(pid_bh, H):
-    """(batch, head) of a program as int64: ``b·stride`` may pass 2^31 elements in large tensors."""
-    return (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)
 
 
 @triton.jit
@@ -46,8 +30,8 @@ def _channel_stats_kernel(
 ):
     pid_bh = tl.program_id(0)
     pid_d = tl.program_id(1)
-    b, h = _batch_head(pid_bh, H)
-    start, n = _seq_span(CU, b, N, VARLEN)
+    b, h = batch_head(pid_bh, H)
+    start, n = seq_span(CU, b, N, VARLEN)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     base = X + b * sxb + h * sxh + start * sxn
@@ -181,8 +165,8 @@ def _quantize_int8_kernel(
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b, h = _batch_head(pid_bh, H)
-    start, n = _seq_span(CU, b, N, VARLEN)
+    b, h = batch_head(pid_bh, H)
+    start, n = seq_span(CU, b, N, VARLEN)
     if pid_n * BLOCK_N >= n:
         return
     x, rows, offs_d, mask = _load_centered(
@@ -294,8 +278,8 @@ def _convert_v_kernel(
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b, h = _batch_head(pid_bh, H)
-    start, n = _seq_span(CU, b, N, VARLEN)
+    b, h = batch_head(pid_bh, H)
+    start, n = seq_span(CU, b, N, VARLEN)
     if pid_n * BLOCK_N >= n:
         return
     x, rows, offs_d, mask = _load_centered(
@@ -373,10 +357,10 @@ def _delta_s_kernel(
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b, h = _batch_head(pid_bh, HQ)
+    b, h = batch_head(pid_bh, HQ)
     hk = h // GROUP
-    k_start, nk = _seq_span(CUK, b, NK, VARLEN)
-    q_start, nq = _seq_span(CUQ, b, NQ, VARLEN)
+    k_start, nk = seq_span(CUK, b, NK, VARLEN)
+    q_start, nq = seq_span(CUQ, b, NQ, VARLEN)
     if pid_n * BLOCK_N >= nk:
         return
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -431,8 +415,8 @@ def _lse_shift_kernel(
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b, h = _batch_head(pid_bh, HQ)
-    start, n = _seq_span(CU, b, N, VARLEN)
+    b, h = batch_head(pid_bh, HQ)
+    start, n = seq_span(CU, b, N, VARLEN)
     if pid_n * BLOCK_N >= n:
         return
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
