@@ -3,7 +3,10 @@
 # environment report, GPU correctness tests (pytest -m gpu), then the full benchmark of
 # DESIGN.md ("Benchmark protocol"), its short table printed last.
 #
-#   bash benchmarks/run_on_gpu.sh [all|tests|bench|quick]      (default: all)
+#   bash benchmarks/run_on_gpu.sh [all|tests|bench|quick|fp4]      (default: all)
+#
+# fp4: the FP4 recipes alone (GPU tests -k fp4, then a quick benchmark of qk_fp4_pv_fp4 and
+# qk_mxfp4_pv_mxfp4 against SDPA cuDNN): emulated on Hopper, native on Blackwell.
 #
 # The wheels travel in wheels/ (ignored by git: pass it in the device tool's `carry`):
 # sageattention-1.0.6 (the SageAttention baseline) and pytest with its dependencies (installed only
@@ -73,6 +76,24 @@ if [[ "$STAGE" == all || "$STAGE" == tests ]]; then
         124) log "GPU tests stopped after ${TEST_TIMEOUT} s" ;;
         *) log "GPU tests FAILED (exit $rc_tests)" ;;
     esac
+fi
+
+if [[ "$STAGE" == fp4 ]]; then
+    log "FP4 GPU tests: pytest -m gpu -k fp4"
+    timeout "$TEST_TIMEOUT" "$PY" -m pytest -m gpu -k fp4 -q -p no:cacheprovider >"$OUT/pytest-gpu-fp4.log" 2>&1
+    rc_tests=$?
+    tail -n 25 "$OUT/pytest-gpu-fp4.log"
+    budget=$((TOTAL_BUDGET - SECONDS - 25))
+    if ((budget < 60)); then budget=60; fi
+    log "FP4 benchmark (quick, vs SDPA cuDNN)"
+    "$PY" -m lowbit_attn.benchmark --recipes qk_fp4_pv_fp4,qk_mxfp4_pv_mxfp4 --baselines cudnn \
+        --quick --out "$OUT" --out benchmarks/results --time-budget "$budget" --no-progress \
+        >"$OUT/bench-fp4-table.txt" 2>"$OUT/bench-fp4.log"
+    rc_bench=$?
+    tail -n 30 "$OUT/bench-fp4.log"
+    log "summary: FP4 GPU tests exit $rc_tests, FP4 benchmark exit $rc_bench, ${SECONDS} s"
+    cat "$OUT/bench-fp4-table.txt"
+    exit $((rc_tests != 0 && rc_tests != 5 ? rc_tests : rc_bench))
 fi
 
 rc_bench=0

@@ -135,7 +135,7 @@ def test_launch_specialization_matches_the_launchers():
     constexpr None, unit strides constexpr 1, the FP8 V operand token-contiguous."""
     launches = aot.record_launches(get_recipe("qk_int8_pv_fp8"), head_dim=128)
     jit, values, options = aot._unwrap(launches[-1], "sm_90")
-    signature, constexprs, attrs = aot.specialize(jit, values)
+    signature, constexprs, attrs = aot.specialize(jit, values, "sm_90a")
     assert jit.__name__ == ATTENTION
     assert signature["Q"] == "*i8" and signature["V"] == "*fp8e4nv" and signature["O"] == "*fp16"
     for name in ("VM", "DS", "LSH", "LSE", "CUQ", "CUK"):

@@ -301,3 +301,10 @@ def test_cli_gpu_path_writes_every_out_dir(tmp_path, monkeypatch, capsys):
 def test_default_results_dir_is_in_the_checkout():
     d = bm.default_results_dir()
     assert d.parts[-2:] == ("benchmarks", "results")
+
+
+def test_fp4_recipes_get_their_own_keys_and_stage_rows():
+    keys = [m.key for m in bm.select_methods(["qk_fp4_pv_fp4", "qk_mxfp4_pv_mxfp4"], [],
+                                             bf16=True)]
+    assert keys == ["ours_nvfp4", "ours_mxfp4", "ours_nvfp4_prepare", "ours_nvfp4_attn",
+                    "ours_mxfp4_prepare", "ours_mxfp4_attn"]

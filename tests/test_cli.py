@@ -32,6 +32,8 @@ def test_doctor_reports_versions_environment_and_recipes(capsys, monkeypatch):
         assert f"  {name} " in out
     (cpu_line,) = [line for line in out.splitlines() if line.startswith("CPU tensors")]
     assert cpu_line.split()[-1] == "reference"
+    assert "FP4 (qk_fp4_pv_fp4, qk_mxfp4_pv_mxfp4) here: reference" in out
+    assert "cannot compile an NVFP4 dot_scaled for sm_90" in out
 
 
 def test_doctor_survives_a_bad_backend_setting(capsys, monkeypatch):
@@ -55,6 +57,12 @@ def test_doctor_survives_a_bad_backend_setting(capsys, monkeypatch):
         ("exact", "cuda", None, "triton", "no GPU"),
         ("qk_int8_pv_fp8", "cpu", None, "reference", "reference"),
         ("qk_int8_pv_fp8", "cpu", None, "triton", "interpreter"),
+        ("qk_fp4_pv_fp4", "cuda", (10, 0), "triton", "native (FP4 tensor cores)"),
+        ("qk_mxfp4_pv_mxfp4", "cuda", (12, 0), "triton", "native (FP4 tensor cores)"),
+        ("qk_fp4_pv_fp4", "cuda", (9, 0), "triton", "emulated (bf16 MMA)"),
+        ("qk_fp4_pv_fp4", "cuda", (7, 5), "triton", "unsupported (needs sm_80+)"),
+        ("qk_fp4_pv_fp4", "cpu", None, "triton", "interpreter (FP4 emulated)"),
+        ("qk_fp4_pv_fp4", "cpu", None, "reference", "reference"),
     ],
 )
 def test_recipe_status(recipe, device, cap, backend, expected):

@@ -14,9 +14,10 @@ class Block(torch.nn.Module):
     def forward(self, q, k, v):
         a = lowbit_attn.attention(q, k, v, is_causal=True, recipe="qk_int8_pv_fp8")
         b = lowbit_attn.scaled_dot_product_attention(q, k, v)
+        c = lowbit_attn.attention(q, k, v, recipe="qk_fp4_pv_fp4")
         o, lse = lowbit_attn.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                        layout="NHD", return_lse=True)
-        return a + b + o.transpose(1, 2), lse
+        return a + b + c + o.transpose(1, 2), lse
 
 
 def test_fullgraph_compile_matches_eager():
@@ -36,8 +37,7 @@ def test_custom_op_passes_opcheck(nhd, return_lse):
     if nhd:
         q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))
     r = lowbit_attn.get_recipe("qk_int8_pv_fp16")
-    args = (q, k, v, r.name, r.qk, r.pv, r.granularity, r.smooth_k, r.smooth_q, r.smooth_v,
-            r.balance_qk, r.block_q, r.block_k, 0.25, True, 4, nhd, return_lse)
+    args = (q, k, v, *ops.recipe_args(r), 0.25, True, 4, nhd, return_lse)
     torch.library.opcheck(ops.attention_fwd, args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
 

@@ -356,3 +356,15 @@ def test_property_kernel_equals_twin_within_bound(fmt, rows, groups, log_scale, 
     q_ref = quantize("reference", fmt, x)
     assert_same_bits(quantize("triton", fmt, x), q_ref, fmt)
     assert_error_bound(x, q_ref, fmt)
+
+
+def test_public_quantizers_round_trip():
+    import lowbit_attn
+
+    x = torch.randn(4, 64)
+    packed, scales, g = lowbit_attn.fp4.quantize_nvfp4(x)
+    assert_same_bits((packed, scales, g), ref.quantize_nvfp4(x), "nvfp4")
+    err = lowbit_attn.errors(lowbit_attn.fp4.dequantize_nvfp4(packed, scales, g), x)
+    assert err.cosine > 0.99
+    mx = lowbit_attn.fp4.quantize_mxfp4(x)
+    assert lowbit_attn.errors(lowbit_attn.fp4.dequantize_mxfp4(*mx), x).cosine > 0.98

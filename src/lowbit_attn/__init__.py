@@ -1,5 +1,6 @@
 """lowbit_attn: fast, accurate low-bit attention for PyTorch, written in Triton."""
 
+from . import fp4
 from .api import attention, attention_varlen, scaled_dot_product_attention
 from .metrics import Errors, errors
 from .recipes import RECIPES, Recipe, get_recipe
@@ -14,6 +15,7 @@ __all__ = [
     "RECIPES",
     "get_recipe",
     "errors",
+    "fp4",
     "Errors",
     "__version__",
 ]

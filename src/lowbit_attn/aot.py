@@ -48,15 +48,22 @@ from triton.compiler import ASTSource
 from triton.runtime.autotuner import Autotuner, Heuristics
 from triton.runtime.jit import JITFunction, KernelInterface
 
-from .arch import arch_name, interpreter_enabled, parse_arch
+from .arch import arch_name, interpreter_enabled, native_fp4, parse_arch
 from .recipes import Recipe, resolve
 
 # The targets this package is built for; ``sm_90`` and friends are accepted and mean ``sm_90a``.
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a", "sm_120a")
 
-# Constexprs the launchers set differently under the interpreter than on a GPU: the interpreter's
-# own E4M3 conversion is inexact, so it builds the bits arithmetically; a GPU uses ``cvt``.
-GPU_CONSTEXPRS = {"EXACT_FP8": False}
+# Constexprs the launchers set differently under the interpreter (or on the machine at hand) than
+# on the target GPU, as functions of the target's capability: the interpreter's own E4M3
+# conversion is inexact, so it builds the bits arithmetically (a GPU uses ``cvt``); FP4 emulation
+# multiplies in fp32 under the interpreter (its bf16 dot is wrong) and in bf16 on a GPU; FP4
+# tensor cores exist from sm_100 on.
+GPU_CONSTEXPRS = {
+    "EXACT_FP8": lambda capability: False,
+    "EMU_FP32": lambda capability: False,
+    "NATIVE_FP4": native_fp4,
+}
 
 # Tensor-core opcodes with their shape/type suffixes, operands stripped; optional predicate first.
 _TC_OPCODE = re.compile(
@@ -452,14 +459,14 @@ def _arg_kind(param, value) -> tuple[str, bool]:
     raise TypeError(f"cannot specialize argument {param.name}={value!r} for AOT compilation")
 
 
-def specialize(jit: JITFunction, values: dict[str, Any]):
-    """``(signature, constexprs, attrs)`` for ``ASTSource``, as a GPU launch with ``values``
-    gets them."""
+def specialize(jit: JITFunction, values: dict[str, Any], arch: str):
+    """``(signature, constexprs, attrs)`` for ``ASTSource``, as a launch with ``values`` on an
+    ``arch`` GPU gets them."""
     signature, constexprs, attrs = {}, {}, {}
     for i, param in enumerate(jit.params):
         value = values[param.name]
         if param.is_constexpr and param.name in GPU_CONSTEXPRS:
-            value = GPU_CONSTEXPRS[param.name]
+            value = GPU_CONSTEXPRS[param.name](parse_arch(arch))
         kind, divisible = _arg_kind(param, value)
         signature[param.name] = kind
         if kind == "constexpr":
@@ -558,7 +565,7 @@ def compile_launch(launch: Launch, arch: str, config: int = 0) -> KernelReport:
     arch = normalize_arch(arch)
     try:
         jit, values, options = _unwrap(launch, config_family(arch), config)
-        signature, constexprs, attrs = specialize(jit, values)
+        signature, constexprs, attrs = specialize(jit, values, arch)
     except (RuntimeError, TypeError) as exc:
         return KernelReport(kernel=_kernel_name(launch.kernel), arch=arch, constexprs={},
                             num_warps=0, num_stages=0, error=_error_text(exc))

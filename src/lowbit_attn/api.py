@@ -47,7 +47,10 @@ def attention(
         scale: softmax scale, ``D ** -0.5`` by default.
         layout: ``"HND"`` or ``"NHD"``; the output has the same layout.
         recipe: ``"auto"`` (FP8 P·V on sm_89 and newer, FP16 P·V before and on CPU),
-            ``"qk_int8_pv_fp8"``, ``"qk_int8_pv_fp16"``, ``"exact"``, or a :class:`Recipe`.
+            ``"qk_int8_pv_fp8"``, ``"qk_int8_pv_fp16"``, ``"qk_fp4_pv_fp4"`` (NVFP4; head dim a
+            multiple of 32), ``"qk_mxfp4_pv_mxfp4"``, ``"exact"``, or a :class:`Recipe`. FP4
+            recipes run on FP4 tensor cores on Blackwell (sm_100, sm_120) and as an exact
+            emulation elsewhere (see ``lowbit-attn doctor``).
         return_lse: also return the natural-log log-sum-exp of each row's scores.
     Returns:
         the output (q's dtype, shape and layout), and with ``return_lse`` the LSE ``[B, Hq, Nq]``
@@ -67,6 +70,7 @@ def attention(
     )
     checks.forward_only(q, k, v)
     r = _resolve(recipe, q.device)
+    checks.recipe_fits(r, q.shape[-1])
     sm_scale = checks.softmax_scale(scale, q.shape[-1])
     b, hq, nq, _ = qh.shape
     nk = kh.shape[2]
@@ -130,6 +134,7 @@ def attention_varlen(
         if isinstance(value, bool) or not isinstance(value, int) or value < longest:
             raise ValueError(f"{name} must be an int >= the longest sequence ({longest}), got {value!r}")
     r = _resolve(recipe, q.device)
+    checks.recipe_fits(r, q.shape[-1])
     sm_scale = checks.softmax_scale(scale, q.shape[-1])
     batch = len(bq) - 1
     seqs = (

@@ -48,6 +48,23 @@ def get_arch() -> str | None:
     return None if cap is None else arch_name(cap)
 
 
+def native_fp4(capability: tuple[int, int] | None) -> bool:
+    """Whether FP4 attention runs on block-scaled FP4 tensor cores: Blackwell (sm_100 and newer,
+    ``tcgen05.mma`` / ``mma.sync … block_scale``). Elsewhere the same kernel unpacks FP4 to bf16."""
+    return capability is not None and capability >= (10, 0)
+
+
+def fp4_mode(device_type: str, backend: str, capability: tuple[int, int] | None) -> str:
+    """How FP4 recipes run for a call: ``"native"`` (FP4 tensor cores), ``"emulated"`` (the same
+    Triton kernel computing the identical function through bf16 or fp32 products) or
+    ``"reference"`` (the PyTorch twin)."""
+    if backend != "triton":
+        return "reference"
+    if device_type == "cuda" and native_fp4(capability) and not interpreter_enabled():
+        return "native"
+    return "emulated"
+
+
 def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 

@@ -61,6 +61,9 @@ BASELINES = ("flash", "cudnn", "sage")
 # FP8 recipe's own error is cosine ≈ 0.9993 at every N (E4M3 keeps ~3.6% rms relative error and the
 # output's size shrinks with N as fast as its error does); the fp16-P·V recipe reaches ≈ 0.99993.
 MIN_COSINE = 0.998
+# FP4 recipes' own error on these inputs is cosine ≈ 0.982 (NVFP4) / 0.970 (MXFP4) at N=4096
+# (experiments/fp4_accuracy): their check is scaled by the same margin.
+FP4_MIN_COSINE = 0.95
 K_BIAS = 4.0  # k += K_BIAS·N(0, 1) per (batch, head, channel): the outlier channels of real models
 SAGE_VERSION = "1.0.6"
 
@@ -107,7 +110,9 @@ class Method:
 
 
 def _recipe_tag(name: str) -> str:
-    return {"qk_int8_pv_fp8": "fp8", "qk_int8_pv_fp16": "fp16"}.get(name, name)
+    tags = {"qk_int8_pv_fp8": "fp8", "qk_int8_pv_fp16": "fp16", "qk_fp4_pv_fp4": "nvfp4",
+            "qk_mxfp4_pv_mxfp4": "mxfp4"}
+    return tags.get(name, name)
 
 
 def select_methods(
@@ -351,26 +356,34 @@ def _stage_fn(method: Method, q, k, v, causal):
     if backend_for(q.device) != "triton":
         raise Unsupported("stage timings need the Triton backend (a CUDA GPU, or "
                           "LOWBIT_ATTN_BACKEND=triton with TRITON_INTERPRET=1)")
-    from .kernels import attn_fwd_int8
-    from .prepare import quantize_qkv
+    from .kernels import attn_fwd_fp4, attn_fwd_int8
+    from .prepare import quantize_qkv, quantize_qkv_fp4
 
     cap = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
     r = resolve(method.recipe, cap)
     scale = q.shape[-1] ** -0.5
+    quantize = quantize_qkv_fp4 if r.is_fp4 else quantize_qkv
 
     def prepare():
-        return quantize_qkv(q, k, v, r, scale, need_lse_shift=False, backend="triton")
+        return quantize(q, k, v, r, scale, need_lse_shift=False, backend="triton")
 
     if method.backend == "prepare":
         return prepare, contextlib.nullcontext
     qz = prepare()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    offset = 0 if causal else None
 
     def attend():
-        attn_fwd_int8.attention(
-            qz, out=out, pv=r.pv, granularity=r.granularity, block_q=r.block_q,
-            block_k=r.block_k, causal_offset=0 if causal else None, return_lse=False,
-        )
+        if r.is_fp4:
+            attn_fwd_fp4.attention(
+                qz, out=out, head_dim=q.shape[-1], block_q=r.block_q, block_k=r.block_k,
+                causal_offset=offset, two_level=r.two_level_p, return_lse=False,
+            )
+        else:
+            attn_fwd_int8.attention(
+                qz, out=out, pv=r.pv, granularity=r.granularity, block_q=r.block_q,
+                block_k=r.block_k, causal_offset=offset, return_lse=False,
+            )
         return out
 
     return attend, contextlib.nullcontext
@@ -443,7 +456,9 @@ def _measure(method, inputs, refs, row, *, timer, min_cosine, causal):
         ref, ref_name = refs[method.dtype]
         row.update(compare(out, ref))
         row["reference"] = ref_name
-        ok = row["nonfinite"] == 0 and row["cosine"] >= min_cosine
+        fp4 = method.recipe is not None and method.recipe in RECIPES and RECIPES[method.recipe].is_fp4
+        ok = row["nonfinite"] == 0 and row["cosine"] >= (min(min_cosine, FP4_MIN_COSINE) if fp4
+                                                         else min_cosine)
         row["check"] = "pass" if ok else "FAIL"
     del out
     if cuda:

@@ -118,6 +118,16 @@ def recipe_runs_here(recipe, device: torch.device, capability) -> None:
         )
 
 
+def recipe_fits(recipe, head_dim: int) -> None:
+    """FP4 recipes group Q and K along the head dim: 32 channels per MXFP4 scale, and the kernels
+    take NVFP4 the same way (whole 32-channel halves of a 64-deep FP4 MMA)."""
+    if recipe.is_fp4 and head_dim % 32 != 0:
+        raise ValueError(
+            f"recipe {recipe.name!r} needs a head dim that is a multiple of 32, got {head_dim}; "
+            "use an 8-bit recipe ('qk_int8_pv_fp8' or 'qk_int8_pv_fp16') for this head dim"
+        )
+
+
 def forward_only(*tensors: torch.Tensor) -> None:
     """The kernels have no backward: refuse to cut a graph silently."""
     if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
@@ -137,3 +147,9 @@ def quant_groups(x, group: int, name: str = "x") -> None:
             f"{name}'s last dimension must be a multiple of the group size {group}, "
             f"got shape {tuple(x.shape)}"
         )
+
+
+def fp4_amax(fmt: str, amax) -> None:
+    """NVFP4 attention operands take their tensor scale from the per-channel amax."""
+    if fmt == "nvfp4" and amax is None:
+        raise ValueError("NVFP4 operands need the per-channel amax (for the tensor scale)")

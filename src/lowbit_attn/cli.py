@@ -21,6 +21,8 @@ import platform
 import sys
 from typing import Callable, Sequence
 
+from .arch import native_fp4
+
 # Subcommands implemented in other modules: name → (module, help). Each module exports
 # ``add_arguments(parser)`` and ``cli_main(args) -> int``.
 EXTERNAL = {
@@ -140,12 +142,24 @@ def _inspect(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> in
 # doctor
 
 
+# What the Triton versions in play can express for FP4 (AOT compiles with 3.6; DESIGN.md for 3.9).
+FP4_SUPPORT = (
+    "native: tl.dot_scaled with NVFP4's E4M3 group-16 scales and MXFP4's E8M0 group-32 scales",
+    "  compiles to tcgen05.mma ... block_scale (sm_100) and mma.sync ... kind::mxf4nvf4 (sm_120)",
+    "  with Triton 3.6 (lowbit-attn inspect --arch sm_120a --recipe qk_fp4_pv_fp4)",
+    "emulated: before sm_100 (Triton 3.6 cannot compile an NVFP4 dot_scaled for sm_90) and under",
+    "  the interpreter (no dot_scaled), the kernel unpacks FP4 and applies the scales itself:",
+    "  the same function, exact products, no FP4 speed-up",
+)
+
+
 def recipe_status(recipe, device_type: str, capability, backend: str) -> str:
     """How ``recipe`` runs for tensors on ``device_type`` (``"cuda"``/``"cpu"``):
 
     ``"reference"`` (PyTorch: the exact recipe, the reference backend, CPU tensors by default),
     ``"interpreter"`` (Triton kernels on the CPU under ``TRITON_INTERPRET=1``), ``"native"``
-    (Triton kernels on tensor cores: INT8 needs sm_80+, FP8 P·V sm_89+), ``"unsupported (...)"``
+    (Triton kernels on tensor cores: INT8 needs sm_80+, FP8 P·V sm_89+, FP4 sm_100+), ``"emulated"``
+    (FP4 recipes before sm_100: the same kernel, FP4 unpacked to bf16), ``"unsupported (...)"``
     (a GPU without them: Triton 3.6 cannot compile the kernel) or ``"no GPU"``.
     """
     if device_type == "cuda" and capability is None:
@@ -153,7 +167,9 @@ def recipe_status(recipe, device_type: str, capability, backend: str) -> str:
     if recipe.is_exact or backend == "reference":
         return "reference"
     if device_type == "cpu":
-        return "interpreter"
+        return "interpreter (FP4 emulated)" if recipe.is_fp4 else "interpreter"
+    if recipe.is_fp4 and tuple(capability) >= (8, 0):
+        return "native (FP4 tensor cores)" if native_fp4(capability) else "emulated (bf16 MMA)"
     need = (8, 9) if recipe.pv == "fp8" else (8, 0)
     if tuple(capability) >= need:
         return "native"
@@ -223,6 +239,12 @@ def _doctor(args: argparse.Namespace) -> int:
         print(f"  {name:<18}{cuda} / {cpu}")
     on_cuda = auto_recipe(cuda_cap).name if cuda_cap is not None else "no GPU"
     print(f"  {'auto':<18}{on_cuda} / {auto_recipe(None).name}")
+
+    mode = arch_mod.fp4_mode("cuda" if cuda_cap is not None else "cpu",
+                             backends["cuda" if cuda_cap is not None else "cpu"], cuda_cap)
+    print(f"\nFP4 (qk_fp4_pv_fp4, qk_mxfp4_pv_mxfp4) here: {mode}")
+    for line in FP4_SUPPORT:
+        print(f"  {line}")
 
     print("\noptional")
     for module in ("sageattention", "matplotlib"):

@@ -4,21 +4,46 @@ from __future__ import annotations
 
 import torch
 
-from .prepare import quantize_qkv
+from .prepare import quantize_qkv, quantize_qkv_fp4
 from .quantized import Seqs
 from .recipes import Recipe
-from .reference.attention import exact_attention, quantized_attention
+from .reference.attention import exact_attention, fp4_attention, quantized_attention
 
 
 def _dense_reference(q, k, v, *, recipe: Recipe, scale: float, causal_offset, return_lse: bool):
     if recipe.is_exact:
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         return exact_attention(q, k, v, scale=scale, causal_offset=causal_offset, dtype=dtype)
+    if recipe.is_fp4:
+        qz = quantize_qkv_fp4(q, k, v, recipe, scale, need_lse_shift=return_lse,
+                              backend="reference")
+        return fp4_attention(
+            qz, head_dim=q.shape[-1], block_q=recipe.block_q, block_k=recipe.block_k,
+            causal_offset=causal_offset, two_level=recipe.two_level_p,
+        )
     qz = quantize_qkv(q, k, v, recipe, scale, need_lse_shift=return_lse, backend="reference")
     return quantized_attention(
         qz, pv=recipe.pv, granularity=recipe.granularity, block_q=recipe.block_q,
         block_k=recipe.block_k, causal_offset=causal_offset,
     )
+
+
+def _dense(q, k, v, *, out, recipe: Recipe, scale: float, causal_offset, return_lse: bool,
+           backend: str):
+    """Dense ``[B, H, N, D]`` attention into ``out``; the LSE when ``return_lse``."""
+    if backend == "triton" and recipe.is_fp4:
+        from .kernels import attn_fwd_fp4
+
+        qz = quantize_qkv_fp4(q, k, v, recipe, scale, need_lse_shift=return_lse,
+                              backend="triton")
+        return attn_fwd_fp4.attention(
+            qz, out=out, head_dim=q.shape[-1], block_q=recipe.block_q, block_k=recipe.block_k,
+            causal_offset=causal_offset, two_level=recipe.two_level_p, return_lse=return_lse,
+        )
+    o, lse = _dense_reference(q, k, v, recipe=recipe, scale=scale, causal_offset=causal_offset,
+                              return_lse=return_lse)
+    out.copy_(o)
+    return lse.float() if return_lse else None
 
 
 def _as_dense(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
@@ -47,7 +72,8 @@ def run(
     calls only; packed sequences are each aligned bottom-right).
     """
     offset = causal_offset if is_causal else None
-    if backend == "triton" and not recipe.is_exact:
+    int8_kernels = backend == "triton" and not recipe.is_exact and not recipe.is_fp4
+    if int8_kernels:
         from .kernels import attn_fwd_int8
 
         seqs_q, seqs_k = seqs if seqs is not None else (None, None)
@@ -61,10 +87,9 @@ def run(
             seqs_q=seqs_q, seqs_k=seqs_k,
         )
     if seqs is None:
-        o, lse = _dense_reference(q, k, v, recipe=recipe, scale=scale, causal_offset=offset,
-                                  return_lse=return_lse)
-        out.copy_(o)
-        return lse.float() if return_lse else None
+        return _dense(q, k, v, out=out, recipe=recipe, scale=scale, causal_offset=offset,
+                      return_lse=return_lse, backend=backend)
+    # packed sequences without a packed kernel: one dense call per sequence
     seqs_q, seqs_k = seqs
     lse_all = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device) if return_lse else None
     for b in range(seqs_q.batch):
@@ -76,11 +101,11 @@ def run(
             out[q0:q1].zero_()
             continue
         seq_offset = (k1 - k0) - (q1 - q0) if is_causal else None
-        o, lse = _dense_reference(
-            _as_dense(q, q0, q1), _as_dense(k, k0, k1), _as_dense(v, k0, k1), recipe=recipe,
-            scale=scale, causal_offset=seq_offset, return_lse=return_lse,
+        lse = _dense(
+            _as_dense(q, q0, q1), _as_dense(k, k0, k1), _as_dense(v, k0, k1),
+            out=_as_dense(out, q0, q1), recipe=recipe, scale=scale, causal_offset=seq_offset,
+            return_lse=return_lse, backend=backend,
         )
-        out[q0:q1].copy_(o[0].transpose(0, 1))
         if return_lse:
             lse_all[:, q0:q1] = lse[0]
     return lse_all

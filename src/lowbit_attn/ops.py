@@ -24,6 +24,7 @@ def attention_fwd(
     smooth_q: bool,
     smooth_v: bool,
     balance_qk: bool,
+    two_level_p: bool,
     block_q: int,
     block_k: int,
     scale: float,
@@ -36,8 +37,8 @@ def attention_fwd(
     in q's shape (contiguous) and the LSE ``[B, Hq, Nq]`` (an empty tensor unless ``return_lse``)."""
     recipe = Recipe(
         name=recipe_name, qk=qk, pv=pv, granularity=granularity, smooth_k=smooth_k,
-        smooth_q=smooth_q, smooth_v=smooth_v, balance_qk=balance_qk, block_q=block_q,
-        block_k=block_k,
+        smooth_q=smooth_q, smooth_v=smooth_v, balance_qk=balance_qk, two_level_p=two_level_p,
+        block_q=block_q, block_k=block_k,
     )
     qh, kh, vh = (x.transpose(1, 2) if nhd else x for x in (q, k, v))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -53,18 +54,24 @@ def attention_fwd(
 
 @attention_fwd.register_fake
 def _(q, k, v, recipe_name, qk, pv, granularity, smooth_k, smooth_q, smooth_v, balance_qk,
-      block_q, block_k, scale, is_causal, causal_offset, nhd, return_lse):
+      two_level_p, block_q, block_k, scale, is_causal, causal_offset, nhd, return_lse):
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     b, hq, nq = (q.shape[0], q.shape[2], q.shape[1]) if nhd else q.shape[:3]
     lse = torch.empty((b, hq, nq) if return_lse else (0,), dtype=torch.float32, device=q.device)
     return out, lse
 
 
+def recipe_args(recipe: Recipe) -> tuple:
+    """A :class:`Recipe`'s fields in the op's argument order."""
+    return (
+        recipe.name, recipe.qk, recipe.pv, recipe.granularity, recipe.smooth_k, recipe.smooth_q,
+        recipe.smooth_v, recipe.balance_qk, recipe.two_level_p, recipe.block_q, recipe.block_k,
+    )
+
+
 def call(q, k, v, recipe: Recipe, *, scale: float, is_causal: bool, causal_offset: int,
          nhd: bool, return_lse: bool):
     """Run the op with a :class:`Recipe` (its fields become the op's arguments)."""
     return attention_fwd(
-        q, k, v, recipe.name, recipe.qk, recipe.pv, recipe.granularity, recipe.smooth_k,
-        recipe.smooth_q, recipe.smooth_v, recipe.balance_qk, recipe.block_q, recipe.block_k,
-        scale, is_causal, causal_offset, nhd, return_lse,
+        q, k, v, *recipe_args(recipe), scale, is_causal, causal_offset, nhd, return_lse
     )

@@ -66,3 +66,51 @@ class Seqs:
 
 def dense_seqs(x: torch.Tensor) -> Seqs:
     return Seqs(batch=x.shape[0], max_len=x.shape[2])
+
+
+FP4_GROUP = {"nvfp4": 16, "mxfp4": 32}  # elements per scale
+LOG2_P_TWO_LEVEL = 11.392317422778761  # log2(448·6): two-level P̃ rows peak at exp2(log2 2688)
+P_TWO_LEVEL_MAX = 2688.0
+
+
+def padded_head_dim(d: int) -> int:
+    """Channels of a stored FP4 operand: the next power of two, at least 64 (one FP4 MMA's depth)."""
+    return max(64, 1 << (d - 1).bit_length())
+
+
+@dataclass
+class QuantizedFP4:
+    """Operands for the FP4 attention stage (dense ``[B, H, N, ·]`` tensors).
+
+    Values are E2M1 codes two per byte (low nibble first); scales are bit patterns (uint8): E4M3
+    for NVFP4 (groups of 16), E8M0 for MXFP4 (groups of 32). The channel dimension is padded with
+    zeros to ``dp`` (a power of two, at least 64) and V's token dimension to a whole number of key
+    blocks, so the attention kernel reads whole tiles.
+
+    Attributes:
+        fmt: ``"nvfp4"`` or ``"mxfp4"``.
+        q, q_scale: ``[B, Hq, Nq, dp/2]`` and ``[B, Hq, Nq, dp/group]`` (groups along channels).
+        k, k_scale: ``[B, Hkv, Nk, dp/2]`` and ``[B, Hkv, Nk, dp/group]``.
+        v, v_scale: V transposed, ``[B, Hkv, dp, Nk_pad/2]`` and ``[B, Hkv, dp, Nk_pad/group]``
+            (groups along tokens: V is the right operand of P·V).
+        q_global, k_global, v_global: NVFP4 tensor scales, fp32 ``[B, H]`` per (batch, head);
+            ``None`` for MXFP4.
+        qk_multiplier: ``softmax_scale·log2 e``: scores in base 2 are the product times it (times
+            the tensor scales of Q and K for NVFP4).
+        v_mean, delta_s, lse_shift: as in :class:`QuantizedQKV`.
+    """
+
+    fmt: str
+    q: torch.Tensor
+    q_scale: torch.Tensor
+    k: torch.Tensor
+    k_scale: torch.Tensor
+    v: torch.Tensor
+    v_scale: torch.Tensor
+    qk_multiplier: float
+    q_global: torch.Tensor | None = None
+    k_global: torch.Tensor | None = None
+    v_global: torch.Tensor | None = None
+    v_mean: torch.Tensor | None = None
+    delta_s: torch.Tensor | None = None
+    lse_shift: torch.Tensor | None = None

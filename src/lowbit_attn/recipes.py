@@ -16,6 +16,9 @@ from typing import Literal
 Granularity = Literal["per_block", "per_token"]
 
 GRANULARITIES = ("per_block", "per_token")
+QK_FORMATS = ("int8", "nvfp4", "mxfp4", "none")
+PV_FORMATS = ("fp16", "fp8", "nvfp4", "mxfp4", "none")
+FP4_FORMATS = ("nvfp4", "mxfp4")
 
 
 @dataclass(frozen=True)
@@ -23,13 +26,18 @@ class Recipe:
     """How attention is computed.
 
     Attributes:
-        name: the recipe's name (``"exact"``, ``"qk_int8_pv_fp16"``, ``"qk_int8_pv_fp8"``).
-        qk: ``"int8"`` for INT8 Q·Kᵀ with int32 accumulation, ``"none"`` for exact.
+        name: the recipe's name (``"exact"``, ``"qk_int8_pv_fp16"``, ``"qk_int8_pv_fp8"``,
+            ``"qk_fp4_pv_fp4"``, ``"qk_mxfp4_pv_mxfp4"``).
+        qk: ``"int8"`` for INT8 Q·Kᵀ with int32 accumulation; ``"nvfp4"`` / ``"mxfp4"`` for FP4
+            microscaling Q and K (groups of 16 / 32 channels, E4M3 / E8M0 scales); ``"none"`` for
+            exact.
         pv: ``"fp16"`` (P̃ and V in fp16, fp32 accumulation), ``"fp8"`` (E4M3 P̃ with static scale 448,
-            E4M3 V with one scale per channel, each key block's product added into an fp32 accumulator)
-            or ``"none"``.
+            E4M3 V with one scale per channel, each key block's product added into an fp32
+            accumulator), ``"nvfp4"`` / ``"mxfp4"`` (P̃ in groups of keys, V in groups of tokens;
+            the same format as ``qk``) or ``"none"``.
         granularity: INT8 scale groups for Q and K: ``"per_block"`` (one scale per ``block_q`` query
-            rows and per ``block_k`` key rows) or ``"per_token"`` (one scale per row).
+            rows and per ``block_k`` key rows) or ``"per_token"`` (one scale per row). FP4 recipes'
+            groups are fixed by their format and keep ``"per_block"``.
         smooth_k: subtract the per-(batch, head, channel) mean of K over tokens. Exact: softmax ignores
             the constant it adds to each row of scores.
         smooth_q: subtract the mean of each block of ``block_q`` query rows and add the correction
@@ -38,6 +46,9 @@ class Recipe:
         balance_qk: rescale channel c of Q by ``α_c`` and of K by ``1/α_c`` with
             ``α_c = sqrt(amax|K'_c| / amax|Q'_c|)`` per (batch, KV head), after smoothing. Scores are
             unchanged in exact arithmetic; outlier channels stop dominating one operand's scale.
+        two_level_p: FP4 only: scale each row of P̃ in a key block so its maximum maps to
+            ``448·6`` before the group quantization, and fold the factor back after P·V
+            (SageAttention3's two-level quantization); ``False`` quantizes ``P̃ ∈ [0, 1]`` directly.
         block_q, block_k: query and key rows per tile (and per scale group with ``per_block``).
     """
 
@@ -49,16 +60,22 @@ class Recipe:
     smooth_q: bool = False
     smooth_v: bool = False
     balance_qk: bool = True
+    two_level_p: bool = True
     block_q: int = 128
     block_k: int = 64
 
     def __post_init__(self) -> None:
-        if self.qk not in ("int8", "none"):
-            raise ValueError(f"Recipe.qk must be 'int8' or 'none', got {self.qk!r}")
-        if self.pv not in ("fp16", "fp8", "none"):
-            raise ValueError(f"Recipe.pv must be 'fp16', 'fp8' or 'none', got {self.pv!r}")
+        if self.qk not in QK_FORMATS:
+            raise ValueError(f"Recipe.qk must be one of {QK_FORMATS}, got {self.qk!r}")
+        if self.pv not in PV_FORMATS:
+            raise ValueError(f"Recipe.pv must be one of {PV_FORMATS}, got {self.pv!r}")
         if (self.qk == "none") != (self.pv == "none"):
             raise ValueError("Recipe: qk and pv must both be 'none' (exact) or both be quantized")
+        if (self.qk in FP4_FORMATS or self.pv in FP4_FORMATS) and self.qk != self.pv:
+            raise ValueError(
+                f"Recipe: an FP4 recipe quantizes Q·Kᵀ and P·V in one format, got qk={self.qk!r} "
+                f"and pv={self.pv!r}"
+            )
         if self.granularity not in GRANULARITIES:
             raise ValueError(
                 f"Recipe.granularity must be one of {GRANULARITIES}, got {self.granularity!r}"
@@ -67,10 +84,27 @@ class Recipe:
             value = getattr(self, field)
             if value not in (16, 32, 64, 128):
                 raise ValueError(f"Recipe.{field} must be 16, 32, 64 or 128, got {value!r}")
+        if self.is_fp4:
+            if self.granularity != "per_block":
+                raise ValueError(
+                    "Recipe.granularity applies to INT8 recipes; FP4 groups are fixed by the format "
+                    f"(keep 'per_block'), got {self.granularity!r}"
+                )
+            if self.balance_qk:
+                raise ValueError("Recipe.balance_qk is not available for FP4 recipes; set it False")
+            if self.block_k < 32:
+                raise ValueError(
+                    f"Recipe.block_k must be at least 32 for FP4 recipes (P's scale groups lie "
+                    f"within a key block), got {self.block_k}"
+                )
 
     @property
     def is_exact(self) -> bool:
         return self.qk == "none"
+
+    @property
+    def is_fp4(self) -> bool:
+        return self.qk in FP4_FORMATS
 
     def replace(self, **changes) -> "Recipe":
         """A copy with some options changed (validated)."""
@@ -86,7 +120,19 @@ QK_INT8_PV_FP16 = Recipe(name="qk_int8_pv_fp16", qk="int8", pv="fp16")
 # 0.999 cosine bar (experiments/accuracy_defaults); FP16 P·V meets every bar with per-block scales.
 QK_INT8_PV_FP8 = Recipe(name="qk_int8_pv_fp8", qk="int8", pv="fp8", granularity="per_token")
 
-RECIPES: dict[str, Recipe] = {r.name: r for r in (EXACT, QK_INT8_PV_FP16, QK_INT8_PV_FP8)}
+# SageAttention3: FP4 Q·Kᵀ and P·V with Q smoothing (per query block, ΔS correction), K smoothing
+# and two-level P quantization. NVFP4 is the FP4 default; MXFP4 is its power-of-two-scale cousin.
+QK_FP4_PV_FP4 = Recipe(
+    name="qk_fp4_pv_fp4", qk="nvfp4", pv="nvfp4", smooth_q=True, balance_qk=False
+)
+QK_MXFP4_PV_MXFP4 = Recipe(
+    name="qk_mxfp4_pv_mxfp4", qk="mxfp4", pv="mxfp4", smooth_q=True, balance_qk=False
+)
+
+RECIPES: dict[str, Recipe] = {
+    r.name: r
+    for r in (EXACT, QK_INT8_PV_FP16, QK_INT8_PV_FP8, QK_FP4_PV_FP4, QK_MXFP4_PV_MXFP4)
+}
 
 
 def get_recipe(name: str) -> Recipe:

@@ -9,25 +9,20 @@ product added into the fp32 accumulator (two-level accumulation). Twin:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
-from ..arch import get_capability, interpreter_enabled
+from ..arch import get_capability
 from ..quantized import LOG2_FP8_MAX, QuantizedQKV, Seqs, dense_seqs
-from .common import batch_head, bhnd_strides, exact_fp8, next_pow2, row_strides, seq_span, to_e4m3
+from .common import (
+    LaunchConfig, batch_head, bhnd_strides, exact_fp8, finish_scores, key_block_bounds, next_pow2,
+    normalize_rows, online_max, row_strides, seq_span, store_lse, to_e4m3, triton_configs,
+)
 
 
 # Globals read inside @triton.jit functions must be constexpr.
 _LOG2_FP8_MAX = tl.constexpr(LOG2_FP8_MAX)
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    num_warps: int
-    num_stages: int
 
 
 # Named per architecture; BLOCK_M and BLOCK_N come from the recipe (they are also the per-block
@@ -39,23 +34,6 @@ CONFIGS = {
     "sm_89": [LaunchConfig(8, 2), LaunchConfig(8, 3), LaunchConfig(4, 2)],
     "sm_90": [LaunchConfig(8, 2), LaunchConfig(8, 3), LaunchConfig(4, 3), LaunchConfig(8, 4)],
 }
-
-
-def configs_for(capability: tuple[int, int] | None) -> list[LaunchConfig]:
-    if interpreter_enabled() or capability is None:
-        return CONFIGS["interpreter"]
-    if capability >= (9, 0):
-        return CONFIGS["sm_90"]
-    if capability >= (8, 9):
-        return CONFIGS["sm_89"]
-    return CONFIGS["sm_80"]
-
-
-def _triton_configs():
-    return [
-        triton.Config({}, num_warps=c.num_warps, num_stages=c.num_stages)
-        for c in configs_for(get_capability())
-    ]
 
 
 @triton.jit
@@ -82,19 +60,9 @@ def _attend_block(
     else:
         ks = tl.load(ks_base + (start_n // BLOCK_N) * sksn)
         s = s_int.to(tl.float32) * (qs * ks)
-    if HAS_DS:
-        ds = tl.load(ds_base + cols * sdn, mask=nmask, other=0.0)
-        s = s + ds[None, :]
-    if MASKED:
-        if IS_CAUSAL:
-            valid = (cols[None, :] <= offs_m[:, None] + causal_offset) & nmask[None, :]
-        else:
-            valid = nmask[None, :]
-        s = tl.where(valid, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    # a row may have seen no key yet (all -inf): subtract 0 instead of -inf, which would give NaN
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
+    s = finish_scores(s, cols, nmask, offs_m, causal_offset, ds_base, sdn, HAS_DS, MASKED,
+                      IS_CAUSAL)
+    m_new, m_safe, alpha = online_max(m_i, tl.max(s, axis=1))
     p = tl.exp2(s - (m_safe - offset)[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if MASKED:
@@ -176,14 +144,7 @@ def _attn_fwd_int8_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # Key blocks that every row of this query block sees in full run without masks; the rest
-    # (the sequence's tail, the causal diagonal) with them.
-    full_hi = (nk // BLOCK_N) * BLOCK_N
-    hi = nk
-    if IS_CAUSAL:
-        hi = tl.minimum(nk, (pid_m + 1) * BLOCK_M + causal_offset)
-        first_row_sees = pid_m * BLOCK_M + causal_offset + 1
-        full_hi = tl.minimum(full_hi, tl.maximum(first_row_sees, 0) // BLOCK_N * BLOCK_N)
+    full_hi, hi = key_block_bounds(nk, pid_m, causal_offset, IS_CAUSAL, BLOCK_M, BLOCK_N)
     for start_n in range(0, full_hi, BLOCK_N):
         acc, m_i, l_i = _attend_block(
             acc, m_i, l_i, q, qs, start_n, offs_m, offs_n, offs_d, dmask, nk, causal_offset,
@@ -197,8 +158,7 @@ def _attn_fwd_int8_kernel(
             True, IS_CAUSAL, PER_TOKEN, PV_FP8, HAS_DS, EXACT_FP8, BLOCK_N,
         )
 
-    empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    out, empty = normalize_rows(acc, l_i)
     if PV_FP8:
         vs = tl.load(VS + b * svsb + hk * svsh + offs_d * svsd, mask=dmask, other=0.0)
         out = out * vs[None, :]
@@ -211,14 +171,13 @@ def _attn_fwd_int8_kernel(
         out.to(O.dtype.element_ty), mask=mmask[:, None] & dmask[None, :],
     )
     if WRITE_LSE:
-        lse = (m_i + tl.log2(l_i) - offset) * 0.6931471805599453
-        if HAS_LSH:
-            lse += tl.load(LSH + b * slb + h * slh + (q_start + offs_m) * sln, mask=mmask, other=0.0)
-        tl.store(LSE + b * seb + h * seh + (q_start + offs_m) * sen, lse, mask=mmask)
+        rows = q_start + offs_m
+        store_lse(LSE, b * seb + h * seh + rows * sen, LSH, b * slb + h * slh + rows * sln,
+                  m_i, l_i, offset, mmask, HAS_LSH)
 
 
 _attn_fwd_int8 = triton.autotune(
-    configs=_triton_configs(),
+    configs=triton_configs(CONFIGS, get_capability()),
     # N_BUCKET (a power of two of the key length, unused by the kernel): tune per length range.
     key=["N_BUCKET", "BLOCK_D", "IS_CAUSAL", "PER_TOKEN", "PV_FP8", "VARLEN", "BLOCK_M", "BLOCK_N"],
 )(

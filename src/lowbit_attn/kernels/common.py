@@ -1,12 +1,99 @@
-"""Pieces shared by the Triton kernels: exact rounding helpers and stride bookkeeping."""
+"""Pieces shared by the Triton kernels: exact rounding helpers, the attention kernels' loop bounds
+and epilogue, launch configs and stride bookkeeping."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from ..arch import interpreter_enabled
+
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    num_warps: int
+    num_stages: int
+
+
+def configs_for(configs: dict[str, list[LaunchConfig]], capability) -> list[LaunchConfig]:
+    """A kernel module's ``CONFIGS`` entry for the machine: ``"interpreter"`` (or no GPU),
+    ``"sm_90"`` from Hopper on, ``"sm_89"``, ``"sm_80"``."""
+    if interpreter_enabled() or capability is None:
+        return configs["interpreter"]
+    if capability >= (9, 0):
+        return configs["sm_90"]
+    if capability >= (8, 9):
+        return configs["sm_89"]
+    return configs["sm_80"]
+
+
+def triton_configs(configs: dict[str, list[LaunchConfig]], capability) -> list:
+    return [triton.Config({}, num_warps=c.num_warps, num_stages=c.num_stages)
+            for c in configs_for(configs, capability)]
+
+
+@triton.jit
+def key_block_bounds(nk, pid_m, causal_offset, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
+    """``(full_hi, hi)`` for one query block: key blocks below ``full_hi`` are seen whole by every
+    row (no masks needed), those in ``[full_hi, hi)`` hold the sequence's tail or the causal
+    diagonal; keys from ``hi`` on are seen by no row."""
+    full_hi = (nk // BLOCK_N) * BLOCK_N
+    hi = nk
+    if IS_CAUSAL:
+        hi = tl.minimum(nk, (pid_m + 1) * BLOCK_M + causal_offset)
+        first_row_sees = pid_m * BLOCK_M + causal_offset + 1
+        full_hi = tl.minimum(full_hi, tl.maximum(first_row_sees, 0) // BLOCK_N * BLOCK_N)
+    return full_hi, hi
+
+
+@triton.jit
+def finish_scores(s, cols, nmask, offs_m, causal_offset, ds_base, sdn, HAS_DS: tl.constexpr,
+                  MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """A score tile in base 2 with the Q-smoothing correction ΔS added and, in ``MASKED`` blocks,
+    ``-inf`` for keys past the end or past the causal diagonal."""
+    if HAS_DS:
+        ds = tl.load(ds_base + cols * sdn, mask=nmask, other=0.0)
+        s = s + ds[None, :]
+    if MASKED:
+        if IS_CAUSAL:
+            valid = (cols[None, :] <= offs_m[:, None] + causal_offset) & nmask[None, :]
+        else:
+            valid = nmask[None, :]
+        s = tl.where(valid, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def online_max(m_i, block_max):
+    """``(m_new, m_safe, alpha)`` of the online softmax: the running row max, the same with 0 for
+    rows that have seen no key yet (subtracting -inf would give NaN), the rescale factor."""
+    m_new = tl.maximum(m_i, block_max)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    return m_new, m_safe, tl.exp2(m_i - m_safe)
+
+
+@triton.jit
+def normalize_rows(acc, l_i):
+    """``acc / l`` per row, and which rows saw no key (their sum is 0; they give 0, not NaN)."""
+    empty = l_i == 0.0
+    return acc / tl.where(empty, 1.0, l_i)[:, None], empty
+
+
+@triton.jit
+def store_lse(LSE, lse_offsets, LSH, lsh_offsets, m_i, l_i, offset, mask,
+              HAS_LSH: tl.constexpr):
+    """Natural-log LSE of each row (``offset``: what the exp2 added to every score, in base 2),
+    plus the K-smoothing shift ``LSH`` when given."""
+    lse = (m_i + tl.log2(l_i) - offset) * LN2
+    if HAS_LSH:
+        lse += tl.load(LSH + lsh_offsets, mask=mask, other=0.0)
+    tl.store(LSE + lse_offsets, lse, mask=mask)
 
 # fp32 RNE to an integer: adding 1.5·2^23 leaves no fraction bits, so the FPU's own round-to-nearest-
 # even does the work; exact for |x| < 2^22. Same bits on a GPU and under the interpreter.

@@ -23,7 +23,7 @@ _FLT_MIN = 2.0**-126
 
 
 @triton.jit
-def _e2m1_code(y):
+def e2m1_code(y):
     """fp32 → E2M1 code (int32, 0..15): RNE on the code (even code = even mantissa), saturating at
     ±6, NaN → 0, sign bit for every negative input. Twin: ``reference.fp4.e2m1_code``."""
     a = tl.minimum(tl.abs(y), 6.0)
@@ -37,7 +37,7 @@ def _e2m1_code(y):
 
 
 @triton.jit
-def _e4m3_scale(s, nonzero):
+def e4m3_group_scale(s, nonzero):
     """Non-negative (or NaN) fp32 → ``(E4M3 value as fp32, E4M3 bits as int32)``: RNE, saturating
     at 448, NaN → 0x7F, at least 2^-9 (code 1) where ``nonzero``."""
     r, code = e4m3_round(s)
@@ -46,6 +46,55 @@ def _e4m3_scale(s, nonzero):
     code = tl.where(tiny, 1, code)
     nan = s != s
     return tl.where(nan, float("nan"), r), tl.where(nan, 0x7F, code)
+
+
+@triton.jit
+def e8m0_group_scale(amax):
+    """Group amax (fp32, ≥ 0 or NaN) → ``(E8M0 bits as int32, 2^e as fp32)`` with
+    ``e = floor(log2 amax) - 2`` from the exponent field (zero and subnormal amax clamp to -127),
+    NaN → code 255 and a NaN scale. Twin: ``reference.fp4.mxfp4_scale_code``."""
+    exp_field = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    code = tl.minimum(tl.maximum(exp_field - 129, -127), 127) + 127
+    nan = amax != amax
+    code = tl.where(nan, 255, code)
+    return code, e8m0_value(code)
+
+
+@triton.jit
+def e8m0_value(code):
+    """E8M0 bits (int32) → fp32 ``2^(code - 127)``, built from bits (exact, 2^-127 too); 255 → NaN.
+    Twin: ``reference.fp4.e8m0_value``."""
+    v = tl.where(code >= 1, code << 23, 0x400000).to(tl.float32, bitcast=True)
+    return tl.where(code == 255, float("nan"), v)
+
+
+@triton.jit
+def e4m3_value(code):
+    """E4M3 bits (int32, sign clear) → fp32, built from bits: ``man·2^-9`` below 2^-6,
+    ``(1 + man/8)·2^(exp-7)`` above; 0x7F → NaN. (The interpreter cannot convert float8.)"""
+    exp = (code >> 3) & 0xF
+    man = code & 0x7
+    normal = (((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
+    v = tl.where(exp == 0, man.to(tl.float32) * 0.001953125, normal)
+    return tl.where((code & 0x7F) == 0x7F, float("nan"), v)
+
+
+@triton.jit
+def e2m1_value(code):
+    """E2M1 code (int32, 0..15) → fp32 value: magnitudes 0, 0.5, 1, 1.5 (``c/2``), 2, 3 (``c-2``),
+    4, 6 (``2c-8``); bit 3 is the sign."""
+    c = (code & 7).to(tl.float32)
+    mag = tl.where(c < 4.0, c * 0.5, tl.where(c < 6.0, c - 2.0, c * 2.0 - 8.0))
+    return tl.where((code & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def nvfp4_global_from_amax(amax):
+    """NVFP4 tensor scale ``g = amax/2688`` (at least 2^-126; 1 if amax is 0; NaN stays NaN).
+    Twin: ``reference.fp4.global_scale_from_amax``."""
+    g = tl.maximum(tl.div_rn(amax, 2688.0), 1.1754943508222875e-38)
+    g = tl.where(amax != amax, amax, g)  # a GPU max drops NaN
+    return tl.where(amax == 0.0, 1.0, g)
 
 
 @triton.jit
@@ -76,8 +125,8 @@ def _group_amax(x_even, x_odd):
 @triton.jit
 def _store_packed(OUT, x_even, x_odd, denom, row, grp, valid, sor,
                   GROUP: tl.constexpr):
-    lo = _e2m1_code(tl.div_rn(x_even, denom[:, None]))
-    hi = _e2m1_code(tl.div_rn(x_odd, denom[:, None]))
+    lo = e2m1_code(tl.div_rn(x_even, denom[:, None]))
+    hi = e2m1_code(tl.div_rn(x_odd, denom[:, None]))
     byte = (lo | (hi << 4)).to(tl.uint8)
     half = tl.arange(0, GROUP // 2)
     ptr = OUT + row.to(tl.int64)[:, None] * sor + (grp[:, None] * (GROUP // 2) + half[None, :])
@@ -97,7 +146,7 @@ def _quantize_nvfp4_kernel(
     )
     g = tl.load(GSCALE)
     amax = _group_amax(x_even, x_odd)
-    s, code = _e4m3_scale(tl.div_rn(tl.div_rn(amax, 6.0), g), amax > 0.0)
+    s, code = e4m3_group_scale(tl.div_rn(tl.div_rn(amax, 6.0), g), amax > 0.0)
     denom = tl.where(code == 0, 1.0, s * g)  # all-zero group: no 0/0
     tl.store(SCALE + row.to(tl.int64) * ssr + grp, code.to(tl.uint8), mask=valid)
     _store_packed(OUT, x_even, x_odd, denom, row, grp, valid, sor, 16)
@@ -115,13 +164,7 @@ def _quantize_mxfp4_kernel(
         X, pid_r, pid_g, R, NG, sxr, sxk, 32, BLOCK_R, BLOCK_G
     )
     amax = _group_amax(x_even, x_odd)
-    # floor(log2(amax)) - 2 from the exponent field; zero and subnormal amax clamp to -127
-    exp_field = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    code = tl.minimum(tl.maximum(exp_field - 129, -127), 127) + 127
-    nan = amax != amax
-    code = tl.where(nan, 255, code)
-    scale = tl.where(code >= 1, code << 23, 0x400000).to(tl.float32, bitcast=True)
-    scale = tl.where(nan, float("nan"), scale)
+    code, scale = e8m0_group_scale(amax)
     tl.store(SCALE + row.to(tl.int64) * ssr + grp, code.to(tl.uint8), mask=valid)
     _store_packed(OUT, x_even, x_odd, scale, row, grp, valid, sor, 32)
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from ..quantized import LN2, LOG2_FP8_MAX, QuantizedQKV
+from ..quantized import LN2, LOG2_FP8_MAX, LOG2_P_TWO_LEVEL, QuantizedFP4, QuantizedQKV
 from .quant import to_e4m3
+from .quant_fp4 import dequantize_fp4, quantize_p, two_level_factor
 
 
 def visible(nq: int, nk: int, causal_offset: int | None, device, rows=None, cols=None):
@@ -122,16 +123,94 @@ def quantized_attention(
         p_q = to_e4m3(p) if pv == "fp8" else p.to(torch.float16)
         acc = acc * alpha.unsqueeze(-1) + torch.matmul(p_q.float(), vf[:, :, start:stop])
         m = m_new
+    v_scale = None if qz.v_scale is None else _expand_heads(qz.v_scale, hq).unsqueeze(-2)
+    return _finish(acc, l_sum, m, offset, v_scale, qz.v_mean, qz.lse_shift)
+
+
+def _finish(acc, l_sum, m, offset, v_scale, v_mean, lse_shift):
+    """Normalise the accumulator, undo V's scale and smoothing, zero rows that saw no key; the LSE
+    in natural log (``offset``: what the exp2 added to every score, in base 2)."""
+    hq = acc.shape[1]
     empty = l_sum == 0
     out = acc / torch.where(empty, 1.0, l_sum).unsqueeze(-1)
-    if qz.v_scale is not None:
-        out = out * _expand_heads(qz.v_scale, hq).unsqueeze(-2)
-    if qz.v_mean is not None:
-        out = out + _expand_heads(qz.v_mean, hq).unsqueeze(-2)
+    if v_scale is not None:
+        out = out * v_scale
+    if v_mean is not None:
+        out = out + _expand_heads(v_mean, hq).unsqueeze(-2)
     out = torch.where(empty.unsqueeze(-1), 0.0, out)
     lse = (m + torch.log2(l_sum) - offset) * LN2
-    if qz.lse_shift is not None:
-        lse = lse + qz.lse_shift
+    if lse_shift is not None:
+        lse = lse + lse_shift
+    return out, lse
+
+
+def fp4_attention(
+    qz: QuantizedFP4,
+    *,
+    head_dim: int,
+    block_q: int,
+    block_k: int,
+    causal_offset: int | None,
+    two_level: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP4 attention forward (SageAttention3 numerics), dense HND tensors, in the kernel's
+    block order.
+
+    Scores: the exact product of the dequantized operands (what a block-scaled FP4 MMA computes)
+    times ``qk_multiplier`` and the NVFP4 tensor scales, plus ΔS. P̃ is quantized per key block in
+    groups of keys: with ``two_level`` each row is first scaled so its block maximum is 2688
+    (``exp2(s - max_block + log2 2688)``) and the factor ``s1`` is applied after P·V.
+
+    Returns:
+        ``(out fp32 [B, Hq, Nq, head_dim], lse fp32 [B, Hq, Nq])`` as :func:`quantized_attention`.
+    """
+    fmt = qz.fmt
+    b, hq, nq, _ = qz.q.shape
+    nk = qz.k.shape[2]
+    dev = qz.q.device
+    qf = dequantize_fp4(qz.q, qz.q_scale, fmt)
+    vf = _expand_heads(dequantize_fp4(qz.v, qz.v_scale, fmt), hq).transpose(-1, -2)
+    kf = dequantize_fp4(qz.k, qz.k_scale, fmt)  # padded to V's whole key blocks, as V is
+    kf = _expand_heads(torch.nn.functional.pad(kf, (0, 0, 0, vf.shape[-2] - nk)), hq)
+    mult = torch.full((b, hq), qz.qk_multiplier, device=dev)
+    if fmt == "nvfp4":
+        mult = mult * (qz.q_global * _expand_heads(qz.k_global, hq))
+    mult = mult[:, :, None, None]
+    delta = None
+    if qz.delta_s is not None:
+        delta = qz.delta_s.repeat_interleave(block_q, dim=2)[:, :, :nq]
+
+    m = torch.full((b, hq, nq), float("-inf"), device=dev)
+    l_sum = torch.zeros((b, hq, nq), device=dev)
+    acc = torch.zeros((b, hq, nq, vf.shape[-1]), device=dev)
+    rows = torch.arange(nq, device=dev)
+    for start in range(0, nk, block_k):
+        stop = start + block_k  # V is padded to whole blocks; masked keys give P̃ = 0
+        s = torch.matmul(qf, kf[:, :, start:stop].transpose(-1, -2)) * mult
+        if delta is not None:
+            s = s + torch.nn.functional.pad(delta[..., start:stop], (0, stop - min(stop, nk)))
+        cols = torch.arange(start, stop, device=dev)
+        mask = visible(nq, nk, causal_offset, dev, rows=rows, cols=cols) & (cols < nk)
+        s = s.masked_fill(~mask, float("-inf"))
+        block_max = s.amax(dim=-1)
+        m_new = torch.maximum(m, block_max)
+        m_safe = torch.where(torch.isneginf(m_new), 0.0, m_new)
+        alpha = torch.exp2(m - m_safe)
+        if two_level:
+            b_safe = torch.where(torch.isneginf(block_max), 0.0, block_max)
+            p = torch.exp2(s - (b_safe - LOG2_P_TWO_LEVEL).unsqueeze(-1))
+            s1 = two_level_factor(block_max, m_safe)
+        else:
+            p = torch.exp2(s - m_safe.unsqueeze(-1))
+            s1 = torch.ones_like(m_safe)
+        l_sum = l_sum * alpha + p.sum(dim=-1) * s1
+        pv = torch.matmul(quantize_p(p, fmt), vf[:, :, start:stop])
+        acc = acc * alpha.unsqueeze(-1) + pv * s1.unsqueeze(-1)
+        m = m_new
+    v_scale = None
+    if fmt == "nvfp4":
+        v_scale = _expand_heads(qz.v_global, hq)[:, :, None, None]
+    out, lse = _finish(acc[..., :head_dim], l_sum, m, 0.0, v_scale, qz.v_mean, qz.lse_shift)
     return out, lse
 
 

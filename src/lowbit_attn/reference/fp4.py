@@ -110,7 +110,13 @@ def nvfp4_global_scale(x: torch.Tensor) -> torch.Tensor:
     whole tensor.
     """
     xf = x.float()
-    amax = torch.where(torch.isfinite(xf), xf.abs(), torch.zeros_like(xf)).amax()
+    return global_scale_from_amax(
+        torch.where(torch.isfinite(xf), xf.abs(), torch.zeros_like(xf)).amax()
+    )
+
+
+def global_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """``g = amax/2688``, at least 2^-126 (normal), 1 where ``amax == 0``, NaN where it is NaN."""
     g = torch.clamp(amax / NVFP4_TENSOR_DIVISOR, min=FLT_MIN)
     return torch.where(amax == 0, torch.ones_like(g), g)
 
@@ -137,13 +143,21 @@ def quantize_nvfp4(
     """
     quant_groups(x, NVFP4_GROUP)
     g = nvfp4_global_scale(x) if global_scale is None else global_scale.float().reshape(())
-    xg = _grouped(x, NVFP4_GROUP)
+    codes, code = nvfp4_group_codes(_grouped(x, NVFP4_GROUP), g)
+    return pack_fp4(codes.flatten(-2)), code.view(torch.float8_e4m3fn), g
+
+
+def nvfp4_group_codes(
+    xg: torch.Tensor, g: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The NVFP4 core: fp32 groups ``[..., n_groups, 16]`` and the tensor scale ``g`` (broadcastable
+    to ``[..., n_groups]``) → ``(E2M1 codes [..., n_groups, 16], E4M3 scale bits [..., n_groups])``,
+    both uint8."""
     amax = xg.abs().amax(dim=-1) + _poison(xg)
     code = e4m3_scale_code((amax / 6.0) / g, amax > 0)
     s = code.view(torch.float8_e4m3fn).float()
     sg = torch.where(code == 0, torch.ones_like(s), s * g)  # all-zero group: no 0/0
-    codes = e2m1_code(xg / sg.unsqueeze(-1))
-    return pack_fp4(codes.flatten(-2)), code.view(torch.float8_e4m3fn), g
+    return e2m1_code(xg / sg.unsqueeze(-1)), code
 
 
 def dequantize_nvfp4(
@@ -172,15 +186,24 @@ def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ``(packed uint8 [..., K/2], scales uint8 E8M0 [..., K/32])`` (127 = 2^0, 255 = NaN).
     """
     quant_groups(x, MXFP4_GROUP)
-    xg = _grouped(x, MXFP4_GROUP)
-    amax = xg.abs().amax(dim=-1) + _poison(xg)
+    codes, code = mxfp4_group_codes(_grouped(x, MXFP4_GROUP))
+    return pack_fp4(codes.flatten(-2)), code
+
+
+def mxfp4_scale_code(amax: torch.Tensor) -> torch.Tensor:
+    """Group amax (fp32, ≥ 0 or NaN) → E8M0 bits (uint8): ``floor(log2 amax) - 2 + 127`` clamped
+    to ``[0, 254]``, NaN → 255."""
     # floor(log2(amax)) is the exponent field - 127 (subnormal and zero amax clamp to -127 anyway)
     exp_field = (amax.view(torch.int32) >> 23) & 0xFF
     shared = torch.clamp(exp_field - 127 - 2, -127, 127)
     code = torch.where(torch.isnan(amax), torch.full_like(shared, E8M0_NAN), shared + 127)
-    code = code.to(torch.uint8)
-    codes = e2m1_code(xg / e8m0_value(code).unsqueeze(-1))
-    return pack_fp4(codes.flatten(-2)), code
+    return code.to(torch.uint8)
+
+
+def mxfp4_group_codes(xg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MXFP4 core: fp32 groups ``[..., n_groups, 32]`` → ``(E2M1 codes, E8M0 scale bits)``."""
+    code = mxfp4_scale_code(xg.abs().amax(dim=-1) + _poison(xg))
+    return e2m1_code(xg / e8m0_value(code).unsqueeze(-1)), code
 
 
 def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -191,6 +214,7 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
 
 __all__ = [
     "E2M1_VALUES", "e2m1_code", "e2m1_value", "e2m1_round", "pack_fp4", "unpack_fp4",
-    "nvfp4_global_scale", "quantize_nvfp4", "dequantize_nvfp4",
-    "e8m0_value", "quantize_mxfp4", "dequantize_mxfp4",
+    "nvfp4_global_scale", "global_scale_from_amax", "nvfp4_group_codes", "quantize_nvfp4",
+    "dequantize_nvfp4", "e8m0_value", "mxfp4_scale_code", "mxfp4_group_codes", "quantize_mxfp4",
+    "dequantize_mxfp4",
 ]
