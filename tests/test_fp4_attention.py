@@ -143,11 +143,23 @@ def test_p_quantizer_edges(fmt):
     assert torch.isnan(out[2, :group]).all() and not torch.isnan(out[2, group:]).any()
 
 
-def test_two_level_factor_never_multiplies_zero_by_inf():
-    block_max = torch.tensor([float("-inf"), -300.0, 2.0])
-    m = torch.tensor([-400.0, -1.0, 2.0])
-    s1 = ref_qf4.two_level_factor(block_max, m)
-    assert s1[0] == 0 and torch.isfinite(s1).all() and s1[2] == pytest.approx(1 / 2688)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_two_level_rows_peak_where_the_format_holds_them_exactly(fmt):
+    """NVFP4 rows peak at 448·6 (scale 448), MXFP4 rows at 6 (a power-of-two scale holds 6 exactly;
+    2688 would come back 14% high); rows without a visible key give P̃ = 0 and s1 = 0, and s1 stays
+    finite however far below the running max the block is."""
+    s = torch.tensor([[0.0, -1.0, -3.0] + [float("-inf")] * 61,
+                      [float("-inf")] * 64,
+                      [-300.0, -301.0] + [float("-inf")] * 62])
+    block_max = s.amax(dim=-1)
+    m = torch.tensor([0.0, -400.0, 10.0])
+    p, s1 = ref_qf4.two_level_p(s, block_max, m, fmt)
+    peak = 2688.0 if fmt == "nvfp4" else 6.0
+    # exp2(log2 peak) is peak to an ulp of fp32; the quantized peak is exact
+    assert p[0, 0] == pytest.approx(peak, rel=1e-6) and ref_qf4.quantize_p(p, fmt)[0, 0] == peak
+    assert torch.all(p[1] == 0) and s1[1] == 0
+    assert torch.isfinite(s1).all() and s1[0] == pytest.approx(1 / peak)
+    assert s1[2] == pytest.approx(2.0**-310 / peak, rel=1e-3) or s1[2] == 0  # fp32 underflow
 
 
 # --- the attention kernel against its twin ------------------------------------------------------

@@ -69,8 +69,10 @@ def dense_seqs(x: torch.Tensor) -> Seqs:
 
 
 FP4_GROUP = {"nvfp4": 16, "mxfp4": 32}  # elements per scale
-LOG2_P_TWO_LEVEL = 11.392317422778761  # log2(448·6): two-level P̃ rows peak at exp2(log2 2688)
-P_TWO_LEVEL_MAX = 2688.0
+# Where a two-level P̃ row's block maximum is put before the FP4 group quantization: NVFP4 at 448·6,
+# the top of its range (group scale 448, E4M3's largest); MXFP4 at 6, a value its power-of-two
+# scales hold exactly (2688 = 5.25·2^9 would come back as 6·2^9, 14% high).
+P_TWO_LEVEL_PEAK = {"nvfp4": 2688.0, "mxfp4": 6.0}
 
 
 def padded_head_dim(d: int) -> int:

@@ -23,20 +23,25 @@ run-time value is not a constant it can rewrite.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
 from ..arch import get_capability, interpreter_enabled, native_fp4
-from ..quantized import FP4_GROUP, LOG2_P_TWO_LEVEL, QuantizedFP4
+from ..quantized import FP4_GROUP, P_TWO_LEVEL_PEAK, QuantizedFP4
 from .common import (
     LaunchConfig, batch_head, finish_scores, key_block_bounds, normalize_rows, online_max,
     store_lse, triton_configs,
 )
 from .fp4 import e2m1_code, e2m1_value, e4m3_group_scale, e4m3_value, e8m0_group_scale, e8m0_value
 
-_LOG2_P_TWO_LEVEL = tl.constexpr(LOG2_P_TWO_LEVEL)
-_INV_P_TWO_LEVEL = tl.constexpr(1.0 / 2688.0)
+# the two-level target peak of P̃ rows, per format (twin: reference.quant_fp4.two_level_p)
+_LOG2_PEAK_NV = tl.constexpr(math.log2(P_TWO_LEVEL_PEAK["nvfp4"]))
+_INV_PEAK_NV = tl.constexpr(1.0 / P_TWO_LEVEL_PEAK["nvfp4"])
+_LOG2_PEAK_MX = tl.constexpr(math.log2(P_TWO_LEVEL_PEAK["mxfp4"]))
+_INV_PEAK_MX = tl.constexpr(1.0 / P_TWO_LEVEL_PEAK["mxfp4"])
 
 
 CONFIGS = {
@@ -120,8 +125,12 @@ def _attend_block(
     m_new, m_safe, alpha = online_max(m_i, block_max)
     if TWO_LEVEL:
         b_safe = tl.where(block_max == float("-inf"), 0.0, block_max)
-        p = tl.exp2(s - (b_safe - _LOG2_P_TWO_LEVEL)[:, None])
-        s1 = tl.exp2(block_max - m_safe) * _INV_P_TWO_LEVEL
+        if NV:
+            p = tl.exp2(s - (b_safe - _LOG2_PEAK_NV)[:, None])
+            s1 = tl.exp2(block_max - m_safe) * _INV_PEAK_NV
+        else:
+            p = tl.exp2(s - (b_safe - _LOG2_PEAK_MX)[:, None])
+            s1 = tl.exp2(block_max - m_safe) * _INV_PEAK_MX
         s1 = tl.where(block_max == float("-inf"), 0.0, s1)  # never 0·inf
     else:
         p = tl.exp2(s - m_safe[:, None])

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from ..quantized import LN2, LOG2_FP8_MAX, LOG2_P_TWO_LEVEL, QuantizedFP4, QuantizedQKV
+from ..quantized import LN2, LOG2_FP8_MAX, QuantizedFP4, QuantizedQKV
 from .quant import to_e4m3
-from .quant_fp4 import dequantize_fp4, quantize_p, two_level_factor
+from .quant_fp4 import dequantize_fp4, quantize_p, two_level_p
 
 
 def visible(nq: int, nk: int, causal_offset: int | None, device, rows=None, cols=None):
@@ -158,8 +158,8 @@ def fp4_attention(
 
     Scores: the exact product of the dequantized operands (what a block-scaled FP4 MMA computes)
     times ``qk_multiplier`` and the NVFP4 tensor scales, plus ΔS. P̃ is quantized per key block in
-    groups of keys: with ``two_level`` each row is first scaled so its block maximum is 2688
-    (``exp2(s - max_block + log2 2688)``) and the factor ``s1`` is applied after P·V.
+    groups of keys: with ``two_level`` each row is first scaled so its block maximum sits at the
+    format's target (:func:`two_level_p`) and the factor ``s1`` is applied after P·V.
 
     Returns:
         ``(out fp32 [B, Hq, Nq, head_dim], lse fp32 [B, Hq, Nq])`` as :func:`quantized_attention`.
@@ -197,9 +197,7 @@ def fp4_attention(
         m_safe = torch.where(torch.isneginf(m_new), 0.0, m_new)
         alpha = torch.exp2(m - m_safe)
         if two_level:
-            b_safe = torch.where(torch.isneginf(block_max), 0.0, block_max)
-            p = torch.exp2(s - (b_safe - LOG2_P_TWO_LEVEL).unsqueeze(-1))
-            s1 = two_level_factor(block_max, m_safe)
+            p, s1 = two_level_p(s, block_max, m_safe, fmt)
         else:
             p = torch.exp2(s - m_safe.unsqueeze(-1))
             s1 = torch.ones_like(m_safe)

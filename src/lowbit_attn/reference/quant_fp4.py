@@ -9,10 +9,12 @@ along channels, V along tokens, P̃ along keys.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..checks import fp4_amax
-from ..quantized import FP4_GROUP, P_TWO_LEVEL_MAX, padded_head_dim
+from ..quantized import FP4_GROUP, P_TWO_LEVEL_PEAK, padded_head_dim
 from .fp4 import (
     dequantize_mxfp4, dequantize_nvfp4, e2m1_code, e2m1_value, e4m3_scale_code, e8m0_value,
     global_scale_from_amax, mxfp4_group_codes, mxfp4_scale_code, nvfp4_group_codes, pack_fp4,
@@ -129,8 +131,15 @@ def quantize_p(p: torch.Tensor, fmt: str) -> torch.Tensor:
     return (values * denom.unsqueeze(-1)).flatten(-2)
 
 
-def two_level_factor(block_max: torch.Tensor, m_safe: torch.Tensor) -> torch.Tensor:
-    """``s1 = exp2(block_max - m)/2688``: what a two-level P̃ row (peaking at 2688) is multiplied by
-    after P·V; 0 for a row with no visible key in the block (never ``0·inf``)."""
-    scaled = torch.exp2(block_max - m_safe) * (1.0 / P_TWO_LEVEL_MAX)
-    return torch.where(torch.isneginf(block_max), torch.zeros_like(scaled), scaled)
+def two_level_p(s: torch.Tensor, block_max: torch.Tensor, m_safe: torch.Tensor, fmt: str):
+    """SageAttention3's first level for one key block: ``(P̃ rows peaking at the format's target,
+    the factor s1 that undoes it after P·V)``.
+
+    ``P̃ = exp2(s - max_block + log2 peak)`` and ``s1 = exp2(max_block - m)/peak``; a row with no
+    visible key in the block gets ``P̃ = 0`` and ``s1 = 0`` (never ``0·inf``).
+    """
+    peak = P_TWO_LEVEL_PEAK[fmt]
+    b_safe = torch.where(torch.isneginf(block_max), 0.0, block_max)
+    p = torch.exp2(s - (b_safe - math.log2(peak)).unsqueeze(-1))
+    s1 = torch.exp2(block_max - m_safe) * (1.0 / peak)
+    return p, torch.where(torch.isneginf(block_max), torch.zeros_like(s1), s1)
