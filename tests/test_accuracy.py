@@ -111,13 +111,13 @@ def test_channel_bias_k_fp8_does_not_regress():
 
 def test_issue_bar_fp4_channel_bias_k():
     """Issue 3: NVFP4 cosine >= 0.975 on the channel-biased input, and better than MXFP4.
-    Measured (seed 0, experiments/fp4_accuracy): NVFP4 0.982292 / 0.1882, MXFP4 0.970246 / 0.2447."""
+    Measured (seed 0, experiments/fp4_accuracy): NVFP4 0.982292 / 0.1882, MXFP4 0.972890 / 0.2306."""
     rows = measure("channel_bias_k", 4096, 4096, 128, 2, 2, False,
                    recipes=("qk_fp4_pv_fp4", "qk_mxfp4_pv_mxfp4"))
     nv, mx = rows["qk_fp4_pv_fp4"], rows["qk_mxfp4_pv_mxfp4"]
     assert nv.bar == "ok", nv
     check(nv, *tolerance(1 - 0.982292, 0.1882))
-    check(mx, *tolerance(1 - 0.970246, 0.2447))
+    check(mx, *tolerance(1 - 0.972890, 0.2306))
     assert nv.cosine > mx.cosine and nv.rel_l1 < mx.rel_l1 and nv.rmse < mx.rmse
 
 
