@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..arch import get_capability, interpreter_enabled, native_fp4
+from ..arch import fp4_mode, get_capability, interpreter_enabled
 from ..quantized import FP4_GROUP, P_TWO_LEVEL_PEAK, QuantizedFP4
 from .common import (
     LaunchConfig, batch_head, finish_scores, key_block_bounds, normalize_rows, online_max,
@@ -306,8 +306,9 @@ def attention(
         nq, nk, hq, hq // hkv, head_dim,
         0 if causal_offset is None else int(causal_offset), float(qz.qk_multiplier), 0.0,
         min(triton.next_power_of_2(nk), 32768),
-        IS_CAUSAL=causal_offset is not None, NV=nv, NATIVE_FP4=native_fp4(get_capability())
-        and not interpreter_enabled(), EMU_FP32=interpreter_enabled(), TWO_LEVEL=two_level,
+        IS_CAUSAL=causal_offset is not None, NV=nv,
+        NATIVE_FP4=fp4_mode(out.device.type, "triton", get_capability()) == "native",
+        EMU_FP32=interpreter_enabled(), TWO_LEVEL=two_level,
         GROUP=FP4_GROUP[qz.fmt], BLOCK_M=block_q, BLOCK_N=block_k, BLOCK_D=qz.q.shape[-1] * 2,
     )
     return lse

@@ -4,7 +4,8 @@ the numerics and the edge-case conventions are documented there.
 Every code (E2M1 values, E4M3 and E8M0 scales) is built with fp32 arithmetic and integer bit
 operations, never with Triton's float8 conversions, so a GPU and the interpreter give the same bits.
 Inputs are ``[..., K]``; the leading dimensions are flattened into rows, and one program handles a
-block of ``BLOCK_R`` rows × ``BLOCK_G`` groups.
+block of ``BLOCK_R`` rows × ``BLOCK_K`` elements (whole groups). :func:`quantize_groups` is the
+group quantizer the FP4 attention operands use too.
 """
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ import triton
 import triton.language as tl
 
 from ..checks import quant_groups
+# the tensor scale is a host-side torch reduction, the same op for both twins
+from ..reference.fp4 import nvfp4_global_scale
 from .common import e4m3_round, round_half_even
 
 NVFP4_GROUP = 16
 MXFP4_GROUP = 32
-_TENSOR_DIVISOR = 2688.0  # 448·6
-_FLT_MIN = 2.0**-126
 
 
 @triton.jit
@@ -98,109 +99,68 @@ def nvfp4_global_from_amax(amax):
 
 
 @triton.jit
-def _load_group_halves(X, pid_r, pid_g, R, NG, sxr, sxk,
-                       GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
-    """The even and the odd elements of ``BLOCK_R × BLOCK_G`` groups, ``[BLOCK_R·BLOCK_G, GROUP/2]``
-    fp32 each (0 outside the tensor), with the (row, group) of each tile row."""
-    m = tl.arange(0, BLOCK_R * BLOCK_G)
-    row = pid_r * BLOCK_R + m // BLOCK_G
-    grp = pid_g * BLOCK_G + m % BLOCK_G
-    valid = (row < R) & (grp < NG)
-    half = tl.arange(0, GROUP // 2)
-    col = grp[:, None] * GROUP + 2 * half[None, :]
-    ptr = X + row.to(tl.int64)[:, None] * sxr + col.to(tl.int64) * sxk
-    mask = valid[:, None]
-    x_even = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
-    x_odd = tl.load(ptr + sxk, mask=mask, other=0.0).to(tl.float32)
-    return x_even, x_odd, row, grp, valid
+def quantize_groups(y, g, R: tl.constexpr, C: tl.constexpr, GROUP: tl.constexpr,
+                    NV: tl.constexpr):
+    """``[R, C]`` fp32 grouped along C → ``(packed bytes [R, C/2] uint8, scale bits [R, C/GROUP]
+    uint8)``: NVFP4 under the tensor scale ``g`` (``NV``) or MXFP4. The group amax is NaN when any
+    element is NaN or ±Inf (a GPU max drops NaN; the sum keeps it). Twins:
+    ``reference.fp4.nvfp4_group_codes`` / ``mxfp4_group_codes`` and ``pack_fp4``."""
+    yg = tl.reshape(y, [R, C // GROUP, GROUP])
+    amax = tl.max(tl.abs(yg), axis=2) + tl.sum(yg * 0.0, axis=2)
+    if NV:
+        s, code = e4m3_group_scale(tl.div_rn(tl.div_rn(amax, 6.0), g), amax > 0.0)
+        denom = tl.where(code == 0, 1.0, s * g)  # all-zero group: no 0/0
+    else:
+        code, denom = e8m0_group_scale(amax)
+    codes = e2m1_code(tl.div_rn(yg, denom[:, :, None]))
+    lo, hi = tl.split(tl.reshape(codes, [R, C // 2, 2]))
+    return (lo | (hi << 4)).to(tl.uint8), code.to(tl.uint8)
 
 
 @triton.jit
-def _group_amax(x_even, x_odd):
-    """max |x| per group, NaN if any element is NaN or ±Inf (a GPU max drops NaN; the sum keeps it)."""
-    amax = tl.maximum(tl.max(tl.abs(x_even), axis=1), tl.max(tl.abs(x_odd), axis=1))
-    return amax + (tl.sum(x_even * 0.0, axis=1) + tl.sum(x_odd * 0.0, axis=1))
-
-
-@triton.jit
-def _store_packed(OUT, x_even, x_odd, denom, row, grp, valid, sor,
-                  GROUP: tl.constexpr):
-    lo = e2m1_code(tl.div_rn(x_even, denom[:, None]))
-    hi = e2m1_code(tl.div_rn(x_odd, denom[:, None]))
-    byte = (lo | (hi << 4)).to(tl.uint8)
-    half = tl.arange(0, GROUP // 2)
-    ptr = OUT + row.to(tl.int64)[:, None] * sor + (grp[:, None] * (GROUP // 2) + half[None, :])
-    tl.store(ptr, byte, mask=valid[:, None])
-
-
-@triton.jit
-def _quantize_nvfp4_kernel(
+def _quantize_fp4_rows_kernel(
     X, OUT, SCALE, GSCALE,
-    R, NG, sxr, sxk, sor, ssr,
-    BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
+    R, K, sxr, sxk, sor, ssr,
+    NV: tl.constexpr, GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_r = tl.program_id(0)
-    pid_g = tl.program_id(1)
-    x_even, x_odd, row, grp, valid = _load_group_halves(
-        X, pid_r, pid_g, R, NG, sxr, sxk, 16, BLOCK_R, BLOCK_G
-    )
-    g = tl.load(GSCALE)
-    amax = _group_amax(x_even, x_odd)
-    s, code = e4m3_group_scale(tl.div_rn(tl.div_rn(amax, 6.0), g), amax > 0.0)
-    denom = tl.where(code == 0, 1.0, s * g)  # all-zero group: no 0/0
-    tl.store(SCALE + row.to(tl.int64) * ssr + grp, code.to(tl.uint8), mask=valid)
-    _store_packed(OUT, x_even, x_odd, denom, row, grp, valid, sor, 16)
+    pid_k = tl.program_id(1)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    rmask = (rows < R)[:, None]
+    x = tl.load(X + rows.to(tl.int64)[:, None] * sxr + cols.to(tl.int64)[None, :] * sxk,
+                mask=rmask & (cols < K)[None, :], other=0.0).to(tl.float32)
+    g = 1.0
+    if NV:
+        g = tl.load(GSCALE)
+    packed, code = quantize_groups(x, g, BLOCK_R, BLOCK_K, GROUP, NV)
+    half = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+    tl.store(OUT + rows.to(tl.int64)[:, None] * sor + half[None, :], packed,
+             mask=rmask & (half < K // 2)[None, :])
+    grp = pid_k * (BLOCK_K // GROUP) + tl.arange(0, BLOCK_K // GROUP)
+    tl.store(SCALE + rows.to(tl.int64)[:, None] * ssr + grp[None, :], code,
+             mask=rmask & (grp < K // GROUP)[None, :])
 
 
-@triton.jit
-def _quantize_mxfp4_kernel(
-    X, OUT, SCALE,
-    R, NG, sxr, sxk, sor, ssr,
-    BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
-):
-    pid_r = tl.program_id(0)
-    pid_g = tl.program_id(1)
-    x_even, x_odd, row, grp, valid = _load_group_halves(
-        X, pid_r, pid_g, R, NG, sxr, sxk, 32, BLOCK_R, BLOCK_G
-    )
-    amax = _group_amax(x_even, x_odd)
-    code, scale = e8m0_group_scale(amax)
-    tl.store(SCALE + row.to(tl.int64) * ssr + grp, code.to(tl.uint8), mask=valid)
-    _store_packed(OUT, x_even, x_odd, scale, row, grp, valid, sor, 32)
-
-
-def _tiles(ng: int) -> tuple[int, int]:
-    """(BLOCK_R, BLOCK_G): up to 16 groups of a row, and rows enough for ~64 groups a program."""
-    block_g = min(16, triton.next_power_of_2(ng))
-    return 64 // block_g, block_g
-
-
-def _launch(kernel, x: torch.Tensor, group: int, scale_dtype: torch.dtype, *extra):
+def _launch(x: torch.Tensor, group: int, scale_dtype: torch.dtype, gscale=None):
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     r, ng = x2.shape[0], k // group
     packed = torch.empty((r, k // 2), device=x.device, dtype=torch.uint8)
     scales = torch.empty((r, ng), device=x.device, dtype=scale_dtype)
     codes = scales.view(torch.uint8)  # store bits: no float8 conversion anywhere
-    block_r, block_g = _tiles(max(ng, 1))
+    # up to 16 groups of a row per program, and rows enough for ~64 groups
+    block_g = min(16, triton.next_power_of_2(max(ng, 1)))
+    block_r = 64 // block_g
     grid = (triton.cdiv(r, block_r), triton.cdiv(ng, block_g))
     if r > 0 and ng > 0:
-        kernel[grid](
-            x2, packed, codes, *extra,
-            r, ng, x2.stride(0), x2.stride(1), packed.stride(0), codes.stride(0),
-            BLOCK_R=block_r, BLOCK_G=block_g,
+        _quantize_fp4_rows_kernel[grid](
+            x2, packed, codes, gscale,
+            r, k, x2.stride(0), x2.stride(1), packed.stride(0), codes.stride(0),
+            NV=gscale is not None, GROUP=group, BLOCK_R=block_r, BLOCK_K=block_g * group,
         )
     lead = x.shape[:-1]
     return packed.view(*lead, k // 2), scales.view(*lead, ng)
-
-
-def nvfp4_global_scale(x: torch.Tensor) -> torch.Tensor:
-    """``g = amax/2688`` over the finite elements (1 if that is 0; at least 2^-126), a 0-dim fp32
-    tensor; the same op as the twin's."""
-    xf = x.float()
-    amax = torch.where(torch.isfinite(xf), xf.abs(), torch.zeros_like(xf)).amax()
-    g = torch.clamp(amax / _TENSOR_DIVISOR, min=_FLT_MIN)
-    return torch.where(amax == 0, torch.ones_like(g), g)
 
 
 def quantize_nvfp4(
@@ -213,7 +173,7 @@ def quantize_nvfp4(
     quant_groups(x, NVFP4_GROUP)
     g = nvfp4_global_scale(x) if global_scale is None else global_scale.float().reshape(())
     g = g.contiguous()
-    packed, scales = _launch(_quantize_nvfp4_kernel, x, NVFP4_GROUP, torch.float8_e4m3fn, g)
+    packed, scales = _launch(x, NVFP4_GROUP, torch.float8_e4m3fn, g)
     return packed, scales, g
 
 
@@ -223,7 +183,7 @@ def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Returns ``(packed uint8 [..., K/2], scales uint8 E8M0 [..., K/32])``.
     """
     quant_groups(x, MXFP4_GROUP)
-    return _launch(_quantize_mxfp4_kernel, x, MXFP4_GROUP, torch.uint8)
+    return _launch(x, MXFP4_GROUP, torch.uint8)
 
 
 __all__ = ["nvfp4_global_scale", "quantize_nvfp4", "quantize_mxfp4"]

@@ -13,7 +13,7 @@ import triton.language as tl
 from ..checks import fp4_amax
 from ..quantized import FP4_GROUP, padded_head_dim
 from .common import batch_head
-from .fp4 import e2m1_code, e4m3_group_scale, e8m0_group_scale, nvfp4_global_from_amax
+from .fp4 import nvfp4_global_from_amax, quantize_groups
 from .quantize import _center_strides, _load_centered
 
 
@@ -26,22 +26,6 @@ def _tensor_scale(AMAX, G, b, h, sab, sah, sgb, sgh, D, write, BLOCK_D: tl.const
     if write:
         tl.store(G + b * sgb + h * sgh, g)
     return g
-
-
-@triton.jit
-def _fp4_groups(y, g, R: tl.constexpr, C: tl.constexpr, GROUP: tl.constexpr, NV: tl.constexpr):
-    """``[R, C]`` fp32 grouped along C → ``(packed bytes [R, C/2] uint8, scale bits [R, C/GROUP]
-    uint8)``. Division as the standalone quantizers do it (``div_rn``)."""
-    yg = tl.reshape(y, [R, C // GROUP, GROUP])
-    amax = tl.max(tl.abs(yg), axis=2) + tl.sum(yg * 0.0, axis=2)
-    if NV:
-        s, code = e4m3_group_scale(tl.div_rn(tl.div_rn(amax, 6.0), g), amax > 0.0)
-        denom = tl.where(code == 0, 1.0, s * g)  # all-zero group: no 0/0
-    else:
-        code, denom = e8m0_group_scale(amax)
-    codes = e2m1_code(tl.div_rn(yg, denom[:, :, None]))
-    lo, hi = tl.split(tl.reshape(codes, [R, C // 2, 2]))
-    return (lo | (hi << 4)).to(tl.uint8), code.to(tl.uint8)
 
 
 @triton.jit
@@ -71,14 +55,14 @@ def _quantize_fp4_kernel(
     if NV:
         g = _tensor_scale(AMAX, G, b, h, sab, sah, sgb, sgh, D, pid_n == 0, BLOCK_D)
     if TRANSPOSED:
-        packed, code = _fp4_groups(tl.trans(x), g, BLOCK_D, BLOCK_N, GROUP, NV)
+        packed, code = quantize_groups(tl.trans(x), g, BLOCK_D, BLOCK_N, GROUP, NV)
         offs_d = tl.arange(0, BLOCK_D)
         cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         tl.store(OUT + b * sob + h * soh + offs_d[:, None] * sor + cols[None, :], packed)
         grp = pid_n * (BLOCK_N // GROUP) + tl.arange(0, BLOCK_N // GROUP)
         tl.store(SCALE + b * ssb + h * ssh + offs_d[:, None] * ssr + grp[None, :], code)
     else:
-        packed, code = _fp4_groups(x, g, BLOCK_N, BLOCK_D, GROUP, NV)
+        packed, code = quantize_groups(x, g, BLOCK_N, BLOCK_D, GROUP, NV)
         rmask = (rows < N)[:, None]
         cols = tl.arange(0, BLOCK_D // 2)
         tl.store(OUT + b * sob + h * soh + rows[:, None] * sor + cols[None, :], packed,

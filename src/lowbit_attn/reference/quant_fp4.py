@@ -27,10 +27,20 @@ def head_global_scale(amax: torch.Tensor) -> torch.Tensor:
     return global_scale_from_amax(amax.amax(dim=-1))
 
 
-def _group_codes(yg: torch.Tensor, fmt: str, g: torch.Tensor | None):
+def _quantize_rows(y: torch.Tensor, fmt: str, amax: torch.Tensor | None):
+    """Padded fp32 ``[B, H, R, C]`` grouped along C → ``(packed [B, H, R, C/2], scale bits
+    [B, H, R, C/group], NVFP4 tensor scale [B, H] from ``amax`` or None)``, contiguous."""
+    fp4_amax(fmt, amax)
+    b, h, r, c = y.shape
+    group = FP4_GROUP[fmt]
+    yg = y.reshape(b, h, r, c // group, group)
     if fmt == "nvfp4":
-        return nvfp4_group_codes(yg, g)
-    return mxfp4_group_codes(yg)
+        g = head_global_scale(amax)
+        codes, scale = nvfp4_group_codes(yg, g[:, :, None, None])
+    else:
+        g = None
+        codes, scale = mxfp4_group_codes(yg)
+    return pack_fp4(codes.flatten(-2)).contiguous(), scale.contiguous(), g
 
 
 def quantize_qk_fp4(
@@ -54,19 +64,11 @@ def quantize_qk_fp4(
         ``(packed uint8 [B, H, N, dp/2], scale bits uint8 [B, H, N, dp/group], tensor scale
         fp32 [B, H] or None)``.
     """
-    fp4_amax(fmt, amax)
     b, h, n, d = x.shape
     y = x.float()
     if center is not None:
         y = y - (expand_blocks(center, block, n) if center_per_block else center.unsqueeze(-2))
-    dp = padded_head_dim(d)
-    y = torch.nn.functional.pad(y, (0, dp - d))
-    group = FP4_GROUP[fmt]
-    g = head_global_scale(amax) if fmt == "nvfp4" else None
-    codes, scale = _group_codes(
-        y.reshape(b, h, n, dp // group, group), fmt, None if g is None else g[:, :, None, None]
-    )
-    return pack_fp4(codes.flatten(-2)).contiguous(), scale.contiguous(), g
+    return _quantize_rows(torch.nn.functional.pad(y, (0, padded_head_dim(d) - d)), fmt, amax)
 
 
 def quantize_v_fp4(
@@ -85,21 +87,13 @@ def quantize_v_fp4(
         ``(packed uint8 [B, H, dp, N_pad/2], scale bits [B, H, dp, N_pad/group], tensor scale
         [B, H] or None)`` with ``N_pad`` the tokens rounded up to whole key blocks of ``block_k``.
     """
-    fp4_amax(fmt, amax)
     b, h, n, d = v.shape
     y = v.float()
     if center is not None:
         y = y - center.unsqueeze(-2)
-    dp = padded_head_dim(d)
     n_pad = -(-n // block_k) * block_k
-    yt = torch.nn.functional.pad(y, (0, dp - d, 0, n_pad - n)).transpose(-1, -2)
-    group = FP4_GROUP[fmt]
-    g = head_global_scale(amax) if fmt == "nvfp4" else None
-    codes, scale = _group_codes(
-        yt.reshape(b, h, dp, n_pad // group, group), fmt,
-        None if g is None else g[:, :, None, None],
-    )
-    return pack_fp4(codes.flatten(-2)).contiguous(), scale.contiguous(), g
+    yt = torch.nn.functional.pad(y, (0, padded_head_dim(d) - d, 0, n_pad - n)).transpose(-1, -2)
+    return _quantize_rows(yt, fmt, amax)
 
 
 def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
