@@ -3,7 +3,8 @@
 from . import fp4
 from .api import attention, attention_varlen, scaled_dot_product_attention
 from .metrics import Errors, errors
-from .recipes import RECIPES, Recipe, get_recipe
+from .recipes import RECIPES, TRAIN_RECIPES, Recipe, TrainRecipe, get_recipe
+from .trainable import trainable_attention
 
 __version__ = "0.1.0"
 
@@ -11,6 +12,9 @@ __all__ = [
     "attention",
     "attention_varlen",
     "scaled_dot_product_attention",
+    "trainable_attention",
+    "TrainRecipe",
+    "TRAIN_RECIPES",
     "Recipe",
     "RECIPES",
     "get_recipe",

@@ -12,15 +12,14 @@ LAYOUTS = ("HND", "NHD")
 MAX_HEAD_DIM = 256
 
 
-def tensor(name: str, x, ndim: int) -> None:
+def tensor(name: str, x, ndim: int, dtypes: tuple = FLOAT_DTYPES) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
-    if x.dtype not in FLOAT_DTYPES:
-        raise TypeError(
-            f"{name} must be float16, bfloat16 or float32, got {x.dtype}"
-        )
+    if x.dtype not in dtypes:
+        names = [str(d).removeprefix("torch.") for d in dtypes]
+        raise TypeError(f"{name} must be {', '.join(names[:-1])} or {names[-1]}, got {x.dtype}")
 
 
 def same_kind(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -116,3 +116,65 @@ class QuantizedFP4:
     v_mean: torch.Tensor | None = None
     delta_s: torch.Tensor | None = None
     lse_shift: torch.Tensor | None = None
+
+
+# Trainable attention (SageBwd): Q, K, V and dO are quantized in blocks of this many tokens, and the
+# backward quantizes P and dS in tiles of TRAIN_BLOCK × TRAIN_BLOCK (queries × keys). Every kernel
+# tile is aligned to these groups, so a scale never varies along a product's reduction axis.
+TRAIN_BLOCK = 64
+# The seven matmuls of an attention forward and backward: the forward's Q·Kᵀ (recomputed in the
+# backward with the same operands), P·V, and the backward's dP = dO·Vᵀ, dV = Pᵀ·dO, dQ = dS·K and
+# dK = dSᵀ·Q.
+TRAIN_MATMULS = ("qk", "pv", "dp", "dv", "dq", "dk")
+
+
+@dataclass
+class TrainOperands:
+    """The operands of the trainable attention's matmuls, each either INT8 with one fp32 scale per
+    :data:`TRAIN_BLOCK` tokens (``[B, H, ceil(N/64)]``) or in 16-bit (the input dtype) with scales
+    of 1. All tensors are dense ``[B, H, N, D]``.
+
+    Attributes:
+        q, q_scale: Q (minus its block means with ``smooth_q``) for Q·Kᵀ.
+        k, k_scale: K (minus its mean with ``smooth_k``) for Q·Kᵀ.
+        v, v_scale: V for P·V.
+        k_dq, q_dk, v_dp: the same tensors as they enter dQ = dS·K, dK = dSᵀ·Q and dP = dO·Vᵀ
+            (the same objects as ``k``, ``q``, ``v`` when the two matmuls share a format).
+        qk_multiplier: ``softmax_scale·log2(e)``: ``(q·kᵀ)·s_q·s_k·qk_multiplier`` are base-2 scores.
+        q_mean: fp32 block means of Q ``[B, Hq, ceil(Nq/64), D]`` (``smooth_q``), for dK's
+            correction ``Σ_i dS_ij·mean(Q_block(i))``.
+        delta_s: fp32 ``mean(Q_block)·K'ᵀ·qk_multiplier`` ``[B, Hq, ceil(Nq/64), Nk]`` added to the
+            scores (``smooth_q``).
+        int8: the matmuls computed in INT8 (names from :data:`TRAIN_MATMULS`).
+        dtype: the inputs' dtype: 16-bit operands (and P, dS of 16-bit matmuls) are rounded to it.
+    """
+
+    q: torch.Tensor
+    q_scale: torch.Tensor
+    k: torch.Tensor
+    k_scale: torch.Tensor
+    v: torch.Tensor
+    v_scale: torch.Tensor
+    k_dq: torch.Tensor
+    k_dq_scale: torch.Tensor
+    q_dk: torch.Tensor
+    q_dk_scale: torch.Tensor
+    v_dp: torch.Tensor
+    v_dp_scale: torch.Tensor
+    qk_multiplier: float
+    int8: frozenset
+    dtype: torch.dtype
+    q_mean: torch.Tensor | None = None
+    delta_s: torch.Tensor | None = None
+
+
+@dataclass
+class GradOperands:
+    """dO for dV = Pᵀ·dO (``do_dv``) and dP = dO·Vᵀ (``do_dp``), INT8 per 64 rows or 16-bit, and
+    ``delta = rowsum(dO ∘ O)`` fp32 ``[B, Hq, Nq]``."""
+
+    do_dv: torch.Tensor
+    do_dv_scale: torch.Tensor
+    do_dp: torch.Tensor
+    do_dp_scale: torch.Tensor
+    delta: torch.Tensor

@@ -164,3 +164,81 @@ def resolve(recipe: "str | Recipe", capability: tuple[int, int] | None) -> Recip
     if isinstance(recipe, str):
         return get_recipe(recipe)
     raise TypeError(f"recipe must be a str or lowbit_attn.Recipe, got {type(recipe).__name__}")
+
+
+@dataclass(frozen=True)
+class TrainRecipe:
+    """How the trainable attention computes its seven matmuls (SageBwd).
+
+    Attributes:
+        name: ``"sagebwd_int8"`` or ``"exact"`` (or a custom name).
+        int8: the matmuls computed in INT8, from ``"qk"`` (the forward's Q·Kᵀ and its recompute in
+            the backward), ``"pv"``, ``"dp"`` (dO·Vᵀ), ``"dv"`` (Pᵀ·dO), ``"dq"`` (dS·K), ``"dk"``
+            (dSᵀ·Q). The others run on the input dtype (fp16/bf16 operands, fp32 accumulation).
+        smooth_k: subtract K's per-channel mean over tokens (exact; no gradient correction).
+        smooth_q: subtract the mean of each block of 64 query rows and add ``ΔS`` back in fp32
+            (exact; dK gets the correction ``Σ_i dS_ij·mean(Q_block(i))``).
+    """
+
+    name: str
+    int8: frozenset
+    smooth_k: bool = True
+    smooth_q: bool = False
+
+    def __post_init__(self) -> None:
+        from .quantized import TRAIN_MATMULS
+
+        if not isinstance(self.int8, frozenset) or not self.int8 <= set(TRAIN_MATMULS):
+            raise ValueError(
+                f"TrainRecipe.int8 must be a frozenset of names from {TRAIN_MATMULS}, got {self.int8!r}"
+            )
+        for field in ("smooth_k", "smooth_q"):
+            if not isinstance(getattr(self, field), bool):
+                raise TypeError(f"{field} must be a bool, got {type(getattr(self, field)).__name__}")
+
+    @property
+    def is_exact(self) -> bool:
+        return not self.int8
+
+    def replace(self, **changes) -> "TrainRecipe":
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise TypeError(f"TrainRecipe.replace got unknown option(s) {sorted(unknown)}")
+        return dataclasses.replace(self, **changes)
+
+
+# SageBwd: six of the seven matmuls in INT8; dP = dO·Vᵀ stays 16-bit (dS's error dominates all
+# gradients, and it starts in dP).
+SAGEBWD_INT8 = TrainRecipe(name="sagebwd_int8", int8=frozenset({"qk", "pv", "dv", "dq", "dk"}))
+TRAIN_EXACT = TrainRecipe(name="exact", int8=frozenset(), smooth_k=False)
+TRAIN_RECIPES: dict[str, TrainRecipe] = {r.name: r for r in (SAGEBWD_INT8, TRAIN_EXACT)}
+
+
+def resolve_train(recipe, *, smooth_k, smooth_q, keep_16bit) -> TrainRecipe:
+    """The ``recipe``, ``smooth_*`` and ``keep_16bit`` arguments of ``trainable_attention`` → one
+    :class:`TrainRecipe`. ``keep_16bit`` (names of matmuls) overrides the recipe's INT8 set."""
+    from .quantized import TRAIN_MATMULS
+
+    if isinstance(recipe, TrainRecipe):
+        r = recipe
+    elif isinstance(recipe, str):
+        if recipe not in TRAIN_RECIPES:
+            raise ValueError(
+                f"unknown trainable recipe {recipe!r}; expected one of {sorted(TRAIN_RECIPES)} or "
+                "a lowbit_attn.TrainRecipe"
+            )
+        r = TRAIN_RECIPES[recipe]
+    else:
+        raise TypeError(f"recipe must be a str or lowbit_attn.TrainRecipe, got {type(recipe).__name__}")
+    changes = {"smooth_k": smooth_k, "smooth_q": smooth_q}
+    if keep_16bit is not None:
+        if isinstance(keep_16bit, str) or not all(isinstance(x, str) for x in keep_16bit):
+            raise TypeError(f"keep_16bit must be a tuple of matmul names, got {keep_16bit!r}")
+        unknown = set(keep_16bit) - set(TRAIN_MATMULS)
+        if unknown:
+            raise ValueError(
+                f"keep_16bit names unknown matmul(s) {sorted(unknown)}; choose from {TRAIN_MATMULS}"
+            )
+        base = frozenset() if r.is_exact else frozenset(TRAIN_MATMULS)
+        changes["int8"] = base - frozenset(keep_16bit)
+    return r.replace(**changes)

@@ -1,0 +1,118 @@
+"""The trainable attention's operands: Q, K, V (and, in the backward, dO) smoothed and quantized per
+block of 64 tokens for the matmuls that run in INT8, or kept in the input dtype for the others.
+
+Each tensor is prepared once per format, and the forward and the backward prepare it identically
+(same bits), so the backward's recomputed scores are the forward's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .quantized import LOG2E, TRAIN_BLOCK, GradOperands, TrainOperands
+from .recipes import TrainRecipe
+from .reference import quant as ref_quant
+
+
+def _quant(backend: str):
+    if backend == "triton":
+        from .kernels import quantize as kq
+
+        return kq
+    return ref_quant
+
+
+def _centered(x: torch.Tensor, center: torch.Tensor | None, per_block: bool) -> torch.Tensor:
+    """``x - center`` in at least fp32, rounded back to x's dtype (a 16-bit operand)."""
+    if center is None:
+        return x
+    wide = x.to(torch.promote_types(x.dtype, torch.float32))
+    c = ref_quant.expand_blocks(center, TRAIN_BLOCK, x.shape[-2]) if per_block else center.unsqueeze(-2)
+    return (wide - c.to(wide.dtype)).to(x.dtype)
+
+
+def _ones(x: torch.Tensor) -> torch.Tensor:
+    b, h, n, _ = x.shape
+    return torch.ones((b, h, -(-n // TRAIN_BLOCK)), device=x.device, dtype=torch.float32)
+
+
+class _Formats:
+    """Each of a tensor's formats made at most once: INT8 per block, or 16-bit."""
+
+    def __init__(self, x, center, per_block, quant):
+        self.x, self.center, self.per_block, self.quant = x, center, per_block, quant
+        self.made: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, int8: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        if int8 not in self.made:
+            if int8:
+                self.made[int8] = self.quant.quantize_int8(
+                    self.x, granularity="per_block", block=TRAIN_BLOCK, center=self.center,
+                    center_per_block=self.per_block,
+                )
+            else:
+                self.made[int8] = (_centered(self.x, self.center, self.per_block), _ones(self.x))
+        return self.made[int8]
+
+
+def _delta_s(q_mean, k, k_mean, multiplier, backend):
+    """``mean(Q_block)·(K - mean K)ᵀ·multiplier`` ``[B, Hq, nbq, Nk]`` (fp64 for fp64 inputs)."""
+    if backend == "triton":
+        from .kernels import quantize as kq
+
+        return kq.delta_s(q_mean, k, k_mean, multiplier, block_q=TRAIN_BLOCK)
+    wide = torch.promote_types(k.dtype, torch.float32)
+    kc = k.to(wide) if k_mean is None else k.to(wide) - k_mean.to(wide).unsqueeze(-2)
+    hq = q_mean.shape[1]
+    kc = kc.repeat_interleave(hq // kc.shape[1], dim=1)
+    return torch.matmul(q_mean.to(wide), kc.transpose(-1, -2)) * multiplier
+
+
+def prepare(q, k, v, recipe: TrainRecipe, softmax_scale: float, backend: str) -> TrainOperands:
+    """Dense ``[B, H, N, D]`` q, k, v → :class:`TrainOperands`."""
+    quant = _quant(backend)
+    int8 = recipe.int8
+    k_mean = q_mean = None
+    if recipe.smooth_k:
+        k_mean, _ = quant.channel_stats(k, center="mean")
+    if recipe.smooth_q:
+        q_mean, _ = quant.channel_stats(q, center="block_mean", block=TRAIN_BLOCK)
+    qf = _Formats(q, q_mean, True, quant)
+    kf = _Formats(k, k_mean, False, quant)
+    vf = _Formats(v, None, False, quant)
+    multiplier = softmax_scale * LOG2E
+    (q_qk, qs), (k_qk, ks) = qf.get("qk" in int8), kf.get("qk" in int8)
+    v_pv, vs = vf.get("pv" in int8)
+    k_dq, kdqs = kf.get("dq" in int8)
+    q_dk, qdks = qf.get("dk" in int8)
+    v_dp, vdps = vf.get("dp" in int8)
+    delta = None
+    if q_mean is not None:
+        delta = _delta_s(q_mean, k, k_mean, multiplier, backend)
+    return TrainOperands(
+        q=q_qk, q_scale=qs, k=k_qk, k_scale=ks, v=v_pv, v_scale=vs, k_dq=k_dq, k_dq_scale=kdqs,
+        q_dk=q_dk, q_dk_scale=qdks, v_dp=v_dp, v_dp_scale=vdps, qk_multiplier=multiplier,
+        int8=int8, dtype=q.dtype, q_mean=q_mean, delta_s=delta,
+    )
+
+
+def prepare_grad(do: torch.Tensor, out: torch.Tensor, recipe: TrainRecipe, backend: str) -> GradOperands:
+    """dO ``[B, Hq, Nq, D]`` (and the forward's output, for ``rowsum(dO ∘ O)``) → :class:`GradOperands`."""
+    int8 = recipe.int8
+    need_int8 = bool({"dv", "dp"} & int8)
+    if backend == "triton":
+        from .kernels import attn_train_bwd
+
+        do8, do_scale, delta = attn_train_bwd.preprocess(do, out, quantize=need_int8)
+    else:
+        wide = torch.promote_types(do.dtype, torch.float32)
+        delta = (do.to(wide) * out.to(wide)).sum(dim=-1)
+        do8 = do_scale = None
+        if need_int8:
+            do8, do_scale = ref_quant.quantize_int8(do, granularity="per_block", block=TRAIN_BLOCK)
+    ones = _ones(do)
+    do_dv = (do8, do_scale) if "dv" in int8 else (do, ones)
+    do_dp = (do8, do_scale) if "dp" in int8 else (do, ones)
+    return GradOperands(
+        do_dv=do_dv[0], do_dv_scale=do_dv[1], do_dp=do_dp[0], do_dp_scale=do_dp[1], delta=delta
+    )
