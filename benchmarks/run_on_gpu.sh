@@ -3,10 +3,12 @@
 # environment report, GPU correctness tests (pytest -m gpu), then the full benchmark of
 # DESIGN.md ("Benchmark protocol"), its short table printed last.
 #
-#   bash benchmarks/run_on_gpu.sh [all|tests|bench|quick|fp4]      (default: all)
+#   bash benchmarks/run_on_gpu.sh [all|tests|bench|quick|fp4|train]      (default: all)
 #
 # fp4: the FP4 recipes alone (GPU tests -k fp4, then a quick benchmark of qk_fp4_pv_fp4 and
 # qk_mxfp4_pv_mxfp4 against SDPA cuDNN): emulated on Hopper, native on Blackwell.
+# train: the trainable attention (GPU tests -k trainable, then benchmarks/bench_train.py: forward +
+# backward against SDPA flash and cuDNN, with peak memory and gradient cosines).
 #
 # The wheels travel in wheels/ (ignored by git: pass it in the device tool's `carry`):
 # sageattention-1.0.6 (the SageAttention baseline) and pytest with its dependencies (installed only
@@ -93,6 +95,21 @@ if [[ "$STAGE" == fp4 ]]; then
     tail -n 30 "$OUT/bench-fp4.log"
     log "summary: FP4 GPU tests exit $rc_tests, FP4 benchmark exit $rc_bench, ${SECONDS} s"
     cat "$OUT/bench-fp4-table.txt"
+    exit $((rc_tests != 0 && rc_tests != 5 ? rc_tests : rc_bench))
+fi
+
+if [[ "$STAGE" == train ]]; then
+    log "trainable attention GPU tests: pytest -m gpu -k trainable"
+    timeout "$TEST_TIMEOUT" "$PY" -m pytest -m gpu -k trainable -q -p no:cacheprovider >"$OUT/pytest-gpu-train.log" 2>&1
+    rc_tests=$?
+    tail -n 25 "$OUT/pytest-gpu-train.log"
+    log "training benchmark: benchmarks/bench_train.py (log in \$OUT/bench-train.log)"
+    timeout $((TOTAL_BUDGET - SECONDS - 10)) "$PY" benchmarks/bench_train.py --out "$OUT" \
+        --out benchmarks/results >"$OUT/bench-train-table.md" 2>"$OUT/bench-train.log"
+    rc_bench=$?
+    tail -n 40 "$OUT/bench-train.log"
+    log "summary: trainable GPU tests exit $rc_tests, training benchmark exit $rc_bench, ${SECONDS} s"
+    cat "$OUT/bench-train-table.md"
     exit $((rc_tests != 0 && rc_tests != 5 ? rc_tests : rc_bench))
 fi
 

@@ -308,3 +308,21 @@ def test_fp4_recipes_get_their_own_keys_and_stage_rows():
                                              bf16=True)]
     assert keys == ["ours_nvfp4", "ours_mxfp4", "ours_nvfp4_prepare", "ours_nvfp4_attn",
                     "ours_mxfp4_prepare", "ours_mxfp4_attn"]
+
+
+def test_training_benchmark_runs_on_cpu(tmp_path):
+    """benchmarks/bench_train.py end to end on the CPU reference (tiny size): JSON, table, checks."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_train.py"
+    spec = importlib.util.spec_from_file_location("bench_train", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--quick", "--methods", "sagebwd_int8,ours_exact_16bit", "--out", str(tmp_path)]) == 0
+    (result,) = tmp_path.glob("train-*.json")
+    rows = json.loads(result.read_text())["rows"]
+    assert {r["method"] for r in rows} == {"sagebwd_int8", "ours_exact_16bit"}
+    for r in rows:
+        assert r["status"] == "ok" and r["cosine"]["dq"] > 0.998, r

@@ -157,3 +157,53 @@ def test_fp4_public_call_meets_the_channel_biased_bar():
     nv = lowbit_attn.errors(lowbit_attn.attention(q, k, v, recipe="qk_fp4_pv_fp4"), want)
     mx = lowbit_attn.errors(lowbit_attn.attention(q, k, v, recipe="qk_mxfp4_pv_mxfp4"), want)
     assert nv.cosine >= 0.975 and nv.cosine > mx.cosine, (nv, mx)
+
+
+# --- trainable attention (SageBwd) ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("keep", [None, ()], ids=["dp16", "dp-int8"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_trainable_kernels_match_the_reference(keep, causal, d):
+    from lowbit_attn.kernels import attn_train_bwd, attn_train_fwd
+    from lowbit_attn.metrics import errors
+    from lowbit_attn.prepare_train import prepare, prepare_grad
+    from lowbit_attn.recipes import resolve_train
+    from lowbit_attn.reference import sagebwd as ref
+
+    q, k, v = (x.cuda() for x in channel_biased((2, 8, 700, d), (2, 4, 900, d), seed=d,
+                                                 dtype=torch.bfloat16))
+    do = torch.randn_like(q)
+    r = resolve_train("sagebwd_int8", smooth_k=True, smooth_q=False, keep_16bit=keep)
+    offset = 200 if causal else None
+    ops = prepare(q, k, v, r, d**-0.5, "triton")
+    want_o, want_lse = ref.forward(ops, causal_offset=offset)
+    out = torch.empty_like(q)
+    lse = attn_train_fwd.forward(ops, out=out, causal_offset=offset)
+    assert_close(lse, want_lse, atol=5e-5, name="lse")
+    assert errors(out.float(), want_o).cosine > 0.99999
+    grad = prepare_grad(do, out, r, "triton")
+    want = ref.backward(ops, grad, lse, causal_offset=offset, softmax_scale=d**-0.5)
+    got = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+    attn_train_bwd.backward(ops, grad, lse, *got, causal_offset=offset, softmax_scale=d**-0.5)
+    for name, a, e in zip(("dq", "dk", "dv"), got, want):
+        assert errors(a.float(), e).cosine > 0.9999, name
+
+
+def test_trainable_public_call_meets_the_bars_on_the_gpu():
+    from lowbit_attn.inputs import FAMILIES
+    from lowbit_attn.metrics import errors
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (x.cuda() for x in FAMILIES["channel_bias_k"](g, 1, 4, 4, 4096, 4096, 128,
+                                                             torch.bfloat16))
+    do = torch.randn_like(q)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    out = lowbit_attn.trainable_attention(*leaves)
+    got = (out, *torch.autograd.grad(out, leaves, do))
+    exact = [x.double().requires_grad_() for x in (q, k, v)]
+    ref = torch.nn.functional.scaled_dot_product_attention(*exact)
+    want = (ref, *torch.autograd.grad(ref, exact, do.double()))
+    cos = [errors(a, b).cosine for a, b in zip(got, want)]
+    assert cos[0] >= 0.999 and cos[3] >= 0.995 and min(cos[1], cos[2]) >= 0.9977, cos

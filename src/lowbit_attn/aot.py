@@ -640,12 +640,52 @@ def compile_recipe(
     r = resolve(recipe, parse_arch(arch))
     launches = record_launches(r, head_dim=head_dim, causal=causal, dtype=dtype, seq_len=seq_len,
                                return_lse=return_lse)
+    return _compile_all(launches, arch, config)
+
+
+def _compile_all(launches: list[Launch], arch: str, config: int) -> list[KernelReport]:
     reports: list[KernelReport] = []
     for launch in launches:
         report = compile_launch(launch, arch, config)  # identical launches: the same object
         if not any(report is seen for seen in reports):
             reports.append(report)
     return reports
+
+
+def record_train_launches(
+    recipe, *, head_dim: int = 128, causal: bool = False, dtype: torch.dtype = torch.bfloat16,
+    seq_len: int = 1024,
+) -> list[Launch]:
+    """The kernel launches of one trainable attention forward and backward (``[1, 2, seq_len,
+    head_dim]``, a :class:`~lowbit_attn.recipes.TrainRecipe` or its name) on the Triton backend."""
+    from .prepare_train import prepare, prepare_grad
+    from .recipes import resolve_train
+    from .kernels import attn_train_bwd, attn_train_fwd
+
+    r = resolve_train(recipe, smooth_k=getattr(recipe, "smooth_k", True),
+                      smooth_q=getattr(recipe, "smooth_q", False), keep_16bit=None)
+    q, k, v, do = (torch.zeros(1, 2, seq_len, head_dim, dtype=dtype) for _ in range(4))
+    lse = torch.zeros(1, 2, seq_len)
+    offset = 0 if causal else None
+    scale = head_dim ** -0.5
+    with _recording() as sink:
+        ops = prepare(q, k, v, r, scale, "triton")
+        attn_train_fwd.forward(ops, out=torch.zeros_like(q), causal_offset=offset)
+        grad = prepare_grad(do, torch.zeros_like(q), r, "triton")
+        grad.delta = torch.zeros_like(lse)  # the recorder did not allocate one
+        attn_train_bwd.backward(ops, grad, lse, torch.zeros_like(q), torch.zeros_like(k),
+                                torch.zeros_like(v), causal_offset=offset, softmax_scale=scale)
+    return list(sink)
+
+
+def compile_train(recipe="sagebwd_int8", arch: str = "sm_90a", head_dim: int = 128,
+                  causal: bool = False, dtype: torch.dtype = torch.bfloat16,
+                  config: int = 0) -> list[KernelReport]:
+    """Compile, for ``arch``, every kernel of one trainable attention forward and backward and
+    report each (see :func:`compile_recipe`)."""
+    arch = normalize_arch(arch)
+    launches = record_train_launches(recipe, head_dim=head_dim, causal=causal, dtype=dtype)
+    return _compile_all(launches, arch, config)
 
 
 @functools.lru_cache(maxsize=None)
@@ -661,6 +701,7 @@ def ptxas_version(arch: str) -> str:
 
 __all__ = [
     "ARCHS", "GPU_CONSTEXPRS", "KernelReport", "Launch", "compile_recipe", "compile_launch",
+    "compile_train", "record_train_launches",
     "record_launches", "normalize_arch", "config_family", "autotune_configs",
     "tensor_core_instructions",
     "parse_ptxas_log", "run_ptxas", "ptxas_path", "ptxas_version", "as_jit_function", "specialize",

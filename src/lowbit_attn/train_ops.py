@@ -26,7 +26,7 @@ def train_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, int8: str, smooth_k: bool, smooth_q: bool,
     scale: float, is_causal: bool, causal_offset: int, nhd: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Output (q's shape and dtype) and base-2 LSE ``[B, Hq, Nq]`` fp32 of the trainable attention;
+    """Output (q's shape and dtype) and base-2 LSE ``[B, Hq, Nq]`` (fp32; fp64 for fp64 inputs);
     ``int8`` is a comma-separated list of the matmuls computed in INT8."""
     recipe = _recipe(int8, smooth_k, smooth_q)
     qh, kh, vh = (_hnd(x, nhd) for x in (q, k, v))
@@ -41,14 +41,19 @@ def train_fwd(
     else:
         o, lse = ref.forward(ops, causal_offset=offset)
         _hnd(out, nhd).copy_(o)
-        lse = lse.float()
+        lse = lse.to(_lse_dtype(q))
     return out, lse
+
+
+def _lse_dtype(q: torch.Tensor) -> torch.dtype:
+    """fp32, or fp64 for fp64 inputs (the reference's float64 gradients need it)."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
 @train_fwd.register_fake
 def _(q, k, v, int8, smooth_k, smooth_q, scale, is_causal, causal_offset, nhd):
     b, hq, nq = (q.shape[0], q.shape[2], q.shape[1]) if nhd else q.shape[:3]
-    return torch.empty_like(q), q.new_empty((b, hq, nq), dtype=torch.float32)
+    return torch.empty_like(q), q.new_empty((b, hq, nq), dtype=_lse_dtype(q))
 
 
 @torch.library.custom_op("lowbit_attn::train_bwd", mutates_args=())

@@ -196,3 +196,28 @@ def row_strides(x: torch.Tensor | None, packed_per_token: bool) -> tuple[int, in
 
 def next_pow2(n: int, minimum: int = 16) -> int:
     return max(minimum, triton.next_power_of_2(n))
+
+
+@triton.jit
+def mm(a, b, INT8: tl.constexpr, EMU_FP32: tl.constexpr):
+    """``a·b`` with fp32 results: an int32-accumulated INT8 MMA, or a 16-bit MMA with fp32
+    accumulation (in fp32 under ``EMU_FP32``: the interpreter's bf16 products are wrong)."""
+    if INT8:
+        return tl.dot(a, b, out_dtype=tl.int32).to(tl.float32)
+    elif EMU_FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    else:
+        return tl.dot(a, b, out_dtype=tl.float32)
+
+
+@triton.jit
+def quantize_tile(x, INT8: tl.constexpr, LIKE):
+    """A tile as a matmul operand: INT8 with one scale ``amax/127`` (NaN/Inf poison it), or
+    ``x`` in the element type of the pointer ``LIKE`` with scale 1."""
+    if INT8:
+        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0) + tl.sum(tl.sum(x * 0.0, axis=1), axis=0)
+        scale = amax * (1.0 / 127.0)
+        scale = tl.where(scale == 0.0, 1.0, scale)
+        return to_int8(tl.div_rn(x, scale)), scale
+    else:
+        return x.to(LIKE.dtype.element_ty), 1.0

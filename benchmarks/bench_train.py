@@ -1,0 +1,220 @@
+#!/usr/bin/env python
+"""Training attention benchmark: forward + backward of ``lowbit_attn.trainable_attention`` against
+SDPA flash (FlashAttention-2) and SDPA cuDNN, bf16, with peak memory and the gradients' accuracy
+checked in the same run.
+
+    python benchmarks/bench_train.py                 # D=64,128; N=1k..16k; causal and not (a GPU)
+    python benchmarks/bench_train.py --quick         # D=128, N=4k,16k
+    python benchmarks/bench_train.py --out DIR ...   # JSON + markdown table (+ chart) into DIR
+
+Inputs are channel-biased (K += 4·N(0,1) per channel) as in the inference benchmark; tokens per
+call are fixed (batch = 16k/N) and heads = 2048/D. TOP/s count 4·N²·D per head for the forward
+and 2.5× that for the backward (halved when causal), as FlashAttention does. Accuracy: cosine of
+the output and of dQ, dK, dV against float32 SDPA (memory-efficient backend) of the same bf16
+inputs, on the first batch element. Without CUDA it times the CPU reference at a tiny size and
+says so (not a kernel benchmark).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+try:
+    import lowbit_attn
+except ImportError:  # a source checkout that is not installed
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    import lowbit_attn
+from lowbit_attn.benchmark import make_inputs, make_metadata, slug
+from lowbit_attn.metrics import errors
+
+TOKENS = 16384
+WIDTH = 2048
+
+
+def sdpa(backend_name):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = getattr(SDPBackend, backend_name)
+
+    def fn(q, k, v, causal):
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return fn
+
+
+def ours(**kw):
+    def fn(q, k, v, causal):
+        return lowbit_attn.trainable_attention(q, k, v, is_causal=causal, **kw)
+
+    return fn
+
+
+METHODS = {
+    "sdpa_flash": sdpa("FLASH_ATTENTION"),
+    "sdpa_cudnn": sdpa("CUDNN_ATTENTION"),
+    "sagebwd_int8": ours(),
+    "sagebwd_dp_int8": ours(keep_16bit=()),
+    "ours_exact_16bit": ours(recipe="exact"),
+}
+
+
+def train_ops(batch, heads, n, d, causal) -> float:
+    return 4.0 * batch * heads * n * n * d * 3.5 * (0.5 if causal else 1.0)
+
+
+def measure(name, fn, q, k, v, do, causal, timer, cuda):
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+
+    def step():
+        for x in leaves:
+            x.grad = None
+        fn(*leaves, causal).backward(do)
+
+    row = {"method": name}
+    try:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            step()
+            torch.cuda.synchronize()
+            row["peak_extra_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        row["ms"] = timer(step)
+        with torch.no_grad():
+            row["fwd_ms"] = timer(lambda: fn(*leaves, causal))
+        row["status"] = "ok"
+        row["grads"] = [leaves[0].grad, leaves[1].grad, leaves[2].grad]
+    except Exception as exc:  # noqa: BLE001 - a failing method is a row, not a crash
+        row["status"] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    return row
+
+
+def reference(q, k, v, do, causal):
+    """float32 SDPA of the first batch element: (out, dq, dk, dv)."""
+    leaves = [x[:1].float().detach().requires_grad_() for x in (q, k, v)]
+    with torch.nn.attention.sdpa_kernel(_ref_backends()):
+        out = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal)
+    return (out, *torch.autograd.grad(out, leaves, do[:1].float()))
+
+
+def _ref_backends():
+    from torch.nn.attention import SDPBackend
+
+    return [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def run(dims, ns, causals, methods, *, device, timer):
+    cuda = device == "cuda"
+    rows = []
+    for d in dims:
+        for causal in causals:
+            for n in ns:
+                batch, heads = max(1, TOKENS // n), WIDTH // d
+                if not cuda:
+                    batch, heads = 1, 2
+                q, k, v = make_inputs(batch, heads, n, d, device=device, dtype=torch.bfloat16)
+                do = torch.randn_like(q)
+                ref = reference(q, k, v, do, causal)
+                for name in methods:
+                    row = measure(name, METHODS[name], q, k, v, do, causal, timer, cuda)
+                    row.update(d=d, n=n, causal=causal, batch=batch, heads=heads)
+                    if row["status"] == "ok":
+                        row["tops"] = train_ops(batch, heads, n, d, causal) / row["ms"] * 1e-9
+                        grads = row.pop("grads")
+                        with torch.no_grad():
+                            out = METHODS[name](q[:1], k[:1], v[:1], causal)
+                        got = [out] + [g[:1] for g in grads]
+                        row["cosine"] = {t: errors(a.float(), b.float()).cosine
+                                         for t, a, b in zip(("out", "dq", "dk", "dv"), got, ref)}
+                    rows.append(row)
+                    print(_line(row), file=sys.stderr, flush=True)
+                del q, k, v, do, ref
+                gc.collect()
+                if cuda:
+                    torch.cuda.empty_cache()
+    return rows
+
+
+def _line(r) -> str:
+    head = f"D={r['d']} N={r['n']} {'causal' if r['causal'] else 'full  '} {r['method']:17}"
+    if r["status"] != "ok":
+        return f"{head} {r['status']}"
+    cos = " ".join(f"{t}={c:.5f}" for t, c in r["cosine"].items())
+    mem = f" peak+{r['peak_extra_mib']:.0f}MiB" if "peak_extra_mib" in r else ""
+    return f"{head} {r['ms']:8.3f} ms {r['tops']:6.1f} TOP/s{mem}  {cos}"
+
+
+def markdown(rows) -> str:
+    """One line per (D, causal, N): TOP/s per method and our speedups over flash and cuDNN."""
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    head = ["D", "causal", "N"] + methods + ["sagebwd / flash", "sagebwd / cuDNN", "dQ cos (sagebwd)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    keys = list(dict.fromkeys((r["d"], r["causal"], r["n"]) for r in rows))
+    for key in keys:
+        by = {r["method"]: r for r in rows if (r["d"], r["causal"], r["n"]) == key}
+        cells = [str(key[0]), "yes" if key[1] else "no", str(key[2])]
+        cells += [f"{by[m]['tops']:.0f}" if m in by and by[m]["status"] == "ok" else "—" for m in methods]
+        s = by.get("sagebwd_int8", {})
+        for base in ("sdpa_flash", "sdpa_cudnn"):
+            b = by.get(base, {})
+            ok = s.get("status") == "ok" and b.get("status") == "ok"
+            cells.append(f"{b['ms'] / s['ms']:.2f}×" if ok else "—")
+        cells.append(f"{s['cosine']['dq']:.4f}" if s.get("status") == "ok" else "—")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--dims", default="64,128")
+    ap.add_argument("--ns", default="1024,2048,4096,8192,16384")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--out", action="append", default=[])
+    args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    dims = [128] if args.quick else [int(x) for x in args.dims.split(",")]
+    ns = [4096, 16384] if args.quick else [int(x) for x in args.ns.split(",")]
+    if not cuda:
+        print("NO CUDA: timing the CPU reference at N=128 (not a kernel benchmark)", file=sys.stderr)
+        ns, dims = [128], dims[:1]
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = set(methods) - set(METHODS)
+    if unknown:
+        ap.error(f"unknown methods {sorted(unknown)}; choose from {sorted(METHODS)}")
+    if cuda:
+        from triton.testing import do_bench
+
+        timer = lambda fn: do_bench(fn, warmup=25, rep=100, return_mode="median")  # noqa: E731
+    else:
+        import time
+
+        def timer(fn):
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e3
+    meta = make_metadata(device=device, mode="train", protocol={"tokens": TOKENS, "width": WIDTH})
+    rows = run(dims, ns, (False, True), methods, device=device, timer=timer)
+    results = {**meta, "rows": rows}
+    table = markdown(rows)
+    for out in args.out:
+        path = Path(out)
+        path.mkdir(parents=True, exist_ok=True)
+        stem = f"train-{slug(meta['device_name'])}-{meta['date']}"
+        (path / f"{stem}.json").write_text(json.dumps(results, indent=1, default=str))
+        (path / f"{stem}.md").write_text(table + "\n")
+    print(table)
+    return 0 if all(r["status"] == "ok" for r in rows if not r["method"].startswith("sdpa")) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

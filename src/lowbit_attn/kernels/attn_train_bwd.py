@@ -1,0 +1,270 @@
+"""Trainable attention backward (SageBwd numerics), FlashAttention-2 style: S and P recomputed from
+the saved base-2 LSE in 64×64 tiles; ``dP = dO·Vᵀ`` (16-bit by default); ``dS = P ∘ (dP - Δ)`` with
+``Δ = rowsum(dO ∘ O)`` from a preprocessing kernel; P and dS quantized per tile for ``dV = Pᵀ·dO``,
+``dK = dSᵀ·Q`` (one program per key block, looping over the query heads of its K/V head and their
+query blocks) and ``dQ = dS·K`` (one program per query block). No N×N tensor is written.
+Twin: ``lowbit_attn.reference.sagebwd.backward``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..arch import get_capability, interpreter_enabled
+from ..quantized import TRAIN_BLOCK, GradOperands, TrainOperands
+from . import quantize as kq
+from .common import LaunchConfig, batch_head, mm, next_pow2, quantize_tile, triton_configs
+
+CONFIGS = {
+    "interpreter": [LaunchConfig(4, 1)],
+    # The dK/dV kernel holds two 64×D fp32 accumulators: with D=128 it spills 440 bytes at 4 warps
+    # and 32 at 8 (ptxas -v, sm_90a); 8 warps first.
+    "sm_80": [LaunchConfig(8, 2), LaunchConfig(4, 2)],
+    "sm_89": [LaunchConfig(8, 2), LaunchConfig(4, 2)],
+    "sm_90": [LaunchConfig(8, 2), LaunchConfig(4, 2), LaunchConfig(8, 3)],
+}
+
+
+@triton.jit
+def _delta_kernel(DO, O, DELTA, sdb, sdh, sdn, sdd, sob, soh, son, sod, seb, seh, sen,
+                  NQ, H, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    b, h = batch_head(tl.program_id(1), H)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (rows < NQ)[:, None] & (offs_d < D)[None, :]
+    do = tl.load(DO + b * sdb + h * sdh + rows[:, None] * sdn + offs_d[None, :] * sdd, mask=mask,
+                 other=0.0).to(tl.float32)
+    o = tl.load(O + b * sob + h * soh + rows[:, None] * son + offs_d[None, :] * sod, mask=mask,
+                other=0.0).to(tl.float32)
+    tl.store(DELTA + b * seb + h * seh + rows * sen, tl.sum(do * o, axis=1), mask=rows < NQ)
+
+
+def preprocess(do: torch.Tensor, out: torch.Tensor, *, quantize: bool):
+    """``(dO INT8 per 64 rows, its scales, Δ = rowsum(dO ∘ O) fp32 [B, Hq, Nq])``; the INT8 pair is
+    ``None`` unless ``quantize``."""
+    b, h, n, d = do.shape
+    delta = torch.empty((b, h, n), device=do.device, dtype=torch.float32)
+    grid = (triton.cdiv(n, TRAIN_BLOCK), b * h)
+    _delta_kernel[grid](do, out, delta, *do.stride(), *out.stride(), *delta.stride(), n, h, d,
+                        BLOCK_M=TRAIN_BLOCK, BLOCK_D=next_pow2(d))
+    do8 = do_scale = None
+    if quantize:
+        do8, do_scale = kq.quantize_int8(do, granularity="per_block", block=TRAIN_BLOCK)
+    return do8, do_scale, delta
+
+
+@triton.jit
+def _operand(X, XS, b, h, blk, rows, offs_d, mask, sxb, sxh, sxn, sxd, ssb, ssh, ssn,
+             TRANS: tl.constexpr):
+    """One block of 64 tokens of an operand, ``[64, D]`` (``[D, 64]`` with ``TRANS``), and the
+    block's scale (``blk``: its index)."""
+    if TRANS:
+        x = tl.load(X + b * sxb + h * sxh + rows[None, :] * sxn + offs_d[:, None] * sxd,
+                    mask=tl.trans(mask), other=0)
+    else:
+        x = tl.load(X + b * sxb + h * sxh + rows[:, None] * sxn + offs_d[None, :] * sxd,
+                    mask=mask, other=0)
+    return x, tl.load(XS + b * ssb + h * ssh + blk * ssn)
+
+
+@triton.jit
+def _tile_grads(
+    q, qs, kt, ks, do_dp, dos, v_dpt, vdps, lse, delta, rows, cols, NQ, NK, causal_offset,
+    ds_ptrs, IS_CAUSAL: tl.constexpr, HAS_DS: tl.constexpr, QK_INT8: tl.constexpr,
+    DP_INT8: tl.constexpr, EMU_FP32: tl.constexpr,
+):
+    """P and dS of one 64×64 tile, recomputed as the forward computed S."""
+    s = mm(q, kt, QK_INT8, EMU_FP32) * (qs * ks)
+    if HAS_DS:
+        s = s + tl.load(ds_ptrs, mask=cols[None, :] < NK, other=0.0)
+    valid = (rows[:, None] < NQ) & (cols[None, :] < NK)
+    if IS_CAUSAL:
+        valid = valid & (cols[None, :] <= rows[:, None] + causal_offset)
+    s = tl.where(valid, s, float("-inf"))
+    p = tl.exp2(s - tl.where(lse == float("-inf"), 0.0, lse)[:, None])
+    dp = mm(do_dp, v_dpt, DP_INT8, EMU_FP32) * (dos * vdps)
+    return p, p * (dp - delta[:, None])
+
+
+@triton.jit
+def _train_dkdv_kernel(
+    Q, K, QS, KS, DO_DP, DOS_DP, V_DP, VS_DP, DO_DV, DOS_DV, Q_DK, QS_DK, QM, DS, LSE, DELTA,
+    DK, DV,
+    sqb, sqh, sqn, sqd, skb, skh, skn, skd, sqsb, sqsh, sqsn, sksb, sksh, sksn,
+    sdpb, sdph, sdpn, sdpd, sdpsb, sdpsh, sdpsn, svb, svh, svn, svd, svsb, svsh, svsn,
+    sdvb, sdvh, sdvn, sdvd, sdvsb, sdvsh, sdvsn, sqkb, sqkh, sqkn, sqkd, sqksb, sqksh, sqksn,
+    sqmb, sqmh, sqmk, sqmd, sdsb, sdsh, sdsq, sdsn, slb, slh, sln,
+    sdkb, sdkh, sdkn, sdkd, sdvob, sdvoh, sdvon, sdvod,
+    NQ, NK, HKV, GROUP, D, causal_offset, softmax_scale, N_BUCKET,
+    IS_CAUSAL: tl.constexpr, QK_INT8: tl.constexpr, DP_INT8: tl.constexpr,
+    DV_INT8: tl.constexpr, DK_INT8: tl.constexpr, HAS_DS: tl.constexpr, EMU_FP32: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    b, hk = batch_head(tl.program_id(1), HKV)
+    cols = pid_n * BLOCK + tl.arange(0, BLOCK)
+    offs_m = tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    nd_mask = (cols < NK)[:, None] & dmask[None, :]
+    kt, ks = _operand(K, KS, b, hk, pid_n, cols, offs_d, nd_mask, skb, skh, skn, skd,
+                      sksb, sksh, sksn, True)
+    v_dpt, vdps = _operand(V_DP, VS_DP, b, hk, pid_n, cols, offs_d, nd_mask, svb, svh, svn, svd,
+                           svsb, svsh, svsn, True)
+    dk = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+    lo = 0
+    if IS_CAUSAL:  # the first query row that sees this block's first key
+        lo = tl.maximum(pid_n * BLOCK - causal_offset, 0) // BLOCK * BLOCK
+    for g in range(0, GROUP):
+        h = hk * GROUP + g
+        for start_m in range(lo, NQ, BLOCK):
+            rows = start_m + offs_m
+            md_mask = (rows < NQ)[:, None] & dmask[None, :]
+            qb = start_m // BLOCK
+            q, qs = _operand(Q, QS, b, h, qb, rows, offs_d, md_mask, sqb, sqh, sqn, sqd,
+                             sqsb, sqsh, sqsn, False)
+            do_dp, dos = _operand(DO_DP, DOS_DP, b, h, qb, rows, offs_d, md_mask, sdpb, sdph,
+                                  sdpn, sdpd, sdpsb, sdpsh, sdpsn, False)
+            lse = tl.load(LSE + b * slb + h * slh + rows * sln, mask=rows < NQ, other=0.0)
+            delta = tl.load(DELTA + b * slb + h * slh + rows * sln, mask=rows < NQ, other=0.0)
+            ds_ptrs = DS
+            if HAS_DS:
+                ds_ptrs = DS + b * sdsb + h * sdsh + qb * sdsq + cols[None, :] * sdsn
+            p, ds = _tile_grads(q, qs, kt, ks, do_dp, dos, v_dpt, vdps, lse, delta, rows, cols,
+                                NQ, NK, causal_offset, ds_ptrs, IS_CAUSAL, HAS_DS, QK_INT8,
+                                DP_INT8, EMU_FP32)
+            do_dv, dovs = _operand(DO_DV, DOS_DV, b, h, qb, rows, offs_d, md_mask, sdvb, sdvh,
+                                   sdvn, sdvd, sdvsb, sdvsh, sdvsn, False)
+            pq, ps = quantize_tile(p, DV_INT8, DO_DV)
+            dv += mm(tl.trans(pq), do_dv, DV_INT8, EMU_FP32) * (ps * dovs)
+            q_dk, qdks = _operand(Q_DK, QS_DK, b, h, qb, rows, offs_d, md_mask, sqkb, sqkh, sqkn,
+                                  sqkd, sqksb, sqksh, sqksn, False)
+            dsq, dss = quantize_tile(ds, DK_INT8, Q_DK)
+            dk += mm(tl.trans(dsq), q_dk, DK_INT8, EMU_FP32) * (dss * qdks)
+            if HAS_DS:  # Q smoothing: dK also gets Σ_i dS_ij·mean(Q_block)
+                qm = tl.load(QM + b * sqmb + h * sqmh + qb * sqmk + offs_d * sqmd, mask=dmask,
+                             other=0.0)
+                dk += tl.sum(ds, axis=0)[:, None] * qm[None, :]
+    tl.store(DK + b * sdkb + hk * sdkh + cols[:, None] * sdkn + offs_d[None, :] * sdkd,
+             (dk * softmax_scale).to(DK.dtype.element_ty), mask=nd_mask)
+    tl.store(DV + b * sdvob + hk * sdvoh + cols[:, None] * sdvon + offs_d[None, :] * sdvod,
+             dv.to(DV.dtype.element_ty), mask=nd_mask)
+
+
+@triton.jit
+def _train_dq_kernel(
+    Q, K, QS, KS, DO_DP, DOS_DP, V_DP, VS_DP, K_DQ, KS_DQ, DS, LSE, DELTA, DQ,
+    sqb, sqh, sqn, sqd, skb, skh, skn, skd, sqsb, sqsh, sqsn, sksb, sksh, sksn,
+    sdpb, sdph, sdpn, sdpd, sdpsb, sdpsh, sdpsn, svb, svh, svn, svd, svsb, svsh, svsn,
+    skqb, skqh, skqn, skqd, skqsb, skqsh, skqsn, sdsb, sdsh, sdsq, sdsn, slb, slh, sln,
+    sdqb, sdqh, sdqn, sdqd,
+    NQ, NK, HQ, GROUP, D, causal_offset, softmax_scale, N_BUCKET,
+    IS_CAUSAL: tl.constexpr, QK_INT8: tl.constexpr, DP_INT8: tl.constexpr,
+    DQ_INT8: tl.constexpr, HAS_DS: tl.constexpr, EMU_FP32: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    b, h = batch_head(tl.program_id(1), HQ)
+    hk = h // GROUP
+    rows = pid_m * BLOCK + tl.arange(0, BLOCK)
+    offs_n = tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    md_mask = (rows < NQ)[:, None] & dmask[None, :]
+    q, qs = _operand(Q, QS, b, h, pid_m, rows, offs_d, md_mask, sqb, sqh, sqn, sqd, sqsb, sqsh,
+                     sqsn, False)
+    do_dp, dos = _operand(DO_DP, DOS_DP, b, h, pid_m, rows, offs_d, md_mask, sdpb, sdph, sdpn,
+                          sdpd, sdpsb, sdpsh, sdpsn, False)
+    lse = tl.load(LSE + b * slb + h * slh + rows * sln, mask=rows < NQ, other=0.0)
+    delta = tl.load(DELTA + b * slb + h * slh + rows * sln, mask=rows < NQ, other=0.0)
+    dq = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+    hi = NK
+    if IS_CAUSAL:
+        hi = tl.minimum(NK, (pid_m + 1) * BLOCK + causal_offset)
+    for start_n in range(0, hi, BLOCK):
+        cols = start_n + offs_n
+        nd_mask = (cols < NK)[:, None] & dmask[None, :]
+        kb = start_n // BLOCK
+        kt, ks = _operand(K, KS, b, hk, kb, cols, offs_d, nd_mask, skb, skh, skn, skd,
+                          sksb, sksh, sksn, True)
+        v_dpt, vdps = _operand(V_DP, VS_DP, b, hk, kb, cols, offs_d, nd_mask, svb, svh, svn, svd,
+                               svsb, svsh, svsn, True)
+        ds_ptrs = DS
+        if HAS_DS:
+            ds_ptrs = DS + b * sdsb + h * sdsh + pid_m * sdsq + cols[None, :] * sdsn
+        _, ds = _tile_grads(q, qs, kt, ks, do_dp, dos, v_dpt, vdps, lse, delta, rows, cols,
+                            NQ, NK, causal_offset, ds_ptrs, IS_CAUSAL, HAS_DS, QK_INT8, DP_INT8,
+                            EMU_FP32)
+        k_dq, kdqs = _operand(K_DQ, KS_DQ, b, hk, kb, cols, offs_d, nd_mask, skqb, skqh, skqn,
+                              skqd, skqsb, skqsh, skqsn, False)
+        dsq, dss = quantize_tile(ds, DQ_INT8, K_DQ)
+        dq += mm(dsq, k_dq, DQ_INT8, EMU_FP32) * (dss * kdqs)
+    tl.store(DQ + b * sdqb + h * sdqh + rows[:, None] * sdqn + offs_d[None, :] * sdqd,
+             (dq * softmax_scale).to(DQ.dtype.element_ty), mask=md_mask)
+
+
+_KEY = ["N_BUCKET", "BLOCK_D", "IS_CAUSAL", "QK_INT8", "DP_INT8", "HAS_DS"]
+_dkdv = triton.autotune(configs=triton_configs(CONFIGS, get_capability()),
+                        key=_KEY + ["DV_INT8", "DK_INT8"])(_train_dkdv_kernel)
+_dq = triton.autotune(configs=triton_configs(CONFIGS, get_capability()),
+                      key=_KEY + ["DQ_INT8"])(_train_dq_kernel)
+
+
+def _strides(x: torch.Tensor | None, n: int) -> tuple:
+    return tuple(x.stride()) if x is not None else (0,) * n
+
+
+def launch_args(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, dq, dk, dv, *,
+                causal_offset, softmax_scale):
+    """``(dkdv (grid, args, constexprs), dq (grid, args, constexprs))``."""
+    b, hq, nq, d = ops.q.shape
+    hkv, nk = ops.k.shape[1], ops.k.shape[2]
+    if lse.stride() != grad.delta.stride():
+        raise ValueError("the LSE and Δ must share strides (both [B, Hq, Nq] contiguous)")
+    qs = ops.q_scale * ops.qk_multiplier
+    has_ds = ops.delta_s is not None
+    common = dict(
+        IS_CAUSAL=causal_offset is not None, QK_INT8="qk" in ops.int8, DP_INT8="dp" in ops.int8,
+        HAS_DS=has_ds, EMU_FP32=interpreter_enabled(), BLOCK=TRAIN_BLOCK,
+        BLOCK_D=next_pow2(d, minimum=32),
+    )
+    offset = 0 if causal_offset is None else int(causal_offset)
+    bucket = min(triton.next_power_of_2(max(nq, nk)), 32768)
+    qk = (ops.q, ops.k, qs, ops.k_scale)
+    qk_strides = (*ops.q.stride(), *ops.k.stride(), *qs.stride(), *ops.k_scale.stride())
+    dp = (grad.do_dp, grad.do_dp_scale, ops.v_dp, ops.v_dp_scale)
+    dp_strides = (*grad.do_dp.stride(), *grad.do_dp_scale.stride(), *ops.v_dp.stride(),
+                  *ops.v_dp_scale.stride())
+    dkdv = (
+        (triton.cdiv(nk, TRAIN_BLOCK), b * hkv),
+        (*qk, *dp, grad.do_dv, grad.do_dv_scale, ops.q_dk, ops.q_dk_scale, ops.q_mean,
+         ops.delta_s, lse, grad.delta, dk, dv,
+         *qk_strides, *dp_strides, *grad.do_dv.stride(), *grad.do_dv_scale.stride(),
+         *ops.q_dk.stride(), *ops.q_dk_scale.stride(), *_strides(ops.q_mean, 4),
+         *_strides(ops.delta_s, 4), *lse.stride(), *dk.stride(), *dv.stride(),
+         nq, nk, hkv, hq // hkv, d, offset, float(softmax_scale), bucket),
+        dict(common, DV_INT8="dv" in ops.int8, DK_INT8="dk" in ops.int8),
+    )
+    dq_launch = (
+        (triton.cdiv(nq, TRAIN_BLOCK), b * hq),
+        (*qk, *dp, ops.k_dq, ops.k_dq_scale, ops.delta_s, lse, grad.delta, dq,
+         *qk_strides, *dp_strides, *ops.k_dq.stride(), *ops.k_dq_scale.stride(),
+         *_strides(ops.delta_s, 4), *lse.stride(), *dq.stride(),
+         nq, nk, hq, hq // hkv, d, offset, float(softmax_scale), bucket),
+        dict(common, DQ_INT8="dq" in ops.int8),
+    )
+    return dkdv, dq_launch
+
+
+def backward(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, dq: torch.Tensor,
+             dk: torch.Tensor, dv: torch.Tensor, *, causal_offset: int | None,
+             softmax_scale: float) -> None:
+    """Writes ``dq [B, Hq, Nq, D]``, ``dk, dv [B, Hkv, Nk, D]`` (views in any layout)."""
+    (g1, a1, c1), (g2, a2, c2) = launch_args(ops, grad, lse, dq, dk, dv,
+                                             causal_offset=causal_offset,
+                                             softmax_scale=softmax_scale)
+    _dkdv[g1](*a1, **c1)
+    _dq[g2](*a2, **c2)
