@@ -71,3 +71,30 @@ def test_dp_in_int8_makes_every_backward_product_int8(reports):
     for name in ("_train_dkdv_kernel", "_train_dq_kernel"):
         assert not any("bf16" in form for form in rs8[name].instructions), rs8[name].instructions
     assert _int8_wgmma(rs8["_train_dq_kernel"]) > base
+
+
+def test_inspect_shows_the_trainable_kernels(capsys):
+    from lowbit_attn.cli import main
+
+    assert main(["inspect", "--arch", "sm_90a", "--recipe", "sagebwd_int8", "--head-dim", "64",
+                 "--dtype", "bfloat16"]) == 0
+    text = capsys.readouterr().out
+    for kernel in ("_train_fwd_kernel", "_train_dkdv_kernel", "_train_dq_kernel"):
+        assert kernel in text
+    assert "s32.s8.s8" in text and "f32.bf16.bf16" in text
+
+
+@pytest.mark.parametrize("smooth_q", [False, True])
+def test_no_kernel_argument_is_n_by_n(smooth_q):
+    """The GPU path's memory is O(N) per head: no tensor handed to a kernel holds N² elements
+    (with ``smooth_q``, ΔS holds N²/64 per head, as documented)."""
+    from lowbit_attn.recipes import SAGEBWD_INT8
+
+    import torch
+
+    n, d = 2048, 64
+    launches = aot.record_train_launches(SAGEBWD_INT8.replace(smooth_q=smooth_q), head_dim=d, seq_len=n)
+    sizes = [x.numel() for launch in launches for x in launch.args if isinstance(x, torch.Tensor)]
+    per_head = max(sizes) / 2  # [1, 2, N, D] inputs
+    assert per_head <= max(n * d, n * n / 64 if smooth_q else 0)
+    assert per_head < n * n / 16

@@ -50,7 +50,7 @@ def _arch_arg(value: str) -> str:
 
 
 def _add_inspect(sub) -> None:
-    from .recipes import RECIPES  # light: dataclasses only
+    from .recipes import RECIPES, SAGEBWD_INT8  # light: dataclasses only
 
     p = sub.add_parser(
         "inspect", help="compile a recipe's kernels for a GPU target and show what they use",
@@ -60,8 +60,10 @@ def _add_inspect(sub) -> None:
     )
     p.add_argument("--arch", required=True, type=_arch_arg, metavar="ARCH",
                    help=f"GPU target: {ARCH_HELP}")
-    p.add_argument("--recipe", default="auto", choices=["auto", *RECIPES], metavar="NAME",
-                   help=f"one of {', '.join(RECIPES)}, or 'auto' (what ARCH gets by default)")
+    names = [*RECIPES, SAGEBWD_INT8.name]
+    p.add_argument("--recipe", default="auto", choices=["auto", *names], metavar="NAME",
+                   help=f"one of {', '.join(names)} (the trainable attention's forward and "
+                   "backward), or 'auto' (what ARCH gets by default)")
     p.add_argument("--head-dim", type=int, default=128, help="head dim D (default 128)")
     p.add_argument("--causal", action="store_true", help="the causal variant")
     p.add_argument("--dtype", choices=DTYPES, default="float16", help="input dtype")
@@ -114,12 +116,20 @@ def _inspect(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> in
     from .arch import parse_arch
     from .recipes import resolve
 
-    recipe = resolve(args.recipe, parse_arch(args.arch))
+    from .recipes import TRAIN_RECIPES
+
     try:
-        reports = aot.compile_recipe(
-            recipe, args.arch, head_dim=args.head_dim, causal=args.causal,
-            dtype=getattr(torch, args.dtype), return_lse=args.return_lse, config=args.config,
-        )
+        if args.recipe in TRAIN_RECIPES:
+            recipe = TRAIN_RECIPES[args.recipe]
+            reports = aot.compile_train(recipe, args.arch, head_dim=args.head_dim,
+                                        causal=args.causal, dtype=getattr(torch, args.dtype),
+                                        config=args.config)
+        else:
+            recipe = resolve(args.recipe, parse_arch(args.arch))
+            reports = aot.compile_recipe(
+                recipe, args.arch, head_dim=args.head_dim, causal=args.causal,
+                dtype=getattr(torch, args.dtype), return_lse=args.return_lse, config=args.config,
+            )
     except ValueError as exc:
         parser.error(str(exc))
     if args.ptx_dir:
