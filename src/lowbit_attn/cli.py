@@ -116,10 +116,10 @@ def _inspect(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> in
     from .arch import parse_arch
     from .recipes import resolve
 
-    from .recipes import TRAIN_RECIPES
+    from .recipes import RECIPES, TRAIN_RECIPES
 
     try:
-        if args.recipe in TRAIN_RECIPES:
+        if args.recipe in TRAIN_RECIPES and args.recipe not in RECIPES:  # "exact" is both
             recipe = TRAIN_RECIPES[args.recipe]
             reports = aot.compile_train(recipe, args.arch, head_dim=args.head_dim,
                                         causal=args.causal, dtype=getattr(torch, args.dtype),
