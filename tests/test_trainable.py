@@ -286,3 +286,12 @@ def test_kernels_refuse_fp32(triton_backend):
     q, k, v = channel_biased((1, 2, 8, 16), (1, 2, 8, 16), seed=0)
     with pytest.raises(TypeError, match="kernels take float16 or bfloat16"):
         lowbit_attn.trainable_attention(q, k, v)
+
+
+def test_empty_queries_give_an_empty_output_with_a_graph():
+    q = torch.zeros(1, 2, 0, 16, requires_grad=True)
+    k, v = torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)
+    out = lowbit_attn.trainable_attention(q, k, v)
+    assert out.shape == q.shape
+    out.sum().backward()
+    assert q.grad is not None and q.grad.shape == q.shape
