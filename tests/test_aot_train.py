@@ -98,3 +98,14 @@ def test_no_kernel_argument_is_n_by_n(smooth_q):
     per_head = max(sizes) / 2  # [1, 2, N, D] inputs
     assert per_head <= max(n * d, n * n / 64 if smooth_q else 0)
     assert per_head < n * n / 16
+
+
+def test_balancing_and_q_smoothing_compile():
+    from lowbit_attn.recipes import SAGEBWD_INT8
+
+    rs = {r.kernel: r for r in aot.compile_train(
+        SAGEBWD_INT8.replace(balance_qk=True, smooth_q=True), "sm_90a", 64, causal=True)}
+    for name in ("_train_fwd_kernel", "_train_dkdv_kernel", "_train_dq_kernel"):
+        assert rs[name].ok and rs[name].error is None, (name, rs[name].error)
+        assert rs[name].constexprs.get("HAS_DS") is True, rs[name].constexprs
+    assert rs["_train_dq_kernel"].constexprs.get("HAS_BAL") is True

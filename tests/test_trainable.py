@@ -71,6 +71,22 @@ def test_dp_in_int8_is_worse(channel_biased_grads, causal):
     assert ablation[3] == base[3] and ablation[0] == base[0]
 
 
+@pytest.mark.slow
+def test_balancing_rescues_outlier_channels():
+    """Not part of SageBwd: Q/K channel balancing (as in the inference recipes) for inputs whose Q
+    and K have outlier channels. Measured (N=512, D=128, GQA 4/2, bf16): output 0.979 → 0.9994,
+    dQ 0.973 → 0.998, dK 0.972 → 0.999, dV 0.977 → 0.998."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = FAMILIES["outliers"](g, 1, 4, 2, 512, 512, 128, torch.bfloat16)
+    do = torch.randn(q.shape, generator=g).to(torch.bfloat16)
+    exact = _grads(_exact, *(x.double() for x in (q, k, v, do)))
+    plain = _grads(lowbit_attn.trainable_attention, q, k, v, do)
+    balanced = _grads(lowbit_attn.trainable_attention, q, k, v, do, balance_qk=True)
+    for name, p, b, e in zip(("out", "dq", "dk", "dv"), plain, balanced, exact):
+        assert errors(b, e).cosine > max(errors(p, e).cosine, 0.997), name
+    assert errors(balanced[0], exact[0]).cosine >= 0.999
+
+
 def test_exact_recipe_matches_float64_autograd():
     q, k, v = channel_biased((2, 4, 50, 24), (2, 2, 60, 24), seed=3, dtype=torch.float64)
     do = torch.randn(q.shape, dtype=torch.float64)
@@ -91,6 +107,7 @@ def test_exact_recipe_matches_float64_autograd():
         pytest.param({}, True, id="smooth_k-causal"),
         pytest.param({"smooth_k": False}, False, id="no-smoothing"),
         pytest.param({"smooth_q": True}, True, id="smooth_q-causal"),
+        pytest.param({"balance_qk": True, "smooth_q": True}, False, id="balance-smooth_q"),
     ],
 )
 def test_gradcheck_exact_recipe(kw, causal):
@@ -135,6 +152,10 @@ KERNEL_CASES = [
     pytest.param(torch.float16, False, {"smooth_k": False}, (1, 1, 1, 64, 64, 64), id="fp16-no-smoothing"),
     pytest.param(torch.float16, True, {"keep_16bit": ALL_16BIT}, (1, 2, 1, 64, 70, 32), id="fp16-all-16bit"),
     pytest.param(torch.float16, False, {"keep_16bit": ("qk", "dv")}, (1, 2, 1, 65, 64, 64), id="fp16-qk-dv-16bit"),
+    pytest.param(torch.bfloat16, True, {"balance_qk": True, "smooth_q": True}, (1, 4, 2, 70, 80, 64),
+                 id="bf16-causal-balance-smooth_q-GQA"),
+    pytest.param(torch.float16, False, {"balance_qk": True, "keep_16bit": ("qk", "dq")}, (1, 2, 1, 64, 64, 32),
+                 id="fp16-balance-qk-dq-16bit"),
 ]
 
 
@@ -146,8 +167,7 @@ def test_kernels_match_reference(dtype, causal, kw, shape):
     b, hq, hkv, nq, nk, d = shape
     q, k, v = channel_biased((b, hq, nq, d), (b, hkv, nk, d), seed=6, dtype=dtype)
     do = torch.randn(q.shape).to(dtype)
-    r = resolve_train("sagebwd_int8", smooth_k=kw.get("smooth_k", True),
-                      smooth_q=kw.get("smooth_q", False), keep_16bit=kw.get("keep_16bit"))
+    r = resolve_train("sagebwd_int8", **kw)
     scale = d ** -0.5
     offset = nk - nq if causal else None
     ops = prepare(q, k, v, r, scale, "reference")
@@ -237,7 +257,7 @@ def test_custom_op_passes_opcheck(nhd):
     if nhd:
         q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))
     q.requires_grad_()
-    args = (q, k, v, "dk,dq,dv,pv,qk", True, False, 0.25, True, 4, nhd)
+    args = (q, k, v, "dk,dq,dv,pv,qk", True, False, True, 0.25, True, 4, nhd)
     torch.library.opcheck(train_fwd, args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static",
                                       "test_autograd_registration"))

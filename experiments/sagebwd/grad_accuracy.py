@@ -23,6 +23,7 @@ VARIANTS = {
     "dp_int8": {"keep_16bit": ()},
     "no_smooth_k": {"smooth_k": False},
     "smooth_q": {"smooth_q": True},
+    "balance_qk": {"balance_qk": True},
     "exact_16bit": {"recipe": "exact"},
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -31,7 +32,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 def gradients(q, k, v, do, causal, fn, **kw):
     q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
     out = fn(q, k, v, is_causal=causal, **kw)
-    return (out, *torch.autograd.grad(out, (q, k, v), do))
+    return (out.detach(), *torch.autograd.grad(out, (q, k, v), do))
 
 
 def exact(q, k, v, *, is_causal):

@@ -662,8 +662,7 @@ def record_train_launches(
     from .recipes import resolve_train
     from .kernels import attn_train_bwd, attn_train_fwd
 
-    r = resolve_train(recipe, smooth_k=getattr(recipe, "smooth_k", True),
-                      smooth_q=getattr(recipe, "smooth_q", False), keep_16bit=None)
+    r = resolve_train(recipe)
     q, k, v, do = (torch.zeros(1, 2, seq_len, head_dim, dtype=dtype) for _ in range(4))
     lse = torch.zeros(1, 2, seq_len)
     offset = 0 if causal else None

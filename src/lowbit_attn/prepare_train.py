@@ -22,13 +22,26 @@ def _quant(backend: str):
     return ref_quant
 
 
-def _centered(x: torch.Tensor, center: torch.Tensor | None, per_block: bool) -> torch.Tensor:
-    """``x - center`` in at least fp32, rounded back to x's dtype (a 16-bit operand)."""
-    if center is None:
+def _centered(x: torch.Tensor, center: torch.Tensor | None, per_block: bool,
+              alpha: torch.Tensor | None = None, divide: bool = False) -> torch.Tensor:
+    """``(x - center)`` times (or, with ``divide``, over) the per-channel ``alpha`` ``[B, H, D]``,
+    in at least fp32 (fp64 for fp64 inputs, so that ``q·α`` and ``k/α`` cancel exactly there),
+    rounded back to x's dtype (a 16-bit operand)."""
+    if center is None and alpha is None:
         return x
     wide = x.to(torch.promote_types(x.dtype, torch.float32))
-    c = ref_quant.expand_blocks(center, TRAIN_BLOCK, x.shape[-2]) if per_block else center.unsqueeze(-2)
-    return (wide - c.to(wide.dtype)).to(x.dtype)
+    if center is not None:
+        c = ref_quant.expand_blocks(center, TRAIN_BLOCK, x.shape[-2]) if per_block else center.unsqueeze(-2)
+        wide = wide - c.to(wide.dtype)
+    if alpha is not None:
+        a = alpha.to(wide.dtype).unsqueeze(-2)
+        wide = wide / a if divide else wide * a
+    return wide.to(x.dtype)
+
+
+def per_query_head(alpha: torch.Tensor, hq: int) -> torch.Tensor:
+    """``[B, Hkv, D]`` → ``[B, Hq, D]``."""
+    return alpha.repeat_interleave(hq // alpha.shape[1], dim=1)
 
 
 def _ones(x: torch.Tensor) -> torch.Tensor:
@@ -37,21 +50,29 @@ def _ones(x: torch.Tensor) -> torch.Tensor:
 
 
 class _Formats:
-    """Each of a tensor's formats made at most once: INT8 per block, or 16-bit."""
+    """Each of a tensor's formats made at most once: INT8 per block, or 16-bit. ``balance``:
+    ``((amax_q, amax_k), role, α of this tensor's heads)`` (Q is multiplied by α, K divided) or
+    None."""
 
-    def __init__(self, x, center, per_block, quant):
+    def __init__(self, x, center, per_block, quant, balance=None):
         self.x, self.center, self.per_block, self.quant = x, center, per_block, quant
+        self.balance = balance
         self.made: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def get(self, int8: bool) -> tuple[torch.Tensor, torch.Tensor]:
         if int8 not in self.made:
             if int8:
+                amaxes, role, _ = self.balance or (None, "q", None)
                 self.made[int8] = self.quant.quantize_int8(
                     self.x, granularity="per_block", block=TRAIN_BLOCK, center=self.center,
-                    center_per_block=self.per_block,
+                    center_per_block=self.per_block, balance=amaxes, balance_role=role,
                 )
             else:
-                self.made[int8] = (_centered(self.x, self.center, self.per_block), _ones(self.x))
+                _, role, alpha = self.balance or (None, "q", None)
+                self.made[int8] = (
+                    _centered(self.x, self.center, self.per_block, alpha, divide=role == "k"),
+                    _ones(self.x),
+                )
         return self.made[int8]
 
 
@@ -72,13 +93,20 @@ def prepare(q, k, v, recipe: TrainRecipe, softmax_scale: float, backend: str) ->
     """Dense ``[B, H, N, D]`` q, k, v → :class:`TrainOperands`."""
     quant = _quant(backend)
     int8 = recipe.int8
-    k_mean = q_mean = None
-    if recipe.smooth_k:
-        k_mean, _ = quant.channel_stats(k, center="mean")
-    if recipe.smooth_q:
-        q_mean, _ = quant.channel_stats(q, center="block_mean", block=TRAIN_BLOCK)
-    qf = _Formats(q, q_mean, True, quant)
-    kf = _Formats(k, k_mean, False, quant)
+    k_mean = q_mean = q_amax = k_amax = None
+    if recipe.smooth_k or recipe.balance_qk:
+        k_mean, k_amax = quant.channel_stats(k, center="mean" if recipe.smooth_k else "none")
+    if recipe.smooth_q or recipe.balance_qk:
+        q_mean, q_amax = quant.channel_stats(
+            q, center="block_mean" if recipe.smooth_q else "none", block=TRAIN_BLOCK
+        )
+    qb = kb = alpha = None
+    if recipe.balance_qk:
+        alpha = ref_quant.balance_factors(q_amax, k_amax)
+        qb = ((q_amax, k_amax), "q", per_query_head(alpha, q.shape[1]))
+        kb = ((q_amax, k_amax), "k", alpha)
+    qf = _Formats(q, q_mean, True, quant, qb)
+    kf = _Formats(k, k_mean, False, quant, kb)
     vf = _Formats(v, None, False, quant)
     multiplier = softmax_scale * LOG2E
     (q_qk, qs), (k_qk, ks) = qf.get("qk" in int8), kf.get("qk" in int8)
@@ -87,12 +115,15 @@ def prepare(q, k, v, recipe: TrainRecipe, softmax_scale: float, backend: str) ->
     q_dk, qdks = qf.get("dk" in int8)
     v_dp, vdps = vf.get("dp" in int8)
     delta = None
-    if q_mean is not None:
+    if recipe.smooth_q:
         delta = _delta_s(q_mean, k, k_mean, multiplier, backend)
+    if q_mean is not None and alpha is not None:  # dK's correction, in the balanced space of Q
+        wide = torch.promote_types(q.dtype, torch.float32)
+        q_mean = q_mean.to(wide) * per_query_head(alpha, q.shape[1]).to(wide).unsqueeze(-2)
     return TrainOperands(
         q=q_qk, q_scale=qs, k=k_qk, k_scale=ks, v=v_pv, v_scale=vs, k_dq=k_dq, k_dq_scale=kdqs,
         q_dk=q_dk, q_dk_scale=qdks, v_dp=v_dp, v_dp_scale=vdps, qk_multiplier=multiplier,
-        int8=int8, dtype=q.dtype, q_mean=q_mean, delta_s=delta,
+        int8=int8, dtype=q.dtype, q_mean=q_mean, delta_s=delta, balance=alpha,
     )
 
 

@@ -142,7 +142,9 @@ class TrainOperands:
             (the same objects as ``k``, ``q``, ``v`` when the two matmuls share a format).
         qk_multiplier: ``softmax_scale·log2(e)``: ``(q·kᵀ)·s_q·s_k·qk_multiplier`` are base-2 scores.
         q_mean: fp32 block means of Q ``[B, Hq, ceil(Nq/64), D]`` (``smooth_q``), for dK's
-            correction ``Σ_i dS_ij·mean(Q_block(i))``.
+            correction ``Σ_i dS_ij·mean(Q_block(i))`` (times ``balance`` when balancing).
+        balance: fp32 ``α`` ``[B, Hkv, D]`` (``balance_qk``): Q's channels enter every product
+            times α, K's divided by α; the backward returns ``dQ∘α`` and ``dK/α`` to undo it.
         delta_s: fp32 ``mean(Q_block)·K'ᵀ·qk_multiplier`` ``[B, Hq, ceil(Nq/64), Nk]`` added to the
             scores (``smooth_q``).
         int8: the matmuls computed in INT8 (names from :data:`TRAIN_MATMULS`).
@@ -166,6 +168,7 @@ class TrainOperands:
     dtype: torch.dtype
     q_mean: torch.Tensor | None = None
     delta_s: torch.Tensor | None = None
+    balance: torch.Tensor | None = None
 
 
 @dataclass

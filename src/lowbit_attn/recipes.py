@@ -178,12 +178,17 @@ class TrainRecipe:
         smooth_k: subtract K's per-channel mean over tokens (exact; no gradient correction).
         smooth_q: subtract the mean of each block of 64 query rows and add ``ΔS`` back in fp32
             (exact; dK gets the correction ``Σ_i dS_ij·mean(Q_block(i))``).
+        balance_qk: multiply Q's channel c by ``α_c = sqrt(amax|K_c| / amax|Q_c|)`` and divide K's
+            by it before quantizing (after smoothing), as the inference recipes do; scores are
+            unchanged and the gradients come back as ``dQ∘α``, ``dK/α`` (exact). Not part of
+            SageBwd: an option for models whose Q or K has outlier channels.
     """
 
     name: str
     int8: frozenset
     smooth_k: bool = True
     smooth_q: bool = False
+    balance_qk: bool = False
 
     def __post_init__(self) -> None:
         from .quantized import TRAIN_MATMULS
@@ -192,7 +197,7 @@ class TrainRecipe:
             raise ValueError(
                 f"TrainRecipe.int8 must be a frozenset of names from {TRAIN_MATMULS}, got {self.int8!r}"
             )
-        for field in ("smooth_k", "smooth_q"):
+        for field in ("smooth_k", "smooth_q", "balance_qk"):
             if not isinstance(getattr(self, field), bool):
                 raise TypeError(f"{field} must be a bool, got {type(getattr(self, field)).__name__}")
 
@@ -214,9 +219,11 @@ TRAIN_EXACT = TrainRecipe(name="exact", int8=frozenset(), smooth_k=False)
 TRAIN_RECIPES: dict[str, TrainRecipe] = {r.name: r for r in (SAGEBWD_INT8, TRAIN_EXACT)}
 
 
-def resolve_train(recipe, *, smooth_k, smooth_q, keep_16bit) -> TrainRecipe:
-    """The ``recipe``, ``smooth_*`` and ``keep_16bit`` arguments of ``trainable_attention`` → one
-    :class:`TrainRecipe`. ``keep_16bit`` (names of matmuls) overrides the recipe's INT8 set."""
+def resolve_train(recipe, *, smooth_k=None, smooth_q=None, keep_16bit=None,
+                  balance_qk=None) -> TrainRecipe:
+    """The ``recipe``, ``smooth_*``, ``balance_qk`` and ``keep_16bit`` arguments of
+    ``trainable_attention`` → one :class:`TrainRecipe`. ``None`` keeps the recipe's setting;
+    ``keep_16bit`` (names of matmuls) replaces the recipe's INT8 set."""
     from .quantized import TRAIN_MATMULS
 
     if isinstance(recipe, TrainRecipe):
@@ -230,7 +237,8 @@ def resolve_train(recipe, *, smooth_k, smooth_q, keep_16bit) -> TrainRecipe:
         r = TRAIN_RECIPES[recipe]
     else:
         raise TypeError(f"recipe must be a str or lowbit_attn.TrainRecipe, got {type(recipe).__name__}")
-    changes = {"smooth_k": smooth_k, "smooth_q": smooth_q}
+    options = {"smooth_k": smooth_k, "smooth_q": smooth_q, "balance_qk": balance_qk}
+    changes = {name: value for name, value in options.items() if value is not None}
     if keep_16bit is not None:
         if isinstance(keep_16bit, str) or not all(isinstance(x, str) for x in keep_16bit):
             raise TypeError(f"keep_16bit must be a tuple of matmul names, got {keep_16bit!r}")

@@ -12,9 +12,10 @@ from .recipes import TrainRecipe
 from .reference import sagebwd as ref
 
 
-def _recipe(int8: str, smooth_k: bool, smooth_q: bool) -> TrainRecipe:
+def _recipe(int8: str, smooth_k: bool, smooth_q: bool, balance_qk: bool) -> TrainRecipe:
     names = frozenset(x for x in int8.split(",") if x)
-    return TrainRecipe(name="op", int8=names, smooth_k=smooth_k, smooth_q=smooth_q)
+    return TrainRecipe(name="op", int8=names, smooth_k=smooth_k, smooth_q=smooth_q,
+                       balance_qk=balance_qk)
 
 
 def _hnd(x: torch.Tensor, nhd: bool) -> torch.Tensor:
@@ -24,11 +25,11 @@ def _hnd(x: torch.Tensor, nhd: bool) -> torch.Tensor:
 @torch.library.custom_op("lowbit_attn::train_fwd", mutates_args=())
 def train_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, int8: str, smooth_k: bool, smooth_q: bool,
-    scale: float, is_causal: bool, causal_offset: int, nhd: bool,
+    balance_qk: bool, scale: float, is_causal: bool, causal_offset: int, nhd: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Output (q's shape and dtype) and base-2 LSE ``[B, Hq, Nq]`` (fp32; fp64 for fp64 inputs);
     ``int8`` is a comma-separated list of the matmuls computed in INT8."""
-    recipe = _recipe(int8, smooth_k, smooth_q)
+    recipe = _recipe(int8, smooth_k, smooth_q, balance_qk)
     qh, kh, vh = (_hnd(x, nhd) for x in (q, k, v))
     backend = backend_for(q.device)
     ops = prepare(qh, kh, vh, recipe, scale, backend)
@@ -51,7 +52,7 @@ def _lse_dtype(q: torch.Tensor) -> torch.dtype:
 
 
 @train_fwd.register_fake
-def _(q, k, v, int8, smooth_k, smooth_q, scale, is_causal, causal_offset, nhd):
+def _(q, k, v, int8, smooth_k, smooth_q, balance_qk, scale, is_causal, causal_offset, nhd):
     b, hq, nq = (q.shape[0], q.shape[2], q.shape[1]) if nhd else q.shape[:3]
     return torch.empty_like(q), q.new_empty((b, hq, nq), dtype=_lse_dtype(q))
 
@@ -59,11 +60,11 @@ def _(q, k, v, int8, smooth_k, smooth_q, scale, is_causal, causal_offset, nhd):
 @torch.library.custom_op("lowbit_attn::train_bwd", mutates_args=())
 def train_bwd(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-    lse: torch.Tensor, int8: str, smooth_k: bool, smooth_q: bool, scale: float, is_causal: bool,
-    causal_offset: int, nhd: bool,
+    lse: torch.Tensor, int8: str, smooth_k: bool, smooth_q: bool, balance_qk: bool, scale: float,
+    is_causal: bool, causal_offset: int, nhd: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` in the shapes and dtype of ``q, k, v``."""
-    recipe = _recipe(int8, smooth_k, smooth_q)
+    recipe = _recipe(int8, smooth_k, smooth_q, balance_qk)
     qh, kh, vh, doh, oh = (_hnd(x, nhd) for x in (q, k, v, do, out))
     backend = backend_for(q.device)
     ops = prepare(qh, kh, vh, recipe, scale, backend)
@@ -82,7 +83,8 @@ def train_bwd(
 
 
 @train_bwd.register_fake
-def _(do, q, k, v, out, lse, int8, smooth_k, smooth_q, scale, is_causal, causal_offset, nhd):
+def _(do, q, k, v, out, lse, int8, smooth_k, smooth_q, balance_qk, scale, is_causal, causal_offset,
+      nhd):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -121,5 +123,5 @@ train_bwd.register_autograd(_no_double_backward, setup_context=_save_nothing)
 def call(q, k, v, recipe: TrainRecipe, *, scale: float, is_causal: bool, causal_offset: int,
          nhd: bool) -> torch.Tensor:
     out, _ = train_fwd(q, k, v, ",".join(sorted(recipe.int8)), recipe.smooth_k, recipe.smooth_q,
-                       scale, is_causal, causal_offset, nhd)
+                       recipe.balance_qk, scale, is_causal, causal_offset, nhd)
     return out

@@ -20,9 +20,10 @@ def trainable_attention(
     scale: float | None = None,
     layout: str = "HND",
     recipe: "str | TrainRecipe" = "sagebwd_int8",
-    smooth_k: bool = True,
-    smooth_q: bool = False,
+    smooth_k: "bool | None" = None,
+    smooth_q: "bool | None" = None,
     keep_16bit: "tuple[str, ...] | None" = None,
+    balance_qk: "bool | None" = None,
 ) -> torch.Tensor:
     """Differentiable 8-bit attention ``softmax(q·kᵀ·scale)·v`` for training (SageBwd).
 
@@ -39,11 +40,16 @@ def trainable_attention(
             ``"exact"`` (no quantization; fp16/bf16 operands with fp32 accumulation on a GPU, the
             input precision on a CPU), or a :class:`TrainRecipe`.
         smooth_k: subtract K's per-channel mean before quantizing it (exact; recommended).
+            ``None``: the recipe's setting (on for ``"sagebwd_int8"``).
         smooth_q: subtract each 64-row block's mean from Q and add the correction back in fp32
             (exact; costs an ``[Nq/64, Nk]`` fp32 correction per head, so not O(N) memory).
+            ``None``: the recipe's setting (off).
         keep_16bit: matmuls to keep in 16-bit (names among ``"qk"``, ``"pv"``, ``"dp"``, ``"dv"``,
             ``"dq"``, ``"dk"``); the others of a quantized recipe run in INT8. ``()`` puts dP in
             INT8 too. ``None`` keeps the recipe's choice.
+        balance_qk: rescale Q's and K's channels by ``α``/``1/α`` before quantizing (exact; the
+            gradients are scaled back): for models with outlier channels in Q or K. Not part of
+            SageBwd; ``None``: the recipe's setting (off).
     Returns:
         the output, q's shape, dtype and layout. Rows that see no key give 0 (and zero gradients).
 
@@ -59,9 +65,11 @@ def trainable_attention(
     checks.heads_and_dims(
         tuple(qh.shape), tuple(kh.shape), tuple(vh.shape), batch_dim=0, head_dim_axis=1, seq_axis=2
     )
-    checks.flag("smooth_k", smooth_k)
-    checks.flag("smooth_q", smooth_q)
-    r = resolve_train(recipe, smooth_k=smooth_k, smooth_q=smooth_q, keep_16bit=keep_16bit)
+    for name, value in (("smooth_k", smooth_k), ("smooth_q", smooth_q), ("balance_qk", balance_qk)):
+        if value is not None:
+            checks.flag(name, value)
+    r = resolve_train(recipe, smooth_k=smooth_k, smooth_q=smooth_q, keep_16bit=keep_16bit,
+                      balance_qk=balance_qk)
     if backend_for(q.device) == "triton" and q.dtype not in KERNEL_DTYPES:
         raise TypeError(
             f"trainable_attention's kernels take float16 or bfloat16 inputs, got {q.dtype}; cast q, "

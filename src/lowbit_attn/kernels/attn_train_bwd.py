@@ -91,16 +91,16 @@ def _tile_grads(
 @triton.jit
 def _train_dkdv_kernel(
     Q, K, QS, KS, DO_DP, DOS_DP, V_DP, VS_DP, DO_DV, DOS_DV, Q_DK, QS_DK, QM, DS, LSE, DELTA,
-    DK, DV,
+    DK, DV, BAL,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, sqsb, sqsh, sqsn, sksb, sksh, sksn,
     sdpb, sdph, sdpn, sdpd, sdpsb, sdpsh, sdpsn, svb, svh, svn, svd, svsb, svsh, svsn,
     sdvb, sdvh, sdvn, sdvd, sdvsb, sdvsh, sdvsn, sqkb, sqkh, sqkn, sqkd, sqksb, sqksh, sqksn,
     sqmb, sqmh, sqmk, sqmd, sdsb, sdsh, sdsq, sdsn, slb, slh, sln,
-    sdkb, sdkh, sdkn, sdkd, sdvob, sdvoh, sdvon, sdvod,
+    sdkb, sdkh, sdkn, sdkd, sdvob, sdvoh, sdvon, sdvod, sbb, sbh, sbd,
     NQ, NK, HKV, GROUP, D, causal_offset, softmax_scale, N_BUCKET,
     IS_CAUSAL: tl.constexpr, QK_INT8: tl.constexpr, DP_INT8: tl.constexpr,
-    DV_INT8: tl.constexpr, DK_INT8: tl.constexpr, HAS_DS: tl.constexpr, EMU_FP32: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+    DV_INT8: tl.constexpr, DK_INT8: tl.constexpr, HAS_DS: tl.constexpr, HAS_BAL: tl.constexpr,
+    EMU_FP32: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     b, hk = batch_head(tl.program_id(1), HKV)
@@ -148,22 +148,25 @@ def _train_dkdv_kernel(
                 qm = tl.load(QM + b * sqmb + h * sqmh + qb * sqmk + offs_d * sqmd, mask=dmask,
                              other=0.0)
                 dk += tl.sum(ds, axis=0)[:, None] * qm[None, :]
+    dk = dk * softmax_scale
+    if HAS_BAL:  # K entered as K/α
+        dk = dk / tl.load(BAL + b * sbb + hk * sbh + offs_d * sbd, mask=dmask, other=1.0)[None, :]
     tl.store(DK + b * sdkb + hk * sdkh + cols[:, None] * sdkn + offs_d[None, :] * sdkd,
-             (dk * softmax_scale).to(DK.dtype.element_ty), mask=nd_mask)
+             dk.to(DK.dtype.element_ty), mask=nd_mask)
     tl.store(DV + b * sdvob + hk * sdvoh + cols[:, None] * sdvon + offs_d[None, :] * sdvod,
              dv.to(DV.dtype.element_ty), mask=nd_mask)
 
 
 @triton.jit
 def _train_dq_kernel(
-    Q, K, QS, KS, DO_DP, DOS_DP, V_DP, VS_DP, K_DQ, KS_DQ, DS, LSE, DELTA, DQ,
+    Q, K, QS, KS, DO_DP, DOS_DP, V_DP, VS_DP, K_DQ, KS_DQ, DS, LSE, DELTA, DQ, BAL,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, sqsb, sqsh, sqsn, sksb, sksh, sksn,
     sdpb, sdph, sdpn, sdpd, sdpsb, sdpsh, sdpsn, svb, svh, svn, svd, svsb, svsh, svsn,
     skqb, skqh, skqn, skqd, skqsb, skqsh, skqsn, sdsb, sdsh, sdsq, sdsn, slb, slh, sln,
-    sdqb, sdqh, sdqn, sdqd,
+    sdqb, sdqh, sdqn, sdqd, sbb, sbh, sbd,
     NQ, NK, HQ, GROUP, D, causal_offset, softmax_scale, N_BUCKET,
     IS_CAUSAL: tl.constexpr, QK_INT8: tl.constexpr, DP_INT8: tl.constexpr,
-    DQ_INT8: tl.constexpr, HAS_DS: tl.constexpr, EMU_FP32: tl.constexpr,
+    DQ_INT8: tl.constexpr, HAS_DS: tl.constexpr, HAS_BAL: tl.constexpr, EMU_FP32: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -202,11 +205,14 @@ def _train_dq_kernel(
                               skqd, skqsb, skqsh, skqsn, False)
         dsq, dss = quantize_tile(ds, DQ_INT8, K_DQ)
         dq += mm(dsq, k_dq, DQ_INT8, EMU_FP32) * (dss * kdqs)
+    dq = dq * softmax_scale
+    if HAS_BAL:  # Q entered as Q∘α
+        dq = dq * tl.load(BAL + b * sbb + hk * sbh + offs_d * sbd, mask=dmask, other=1.0)[None, :]
     tl.store(DQ + b * sdqb + h * sdqh + rows[:, None] * sdqn + offs_d[None, :] * sdqd,
-             (dq * softmax_scale).to(DQ.dtype.element_ty), mask=md_mask)
+             dq.to(DQ.dtype.element_ty), mask=md_mask)
 
 
-_KEY = ["N_BUCKET", "BLOCK_D", "IS_CAUSAL", "QK_INT8", "DP_INT8", "HAS_DS"]
+_KEY = ["N_BUCKET", "BLOCK_D", "IS_CAUSAL", "QK_INT8", "DP_INT8", "HAS_DS", "HAS_BAL"]
 _dkdv = triton.autotune(configs=triton_configs(CONFIGS, get_capability()),
                         key=_KEY + ["DV_INT8", "DK_INT8"])(_train_dkdv_kernel)
 _dq = triton.autotune(configs=triton_configs(CONFIGS, get_capability()),
@@ -228,7 +234,8 @@ def launch_args(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, dq, d
     has_ds = ops.delta_s is not None
     common = dict(
         IS_CAUSAL=causal_offset is not None, QK_INT8="qk" in ops.int8, DP_INT8="dp" in ops.int8,
-        HAS_DS=has_ds, EMU_FP32=interpreter_enabled(), BLOCK=TRAIN_BLOCK,
+        HAS_DS=has_ds, HAS_BAL=ops.balance is not None, EMU_FP32=interpreter_enabled(),
+        BLOCK=TRAIN_BLOCK,
         BLOCK_D=next_pow2(d, minimum=32),
     )
     offset = 0 if causal_offset is None else int(causal_offset)
@@ -241,18 +248,19 @@ def launch_args(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, dq, d
     dkdv = (
         (triton.cdiv(nk, TRAIN_BLOCK), b * hkv),
         (*qk, *dp, grad.do_dv, grad.do_dv_scale, ops.q_dk, ops.q_dk_scale, ops.q_mean,
-         ops.delta_s, lse, grad.delta, dk, dv,
+         ops.delta_s, lse, grad.delta, dk, dv, ops.balance,
          *qk_strides, *dp_strides, *grad.do_dv.stride(), *grad.do_dv_scale.stride(),
          *ops.q_dk.stride(), *ops.q_dk_scale.stride(), *_strides(ops.q_mean, 4),
          *_strides(ops.delta_s, 4), *lse.stride(), *dk.stride(), *dv.stride(),
+         *_strides(ops.balance, 3),
          nq, nk, hkv, hq // hkv, d, offset, float(softmax_scale), bucket),
         dict(common, DV_INT8="dv" in ops.int8, DK_INT8="dk" in ops.int8),
     )
     dq_launch = (
         (triton.cdiv(nq, TRAIN_BLOCK), b * hq),
-        (*qk, *dp, ops.k_dq, ops.k_dq_scale, ops.delta_s, lse, grad.delta, dq,
+        (*qk, *dp, ops.k_dq, ops.k_dq_scale, ops.delta_s, lse, grad.delta, dq, ops.balance,
          *qk_strides, *dp_strides, *ops.k_dq.stride(), *ops.k_dq_scale.stride(),
-         *_strides(ops.delta_s, 4), *lse.stride(), *dq.stride(),
+         *_strides(ops.delta_s, 4), *lse.stride(), *dq.stride(), *_strides(ops.balance, 3),
          nq, nk, hq, hq // hkv, d, offset, float(softmax_scale), bucket),
         dict(common, DQ_INT8="dq" in ops.int8),
     )

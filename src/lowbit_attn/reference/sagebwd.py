@@ -150,4 +150,8 @@ def backward(
         qm = _per_row(ops.q_mean.transpose(-1, -2), ops.q.shape[2]).transpose(-1, -2).to(cdt)
         dk = dk + torch.matmul(ds.transpose(-1, -2), qm)
     dk = _sum_groups(dk, hkv) * softmax_scale
+    if ops.balance is not None:  # Q entered as Q∘α and K as K/α
+        alpha = ops.balance.to(cdt).unsqueeze(-2)
+        dq = dq * _expand_heads(alpha, hq)
+        dk = dk / alpha
     return dq, dk, dv
