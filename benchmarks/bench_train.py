@@ -18,8 +18,10 @@ says so (not a kernel benchmark).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -56,13 +58,33 @@ def ours(**kw):
     return fn
 
 
+@contextlib.contextmanager
+def environment(values: dict):
+    """Environment variables set for a method's whole forward + backward."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 METHODS = {
     "sdpa_flash": sdpa("FLASH_ATTENTION"),
     "sdpa_cudnn": sdpa("CUDNN_ATTENTION"),
     "sagebwd_int8": ours(),
+    "sagebwd_int8_atomic_dq": ours(),
     "sagebwd_dp_int8": ours(keep_16bit=()),
     "ours_exact_16bit": ours(recipe="exact"),
 }
+
+
+# dQ added by the dK/dV kernel instead of its own kernel (kernels/attn_train_bwd.dq_mode)
+ENVIRONMENT = {"sagebwd_int8_atomic_dq": {"LOWBIT_ATTN_TRAIN_DQ": "atomic"}}
 
 
 def train_ops(batch, heads, n, d, causal) -> float:
@@ -124,7 +146,8 @@ def run(dims, ns, causals, methods, *, device, timer):
                 do = torch.randn_like(q)
                 ref = reference(q, k, v, do, causal)
                 for name in methods:
-                    row = measure(name, METHODS[name], q, k, v, do, causal, timer, cuda)
+                    with environment(ENVIRONMENT.get(name, {})):
+                        row = measure(name, METHODS[name], q, k, v, do, causal, timer, cuda)
                     row.update(d=d, n=n, causal=causal, batch=batch, heads=heads)
                     if row["status"] == "ok":
                         row["tops"] = train_ops(batch, heads, n, d, causal) / row["ms"] * 1e-9

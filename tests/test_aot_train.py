@@ -35,6 +35,11 @@ def reports():
     return get
 
 
+def describe(r) -> str:
+    return (f"{r.kernel}: {r.num_warps} warps, {r.registers} registers, spills {r.spill_stores} B, "
+            f"{r.instructions}")
+
+
 def _int8_wgmma(r) -> int:
     return sum(n for form, n in r.instructions.items()
                if form.startswith("wgmma") and form.endswith(INT8_WGMMA))
@@ -109,3 +114,18 @@ def test_balancing_and_q_smoothing_compile():
         assert rs[name].ok and rs[name].error is None, (name, rs[name].error)
         assert rs[name].constexprs.get("HAS_DS") is True, rs[name].constexprs
     assert rs["_train_dq_kernel"].constexprs.get("HAS_BAL") is True
+
+
+def test_atomic_dq_variant_compiles_with_fp32_atomics():
+    """``LOWBIT_ATTN_TRAIN_DQ=atomic``: the dK/dV kernel also computes dS·K (one more INT8 wgmma
+    form per tile) and adds it with fp32 atomics; a small kernel finishes dQ; no dQ kernel."""
+    rs = {r.kernel: r for r in aot.compile_train("sagebwd_int8", "sm_90a", 128, dq_mode="atomic")}
+    assert "_train_dq_kernel" not in rs and "_dq_finish_kernel" in rs
+    dkdv = rs["_train_dkdv_kernel"]
+    assert dkdv.ok and dkdv.error is None, dkdv.error
+    import re
+
+    assert re.search(r"\b(red|atom)\.global\.[\w.]*add[\w.]*\.f32", dkdv.ptx), "no fp32 atomic add"
+    base = {r.kernel: r for r in aot.compile_train("sagebwd_int8", "sm_90a", 128)}
+    assert _int8_wgmma(dkdv) > _int8_wgmma(base["_train_dkdv_kernel"])
+    print(describe(dkdv))

@@ -162,6 +162,17 @@ KERNEL_CASES = [
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype, causal, kw, shape", KERNEL_CASES)
 def test_kernels_match_reference(dtype, causal, kw, shape):
+    _kernels_match_reference(dtype, causal, kw, shape, "recompute")
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype, causal, kw, shape", [KERNEL_CASES[1], KERNEL_CASES[-2], KERNEL_CASES[-1]])
+def test_atomic_dq_matches_reference(dtype, causal, kw, shape):
+    """dQ added by the dK/dV kernel (``LOWBIT_ATTN_TRAIN_DQ=atomic``) instead of its own kernel."""
+    _kernels_match_reference(dtype, causal, kw, shape, "atomic")
+
+
+def _kernels_match_reference(dtype, causal, kw, shape, mode):
     from lowbit_attn.kernels import attn_train_bwd, attn_train_fwd
 
     b, hq, hkv, nq, nk, d = shape
@@ -183,7 +194,8 @@ def test_kernels_match_reference(dtype, causal, kw, shape):
     assert_close(prepare_grad(do, out, r, "triton").delta, grad.delta, atol=1e-5, name="delta")
     want = ref.backward(ops, grad, lse, causal_offset=offset, softmax_scale=scale)
     got = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
-    attn_train_bwd.backward(ops, grad, lse, *got, causal_offset=offset, softmax_scale=scale)
+    attn_train_bwd.backward(ops, grad, lse, *got, causal_offset=offset, softmax_scale=scale,
+                            mode=mode)
     for name, a, e in zip(("dq", "dk", "dv"), got, want):
         # relative L2: an INT8 rounding tie decided the other way (one step of 1/127 in one P or dS
         # element) moves a single gradient entry by ~1e-3 of the largest, but not the norm

@@ -654,10 +654,11 @@ def _compile_all(launches: list[Launch], arch: str, config: int) -> list[KernelR
 
 def record_train_launches(
     recipe, *, head_dim: int = 128, causal: bool = False, dtype: torch.dtype = torch.bfloat16,
-    seq_len: int = 1024,
+    seq_len: int = 1024, dq_mode: str = "recompute",
 ) -> list[Launch]:
     """The kernel launches of one trainable attention forward and backward (``[1, 2, seq_len,
-    head_dim]``, a :class:`~lowbit_attn.recipes.TrainRecipe` or its name) on the Triton backend."""
+    head_dim]``, a :class:`~lowbit_attn.recipes.TrainRecipe` or its name) on the Triton backend;
+    ``dq_mode`` as ``kernels.attn_train_bwd.dq_mode``."""
     from .prepare_train import prepare, prepare_grad
     from .recipes import resolve_train
     from .kernels import attn_train_bwd, attn_train_fwd
@@ -673,17 +674,19 @@ def record_train_launches(
         grad = prepare_grad(do, torch.zeros_like(q), r, "triton")
         grad.delta = torch.zeros_like(lse)  # the recorder did not allocate one
         attn_train_bwd.backward(ops, grad, lse, torch.zeros_like(q), torch.zeros_like(k),
-                                torch.zeros_like(v), causal_offset=offset, softmax_scale=scale)
+                                torch.zeros_like(v), causal_offset=offset, softmax_scale=scale,
+                                mode=dq_mode)
     return list(sink)
 
 
 def compile_train(recipe="sagebwd_int8", arch: str = "sm_90a", head_dim: int = 128,
                   causal: bool = False, dtype: torch.dtype = torch.bfloat16,
-                  config: int = 0) -> list[KernelReport]:
+                  config: int = 0, dq_mode: str = "recompute") -> list[KernelReport]:
     """Compile, for ``arch``, every kernel of one trainable attention forward and backward and
     report each (see :func:`compile_recipe`)."""
     arch = normalize_arch(arch)
-    launches = record_train_launches(recipe, head_dim=head_dim, causal=causal, dtype=dtype)
+    launches = record_train_launches(recipe, head_dim=head_dim, causal=causal, dtype=dtype,
+                                     dq_mode=dq_mode)
     return _compile_all(launches, arch, config)
 
 

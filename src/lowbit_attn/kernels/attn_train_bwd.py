@@ -8,6 +8,8 @@ Twin: ``lowbit_attn.reference.sagebwd.backward``.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -91,16 +93,18 @@ def _tile_grads(
 @triton.jit
 def _train_dkdv_kernel(
     Q, K, QS, KS, DO_DP, DOS_DP, V_DP, VS_DP, DO_DV, DOS_DV, Q_DK, QS_DK, QM, DS, LSE, DELTA,
-    DK, DV, BAL,
+    DK, DV, BAL, K_DQ, KS_DQ, DQ_ACC,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, sqsb, sqsh, sqsn, sksb, sksh, sksn,
     sdpb, sdph, sdpn, sdpd, sdpsb, sdpsh, sdpsn, svb, svh, svn, svd, svsb, svsh, svsn,
     sdvb, sdvh, sdvn, sdvd, sdvsb, sdvsh, sdvsn, sqkb, sqkh, sqkn, sqkd, sqksb, sqksh, sqksn,
     sqmb, sqmh, sqmk, sqmd, sdsb, sdsh, sdsq, sdsn, slb, slh, sln,
     sdkb, sdkh, sdkn, sdkd, sdvob, sdvoh, sdvon, sdvod, sbb, sbh, sbd,
+    skqb, skqh, skqn, skqd, skqsb, skqsh, skqsn, sab, sah, san, sad,
     NQ, NK, HKV, GROUP, D, causal_offset, softmax_scale, N_BUCKET,
     IS_CAUSAL: tl.constexpr, QK_INT8: tl.constexpr, DP_INT8: tl.constexpr,
-    DV_INT8: tl.constexpr, DK_INT8: tl.constexpr, HAS_DS: tl.constexpr, HAS_BAL: tl.constexpr,
-    EMU_FP32: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+    DV_INT8: tl.constexpr, DK_INT8: tl.constexpr, DQ_INT8: tl.constexpr, HAS_DS: tl.constexpr,
+    HAS_BAL: tl.constexpr, ATOMIC_DQ: tl.constexpr, EMU_FP32: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     b, hk = batch_head(tl.program_id(1), HKV)
@@ -113,6 +117,9 @@ def _train_dkdv_kernel(
                       sksb, sksh, sksn, True)
     v_dpt, vdps = _operand(V_DP, VS_DP, b, hk, pid_n, cols, offs_d, nd_mask, svb, svh, svn, svd,
                            svsb, svsh, svsn, True)
+    if ATOMIC_DQ:  # this key block's share of dQ = dS·K, added into an fp32 buffer
+        k_dq, kdqs = _operand(K_DQ, KS_DQ, b, hk, pid_n, cols, offs_d, nd_mask, skqb, skqh, skqn,
+                              skqd, skqsb, skqsh, skqsn, False)
     dk = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     lo = 0
@@ -144,6 +151,12 @@ def _train_dkdv_kernel(
                                   sqkd, sqksb, sqksh, sqksn, False)
             dsq, dss = quantize_tile(ds, DK_INT8, Q_DK)
             dk += mm(tl.trans(dsq), q_dk, DK_INT8, EMU_FP32) * (dss * qdks)
+            if ATOMIC_DQ:
+                if DQ_INT8 != DK_INT8:
+                    dsq, dss = quantize_tile(ds, DQ_INT8, K_DQ)
+                tl.atomic_add(DQ_ACC + b * sab + h * sah + rows[:, None] * san + offs_d[None, :] * sad,
+                              mm(dsq, k_dq, DQ_INT8, EMU_FP32) * (dss * kdqs), mask=md_mask,
+                              sem="relaxed")
             if HAS_DS:  # Q smoothing: dK also gets Σ_i dS_ij·mean(Q_block)
                 qm = tl.load(QM + b * sqmb + h * sqmh + qb * sqmk + offs_d * sqmd, mask=dmask,
                              other=0.0)
@@ -212,9 +225,29 @@ def _train_dq_kernel(
              dq.to(DQ.dtype.element_ty), mask=md_mask)
 
 
+@triton.jit
+def _dq_finish_kernel(ACC, DQ, BAL, sab, sah, san, sad, sdqb, sdqh, sdqn, sdqd, sbb, sbh, sbd,
+                      NQ, HQ, GROUP, D, softmax_scale, HAS_BAL: tl.constexpr,
+                      BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """dQ from the fp32 buffer the dK/dV kernel added into: times the softmax scale (and α)."""
+    b, h = batch_head(tl.program_id(1), HQ)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    mask = (rows < NQ)[:, None] & dmask[None, :]
+    dq = tl.load(ACC + b * sab + h * sah + rows[:, None] * san + offs_d[None, :] * sad, mask=mask,
+                 other=0.0) * softmax_scale
+    if HAS_BAL:
+        dq = dq * tl.load(BAL + b * sbb + (h // GROUP) * sbh + offs_d * sbd, mask=dmask,
+                          other=1.0)[None, :]
+    tl.store(DQ + b * sdqb + h * sdqh + rows[:, None] * sdqn + offs_d[None, :] * sdqd,
+             dq.to(DQ.dtype.element_ty), mask=mask)
+
+
 _KEY = ["N_BUCKET", "BLOCK_D", "IS_CAUSAL", "QK_INT8", "DP_INT8", "HAS_DS", "HAS_BAL"]
 _dkdv = triton.autotune(configs=triton_configs(CONFIGS, get_capability()),
-                        key=_KEY + ["DV_INT8", "DK_INT8"])(_train_dkdv_kernel)
+                        key=_KEY + ["DV_INT8", "DK_INT8", "DQ_INT8", "ATOMIC_DQ"],
+                        reset_to_zero=["DQ_ACC"])(_train_dkdv_kernel)
 _dq = triton.autotune(configs=triton_configs(CONFIGS, get_capability()),
                       key=_KEY + ["DQ_INT8"])(_train_dq_kernel)
 
@@ -223,20 +256,34 @@ def _strides(x: torch.Tensor | None, n: int) -> tuple:
     return tuple(x.stride()) if x is not None else (0,) * n
 
 
+DQ_MODES = ("recompute", "atomic")
+
+
+def dq_mode() -> str:
+    """How dQ is computed: ``"recompute"`` (default: a dQ kernel that recomputes S and dP per
+    query block; deterministic) or ``"atomic"`` (the dK/dV kernel adds each tile's dS·K into an
+    fp32 buffer: two fewer matmuls per tile, summation order not fixed). ``LOWBIT_ATTN_TRAIN_DQ``
+    chooses, until a GPU measurement decides the default."""
+    mode = os.environ.get("LOWBIT_ATTN_TRAIN_DQ", "recompute")
+    if mode not in DQ_MODES:
+        raise ValueError(f"LOWBIT_ATTN_TRAIN_DQ must be one of {DQ_MODES}, got {mode!r}")
+    return mode
+
+
 def launch_args(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, dq, dk, dv, *,
-                causal_offset, softmax_scale):
-    """``(dkdv (grid, args, constexprs), dq (grid, args, constexprs))``."""
+                causal_offset, softmax_scale, mode: str = "recompute"):
+    """``[(kernel, grid, args, constexprs), ...]`` in launch order for ``mode`` (see
+    :func:`dq_mode`)."""
     b, hq, nq, d = ops.q.shape
     hkv, nk = ops.k.shape[1], ops.k.shape[2]
     if lse.stride() != grad.delta.stride():
         raise ValueError("the LSE and Δ must share strides (both [B, Hq, Nq] contiguous)")
+    atomic = mode == "atomic"
     qs = ops.q_scale * ops.qk_multiplier
-    has_ds = ops.delta_s is not None
     common = dict(
         IS_CAUSAL=causal_offset is not None, QK_INT8="qk" in ops.int8, DP_INT8="dp" in ops.int8,
-        HAS_DS=has_ds, HAS_BAL=ops.balance is not None, EMU_FP32=interpreter_enabled(),
-        BLOCK=TRAIN_BLOCK,
-        BLOCK_D=next_pow2(d, minimum=32),
+        DQ_INT8="dq" in ops.int8, HAS_DS=ops.delta_s is not None, HAS_BAL=ops.balance is not None,
+        EMU_FP32=interpreter_enabled(), BLOCK=TRAIN_BLOCK, BLOCK_D=next_pow2(d, minimum=32),
     )
     offset = 0 if causal_offset is None else int(causal_offset)
     bucket = min(triton.next_power_of_2(max(nq, nk)), 32768)
@@ -245,34 +292,48 @@ def launch_args(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, dq, d
     dp = (grad.do_dp, grad.do_dp_scale, ops.v_dp, ops.v_dp_scale)
     dp_strides = (*grad.do_dp.stride(), *grad.do_dp_scale.stride(), *ops.v_dp.stride(),
                   *ops.v_dp_scale.stride())
-    dkdv = (
-        (triton.cdiv(nk, TRAIN_BLOCK), b * hkv),
+    k_dq = (ops.k_dq, ops.k_dq_scale)
+    k_dq_strides = (*ops.k_dq.stride(), *ops.k_dq_scale.stride())
+    # the autotuner zeroes DQ_ACC before each timed run, so it must be a tensor in both modes
+    acc = torch.zeros((b, hq, nq, d) if atomic else (1, 1, 1, 1), device=dq.device,
+                      dtype=torch.float32)
+    launches = [(
+        _dkdv, (triton.cdiv(nk, TRAIN_BLOCK), b * hkv),
         (*qk, *dp, grad.do_dv, grad.do_dv_scale, ops.q_dk, ops.q_dk_scale, ops.q_mean,
-         ops.delta_s, lse, grad.delta, dk, dv, ops.balance,
+         ops.delta_s, lse, grad.delta, dk, dv, ops.balance, *k_dq, acc,
          *qk_strides, *dp_strides, *grad.do_dv.stride(), *grad.do_dv_scale.stride(),
          *ops.q_dk.stride(), *ops.q_dk_scale.stride(), *_strides(ops.q_mean, 4),
          *_strides(ops.delta_s, 4), *lse.stride(), *dk.stride(), *dv.stride(),
-         *_strides(ops.balance, 3),
+         *_strides(ops.balance, 3), *k_dq_strides, *_strides(acc, 4),
          nq, nk, hkv, hq // hkv, d, offset, float(softmax_scale), bucket),
-        dict(common, DV_INT8="dv" in ops.int8, DK_INT8="dk" in ops.int8),
-    )
-    dq_launch = (
-        (triton.cdiv(nq, TRAIN_BLOCK), b * hq),
-        (*qk, *dp, ops.k_dq, ops.k_dq_scale, ops.delta_s, lse, grad.delta, dq, ops.balance,
-         *qk_strides, *dp_strides, *ops.k_dq.stride(), *ops.k_dq_scale.stride(),
-         *_strides(ops.delta_s, 4), *lse.stride(), *dq.stride(), *_strides(ops.balance, 3),
-         nq, nk, hq, hq // hkv, d, offset, float(softmax_scale), bucket),
-        dict(common, DQ_INT8="dq" in ops.int8),
-    )
-    return dkdv, dq_launch
+        dict(common, DV_INT8="dv" in ops.int8, DK_INT8="dk" in ops.int8, ATOMIC_DQ=atomic),
+    )]
+    if atomic:
+        launches.append((
+            _dq_finish_kernel, (triton.cdiv(nq, TRAIN_BLOCK), b * hq),
+            (acc, dq, ops.balance, *acc.stride(), *dq.stride(), *_strides(ops.balance, 3),
+             nq, hq, hq // hkv, d, float(softmax_scale)),
+            dict(HAS_BAL=ops.balance is not None, BLOCK=TRAIN_BLOCK,
+                 BLOCK_D=next_pow2(d, minimum=32)),
+        ))
+    else:
+        launches.append((
+            _dq, (triton.cdiv(nq, TRAIN_BLOCK), b * hq),
+            (*qk, *dp, *k_dq, ops.delta_s, lse, grad.delta, dq, ops.balance,
+             *qk_strides, *dp_strides, *k_dq_strides,
+             *_strides(ops.delta_s, 4), *lse.stride(), *dq.stride(), *_strides(ops.balance, 3),
+             nq, nk, hq, hq // hkv, d, offset, float(softmax_scale), bucket),
+            common,
+        ))
+    return launches
 
 
 def backward(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, dq: torch.Tensor,
              dk: torch.Tensor, dv: torch.Tensor, *, causal_offset: int | None,
-             softmax_scale: float) -> None:
+             softmax_scale: float, mode: str | None = None) -> None:
     """Writes ``dq [B, Hq, Nq, D]``, ``dk, dv [B, Hkv, Nk, D]`` (views in any layout)."""
-    (g1, a1, c1), (g2, a2, c2) = launch_args(ops, grad, lse, dq, dk, dv,
-                                             causal_offset=causal_offset,
-                                             softmax_scale=softmax_scale)
-    _dkdv[g1](*a1, **c1)
-    _dq[g2](*a2, **c2)
+    for kernel, grid, args, constexprs in launch_args(
+        ops, grad, lse, dq, dk, dv, causal_offset=causal_offset, softmax_scale=softmax_scale,
+        mode=mode or dq_mode(),
+    ):
+        kernel[grid](*args, **constexprs)
