@@ -162,10 +162,11 @@ def test_fp4_public_call_meets_the_channel_biased_bar():
 # --- trainable attention (SageBwd) ---------------------------------------------------------------
 
 
+@pytest.mark.parametrize("mode", ["recompute", "atomic"])
 @pytest.mark.parametrize("keep", [None, ()], ids=["dp16", "dp-int8"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_trainable_kernels_match_the_reference(keep, causal, d):
+def test_trainable_kernels_match_the_reference(keep, causal, d, mode):
     from lowbit_attn.kernels import attn_train_bwd, attn_train_fwd
     from lowbit_attn.metrics import errors
     from lowbit_attn.prepare_train import prepare, prepare_grad
@@ -175,7 +176,7 @@ def test_trainable_kernels_match_the_reference(keep, causal, d):
     q, k, v = (x.cuda() for x in channel_biased((2, 8, 700, d), (2, 4, 900, d), seed=d,
                                                  dtype=torch.bfloat16))
     do = torch.randn_like(q)
-    r = resolve_train("sagebwd_int8", smooth_k=True, smooth_q=False, keep_16bit=keep)
+    r = resolve_train("sagebwd_int8", keep_16bit=keep)
     offset = 200 if causal else None
     ops = prepare(q, k, v, r, d**-0.5, "triton")
     want_o, want_lse = ref.forward(ops, causal_offset=offset)
@@ -186,7 +187,8 @@ def test_trainable_kernels_match_the_reference(keep, causal, d):
     grad = prepare_grad(do, out, r, "triton")
     want = ref.backward(ops, grad, lse, causal_offset=offset, softmax_scale=d**-0.5)
     got = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
-    attn_train_bwd.backward(ops, grad, lse, *got, causal_offset=offset, softmax_scale=d**-0.5)
+    attn_train_bwd.backward(ops, grad, lse, *got, causal_offset=offset, softmax_scale=d**-0.5,
+                            mode=mode)
     for name, a, e in zip(("dq", "dk", "dv"), got, want):
         assert errors(a.float(), e).cosine > 0.9999, name
 
