@@ -1,10 +1,11 @@
 """lowbit_attn: fast, accurate low-bit attention for PyTorch, written in Triton."""
 
-from . import fp4
+from . import fp4, tiles, vsa
 from .api import attention, attention_varlen, scaled_dot_product_attention
 from .metrics import Errors, errors
 from .recipes import RECIPES, TRAIN_RECIPES, Recipe, TrainRecipe, get_recipe
 from .trainable import trainable_attention
+from .vsa import video_sparse_attention
 
 __version__ = "0.1.0"
 
@@ -13,6 +14,9 @@ __all__ = [
     "attention_varlen",
     "scaled_dot_product_attention",
     "trainable_attention",
+    "video_sparse_attention",
+    "vsa",
+    "tiles",
     "TrainRecipe",
     "TRAIN_RECIPES",
     "Recipe",

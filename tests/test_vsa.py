@@ -1,0 +1,223 @@
+"""Video sparse attention (PyTorch implementation): the tile layout and token order, the fine stage
+against dense attention with the corresponding block mask (forward and gradients, partial edge
+tiles), all tiles = exact attention, the coarse stage, gates, the sparsity schedule, bad input."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import lowbit_attn
+from helpers import assert_close
+from lowbit_attn import vsa
+from lowbit_attn.reference import vsa as ref
+from lowbit_attn.tiles import from_tile_order, tile_layout, to_tile_order
+
+GRIDS = [
+    pytest.param((3, 5, 6), (2, 2, 4), id="T3H5W6-tile2x2x4"),
+    pytest.param((4, 8, 8), (4, 4, 4), id="T4H8W8-whole-tiles"),
+    pytest.param((5, 6, 7), (4, 4, 4), id="T5H6W7-partial"),
+]
+
+
+def _qkv(n, *, b=2, hq=4, hkv=2, d=16, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, n, d, generator=g, dtype=dtype)
+    k = torch.randn(b, hkv, n, d, generator=g, dtype=dtype)
+    v = torch.randn(b, hkv, n, d, generator=g, dtype=dtype)
+    return q, k, v
+
+
+def _grads(fn, q, k, v, do):
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    out = fn(q, k, v)
+    return (out.detach(), *torch.autograd.grad(out, (q, k, v), do))
+
+
+# --- tiles ---------------------------------------------------------------------------------------
+
+
+@given(t=st.integers(1, 6), h=st.integers(1, 7), w=st.integers(1, 7), tt=st.integers(1, 4),
+       th=st.integers(1, 4), tw=st.integers(1, 4))
+@settings(max_examples=40, deadline=None)
+def test_tile_layout_covers_every_token_once(t, h, w, tt, th, tw):
+    layout = tile_layout((t, h, w), (tt, th, tw))
+    assert layout.n_tiles == math.ceil(t / tt) * math.ceil(h / th) * math.ceil(w / tw)
+    assert int(layout.counts.sum()) == t * h * w
+    assert torch.equal(layout.perm.sort().values, torch.arange(t * h * w))
+    assert torch.equal(layout.perm[layout.inverse], torch.arange(t * h * w))
+    # each token's tile holds its coordinates' tile
+    n = torch.arange(t * h * w)
+    ti, hi, wi = n // (h * w), (n // w) % h, n % w
+    gh, gw = math.ceil(h / th), math.ceil(w / tw)
+    assert torch.equal(layout.tile_of, ((ti // tt) * gh + hi // th) * gw + wi // tw)
+
+
+def test_token_order_round_trip_along_any_dim():
+    x = torch.randn(2, 90, 3, 5)
+    y = to_tile_order(x, (3, 5, 6), (2, 2, 4), dim=1)
+    assert not torch.equal(x, y) and torch.equal(from_tile_order(y, (3, 5, 6), (2, 2, 4), dim=1), x)
+    with pytest.raises(ValueError, match="holds 90"):
+        to_tile_order(x, (3, 5, 6), (2, 2, 4), dim=2)
+
+
+# --- fine stage = dense attention with the block mask ---------------------------------------------
+
+
+@pytest.mark.parametrize("grid, tile", GRIDS)
+def test_fine_stage_equals_masked_dense_attention(grid, tile):
+    n = math.prod(grid)
+    q, k, v = _qkv(n, seed=1)
+    layout = tile_layout(grid, tile)
+    g = torch.Generator().manual_seed(2)
+    kk = max(1, layout.n_tiles // 3)
+    idx = torch.rand(2, 4, layout.n_tiles, layout.n_tiles, generator=g).argsort(-1)[..., :kk]
+    do = torch.randn(q.shape, dtype=torch.float64)
+    got = _grads(lambda a, b, c: vsa.fine(a, b, c, video_shape=grid, tile=tile, tile_indices=idx),
+                 q, k, v, do)
+    mask = ref.block_mask(layout, idx)
+    want = _grads(lambda a, b, c: ref.masked_attention(a, b, c, mask, scale=16 ** -0.5), q, k, v, do)
+    for name, a, e in zip(("out", "dq", "dk", "dv"), got, want):
+        assert_close(a, e, atol=1e-12, rtol=1e-10, name=name)
+
+
+@pytest.mark.parametrize("grid, tile", GRIDS)
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_all_tiles_without_gates_is_exact_attention(grid, tile, layout):
+    n = math.prod(grid)
+    q, k, v = _qkv(n, seed=3)
+    do = torch.randn(q.shape, dtype=torch.float64)
+    if layout == "NHD":
+        q, k, v, do = (x.transpose(1, 2).contiguous() for x in (q, k, v, do))
+
+    def ours(a, b, c):
+        return lowbit_attn.video_sparse_attention(a, b, c, video_shape=grid, tile=tile, topk=1.0,
+                                                  layout=layout)
+
+    def exact(a, b, c):
+        a, b, c = (x.transpose(1, 2) if layout == "NHD" else x for x in (a, b, c))
+        o = torch.nn.functional.scaled_dot_product_attention(a, b, c, enable_gqa=True)
+        return o.transpose(1, 2) if layout == "NHD" else o
+
+    for name, a, e in zip(("out", "dq", "dk", "dv"), _grads(ours, q, k, v, do), _grads(exact, q, k, v, do)):
+        assert_close(a, e, atol=1e-12, rtol=1e-10, name=name)
+
+
+def test_tiled_token_order_gives_the_same_result_permuted():
+    grid, tile = (5, 6, 7), (4, 4, 4)
+    q, k, v = _qkv(math.prod(grid), seed=4)
+    kw = dict(video_shape=grid, tile=tile, topk=3, gate_coarse=torch.tensor(0.5))
+    rowmajor = lowbit_attn.video_sparse_attention(q, k, v, **kw)
+    tiled = lowbit_attn.video_sparse_attention(*(to_tile_order(x, grid, tile) for x in (q, k, v)),
+                                               token_order="tiled", **kw)
+    assert_close(from_tile_order(tiled, grid, tile), rowmajor, atol=1e-12, name="out")
+
+
+# --- coarse stage, gates, edges ----------------------------------------------------------------------
+
+
+def test_coarse_stage_pools_tiles_and_picks_the_top_scores():
+    grid, tile = (3, 5, 6), (2, 2, 4)
+    q, k, v = _qkv(math.prod(grid), seed=5)
+    out, idx, scores = vsa.coarse(q, k, v, video_shape=grid, tile=tile, topk=4)
+    layout = tile_layout(grid, tile)
+    t = layout.tile_of
+    qp = torch.stack([q[:, :, t == i].mean(dim=2) for i in range(layout.n_tiles)], dim=2)
+    kp = torch.stack([k[:, :, t == i].mean(dim=2) for i in range(layout.n_tiles)], dim=2)
+    vp = torch.stack([v[:, :, t == i].mean(dim=2) for i in range(layout.n_tiles)], dim=2)
+    kp, vp = kp.repeat_interleave(2, dim=1), vp.repeat_interleave(2, dim=1)
+    want_scores = qp @ kp.transpose(-1, -2) * 16 ** -0.5
+    assert_close(scores, want_scores, atol=1e-12, name="scores")
+    assert_close(out, (torch.softmax(want_scores, -1) @ vp)[:, :, t], atol=1e-12, name="out")
+    assert idx.shape == (2, 4, layout.n_tiles, 4) and torch.all(idx[..., 1:] > idx[..., :-1])
+    chosen = torch.gather(want_scores, -1, idx)
+    kth = want_scores.topk(4, dim=-1).values[..., -1:]
+    assert torch.all(chosen >= kth)
+
+
+def test_gates_combine_the_two_stages():
+    grid, tile = (4, 4, 6), (2, 4, 4)
+    q, k, v = _qkv(math.prod(grid), seed=6)
+    gc = torch.rand(2, 4, 96, 1, dtype=torch.float64)
+    gf = torch.rand(2, 4, 96, 16, dtype=torch.float64)
+    oc, idx, _ = vsa.coarse(q, k, v, video_shape=grid, tile=tile, topk=2)
+    of = vsa.fine(q, k, v, video_shape=grid, tile=tile, tile_indices=idx)
+    out = lowbit_attn.video_sparse_attention(q, k, v, video_shape=grid, tile=tile, topk=2,
+                                             gate_coarse=gc, gate_fine=gf)
+    assert_close(out, gc * oc + gf * of, atol=1e-12, name="gated")
+    assert_close(lowbit_attn.video_sparse_attention(q, k, v, video_shape=grid, tile=tile, topk=2),
+                 of, atol=1e-12, name="no gates")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_partial_edge_tiles_never_give_nan(dtype):
+    """A query tile whose only key tile is a 1-token corner, and a 1-token query tile."""
+    grid, tile = (5, 5, 5), (4, 4, 4)
+    q, k, v = _qkv(125, seed=7, dtype=dtype)
+    layout = tile_layout(grid, tile)
+    corner = int(layout.counts.argmin())
+    assert int(layout.counts[corner]) == 1
+    idx = torch.full((2, 4, layout.n_tiles, 1), corner)
+    do = torch.randn(q.shape).to(dtype)
+    fns = [
+        lambda a, b, c: vsa.fine(a, b, c, video_shape=grid, tile=tile, tile_indices=idx),
+        lambda a, b, c: lowbit_attn.video_sparse_attention(a, b, c, video_shape=grid, tile=tile,
+                                                           topk=1, gate_coarse=torch.tensor(1.0)),
+    ]
+    for fn in fns:
+        for x in _grads(fn, q, k, v, do):
+            assert torch.isfinite(x).all()
+
+
+# --- schedule and bad input ----------------------------------------------------------------------
+
+
+def test_topk_schedule_goes_from_dense_to_the_target():
+    steps = [vsa.topk_schedule(s, n_tiles=64, target=0.125, dense_steps=10, anneal_steps=20)
+             for s in range(40)]
+    assert steps[:10] == [64] * 10 and steps[30:] == [8] * 10
+    assert all(a >= b for a, b in zip(steps, steps[1:])) and 8 < steps[20] < 64
+    assert vsa.topk_schedule(5, n_tiles=64, target=4) == 4
+
+
+@pytest.mark.parametrize(
+    "kw, exc, message",
+    [
+        pytest.param({"video_shape": (3, 5, 5)}, ValueError, "holds 75 tokens but the sequence has 90", id="shape-product"),
+        pytest.param({"video_shape": (3, 30)}, TypeError, "three ints", id="shape-2d"),
+        pytest.param({"tile": (0, 2, 2)}, ValueError, "positive", id="tile-zero"),
+        pytest.param({"tile": (8, 8, 8)}, ValueError, "at most 256", id="tile-too-big"),
+        pytest.param({"topk": 0}, ValueError, "between 1 and the number of tiles", id="topk-zero"),
+        pytest.param({"topk": 13}, ValueError, "between 1 and the number of tiles", id="topk-too-large"),
+        pytest.param({"topk": 1.5}, ValueError, r"fraction must be in \(0, 1\]", id="topk-fraction"),
+        pytest.param({"topk": True}, TypeError, "topk must be", id="topk-bool"),
+        pytest.param({"gate_coarse": torch.ones(3, 1, 1, 1)}, ValueError, "does not broadcast", id="gate-shape"),
+        pytest.param({"recipe": "qk_int8_pv_fp8"}, ValueError, "not built yet", id="recipe"),
+        pytest.param({"token_order": "hwt"}, ValueError, "token_order", id="token-order"),
+    ],
+)
+def test_bad_arguments(kw, exc, message):
+    q, k, v = _qkv(90, dtype=torch.float32)
+    args = dict(video_shape=(3, 5, 6), tile=(2, 2, 4), topk=2)
+    args.update(kw)
+    with pytest.raises(exc, match=message):
+        lowbit_attn.video_sparse_attention(q, k, v, **args)
+
+
+def test_bad_tile_indices():
+    q, k, v = _qkv(90, dtype=torch.float32)
+    kw = dict(video_shape=(3, 5, 6), tile=(2, 2, 4))
+    with pytest.raises(ValueError, match="must not repeat"):
+        vsa.fine(q, k, v, tile_indices=torch.zeros(2, 4, 12, 2, dtype=torch.long), **kw)
+    with pytest.raises(ValueError, match=r"in \[0, 12\)"):
+        vsa.fine(q, k, v, tile_indices=torch.full((2, 4, 12, 1), 12), **kw)
+    with pytest.raises(ValueError, match="shape"):
+        vsa.fine(q, k, v, tile_indices=torch.zeros(2, 4, 11, 1, dtype=torch.long), **kw)
+    with pytest.raises(TypeError, match="int32/int64"):
+        vsa.fine(q, k, v, tile_indices=torch.zeros(2, 4, 12, 1), **kw)
+    with pytest.raises(ValueError, match="same number of tokens"):
+        lowbit_attn.video_sparse_attention(q[:, :, :60], k, v, topk=1, **kw)
