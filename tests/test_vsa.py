@@ -221,3 +221,34 @@ def test_bad_tile_indices():
         vsa.fine(q, k, v, tile_indices=torch.zeros(2, 4, 12, 1), **kw)
     with pytest.raises(ValueError, match="same number of tokens"):
         lowbit_attn.video_sparse_attention(q[:, :, :60], k, v, topk=1, **kw)
+
+
+# --- the fine stage's Triton kernels (interpreter) ------------------------------------------------
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize(
+    "dtype, grid, tile, heads",
+    [
+        pytest.param(torch.float16, (3, 5, 6), (2, 2, 4), (2, 1), id="fp16-partial-GQA2"),
+        pytest.param(torch.bfloat16, (2, 4, 5), (2, 2, 2), (1, 1), id="bf16-partial-TS8"),
+    ],
+)
+def test_fine_kernels_match_the_reference(triton_backend, monkeypatch, dtype, grid, tile, heads):
+    """Forward and gradients of the fine stage on the kernels against the PyTorch twin (fp32) on the
+    same tile lists, through the public function (gathers, autograd)."""
+    hq, hkv = heads
+    n = math.prod(grid)
+    q, k, v = (x.to(dtype) for x in _qkv(n, b=1, hq=hq, hkv=hkv, d=16, seed=8, dtype=torch.float32))
+    do = torch.randn(q.shape).to(dtype)
+    layout = tile_layout(grid, tile)
+    g = torch.Generator().manual_seed(9)
+    idx = torch.rand(1, hq, layout.n_tiles, layout.n_tiles, generator=g).argsort(-1)[..., :2]
+    fn = lambda a, b, c: vsa.fine(a, b, c, video_shape=grid, tile=tile, tile_indices=idx)  # noqa: E731
+    got = _grads(fn, q, k, v, do)
+    monkeypatch.setenv("LOWBIT_ATTN_BACKEND", "reference")
+    want = _grads(fn, *(x.float() for x in (q, k, v, do)))
+    tol = 2e-2 if dtype == torch.bfloat16 else 3e-3
+    for name, a, e in zip(("out", "dq", "dk", "dv"), got, want):
+        assert a.dtype == dtype and torch.isfinite(a).all(), name
+        assert float((a.float() - e).norm() / e.norm()) < tol, name

@@ -679,6 +679,30 @@ def record_train_launches(
     return list(sink)
 
 
+def record_vsa_launches(*, head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
+                        tile_tokens: int = 64, n_tiles: int = 16, topk: int = 4) -> list[Launch]:
+    """The kernel launches of the video sparse attention fine stage, forward and backward."""
+    from .kernels import vsa_fine
+
+    qt, kt, vt, dot = (torch.zeros(1, 2, n_tiles, tile_tokens, head_dim, dtype=dtype)
+                       for _ in range(4))
+    idx = torch.zeros(1, 2, n_tiles, topk, dtype=torch.int32)
+    counts = torch.full((n_tiles,), tile_tokens, dtype=torch.int32)
+    lse = torch.zeros(1, 2, n_tiles, tile_tokens)
+    with _recording() as sink:
+        vsa_fine.forward(qt, kt, vt, idx, counts, scale=head_dim ** -0.5)
+        vsa_fine.backward(qt, kt, vt, torch.zeros_like(qt), lse, dot, idx, counts,
+                          scale=head_dim ** -0.5)
+    return list(sink)
+
+
+def compile_vsa(arch: str = "sm_90a", head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
+                config: int = 0) -> list[KernelReport]:
+    """Compile, for ``arch``, the fine stage's kernels and report each."""
+    return _compile_all(record_vsa_launches(head_dim=head_dim, dtype=dtype), normalize_arch(arch),
+                        config)
+
+
 def compile_train(recipe="sagebwd_int8", arch: str = "sm_90a", head_dim: int = 128,
                   causal: bool = False, dtype: torch.dtype = torch.bfloat16,
                   config: int = 0, dq_mode: str = "recompute") -> list[KernelReport]:
@@ -703,7 +727,7 @@ def ptxas_version(arch: str) -> str:
 
 __all__ = [
     "ARCHS", "GPU_CONSTEXPRS", "KernelReport", "Launch", "compile_recipe", "compile_launch",
-    "compile_train", "record_train_launches",
+    "compile_train", "record_train_launches", "compile_vsa", "record_vsa_launches",
     "record_launches", "normalize_arch", "config_family", "autotune_configs",
     "tensor_core_instructions",
     "parse_ptxas_log", "run_ptxas", "ptxas_path", "ptxas_version", "as_jit_function", "specialize",

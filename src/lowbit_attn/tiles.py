@@ -25,8 +25,9 @@ class TileLayout:
     Attributes:
         video_shape: ``(T, H, W)``; tile: ``(tt, th, tw)``.
         grid: tiles along T, H, W.
-        index: ``[n_tiles, tile_tokens]`` int64: the row-major token index of each slot of each
-            tile, ``-1`` for the slots a partial edge tile lacks.
+        index: ``[n_tiles, tile_tokens]`` int64: the row-major token index of each token of each
+            tile, its ``counts[t]`` tokens first, then ``-1`` for the slots a partial edge tile
+            lacks.
         counts: ``[n_tiles]`` int64: tokens in each tile.
         perm: ``[N]`` int64: row-major token index of each position in tile order (``x[perm]`` is
             tile-contiguous); ``inverse`` undoes it.
@@ -97,7 +98,10 @@ def _layout_on(video_shape, tile, device: str) -> TileLayout:
     coords = tiles[:, None, :] * torch.tensor(tile) + slots[None, :, :]
     inside = (coords < torch.tensor(dims)).all(dim=-1)
     flat = (coords[..., 0] * dims[1] + coords[..., 1]) * dims[2] + coords[..., 2]
-    index = torch.where(inside, flat, torch.full_like(flat, -1))
+    # each tile's tokens first (row-major), then -1 for the slots a partial tile lacks
+    first = torch.argsort((~inside).to(torch.int8), dim=1, stable=True)
+    inside = torch.gather(inside, 1, first)
+    index = torch.where(inside, torch.gather(flat, 1, first), torch.full_like(flat, -1))
     perm = index[inside]  # tile-major, row-major inside each tile
     inverse = torch.empty_like(perm)
     inverse[perm] = torch.arange(perm.numel())

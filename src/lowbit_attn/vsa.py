@@ -3,8 +3,10 @@ chooses, per query tile, the ``topk`` key tiles with the highest pooled scores; 
 exactly inside them; the result is ``gate_coarse ∘ O_coarse + gate_fine ∘ O_fine``. Trainable end to
 end (gradients flow through both stages, not through the choice of tiles).
 
-Status: the PyTorch implementation (any device, differentiable by autograd); the Triton kernels of
-the fine stage are not built yet.
+The fine stage runs as Triton kernels (forward and backward, reading the selected tiles by index)
+for fp16/bf16 inputs on a GPU (or under ``TRITON_INTERPRET=1`` with ``LOWBIT_ATTN_BACKEND=triton``);
+the coarse stage (attention between ``n_tiles`` pooled tiles) and the gathers are PyTorch operations.
+Elsewhere the whole computation is the PyTorch twin in ``reference/vsa.py``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import math
 import torch
 
 from . import checks
+from .arch import backend_for
 from .reference import vsa as ref
 from .tiles import TileLayout, check_video, tile_layout
 
@@ -71,8 +74,64 @@ class _Grid:
         return x[:, :, self.layout.perm] if self.tiled else x
 
 
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _use_kernels(x: torch.Tensor) -> bool:
+    return x.dtype in KERNEL_DTYPES and backend_for(x.device) == "triton"
+
+
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    if _use_kernels(x):
+        return x.dtype
     return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+class _FineTiles(torch.autograd.Function):
+    """The fine stage's kernels on padded tiles, with their backward."""
+
+    @staticmethod
+    def forward(ctx, qt, kt, vt, idx, counts, scale):
+        from .kernels import vsa_fine
+
+        ot, lse = vsa_fine.forward(qt, kt, vt, idx, counts, scale=scale)
+        ctx.save_for_backward(qt, kt, vt, ot, lse, idx, counts)
+        ctx.scale = scale
+        return ot
+
+    @staticmethod
+    def backward(ctx, dot):
+        from .kernels import vsa_fine
+
+        qt, kt, vt, ot, lse, idx, counts = ctx.saved_tensors
+        dq, dk, dv = vsa_fine.backward(qt, kt, vt, ot, lse, dot, idx, counts, scale=ctx.scale)
+        return dq, dk, dv, None, None, None
+
+
+def _coarse(qh, kh, vh, layout: TileLayout, scale: float, topk: int):
+    """The coarse stage in fp32 at least (pooled tiles are few; the choice of tiles should not
+    depend on the input dtype), its output back in the compute dtype."""
+    wide = torch.promote_types(qh.dtype, torch.float32)
+    out, indices, scores = ref.coarse(qh.to(wide), kh.to(wide), vh.to(wide), layout, scale=scale,
+                                      topk=topk)
+    return out.to(qh.dtype), indices, scores
+
+
+def _fine(qh, kh, vh, layout: TileLayout, idx: torch.Tensor, scale: float) -> torch.Tensor:
+    """The fine stage on the kernels (fp16/bf16 on the Triton backend) or the reference."""
+    if not _use_kernels(qh):
+        return ref.fine(qh, kh, vh, layout, idx, scale=scale)
+    ts = max(16, 1 << (layout.tile_tokens - 1).bit_length())
+    index = torch.nn.functional.pad(layout.index, (0, ts - layout.tile_tokens), value=-1)
+    valid = index >= 0
+
+    def tiles(x):
+        t = x[:, :, index.clamp(min=0)]
+        return torch.where(valid.unsqueeze(-1), t, torch.zeros((), dtype=x.dtype, device=x.device))
+
+    ot = _FineTiles.apply(tiles(qh).contiguous(), tiles(kh).contiguous(), tiles(vh).contiguous(),
+                          idx.to(torch.int32).contiguous(), layout.counts.to(torch.int32), scale)
+    return ot[:, :, valid][:, :, layout.inverse]
 
 
 def _prepare(q, k, v, *, video_shape, tile, layout, scale, token_order):
@@ -99,7 +158,7 @@ def coarse(q, k, v, *, video_shape, tile=(4, 4, 4), topk, scale=None, layout="HN
     qh, kh, vh, grid, sm = _prepare(q, k, v, video_shape=video_shape, tile=tile, layout=layout,
                                     scale=scale, token_order=token_order)
     kk = resolve_topk(topk, grid.layout.n_tiles)
-    out, indices, scores = ref.coarse(qh, kh, vh, grid.layout, scale=sm, topk=kk)
+    out, indices, scores = _coarse(qh, kh, vh, grid.layout, sm, kk)
     return _hnd(grid.outward(out), layout).to(q.dtype), indices, scores
 
 
@@ -118,7 +177,7 @@ def fine(q, k, v, *, video_shape, tile=(4, 4, 4), tile_indices, scale=None, layo
                                     scale=scale, token_order=token_order)
     _check_recipe(recipe)
     _check_indices(tile_indices, qh.shape[0], qh.shape[1], grid.layout.n_tiles, q.device)
-    out = ref.fine(qh, kh, vh, grid.layout, tile_indices.long(), scale=sm)
+    out = _fine(qh, kh, vh, grid.layout, tile_indices.long(), sm)
     return _hnd(grid.outward(out), layout).to(q.dtype)
 
 
@@ -194,8 +253,8 @@ def video_sparse_attention(q, k, v, *, video_shape, tile=(4, 4, 4), topk, gate_c
     _check_gate("gate_coarse", gate_coarse, q.shape, q.device)
     _check_gate("gate_fine", gate_fine, q.shape, q.device)
     kk = resolve_topk(topk, grid.layout.n_tiles)
-    out_c, indices, _ = ref.coarse(qh, kh, vh, grid.layout, scale=sm, topk=kk)
-    out_f = ref.fine(qh, kh, vh, grid.layout, indices, scale=sm)
+    out_c, indices, _ = _coarse(qh, kh, vh, grid.layout, sm, kk)
+    out_f = _fine(qh, kh, vh, grid.layout, indices, sm)
     out_f = _hnd(grid.outward(out_f), layout)
     out = out_f if gate_fine is None else gate_fine * out_f
     if gate_coarse is not None:
