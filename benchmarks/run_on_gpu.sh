@@ -3,12 +3,14 @@
 # environment report, GPU correctness tests (pytest -m gpu), then the full benchmark of
 # DESIGN.md ("Benchmark protocol"), its short table printed last.
 #
-#   bash benchmarks/run_on_gpu.sh [all|tests|bench|quick|fp4|train]      (default: all)
+#   bash benchmarks/run_on_gpu.sh [all|tests|bench|quick|fp4|train|vsa]      (default: all)
 #
 # fp4: the FP4 recipes alone (GPU tests -k fp4, then a quick benchmark of qk_fp4_pv_fp4 and
 # qk_mxfp4_pv_mxfp4 against SDPA cuDNN): emulated on Hopper, native on Blackwell.
 # train: the trainable attention (GPU tests -k trainable, then benchmarks/bench_train.py: forward +
 # backward against SDPA flash and cuDNN, with peak memory and gradient cosines).
+# vsa: video sparse attention (GPU tests -k vsa, then benchmarks/bench_vsa.py: T=16, H=W=48, D=128,
+# sparsities 50–95 % against SDPA cuDNN dense, and the fine kernel's FLOP rate).
 #
 # The wheels travel in wheels/ (ignored by git: pass it in the device tool's `carry`):
 # sageattention-1.0.6 (the SageAttention baseline) and pytest with its dependencies (installed only
@@ -95,6 +97,21 @@ if [[ "$STAGE" == fp4 ]]; then
     tail -n 30 "$OUT/bench-fp4.log"
     log "summary: FP4 GPU tests exit $rc_tests, FP4 benchmark exit $rc_bench, ${SECONDS} s"
     cat "$OUT/bench-fp4-table.txt"
+    exit $((rc_tests != 0 && rc_tests != 5 ? rc_tests : rc_bench))
+fi
+
+if [[ "$STAGE" == vsa ]]; then
+    log "video sparse attention GPU tests: pytest -m gpu -k vsa"
+    timeout "$TEST_TIMEOUT" "$PY" -m pytest -m gpu -k vsa -q -p no:cacheprovider >"$OUT/pytest-gpu-vsa.log" 2>&1
+    rc_tests=$?
+    tail -n 25 "$OUT/pytest-gpu-vsa.log"
+    log "VSA benchmark: benchmarks/bench_vsa.py (log in \$OUT/bench-vsa.log)"
+    timeout $((TOTAL_BUDGET - SECONDS - 10)) "$PY" benchmarks/bench_vsa.py --out "$OUT" \
+        --out benchmarks/results >"$OUT/bench-vsa-table.md" 2>"$OUT/bench-vsa.log"
+    rc_bench=$?
+    tail -n 20 "$OUT/bench-vsa.log"
+    log "summary: VSA GPU tests exit $rc_tests, VSA benchmark exit $rc_bench, ${SECONDS} s"
+    cat "$OUT/bench-vsa-table.md"
     exit $((rc_tests != 0 && rc_tests != 5 ? rc_tests : rc_bench))
 fi
 

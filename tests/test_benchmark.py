@@ -326,3 +326,20 @@ def test_training_benchmark_runs_on_cpu(tmp_path):
     assert {r["method"] for r in rows} == {"sagebwd_int8", "ours_exact_16bit"}
     for r in rows:
         assert r["status"] == "ok" and r["cosine"]["dq"] > 0.998, r
+
+
+def test_vsa_benchmark_runs_on_cpu(tmp_path):
+    """benchmarks/bench_vsa.py end to end on the PyTorch path (tiny grid): JSON and table."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_vsa.py"
+    spec = importlib.util.spec_from_file_location("bench_vsa", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--sparsities", "0.75", "--out", str(tmp_path)]) == 0
+    (result,) = tmp_path.glob("vsa-*.json")
+    rows = json.loads(result.read_text())["rows"]
+    assert {r["method"] for r in rows} >= {"vsa", "vsa_fine_only", "sdpa_cudnn_dense"}
+    assert all(r["status"] == "ok" for r in rows)

@@ -209,3 +209,34 @@ def test_trainable_public_call_meets_the_bars_on_the_gpu():
     want = (ref, *torch.autograd.grad(ref, exact, do.double()))
     cos = [errors(a, b).cosine for a, b in zip(got, want)]
     assert cos[0] >= 0.999 and cos[3] >= 0.995 and min(cos[1], cos[2]) >= 0.9977, cos
+
+
+# --- video sparse attention -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_vsa_fine_kernels_match_the_reference_on_the_gpu(d, monkeypatch):
+    import math
+
+    from lowbit_attn import vsa
+    from lowbit_attn.metrics import errors
+    from lowbit_attn.tiles import tile_layout
+
+    grid, tile = (5, 14, 15), (4, 4, 4)  # partial tiles along every axis
+    n = math.prod(grid)
+    q, k, v = (x.cuda() for x in channel_biased((2, 8, n, d), (2, 4, n, d), seed=d,
+                                                 dtype=torch.bfloat16))
+    do = torch.randn_like(q)
+    layout = tile_layout(grid, tile)
+    idx = torch.rand(2, 8, layout.n_tiles, layout.n_tiles, device="cuda").argsort(-1)[..., :6]
+
+    def run(a, b, c, g):
+        a, b, c = (x.detach().requires_grad_() for x in (a, b, c))
+        out = vsa.fine(a, b, c, video_shape=grid, tile=tile, tile_indices=idx)
+        return (out, *torch.autograd.grad(out, (a, b, c), g))
+
+    got = run(q, k, v, do)
+    monkeypatch.setenv("LOWBIT_ATTN_BACKEND", "reference")
+    want = run(q.float(), k.float(), v.float(), do.float())
+    for name, a, e in zip(("out", "dq", "dk", "dv"), got, want):
+        assert torch.isfinite(a).all() and errors(a.float(), e).cosine > 0.9999, name

@@ -1,0 +1,155 @@
+#!/usr/bin/env python
+"""Video sparse attention benchmark: forward + backward of ``lowbit_attn.video_sparse_attention``
+at several sparsities against SDPA cuDNN dense attention, and the fine kernel's FLOP rate (counting
+only the tiles it computes), bf16, with peak memory.
+
+    python benchmarks/bench_vsa.py                  # T=16, H=W=48 (36,864 tokens), D=128, a GPU
+    python benchmarks/bench_vsa.py --video 8,32,32 --out DIR
+
+Sparsity s keeps topk = (1 - s)·n_tiles key tiles per query tile. The fine stage's operations:
+4·N·(topk·64)·D per head forward (×3.5 forward + backward, as for dense attention). Without CUDA it
+times the PyTorch path on a tiny grid and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+try:
+    import lowbit_attn
+except ImportError:  # a source checkout that is not installed
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    import lowbit_attn
+from lowbit_attn import vsa
+from lowbit_attn.benchmark import make_metadata, slug
+from lowbit_attn.tiles import tile_layout
+
+
+def timer_for(cuda: bool):
+    if cuda:
+        from triton.testing import do_bench
+
+        return lambda fn: do_bench(fn, warmup=25, rep=100, return_mode="median")
+    import time
+
+    def timer(fn):
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    return timer
+
+
+def fwd_bwd(fn, leaves, do):
+    def step():
+        for x in leaves:
+            x.grad = None
+        fn(*leaves).backward(do)
+
+    return step
+
+
+def peak_extra_mib(step, cuda: bool):
+    if not cuda:
+        return None
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--video", default="16,48,48")
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--sparsities", default="0.5,0.75,0.875,0.95")
+    ap.add_argument("--out", action="append", default=[])
+    args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    video = tuple(int(x) for x in args.video.split(","))
+    heads, d = args.heads, args.d
+    if not cuda:
+        print("NO CUDA: timing the PyTorch path on a (4, 8, 8) grid (not a kernel benchmark)",
+              file=sys.stderr)
+        video, heads, d = (4, 8, 8), 2, 64
+    n = math.prod(video)
+    layout = tile_layout(video, (4, 4, 4))
+    timer = timer_for(cuda)
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v, do = (torch.randn(1, heads, n, d, generator=g, device=device, dtype=torch.bfloat16)
+                   for _ in range(4))
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    dense_ops = 4.0 * heads * n * n * d
+    rows = []
+
+    def record(name, step, ops, fwd_ms=None, **extra):
+        try:
+            ms = timer(step)
+            rows.append({"method": name, "ms": ms, "tops": ops / ms * 1e-9, "fwd_ms": fwd_ms,
+                         "peak_extra_mib": peak_extra_mib(step, cuda), "status": "ok", **extra})
+        except Exception as exc:  # noqa: BLE001 - a failing method is a row, not a crash
+            rows.append({"method": name, "status": f"error: {type(exc).__name__}: {exc}"[:300],
+                         **extra})
+        print(rows[-1], file=sys.stderr, flush=True)
+
+    def cudnn(a, b, c):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION if cuda else SDPBackend.MATH):
+            return torch.nn.functional.scaled_dot_product_attention(a, b, c)
+
+    record("sdpa_cudnn_dense", fwd_bwd(cudnn, leaves, do), dense_ops * 3.5)
+    for s in (float(x) for x in args.sparsities.split(",")):
+        topk = max(1, round((1 - s) * layout.n_tiles))
+        fine_ops = 4.0 * heads * n * topk * 64 * d
+
+        def full(a, b, c, topk=topk):
+            return vsa.video_sparse_attention(a, b, c, video_shape=video, topk=topk,
+                                              gate_coarse=torch.ones((), device=device))
+
+        record("vsa", fwd_bwd(full, leaves, do), fine_ops * 3.5, sparsity=s, topk=topk)
+        _, idx, _ = vsa.coarse(q, k, v, video_shape=video, topk=topk)
+
+        def fine(a, b, c, idx=idx):
+            return vsa.fine(a, b, c, video_shape=video, tile_indices=idx)
+
+        record("vsa_fine_only", fwd_bwd(fine, leaves, do), fine_ops * 3.5, sparsity=s, topk=topk)
+        with torch.no_grad():
+            record("vsa_fine_only_fwd", lambda: fine(q, k, v), fine_ops, sparsity=s, topk=topk)
+    meta = make_metadata(device=device, mode="vsa",
+                         protocol={"video": video, "heads": heads, "d": d, "tile": (4, 4, 4)})
+    dense = next((r for r in rows if r["method"] == "sdpa_cudnn_dense" and r["status"] == "ok"), None)
+    lines = ["| method | sparsity | topk | ms (fwd+bwd) | TOP/s (computed tiles) | × cuDNN dense | peak MiB |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['method']} | {r.get('sparsity', '')} | {r.get('topk', '')} | {r['status']} | | | |")
+            continue
+        speed = f"{dense['ms'] / r['ms']:.2f}" if dense else "—"
+        mem = "" if r["peak_extra_mib"] is None else f"{r['peak_extra_mib']:.0f}"
+        lines.append(f"| {r['method']} | {r.get('sparsity', '')} | {r.get('topk', '')} | "
+                     f"{r['ms']:.3f} | {r['tops']:.0f} | {speed} | {mem} |")
+    table = "\n".join(lines)
+    for out in args.out:
+        path = Path(out)
+        path.mkdir(parents=True, exist_ok=True)
+        stem = f"vsa-{slug(meta['device_name'])}-{meta['date']}"
+        (path / f"{stem}.json").write_text(json.dumps({**meta, "rows": rows}, indent=1, default=str))
+        (path / f"{stem}.md").write_text(table + "\n")
+    print(table)
+    return 0 if all(r["status"] == "ok" for r in rows if r["method"].startswith("vsa")) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
