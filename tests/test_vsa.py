@@ -252,3 +252,19 @@ def test_fine_kernels_match_the_reference(triton_backend, monkeypatch, dtype, gr
     for name, a, e in zip(("out", "dq", "dk", "dv"), got, want):
         assert a.dtype == dtype and torch.isfinite(a).all(), name
         assert float((a.float() - e).norm() / e.norm()) < tol, name
+
+
+@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
+def test_fullgraph_compile_of_the_pytorch_path_matches_eager():
+    torch._dynamo.reset()
+    q, k, v = _qkv(90, dtype=torch.float32, seed=10)
+    do = torch.randn(q.shape)
+
+    def f(a, b, c):
+        return lowbit_attn.video_sparse_attention(a * 2, b, c, video_shape=(3, 5, 6), tile=(2, 2, 4),
+                                                  topk=3, gate_coarse=torch.tensor(0.5)).sin()
+
+    eager = _grads(f, q, k, v, do)
+    compiled = _grads(torch.compile(f, fullgraph=True, backend="aot_eager"), q, k, v, do)
+    for e, c in zip(eager, compiled):
+        assert_close(c, e, atol=1e-6, name="compiled")
