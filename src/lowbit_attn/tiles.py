@@ -103,10 +103,8 @@ def _layout_on(video_shape, tile, device: str) -> TileLayout:
     inside = torch.gather(inside, 1, first)
     index = torch.where(inside, torch.gather(flat, 1, first), torch.full_like(flat, -1))
     perm = index[inside]  # tile-major, row-major inside each tile
-    inverse = torch.empty_like(perm)
-    inverse[perm] = torch.arange(perm.numel())
-    tile_of = torch.empty_like(perm)
-    tile_of[perm] = torch.arange(index.shape[0]).repeat_interleave(inside.sum(dim=1))
+    inverse = torch.argsort(perm)
+    tile_of = torch.arange(index.shape[0]).repeat_interleave(inside.sum(dim=1))[inverse]
     dev = torch.device(device)
     return TileLayout(
         video_shape=video_shape, tile=tile, grid=grid, index=index.to(dev),
