@@ -32,7 +32,7 @@ try:
 except ImportError:  # a source checkout that is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import lowbit_attn
-from lowbit_attn.benchmark import make_inputs, make_metadata, slug
+from lowbit_attn.benchmark import make_inputs, make_metadata, peak_extra_mib, slug, timer_for
 from lowbit_attn.metrics import errors
 
 TOKENS = 16384
@@ -101,14 +101,9 @@ def measure(name, fn, q, k, v, do, causal, timer, cuda):
 
     row = {"method": name}
     try:
-        step()
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            step()
-            torch.cuda.synchronize()
-            row["peak_extra_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        mib = peak_extra_mib(step, cuda)
+        if mib is not None:
+            row["peak_extra_mib"] = mib
         row["ms"] = timer(step)
         with torch.no_grad():
             row["fwd_ms"] = timer(lambda: fn(*leaves, causal))
@@ -214,17 +209,7 @@ def main(argv=None) -> int:
     unknown = set(methods) - set(METHODS)
     if unknown:
         ap.error(f"unknown methods {sorted(unknown)}; choose from {sorted(METHODS)}")
-    if cuda:
-        from triton.testing import do_bench
-
-        timer = lambda fn: do_bench(fn, warmup=25, rep=100, return_mode="median")  # noqa: E731
-    else:
-        import time
-
-        def timer(fn):
-            t0 = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t0) * 1e3
+    timer = timer_for(cuda)
     meta = make_metadata(device=device, mode="train", protocol={"tokens": TOKENS, "width": WIDTH})
     rows = run(dims, ns, (False, True), methods, device=device, timer=timer)
     results = {**meta, "rows": rows}

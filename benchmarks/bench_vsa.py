@@ -27,23 +27,8 @@ except ImportError:  # a source checkout that is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import lowbit_attn
 from lowbit_attn import vsa
-from lowbit_attn.benchmark import make_metadata, slug
+from lowbit_attn.benchmark import make_metadata, peak_extra_mib, slug, timer_for
 from lowbit_attn.tiles import tile_layout
-
-
-def timer_for(cuda: bool):
-    if cuda:
-        from triton.testing import do_bench
-
-        return lambda fn: do_bench(fn, warmup=25, rep=100, return_mode="median")
-    import time
-
-    def timer(fn):
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-
-    return timer
 
 
 def fwd_bwd(fn, leaves, do):
@@ -53,18 +38,6 @@ def fwd_bwd(fn, leaves, do):
         fn(*leaves).backward(do)
 
     return step
-
-
-def peak_extra_mib(step, cuda: bool):
-    if not cuda:
-        return None
-    step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
 def main(argv=None) -> int:
@@ -95,9 +68,10 @@ def main(argv=None) -> int:
 
     def record(name, step, ops, fwd_ms=None, **extra):
         try:
+            mib = peak_extra_mib(step, cuda)
             ms = timer(step)
             rows.append({"method": name, "ms": ms, "tops": ops / ms * 1e-9, "fwd_ms": fwd_ms,
-                         "peak_extra_mib": peak_extra_mib(step, cuda), "status": "ok", **extra})
+                         "peak_extra_mib": mib, "status": "ok", **extra})
         except Exception as exc:  # noqa: BLE001 - a failing method is a row, not a crash
             rows.append({"method": name, "status": f"error: {type(exc).__name__}: {exc}"[:300],
                          **extra})

@@ -58,16 +58,9 @@ def attention(
 
     On a CUDA GPU the Triton kernels run; on a CPU the PyTorch reference with the same numerics.
     """
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        checks.tensor(name, x, 4)
-    checks.layout(layout)
+    qh, kh, vh = checks.dense_qkv(q, k, v, layout)
     checks.flag("is_causal", is_causal)
     checks.flag("return_lse", return_lse)
-    checks.same_kind(q, k, v)
-    qh, kh, vh = (x.transpose(1, 2) if layout == "NHD" else x for x in (q, k, v))
-    checks.heads_and_dims(
-        tuple(qh.shape), tuple(kh.shape), tuple(vh.shape), batch_dim=0, head_dim_axis=1, seq_axis=2
-    )
     checks.forward_only(q, k, v)
     r = _resolve(recipe, q.device)
     checks.recipe_fits(r, q.shape[-1])

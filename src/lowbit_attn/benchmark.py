@@ -506,6 +506,26 @@ def _cpu_timer(reps: int = 5, warmup: int = 1) -> Callable:
     return timer
 
 
+def timer_for(cuda: bool, *, warmup_ms: float = 25, rep_ms: float = 100) -> Callable:
+    """A timer ``fn → ms`` for the benchmark scripts: Triton's ``do_bench`` median on a GPU, one
+    wall-clock run on a CPU (whose numbers only show that the script works)."""
+    return _cuda_timer(warmup_ms, rep_ms) if cuda else _cpu_timer(reps=1, warmup=0)
+
+
+def peak_extra_mib(step: Callable, cuda: bool) -> float | None:
+    """Peak memory that one more ``step()`` allocates beyond what is live before it (MiB), after
+    one warm-up run; ``None`` without CUDA."""
+    step()
+    if not cuda:
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
 def _free_memory(cuda: bool) -> None:
     gc.collect()
     if cuda:

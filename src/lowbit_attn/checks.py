@@ -79,6 +79,19 @@ def heads_and_dims(
         raise ValueError(f"k and v must hold at least one token, got shape {k_shape}")
 
 
+def dense_qkv(q, k, v, qkv_layout: str, dtypes: tuple = FLOAT_DTYPES):
+    """Checks shared by the dense public functions: 4-D tensors of one dtype (from ``dtypes``) and
+    device, a known layout, heads and head dims that fit. Returns the ``[B, H, N, D]`` views."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        tensor(name, x, 4, dtypes=dtypes)
+    layout(qkv_layout)
+    same_kind(q, k, v)
+    qh, kh, vh = (x.transpose(1, 2) if qkv_layout == "NHD" else x for x in (q, k, v))
+    heads_and_dims(tuple(qh.shape), tuple(kh.shape), tuple(vh.shape), batch_dim=0,
+                   head_dim_axis=1, seq_axis=2)
+    return qh, kh, vh
+
+
 def cu_seqlens(name: str, cu: torch.Tensor, total: int, device: torch.device) -> list[int]:
     """Validate a ``cu_seqlens`` tensor and return it on the host (one small copy)."""
     if not isinstance(cu, torch.Tensor):

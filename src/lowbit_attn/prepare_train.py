@@ -11,6 +11,7 @@ import torch
 
 from .quantized import LOG2E, TRAIN_BLOCK, GradOperands, TrainOperands
 from .recipes import TrainRecipe
+from .reference import attention as ref_attn
 from .reference import quant as ref_quant
 
 
@@ -82,11 +83,7 @@ def _delta_s(q_mean, k, k_mean, multiplier, backend):
         from .kernels import quantize as kq
 
         return kq.delta_s(q_mean, k, k_mean, multiplier, block_q=TRAIN_BLOCK)
-    wide = torch.promote_types(k.dtype, torch.float32)
-    kc = k.to(wide) if k_mean is None else k.to(wide) - k_mean.to(wide).unsqueeze(-2)
-    hq = q_mean.shape[1]
-    kc = kc.repeat_interleave(hq // kc.shape[1], dim=1)
-    return torch.matmul(q_mean.to(wide), kc.transpose(-1, -2)) * multiplier
+    return ref_attn.delta_s(q_mean, k, k_mean, multiplier)
 
 
 def prepare(q, k, v, recipe: TrainRecipe, softmax_scale: float, backend: str) -> TrainOperands:

@@ -56,15 +56,8 @@ def trainable_attention(
     The backward recomputes the scores from the saved LSE (no ``N×N`` tensor on the GPU path).
     Double backward is not supported (a clear ``RuntimeError``).
     """
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        checks.tensor(name, x, 4, dtypes=checks.FLOAT_DTYPES + (torch.float64,))
-    checks.layout(layout)
+    qh, kh, vh = checks.dense_qkv(q, k, v, layout, dtypes=checks.FLOAT_DTYPES + (torch.float64,))
     checks.flag("is_causal", is_causal)
-    checks.same_kind(q, k, v)
-    qh, kh, vh = (x.transpose(1, 2) if layout == "NHD" else x for x in (q, k, v))
-    checks.heads_and_dims(
-        tuple(qh.shape), tuple(kh.shape), tuple(vh.shape), batch_dim=0, head_dim_axis=1, seq_axis=2
-    )
     for name, value in (("smooth_k", smooth_k), ("smooth_q", smooth_q), ("balance_qk", balance_qk)):
         if value is not None:
             checks.flag(name, value)

@@ -28,19 +28,15 @@ def _hnd(x: torch.Tensor, layout: str) -> torch.Tensor:
     return x.transpose(1, 2) if layout == "NHD" else x
 
 
-def _check_qkv(q, k, v, layout: str) -> None:
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        checks.tensor(name, x, 4, dtypes=checks.FLOAT_DTYPES + (torch.float64,))
-    checks.layout(layout)
-    checks.same_kind(q, k, v)
-    qh, kh, vh = (_hnd(x, layout) for x in (q, k, v))
-    checks.heads_and_dims(tuple(qh.shape), tuple(kh.shape), tuple(vh.shape), batch_dim=0,
-                          head_dim_axis=1, seq_axis=2)
+def _check_qkv(q, k, v, layout: str):
+    """The ``[B, H, N, D]`` views of q, k, v, checked; one token grid for all three."""
+    qh, kh, vh = checks.dense_qkv(q, k, v, layout, dtypes=checks.FLOAT_DTYPES + (torch.float64,))
     if qh.shape[2] != kh.shape[2]:
         raise ValueError(
             f"video sparse attention is self-attention over one token grid: q and k must have the "
             f"same number of tokens, got {qh.shape[2]} and {kh.shape[2]}"
         )
+    return qh, kh, vh
 
 
 def resolve_topk(topk, n_tiles: int) -> int:
@@ -135,8 +131,7 @@ def _fine(qh, kh, vh, layout: TileLayout, idx: torch.Tensor, scale: float) -> to
 
 
 def _prepare(q, k, v, *, video_shape, tile, layout, scale, token_order):
-    _check_qkv(q, k, v, layout)
-    qh, kh, vh = (_hnd(x, layout) for x in (q, k, v))
+    qh, kh, vh = _check_qkv(q, k, v, layout)
     grid = _Grid(video_shape, tile, qh.shape[2], q.device, token_order)
     cdt = _compute_dtype(q)
     qh, kh, vh = (grid.inward(x).to(cdt) for x in (qh, kh, vh))

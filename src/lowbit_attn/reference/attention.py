@@ -213,18 +213,20 @@ def fp4_attention(
 
 
 def delta_s(qm: torch.Tensor, k: torch.Tensor, k_mean: torch.Tensor | None, scale_multiplier: float):
-    """Q-smoothing correction ``ΔS = mean(Q_block)·(K - mean(K))ᵀ``, fp32, times ``scale_multiplier``.
+    """Q-smoothing correction ``ΔS = mean(Q_block)·(K - mean(K))ᵀ``, fp32 (fp64 for fp64 inputs),
+    times ``scale_multiplier``.
 
     Args:
         qm: ``[B, Hq, nbq, D]`` fp32 block means of Q; k: ``[B, Hkv, Nk, D]``; k_mean: ``[B, Hkv, D]``.
     Returns:
-        ``[B, Hq, nbq, Nk]`` fp32.
+        ``[B, Hq, nbq, Nk]``.
     """
-    kf = k.float()
+    wide = torch.promote_types(k.dtype, torch.float32)
+    kf = k.to(wide)
     if k_mean is not None:
-        kf = kf - k_mean.unsqueeze(-2)
+        kf = kf - k_mean.to(wide).unsqueeze(-2)
     kf = _expand_heads(kf, qm.shape[1])
-    return torch.matmul(qm, kf.transpose(-1, -2)) * scale_multiplier
+    return torch.matmul(qm.to(wide), kf.transpose(-1, -2)) * scale_multiplier
 
 
 def lse_shift(q: torch.Tensor, k_mean: torch.Tensor, softmax_scale: float) -> torch.Tensor:
