@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Video sparse attention benchmark: forward + backward of ``lowbit_attn.video_sparse_attention``
 at several sparsities against SDPA cuDNN dense attention, and the fine kernel's FLOP rate (counting
-only the tiles it computes), bf16, with peak memory.
+only the tiles it computes), bf16, with peak memory; forward only (inference) for the 16-bit and
+the 8-bit (``qk_int8_pv_fp8``) fine stage against the dense cuDNN forward.
 
     python benchmarks/bench_vsa.py                  # T=16, H=W=48 (36,864 tokens), D=128, a GPU
     python benchmarks/bench_vsa.py --video 8,32,32 --out DIR
@@ -66,15 +67,15 @@ def main(argv=None) -> int:
     dense_ops = 4.0 * heads * n * n * d
     rows = []
 
-    def record(name, step, ops, fwd_ms=None, **extra):
+    def record(name, step, ops, *, passes="fwd+bwd", **extra):
         try:
             mib = peak_extra_mib(step, cuda)
             ms = timer(step)
-            rows.append({"method": name, "ms": ms, "tops": ops / ms * 1e-9, "fwd_ms": fwd_ms,
+            rows.append({"method": name, "passes": passes, "ms": ms, "tops": ops / ms * 1e-9,
                          "peak_extra_mib": mib, "status": "ok", **extra})
         except Exception as exc:  # noqa: BLE001 - a failing method is a row, not a crash
-            rows.append({"method": name, "status": f"error: {type(exc).__name__}: {exc}"[:300],
-                         **extra})
+            rows.append({"method": name, "passes": passes,
+                         "status": f"error: {type(exc).__name__}: {exc}"[:300], **extra})
         print(rows[-1], file=sys.stderr, flush=True)
 
     def cudnn(a, b, c):
@@ -84,6 +85,8 @@ def main(argv=None) -> int:
             return torch.nn.functional.scaled_dot_product_attention(a, b, c)
 
     record("sdpa_cudnn_dense", fwd_bwd(cudnn, leaves, do), dense_ops * 3.5)
+    with torch.no_grad():
+        record("sdpa_cudnn_dense", lambda: cudnn(q, k, v), dense_ops, passes="fwd")
     for s in (float(x) for x in args.sparsities.split(",")):
         topk = max(1, round((1 - s) * layout.n_tiles))
         fine_ops = 4.0 * heads * n * topk * 64 * d
@@ -100,20 +103,25 @@ def main(argv=None) -> int:
 
         record("vsa_fine_only", fwd_bwd(fine, leaves, do), fine_ops * 3.5, sparsity=s, topk=topk)
         with torch.no_grad():
-            record("vsa_fine_only_fwd", lambda: fine(q, k, v), fine_ops, sparsity=s, topk=topk)
+            for recipe in ("exact", "qk_int8_pv_fp8"):
+                record(f"vsa_fine_only[{recipe}]",
+                       lambda recipe=recipe: vsa.fine(q, k, v, video_shape=video, tile_indices=idx,
+                                                      recipe=recipe),
+                       fine_ops, passes="fwd", sparsity=s, topk=topk)
     meta = make_metadata(device=device, mode="vsa",
                          protocol={"video": video, "heads": heads, "d": d, "tile": (4, 4, 4)})
-    dense = next((r for r in rows if r["method"] == "sdpa_cudnn_dense" and r["status"] == "ok"), None)
-    lines = ["| method | sparsity | topk | ms (fwd+bwd) | TOP/s (computed tiles) | × cuDNN dense | peak MiB |",
-             "|---|---|---|---|---|---|---|"]
+    dense = {r["passes"]: r for r in rows if r["method"] == "sdpa_cudnn_dense" and r["status"] == "ok"}
+    lines = ["| method | passes | sparsity | topk | ms | TOP/s (computed tiles) | × cuDNN dense | peak MiB |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        head = f"| {r['method']} | {r['passes']} | {r.get('sparsity', '')} | {r.get('topk', '')} |"
         if r["status"] != "ok":
-            lines.append(f"| {r['method']} | {r.get('sparsity', '')} | {r.get('topk', '')} | {r['status']} | | | |")
+            lines.append(f"{head} {r['status']} | | | |")
             continue
-        speed = f"{dense['ms'] / r['ms']:.2f}" if dense else "—"
+        base = dense.get(r["passes"])
+        speed = f"{base['ms'] / r['ms']:.2f}" if base else "—"
         mem = "" if r["peak_extra_mib"] is None else f"{r['peak_extra_mib']:.0f}"
-        lines.append(f"| {r['method']} | {r.get('sparsity', '')} | {r.get('topk', '')} | "
-                     f"{r['ms']:.3f} | {r['tops']:.0f} | {speed} | {mem} |")
+        lines.append(f"{head} {r['ms']:.3f} | {r['tops']:.0f} | {speed} | {mem} |")
     table = "\n".join(lines)
     for out in args.out:
         path = Path(out)

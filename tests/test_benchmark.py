@@ -341,5 +341,6 @@ def test_vsa_benchmark_runs_on_cpu(tmp_path):
     assert bench.main(["--sparsities", "0.75", "--out", str(tmp_path)]) == 0
     (result,) = tmp_path.glob("vsa-*.json")
     rows = json.loads(result.read_text())["rows"]
-    assert {r["method"] for r in rows} >= {"vsa", "vsa_fine_only", "sdpa_cudnn_dense"}
+    assert {r["method"] for r in rows} >= {"vsa", "vsa_fine_only", "sdpa_cudnn_dense",
+                                           "vsa_fine_only[qk_int8_pv_fp8]"}
     assert all(r["status"] == "ok" for r in rows)

@@ -680,27 +680,38 @@ def record_train_launches(
 
 
 def record_vsa_launches(*, head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
-                        tile_tokens: int = 64, n_tiles: int = 16, topk: int = 4) -> list[Launch]:
-    """The kernel launches of the video sparse attention fine stage, forward and backward."""
+                        recipe: str = "exact", topk: int = 4) -> list[Launch]:
+    """The kernel launches of the video sparse attention fine stage on a 4×16×16 grid of 4×4×4
+    tiles (16 tiles of 64 tokens): forward and backward (``recipe="exact"``), or the 8-bit
+    inference forward with its quantization (``"qk_int8_pv_fp8"``, ``"qk_int8_pv_fp16"``)."""
+    from . import vsa_ops
     from .kernels import vsa_fine
+    from .tiles import tile_layout
+    from .vsa import resolve_recipe
 
-    qt, kt, vt, dot = (torch.zeros(1, 2, n_tiles, tile_tokens, head_dim, dtype=dtype)
-                       for _ in range(4))
-    idx = torch.zeros(1, 2, n_tiles, topk, dtype=torch.int32)
-    counts = torch.full((n_tiles,), tile_tokens, dtype=torch.int32)
-    lse = torch.zeros(1, 2, n_tiles, tile_tokens)
+    layout = tile_layout((4, 16, 16), (4, 4, 4))
+    nt, ts = layout.n_tiles, layout.tile_tokens
+    idx = torch.zeros(1, 2, nt, topk, dtype=torch.int32)
+    counts = layout.counts.to(torch.int32)
+    scale = head_dim ** -0.5
     with _recording() as sink:
-        vsa_fine.forward(qt, kt, vt, idx, counts, scale=head_dim ** -0.5)
-        vsa_fine.backward(qt, kt, vt, torch.zeros_like(qt), lse, dot, idx, counts,
-                          scale=head_dim ** -0.5)
+        if recipe == "exact":
+            qt, kt, vt, dot = (torch.zeros(1, 2, nt, ts, head_dim, dtype=dtype) for _ in range(4))
+            lse = torch.zeros(1, 2, nt, ts)
+            vsa_fine.forward(qt, kt, vt, idx, counts, scale=scale)
+            vsa_fine.backward(qt, kt, vt, torch.zeros_like(qt), lse, dot, idx, counts, scale=scale)
+        else:
+            q, k, v = (torch.zeros(1, 2, layout.n_tokens, head_dim, dtype=dtype) for _ in range(3))
+            vsa_ops.run_int8(q, k, v, idx, layout, scale, resolve_recipe(recipe), kernels=True)
     return list(sink)
 
 
 def compile_vsa(arch: str = "sm_90a", head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
-                config: int = 0) -> list[KernelReport]:
-    """Compile, for ``arch``, the fine stage's kernels and report each."""
-    return _compile_all(record_vsa_launches(head_dim=head_dim, dtype=dtype), normalize_arch(arch),
-                        config)
+                config: int = 0, recipe: str = "exact") -> list[KernelReport]:
+    """Compile, for ``arch``, the fine stage's kernels (see :func:`record_vsa_launches`) and
+    report each."""
+    return _compile_all(record_vsa_launches(head_dim=head_dim, dtype=dtype, recipe=recipe),
+                        normalize_arch(arch), config)
 
 
 def compile_train(recipe="sagebwd_int8", arch: str = "sm_90a", head_dim: int = 128,

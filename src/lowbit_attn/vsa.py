@@ -6,7 +6,9 @@ end (gradients flow through both stages, not through the choice of tiles).
 The fine stage runs as Triton kernels (forward and backward, reading the selected tiles by index)
 for fp16/bf16 inputs on a GPU (or under ``TRITON_INTERPRET=1`` with ``LOWBIT_ATTN_BACKEND=triton``);
 the coarse stage (attention between ``n_tiles`` pooled tiles) and the gathers are PyTorch operations.
-Elsewhere the whole computation is the PyTorch twin in ``reference/vsa.py``.
+Elsewhere the whole computation is the PyTorch twin in ``reference/vsa.py``. For inference, the fine
+stage may run in 8 bits (``recipe="qk_int8_pv_fp8"``: INT8 Q·Kᵀ, E4M3 P̃·V). The kernels sit behind
+``torch.library`` custom ops (``vsa_ops.py``), so ``torch.compile`` traces every path.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ import math
 import torch
 
 from . import checks
-from .arch import backend_for
+from . import vsa_ops
+from .recipes import Recipe, get_recipe
 from .reference import vsa as ref
 from .tiles import TileLayout, check_video, tile_layout
 
 TOKEN_ORDERS = ("thw", "tiled")
-VSA_RECIPES = ("exact",)
+VSA_RECIPES = ("exact", "qk_int8_pv_fp8", "qk_int8_pv_fp16")
 
 
 def _hnd(x: torch.Tensor, layout: str) -> torch.Tensor:
@@ -70,38 +73,10 @@ class _Grid:
         return x[:, :, self.layout.perm] if self.tiled else x
 
 
-KERNEL_DTYPES = (torch.float16, torch.bfloat16)
-
-
-def _use_kernels(x: torch.Tensor) -> bool:
-    return x.dtype in KERNEL_DTYPES and backend_for(x.device) == "triton"
-
-
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    if _use_kernels(x):
+    if vsa_ops.use_kernels(x):
         return x.dtype
     return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-class _FineTiles(torch.autograd.Function):
-    """The fine stage's kernels on padded tiles, with their backward."""
-
-    @staticmethod
-    def forward(ctx, qt, kt, vt, idx, counts, scale):
-        from .kernels import vsa_fine
-
-        ot, lse = vsa_fine.forward(qt, kt, vt, idx, counts, scale=scale)
-        ctx.save_for_backward(qt, kt, vt, ot, lse, idx, counts)
-        ctx.scale = scale
-        return ot
-
-    @staticmethod
-    def backward(ctx, dot):
-        from .kernels import vsa_fine
-
-        qt, kt, vt, ot, lse, idx, counts = ctx.saved_tensors
-        dq, dk, dv = vsa_fine.backward(qt, kt, vt, ot, lse, dot, idx, counts, scale=ctx.scale)
-        return dq, dk, dv, None, None, None
 
 
 def _coarse(qh, kh, vh, layout: TileLayout, scale: float, topk: int):
@@ -113,21 +88,15 @@ def _coarse(qh, kh, vh, layout: TileLayout, scale: float, topk: int):
     return out.to(qh.dtype), indices, scores
 
 
-def _fine(qh, kh, vh, layout: TileLayout, idx: torch.Tensor, scale: float) -> torch.Tensor:
-    """The fine stage on the kernels (fp16/bf16 on the Triton backend) or the reference."""
-    if not _use_kernels(qh):
-        return ref.fine(qh, kh, vh, layout, idx, scale=scale)
-    ts = max(16, 1 << (layout.tile_tokens - 1).bit_length())
-    index = torch.nn.functional.pad(layout.index, (0, ts - layout.tile_tokens), value=-1)
-    valid = index >= 0
-
-    def tiles(x):
-        t = x[:, :, index.clamp(min=0)]
-        return torch.where(valid.unsqueeze(-1), t, torch.zeros((), dtype=x.dtype, device=x.device))
-
-    ot = _FineTiles.apply(tiles(qh).contiguous(), tiles(kh).contiguous(), tiles(vh).contiguous(),
-                          idx.to(torch.int32).contiguous(), layout.counts.to(torch.int32), scale)
-    return ot[:, :, valid][:, :, layout.inverse]
+def _fine(qh, kh, vh, layout: TileLayout, idx: torch.Tensor, scale: float,
+          recipe: Recipe) -> torch.Tensor:
+    """The fine stage: 8-bit (inference), or 16-bit on the kernels (fp16/bf16 on the Triton
+    backend), or the reference."""
+    if not recipe.is_exact:
+        return vsa_ops.fine_quantized(qh, kh, vh, layout, idx, scale, recipe)
+    if vsa_ops.use_kernels(qh):
+        return vsa_ops.fine_tiles(qh, kh, vh, layout, idx, scale)
+    return ref.fine(qh, kh, vh, layout, idx, scale=scale)
 
 
 def _prepare(q, k, v, *, video_shape, tile, layout, scale, token_order):
@@ -170,18 +139,38 @@ def fine(q, k, v, *, video_shape, tile=(4, 4, 4), tile_indices, scale=None, layo
     """
     qh, kh, vh, grid, sm = _prepare(q, k, v, video_shape=video_shape, tile=tile, layout=layout,
                                     scale=scale, token_order=token_order)
-    _check_recipe(recipe)
+    rec = resolve_recipe(recipe, q, k, v)
     _check_indices(tile_indices, qh.shape[0], qh.shape[1], grid.layout.n_tiles, q.device)
-    out = _fine(qh, kh, vh, grid.layout, tile_indices.long(), sm)
+    out = _fine(qh, kh, vh, grid.layout, tile_indices.long(), sm, rec)
     return _hnd(grid.outward(out), layout).to(q.dtype)
 
 
-def _check_recipe(recipe) -> None:
-    if recipe not in VSA_RECIPES:
-        raise ValueError(
-            f"recipe must be one of {VSA_RECIPES} for video sparse attention, got {recipe!r} "
-            "(the 8-bit fine stage is not built yet)"
-        )
+def resolve_recipe(recipe, *inputs: torch.Tensor) -> Recipe:
+    """The fine stage's recipe: ``"exact"`` (16-bit, trainable), or, for inference, an INT8-Q·Kᵀ
+    recipe by name (``"qk_int8_pv_fp8"``, ``"qk_int8_pv_fp16"``) or as a :class:`Recipe` with
+    per-token scales and no Q smoothing (tiles are not runs of consecutive tokens, so scale
+    groups and Q-smoothing blocks follow tokens)."""
+    if isinstance(recipe, str):
+        if recipe not in VSA_RECIPES:
+            raise ValueError(f"recipe must be one of {VSA_RECIPES} (or a Recipe) for video sparse "
+                             f"attention, got {recipe!r}")
+        recipe = get_recipe(recipe)
+        if not recipe.is_exact:
+            recipe = recipe.replace(granularity="per_token")
+    elif not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a recipe name or a Recipe, got {type(recipe).__name__}")
+    if not recipe.is_exact:
+        if recipe.qk != "int8":
+            raise ValueError(f"video sparse attention's quantized fine stage is INT8 Q·Kᵀ; "
+                             f"recipe {recipe.name!r} has qk={recipe.qk!r}")
+        if recipe.granularity != "per_token" or recipe.smooth_q:
+            raise ValueError("video sparse attention's 8-bit fine stage quantizes per token without "
+                             "Q smoothing: use granularity='per_token', smooth_q=False")
+        if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
+            raise ValueError(f"recipe {recipe.name!r} is for inference (no backward): call it under "
+                             "torch.no_grad() or torch.inference_mode(), or train with "
+                             "recipe='exact'")
+    return recipe
 
 
 def _check_indices(idx, b: int, hq: int, n_tiles: int, device) -> None:
@@ -237,19 +226,23 @@ def video_sparse_attention(q, k, v, *, video_shape, tile=(4, 4, 4), topk, gate_c
             output that multiplies it.
         gate_fine: ``None`` takes the fine output as it is; else its multiplier.
         scale: softmax scale, ``D ** -0.5`` by default (both stages).
-        recipe: ``"exact"`` (the 8-bit fine stage is not built yet).
+        recipe: the fine stage's numerics: ``"exact"`` (16-bit, trainable) or, for inference
+            only, ``"qk_int8_pv_fp8"`` (INT8 Q·Kᵀ with per-token scales, K smoothed, Q/K
+            channels balanced; P̃ and V in E4M3) or ``"qk_int8_pv_fp16"``, or such a
+            :class:`~lowbit_attn.Recipe` (see :func:`resolve_recipe`). The coarse stage is
+            always computed in fp32.
     Returns:
         the output, q's shape, layout and dtype. With both gates ``None`` and ``topk`` = all tiles
         it is exact attention.
     """
     qh, kh, vh, grid, sm = _prepare(q, k, v, video_shape=video_shape, tile=tile, layout=layout,
                                     scale=scale, token_order=token_order)
-    _check_recipe(recipe)
+    rec = resolve_recipe(recipe, q, k, v)
     _check_gate("gate_coarse", gate_coarse, q.shape, q.device)
     _check_gate("gate_fine", gate_fine, q.shape, q.device)
     kk = resolve_topk(topk, grid.layout.n_tiles)
     out_c, indices, _ = _coarse(qh, kh, vh, grid.layout, sm, kk)
-    out_f = _fine(qh, kh, vh, grid.layout, indices, sm)
+    out_f = _fine(qh, kh, vh, grid.layout, indices, sm, rec)
     out_f = _hnd(grid.outward(out_f), layout)
     out = out_f if gate_fine is None else gate_fine * out_f
     if gate_coarse is not None:

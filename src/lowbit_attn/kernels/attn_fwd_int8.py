@@ -16,8 +16,8 @@ import triton.language as tl
 from ..arch import get_capability
 from ..quantized import LOG2_FP8_MAX, QuantizedQKV, Seqs, dense_seqs
 from .common import (
-    LaunchConfig, batch_head, bhnd_strides, exact_fp8, finish_scores, key_block_bounds, next_pow2,
-    normalize_rows, online_max, row_strides, seq_span, store_lse, to_e4m3, triton_configs,
+    LaunchConfig, batch_head, bhnd_strides, exact_fp8, finish_rows, finish_scores, key_block_bounds,
+    next_pow2, online_max, row_strides, seq_span, store_lse, to_e4m3, triton_configs,
 )
 
 
@@ -158,14 +158,7 @@ def _attn_fwd_int8_kernel(
             True, IS_CAUSAL, PER_TOKEN, PV_FP8, HAS_DS, EXACT_FP8, BLOCK_N,
         )
 
-    out, empty = normalize_rows(acc, l_i)
-    if PV_FP8:
-        vs = tl.load(VS + b * svsb + hk * svsh + offs_d * svsd, mask=dmask, other=0.0)
-        out = out * vs[None, :]
-    if HAS_VMEAN:
-        vm = tl.load(VM + b * svsb + hk * svsh + offs_d * svsd, mask=dmask, other=0.0)
-        out = out + vm[None, :]
-    out = tl.where(empty[:, None], 0.0, out)
+    out = finish_rows(acc, l_i, VS, VM, b * svsb + hk * svsh, offs_d, dmask, svsd, PV_FP8, HAS_VMEAN)
     tl.store(
         O + b * sob + h * soh + (q_start + offs_m)[:, None] * son + offs_d[None, :] * sod,
         out.to(O.dtype.element_ty), mask=mmask[:, None] & dmask[None, :],

@@ -86,6 +86,22 @@ def normalize_rows(acc, l_i):
 
 
 @triton.jit
+def finish_rows(acc, l_i, VS, VM, vec_base, offs_d, dmask, svsd, PV_FP8: tl.constexpr,
+                HAS_VMEAN: tl.constexpr):
+    """The quantized forwards' epilogue: ``acc / l``, times V's per-channel FP8 scale, plus V's
+    mean when V was smoothed (``vec_base``: the (batch, head) offset of those vectors); rows that
+    saw no key give 0."""
+    out, empty = normalize_rows(acc, l_i)
+    if PV_FP8:
+        vs = tl.load(VS + vec_base + offs_d * svsd, mask=dmask, other=0.0)
+        out = out * vs[None, :]
+    if HAS_VMEAN:
+        vm = tl.load(VM + vec_base + offs_d * svsd, mask=dmask, other=0.0)
+        out = out + vm[None, :]
+    return tl.where(empty[:, None], 0.0, out)
+
+
+@triton.jit
 def store_lse(LSE, lse_offsets, LSH, lsh_offsets, m_i, l_i, offset, mask,
               HAS_LSH: tl.constexpr):
     """Natural-log LSE of each row (``offset``: what the exp2 added to every score, in base 2),

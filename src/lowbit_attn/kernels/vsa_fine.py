@@ -14,9 +14,14 @@ import triton
 import triton.language as tl
 
 from ..arch import get_capability, interpreter_enabled
-from .common import LaunchConfig, batch_head, mm, next_pow2, online_max, triton_configs
+from ..quantized import LOG2_FP8_MAX, QuantizedQKV
+from .common import (
+    LaunchConfig, batch_head, exact_fp8, finish_rows, mm, next_pow2, online_max, to_e4m3,
+    triton_configs,
+)
 
 LOG2E = tl.constexpr(1.4426950408889634)
+_LOG2_FP8_MAX = tl.constexpr(LOG2_FP8_MAX)
 
 CONFIGS = {
     "interpreter": [LaunchConfig(4, 1)],
@@ -62,15 +67,27 @@ def _key_tile(K, CNT, b, hk, j, offs_s, offs_d, dmask, skb, skh, skt, sks, skd):
 
 @triton.jit
 def _vsa_fwd_kernel(
-    Q, K, V, IDX, CNT, O, LSE,
-    sqb, sqh, sqt, sqs, sqd, skb, skh, skt, sks, skd, sib, sih, sit, sik,
-    sob, soh, sot, sos, sod, slb, slh, slt, sls,
+    Q, K, V, QS, KS, VS, VM, IDX, CNT, O, LSE,
+    sqb, sqh, sqt, sqs, sqd, skb, skh, skt, sks, skd, svb, svh, svt, svs, svd,
+    sib, sih, sit, sik, sob, soh, sot, sos, sod, slb, slh, slt, sls,
+    sqsb, sqsh, sqst, sqss, sksb, sksh, skst, skss, svsb, svsh, svsd,
     HQ, GROUP, D, KK, scale,
-    TS: tl.constexpr, BLOCK_D: tl.constexpr, EMU_FP32: tl.constexpr,
+    TS: tl.constexpr, BLOCK_D: tl.constexpr, EMU_FP32: tl.constexpr, INT8_QK: tl.constexpr,
+    PV_FP8: tl.constexpr, HAS_VMEAN: tl.constexpr, EXACT_FP8: tl.constexpr,
 ):
+    """One query tile over its key tiles. 16-bit: scores ``q·kᵀ·scale`` and the LSE written.
+    ``INT8_QK``: INT8 tiles with one scale per token (Q's times ``scale·log2 e``), P̃ and V in E4M3
+    (``PV_FP8``, P̃ offset by ``log2 448``, V's per-channel scale in the epilogue) or fp16."""
     pid_t = tl.program_id(0)
     b, h, hk, offs_s, offs_d, dmask, cnt_q, qmask, q = _query_tile(
         Q, CNT, pid_t, HQ, GROUP, D, sqb, sqh, sqt, sqs, sqd, TS, BLOCK_D)
+    if INT8_QK:
+        qs = tl.load(QS + b * sqsb + h * sqsh + pid_t.to(tl.int64) * sqst + offs_s * sqss,
+                     mask=offs_s < cnt_q, other=0.0)
+    if PV_FP8:
+        offset = _LOG2_FP8_MAX
+    else:
+        offset = 0.0
     m_i = tl.full([TS], float("-inf"), tl.float32)
     l_i = tl.zeros([TS], dtype=tl.float32)
     acc = tl.zeros([TS, BLOCK_D], dtype=tl.float32)
@@ -78,20 +95,30 @@ def _vsa_fwd_kernel(
         j = tl.load(IDX + b * sib + h * sih + pid_t * sit + s * sik)
         cnt_k, kmask, kt = _key_tile(K, CNT, b, hk, j, offs_s, offs_d, dmask, skb, skh, skt, sks,
                                      skd)
-        sc = mm(q, kt, False, EMU_FP32) * (scale * LOG2E)
+        if INT8_QK:
+            ks = tl.load(KS + b * sksb + hk * sksh + j.to(tl.int64) * skst + offs_s * skss,
+                         mask=offs_s < cnt_k, other=0.0)
+            sc = mm(q, kt, True, False) * (qs[:, None] * ks[None, :])
+        else:
+            sc = mm(q, kt, False, EMU_FP32) * (scale * LOG2E)
         sc = tl.where((offs_s < cnt_k)[None, :], sc, float("-inf"))
         m_new, m_safe, alpha = online_max(m_i, tl.max(sc, axis=1))
-        p = tl.exp2(sc - m_safe[:, None])
+        p = tl.exp2(sc - (m_safe - offset)[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = _tile(V, b, hk, j, offs_s, offs_d, kmask, skb, skh, skt, sks, skd, False)
-        acc = acc * alpha[:, None] + mm(p.to(V.dtype.element_ty), v, False, EMU_FP32)
+        v = _tile(V, b, hk, j, offs_s, offs_d, kmask, svb, svh, svt, svs, svd, False)
+        if PV_FP8:
+            pv = tl.dot(to_e4m3(p, EXACT_FP8), v, out_dtype=tl.float32)
+        else:
+            pv = mm(p.to(V.dtype.element_ty), v, False, EMU_FP32)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out = finish_rows(acc, l_i, VS, VM, b * svsb + hk * svsh, offs_d, dmask, svsd, PV_FP8, HAS_VMEAN)
     base_o = O + b * sob + h * soh + pid_t.to(tl.int64) * sot
     tl.store(base_o + offs_s[:, None] * sos + offs_d[None, :] * sod, out.to(O.dtype.element_ty),
              mask=qmask)
-    tl.store(LSE + b * slb + h * slh + pid_t.to(tl.int64) * slt + offs_s * sls,
-             m_i + tl.log2(l_i), mask=offs_s < cnt_q)
+    if not INT8_QK:
+        tl.store(LSE + b * slb + h * slh + pid_t.to(tl.int64) * slt + offs_s * sls,
+                 m_i + tl.log2(l_i), mask=offs_s < cnt_q)
 
 
 @triton.jit
@@ -176,13 +203,32 @@ def _vsa_dkdv_kernel(
 
 
 _KEY = ["TS", "BLOCK_D"]
-_fwd = triton.autotune(configs=triton_configs(CONFIGS, get_capability()), key=_KEY)(_vsa_fwd_kernel)
+_fwd = triton.autotune(configs=triton_configs(CONFIGS, get_capability()),
+                       key=_KEY + ["INT8_QK", "PV_FP8"])(
+    triton.heuristics({"HAS_VMEAN": lambda a: a["VM"] is not None})(_vsa_fwd_kernel))
 _dq = triton.autotune(configs=triton_configs(CONFIGS, get_capability()), key=_KEY)(_vsa_dq_kernel)
 _dkdv = triton.autotune(configs=triton_configs(CONFIGS, get_capability()), key=_KEY)(_vsa_dkdv_kernel)
 
 
 def _consts(d: int):
     return dict(BLOCK_D=next_pow2(d), EMU_FP32=interpreter_enabled())
+
+
+def _strides(x: torch.Tensor | None, n: int) -> tuple[int, ...]:
+    return (0,) * n if x is None else tuple(x.stride())
+
+
+def _launch_fwd(qt, kt, vt, qs, ks, vs, vm, idx, counts, out, lse, *, scale: float, int8: bool,
+                pv_fp8: bool):
+    b, hq, nt, ts, d = qt.shape
+    _fwd[(nt, b * hq)](
+        qt, kt, vt, qs, ks, vs, vm, idx, counts, out, lse, *qt.stride(), *kt.stride(),
+        *vt.stride(), *idx.stride(), *out.stride(), *_strides(lse, 4), *_strides(qs, 4),
+        *_strides(ks, 4), *_strides(vs if vs is not None else vm, 3),
+        hq, hq // kt.shape[1], d, idx.shape[-1], float(scale),
+        TS=ts, BLOCK_D=next_pow2(d, minimum=32 if int8 else 16), EMU_FP32=interpreter_enabled(),
+        INT8_QK=int8, PV_FP8=pv_fp8, EXACT_FP8=exact_fp8(),
+    )
 
 
 def forward(qt, kt, vt, idx, counts, *, scale: float):
@@ -193,12 +239,20 @@ def forward(qt, kt, vt, idx, counts, *, scale: float):
     b, hq, nt, ts, d = qt.shape
     out = torch.zeros_like(qt)
     lse = torch.full((b, hq, nt, ts), float("-inf"), device=qt.device, dtype=torch.float32)
-    _fwd[(nt, b * hq)](
-        qt, kt, vt, idx, counts, out, lse, *qt.stride(), *kt.stride(), *idx.stride(),
-        *out.stride(), *lse.stride(), hq, hq // kt.shape[1], d, idx.shape[-1], float(scale),
-        TS=ts, **_consts(d),
-    )
+    _launch_fwd(qt, kt, vt, None, None, None, None, idx, counts, out, lse, scale=scale,
+                int8=False, pv_fp8=False)
     return out, lse
+
+
+def forward_int8(qz: QuantizedQKV, idx, counts, *, out_dtype: torch.dtype) -> torch.Tensor:
+    """The 8-bit fine stage on padded tiles: ``qz`` holds INT8 ``q [B, Hq, nt, TS, D]``,
+    ``k [B, Hkv, nt, TS, D]``, their per-token scales ``[B, H, nt, TS]`` (Q's times
+    ``scale·log2 e``; zeros in empty slots), V in E4M3 (with ``v_scale``) or fp16, ``v_mean``
+    optional → ``out [B, Hq, nt, TS, D]`` in ``out_dtype``. TS ≥ 32 (the FP8 MMA's depth)."""
+    out = torch.zeros(qz.q.shape, device=qz.q.device, dtype=out_dtype)
+    _launch_fwd(qz.q, qz.k, qz.v, qz.q_scale, qz.k_scale, qz.v_scale, qz.v_mean, idx, counts, out,
+                None, scale=1.0, int8=True, pv_fp8=qz.v_scale is not None)
+    return out
 
 
 def reverse_lists(idx: torch.Tensor, n_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -115,19 +115,27 @@ def quantized_attention(
             s = s + delta[..., start:stop]
         mask = visible(nq, nk, causal_offset, dev, rows=rows, cols=torch.arange(start, stop, device=dev))
         s = s.masked_fill(~mask, float("-inf"))
-        m_new = torch.maximum(m, s.amax(dim=-1))
-        m_safe = torch.where(torch.isneginf(m_new), 0.0, m_new)
-        alpha = torch.exp2(m - m_safe)
-        p = torch.exp2(s - (m_safe - offset).unsqueeze(-1))
-        l_sum = l_sum * alpha + p.sum(dim=-1)
-        p_q = to_e4m3(p) if pv == "fp8" else p.to(torch.float16)
-        acc = acc * alpha.unsqueeze(-1) + torch.matmul(p_q.float(), vf[:, :, start:stop])
-        m = m_new
+        acc, m, l_sum = softmax_step(s, vf[:, :, start:stop], acc, m, l_sum, pv=pv)
     v_scale = None if qz.v_scale is None else _expand_heads(qz.v_scale, hq).unsqueeze(-2)
-    return _finish(acc, l_sum, m, offset, v_scale, qz.v_mean, qz.lse_shift)
+    return finish(acc, l_sum, m, offset, v_scale, qz.v_mean, qz.lse_shift)
 
 
-def _finish(acc, l_sum, m, offset, v_scale, v_mean, lse_shift):
+def softmax_step(s, v_block, acc, m, l_sum, *, pv: str):
+    """One key block of the quantized recipes' online softmax in base 2: scores ``s`` (``-inf``
+    where masked) against ``v_block`` (dequantized to fp32 up to its scale); P̃ rounded to E4M3
+    with the static offset ``log2 448`` (``pv="fp8"``) or to fp16. Returns ``(acc, m, l_sum)``."""
+    offset = LOG2_FP8_MAX if pv == "fp8" else 0.0
+    m_new = torch.maximum(m, s.amax(dim=-1))
+    m_safe = torch.where(torch.isneginf(m_new), 0.0, m_new)
+    alpha = torch.exp2(m - m_safe)
+    p = torch.exp2(s - (m_safe - offset).unsqueeze(-1))
+    l_sum = l_sum * alpha + p.sum(dim=-1)
+    p_q = to_e4m3(p) if pv == "fp8" else p.to(torch.float16)
+    acc = acc * alpha.unsqueeze(-1) + torch.matmul(p_q.float(), v_block)
+    return acc, m_new, l_sum
+
+
+def finish(acc, l_sum, m, offset, v_scale, v_mean, lse_shift):
     """Normalise the accumulator, undo V's scale and smoothing, zero rows that saw no key; the LSE
     in natural log (``offset``: what the exp2 added to every score, in base 2)."""
     hq = acc.shape[1]
@@ -208,7 +216,7 @@ def fp4_attention(
     v_scale = None
     if fmt == "nvfp4":
         v_scale = _expand_heads(qz.v_global, hq)[:, :, None, None]
-    out, lse = _finish(acc[..., :head_dim], l_sum, m, 0.0, v_scale, qz.v_mean, qz.lse_shift)
+    out, lse = finish(acc[..., :head_dim], l_sum, m, 0.0, v_scale, qz.v_mean, qz.lse_shift)
     return out, lse
 
 

@@ -10,22 +10,28 @@ from __future__ import annotations
 
 import torch
 
+from ..quantized import QuantizedQKV
 from ..tiles import TileLayout
-from .attention import _expand_heads
+from .attention import _expand_heads, finish, softmax_step
 
 
-def gather_tiles(x: torch.Tensor, layout: TileLayout) -> torch.Tensor:
-    """``[B, H, N, D]`` → ``[B, H, n_tiles, tile_tokens, D]``, zeros in the slots of partial tiles."""
-    valid = (layout.index >= 0).unsqueeze(-1)
-    tiles = x[:, :, layout.index.clamp(min=0)]
-    return torch.where(valid, tiles, torch.zeros((), dtype=x.dtype, device=x.device))
+def gather_tiles(x: torch.Tensor, layout: TileLayout, slots: int | None = None) -> torch.Tensor:
+    """``[B, H, N, ...]`` → ``[B, H, n_tiles, slots, ...]`` (``slots`` ≥ ``tile_tokens``, that by
+    default), zeros in the slots a tile lacks. Any dtype, 1-byte floats included."""
+    index = layout.index
+    if slots is not None and slots > index.shape[1]:
+        index = torch.nn.functional.pad(index, (0, slots - index.shape[1]), value=-1)
+    valid = (index >= 0).reshape(*index.shape, *([1] * (x.dim() - 3)))
+    raw = x.view(torch.uint8) if x.dtype.itemsize == 1 and x.dtype.is_floating_point else x
+    tiles = raw[:, :, index.clamp(min=0)]
+    tiles = torch.where(valid, tiles, torch.zeros((), dtype=raw.dtype, device=x.device))
+    return tiles.view(x.dtype) if raw is not x else tiles
 
 
 def scatter_tiles(tiles: torch.Tensor, layout: TileLayout) -> torch.Tensor:
-    """Inverse of :func:`gather_tiles`: ``[B, H, n_tiles, tile_tokens, D]`` → ``[B, H, N, D]``."""
-    b, h, _, _, d = tiles.shape
+    """Inverse of :func:`gather_tiles`: ``[B, H, n_tiles, slots, D]`` → ``[B, H, N, D]``."""
     valid = layout.index >= 0
-    return tiles[:, :, valid][:, :, layout.inverse]
+    return tiles[:, :, :, : layout.tile_tokens][:, :, valid][:, :, layout.inverse]
 
 
 def pool_tiles(x: torch.Tensor, layout: TileLayout) -> torch.Tensor:
@@ -74,6 +80,37 @@ def fine(q, k, v, layout: TileLayout, tile_indices: torch.Tensor, *, scale: floa
     s = s.masked_fill(~key_valid, float("-inf"))
     out = torch.matmul(torch.softmax(s, dim=-1), vs)
     return scatter_tiles(out, layout)
+
+
+def fine_quantized(qz: QuantizedQKV, layout: TileLayout, tile_indices: torch.Tensor, *,
+                   pv: str) -> torch.Tensor:
+    """The 8-bit fine stage: INT8 Q·Kᵀ with one scale per token (``qz`` as
+    :func:`lowbit_attn.prepare.quantize_qkv` makes it with per-token granularity, row-major
+    tokens), P̃ and V in E4M3 (``pv="fp8"``) or fp16; each selected key tile is one block of the
+    online softmax, in the order of ``tile_indices``, as the kernel walks them. Returns
+    ``[B, Hq, N, D]`` fp32."""
+    b, hq, _, d = qz.q.shape
+    nt, ts = layout.n_tiles, layout.tile_tokens
+    qt = gather_tiles(qz.q.float(), layout)                                 # [B, Hq, nt, ts, D]
+    qs = gather_tiles(qz.q_scale.unsqueeze(-1), layout).squeeze(-1)          # [B, Hq, nt, ts]
+    kt = _expand_heads(gather_tiles(qz.k.float(), layout), hq)
+    ks = _expand_heads(gather_tiles(qz.k_scale.unsqueeze(-1), layout).squeeze(-1), hq)
+    vt = _expand_heads(gather_tiles(qz.v.float(), layout), hq)
+    valid = layout.index >= 0
+    m = torch.full((b, hq, nt, ts), float("-inf"), device=qt.device)
+    l_sum = torch.zeros_like(m)
+    acc = torch.zeros((b, hq, nt, ts, d), device=qt.device)
+    for slot in range(tile_indices.shape[-1]):
+        j = tile_indices[..., slot]                                          # [B, Hq, nt]
+        take = lambda t: torch.gather(  # noqa: E731 - key tile j of each query tile
+            t, 2, j.reshape(b, hq, nt, *([1] * (t.dim() - 3))).expand(b, hq, nt, *t.shape[3:]))
+        s = torch.matmul(qt, take(kt).transpose(-1, -2)) * (qs.unsqueeze(-1) * take(ks).unsqueeze(-2))
+        s = s.masked_fill(~valid[j].unsqueeze(-2), float("-inf"))
+        acc, m, l_sum = softmax_step(s, take(vt), acc, m, l_sum, pv=pv)
+    v_scale = None if qz.v_scale is None else _expand_heads(qz.v_scale, hq).unsqueeze(-2)
+    out, _ = finish(acc.reshape(b, hq, nt * ts, d), l_sum.reshape(b, hq, nt * ts), m.reshape(b, hq, -1),
+                    0.0, v_scale, qz.v_mean, None)
+    return scatter_tiles(out.reshape(b, hq, nt, ts, d), layout)
 
 
 def block_mask(layout: TileLayout, tile_indices: torch.Tensor) -> torch.Tensor:
