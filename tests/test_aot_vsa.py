@@ -21,7 +21,10 @@ BF16_WGMMA = "f32.bf16.bf16"
 @pytest.mark.parametrize("d", [64, 128])
 def test_fine_stage_kernels_use_wgmma(d):
     rs = {r.kernel: r for r in aot.compile_vsa("sm_90a", d)}
-    assert set(rs) == {"_vsa_fwd_kernel", "_vsa_dq_kernel", "_vsa_dkdv_kernel"}
+    assert set(rs) == {"_vsa_fwd_kernel", "_vsa_dq_kernel", "_vsa_dkdv_kernel", "_tile_kernel",
+                       "_untile_kernel"}
+    for name in ("_tile_kernel", "_untile_kernel"):
+        assert rs.pop(name).ok
     for name, r in rs.items():
         assert r.ok and r.error is None, (name, r.error)
         forms = [f for f in r.instructions if f.startswith("wgmma") and f.endswith(BF16_WGMMA)]

@@ -408,6 +408,64 @@ def test_fine_custom_ops_pass_opcheck():
     q, k, v = (ref.gather_tiles(x.half(), layout, 16).contiguous()
                for x in _qkv(40, b=1, hq=2, hkv=1, seed=15, dtype=torch.float32))
     q.requires_grad_()
-    idx = torch.tensor([0, 2], dtype=torch.int32)[None, None, None].expand(1, 2, 5, 2).contiguous()
+    idx = torch.tensor([0, 2], dtype=torch.int32)[None, None, None].expand(1, 2, layout.n_tiles, 2).contiguous()
     torch.library.opcheck(vsa_ops.fine_fwd, (q, k, v, idx, layout.counts.int(), 0.25),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+# --- tokens ↔ padded tiles, tile means (kernels) ---------------------------------------------------
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("grid, tile", GRIDS[::2])
+def test_tile_kernels_gather_pool_and_are_adjoint(grid, tile):
+    from lowbit_attn.kernels import vsa_tiles
+
+    layout = tile_layout(grid, tile)
+    n, slots = math.prod(grid), 1 << (layout.tile_tokens - 1).bit_length()
+    x = torch.randn(2, n, 3, 24).transpose(1, 2)                 # an NHD view, D not a power of 2
+    tiles, pooled = vsa_tiles.tile(x, layout.index, layout.counts, slots=slots, pool=True)
+    want = ref.gather_tiles(x, layout, slots)
+    assert torch.equal(tiles, want)
+    torch.testing.assert_close(pooled, ref.pool_tiles(x, layout), rtol=1e-6, atol=1e-6)
+    assert vsa_tiles.tile(x, layout.index, layout.counts, slots=0, pool=True)[0] is None
+    # untile is the adjoint: <tile(x), (T, P)> = <x, untile(T, P)>; and it undoes tile
+    t, p = torch.randn(tiles.shape), torch.randn(pooled.shape)
+    back = vsa_tiles.untile(t, p, layout.index, layout.counts, n_tokens=n, dtype=torch.float32)
+    lhs = (tiles * t).sum() + (pooled * p).sum()
+    torch.testing.assert_close(lhs, (x * back).sum(), rtol=1e-5, atol=1e-4)
+    undone = vsa_tiles.untile(tiles, None, layout.index, layout.counts, n_tokens=n, dtype=x.dtype)
+    assert torch.equal(undone, x)
+
+
+@pytest.mark.interpreter
+def test_tile_custom_ops_pass_opcheck():
+    layout = tile_layout((3, 5, 6), (2, 2, 4))
+    x = torch.randn(1, 2, 90, 16, requires_grad=True)
+    torch.library.opcheck(vsa_ops.tile, (x, layout.index, layout.counts, 16, True),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    t = torch.randn(1, 2, layout.n_tiles, 16, 16, requires_grad=True)
+    torch.library.opcheck(vsa_ops.untile, (t, None, layout.index, layout.counts, 90, torch.float32),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+@pytest.mark.interpreter
+def test_kernel_path_with_coarse_gate_matches_the_reference(triton_backend, monkeypatch):
+    """The whole operator on the kernels (tile means and padded tiles from one pass, the fine
+    kernels, the adjoint scatter) against the PyTorch path: forward and gradients with both gates."""
+    grid, tile = (3, 5, 6), (2, 2, 4)
+    q, k, v = (x.half() for x in _qkv(90, b=1, hq=2, hkv=1, d=16, seed=16, dtype=torch.float32))
+    do = torch.randn(q.shape).half()
+    gate = torch.rand(1, 2, 90, 1).half()
+
+    def fn(a, b, c):
+        return lowbit_attn.video_sparse_attention(a, b, c, video_shape=grid, tile=tile, topk=4,
+                                                  gate_coarse=gate.to(a.dtype),
+                                                  gate_fine=(1 - gate).to(a.dtype))
+
+    got = _grads(fn, q, k, v, do)
+    monkeypatch.setenv("LOWBIT_ATTN_BACKEND", "reference")
+    want = _grads(fn, *(x.float() for x in (q, k, v, do)))
+    for name, a, e in zip(("out", "dq", "dk", "dv"), got, want):
+        assert a.dtype == torch.float16 and torch.isfinite(a).all(), name
+        assert float((a.float() - e).norm() / e.norm()) < 3e-3, name

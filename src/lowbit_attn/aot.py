@@ -682,10 +682,11 @@ def record_train_launches(
 def record_vsa_launches(*, head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
                         recipe: str = "exact", topk: int = 4) -> list[Launch]:
     """The kernel launches of the video sparse attention fine stage on a 4×16×16 grid of 4×4×4
-    tiles (16 tiles of 64 tokens): forward and backward (``recipe="exact"``), or the 8-bit
-    inference forward with its quantization (``"qk_int8_pv_fp8"``, ``"qk_int8_pv_fp16"``)."""
+    tiles (16 tiles of 64 tokens): tokens to tiles (with tile means) and back, forward and
+    backward (``recipe="exact"``), or the 8-bit inference forward with its quantization and
+    tiling (``"qk_int8_pv_fp8"``, ``"qk_int8_pv_fp16"``)."""
     from . import vsa_ops
-    from .kernels import vsa_fine
+    from .kernels import vsa_fine, vsa_tiles
     from .tiles import tile_layout
     from .vsa import resolve_recipe
 
@@ -696,10 +697,14 @@ def record_vsa_launches(*, head_dim: int = 128, dtype: torch.dtype = torch.bfloa
     scale = head_dim ** -0.5
     with _recording() as sink:
         if recipe == "exact":
-            qt, kt, vt, dot = (torch.zeros(1, 2, nt, ts, head_dim, dtype=dtype) for _ in range(4))
+            x = torch.zeros(1, 2, layout.n_tokens, head_dim, dtype=dtype)
+            qt, _ = vsa_tiles.tile(x, layout.index, layout.counts, slots=ts, pool=True)
+            kt, vt, dot = (torch.zeros_like(qt) for _ in range(3))
             lse = torch.zeros(1, 2, nt, ts)
             vsa_fine.forward(qt, kt, vt, idx, counts, scale=scale)
             vsa_fine.backward(qt, kt, vt, torch.zeros_like(qt), lse, dot, idx, counts, scale=scale)
+            vsa_tiles.untile(qt, torch.zeros(1, 2, nt, head_dim), layout.index, layout.counts,
+                             n_tokens=layout.n_tokens, dtype=dtype)
         else:
             q, k, v = (torch.zeros(1, 2, layout.n_tokens, head_dim, dtype=dtype) for _ in range(3))
             vsa_ops.run_int8(q, k, v, idx, layout, scale, resolve_recipe(recipe), kernels=True)

@@ -5,7 +5,8 @@ end (gradients flow through both stages, not through the choice of tiles).
 
 The fine stage runs as Triton kernels (forward and backward, reading the selected tiles by index)
 for fp16/bf16 inputs on a GPU (or under ``TRITON_INTERPRET=1`` with ``LOWBIT_ATTN_BACKEND=triton``);
-the coarse stage (attention between ``n_tiles`` pooled tiles) and the gathers are PyTorch operations.
+the tile means and padded tiles come from one Triton pass per tensor (``kernels/vsa_tiles.py``); the
+coarse stage's attention between ``n_tiles`` means and its top-k are PyTorch operations.
 Elsewhere the whole computation is the PyTorch twin in ``reference/vsa.py``. For inference, the fine
 stage may run in 8 bits (``recipe="qk_int8_pv_fp8"``: INT8 Q·Kᵀ, E4M3 P̃·V). The kernels sit behind
 ``torch.library`` custom ops (``vsa_ops.py``), so ``torch.compile`` traces every path.
@@ -79,24 +80,37 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _coarse(qh, kh, vh, layout: TileLayout, scale: float, topk: int):
-    """The coarse stage in fp32 at least (pooled tiles are few; the choice of tiles should not
-    depend on the input dtype), its output back in the compute dtype."""
-    wide = torch.promote_types(qh.dtype, torch.float32)
-    out, indices, scores = ref.coarse(qh.to(wide), kh.to(wide), vh.to(wide), layout, scale=scale,
-                                      topk=topk)
-    return out.to(qh.dtype), indices, scores
+class _Operands:
+    """q, k, v (``[B, H, N, D]`` row-major tokens) and what the stages read: fp32 tile means for
+    the coarse stage (``pool``) and, on the kernels, padded tiles for the 16-bit fine stage
+    (``tiles``), both from one pass over each tensor."""
 
+    def __init__(self, qh, kh, vh, layout: TileLayout, *, pool: bool, tiles: bool):
+        self.qkv, self.layout = (qh, kh, vh), layout
+        self.tiles = self.pooled = None
+        if vsa_ops.use_kernels(qh):
+            if pool or tiles:
+                slots = vsa_ops.tile_slots(layout, int8=False) if tiles else 0
+                pairs = [vsa_ops.tiles_and_pool(x, layout, slots=slots, pool=pool) for x in self.qkv]
+                self.tiles = [t for t, _ in pairs] if tiles else None
+                self.pooled = [p for _, p in pairs] if pool else None
+        elif pool:
+            wide = torch.promote_types(qh.dtype, torch.float32)
+            self.pooled = [ref.pool_tiles(x.to(wide), layout) for x in self.qkv]
 
-def _fine(qh, kh, vh, layout: TileLayout, idx: torch.Tensor, scale: float,
-          recipe: Recipe) -> torch.Tensor:
-    """The fine stage: 8-bit (inference), or 16-bit on the kernels (fp16/bf16 on the Triton
-    backend), or the reference."""
-    if not recipe.is_exact:
-        return vsa_ops.fine_quantized(qh, kh, vh, layout, idx, scale, recipe)
-    if vsa_ops.use_kernels(qh):
-        return vsa_ops.fine_tiles(qh, kh, vh, layout, idx, scale)
-    return ref.fine(qh, kh, vh, layout, idx, scale=scale)
+    def coarse(self, scale: float, topk: int):
+        """The coarse stage in fp32 at least (pooled tiles are few; the choice of tiles should not
+        depend on the input dtype); its output per token, in the compute dtype."""
+        out, indices, scores = ref.coarse_pooled(*self.pooled, scale=scale, topk=topk)
+        return out[:, :, self.layout.tile_of].to(self.qkv[0].dtype), indices, scores
+
+    def fine(self, idx: torch.Tensor, scale: float, recipe: Recipe) -> torch.Tensor:
+        """The fine stage: 8-bit (inference), 16-bit on the kernels, or the reference."""
+        if not recipe.is_exact:
+            return vsa_ops.fine_quantized(*self.qkv, self.layout, idx, scale, recipe)
+        if self.tiles is not None:
+            return vsa_ops.fine_on_tiles(*self.tiles, self.layout, idx, scale, self.qkv[0].dtype)
+        return ref.fine(*self.qkv, self.layout, idx, scale=scale)
 
 
 def _prepare(q, k, v, *, video_shape, tile, layout, scale, token_order):
@@ -122,7 +136,8 @@ def coarse(q, k, v, *, video_shape, tile=(4, 4, 4), topk, scale=None, layout="HN
     qh, kh, vh, grid, sm = _prepare(q, k, v, video_shape=video_shape, tile=tile, layout=layout,
                                     scale=scale, token_order=token_order)
     kk = resolve_topk(topk, grid.layout.n_tiles)
-    out, indices, scores = _coarse(qh, kh, vh, grid.layout, sm, kk)
+    ops = _Operands(qh, kh, vh, grid.layout, pool=True, tiles=False)
+    out, indices, scores = ops.coarse(sm, kk)
     return _hnd(grid.outward(out), layout).to(q.dtype), indices, scores
 
 
@@ -141,7 +156,8 @@ def fine(q, k, v, *, video_shape, tile=(4, 4, 4), tile_indices, scale=None, layo
                                     scale=scale, token_order=token_order)
     rec = resolve_recipe(recipe, q, k, v)
     _check_indices(tile_indices, qh.shape[0], qh.shape[1], grid.layout.n_tiles, q.device)
-    out = _fine(qh, kh, vh, grid.layout, tile_indices.long(), sm, rec)
+    ops = _Operands(qh, kh, vh, grid.layout, pool=False, tiles=rec.is_exact)
+    out = ops.fine(tile_indices.long(), sm, rec)
     return _hnd(grid.outward(out), layout).to(q.dtype)
 
 
@@ -241,8 +257,9 @@ def video_sparse_attention(q, k, v, *, video_shape, tile=(4, 4, 4), topk, gate_c
     _check_gate("gate_coarse", gate_coarse, q.shape, q.device)
     _check_gate("gate_fine", gate_fine, q.shape, q.device)
     kk = resolve_topk(topk, grid.layout.n_tiles)
-    out_c, indices, _ = _coarse(qh, kh, vh, grid.layout, sm, kk)
-    out_f = _fine(qh, kh, vh, grid.layout, indices, sm, rec)
+    ops = _Operands(qh, kh, vh, grid.layout, pool=True, tiles=rec.is_exact)
+    out_c, indices, _ = ops.coarse(sm, kk)
+    out_f = ops.fine(indices, sm, rec)
     out_f = _hnd(grid.outward(out_f), layout)
     out = out_f if gate_fine is None else gate_fine * out_f
     if gate_coarse is not None:

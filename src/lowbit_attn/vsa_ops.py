@@ -89,13 +89,94 @@ def _save_nothing(ctx, inputs, output):
 fine_bwd.register_autograd(_no_double_backward, setup_context=_save_nothing)
 
 
-def fine_tiles(qh, kh, vh, layout: TileLayout, idx: torch.Tensor, scale: float) -> torch.Tensor:
-    """The 16-bit fine stage on the kernels, ``[B, H, N, D]`` row-major tokens in and out:
-    differentiable gathers into padded tiles around the custom ops."""
-    ts = tile_slots(layout, int8=False)
-    tiles = [ref.gather_tiles(x, layout, ts).contiguous() for x in (qh, kh, vh)]
-    ot, _ = fine_fwd(*tiles, idx.to(torch.int32).contiguous(), layout.counts.to(torch.int32), scale)
-    return ref.scatter_tiles(ot, layout)
+@torch.library.custom_op("lowbit_attn::vsa_tile", mutates_args=())
+def tile(x: torch.Tensor, index: torch.Tensor, counts: torch.Tensor, slots: int,
+         pool: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [B, H, N, D]`` → ``(padded tiles [B, H, nt, slots, D]`` (an empty tensor when
+    ``slots`` is 0), ``tile means [B, H, nt, D]`` fp32 (empty unless ``pool``)); see
+    :func:`lowbit_attn.kernels.vsa_tiles.tile`."""
+    from .kernels import vsa_tiles
+
+    tiles, pooled = vsa_tiles.tile(x, index, counts, slots=slots, pool=pool)
+    empty = x.new_empty((0,))
+    return (empty if tiles is None else tiles), (empty.float() if pooled is None else pooled)
+
+
+@tile.register_fake
+def _(x, index, counts, slots, pool):
+    b, h, _, d = x.shape
+    nt = index.shape[0]
+    tiles = x.new_empty((b, h, nt, slots, d)) if slots else x.new_empty((0,))
+    return tiles, x.new_empty((b, h, nt, d) if pool else (0,), dtype=torch.float32)
+
+
+@torch.library.custom_op("lowbit_attn::vsa_untile", mutates_args=())
+def untile(tiles: torch.Tensor | None, pooled: torch.Tensor | None, index: torch.Tensor,
+           counts: torch.Tensor, n_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+    """The adjoint of :func:`tile`: each token's tile slot plus its tile's ``pooled / count``."""
+    from .kernels import vsa_tiles
+
+    return vsa_tiles.untile(tiles, pooled, index, counts, n_tokens=n_tokens, dtype=dtype)
+
+
+@untile.register_fake
+def _(tiles, pooled, index, counts, n_tokens, dtype):
+    like = tiles if tiles is not None else pooled
+    return like.new_empty((like.shape[0], like.shape[1], n_tokens, like.shape[-1]), dtype=dtype)
+
+
+def _present(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None or t.numel() == 0 else t
+
+
+def _tile_setup(ctx, inputs, output):
+    x, index, counts, slots, pool = inputs
+    ctx.save_for_backward(index, counts)
+    ctx.shape = (x.shape[2], x.dtype, slots, pool)
+
+
+def _tile_backward(ctx, dtiles, dpooled):
+    index, counts = ctx.saved_tensors
+    n_tokens, dtype, slots, pool = ctx.shape
+    dtiles = _present(dtiles) if slots else None
+    dpooled = _present(dpooled) if pool else None
+    if dtiles is None and dpooled is None:
+        return None, None, None, None, None
+    return untile(dtiles, dpooled, index, counts, n_tokens, dtype), None, None, None, None
+
+
+tile.register_autograd(_tile_backward, setup_context=_tile_setup)
+
+
+def _untile_setup(ctx, inputs, output):
+    tiles, pooled, index, counts, n_tokens, dtype = inputs
+    ctx.save_for_backward(index, counts)
+    ctx.slots = 0 if tiles is None else tiles.shape[3]
+    ctx.pool = pooled is not None
+
+
+def _untile_backward(ctx, dx):
+    index, counts = ctx.saved_tensors
+    dtiles, dpooled = tile(dx, index, counts, ctx.slots, ctx.pool)
+    return (_present(dtiles), _present(dpooled), None, None, None, None)
+
+
+untile.register_autograd(_untile_backward, setup_context=_untile_setup)
+
+
+def tiles_and_pool(x: torch.Tensor, layout: TileLayout, *, slots: int, pool: bool):
+    """``(padded tiles or None, fp32 tile means or None)`` of ``[B, H, N, D]`` row-major tokens,
+    differentiable, one pass over ``x`` on the kernels."""
+    tiles, pooled = tile(x, layout.index, layout.counts, slots, pool)
+    return _present(tiles), _present(pooled)
+
+
+def fine_on_tiles(qt, kt, vt, layout: TileLayout, idx: torch.Tensor, scale: float,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """The 16-bit fine stage on padded tiles, back to ``[B, H, N, D]`` row-major tokens."""
+    ot, _ = fine_fwd(qt, kt, vt, idx.to(torch.int32).contiguous(), layout.counts.to(torch.int32),
+                     scale)
+    return untile(ot, None, layout.index, layout.counts, layout.n_tokens, dtype)
 
 
 def int8_recipe(pv_fp8: bool, smooth_k: bool, smooth_v: bool, balance_qk: bool) -> Recipe:
@@ -107,14 +188,17 @@ def int8_recipe(pv_fp8: bool, smooth_k: bool, smooth_v: bool, balance_qk: bool) 
 def _padded_tiles(qz: QuantizedQKV, layout: TileLayout, ts: int) -> QuantizedQKV:
     """Token-space operands → padded tiles for the kernel (E4M3 V token-contiguous, as FP8 MMAs
     read it)."""
+    from .kernels import vsa_tiles
+
     def tiles(x):
-        return ref.gather_tiles(x, layout, ts).contiguous()
+        return vsa_tiles.tile(x, layout.index, layout.counts, slots=ts, pool=False)[0]
 
     def row_tiles(x):
-        return ref.gather_tiles(x.unsqueeze(-1), layout, ts).squeeze(-1).contiguous()
+        return tiles(x.unsqueeze(-1)).squeeze(-1)
 
-    v = ref.gather_tiles(qz.v, layout, ts)
-    v = v.transpose(-1, -2).contiguous().transpose(-1, -2) if qz.v_scale is not None else v.contiguous()
+    v = tiles(qz.v)
+    if qz.v_scale is not None:
+        v = v.transpose(-1, -2).contiguous().transpose(-1, -2)
     return QuantizedQKV(q=tiles(qz.q), q_scale=row_tiles(qz.q_scale), k=tiles(qz.k),
                         k_scale=row_tiles(qz.k_scale), v=v, v_scale=qz.v_scale, v_mean=qz.v_mean)
 

@@ -40,24 +40,29 @@ def pool_tiles(x: torch.Tensor, layout: TileLayout) -> torch.Tensor:
     return sums / layout.counts.to(x.dtype).unsqueeze(-1)
 
 
-def coarse(q, k, v, layout: TileLayout, *, scale: float, topk: int):
-    """Dense attention between pooled tiles.
+def coarse_pooled(qp, kp, vp, *, scale: float, topk: int):
+    """Dense attention between pooled tiles ``qp [B, Hq, n_tiles, D]``, ``kp, vp [B, Hkv, n_tiles,
+    D]``.
 
     Returns:
-        ``(out [B, Hq, N, D]`` (each token gets its query tile's coarse output),
-        ``tile_indices [B, Hq, n_tiles, topk]`` int64 (the highest-scoring key tiles per query tile,
-        in increasing order), ``scores [B, Hq, n_tiles, n_tiles]`` (pooled Q·Kᵀ·scale))``.
+        ``(out [B, Hq, n_tiles, D]``, ``tile_indices [B, Hq, n_tiles, topk]`` int64 (the
+        highest-scoring key tiles per query tile, in increasing order), ``scores [B, Hq, n_tiles,
+        n_tiles]`` (pooled Q·Kᵀ·scale))``.
     """
-    hq = q.shape[1]
-    qp = pool_tiles(q, layout)
-    kp = _expand_heads(pool_tiles(k, layout), hq)
-    vp = _expand_heads(pool_tiles(v, layout), hq)
-    scores = torch.matmul(qp, kp.transpose(-1, -2)) * scale
-    out_tiles = torch.matmul(torch.softmax(scores, dim=-1), vp)
-    out = out_tiles[:, :, layout.tile_of]
+    hq = qp.shape[1]
+    scores = torch.matmul(qp, _expand_heads(kp, hq).transpose(-1, -2)) * scale
+    out = torch.matmul(torch.softmax(scores, dim=-1), _expand_heads(vp, hq))
     with torch.no_grad():
         indices = scores.topk(topk, dim=-1).indices.sort(dim=-1).values
     return out, indices, scores
+
+
+def coarse(q, k, v, layout: TileLayout, *, scale: float, topk: int):
+    """The coarse stage from ``[B, H, N, D]`` tokens: :func:`coarse_pooled` of the tile means, its
+    output given to every token of the query tile (``[B, Hq, N, D]``)."""
+    out, indices, scores = coarse_pooled(*(pool_tiles(x, layout) for x in (q, k, v)), scale=scale,
+                                         topk=topk)
+    return out[:, :, layout.tile_of], indices, scores
 
 
 def fine(q, k, v, layout: TileLayout, tile_indices: torch.Tensor, *, scale: float) -> torch.Tensor:
