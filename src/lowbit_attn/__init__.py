@@ -3,6 +3,7 @@
 from . import fp4, tiles, vsa
 from .api import attention, attention_varlen, scaled_dot_product_attention
 from .metrics import Errors, errors
+from .patching import patch_sdpa, unpatch_sdpa
 from .recipes import RECIPES, TRAIN_RECIPES, Recipe, TrainRecipe, get_recipe
 from .trainable import trainable_attention
 from .vsa import video_sparse_attention
@@ -13,6 +14,8 @@ __all__ = [
     "attention",
     "attention_varlen",
     "scaled_dot_product_attention",
+    "patch_sdpa",
+    "unpatch_sdpa",
     "trainable_attention",
     "video_sparse_attention",
     "vsa",

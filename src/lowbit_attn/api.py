@@ -14,7 +14,7 @@ from .quantized import Seqs
 from .recipes import Recipe, resolve
 
 # Captured at import, before anyone patches F.scaled_dot_product_attention with ours.
-_TORCH_SDPA = F.scaled_dot_product_attention
+TORCH_SDPA = F.scaled_dot_product_attention
 
 
 def _resolve(recipe, device: torch.device) -> Recipe:
@@ -146,7 +146,7 @@ _warned: set[str] = set()
 _warned_lock = threading.Lock()
 
 
-def _warn_once(reason: str) -> None:
+def warn_fallback(reason: str) -> None:
     with _warned_lock:
         if reason in _warned:
             return
@@ -197,13 +197,26 @@ def scaled_dot_product_attention(
 ):
     """Drop-in for :func:`torch.nn.functional.scaled_dot_product_attention` with the same
     signature and semantics (causal masks aligned top-left, as PyTorch does), computed with the
-    ``"auto"`` recipe. Calls the kernels cannot serve (an ``attn_mask``, dropout, autograd,
-    unsupported shapes or dtypes) go to PyTorch's own function, with one warning per reason.
+    ``"auto"`` recipe (another recipe: :func:`lowbit_attn.patch_sdpa`). Calls the kernels cannot
+    serve (an ``attn_mask``, dropout, autograd, unsupported shapes or dtypes) go to PyTorch's own
+    function, with one warning per reason.
     """
+    return sdpa_or_fallback(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                            recipe="auto", fallback=TORCH_SDPA)
+
+
+def sdpa_or_fallback(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, *,
+                     recipe, fallback):
+    """:func:`scaled_dot_product_attention` with the function that serves what the kernels
+    cannot (``fallback``, called with the same arguments)."""
     reason = _fallback_reason(query, key, value, attn_mask, dropout_p, enable_gqa)
+    if reason is None:
+        r = _resolve(recipe, query.device)
+        if r.is_fp4 and query.shape[-1] % 32 != 0:
+            reason = f"head dim {query.shape[-1]} is not a multiple of 32 (recipe {r.name!r})"
     if reason is not None:
-        _warn_once(reason)
-        return _TORCH_SDPA(
+        warn_fallback(reason)
+        return fallback(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
             scale=scale, enable_gqa=enable_gqa,
         )
@@ -211,7 +224,6 @@ def scaled_dot_product_attention(
     q, k, v = (x.unsqueeze(1) for x in (query, key, value)) if squeeze else (query, key, value)
     checks.flag("is_causal", bool(is_causal))
     sm_scale = checks.softmax_scale(scale, q.shape[-1])
-    r = _resolve("auto", q.device)
     out, _ = ops.call(
         q, k, v, r, scale=sm_scale, is_causal=bool(is_causal), causal_offset=0, nhd=False,
         return_lse=False,

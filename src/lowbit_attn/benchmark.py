@@ -41,13 +41,10 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
-import torch.nn.functional as F
 
+from .api import TORCH_SDPA
 from .arch import arch_name, backend_for
 from .recipes import RECIPES, Recipe, resolve
-
-# Captured at import, before anything could patch F.scaled_dot_product_attention with ours.
-_TORCH_SDPA = F.scaled_dot_product_attention
 
 BATCH = 4
 HEADS = 32
@@ -284,7 +281,7 @@ def reference_output(q, k, v, causal: bool) -> tuple[torch.Tensor, str]:
 
     if q.device.type != "cuda":
         with sdpa_kernel([_sdpa_backend("MATH")]):
-            out = _TORCH_SDPA(q.float(), k.float(), v.float(), is_causal=causal)
+            out = TORCH_SDPA(q.float(), k.float(), v.float(), is_causal=causal)
         return out, "sdpa_math_fp32"
     x = [t.to(torch.float16) for t in (q, k, v)]
     errors = []
@@ -293,7 +290,7 @@ def reference_output(q, k, v, causal: bool) -> tuple[torch.Tensor, str]:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 with sdpa_kernel([_sdpa_backend(name)]):
-                    out = _TORCH_SDPA(*x, is_causal=causal)
+                    out = TORCH_SDPA(*x, is_causal=causal)
             return out, f"sdpa_{name.split('_')[0].lower()}_fp16"
         except RuntimeError as exc:  # no kernel for this case, or OOM of the math backend
             if isinstance(exc, torch.cuda.OutOfMemoryError):
@@ -314,7 +311,7 @@ def _sdpa_fn(method: Method, q, k, v, causal):
     backend = _sdpa_backend(method.backend)
 
     def fn():
-        return _TORCH_SDPA(q, k, v, is_causal=causal)
+        return TORCH_SDPA(q, k, v, is_causal=causal)
 
     return fn, (lambda: sdpa_kernel([backend]))
 

@@ -142,20 +142,25 @@ def coarse(q, k, v, *, video_shape, tile=(4, 4, 4), topk, scale=None, layout="HN
 
 
 def fine(q, k, v, *, video_shape, tile=(4, 4, 4), tile_indices, scale=None, layout="HND",
-         token_order="thw", recipe="exact"):
+         token_order="thw", recipe="exact", check_indices=True):
     """The fine stage alone: each query tile attends exactly to the tokens of its key tiles.
 
     Args:
         tile_indices: ``[B, Hq, n_tiles, k]`` integer tensor, distinct key tiles per query tile
             (as :func:`coarse` returns them, or built by the caller, like a FlexAttention block
             mask); the others as :func:`video_sparse_attention`.
+        check_indices: verify that the indices are in range and distinct (reads them on the
+            host: a GPU synchronisation). ``False`` inside CUDA graphs, for indices known good
+            (out-of-range indices then read out of bounds).
     Returns:
         the output, q's shape, layout and dtype.
     """
     qh, kh, vh, grid, sm = _prepare(q, k, v, video_shape=video_shape, tile=tile, layout=layout,
                                     scale=scale, token_order=token_order)
     rec = resolve_recipe(recipe, q, k, v)
-    _check_indices(tile_indices, qh.shape[0], qh.shape[1], grid.layout.n_tiles, q.device)
+    checks.flag("check_indices", check_indices)
+    _check_indices(tile_indices, qh.shape[0], qh.shape[1], grid.layout.n_tiles, q.device,
+                   values=check_indices)
     ops = _Operands(qh, kh, vh, grid.layout, pool=False, tiles=rec.is_exact)
     out = ops.fine(tile_indices.long(), sm, rec)
     return _hnd(grid.outward(out), layout).to(q.dtype)
@@ -189,7 +194,7 @@ def resolve_recipe(recipe, *inputs: torch.Tensor) -> Recipe:
     return recipe
 
 
-def _check_indices(idx, b: int, hq: int, n_tiles: int, device) -> None:
+def _check_indices(idx, b: int, hq: int, n_tiles: int, device, *, values: bool) -> None:
     if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int32, torch.int64):
         got = idx.dtype if isinstance(idx, torch.Tensor) else type(idx).__name__
         raise TypeError(f"tile_indices must be an int32/int64 tensor, got {got}")
@@ -200,6 +205,8 @@ def _check_indices(idx, b: int, hq: int, n_tiles: int, device) -> None:
         )
     if idx.device != device:
         raise ValueError(f"tile_indices must be on {device}, got {idx.device}")
+    if not values:
+        return
     if bool(((idx < 0) | (idx >= n_tiles)).any()):
         raise ValueError(f"tile_indices must be in [0, {n_tiles}) (the key tiles)")
     s = idx.sort(dim=-1).values

@@ -1,0 +1,87 @@
+"""diffusers: run a pipeline's (or a model's) attention on lowbit_attn in one line::
+
+    from lowbit_attn.integrations import diffusers as lowbit_diffusers
+
+    lowbit_diffusers.enable(pipe, recipe="qk_int8_pv_fp8")     # the denoiser: transformer(s) / unet
+    image = pipe(prompt).images[0]
+    lowbit_diffusers.disable(pipe)
+
+diffusers' attention processors and its native attention backend call
+``torch.nn.functional.scaled_dot_product_attention``; while a hooked model runs its forward, those
+calls (in that thread or task only: see :func:`lowbit_attn.patching.routed`) run the recipe, and
+calls the kernels cannot take (masks, dropout, gradients) run PyTorch's exact SDPA, with one
+warning per reason. Models whose processors pick another diffusers backend (flash-attn, sage,
+xformers) are not affected: keep the default ``native`` backend.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..patching import routed
+from ..recipes import Recipe, resolve
+
+DENOISERS = ("transformer", "transformer_2", "unet", "prior", "decoder")
+_HOOKS = "_lowbit_attn_hooks"
+
+
+def _modules(target, components) -> list[tuple[str, torch.nn.Module]]:
+    if isinstance(target, torch.nn.Module):
+        if components is not None:
+            raise ValueError("components selects a pipeline's models; got a model")
+        return [(type(target).__name__, target)]
+    found = getattr(target, "components", None)
+    if not isinstance(found, dict):
+        raise TypeError(f"enable() takes a diffusers pipeline or a torch.nn.Module, got "
+                        f"{type(target).__name__}")
+    models = {k: v for k, v in found.items() if isinstance(v, torch.nn.Module)}
+    names = DENOISERS if components is None else tuple(components)
+    unknown = [n for n in names if components is not None and n not in models]
+    chosen = [(n, models[n]) for n in names if n in models]
+    if unknown or not chosen:
+        raise ValueError(f"components must name models of the pipeline {sorted(models)}; got "
+                         f"{list(names) if components is not None else 'none of ' + str(DENOISERS)}")
+    return chosen
+
+
+def enable(target, recipe: "str | Recipe" = "auto", *, components=None) -> list[str]:
+    """Route the attention of ``target`` (a pipeline: its denoisers, or the ``components`` named;
+    or one ``torch.nn.Module``) to ``recipe`` during each forward. Enabling again replaces the
+    recipe. Returns the names of the models hooked."""
+    resolve(recipe, None)
+    chosen = _modules(target, components)
+    for _, module in chosen:
+        _unhook(module)
+        stack = []
+
+        def enter(mod, args, kwargs, stack=stack):
+            scope = routed(recipe)
+            scope.__enter__()
+            stack.append(scope)
+
+        def leave(mod, args, kwargs, output, stack=stack):
+            stack.pop().__exit__(None, None, None)
+
+        setattr(module, _HOOKS, (
+            module.register_forward_pre_hook(enter, with_kwargs=True),
+            module.register_forward_hook(leave, with_kwargs=True, always_call=True),
+        ))
+    return [name for name, _ in chosen]
+
+
+def _unhook(module: torch.nn.Module) -> bool:
+    hooks = getattr(module, _HOOKS, None)
+    if hooks is None:
+        return False
+    for h in hooks:
+        h.remove()
+    delattr(module, _HOOKS)
+    return True
+
+
+def disable(target, *, components=None) -> list[str]:
+    """Undo :func:`enable`; returns the names of the models that were hooked."""
+    return [name for name, module in _modules(target, components) if _unhook(module)]
+
+
+__all__ = ["DENOISERS", "disable", "enable"]

@@ -1,0 +1,292 @@
+"""Plug-and-play: patching F.scaled_dot_product_attention (exact restore, nesting, threads,
+fallbacks, torch.compile), the transformers attention implementation and the diffusers hooks
+(reference path on the CPU; tiny models built from configs, nothing downloaded)."""
+
+from __future__ import annotations
+
+import threading
+import types
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lowbit_attn
+from helpers import channel_biased
+from lowbit_attn import api, patching
+
+
+@pytest.fixture(autouse=True)
+def _no_patch_left():
+    original = F.scaled_dot_product_attention
+    api._warned.clear()
+    yield
+    while lowbit_attn.unpatch_sdpa():
+        pass
+    assert F.scaled_dot_product_attention is original and not patching.sdpa_patched()
+
+
+def _qkv(seed=0, n=48, d=32):
+    return channel_biased((2, 4, n, d), (2, 4, n, d), seed=seed)
+
+
+def _ours(q, k, v, recipe, **kw):
+    return lowbit_attn.attention(q, k, v, recipe=recipe, **kw)
+
+
+# --- patch_sdpa ------------------------------------------------------------------------------------
+
+
+def test_patch_restores_the_original_function_object():
+    original = F.scaled_dot_product_attention
+    q, k, v = _qkv()
+    with lowbit_attn.patch_sdpa("qk_int8_pv_fp16") as p:
+        assert F.scaled_dot_product_attention is not original and "active=True" in repr(p)
+        assert torch.equal(F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                           _ours(q, k, v, "qk_int8_pv_fp16", is_causal=True))
+    assert F.scaled_dot_product_attention is original
+    lowbit_attn.patch_sdpa()
+    assert torch.nn.functional.scaled_dot_product_attention is not original
+    assert lowbit_attn.unpatch_sdpa() and not lowbit_attn.unpatch_sdpa()
+    assert F.scaled_dot_product_attention is original
+
+
+def test_the_patched_function_has_pytorchs_signature():
+    import inspect
+
+    assert inspect.signature(patching._patched_sdpa) == inspect.signature(
+        lowbit_attn.scaled_dot_product_attention)
+
+
+def test_patches_nest_and_the_innermost_recipe_runs():
+    q, k, v = _qkv(1)
+    outer = lowbit_attn.patch_sdpa("qk_int8_pv_fp8")
+    with lowbit_attn.patch_sdpa("qk_int8_pv_fp16"):
+        assert torch.equal(F.scaled_dot_product_attention(q, k, v), _ours(q, k, v, "qk_int8_pv_fp16"))
+    assert torch.equal(F.scaled_dot_product_attention(q, k, v), _ours(q, k, v, "qk_int8_pv_fp8"))
+    inner = lowbit_attn.patch_sdpa("exact")
+    assert lowbit_attn.unpatch_sdpa(outer)          # not the innermost: the inner one stays
+    assert torch.equal(F.scaled_dot_product_attention(q, k, v), _ours(q, k, v, "exact"))
+    assert lowbit_attn.unpatch_sdpa(inner) and not lowbit_attn.unpatch_sdpa(inner)
+
+
+def test_calls_the_kernels_cannot_take_fall_back_with_one_warning():
+    q, k, v = _qkv(2)
+    mask = torch.rand(2, 1, 48, 48) > 0.3
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    with lowbit_attn.patch_sdpa("qk_int8_pv_fp8"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = [F.scaled_dot_product_attention(q, k, v, attn_mask=mask) for _ in range(3)]
+        dropout = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    assert all(torch.equal(g, want) for g in got) and dropout.shape == q.shape
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 2, messages
+    assert "an attn_mask was given" in messages[0] and "dropout_p > 0" in messages[1]
+
+
+def test_patch_rejects_an_unknown_recipe_up_front():
+    with pytest.raises(ValueError, match="recipe"):
+        lowbit_attn.patch_sdpa("int4")
+    assert not patching.sdpa_patched()
+
+
+def test_someone_elses_later_patch_is_left_in_place():
+    original = F.scaled_dot_product_attention
+    lowbit_attn.patch_sdpa()
+    theirs = lambda *a, **kw: original(*a, **kw)  # noqa: E731
+    F.scaled_dot_product_attention = theirs
+    with pytest.warns(UserWarning, match="replaced by someone else"):
+        lowbit_attn.unpatch_sdpa()
+    assert F.scaled_dot_product_attention is theirs
+    F.scaled_dot_product_attention = original
+
+
+def test_concurrent_patching_from_threads_leaves_the_original():
+    original = F.scaled_dot_product_attention
+    q, k, v = _qkv(3, n=16, d=16)
+    errors = []
+
+    def worker(recipe):
+        try:
+            for _ in range(20):
+                with lowbit_attn.patch_sdpa(recipe):
+                    F.scaled_dot_product_attention(q, k, v)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in ("qk_int8_pv_fp16", "exact") * 3]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and F.scaled_dot_product_attention is original
+
+
+def test_a_routed_scope_leaves_other_threads_alone():
+    q, k, v = _qkv(4)
+    exact = F.scaled_dot_product_attention(q, k, v)
+    inside, done, seen = threading.Event(), threading.Event(), {}
+
+    def other():
+        inside.wait()
+        seen["out"] = F.scaled_dot_product_attention(q, k, v)
+        done.set()
+
+    t = threading.Thread(target=other)
+    t.start()
+    with patching.routed("qk_int8_pv_fp16"):
+        inside.set()
+        done.wait(30)
+        assert torch.equal(F.scaled_dot_product_attention(q, k, v), _ours(q, k, v, "qk_int8_pv_fp16"))
+    t.join()
+    assert torch.equal(seen["out"], exact)
+
+
+def test_patched_sdpa_compiles_fullgraph():
+    torch._dynamo.reset()
+
+    class Block(torch.nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True).sin()
+
+    q, k, v = _qkv(5)
+    with torch.no_grad(), lowbit_attn.patch_sdpa("qk_int8_pv_fp8"):
+        eager = Block()(q, k, v)
+        compiled = torch.compile(Block(), fullgraph=True, backend="aot_eager")(q, k, v)
+    assert torch.equal(eager, compiled)
+
+
+# --- transformers ----------------------------------------------------------------------------------
+
+
+def _tiny_llama(transformers):
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=16)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def test_transformers_attention_implementation_runs_the_recipe():
+    transformers = pytest.importorskip("transformers", reason="the transformers extra is not installed")
+    from lowbit_attn.integrations import transformers as lowbit_hf
+
+    assert lowbit_hf.register() == "lowbit"
+    lowbit_hf.register("lowbit_exact", recipe="exact")
+    model = _tiny_llama(transformers)
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback: causal, no mask → the kernels' path
+        model.set_attn_implementation("sdpa")
+        want = model(ids).logits
+        model.set_attn_implementation("lowbit_exact")
+        exact = model(ids).logits
+        model.set_attn_implementation("lowbit")
+        got = model(ids).logits
+    torch.testing.assert_close(exact, want, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(got, want)
+    assert lowbit_attn.errors(got, want).cosine > 0.9999
+
+
+def test_transformers_padding_mask_falls_back_to_the_exact_result():
+    transformers = pytest.importorskip("transformers", reason="the transformers extra is not installed")
+    from lowbit_attn.integrations import transformers as lowbit_hf
+
+    lowbit_hf.register()
+    model = _tiny_llama(transformers)
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(2, 24, dtype=torch.long)
+    mask[0, :5] = 0
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        want = model(ids, attention_mask=mask).logits
+        model.set_attn_implementation("lowbit")
+        with pytest.warns(UserWarning, match="an attn_mask was given") as caught:
+            got = model(ids, attention_mask=mask).logits
+    assert torch.equal(got, want) and len(caught) == 1
+
+
+def test_transformers_encoder_without_padding_reaches_the_kernels():
+    transformers = pytest.importorskip("transformers", reason="the transformers extra is not installed")
+    from lowbit_attn.integrations import transformers as lowbit_hf
+
+    lowbit_hf.register("lowbit_fp8", recipe="qk_int8_pv_fp8")
+    cfg = transformers.BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2,
+                                  num_attention_heads=2, intermediate_size=128)
+    torch.manual_seed(0)
+    model = transformers.BertModel(cfg, add_pooling_layer=False).eval()
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.set_attn_implementation("sdpa")
+        want = model(ids).last_hidden_state
+        model.set_attn_implementation("lowbit_fp8")
+        got = model(ids).last_hidden_state
+    assert not torch.equal(got, want) and lowbit_attn.errors(got, want).cosine > 0.999
+
+
+def test_transformers_register_checks_its_arguments():
+    pytest.importorskip("transformers", reason="the transformers extra is not installed")
+    from lowbit_attn.integrations import transformers as lowbit_hf
+
+    with pytest.raises(TypeError, match="name"):
+        lowbit_hf.register("")
+    with pytest.raises(ValueError, match="recipe"):
+        lowbit_hf.register("x", recipe="int4")
+
+
+# --- diffusers -------------------------------------------------------------------------------------
+
+
+def _tiny_dit(diffusers):
+    torch.manual_seed(0)
+    return diffusers.DiTTransformer2DModel(
+        num_attention_heads=2, attention_head_dim=32, in_channels=4, num_layers=2, sample_size=16,
+        patch_size=2, num_embeds_ada_norm=10).eval()
+
+
+def test_diffusers_enable_routes_the_denoiser_and_disable_restores():
+    diffusers = pytest.importorskip("diffusers", reason="the diffusers extra is not installed")
+    from lowbit_attn.integrations import diffusers as lowbit_diffusers
+
+    model = _tiny_dit(diffusers)
+    pipe = types.SimpleNamespace(components={"transformer": model, "scheduler": object()})
+    args = dict(hidden_states=torch.randn(2, 4, 16, 16), timestep=torch.tensor([1, 5]),
+                class_labels=torch.tensor([0, 3]))
+    original = F.scaled_dot_product_attention
+    with torch.no_grad():
+        want = model(**args).sample
+        assert lowbit_diffusers.enable(pipe, recipe="qk_int8_pv_fp16") == ["transformer"]
+        got = model(**args).sample
+        assert F.scaled_dot_product_attention is original  # routed only during the forward
+        assert lowbit_diffusers.disable(pipe) == ["transformer"] and lowbit_diffusers.disable(pipe) == []
+        back = model(**args).sample
+    assert not torch.equal(got, want) and lowbit_attn.errors(got, want).cosine > 0.9999
+    assert torch.equal(back, want)
+
+
+def test_diffusers_enable_checks_its_target():
+    diffusers = pytest.importorskip("diffusers", reason="the diffusers extra is not installed")
+    from lowbit_attn.integrations import diffusers as lowbit_diffusers
+
+    model = _tiny_dit(diffusers)
+    with pytest.raises(TypeError, match="pipeline or a torch.nn.Module"):
+        lowbit_diffusers.enable(object())
+    with pytest.raises(ValueError, match="components must name"):
+        lowbit_diffusers.enable(types.SimpleNamespace(components={"vae": model}))
+    with pytest.raises(ValueError, match="components must name"):
+        lowbit_diffusers.enable(types.SimpleNamespace(components={"vae": model}), components=["unet"])
+    assert lowbit_diffusers.enable(types.SimpleNamespace(components={"vae": model}),
+                                   components=["vae"]) == ["vae"]
+    lowbit_diffusers.disable(model)
+
+
+def test_the_core_package_imports_no_framework():
+    import subprocess
+    import sys
+
+    code = ("import sys, lowbit_attn; import lowbit_attn.integrations; "
+            "print(sorted(m for m in ('transformers', 'diffusers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
