@@ -49,3 +49,38 @@ def test_inputs_that_require_grad_are_refused():
         lowbit_attn.attention(q, k, v)
     with torch.no_grad():
         assert lowbit_attn.attention(q, k, v).shape == q.shape
+
+
+def _packed(seed=3):
+    lens = [5, 17, 0, 30]
+    q, k, v = channel_biased((1, 4, sum(lens), 32), (1, 2, sum(lens), 32), seed=seed)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    return (q[0].transpose(0, 1).contiguous(), k[0].transpose(0, 1).contiguous(),
+            v[0].transpose(0, 1).contiguous(), cu, max(lens))
+
+
+def test_varlen_compiles_fullgraph_without_the_host_check():
+    """With check_seqlens=False nothing reads the offsets outside the op: no graph break (and no
+    GPU synchronisation)."""
+    torch._dynamo.reset()
+    q, k, v, cu, longest = _packed()
+
+    def f(a, b, c):
+        out, lse = lowbit_attn.attention_varlen(a, b, c, cu, cu, longest, longest, is_causal=True,
+                                                recipe="qk_int8_pv_fp8", return_lse=True,
+                                                check_seqlens=False)
+        return out.sin(), lse
+
+    with torch.no_grad():
+        eager = f(q, k, v)
+        compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
+    for e, c in zip(eager, compiled):
+        assert torch.equal(e, c)
+
+
+def test_varlen_custom_op_passes_opcheck():
+    q, k, v, cu, longest = _packed(4)
+    r = lowbit_attn.get_recipe("qk_int8_pv_fp16")
+    args = (q, k, v, cu, cu, longest, longest, *ops.recipe_args(r), 0.25, True, True)
+    torch.library.opcheck(ops.attention_varlen_fwd, args,
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))

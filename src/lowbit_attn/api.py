@@ -10,7 +10,6 @@ import torch.nn.functional as F
 
 from . import checks, forward, ops
 from .arch import backend_for, get_capability
-from .quantized import Seqs
 from .recipes import Recipe, resolve
 
 # Captured at import, before anyone patches F.scaled_dot_product_attention with ours.
@@ -91,6 +90,7 @@ def attention_varlen(
     scale: float | None = None,
     recipe: "str | Recipe" = "auto",
     return_lse: bool = False,
+    check_seqlens: bool = True,
 ):
     """Attention over packed sequences, as FlashAttention's ``flash_attn_varlen_func``.
 
@@ -100,6 +100,9 @@ def attention_varlen(
         cu_seqlens_q, cu_seqlens_k: int32 ``[B + 1]`` offsets on q's device, starting at 0.
         max_seqlen_q, max_seqlen_k: at least the longest sequence.
         is_causal: per sequence, aligned bottom-right.
+        check_seqlens: verify the offsets and maxima (reads ``cu_seqlens`` on the host: a GPU
+            synchronisation and, under ``torch.compile``, a graph break). ``False`` for offsets
+            known good, inside CUDA graphs or compiled code.
     Returns:
         the output ``[total_q, Hq, D]`` (q's dtype), and with ``return_lse`` the LSE ``[Hq, total_q]``.
 
@@ -109,36 +112,29 @@ def attention_varlen(
         checks.tensor(name, x, 3)
     checks.flag("is_causal", is_causal)
     checks.flag("return_lse", return_lse)
+    checks.flag("check_seqlens", check_seqlens)
     checks.same_kind(q, k, v)
     checks.forward_only(q, k, v)
     checks.heads_and_dims(
         tuple(q.shape), tuple(k.shape), tuple(v.shape), batch_dim=None, head_dim_axis=1,
         seq_axis=None,
     )
-    bq = checks.cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
-    bk = checks.cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
-    if len(bq) != len(bk):
+    bq = checks.cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device, values=check_seqlens)
+    bk = checks.cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device, values=check_seqlens)
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError(
             f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
-            f"{len(bq) - 1} and {len(bk) - 1}"
+            f"{cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}"
         )
     for name, value, bounds in (("max_seqlen_q", max_seqlen_q, bq), ("max_seqlen_k", max_seqlen_k, bk)):
-        longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+        longest = 0 if bounds is None else max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
         if isinstance(value, bool) or not isinstance(value, int) or value < longest:
             raise ValueError(f"{name} must be an int >= the longest sequence ({longest}), got {value!r}")
     r = _resolve(recipe, q.device)
     checks.recipe_fits(r, q.shape[-1])
     sm_scale = checks.softmax_scale(scale, q.shape[-1])
-    batch = len(bq) - 1
-    seqs = (
-        Seqs(batch, max(max_seqlen_q, 1), cu_seqlens_q.to(torch.int32), tuple(bq)),
-        Seqs(batch, max(max_seqlen_k, 1), cu_seqlens_k.to(torch.int32), tuple(bk)),
-    )
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = forward.run(
-        q, k, v, out=out, recipe=r, scale=sm_scale, is_causal=is_causal, causal_offset=0,
-        return_lse=return_lse, backend=backend_for(q.device), seqs=seqs,
-    )
+    out, lse = ops.call_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, r,
+                               scale=sm_scale, is_causal=is_causal, return_lse=return_lse)
     return (out, lse) if return_lse else out
 
 

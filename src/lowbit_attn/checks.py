@@ -92,8 +92,10 @@ def dense_qkv(q, k, v, qkv_layout: str, dtypes: tuple = FLOAT_DTYPES):
     return qh, kh, vh
 
 
-def cu_seqlens(name: str, cu: torch.Tensor, total: int, device: torch.device) -> list[int]:
-    """Validate a ``cu_seqlens`` tensor and return it on the host (one small copy)."""
+def cu_seqlens(name: str, cu: torch.Tensor, total: int, device: torch.device, *,
+               values: bool = True) -> list[int] | None:
+    """Validate a ``cu_seqlens`` tensor; with ``values``, also its offsets, read on the host (one
+    small copy: a GPU synchronisation), and return them."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
     if cu.dtype not in (torch.int32, torch.int64) or cu.dim() != 1 or cu.numel() < 2:
@@ -103,6 +105,8 @@ def cu_seqlens(name: str, cu: torch.Tensor, total: int, device: torch.device) ->
         )
     if cu.device != device:
         raise ValueError(f"{name} must be on {device}, got {cu.device}")
+    if not values:
+        return None
     bounds = cu.tolist()
     if bounds[0] != 0 or bounds[-1] != total:
         raise ValueError(

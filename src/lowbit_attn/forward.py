@@ -91,10 +91,11 @@ def run(
                       return_lse=return_lse, backend=backend)
     # packed sequences without a packed kernel: one dense call per sequence
     seqs_q, seqs_k = seqs
+    bounds_q, bounds_k = (s.cu_seqlens.tolist() for s in seqs)  # host offsets for the loop
     lse_all = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device) if return_lse else None
     for b in range(seqs_q.batch):
-        q0, q1 = seqs_q.bounds[b], seqs_q.bounds[b + 1]
-        k0, k1 = seqs_k.bounds[b], seqs_k.bounds[b + 1]
+        q0, q1 = bounds_q[b], bounds_q[b + 1]
+        k0, k1 = bounds_k[b], bounds_k[b + 1]
         if q1 == q0:
             continue
         if k1 == k0:

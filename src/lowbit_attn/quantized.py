@@ -52,12 +52,12 @@ class QuantizedQKV:
 @dataclass(frozen=True)
 class Seqs:
     """Where each sequence's tokens are: dense ``[B, H, N, D]`` (``cu_seqlens`` None), or packed
-    ``[total, H, D]`` with sequence ``b`` at rows ``bounds[b]:bounds[b + 1]``."""
+    ``[total, H, D]`` with sequence ``b`` at rows ``cu_seqlens[b]:cu_seqlens[b + 1]`` (int32, on
+    the tensors' device)."""
 
     batch: int
     max_len: int
     cu_seqlens: torch.Tensor | None = None
-    bounds: tuple[int, ...] = ()
 
     @property
     def packed(self) -> bool:
