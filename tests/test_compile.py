@@ -37,7 +37,7 @@ def test_custom_op_passes_opcheck(nhd, return_lse):
     if nhd:
         q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))
     r = lowbit_attn.get_recipe("qk_int8_pv_fp16")
-    args = (q, k, v, *ops.recipe_args(r), 0.25, True, 4, nhd, return_lse)
+    args = (q, k, v, ops.recipe_key(r), 0.25, True, 4, nhd, return_lse)
     torch.library.opcheck(ops.attention_fwd, args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
 
@@ -81,6 +81,13 @@ def test_varlen_compiles_fullgraph_without_the_host_check():
 def test_varlen_custom_op_passes_opcheck():
     q, k, v, cu, longest = _packed(4)
     r = lowbit_attn.get_recipe("qk_int8_pv_fp16")
-    args = (q, k, v, cu, cu, longest, longest, *ops.recipe_args(r), 0.25, True, True)
+    args = (q, k, v, cu, cu, longest, longest, ops.recipe_key(r), 0.25, True, True)
     torch.library.opcheck(ops.attention_varlen_fwd, args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+
+
+def test_recipe_key_round_trips_every_recipe():
+    recipes = list(lowbit_attn.RECIPES.values()) + [
+        lowbit_attn.get_recipe("qk_int8_pv_fp8").replace(smooth_v=True, block_q=64)]
+    for r in recipes:
+        assert ops._recipe(ops.recipe_key(r)) == r
