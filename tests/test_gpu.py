@@ -308,3 +308,37 @@ def test_video_sparse_attention_captures_in_cuda_graphs():
             _graph_replays_like_eager(
                 lambda a, b, c: lowbit_attn.video_sparse_attention(
                     a, b, c, video_shape=(8, 16, 16), topk=0.25, recipe=recipe), q, k, v)
+
+
+def test_public_functions_compile_fullgraph_with_inductor_on_the_gpu():
+    """The custom ops under torch.compile's default backend on the GPU: forward of the inference
+    functions, forward and backward of the trainable ones, no graph break (fullgraph)."""
+    import torch.nn.functional as F
+
+    torch._dynamo.reset()
+    q, k, v = (torch.randn(1, 4, 8 * 8 * 8, 64, device="cuda", dtype=torch.bfloat16)
+               for _ in range(3))
+
+    def infer(a, b, c):
+        x = lowbit_attn.attention(a, b, c, is_causal=True)
+        y = lowbit_attn.video_sparse_attention(a, b, c, video_shape=(8, 8, 8), topk=0.25,
+                                               recipe="qk_int8_pv_fp8")
+        return x + y
+
+    def train(a, b, c):
+        x = lowbit_attn.trainable_attention(a, b, c, is_causal=True)
+        y = lowbit_attn.video_sparse_attention(a, b, c, video_shape=(8, 8, 8), topk=0.25)
+        return (x.float() + y.float()).square().mean()
+
+    with torch.no_grad():
+        eager = infer(q, k, v)
+        compiled = torch.compile(infer, fullgraph=True)(q, k, v)
+    assert lowbit_attn.errors(compiled.float(), eager.float()).cosine > 0.9999
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    grads_eager = torch.autograd.grad(train(*leaves), leaves)
+    grads_compiled = torch.autograd.grad(torch.compile(train, fullgraph=True)(*leaves), leaves)
+    for e, c in zip(grads_eager, grads_compiled):
+        assert lowbit_attn.errors(c.float(), e.float()).cosine > 0.9999
+    with torch.no_grad(), lowbit_attn.patch_sdpa("qk_int8_pv_fp8"):
+        f = lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True)  # noqa: E731
+        assert torch.equal(torch.compile(f, fullgraph=True)(q, k, v), f(q, k, v))
