@@ -1,6 +1,6 @@
 """lowbit_attn: fast, accurate low-bit attention for PyTorch, written in Triton."""
 
-from . import fp4, tiles, vsa
+from . import fp4, parallel, tiles, vsa
 from .api import attention, attention_varlen, scaled_dot_product_attention
 from .metrics import Errors, errors
 from .patching import patch_sdpa, unpatch_sdpa
@@ -19,6 +19,7 @@ __all__ = [
     "trainable_attention",
     "video_sparse_attention",
     "vsa",
+    "parallel",
     "tiles",
     "TrainRecipe",
     "TRAIN_RECIPES",
