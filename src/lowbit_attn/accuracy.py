@@ -273,6 +273,14 @@ def _split_list(values: Sequence[str]) -> list[str]:
     return [item for value in values for item in value.split(",") if item]
 
 
+class _Explicit(argparse.Action):
+    """Store the option and note its name in ``args.explicit`` (--model has its own defaults)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.explicit = {*getattr(namespace, "explicit", ()), self.dest}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``lowbit-attn accuracy``."""
     parser.add_argument("--n", type=int, default=1024, help="query (and key) tokens (default 1024)")
@@ -288,21 +296,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"input families, space- or comma-separated (default: all of {', '.join(inputs.FAMILIES)})",
     )
     parser.add_argument(
-        "--recipes", nargs="+", default=list(DEFAULT_RECIPES), metavar="RECIPE",
+        "--recipes", nargs="+", default=list(DEFAULT_RECIPES), metavar="RECIPE", action=_Explicit,
         help="recipes, each NAME or NAME:KEY=VALUE,... e.g. qk_int8_pv_fp8:granularity=per_token,"
-             f"smooth_q=1 (default: {' '.join(DEFAULT_RECIPES)})",
+             f"smooth_q=1 (default: {' '.join(DEFAULT_RECIPES)}; with --model: all but exact)",
     )
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float16",
-                        help="input dtype (default float16)")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float16", action=_Explicit,
+                        help="input dtype (default float16; with --model: float32 on a CPU)")
     parser.add_argument("--seed", type=int, default=0, help="input seed (default 0)")
     parser.add_argument("--device", default=None,
                         help="cpu or cuda (default: cuda when available, else cpu)")
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the rows as JSON")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--model", choices=("minilm", "smollm2", "all"), default=None,
+        help="instead of synthetic inputs, compare each recipe with exact attention end to end in a "
+             "real model (lowbit_attn.model_accuracy; needs transformers and the model wheels)",
+    )
 
 
 def cli_main(args: argparse.Namespace) -> int:
-    """Run :func:`evaluate` with parsed :func:`add_arguments` options, print the table; 0 on success."""
+    """Run :func:`evaluate` with parsed :func:`add_arguments` options, print the table; 0 on success.
+    With ``--model``: :func:`lowbit_attn.model_accuracy.cli_main` instead."""
+    if getattr(args, "model", None):
+        from . import model_accuracy
+
+        return model_accuracy.cli_main(args)
     families = _split_list(args.families)
     unknown = [f for f in families if f not in inputs.FAMILIES]
     if unknown:
