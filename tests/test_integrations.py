@@ -290,3 +290,20 @@ def test_the_core_package_imports_no_framework():
             "print(sorted(m for m in ('transformers', 'diffusers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_patch_trains_with_the_trainable_attention_when_asked():
+    q, k, v = (x.requires_grad_() for x in _qkv(6))
+    do = torch.randn(q.shape)
+    with lowbit_attn.patch_sdpa("qk_int8_pv_fp16", train_recipe="sagebwd_int8"):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    want = lowbit_attn.trainable_attention(q, k, v, is_causal=True)
+    assert torch.equal(out, want)
+    for g, w in zip(grads, torch.autograd.grad(want, (q, k, v), do)):
+        assert torch.equal(g, w)
+    with lowbit_attn.patch_sdpa("qk_int8_pv_fp16"), pytest.warns(UserWarning, match="train_recipe"):
+        exact = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.equal(exact, api.TORCH_SDPA(q, k, v, is_causal=True))
+    with pytest.raises(ValueError, match="trainable recipe"):
+        lowbit_attn.patch_sdpa(train_recipe="qk_int8_pv_fp8")

@@ -176,8 +176,18 @@ def _fallback_reason(query, key, value, attn_mask, dropout_p, enable_gqa) -> str
     if query.dim() == 4 and query.shape[1] != key.shape[1]:
         if not enable_gqa or query.shape[1] % key.shape[1] != 0:
             return "query and key heads differ without enable_gqa"
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value)):
-        return "a gradient is required (these kernels are forward-only)"
+    return None
+
+
+def _training_reason(query, key, is_causal, train_recipe) -> str | None:
+    """Why a call that needs gradients cannot go to :func:`trainable_attention`, or None."""
+    if train_recipe is None:
+        return ("a gradient is required (these kernels are forward-only; "
+                "patch_sdpa(train_recipe='sagebwd_int8') trains with trainable_attention)")
+    if backend_for(query.device) == "triton" and query.dtype not in (torch.float16, torch.bfloat16):
+        return f"training on the kernels takes float16 or bfloat16, got {query.dtype}"
+    if is_causal and query.shape[-2] != key.shape[-2]:
+        return "causal training with different query and key lengths (PyTorch aligns top-left)"
     return None
 
 
@@ -202,11 +212,16 @@ def scaled_dot_product_attention(
 
 
 def sdpa_or_fallback(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, *,
-                     recipe, fallback):
+                     recipe, fallback, train_recipe=None):
     """:func:`scaled_dot_product_attention` with the function that serves what the kernels
-    cannot (``fallback``, called with the same arguments)."""
+    cannot (``fallback``, called with the same arguments); calls that need gradients go to
+    :func:`trainable_attention` with ``train_recipe`` when one is given."""
     reason = _fallback_reason(query, key, value, attn_mask, dropout_p, enable_gqa)
-    if reason is None:
+    train = reason is None and torch.is_grad_enabled() and any(
+        x.requires_grad for x in (query, key, value))
+    if train:
+        reason = _training_reason(query, key, is_causal, train_recipe)
+    elif reason is None:
         r = _resolve(recipe, query.device)
         if r.is_fp4 and query.shape[-1] % 32 != 0:
             reason = f"head dim {query.shape[-1]} is not a multiple of 32 (recipe {r.name!r})"
@@ -219,9 +234,14 @@ def sdpa_or_fallback(query, key, value, attn_mask, dropout_p, is_causal, scale, 
     squeeze = query.dim() == 3
     q, k, v = (x.unsqueeze(1) for x in (query, key, value)) if squeeze else (query, key, value)
     checks.flag("is_causal", bool(is_causal))
-    sm_scale = checks.softmax_scale(scale, q.shape[-1])
-    out, _ = ops.call(
-        q, k, v, r, scale=sm_scale, is_causal=bool(is_causal), causal_offset=0, nhd=False,
-        return_lse=False,
-    )
+    if train:
+        from .trainable import trainable_attention
+
+        out = trainable_attention(q, k, v, is_causal=bool(is_causal), scale=scale,
+                                  recipe=train_recipe)
+    else:
+        out, _ = ops.call(
+            q, k, v, r, scale=checks.softmax_scale(scale, q.shape[-1]), is_causal=bool(is_causal),
+            causal_offset=0, nhd=False, return_lse=False,
+        )
     return out.squeeze(1) if squeeze else out

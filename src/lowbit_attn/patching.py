@@ -24,7 +24,7 @@ import warnings
 import torch.nn.functional as F
 
 from .api import sdpa_or_fallback
-from .recipes import Recipe, resolve
+from .recipes import Recipe, resolve, resolve_train
 
 _lock = threading.Lock()
 _active: list["SDPAPatch"] = []
@@ -40,8 +40,9 @@ class SDPAPatch:
     """One active patch (returned by :func:`patch_sdpa`); a context manager that removes itself
     on exit."""
 
-    def __init__(self, recipe: "str | Recipe"):
+    def __init__(self, recipe: "str | Recipe", train_recipe=None):
         self.recipe = recipe
+        self.train_recipe = train_recipe
 
     def __enter__(self) -> "SDPAPatch":
         return self
@@ -51,7 +52,9 @@ class SDPAPatch:
 
     def __repr__(self) -> str:
         name = self.recipe if isinstance(self.recipe, str) else self.recipe.name
-        return f"SDPAPatch(recipe={name!r}, active={self in _active})"
+        train = self.train_recipe if self.train_recipe is None or isinstance(
+            self.train_recipe, str) else self.train_recipe.name
+        return f"SDPAPatch(recipe={name!r}, train_recipe={train!r}, active={self in _active})"
 
 
 def _patched_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -62,14 +65,15 @@ def _patched_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
     patch, original = _state
     # only read the context when a routed() scope exists: torch.compile cannot trace
     # ContextVar.get, and patch_sdpa alone should compile without a graph break
-    recipe = _route.get() if _routed_users else None
-    if recipe is None and patch is not None:
-        recipe = patch.recipe
-    if recipe is None:  # not routed here, or the last patch went away while this call started
+    route = _route.get() if _routed_users else None
+    if route is None:
+        route = patch
+    if route is None:  # not routed here, or the last patch went away while this call started
         return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                         is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     return sdpa_or_fallback(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                            recipe=recipe, fallback=original)
+                            recipe=route.recipe, train_recipe=route.train_recipe,
+                            fallback=original)
 
 
 def _install() -> None:
@@ -110,7 +114,7 @@ def routed(recipe: "str | Recipe" = "auto"):
         _install()
         _routed_users += 1
         _state = (_state[0], _original)
-    token = _route.set(recipe)
+    token = _route.set(SDPAPatch(recipe))
     try:
         yield
     finally:
@@ -120,7 +124,7 @@ def routed(recipe: "str | Recipe" = "auto"):
             _release()
 
 
-def patch_sdpa(recipe: "str | Recipe" = "auto") -> SDPAPatch:
+def patch_sdpa(recipe: "str | Recipe" = "auto", *, train_recipe=None) -> SDPAPatch:
     """Make ``torch.nn.functional.scaled_dot_product_attention`` run ``recipe`` (see
     :func:`lowbit_attn.attention`) until the returned patch is removed::
 
@@ -129,9 +133,15 @@ def patch_sdpa(recipe: "str | Recipe" = "auto") -> SDPAPatch:
 
         lowbit_attn.patch_sdpa()        # or for the rest of the program ...
         lowbit_attn.unpatch_sdpa()      # ... until this
+
+    Calls that need gradients run PyTorch's exact attention, or, with ``train_recipe`` (e.g.
+    ``"sagebwd_int8"``, see :func:`lowbit_attn.trainable_attention`), the trainable 8-bit
+    attention (fp16/bf16 on a GPU; causal only with as many queries as keys).
     """
     resolve(recipe, None)  # an unknown recipe fails here, not in the middle of a model
-    patch = SDPAPatch(recipe)
+    if train_recipe is not None:
+        resolve_train(train_recipe)
+    patch = SDPAPatch(recipe, train_recipe)
     global _state
     with _lock:
         _install()
