@@ -307,3 +307,26 @@ def test_patch_trains_with_the_trainable_attention_when_asked():
     assert torch.equal(exact, api.TORCH_SDPA(q, k, v, is_causal=True))
     with pytest.raises(ValueError, match="trainable recipe"):
         lowbit_attn.patch_sdpa(train_recipe="qk_int8_pv_fp8")
+
+
+def test_diffusers_video_transformer_reaches_the_kernels():
+    """A video DiT (Wan) whose attention goes through diffusers' attention dispatcher (native
+    backend): every call routed, none falls back."""
+    diffusers = pytest.importorskip("diffusers", reason="the diffusers extra is not installed")
+    from lowbit_attn.integrations import diffusers as lowbit_diffusers
+
+    torch.manual_seed(0)
+    model = diffusers.WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=32, in_channels=4,
+        out_channels=4, text_dim=16, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", rope_max_seq_len=32).eval()
+    args = dict(hidden_states=torch.randn(1, 4, 4, 16, 16), timestep=torch.tensor([10]),
+                encoder_hidden_states=torch.randn(1, 8, 16))
+    with torch.no_grad():
+        want = model(**args).sample
+        lowbit_diffusers.enable(model, recipe="qk_int8_pv_fp8")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = model(**args).sample
+        lowbit_diffusers.disable(model)
+    assert not torch.equal(got, want) and lowbit_attn.errors(got, want).cosine > 0.9999
