@@ -90,4 +90,4 @@ def test_recipe_key_round_trips_every_recipe():
     recipes = list(lowbit_attn.RECIPES.values()) + [
         lowbit_attn.get_recipe("qk_int8_pv_fp8").replace(smooth_v=True, block_q=64)]
     for r in recipes:
-        assert ops._recipe(ops.recipe_key(r)) == r
+        assert ops.recipe_from_key(ops.recipe_key(r)) == r

@@ -25,7 +25,8 @@ def recipe_key(recipe: Recipe) -> str:
     return ";".join(f"{name}={getattr(recipe, name)}" for name in _FIELDS)
 
 
-def _recipe(key: str) -> Recipe:
+def recipe_from_key(key: str) -> Recipe:
+    """The :class:`Recipe` that :func:`recipe_key` wrote."""
     values = dict(item.split("=", 1) for item in key.split(";"))
     parse = {"bool": lambda x: x == "True", "int": int}
     return Recipe(**{k: parse.get(_TYPES[k], str)(x) for k, x in values.items()})
@@ -42,7 +43,7 @@ def attention_fwd(
     qh, kh, vh = (x.transpose(1, 2) if nhd else x for x in (q, k, v))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = forward.run(
-        qh, kh, vh, out=out.transpose(1, 2) if nhd else out, recipe=_recipe(recipe), scale=scale,
+        qh, kh, vh, out=out.transpose(1, 2) if nhd else out, recipe=recipe_from_key(recipe), scale=scale,
         is_causal=is_causal, causal_offset=causal_offset, return_lse=return_lse,
         backend=backend_for(q.device),
     )
@@ -73,7 +74,7 @@ def attention_varlen_fwd(
                  for cu, n in ((cu_seqlens_q, max_seqlen_q), (cu_seqlens_k, max_seqlen_k)))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = forward.run(
-        q, k, v, out=out, recipe=_recipe(recipe), scale=scale, is_causal=is_causal,
+        q, k, v, out=out, recipe=recipe_from_key(recipe), scale=scale, is_causal=is_causal,
         causal_offset=0, return_lse=return_lse, backend=backend_for(q.device), seqs=seqs,
     )
     return out, _lse_or_empty(lse, q)

@@ -1,10 +1,12 @@
-"""The fine stage of video sparse attention as ``torch.library`` custom ops, so ``torch.compile``
-traces around the Triton kernels (fake implementations give the shapes):
+"""Video sparse attention's kernels as ``torch.library`` custom ops, so ``torch.compile`` traces
+around them (fake implementations give the shapes):
 
-- ``lowbit_attn::vsa_fine_fwd`` / ``::vsa_fine_bwd`` on padded tiles, joined by
-  ``register_autograd`` (the gathers into tiles stay in PyTorch, differentiable);
+- ``lowbit_attn::vsa_tile`` / ``::vsa_untile``: row-major tokens to padded tiles with the tile
+  means, and back; each is the other's backward;
+- ``lowbit_attn::vsa_fine_fwd`` / ``::vsa_fine_bwd``: the 16-bit fine stage on padded tiles, joined
+  by ``register_autograd``;
 - ``lowbit_attn::vsa_fine_int8``: the 8-bit fine stage for inference, row-major tokens in and out
-  (quantization per token, gather into tiles, kernel or reference, scatter back).
+  (quantization per token, tiles, kernel or reference, back to tokens).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from .arch import backend_for
+from .ops import recipe_from_key, recipe_key
 from .prepare import quantize_qkv
 from .quantized import QuantizedQKV
 from .recipes import Recipe
@@ -179,12 +182,6 @@ def fine_on_tiles(qt, kt, vt, layout: TileLayout, idx: torch.Tensor, scale: floa
     return untile(ot, None, layout.index, layout.counts, layout.n_tokens, dtype)
 
 
-def int8_recipe(pv_fp8: bool, smooth_k: bool, smooth_v: bool, balance_qk: bool) -> Recipe:
-    return Recipe(name="vsa_int8", qk="int8", pv="fp8" if pv_fp8 else "fp16",
-                  granularity="per_token", smooth_k=smooth_k, smooth_v=smooth_v,
-                  balance_qk=balance_qk)
-
-
 def _padded_tiles(qz: QuantizedQKV, layout: TileLayout, ts: int) -> QuantizedQKV:
     """Token-space operands → padded tiles for the kernel (E4M3 V token-contiguous, as FP8 MMAs
     read it)."""
@@ -211,30 +208,30 @@ def run_int8(q, k, v, idx, layout: TileLayout, scale: float, recipe: Recipe, *,
                       backend="triton" if kernels else "reference")
     if not kernels:
         return ref.fine_quantized(qz, layout, idx, pv=recipe.pv).to(q.dtype)
-    from .kernels import vsa_fine
+    from .kernels import vsa_fine, vsa_tiles
 
     ot = vsa_fine.forward_int8(_padded_tiles(qz, layout, tile_slots(layout, int8=True)),
                                idx.to(torch.int32).contiguous(), layout.counts.to(torch.int32),
                                out_dtype=q.dtype)
-    return ref.scatter_tiles(ot, layout)
+    return vsa_tiles.untile(ot, None, layout.index, layout.counts, n_tokens=layout.n_tokens,
+                            dtype=q.dtype)
 
 
 @torch.library.custom_op("lowbit_attn::vsa_fine_int8", mutates_args=())
 def fine_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,
-              video_shape: list[int], tile: list[int], scale: float, pv_fp8: bool,
-              smooth_k: bool, smooth_v: bool, balance_qk: bool) -> torch.Tensor:
-    """:func:`run_int8` as an op (the recipe's options spelled out)."""
+              video_shape: list[int], tile: list[int], scale: float, recipe: str) -> torch.Tensor:
+    """:func:`run_int8` as an op (``recipe`` as :func:`lowbit_attn.ops.recipe_key` writes it)."""
     layout = tile_layout(tuple(video_shape), tuple(tile), q.device)
-    recipe = int8_recipe(pv_fp8, smooth_k, smooth_v, balance_qk)
-    return run_int8(q, k, v, idx, layout, scale, recipe, kernels=use_kernels(q))
+    return run_int8(q, k, v, idx, layout, scale, recipe_from_key(recipe), kernels=use_kernels(q))
 
 
 @fine_int8.register_fake
-def _(q, k, v, idx, video_shape, tile, scale, pv_fp8, smooth_k, smooth_v, balance_qk):
+def _(q, k, v, idx, video_shape, tile, scale, recipe):
     return torch.empty_like(q)
 
 
 def fine_quantized(qh, kh, vh, layout: TileLayout, idx: torch.Tensor, scale: float,
                    recipe: Recipe) -> torch.Tensor:
+    """The 8-bit fine stage through its op."""
     return fine_int8(qh, kh, vh, idx, list(layout.video_shape), list(layout.tile), scale,
-                     recipe.pv == "fp8", recipe.smooth_k, recipe.smooth_v, recipe.balance_qk)
+                     recipe_key(recipe))
