@@ -91,3 +91,33 @@ def test_recipe_key_round_trips_every_recipe():
         lowbit_attn.get_recipe("qk_int8_pv_fp8").replace(smooth_v=True, block_q=64)]
     for r in recipes:
         assert ops.recipe_from_key(ops.recipe_key(r)) == r
+
+
+@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
+def test_compiled_ops_take_strided_views():
+    """HND views of NHD storage (what transformers hands its attention functions): the fake
+    implementations must give the strides the ops return, or the compiled graph misreads them."""
+    torch._dynamo.reset()
+    q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2)
+               for x in channel_biased((1, 4, 64, 32), (1, 2, 64, 32), seed=5))
+    do = torch.randn(q.shape)
+
+    def f(a, b, c):
+        x = lowbit_attn.attention(a, b, c, is_causal=True, recipe="qk_int8_pv_fp8")
+        y = lowbit_attn.video_sparse_attention(a.detach(), b.detach(), c.detach(),
+                                               video_shape=(4, 4, 4), topk=0.5,
+                                               recipe="qk_int8_pv_fp8")
+        return (x + y).transpose(1, 2).reshape(1, 64, -1)
+
+    def g(a, b, c):
+        return lowbit_attn.trainable_attention(a, b, c, is_causal=True).transpose(1, 2).reshape(1, 64, -1)
+
+    with torch.no_grad():
+        assert torch.equal(torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v), f(q, k, v))
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    dy = do.transpose(1, 2).reshape(1, 64, -1)
+    eager = torch.autograd.grad(g(*leaves), leaves, dy)
+    compiled = torch.autograd.grad(torch.compile(g, fullgraph=True, backend="aot_eager")(*leaves),
+                                   leaves, dy)
+    for e, c in zip(eager, compiled):
+        assert torch.equal(e, c)

@@ -330,3 +330,19 @@ def test_diffusers_video_transformer_reaches_the_kernels():
             got = model(**args).sample
         lowbit_diffusers.disable(model)
     assert not torch.equal(got, want) and lowbit_attn.errors(got, want).cosine > 0.9999
+
+
+@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
+def test_transformers_model_compiles_fullgraph_with_the_lowbit_implementation():
+    transformers = pytest.importorskip("transformers", reason="the transformers extra is not installed")
+    from lowbit_attn.integrations import transformers as lowbit_hf
+
+    lowbit_hf.register()
+    torch._dynamo.reset()
+    model = _tiny_llama(transformers)
+    model.set_attn_implementation("lowbit")
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        eager = model(ids).logits
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")(ids).logits
+    assert torch.equal(eager, compiled)

@@ -58,7 +58,7 @@ def _lse_or_empty(lse: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
 def _(q, k, v, recipe, scale, is_causal, causal_offset, nhd, return_lse):
     b, hq, nq = (q.shape[0], q.shape[2], q.shape[1]) if nhd else q.shape[:3]
     lse = q.new_empty((b, hq, nq) if return_lse else (0,), dtype=torch.float32)
-    return torch.empty_like(q), lse
+    return q.new_empty(q.shape), lse  # the op returns a contiguous output
 
 
 @torch.library.custom_op("lowbit_attn::attention_varlen_fwd", mutates_args=())
@@ -84,7 +84,7 @@ def attention_varlen_fwd(
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, recipe, scale, is_causal,
       return_lse):
     lse = q.new_empty((q.shape[1], q.shape[0]) if return_lse else (0,), dtype=torch.float32)
-    return torch.empty_like(q), lse
+    return q.new_empty(q.shape), lse
 
 
 def call(q, k, v, recipe: Recipe, *, scale: float, is_causal: bool, causal_offset: int,

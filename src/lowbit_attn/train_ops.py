@@ -54,7 +54,7 @@ def _lse_dtype(q: torch.Tensor) -> torch.dtype:
 @train_fwd.register_fake
 def _(q, k, v, int8, smooth_k, smooth_q, balance_qk, scale, is_causal, causal_offset, nhd):
     b, hq, nq = (q.shape[0], q.shape[2], q.shape[1]) if nhd else q.shape[:3]
-    return torch.empty_like(q), q.new_empty((b, hq, nq), dtype=_lse_dtype(q))
+    return q.new_empty(q.shape), q.new_empty((b, hq, nq), dtype=_lse_dtype(q))
 
 
 @torch.library.custom_op("lowbit_attn::train_bwd", mutates_args=())
@@ -85,7 +85,7 @@ def train_bwd(
 @train_bwd.register_fake
 def _(do, q, k, v, out, lse, int8, smooth_k, smooth_q, balance_qk, scale, is_causal, causal_offset,
       nhd):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):

@@ -227,7 +227,7 @@ def fine_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tens
 
 @fine_int8.register_fake
 def _(q, k, v, idx, video_shape, tile, scale, recipe):
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)  # contiguous, as the op returns it
 
 
 def fine_quantized(qh, kh, vh, layout: TileLayout, idx: torch.Tensor, scale: float,
