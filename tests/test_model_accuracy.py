@@ -53,7 +53,8 @@ def minilm_rows():
 @pytest.fixture(scope="module")
 def smollm2_rows():
     _needs("smollm2")
-    pytest.importorskip("gguf", reason="needs gguf: pip install 'lowbit-attention[models]'")
+    for package in ("gguf", "accelerate"):  # transformers' GGUF loader needs both
+        pytest.importorskip(package, reason=f"needs {package}: pip install 'lowbit-attention[models]'")
     return model_accuracy.evaluate("smollm2", [FP16, FP8, FP4],
                                    loaded=model_accuracy.load_smollm2())
 

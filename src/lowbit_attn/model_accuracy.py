@@ -125,6 +125,9 @@ def _convert_smollm2(target: Path) -> None:
     """Dequantize the wheel's GGUF into an HF folder at ``target`` (written aside, then renamed,
     so a half-written folder is never used)."""
     tf = _transformers()
+    for package in ("gguf", "accelerate"):  # transformers' GGUF loader needs both
+        if importlib.util.find_spec(package) is None:
+            raise ImportError(f"converting SmolLM2's GGUF needs {package}: {INSTALL}")
     source = wheel_dir("smollm2")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
