@@ -346,3 +346,35 @@ def test_transformers_model_compiles_fullgraph_with_the_lowbit_implementation():
         eager = model(ids).logits
         compiled = torch.compile(model, fullgraph=True, backend="aot_eager")(ids).logits
     assert torch.equal(eager, compiled)
+
+
+def test_transformers_encoder_padded_batch_runs_as_packed_sequences():
+    """A key-padding mask (every query of a row sees the same keys) reaches the kernels through
+    attention_varlen: exact recipe = PyTorch's masked SDPA to rounding, padded query rows too."""
+    transformers = pytest.importorskip("transformers", reason="the transformers extra is not installed")
+    from lowbit_attn.integrations import transformers as lowbit_hf
+
+    lowbit_hf.register("lowbit_exact", recipe="exact")
+    lowbit_hf.register("lowbit_fp8", recipe="qk_int8_pv_fp8")
+    cfg = transformers.BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2,
+                                  num_attention_heads=2, intermediate_size=128)
+    torch.manual_seed(0)
+    model = transformers.BertModel(cfg, add_pooling_layer=False).eval()
+    ids = torch.randint(0, 128, (3, 20), generator=torch.Generator().manual_seed(8))
+    mask = torch.ones(3, 20, dtype=torch.long)
+    mask[1, 13:] = 0
+    mask[2, 4:] = 0
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback
+        model.set_attn_implementation("sdpa")
+        want = model(ids, attention_mask=mask).last_hidden_state
+        model.set_attn_implementation("lowbit_exact")
+        exact = model(ids, attention_mask=mask).last_hidden_state
+        model.set_attn_implementation("lowbit_fp8")
+        got = model(ids, attention_mask=mask).last_hidden_state
+        alone = model(ids[2:, :4]).last_hidden_state      # row 2 without its padding
+    torch.testing.assert_close(exact, want, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(got, want) and lowbit_attn.errors(got, want).cosine > 0.999
+    # quantization statistics are per row (the padded queries of row 2 take part in its Q/K
+    # balancing, so not bit for bit): row 2 in the batch ≈ row 2 alone
+    assert lowbit_attn.errors(got[2:, :4], alone).cosine > 0.9999

@@ -7,17 +7,21 @@
     lowbit_hf.register("lowbit_fp16pv", recipe="qk_int8_pv_fp16")
     model.set_attn_implementation("lowbit_fp16pv")
 
-Calls the kernels cannot take (a padding or sliding-window mask, attention dropout while training,
-gradients, ``softcap``, attention weights asked for) run PyTorch's exact SDPA instead, with one
-warning per reason. The masks are built as for ``"sdpa"``, which leaves them out (``None``) when
-they are purely causal or all-ones, so those calls reach the kernels with ``is_causal``.
+The masks are built as for ``"sdpa"``, which leaves them out (``None``) when they are purely causal
+or all-ones, so those calls reach the kernels with ``is_causal``. A mask that only hides padded
+keys (an encoder's padded batch: every query of a row sees the same keys) is served too: the keys
+are packed and each row runs as one sequence of :func:`lowbit_attn.attention_varlen` (finding that
+out reads the mask on the host: a GPU synchronisation per layer, and a graph break under
+``torch.compile``). Calls the kernels cannot take (other masks, such as causal with padding or
+sliding windows, attention dropout while training, gradients, ``softcap``, attention weights asked
+for) run PyTorch's exact SDPA instead, with one warning per reason.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..api import TORCH_SDPA, warn_fallback, sdpa_or_fallback
+from ..api import TORCH_SDPA, attention_varlen, sdpa_or_fallback, warn_fallback
 from ..recipes import Recipe, resolve
 
 # Arguments some models pass that the kernels have no use for; when set, the model's call goes to
@@ -52,6 +56,9 @@ def attention_function(recipe: "str | Recipe" = "auto"):
             sdpa = _transformers().modeling_utils.ALL_ATTENTION_FUNCTIONS["sdpa"]
             return sdpa(module, query, key, value, attention_mask, dropout=dropout,
                         scaling=scaling, is_causal=is_causal, **kwargs)
+        keys = _key_padding(attention_mask, query, key, dropout)
+        if keys is not None:
+            return _key_padded(query, key, value, keys, scaling, recipe)
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         # as transformers' SDPA path: causal only for more than one query and no explicit mask
         causal = bool(query.shape[2] > 1 and attention_mask is None and causal)
@@ -60,6 +67,34 @@ def attention_function(recipe: "str | Recipe" = "auto"):
         return out.transpose(1, 2).contiguous(), None
 
     return lowbit_attention_forward
+
+
+def _key_padding(mask, query, key, dropout) -> torch.Tensor | None:
+    """``[B, K]`` bool: the keys each batch row sees, when ``mask`` hides padded keys only (the
+    same keys for every query and head, at least one per row) and the call is otherwise one the
+    kernels take; else ``None``."""
+    if (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4
+            or mask.shape[1] != 1 or mask.shape[-1] != key.shape[2] or dropout != 0.0
+            or (torch.is_grad_enabled() and any(x.requires_grad for x in (query, key)))):
+        return None
+    keys = mask[:, 0, 0, :]
+    if not bool(keys.any(dim=-1).all()) or not torch.equal(mask, keys[:, None, None, :].expand_as(mask)):
+        return None
+    return keys
+
+
+def _key_padded(query, key, value, keys, scaling, recipe):
+    """Attention of every query ``[B, H, Q, D]`` to its row's unpadded keys, as packed sequences
+    (row ``b``: all ``Q`` queries, the keys where ``keys[b]``); output ``[B, Q, H, D]``."""
+    b, h, n_q, d = query.shape
+    q = query.transpose(1, 2).reshape(b * n_q, h, d)
+    k, v = (x.transpose(1, 2)[keys] for x in (key, value))       # [total_k, Hkv, D]
+    lengths = keys.sum(dim=-1)
+    cu_k = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    cu_q = torch.arange(0, (b + 1) * n_q, n_q, device=query.device, dtype=torch.int32)
+    out = attention_varlen(q, k, v, cu_q, cu_k, n_q, int(lengths.max()), scale=scaling,
+                           recipe=recipe, check_seqlens=False)
+    return out.reshape(b, n_q, h, d), None
 
 
 def register(name: str = "lowbit", recipe: "str | Recipe" = "auto") -> str:
