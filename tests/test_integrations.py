@@ -207,15 +207,19 @@ def test_transformers_padding_mask_falls_back_to_the_exact_result():
     assert torch.equal(got, want) and len(caught) == 1
 
 
+def _tiny_bert(transformers):
+    cfg = transformers.BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2,
+                                  num_attention_heads=2, intermediate_size=128)
+    torch.manual_seed(0)
+    return transformers.BertModel(cfg, add_pooling_layer=False).eval()
+
+
 def test_transformers_encoder_without_padding_reaches_the_kernels():
     transformers = pytest.importorskip("transformers", reason="the transformers extra is not installed")
     from lowbit_attn.integrations import transformers as lowbit_hf
 
     lowbit_hf.register("lowbit_fp8", recipe="qk_int8_pv_fp8")
-    cfg = transformers.BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2,
-                                  num_attention_heads=2, intermediate_size=128)
-    torch.manual_seed(0)
-    model = transformers.BertModel(cfg, add_pooling_layer=False).eval()
+    model = _tiny_bert(transformers)
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(3))
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -356,10 +360,7 @@ def test_transformers_encoder_padded_batch_runs_as_packed_sequences():
 
     lowbit_hf.register("lowbit_exact", recipe="exact")
     lowbit_hf.register("lowbit_fp8", recipe="qk_int8_pv_fp8")
-    cfg = transformers.BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2,
-                                  num_attention_heads=2, intermediate_size=128)
-    torch.manual_seed(0)
-    model = transformers.BertModel(cfg, add_pooling_layer=False).eval()
+    model = _tiny_bert(transformers)
     ids = torch.randint(0, 128, (3, 20), generator=torch.Generator().manual_seed(8))
     mask = torch.ones(3, 20, dtype=torch.long)
     mask[1, 13:] = 0
