@@ -19,18 +19,18 @@ class Errors:
 
 def cosine_similarity(x: torch.Tensor, ref: torch.Tensor) -> float:
     """Cosine of the angle between the flattened tensors."""
-    a, b = x.double().flatten(), ref.double().flatten()
+    a, b = x.detach().double().flatten(), ref.detach().double().flatten()
     return float((a @ b) / (a.norm() * b.norm()))
 
 
 def relative_l1(x: torch.Tensor, ref: torch.Tensor) -> float:
     """``sum|x - ref| / sum|ref|``."""
-    a, b = x.double(), ref.double()
+    a, b = x.detach().double(), ref.detach().double()
     return float((a - b).abs().sum() / b.abs().sum())
 
 
 def rmse(x: torch.Tensor, ref: torch.Tensor) -> float:
-    a, b = x.double(), ref.double()
+    a, b = x.detach().double(), ref.detach().double()
     return float(((a - b) ** 2).mean().sqrt())
 
 
