@@ -4,6 +4,7 @@ fallbacks, torch.compile), the transformers attention implementation and the dif
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import types
 import warnings
@@ -25,6 +26,14 @@ def _no_patch_left():
     while lowbit_attn.unpatch_sdpa():
         pass
     assert F.scaled_dot_product_attention is original and not patching.sdpa_patched()
+
+
+@contextlib.contextmanager
+def _no_fallback():
+    """Fail on a fallback warning of ours (the frameworks' own warnings are not ours to judge)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="lowbit_attn")
+        yield
 
 
 def _qkv(seed=0, n=48, d=32):
@@ -176,8 +185,7 @@ def test_transformers_attention_implementation_runs_the_recipe():
     lowbit_hf.register("lowbit_exact", recipe="exact")
     model = _tiny_llama(transformers)
     ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("error")  # no fallback: causal, no mask → the kernels' path
+    with torch.no_grad(), _no_fallback():  # causal, no mask → the kernels' path
         model.set_attn_implementation("sdpa")
         want = model(ids).logits
         model.set_attn_implementation("lowbit_exact")
@@ -221,8 +229,7 @@ def test_transformers_encoder_without_padding_reaches_the_kernels():
     lowbit_hf.register("lowbit_fp8", recipe="qk_int8_pv_fp8")
     model = _tiny_bert(transformers)
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with torch.no_grad(), _no_fallback():
         model.set_attn_implementation("sdpa")
         want = model(ids).last_hidden_state
         model.set_attn_implementation("lowbit_fp8")
@@ -329,8 +336,7 @@ def test_diffusers_video_transformer_reaches_the_kernels():
     with torch.no_grad():
         want = model(**args).sample
         lowbit_diffusers.enable(model, recipe="qk_int8_pv_fp8")
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
+        with _no_fallback():
             got = model(**args).sample
         lowbit_diffusers.disable(model)
     assert not torch.equal(got, want) and lowbit_attn.errors(got, want).cosine > 0.9999
@@ -365,8 +371,7 @@ def test_transformers_encoder_padded_batch_runs_as_packed_sequences():
     mask = torch.ones(3, 20, dtype=torch.long)
     mask[1, 13:] = 0
     mask[2, 4:] = 0
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("error")  # no fallback
+    with torch.no_grad(), _no_fallback():
         model.set_attn_implementation("sdpa")
         want = model(ids, attention_mask=mask).last_hidden_state
         model.set_attn_implementation("lowbit_exact")
@@ -379,3 +384,20 @@ def test_transformers_encoder_padded_batch_runs_as_packed_sequences():
     # quantization statistics are per row (the padded queries of row 2 take part in its Q/K
     # balancing, so not bit for bit): row 2 in the batch ≈ row 2 alone
     assert lowbit_attn.errors(got[2:, :4], alone).cosine > 0.9999
+
+
+def test_transformers_generate_with_a_kv_cache_reaches_the_kernels():
+    """Prefill (causal, no mask) and one-token decode steps against the cache (no mask, one
+    query): no call falls back, greedy tokens match exact attention's on this tiny model."""
+    transformers = pytest.importorskip("transformers", reason="the transformers extra is not installed")
+    from lowbit_attn.integrations import transformers as lowbit_hf
+
+    lowbit_hf.register("lowbit_exact", recipe="exact")
+    model = _tiny_llama(transformers)
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(9))
+    tokens = {}
+    with _no_fallback():
+        for impl in ("sdpa", "lowbit_exact"):
+            model.set_attn_implementation(impl)
+            tokens[impl] = model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert torch.equal(tokens["sdpa"], tokens["lowbit_exact"])
