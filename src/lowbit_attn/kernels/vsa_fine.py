@@ -44,15 +44,22 @@ def _tile(X, b, h, t, offs_s, offs_d, mask, sxb, sxh, sxt, sxs, sxd, TRANS: tl.c
 
 
 @triton.jit
-def _query_tile(Q, CNT, pid_t, HQ, GROUP, D, sqb, sqh, sqt, sqs, sqd, TS: tl.constexpr,
-                BLOCK_D: tl.constexpr):
-    """A program's (batch, head, K/V head), offsets, and its query tile with its row mask."""
-    b, h = batch_head(tl.program_id(1), HQ)
+def _own_tile(CNT, pid_t, H, D, TS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A program's (batch, head) among ``H`` heads, its slot and channel offsets, and its own
+    tile's token count and element mask."""
+    b, h = batch_head(tl.program_id(1), H)
     offs_s = tl.arange(0, TS)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
-    cnt_q = tl.load(CNT + pid_t)
-    qmask = (offs_s < cnt_q)[:, None] & dmask[None, :]
+    cnt = tl.load(CNT + pid_t)
+    return b, h, offs_s, offs_d, dmask, cnt, (offs_s < cnt)[:, None] & dmask[None, :]
+
+
+@triton.jit
+def _query_tile(Q, CNT, pid_t, HQ, GROUP, D, sqb, sqh, sqt, sqs, sqd, TS: tl.constexpr,
+                BLOCK_D: tl.constexpr):
+    """A program's (batch, head, K/V head), offsets, and its query tile with its row mask."""
+    b, h, offs_s, offs_d, dmask, cnt_q, qmask = _own_tile(CNT, pid_t, HQ, D, TS, BLOCK_D)
     q = _tile(Q, b, h, pid_t, offs_s, offs_d, qmask, sqb, sqh, sqt, sqs, sqd, False)
     return b, h, h // GROUP, offs_s, offs_d, dmask, cnt_q, qmask, q
 
@@ -169,12 +176,7 @@ def _vsa_dkdv_kernel(
     TS: tl.constexpr, BLOCK_D: tl.constexpr, EMU_FP32: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
-    b, hk = batch_head(tl.program_id(1), HKV)
-    offs_s = tl.arange(0, TS)
-    offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d < D
-    cnt_k = tl.load(CNT + pid_t)
-    kmask = (offs_s < cnt_k)[:, None] & dmask[None, :]
+    b, hk, offs_s, offs_d, dmask, cnt_k, kmask = _own_tile(CNT, pid_t, HKV, D, TS, BLOCK_D)
     kt = _tile(K, b, hk, pid_t, offs_s, offs_d, kmask, skb, skh, skt, sks, skd, True)
     v_t = _tile(V, b, hk, pid_t, offs_s, offs_d, kmask, skb, skh, skt, sks, skd, True)
     dk = tl.zeros([TS, BLOCK_D], dtype=tl.float32)
