@@ -18,7 +18,8 @@ import os
 import pytest
 import torch
 
-from lowbit_attn import aot
+from lowbit_attn import aot, sass
+from lowbit_attn.kernels import attn_fwd_int8
 from lowbit_attn.recipes import get_recipe
 
 pytestmark = pytest.mark.aot
@@ -32,6 +33,13 @@ FP8_MMA = "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32"
 F16_MMA = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
 TCGEN05_F8 = "tcgen05.mma.cta_group::1.kind::f8f6f4"
 TCGEN05_F16 = "tcgen05.mma.cta_group::1.kind::f16"
+
+# Kernels one call launches, by where Q is quantized (LOWBIT_ATTN_Q_QUANT).
+LAUNCHES = {
+    "kernel": ["_channel_stats_kernel", "_quantize_kernel", ATTENTION],
+    "pass": ["_channel_stats_kernel", "_quantize_kernel", "_quantize_kernel", ATTENTION],
+}
+
 
 COMPILED = [
     ("qk_int8_pv_fp8", "sm_90a"),
@@ -72,10 +80,37 @@ def describe(r: aot.KernelReport) -> str:
 def test_every_kernel_compiles_and_assembles(compiled, recipe, arch):
     reports = compiled(recipe, arch)
     assert [r.kernel for r in reports][-1] == ATTENTION
-    assert {"_quantize_int8_kernel", "_convert_v_kernel"} <= {r.kernel for r in reports}
+    assert [r.kernel for r in reports] == LAUNCHES["pass"]
     for r in reports:
         assert r.ok, describe(r)
         assert r.registers is not None and 0 < r.registers <= 255, describe(r)
+
+
+@pytest.mark.parametrize("mode", [None, "pass", "kernel"], ids=["default", "pass", "kernel"])
+@pytest.mark.parametrize("recipe", ["qk_int8_pv_fp8", "qk_int8_pv_fp16"])
+def test_a_call_launches_four_kernels_or_three(recipe, mode, monkeypatch):
+    """Statistics of Q, K and V in one launch, K and V quantized in one more, Q quantized by a
+    pass of its own (the default, ``LOWBIT_ATTN_Q_QUANT=pass``) or by the attention kernel
+    (``kernel``)."""
+    if mode is not None:
+        monkeypatch.setenv("LOWBIT_ATTN_Q_QUANT", mode)
+    launches = LAUNCHES[mode or "pass"]
+    recorded = aot.record_launches(get_recipe(recipe), head_dim=64)
+    assert [aot._kernel_name(launch.kernel) for launch in recorded] == launches
+
+
+def test_kv_statistics_in_the_quantizing_launch(monkeypatch):
+    """``LOWBIT_ATTN_KV_STATS=program``: the statistics launch reads Q only, one program per
+    (batch, head) and tensor computes K's and V's statistics then quantizes them; on sm_90a no
+    tensor cores and no spills."""
+    monkeypatch.setenv("LOWBIT_ATTN_KV_STATS", "program")
+    recorded = aot.record_launches(get_recipe("qk_int8_pv_fp8"), head_dim=128)
+    assert [aot._kernel_name(launch.kernel) for launch in recorded] == LAUNCHES["pass"]
+    stats, quantize_kv = recorded[0], recorded[1]
+    assert stats.kwargs["CENTER0"] == 0 and stats.kwargs["CENTER1"] == -1  # Q's amax only
+    assert quantize_kv.kwargs["OWN_STATS"] is True
+    r = aot.compile_launch(quantize_kv, "sm_90a")
+    assert r.ok and r.instructions == {} and r.spills == 0, describe(r)
 
 
 @pytest.mark.parametrize("recipe,pv_form", [("qk_int8_pv_fp8", FP8_WGMMA),
@@ -88,6 +123,47 @@ def test_hopper_uses_wgmma_for_both_products_without_spills(compiled, recipe, pv
     assert not any(form.startswith("mma.sync") for form in r.instructions), describe(r)
     assert (r.num_warps, r.num_stages) == (8, 2)  # CONFIGS["sm_90"][0]
     assert r.spill_stores == 0 and r.spill_loads == 0, describe(r)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("recipe", ["qk_int8_pv_fp8", "qk_int8_pv_fp16"])
+@pytest.mark.parametrize("granularity", ["per_token", "per_block"])
+def test_every_hopper_candidate_of_the_default_path_fits_in_registers(recipe, granularity, d):
+    """Each autotuning candidate on sm_90a (plain and pipelined loops, 2–4 stages) that the
+    autotuner tries at this head dim, on the default path: wgmma for both products, no spills."""
+    r8 = get_recipe(recipe).replace(granularity=granularity)
+    attention = aot.record_launches(r8, head_dim=d)[-1]
+    candidates = attn_fwd_int8.CONFIGS["sm_90"]
+    tried = [i for i, c in enumerate(candidates) if attn_fwd_int8.fits(c.num_warps, d)]
+    assert any(candidates[i].kwargs["PIPELINE"] for i in tried)
+    for config in tried:
+        r = aot.compile_launch(attention, "sm_90a", config=config)
+        assert r.ok and r.instructions.get(INT8_WGMMA, 0) > 0, describe(r)
+        assert r.spill_stores == 0 and r.spill_loads == 0, (config, describe(r))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("granularity", ["per_token", "per_block"])
+def test_pipelined_candidate_runs_the_softmax_under_the_next_qk_wgmma(granularity, d):
+    """In the SASS of the main (unmasked) loop, the plain candidate waits for Q·Kᵀ before any
+    exp2; the pipelined one issues at least half of them while the next block's Q·Kᵀ is in flight,
+    in fewer instructions (2026-11-22: 31 and 32 of 34 per token, 18 and 28 per block, at D=64 and
+    128; 7 to 47 instructions fewer per 128×64 tile)."""
+    attention = aot.record_launches(
+        get_recipe("qk_int8_pv_fp8").replace(granularity=granularity), head_dim=d)[-1]
+    configs = attn_fwd_int8.CONFIGS["sm_90"]
+    plain = configs.index(attn_fwd_int8.LaunchConfig(8, 2, (("PIPELINE", False),)))
+    pipelined = configs.index(attn_fwd_int8.LaunchConfig(8, 2, (("PIPELINE", True),)))
+    main_loops = {}
+    for config in (plain, pipelined):
+        report = aot.compile_launch(attention, "sm_90a", config=config)
+        main_loops[config] = sass.loops(sass.disassemble(report.cubin))[0]
+    before = sass.exp2_under_mma(main_loops[plain])
+    after = sass.exp2_under_mma(main_loops[pipelined])
+    assert before.total == after.total == 34  # 32 scores + 2 rescale factors per thread
+    assert before.under == 0
+    assert after.under >= after.total // 2, after
+    assert len(main_loops[pipelined]) < len(main_loops[plain])
 
 
 def test_hopper_quantizers_use_no_tensor_cores_and_do_not_spill(compiled):
@@ -138,10 +214,11 @@ def test_launch_specialization_matches_the_launchers():
     signature, constexprs, attrs = aot.specialize(jit, values, "sm_90a")
     assert jit.__name__ == ATTENTION
     assert signature["Q"] == "*i8" and signature["V"] == "*fp8e4nv" and signature["O"] == "*fp16"
-    for name in ("VM", "DS", "LSH", "LSE", "CUQ", "CUK"):
+    for name in ("QM", "AQ", "AK", "VM", "DS", "LSH", "LSE", "CUQ", "CUK"):
         assert signature[name] == "constexpr" and constexprs[name] is None
     assert constexprs["svn"] == 1 and signature["svd"] == "i32"  # V stored [B, H, D, N']
     assert constexprs["EXACT_FP8"] is False and constexprs["PV_FP8"] is True
+    assert constexprs["Q_IN_KERNEL"] is False and constexprs["PIPELINE"] is False
     assert options == {"num_warps": 8, "num_stages": 2}
 
 

@@ -170,3 +170,93 @@ def test_nan_and_inf_are_never_hidden(name, where, triton_backend):
             assert not torch.isfinite(out[0, 1, 5]).all()  # the row that reads it
         else:
             assert (~torch.isfinite(out[0, 1])).any(dim=-1).all()  # every row reads key 5
+
+
+Q_QUANT_CASES = [
+    pytest.param("qk_int8_pv_fp8", {}, (2, 4, 2, 100, 150, 64), id="fp8-default-GQA"),
+    pytest.param("qk_int8_pv_fp16", {"granularity": "per_block"}, (1, 2, 2, 130, 90, 96),
+                 id="fp16-per_block-D96"),
+    pytest.param("qk_int8_pv_fp8", {"smooth_q": True, "smooth_v": True, "granularity": "per_block"},
+                 (1, 3, 1, 77, 200, 32), id="fp8-smooth_qv-MQA"),
+    pytest.param("qk_int8_pv_fp16", {"smooth_k": False, "balance_qk": False}, (1, 2, 1, 1, 65, 16),
+                 id="fp16-plain-decode-D16"),
+]
+
+
+PLACEMENTS = [("pass", "launch"), ("kernel", "launch"), ("pass", "program"),
+              ("kernel", "program")]
+
+
+def _each_placement(monkeypatch, call):
+    """``call()`` under each (LOWBIT_ATTN_Q_QUANT, LOWBIT_ATTN_KV_STATS) pair."""
+    results = {}
+    for q_mode, kv_mode in PLACEMENTS:
+        monkeypatch.setenv("LOWBIT_ATTN_Q_QUANT", q_mode)
+        monkeypatch.setenv("LOWBIT_ATTN_KV_STATS", kv_mode)
+        results[q_mode, kv_mode] = call()
+    return results
+
+
+@pytest.mark.parametrize("name,options,shape", Q_QUANT_CASES)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_where_the_quantization_runs_changes_no_bit(name, options, shape, causal,
+                                                    triton_backend, monkeypatch):
+    """Q quantized by the attention kernel with the pass's own tile function, and K's and V's
+    statistics taken by the launch that quantizes them: the same output and LSE bits, for every
+    centering, balancing and granularity."""
+    b, hq, hkv, nq, nk, d = shape
+    recipe = get_recipe(name).replace(**options)
+    q, k, v = channel_biased((b, hq, nq, d), (b, hkv, nk, d), seed=nq + d, dtype=torch.float16)
+    q[0, 0, nq // 2, 0] = 40.0  # an outlier row
+    results = _each_placement(monkeypatch, lambda: lowbit_attn.attention(
+        q, k, v, recipe=recipe, is_causal=causal, return_lse=True))
+    want = results["pass", "launch"]
+    for placement, got in results.items():
+        for a, b_ in zip(got, want):
+            assert torch.equal(a, b_), placement
+
+
+def test_where_the_quantization_runs_changes_no_bit_varlen(triton_backend, monkeypatch):
+    lens = [5, 70, 0, 33]
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(sum(lens), h, 32, generator=g) for h in (4, 2, 2))
+    k += 3 * torch.randn(2, 32, generator=g)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    results = _each_placement(monkeypatch, lambda: lowbit_attn.attention_varlen(
+        q, k, v, cu, cu, max(lens), max(lens), is_causal=True, recipe="qk_int8_pv_fp8",
+        return_lse=True))
+    want = results["pass", "launch"]
+    for placement, got in results.items():
+        for a, b_ in zip(got, want):
+            assert torch.equal(a, b_), placement
+
+
+@pytest.mark.parametrize("var", ["LOWBIT_ATTN_Q_QUANT", "LOWBIT_ATTN_KV_STATS"])
+def test_placement_modes_are_checked(var, triton_backend, monkeypatch):
+    monkeypatch.setenv(var, "fused")
+    q = torch.randn(1, 1, 8, 32)
+    with pytest.raises(ValueError, match=var):
+        lowbit_attn.attention(q, q, q, recipe="qk_int8_pv_fp8")
+
+
+@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("granularity", ["per_block", "per_token"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_pipelined_loop_gives_the_same_bits(name, granularity, causal, triton_backend,
+                                            monkeypatch):
+    """The Hopper candidate that issues the next block's Q·Kᵀ before this block's softmax runs the
+    same arithmetic in the same order as the plain loop."""
+    from lowbit_attn.kernels import attn_fwd_int8
+
+    recipe = get_recipe(name).replace(granularity=granularity)
+    q, k, v = channel_biased((1, 2, 130, 64), (1, 2, 300, 64), seed=4, dtype=torch.float16)
+    tuner = attn_fwd_int8._attn_fwd_int8
+    results = []
+    for pipeline in (False, True):
+        config = attn_fwd_int8.LaunchConfig(4, 1, (("PIPELINE", pipeline),))
+        monkeypatch.setattr(tuner, "configs", attn_fwd_int8.triton_configs(
+            {"interpreter": [config]}, None))
+        results.append(lowbit_attn.attention(q, k, v, recipe=recipe, is_causal=causal,
+                                             return_lse=True))
+    for plain, pipelined in zip(*results):
+        assert torch.equal(plain, pipelined)

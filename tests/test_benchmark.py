@@ -21,11 +21,18 @@ def test_tops_counts_four_bhn2d_and_halves_causal():
 
 def test_quantization_bytes_follow_the_passes_of_prepare():
     e = 1000
+    fp8, fp16 = bm.RECIPES["qk_int8_pv_fp8"], bm.RECIPES["qk_int8_pv_fp16"]
     # fp8: K stats 2E + Q stats 2E + quantize Q 3E + quantize K 3E + V stats 2E + convert V 3E = 15E
-    assert bm.quantization_bytes(bm.RECIPES["qk_int8_pv_fp8"], e, e) == 15 * e
+    assert bm.quantization_bytes(fp8, e, e) == 15 * e
     # fp16 P·V: no V stats; V is rewritten as fp16 (2E read + 2E write) = 14E
-    assert bm.quantization_bytes(bm.RECIPES["qk_int8_pv_fp16"], e, e) == 14 * e
-    assert bm.attention_bytes(bm.RECIPES["qk_int8_pv_fp8"], e, e) == 5 * e
+    assert bm.quantization_bytes(fp16, e, e) == 14 * e
+    assert bm.attention_bytes(fp8, e, e) == 5 * e
+    # Q quantized by the attention kernel: 3E fewer in the passes, 1E more for the attention
+    assert bm.quantization_bytes(fp8, e, e, q_in_kernel=True) == 12 * e
+    assert bm.attention_bytes(fp8, e, e, q_in_kernel=True) == 6 * e
+    # K and V statistics taken by the quantizing launch (second read from L2): 4E fewer
+    assert bm.quantization_bytes(fp8, e, e, kv_stats_in_program=True) == 11 * e
+    assert bm.quantization_bytes(fp16, e, e, kv_stats_in_program=True) == 12 * e
     assert bm.quantization_bytes(bm.RECIPES["exact"], e, e) is None
 
 
@@ -344,3 +351,27 @@ def test_vsa_benchmark_runs_on_cpu(tmp_path):
     assert {r["method"] for r in rows} >= {"vsa", "vsa_fine_only", "sdpa_cudnn_dense",
                                            "vsa_fine_only[qk_int8_pv_fp8]"}
     assert all(r["status"] == "ok" for r in rows)
+
+
+def test_hopper_benchmark_runs_every_variant_on_the_interpreter(tmp_path, monkeypatch):
+    """benchmarks/bench_hopper.py end to end on the Triton interpreter (tiny size): every row
+    checked against the reference, the forced kernel candidates (plain and pipelined) included."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    monkeypatch.setenv("LOWBIT_ATTN_BACKEND", "triton")
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_hopper.py"
+    spec = importlib.util.spec_from_file_location("bench_hopper", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--out", str(tmp_path)]) == 0
+    (result,) = tmp_path.glob("hopper-*.json")
+    rows = json.loads(result.read_text())["rows"]
+    methods = {r["method"] for r in rows}
+    assert methods >= {"sdpa_cudnn_bf16", "ours", "ours q=kernel", "ours kv=program",
+                       "ours q=kernel kv=program", "prepare", "prepare kv=program",
+                       "attention", "ours cfg=4w1s-plain", "ours cfg=4w1s-pipelined"}
+    assert all(r["status"] == "ok" for r in rows)
+    assert all(r["cosine"] > 0.998 for r in rows if not r["method"].startswith("prepare"))
+    assert "| ours × cuDNN | bar | met |" in (tmp_path / result.name.replace(".json", ".md")).read_text()

@@ -74,7 +74,7 @@ def test_inspect_prints_tensor_core_instructions_registers_and_spills(capsys):
     code, out, _ = run(capsys, "inspect", "--arch", "sm_90a", "--recipe", "qk_int8_pv_fp8")
     assert code == 0, out
     assert "qk_int8_pv_fp8 for sm_90a (head dim 128, non-causal, float16)" in out
-    assert "_attn_fwd_int8_kernel" in out and "_quantize_int8_kernel" in out
+    assert "_attn_fwd_int8_kernel" in out and "_quantize_kernel" in out
     assert "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8" in out
     assert "f32.e4m3.e4m3" in out
     assert "registers" in out and "B stored" in out and "B loaded" in out

@@ -53,6 +53,70 @@ def test_quantizers_and_kernel_match_the_reference(name, granularity, causal, d)
     assert_close(got_lse, want_lse, atol=1e-3, name="lse")
 
 
+def _gpu_candidates():
+    from lowbit_attn.kernels import attn_fwd_int8
+    from lowbit_attn.kernels.common import configs_for
+
+    if not torch.cuda.is_available():
+        return []
+    return configs_for(attn_fwd_int8.CONFIGS, torch.cuda.get_device_capability())
+
+
+@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("granularity", ["per_block", "per_token"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_every_autotuning_candidate_matches_the_reference(name, granularity, causal, d,
+                                                          monkeypatch):
+    """Each candidate the autotuner may pick (plain and pipelined loops, every stage count), forced
+    alone, against the reference on the same quantized operands; and Q quantized in the kernel
+    gives the bits of the pass."""
+    from lowbit_attn.kernels import attn_fwd_int8
+    from lowbit_attn.kernels.common import triton_configs
+
+    _needs_fp8(name)
+    recipe = get_recipe(name).replace(granularity=granularity)
+    q, k, v = (x.cuda() for x in channel_biased((2, 8, 700, d), (2, 4, 1100, d), seed=d + 1,
+                                                 dtype=torch.float16))
+    offset = 400 if causal else None
+    qz = quantize_qkv(q, k, v, recipe, d**-0.5, need_lse_shift=True, backend="reference")
+    want, _ = quantized_attention(qz, pv=recipe.pv, granularity=granularity,
+                                  block_q=recipe.block_q, block_k=recipe.block_k,
+                                  causal_offset=offset)
+    tuner = attn_fwd_int8._attn_fwd_int8
+    for config in _gpu_candidates():
+        if not attn_fwd_int8.fits(config.num_warps, d):
+            continue
+        monkeypatch.setattr(tuner, "configs", triton_configs({"interpreter": [config]}, None))
+        tuner.cache.clear()
+        got = torch.empty(q.shape, device="cuda", dtype=torch.float32)
+        attn_fwd_int8.attention(qz, out=got, pv=recipe.pv, granularity=granularity,
+                                block_q=recipe.block_q, block_k=recipe.block_k,
+                                causal_offset=offset, return_lse=False)
+        assert lowbit_attn.errors(got, want).cosine > 0.99999, config
+        results = {}
+        for mode in ("pass", "kernel"):
+            monkeypatch.setenv("LOWBIT_ATTN_Q_QUANT", mode)
+            results[mode] = lowbit_attn.attention(q, k, v, recipe=recipe, is_causal=causal)
+        assert torch.equal(results["pass"], results["kernel"]), config
+    tuner.cache.clear()
+
+
+@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("d", [64, 128])
+def test_kv_statistics_in_the_quantizing_launch_on_the_gpu(name, d, monkeypatch):
+    """``LOWBIT_ATTN_KV_STATS=program`` against the default: the same statistics up to the order
+    of the sums, so the same output to within a few rounding flips."""
+    _needs_fp8(name)
+    q, k, v = (x.cuda() for x in channel_biased((2, 8, 1000, d), (2, 4, 1500, d), seed=d + 2,
+                                                 dtype=torch.float16))
+    results = {}
+    for mode in ("launch", "program"):
+        monkeypatch.setenv("LOWBIT_ATTN_KV_STATS", mode)
+        results[mode] = lowbit_attn.attention(q, k, v, recipe=name, is_causal=True)
+    assert lowbit_attn.errors(results["program"], results["launch"]).cosine > 0.99999
+
+
 @pytest.mark.parametrize("name,cos,l1", [
     pytest.param("qk_int8_pv_fp16", 0.9999, 0.015, id="fp16-bar"),
     pytest.param("qk_int8_pv_fp8", 0.9995, 0.03, id="fp8-bar", marks=pytest.mark.xfail(

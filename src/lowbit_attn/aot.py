@@ -93,6 +93,7 @@ class KernelReport:
         shared_memory: bytes of shared memory Triton allocated.
         error: why compilation or ``ptxas`` failed (``None`` when it worked).
         ptx: the PTX text (left out of ``repr``).
+        cubin: the assembled binary (left out of ``repr``; :mod:`lowbit_attn.sass` reads it).
     """
 
     kernel: str
@@ -108,6 +109,7 @@ class KernelReport:
     shared_memory: int | None = None
     error: str | None = None
     ptx: str = field(default="", repr=False)
+    cubin: bytes = field(default=b"", repr=False)
 
     @property
     def ok(self) -> bool:
@@ -126,9 +128,10 @@ class KernelReport:
         return ", ".join(f"{k}={v}" for k, v in self.constexprs.items())
 
     def as_dict(self) -> dict[str, Any]:
-        """JSON-ready fields (without the PTX)."""
+        """JSON-ready fields (without the PTX and the binary)."""
         d = dataclasses.asdict(self)
         d.pop("ptx")
+        d.pop("cubin")
         d["spills"] = self.spills
         return d
 
@@ -594,7 +597,7 @@ def compile_launch(launch: Launch, arch: str, config: int = 0) -> KernelReport:
             error = _error_text(exc)
         report = KernelReport(
             **base, instructions=tensor_core_instructions(ptx), error=error, ptx=ptx,
-            shared_memory=compiled.metadata.shared, **usage,
+            cubin=compiled.asm.get("cubin", b""), shared_memory=compiled.metadata.shared, **usage,
         )
     _COMPILED[key] = report
     return report

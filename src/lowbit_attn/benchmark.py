@@ -188,34 +188,43 @@ def tops(batch: int, heads: int, n: int, d: int, causal: bool, time_ms: float) -
 
 
 def quantization_bytes(
-    recipe: Recipe, elems_q: int, elems_kv: int, in_bytes: int = 2
+    recipe: Recipe, elems_q: int, elems_kv: int, in_bytes: int = 2, *, q_in_kernel: bool = False,
+    kv_stats_in_program: bool = False,
 ) -> int | None:
     """HBM bytes the quantization passes of ``prepare.quantize_qkv`` move, counted from its code.
 
-    Passes: channel statistics of K (smoothing / balancing) and of Q (balancing), each reading the
-    tensor; INT8 quantization of Q and of K (read in_bytes, write 1 byte per element); channel
-    statistics of V (FP8 scale), then V's conversion (read, write 1 byte for FP8 or 2 for fp16).
-    The ``[B, H, D]`` statistics are negligible. ``None`` with Q smoothing (its ΔS pass is not
-    modelled).
+    Passes: channel statistics of K (smoothing / balancing), of Q (balancing) and of V (FP8 scale),
+    each reading its tensor (one launch for all three); INT8 quantization of K and V's conversion
+    (one launch: read in_bytes, write 1 byte per element, or 2 for fp16 V); INT8 quantization of Q
+    only when the attention kernel does not quantize it (``q_in_kernel`` false). With
+    ``kv_stats_in_program`` K's and V's statistics are taken by the launch that quantizes them,
+    whose second read is counted as an L2 hit (no HBM bytes). The ``[B, H, D]`` statistics are
+    negligible. ``None`` with Q smoothing (its ΔS pass is not modelled).
     """
     if recipe.is_exact or recipe.smooth_q:
         return None
     total = 0
+    kv_stats_read = 0 if kv_stats_in_program else in_bytes * elems_kv
     if recipe.smooth_k or recipe.balance_qk:
-        total += in_bytes * elems_kv
+        total += kv_stats_read
     if recipe.balance_qk:
         total += in_bytes * elems_q
-    total += (in_bytes + 1) * (elems_q + elems_kv)
+    total += (in_bytes + 1) * elems_kv
+    if not q_in_kernel:
+        total += (in_bytes + 1) * elems_q
     if recipe.pv == "fp8" or recipe.smooth_v:
-        total += in_bytes * elems_kv
+        total += kv_stats_read
     total += (in_bytes + (1 if recipe.pv == "fp8" else 2)) * elems_kv
     return total
 
 
-def attention_bytes(recipe: Recipe, elems_q: int, elems_kv: int, out_bytes: int = 2) -> int:
-    """HBM bytes of the attention kernel when K/V tiles are reused from L2: read INT8 Q and K, V
-    (1 byte FP8 or 2 bytes fp16) once, write O."""
-    return elems_q + elems_kv + (1 if recipe.pv == "fp8" else 2) * elems_kv + out_bytes * elems_q
+def attention_bytes(recipe: Recipe, elems_q: int, elems_kv: int, out_bytes: int = 2, *,
+                    in_bytes: int = 2, q_in_kernel: bool = False) -> int:
+    """HBM bytes of the attention kernel when K/V tiles are reused from L2: read Q (16-bit when the
+    kernel quantizes it, else INT8), INT8 K, V (1 byte FP8 or 2 bytes fp16) once, write O."""
+    q_bytes = in_bytes if q_in_kernel else 1
+    return (q_bytes * elems_q + elems_kv + (1 if recipe.pv == "fp8" else 2) * elems_kv
+            + out_bytes * elems_q)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -353,16 +362,21 @@ def _stage_fn(method: Method, q, k, v, causal):
     if backend_for(q.device) != "triton":
         raise Unsupported("stage timings need the Triton backend (a CUDA GPU, or "
                           "LOWBIT_ATTN_BACKEND=triton with TRITON_INTERPRET=1)")
+    from .forward import kv_stats_in_program, q_in_kernel
     from .kernels import attn_fwd_fp4, attn_fwd_int8
     from .prepare import quantize_qkv, quantize_qkv_fp4
 
     cap = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
     r = resolve(method.recipe, cap)
     scale = q.shape[-1] ** -0.5
-    quantize = quantize_qkv_fp4 if r.is_fp4 else quantize_qkv
-
-    def prepare():
-        return quantize(q, k, v, r, scale, need_lse_shift=False, backend="triton")
+    if r.is_fp4:
+        def prepare():
+            return quantize_qkv_fp4(q, k, v, r, scale, need_lse_shift=False, backend="triton")
+    else:
+        def prepare():
+            return quantize_qkv(q, k, v, r, scale, need_lse_shift=False, backend="triton",
+                                q_in_kernel=q_in_kernel(),
+                                kv_stats_in_program=kv_stats_in_program())
 
     if method.backend == "prepare":
         return prepare, contextlib.nullcontext
@@ -473,8 +487,11 @@ def _measure(method, inputs, refs, row, *, timer, min_cosine, causal):
     b, h, n, d = row["B"], row["H"], row["N"], row["D"]
     if method.kind == "stage" and method.backend == "prepare":
         cap = torch.cuda.get_device_capability(q.device) if cuda else None
+        from .forward import kv_stats_in_program, q_in_kernel
+
         nbytes = quantization_bytes(resolve(method.recipe, cap), b * h * n * d, b * h * n * d,
-                                    in_bytes=q.element_size())
+                                    in_bytes=q.element_size(), q_in_kernel=q_in_kernel(),
+                                    kv_stats_in_program=kv_stats_in_program())
         if nbytes is not None:
             row["model_bytes"] = nbytes
             row["gbps"] = nbytes / (t_ms * 1e-3) / 1e9
@@ -760,6 +777,17 @@ def _log_row(row: dict) -> None:
 
 # --------------------------------------------------------------------------------------------------
 # Reporting
+
+
+def save_script_results(outs: Iterable[str], kind: str, results: dict, table: str) -> None:
+    """``<kind>-<device>-<date>.json`` (``results``: metadata and rows) and ``.md`` (``table``) in
+    each directory of ``outs`` (created if needed): what the benchmark scripts save."""
+    for out in outs:
+        path = Path(out)
+        path.mkdir(parents=True, exist_ok=True)
+        stem = f"{kind}-{slug(results['device_name'])}-{results['date']}"
+        (path / f"{stem}.json").write_text(json.dumps(results, indent=1, default=str))
+        (path / f"{stem}.md").write_text(table + "\n")
 
 
 def slug(text: str) -> str:

@@ -29,7 +29,8 @@ EXTERNAL = {
     "accuracy": ("lowbit_attn.accuracy", "error of each recipe against exact attention"),
     "bench": ("lowbit_attn.benchmark", "speed of each recipe and the baselines"),
 }
-ENV_VARS = ("LOWBIT_ATTN_ARCH", "LOWBIT_ATTN_BACKEND", "TRITON_INTERPRET")
+ENV_VARS = ("LOWBIT_ATTN_ARCH", "LOWBIT_ATTN_BACKEND", "LOWBIT_ATTN_Q_QUANT", "LOWBIT_ATTN_KV_STATS",
+            "LOWBIT_ATTN_TRAIN_DQ", "TRITON_INTERPRET")
 DTYPES = ("float16", "bfloat16", "float32")
 # The targets of ``lowbit_attn.aot.ARCHS``, spelled out so that ``--help`` imports nothing heavy.
 ARCH_HELP = "sm_80, sm_86, sm_89, sm_90a, sm_100a or sm_120a"

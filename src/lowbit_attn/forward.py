@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .prepare import quantize_qkv, quantize_qkv_fp4
@@ -46,6 +48,39 @@ def _dense(q, k, v, *, out, recipe: Recipe, scale: float, causal_offset, return_
     return lse.float() if return_lse else None
 
 
+Q_QUANT_MODES = ("pass", "kernel")
+
+
+def q_in_kernel() -> bool:
+    """Whether the INT8 attention kernel quantizes Q itself (``LOWBIT_ATTN_Q_QUANT=kernel``: one
+    launch and 2 bytes per Q element fewer than a separate pass, for some work in every query
+    tile's prologue) or a separate pass does (``pass``, the default). Both give the same bits.
+
+    Not the default, from the sm_90a code (ptxas, SASS; 2026-11-22): a Q tile quantized in
+    registers stays there as the wgmma's A operand (16 more registers per thread across the loop),
+    which spills with per-token FP8 at D=128 and, at D=64, keeps ptxas from moving the softmax under
+    the next Q·Kᵀ in the pipelined loop. The GPU benchmark (``bench_hopper.py``) times both."""
+    mode = os.environ.get("LOWBIT_ATTN_Q_QUANT", "pass")
+    if mode not in Q_QUANT_MODES:
+        raise ValueError(f"LOWBIT_ATTN_Q_QUANT must be one of {Q_QUANT_MODES}, got {mode!r}")
+    return mode == "kernel"
+
+
+KV_STATS_MODES = ("launch", "program")
+
+
+def kv_stats_in_program() -> bool:
+    """Whether K's and V's channel statistics are computed by the launch that quantizes them, one
+    program per (batch, head) reading the tensor twice (``LOWBIT_ATTN_KV_STATS=program``: 4 bytes
+    per K/V element fewer from HBM when the second read hits L2, but only B·H programs per tensor),
+    or by the statistics launch with Q's (``launch``, the default). Both give the same values up to
+    the order of the sums."""
+    mode = os.environ.get("LOWBIT_ATTN_KV_STATS", "launch")
+    if mode not in KV_STATS_MODES:
+        raise ValueError(f"LOWBIT_ATTN_KV_STATS must be one of {KV_STATS_MODES}, got {mode!r}")
+    return mode == "program"
+
+
 def _as_dense(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     """Rows ``lo:hi`` of a packed ``[total, H, D]`` tensor as a ``[1, H, n, D]`` view."""
     return x[lo:hi].transpose(0, 1).unsqueeze(0)
@@ -79,7 +114,8 @@ def run(
         seqs_q, seqs_k = seqs if seqs is not None else (None, None)
         qz = quantize_qkv(
             q, k, v, recipe, scale, need_lse_shift=return_lse, backend="triton",
-            seqs_q=seqs_q, seqs_k=seqs_k,
+            seqs_q=seqs_q, seqs_k=seqs_k, q_in_kernel=q_in_kernel(),
+            kv_stats_in_program=kv_stats_in_program(),
         )
         return attn_fwd_int8.attention(
             qz, out=out, pv=recipe.pv, granularity=recipe.granularity, block_q=recipe.block_q,

@@ -1,15 +1,17 @@
 """Smoothing, balancing and quantization of Q, K, V for one call: the recipe's first stage.
 
 The same sequence of steps serves both backends; each step runs as a Triton kernel or as its
-PyTorch twin. A call launches one statistics pass per tensor that needs one and one quantization
-pass per tensor; the balancing factors and FP8 scales are computed inside the quantization passes.
+PyTorch twin. On the Triton backend a call launches one statistics pass for the tensors that need
+statistics, and quantizes K and converts V in one more; Q is quantized in its own pass or by the
+attention kernel. The balancing factors and FP8 scales are computed inside the kernels that use
+them.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .quantized import LOG2E, QuantizedFP4, QuantizedQKV
+from .quantized import LOG2E, QuantizedFP4, QuantizedQKV, QuantizeInKernel
 from .recipes import Recipe
 from .reference import attention as ref_attn
 from .reference import quant as ref_quant
@@ -24,6 +26,23 @@ def _ops(backend: str):
     return ref_quant, ref_quant, ref_attn
 
 
+def _stats_all(backend: str, requests: dict[str, tuple], seqs: dict[str, object]) -> dict:
+    """``{name: (mean, amax)}`` for ``{name: (x, center, block)}``: one launch on the Triton
+    backend."""
+    if not requests:
+        return {}
+    names = list(requests)
+    if backend == "triton":
+        from .kernels import quantize as kq
+
+        found = kq.channel_stats_many(
+            *(kq.StatsRequest(*requests[n], seqs=seqs[n]) for n in names)
+        )
+    else:
+        found = [ref_quant.channel_stats(x, center=c, block=blk) for x, c, blk in requests.values()]
+    return dict(zip(names, found))
+
+
 def quantize_qkv(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -35,45 +54,76 @@ def quantize_qkv(
     backend: str,
     seqs_q=None,
     seqs_k=None,
+    q_in_kernel: bool = False,
+    kv_stats_in_program: bool = False,
 ) -> QuantizedQKV:
     """Q, K, V (logical ``[B, H, N, D]`` views, or packed ``[total, H, D]`` with ``seqs_*`` on the
-    Triton backend) → :class:`QuantizedQKV`."""
-    stats, quant, extra = _ops(backend)
-    kw_q = {"seqs": seqs_q} if backend == "triton" else {}
-    kw_k = {"seqs": seqs_k} if backend == "triton" else {}
+    Triton backend) → :class:`QuantizedQKV`.
 
-    k_mean = k_amax = q_mean = q_amax = None
-    if recipe.smooth_k or recipe.balance_qk:
-        k_mean, k_amax = stats.channel_stats(k, center="mean" if recipe.smooth_k else "none", **kw_k)
+    On the Triton backend the statistics of all three tensors take one launch and K's quantization
+    with V's conversion another. Options (Triton only; the same values either way):
+    ``q_in_kernel`` leaves Q unquantized, with what its quantization needs, for the attention
+    kernel to quantize itself; ``kv_stats_in_program`` has the K/V launch compute K's and V's
+    statistics itself, one program per (batch, head) reading its tensor twice, the second time from
+    L2 when it still holds it (the statistics launch then reads Q only)."""
+    _, quant, extra = _ops(backend)
+    triton_backend = backend == "triton"
+    if (q_in_kernel or kv_stats_in_program) and not triton_backend:
+        raise ValueError("q_in_kernel and kv_stats_in_program need the Triton backend")
+    kw_q = {"seqs": seqs_q} if triton_backend else {}
+    kw_k = {"seqs": seqs_k} if triton_backend else {}
+    k_center = "mean" if recipe.smooth_k else "none"
+    v_center = "mean" if recipe.smooth_v else "none"
+
+    requests = {}
+    if (recipe.smooth_k or recipe.balance_qk) and not kv_stats_in_program:
+        requests["k"] = (k, k_center, 0)
     if recipe.smooth_q or recipe.balance_qk:
-        q_mean, q_amax = stats.channel_stats(
-            q, center="block_mean" if recipe.smooth_q else "none", block=recipe.block_q, **kw_q
-        )
-    balance = (q_amax, k_amax) if recipe.balance_qk else None
-    q8, q_scale = quant.quantize_int8(
-        q, granularity=recipe.granularity, block=recipe.block_q, center=q_mean,
-        center_per_block=True, balance=balance, balance_role="q",
-        scale_multiplier=softmax_scale * LOG2E, **kw_q,
-    )
-    k8, k_scale = quant.quantize_int8(
-        k, granularity=recipe.granularity, block=recipe.block_k, center=k_mean,
-        balance=balance, balance_role="k", **kw_k,
-    )
+        requests["q"] = (q, "block_mean" if recipe.smooth_q else "none", recipe.block_q)
+    if (recipe.pv == "fp8" or recipe.smooth_v) and not kv_stats_in_program:
+        requests["v"] = (v, v_center, 0)
+    stats = _stats_all(backend, requests, {"q": seqs_q, "k": seqs_k, "v": seqs_k})
+    k_mean, k_amax = stats.get("k", (None, None))
+    q_mean, q_amax = stats.get("q", (None, None))
+    v_mean, v_amax = stats.get("v", (None, None))
 
-    v_mean = v_amax = None
-    if recipe.pv == "fp8" or recipe.smooth_v:
-        v_mean, v_amax = stats.channel_stats(v, center="mean" if recipe.smooth_v else "none", **kw_k)
-    vq, v_scale = quant.convert_v(v, pv=recipe.pv, center=v_mean, amax=v_amax, **kw_k)
+    multiplier = softmax_scale * LOG2E
+    k_args = dict(granularity=recipe.granularity, block=recipe.block_k, center=k_mean,
+                  balance=(q_amax, k_amax) if recipe.balance_qk else None, balance_role="k")
+    if triton_backend:
+        own = kv_stats_in_program
+        (k8, k_scale, k_stats), (vq, v_scale, v_stats) = quant.quantize(
+            quant.Int8Request(k, **k_args, own_stats=k_center if own else None),
+            quant.VRequest(v, recipe.pv, v_mean, v_amax, own_stats=v_center if own else None),
+            seqs=seqs_k,
+        )
+        if own:  # what the launch computed
+            k_mean, k_amax = k_stats
+            v_mean, v_amax = v_stats
+            v_mean = v_mean if recipe.smooth_v else None
+    else:
+        k8, k_scale = quant.quantize_int8(k, **k_args)
+        vq, v_scale = quant.convert_v(v, pv=recipe.pv, center=v_mean, amax=v_amax)
+
+    balance = (q_amax, k_amax) if recipe.balance_qk else None
+    q_args = dict(granularity=recipe.granularity, block=recipe.block_q, center=q_mean,
+                  center_per_block=True, balance=balance, balance_role="q",
+                  scale_multiplier=multiplier)
+    if q_in_kernel:
+        q8, q_scale = q, None
+    else:
+        q8, q_scale = quant.quantize_int8(q, **q_args, **kw_q)
 
     delta = shift = None
     if recipe.smooth_q:
-        kw_ds = {"block_q": recipe.block_q, "seqs_q": seqs_q, **kw_k} if backend == "triton" else {}
-        delta = extra.delta_s(q_mean, k, k_mean, softmax_scale * LOG2E, **kw_ds)
+        kw_ds = {"block_q": recipe.block_q, "seqs_q": seqs_q, **kw_k} if triton_backend else {}
+        delta = extra.delta_s(q_mean, k, k_mean, multiplier, **kw_ds)
     if need_lse_shift and k_mean is not None:
         shift = extra.lse_shift(q, k_mean, softmax_scale, **kw_q)
     return QuantizedQKV(
         q=q8, q_scale=q_scale, k=k8, k_scale=k_scale, v=vq, v_scale=v_scale, v_mean=v_mean,
         delta_s=delta, lse_shift=shift,
+        q_raw=QuantizeInKernel(q_mean, balance, multiplier) if q_in_kernel else None,
     )
 
 

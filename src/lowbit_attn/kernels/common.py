@@ -16,8 +16,16 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 @dataclass(frozen=True)
 class LaunchConfig:
+    """Launch options of one autotuning candidate, and constexpr meta-parameters (``meta``:
+    ``(name, value)`` pairs) that select a variant of the kernel's code."""
+
     num_warps: int
     num_stages: int
+    meta: tuple = ()
+
+    @property
+    def kwargs(self) -> dict:
+        return dict(self.meta)
 
 
 def configs_for(configs: dict[str, list[LaunchConfig]], capability) -> list[LaunchConfig]:
@@ -33,7 +41,7 @@ def configs_for(configs: dict[str, list[LaunchConfig]], capability) -> list[Laun
 
 
 def triton_configs(configs: dict[str, list[LaunchConfig]], capability) -> list:
-    return [triton.Config({}, num_warps=c.num_warps, num_stages=c.num_stages)
+    return [triton.Config(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
             for c in configs_for(configs, capability)]
 
 

@@ -7,30 +7,27 @@ Every launcher takes a logical ``[B, H, N, D]`` tensor (any strides) or, with ``
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from ..quantized import Seqs, dense_seqs
-from .common import (
-    batch_head, bhnd_strides, exact_fp8, next_pow2, row_strides, seq_span, to_e4m3, to_int8,
-)
+from .common import batch_head, bhnd_strides, exact_fp8, next_pow2, row_strides, seq_span, to_e4m3
+from .quantize_tile import load_centered, quantize_int8_tile
 
 CENTERS = {"none": 0, "mean": 1, "block_mean": 2}
 
 
 @triton.jit
-def _channel_stats_kernel(
-    X, MEAN, AMAX, CU,
-    sxb, sxh, sxn, sxd,
-    smb, smh, smk, smd,
-    sab, sah, sad,
-    N, H, D,
+def _stats_program(
+    X, MEAN, AMAX, CU, b, h, pid_d,
+    sxb, sxh, sxn, sxd, smb, smh, smk, smd, sab, sah, sad, N, D,
     CENTER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0)
-    pid_d = tl.program_id(1)
-    b, h = batch_head(pid_bh, H)
+    """Channel statistics of ``BLOCK_D`` channels of one (batch, head): the amax about the
+    ``CENTER`` (0 none, 1 the mean, 2 each block's mean), and the mean(s) when centering."""
     start, n = seq_span(CU, b, N, VARLEN)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = offs_d < D
@@ -69,18 +66,58 @@ def _channel_stats_kernel(
     tl.store(AMAX + b * sab + h * sah + offs_d * sad, amax + poison, mask=dmask)
 
 
-def channel_stats(
-    x: torch.Tensor, *, center: str, block: int = 0, seqs: Seqs | None = None
-) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """Triton twin of :func:`lowbit_attn.reference.quant.channel_stats` (equal to rounding: the
-    sums are taken in another order)."""
-    seqs = seqs or dense_seqs(x)
-    h, d = x.shape[1], x.shape[-1]
-    mode = CENTERS[center]
-    block_n = block if mode == 2 else 64
+@triton.jit
+def _channel_stats_kernel(
+    X0, MEAN0, AMAX0, CU0, sxb0, sxh0, sxn0, sxd0, smb0, smh0, smk0, smd0, sab0, sah0, sad0, N0, H0,
+    X1, MEAN1, AMAX1, CU1, sxb1, sxh1, sxn1, sxd1, smb1, smh1, smk1, smd1, sab1, sah1, sad1, N1, H1,
+    X2, MEAN2, AMAX2, CU2, sxb2, sxh2, sxn2, sxd2, smb2, smh2, smk2, smd2, sab2, sah2, sad2, N2, H2,
+    NB, D,
+    CENTER0: tl.constexpr, CENTER1: tl.constexpr, CENTER2: tl.constexpr,
+    BLOCK_N0: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_N2: tl.constexpr,
+    BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
+):
+    """Statistics of up to three tensors in one launch (``CENTERi`` -1: no tensor ``i``); program
+    ``pid`` of axis 0 runs (batch, head) ``pid`` of the first tensor, then of the second, ..."""
+    pid = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    n0 = NB * H0
+    n1 = NB * H1
+    if CENTER0 >= 0 and pid < n0:
+        b, h = batch_head(pid, H0)
+        _stats_program(X0, MEAN0, AMAX0, CU0, b, h, pid_d, sxb0, sxh0, sxn0, sxd0,
+                       smb0, smh0, smk0, smd0, sab0, sah0, sad0, N0, D,
+                       CENTER0, BLOCK_N0, BLOCK_D, VARLEN)
+    elif CENTER1 >= 0 and pid < n0 + n1:
+        b, h = batch_head(pid - n0, H1)
+        _stats_program(X1, MEAN1, AMAX1, CU1, b, h, pid_d, sxb1, sxh1, sxn1, sxd1,
+                       smb1, smh1, smk1, smd1, sab1, sah1, sad1, N1, D,
+                       CENTER1, BLOCK_N1, BLOCK_D, VARLEN)
+    elif CENTER2 >= 0:
+        b, h = batch_head(pid - n0 - n1, H2)
+        _stats_program(X2, MEAN2, AMAX2, CU2, b, h, pid_d, sxb2, sxh2, sxn2, sxd2,
+                       smb2, smh2, smk2, smd2, sab2, sah2, sad2, N2, D,
+                       CENTER2, BLOCK_N2, BLOCK_D, VARLEN)
+
+
+class StatsRequest(NamedTuple):
+    """One tensor whose channel statistics a launch computes (see :func:`channel_stats`)."""
+
+    x: torch.Tensor
+    center: str
+    block: int = 0
+    seqs: Seqs | None = None
+
+
+def _stats_args(req: StatsRequest | None):
+    """Buffers, kernel arguments and constexprs of one part of ``_channel_stats_kernel``."""
+    if req is None:
+        return None, (None, None, None, None, *(0,) * 11, 1, 0), -1, 64
+    seqs = req.seqs or dense_seqs(req.x)
+    x, h, d = req.x, req.x.shape[1], req.x.shape[-1]
+    mode = CENTERS[req.center]
     amax = torch.empty((seqs.batch, h, d), device=x.device, dtype=torch.float32)
     if mode == 2:
-        nb = triton.cdiv(seqs.max_len, block)
+        nb = triton.cdiv(seqs.max_len, req.block)
         mean = torch.zeros((seqs.batch, h, nb, d), device=x.device, dtype=torch.float32)
         mstrides = mean.stride()
     elif mode == 1:
@@ -89,110 +126,156 @@ def channel_stats(
     else:
         mean = None
         mstrides = (0, 0, 0, 0)
+    args = (x, mean, amax, seqs.cu_seqlens, *bhnd_strides(x, seqs.packed), *mstrides,
+            *amax.stride(), seqs.max_len, h)
+    return (mean, amax), args, mode, req.block if mode == 2 else 64
+
+
+def channel_stats_many(*requests: StatsRequest) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
+    """``(mean, amax)`` of one to three tensors (same batch, head dim and layout) in one launch."""
+    if not 1 <= len(requests) <= 3:
+        raise ValueError(f"channel_stats_many: 1 to 3 tensors, got {len(requests)}")
+    parts = [_stats_args(r) for r in requests] + [_stats_args(None)] * (3 - len(requests))
+    first = requests[0]
+    seqs = first.seqs or dense_seqs(first.x)
+    d = first.x.shape[-1]
+    assert all((r.seqs is not None and r.seqs.packed) == seqs.packed for r in requests[1:])
     block_d = min(32, next_pow2(d))
-    grid = (seqs.batch * h, triton.cdiv(d, block_d))
-    _channel_stats_kernel[grid](
-        x, mean, amax, seqs.cu_seqlens,
-        *bhnd_strides(x, seqs.packed), *mstrides, *amax.stride(),
-        seqs.max_len, h, d,
-        CENTER=mode, BLOCK_N=block_n, BLOCK_D=block_d, VARLEN=seqs.packed,
+    programs = sum(r.x.shape[1] for r in requests) * seqs.batch
+    _channel_stats_kernel[(programs, triton.cdiv(d, block_d))](
+        *parts[0][1], *parts[1][1], *parts[2][1], seqs.batch, d,
+        CENTER0=parts[0][2], CENTER1=parts[1][2], CENTER2=parts[2][2],
+        BLOCK_N0=parts[0][3], BLOCK_N1=parts[1][3], BLOCK_N2=parts[2][3],
+        BLOCK_D=block_d, VARLEN=seqs.packed,
     )
-    return mean, amax
+    return [p[0] for p in parts[: len(requests)]]
+
+
+def channel_stats(
+    x: torch.Tensor, *, center: str, block: int = 0, seqs: Seqs | None = None
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Triton twin of :func:`lowbit_attn.reference.quant.channel_stats` (equal to rounding: the
+    sums are taken in another order)."""
+    return channel_stats_many(StatsRequest(x, center, block, seqs))[0]
 
 
 @triton.jit
-def _balance_multiplier(AQ, AK, b, h, offs_d, D, saqb, saqh, sakb, sakh, GROUP,
-                        ROLE: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Per-channel balancing factor: ``α = sqrt(amax_k / max over the group's amax_q)`` for Q
-    (``ROLE`` 1, head ``h`` of Q) or ``1/α`` for K (``ROLE`` 2, head ``h`` of K); 1 where a side is
-    all zero; NaN statistics give NaN. Twin: ``reference.quant.balance_factors``."""
-    dmask = offs_d < D
-    if ROLE == 1:
-        hk = h // GROUP
-    else:
-        hk = h
-    ak = tl.load(AK + b * sakb + hk * sakh + offs_d, mask=dmask, other=1.0)
-    aq = tl.zeros([BLOCK_D], dtype=tl.float32)
-    poison = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for g in range(0, GROUP):
-        a = tl.load(AQ + b * saqb + (hk * GROUP + g) * saqh + offs_d, mask=dmask, other=1.0)
-        aq = tl.maximum(aq, a)
-        poison += a * 0.0  # a GPU max drops NaN; the sum keeps it
-    aq = aq + poison
-    alpha = tl.sqrt_rn(tl.div_rn(ak, aq))
-    alpha = tl.where((aq == 0.0) | (ak == 0.0), 1.0, alpha)
-    if ROLE == 2:
-        alpha = tl.div_rn(tl.full([BLOCK_D], 1.0, tl.float32), alpha)
-    return alpha
-
-
-@triton.jit
-def _load_centered(
-    X, CENTER_PTR, b, h, start, pid_n, n,
-    sxb, sxh, sxn, sxd, scb, sch, sck, scd, D,
-    CENTER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (rows < n)[:, None] & (offs_d < D)[None, :]
-    x = tl.load(
-        X + b * sxb + h * sxh + (start + rows)[:, None] * sxn + offs_d[None, :] * sxd,
-        mask=mask, other=0.0,
-    ).to(tl.float32)
-    if CENTER == 1:
-        c = tl.load(CENTER_PTR + b * scb + h * sch + offs_d * scd, mask=offs_d < D, other=0.0)
-        x = x - c[None, :]
-    elif CENTER == 2:
-        c = tl.load(
-            CENTER_PTR + b * scb + h * sch + pid_n * sck + offs_d * scd, mask=offs_d < D, other=0.0
-        )
-        x = x - c[None, :]
-    x = tl.where(mask, x, 0.0)
-    return x, rows, offs_d, mask
-
-
-@triton.jit
-def _quantize_int8_kernel(
-    X, OUT, SCALE, CENTER_PTR, AQ, AK, CU,
-    sxb, sxh, sxn, sxd,
-    sob, soh, son, sod,
-    ssb, ssh, ssn,
-    scb, sch, sck, scd,
-    saqb, saqh, sakb, sakh,
-    N, H, D, GROUP, scale_multiplier,
+def _int8_program(
+    X, OUT, SCALE, CENTER_PTR, AQ, AK, CU, pid_n, b, h,
+    sxb, sxh, sxn, sxd, sob, soh, son, sod, ssb, ssh, ssn, scb, sch, sck, scd,
+    saqb, saqh, sakb, sakh, N, D, GROUP, scale_multiplier,
     PER_TOKEN: tl.constexpr, CENTER: tl.constexpr, BALANCE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b, h = batch_head(pid_bh, H)
     start, n = seq_span(CU, b, N, VARLEN)
-    if pid_n * BLOCK_N >= n:
-        return
-    x, rows, offs_d, mask = _load_centered(
-        X, CENTER_PTR, b, h, start, pid_n, n,
-        sxb, sxh, sxn, sxd, scb, sch, sck, scd, D,
-        CENTER, BLOCK_N, BLOCK_D,
-    )
-    if BALANCE != 0:
-        mult = _balance_multiplier(AQ, AK, b, h, offs_d, D, saqb, saqh, sakb, sakh, GROUP,
-                                   BALANCE, BLOCK_D)
-        x = x * mult[None, :]
-    if PER_TOKEN:
-        amax = tl.max(tl.abs(x), axis=1) + tl.sum(x * 0.0, axis=1)
-        scale = amax * (1.0 / 127.0)
-        scale = tl.where(scale == 0.0, 1.0, scale)
-        q = to_int8(tl.div_rn(x, scale[:, None]))
-        tl.store(SCALE + b * ssb + h * ssh + (start + rows) * ssn, scale * scale_multiplier,
-                 mask=rows < n)
-    else:
-        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0) + tl.sum(tl.sum(x * 0.0, axis=1), axis=0)
-        scale = amax * (1.0 / 127.0)
-        scale = tl.where(scale == 0.0, 1.0, scale)
-        q = to_int8(tl.div_rn(x, scale))
-        tl.store(SCALE + b * ssb + h * ssh + pid_n * ssn, scale * scale_multiplier)
-    tl.store(OUT + b * sob + h * soh + (start + rows)[:, None] * son + offs_d[None, :] * sod, q,
-             mask=mask)
+    if pid_n * BLOCK_N < n:
+        q, scale, rows, offs_d, mask = quantize_int8_tile(
+            X, CENTER_PTR, AQ, AK, b, h, start, pid_n, n,
+            sxb, sxh, sxn, sxd, scb, sch, sck, scd, saqb, saqh, sakb, sakh, D, GROUP,
+            PER_TOKEN, CENTER, BALANCE, BLOCK_N, BLOCK_D,
+        )
+        if PER_TOKEN:
+            tl.store(SCALE + b * ssb + h * ssh + (start + rows) * ssn, scale * scale_multiplier,
+                     mask=rows < n)
+        else:
+            tl.store(SCALE + b * ssb + h * ssh + pid_n * ssn, scale * scale_multiplier)
+        tl.store(OUT + b * sob + h * soh + (start + rows)[:, None] * son + offs_d[None, :] * sod,
+                 q, mask=mask)
+
+
+@triton.jit
+def _convert_v_program(
+    X, OUT, CENTER_PTR, AMAX, SCALE, CU, pid_n, b, h,
+    sxb, sxh, sxn, sxd, sob, soh, son, sod, scb, sch, scd, N, D,
+    FP8: tl.constexpr, CENTER: tl.constexpr, EXACT_FP8: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
+):
+    start, n = seq_span(CU, b, N, VARLEN)
+    if pid_n * BLOCK_N < n:
+        x, rows, offs_d, mask = load_centered(
+            X, CENTER_PTR, b, h, start, pid_n, n,
+            sxb, sxh, sxn, sxd, scb, sch, 0, scd, D,
+            CENTER, BLOCK_N, BLOCK_D,
+        )
+        if FP8:
+            amax = tl.load(AMAX + b * scb + h * sch + offs_d * scd, mask=offs_d < D, other=0.0)
+            s = amax * (1.0 / 448.0)
+            s = tl.where(s == 0.0, 1.0, s)
+            if pid_n == 0:
+                tl.store(SCALE + b * scb + h * sch + offs_d * scd, s, mask=offs_d < D)
+            y = to_e4m3(tl.div_rn(x, s[None, :]), EXACT_FP8)
+        else:
+            y = x.to(tl.float16)
+        tl.store(OUT + b * sob + h * soh + (start + rows)[:, None] * son + offs_d[None, :] * sod,
+                 y, mask=mask)
+
+
+@triton.jit
+def _quantize_kernel(
+    X, OUT, SCALE, CENTER_PTR, AQ, AK,
+    sxb, sxh, sxn, sxd, sob, soh, son, sod, ssb, ssh, ssn, scb, sch, sck, scd,
+    saqb, saqh, sakb, sakh, H, GROUP, scale_multiplier,
+    VX, VOUT, VCENTER, VAMAX, VSCALE,
+    svxb, svxh, svxn, svxd, svob, svoh, svon, svod, svcb, svch, svcd, HV,
+    CU, N, D,
+    HAS_INT8: tl.constexpr, PER_TOKEN: tl.constexpr, CENTER: tl.constexpr,
+    BALANCE: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_V: tl.constexpr, FP8: tl.constexpr, V_CENTER: tl.constexpr, EXACT_FP8: tl.constexpr,
+    V_BLOCK_N: tl.constexpr, OWN_STATS: tl.constexpr,
+    BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
+):
+    """INT8 quantization of one tensor (Q or K) and/or V's conversion, in one launch: programs
+    ``(pid_n, pid)`` of axis 1 run (batch, head) ``pid`` of the INT8 tensor, then of V.
+
+    ``OWN_STATS``: one program per (batch, head) and tensor (axis 0 has one program), which first
+    computes the channel statistics its quantization needs (stored, for the later stages), then
+    quantizes the whole sequence, reading it a second time (from L2 when it still holds it)."""
+    pid = tl.program_id(1)
+    n_int8 = 0
+    if HAS_INT8:
+        n_int8 = H * (tl.num_programs(1) // (H + HV))
+    if HAS_INT8 and pid < n_int8:
+        b, h = batch_head(pid, H)
+        if OWN_STATS:
+            _stats_program(X, CENTER_PTR, AK, CU, b, h, 0, sxb, sxh, sxn, sxd,
+                           scb, sch, 0, scd, sakb, sakh, 1, N, D, CENTER, 64, BLOCK_D, VARLEN)
+            tl.debug_barrier()  # the statistics are read back by every thread
+            _, n = seq_span(CU, b, N, VARLEN)
+            for pid_n in range(0, tl.cdiv(n, BLOCK_N)):
+                _int8_program(
+                    X, OUT, SCALE, CENTER_PTR, AQ, AK, CU, pid_n, b, h,
+                    sxb, sxh, sxn, sxd, sob, soh, son, sod, ssb, ssh, ssn, scb, sch, sck, scd,
+                    saqb, saqh, sakb, sakh, N, D, GROUP, scale_multiplier,
+                    PER_TOKEN, CENTER, BALANCE, BLOCK_N, BLOCK_D, VARLEN,
+                )
+        else:
+            _int8_program(
+                X, OUT, SCALE, CENTER_PTR, AQ, AK, CU, tl.program_id(0), b, h,
+                sxb, sxh, sxn, sxd, sob, soh, son, sod, ssb, ssh, ssn, scb, sch, sck, scd,
+                saqb, saqh, sakb, sakh, N, D, GROUP, scale_multiplier,
+                PER_TOKEN, CENTER, BALANCE, BLOCK_N, BLOCK_D, VARLEN,
+            )
+    elif HAS_V:
+        b, h = batch_head(pid - n_int8, HV)
+        if OWN_STATS:
+            if FP8 or V_CENTER == 1:
+                _stats_program(VX, VCENTER, VAMAX, CU, b, h, 0, svxb, svxh, svxn, svxd,
+                               svcb, svch, 0, svcd, svcb, svch, svcd, N, D, V_CENTER, 64, BLOCK_D,
+                               VARLEN)
+                tl.debug_barrier()
+            _, n = seq_span(CU, b, N, VARLEN)
+            for pid_n in range(0, tl.cdiv(n, V_BLOCK_N)):
+                _convert_v_program(
+                    VX, VOUT, VCENTER, VAMAX, VSCALE, CU, pid_n, b, h,
+                    svxb, svxh, svxn, svxd, svob, svoh, svon, svod, svcb, svch, svcd, N, D,
+                    FP8, V_CENTER, EXACT_FP8, V_BLOCK_N, BLOCK_D, VARLEN,
+                )
+        else:
+            _convert_v_program(
+                VX, VOUT, VCENTER, VAMAX, VSCALE, CU, tl.program_id(0), b, h,
+                svxb, svxh, svxn, svxd, svob, svoh, svon, svod, svcb, svch, svcd, N, D,
+                FP8, V_CENTER, EXACT_FP8, V_BLOCK_N, BLOCK_D, VARLEN,
+            )
 
 
 def _warps(rows: int, d: int) -> int:
@@ -219,45 +302,6 @@ def _center_strides(center, center_per_block):
     return (center.stride(0), center.stride(1), 0, center.stride(2))
 
 
-def quantize_int8(
-    x: torch.Tensor,
-    *,
-    granularity: str,
-    block: int,
-    center: torch.Tensor | None = None,
-    center_per_block: bool = False,
-    balance: tuple[torch.Tensor, torch.Tensor] | None = None,
-    balance_role: str = "q",
-    scale_multiplier: float = 1.0,
-    seqs: Seqs | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton twin of :func:`lowbit_attn.reference.quant.quantize_int8` (bit-identical)."""
-    seqs = seqs or dense_seqs(x)
-    h, d = x.shape[1], x.shape[-1]
-    out = _new_like_layout(x, seqs, torch.int8)
-    per_token = granularity == "per_token"
-    if per_token:
-        scale = _per_token_vector(x, seqs)
-    else:  # blocks past a short sequence's end stay unwritten; the attention never reads them
-        scale = torch.empty((seqs.batch, h, triton.cdiv(seqs.max_len, block)), device=x.device)
-    mode = 0 if center is None else (2 if center_per_block else 1)
-    amax_q, amax_k = balance if balance is not None else (None, None)
-    group = amax_q.shape[1] // amax_k.shape[1] if balance is not None else 1
-    grid = (triton.cdiv(seqs.max_len, block), seqs.batch * h)
-    _quantize_int8_kernel[grid](
-        x, out, scale, center, amax_q, amax_k, seqs.cu_seqlens,
-        *bhnd_strides(x, seqs.packed), *bhnd_strides(out, seqs.packed),
-        *row_strides(scale, seqs.packed and per_token),
-        *_center_strides(center, center_per_block),
-        *_channel_vector_strides(amax_q), *_channel_vector_strides(amax_k),
-        seqs.max_len, h, d, group, float(scale_multiplier),
-        PER_TOKEN=per_token, CENTER=mode,
-        BALANCE=0 if balance is None else (1 if balance_role == "q" else 2),
-        BLOCK_N=block, BLOCK_D=next_pow2(d), VARLEN=seqs.packed, num_warps=_warps(block, d),
-    )
-    return out, scale
-
-
 def _channel_vector_strides(vec: torch.Tensor | None) -> tuple[int, int]:
     """(batch, head) strides of a contiguous ``[B, H, D]`` statistics vector."""
     if vec is None:
@@ -266,54 +310,92 @@ def _channel_vector_strides(vec: torch.Tensor | None) -> tuple[int, int]:
     return (vec.stride(0), vec.stride(1))
 
 
-@triton.jit
-def _convert_v_kernel(
-    X, OUT, CENTER_PTR, AMAX, SCALE, CU,
-    sxb, sxh, sxn, sxd,
-    sob, soh, son, sod,
-    scb, sch, scd,
-    N, H, D,
-    FP8: tl.constexpr, CENTER: tl.constexpr, EXACT_FP8: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
-):
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b, h = batch_head(pid_bh, H)
-    start, n = seq_span(CU, b, N, VARLEN)
-    if pid_n * BLOCK_N >= n:
-        return
-    x, rows, offs_d, mask = _load_centered(
-        X, CENTER_PTR, b, h, start, pid_n, n,
-        sxb, sxh, sxn, sxd, scb, sch, 0, scd, D,
-        CENTER, BLOCK_N, BLOCK_D,
+class Int8Request(NamedTuple):
+    """Q or K to quantize to INT8 (see :func:`quantize_int8`). ``own_stats`` (``"mean"`` or
+    ``"none"``, K only): the launch computes K's channel statistics itself, centering on the mean
+    or not; ``center`` is then ignored and ``balance`` holds ``(amax_q, None)``."""
+
+    x: torch.Tensor
+    granularity: str
+    block: int
+    center: torch.Tensor | None = None
+    center_per_block: bool = False
+    balance: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    balance_role: str = "q"
+    scale_multiplier: float = 1.0
+    own_stats: str | None = None
+
+
+class VRequest(NamedTuple):
+    """V to convert for P·V (see :func:`convert_v`). ``own_stats`` (``"mean"`` or ``"none"``): the
+    launch computes V's statistics itself; ``center`` and ``amax`` are then ignored."""
+
+    x: torch.Tensor
+    pv: str
+    center: torch.Tensor | None = None
+    amax: torch.Tensor | None = None
+    own_stats: str | None = None
+
+
+def _stats_buffers(x: torch.Tensor, seqs: Seqs, center: str):
+    """``(mean or None, amax)`` fp32 ``[B, H, D]`` buffers for statistics a launch computes."""
+    shape = (seqs.batch, x.shape[1], x.shape[-1])
+    mean = torch.empty(shape, device=x.device, dtype=torch.float32) if center == "mean" else None
+    return mean, torch.empty(shape, device=x.device, dtype=torch.float32)
+
+
+def _int8_part(req: Int8Request | None, seqs: Seqs):
+    """Outputs, kernel arguments and constexprs of the INT8 part of ``_quantize_kernel``."""
+    if req is None:
+        return None, (None,) * 6 + (0,) * 20 + (1, 1.0), dict(
+            HAS_INT8=False, PER_TOKEN=False, CENTER=0, BALANCE=0, BLOCK_N=64)
+    stats = None
+    if req.own_stats is not None:
+        if req.center_per_block:
+            raise ValueError("own_stats computes per-sequence statistics, not block means")
+        mean, amax = stats = _stats_buffers(req.x, seqs, req.own_stats)
+        balance = (req.balance[0], amax) if req.balance is not None else None
+        req = req._replace(center=mean, balance=balance)
+    x, h = req.x, req.x.shape[1]
+    out = _new_like_layout(x, seqs, torch.int8)
+    per_token = req.granularity == "per_token"
+    if per_token:
+        scale = _per_token_vector(x, seqs)
+    else:  # blocks past a short sequence's end stay unwritten; the attention never reads them
+        scale = torch.empty((seqs.batch, h, triton.cdiv(seqs.max_len, req.block)),
+                            device=x.device)
+    mode = 0 if req.center is None else (2 if req.center_per_block else 1)
+    amax_q, amax_k = req.balance if req.balance is not None else (None, None)
+    group = amax_q.shape[1] // amax_k.shape[1] if req.balance is not None else 1
+    if stats is not None and amax_k is None:
+        amax_k = stats[1]  # where the launch stores K's amax
+    args = (
+        x, out, scale, req.center, amax_q, amax_k,
+        *bhnd_strides(x, seqs.packed), *bhnd_strides(out, seqs.packed),
+        *row_strides(scale, seqs.packed and per_token),
+        *_center_strides(req.center, req.center_per_block),
+        *_channel_vector_strides(amax_q), *_channel_vector_strides(amax_k),
+        h, group, float(req.scale_multiplier),
     )
-    if FP8:
-        amax = tl.load(AMAX + b * scb + h * sch + offs_d * scd, mask=offs_d < D, other=0.0)
-        s = amax * (1.0 / 448.0)
-        s = tl.where(s == 0.0, 1.0, s)
-        if pid_n == 0:
-            tl.store(SCALE + b * scb + h * sch + offs_d * scd, s, mask=offs_d < D)
-        y = to_e4m3(tl.div_rn(x, s[None, :]), EXACT_FP8)
-    else:
-        y = x.to(tl.float16)
-    tl.store(OUT + b * sob + h * soh + (start + rows)[:, None] * son + offs_d[None, :] * sod, y,
-             mask=mask)
+    constexprs = dict(
+        HAS_INT8=True, PER_TOKEN=per_token, CENTER=mode,
+        BALANCE=0 if req.balance is None else (1 if req.balance_role == "q" else 2),
+        BLOCK_N=req.block,
+    )
+    return (out, scale, stats), args, constexprs
 
 
-def convert_v(
-    x: torch.Tensor,
-    *,
-    pv: str,
-    center: torch.Tensor | None = None,
-    amax: torch.Tensor | None = None,
-    seqs: Seqs | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Triton twin of :func:`lowbit_attn.reference.quant.convert_v` (bit-identical). The E4M3
-    values are stored token-contiguous (``[B, H, D, N']``, returned as a transposed view), the
-    operand order FP8 tensor cores need."""
-    seqs = seqs or dense_seqs(x)
-    h, d = x.shape[1], x.shape[-1]
-    if pv == "fp8":
+def _v_part(req: VRequest | None, seqs: Seqs):
+    """Outputs, kernel arguments and constexprs of the V part of ``_quantize_kernel``."""
+    if req is None:
+        return None, (None,) * 5 + (0,) * 12, dict(HAS_V=False, FP8=False, V_CENTER=0,
+                                                   V_BLOCK_N=64)
+    stats = None
+    if req.own_stats is not None:
+        mean, amax = stats = _stats_buffers(req.x, seqs, req.own_stats)
+        req = req._replace(center=mean, amax=amax)
+    x, h, d = req.x, req.x.shape[1], req.x.shape[-1]
+    if req.pv == "fp8":
         if seqs.packed:
             total = x.shape[0]
             buf = torch.empty((h, d, triton.cdiv(total, 16) * 16), device=x.device,
@@ -327,20 +409,79 @@ def convert_v(
     else:
         out = _new_like_layout(x, seqs, torch.float16)
         scale = None
-    block_n = 64
-    grid = (triton.cdiv(seqs.max_len, block_n), seqs.batch * h)
     # center, amax and scale are contiguous [B, H, D] channel vectors: one set of strides.
-    cstr = (h * d, d, 1)
-    for vec in (center, amax):
+    for vec in (req.center, req.amax):
         assert vec is None or (vec.is_contiguous() and vec.shape == (seqs.batch, h, d))
-    _convert_v_kernel[grid](
-        x, out, center, amax, scale, seqs.cu_seqlens,
-        *bhnd_strides(x, seqs.packed), *bhnd_strides(out, seqs.packed), *cstr,
-        seqs.max_len, h, d,
-        FP8=pv == "fp8", CENTER=0 if center is None else 1, EXACT_FP8=exact_fp8(),
-        BLOCK_N=block_n, BLOCK_D=next_pow2(d), VARLEN=seqs.packed, num_warps=_warps(block_n, d),
+    args = (x, out, req.center, req.amax, scale,
+            *bhnd_strides(x, seqs.packed), *bhnd_strides(out, seqs.packed), h * d, d, 1, h)
+    constexprs = dict(HAS_V=True, FP8=req.pv == "fp8", V_CENTER=0 if req.center is None else 1,
+                      V_BLOCK_N=64)
+    return (out, scale, stats), args, constexprs
+
+
+def quantize(
+    int8: Int8Request | None = None, v: VRequest | None = None, *, seqs: Seqs | None = None
+) -> tuple:
+    """Quantize a tensor to INT8 and/or convert V, in one launch (``seqs``: both tensors' common
+    sequences). Returns ``(values, scale, stats)`` for each (``None`` when not asked); ``stats`` is
+    ``(mean, amax)`` when the request asked the launch to compute them (``own_stats``; then both
+    requests must), else ``None``."""
+    first = int8.x if int8 is not None else v.x
+    seqs = seqs or dense_seqs(first)
+    own = {r.own_stats is not None for r in (int8, v) if r is not None}
+    if len(own) != 1:
+        raise ValueError("own_stats must be set on both requests of a launch or on neither")
+    own_stats = own.pop()
+    outs_i, args_i, const_i = _int8_part(int8, seqs)
+    outs_v, args_v, const_v = _v_part(v, seqs)
+    heads_i = int8.x.shape[1] if int8 is not None else 0
+    heads_v = v.x.shape[1] if v is not None else 0
+    rows = max(const_i["BLOCK_N"] if int8 is not None else 1,
+               const_v["V_BLOCK_N"] if v is not None else 1)
+    d = first.shape[-1]
+    if own_stats:
+        rows = max(rows, 64)  # the statistics loop's tile
+        blocks = 1
+    else:
+        blocks = triton.cdiv(seqs.max_len, min(const_i["BLOCK_N"], const_v["V_BLOCK_N"]))
+    _quantize_kernel[(blocks, seqs.batch * (heads_i + heads_v))](
+        *args_i, *args_v, seqs.cu_seqlens, seqs.max_len, d,
+        **const_i, **const_v, OWN_STATS=own_stats, EXACT_FP8=exact_fp8(), BLOCK_D=next_pow2(d),
+        VARLEN=seqs.packed, num_warps=_warps(rows, d),
     )
-    return out, scale
+    return outs_i, outs_v
+
+
+def quantize_int8(
+    x: torch.Tensor,
+    *,
+    granularity: str,
+    block: int,
+    center: torch.Tensor | None = None,
+    center_per_block: bool = False,
+    balance: tuple[torch.Tensor, torch.Tensor] | None = None,
+    balance_role: str = "q",
+    scale_multiplier: float = 1.0,
+    seqs: Seqs | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of :func:`lowbit_attn.reference.quant.quantize_int8` (bit-identical)."""
+    req = Int8Request(x, granularity, block, center, center_per_block, balance, balance_role,
+                      scale_multiplier)
+    return quantize(req, seqs=seqs)[0][:2]
+
+
+def convert_v(
+    x: torch.Tensor,
+    *,
+    pv: str,
+    center: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
+    seqs: Seqs | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Triton twin of :func:`lowbit_attn.reference.quant.convert_v` (bit-identical). The E4M3
+    values are stored token-contiguous (``[B, H, D, N']``, returned as a transposed view), the
+    operand order FP8 tensor cores need."""
+    return quantize(v=VRequest(x, pv, center, amax), seqs=seqs)[1][:2]
 
 
 @triton.heuristics({"HAS_KMEAN": lambda args: args["KMEAN"] is not None})
@@ -448,5 +589,6 @@ def lse_shift(
 
 
 __all__ = [
-    "Seqs", "channel_stats", "quantize_int8", "convert_v", "delta_s", "lse_shift",
+    "Seqs", "StatsRequest", "Int8Request", "VRequest", "channel_stats", "channel_stats_many",
+    "quantize", "quantize_int8", "convert_v", "delta_s", "lse_shift",
 ]

@@ -14,7 +14,8 @@ from ..checks import fp4_amax
 from ..quantized import FP4_GROUP, padded_head_dim
 from .common import batch_head
 from .fp4 import nvfp4_global_from_amax, quantize_groups
-from .quantize import _center_strides, _load_centered
+from .quantize import _center_strides
+from .quantize_tile import load_centered
 
 
 @triton.jit
@@ -46,7 +47,7 @@ def _quantize_fp4_kernel(
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b, h = batch_head(pid_bh, H)
-    x, rows, _, _ = _load_centered(
+    x, rows, _, _ = load_centered(
         X, CENTER_PTR, b, h, b * 0, pid_n, N,
         sxb, sxh, sxn, sxd, scb, sch, sck, scd, D,
         CENTER, BLOCK_N, BLOCK_D,

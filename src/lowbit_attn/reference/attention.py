@@ -110,7 +110,10 @@ def quantized_attention(
         stop = min(start + block_k, nk)
         # int8 products summed in fp32 are exact: |sum| <= 127² · D < 2^24.
         s_int = torch.matmul(qf, kf[:, :, start:stop].transpose(-1, -2))
-        s = s_int * (q_scale.unsqueeze(-1) * k_scale[:, :, None, start:stop])
+        if granularity == "per_block":
+            s = s_int * (q_scale.unsqueeze(-1) * k_scale[:, :, None, start:stop])
+        else:  # the kernels' order: the key scale first, then the query row's (see there)
+            s = (s_int * k_scale[:, :, None, start:stop]) * q_scale.unsqueeze(-1)
         if delta is not None:
             s = s + delta[..., start:stop]
         mask = visible(nq, nk, causal_offset, dev, rows=rows, cols=torch.arange(start, stop, device=dev))
