@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import os
 import sys
 from pathlib import Path
@@ -32,7 +31,9 @@ try:
 except ImportError:  # a source checkout that is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import lowbit_attn
-from lowbit_attn.benchmark import make_inputs, make_metadata, peak_extra_mib, slug, timer_for
+from lowbit_attn.benchmark import (
+    make_inputs, make_metadata, peak_extra_mib, save_script_results, timer_for,
+)
 from lowbit_attn.metrics import errors
 
 TOKENS = 16384
@@ -214,12 +215,7 @@ def main(argv=None) -> int:
     rows = run(dims, ns, (False, True), methods, device=device, timer=timer)
     results = {**meta, "rows": rows}
     table = markdown(rows)
-    for out in args.out:
-        path = Path(out)
-        path.mkdir(parents=True, exist_ok=True)
-        stem = f"train-{slug(meta['device_name'])}-{meta['date']}"
-        (path / f"{stem}.json").write_text(json.dumps(results, indent=1, default=str))
-        (path / f"{stem}.md").write_text(table + "\n")
+    save_script_results(args.out, "train", results, table)
     print(table)
     return 0 if all(r["status"] == "ok" for r in rows if not r["method"].startswith("sdpa")) else 1
 

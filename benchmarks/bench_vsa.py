@@ -15,7 +15,6 @@ times the PyTorch path on a tiny grid and says so.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -28,7 +27,7 @@ except ImportError:  # a source checkout that is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import lowbit_attn
 from lowbit_attn import vsa
-from lowbit_attn.benchmark import make_metadata, peak_extra_mib, slug, timer_for
+from lowbit_attn.benchmark import make_metadata, peak_extra_mib, save_script_results, timer_for
 from lowbit_attn.tiles import tile_layout
 
 
@@ -123,12 +122,7 @@ def main(argv=None) -> int:
         mem = "" if r["peak_extra_mib"] is None else f"{r['peak_extra_mib']:.0f}"
         lines.append(f"{head} {r['ms']:.3f} | {r['tops']:.0f} | {speed} | {mem} |")
     table = "\n".join(lines)
-    for out in args.out:
-        path = Path(out)
-        path.mkdir(parents=True, exist_ok=True)
-        stem = f"vsa-{slug(meta['device_name'])}-{meta['date']}"
-        (path / f"{stem}.json").write_text(json.dumps({**meta, "rows": rows}, indent=1, default=str))
-        (path / f"{stem}.md").write_text(table + "\n")
+    save_script_results(args.out, "vsa", {**meta, "rows": rows}, table)
     print(table)
     return 0 if all(r["status"] == "ok" for r in rows if r["method"].startswith("vsa")) else 1
 

@@ -3,12 +3,15 @@
 # environment report, GPU correctness tests (pytest -m gpu), then the full benchmark of
 # DESIGN.md ("Benchmark protocol"), its short table printed last.
 #
-#   bash benchmarks/run_on_gpu.sh [all|tests|bench|quick|fp4|train|vsa]      (default: all)
+#   bash benchmarks/run_on_gpu.sh [all|tests|bench|quick|fp4|train|vsa|hopper]      (default: all)
 #
 # fp4: the FP4 recipes alone (GPU tests -k fp4, then a quick benchmark of qk_fp4_pv_fp4 and
 # qk_mxfp4_pv_mxfp4 against SDPA cuDNN): emulated on Hopper, native on Blackwell.
 # train: the trainable attention (GPU tests -k trainable, then benchmarks/bench_train.py: forward +
 # backward against SDPA flash and cuDNN, with peak memory and gradient cosines).
+# hopper: the INT8/FP8 forward's speed work (GPU tests -k attention, then benchmarks/bench_hopper.py:
+# every autotuning candidate, Q quantized in the kernel or in a pass, the two stages apart, against
+# SDPA cuDNN bf16 at D=64,128, N=1k,8k,16k, causal and not; HOPPER_ARGS adds options, e.g. --quick).
 # vsa: video sparse attention (GPU tests -k vsa, then benchmarks/bench_vsa.py: T=16, H=W=48, D=128,
 # sparsities 50–95 % against SDPA cuDNN dense, and the fine kernel's FLOP rate).
 #
@@ -103,6 +106,7 @@ fi
 # One feature's GPU tests (pytest -m gpu -k FILTER), then its benchmark script, in one stage.
 tests_then_bench() {
     local name="$1" filter="$2" script="$3"
+    shift 3  # the rest: options for the script
     log "$name GPU tests: pytest -m gpu -k $filter"
     timeout "$TEST_TIMEOUT" "$PY" -m pytest -m gpu -k "$filter" -q -p no:cacheprovider \
         >"$OUT/pytest-gpu-$filter.log" 2>&1
@@ -113,7 +117,7 @@ tests_then_bench() {
     if "$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
         outs+=(--out benchmarks/results)  # kernel results only, never CPU timings
     fi
-    timeout $((TOTAL_BUDGET - SECONDS - 10)) "$PY" "$script" "${outs[@]}" \
+    timeout $((TOTAL_BUDGET - SECONDS - 10)) "$PY" "$script" "${outs[@]}" "$@" \
         >"$OUT/bench-$filter-table.md" 2>"$OUT/bench-$filter.log"
     rc_bench=$?
     tail -n 40 "$OUT/bench-$filter.log"
@@ -124,6 +128,9 @@ tests_then_bench() {
 
 [[ "$STAGE" == train ]] && tests_then_bench "trainable attention" trainable benchmarks/bench_train.py
 [[ "$STAGE" == vsa ]] && tests_then_bench "video sparse attention" vsa benchmarks/bench_vsa.py
+# shellcheck disable=SC2086  # HOPPER_ARGS: options split on spaces
+[[ "$STAGE" == hopper ]] && tests_then_bench "Hopper speed" attention benchmarks/bench_hopper.py \
+    --time-budget $((TOTAL_BUDGET - SECONDS - TEST_TIMEOUT - 40)) ${HOPPER_ARGS:-}
 
 rc_bench=0
 if [[ "$STAGE" == all || "$STAGE" == bench || "$STAGE" == quick ]]; then
