@@ -9,7 +9,8 @@ end, with each output checked against SDPA flash fp16 (cosine, relative L1).
 
 Rows per (D, N, causal): ``sdpa_cudnn_bf16``; ``ours`` (``qk_int8_pv_fp8`` as users call it:
 autotuned, the default options); ``ours q=kernel`` (``LOWBIT_ATTN_Q_QUANT=kernel``), ``ours
-kv=program`` (``LOWBIT_ATTN_KV_STATS=program``) and both; ``ours cfg=…`` (the autotuner's
+kv=program`` (``LOWBIT_ATTN_KV_STATS=program``) and both; ``ours block_k=128`` (128-key blocks:
+fewer instructions per score, NOTES §10); ``ours cfg=…`` (the autotuner's
 candidates one at a time: warps, stages, plain or pipelined loop); ``prepare`` and ``attention``
 (the two stages of ``ours`` timed apart), and ``prepare kv=program``. The last table says, per
 configuration, where ``ours`` stands against the issue's bars (1.25× cuDNN at D=128, N ≥ 8k;
@@ -199,6 +200,10 @@ def main(argv=None) -> int:
                 with env("LOWBIT_ATTN_KV_STATS", "program"):
                     prepare, _ = stage_fns(q, k, v, causal)
                     record(base, "prepare kv=program", prepare)
+                wide = get_recipe(RECIPE).replace(block_k=128)  # per-token: any key block fits
+                record(base, "ours block_k=128", lambda: lowbit_attn.attention(
+                    q, k, v, recipe=wide, is_causal=causal), ref)
+                rows[-1]["autotune"] = bm._autotune_choice()
                 for config in candidates(cuda, d):
                     with forced(config):
                         record(base, f"ours cfg={describe(config)}", ours, ref)

@@ -126,19 +126,24 @@ def test_hopper_uses_wgmma_for_both_products_without_spills(compiled, recipe, pv
 
 
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("recipe", ["qk_int8_pv_fp8", "qk_int8_pv_fp16"])
-@pytest.mark.parametrize("granularity", ["per_token", "per_block"])
-def test_every_hopper_candidate_of_the_default_path_fits_in_registers(recipe, granularity, d):
+@pytest.mark.parametrize("recipe,granularity,block_k", [
+    ("qk_int8_pv_fp8", "per_token", 64), ("qk_int8_pv_fp8", "per_block", 64),
+    ("qk_int8_pv_fp16", "per_token", 64), ("qk_int8_pv_fp16", "per_block", 64),
+    ("qk_int8_pv_fp8", "per_token", 128),
+])
+def test_every_hopper_candidate_fits_in_registers(recipe, granularity, block_k, d):
     """Each autotuning candidate on sm_90a (plain and pipelined loops, 2–4 stages) that the
-    autotuner tries at this head dim, on the default path: wgmma for both products, no spills."""
-    r8 = get_recipe(recipe).replace(granularity=granularity)
+    autotuner tries at this head dim and key block: wgmma for both products, no spills."""
+    r8 = get_recipe(recipe).replace(granularity=granularity, block_k=block_k)
     attention = aot.record_launches(r8, head_dim=d)[-1]
     candidates = attn_fwd_int8.CONFIGS["sm_90"]
-    tried = [i for i, c in enumerate(candidates) if attn_fwd_int8.fits(c.num_warps, d)]
-    assert any(candidates[i].kwargs["PIPELINE"] for i in tried)
+    tried = [i for i, c in enumerate(candidates)
+             if attn_fwd_int8.fits(c.num_warps, d, block_k, c.kwargs["PIPELINE"])]
+    assert any(candidates[i].kwargs["PIPELINE"] for i in tried) == (block_k * d <= 8192)
     for config in tried:
         r = aot.compile_launch(attention, "sm_90a", config=config)
-        assert r.ok and r.instructions.get(INT8_WGMMA, 0) > 0, describe(r)
+        assert r.ok and any(f.startswith("wgmma") and f.endswith("s32.s8.s8")
+                            for f in r.instructions), describe(r)
         assert r.spill_stores == 0 and r.spill_loads == 0, (config, describe(r))
 
 

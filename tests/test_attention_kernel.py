@@ -63,6 +63,7 @@ def test_kernel_matches_reference_on_the_same_quantized_inputs(b, hq, hkv, nq, n
         pytest.param({"smooth_q": True, "smooth_v": True}, id="smooth_qv"),
         pytest.param({"smooth_k": False, "balance_qk": False}, id="no_smoothing"),
         pytest.param({"block_q": 64, "block_k": 32, "granularity": "per_block"}, id="blocks64x32"),
+        pytest.param({"block_k": 128}, id="block_k128"),
     ],
 )
 def test_public_call_triton_equals_reference(name, options, monkeypatch):

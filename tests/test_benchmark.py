@@ -370,7 +370,8 @@ def test_hopper_benchmark_runs_every_variant_on_the_interpreter(tmp_path, monkey
     rows = json.loads(result.read_text())["rows"]
     methods = {r["method"] for r in rows}
     assert methods >= {"sdpa_cudnn_bf16", "ours", "ours q=kernel", "ours kv=program",
-                       "ours q=kernel kv=program", "prepare", "prepare kv=program",
+                       "ours q=kernel kv=program", "ours block_k=128", "prepare",
+                       "prepare kv=program",
                        "attention", "ours cfg=4w1s-plain", "ours cfg=4w1s-pipelined"}
     assert all(r["status"] == "ok" for r in rows)
     assert all(r["cosine"] > 0.998 for r in rows if not r["method"].startswith("prepare"))

@@ -251,15 +251,19 @@ def _attn_fwd_int8_kernel(
                   m_i, l_i, offset, mmask, HAS_LSH)
 
 
-def fits(num_warps: int, block_d: int) -> bool:
-    """Whether a candidate keeps a 128-row tile in registers: 4 warps at D > 64 spill about 1 KB per
-    thread (ptxas -v, sm_80 to sm_90a); the autotuner does not try them."""
-    return num_warps >= 8 or block_d <= 64
+def fits(num_warps: int, block_d: int, block_n: int = 64, pipeline: bool = False) -> bool:
+    """Whether a candidate keeps its tiles in registers (ptxas -v, sm_80 to sm_90a): 4 warps at
+    D > 64 spill about 1 KB per thread, and the pipelined loop's second score tile spills from
+    128×128 keys × channels (304 bytes at D=128, block_k=128). The autotuner does not try them."""
+    return (num_warps >= 8 or block_d <= 64) and not (pipeline and block_n * block_d > 8192)
 
 
 def _prune(configs, named_args, **kwargs):
     block_d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
-    return [c for c in configs if fits(c.num_warps, block_d)] or configs
+    block_n = kwargs.get("BLOCK_N", named_args.get("BLOCK_N"))
+    kept = [c for c in configs
+            if fits(c.num_warps, block_d, block_n, bool(c.kwargs.get("PIPELINE")))]
+    return kept or configs
 
 
 _attn_fwd_int8 = triton.autotune(
