@@ -9,7 +9,7 @@
 # qk_mxfp4_pv_mxfp4 against SDPA cuDNN): emulated on Hopper, native on Blackwell.
 # train: the trainable attention (GPU tests -k trainable, then benchmarks/bench_train.py: forward +
 # backward against SDPA flash and cuDNN, with peak memory and gradient cosines).
-# hopper: the INT8/FP8 forward's speed work (GPU tests -k attention, then benchmarks/bench_hopper.py:
+# hopper: the INT8/FP8 forward's speed work (the 8-bit forward's GPU tests, then bench_hopper.py:
 # every autotuning candidate, Q quantized in the kernel or in a pass, the two stages apart, against
 # SDPA cuDNN bf16 at D=64,128, N=1k,8k,16k, causal and not; HOPPER_ARGS adds options, e.g. --quick).
 # vsa: video sparse attention (GPU tests -k vsa, then benchmarks/bench_vsa.py: T=16, H=W=48, D=128,
@@ -107,29 +107,32 @@ fi
 tests_then_bench() {
     local name="$1" filter="$2" script="$3"
     shift 3  # the rest: options for the script
-    log "$name GPU tests: pytest -m gpu -k $filter"
+    local tag
+    tag="$(basename "$script" .py)"  # in the log and table file names
+    log "$name GPU tests: pytest -m gpu -k \"$filter\""
     timeout "$TEST_TIMEOUT" "$PY" -m pytest -m gpu -k "$filter" -q -p no:cacheprovider \
-        >"$OUT/pytest-gpu-$filter.log" 2>&1
+        >"$OUT/pytest-gpu-$tag.log" 2>&1
     rc_tests=$?
-    tail -n 25 "$OUT/pytest-gpu-$filter.log"
-    log "$name benchmark: $script (log in \$OUT/bench-$filter.log)"
+    tail -n 25 "$OUT/pytest-gpu-$tag.log"
+    log "$name benchmark: $script (log in \$OUT/$tag.log)"
     local outs=(--out "$OUT")
     if "$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
         outs+=(--out benchmarks/results)  # kernel results only, never CPU timings
     fi
     timeout $((TOTAL_BUDGET - SECONDS - 10)) "$PY" "$script" "${outs[@]}" "$@" \
-        >"$OUT/bench-$filter-table.md" 2>"$OUT/bench-$filter.log"
+        >"$OUT/$tag-table.md" 2>"$OUT/$tag.log"
     rc_bench=$?
-    tail -n 40 "$OUT/bench-$filter.log"
+    tail -n 40 "$OUT/$tag.log"
     log "summary: $name GPU tests exit $rc_tests, benchmark exit $rc_bench, ${SECONDS} s"
-    cat "$OUT/bench-$filter-table.md"
+    cat "$OUT/$tag-table.md"
     exit $((rc_tests != 0 && rc_tests != 5 ? rc_tests : rc_bench))
 }
 
 [[ "$STAGE" == train ]] && tests_then_bench "trainable attention" trainable benchmarks/bench_train.py
 [[ "$STAGE" == vsa ]] && tests_then_bench "video sparse attention" vsa benchmarks/bench_vsa.py
 # shellcheck disable=SC2086  # HOPPER_ARGS: options split on spaces
-[[ "$STAGE" == hopper ]] && tests_then_bench "Hopper speed" attention benchmarks/bench_hopper.py \
+[[ "$STAGE" == hopper ]] && tests_then_bench "Hopper speed" "not fp4 and not trainable and not vsa and not video" \
+    benchmarks/bench_hopper.py \
     --time-budget $((TOTAL_BUDGET - SECONDS - TEST_TIMEOUT - 40)) ${HOPPER_ARGS:-}
 
 rc_bench=0

@@ -62,11 +62,15 @@ def _gpu_candidates():
     return configs_for(attn_fwd_int8.CONFIGS, torch.cuda.get_device_capability())
 
 
-@pytest.mark.parametrize("name", RECIPES)
-@pytest.mark.parametrize("granularity", ["per_block", "per_token"])
+CANDIDATE_CASES = [
+    pytest.param(name, granularity, 128, id=f"{name}-{granularity}-D128")
+    for name in RECIPES for granularity in ("per_block", "per_token")
+] + [pytest.param("qk_int8_pv_fp8", "per_token", 64, id="qk_int8_pv_fp8-per_token-D64")]
+
+
+@pytest.mark.parametrize("name,granularity,d", CANDIDATE_CASES)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d", [64, 128])
-def test_every_autotuning_candidate_matches_the_reference(name, granularity, causal, d,
+def test_every_autotuning_candidate_matches_the_reference(name, granularity, d, causal,
                                                           monkeypatch):
     """Each candidate the autotuner may pick (plain and pipelined loops, every stage count), forced
     alone, against the reference on the same quantized operands; and Q quantized in the kernel
@@ -84,22 +88,27 @@ def test_every_autotuning_candidate_matches_the_reference(name, granularity, cau
                                   block_q=recipe.block_q, block_k=recipe.block_k,
                                   causal_offset=offset)
     tuner = attn_fwd_int8._attn_fwd_int8
-    for config in _gpu_candidates():
-        if not attn_fwd_int8.fits(config.num_warps, d):
-            continue
-        monkeypatch.setattr(tuner, "configs", triton_configs({"interpreter": [config]}, None))
+    saved = tuner.configs
+    try:
+        for config in _gpu_candidates():
+            if not attn_fwd_int8.fits(config.num_warps, d, recipe.block_k,
+                                      bool(config.kwargs.get("PIPELINE"))):
+                continue
+            tuner.configs = triton_configs({"interpreter": [config]}, None)
+            tuner.cache.clear()
+            got = torch.empty(q.shape, device="cuda", dtype=torch.float32)
+            attn_fwd_int8.attention(qz, out=got, pv=recipe.pv, granularity=granularity,
+                                    block_q=recipe.block_q, block_k=recipe.block_k,
+                                    causal_offset=offset, return_lse=False)
+            assert lowbit_attn.errors(got, want).cosine > 0.99999, config
+    finally:
+        tuner.configs = saved
         tuner.cache.clear()
-        got = torch.empty(q.shape, device="cuda", dtype=torch.float32)
-        attn_fwd_int8.attention(qz, out=got, pv=recipe.pv, granularity=granularity,
-                                block_q=recipe.block_q, block_k=recipe.block_k,
-                                causal_offset=offset, return_lse=False)
-        assert lowbit_attn.errors(got, want).cosine > 0.99999, config
-        results = {}
-        for mode in ("pass", "kernel"):
-            monkeypatch.setenv("LOWBIT_ATTN_Q_QUANT", mode)
-            results[mode] = lowbit_attn.attention(q, k, v, recipe=recipe, is_causal=causal)
-        assert torch.equal(results["pass"], results["kernel"]), config
-    tuner.cache.clear()
+    results = {}
+    for mode in ("pass", "kernel"):
+        monkeypatch.setenv("LOWBIT_ATTN_Q_QUANT", mode)
+        results[mode] = lowbit_attn.attention(q, k, v, recipe=recipe, is_causal=causal)
+    assert torch.equal(results["pass"], results["kernel"])
 
 
 @pytest.mark.parametrize("name", RECIPES)
