@@ -240,17 +240,27 @@ def test_placement_modes_are_checked(var, triton_backend, monkeypatch):
         lowbit_attn.attention(q, q, q, recipe="qk_int8_pv_fp8")
 
 
-@pytest.mark.parametrize("name", RECIPES)
-@pytest.mark.parametrize("granularity", ["per_block", "per_token"])
+PIPELINE_CASES = [
+    pytest.param(name, granularity, 130, 300, id=f"{name}-{granularity}")
+    for name in RECIPES for granularity in ("per_block", "per_token")
+] + [
+    # no whole key block for some rows (causal diagonal), exactly one, a decode row, fewer keys
+    # than one block
+    pytest.param("qk_int8_pv_fp8", "per_token", nq, nk, id=f"fp8-Nq{nq}-Nk{nk}")
+    for nq, nk in ((100, 100), (64, 128), (1, 257), (70, 40))
+]
+
+
+@pytest.mark.parametrize("name,granularity,nq,nk", PIPELINE_CASES)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_pipelined_loop_gives_the_same_bits(name, granularity, causal, triton_backend,
+def test_pipelined_loop_gives_the_same_bits(name, granularity, nq, nk, causal, triton_backend,
                                             monkeypatch):
     """The Hopper candidate that issues the next block's Q·Kᵀ before this block's softmax runs the
     same arithmetic in the same order as the plain loop."""
     from lowbit_attn.kernels import attn_fwd_int8
 
     recipe = get_recipe(name).replace(granularity=granularity)
-    q, k, v = channel_biased((1, 2, 130, 64), (1, 2, 300, 64), seed=4, dtype=torch.float16)
+    q, k, v = channel_biased((1, 2, nq, 64), (1, 2, nk, 64), seed=4, dtype=torch.float16)
     tuner = attn_fwd_int8._attn_fwd_int8
     results = []
     for pipeline in (False, True):
