@@ -95,8 +95,12 @@ def test_a_call_launches_four_kernels_or_three(recipe, mode, monkeypatch):
     if mode is not None:
         monkeypatch.setenv("LOWBIT_ATTN_Q_QUANT", mode)
     launches = LAUNCHES[mode or "pass"]
-    recorded = aot.record_launches(get_recipe(recipe), head_dim=64)
+    recorded = aot.record_launches(get_recipe(recipe), head_dim=64, seq_len=1024)
     assert [aot._kernel_name(launch.kernel) for launch in recorded] == launches
+    # one program per token block of each part: 64-key blocks for K and V, 128-row ones for Q
+    assert recorded[1].grid == (1024 // 64, 2 * 2)
+    if launches == LAUNCHES["pass"]:
+        assert recorded[2].grid == (1024 // 128, 2)
 
 
 def test_kv_statistics_in_the_quantizing_launch(monkeypatch):

@@ -196,6 +196,7 @@ class Launch:
     kernel: Any
     args: tuple
     kwargs: dict
+    grid: Any = None
 
 
 class _Recorder:
@@ -207,7 +208,7 @@ class _Recorder:
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            self._sink.append(Launch(self._kernel, args, kwargs))
+            self._sink.append(Launch(self._kernel, args, kwargs, grid))
 
         return launch
 

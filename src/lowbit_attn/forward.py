@@ -48,6 +48,14 @@ def _dense(q, k, v, *, out, recipe: Recipe, scale: float, causal_offset, return_
     return lse.float() if return_lse else None
 
 
+def _env_choice(name: str, choices: tuple[str, ...]) -> str:
+    """``os.environ[name]``, one of ``choices`` (the first when unset)."""
+    value = os.environ.get(name, choices[0])
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
+
+
 Q_QUANT_MODES = ("pass", "kernel")
 
 
@@ -60,10 +68,7 @@ def q_in_kernel() -> bool:
     registers stays there as the wgmma's A operand (16 more registers per thread across the loop),
     which spills with per-token FP8 at D=128 and, at D=64, keeps ptxas from moving the softmax under
     the next Q·Kᵀ in the pipelined loop. The GPU benchmark (``bench_hopper.py``) times both."""
-    mode = os.environ.get("LOWBIT_ATTN_Q_QUANT", "pass")
-    if mode not in Q_QUANT_MODES:
-        raise ValueError(f"LOWBIT_ATTN_Q_QUANT must be one of {Q_QUANT_MODES}, got {mode!r}")
-    return mode == "kernel"
+    return _env_choice("LOWBIT_ATTN_Q_QUANT", Q_QUANT_MODES) == "kernel"
 
 
 KV_STATS_MODES = ("launch", "program")
@@ -75,10 +80,7 @@ def kv_stats_in_program() -> bool:
     per K/V element fewer from HBM when the second read hits L2, but only B·H programs per tensor),
     or by the statistics launch with Q's (``launch``, the default). Both give the same values up to
     the order of the sums."""
-    mode = os.environ.get("LOWBIT_ATTN_KV_STATS", "launch")
-    if mode not in KV_STATS_MODES:
-        raise ValueError(f"LOWBIT_ATTN_KV_STATS must be one of {KV_STATS_MODES}, got {mode!r}")
-    return mode == "program"
+    return _env_choice("LOWBIT_ATTN_KV_STATS", KV_STATS_MODES) == "program"
 
 
 def _as_dense(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:

@@ -211,6 +211,18 @@ def _convert_v_program(
 
 
 @triton.jit
+def _token_blocks(CU, b, N, OWN_STATS: tl.constexpr, BLOCK_N: tl.constexpr,
+                  VARLEN: tl.constexpr):
+    """``[first, last)`` token blocks a program quantizes: its sequence's all (``OWN_STATS``), or
+    block ``program_id(0)`` alone."""
+    if OWN_STATS:
+        _, n = seq_span(CU, b, N, VARLEN)
+        return 0, tl.cdiv(n, BLOCK_N)
+    else:
+        return tl.program_id(0), tl.program_id(0) + 1
+
+
+@triton.jit
 def _quantize_kernel(
     X, OUT, SCALE, CENTER_PTR, AQ, AK,
     sxb, sxh, sxn, sxd, sob, soh, son, sod, ssb, ssh, ssn, scb, sch, sck, scd,
@@ -240,39 +252,25 @@ def _quantize_kernel(
             _stats_program(X, CENTER_PTR, AK, CU, b, h, 0, sxb, sxh, sxn, sxd,
                            scb, sch, 0, scd, sakb, sakh, 1, N, D, CENTER, 64, BLOCK_D, VARLEN)
             tl.debug_barrier()  # the statistics are read back by every thread
-            _, n = seq_span(CU, b, N, VARLEN)
-            for pid_n in range(0, tl.cdiv(n, BLOCK_N)):
-                _int8_program(
-                    X, OUT, SCALE, CENTER_PTR, AQ, AK, CU, pid_n, b, h,
-                    sxb, sxh, sxn, sxd, sob, soh, son, sod, ssb, ssh, ssn, scb, sch, sck, scd,
-                    saqb, saqh, sakb, sakh, N, D, GROUP, scale_multiplier,
-                    PER_TOKEN, CENTER, BALANCE, BLOCK_N, BLOCK_D, VARLEN,
-                )
-        else:
+        first, last = _token_blocks(CU, b, N, OWN_STATS, BLOCK_N, VARLEN)
+        for pid_n in range(first, last):
             _int8_program(
-                X, OUT, SCALE, CENTER_PTR, AQ, AK, CU, tl.program_id(0), b, h,
+                X, OUT, SCALE, CENTER_PTR, AQ, AK, CU, pid_n, b, h,
                 sxb, sxh, sxn, sxd, sob, soh, son, sod, ssb, ssh, ssn, scb, sch, sck, scd,
                 saqb, saqh, sakb, sakh, N, D, GROUP, scale_multiplier,
                 PER_TOKEN, CENTER, BALANCE, BLOCK_N, BLOCK_D, VARLEN,
             )
     elif HAS_V:
         b, h = batch_head(pid - n_int8, HV)
-        if OWN_STATS:
-            if FP8 or V_CENTER == 1:
-                _stats_program(VX, VCENTER, VAMAX, CU, b, h, 0, svxb, svxh, svxn, svxd,
-                               svcb, svch, 0, svcd, svcb, svch, svcd, N, D, V_CENTER, 64, BLOCK_D,
-                               VARLEN)
-                tl.debug_barrier()
-            _, n = seq_span(CU, b, N, VARLEN)
-            for pid_n in range(0, tl.cdiv(n, V_BLOCK_N)):
-                _convert_v_program(
-                    VX, VOUT, VCENTER, VAMAX, VSCALE, CU, pid_n, b, h,
-                    svxb, svxh, svxn, svxd, svob, svoh, svon, svod, svcb, svch, svcd, N, D,
-                    FP8, V_CENTER, EXACT_FP8, V_BLOCK_N, BLOCK_D, VARLEN,
-                )
-        else:
+        if OWN_STATS and (FP8 or V_CENTER == 1):
+            _stats_program(VX, VCENTER, VAMAX, CU, b, h, 0, svxb, svxh, svxn, svxd,
+                           svcb, svch, 0, svcd, svcb, svch, svcd, N, D, V_CENTER, 64, BLOCK_D,
+                           VARLEN)
+            tl.debug_barrier()
+        first, last = _token_blocks(CU, b, N, OWN_STATS, V_BLOCK_N, VARLEN)
+        for pid_n in range(first, last):
             _convert_v_program(
-                VX, VOUT, VCENTER, VAMAX, VSCALE, CU, tl.program_id(0), b, h,
+                VX, VOUT, VCENTER, VAMAX, VSCALE, CU, pid_n, b, h,
                 svxb, svxh, svxn, svxd, svob, svoh, svon, svod, svcb, svch, svcd, N, D,
                 FP8, V_CENTER, EXACT_FP8, V_BLOCK_N, BLOCK_D, VARLEN,
             )
@@ -436,14 +434,15 @@ def quantize(
     outs_v, args_v, const_v = _v_part(v, seqs)
     heads_i = int8.x.shape[1] if int8 is not None else 0
     heads_v = v.x.shape[1] if v is not None else 0
-    rows = max(const_i["BLOCK_N"] if int8 is not None else 1,
-               const_v["V_BLOCK_N"] if v is not None else 1)
+    block_rows = [c for c, present in ((const_i["BLOCK_N"], int8), (const_v["V_BLOCK_N"], v))
+                  if present is not None]
+    rows = max(block_rows)
     d = first.shape[-1]
     if own_stats:
         rows = max(rows, 64)  # the statistics loop's tile
         blocks = 1
-    else:
-        blocks = triton.cdiv(seqs.max_len, min(const_i["BLOCK_N"], const_v["V_BLOCK_N"]))
+    else:  # axis 0 covers the smaller blocks; programs past a part's own blocks do nothing
+        blocks = triton.cdiv(seqs.max_len, min(block_rows))
     _quantize_kernel[(blocks, seqs.batch * (heads_i + heads_v))](
         *args_i, *args_v, seqs.cu_seqlens, seqs.max_len, d,
         **const_i, **const_v, OWN_STATS=own_stats, EXACT_FP8=exact_fp8(), BLOCK_D=next_pow2(d),
