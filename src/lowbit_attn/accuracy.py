@@ -37,7 +37,10 @@ DEFAULT_RECIPES = ("exact", "qk_int8_pv_fp16", "qk_int8_pv_fp8", "qk_fp4_pv_fp4"
 # (family, recipe name) -> (minimum cosine, maximum relative L1).
 BARS: dict[tuple[str, str], tuple[float, float | None]] = {
     ("channel_bias_k", "qk_int8_pv_fp16"): (0.9999, 0.015),
-    ("channel_bias_k", "qk_int8_pv_fp8"): (0.9995, 0.03),
+    # FP8 on channel-biased K: E4M3 V alone costs cosine 0.99932 / rel L1 0.0368 with exact scores
+    # (experiments/accuracy_defaults §6); SageAttention2's own code measures 0.99930 / 0.0376 on
+    # this input. The bar is the measured level (worst of seeds 0-4: 0.99922 / 0.0394) with margin.
+    ("channel_bias_k", "qk_int8_pv_fp8"): (0.999, 0.045),
     ("outliers", "qk_int8_pv_fp16"): (0.999, 0.05),
     ("outliers", "qk_int8_pv_fp8"): (0.999, 0.05),
     # FP4 (issue 3): a cosine bar only (and NVFP4 better than MXFP4, checked in the tests)
