@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -44,8 +45,14 @@ BAD_CALLS = [
                  "recipe must be a str", id="recipe-type"),
     pytest.param(lambda q, k, v: lowbit_attn.attention(q, k, v, scale=-1.0), ValueError,
                  "scale must be a positive", id="scale"),
+    pytest.param(lambda q, k, v: lowbit_attn.attention(q, k, v, scale=10**400), ValueError,
+                 r"scale must be a positive finite number, got int ~1e400", id="scale-huge-int"),
+    pytest.param(lambda q, k, v: lowbit_attn.attention(q, k, v, scale=np.float32("inf")),
+                 ValueError, "scale must be a positive finite number", id="scale-np-inf"),
+    pytest.param(lambda q, k, v: lowbit_attn.attention(q, k, v, scale="0.1"), TypeError,
+                 "scale must be a float or None, got str '0.1'", id="scale-str"),
     pytest.param(lambda q, k, v: lowbit_attn.attention(q, k, v, is_causal=1), TypeError,
-                 "is_causal must be a bool", id="causal-type"),
+                 "is_causal must be a bool, got int 1", id="causal-type"),
     pytest.param(lambda q, k, v: lowbit_attn.attention(q, k[:, :, :0], v[:, :, :0]), ValueError,
                  "at least one token", id="empty-kv"),
     pytest.param(lambda q, k, v: lowbit_attn.attention(q, k, v.numpy()), TypeError,
@@ -138,6 +145,52 @@ def test_recipe_options_are_validated():
         r.replace(smoothing=True)
     with pytest.raises(ValueError, match="block_q"):
         r.replace(block_q=100)
+
+
+@pytest.mark.parametrize("changes,error,message", [
+    pytest.param(dict(balance_qk=1, smooth_k=1), TypeError,
+                 "Recipe.smooth_k must be a bool, got int 1", id="bool-from-int"),
+    pytest.param(dict(smooth_v="True"), TypeError, "Recipe.smooth_v must be a bool, got str",
+                 id="bool-from-str"),
+    pytest.param(dict(two_level_p=None), TypeError, "Recipe.two_level_p must be a bool",
+                 id="bool-from-none"),
+    pytest.param(dict(block_q=64.0), TypeError, "Recipe.block_q must be an int, got float 64.0",
+                 id="block-float"),
+    pytest.param(dict(block_k=True), TypeError, "Recipe.block_k must be an int, got bool",
+                 id="block-bool"),
+    pytest.param(dict(block_k=256), ValueError, "Recipe.block_k must be 16, 32, 64 or 128",
+                 id="block-range"),
+    pytest.param(dict(name="a;b"), ValueError, "Recipe.name must be a Python identifier",
+                 id="name-semicolon"),
+    pytest.param(dict(name="x=1"), ValueError, "Recipe.name must be a Python identifier",
+                 id="name-equals"),
+    pytest.param(dict(name=b"fp8"), TypeError, "Recipe.name must be a str", id="name-bytes"),
+    pytest.param(dict(qk=8), TypeError, "Recipe.qk must be a str", id="qk-type"),
+    pytest.param(dict(pv="fp4"), ValueError, "Recipe.pv must be one of", id="pv-value"),
+    pytest.param(dict(granularity=None), TypeError, "Recipe.granularity must be a str",
+                 id="granularity-type"),
+])
+def test_recipe_fields_are_checked_by_type_and_value(changes, error, message):
+    """A wrong type is refused, not coerced: ``balance_qk=1`` once ran as False."""
+    with pytest.raises(error, match=message):
+        lowbit_attn.get_recipe("qk_int8_pv_fp16").replace(**changes)
+
+
+def test_recipe_stores_numpy_options_as_python_values():
+    r = lowbit_attn.get_recipe("qk_int8_pv_fp16")
+    got = r.replace(smooth_v=np.bool_(True), balance_qk=np.False_, block_q=np.int64(64))
+    assert got == r.replace(smooth_v=True, balance_qk=False, block_q=64)
+    assert type(got.smooth_v) is bool and type(got.balance_qk) is bool and type(got.block_q) is int
+
+
+def test_numpy_scalars_are_taken_as_python_ones():
+    q, k, v = qkv(nq=24, nk=40, d=32)
+    want = lowbit_attn.attention(q, k, v, scale=0.25, is_causal=True)
+    for scale in (np.float32(0.25), np.float64(0.25), np.float16(0.25)):
+        got = lowbit_attn.attention(q, k, v, scale=scale, is_causal=np.bool_(True))
+        assert torch.equal(got, want)
+    with pytest.raises(TypeError, match="scale must be a float or None, got numpy.bool"):
+        lowbit_attn.attention(q, k, v, scale=np.True_)
 
 
 def test_sdpa_signature_is_pytorchs():

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import pytest
 import torch
 
@@ -86,11 +89,50 @@ def test_varlen_custom_op_passes_opcheck():
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
 
 
-def test_recipe_key_round_trips_every_recipe():
-    recipes = list(lowbit_attn.RECIPES.values()) + [
-        lowbit_attn.get_recipe("qk_int8_pv_fp8").replace(smooth_v=True, block_q=64)]
+def _recipes_with_every_option():
+    """Every named recipe, and each with every bool flipped and every block size changed where
+    the recipe allows it."""
+    out = []
+    for r in lowbit_attn.RECIPES.values():
+        out.append(r)
+        for f in dataclasses.fields(r):
+            value = getattr(r, f.name)
+            others = ([not value] if isinstance(value, bool)
+                      else [b for b in (16, 32, 64, 128) if b != value] if isinstance(value, int)
+                      else ["per_token"] if f.name == "granularity" else ["custom_name"])
+            for other in others:
+                try:
+                    out.append(r.replace(**{f.name: other}))
+                except (ValueError, TypeError):
+                    pass  # an option this recipe refuses (e.g. FP4 with balance_qk)
+    return out
+
+
+def test_recipe_key_round_trips_every_recipe_and_option():
+    recipes = _recipes_with_every_option()
+    assert len(recipes) > 60
     for r in recipes:
         assert ops.recipe_from_key(ops.recipe_key(r)) == r
+    # a numpy bool is stored as a bool, so it encodes as the bool does
+    r = lowbit_attn.get_recipe("qk_int8_pv_fp16")
+    assert ops.recipe_key(r.replace(balance_qk=np.False_)) == ops.recipe_key(r.replace(balance_qk=False))
+
+
+@pytest.mark.parametrize("edit", [
+    pytest.param(lambda key: key.replace("balance_qk=True", "balance_qk=1"), id="bool-as-1"),
+    pytest.param(lambda key: key.replace("smooth_v=False", "smooth_v=false"), id="bool-lowercase"),
+    pytest.param(lambda key: key.replace("block_q=128", "block_q=0128"), id="int-leading-zero"),
+    pytest.param(lambda key: key.replace("block_q=128", "block_q=128.0"), id="int-as-float"),
+    pytest.param(lambda key: key.replace(";block_k=64", ""), id="missing-field"),
+    pytest.param(lambda key: key + ";extra=1", id="unknown-field"),
+    pytest.param(lambda key: key + ";block_k=64", id="repeated-field"),
+    pytest.param(lambda key: key.replace("name=qk_int8_pv_fp16", "name=a b"), id="bad-name"),
+    pytest.param(lambda key: ";".join(reversed(key.split(";"))), id="order"),
+])
+def test_recipe_from_key_refuses_any_other_text(edit):
+    key = ops.recipe_key(lowbit_attn.get_recipe("qk_int8_pv_fp16"))
+    with pytest.raises(ValueError, match="recipe key|Recipe.name"):
+        ops.recipe_from_key(edit(key))
 
 
 @pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")

@@ -58,8 +58,8 @@ def attention(
     On a CUDA GPU the Triton kernels run; on a CPU the PyTorch reference with the same numerics.
     """
     qh, kh, vh = checks.dense_qkv(q, k, v, layout)
-    checks.flag("is_causal", is_causal)
-    checks.flag("return_lse", return_lse)
+    is_causal = checks.flag("is_causal", is_causal)
+    return_lse = checks.flag("return_lse", return_lse)
     checks.forward_only(q, k, v)
     r = _resolve(recipe, q.device)
     checks.recipe_fits(r, q.shape[-1])
@@ -110,9 +110,9 @@ def attention_varlen(
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         checks.tensor(name, x, 3)
-    checks.flag("is_causal", is_causal)
-    checks.flag("return_lse", return_lse)
-    checks.flag("check_seqlens", check_seqlens)
+    is_causal = checks.flag("is_causal", is_causal)
+    return_lse = checks.flag("return_lse", return_lse)
+    check_seqlens = checks.flag("check_seqlens", check_seqlens)
     checks.same_kind(q, k, v)
     checks.forward_only(q, k, v)
     checks.heads_and_dims(

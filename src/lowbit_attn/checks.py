@@ -4,6 +4,7 @@ it needs."""
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -36,19 +37,77 @@ def layout(value) -> None:
         raise ValueError(f"layout must be 'HND' ([B, H, N, D]) or 'NHD' ([B, N, H, D]), got {value!r}")
 
 
-def flag(name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+def shown(value) -> str:
+    """``type value`` for messages, e.g. ``int 1``, ``numpy.float32 0.25`` (long reprs cut)."""
+    kind = type(value)
+    kind_name = kind.__name__ if kind.__module__ == "builtins" else (
+        f"{kind.__module__}.{kind.__name__}")
+    big = isinstance(value, int) and value.bit_length() > 64  # its repr may be thousands of digits
+    text = f"~{'-' if value < 0 else ''}1e{int(math.log10(abs(value)))}" if big else repr(value)
+    return f"{kind_name} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+def _is_numpy_bool(value) -> bool:
+    """``numpy.bool_`` (``numpy.bool`` in NumPy 2), recognised without importing NumPy."""
+    kind = type(value)
+    return kind.__module__ == "numpy" and kind.__name__ in ("bool_", "bool")
+
+
+def flag(name: str, value) -> bool:
+    """A bool argument: ``bool`` or ``numpy.bool_``, returned as a Python ``bool`` (the custom ops'
+    schemas and ``==`` between recipes need one type)."""
+    if isinstance(value, bool) or _is_numpy_bool(value):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool, got {shown(value)}")
+
+
+def integer(name: str, value, allowed: tuple[int, ...]) -> int:
+    """An int argument from ``allowed``: an ``int`` or NumPy integer (not a bool, not a float),
+    returned as a Python ``int``."""
+    if isinstance(value, bool) or _is_numpy_bool(value) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {shown(value)}")
+    if value not in allowed:
+        raise ValueError(
+            f"{name} must be {', '.join(map(str, allowed[:-1]))} or {allowed[-1]}, got {value!r}"
+        )
+    return int(value)
+
+
+def choice(name: str, value, allowed: tuple[str, ...]) -> str:
+    """A str argument from ``allowed``."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, one of {allowed}, got {shown(value)}")
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    return value
+
+
+def identifier(name: str, value) -> str:
+    """A name that is a Python identifier (letters, digits, ``_``; so ``;``, ``=``, ``,`` and
+    spaces never appear in the text forms that carry it)."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, got {shown(value)}")
+    if not value.isidentifier():
+        raise ValueError(
+            f"{name} must be a Python identifier (letters, digits and '_'), got {value!r}"
+        )
+    return value
 
 
 def softmax_scale(scale, head_dim: int) -> float:
+    """``scale`` (a real number: int, float or NumPy scalar, positive and finite) as a float, or
+    ``D ** -0.5`` for None."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    if not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
-    return float(scale)
+    if isinstance(scale, bool) or _is_numpy_bool(scale) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a float or None, got {shown(scale)}")
+    try:
+        value = float(scale)
+    except OverflowError:
+        value = math.inf
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"scale must be a positive finite number, got {shown(scale)}")
+    return value
 
 
 def heads_and_dims(

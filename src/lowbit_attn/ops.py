@@ -16,20 +16,34 @@ from .recipes import Recipe
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(Recipe))
 _TYPES = {f.name: f.type for f in dataclasses.fields(Recipe)}
+# Field annotations are text (``from __future__ import annotations`` in recipes.py).
+_PARSE = {"bool": {"True": True, "False": False}.__getitem__, "int": int}
 
 
 def recipe_key(recipe: Recipe) -> str:
-    """A :class:`Recipe` as the ops take it: ``name=value`` of each field, joined by ``;`` (a
-    plain string argument, so the ops' schemas stay fixed as recipes gain options; built with
-    operations torch.compile traces)."""
+    """A :class:`Recipe` as the ops take it: ``name=value`` of each field in field order, joined
+    by ``;`` (a plain string argument, so the ops' schemas stay fixed as recipes gain options;
+    built with operations torch.compile traces). Unambiguous because a Recipe's fields are
+    validated: its name and formats are identifiers, its options Python bools and ints, whose
+    text reads back exactly."""
     return ";".join(f"{name}={getattr(recipe, name)}" for name in _FIELDS)
 
 
 def recipe_from_key(key: str) -> Recipe:
-    """The :class:`Recipe` that :func:`recipe_key` wrote."""
-    values = dict(item.split("=", 1) for item in key.split(";"))
-    parse = {"bool": lambda x: x == "True", "int": int}
-    return Recipe(**{k: parse.get(_TYPES[k], str)(x) for k, x in values.items()})
+    """The :class:`Recipe` that :func:`recipe_key` wrote; ``ValueError`` for any other text (a
+    missing, unknown or repeated field, a value that is not a bool or int literal where one is
+    due, or a Recipe's own validation error)."""
+    values = dict(item.partition("=")[::2] for item in key.split(";"))
+    if tuple(values) != _FIELDS:
+        raise ValueError(f"recipe key {key!r} must give {'=…;'.join(_FIELDS)}=… in this order")
+    try:
+        parsed = {k: _PARSE.get(_TYPES[k], str)(x) for k, x in values.items()}
+    except (KeyError, ValueError):
+        raise ValueError(f"recipe key {key!r} has a value of the wrong type") from None
+    recipe = Recipe(**parsed)
+    if recipe_key(recipe) != key:
+        raise ValueError(f"recipe key {key!r} is not in the form recipe_key writes")
+    return recipe
 
 
 @torch.library.custom_op("lowbit_attn::attention_fwd", mutates_args=())

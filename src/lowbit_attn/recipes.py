@@ -10,8 +10,11 @@ options are set with :meth:`Recipe.replace`::
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
+
+from . import checks
 
 Granularity = Literal["per_block", "per_token"]
 
@@ -19,6 +22,28 @@ GRANULARITIES = ("per_block", "per_token")
 QK_FORMATS = ("int8", "nvfp4", "mxfp4", "none")
 PV_FORMATS = ("fp16", "fp8", "nvfp4", "mxfp4", "none")
 FP4_FORMATS = ("nvfp4", "mxfp4")
+BLOCK_SIZES = (16, 32, 64, 128)
+# The values a str or int field may take (the other fields: ``name``, bools, TrainRecipe.int8).
+FIELD_CHOICES = {"qk": QK_FORMATS, "pv": PV_FORMATS, "granularity": GRANULARITIES,
+                 "block_q": BLOCK_SIZES, "block_k": BLOCK_SIZES}
+
+
+def _check_fields(recipe) -> None:
+    """Type and value checks of each field of a :class:`Recipe` or :class:`TrainRecipe` on its
+    own (TypeError for a wrong type, ValueError for a wrong value, naming ``Class.field``). Bools
+    and ints are stored as Python ``bool`` and ``int`` (a ``numpy.bool_`` becomes a ``bool``), so
+    equal options give equal recipes and equal op keys."""
+    for f in dataclasses.fields(recipe):
+        where = f"{type(recipe).__name__}.{f.name}"
+        value = getattr(recipe, f.name)
+        if f.name == "name":
+            checks.identifier(where, value)
+        elif f.type == "bool":  # annotations are text here (``from __future__``)
+            object.__setattr__(recipe, f.name, checks.flag(where, value))
+        elif f.type == "int":
+            object.__setattr__(recipe, f.name, checks.integer(where, value, FIELD_CHOICES[f.name]))
+        elif f.name in FIELD_CHOICES:
+            checks.choice(where, value, FIELD_CHOICES[f.name])
 
 
 @dataclass(frozen=True)
@@ -26,7 +51,8 @@ class Recipe:
     """How attention is computed.
 
     Attributes:
-        name: the recipe's name (``"exact"``, ``"qk_int8_pv_fp16"``, ``"qk_int8_pv_fp8"``,
+        name: the recipe's name, a Python identifier (``"exact"``, ``"qk_int8_pv_fp16"``,
+            ``"qk_int8_pv_fp8"``,
             ``"qk_fp4_pv_fp4"``, ``"qk_mxfp4_pv_mxfp4"``).
         qk: ``"int8"`` for INT8 Q·Kᵀ with int32 accumulation; ``"nvfp4"`` / ``"mxfp4"`` for FP4
             microscaling Q and K (groups of 16 / 32 channels, E4M3 / E8M0 scales); ``"none"`` for
@@ -53,8 +79,8 @@ class Recipe:
     """
 
     name: str
-    qk: Literal["int8", "none"]
-    pv: Literal["fp16", "fp8", "none"]
+    qk: Literal["int8", "nvfp4", "mxfp4", "none"]
+    pv: Literal["fp16", "fp8", "nvfp4", "mxfp4", "none"]
     granularity: Granularity = "per_block"
     smooth_k: bool = True
     smooth_q: bool = False
@@ -65,10 +91,7 @@ class Recipe:
     block_k: int = 64
 
     def __post_init__(self) -> None:
-        if self.qk not in QK_FORMATS:
-            raise ValueError(f"Recipe.qk must be one of {QK_FORMATS}, got {self.qk!r}")
-        if self.pv not in PV_FORMATS:
-            raise ValueError(f"Recipe.pv must be one of {PV_FORMATS}, got {self.pv!r}")
+        _check_fields(self)
         if (self.qk == "none") != (self.pv == "none"):
             raise ValueError("Recipe: qk and pv must both be 'none' (exact) or both be quantized")
         if (self.qk in FP4_FORMATS or self.pv in FP4_FORMATS) and self.qk != self.pv:
@@ -76,14 +99,6 @@ class Recipe:
                 f"Recipe: an FP4 recipe quantizes Q·Kᵀ and P·V in one format, got qk={self.qk!r} "
                 f"and pv={self.pv!r}"
             )
-        if self.granularity not in GRANULARITIES:
-            raise ValueError(
-                f"Recipe.granularity must be one of {GRANULARITIES}, got {self.granularity!r}"
-            )
-        for field in ("block_q", "block_k"):
-            value = getattr(self, field)
-            if value not in (16, 32, 64, 128):
-                raise ValueError(f"Recipe.{field} must be 16, 32, 64 or 128, got {value!r}")
         if self.is_fp4:
             if self.granularity != "per_block":
                 raise ValueError(
@@ -193,13 +208,11 @@ class TrainRecipe:
     def __post_init__(self) -> None:
         from .quantized import TRAIN_MATMULS
 
+        _check_fields(self)
         if not isinstance(self.int8, frozenset) or not self.int8 <= set(TRAIN_MATMULS):
             raise ValueError(
                 f"TrainRecipe.int8 must be a frozenset of names from {TRAIN_MATMULS}, got {self.int8!r}"
             )
-        for field in ("smooth_k", "smooth_q", "balance_qk"):
-            if not isinstance(getattr(self, field), bool):
-                raise TypeError(f"{field} must be a bool, got {type(getattr(self, field)).__name__}")
 
     @property
     def is_exact(self) -> bool:
@@ -240,13 +253,19 @@ def resolve_train(recipe, *, smooth_k=None, smooth_q=None, keep_16bit=None,
     options = {"smooth_k": smooth_k, "smooth_q": smooth_q, "balance_qk": balance_qk}
     changes = {name: value for name, value in options.items() if value is not None}
     if keep_16bit is not None:
-        if isinstance(keep_16bit, str) or not all(isinstance(x, str) for x in keep_16bit):
-            raise TypeError(f"keep_16bit must be a tuple of matmul names, got {keep_16bit!r}")
-        unknown = set(keep_16bit) - set(TRAIN_MATMULS)
+        if isinstance(keep_16bit, str) or not isinstance(keep_16bit, Iterable):
+            raise TypeError(
+                f"keep_16bit must be a tuple of matmul names (e.g. ('dp',)), got "
+                f"{checks.shown(keep_16bit)}"
+            )
+        names = tuple(keep_16bit)
+        if not all(isinstance(x, str) for x in names):
+            raise TypeError(f"keep_16bit must hold matmul names (str), got {names!r}")
+        unknown = set(names) - set(TRAIN_MATMULS)
         if unknown:
             raise ValueError(
                 f"keep_16bit names unknown matmul(s) {sorted(unknown)}; choose from {TRAIN_MATMULS}"
             )
         base = frozenset() if r.is_exact else frozenset(TRAIN_MATMULS)
-        changes["int8"] = base - frozenset(keep_16bit)
+        changes["int8"] = base - frozenset(names)
     return r.replace(**changes)

@@ -57,7 +57,7 @@ def trainable_attention(
     Double backward is not supported (a clear ``RuntimeError``).
     """
     qh, kh, vh = checks.dense_qkv(q, k, v, layout, dtypes=checks.FLOAT_DTYPES + (torch.float64,))
-    checks.flag("is_causal", is_causal)
+    is_causal = checks.flag("is_causal", is_causal)
     for name, value in (("smooth_k", smooth_k), ("smooth_q", smooth_q), ("balance_qk", balance_qk)):
         if value is not None:
             checks.flag(name, value)
