@@ -49,7 +49,11 @@ def test_parse_rejects_garbage():
     with pytest.raises(argparse.ArgumentTypeError):
         bm.parse_seqlens("1m")
     with pytest.raises(argparse.ArgumentTypeError):
-        bm.parse_ints("64,x")
+        bm.parse_dims("64,x")
+    with pytest.raises(argparse.ArgumentTypeError):
+        bm.parse_dims("64,300")
+    with pytest.raises(argparse.ArgumentTypeError):
+        bm.parse_seqlens("0,1k")
 
 
 def test_slug_of_gpu_name():

@@ -9,6 +9,7 @@ import sys
 import types
 
 import pytest
+import torch
 
 from lowbit_attn import cli
 from lowbit_attn.recipes import RECIPES, get_recipe
@@ -112,7 +113,11 @@ def test_inspect_exact_launches_nothing(capsys):
     (["inspect", "--arch", "hopper"], "sm_90a"),
     (["inspect", "--recipe", "qk_int8_pv_fp8"], "--arch"),
     (["inspect", "--arch", "sm_90a", "--recipe", "int4"], "argument --recipe"),
-    (["inspect", "--arch", "sm_90a", "--head-dim", "512"], "head_dim"),
+    (["inspect", "--arch", "sm_90a", "--head-dim", "512"], "argument --head-dim"),
+    (["inspect", "--arch", "sm_90a", "--head-dim", "0"], "argument --head-dim"),
+    (["inspect", "--arch", "sm_90a", "--config", "-1"], "argument --config"),
+    (["inspect", "--arch", "sm_100a", "--recipe", "qk_fp4_pv_fp4", "--head-dim", "48"],
+     "multiple of 32, got 48"),
     ([], "COMMAND"),
 ])
 def test_usage_errors_exit_2_with_a_clear_message(capsys, argv, needle):
@@ -121,6 +126,95 @@ def test_usage_errors_exit_2_with_a_clear_message(capsys, argv, needle):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert needle in err, err
+
+
+def _fail(*args, **kwargs):
+    raise AssertionError("a usage error must stop before any work")
+
+
+ACCURACY_USAGE_ERRORS = [
+    pytest.param(["--n", "0"], "argument --n: must be >= 1, got 0", id="n-zero"),
+    pytest.param(["--n", "-5"], "argument --n: must be >= 1, got -5", id="n-negative"),
+    pytest.param(["--n", "1e3"], "argument --n: expected int", id="n-float"),
+    pytest.param(["--n-k", "0"], "argument --n-k: must be >= 1", id="n-k-zero"),
+    pytest.param(["--head-dim", "0"], "argument --head-dim: must be between 1 and 256", id="d-zero"),
+    pytest.param(["--head-dim", "300"], "argument --head-dim: must be between 1 and 256",
+                 id="d-300"),
+    pytest.param(["--batch", "0"], "argument --batch: must be >= 1", id="batch-zero"),
+    pytest.param(["--heads", "0"], "argument --heads: must be >= 1", id="heads-zero"),
+    pytest.param(["--kv-heads", "0"], "argument --kv-heads: must be >= 1", id="kv-heads-zero"),
+    pytest.param(["--heads", "3", "--kv-heads", "2"], "argument --kv-heads: must divide --heads",
+                 id="kv-heads-ratio"),
+    pytest.param(["--seed", "-1"], "argument --seed", id="seed"),
+    pytest.param(["--device", "bogus"], "argument --device: expected cpu, cuda or cuda:N",
+                 id="device-bogus"),
+    pytest.param(["--device", "meta"], "argument --device: expected cpu, cuda or cuda:N",
+                 id="device-meta"),
+    pytest.param(["--recipes", "qk_fp4_pv_fp4", "--head-dim", "16"],
+                 "argument --head-dim: recipe 'qk_fp4_pv_fp4' needs a head dim that is a multiple "
+                 "of 32, got 16", id="fp4-d16"),
+    pytest.param(["--recipes", "qk_int8_pv_fp9"], "argument --recipes: unknown recipe",
+                 id="recipe"),
+    pytest.param(["--recipes", "qk_int8_pv_fp8:block_q=100"], "argument --recipes: Recipe.block_q",
+                 id="recipe-option"),
+    pytest.param(["--families", "nope"], "argument --families: unknown famil", id="family"),
+    pytest.param(["--json", "/nonexistent-dir/rows.json"],
+                 "argument --json: no directory '/nonexistent-dir'", id="json-missing-dir"),
+]
+
+
+@pytest.mark.parametrize("argv,message", ACCURACY_USAGE_ERRORS)
+def test_accuracy_usage_errors_stop_before_any_work(capsys, monkeypatch, argv, message):
+    """Exit 2, the usage and one error line naming the option, no traceback, nothing evaluated."""
+    from lowbit_attn import accuracy
+
+    monkeypatch.setattr(accuracy, "evaluate", _fail)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["accuracy", "--n", "16", "--head-dim", "32", *argv])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert errors == [err.splitlines()[-1]], err
+    assert errors[0].startswith("lowbit-attn accuracy: error: ") and message in errors[0], err
+    assert "Traceback" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_accuracy_refuses_cuda_without_a_gpu(capsys, monkeypatch):
+    from lowbit_attn import accuracy
+
+    monkeypatch.setattr(accuracy, "evaluate", _fail)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["accuracy", "--device", "cuda"])
+    assert info.value.code == 2
+    assert "argument --device: 'cuda': CUDA is not available here" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    pytest.param(["--batch", "0"], "argument --batch: must be >= 1", id="batch"),
+    pytest.param(["--heads", "-1"], "argument --heads: must be >= 1", id="heads"),
+    pytest.param(["--dims", "64,0"], "argument --dims: must be between 1 and 256", id="dims"),
+    pytest.param(["--seqlens", "0"], "argument --seqlens", id="seqlens"),
+    pytest.param(["--rep", "nan"], "argument --rep: must be >= 0", id="rep-nan"),
+    pytest.param(["--warmup", "-1"], "argument --warmup: must be >= 0", id="warmup"),
+    pytest.param(["--min-cosine", "2"], "argument --min-cosine: must be between -1 and 1",
+                 id="min-cosine"),
+    pytest.param(["--time-budget", "x"], "argument --time-budget: expected float", id="budget"),
+])
+def test_bench_usage_errors(capsys, monkeypatch, argv, message):
+    from lowbit_attn import benchmark
+
+    monkeypatch.setattr(benchmark, "cli_main", _fail)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["bench", *argv])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith("lowbit-attn bench: error: ") and message in err, err
+
+
+def test_bench_refuses_a_head_dim_an_fp4_recipe_cannot_take(capsys):
+    assert cli.main(["bench", "--recipes", "qk_fp4_pv_fp4", "--dims", "48"]) == 2
+    assert "needs a head dim that is a multiple of 32, got 48" in capsys.readouterr().err
 
 
 def test_arch_help_lists_every_aot_target():

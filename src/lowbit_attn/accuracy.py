@@ -284,14 +284,28 @@ class _Explicit(argparse.Action):
         namespace.explicit = {*getattr(namespace, "explicit", ()), self.dest}
 
 
+def _recipe_spec(text: str) -> str:
+    """argparse type for ``--recipes``: the spec unchanged, once :func:`parse_recipe` accepts it."""
+    try:
+        parse_recipe(text)
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``lowbit-attn accuracy``."""
-    parser.add_argument("--n", type=int, default=1024, help="query (and key) tokens (default 1024)")
-    parser.add_argument("--n-k", type=int, default=None, help="key tokens (default: --n)")
-    parser.add_argument("--head-dim", type=int, default=128, help="head dim D (default 128)")
-    parser.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
-    parser.add_argument("--heads", type=int, default=2, help="query heads (default 2)")
-    parser.add_argument("--kv-heads", type=int, default=None,
+    from .checks import MAX_HEAD_DIM
+    from .cli import device_arg, head_dim_arg, output_file, positive_int, ranged
+
+    parser.add_argument("--n", type=positive_int, default=1024,
+                        help="query (and key) tokens (default 1024)")
+    parser.add_argument("--n-k", type=positive_int, default=None, help="key tokens (default: --n)")
+    parser.add_argument("--head-dim", type=head_dim_arg, default=128,
+                        help=f"head dim D, 1 to {MAX_HEAD_DIM} (default 128)")
+    parser.add_argument("--batch", type=positive_int, default=1, help="batch size (default 1)")
+    parser.add_argument("--heads", type=positive_int, default=2, help="query heads (default 2)")
+    parser.add_argument("--kv-heads", type=positive_int, default=None,
                         help="key/value heads, a divisor of --heads (default: --heads)")
     parser.add_argument("--causal", action="store_true", help="bottom-right aligned causal mask")
     parser.add_argument(
@@ -300,15 +314,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--recipes", nargs="+", default=list(DEFAULT_RECIPES), metavar="RECIPE", action=_Explicit,
+        type=_recipe_spec,
         help="recipes, each NAME or NAME:KEY=VALUE,... e.g. qk_int8_pv_fp8:granularity=per_token,"
              f"smooth_q=1 (default: {' '.join(DEFAULT_RECIPES)}; with --model: all but exact)",
     )
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float16", action=_Explicit,
                         help="input dtype (default float16; with --model: float32 on a CPU)")
-    parser.add_argument("--seed", type=int, default=0, help="input seed (default 0)")
-    parser.add_argument("--device", default=None,
+    parser.add_argument("--seed", type=ranged(int, 0, 2**64 - 1), default=0,
+                        help="input seed (default 0)")
+    parser.add_argument("--device", type=device_arg, default=None,
                         help="cpu or cuda (default: cuda when available, else cpu)")
-    parser.add_argument("--json", metavar="PATH", default=None, help="also write the rows as JSON")
+    parser.add_argument("--json", metavar="PATH", type=output_file, default=None,
+                        help="also write the rows as JSON (into an existing directory)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
         "--model", choices=("minilm", "smollm2", "all"), default=None,
@@ -324,22 +341,27 @@ def cli_main(args: argparse.Namespace) -> int:
         from . import model_accuracy
 
         return model_accuracy.cli_main(args)
+    from .checks import recipe_fits
+    from .cli import UsageError
+
     families = _split_list(args.families)
     unknown = [f for f in families if f not in inputs.FAMILIES]
     if unknown:
-        raise SystemExit(
-            f"lowbit-attn accuracy: unknown famil(ies) {unknown}; choose from {list(inputs.FAMILIES)}"
+        raise UsageError(
+            f"argument --families: unknown famil(ies) {unknown}; choose from "
+            f"{list(inputs.FAMILIES)}"
         )
     # Recipe specs use commas for their options, so only split on whitespace (nargs) here.
-    try:
-        recipes = [parse_recipe(spec) for spec in args.recipes]
-    except (ValueError, TypeError) as exc:
-        raise SystemExit(f"lowbit-attn accuracy: {exc}") from None
+    recipes = [parse_recipe(spec) for spec in args.recipes]  # each checked by argparse already
     kv_heads = args.heads if args.kv_heads is None else args.kv_heads
-    if kv_heads < 1 or args.heads % kv_heads != 0:
-        raise SystemExit(
-            f"lowbit-attn accuracy: --kv-heads must divide --heads, got {kv_heads} and {args.heads}"
-        )
+    if args.heads % kv_heads != 0:
+        raise UsageError(
+            f"argument --kv-heads: must divide --heads, got {kv_heads} and {args.heads}")
+    try:
+        for recipe in recipes:
+            recipe_fits(recipe, args.head_dim)
+    except ValueError as exc:
+        raise UsageError(f"argument --head-dim: {exc}") from None
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     rows = evaluate(
         recipes, families, n=args.n, n_k=args.n_k, head_dim=args.head_dim, heads_q=args.heads,
@@ -362,9 +384,9 @@ def cli_main(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m lowbit_attn.accuracy``: the same as ``lowbit-attn accuracy``."""
-    parser = argparse.ArgumentParser(prog="lowbit-attn accuracy", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return cli_main(parser.parse_args(argv))
+    from . import cli
+
+    return cli.main(["accuracy", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ from triton.compiler import ASTSource
 from triton.runtime.autotuner import Autotuner, Heuristics
 from triton.runtime.jit import JITFunction, KernelInterface
 
+from . import checks
 from .arch import arch_name, interpreter_enabled, native_fp4, parse_arch
 from .recipes import Recipe, resolve
 
@@ -633,8 +634,9 @@ def compile_recipe(
         one report per distinct kernel specialization; ``[]`` for ``"exact"`` (no Triton kernel).
     """
     arch = normalize_arch(arch)
-    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or not 1 <= head_dim <= 256:
-        raise ValueError(f"head_dim must be an int in [1, 256], got {head_dim!r}")
+    if (isinstance(head_dim, bool) or not isinstance(head_dim, int)
+            or not 1 <= head_dim <= checks.MAX_HEAD_DIM):
+        raise ValueError(f"head_dim must be an int in [1, {checks.MAX_HEAD_DIM}], got {head_dim!r}")
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"dtype must be torch.float16, bfloat16 or float32, got {dtype!r}")
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
@@ -642,6 +644,7 @@ def compile_recipe(
     if isinstance(config, bool) or not isinstance(config, int) or config < 0:
         raise ValueError(f"config must be an int >= 0, got {config!r}")
     r = resolve(recipe, parse_arch(arch))
+    checks.recipe_fits(r, head_dim)  # what the public functions refuse is not compiled either
     launches = record_launches(r, head_dim=head_dim, causal=causal, dtype=dtype, seq_len=seq_len,
                                return_lse=return_lse)
     return _compile_all(launches, arch, config)

@@ -42,6 +42,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from . import checks
 from .api import TORCH_SDPA
 from .arch import arch_name, backend_for
 from .recipes import RECIPES, Recipe, resolve
@@ -1130,14 +1131,11 @@ def _split(text: str) -> list[str]:
     return [t for t in re.split(r"[,\s]+", text.strip()) if t]
 
 
-def parse_ints(text: str) -> list[int]:
-    """``"64,128"`` → ``[64, 128]``."""
-    try:
-        return [int(t) for t in _split(text)]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
+def parse_dims(text: str) -> list[int]:
+    """``"64,128"`` → ``[64, 128]``, each a head dim the attention functions take."""
+    from .cli import head_dim_arg
+
+    return [head_dim_arg(t) for t in _split(text)]
 
 
 def parse_seqlens(text: str) -> list[int]:
@@ -1145,8 +1143,9 @@ def parse_seqlens(text: str) -> list[int]:
     out = []
     for t in _split(text):
         m = re.fullmatch(r"(\d+)([kK]?)", t)
-        if not m:
-            raise argparse.ArgumentTypeError(f"sequence lengths look like 1k,4k,16384; got {t!r}")
+        if not m or int(m.group(1)) == 0:
+            raise argparse.ArgumentTypeError(
+                f"sequence lengths look like 1k,4k,16384 (positive); got {t!r}")
         out.append(int(m.group(1)) * (1024 if m.group(2) else 1))
     return out
 
@@ -1158,13 +1157,17 @@ def parse_names(text: str) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Options of ``lowbit-attn bench``."""
-    parser.add_argument("--dims", type=parse_ints, default=None,
+    from .cli import positive_int, ranged
+
+    parser.add_argument("--dims", type=parse_dims, default=None,
                         help="head dims, comma-separated (default 64,128; --quick: 128)")
     parser.add_argument("--seqlens", type=parse_seqlens, default=None,
                         help="sequence lengths, e.g. 1k,4k,16k (default 1k,2k,4k,8k,16k,32k; "
                              "--quick: 1k,4k,16k)")
-    parser.add_argument("--batch", type=int, default=BATCH, help=f"batch size (default {BATCH})")
-    parser.add_argument("--heads", type=int, default=HEADS, help=f"heads (default {HEADS})")
+    parser.add_argument("--batch", type=positive_int, default=BATCH,
+                        help=f"batch size (default {BATCH})")
+    parser.add_argument("--heads", type=positive_int, default=HEADS,
+                        help=f"heads (default {HEADS})")
     parser.add_argument("--causal", choices=("yes", "no", "both"), default="both",
                         help="causal masks, non-causal, or both (default)")
     parser.add_argument("--recipes", type=parse_names, default=list(OUR_RECIPES),
@@ -1182,14 +1185,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="write results here (repeatable; default on a GPU: benchmarks/results;"
                              " on a CPU nothing is written unless given)")
     parser.add_argument("--no-plot", action="store_true", help="do not draw the PNG chart")
-    parser.add_argument("--warmup", type=float, default=25.0, help="do_bench warmup in ms")
-    parser.add_argument("--rep", type=float, default=100.0, help="do_bench repetition time in ms")
-    parser.add_argument("--min-cosine", type=float, default=MIN_COSINE,
+    parser.add_argument("--warmup", type=ranged(float, 0), default=25.0,
+                        help="do_bench warmup in ms")
+    parser.add_argument("--rep", type=ranged(float, 0), default=100.0,
+                        help="do_bench repetition time in ms")
+    parser.add_argument("--min-cosine", type=ranged(float, -1, 1), default=MIN_COSINE,
                         help=f"accuracy check threshold (default {MIN_COSINE})")
-    parser.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+    parser.add_argument("--time-budget", type=ranged(float, 0), default=None, metavar="SECONDS",
                         help="stop starting measurements after this long; the rest are recorded "
                              "as skipped (results are saved after every configuration)")
-    parser.add_argument("--seed", type=int, default=0, help="input seed")
+    parser.add_argument("--seed", type=ranged(int, 0, 2**64 - 1), default=0, help="input seed")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -1213,10 +1218,12 @@ def cli_main(args: argparse.Namespace) -> int:
     or raised, 2 on bad options)."""
     causal_values = {"yes": [True], "no": [False], "both": [False, True]}[args.causal]
     try:
-        if args.batch < 1 or args.heads < 1:
-            raise ValueError("--batch and --heads must be >= 1")
         if not args.recipes and not args.baselines:
             raise ValueError("nothing to run: no recipes and no baselines")
+        for name in args.recipes:
+            for d in args.dims or ():  # the default dims fit every recipe
+                if name in RECIPES:
+                    checks.recipe_fits(RECIPES[name], d)
         if torch.cuda.is_available():
             methods = select_methods(args.recipes, args.baselines, bf16=not args.no_bf16,
                                      breakdown=not args.no_breakdown)

@@ -16,12 +16,14 @@ import argparse
 import functools
 import importlib
 import json
+import math
 import os
 import platform
 import sys
 from typing import Callable, Sequence
 
 from .arch import native_fp4
+from .checks import MAX_HEAD_DIM
 
 # Subcommands implemented in other modules: name → (module, help). Each module exports
 # ``add_arguments(parser)`` and ``cli_main(args) -> int``.
@@ -34,6 +36,66 @@ ENV_VARS = ("LOWBIT_ATTN_ARCH", "LOWBIT_ATTN_BACKEND", "LOWBIT_ATTN_Q_QUANT", "L
 DTYPES = ("float16", "bfloat16", "float32")
 # The targets of ``lowbit_attn.aot.ARCHS``, spelled out so that ``--help`` imports nothing heavy.
 ARCH_HELP = "sm_80, sm_86, sm_89, sm_90a, sm_100a or sm_120a"
+
+
+# ---------------------------------------------------------------------------------------------
+# argument types: a bad value is a usage error (exit 2, one line) before any work starts
+
+
+class UsageError(Exception):
+    """A bad combination of options, found by a subcommand's ``cli_main`` after parsing (before
+    any work); ``lowbit-attn`` reports it as argparse reports a bad option."""
+
+
+def ranged(kind: type, low: float, high: float | None = None) -> Callable[[str], float]:
+    """argparse type: ``kind(text)`` (``int`` or ``float``), finite, in ``[low, high]``."""
+    bounds = f">= {low}" if high is None else f"between {low} and {high}"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {kind.__name__} {bounds}, got {text!r}") from None
+        finite = not isinstance(value, float) or math.isfinite(value)
+        if not finite or value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {text}")
+        return value
+
+    return parse
+
+
+positive_int = ranged(int, 1)
+head_dim_arg = ranged(int, 1, MAX_HEAD_DIM)
+
+
+def device_arg(text: str) -> str:
+    """argparse type for ``--device``: ``cpu``, or ``cuda``/``cuda:N`` of a GPU that is there."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: CUDA is not available here; use cpu")
+        if device.index is not None and device.index >= count:
+            raise argparse.ArgumentTypeError(f"{text!r}: this machine has {count} GPU(s)")
+    return text
+
+
+def output_file(text: str) -> str:
+    """argparse type for a file to write at the end: its directory must exist now."""
+    folder = os.path.dirname(os.path.abspath(text))
+    if os.path.isdir(text) or not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is a directory" if os.path.isdir(text) else f"no directory {folder!r}"
+        )
+    return text
 
 
 # ---------------------------------------------------------------------------------------------
@@ -51,7 +113,7 @@ def _arch_arg(value: str) -> str:
 
 
 def _add_inspect(sub) -> None:
-    from .recipes import RECIPES, SAGEBWD_INT8  # light: dataclasses only
+    from .recipes import RECIPES, SAGEBWD_INT8
 
     p = sub.add_parser(
         "inspect", help="compile a recipe's kernels for a GPU target and show what they use",
@@ -65,11 +127,12 @@ def _add_inspect(sub) -> None:
     p.add_argument("--recipe", default="auto", choices=["auto", *names], metavar="NAME",
                    help=f"one of {', '.join(names)} (the trainable attention's forward and "
                    "backward), or 'auto' (what ARCH gets by default)")
-    p.add_argument("--head-dim", type=int, default=128, help="head dim D (default 128)")
+    p.add_argument("--head-dim", type=head_dim_arg, default=128,
+                   help=f"head dim D, 1 to {MAX_HEAD_DIM} (default 128)")
     p.add_argument("--causal", action="store_true", help="the causal variant")
     p.add_argument("--dtype", choices=DTYPES, default="float16", help="input dtype")
     p.add_argument("--return-lse", action="store_true", help="include what return_lse=True adds")
-    p.add_argument("--config", type=int, default=0,
+    p.add_argument("--config", type=ranged(int, 0), default=0,
                    help="which autotuning config of ARCH's family to compile (default 0)")
     p.add_argument("--json", action="store_true", help="print the reports as JSON")
     p.add_argument("--ptx-dir", metavar="DIR", help="also write each kernel's PTX into DIR")
@@ -274,9 +337,12 @@ def _add_doctor(sub) -> None:
 # accuracy / bench (other modules)
 
 
-def _external_handler(module) -> Callable:
+def _external_handler(module, parser: argparse.ArgumentParser) -> Callable:
     def handler(args: argparse.Namespace) -> int:
-        result = module.cli_main(args)
+        try:
+            result = module.cli_main(args)
+        except UsageError as exc:
+            parser.error(str(exc))
         return int(result or 0)
 
     return handler
@@ -303,7 +369,7 @@ def _add_external(sub, name: str, chosen: str | None) -> None:
     if name == chosen:
         module = _import_external(name)
         module.add_arguments(p)
-        p.set_defaults(handler=_external_handler(module))
+        p.set_defaults(handler=_external_handler(module, p))
 
 
 # ---------------------------------------------------------------------------------------------
