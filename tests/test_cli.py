@@ -108,6 +108,22 @@ def test_inspect_exact_launches_nothing(capsys):
     assert "launches no Triton kernel" in out
 
 
+def _fail(*args, **kwargs):
+    raise AssertionError("a usage error must stop before any work")
+
+
+def usage_error(capsys, argv: list[str]) -> str:
+    """Run ``lowbit-attn ARGV``, expect a usage error (exit 2, the usage and then exactly one
+    error line, no traceback) and return that line."""
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert errors == [err.splitlines()[-1]] and "Traceback" not in err, err
+    return errors[0]
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["inspect", "--arch", "sm_70", "--recipe", "qk_int8_pv_fp8"], "argument --arch"),
     (["inspect", "--arch", "hopper"], "sm_90a"),
@@ -121,15 +137,7 @@ def test_inspect_exact_launches_nothing(capsys):
     ([], "COMMAND"),
 ])
 def test_usage_errors_exit_2_with_a_clear_message(capsys, argv, needle):
-    with pytest.raises(SystemExit) as info:
-        cli.main(argv)
-    assert info.value.code == 2
-    err = capsys.readouterr().err
-    assert needle in err, err
-
-
-def _fail(*args, **kwargs):
-    raise AssertionError("a usage error must stop before any work")
+    assert needle in usage_error(capsys, argv)
 
 
 ACCURACY_USAGE_ERRORS = [
@@ -165,18 +173,12 @@ ACCURACY_USAGE_ERRORS = [
 
 @pytest.mark.parametrize("argv,message", ACCURACY_USAGE_ERRORS)
 def test_accuracy_usage_errors_stop_before_any_work(capsys, monkeypatch, argv, message):
-    """Exit 2, the usage and one error line naming the option, no traceback, nothing evaluated."""
+    """One error line naming the option, and nothing evaluated."""
     from lowbit_attn import accuracy
 
     monkeypatch.setattr(accuracy, "evaluate", _fail)
-    with pytest.raises(SystemExit) as info:
-        cli.main(["accuracy", "--n", "16", "--head-dim", "32", *argv])
-    assert info.value.code == 2
-    err = capsys.readouterr().err
-    errors = [line for line in err.splitlines() if "error:" in line]
-    assert errors == [err.splitlines()[-1]], err
-    assert errors[0].startswith("lowbit-attn accuracy: error: ") and message in errors[0], err
-    assert "Traceback" not in err
+    line = usage_error(capsys, ["accuracy", "--n", "16", "--head-dim", "32", *argv])
+    assert line.startswith("lowbit-attn accuracy: error: ") and message in line, line
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -184,10 +186,8 @@ def test_accuracy_refuses_cuda_without_a_gpu(capsys, monkeypatch):
     from lowbit_attn import accuracy
 
     monkeypatch.setattr(accuracy, "evaluate", _fail)
-    with pytest.raises(SystemExit) as info:
-        cli.main(["accuracy", "--device", "cuda"])
-    assert info.value.code == 2
-    assert "argument --device: 'cuda': CUDA is not available here" in capsys.readouterr().err
+    line = usage_error(capsys, ["accuracy", "--device", "cuda"])
+    assert "argument --device: 'cuda': CUDA is not available here" in line
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -205,11 +205,8 @@ def test_bench_usage_errors(capsys, monkeypatch, argv, message):
     from lowbit_attn import benchmark
 
     monkeypatch.setattr(benchmark, "cli_main", _fail)
-    with pytest.raises(SystemExit) as info:
-        cli.main(["bench", *argv])
-    assert info.value.code == 2
-    err = capsys.readouterr().err
-    assert err.splitlines()[-1].startswith("lowbit-attn bench: error: ") and message in err, err
+    line = usage_error(capsys, ["bench", *argv])
+    assert line.startswith("lowbit-attn bench: error: ") and message in line, line
 
 
 def test_bench_refuses_a_head_dim_an_fp4_recipe_cannot_take(capsys):
