@@ -300,6 +300,8 @@ def test_unknown_arch_is_a_value_error_naming_it(arch):
 def test_bad_arguments_name_themselves():
     with pytest.raises(ValueError, match="head_dim"):
         aot.compile_recipe("qk_int8_pv_fp8", "sm_90a", head_dim=0)
+    with pytest.raises(ValueError, match="multiple of 32, got 48"):  # what attention() refuses
+        aot.compile_recipe("qk_fp4_pv_fp4", "sm_100a", head_dim=48)
     with pytest.raises(ValueError, match="config"):
         aot.compile_recipe("qk_int8_pv_fp8", "sm_90a", config=99)
     with pytest.raises(ValueError, match="dtype"):
