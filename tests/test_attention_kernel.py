@@ -147,6 +147,35 @@ def test_varlen_reference_backend_agrees(monkeypatch):
     assert_close(results[1], results[0], atol=3e-3, name="out")
 
 
+
+@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("kv_stats", ["launch", "program"])
+def test_varlen_sequence_with_queries_and_no_keys(name, causal, backend, kv_stats, monkeypatch):
+    """Sequence 2 has 4 queries and no key: its rows are 0 and their LSE -inf (its K statistics
+    are those of no token, not 0/0), and the other sequences are what they are alone."""
+    monkeypatch.setenv("LOWBIT_ATTN_BACKEND", backend)
+    monkeypatch.setenv("LOWBIT_ATTN_KV_STATS", kv_stats)
+    cu_q = torch.tensor([0, 5, 9, 13, 20], dtype=torch.int32)
+    cu_k = torch.tensor([0, 6, 14, 14, 24], dtype=torch.int32)
+    g = torch.Generator().manual_seed(12)
+    q = torch.randn(20, 2, 32, generator=g).half()
+    k = (torch.randn(24, 1, 32, generator=g) + 3 * torch.randn(32, generator=g)).half()
+    v = torch.randn(24, 1, 32, generator=g).half()
+    out, lse = lowbit_attn.attention_varlen(q, k, v, cu_q, cu_k, 7, 10, is_causal=causal,
+                                            recipe=name, return_lse=True)
+    assert torch.all(out[9:13] == 0)
+    assert torch.all(torch.isneginf(lse[:, 9:13]))
+    for i in (0, 1, 3):
+        q0, q1, k0, k1 = cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]
+        alone, alone_lse = lowbit_attn.attention(
+            q[q0:q1].unsqueeze(0), k[k0:k1].unsqueeze(0), v[k0:k1].unsqueeze(0), layout="NHD",
+            is_causal=causal, recipe=name, return_lse=True,
+        )
+        assert_close(out[q0:q1], alone[0], atol=1e-3, name=f"seq{i}")
+        assert_close(lse[:, q0:q1], alone_lse[0], atol=1e-5, name=f"lse{i}")
+
 def test_causal_rows_that_see_nothing_are_zero(triton_backend):
     q, k, v = channel_biased((1, 1, 40, 32), (1, 1, 16, 32), seed=3)
     out, lse = lowbit_attn.attention(q, k, v, is_causal=True, recipe="qk_int8_pv_fp8",

@@ -175,6 +175,22 @@ def test_channel_stats_propagate_nan():
         assert torch.isfinite(amax[0, 0]).all()
 
 
+
+@pytest.mark.parametrize("center", ["none", "mean"])
+def test_channel_stats_of_no_token_are_zero(center):
+    """A packed sequence without tokens (a varlen sequence with queries and no keys) has mean and
+    amax 0, not 0/0 = NaN, which smoothing would carry into the LSE; the twin agrees."""
+    from lowbit_attn.quantized import Seqs
+
+    x = torch.randn(9, 2, 8) + 3
+    seqs = Seqs(batch=3, max_len=6, cu_seqlens=torch.tensor([0, 3, 3, 9], dtype=torch.int32))
+    mean, amax = kq().channel_stats(x, center=center, seqs=seqs)
+    assert torch.equal(amax[1], torch.zeros(2, 8)) and torch.all(amax[[0, 2]] > 0)
+    m_ref, a_ref = ref.channel_stats(x[3:3].transpose(0, 1).unsqueeze(0), center=center)
+    assert torch.equal(a_ref, torch.zeros(1, 2, 8))
+    if center == "mean":
+        assert torch.equal(mean[1], torch.zeros(2, 8)) and torch.equal(m_ref, torch.zeros(1, 2, 8))
+
 def test_balance_factors_equalize_ranges_and_keep_degenerate_channels():
     aq = torch.tensor([[[1.0, 4.0, 0.0, 2.0], [3.0, 1.0, 1.0, 2.0]]])  # B=1, Hq=2
     ak = torch.tensor([[[16.0, 1.0, 5.0, 0.0]]])  # Hkv=1: both q heads share it

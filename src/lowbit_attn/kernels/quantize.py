@@ -58,11 +58,12 @@ def _stats_program(
             hi = tl.maximum(hi, tl.max(tl.where(mask, x, float("-inf")), axis=0))
             lo = tl.minimum(lo, tl.min(tl.where(mask, x, float("inf")), axis=0))
     if CENTER == 1:
-        mean = total / n
+        mean = total / tl.maximum(n, 1)  # an empty sequence's mean is 0, as its amax
         amax = tl.maximum(hi - mean, mean - lo)
         tl.store(MEAN + b * smb + h * smh + offs_d * smd, mean, mask=dmask)
     elif CENTER == 0:
         amax = tl.maximum(hi, -lo)
+    amax = tl.where(n > 0, amax, 0.0)  # not -inf: no token, no magnitude
     tl.store(AMAX + b * sab + h * sah + offs_d * sad, amax + poison, mask=dmask)
 
 

@@ -29,6 +29,7 @@ def channel_stats(
     Returns:
         ``(mean, amax)``: ``mean`` is ``None``, ``[B, H, D]`` or ``[B, H, ceil(N/block), D]`` fp32;
         ``amax`` is ``max |x - mean|`` per channel, ``[B, H, D]`` fp32, NaN if any input is not finite.
+        No token (``N = 0``, a packed sequence without keys) gives means and amax 0, not 0/0.
     """
     xf = x.float()
     n = x.shape[-2]
@@ -36,13 +37,15 @@ def channel_stats(
         mean = None
         centered = xf
     elif center == "mean":
-        mean = xf.sum(dim=-2) / n
+        mean = xf.sum(dim=-2) / max(n, 1)
         centered = xf - mean.unsqueeze(-2)
     elif center == "block_mean":
         mean = block_means(xf, block)
         centered = xf - expand_blocks(mean, block, n)
     else:
         raise ValueError(f"center must be 'none', 'mean' or 'block_mean', got {center!r}")
+    if n == 0:
+        return mean, xf.new_zeros(x.shape[:2] + x.shape[3:])
     amax = centered.abs().amax(dim=-2) + _poison(centered, -2)
     return mean, amax
 
@@ -54,7 +57,7 @@ def block_means(xf: torch.Tensor, block: int) -> torch.Tensor:
     padded = torch.nn.functional.pad(xf, (0, 0, 0, nb * block - n))
     sums = padded.reshape(b, h, nb, block, d).sum(dim=3)
     counts = torch.full((nb,), float(block), device=xf.device)
-    counts[-1] = n - (nb - 1) * block
+    counts[nb - 1 :] = n - (nb - 1) * block  # the last block (none when n = 0)
     return sums / counts[:, None]
 
 
