@@ -176,6 +176,39 @@ def test_varlen_sequence_with_queries_and_no_keys(name, causal, backend, kv_stat
         assert_close(out[q0:q1], alone[0], atol=1e-3, name=f"seq{i}")
         assert_close(lse[:, q0:q1], alone_lse[0], atol=1e-5, name=f"lse{i}")
 
+
+def _v_of_magnitude(factor, dtype, seed=21):
+    q, k, v = channel_biased((1, 2, 70, 32), (1, 2, 70, 32), seed=seed)
+    v[0, 0, 9] = 12.0  # with factor 1e4: 1.2e5, past fp16's 65504
+    v[0, 1, :, 5] = 0.0  # an all-zero channel
+    return q.to(dtype), k.to(dtype), (v * factor).to(dtype)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_tiny_and_huge_v_keep_their_relative_precision(name, dtype, backend, monkeypatch):
+    """V of 1e-8 or 1e-7 (flushed or subnormal in fp16) and of 1e4 (past 65504 in fp16): the
+    same relative error as V of order 1, on both paths and both P·V formats."""
+    monkeypatch.setenv("LOWBIT_ATTN_BACKEND", backend)
+
+    def rel_l1(factor):
+        q, k, v = _v_of_magnitude(factor, dtype)
+        out = lowbit_attn.attention(q, k, v, recipe=name)
+        ref, _ = exact_attention(q.double(), k.double(), v.double(), scale=32**-0.5)
+        assert torch.isfinite(out).all() and torch.all(out[0, 1, :, 5] == 0)
+        return lowbit_attn.errors(out, ref).rel_l1
+
+    base = rel_l1(1.0)
+    for factor in (1e-8, 1e-7, 1e4):
+        # measured: within 1 % of the order-1 error (bf16 rounds each V differently)
+        assert rel_l1(factor) < 1.05 * base, factor
+    if backend == "triton":  # V's scales from statistics the converting launch takes itself
+        q, k, v = _v_of_magnitude(1e-8, dtype)
+        want = lowbit_attn.attention(q, k, v, recipe=name)
+        monkeypatch.setenv("LOWBIT_ATTN_KV_STATS", "program")
+        assert torch.equal(lowbit_attn.attention(q, k, v, recipe=name), want)
+
 def test_causal_rows_that_see_nothing_are_zero(triton_backend):
     q, k, v = channel_biased((1, 1, 40, 32), (1, 1, 16, 32), seed=3)
     out, lse = lowbit_attn.attention(q, k, v, is_causal=True, recipe="qk_int8_pv_fp8",

@@ -134,22 +134,46 @@ def test_e4m3_saturates_and_keeps_nan():
 
 
 @pytest.mark.parametrize("center", ["none", "mean"])
-@pytest.mark.parametrize("pv", ["fp16", "fp8"])
+@pytest.mark.parametrize("pv", ["fp16", "fp8", "fp16-unscaled"])
 def test_convert_v_matches_twin(center, pv):
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(2, 3, 77, 48, generator=g).bfloat16()
-    c = torch.randn(2, 3, 48, generator=g) if center == "mean" else None
-    amax = torch.rand(2, 3, 48, generator=g) * 5 if pv == "fp8" else None
-    if amax is not None:
+    # channels from 2^-60 to 2^60: fp16 V is scaled by a power of two where fp16 cannot hold it
+    spread = 2.0 ** torch.linspace(-60, 60, 48)
+    x = (torch.randn(2, 3, 77, 48, generator=g) * spread).bfloat16()
+    c = torch.randn(2, 3, 48, generator=g) * spread if center == "mean" else None
+    amax = None
+    if pv != "fp16-unscaled":
+        amax = torch.rand(2, 3, 48, generator=g) * 5 * spread
         amax[0, 0, 0] = 0.0  # an all-zero channel gets scale 1
+    pv = pv[:4]
     got, got_scale = kq().convert_v(x, pv=pv, center=c, amax=amax)
     want, want_scale = ref.convert_v(x, pv=pv, center=c, amax=amax)
     assert got.shape == want.shape
-    assert torch.equal(got.float(), want.float())
-    if pv == "fp8":
+    assert torch.equal(got.float().nan_to_num(nan=7.0), want.float().nan_to_num(nan=7.0))
+    if amax is not None:
         assert torch.equal(got_scale, want_scale) and want_scale[0, 0, 0] == 1
     else:
         assert got_scale is None and want_scale is None
+
+
+def test_fp16_v_scale_is_a_power_of_two_only_where_fp16_needs_one():
+    """1 where amax's exponent is in [-6, 14] (the bits of plain fp16 rounding), for 0 and for
+    non-finite amax (Inf and NaN reach fp16 as they are); elsewhere amax/scale in [2^14, 2^15)."""
+    tiny = torch.tensor([1e-40]).view(torch.int32).view(torch.float32)  # an fp32 subnormal
+    amax = torch.cat([torch.tensor([0.0, 2.0**-6, 1.0, 32767.0, float("inf"), float("nan")]),
+                      torch.tensor([2.0**-7, 1e-8, 32768.0, 65504.0, 1e5, 3e38]), tiny])
+    scale, inverse = ref.fp16_v_scale(amax)
+    assert torch.equal(scale[:6], torch.ones(6)) and torch.equal(inverse * scale, torch.ones(13))
+    assert torch.all(torch.log2(scale) == torch.round(torch.log2(scale)))
+    scaled = amax[6:12] * inverse[6:12]
+    assert torch.all((scaled >= 2.0**14) & (scaled < 2.0**15)), scaled
+    assert scale[12] == 2.0**-126 and 1e-3 < tiny * inverse[12] < 2**15
+    x = amax.view(1, 1, 1, 13).expand(1, 1, 3, 13).nan_to_num(nan=0.0, posinf=0.0)
+    want, want_scale = ref.convert_v(x, pv="fp16", amax=amax.view(1, 1, 13))
+    got, got_scale = kq().convert_v(x, pv="fp16", amax=amax.view(1, 1, 13))
+    assert torch.equal(got, want) and torch.equal(got_scale, want_scale)
+    assert torch.isfinite(want).all()
+    assert torch.allclose(want[0, 0, 0].float() * want_scale[0, 0], x[0, 0, 0], rtol=2**-11, atol=0)
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -360,6 +360,29 @@ def test_8bit_fine_kernel_matches_the_reference(triton_backend, monkeypatch, dty
     torch.testing.assert_close(got.float(), want, rtol=ulp, atol=ulp * 1e-2)
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("recipe", ["qk_int8_pv_fp16", "qk_int8_pv_fp8"])
+def test_8bit_fine_stage_keeps_tiny_and_huge_v(backend, recipe, monkeypatch):
+    """bf16 V of 1e-8 (flushed by plain fp16 rounding) or 1e5 (past 65504): the fine stage scales
+    V per channel as the dense forward does, so its error is that of V of order 1."""
+    monkeypatch.setenv("LOWBIT_ATTN_BACKEND", backend)
+    grid, tile = (3, 5, 6), (2, 2, 4)
+    q, k, v = _qkv(90, b=1, hq=2, hkv=1, d=32, dtype=torch.float32)
+    layout = tile_layout(grid, tile)
+    idx = torch.tensor([0, 2, 1])[None, None, None].expand(1, 2, layout.n_tiles, 3)
+    mask = ref.block_mask(layout, idx)
+
+    def rel_l1(factor):
+        qb, kb, vb = q.bfloat16(), k.bfloat16(), (v * factor).bfloat16()
+        out = vsa.fine(qb, kb, vb, video_shape=grid, tile=tile, tile_indices=idx, recipe=recipe)
+        want = ref.masked_attention(qb.double(), kb.double(), vb.double(), mask, scale=32**-0.5)
+        return lowbit_attn.errors(out, want).rel_l1
+
+    base = rel_l1(1.0)
+    for factor in (1e-8, 1e5):
+        assert rel_l1(factor) < 1.05 * base, factor
+
 @pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
 def test_8bit_path_compiles_fullgraph():
     torch._dynamo.reset()

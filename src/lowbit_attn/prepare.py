@@ -74,13 +74,16 @@ def quantize_qkv(
     kw_k = {"seqs": seqs_k} if triton_backend else {}
     k_center = "mean" if recipe.smooth_k else "none"
     v_center = "mean" if recipe.smooth_v else "none"
+    # V gets a per-channel scale from its amax unless fp16 holds it exactly: FP8 always; fp16
+    # when V comes from another dtype (bf16/fp32 V can be tiny or past 65504) or is centered.
+    v_scaled = recipe.pv == "fp8" or recipe.smooth_v or v.dtype != torch.float16
 
     requests = {}
     if (recipe.smooth_k or recipe.balance_qk) and not kv_stats_in_program:
         requests["k"] = (k, k_center, 0)
     if recipe.smooth_q or recipe.balance_qk:
         requests["q"] = (q, "block_mean" if recipe.smooth_q else "none", recipe.block_q)
-    if (recipe.pv == "fp8" or recipe.smooth_v) and not kv_stats_in_program:
+    if v_scaled and not kv_stats_in_program:
         requests["v"] = (v, v_center, 0)
     stats = _stats_all(backend, requests, {"q": seqs_q, "k": seqs_k, "v": seqs_k})
     k_mean, k_amax = stats.get("k", (None, None))
@@ -94,7 +97,8 @@ def quantize_qkv(
         own = kv_stats_in_program
         (k8, k_scale, k_stats), (vq, v_scale, v_stats) = quant.quantize(
             quant.Int8Request(k, **k_args, own_stats=k_center if own else None),
-            quant.VRequest(v, recipe.pv, v_mean, v_amax, own_stats=v_center if own else None),
+            quant.VRequest(v, recipe.pv, v_mean, v_amax, own_stats=v_center if own else None,
+                           scaled=v_scaled),
             seqs=seqs_k,
         )
         if own:  # what the launch computed

@@ -15,6 +15,13 @@ LN2 = 0.6931471805599453
 INT8_MAX = 127.0
 FP8_MAX = 448.0
 LOG2_FP8_MAX = 8.807354922057604  # log2(448): P̃·448 is computed as exp2(s - m + log2 448)
+# fp16 V: a channel whose amax has a binary exponent in [FP16_V_KEEP_LO, FP16_V_KEEP_HI] is rounded
+# as it is (scale 1: the same bits as without scaling); any other is multiplied by the power of two
+# that puts its amax's exponent at FP16_V_KEEP_HI: below 2^15, so that no value rounds to Inf (fp16
+# holds up to 65504) and P̃·V (P̃ ≤ 1, fp32 accumulation) cannot overflow, and 2^20 times above
+# fp16's smallest normal, so that tiny V is not flushed. Scales stay within fp32's normal range.
+FP16_V_KEEP_LO = -6
+FP16_V_KEEP_HI = 14
 
 
 @dataclass
@@ -47,7 +54,9 @@ class QuantizedQKV:
             ``[B, Hq, Nq]`` per token.
         k_scale: fp32 scales of K, ``[B, Hkv, ceil(Nk/block_k)]`` or ``[B, Hkv, Nk]``.
         v: fp16 values (fp16 P·V) or E4M3 values (fp8 P·V).
-        v_scale: fp32 per-channel scales of V ``[B, Hkv, D]`` (fp8 only).
+        v_scale: fp32 per-channel scales of V ``[B, Hkv, D]``: V ≈ ``v·v_scale`` (FP8: ``amax/448``;
+            fp16: a power of two, see ``reference.quant.fp16_v_scale``; None for fp16 V that is
+            neither converted from another dtype nor centered, which fp16 holds exactly).
         v_mean: fp32 per-channel mean of V that was subtracted ``[B, Hkv, D]`` (``smooth_v`` only).
         delta_s: fp32 Q-smoothing correction in base-2 score units ``[B, Hq, ceil(Nq/block_q), Nk]``.
         lse_shift: fp32 ``softmax_scale·(q·mean(K))`` per query row, added to the natural-log LSE so

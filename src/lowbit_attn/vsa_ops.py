@@ -194,7 +194,7 @@ def _padded_tiles(qz: QuantizedQKV, layout: TileLayout, ts: int) -> QuantizedQKV
         return tiles(x.unsqueeze(-1)).squeeze(-1)
 
     v = tiles(qz.v)
-    if qz.v_scale is not None:
+    if v.dtype == torch.float8_e4m3fn:
         v = v.transpose(-1, -2).contiguous().transpose(-1, -2)
     return QuantizedQKV(q=tiles(qz.q), q_scale=row_tiles(qz.q_scale), k=tiles(qz.k),
                         k_scale=row_tiles(qz.k_scale), v=v, v_scale=qz.v_scale, v_mean=qz.v_mean)

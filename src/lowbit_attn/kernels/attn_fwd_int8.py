@@ -137,7 +137,8 @@ def _attn_fwd_int8_kernel(
     NQ, NK, HQ, GROUP, D, causal_offset, N_BUCKET,
     Q_IN_KERNEL: tl.constexpr, Q_CENTER: tl.constexpr, Q_BALANCE: tl.constexpr,
     IS_CAUSAL: tl.constexpr, PER_TOKEN: tl.constexpr, PV_FP8: tl.constexpr,
-    HAS_VMEAN: tl.constexpr, HAS_DS: tl.constexpr, HAS_LSH: tl.constexpr, WRITE_LSE: tl.constexpr,
+    HAS_VSCALE: tl.constexpr, HAS_VMEAN: tl.constexpr, HAS_DS: tl.constexpr,
+    HAS_LSH: tl.constexpr, WRITE_LSE: tl.constexpr,
     EXACT_FP8: tl.constexpr, VARLEN: tl.constexpr, PIPELINE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -240,7 +241,8 @@ def _attn_fwd_int8_kernel(
             True, IS_CAUSAL, PER_TOKEN, PV_FP8, HAS_DS, EXACT_FP8, BLOCK_N,
         )
 
-    out = finish_rows(acc, l_i, VS, VM, b * svsb + hk * svsh, offs_d, dmask, svsd, PV_FP8, HAS_VMEAN)
+    out = finish_rows(acc, l_i, VS, VM, b * svsb + hk * svsh, offs_d, dmask, svsd, HAS_VSCALE,
+                      HAS_VMEAN)
     tl.store(
         O + b * sob + h * soh + (q_start + offs_m)[:, None] * son + offs_d[None, :] * sod,
         out.to(O.dtype.element_ty), mask=mmask[:, None] & dmask[None, :],
@@ -275,6 +277,7 @@ _attn_fwd_int8 = triton.autotune(
 )(
     triton.heuristics(
         {
+            "HAS_VSCALE": lambda a: a["VS"] is not None,
             "HAS_VMEAN": lambda a: a["VM"] is not None,
             "HAS_DS": lambda a: a["DS"] is not None,
             "HAS_LSH": lambda a: a["LSH"] is not None,

@@ -94,13 +94,13 @@ def normalize_rows(acc, l_i):
 
 
 @triton.jit
-def finish_rows(acc, l_i, VS, VM, vec_base, offs_d, dmask, svsd, PV_FP8: tl.constexpr,
+def finish_rows(acc, l_i, VS, VM, vec_base, offs_d, dmask, svsd, HAS_VSCALE: tl.constexpr,
                 HAS_VMEAN: tl.constexpr):
-    """The quantized forwards' epilogue: ``acc / l``, times V's per-channel FP8 scale, plus V's
-    mean when V was smoothed (``vec_base``: the (batch, head) offset of those vectors); rows that
-    saw no key give 0."""
+    """The quantized forwards' epilogue: ``acc / l``, times V's per-channel scale (FP8, or fp16
+    V's power of two) when it has one, plus V's mean when V was smoothed (``vec_base``: the
+    (batch, head) offset of those vectors); rows that saw no key give 0."""
     out, empty = normalize_rows(acc, l_i)
-    if PV_FP8:
+    if HAS_VSCALE:
         vs = tl.load(VS + vec_base + offs_d * svsd, mask=dmask, other=0.0)
         out = out * vs[None, :]
     if HAS_VMEAN:

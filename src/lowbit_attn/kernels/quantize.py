@@ -13,11 +13,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quantized import Seqs, dense_seqs
+from ..quantized import FP16_V_KEEP_HI, FP16_V_KEEP_LO, Seqs, dense_seqs
 from .common import batch_head, bhnd_strides, exact_fp8, next_pow2, row_strides, seq_span, to_e4m3
 from .quantize_tile import load_centered, quantize_int8_tile
 
 CENTERS = {"none": 0, "mean": 1, "block_mean": 2}
+# Globals read inside @triton.jit functions must be constexpr.
+_KEEP_LO = tl.constexpr(FP16_V_KEEP_LO)
+_KEEP_HI = tl.constexpr(FP16_V_KEEP_HI)
 
 
 @triton.jit
@@ -185,10 +188,22 @@ def _int8_program(
 
 
 @triton.jit
+def _fp16_v_scale(amax):
+    """``(2^e, 2^-e)`` of each channel's amax, from its bits. Twin:
+    ``reference.quant.fp16_v_scale``."""
+    biased = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    exp = biased - 127
+    keep = (biased == 255) | (amax == 0.0) | ((exp >= _KEEP_LO) & (exp <= _KEEP_HI))
+    e = tl.where(keep, 0, tl.maximum(exp - _KEEP_HI, -126))
+    return ((e + 127) << 23).to(tl.float32, bitcast=True), \
+        ((127 - e) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _convert_v_program(
     X, OUT, CENTER_PTR, AMAX, SCALE, CU, pid_n, b, h,
     sxb, sxh, sxn, sxd, sob, soh, son, sod, scb, sch, scd, N, D,
-    FP8: tl.constexpr, CENTER: tl.constexpr, EXACT_FP8: tl.constexpr,
+    FP8: tl.constexpr, SCALED: tl.constexpr, CENTER: tl.constexpr, EXACT_FP8: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
 ):
     start, n = seq_span(CU, b, N, VARLEN)
@@ -198,13 +213,19 @@ def _convert_v_program(
             sxb, sxh, sxn, sxd, scb, sch, 0, scd, D,
             CENTER, BLOCK_N, BLOCK_D,
         )
-        if FP8:
+        if SCALED:  # FP8 always, fp16 when asked
             amax = tl.load(AMAX + b * scb + h * sch + offs_d * scd, mask=offs_d < D, other=0.0)
-            s = amax * (1.0 / 448.0)
-            s = tl.where(s == 0.0, 1.0, s)
+            if FP8:
+                s = amax * (1.0 / 448.0)
+                s = tl.where(s == 0.0, 1.0, s)
+            else:
+                s, inverse = _fp16_v_scale(amax)
             if pid_n == 0:
                 tl.store(SCALE + b * scb + h * sch + offs_d * scd, s, mask=offs_d < D)
+        if FP8:
             y = to_e4m3(tl.div_rn(x, s[None, :]), EXACT_FP8)
+        elif SCALED:
+            y = (x * inverse[None, :]).to(tl.float16)
         else:
             y = x.to(tl.float16)
         tl.store(OUT + b * sob + h * soh + (start + rows)[:, None] * son + offs_d[None, :] * sod,
@@ -233,7 +254,8 @@ def _quantize_kernel(
     CU, N, D,
     HAS_INT8: tl.constexpr, PER_TOKEN: tl.constexpr, CENTER: tl.constexpr,
     BALANCE: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_V: tl.constexpr, FP8: tl.constexpr, V_CENTER: tl.constexpr, EXACT_FP8: tl.constexpr,
+    HAS_V: tl.constexpr, FP8: tl.constexpr, V_SCALED: tl.constexpr, V_CENTER: tl.constexpr,
+    EXACT_FP8: tl.constexpr,
     V_BLOCK_N: tl.constexpr, OWN_STATS: tl.constexpr,
     BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
 ):
@@ -263,7 +285,7 @@ def _quantize_kernel(
             )
     elif HAS_V:
         b, h = batch_head(pid - n_int8, HV)
-        if OWN_STATS and (FP8 or V_CENTER == 1):
+        if OWN_STATS and (V_SCALED or V_CENTER == 1):
             _stats_program(VX, VCENTER, VAMAX, CU, b, h, 0, svxb, svxh, svxn, svxd,
                            svcb, svch, 0, svcd, svcb, svch, svcd, N, D, V_CENTER, 64, BLOCK_D,
                            VARLEN)
@@ -273,7 +295,7 @@ def _quantize_kernel(
             _convert_v_program(
                 VX, VOUT, VCENTER, VAMAX, VSCALE, CU, pid_n, b, h,
                 svxb, svxh, svxn, svxd, svob, svoh, svon, svod, svcb, svch, svcd, N, D,
-                FP8, V_CENTER, EXACT_FP8, V_BLOCK_N, BLOCK_D, VARLEN,
+                FP8, V_SCALED, V_CENTER, EXACT_FP8, V_BLOCK_N, BLOCK_D, VARLEN,
             )
 
 
@@ -327,13 +349,16 @@ class Int8Request(NamedTuple):
 
 class VRequest(NamedTuple):
     """V to convert for P·V (see :func:`convert_v`). ``own_stats`` (``"mean"`` or ``"none"``): the
-    launch computes V's statistics itself; ``center`` and ``amax`` are then ignored."""
+    launch computes V's statistics itself; ``center`` and ``amax`` are then ignored. ``scaled``
+    (fp16 only; FP8 always is): a power-of-two scale per channel from ``amax`` (given, or computed
+    with ``own_stats``)."""
 
     x: torch.Tensor
     pv: str
     center: torch.Tensor | None = None
     amax: torch.Tensor | None = None
     own_stats: str | None = None
+    scaled: bool = True
 
 
 def _stats_buffers(x: torch.Tensor, seqs: Seqs, center: str):
@@ -387,13 +412,16 @@ def _int8_part(req: Int8Request | None, seqs: Seqs):
 def _v_part(req: VRequest | None, seqs: Seqs):
     """Outputs, kernel arguments and constexprs of the V part of ``_quantize_kernel``."""
     if req is None:
-        return None, (None,) * 5 + (0,) * 12, dict(HAS_V=False, FP8=False, V_CENTER=0,
-                                                   V_BLOCK_N=64)
+        return None, (None,) * 5 + (0,) * 12, dict(HAS_V=False, FP8=False, V_SCALED=False,
+                                                   V_CENTER=0, V_BLOCK_N=64)
     stats = None
     if req.own_stats is not None:
         mean, amax = stats = _stats_buffers(req.x, seqs, req.own_stats)
         req = req._replace(center=mean, amax=amax)
     x, h, d = req.x, req.x.shape[1], req.x.shape[-1]
+    scaled = req.pv == "fp8" or req.scaled
+    if scaled and req.amax is None:
+        raise ValueError("a scaled V needs its amax (or own_stats)")
     if req.pv == "fp8":
         if seqs.packed:
             total = x.shape[0]
@@ -404,17 +432,16 @@ def _v_part(req: VRequest | None, seqs: Seqs):
             buf = torch.empty((x.shape[0], h, d, triton.cdiv(x.shape[2], 16) * 16),
                               device=x.device, dtype=torch.float8_e4m3fn)
             out = buf[..., : x.shape[2]].transpose(-1, -2)
-        scale = torch.empty((seqs.batch, h, d), device=x.device, dtype=torch.float32)
     else:
         out = _new_like_layout(x, seqs, torch.float16)
-        scale = None
+    scale = torch.empty((seqs.batch, h, d), device=x.device, dtype=torch.float32) if scaled else None
     # center, amax and scale are contiguous [B, H, D] channel vectors: one set of strides.
     for vec in (req.center, req.amax):
         assert vec is None or (vec.is_contiguous() and vec.shape == (seqs.batch, h, d))
     args = (x, out, req.center, req.amax, scale,
             *bhnd_strides(x, seqs.packed), *bhnd_strides(out, seqs.packed), h * d, d, 1, h)
-    constexprs = dict(HAS_V=True, FP8=req.pv == "fp8", V_CENTER=0 if req.center is None else 1,
-                      V_BLOCK_N=64)
+    constexprs = dict(HAS_V=True, FP8=req.pv == "fp8", V_SCALED=scaled,
+                      V_CENTER=0 if req.center is None else 1, V_BLOCK_N=64)
     return (out, scale, stats), args, constexprs
 
 
@@ -481,7 +508,7 @@ def convert_v(
     """Triton twin of :func:`lowbit_attn.reference.quant.convert_v` (bit-identical). The E4M3
     values are stored token-contiguous (``[B, H, D, N']``, returned as a transposed view), the
     operand order FP8 tensor cores need."""
-    return quantize(v=VRequest(x, pv, center, amax), seqs=seqs)[1][:2]
+    return quantize(v=VRequest(x, pv, center, amax, scaled=amax is not None), seqs=seqs)[1][:2]
 
 
 @triton.heuristics({"HAS_KMEAN": lambda args: args["KMEAN"] is not None})

@@ -80,11 +80,13 @@ def _vsa_fwd_kernel(
     sqsb, sqsh, sqst, sqss, sksb, sksh, skst, skss, svsb, svsh, svsd,
     HQ, GROUP, D, KK, scale,
     TS: tl.constexpr, BLOCK_D: tl.constexpr, EMU_FP32: tl.constexpr, INT8_QK: tl.constexpr,
-    PV_FP8: tl.constexpr, HAS_VMEAN: tl.constexpr, EXACT_FP8: tl.constexpr,
+    PV_FP8: tl.constexpr, HAS_VSCALE: tl.constexpr, HAS_VMEAN: tl.constexpr,
+    EXACT_FP8: tl.constexpr,
 ):
     """One query tile over its key tiles. 16-bit: scores ``q·kᵀ·scale`` and the LSE written.
     ``INT8_QK``: INT8 tiles with one scale per token (Q's times ``scale·log2 e``), P̃ and V in E4M3
-    (``PV_FP8``, P̃ offset by ``log2 448``, V's per-channel scale in the epilogue) or fp16."""
+    (``PV_FP8``, P̃ offset by ``log2 448``) or fp16, V's per-channel scale (if any) in the
+    epilogue."""
     pid_t = tl.program_id(0)
     b, h, hk, offs_s, offs_d, dmask, cnt_q, qmask, q = _query_tile(
         Q, CNT, pid_t, HQ, GROUP, D, sqb, sqh, sqt, sqs, sqd, TS, BLOCK_D)
@@ -119,7 +121,8 @@ def _vsa_fwd_kernel(
             pv = mm(p.to(V.dtype.element_ty), v, False, EMU_FP32)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    out = finish_rows(acc, l_i, VS, VM, b * svsb + hk * svsh, offs_d, dmask, svsd, PV_FP8, HAS_VMEAN)
+    out = finish_rows(acc, l_i, VS, VM, b * svsb + hk * svsh, offs_d, dmask, svsd, HAS_VSCALE,
+                      HAS_VMEAN)
     base_o = O + b * sob + h * soh + pid_t.to(tl.int64) * sot
     tl.store(base_o + offs_s[:, None] * sos + offs_d[None, :] * sod, out.to(O.dtype.element_ty),
              mask=qmask)
@@ -207,7 +210,8 @@ def _vsa_dkdv_kernel(
 _KEY = ["TS", "BLOCK_D"]
 _fwd = triton.autotune(configs=triton_configs(CONFIGS, get_capability()),
                        key=_KEY + ["INT8_QK", "PV_FP8"])(
-    triton.heuristics({"HAS_VMEAN": lambda a: a["VM"] is not None})(_vsa_fwd_kernel))
+    triton.heuristics({"HAS_VSCALE": lambda a: a["VS"] is not None,
+                       "HAS_VMEAN": lambda a: a["VM"] is not None})(_vsa_fwd_kernel))
 _dq = triton.autotune(configs=triton_configs(CONFIGS, get_capability()), key=_KEY)(_vsa_dq_kernel)
 _dkdv = triton.autotune(configs=triton_configs(CONFIGS, get_capability()), key=_KEY)(_vsa_dkdv_kernel)
 
@@ -249,11 +253,11 @@ def forward(qt, kt, vt, idx, counts, *, scale: float):
 def forward_int8(qz: QuantizedQKV, idx, counts, *, out_dtype: torch.dtype) -> torch.Tensor:
     """The 8-bit fine stage on padded tiles: ``qz`` holds INT8 ``q [B, Hq, nt, TS, D]``,
     ``k [B, Hkv, nt, TS, D]``, their per-token scales ``[B, H, nt, TS]`` (Q's times
-    ``scale·log2 e``; zeros in empty slots), V in E4M3 (with ``v_scale``) or fp16, ``v_mean``
-    optional → ``out [B, Hq, nt, TS, D]`` in ``out_dtype``. TS ≥ 32 (the FP8 MMA's depth)."""
+    ``scale·log2 e``; zeros in empty slots), V in E4M3 or fp16 with its ``v_scale`` (optional for
+    fp16), ``v_mean`` optional → ``out [B, Hq, nt, TS, D]`` in ``out_dtype``. TS ≥ 32 (the FP8 MMA's depth)."""
     out = torch.zeros(qz.q.shape, device=qz.q.device, dtype=out_dtype)
     _launch_fwd(qz.q, qz.k, qz.v, qz.q_scale, qz.k_scale, qz.v_scale, qz.v_mean, idx, counts, out,
-                None, scale=1.0, int8=True, pv_fp8=qz.v_scale is not None)
+                None, scale=1.0, int8=True, pv_fp8=qz.v.dtype == torch.float8_e4m3fn)
     return out
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..quantized import FP8_MAX, INT8_MAX
+from ..quantized import FP8_MAX, FP16_V_KEEP_HI, FP16_V_KEEP_LO, INT8_MAX
 
 
 def _poison(y: torch.Tensor, dims) -> torch.Tensor:
@@ -173,20 +173,38 @@ def convert_v(
     center: torch.Tensor | None = None,
     amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """V for the P·V product: ``y = x - center`` (fp32) rounded to fp16 (``pv="fp16"``), or
-    divided by the per-channel scale ``s = amax/448`` and rounded to E4M3 (``pv="fp8"``).
+    """V for the P·V product: ``y = x - center`` (fp32) divided by a per-channel scale ``s`` and
+    rounded to E4M3 with ``s = amax/448`` (``pv="fp8"``), or to fp16 with ``s`` the power of two of
+    :func:`fp16_v_scale` (``pv="fp16"``; without ``amax``, unscaled: ``s`` None).
 
+    Args:
+        amax: ``max |y|`` per channel ``[B, H, D]`` fp32 (NaN if V is not finite).
     Returns:
-        ``(values [B, H, N, D], s [B, H, D] fp32 or None)``.
+        ``(values [B, H, N, D], s [B, H, D] fp32 or None)``: V ≈ ``values·s``.
     """
     y = x.float()
     if center is not None:
         y = y - center.unsqueeze(-2)
     if pv != "fp8":
-        return y.to(torch.float16), None
+        if amax is None:
+            return y.to(torch.float16), None
+        scale, inverse = fp16_v_scale(amax)
+        return (y * inverse.unsqueeze(-2)).to(torch.float16), scale
     scale = amax * (1.0 / FP8_MAX)
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
     return to_e4m3(y / scale.unsqueeze(-2)), scale
+
+
+def fp16_v_scale(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(2^e, 2^-e)`` fp32 per channel for fp16 V (see ``quantized.FP16_V_KEEP_LO``): ``e = 0``
+    where amax's binary exponent is in ``[FP16_V_KEEP_LO, FP16_V_KEEP_HI]``, amax is 0 or it is not
+    finite (Inf and NaN reach fp16 as they are), else ``amax·2^-e`` gets the exponent ``FP16_V_KEEP_HI``
+    (``e ≥ -126``: fp32 subnormal amax only gets to 2^-23 or so). From amax's bits, as the kernel."""
+    biased = (amax.float().contiguous().view(torch.int32) >> 23) & 0xFF
+    exp = biased - 127
+    keep = (biased == 255) | (amax == 0) | ((exp >= FP16_V_KEEP_LO) & (exp <= FP16_V_KEEP_HI))
+    e = torch.where(keep, 0, torch.clamp(exp - FP16_V_KEEP_HI, min=-126))
+    return ((e + 127) << 23).view(torch.float32), ((127 - e) << 23).view(torch.float32)
 
 
 def to_e4m3(y: torch.Tensor) -> torch.Tensor:
