@@ -157,17 +157,17 @@ def test_convert_v_matches_twin(center, pv):
 
 
 def test_fp16_v_scale_is_a_power_of_two_only_where_fp16_needs_one():
-    """1 where amax's exponent is in [-6, 14] (the bits of plain fp16 rounding), for 0 and for
-    non-finite amax (Inf and NaN reach fp16 as they are); elsewhere amax/scale in [2^14, 2^15)."""
-    tiny = torch.tensor([1e-40]).view(torch.int32).view(torch.float32)  # an fp32 subnormal
-    amax = torch.cat([torch.tensor([0.0, 2.0**-6, 1.0, 32767.0, float("inf"), float("nan")]),
-                      torch.tensor([2.0**-7, 1e-8, 32768.0, 65504.0, 1e5, 3e38]), tiny])
+    """1 where amax's exponent is in [-6, 7] (the bits of plain fp16 rounding), for 0 and for
+    non-finite amax (Inf and NaN reach fp16 as they are); elsewhere amax/scale in [2^7, 2^8)."""
+    tiny = torch.tensor([1e-40])  # an fp32 subnormal
+    amax = torch.cat([torch.tensor([0.0, 2.0**-6, 1.0, 255.9, float("inf"), float("nan")]),
+                      torch.tensor([2.0**-7, 1e-8, 256.0, 65504.0, 1e5, 3e38]), tiny])
     scale, inverse = ref.fp16_v_scale(amax)
     assert torch.equal(scale[:6], torch.ones(6)) and torch.equal(inverse * scale, torch.ones(13))
     assert torch.all(torch.log2(scale) == torch.round(torch.log2(scale)))
     scaled = amax[6:12] * inverse[6:12]
-    assert torch.all((scaled >= 2.0**14) & (scaled < 2.0**15)), scaled
-    assert scale[12] == 2.0**-126 and 1e-3 < tiny * inverse[12] < 2**15
+    assert torch.all((scaled >= 2.0**7) & (scaled < 2.0**8)), scaled
+    assert scale[12] == 2.0**-126 and 1e-3 < tiny * inverse[12] < 2**8
     x = amax.view(1, 1, 1, 13).expand(1, 1, 3, 13).nan_to_num(nan=0.0, posinf=0.0)
     want, want_scale = ref.convert_v(x, pv="fp16", amax=amax.view(1, 1, 13))
     got, got_scale = kq().convert_v(x, pv="fp16", amax=amax.view(1, 1, 13))

@@ -17,11 +17,13 @@ FP8_MAX = 448.0
 LOG2_FP8_MAX = 8.807354922057604  # log2(448): P̃·448 is computed as exp2(s - m + log2 448)
 # fp16 V: a channel whose amax has a binary exponent in [FP16_V_KEEP_LO, FP16_V_KEEP_HI] is rounded
 # as it is (scale 1: the same bits as without scaling); any other is multiplied by the power of two
-# that puts its amax's exponent at FP16_V_KEEP_HI: below 2^15, so that no value rounds to Inf (fp16
-# holds up to 65504) and P̃·V (P̃ ≤ 1, fp32 accumulation) cannot overflow, and 2^20 times above
-# fp16's smallest normal, so that tiny V is not flushed. Scales stay within fp32's normal range.
+# (exact) that puts its amax's exponent at FP16_V_KEEP_HI. Below 2^8, no value rounds to Inf (fp16
+# holds up to 65504) and P̃·V cannot overflow even if a block of up to 128 keys were summed in fp16
+# (P̃ ≤ 1; it is summed in fp32); from 2^-6 on, values down to amax/2^8 are fp16 normals and smaller
+# ones err by at most 2^-25 < amax·2^-19, so tiny V is neither flushed nor coarsened. The scales
+# (and their inverses) stay within fp32's normal range.
 FP16_V_KEEP_LO = -6
-FP16_V_KEEP_HI = 14
+FP16_V_KEEP_HI = 7
 
 
 @dataclass

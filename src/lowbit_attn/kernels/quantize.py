@@ -434,7 +434,9 @@ def _v_part(req: VRequest | None, seqs: Seqs):
             out = buf[..., : x.shape[2]].transpose(-1, -2)
     else:
         out = _new_like_layout(x, seqs, torch.float16)
-    scale = torch.empty((seqs.batch, h, d), device=x.device, dtype=torch.float32) if scaled else None
+    scale = None
+    if scaled:
+        scale = torch.empty((seqs.batch, h, d), device=x.device, dtype=torch.float32)
     # center, amax and scale are contiguous [B, H, D] channel vectors: one set of strides.
     for vec in (req.center, req.amax):
         assert vec is None or (vec.is_contiguous() and vec.shape == (seqs.batch, h, d))

@@ -254,7 +254,8 @@ def forward_int8(qz: QuantizedQKV, idx, counts, *, out_dtype: torch.dtype) -> to
     """The 8-bit fine stage on padded tiles: ``qz`` holds INT8 ``q [B, Hq, nt, TS, D]``,
     ``k [B, Hkv, nt, TS, D]``, their per-token scales ``[B, H, nt, TS]`` (Q's times
     ``scale·log2 e``; zeros in empty slots), V in E4M3 or fp16 with its ``v_scale`` (optional for
-    fp16), ``v_mean`` optional → ``out [B, Hq, nt, TS, D]`` in ``out_dtype``. TS ≥ 32 (the FP8 MMA's depth)."""
+    fp16), ``v_mean`` optional → ``out [B, Hq, nt, TS, D]`` in ``out_dtype``. TS ≥ 32 (the FP8
+    MMA's depth)."""
     out = torch.zeros(qz.q.shape, device=qz.q.device, dtype=out_dtype)
     _launch_fwd(qz.q, qz.k, qz.v, qz.q_scale, qz.k_scale, qz.v_scale, qz.v_mean, idx, counts, out,
                 None, scale=1.0, int8=True, pv_fp8=qz.v.dtype == torch.float8_e4m3fn)

@@ -197,9 +197,10 @@ def convert_v(
 
 def fp16_v_scale(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(2^e, 2^-e)`` fp32 per channel for fp16 V (see ``quantized.FP16_V_KEEP_LO``): ``e = 0``
-    where amax's binary exponent is in ``[FP16_V_KEEP_LO, FP16_V_KEEP_HI]``, amax is 0 or it is not
-    finite (Inf and NaN reach fp16 as they are), else ``amax·2^-e`` gets the exponent ``FP16_V_KEEP_HI``
-    (``e ≥ -126``: fp32 subnormal amax only gets to 2^-23 or so). From amax's bits, as the kernel."""
+    where amax's binary exponent is in ``[FP16_V_KEEP_LO, FP16_V_KEEP_HI]``, amax is 0 or it is
+    not finite (Inf and NaN reach fp16 as they are); else ``amax·2^-e`` gets the exponent
+    ``FP16_V_KEEP_HI`` (``e ≥ -126``: an fp32 subnormal amax only gets to about 2^-23). Computed
+    from amax's bits, as the kernel does."""
     biased = (amax.float().contiguous().view(torch.int32) >> 23) & 0xFF
     exp = biased - 127
     keep = (biased == 255) | (amax == 0) | ((exp >= FP16_V_KEEP_LO) & (exp <= FP16_V_KEEP_HI))
