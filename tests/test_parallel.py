@@ -9,12 +9,14 @@ fork where available (the children inherit the imports; spawn costs ~7 s of impo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import time
 from datetime import timedelta
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -194,18 +196,23 @@ def worker(rank: int, init_file: str, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    """Run the 4-process world once; returns ``{file stem: parsed JSON}``."""
-    tmp = tmp_path_factory.mktemp("parallel")
+def run_processes(fn, nprocs: int, tmp, *args) -> dict:
+    """Run ``fn(rank, init_file, out_dir, *args)`` in ``nprocs`` processes; returns
+    ``{file stem: parsed JSON}`` of what they wrote to ``out_dir``."""
     out_dir = tmp / "out"
     out_dir.mkdir()
     # import what the first call imports (torch._dynamo, ~4 s) once, before forking
     lowbit_attn.attention(*(torch.zeros(1, 1, 1, 8) for _ in range(3)), recipe="exact")
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    mp.start_processes(worker, args=(str(tmp / "store"), str(out_dir)), nprocs=WORLD, join=True,
-                       start_method=method)
+    mp.start_processes(fn, args=(str(tmp / "store"), str(out_dir), *args), nprocs=nprocs,
+                       join=True, start_method=method)
     return {p.stem: json.loads(p.read_text()) for p in out_dir.glob("*.json")}
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """Run the 4-process world once; returns ``{file stem: parsed JSON}``."""
+    return run_processes(worker, WORLD, tmp_path_factory.mktemp("parallel"))
 
 
 # Accuracy bars for channel_bias_k inputs at these small shapes (lowbit_attn.accuracy.BARS are set
@@ -315,3 +322,128 @@ def test_merge_partial_rows_without_keys_stay_zero_without_nan():
     parallel._merge_partial(out, lse, torch.ones(1, 1, 3, 2), torch.zeros(1, 1, 3))
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     assert torch.equal(out[0, 0, 0], torch.ones(2))
+
+
+# Exceptions other than ValueError/TypeError raised by one rank's checks (``FAILING_RANK``; the
+# process group's timeout is short, so a rank left waiting fails the test instead of hanging it).
+LONG_TEXT = "a long message with a character beyond the BMP \U0001F642 " * 4000
+UNEXPECTED = {
+    "runtime": ("ring", RuntimeError("the checks broke")),
+    "overflow": ("ulysses", OverflowError("int too large to convert to float")),
+    "long-assertion": ("ring", AssertionError(LONG_TEXT)),
+    "long-value-error": ("ulysses", ValueError(LONG_TEXT + "END")),
+}
+FAILING_RANK = {2: 1, 4: 2}
+LONG_RECIPE = lowbit_attn.get_recipe("exact").replace(name="r" * 5000)
+
+
+@contextlib.contextmanager
+def raising_in_checks(error: Exception | None):
+    """Make this process's recipe resolution (one of the checks before the ranks exchange their
+    reports) raise ``error``; no change for ``None``."""
+    saved = parallel._resolve
+
+    def fail(*args, **kwargs):
+        raise error
+
+    if error is not None:
+        parallel._resolve = fail
+    try:
+        yield
+    finally:
+        parallel._resolve = saved
+
+
+def failing_worker(rank: int, init_file: str, out_dir: str, world: int) -> None:
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    os.environ["LOWBIT_ATTN_BACKEND"] = "reference"
+    os.environ.pop("TRITON_INTERPRET", None)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=30))
+    case = Case("unexpected", n=16, d=16, seed=16)
+    q, k, v = (shard(x, "HND", rank, world) for x in whole_inputs(case))
+    failing = rank == FAILING_RANK[world]
+    calls = {name: (METHODS[method], {}, error if failing else None)
+             for name, (method, error) in UNEXPECTED.items()}
+    calls["long-recipe-same"] = (parallel.ring_attention, {"recipe": LONG_RECIPE}, None)
+    calls["long-recipe-differs"] = (parallel.ulysses_attention, {
+        "recipe": LONG_RECIPE.replace(name="r" * 5000 + ("b" if failing else "a"))}, None)
+    calls["numpy-bool-causal"] = (parallel.ring_attention, {"is_causal": np.bool_(True)}, None)
+    results = {}
+    with torch.no_grad():
+        for name, (fn, kwargs, error) in calls.items():
+            start = time.perf_counter()
+            try:
+                with raising_in_checks(error):
+                    out = fn(q, k, v, **kwargs)
+                results[name] = {"type": None, "finite": bool(torch.isfinite(out).all())}
+            except Exception as e:  # noqa: BLE001 -- the test judges whatever came out
+                results[name] = {"type": type(e).__name__, "message": str(e)}
+            results[name]["seconds"] = time.perf_counter() - start
+        try:
+            healthy = measure(Case("after-unexpected", is_causal=True, n=16, d=16, seed=17),
+                              "ring", dist.group.WORLD, None)
+        except Exception as e:  # noqa: BLE001
+            healthy = {"close_to_single": f"raised {type(e).__name__}: {e}"}
+    with open(os.path.join(out_dir, f"unexpected-{rank}.json"), "w") as f:
+        json.dump({"results": results, "healthy": healthy}, f)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module", params=list(FAILING_RANK), ids=lambda p: f"P{p}")
+def unexpected_world(request, tmp_path_factory):
+    """``(P, [each rank's results])`` of :func:`failing_worker` in a world of ``P`` processes."""
+    world = request.param
+    files = run_processes(failing_worker, world, tmp_path_factory.mktemp(f"unexpected{world}"),
+                          world)
+    return world, [files[f"unexpected-{rank}"] for rank in range(world)]
+
+
+@pytest.mark.parametrize("name", list(UNEXPECTED))
+def test_unexpected_exception_on_one_rank_reaches_every_rank(unexpected_world, name):
+    world, ranks = unexpected_world
+    method, error = UNEXPECTED[name]
+    failing = FAILING_RANK[world]
+    fn_name = METHODS[method].__name__
+    results = [r["results"][name] for r in ranks]
+    assert max(r["seconds"] for r in results) < 1.0, results  # measured < 0.03 s; timeout 30 s
+    if isinstance(error, ValueError):  # every rank raises the same ValueError, the message cut
+        assert {r["type"] for r in results} == {"ValueError"}
+        assert len({r["message"] for r in results}) == 1
+        cut = str(error)[:parallel._MAX_TEXT_CHARS] + "… [cut: "
+        assert results[0]["message"].startswith(f"{fn_name}: invalid inputs on rank {failing}: ")
+        assert cut in results[0]["message"] and "END" not in results[0]["message"]
+        return
+    for rank, r in enumerate(results):
+        if rank == failing:  # its own exception, whole
+            assert (r["type"], r["message"]) == (type(error).__name__, str(error))
+        else:
+            assert r["type"] == "RuntimeError", r
+            assert r["message"].startswith(
+                f"{fn_name}: rank {failing} raised {type(error).__name__} before the ranks "
+                f"exchanged their inputs: "), r["message"]
+            assert r["message"].endswith(parallel._clip(str(error))), r["message"]
+            assert len(r["message"]) < 400  # a long message is cut
+
+
+def test_long_recipes_are_compared_whole(unexpected_world):
+    world, ranks = unexpected_world
+    same = [r["results"]["long-recipe-same"] for r in ranks]
+    assert all(r["type"] is None and r["finite"] for r in same), same
+    differs = [r["results"]["long-recipe-differs"] for r in ranks]
+    assert {r["type"] for r in differs} == {"ValueError"}, differs
+    assert differs[0]["message"].startswith(
+        "ulysses_attention: recipe must be the same on every rank of the group, got ")
+    assert f"on rank {FAILING_RANK[world]}" in differs[0]["message"]
+
+
+def test_numpy_bool_flag_agrees(unexpected_world):
+    _, ranks = unexpected_world
+    results = [r["results"]["numpy-bool-causal"] for r in ranks]
+    assert all(r["type"] is None and r["finite"] for r in results), results
+
+
+def test_group_still_works_after_unexpected_exceptions(unexpected_world):
+    healthy = unexpected_world[1][0]["healthy"]
+    assert healthy["close_to_single"] is None, healthy["close_to_single"]

@@ -23,13 +23,16 @@ tokens ``[r·n, (r+1)·n)``. Each returns the output for its own query tokens, a
 Errors: every rank checks its own inputs, then one small all-gather lets all ranks compare what
 they found (their errors, shapes, dtype, layout, ``is_causal``, recipe and scale), so a bad argument
 on one rank makes *every* rank raise the same exception instead of leaving the others blocked in a
-collective. A rank that never makes the call (crashed, or stuck elsewhere) cannot be detected this
-way: the process group's timeout, set by the caller with ``init_process_group(timeout=...)``, is
-what bounds the wait then.
+collective. Any other exception raised before that exchange (an ``OverflowError``, a bug) reaches
+every rank too: the rank where it happened re-raises it, the others raise a ``RuntimeError`` naming
+that rank, the exception's type and its message. A rank that never makes the call (crashed, or
+stuck elsewhere) cannot be detected this way: the process group's timeout, set by the caller with
+``init_process_group(timeout=...)``, is what bounds the wait then.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 
@@ -40,11 +43,14 @@ from . import checks
 from .api import _resolve, attention
 from .recipes import Recipe
 
-# Bytes each rank contributes to the agreement all-gather (UTF-8 JSON, zero-padded): room for a
-# report of shapes and arguments, or for an error message cut to _MAX_MESSAGE_CHARS characters
-# (at most 4 bytes each).
-_REPORT_BYTES = 2048
-_MAX_MESSAGE_CHARS = 300
+# Bytes each rank contributes to the agreement all-gather (ASCII JSON, zero-padded). Every text in
+# a report is cut to _MAX_TEXT_CHARS characters plus a marker of < 80 bytes; a character takes at
+# most 12 bytes of ASCII JSON (one beyond the BMP becomes two \uXXXX escapes), so the 3 texts of a
+# report (an error's type and message; or dtype, layout and recipe) take < 6000 bytes and its
+# numbers and shapes < 600.
+_REPORT_BYTES = 8192
+_MAX_TEXT_CHARS = 160
+# Errors every rank raises alike; any other exception is re-raised where it happened.
 _ERROR_TYPES = {"ValueError": ValueError, "TypeError": TypeError}
 
 
@@ -76,10 +82,11 @@ def ulysses_attention(
         this rank's ``n`` query tokens of the output, q's dtype, shape and layout.
 
     Raises on every rank alike (``ValueError``/``TypeError``) when any rank's inputs are invalid or
-    differ from the others'; ``RuntimeError`` when ``torch.distributed`` is not initialized.
+    differ from the others'; ``RuntimeError`` when ``torch.distributed`` is not initialized, and on
+    the other ranks when one rank's checks raised another exception (which that rank re-raises).
     """
     group, _, world = _group_info(group)
-    qh, kh, vh, r, sm_scale = _agreed_inputs(
+    qh, kh, vh, r, sm_scale, is_causal = _agreed_inputs(
         "ulysses_attention", q, k, v, group=group, is_causal=is_causal, scale=scale,
         layout=layout, recipe=recipe, extra_check=lambda qh, kh: _ulysses_heads(qh, world),
     )
@@ -125,10 +132,11 @@ def ring_attention(
     double-buffered); the partial outputs are merged in fp32 with their log-sum-exp.
 
     Raises on every rank alike (``ValueError``/``TypeError``) when any rank's inputs are invalid or
-    differ from the others'; ``RuntimeError`` when ``torch.distributed`` is not initialized.
+    differ from the others'; ``RuntimeError`` when ``torch.distributed`` is not initialized, and on
+    the other ranks when one rank's checks raised another exception (which that rank re-raises).
     """
     group, rank, world = _group_info(group)
-    qh, kh, vh, r, sm_scale = _agreed_inputs(
+    qh, kh, vh, r, sm_scale, is_causal = _agreed_inputs(
         "ring_attention", q, k, v, group=group, is_causal=is_causal, scale=scale, layout=layout,
         recipe=recipe, extra_check=lambda qh, kh: _ring_lengths(qh, kh, is_causal),
     )
@@ -214,42 +222,55 @@ def _local_inputs(q, k, v, *, is_causal, scale, layout, recipe, extra_check):
     """This rank's own checks (as :func:`lowbit_attn.attention` makes them, plus
     ``extra_check(qh, kh)``); returns the HND views, the recipe and the scale."""
     qh, kh, vh = checks.dense_qkv(q, k, v, layout)
-    checks.flag("is_causal", is_causal)
+    is_causal = checks.flag("is_causal", is_causal)
     checks.forward_only(q, k, v)
     r = _resolve(recipe, q.device)
     checks.recipe_fits(r, q.shape[-1])
     sm_scale = checks.softmax_scale(scale, q.shape[-1])
     extra_check(qh, kh)
-    return qh, kh, vh, r, sm_scale
+    return qh, kh, vh, r, sm_scale, is_causal
 
 
 def _agreed_inputs(name, q, k, v, *, group, is_causal, scale, layout, recipe, extra_check):
-    """:func:`_local_inputs` on every rank, then one all-gather of each rank's report (its error,
-    or what it was called with): every rank raises the same error unless all ranks succeeded with
-    the same shapes and arguments."""
+    """:func:`_local_inputs` on every rank, then one all-gather of each rank's report (its
+    exception, or what it was called with): every rank raises unless all ranks succeeded with the
+    same shapes and arguments. Returns :func:`_local_inputs`' result."""
+    error = None
     try:
         args = _local_inputs(q, k, v, is_causal=is_causal, scale=scale, layout=layout,
                              recipe=recipe, extra_check=extra_check)
-    except (ValueError, TypeError) as e:
-        args = None
-        report = {"error": type(e).__name__, "message": str(e)[:_MAX_MESSAGE_CHARS]}
+    except Exception as e:  # noqa: BLE001 -- whatever it is, the other ranks must hear of it
+        error = e
+        kind = next((n for n, t in _ERROR_TYPES.items() if isinstance(e, t)), type(e).__name__)
+        report = {"error": kind, "message": str(e)}
     else:
-        qh, kh, _, r, sm_scale = args
+        qh, kh, _, r, sm_scale, causal = args
         report = {
             "q shape": list(q.shape), "k and v shape": list(k.shape),
             "dtype": str(q.dtype).removeprefix("torch."), "layout": layout,
-            "is_causal": is_causal, "scale": sm_scale, "recipe": repr(r),
+            "is_causal": causal, "scale": sm_scale, "recipe": repr(r),
         }
     reports = _all_gather_reports(report, group)
-    _raise_if_any_failed(name, reports)
+    _raise_if_any_failed(name, reports, error)
     _raise_if_different(name, reports)
     return args
 
 
+def _clip(text: str) -> str:
+    """``text`` cut to ``_MAX_TEXT_CHARS`` characters when longer, with a marker giving its length
+    and a digest of the whole (so two long texts that differ only after the cut still differ)."""
+    if len(text) <= _MAX_TEXT_CHARS:
+        return text
+    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return f"{text[:_MAX_TEXT_CHARS]}… [cut: {len(text)} characters in all, sha256 {digest}]"
+
+
 def _all_gather_reports(report: dict, group) -> list[dict]:
-    """Every rank's ``report`` (a small JSON-able dict), in group rank order."""
-    data = json.dumps(report, ensure_ascii=False).encode()
-    assert len(data) <= _REPORT_BYTES, "a report outgrew its buffer"
+    """Every rank's ``report`` (a small dict of ints, floats, bools, lists of ints and texts; texts
+    longer than ``_MAX_TEXT_CHARS`` are clipped), in group rank order."""
+    report = {key: _clip(value) if isinstance(value, str) else value
+              for key, value in report.items()}
+    data = json.dumps(report).encode()  # ASCII: any text encodes, at most 12 bytes a character
     device = _collective_device(group)
     mine = torch.zeros(_REPORT_BYTES, dtype=torch.uint8)
     mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
@@ -266,15 +287,26 @@ def _collective_device(group) -> torch.device:
     return torch.device("cpu")
 
 
-def _raise_if_any_failed(name: str, reports: list[dict]) -> None:
+def _raise_if_any_failed(name: str, reports: list[dict], error: Exception | None) -> None:
+    """Raise if any rank's report holds an error. ``error`` is this rank's own exception: one that
+    is not a ValueError/TypeError is re-raised as it is; otherwise every rank raises the same
+    exception about the first failed rank (its ValueError/TypeError, or a RuntimeError naming the
+    unexpected exception)."""
     failed = [i for i, rep in enumerate(reports) if "error" in rep]
     if not failed:
         return
+    if error is not None and not isinstance(error, tuple(_ERROR_TYPES.values())):
+        raise error
     first = reports[failed[0]]
     also = f" (and on rank(s) {', '.join(map(str, failed[1:]))})" if len(failed) > 1 else ""
-    raise _ERROR_TYPES[first["error"]](
-        f"{name}: invalid inputs on rank {failed[0]}{also}: {first['message']}"
-    )
+    if first["error"] in _ERROR_TYPES:
+        raise _ERROR_TYPES[first["error"]](
+            f"{name}: invalid inputs on rank {failed[0]}{also}: {first['message']}"
+        ) from error
+    raise RuntimeError(
+        f"{name}: rank {failed[0]}{also} raised {first['error']} before the ranks exchanged "
+        f"their inputs: {first['message']}"
+    ) from error
 
 
 def _raise_if_different(name: str, reports: list[dict]) -> None:
