@@ -244,6 +244,81 @@ def test_sdpa_fallback_is_exact_and_warns_once(kwargs, reason, monkeypatch):
         lowbit_attn.scaled_dot_product_attention(q, k, v, **kwargs)  # second time: silent
 
 
+# Calls PyTorch's SDPA serves, as (q shape, k and v shape, keyword arguments, whether the drop-in
+# falls back to PyTorch's function for it).
+SDPA_LIKE_TORCH = [
+    pytest.param((2, 4, 33, 16), (2, 4, 33, 16), {}, False, id="4d"),
+    pytest.param((3, 33, 16), (3, 47, 16), {}, False, id="3d"),
+    pytest.param((3, 47, 16), (3, 33, 16), dict(is_causal=True), False, id="3d-causal-nq>nk"),
+    pytest.param((2, 4, 33, 16), (2, 4, 47, 16), dict(is_causal=True), False,
+                 id="4d-causal-nq<nk"),  # top-left: the last 14 keys are never seen
+    pytest.param((2, 4, 47, 16), (2, 2, 33, 16), dict(is_causal=True, enable_gqa=True), False,
+                 id="gqa-causal-nq>nk"),
+    pytest.param((2, 4, 33, 16), (2, 4, 33, 16), dict(scale=0.0), True, id="scale-zero"),
+    pytest.param((2, 4, 33, 16), (2, 4, 33, 16), dict(scale=-0.3), True, id="scale-negative"),
+    pytest.param((2, 4, 33, 16), (2, 4, 33, 16), dict(scale=-0.0), True, id="scale-minus-zero"),
+    pytest.param((2, 4, 33, 16), (2, 4, 33, 16), dict(scale=float("inf")), True,
+                 id="scale-inf"),
+    pytest.param((2, 4, 33, 16), (2, 4, 33, 16), dict(scale=float("nan")), True,
+                 id="scale-nan"),
+    pytest.param((2, 4, 33, 16), (2, 4, 33, 16), dict(scale=torch.tensor(0.2)), True,
+                 id="scale-tensor"),
+    pytest.param((2, 4, 33, 16), (2, 4, 33, 16), dict(scale=True), True, id="scale-bool"),
+    pytest.param((2, 0, 33, 16), (2, 0, 33, 16), {}, True, id="no-heads"),
+    pytest.param((2, 0, 33, 16), (2, 0, 33, 16), dict(enable_gqa=True, is_causal=True), True,
+                 id="no-heads-gqa"),
+    pytest.param((2, 0, 33, 16), (2, 2, 33, 16), dict(enable_gqa=True), True,
+                 id="no-query-heads-gqa"),
+    pytest.param((2, 4, 33, 16), (2, 0, 33, 16), dict(enable_gqa=True), True,
+                 id="no-kv-heads-gqa"),
+    pytest.param((2, 4, 0, 16), (2, 4, 33, 16), dict(is_causal=True), True, id="no-queries"),
+    pytest.param((2, 4, 33, 16), (2, 4, 0, 16), dict(is_causal=True), True, id="no-keys"),
+    pytest.param((3, 0, 16), (3, 0, 16), {}, True, id="3d-no-tokens"),
+    pytest.param((0, 4, 33, 16), (0, 4, 33, 16), {}, False, id="no-batch"),
+]
+
+
+@pytest.mark.parametrize("backend",
+                         ["reference", pytest.param("triton", marks=pytest.mark.interpreter)])
+@pytest.mark.parametrize("patched", [False, True], ids=["function", "patch_sdpa"])
+@pytest.mark.parametrize("q_shape,kv_shape,kwargs,falls_back", SDPA_LIKE_TORCH)
+def test_sdpa_drop_in_returns_what_pytorch_returns(q_shape, kv_shape, kwargs, falls_back, patched,
+                                                   backend, monkeypatch):
+    """Whatever PyTorch's SDPA computes, the drop-in computes too (never raising instead): the
+    same result on a fallback, the recipe's accuracy on the kernels."""
+    monkeypatch.setattr(api, "_warned", set())
+    monkeypatch.setenv("LOWBIT_ATTN_BACKEND", backend)
+    torch.manual_seed(len(q_shape) * 100 + q_shape[-2])
+    q, (k, v) = torch.randn(q_shape), (torch.randn(kv_shape) for _ in range(2))
+    theirs = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if patched:
+            with lowbit_attn.patch_sdpa():
+                ours = F.scaled_dot_product_attention(q, k, v, **kwargs)
+        else:
+            ours = lowbit_attn.scaled_dot_product_attention(q, k, v, **kwargs)
+    fell_back = [str(w.message) for w in caught if "falling back" in str(w.message)]
+    assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
+    if falls_back:
+        assert len(fell_back) == 1, fell_back
+        assert torch.equal(ours.isnan(), theirs.isnan())
+        assert torch.equal(ours.nan_to_num(), theirs.nan_to_num())
+    else:
+        assert fell_back == []
+        if ours.numel():
+            assert lowbit_attn.errors(ours, theirs).cosine > 0.9999
+
+
+def test_sdpa_scale_fallback_names_the_reason(monkeypatch):
+    monkeypatch.setattr(api, "_warned", set())
+    q, k, v = qkv(nq=8, nk=8, dtype=torch.float32)
+    with pytest.warns(UserWarning, match="scale is not a positive finite real number"):
+        lowbit_attn.scaled_dot_product_attention(q, k, v, scale=0.0)
+    with pytest.raises(OverflowError):  # what PyTorch raises for this scale
+        lowbit_attn.scaled_dot_product_attention(q, k, v, scale=10**400)
+
+
 def test_sdpa_falls_back_for_autograd_and_stays_differentiable(monkeypatch):
     monkeypatch.setattr(api, "_warned", set())
     q, k, v = (x.requires_grad_() for x in qkv(dtype=torch.float32))

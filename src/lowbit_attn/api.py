@@ -154,7 +154,10 @@ def warn_fallback(reason: str) -> None:
     )
 
 
-def _fallback_reason(query, key, value, attn_mask, dropout_p, enable_gqa) -> str | None:
+def _fallback_reason(query, key, value, attn_mask, dropout_p, enable_gqa, scale) -> str | None:
+    """Why the kernels cannot serve this ``scaled_dot_product_attention`` call (then PyTorch's
+    function does, raising only where it would), or None. Only a reason, never an exception: any
+    argument PyTorch takes must reach it."""
     if not all(isinstance(x, torch.Tensor) for x in (query, key, value)):
         return "inputs are not tensors"
     if attn_mask is not None:
@@ -173,9 +176,16 @@ def _fallback_reason(query, key, value, attn_mask, dropout_p, enable_gqa) -> str
         return f"head dim {query.shape[-1]} is not supported"
     if query.shape[0] != key.shape[0] or query.shape[-2] == 0 or key.shape[-2] == 0:
         return "shapes need broadcasting or are empty"
-    if query.dim() == 4 and query.shape[1] != key.shape[1]:
-        if not enable_gqa or query.shape[1] % key.shape[1] != 0:
+    if query.dim() == 4:
+        hq, hkv = query.shape[1], key.shape[1]
+        if hq == 0 or hkv == 0:
+            return "shapes need broadcasting or are empty"
+        if hq != hkv and (not enable_gqa or hq % hkv != 0):
             return "query and key heads differ without enable_gqa"
+    try:
+        checks.softmax_scale(scale, query.shape[-1])
+    except (TypeError, ValueError):
+        return f"scale is not a positive finite real number (got {type(scale).__name__})"
     return None
 
 
@@ -204,8 +214,9 @@ def scaled_dot_product_attention(
     """Drop-in for :func:`torch.nn.functional.scaled_dot_product_attention` with the same
     signature and semantics (causal masks aligned top-left, as PyTorch does), computed with the
     ``"auto"`` recipe (another recipe: :func:`lowbit_attn.patch_sdpa`). Calls the kernels cannot
-    serve (an ``attn_mask``, dropout, autograd, unsupported shapes or dtypes) go to PyTorch's own
-    function, with one warning per reason.
+    serve (an ``attn_mask``, dropout, autograd, a scale that is not a positive finite real number,
+    empty or unsupported shapes or dtypes) go to PyTorch's own function, with one warning per
+    reason, so it raises only where PyTorch does.
     """
     return sdpa_or_fallback(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                             recipe="auto", fallback=TORCH_SDPA)
@@ -216,7 +227,7 @@ def sdpa_or_fallback(query, key, value, attn_mask, dropout_p, is_causal, scale, 
     """:func:`scaled_dot_product_attention` with the function that serves what the kernels
     cannot (``fallback``, called with the same arguments); calls that need gradients go to
     :func:`trainable_attention` with ``train_recipe`` when one is given."""
-    reason = _fallback_reason(query, key, value, attn_mask, dropout_p, enable_gqa)
+    reason = _fallback_reason(query, key, value, attn_mask, dropout_p, enable_gqa, scale)
     train = reason is None and torch.is_grad_enabled() and any(
         x.requires_grad for x in (query, key, value))
     if train:
@@ -233,7 +244,6 @@ def sdpa_or_fallback(query, key, value, attn_mask, dropout_p, is_causal, scale, 
         )
     squeeze = query.dim() == 3
     q, k, v = (x.unsqueeze(1) for x in (query, key, value)) if squeeze else (query, key, value)
-    checks.flag("is_causal", bool(is_causal))
     if train:
         from .trainable import trainable_attention
 
