@@ -237,6 +237,67 @@ def test_transformers_encoder_without_padding_reaches_the_kernels():
     assert not torch.equal(got, want) and lowbit_attn.errors(got, want).cosine > 0.999
 
 
+@contextlib.contextmanager
+def _registered_as_sdpa(transformers):
+    """``register("sdpa")`` for the block; transformers' own "sdpa" put back after it."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from lowbit_attn.integrations import transformers as lowbit_hf
+
+    saved = ALL_ATTENTION_FUNCTIONS["sdpa"], ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+    try:
+        yield lowbit_hf.register("sdpa", recipe="exact")
+    finally:
+        transformers.AttentionInterface.register("sdpa", saved[0])
+        transformers.AttentionMaskInterface.register("sdpa", saved[1])
+
+
+def test_transformers_registered_as_sdpa_falls_back_to_transformers_sdpa():
+    """A user who registers ours under the name "sdpa": the fallbacks reach transformers' own
+    SDPA function, not the registered name (which is ours, so they would recurse)."""
+    transformers = pytest.importorskip("transformers", reason="the transformers extra is not installed")
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    model = _tiny_llama(transformers)
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        want = model(ids, output_attentions=True).logits
+        with _registered_as_sdpa(transformers):
+            assert ALL_ATTENTION_FUNCTIONS["sdpa"] is not sdpa_attention_forward
+            with pytest.warns(UserWarning, match="the model passes output_attentions"):
+                got = model(ids, output_attentions=True).logits
+            q = torch.randn(2, 4, 8, 16)
+            module = model.model.layers[0].self_attn
+            with pytest.raises(ValueError, match="`sdpa` attention does not support `softcap`"):
+                ALL_ATTENTION_FUNCTIONS["sdpa"](module, q, q[:, :2], q[:, :2], None, softcap=30.0)
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("mask_queries", [1, 12], ids=["mask-1-query", "mask-all-queries"])
+def test_transformers_key_padding_mask_of_batch_one_broadcasts(mask_queries):
+    """A key-padding mask ``[1, 1, Q or 1, K]`` over a batch of 2, as "sdpa" takes it."""
+    transformers = pytest.importorskip("transformers", reason="the transformers extra is not installed")
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from lowbit_attn.integrations import transformers as lowbit_hf
+
+    module = _tiny_bert(transformers).encoder.layer[0].attention.self
+    q, k, v = channel_biased((2, 2, 12, 32), (2, 2, 12, 32), seed=7)
+    mask = torch.ones(1, 1, mask_queries, 12, dtype=torch.bool)
+    mask[..., 9:] = False
+    want, _ = sdpa_attention_forward(module, q, k, v, mask)
+    with torch.no_grad(), _no_fallback():
+        exact, _ = lowbit_hf.attention_function("exact")(module, q, k, v, mask)
+        got, _ = lowbit_hf.attention_function("qk_int8_pv_fp16")(module, q, k, v, mask)
+    assert got.shape == exact.shape == want.shape
+    torch.testing.assert_close(exact, want, rtol=1e-5, atol=1e-5)
+    assert lowbit_attn.errors(got, want).cosine > 0.999
+
+
 def test_transformers_register_checks_its_arguments():
     pytest.importorskip("transformers", reason="the transformers extra is not installed")
     from lowbit_attn.integrations import transformers as lowbit_hf

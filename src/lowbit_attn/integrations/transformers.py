@@ -45,6 +45,10 @@ def attention_function(recipe: "str | Recipe" = "auto"):
     contract: ``(module, query [B, H, N, D], key, value, attention_mask, dropout, scaling,
     is_causal, **kwargs) → (output [B, N, H, D], None)``)."""
     resolve(recipe, None)
+    _transformers()
+    # transformers' own SDPA function, taken from its module rather than from the registry by
+    # name: after register("sdpa") that name is this function, and a fallback would call itself.
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     def lowbit_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
                                  scaling=None, is_causal=None, **kwargs):
@@ -53,9 +57,9 @@ def attention_function(recipe: "str | Recipe" = "auto"):
             unserved.append("output_attentions")
         if unserved:
             warn_fallback(f"the model passes {', '.join(unserved)}")
-            sdpa = _transformers().modeling_utils.ALL_ATTENTION_FUNCTIONS["sdpa"]
-            return sdpa(module, query, key, value, attention_mask, dropout=dropout,
-                        scaling=scaling, is_causal=is_causal, **kwargs)
+            return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                          dropout=dropout, scaling=scaling, is_causal=is_causal,
+                                          **kwargs)
         keys = _key_padding(attention_mask, query, key, dropout)
         if keys is not None:
             return _key_padded(query, key, value, keys, scaling, recipe)
@@ -70,13 +74,15 @@ def attention_function(recipe: "str | Recipe" = "auto"):
 
 
 def _key_padding(mask, query, key, dropout) -> torch.Tensor | None:
-    """``[B, K]`` bool: the keys each batch row sees, when ``mask`` hides padded keys only (the
-    same keys for every query and head, at least one per row) and the call is otherwise one the
-    kernels take; else ``None``."""
+    """``[B, K]`` bool: the keys each batch row sees, when ``mask`` (``[B or 1, 1, Q or 1, K]``)
+    hides padded keys only (the same keys for every query and head, at least one per row) and the
+    call is otherwise one the kernels take; else ``None``."""
     if (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4
-            or mask.shape[1] != 1 or mask.shape[-1] != key.shape[2] or dropout != 0.0
+            or mask.shape[0] not in (1, query.shape[0]) or mask.shape[1] != 1
+            or mask.shape[-1] != key.shape[2] or dropout != 0.0
             or (torch.is_grad_enabled() and any(x.requires_grad for x in (query, key)))):
         return None
+    mask = mask.expand(query.shape[0], -1, -1, -1)  # a batch of 1 broadcasts, as SDPA does
     keys = mask[:, 0, 0, :]
     if not bool(keys.any(dim=-1).all()) or not torch.equal(mask, keys[:, None, None, :].expand_as(mask)):
         return None
