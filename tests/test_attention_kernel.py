@@ -7,6 +7,7 @@ import torch
 
 import lowbit_attn
 from helpers import assert_close, channel_biased
+from lowbit_attn import api
 from lowbit_attn.prepare import quantize_qkv
 from lowbit_attn.recipes import get_recipe
 from lowbit_attn.reference.attention import exact_attention, quantized_attention
@@ -175,6 +176,35 @@ def test_varlen_sequence_with_queries_and_no_keys(name, causal, backend, kv_stat
         )
         assert_close(out[q0:q1], alone[0], atol=1e-3, name=f"seq{i}")
         assert_close(lse[:, q0:q1], alone_lse[0], atol=1e-5, name=f"lse{i}")
+
+
+@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_no_query_heads_give_empty_results(name, backend, monkeypatch):
+    """``q[:, :0]`` with K/V heads: an empty output and LSE of the right shapes on both paths
+    (the reference's quantizers reduced over no element: IndexError), as PyTorch's SDPA for the
+    drop-in."""
+    monkeypatch.setenv("LOWBIT_ATTN_BACKEND", backend)
+    q, k, v = channel_biased((2, 2, 9, 32), (2, 2, 11, 32), seed=23)
+    q0 = q[:, :0]
+    for layout, args in (("HND", (q0, k, v)), ("NHD", (x.transpose(1, 2) for x in (q0, k, v)))):
+        out, lse = lowbit_attn.attention(*args, layout=layout, is_causal=True, recipe=name,
+                                         return_lse=True)
+        assert out.shape == (q0 if layout == "HND" else q0.transpose(1, 2)).shape
+        assert out.dtype == q.dtype and lse.shape == (2, 0, 9) and lse.dtype == torch.float32
+    assert lowbit_attn.attention(q0, k, v, recipe=name).shape == q0.shape
+    cu_q = torch.tensor([0, 4, 9], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 11], dtype=torch.int32)
+    packed_q, packed_k, packed_v = (x.transpose(1, 2).flatten(0, 1) for x in (q[:1], k[:1], v[:1]))
+    out, lse = lowbit_attn.attention_varlen(packed_q[:, :0], packed_k, packed_v, cu_q, cu_k, 5, 6,
+                                            recipe=name, return_lse=True)
+    assert out.shape == (9, 0, 32) and out.dtype == q.dtype
+    assert lse.shape == (0, 9) and lse.dtype == torch.float32
+    want = torch.nn.functional.scaled_dot_product_attention(q0, k, v, enable_gqa=True)
+    monkeypatch.setattr(api, "_warned", set())
+    with torch.no_grad(), lowbit_attn.patch_sdpa(name), pytest.warns(UserWarning, match="empty"):
+        got = torch.nn.functional.scaled_dot_product_attention(q0, k, v, enable_gqa=True)
+    assert got.shape == want.shape and got.dtype == want.dtype
 
 
 def _v_of_magnitude(factor, dtype, seed=21):

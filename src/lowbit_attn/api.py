@@ -66,9 +66,9 @@ def attention(
     sm_scale = checks.softmax_scale(scale, q.shape[-1])
     b, hq, nq, _ = qh.shape
     nk = kh.shape[2]
-    if nq == 0:
+    if nq == 0 or hq == 0:  # nothing to compute (the quantizers' reductions need elements)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        lse = torch.empty((b, hq, 0), device=q.device)
+        lse = torch.empty((b, hq, nq), dtype=torch.float32, device=q.device)
         return (out, lse) if return_lse else out
     out, lse = ops.call(
         q, k, v, r, scale=sm_scale, is_causal=is_causal, causal_offset=nk - nq,
@@ -133,6 +133,10 @@ def attention_varlen(
     r = _resolve(recipe, q.device)
     checks.recipe_fits(r, q.shape[-1])
     sm_scale = checks.softmax_scale(scale, q.shape[-1])
+    if q.shape[1] == 0:  # no query heads: nothing to compute, as in attention()
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty((0, q.shape[0]), dtype=torch.float32, device=q.device)
+        return (out, lse) if return_lse else out
     out, lse = ops.call_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, r,
                                scale=sm_scale, is_causal=is_causal, return_lse=return_lse)
     return (out, lse) if return_lse else out
