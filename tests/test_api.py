@@ -384,3 +384,25 @@ def test_any_shape_agrees_with_exact_attention(b, hkv, group, nq, nk, d, causal,
         # a row that sees one key returns that value: the error is the quantization of V alone
         assert lowbit_attn.errors(rows_out, rows_ref).cosine > 0.995
         assert_close(lse[seen], ref_lse[seen], atol=0.05, name="lse")
+
+
+@pytest.mark.parametrize("name, capability, head_dim, refused", [
+    pytest.param("qk_int8_pv_fp16", (7, 5), 64, "compute capability 8.0", id="int8-on-sm75"),
+    pytest.param("qk_int8_pv_fp8", (8, 6), 64, "FP8 tensor cores", id="fp8-on-sm86"),
+    pytest.param("qk_int8_pv_fp16", (8, 6), 64, None, id="fp16-on-sm86"),
+    pytest.param("qk_fp4_pv_fp4", (10, 0), 48, "multiple of 32", id="fp4-D48"),
+    pytest.param("exact", (7, 0), 48, None, id="exact-anywhere"),
+])
+def test_sdpa_falls_back_where_the_recipe_cannot_run(name, capability, head_dim, refused):
+    # attention() raises for these; the drop-in must hand them to PyTorch, which serves any GPU
+    reason = api._recipe_reason(lowbit_attn.get_recipe(name), torch.device("cuda"), capability,
+                                head_dim)
+    assert (reason is None) if refused is None else (refused in reason)
+
+
+def test_sdpa_fp4_recipe_with_an_odd_head_dim_falls_back(monkeypatch):
+    q, k, v = (torch.randn(1, 2, 20, 48) for _ in range(3))
+    monkeypatch.setattr(api, "_warned", set())
+    with lowbit_attn.patch_sdpa("qk_fp4_pv_fp4"), pytest.warns(UserWarning, match="multiple of 32"):
+        out = F.scaled_dot_product_attention(q, k, v)
+    assert torch.equal(out, api.TORCH_SDPA(q, k, v))

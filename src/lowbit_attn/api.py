@@ -226,6 +226,18 @@ def scaled_dot_product_attention(
                             recipe="auto", fallback=TORCH_SDPA)
 
 
+def _recipe_reason(r: Recipe, device: torch.device, capability, head_dim: int) -> str | None:
+    """Why the kernels cannot run recipe ``r`` for this call (the GPU is too old for it, or an FP4
+    recipe meets a head dim it cannot group), or None: ``attention`` raises there, the drop-in
+    hands the call to PyTorch."""
+    try:
+        checks.recipe_runs_here(r, device, capability)
+        checks.recipe_fits(r, head_dim)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
 def sdpa_or_fallback(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, *,
                      recipe, fallback, train_recipe=None):
     """:func:`scaled_dot_product_attention` with the function that serves what the kernels
@@ -237,9 +249,9 @@ def sdpa_or_fallback(query, key, value, attn_mask, dropout_p, is_causal, scale, 
     if train:
         reason = _training_reason(query, key, is_causal, train_recipe)
     elif reason is None:
-        r = _resolve(recipe, query.device)
-        if r.is_fp4 and query.shape[-1] % 32 != 0:
-            reason = f"head dim {query.shape[-1]} is not a multiple of 32 (recipe {r.name!r})"
+        capability = get_capability() if query.device.type == "cuda" else None
+        r = resolve(recipe, capability)  # an unknown recipe is the caller's error: it raises
+        reason = _recipe_reason(r, query.device, capability, query.shape[-1])
     if reason is not None:
         warn_fallback(reason)
         return fallback(
