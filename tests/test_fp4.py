@@ -239,15 +239,6 @@ def test_non_finite_marks_its_group_only(impl, fmt, bad):
     assert torch.equal(codes[keep], codes_clean[keep])
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_group_size_is_checked(impl, fmt):
-    with pytest.raises(ValueError, match="x's last dimension must be a multiple"):
-        quantize(impl, fmt, torch.zeros(2, GROUP[fmt] + 8))
-    with pytest.raises(TypeError, match="x must be a floating-point"):
-        quantize(impl, fmt, torch.zeros(2, GROUP[fmt], dtype=torch.int32))
-
-
 # --- kernel against twin ------------------------------------------------------------------------
 
 
@@ -368,3 +359,147 @@ def test_public_quantizers_round_trip():
     assert err.cosine > 0.99
     mx = lowbit_attn.fp4.quantize_mxfp4(x)
     assert lowbit_attn.errors(lowbit_attn.fp4.dequantize_mxfp4(*mx), x).cosine > 0.98
+
+
+# --- bad and edge inputs of the public functions ------------------------------------------------
+
+
+@pytest.fixture
+def public(request, monkeypatch):
+    """``lowbit_attn.fp4`` routed to the back end ``impl`` names (the kernel interpreted on CPU)."""
+    import lowbit_attn.fp4
+
+    monkeypatch.setenv("LOWBIT_ATTN_BACKEND", request.getfixturevalue("impl"))
+    return lowbit_attn.fp4
+
+
+def public_quantize(fp4, fmt: str, x, **kw):
+    return fp4.quantize_nvfp4(x, **kw) if fmt == "nvfp4" else fp4.quantize_mxfp4(x)
+
+
+BAD_GLOBAL = {
+    "zero": 0.0, "minus-zero": -0.0, "negative": -1.0, "subnormal": 1e-40, "half-min": 2.0**-127,
+    "nan": float("nan"), "inf": float("inf"), "over-max": 2e35, "int-past-fp64": 10**400,
+}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("g", BAD_GLOBAL.values(), ids=BAD_GLOBAL.keys())
+def test_nvfp4_global_scale_out_of_range_is_refused(impl, public, g):
+    # before: 0 or a subnormal scale dequantized everything to zeros, NaN poisoned every group
+    x = torch.randn(2, 32, generator=torch.Generator().manual_seed(6))
+    gs = [g] if isinstance(g, int) else [g, torch.tensor(g), torch.tensor(g, dtype=torch.float64)]
+    for value in gs:
+        with pytest.raises(ValueError, match=r"global_scale must be a positive normal fp32 number"):
+            public.quantize_nvfp4(x, global_scale=value)
+        packed, scales, _ = public.quantize_nvfp4(x)
+        with pytest.raises(ValueError, match=r"global_scale must be .* at most FLT_MAX/2688"):
+            public.dequantize_nvfp4(packed, scales, value)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_nvfp4_global_scale_range_ends_are_accepted(impl, public):
+    # the default scale of a tensor holding FLT_MAX is the top of the range, and round-trips
+    x = torch.zeros(1, 16)
+    x[0, 0] = torch.finfo(torch.float32).max
+    q = public.quantize_nvfp4(x)
+    assert q[2].item() == ref.NVFP4_GLOBAL_MAX
+    assert torch.equal(public.dequantize_nvfp4(*q), x)  # 6·448·g is exactly FLT_MAX: no Inf
+    tiny = torch.full((1, 16), 1e-39)
+    q = public.quantize_nvfp4(tiny, global_scale=2.0**-126)
+    assert_same_bits(q, public.quantize_nvfp4(tiny), "nvfp4")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_nvfp4_global_scale_as_a_number(impl, public):
+    # before: a Python float raised AttributeError ('float' object has no attribute 'float')
+    np = pytest.importorskip("numpy")
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(7))
+    want = public.quantize_nvfp4(x, global_scale=torch.tensor(0.25))
+    for g in (0.25, np.float32(0.25), np.float64(0.25), torch.tensor([0.25], dtype=torch.float64)):
+        got = public.quantize_nvfp4(x, global_scale=g)
+        assert_same_bits(got, want, "nvfp4")
+        assert got[2].shape == () and got[2].dtype == torch.float32
+        assert torch.equal(public.dequantize_nvfp4(got[0], got[1], g), dequantize("nvfp4", want))
+    assert_same_bits(public.quantize_nvfp4(x, global_scale=1),
+                     public.quantize_nvfp4(x, global_scale=torch.tensor(1.0)), "nvfp4")
+    for bad in (True, "0.25", [0.25], torch.tensor(True)):
+        with pytest.raises(TypeError, match="global_scale must be"):
+            public.quantize_nvfp4(x, global_scale=bad)
+    with pytest.raises(ValueError, match=r"global_scale must be one number .* got shape \(2,\)"):
+        public.quantize_nvfp4(x, global_scale=torch.ones(2))
+
+
+EMPTY_SHAPES = [(0, 64), (3, 0), (0,), (2, 0, 64)]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", EMPTY_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_empty_input_gives_empty_outputs(impl, public, fmt, shape):
+    # before: NVFP4 raised RuntimeError (amax of no elements); the kernel's MXFP4 too for K = 0
+    x = torch.randn(shape)
+    q = public_quantize(public, fmt, x)
+    k = shape[-1]
+    assert q[0].shape == (*shape[:-1], k // 2) and q[0].dtype == torch.uint8
+    assert q[1].shape == (*shape[:-1], k // GROUP[fmt])
+    assert q[1].dtype == (torch.float8_e4m3fn if fmt == "nvfp4" else torch.uint8)
+    if fmt == "nvfp4":
+        assert q[2].shape == () and q[2].item() == 1.0  # as for an all-zero tensor
+    x_hat = public.dequantize_nvfp4(*q) if fmt == "nvfp4" else public.dequantize_mxfp4(*q)
+    assert x_hat.shape == shape
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_bad_x_is_refused_naming_it(impl, public, fmt):
+    n = GROUP[fmt]
+    cases = [
+        (torch.tensor(1.0), ValueError, r"x's last dimension must be a multiple .* got shape \(\)"),
+        (torch.zeros(2, n + 8), ValueError, "x's last dimension must be a multiple"),
+        (torch.zeros(2, n, dtype=torch.int32), TypeError, "x must be a floating-point"),
+        (torch.zeros(2, n, dtype=torch.bool), TypeError, "x must be a floating-point"),
+        (torch.zeros(2, n, dtype=torch.complex64), TypeError, "x must be a floating-point"),
+        ([0.0] * n, TypeError, "x must be a floating-point tensor, got list"),
+    ]
+    for x, err, msg in cases:
+        with pytest.raises(err, match=msg):
+            public_quantize(public, fmt, x)
+    # a non-contiguous view is quantized as its contiguous copy is
+    xt = torch.randn(2 * n, 3, generator=torch.Generator().manual_seed(8)).t()
+    want = public_quantize(public, fmt, xt.contiguous())
+    assert_same_bits(public_quantize(public, fmt, xt), want, fmt)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantize_refuses_mismatched_operands(fmt):
+    # before: scales of a wrong but broadcastable shape were broadcast silently
+    import lowbit_attn.fp4 as fp4
+
+    n = GROUP[fmt]
+    x = torch.randn(2, 3, 4 * n, generator=torch.Generator().manual_seed(9))
+    q = public_quantize(fp4, fmt, x)
+    packed, scales = q[0], q[1]
+
+    def deq(p, s, *g):
+        if fmt == "nvfp4":
+            return fp4.dequantize_nvfp4(p, s, *(g or q[2:]))
+        return fp4.dequantize_mxfp4(p, s)
+
+    want = r"scales must have shape \(2, 3, 4\), one per group of %d values" % n
+    for bad in (scales[..., :1], scales[:1], scales[0], scales[..., None]):
+        with pytest.raises(ValueError, match=want):
+            deq(packed, bad)
+    with pytest.raises(ValueError, match=f"packed's last dimension must be a multiple of {n // 2}"):
+        deq(packed[..., :-1], scales)
+    with pytest.raises(ValueError, match="packed's last dimension"):
+        deq(torch.tensor(0, dtype=torch.uint8), scales)
+    with pytest.raises(TypeError, match=r"packed must be a torch.uint8 tensor, got torch.int8"):
+        deq(packed.view(torch.int8), scales)
+    other = torch.uint8 if fmt == "nvfp4" else torch.float8_e4m3fn
+    with pytest.raises(TypeError, match=r"scales must be a torch\.\w+ tensor, got %s" % other):
+        deq(packed, scales.view(other))
+    if fmt == "nvfp4":
+        with pytest.raises(ValueError, match=r"global_scale must be one number .* \(2, 3, 1\)"):
+            deq(packed, scales, torch.ones(2, 3, 1))
+    assert torch.equal(deq(packed, scales), dequantize(fmt, q))  # the right operands still work

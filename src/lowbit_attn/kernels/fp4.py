@@ -10,13 +10,15 @@ group quantizer the FP4 attention operands use too.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
 from ..checks import quant_groups
-# the tensor scale is a host-side torch reduction, the same op for both twins
-from ..reference.fp4 import nvfp4_global_scale
+# the tensor scale (a host-side torch reduction, or the caller's checked), the same for both twins
+from ..reference.fp4 import nvfp4_global_scale, nvfp4_tensor_scale
 from .common import e4m3_round, round_half_even
 
 NVFP4_GROUP = 16
@@ -144,7 +146,7 @@ def _quantize_fp4_rows_kernel(
 
 def _launch(x: torch.Tensor, group: int, scale_dtype: torch.dtype, gscale=None):
     k = x.shape[-1]
-    x2 = x.reshape(-1, k)
+    x2 = x.reshape(math.prod(x.shape[:-1]), k)  # not -1: ambiguous when K is 0
     r, ng = x2.shape[0], k // group
     packed = torch.empty((r, k // 2), device=x.device, dtype=torch.uint8)
     scales = torch.empty((r, ng), device=x.device, dtype=scale_dtype)
@@ -164,14 +166,15 @@ def _launch(x: torch.Tensor, group: int, scale_dtype: torch.dtype, gscale=None):
 
 
 def quantize_nvfp4(
-    x: torch.Tensor, *, global_scale: torch.Tensor | None = None
+    x: torch.Tensor, *, global_scale: torch.Tensor | float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton twin of :func:`lowbit_attn.reference.fp4.quantize_nvfp4` (bit-identical).
 
     Returns ``(packed uint8 [..., K/2], scales float8_e4m3fn [..., K/16], global_scale fp32 0-dim)``.
     """
     quant_groups(x, NVFP4_GROUP)
-    g = nvfp4_global_scale(x) if global_scale is None else global_scale.float().reshape(())
+    g = nvfp4_global_scale(x) if global_scale is None else nvfp4_tensor_scale(
+        global_scale, x.device)
     g = g.contiguous()
     packed, scales = _launch(x, NVFP4_GROUP, torch.float8_e4m3fn, g)
     return packed, scales, g

@@ -8,6 +8,7 @@ in the high nibble. Arithmetic is fp32, in the kernels' order, so both twins giv
 
     amax_t = max |x| over the finite elements of the tensor
     g      = amax_t / 2688            (2688 = 448·6; g = 1 if amax_t == 0; at least 2^-126, normal)
+             or the caller's g: a normal fp32 number, at most FLT_MAX/2688 (see nvfp4_tensor_scale)
     s      = e4m3_rne((amax_group / 6) / g)      (saturating at 448)
     values = e2m1_rne(x / (s · g))               (saturating at ±6)
     x̂      = value · (s · g)
@@ -33,9 +34,12 @@ Edge cases, the same in both twins:
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
-from ..checks import quant_groups
+from ..checks import quant_groups, shown
 
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
@@ -43,6 +47,8 @@ NVFP4_GROUP = 16
 MXFP4_GROUP = 32
 NVFP4_TENSOR_DIVISOR = 2688.0  # 448·6: the largest group scale times the largest E2M1 value
 FLT_MIN = 2.0**-126
+# the largest tensor scale: 6·448·g, the largest value a group can dequantize to, stays finite
+NVFP4_GLOBAL_MAX = torch.finfo(torch.float32).max / NVFP4_TENSOR_DIVISOR
 E4M3_MIN_STEP = 2.0**-9
 E4M3_NAN = 0x7F
 E8M0_NAN = 255
@@ -110,9 +116,53 @@ def nvfp4_global_scale(x: torch.Tensor) -> torch.Tensor:
     whole tensor.
     """
     xf = x.float()
+    if xf.numel() == 0:  # amax() has no identity; an empty tensor scales like an all-zero one
+        return global_scale_from_amax(xf.new_zeros(()))
     return global_scale_from_amax(
         torch.where(torch.isfinite(xf), xf.abs(), torch.zeros_like(xf)).amax()
     )
+
+
+def nvfp4_tensor_scale(global_scale, device: torch.device) -> torch.Tensor:
+    """A caller's NVFP4 tensor scale → fp32 0-dim tensor on ``device``.
+
+    ``global_scale`` is a real number (``float``, ``int``, NumPy scalar) or a one-element real
+    tensor; its fp32 value must lie in ``[2^-126, FLT_MAX/2688]``, the range of the default
+    ``amax/2688``. Outside it the result is silently wrong: with 0 or a subnormal scale the group
+    factors ``s·g`` flush and the tensor dequantizes to zeros, a negative one flips the scales'
+    sign, a larger one lets ``6·448·g`` overflow to Inf, NaN poisons every group. Reads the value
+    on the host (a GPU synchronisation).
+    """
+    if isinstance(global_scale, torch.Tensor):
+        if global_scale.dtype == torch.bool or global_scale.is_complex():
+            raise TypeError(
+                f"global_scale must be a real number or tensor, got a {global_scale.dtype} tensor"
+            )
+        if global_scale.numel() != 1:
+            raise ValueError(
+                "global_scale must be one number (a 0-dim tensor), got shape "
+                f"{tuple(global_scale.shape)}"
+            )
+        g = global_scale.detach().to(device=device, dtype=torch.float32).reshape(())
+    elif isinstance(global_scale, numbers.Real) and not isinstance(global_scale, bool):
+        try:
+            value = float(global_scale)
+        except OverflowError:  # an int past fp64
+            value = math.inf
+        g = torch.tensor(value, dtype=torch.float32, device=device)
+    else:
+        raise TypeError(
+            f"global_scale must be a float or a one-element tensor, got {shown(global_scale)}"
+        )
+    value = g.item()
+    if not FLT_MIN <= value <= NVFP4_GLOBAL_MAX:
+        raise ValueError(
+            "global_scale must be a positive normal fp32 number of at most FLT_MAX/2688, from "
+            f"2^-126 ≈ 1.18e-38 to ≈ {NVFP4_GLOBAL_MAX:.4g} (the range of the default amax/2688: "
+            "below it the E4M3 group factors s·global_scale flush to zero, above it "
+            f"6·448·global_scale overflows), got {value!r} in fp32"
+        )
+    return g
 
 
 def global_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
@@ -130,19 +180,22 @@ def e4m3_scale_code(s: torch.Tensor, nonzero: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_nvfp4(
-    x: torch.Tensor, *, global_scale: torch.Tensor | None = None
+    x: torch.Tensor, *, global_scale: torch.Tensor | float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """NVFP4: E2M1 values in groups of 16 along the last dimension, E4M3 group scales, one fp32
     tensor scale.
 
     Args:
-        x: ``[..., K]`` any float dtype, ``K`` a multiple of 16.
-        global_scale: the tensor scale ``g`` (0-dim fp32); default :func:`nvfp4_global_scale`.
+        x: ``[..., K]`` any float dtype, ``K`` a multiple of 16 (0 elements give empty outputs).
+        global_scale: the tensor scale ``g``, a number or one-element tensor in
+            ``[2^-126, FLT_MAX/2688]`` (:func:`nvfp4_tensor_scale`); default
+            :func:`nvfp4_global_scale`.
     Returns:
         ``(packed uint8 [..., K/2], scales float8_e4m3fn [..., K/16], global_scale fp32 0-dim)``.
     """
     quant_groups(x, NVFP4_GROUP)
-    g = nvfp4_global_scale(x) if global_scale is None else global_scale.float().reshape(())
+    g = nvfp4_global_scale(x) if global_scale is None else nvfp4_tensor_scale(
+        global_scale, x.device)
     codes, code = nvfp4_group_codes(_grouped(x, NVFP4_GROUP), g)
     return pack_fp4(codes.flatten(-2)), code.view(torch.float8_e4m3fn), g
 
@@ -160,13 +213,48 @@ def nvfp4_group_codes(
     return e2m1_code(xg / sg.unsqueeze(-1)), code
 
 
-def dequantize_nvfp4(
-    packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor
-) -> torch.Tensor:
-    """``value · (s · g)`` in fp32, ``[..., K]``. A group with a NaN scale is all NaN."""
+def fp4_operands(packed, scales, group: int, scale_dtype: torch.dtype) -> None:
+    """``packed`` uint8 ``[..., K/2]`` and ``scales`` of ``scale_dtype`` ``[..., K/group]`` on one
+    device: what the quantizers return (no broadcasting)."""
+    for name, t, dtype in (("packed", packed, torch.uint8), ("scales", scales, scale_dtype)):
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype:
+            got = t.dtype if isinstance(t, torch.Tensor) else shown(t)
+            raise TypeError(f"{name} must be a {dtype} tensor, got {got}")
+    half = group // 2
+    if packed.dim() < 1 or packed.shape[-1] % half != 0:
+        raise ValueError(
+            f"packed's last dimension must be a multiple of {half} (the bytes of {group} values), "
+            f"got shape {tuple(packed.shape)}"
+        )
+    expected = (*packed.shape[:-1], packed.shape[-1] // half)
+    if tuple(scales.shape) != expected:
+        raise ValueError(
+            f"scales must have shape {expected}, one per group of {group} values of packed "
+            f"{tuple(packed.shape)}, got {tuple(scales.shape)}"
+        )
+    if scales.device != packed.device:
+        raise ValueError(
+            f"scales must be on packed's device {packed.device}, got {scales.device}"
+        )
+
+
+def dequantize_groups(packed: torch.Tensor, factor: torch.Tensor, group: int) -> torch.Tensor:
+    """``value · factor`` in fp32: ``packed`` ``[..., K/2]``, fp32 ``factor`` ``[..., K/group]``
+    (one per group) → ``[..., K]``. No checks: the dequantizers' core."""
     vals = e2m1_value(unpack_fp4(packed))
-    sg = scales.float() * global_scale.float()
-    return (_grouped(vals, NVFP4_GROUP) * sg.unsqueeze(-1)).flatten(-2)
+    return (_grouped(vals, group) * factor.unsqueeze(-1)).flatten(-2)
+
+
+def dequantize_nvfp4(packed: torch.Tensor, scales: torch.Tensor, global_scale) -> torch.Tensor:
+    """``value · (s · g)`` in fp32, ``[..., K]``. A group with a NaN scale is all NaN.
+
+    Args:
+        packed: uint8 ``[..., K/2]``; scales: float8_e4m3fn ``[..., K/16]``; global_scale: as for
+            :func:`quantize_nvfp4` (a number or one-element tensor).
+    """
+    fp4_operands(packed, scales, NVFP4_GROUP, torch.float8_e4m3fn)
+    g = nvfp4_tensor_scale(global_scale, packed.device)
+    return dequantize_groups(packed, scales.float() * g, NVFP4_GROUP)
 
 
 def e8m0_value(code: torch.Tensor) -> torch.Tensor:
@@ -207,14 +295,15 @@ def mxfp4_group_codes(xg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``value · 2^e`` in fp32, ``[..., K]``. A group with scale code 255 is all NaN."""
-    vals = e2m1_value(unpack_fp4(packed))
-    return (_grouped(vals, MXFP4_GROUP) * e8m0_value(scales).unsqueeze(-1)).flatten(-2)
+    """``value · 2^e`` in fp32, ``[..., K]``: ``packed`` uint8 ``[..., K/2]``, ``scales`` uint8
+    E8M0 ``[..., K/32]``. A group with scale code 255 is all NaN."""
+    fp4_operands(packed, scales, MXFP4_GROUP, torch.uint8)
+    return dequantize_groups(packed, e8m0_value(scales), MXFP4_GROUP)
 
 
 __all__ = [
     "E2M1_VALUES", "e2m1_code", "e2m1_value", "e2m1_round", "pack_fp4", "unpack_fp4",
-    "nvfp4_global_scale", "global_scale_from_amax", "nvfp4_group_codes", "quantize_nvfp4",
-    "dequantize_nvfp4", "e8m0_value", "mxfp4_scale_code", "mxfp4_group_codes", "quantize_mxfp4",
-    "dequantize_mxfp4",
+    "nvfp4_global_scale", "global_scale_from_amax", "nvfp4_tensor_scale", "nvfp4_group_codes",
+    "quantize_nvfp4", "fp4_operands", "dequantize_groups", "dequantize_nvfp4", "e8m0_value",
+    "mxfp4_scale_code", "mxfp4_group_codes", "quantize_mxfp4", "dequantize_mxfp4",
 ]

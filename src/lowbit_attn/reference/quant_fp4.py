@@ -16,8 +16,8 @@ import torch
 from ..checks import fp4_amax
 from ..quantized import FP4_GROUP, P_TWO_LEVEL_PEAK, padded_head_dim
 from .fp4 import (
-    dequantize_mxfp4, dequantize_nvfp4, e2m1_code, e2m1_value, e4m3_scale_code, e8m0_value,
-    global_scale_from_amax, mxfp4_group_codes, mxfp4_scale_code, nvfp4_group_codes, pack_fp4,
+    dequantize_groups, e2m1_code, e2m1_value, e4m3_scale_code, e8m0_value, global_scale_from_amax,
+    mxfp4_group_codes, mxfp4_scale_code, nvfp4_group_codes, pack_fp4,
 )
 from .quant import expand_blocks
 
@@ -100,9 +100,10 @@ def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch
     """Stored FP4 operand → fp32 ``value·group scale`` (without NVFP4's tensor scale): exactly what
     the block-scaled MMA multiplies."""
     if fmt == "nvfp4":
-        one = torch.ones((), device=packed.device)
-        return dequantize_nvfp4(packed, scale.view(torch.float8_e4m3fn), one)
-    return dequantize_mxfp4(packed, scale)
+        factor = scale.view(torch.float8_e4m3fn).float()
+    else:
+        factor = e8m0_value(scale)
+    return dequantize_groups(packed, factor, FP4_GROUP[fmt])
 
 
 def quantize_p(p: torch.Tensor, fmt: str) -> torch.Tensor:
