@@ -455,7 +455,7 @@ def test_empty_input_gives_empty_outputs(impl, public, fmt, shape):
 def test_bad_x_is_refused_naming_it(impl, public, fmt):
     n = GROUP[fmt]
     cases = [
-        (torch.tensor(1.0), ValueError, r"x's last dimension must be a multiple .* got shape \(\)"),
+        (torch.tensor(1.0), ValueError, r"x must have at least one dimension .* 0-dim"),
         (torch.zeros(2, n + 8), ValueError, "x's last dimension must be a multiple"),
         (torch.zeros(2, n, dtype=torch.int32), TypeError, "x must be a floating-point"),
         (torch.zeros(2, n, dtype=torch.bool), TypeError, "x must be a floating-point"),

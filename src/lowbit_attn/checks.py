@@ -217,7 +217,9 @@ def quant_groups(x, group: int, name: str = "x") -> None:
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
         raise TypeError(f"{name} must be a floating-point tensor, got {got}")
-    if x.dim() < 1 or x.shape[-1] % group != 0:
+    if x.dim() < 1:
+        raise ValueError(f"{name} must have at least one dimension (the one grouped), got a 0-dim tensor")
+    if x.shape[-1] % group != 0:
         raise ValueError(
             f"{name}'s last dimension must be a multiple of the group size {group}, "
             f"got shape {tuple(x.shape)}"
