@@ -141,6 +141,88 @@ def test_nan_is_never_hidden():
     assert not any(torch.isnan(x[0, 0]).any() for x in (dq, dk, dv))
 
 
+# --- nearly one-hot rows: FlashAttention's bwd_overflow inputs ----------------------------------
+
+
+def _bwd_overflow(dtype, n, d, seed=0):
+    """FlashAttention's ``test_flash_attn_bwd_overflow`` inputs (B=2, 2 query heads on 1 K/V head):
+    Q×5, K and V×3 of N(0, 1), dO N(0, 1). Scores of tens make most rows of P nearly one-hot."""
+    g = torch.Generator().manual_seed(seed + 100 * n + d)
+    q = (torch.randn(2, 2, n, d, generator=g) * 5).to(dtype)
+    k, v = ((torch.randn(2, 1, n, d, generator=g) * 3).to(dtype) for _ in range(2))
+    return q, k, v, torch.randn(q.shape, generator=g).to(dtype)
+
+
+OVERFLOW_GRID = [(n, d) for n in (1, 2, 5, 17) for d in (16, 32, 64)]
+TWO_DTYPES = [pytest.param(torch.float16, id="fp16"), pytest.param(torch.bfloat16, id="bf16")]
+CAUSAL = [pytest.param(False, id="full"), pytest.param(True, id="causal")]
+
+
+@pytest.mark.parametrize("dtype", TWO_DTYPES)
+@pytest.mark.parametrize("causal", CAUSAL)
+def test_rows_of_ds_sum_to_zero(dtype, causal):
+    """Δ_i = Σ_j P_ij·dP_ij from the P and dP that dS uses, so Σ_j dS_ij is fp32 rounding of the
+    terms (measured ≤ 11.6 eps·Σ_j |P_ij·dP_ij|). With Δ = rowsum(dO ∘ O) and the INT8 forward's
+    O the row sums reached 2.3e7 eps, 2.7× the terms' size."""
+    r = resolve_train("sagebwd_int8")
+    eps = torch.finfo(torch.float32).eps
+    for n, d in OVERFLOW_GRID:
+        q, k, v, do = _bwd_overflow(dtype, n, d)
+        ops = prepare(q, k, v, r, d ** -0.5, "reference")
+        offset = 0 if causal else None
+        _, lse = ref.forward(ops, causal_offset=offset)
+        p, dp, ds = ref.probabilities(ops, prepare_grad(do, r, "reference"), lse,
+                                      causal_offset=offset)
+        bound = 32 * eps * (p * dp).abs().sum(dim=-1)
+        assert torch.all(ds.sum(dim=-1).abs() <= bound), (n, d)
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=pytest.mark.interpreter)])
+@pytest.mark.parametrize("dtype", TWO_DTYPES)
+def test_one_key_gives_zero_dq_and_dk(monkeypatch, backend, dtype):
+    """One key: P = 1 whatever Q and K are, so the exact dQ and dK are 0 (here exactly 0). dK was
+    5-22 % of max|dV| with Δ from the INT8 forward's output."""
+    monkeypatch.setenv("LOWBIT_ATTN_BACKEND", backend)
+    for d, causal in ((16, False), (64, True)):
+        q, k, v, do = _bwd_overflow(dtype, 1, d)
+        _, dq, dk, dv = _grads(lowbit_attn.trainable_attention, q, k, v, do, is_causal=causal)
+        scale = float(dv.abs().max())
+        ratios = [float(x.abs().max()) / scale for x in (dq, dk)]
+        assert scale > 1 and max(ratios) <= 1e-6, (d, causal, ratios)
+
+
+def _overflow_cosines(dtype, causal, grid):
+    """``[(cos dQ, cos dK, cos dV), ...]`` of the public function against float64 autograd."""
+    out = []
+    for n, d in grid:
+        q, k, v, do = _bwd_overflow(dtype, n, d)
+        exact = _grads(_exact, *(x.double() for x in (q, k, v, do)), is_causal=causal)
+        got = _grads(lowbit_attn.trainable_attention, q, k, v, do, is_causal=causal)
+        out.append(tuple(errors(a.float(), e).cosine for a, e in zip(got[1:], exact[1:])))
+    return torch.tensor(out)
+
+
+@pytest.mark.parametrize("dtype", TWO_DTYPES)
+@pytest.mark.parametrize("causal", CAUSAL)
+def test_nearly_one_hot_rows_meet_a_gradient_bar(dtype, causal):
+    """Measured on the reference (N = 2, 5, 17; D = 16, 32, 64): dQ and dK cosine ≥ 0.979, their
+    mean per dtype and causality ≥ 0.9954 (with Δ from the INT8 forward's output: ≥ 0.838, mean
+    0.975-0.987); dV ≥ 0.9991 (unchanged). What remains is dS quantized to INT8 per 64×64 tile:
+    rows whose dS is small next to the tile's largest keep few digits."""
+    cos = _overflow_cosines(dtype, causal, [(n, d) for n, d in OVERFLOW_GRID if n > 1])
+    assert cos[:, :2].min() >= 0.975 and cos[:, :2].mean() >= 0.995, cos
+    assert cos[:, 2].min() >= 0.999, cos
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", TWO_DTYPES)
+def test_nearly_one_hot_rows_on_the_kernels(triton_backend, dtype):
+    """The same bar on the Triton path (interpreted), causal and not."""
+    for causal in (False, True):
+        cos = _overflow_cosines(dtype, causal, [(2, 64), (5, 16), (17, 32)])
+        assert cos[:, :2].min() >= 0.975 and cos[:, 2].min() >= 0.999, (causal, cos)
+
+
 # --- kernels against the reference (interpreter) ------------------------------------------------
 
 KERNEL_CASES = [
@@ -190,8 +272,7 @@ def _kernels_match_reference(dtype, causal, kw, shape, mode):
                  name="out")
     assert errors(out.float(), want_o).cosine > 0.99999
 
-    grad = prepare_grad(do, out, r, "reference")
-    assert_close(prepare_grad(do, out, r, "triton").delta, grad.delta, atol=1e-5, name="delta")
+    grad = prepare_grad(do, r, "reference")
     want = ref.backward(ops, grad, lse, causal_offset=offset, softmax_scale=scale)
     got = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     attn_train_bwd.backward(ops, grad, lse, *got, causal_offset=offset, softmax_scale=scale,

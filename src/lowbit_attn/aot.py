@@ -678,8 +678,7 @@ def record_train_launches(
     with _recording() as sink:
         ops = prepare(q, k, v, r, scale, "triton")
         attn_train_fwd.forward(ops, out=torch.zeros_like(q), causal_offset=offset)
-        grad = prepare_grad(do, torch.zeros_like(q), r, "triton")
-        grad.delta = torch.zeros_like(lse)  # the recorder did not allocate one
+        grad = prepare_grad(do, r, "triton")
         attn_train_bwd.backward(ops, grad, lse, torch.zeros_like(q), torch.zeros_like(k),
                                 torch.zeros_like(v), causal_offset=offset, softmax_scale=scale,
                                 mode=dq_mode)

@@ -124,23 +124,13 @@ def prepare(q, k, v, recipe: TrainRecipe, softmax_scale: float, backend: str) ->
     )
 
 
-def prepare_grad(do: torch.Tensor, out: torch.Tensor, recipe: TrainRecipe, backend: str) -> GradOperands:
-    """dO ``[B, Hq, Nq, D]`` (and the forward's output, for ``rowsum(dO ∘ O)``) → :class:`GradOperands`."""
+def prepare_grad(do: torch.Tensor, recipe: TrainRecipe, backend: str) -> GradOperands:
+    """dO ``[B, Hq, Nq, D]`` → :class:`GradOperands`."""
     int8 = recipe.int8
-    need_int8 = bool({"dv", "dp"} & int8)
-    if backend == "triton":
-        from .kernels import attn_train_bwd
-
-        do8, do_scale, delta = attn_train_bwd.preprocess(do, out, quantize=need_int8)
-    else:
-        wide = torch.promote_types(do.dtype, torch.float32)
-        delta = (do.to(wide) * out.to(wide)).sum(dim=-1)
-        do8 = do_scale = None
-        if need_int8:
-            do8, do_scale = ref_quant.quantize_int8(do, granularity="per_block", block=TRAIN_BLOCK)
+    do8 = do_scale = None
+    if {"dv", "dp"} & int8:
+        do8, do_scale = _quant(backend).quantize_int8(do, granularity="per_block", block=TRAIN_BLOCK)
     ones = _ones(do)
     do_dv = (do8, do_scale) if "dv" in int8 else (do, ones)
     do_dp = (do8, do_scale) if "dp" in int8 else (do, ones)
-    return GradOperands(
-        do_dv=do_dv[0], do_dv_scale=do_dv[1], do_dp=do_dp[0], do_dp_scale=do_dp[1], delta=delta
-    )
+    return GradOperands(do_dv=do_dv[0], do_dv_scale=do_dv[1], do_dp=do_dp[0], do_dp_scale=do_dp[1])

@@ -202,11 +202,11 @@ class TrainOperands:
 
 @dataclass
 class GradOperands:
-    """dO for dV = Pᵀ·dO (``do_dv``) and dP = dO·Vᵀ (``do_dp``), INT8 per 64 rows or 16-bit, and
-    ``delta = rowsum(dO ∘ O)`` fp32 ``[B, Hq, Nq]``."""
+    """dO ``[B, Hq, Nq, D]`` for dV = Pᵀ·dO (``do_dv``) and dP = dO·Vᵀ (``do_dp``), INT8 per 64 rows
+    or 16-bit (with scales of 1). The backward computes ``Δ = rowsum(P ∘ dP)`` itself, from the P
+    and dP that dS uses."""
 
     do_dv: torch.Tensor
     do_dv_scale: torch.Tensor
     do_dp: torch.Tensor
     do_dp_scale: torch.Tensor
-    delta: torch.Tensor

@@ -59,16 +59,16 @@ def _(q, k, v, int8, smooth_k, smooth_q, balance_qk, scale, is_causal, causal_of
 
 @torch.library.custom_op("lowbit_attn::train_bwd", mutates_args=())
 def train_bwd(
-    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-    lse: torch.Tensor, int8: str, smooth_k: bool, smooth_q: bool, balance_qk: bool, scale: float,
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
+    int8: str, smooth_k: bool, smooth_q: bool, balance_qk: bool, scale: float,
     is_causal: bool, causal_offset: int, nhd: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` in the shapes and dtype of ``q, k, v``."""
     recipe = _recipe(int8, smooth_k, smooth_q, balance_qk)
-    qh, kh, vh, doh, oh = (_hnd(x, nhd) for x in (q, k, v, do, out))
+    qh, kh, vh, doh = (_hnd(x, nhd) for x in (q, k, v, do))
     backend = backend_for(q.device)
     ops = prepare(qh, kh, vh, recipe, scale, backend)
-    grad = prepare_grad(doh, oh, recipe, backend)
+    grad = prepare_grad(doh, recipe, backend)
     offset = causal_offset if is_causal else None
     grads = tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     if backend == "triton":
@@ -83,21 +83,21 @@ def train_bwd(
 
 
 @train_bwd.register_fake
-def _(do, q, k, v, out, lse, int8, smooth_k, smooth_q, balance_qk, scale, is_causal, causal_offset,
+def _(do, q, k, v, lse, int8, smooth_k, smooth_q, balance_qk, scale, is_causal, causal_offset,
       nhd):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, *options = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    _, lse = output  # the backward does not read the output (Δ comes from P and dP)
+    ctx.save_for_backward(q, k, v, lse)
     ctx.options = options
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = train_bwd(grad_out.contiguous(), q, k, v, out, lse, *ctx.options)
+    q, k, v, lse = ctx.saved_tensors
+    dq, dk, dv = train_bwd(grad_out.contiguous(), q, k, v, lse, *ctx.options)
     needs = ctx.needs_input_grad
     return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None,
             *([None] * len(ctx.options)))

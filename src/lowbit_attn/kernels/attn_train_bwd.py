@@ -1,8 +1,10 @@
 """Trainable attention backward (SageBwd numerics), FlashAttention-2 style: S and P recomputed from
-the saved base-2 LSE in 64×64 tiles; ``dP = dO·Vᵀ`` (16-bit by default); ``dS = P ∘ (dP - Δ)`` with
-``Δ = rowsum(dO ∘ O)`` from a preprocessing kernel; P and dS quantized per tile for ``dV = Pᵀ·dO``,
-``dK = dSᵀ·Q`` (one program per key block, looping over the query heads of its K/V head and their
-query blocks) and ``dQ = dS·K`` (one program per query block). No N×N tensor is written.
+the saved base-2 LSE in 64×64 tiles; ``dP = dO·Vᵀ`` (16-bit by default); ``dS = P ∘ (dP - Δ)``; P and
+dS quantized per tile for ``dV = Pᵀ·dO``, ``dK = dSᵀ·Q`` (one program per key block, looping over
+the query heads of its K/V head and their query blocks) and ``dQ = dS·K`` (one program per query
+block). ``Δ_i = Σ_j P_ij·dP_ij`` comes from a first pass of the dQ kernel over the same tiles, so
+that each row of dS sums to zero up to fp32 rounding (``rowsum(dO ∘ O)`` would take the forward's
+INT8 P̃·V, not the P and dP that dS uses). No N×N tensor is written.
 Twin: ``lowbit_attn.reference.sagebwd.backward``.
 """
 
@@ -16,7 +18,6 @@ import triton.language as tl
 
 from ..arch import get_capability, interpreter_enabled
 from ..quantized import TRAIN_BLOCK, GradOperands, TrainOperands
-from . import quantize as kq
 from .common import LaunchConfig, batch_head, mm, next_pow2, quantize_tile, triton_configs
 
 CONFIGS = {
@@ -27,34 +28,6 @@ CONFIGS = {
     "sm_89": [LaunchConfig(8, 2), LaunchConfig(4, 2)],
     "sm_90": [LaunchConfig(8, 2), LaunchConfig(4, 2), LaunchConfig(8, 3)],
 }
-
-
-@triton.jit
-def _delta_kernel(DO, O, DELTA, sdb, sdh, sdn, sdd, sob, soh, son, sod, seb, seh, sen,
-                  NQ, H, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    b, h = batch_head(tl.program_id(1), H)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (rows < NQ)[:, None] & (offs_d < D)[None, :]
-    do = tl.load(DO + b * sdb + h * sdh + rows[:, None] * sdn + offs_d[None, :] * sdd, mask=mask,
-                 other=0.0).to(tl.float32)
-    o = tl.load(O + b * sob + h * soh + rows[:, None] * son + offs_d[None, :] * sod, mask=mask,
-                other=0.0).to(tl.float32)
-    tl.store(DELTA + b * seb + h * seh + rows * sen, tl.sum(do * o, axis=1), mask=rows < NQ)
-
-
-def preprocess(do: torch.Tensor, out: torch.Tensor, *, quantize: bool):
-    """``(dO INT8 per 64 rows, its scales, Δ = rowsum(dO ∘ O) fp32 [B, Hq, Nq])``; the INT8 pair is
-    ``None`` unless ``quantize``."""
-    b, h, n, d = do.shape
-    delta = torch.empty((b, h, n), device=do.device, dtype=torch.float32)
-    grid = (triton.cdiv(n, TRAIN_BLOCK), b * h)
-    _delta_kernel[grid](do, out, delta, *do.stride(), *out.stride(), *delta.stride(), n, h, d,
-                        BLOCK_M=TRAIN_BLOCK, BLOCK_D=next_pow2(d))
-    do8 = do_scale = None
-    if quantize:
-        do8, do_scale = kq.quantize_int8(do, granularity="per_block", block=TRAIN_BLOCK)
-    return do8, do_scale, delta
 
 
 @triton.jit
@@ -72,12 +45,13 @@ def _operand(X, XS, b, h, blk, rows, offs_d, mask, sxb, sxh, sxn, sxd, ssb, ssh,
 
 
 @triton.jit
-def _tile_grads(
-    q, qs, kt, ks, do_dp, dos, v_dpt, vdps, lse, delta, rows, cols, NQ, NK, causal_offset,
+def _tile_p_dp(
+    q, qs, kt, ks, do_dp, dos, v_dpt, vdps, lse, rows, cols, NQ, NK, causal_offset,
     ds_ptrs, IS_CAUSAL: tl.constexpr, HAS_DS: tl.constexpr, QK_INT8: tl.constexpr,
     DP_INT8: tl.constexpr, EMU_FP32: tl.constexpr,
 ):
-    """P and dS of one 64×64 tile, recomputed as the forward computed S."""
+    """P and dP of one 64×64 tile, S recomputed as the forward computed it (dS is
+    ``P ∘ (dP - Δ)``)."""
     s = mm(q, kt, QK_INT8, EMU_FP32) * (qs * ks)
     if HAS_DS:
         s = s + tl.load(ds_ptrs, mask=cols[None, :] < NK, other=0.0)
@@ -87,7 +61,7 @@ def _tile_grads(
     s = tl.where(valid, s, float("-inf"))
     p = tl.exp2(s - tl.where(lse == float("-inf"), 0.0, lse)[:, None])
     dp = mm(do_dp, v_dpt, DP_INT8, EMU_FP32) * (dos * vdps)
-    return p, p * (dp - delta[:, None])
+    return p, dp
 
 
 @triton.jit
@@ -140,9 +114,10 @@ def _train_dkdv_kernel(
             ds_ptrs = DS
             if HAS_DS:
                 ds_ptrs = DS + b * sdsb + h * sdsh + qb * sdsq + cols[None, :] * sdsn
-            p, ds = _tile_grads(q, qs, kt, ks, do_dp, dos, v_dpt, vdps, lse, delta, rows, cols,
-                                NQ, NK, causal_offset, ds_ptrs, IS_CAUSAL, HAS_DS, QK_INT8,
-                                DP_INT8, EMU_FP32)
+            p, dp = _tile_p_dp(q, qs, kt, ks, do_dp, dos, v_dpt, vdps, lse, rows, cols, NQ, NK,
+                               causal_offset, ds_ptrs, IS_CAUSAL, HAS_DS, QK_INT8, DP_INT8,
+                               EMU_FP32)
+            ds = p * (dp - delta[:, None])
             do_dv, dovs = _operand(DO_DV, DOS_DV, b, h, qb, rows, offs_d, md_mask, sdvb, sdvh,
                                    sdvn, sdvd, sdvsb, sdvsh, sdvsn, False)
             pq, ps = quantize_tile(p, DV_INT8, DO_DV)
@@ -180,8 +155,10 @@ def _train_dq_kernel(
     NQ, NK, HQ, GROUP, D, causal_offset, softmax_scale, N_BUCKET,
     IS_CAUSAL: tl.constexpr, QK_INT8: tl.constexpr, DP_INT8: tl.constexpr,
     DQ_INT8: tl.constexpr, HAS_DS: tl.constexpr, HAS_BAL: tl.constexpr, EMU_FP32: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+    DELTA_PASS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    """One query block's dQ, for the Δ in DELTA; with ``DELTA_PASS``, instead, the block's
+    ``Δ_i = Σ_j P_ij·dP_ij`` into DELTA (the first launch of the backward)."""
     pid_m = tl.program_id(0)
     b, h = batch_head(tl.program_id(1), HQ)
     hk = h // GROUP
@@ -195,7 +172,10 @@ def _train_dq_kernel(
     do_dp, dos = _operand(DO_DP, DOS_DP, b, h, pid_m, rows, offs_d, md_mask, sdpb, sdph, sdpn,
                           sdpd, sdpsb, sdpsh, sdpsn, False)
     lse = tl.load(LSE + b * slb + h * slh + rows * sln, mask=rows < NQ, other=0.0)
-    delta = tl.load(DELTA + b * slb + h * slh + rows * sln, mask=rows < NQ, other=0.0)
+    if DELTA_PASS:
+        delta = tl.zeros([BLOCK], dtype=tl.float32)
+    else:
+        delta = tl.load(DELTA + b * slb + h * slh + rows * sln, mask=rows < NQ, other=0.0)
     dq = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     hi = NK
     if IS_CAUSAL:
@@ -211,18 +191,23 @@ def _train_dq_kernel(
         ds_ptrs = DS
         if HAS_DS:
             ds_ptrs = DS + b * sdsb + h * sdsh + pid_m * sdsq + cols[None, :] * sdsn
-        _, ds = _tile_grads(q, qs, kt, ks, do_dp, dos, v_dpt, vdps, lse, delta, rows, cols,
-                            NQ, NK, causal_offset, ds_ptrs, IS_CAUSAL, HAS_DS, QK_INT8, DP_INT8,
-                            EMU_FP32)
-        k_dq, kdqs = _operand(K_DQ, KS_DQ, b, hk, kb, cols, offs_d, nd_mask, skqb, skqh, skqn,
-                              skqd, skqsb, skqsh, skqsn, False)
-        dsq, dss = quantize_tile(ds, DQ_INT8, K_DQ)
-        dq += mm(dsq, k_dq, DQ_INT8, EMU_FP32) * (dss * kdqs)
-    dq = dq * softmax_scale
-    if HAS_BAL:  # Q entered as Q∘α
-        dq = dq * tl.load(BAL + b * sbb + hk * sbh + offs_d * sbd, mask=dmask, other=1.0)[None, :]
-    tl.store(DQ + b * sdqb + h * sdqh + rows[:, None] * sdqn + offs_d[None, :] * sdqd,
-             dq.to(DQ.dtype.element_ty), mask=md_mask)
+        p, dp = _tile_p_dp(q, qs, kt, ks, do_dp, dos, v_dpt, vdps, lse, rows, cols, NQ, NK,
+                           causal_offset, ds_ptrs, IS_CAUSAL, HAS_DS, QK_INT8, DP_INT8, EMU_FP32)
+        if DELTA_PASS:
+            delta += tl.sum(p * dp, axis=1)
+        else:
+            k_dq, kdqs = _operand(K_DQ, KS_DQ, b, hk, kb, cols, offs_d, nd_mask, skqb, skqh, skqn,
+                                  skqd, skqsb, skqsh, skqsn, False)
+            dsq, dss = quantize_tile(p * (dp - delta[:, None]), DQ_INT8, K_DQ)
+            dq += mm(dsq, k_dq, DQ_INT8, EMU_FP32) * (dss * kdqs)
+    if DELTA_PASS:
+        tl.store(DELTA + b * slb + h * slh + rows * sln, delta, mask=rows < NQ)
+    else:
+        dq = dq * softmax_scale
+        if HAS_BAL:  # Q entered as Q∘α
+            dq = dq * tl.load(BAL + b * sbb + hk * sbh + offs_d * sbd, mask=dmask, other=1.0)[None, :]
+        tl.store(DQ + b * sdqb + h * sdqh + rows[:, None] * sdqn + offs_d[None, :] * sdqd,
+                 dq.to(DQ.dtype.element_ty), mask=md_mask)
 
 
 @triton.jit
@@ -249,7 +234,7 @@ _dkdv = triton.autotune(configs=triton_configs(CONFIGS, get_capability()),
                         key=_KEY + ["DV_INT8", "DK_INT8", "DQ_INT8", "ATOMIC_DQ"],
                         reset_to_zero=["DQ_ACC"])(_train_dkdv_kernel)
 _dq = triton.autotune(configs=triton_configs(CONFIGS, get_capability()),
-                      key=_KEY + ["DQ_INT8"])(_train_dq_kernel)
+                      key=_KEY + ["DQ_INT8", "DELTA_PASS"])(_train_dq_kernel)
 
 
 def _strides(x: torch.Tensor | None, n: int) -> tuple:
@@ -276,8 +261,8 @@ def launch_args(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, dq, d
     :func:`dq_mode`)."""
     b, hq, nq, d = ops.q.shape
     hkv, nk = ops.k.shape[1], ops.k.shape[2]
-    if lse.stride() != grad.delta.stride():
-        raise ValueError("the LSE and Δ must share strides (both [B, Hq, Nq] contiguous)")
+    lse = lse.contiguous()
+    delta = torch.empty_like(lse)  # Δ [B, Hq, Nq] fp32, written by the first launch; LSE's strides
     atomic = mode == "atomic"
     qs = ops.q_scale * ops.qk_multiplier
     common = dict(
@@ -297,10 +282,17 @@ def launch_args(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, dq, d
     # the autotuner zeroes DQ_ACC before each timed run, so it must be a tensor in both modes
     acc = torch.zeros((b, hq, nq, d) if atomic else (1, 1, 1, 1), device=dq.device,
                       dtype=torch.float32)
-    launches = [(
+    rows_pass = (
+        _dq, (triton.cdiv(nq, TRAIN_BLOCK), b * hq),
+        (*qk, *dp, *k_dq, ops.delta_s, lse, delta, dq, ops.balance,
+         *qk_strides, *dp_strides, *k_dq_strides,
+         *_strides(ops.delta_s, 4), *lse.stride(), *dq.stride(), *_strides(ops.balance, 3),
+         nq, nk, hq, hq // hkv, d, offset, float(softmax_scale), bucket),
+    )
+    launches = [(*rows_pass, dict(common, DELTA_PASS=True)), (
         _dkdv, (triton.cdiv(nk, TRAIN_BLOCK), b * hkv),
         (*qk, *dp, grad.do_dv, grad.do_dv_scale, ops.q_dk, ops.q_dk_scale, ops.q_mean,
-         ops.delta_s, lse, grad.delta, dk, dv, ops.balance, *k_dq, acc,
+         ops.delta_s, lse, delta, dk, dv, ops.balance, *k_dq, acc,
          *qk_strides, *dp_strides, *grad.do_dv.stride(), *grad.do_dv_scale.stride(),
          *ops.q_dk.stride(), *ops.q_dk_scale.stride(), *_strides(ops.q_mean, 4),
          *_strides(ops.delta_s, 4), *lse.stride(), *dk.stride(), *dv.stride(),
@@ -317,14 +309,7 @@ def launch_args(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, dq, d
                  BLOCK_D=next_pow2(d, minimum=32)),
         ))
     else:
-        launches.append((
-            _dq, (triton.cdiv(nq, TRAIN_BLOCK), b * hq),
-            (*qk, *dp, *k_dq, ops.delta_s, lse, grad.delta, dq, ops.balance,
-             *qk_strides, *dp_strides, *k_dq_strides,
-             *_strides(ops.delta_s, 4), *lse.stride(), *dq.stride(), *_strides(ops.balance, 3),
-             nq, nk, hq, hq // hkv, d, offset, float(softmax_scale), bucket),
-            common,
-        ))
+        launches.append((*rows_pass, dict(common, DELTA_PASS=False)))
     return launches
 
 

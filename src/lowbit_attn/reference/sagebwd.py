@@ -5,9 +5,12 @@ Forward: scores from INT8 (or 16-bit) Q·Kᵀ; an online softmax in base 2 over 
 each block quantized per query row as ``round(127·exp2(S - rowmax_block))`` with the row's scale
 ``exp2(rowmax_block - m)/127``; P̃·V in INT8 against V's per-block scale. The LSE (base 2) is saved.
 
-Backward: S and P recomputed from the LSE; ``dP = dO·Vᵀ``; ``dS = P ∘ (dP - rowsum(dO ∘ O))``; P and
-dS quantized per 64×64 tile for ``dV = Pᵀ·dO``, ``dQ = dS·K`` and ``dK = dSᵀ·Q``. K smoothing needs
-no correction (each row of dS sums to zero); Q smoothing adds ``Σ_i dS_ij·mean(Q_block(i))`` to dK.
+Backward: S and P recomputed from the LSE; ``dP = dO·Vᵀ``; ``dS = P ∘ (dP - Δ)`` with
+``Δ_i = Σ_j P_ij·dP_ij`` from the same P and dP, so each row of dS sums to zero up to fp32 rounding
+(``rowsum(dO ∘ O)`` would take the forward's INT8 P̃·V: on nearly one-hot rows a bias the size of
+the gradient); P and dS quantized per 64×64 tile for ``dV = Pᵀ·dO``, ``dQ = dS·K`` and
+``dK = dSᵀ·Q``. K smoothing needs no correction (the rows of dS sum to zero); Q smoothing adds
+``Σ_i dS_ij·mean(Q_block(i))`` to dK.
 """
 
 from __future__ import annotations
@@ -116,6 +119,21 @@ def _sum_groups(x: torch.Tensor, hkv: int) -> torch.Tensor:
     return x.view(b, hkv, hq // hkv, n, d).sum(dim=2)
 
 
+def probabilities(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, *,
+                  causal_offset: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(P, dP, dS)`` ``[B, Hq, Nq, Nk]`` in the compute dtype, before any tile quantization: P
+    from the recomputed scores and the forward's base-2 LSE, ``dP = dO·Vᵀ``, ``dS = P ∘ (dP - Δ)``
+    with ``Δ_i = Σ_j P_ij·dP_ij`` (so ``Σ_j dS_ij = Δ_i·(1 - Σ_j P_ij)``: zero up to rounding)."""
+    cdt = compute_dtype(ops)
+    s = scores(ops, causal_offset)
+    lse_safe = torch.where(torch.isneginf(lse), 0.0, lse).to(cdt)
+    p = torch.exp2(s - lse_safe.unsqueeze(-1))
+    do_dp = dequantize(grad.do_dp, grad.do_dp_scale, cdt)
+    v_dp = _expand_heads(dequantize(ops.v_dp, ops.v_dp_scale, cdt), ops.q.shape[1])
+    dp = torch.matmul(do_dp, v_dp.transpose(-1, -2))
+    return p, dp, p * (dp - (p * dp).sum(dim=-1, keepdim=True))
+
+
 def backward(
     ops: TrainOperands,
     grad: GradOperands,
@@ -128,13 +146,7 @@ def backward(
     forward's base-2 LSE ``lse``."""
     cdt = compute_dtype(ops)
     hq, hkv = ops.q.shape[1], ops.k.shape[1]
-    s = scores(ops, causal_offset)
-    lse_safe = torch.where(torch.isneginf(lse), 0.0, lse).to(cdt)
-    p = torch.exp2(s - lse_safe.unsqueeze(-1))
-    do_dp = dequantize(grad.do_dp, grad.do_dp_scale, cdt)
-    v_dp = _expand_heads(dequantize(ops.v_dp, ops.v_dp_scale, cdt), hq)
-    dp = torch.matmul(do_dp, v_dp.transpose(-1, -2))
-    ds = p * (dp - grad.delta.to(cdt).unsqueeze(-1))
+    p, _, ds = probabilities(ops, grad, lse, causal_offset=causal_offset)
 
     do_dv = dequantize(grad.do_dv, grad.do_dv_scale, cdt)
     p_op = quantize_tiles(p, "dv" in ops.int8, ops.dtype)
