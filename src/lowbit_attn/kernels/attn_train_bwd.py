@@ -196,9 +196,10 @@ def _train_dq_kernel(
         if DELTA_PASS:
             delta += tl.sum(p * dp, axis=1)
         else:
+            ds = p * (dp - delta[:, None])
             k_dq, kdqs = _operand(K_DQ, KS_DQ, b, hk, kb, cols, offs_d, nd_mask, skqb, skqh, skqn,
                                   skqd, skqsb, skqsh, skqsn, False)
-            dsq, dss = quantize_tile(p * (dp - delta[:, None]), DQ_INT8, K_DQ)
+            dsq, dss = quantize_tile(ds, DQ_INT8, K_DQ)
             dq += mm(dsq, k_dq, DQ_INT8, EMU_FP32) * (dss * kdqs)
     if DELTA_PASS:
         tl.store(DELTA + b * slb + h * slh + rows * sln, delta, mask=rows < NQ)
