@@ -129,7 +129,8 @@ def prepare_grad(do: torch.Tensor, recipe: TrainRecipe, backend: str) -> GradOpe
     int8 = recipe.int8
     do8 = do_scale = None
     if {"dv", "dp"} & int8:
-        do8, do_scale = _quant(backend).quantize_int8(do, granularity="per_block", block=TRAIN_BLOCK)
+        do8, do_scale = _quant(backend).quantize_int8(do, granularity="per_block",
+                                                      block=TRAIN_BLOCK)
     ones = _ones(do)
     do_dv = (do8, do_scale) if "dv" in int8 else (do, ones)
     do_dp = (do8, do_scale) if "dp" in int8 else (do, ones)

@@ -1,10 +1,10 @@
 """Trainable attention backward (SageBwd numerics), FlashAttention-2 style: S and P recomputed from
-the saved base-2 LSE in 64×64 tiles; ``dP = dO·Vᵀ`` (16-bit by default); ``dS = P ∘ (dP - Δ)``; P and
-dS quantized per tile for ``dV = Pᵀ·dO``, ``dK = dSᵀ·Q`` (one program per key block, looping over
-the query heads of its K/V head and their query blocks) and ``dQ = dS·K`` (one program per query
-block). ``Δ_i = Σ_j P_ij·dP_ij`` comes from a first pass of the dQ kernel over the same tiles, so
-that each row of dS sums to zero up to fp32 rounding (``rowsum(dO ∘ O)`` would take the forward's
-INT8 P̃·V, not the P and dP that dS uses). No N×N tensor is written.
+the saved base-2 LSE in 64×64 tiles; ``dP = dO·Vᵀ`` (16-bit by default); ``dS = P ∘ (dP - Δ)``;
+P and dS quantized per tile for ``dV = Pᵀ·dO``, ``dK = dSᵀ·Q`` (one program per key block, looping
+over the query heads of its K/V head and their query blocks) and ``dQ = dS·K`` (one program per
+query block). ``Δ_i = Σ_j P_ij·dP_ij`` comes from a first pass of the dQ kernel over the same
+tiles, so that each row of dS sums to zero up to fp32 rounding (``rowsum(dO ∘ O)`` would take the
+forward's INT8 P̃·V, not the P and dP that dS uses). No N×N tensor is written.
 Twin: ``lowbit_attn.reference.sagebwd.backward``.
 """
 
@@ -206,7 +206,7 @@ def _train_dq_kernel(
     else:
         dq = dq * softmax_scale
         if HAS_BAL:  # Q entered as Q∘α
-            dq = dq * tl.load(BAL + b * sbb + hk * sbh + offs_d * sbd, mask=dmask, other=1.0)[None, :]
+            dq *= tl.load(BAL + b * sbb + hk * sbh + offs_d * sbd, mask=dmask, other=1.0)[None, :]
         tl.store(DQ + b * sdqb + h * sdqh + rows[:, None] * sdqn + offs_d[None, :] * sdqd,
                  dq.to(DQ.dtype.element_ty), mask=md_mask)
 
