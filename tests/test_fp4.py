@@ -6,6 +6,8 @@ Tests parametrised over ``impl`` run the reference everywhere and the kernel und
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -64,6 +66,19 @@ def unit_kw(fmt: str) -> dict:
     return {"global_scale": torch.tensor(1.0)} if fmt == "nvfp4" else {}
 
 
+@pytest.fixture
+def unchecked_global_scale(monkeypatch):
+    """Both twins' ``quantize_nvfp4`` take any valid ``global_scale`` whatever x holds: the group
+    scale's saturation, which a caller's scale checked against x can no longer reach."""
+    from lowbit_attn.kernels import fp4
+
+    def scale(x, g):
+        return ref.nvfp4_global_scale(x) if g is None else ref.nvfp4_tensor_scale(g, x.device)
+
+    for mod in (ref, fp4):
+        monkeypatch.setattr(mod, "nvfp4_quant_scale", scale)
+
+
 def assert_same_bits(a, b, fmt: str) -> None:
     assert torch.equal(a[0], b[0]), "packed values differ"
     assert torch.equal(scale_bits(fmt, a), scale_bits(fmt, b)), "scales differ"
@@ -119,7 +134,7 @@ def test_grid_values_round_trip_exactly(impl, fmt):
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_ties_round_to_even_and_saturate(impl, fmt):
+def test_ties_round_to_even_and_saturate(impl, fmt, unchecked_global_scale):
     vals = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0]
     x = unit_scale_row(fmt, vals)
     got = dequantize(fmt, quantize(impl, fmt, x, **unit_kw(fmt)))
@@ -161,7 +176,7 @@ def test_packing_order(impl, fmt):
         pytest.param(1e-30, 0x01, id="very-tiny-raised-to-2^-9"),
     ],
 )
-def test_nvfp4_e4m3_scale_edges(impl, amax, code):
+def test_nvfp4_e4m3_scale_edges(impl, amax, code, unchecked_global_scale):
     x = torch.zeros(2, 16)
     x[0, 3] = amax
     x[1, 5] = -amax
@@ -408,6 +423,54 @@ def test_nvfp4_global_scale_range_ends_are_accepted(impl, public):
     tiny = torch.full((1, 16), 1e-39)
     q = public.quantize_nvfp4(tiny, global_scale=2.0**-126)
     assert_same_bits(q, public.quantize_nvfp4(tiny), "nvfp4")
+
+
+def fp32_below(value: float) -> float:
+    """The largest fp32 number at most ``value``."""
+    t = torch.tensor(value, dtype=torch.float64).float()
+    return (torch.nextafter(t, t.new_tensor(0.0)) if t.item() > value else t).item()
+
+
+def fp32_next(value: float, toward: float) -> float:
+    t = torch.tensor(value, dtype=torch.float32)
+    return torch.nextafter(t, t.new_tensor(toward)).item()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_nvfp4_global_scale_must_fit_x(impl, public):
+    # before: a scale far below amax/2688 saturated every group (1e-37 dequantized randn to ~1e-34),
+    # one far above it rounded every value to zero (1e30): relative error 1.0, silently
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(10))
+    amax = x.abs().max().item()
+    lo = public.quantize_nvfp4(x)[2].item()  # the default amax/2688
+    hi = fp32_below(lo * 448 / 2.0**-9)
+    for g in (1e-37, lo / 2, fp32_next(lo, 0.0), fp32_next(hi, float("inf")), 2 * hi, 1e30):
+        got = re.escape(f"{torch.tensor(g).float().item():.9g}")
+        with pytest.raises(ValueError, match=rf"global_scale must be from .* for this x.* got {got} "):
+            public.quantize_nvfp4(x, global_scale=g)
+    # the ends: the default itself, and the scale that puts the largest group at E4M3's 2^-9
+    assert_same_bits(public.quantize_nvfp4(x, global_scale=lo), public.quantize_nvfp4(x), "nvfp4")
+    q = public.quantize_nvfp4(x, global_scale=hi)
+    assert q[1].view(torch.uint8).max().item() == 1  # 2^-9, the smallest step
+    assert public.dequantize_nvfp4(*q).abs().max().item() == pytest.approx(amax, rel=1e-6)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_nvfp4_global_scale_check_keeps_nan_and_ignores_non_finite(impl, public):
+    # the range comes from the finite elements; a NaN or Inf still marks its group as NaN
+    x = torch.randn(2, 32, generator=torch.Generator().manual_seed(11))
+    g = public.quantize_nvfp4(x)[2].item() * 4
+    for bad in (float("nan"), float("inf"), 1e38):
+        y = x.clone()
+        y[1, 20] = bad if bad != 1e38 else float("-inf")
+        x_hat = public.dequantize_nvfp4(*public.quantize_nvfp4(y, global_scale=g))
+        assert torch.isnan(x_hat[1, 16:]).all() and torch.isfinite(x_hat[:, :16]).all()
+        assert torch.isfinite(x_hat[0]).all()
+    # no finite non-zero element: any scale of the valid range, and NaN stays NaN
+    for y in (torch.zeros(2, 16), torch.full((2, 16), float("nan"))):
+        for g in (2.0**-126, 1.0, 1e30):
+            x_hat = public.dequantize_nvfp4(*public.quantize_nvfp4(y, global_scale=g))
+            assert torch.equal(x_hat, y) if not y.isnan().any() else x_hat.isnan().all()
 
 
 @pytest.mark.parametrize("impl", IMPLS)

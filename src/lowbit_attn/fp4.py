@@ -28,7 +28,8 @@ def quantize_nvfp4(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """NVFP4: ``(packed uint8 [..., K/2], E4M3 scales [..., K/16], fp32 tensor scale)``; two values a
     byte, low nibble first. ``global_scale`` defaults to ``amax/(448·6)``; a caller's (a number or
-    one-element tensor) must be in ``[2^-126, FLT_MAX/2688]``, and is read on the host."""
+    one-element tensor) must be from that default to 448/2^-9 = 229376 times it, so that every group
+    scale fits E4M3 without saturating, and is read on the host."""
     return _impl(x).quantize_nvfp4(x, global_scale=global_scale)
 
 

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ..checks import quant_groups
 # the tensor scale (a host-side torch reduction, or the caller's checked), the same for both twins
-from ..reference.fp4 import nvfp4_global_scale, nvfp4_tensor_scale
+from ..reference.fp4 import nvfp4_global_scale, nvfp4_quant_scale
 from .common import e4m3_round, round_half_even
 
 NVFP4_GROUP = 16
@@ -173,9 +173,7 @@ def quantize_nvfp4(
     Returns ``(packed uint8 [..., K/2], scales float8_e4m3fn [..., K/16], global_scale fp32 0-dim)``.
     """
     quant_groups(x, NVFP4_GROUP)
-    g = nvfp4_global_scale(x) if global_scale is None else nvfp4_tensor_scale(
-        global_scale, x.device)
-    g = g.contiguous()
+    g = nvfp4_quant_scale(x, global_scale).contiguous()
     packed, scales = _launch(x, NVFP4_GROUP, torch.float8_e4m3fn, g)
     return packed, scales, g
 

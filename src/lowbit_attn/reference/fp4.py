@@ -8,7 +8,7 @@ in the high nibble. Arithmetic is fp32, in the kernels' order, so both twins giv
 
     amax_t = max |x| over the finite elements of the tensor
     g      = amax_t / 2688            (2688 = 448·6; g = 1 if amax_t == 0; at least 2^-126, normal)
-             or the caller's g: a normal fp32 number, at most FLT_MAX/2688 (see nvfp4_tensor_scale)
+             or the caller's g, from that default to 229376 times it (see nvfp4_quant_scale)
     s      = e4m3_rne((amax_group / 6) / g)      (saturating at 448)
     values = e2m1_rne(x / (s · g))               (saturating at ±6)
     x̂      = value · (s · g)
@@ -50,6 +50,8 @@ FLT_MIN = 2.0**-126
 # the largest tensor scale: 6·448·g, the largest value a group can dequantize to, stays finite
 NVFP4_GLOBAL_MAX = torch.finfo(torch.float32).max / NVFP4_TENSOR_DIVISOR
 E4M3_MIN_STEP = 2.0**-9
+# E4M3's positive range 448/2^-9: how far above the default amax/2688 a caller's tensor scale may go
+NVFP4_GLOBAL_SPAN = E4M3_MAX / E4M3_MIN_STEP
 E4M3_NAN = 0x7F
 E8M0_NAN = 255
 
@@ -109,18 +111,21 @@ def _grouped(x: torch.Tensor, group: int) -> torch.Tensor:
     return x.float().reshape(*x.shape[:-1], x.shape[-1] // group, group)
 
 
+def finite_amax(x: torch.Tensor) -> torch.Tensor:
+    """``max |x|`` in fp32 over the finite elements (0-dim; 0 for an empty or all-NaN tensor)."""
+    xf = x.float()
+    if xf.numel() == 0:  # amax() has no identity; an empty tensor scales like an all-zero one
+        return xf.new_zeros(())
+    return torch.where(torch.isfinite(xf), xf.abs(), torch.zeros_like(xf)).amax()
+
+
 def nvfp4_global_scale(x: torch.Tensor) -> torch.Tensor:
     """NVFP4's per-tensor fp32 scale ``g`` (a 0-dim tensor), see the module docstring.
 
     The amax is over the finite elements: a NaN or Inf marks its own group (NaN scale), not the
     whole tensor.
     """
-    xf = x.float()
-    if xf.numel() == 0:  # amax() has no identity; an empty tensor scales like an all-zero one
-        return global_scale_from_amax(xf.new_zeros(()))
-    return global_scale_from_amax(
-        torch.where(torch.isfinite(xf), xf.abs(), torch.zeros_like(xf)).amax()
-    )
+    return global_scale_from_amax(finite_amax(x))
 
 
 def nvfp4_tensor_scale(global_scale, device: torch.device) -> torch.Tensor:
@@ -128,10 +133,10 @@ def nvfp4_tensor_scale(global_scale, device: torch.device) -> torch.Tensor:
 
     ``global_scale`` is a real number (``float``, ``int``, NumPy scalar) or a one-element real
     tensor; its fp32 value must lie in ``[2^-126, FLT_MAX/2688]``, the range of the default
-    ``amax/2688``. Outside it the result is silently wrong: with 0 or a subnormal scale the group
-    factors ``s·g`` flush and the tensor dequantizes to zeros, a negative one flips the scales'
-    sign, a larger one lets ``6·448·g`` overflow to Inf, NaN poisons every group. Reads the value
-    on the host (a GPU synchronisation).
+    ``amax/2688``. Outside it the result is silently wrong whatever the data: with 0 or a subnormal
+    scale the group factors ``s·g`` flush and the tensor dequantizes to zeros, a negative one flips
+    the scales' sign, a larger one lets ``6·448·g`` overflow to Inf, NaN poisons every group. Reads
+    the value on the host (a GPU synchronisation). :func:`nvfp4_quant_scale` checks it against x.
     """
     if isinstance(global_scale, torch.Tensor):
         if global_scale.dtype == torch.bool or global_scale.is_complex():
@@ -152,7 +157,8 @@ def nvfp4_tensor_scale(global_scale, device: torch.device) -> torch.Tensor:
         g = torch.tensor(value, dtype=torch.float32, device=device)
     else:
         raise TypeError(
-            f"global_scale must be a float or a one-element tensor, got {shown(global_scale)}"
+            "global_scale must be a real number or a one-element tensor, got "
+            f"{shown(global_scale)}"
         )
     value = g.item()
     if not FLT_MIN <= value <= NVFP4_GLOBAL_MAX:
@@ -161,6 +167,37 @@ def nvfp4_tensor_scale(global_scale, device: torch.device) -> torch.Tensor:
             f"2^-126 ≈ 1.18e-38 to ≈ {NVFP4_GLOBAL_MAX:.4g} (the range of the default amax/2688: "
             "below it the E4M3 group factors s·global_scale flush to zero, above it "
             f"6·448·global_scale overflows), got {value!r} in fp32"
+        )
+    return g
+
+
+def nvfp4_quant_scale(x: torch.Tensor, global_scale) -> torch.Tensor:
+    """The tensor scale ``quantize_nvfp4`` uses for ``x``: the default :func:`nvfp4_global_scale`,
+    or the caller's (:func:`nvfp4_tensor_scale`) if it lies from that default to
+    ``229376 = 448/2^-9`` times it.
+
+    The largest group scale is ``amax/(6·g)`` and E4M3 holds it only from 2^-9 to 448: with a
+    smaller ``g`` the largest groups saturate at ``±6·448·g`` (a ``g`` far too small dequantizes
+    the tensor to almost zeros), with a larger one every group scale is below E4M3's smallest step
+    and the values round to zero. A tensor with no finite non-zero element takes any valid ``g``.
+    Reads both scales on the host.
+    """
+    amax = finite_amax(x)
+    default = global_scale_from_amax(amax)
+    if global_scale is None:
+        return default
+    g = nvfp4_tensor_scale(global_scale, x.device)
+    if amax.item() == 0:
+        return g
+    lo, value = default.item(), g.item()
+    hi = min(lo * NVFP4_GLOBAL_SPAN, NVFP4_GLOBAL_MAX)
+    if not lo <= value <= hi:
+        raise ValueError(
+            f"global_scale must be from {lo:.9g} to {hi:.9g} for this x: at least the default "
+            "amax/2688 (amax = max |x| over the finite elements) and at most 448/2^-9 = 229376 "
+            "times it, so that the largest group scale amax/(6·global_scale) is representable "
+            "in E4M3 (from 2^-9 to 448; below the range the values saturate, above it they round "
+            f"to zero), got {value:.9g} in fp32"
         )
     return g
 
@@ -187,15 +224,14 @@ def quantize_nvfp4(
 
     Args:
         x: ``[..., K]`` any float dtype, ``K`` a multiple of 16 (0 elements give empty outputs).
-        global_scale: the tensor scale ``g``, a number or one-element tensor in
-            ``[2^-126, FLT_MAX/2688]`` (:func:`nvfp4_tensor_scale`); default
-            :func:`nvfp4_global_scale`.
+        global_scale: the tensor scale ``g``, a number or one-element tensor; by default
+            :func:`nvfp4_global_scale`, a caller's from that to 229376 times it
+            (:func:`nvfp4_quant_scale`).
     Returns:
         ``(packed uint8 [..., K/2], scales float8_e4m3fn [..., K/16], global_scale fp32 0-dim)``.
     """
     quant_groups(x, NVFP4_GROUP)
-    g = nvfp4_global_scale(x) if global_scale is None else nvfp4_tensor_scale(
-        global_scale, x.device)
+    g = nvfp4_quant_scale(x, global_scale)
     codes, code = nvfp4_group_codes(_grouped(x, NVFP4_GROUP), g)
     return pack_fp4(codes.flatten(-2)), code.view(torch.float8_e4m3fn), g
 
@@ -303,7 +339,8 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
 
 __all__ = [
     "E2M1_VALUES", "e2m1_code", "e2m1_value", "e2m1_round", "pack_fp4", "unpack_fp4",
-    "nvfp4_global_scale", "global_scale_from_amax", "nvfp4_tensor_scale", "nvfp4_group_codes",
+    "finite_amax", "nvfp4_global_scale", "global_scale_from_amax", "nvfp4_tensor_scale",
+    "nvfp4_quant_scale", "nvfp4_group_codes",
     "quantize_nvfp4", "fp4_operands", "dequantize_groups", "dequantize_nvfp4", "e8m0_value",
     "mxfp4_scale_code", "mxfp4_group_codes", "quantize_mxfp4", "dequantize_mxfp4",
 ]
