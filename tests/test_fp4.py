@@ -445,8 +445,9 @@ def test_nvfp4_global_scale_must_fit_x(impl, public):
     lo = public.quantize_nvfp4(x)[2].item()  # the default amax/2688
     hi = fp32_below(lo * 448 / 2.0**-9)
     for g in (1e-37, lo / 2, fp32_next(lo, 0.0), fp32_next(hi, float("inf")), 2 * hi, 1e30):
-        got = re.escape(f"{torch.tensor(g).float().item():.9g}")
-        with pytest.raises(ValueError, match=rf"global_scale must be from .* for this x.* got {got} "):
+        want = r"global_scale must be from .* for this x.* got " + re.escape(
+            f"{torch.tensor(g).float().item():.9g} in fp32")
+        with pytest.raises(ValueError, match=want):
             public.quantize_nvfp4(x, global_scale=g)
     # the ends: the default itself, and the scale that puts the largest group at E4M3's 2^-9
     assert_same_bits(public.quantize_nvfp4(x, global_scale=lo), public.quantize_nvfp4(x), "nvfp4")
