@@ -319,6 +319,29 @@ def test_sdpa_scale_fallback_names_the_reason(monkeypatch):
         lowbit_attn.scaled_dot_product_attention(q, k, v, scale=10**400)
 
 
+@pytest.mark.parametrize("patched", [False, True], ids=["function", "patch_sdpa"])
+@pytest.mark.parametrize("kwargs", [
+    dict(is_causal="False"), dict(is_causal=1), dict(is_causal=np.bool_(True)),
+    dict(is_causal=torch.tensor(True)), dict(is_causal=None), dict(enable_gqa="False"),
+], ids=repr)
+def test_sdpa_non_bool_flags_raise_what_pytorch_raises(kwargs, patched, monkeypatch):
+    """PyTorch takes only a bool for ``is_causal`` and ``enable_gqa``; the drop-in must not read
+    ``"False"`` as true and run causal (or grouped) attention where PyTorch raises."""
+    monkeypatch.setattr(api, "_warned", set())
+    q, k, v = qkv(hq=2, hkv=1, nq=8, nk=8, dtype=torch.float32)  # grouped: enable_gqa matters
+    kwargs = dict(enable_gqa=True) | kwargs
+    with pytest.raises(TypeError, match="must be bool") as theirs:
+        api.TORCH_SDPA(q, k, v, **kwargs)
+    with pytest.raises(TypeError) as ours, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if patched:
+            with lowbit_attn.patch_sdpa():
+                F.scaled_dot_product_attention(q, k, v, **kwargs)
+        else:
+            lowbit_attn.scaled_dot_product_attention(q, k, v, **kwargs)
+    assert str(ours.value) == str(theirs.value)
+
+
 def test_sdpa_falls_back_for_autograd_and_stays_differentiable(monkeypatch):
     monkeypatch.setattr(api, "_warned", set())
     q, k, v = (x.requires_grad_() for x in qkv(dtype=torch.float32))

@@ -163,3 +163,24 @@ def test_compiled_ops_take_strided_views():
                                    leaves, dy)
     for e, c in zip(eager, compiled):
         assert torch.equal(e, c)
+
+
+class CausalFromShape(torch.nn.Module):
+    def forward(self, q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1)
+
+
+def test_patched_sdpa_exports_with_a_symbolic_flag():
+    """Under non-strict ``torch.export`` with a dynamic length, ``is_causal=q.shape[2] > 1`` is a
+    ``torch.SymBool``: the drop-in takes it as the bool it stands for (the kernels' op is
+    exported) instead of handing it to PyTorch's SDPA, which refuses a SymBool."""
+    q, k, v = channel_biased((1, 2, 40, 32), (1, 2, 40, 32), seed=3)
+    n = torch.export.Dim("n", min=2, max=128)
+    with lowbit_attn.patch_sdpa(), torch.no_grad():
+        program = torch.export.export(CausalFromShape(), (q, k, v), strict=False,
+                                      dynamic_shapes=({2: n}, {2: n}, {2: n}))
+    assert "torch.ops.lowbit_attn.attention_fwd" in program.graph_module.code
+    q, k, v = channel_biased((1, 2, 56, 32), (1, 2, 56, 32), seed=4)
+    got = program.module()(q, k, v)
+    want = lowbit_attn.attention(q, k, v, is_causal=True)
+    assert torch.equal(got, want)

@@ -158,7 +158,8 @@ def warn_fallback(reason: str) -> None:
     )
 
 
-def _fallback_reason(query, key, value, attn_mask, dropout_p, enable_gqa, scale) -> str | None:
+def _fallback_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa,
+                     scale) -> str | None:
     """Why the kernels cannot serve this ``scaled_dot_product_attention`` call (then PyTorch's
     function does, raising only where it would), or None. Only a reason, never an exception: any
     argument PyTorch takes must reach it."""
@@ -168,6 +169,10 @@ def _fallback_reason(query, key, value, attn_mask, dropout_p, enable_gqa, scale)
         return "an attn_mask was given"
     if dropout_p != 0.0:
         return "dropout_p > 0"
+    if not all(isinstance(flag, (bool, torch.SymBool)) for flag in (is_causal, enable_gqa)):
+        # PyTorch takes only a bool (a SymBool when traced symbolically) and raises for "False", 1,
+        # numpy.bool_ or None: its function decides, rather than bool() reading "False" as true
+        return "is_causal or enable_gqa is not a bool"
     if not (query.dim() == key.dim() == value.dim() and query.dim() in (3, 4)):
         return f"only 3-D and 4-D inputs are supported (got {query.dim()}-D)"
     if not (query.dtype == key.dtype == value.dtype) or query.dtype not in checks.FLOAT_DTYPES:
@@ -219,8 +224,9 @@ def scaled_dot_product_attention(
     signature and semantics (causal masks aligned top-left, as PyTorch does), computed with the
     ``"auto"`` recipe (another recipe: :func:`lowbit_attn.patch_sdpa`). Calls the kernels cannot
     serve (an ``attn_mask``, dropout, autograd, a scale that is not a positive finite real number,
-    empty or unsupported shapes or dtypes) go to PyTorch's own function, with one warning per
-    reason, so it raises only where PyTorch does.
+    an ``is_causal`` or ``enable_gqa`` that is not a bool, empty or unsupported shapes or dtypes)
+    go to PyTorch's own function, with one warning per reason, so it raises only where PyTorch
+    does, and as PyTorch does.
     """
     return sdpa_or_fallback(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                             recipe="auto", fallback=TORCH_SDPA)
@@ -243,7 +249,8 @@ def sdpa_or_fallback(query, key, value, attn_mask, dropout_p, is_causal, scale, 
     """:func:`scaled_dot_product_attention` with the function that serves what the kernels
     cannot (``fallback``, called with the same arguments); calls that need gradients go to
     :func:`trainable_attention` with ``train_recipe`` when one is given."""
-    reason = _fallback_reason(query, key, value, attn_mask, dropout_p, enable_gqa, scale)
+    reason = _fallback_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa,
+                              scale)
     train = reason is None and torch.is_grad_enabled() and any(
         x.requires_grad for x in (query, key, value))
     if train:
