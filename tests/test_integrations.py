@@ -298,6 +298,26 @@ def test_transformers_key_padding_mask_of_batch_one_broadcasts(mask_queries):
     assert lowbit_attn.errors(got, want).cosine > 0.999
 
 
+def test_transformers_mask_of_the_wrong_query_length_raises_as_sdpa_does():
+    """A padding-like mask ``[B, 1, 5, K]`` for 12 queries: "sdpa" raises (it does not
+    broadcast), so must we, rather than read the mask's first row as every query's keys."""
+    transformers = pytest.importorskip("transformers", reason="the transformers extra is not installed")
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from lowbit_attn.integrations import transformers as lowbit_hf
+
+    module = _tiny_bert(transformers).encoder.layer[0].attention.self
+    q, k, v = channel_biased((2, 2, 12, 32), (2, 2, 12, 32), seed=8)
+    mask = torch.ones(2, 1, 5, 12, dtype=torch.bool)
+    mask[..., 9:] = False
+    with pytest.raises(RuntimeError, match="must match the size") as theirs:
+        sdpa_attention_forward(module, q, k, v, mask)
+    with torch.no_grad(), pytest.raises(RuntimeError) as ours, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lowbit_hf.attention_function("qk_int8_pv_fp16")(module, q, k, v, mask)
+    assert str(ours.value) == str(theirs.value)
+
+
 def test_transformers_register_checks_its_arguments():
     pytest.importorskip("transformers", reason="the transformers extra is not installed")
     from lowbit_attn.integrations import transformers as lowbit_hf

@@ -79,7 +79,8 @@ def _key_padding(mask, query, key, dropout) -> torch.Tensor | None:
     call is otherwise one the kernels take; else ``None``."""
     if (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4
             or mask.shape[0] not in (1, query.shape[0]) or mask.shape[1] != 1
-            or mask.shape[-1] != key.shape[2] or dropout != 0.0
+            or mask.shape[2] not in (1, query.shape[2]) or mask.shape[-1] != key.shape[2]
+            or dropout != 0.0
             or (torch.is_grad_enabled() and any(x.requires_grad for x in (query, key)))):
         return None
     mask = mask.expand(query.shape[0], -1, -1, -1)  # a batch of 1 broadcasts, as SDPA does
