@@ -177,12 +177,20 @@ def test_rows_of_ds_sum_to_zero(dtype, causal):
         assert torch.all(ds.sum(dim=-1).abs() <= bound), (n, d)
 
 
-@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=pytest.mark.interpreter)])
+ONE_KEY_PATHS = [
+    pytest.param("reference", "recompute", id="reference"),
+    pytest.param("triton", "recompute", marks=pytest.mark.interpreter, id="triton"),
+    pytest.param("triton", "atomic", marks=pytest.mark.interpreter, id="triton-atomic"),
+]
+
+
+@pytest.mark.parametrize("backend, dq_mode", ONE_KEY_PATHS)
 @pytest.mark.parametrize("dtype", TWO_DTYPES)
-def test_one_key_gives_zero_dq_and_dk(monkeypatch, backend, dtype):
+def test_one_key_gives_zero_dq_and_dk(monkeypatch, backend, dq_mode, dtype):
     """One key: P = 1 whatever Q and K are, so the exact dQ and dK are 0 (here exactly 0). dK was
-    5-22 % of max|dV| with Δ from the INT8 forward's output."""
+    5-22 % of max|dV| with Δ from the INT8 forward's output (both dQ modes: Δ is shared)."""
     monkeypatch.setenv("LOWBIT_ATTN_BACKEND", backend)
+    monkeypatch.setenv("LOWBIT_ATTN_TRAIN_DQ", dq_mode)
     for d, causal in ((16, False), (64, True)):
         q, k, v, do = _bwd_overflow(dtype, 1, d)
         _, dq, dk, dv = _grads(lowbit_attn.trainable_attention, q, k, v, do, is_causal=causal)
@@ -215,9 +223,15 @@ def test_nearly_one_hot_rows_meet_a_gradient_bar(dtype, causal):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("dtype", TWO_DTYPES)
-def test_nearly_one_hot_rows_on_the_kernels(triton_backend, dtype):
-    """The same bar on the Triton path (interpreted), causal and not."""
+@pytest.mark.parametrize("dtype, dq_mode", [
+    pytest.param(torch.float16, "recompute", id="fp16"),
+    pytest.param(torch.bfloat16, "recompute", id="bf16"),
+    pytest.param(torch.float16, "atomic", id="fp16-atomic"),
+])
+def test_nearly_one_hot_rows_on_the_kernels(monkeypatch, triton_backend, dtype, dq_mode):
+    """The same bar on the Triton path (interpreted), causal and not, dQ by its own kernel or by
+    atomics in the dK/dV kernel."""
+    monkeypatch.setenv("LOWBIT_ATTN_TRAIN_DQ", dq_mode)
     for causal in (False, True):
         cos = _overflow_cosines(dtype, causal, [(2, 64), (5, 16), (17, 32)])
         assert cos[:, :2].min() >= 0.975 and cos[:, 2].min() >= 0.999, (causal, cos)
