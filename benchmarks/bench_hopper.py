@@ -34,13 +34,13 @@ try:
 except ImportError:  # a source checkout that is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import lowbit_attn
-from lowbit_attn import benchmark as bm
-from lowbit_attn.arch import backend_for
-from lowbit_attn.forward import kv_stats_in_program, q_in_kernel
-from lowbit_attn.kernels import attn_fwd_int8
-from lowbit_attn.kernels.common import LaunchConfig, configs_for, triton_configs
-from lowbit_attn.prepare import quantize_qkv
-from lowbit_attn.recipes import get_recipe
+from lowbit_attn.tools import benchmark as bm
+from lowbit_attn.core.arch import backend_for
+from lowbit_attn.inference.dispatch import kv_stats_in_program, q_in_kernel
+from lowbit_attn.inference import kernel_int8 as attn_fwd_int8
+from lowbit_attn.core.triton_helpers import LaunchConfig, configs_for, triton_configs
+from lowbit_attn.inference.prepare import quantize_qkv
+from lowbit_attn.core.recipes import get_recipe
 
 RECIPE = "qk_int8_pv_fp8"
 # The bars: × cuDNN at N ≥ 8k ("long") and at N = 1k ("short", stated for D=128).

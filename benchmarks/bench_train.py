@@ -31,10 +31,10 @@ try:
 except ImportError:  # a source checkout that is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import lowbit_attn
-from lowbit_attn.benchmark import (
+from lowbit_attn.tools.benchmark import (
     make_inputs, make_metadata, peak_extra_mib, save_script_results, timer_for,
 )
-from lowbit_attn.metrics import errors
+from lowbit_attn.core.metrics import errors
 
 TOKENS = 16384
 WIDTH = 2048

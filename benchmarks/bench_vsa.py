@@ -26,9 +26,11 @@ try:
 except ImportError:  # a source checkout that is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import lowbit_attn
-from lowbit_attn import vsa
-from lowbit_attn.benchmark import make_metadata, peak_extra_mib, save_script_results, timer_for
-from lowbit_attn.tiles import tile_layout
+from lowbit_attn.vsa import interface as vsa
+from lowbit_attn.tools.benchmark import (
+    make_metadata, peak_extra_mib, save_script_results, timer_for,
+)
+from lowbit_attn.vsa.tiles import tile_layout
 
 
 def fwd_bwd(fn, leaves, do):

@@ -7,9 +7,9 @@ import torch
 
 import lowbit_attn
 from helpers import assert_close, channel_biased
-from lowbit_attn.prepare import quantize_qkv
-from lowbit_attn.recipes import get_recipe
-from lowbit_attn.reference.attention import exact_attention, quantized_attention
+from lowbit_attn.inference.prepare import quantize_qkv
+from lowbit_attn.core.recipes import get_recipe
+from lowbit_attn.inference.naive import exact_attention, quantized_attention
 
 pytestmark = pytest.mark.gpu
 
@@ -41,7 +41,7 @@ def test_quantizers_and_kernel_match_the_reference(name, granularity, causal, d)
         ref_qz, pv=recipe.pv, granularity=granularity, block_q=recipe.block_q,
         block_k=recipe.block_k, causal_offset=offset,
     )
-    from lowbit_attn.kernels import attn_fwd_int8
+    from lowbit_attn.inference import kernel_int8 as attn_fwd_int8
 
     got = torch.empty(q.shape, device="cuda", dtype=torch.float32)
     got_lse = attn_fwd_int8.attention(
@@ -54,8 +54,8 @@ def test_quantizers_and_kernel_match_the_reference(name, granularity, causal, d)
 
 
 def _gpu_candidates():
-    from lowbit_attn.kernels import attn_fwd_int8
-    from lowbit_attn.kernels.common import configs_for
+    from lowbit_attn.inference import kernel_int8 as attn_fwd_int8
+    from lowbit_attn.core.triton_helpers import configs_for
 
     if not torch.cuda.is_available():
         return []
@@ -75,8 +75,8 @@ def test_every_autotuning_candidate_matches_the_reference(name, granularity, d, 
     """Each candidate the autotuner may pick (plain and pipelined loops, every stage count), forced
     alone, against the reference on the same quantized operands; and Q quantized in the kernel
     gives the bits of the pass."""
-    from lowbit_attn.kernels import attn_fwd_int8
-    from lowbit_attn.kernels.common import triton_configs
+    from lowbit_attn.inference import kernel_int8 as attn_fwd_int8
+    from lowbit_attn.core.triton_helpers import triton_configs
 
     _needs_fp8(name)
     recipe = get_recipe(name).replace(granularity=granularity)
@@ -197,9 +197,9 @@ def test_offsets_past_two_to_the_31_elements():
 @pytest.mark.parametrize("d", [64, 128])
 def test_fp4_operands_and_kernel_match_the_reference(name, causal, d):
     """Emulated (Hopper and older) or native (Blackwell) FP4 kernel against the PyTorch twin."""
-    from lowbit_attn.kernels import attn_fwd_fp4
-    from lowbit_attn.prepare import quantize_qkv_fp4
-    from lowbit_attn.reference.attention import fp4_attention
+    from lowbit_attn.inference import kernel_fp4 as attn_fwd_fp4
+    from lowbit_attn.inference.prepare import quantize_qkv_fp4
+    from lowbit_attn.inference.naive import fp4_attention
 
     recipe = get_recipe(name)
     q, k, v = (x.cuda() for x in channel_biased((2, 8, 1000, d), (2, 4, 1500, d), seed=d,
@@ -238,11 +238,11 @@ def test_fp4_public_call_meets_the_channel_biased_bar():
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_trainable_kernels_match_the_reference(keep, causal, d, mode):
-    from lowbit_attn.kernels import attn_train_bwd, attn_train_fwd
-    from lowbit_attn.metrics import errors
-    from lowbit_attn.prepare_train import prepare, prepare_grad
-    from lowbit_attn.recipes import resolve_train
-    from lowbit_attn.reference import sagebwd as ref
+    from lowbit_attn.training import kernel_bwd as attn_train_bwd, kernel_fwd as attn_train_fwd
+    from lowbit_attn.core.metrics import errors
+    from lowbit_attn.training.prepare import prepare, prepare_grad
+    from lowbit_attn.core.recipes import resolve_train
+    from lowbit_attn.training import naive as ref
 
     q, k, v = (x.cuda() for x in channel_biased((2, 8, 700, d), (2, 4, 900, d), seed=d,
                                                  dtype=torch.bfloat16))
@@ -265,8 +265,8 @@ def test_trainable_kernels_match_the_reference(keep, causal, d, mode):
 
 
 def test_trainable_public_call_meets_the_bars_on_the_gpu():
-    from lowbit_attn.inputs import FAMILIES
-    from lowbit_attn.metrics import errors
+    from lowbit_attn.tools.inputs import FAMILIES
+    from lowbit_attn.core.metrics import errors
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (x.cuda() for x in FAMILIES["channel_bias_k"](g, 1, 4, 4, 4096, 4096, 128,
@@ -289,9 +289,9 @@ def test_trainable_public_call_meets_the_bars_on_the_gpu():
 def test_vsa_fine_kernels_match_the_reference_on_the_gpu(d, monkeypatch):
     import math
 
-    from lowbit_attn import vsa
-    from lowbit_attn.metrics import errors
-    from lowbit_attn.tiles import tile_layout
+    from lowbit_attn.vsa import interface as vsa
+    from lowbit_attn.core.metrics import errors
+    from lowbit_attn.vsa.tiles import tile_layout
 
     grid, tile = (5, 14, 15), (4, 4, 4)  # partial tiles along every axis
     n = math.prod(grid)
@@ -319,10 +319,10 @@ def test_vsa_8bit_fine_kernel_matches_the_reference_on_the_gpu(d, monkeypatch):
     operands, and against exact masked attention."""
     import math
 
-    from lowbit_attn import vsa
-    from lowbit_attn.metrics import errors
-    from lowbit_attn.reference import vsa as ref
-    from lowbit_attn.tiles import tile_layout
+    from lowbit_attn.vsa import interface as vsa
+    from lowbit_attn.core.metrics import errors
+    from lowbit_attn.vsa import naive as ref
+    from lowbit_attn.vsa.tiles import tile_layout
 
     grid, tile = (5, 14, 15), (4, 4, 4)
     n = math.prod(grid)

@@ -1,7 +1,7 @@
 """Which default options should the INT8 recipes have? Measure them.
 
 For ``qk_int8_pv_fp16`` and ``qk_int8_pv_fp8`` at N=4096, D=128 (B=1, fp16 inputs) against float64
-exact attention, on every input family of :mod:`lowbit_attn.inputs`:
+exact attention, on every input family of :mod:`lowbit_attn.tools.inputs`:
 
 * ``toggles``    — the current defaults and each option flipped alone (+ a few combinations), all families;
 * ``factorial``  — all 32 combinations of the five options on the two families the issue sets bars on;
@@ -33,9 +33,9 @@ from pathlib import Path
 
 import torch
 
-from lowbit_attn import accuracy, inputs
-from lowbit_attn.recipes import get_recipe
-from lowbit_attn.reference.quant import to_e4m3
+from lowbit_attn.tools import accuracy, inputs
+from lowbit_attn.core.recipes import get_recipe
+from lowbit_attn.quant.int8_naive import to_e4m3
 
 HERE = Path(__file__).resolve().parent
 
@@ -124,7 +124,7 @@ def _e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def _int8_scores(q, k, v, granularity: str, d: int):
     """Base-2 scores from the recipe's own INT8 Q and K (smooth_k, balance_qk), in float64."""
-    from lowbit_attn.prepare import quantize_qkv
+    from lowbit_attn.inference.prepare import quantize_qkv
 
     r = get_recipe("qk_int8_pv_fp16").replace(granularity=granularity)
     qz = quantize_qkv(q, k, v, r, d ** -0.5, need_lse_shift=False, backend="reference")
@@ -143,8 +143,8 @@ def fp8_floor(family: str, args) -> list[dict]:
     rounded to E4M3 as the recipe does (P̃ = 2^(s - rowmax)·448, V with one scale per channel =
     amax/448), the row sum taken before rounding as in the kernel. The "split" rows are what-ifs, not
     implemented: one operand written as hi + lo, two E4M3 terms (a second FP8 MMA)."""
-    from lowbit_attn.metrics import errors
-    from lowbit_attn.reference.attention import exact_attention
+    from lowbit_attn.core.metrics import errors
+    from lowbit_attn.inference.naive import exact_attention
 
     n, d = args.n, args.head_dim
     q, k, v = inputs.make(family, seed=0, batch=1, heads_q=2, heads_kv=2, n_q=n, n_k=n, head_dim=d)

@@ -4,7 +4,7 @@ Against float64 exact attention on the same (fp16-rounded) inputs, on the CPU (t
 of the kernels' numerics), for the 8-bit recipes, ``qk_fp4_pv_fp4`` (NVFP4) and
 ``qk_mxfp4_pv_mxfp4`` (MXFP4) with their options turned off one at a time:
 
-* ``synthetic`` — the input families of :mod:`lowbit_attn.inputs`, N=4096, D=128, B=1, H=2,
+* ``synthetic`` — the input families of :mod:`lowbit_attn.tools.inputs`, N=4096, D=128, B=1, H=2,
   non-causal, seeds 0 and 1;
 * ``real``      — Q, K, V captured from every layer of SmolLM2-135M (causal, GQA 9/3 heads, D=64,
   2048 tokens of two texts) and of all-MiniLM-L6-v2 (BERT encoder, D=32, 512 tokens);
@@ -36,13 +36,13 @@ from pathlib import Path
 
 import torch
 
-from lowbit_attn import accuracy, inputs
-from lowbit_attn.api import attention
-from lowbit_attn.metrics import errors
-from lowbit_attn.quantized import FP4_GROUP, LOG2E
-from lowbit_attn.reference.attention import exact_attention
-from lowbit_attn.reference import quant as ref_quant
-from lowbit_attn.reference.quant_fp4 import (
+from lowbit_attn.tools import accuracy, inputs
+from lowbit_attn.inference.interface import attention
+from lowbit_attn.core.metrics import errors
+from lowbit_attn.core.operands import FP4_GROUP, LOG2E
+from lowbit_attn.inference.naive import exact_attention
+from lowbit_attn.quant import int8_naive as ref_quant
+from lowbit_attn.quant.fp4_qkv_naive import (
     dequantize_fp4, quantize_p, quantize_qk_fp4, quantize_v_fp4, two_level_p,
 )
 
@@ -164,7 +164,7 @@ def p_only(q, k, v, *, scale: float, causal: bool, ref: torch.Tensor, block_k: i
     the P̃ blocks that explain them.
 
     Scores are exact (float64, base 2). Per key block of ``block_k``, as
-    :func:`~lowbit_attn.reference.attention.fp4_attention` sees it: direct P̃ = exp2(S − M) with M
+    :func:`~lowbit_attn.inference.naive.fp4_attention` sees it: direct P̃ = exp2(S − M) with M
     the running row max up to and including the block; two-level P̃ = exp2(S − block max) scaled to
     peak at the format's target (2688 NVFP4, 6 MXFP4) and multiplied back by s1 after P̃·V
     (:func:`two_level_p`). P̃ is rounded to fp32 (as in the

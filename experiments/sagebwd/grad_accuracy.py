@@ -15,8 +15,8 @@ import time
 import torch
 
 import lowbit_attn
-from lowbit_attn.inputs import FAMILIES
-from lowbit_attn.metrics import errors
+from lowbit_attn.tools.inputs import FAMILIES
+from lowbit_attn.core.metrics import errors
 
 VARIANTS = {
     "sagebwd_int8": {},

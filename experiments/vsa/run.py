@@ -36,7 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import lowbit_attn
-from lowbit_attn.tiles import tile_layout
+from lowbit_attn.vsa.tiles import tile_layout
 
 HERE = Path(__file__).resolve().parent
 

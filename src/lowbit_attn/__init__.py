@@ -1,12 +1,12 @@
 """lowbit_attn: fast, accurate low-bit attention for PyTorch, written in Triton."""
 
-from . import fp4, parallel, tiles, vsa
-from .api import attention, attention_varlen, scaled_dot_product_attention
-from .metrics import Errors, errors
-from .patching import patch_sdpa, unpatch_sdpa
-from .recipes import RECIPES, TRAIN_RECIPES, Recipe, TrainRecipe, get_recipe
-from .trainable import trainable_attention
-from .vsa import video_sparse_attention
+from lowbit_attn import fp4, parallel, tiles, vsa
+from lowbit_attn.core.metrics import Errors, errors
+from lowbit_attn.core.recipes import RECIPES, TRAIN_RECIPES, Recipe, TrainRecipe, get_recipe
+from lowbit_attn.inference import attention, attention_varlen
+from lowbit_attn.integrations.sdpa import patch_sdpa, scaled_dot_product_attention, unpatch_sdpa
+from lowbit_attn.training import trainable_attention
+from lowbit_attn.vsa import video_sparse_attention
 
 __version__ = "0.1.0"
 

@@ -1,6 +1,6 @@
 """FP4 microscaling quantizers for users: NVFP4 and MXFP4, on the backend of the tensor's device
 (Triton on a GPU, the PyTorch twin on a CPU; bit-identical). Numerics and edge cases:
-:mod:`lowbit_attn.reference.fp4`.
+:mod:`lowbit_attn.quant.fp4_naive`.
 
     packed, scales, g = lowbit_attn.fp4.quantize_nvfp4(x)        # x [..., K], K % 16 == 0
     x_hat = lowbit_attn.fp4.dequantize_nvfp4(packed, scales, g)
@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from .arch import backend_for
-from .reference import fp4 as _ref
-from .reference.fp4 import dequantize_mxfp4, dequantize_nvfp4
+from lowbit_attn.core.arch import backend_for
+from lowbit_attn.quant import fp4_naive as _ref
+from lowbit_attn.quant.fp4_naive import dequantize_mxfp4, dequantize_nvfp4
 
 
 def _impl(x: torch.Tensor):
     if isinstance(x, torch.Tensor) and backend_for(x.device) == "triton":
-        from .kernels import fp4
+        from lowbit_attn.quant import fp4
 
         return fp4
     return _ref

@@ -8,7 +8,7 @@
 
 diffusers' attention processors and its native attention backend call
 ``torch.nn.functional.scaled_dot_product_attention``; while a hooked model runs its forward, those
-calls (in that thread or task only: see :func:`lowbit_attn.patching.routed`) run the recipe, and
+calls (in that thread or task only: see :func:`lowbit_attn.integrations.sdpa.routed`) run the recipe, and
 calls the kernels cannot take (masks, dropout, gradients) run PyTorch's exact SDPA, with one
 warning per reason. Models whose processors pick another diffusers backend (flash-attn, sage,
 xformers) are not affected: keep the default ``native`` backend.
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from ..patching import routed
-from ..recipes import Recipe, resolve
+from lowbit_attn.integrations.sdpa import routed
+from lowbit_attn.core.recipes import Recipe, resolve
 
 DENOISERS = ("transformer", "transformer_2", "unet", "prior", "decoder")
 _HOOKS = "_lowbit_attn_hooks"

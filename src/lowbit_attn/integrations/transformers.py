@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from ..api import TORCH_SDPA, attention_varlen, sdpa_or_fallback, warn_fallback
-from ..recipes import Recipe, resolve
+from lowbit_attn.core.recipes import Recipe, resolve
+from lowbit_attn.inference import attention_varlen
+from lowbit_attn.integrations.sdpa import TORCH_SDPA, sdpa_or_fallback, warn_fallback
 
 # Arguments some models pass that the kernels have no use for; when set, the model's call goes to
 # transformers' own SDPA function.

@@ -1,0 +1,247 @@
+"""Pieces shared by the Triton kernels: exact rounding helpers, the attention kernels' loop bounds
+and epilogue, launch configs and stride bookkeeping."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from lowbit_attn.core.arch import interpreter_enabled
+
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Launch options of one autotuning candidate, and constexpr meta-parameters (``meta``:
+    ``(name, value)`` pairs) that select a variant of the kernel's code."""
+
+    num_warps: int
+    num_stages: int
+    meta: tuple = ()
+
+    @property
+    def kwargs(self) -> dict:
+        return dict(self.meta)
+
+
+def configs_for(configs: dict[str, list[LaunchConfig]], capability) -> list[LaunchConfig]:
+    """A kernel module's ``CONFIGS`` entry for the machine: ``"interpreter"`` (or no GPU),
+    ``"sm_90"`` from Hopper on, ``"sm_89"``, ``"sm_80"``."""
+    if interpreter_enabled() or capability is None:
+        return configs["interpreter"]
+    if capability >= (9, 0):
+        return configs["sm_90"]
+    if capability >= (8, 9):
+        return configs["sm_89"]
+    return configs["sm_80"]
+
+
+def triton_configs(configs: dict[str, list[LaunchConfig]], capability) -> list:
+    return [triton.Config(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
+            for c in configs_for(configs, capability)]
+
+
+@triton.jit
+def key_block_bounds(nk, pid_m, causal_offset, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
+    """``(full_hi, hi)`` for one query block: key blocks below ``full_hi`` are seen whole by every
+    row (no masks needed), those in ``[full_hi, hi)`` hold the sequence's tail or the causal
+    diagonal; keys from ``hi`` on are seen by no row."""
+    full_hi = (nk // BLOCK_N) * BLOCK_N
+    hi = nk
+    if IS_CAUSAL:
+        hi = tl.minimum(nk, (pid_m + 1) * BLOCK_M + causal_offset)
+        first_row_sees = pid_m * BLOCK_M + causal_offset + 1
+        full_hi = tl.minimum(full_hi, tl.maximum(first_row_sees, 0) // BLOCK_N * BLOCK_N)
+    return full_hi, hi
+
+
+@triton.jit
+def finish_scores(s, cols, nmask, offs_m, causal_offset, ds_base, sdn, HAS_DS: tl.constexpr,
+                  MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """A score tile in base 2 with the Q-smoothing correction ΔS added and, in ``MASKED`` blocks,
+    ``-inf`` for keys past the end or past the causal diagonal."""
+    if HAS_DS:
+        ds = tl.load(ds_base + cols * sdn, mask=nmask, other=0.0)
+        s = s + ds[None, :]
+    if MASKED:
+        if IS_CAUSAL:
+            valid = (cols[None, :] <= offs_m[:, None] + causal_offset) & nmask[None, :]
+        else:
+            valid = nmask[None, :]
+        s = tl.where(valid, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def online_max(m_i, block_max):
+    """``(m_new, m_safe, alpha)`` of the online softmax: the running row max, the same with 0 for
+    rows that have seen no key yet (subtracting -inf would give NaN), the rescale factor."""
+    m_new = tl.maximum(m_i, block_max)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    return m_new, m_safe, tl.exp2(m_i - m_safe)
+
+
+@triton.jit
+def normalize_rows(acc, l_i):
+    """``acc / l`` per row, and which rows saw no key (their sum is 0; they give 0, not NaN)."""
+    empty = l_i == 0.0
+    return acc / tl.where(empty, 1.0, l_i)[:, None], empty
+
+
+@triton.jit
+def finish_rows(acc, l_i, VS, VM, vec_base, offs_d, dmask, svsd, HAS_VSCALE: tl.constexpr,
+                HAS_VMEAN: tl.constexpr):
+    """The quantized forwards' epilogue: ``acc / l``, times V's per-channel scale (FP8, or fp16
+    V's power of two) when it has one, plus V's mean when V was smoothed (``vec_base``: the
+    (batch, head) offset of those vectors); rows that saw no key give 0."""
+    out, empty = normalize_rows(acc, l_i)
+    if HAS_VSCALE:
+        vs = tl.load(VS + vec_base + offs_d * svsd, mask=dmask, other=0.0)
+        out = out * vs[None, :]
+    if HAS_VMEAN:
+        vm = tl.load(VM + vec_base + offs_d * svsd, mask=dmask, other=0.0)
+        out = out + vm[None, :]
+    return tl.where(empty[:, None], 0.0, out)
+
+
+@triton.jit
+def store_lse(LSE, lse_offsets, LSH, lsh_offsets, m_i, l_i, offset, mask,
+              HAS_LSH: tl.constexpr):
+    """Natural-log LSE of each row (``offset``: what the exp2 added to every score, in base 2),
+    plus the K-smoothing shift ``LSH`` when given."""
+    lse = (m_i + tl.log2(l_i) - offset) * LN2
+    if HAS_LSH:
+        lse += tl.load(LSH + lsh_offsets, mask=mask, other=0.0)
+    tl.store(LSE + lse_offsets, lse, mask=mask)
+
+# fp32 RNE to an integer: adding 1.5·2^23 leaves no fraction bits, so the FPU's own round-to-nearest-
+# even does the work; exact for |x| < 2^22. Same bits on a GPU and under the interpreter.
+RNE_MAGIC = tl.constexpr(12582912.0)
+
+
+@triton.jit
+def round_half_even(x):
+    return (x + RNE_MAGIC) - RNE_MAGIC
+
+
+@triton.jit
+def to_int8(y):
+    """fp32 → int8: round half to even, clamp to ±127, NaN → 0 (its scale carries the NaN)."""
+    r = round_half_even(y)
+    r = tl.minimum(tl.maximum(r, -127.0), 127.0)
+    r = tl.where(r == r, r, 0.0)
+    return r.to(tl.int8)
+
+
+@triton.jit
+def e4m3_round(ax):
+    """Non-negative fp32 → ``(nearest E4M3 value as fp32, its 7-bit code as int32)``: round to
+    nearest even, saturating at 448. Built from fp32 and integer arithmetic alone. NaN gives garbage:
+    callers select their own NaN encoding."""
+    ax = tl.minimum(ax, 480.0)
+    exp = (ax.to(tl.int32, bitcast=True) >> 23) - 127
+    exp = tl.maximum(exp, -6)  # below 2^-6 the E4M3 grid is the subnormal step 2^-9
+    # 1.5·2^(exp+20): its ulp is 2^(exp-3), E4M3's spacing at this exponent.
+    magic = (((exp + 147) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    r = tl.minimum((ax + magic) - magic, 448.0)
+    rbits = r.to(tl.int32, bitcast=True)
+    code = tl.where(
+        r >= 0.015625,
+        ((((rbits >> 23) - 127) + 7) << 3) | ((rbits >> 20) & 0x7),
+        (r * 512.0).to(tl.int32),
+    )
+    return r, code
+
+
+@triton.jit
+def to_e4m3(x, EXACT: tl.constexpr):
+    """fp32 → E4M3 (``float8e4nv``), round to nearest even, saturating to ±448.
+
+    On a GPU the hardware conversion (``cvt.rn.satfinite``) does this. ``EXACT`` builds the bits
+    arithmetically instead, for the interpreter, whose own conversion neither rounds to even nor
+    handles subnormals and NaN.
+    """
+    if EXACT:
+        _, code = e4m3_round(tl.abs(x))
+        code = tl.where(x < 0, code | 0x80, code)
+        code = tl.where(x != x, 0x7F, code)
+        return code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    else:
+        return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def seq_span(CU, b, N, VARLEN: tl.constexpr):
+    """First token (int64, so that token offsets never overflow) and length of sequence ``b``."""
+    if VARLEN:
+        start = tl.load(CU + b).to(tl.int64)
+        n = tl.load(CU + b + 1) - tl.load(CU + b)
+    else:
+        start = b.to(tl.int64) * 0
+        n = N
+    return start, n
+
+
+@triton.jit
+def batch_head(pid_bh, H):
+    """(batch, head) of a program as int64: ``b·stride`` may pass 2^31 elements in large tensors."""
+    return (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)
+
+
+def exact_fp8() -> bool:
+    """Whether kernels must build E4M3 bits arithmetically (under the interpreter)."""
+    return interpreter_enabled()
+
+
+def bhnd_strides(x: torch.Tensor | None, packed: bool) -> tuple[int, int, int, int]:
+    """Strides ``(batch, head, token, dim)`` of a logical ``[B, H, N, D]`` tensor, or of a packed
+    ``[total, H, D]`` one (batch stride 0: a sequence's first token comes from ``cu_seqlens``)."""
+    if x is None:
+        return (0, 0, 0, 0)
+    if packed:
+        return (0, x.stride(1), x.stride(0), x.stride(2))
+    return tuple(x.stride())  # type: ignore[return-value]
+
+
+def row_strides(x: torch.Tensor | None, packed_per_token: bool) -> tuple[int, int, int]:
+    """Strides ``(batch, head, row)`` of a scale/LSE vector: ``[B, H, R]``, or ``[H, total]`` for
+    per-token vectors of packed calls."""
+    if x is None:
+        return (0, 0, 0)
+    if packed_per_token:
+        return (0, x.stride(0), x.stride(1))
+    return tuple(x.stride())  # type: ignore[return-value]
+
+
+def next_pow2(n: int, minimum: int = 16) -> int:
+    return max(minimum, triton.next_power_of_2(n))
+
+
+@triton.jit
+def mm(a, b, INT8: tl.constexpr, EMU_FP32: tl.constexpr):
+    """``a·b`` with fp32 results: an int32-accumulated INT8 MMA, or a 16-bit MMA with fp32
+    accumulation (in fp32 under ``EMU_FP32``: the interpreter's bf16 products are wrong)."""
+    if INT8:
+        return tl.dot(a, b, out_dtype=tl.int32).to(tl.float32)
+    elif EMU_FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    else:
+        return tl.dot(a, b, out_dtype=tl.float32)
+
+
+@triton.jit
+def quantize_tile(x, INT8: tl.constexpr, LIKE):
+    """A tile as a matmul operand: INT8 with one scale ``amax/127`` (NaN/Inf poison it), or
+    ``x`` in the element type of the pointer ``LIKE`` with scale 1."""
+    if INT8:
+        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0) + tl.sum(tl.sum(x * 0.0, axis=1), axis=0)
+        scale = amax * (1.0 / 127.0)
+        scale = tl.where(scale == 0.0, 1.0, scale)
+        return to_int8(tl.div_rn(x, scale)), scale
+    else:
+        return x.to(LIKE.dtype.element_ty), 1.0

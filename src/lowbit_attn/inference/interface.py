@@ -1,0 +1,127 @@
+"""The public inference functions: argument checks, the recipe, then the custom op."""
+
+from __future__ import annotations
+
+import torch
+
+from lowbit_attn.core import checks
+from lowbit_attn.core.recipes import Recipe, resolve_for
+from lowbit_attn.inference import op
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    layout: str = "HND",
+    recipe: "str | Recipe" = "auto",
+    return_lse: bool = False,
+):
+    """Low-bit attention ``softmax(q·kᵀ·scale)·v``.
+
+    Args:
+        q: ``[B, Hq, Nq, D]`` (layout ``"HND"``) or ``[B, Nq, Hq, D]`` (``"NHD"``); float16, bfloat16
+            or float32; any strides.
+        k, v: ``[B, Hkv, Nk, D]`` or ``[B, Nk, Hkv, D]``, same dtype and device as q; ``Hq`` must be a
+            multiple of ``Hkv`` (GQA/MQA). Head dims 64 and 128 are the fast path; 1 to 256 work.
+        is_causal: query ``i`` sees key ``j`` iff ``j <= i + Nk - Nq`` (aligned bottom-right, as in
+            FlashAttention; rows that see no key give 0).
+        scale: softmax scale, ``D ** -0.5`` by default.
+        layout: ``"HND"`` or ``"NHD"``; the output has the same layout.
+        recipe: ``"auto"`` (FP8 P·V on sm_89 and newer, FP16 P·V before and on CPU),
+            ``"qk_int8_pv_fp8"``, ``"qk_int8_pv_fp16"``, ``"qk_fp4_pv_fp4"`` (NVFP4; head dim a
+            multiple of 32), ``"qk_mxfp4_pv_mxfp4"``, ``"exact"``, or a :class:`Recipe`. FP4
+            recipes run on FP4 tensor cores on Blackwell (sm_100, sm_120) and as an exact
+            emulation elsewhere (see ``lowbit-attn doctor``).
+        return_lse: also return the natural-log log-sum-exp of each row's scores.
+    Returns:
+        the output (q's dtype, shape and layout), and with ``return_lse`` the LSE ``[B, Hq, Nq]``
+        fp32 (``-inf`` for rows that see no key).
+
+    On a CUDA GPU the Triton kernels run; on a CPU the PyTorch reference with the same numerics.
+    """
+    qh, kh, vh = checks.dense_qkv(q, k, v, layout)
+    is_causal = checks.flag("is_causal", is_causal)
+    return_lse = checks.flag("return_lse", return_lse)
+    checks.forward_only(q, k, v)
+    r = resolve_for(recipe, q.device)
+    checks.recipe_fits(r, q.shape[-1])
+    sm_scale = checks.softmax_scale(scale, q.shape[-1])
+    b, hq, nq, _ = qh.shape
+    nk = kh.shape[2]
+    if nq == 0 or hq == 0:  # nothing to compute (the quantizers' reductions need elements)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty((b, hq, nq), dtype=torch.float32, device=q.device)
+        return (out, lse) if return_lse else out
+    out, lse = op.call(
+        q, k, v, r, scale=sm_scale, is_causal=is_causal, causal_offset=nk - nq,
+        nhd=layout == "NHD", return_lse=return_lse,
+    )
+    return (out, lse) if return_lse else out
+
+
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    recipe: "str | Recipe" = "auto",
+    return_lse: bool = False,
+    check_seqlens: bool = True,
+):
+    """Attention over packed sequences, as FlashAttention's ``flash_attn_varlen_func``.
+
+    Args:
+        q: ``[total_q, Hq, D]``; k, v: ``[total_k, Hkv, D]``; sequence ``b`` holds rows
+            ``cu_seqlens[b]:cu_seqlens[b+1]``.
+        cu_seqlens_q, cu_seqlens_k: int32 ``[B + 1]`` offsets on q's device, starting at 0.
+        max_seqlen_q, max_seqlen_k: at least the longest sequence.
+        is_causal: per sequence, aligned bottom-right.
+        check_seqlens: verify the offsets and maxima (reads ``cu_seqlens`` on the host: a GPU
+            synchronisation and, under ``torch.compile``, a graph break). ``False`` for offsets
+            known good, inside CUDA graphs or compiled code.
+    Returns:
+        the output ``[total_q, Hq, D]`` (q's dtype), and with ``return_lse`` the LSE ``[Hq, total_q]``.
+
+    Smoothing and quantization statistics are per sequence, never across sequences.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        checks.tensor(name, x, 3)
+    is_causal = checks.flag("is_causal", is_causal)
+    return_lse = checks.flag("return_lse", return_lse)
+    check_seqlens = checks.flag("check_seqlens", check_seqlens)
+    checks.same_kind(q, k, v)
+    checks.forward_only(q, k, v)
+    checks.heads_and_dims(
+        tuple(q.shape), tuple(k.shape), tuple(v.shape), batch_dim=None, head_dim_axis=1,
+        seq_axis=None,
+    )
+    bq = checks.cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device, values=check_seqlens)
+    bk = checks.cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device, values=check_seqlens)
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
+            f"{cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}"
+        )
+    for name, value, bounds in (("max_seqlen_q", max_seqlen_q, bq), ("max_seqlen_k", max_seqlen_k, bk)):
+        longest = 0 if bounds is None else max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+        if isinstance(value, bool) or not isinstance(value, int) or value < longest:
+            raise ValueError(f"{name} must be an int >= the longest sequence ({longest}), got {value!r}")
+    r = resolve_for(recipe, q.device)
+    checks.recipe_fits(r, q.shape[-1])
+    sm_scale = checks.softmax_scale(scale, q.shape[-1])
+    if q.shape[1] == 0:  # no query heads: nothing to compute, as in attention()
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty((0, q.shape[0]), dtype=torch.float32, device=q.device)
+        return (out, lse) if return_lse else out
+    out, lse = op.call_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, r,
+                               scale=sm_scale, is_causal=is_causal, return_lse=return_lse)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,316 @@
+"""Attention forward with FP4 microscaling Q·Kᵀ and P·V (SageAttention3 numerics), NVFP4 or MXFP4.
+
+One program computes ``BLOCK_M`` query rows of one (batch, query head) with an online softmax in
+base 2 over key blocks of ``BLOCK_N``. Scores are the block-scaled product of Q̂ and K̂ times
+``softmax_scale·log2 e`` (and the NVFP4 tensor scales), plus ΔS. P̃ is quantized in the kernel, per
+row in groups of keys, after the two-level scaling (each row's block maximum mapped to 448·6) or
+directly. Twin: ``lowbit_attn.inference.naive.fp4_attention``.
+
+``NATIVE_FP4`` (sm_100 and newer): both products are ``tl.dot_scaled`` on packed E2M1 with E4M3
+(group 16) or E8M0 (group 32) scales: ``tcgen05.mma … block_scale`` on sm_100,
+``mma.sync … kind::mxf4nvf4.block_scale`` on sm_120. Otherwise (Hopper and older, the interpreter)
+the operands are unpacked and multiplied by their group scales, which is exact in bf16 (a 2-bit
+E2M1 significand times a 4-bit E4M3 one or a power of two), and multiplied with ``tl.dot`` in fp32
+accumulation: the same function. Triton 3.6 cannot compile NVFP4 ``dot_scaled`` for sm_90 at all,
+and its interpreter has no ``dot_scaled``. ``EMU_FP32`` multiplies fp32 instead of bf16 (the
+interpreter's bf16 dot is wrong).
+
+The ``dot_scaled`` products start from an accumulator filled with the run-time argument ``zero``
+(always 0.0) rather than from nothing: Triton 3.6 fails to compile a ``dot_scaled`` inside a loop
+for sm_100 otherwise (its accumulator-init pass leaves an invalid TMEM allocation behind), and a
+run-time value is not a constant it can rewrite.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from lowbit_attn.core.arch import fp4_mode, get_capability, interpreter_enabled
+from lowbit_attn.core.operands import FP4_GROUP, P_TWO_LEVEL_PEAK, QuantizedFP4
+from lowbit_attn.core.triton_helpers import (
+    LaunchConfig, batch_head, finish_scores, key_block_bounds, normalize_rows, online_max,
+    store_lse, triton_configs,
+)
+from lowbit_attn.quant.fp4 import (
+    e2m1_code, e2m1_value, e4m3_group_scale, e4m3_value, e8m0_group_scale, e8m0_value,
+)
+
+# the two-level target peak of P̃ rows, per format (twin: reference.quant_fp4.two_level_p)
+_LOG2_PEAK_NV = tl.constexpr(math.log2(P_TWO_LEVEL_PEAK["nvfp4"]))
+_INV_PEAK_NV = tl.constexpr(1.0 / P_TWO_LEVEL_PEAK["nvfp4"])
+_LOG2_PEAK_MX = tl.constexpr(math.log2(P_TWO_LEVEL_PEAK["mxfp4"]))
+_INV_PEAK_MX = tl.constexpr(1.0 / P_TWO_LEVEL_PEAK["mxfp4"])
+
+
+CONFIGS = {
+    "interpreter": [LaunchConfig(4, 1)],
+    "sm_80": [LaunchConfig(8, 2), LaunchConfig(4, 2)],
+    "sm_89": [LaunchConfig(8, 2), LaunchConfig(4, 2)],
+    "sm_90": [LaunchConfig(8, 2), LaunchConfig(8, 3), LaunchConfig(4, 2)],
+}
+
+
+@triton.jit
+def _scale_operand(bits, NV: tl.constexpr):
+    """Scale bits (uint8) as ``tl.dot_scaled`` takes them: E4M3 (group 16) or E8M0 (group 32)."""
+    if NV:
+        return bits.to(tl.float8e4nv, bitcast=True)
+    else:
+        return bits
+
+
+@triton.jit
+def _dequant(packed, bits, R: tl.constexpr, C: tl.constexpr, GROUP: tl.constexpr,
+             NV: tl.constexpr):
+    """Packed E2M1 ``[R, C/2]`` and group-scale bits ``[R, C/GROUP]`` → fp32 ``[R, C]``, the
+    values times their group scales (exact)."""
+    p = packed.to(tl.int32)
+    values = e2m1_value(tl.reshape(tl.join(p & 0xF, p >> 4), [R, C]))
+    if NV:
+        scale = e4m3_value(bits.to(tl.int32))
+    else:
+        scale = e8m0_value(bits.to(tl.int32))
+    grouped = tl.reshape(values, [R, C // GROUP, GROUP]) * scale[:, :, None]
+    return tl.reshape(grouped, [R, C])
+
+
+@triton.jit
+def _quantize_p(p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
+                NV: tl.constexpr):
+    """P̃ ``[BLOCK_M, BLOCK_N]`` (≥ 0) → ``(E2M1 codes [BLOCK_M, BLOCK_N/GROUP, GROUP] int32, scale
+    bits [BLOCK_M, BLOCK_N/GROUP] int32, scales fp32)``: group amax → scale, then ``x·(1/s)``
+    rounded to E2M1. Twin: ``reference.quant_fp4.quantize_p``."""
+    pg = tl.reshape(p, [BLOCK_M, BLOCK_N // GROUP, GROUP])
+    amax = tl.max(pg, axis=2) + tl.sum(pg * 0.0, axis=2)
+    if NV:
+        s, code = e4m3_group_scale(tl.div_rn(amax, 6.0), amax > 0.0)
+        denom = tl.where(code == 0, 1.0, s)
+    else:
+        code, denom = e8m0_group_scale(amax)
+    rcp = tl.div_rn(tl.full(denom.shape, 1.0, tl.float32), denom)
+    return e2m1_code(pg * rcp[:, :, None]), code, denom
+
+
+@triton.jit
+def _attend_block(
+    acc, m_i, l_i, q_op, qs_op, start_n, offs_m, offs_n, nk, causal_offset, mult, zero,
+    k_base, ks_base, v_base, vs_base, ds_base, skn, sksn, svd, svsd, sdn,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DS: tl.constexpr, NV: tl.constexpr,
+    NATIVE_FP4: tl.constexpr, EMU_FP32: tl.constexpr, TWO_LEVEL: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    cols = start_n + offs_n
+    nmask = cols < nk
+    half_d = tl.arange(0, BLOCK_D // 2)
+    grp_d = tl.arange(0, BLOCK_D // GROUP)
+    # keys past the end load as code 0 with scale 0: finite scores, masked below
+    ks = tl.load(ks_base + cols[:, None] * sksn + grp_d[None, :], mask=nmask[:, None], other=0)
+    if NATIVE_FP4:
+        kt = tl.load(k_base + cols[None, :] * skn + half_d[:, None], mask=nmask[None, :], other=0)
+        s = tl.dot_scaled(q_op, qs_op, "e2m1", kt, _scale_operand(ks, NV), "e2m1",
+                          acc=tl.full([BLOCK_M, BLOCK_N], zero, tl.float32))
+    else:
+        k = tl.load(k_base + cols[:, None] * skn + half_d[None, :], mask=nmask[:, None], other=0)
+        kd = _dequant(k, ks, BLOCK_N, BLOCK_D, GROUP, NV)
+        if EMU_FP32:
+            s = tl.dot(q_op, tl.trans(kd), out_dtype=tl.float32)
+        else:
+            s = tl.dot(q_op, tl.trans(kd).to(tl.bfloat16), out_dtype=tl.float32)
+    s = s * mult
+    s = finish_scores(s, cols, nmask, offs_m, causal_offset, ds_base, sdn, HAS_DS, MASKED,
+                      IS_CAUSAL)
+    block_max = tl.max(s, axis=1)
+    m_new, m_safe, alpha = online_max(m_i, block_max)
+    if TWO_LEVEL:
+        b_safe = tl.where(block_max == float("-inf"), 0.0, block_max)
+        if NV:
+            p = tl.exp2(s - (b_safe - _LOG2_PEAK_NV)[:, None])
+            s1 = tl.exp2(block_max - m_safe) * _INV_PEAK_NV
+        else:
+            p = tl.exp2(s - (b_safe - _LOG2_PEAK_MX)[:, None])
+            s1 = tl.exp2(block_max - m_safe) * _INV_PEAK_MX
+        s1 = tl.where(block_max == float("-inf"), 0.0, s1)  # never 0·inf
+    else:
+        p = tl.exp2(s - m_safe[:, None])
+        s1 = tl.full([BLOCK_M], 1.0, tl.float32)
+    l_i = l_i * alpha + tl.sum(p, axis=1) * s1
+
+    codes, pcode, pscale = _quantize_p(p, BLOCK_M, BLOCK_N, GROUP, NV)
+    offs_d = tl.arange(0, BLOCK_D)
+    grp_n = start_n // GROUP + tl.arange(0, BLOCK_N // GROUP)
+    vs = tl.load(vs_base + offs_d[:, None] * svsd + grp_n[None, :])
+    if NATIVE_FP4:
+        lo, hi = tl.split(tl.reshape(codes, [BLOCK_M, BLOCK_N // 2, 2]))
+        pk = (lo | (hi << 4)).to(tl.uint8)
+        half_n = start_n // 2 + tl.arange(0, BLOCK_N // 2)
+        vt = tl.load(v_base + half_n[:, None] + offs_d[None, :] * svd)
+        pv = tl.dot_scaled(pk, _scale_operand(pcode.to(tl.uint8), NV), "e2m1",
+                           vt, _scale_operand(vs, NV), "e2m1",
+                           acc=tl.full([BLOCK_M, BLOCK_D], zero, tl.float32))
+    else:
+        pq = tl.reshape(e2m1_value(codes) * pscale[:, :, None], [BLOCK_M, BLOCK_N])
+        half_n = start_n // 2 + tl.arange(0, BLOCK_N // 2)
+        v = tl.load(v_base + half_n[None, :] + offs_d[:, None] * svd)
+        vd = tl.trans(_dequant(v, vs, BLOCK_D, BLOCK_N, GROUP, NV))
+        if EMU_FP32:
+            pv = tl.dot(pq, vd, out_dtype=tl.float32)
+        else:
+            pv = tl.dot(pq.to(tl.bfloat16), vd.to(tl.bfloat16), out_dtype=tl.float32)
+    acc = acc * alpha[:, None] + pv * s1[:, None]
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attn_fwd_fp4_kernel(
+    Q, QS, QG, K, KS, KG, V, VS, VG, VM, DS, LSH, O, LSE,
+    sqb, sqh, sqn,
+    sqsb, sqsh, sqsn,
+    skb, skh, skn,
+    sksb, sksh, sksn,
+    svb, svh, svd,
+    svsb, svsh, svsd,
+    sgqb, sgqh, sgkb, sgkh, sgvb, sgvh,
+    svmb, svmh,
+    sdb, sdh, sdq, sdn,
+    slb, slh, sln,
+    sob, soh, son, sod,
+    seb, seh, sen,
+    NQ, NK, HQ, GROUP_HEADS, D, causal_offset, qk_multiplier, zero, N_BUCKET,
+    IS_CAUSAL: tl.constexpr, NV: tl.constexpr, NATIVE_FP4: tl.constexpr, EMU_FP32: tl.constexpr,
+    TWO_LEVEL: tl.constexpr, HAS_VMEAN: tl.constexpr, HAS_DS: tl.constexpr,
+    HAS_LSH: tl.constexpr, WRITE_LSE: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b, h = batch_head(pid_bh, HQ)  # int64: offsets of large tensors may pass 2^31 elements
+    hk = h // GROUP_HEADS
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    mmask = offs_m < NQ
+
+    half_d = tl.arange(0, BLOCK_D // 2)
+    grp_d = tl.arange(0, BLOCK_D // GROUP)
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqn + half_d[None, :],
+                mask=mmask[:, None], other=0)
+    qs = tl.load(QS + b * sqsb + h * sqsh + offs_m[:, None] * sqsn + grp_d[None, :],
+                 mask=mmask[:, None], other=0)
+    if NATIVE_FP4:
+        q_op = q
+        qs_op = _scale_operand(qs, NV)
+    else:
+        q_op = _dequant(q, qs, BLOCK_M, BLOCK_D, GROUP, NV)
+        if not EMU_FP32:
+            q_op = q_op.to(tl.bfloat16)
+        qs_op = qs
+    mult = qk_multiplier
+    if NV:
+        mult = mult * (tl.load(QG + b * sgqb + h * sgqh) * tl.load(KG + b * sgkb + hk * sgkh))
+
+    k_base = K + b * skb + hk * skh
+    ks_base = KS + b * sksb + hk * sksh
+    v_base = V + b * svb + hk * svh
+    vs_base = VS + b * svsb + hk * svsh
+    ds_base = DS
+    if HAS_DS:
+        ds_base = DS + b * sdb + h * sdh + pid_m * sdq
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    full_hi, hi = key_block_bounds(NK, pid_m, causal_offset, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    for start_n in range(0, full_hi, BLOCK_N):
+        acc, m_i, l_i = _attend_block(
+            acc, m_i, l_i, q_op, qs_op, start_n, offs_m, offs_n, NK, causal_offset, mult, zero,
+            k_base, ks_base, v_base, vs_base, ds_base, skn, sksn, svd, svsd, sdn,
+            False, IS_CAUSAL, HAS_DS, NV, NATIVE_FP4, EMU_FP32, TWO_LEVEL,
+            GROUP, BLOCK_M, BLOCK_N, BLOCK_D,
+        )
+    for start_n in range(full_hi, hi, BLOCK_N):
+        acc, m_i, l_i = _attend_block(
+            acc, m_i, l_i, q_op, qs_op, start_n, offs_m, offs_n, NK, causal_offset, mult, zero,
+            k_base, ks_base, v_base, vs_base, ds_base, skn, sksn, svd, svsd, sdn,
+            True, IS_CAUSAL, HAS_DS, NV, NATIVE_FP4, EMU_FP32, TWO_LEVEL,
+            GROUP, BLOCK_M, BLOCK_N, BLOCK_D,
+        )
+
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    out, empty = normalize_rows(acc, l_i)
+    if NV:
+        out = out * tl.load(VG + b * sgvb + hk * sgvh)
+    if HAS_VMEAN:
+        vm = tl.load(VM + b * svmb + hk * svmh + offs_d, mask=dmask, other=0.0)
+        out = out + vm[None, :]
+    out = tl.where(empty[:, None], 0.0, out)
+    tl.store(
+        O + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :] * sod,
+        out.to(O.dtype.element_ty), mask=mmask[:, None] & dmask[None, :],
+    )
+    if WRITE_LSE:
+        store_lse(LSE, b * seb + h * seh + offs_m * sen, LSH, b * slb + h * slh + offs_m * sln,
+                  m_i, l_i, 0.0, mmask, HAS_LSH)
+
+
+_attn_fwd_fp4 = triton.autotune(
+    configs=triton_configs(CONFIGS, get_capability()),
+    # N_BUCKET (a power of two of the key length, unused by the kernel): tune per length range.
+    key=["N_BUCKET", "BLOCK_D", "IS_CAUSAL", "NV", "TWO_LEVEL", "BLOCK_M", "BLOCK_N"],
+)(
+    triton.heuristics(
+        {
+            "HAS_VMEAN": lambda a: a["VM"] is not None,
+            "HAS_DS": lambda a: a["DS"] is not None,
+            "HAS_LSH": lambda a: a["LSH"] is not None,
+            "WRITE_LSE": lambda a: a["LSE"] is not None,
+        }
+    )(_attn_fwd_fp4_kernel)
+)
+
+
+def _pair(x: torch.Tensor | None) -> tuple[int, int]:
+    return (0, 0) if x is None else (x.stride(0), x.stride(1))
+
+
+def attention(
+    qz: QuantizedFP4,
+    *,
+    out: torch.Tensor,
+    head_dim: int,
+    block_q: int,
+    block_k: int,
+    causal_offset: int | None,
+    two_level: bool,
+    return_lse: bool,
+) -> torch.Tensor | None:
+    """Run the kernel; writes ``out`` (a logical ``[B, Hq, Nq, D]`` view) and returns the LSE
+    ``[B, Hq, Nq]`` fp32 when asked."""
+    b, hq, nq, _ = qz.q.shape
+    hkv, nk = qz.k.shape[1], qz.k.shape[2]
+    lse = torch.empty((b, hq, nq), device=out.device, dtype=torch.float32) if return_lse else None
+    nv = qz.fmt == "nvfp4"
+    grid = (triton.cdiv(nq, block_q), b * hq)
+    _attn_fwd_fp4[grid](
+        qz.q, qz.q_scale, qz.q_global, qz.k, qz.k_scale, qz.k_global, qz.v, qz.v_scale,
+        qz.v_global, qz.v_mean, qz.delta_s, qz.lse_shift, out, lse,
+        *qz.q.stride()[:3], *qz.q_scale.stride()[:3],
+        *qz.k.stride()[:3], *qz.k_scale.stride()[:3],
+        *qz.v.stride()[:3], *qz.v_scale.stride()[:3],
+        *_pair(qz.q_global), *_pair(qz.k_global), *_pair(qz.v_global), *_pair(qz.v_mean),
+        *(qz.delta_s.stride() if qz.delta_s is not None else (0, 0, 0, 0)),
+        *(qz.lse_shift.stride() if qz.lse_shift is not None else (0, 0, 0)),
+        *out.stride(), *(lse.stride() if lse is not None else (0, 0, 0)),
+        nq, nk, hq, hq // hkv, head_dim,
+        0 if causal_offset is None else int(causal_offset), float(qz.qk_multiplier), 0.0,
+        min(triton.next_power_of_2(nk), 32768),
+        IS_CAUSAL=causal_offset is not None, NV=nv,
+        NATIVE_FP4=fp4_mode(out.device.type, "triton", get_capability()) == "native",
+        EMU_FP32=interpreter_enabled(), TWO_LEVEL=two_level,
+        GROUP=FP4_GROUP[qz.fmt], BLOCK_M=block_q, BLOCK_N=block_k, BLOCK_D=qz.q.shape[-1] * 2,
+    )
+    return lse

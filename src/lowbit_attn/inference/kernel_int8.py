@@ -1,0 +1,346 @@
+"""Attention forward with INT8 Q·Kᵀ and fp16 or FP8 P·V (SageAttention / SageAttention2 numerics).
+
+One program computes ``BLOCK_M`` query rows of one (batch, query head) with an online softmax in base
+2 over key blocks of ``BLOCK_N``. Scores are ``int32(Q̂·K̂ᵀ)·s_q·s_k`` (+ the Q-smoothing correction);
+P̃ goes to fp16, or to E4M3 as ``exp2(S - m + log2 448)``; each key block's P·V is a fresh tensor-core
+product added into the fp32 accumulator (two-level accumulation). Twin:
+``lowbit_attn.inference.naive.quantized_attention``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lowbit_attn.core.arch import get_capability
+from lowbit_attn.core.operands import LOG2_FP8_MAX, QuantizedQKV, Seqs, dense_seqs
+from lowbit_attn.core.triton_helpers import (
+    LaunchConfig, batch_head, bhnd_strides, exact_fp8, finish_rows, finish_scores,
+    key_block_bounds, next_pow2, online_max, row_strides, seq_span, store_lse, to_e4m3,
+    triton_configs,
+)
+from lowbit_attn.quant.tile import quantize_int8_tile
+
+
+# Globals read inside @triton.jit functions must be constexpr.
+_LOG2_FP8_MAX = tl.constexpr(LOG2_FP8_MAX)
+
+
+# Named per architecture; BLOCK_M and BLOCK_N come from the recipe (they are also the per-block
+# quantization groups), so only warps and pipeline depth are tuned.
+# ``PIPELINE`` (see the kernel) is a candidate only on Hopper, where Q·Kᵀ is an asynchronous wgmma;
+# the autotuner keeps it where it pays.
+_PLAIN = (("PIPELINE", False),)
+_PIPELINED = (("PIPELINE", True),)
+CONFIGS = {
+    "interpreter": [LaunchConfig(4, 1, _PLAIN)],
+    # 4 warps spill at 128-row tiles with D=128 on sm_80/sm_89 (ptxas -v): 8 warps first.
+    "sm_80": [LaunchConfig(8, 2, _PLAIN), LaunchConfig(8, 3, _PLAIN), LaunchConfig(4, 2, _PLAIN)],
+    "sm_89": [LaunchConfig(8, 2, _PLAIN), LaunchConfig(8, 3, _PLAIN), LaunchConfig(4, 2, _PLAIN)],
+    # 4 warps (one warpgroup for 128 rows) spill on sm_90a at D=64 too (ptxas -v: 8 to 44 bytes,
+    # causal or per-block scales): two warpgroups only.
+    "sm_90": [LaunchConfig(8, 2, _PLAIN), LaunchConfig(8, 2, _PIPELINED),
+              LaunchConfig(8, 3, _PLAIN), LaunchConfig(8, 3, _PIPELINED),
+              LaunchConfig(8, 4, _PLAIN)],
+}
+
+
+@triton.jit
+def _scores(q, start_n, offs_n, offs_d, dmask, nk, k_base, skn, skd, MASKED: tl.constexpr):
+    """``int32(Q̂·K̂ᵀ)`` of one key block (keys past ``nk`` read as 0 in ``MASKED`` blocks)."""
+    cols = start_n + offs_n
+    if MASKED:
+        kt = tl.load(k_base + cols[None, :] * skn + offs_d[:, None] * skd,
+                     mask=(cols < nk)[None, :] & dmask[:, None], other=0)
+    else:
+        kt = tl.load(k_base + cols[None, :] * skn + offs_d[:, None] * skd,
+                     mask=dmask[:, None], other=0)
+    return tl.dot(q, kt, out_dtype=tl.int32)
+
+
+@triton.jit
+def _key_scales(ks_base, start_n, offs_n, nk, sksn, PER_TOKEN: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """K's scales for one key block: one per key, or the block's one."""
+    if PER_TOKEN:
+        cols = start_n + offs_n
+        return tl.load(ks_base + cols * sksn, mask=cols < nk, other=0.0)
+    else:
+        return tl.load(ks_base + (start_n // BLOCK_N) * sksn)
+
+
+@triton.jit
+def _softmax_pv(
+    acc, m_i, l_i, s_int, ks, qs, start_n, offs_m, offs_n, offs_d, dmask, nk, causal_offset,
+    v_base, ds_base, svn, svd, sdn, offset,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PER_TOKEN: tl.constexpr, PV_FP8: tl.constexpr,
+    HAS_DS: tl.constexpr, EXACT_FP8: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """The online-softmax step of one key block's integer scores, then its P̃·V.
+
+    Without ΔS the scale is folded into the exp2's argument: ``t = s_int·s_k`` (per token) or
+    ``s_int`` (per block, ``c = s_q·s_k``), the row max taken on ``t`` and scaled once per row
+    (``max(t)·c = max(t·c)``: scales are positive and rounding is monotone), and
+    ``exp2(fma(t, c, -(m - offset)))``: one multiply per score fewer than scaling every score
+    first. Twin: ``reference.attention.quantized_attention`` (same products, same row max)."""
+    cols = start_n + offs_n
+    nmask = cols < nk
+    if HAS_DS:
+        if PER_TOKEN:
+            s = (s_int.to(tl.float32) * ks[None, :]) * qs[:, None]
+        else:
+            s = s_int.to(tl.float32) * (qs * ks)
+        s = finish_scores(s, cols, nmask, offs_m, causal_offset, ds_base, sdn, HAS_DS, MASKED,
+                          IS_CAUSAL)
+        m_new, m_safe, alpha = online_max(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - (m_safe - offset)[:, None])
+    else:
+        if PER_TOKEN:
+            t = s_int.to(tl.float32) * ks[None, :]
+            c = qs
+        else:
+            t = s_int.to(tl.float32)
+            c = tl.zeros_like(m_i) + qs * ks
+        t = finish_scores(t, cols, nmask, offs_m, causal_offset, ds_base, sdn, HAS_DS, MASKED,
+                          IS_CAUSAL)
+        m_new, m_safe, alpha = online_max(m_i, tl.max(t, axis=1) * c)
+        p = tl.exp2(tl.fma(t, c[:, None], -(m_safe - offset)[:, None]))
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if MASKED:
+        v = tl.load(v_base + cols[:, None] * svn + offs_d[None, :] * svd,
+                    mask=nmask[:, None] & dmask[None, :], other=0.0)
+    else:
+        v = tl.load(v_base + cols[:, None] * svn + offs_d[None, :] * svd,
+                    mask=dmask[None, :], other=0.0)
+    if PV_FP8:
+        pv = tl.dot(to_e4m3(p, EXACT_FP8), v, out_dtype=tl.float32)
+    else:
+        pv = tl.dot(p.to(tl.float16), v, out_dtype=tl.float32)
+    acc = acc * alpha[:, None] + pv
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attn_fwd_int8_kernel(
+    Q, K, V, QS, KS, VS, VM, DS, LSH, O, LSE, CUQ, CUK, QM, AQ, AK,
+    sqb, sqh, sqn, sqd,
+    skb, skh, skn, skd,
+    svb, svh, svn, svd,
+    sqsb, sqsh, sqsn,
+    sksb, sksh, sksn,
+    svsb, svsh, svsd,
+    sdb, sdh, sdq, sdn,
+    slb, slh, sln,
+    sob, soh, son, sod,
+    seb, seh, sen,
+    sqmb, sqmh, sqmk, sqmd, saqb, saqh, sakb, sakh, qk_multiplier,
+    NQ, NK, HQ, GROUP, D, causal_offset, N_BUCKET,
+    Q_IN_KERNEL: tl.constexpr, Q_CENTER: tl.constexpr, Q_BALANCE: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, PER_TOKEN: tl.constexpr, PV_FP8: tl.constexpr,
+    HAS_VSCALE: tl.constexpr, HAS_VMEAN: tl.constexpr, HAS_DS: tl.constexpr,
+    HAS_LSH: tl.constexpr, WRITE_LSE: tl.constexpr,
+    EXACT_FP8: tl.constexpr, VARLEN: tl.constexpr, PIPELINE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    # int64 batch/head/token bases: offsets of large tensors may pass 2^31 elements
+    b, h = batch_head(pid_bh, HQ)
+    hk = h // GROUP
+    q_start, nq = seq_span(CUQ, b, NQ, VARLEN)
+    k_start, nk = seq_span(CUK, b, NK, VARLEN)
+    if VARLEN:
+        causal_offset = nk - nq  # packed sequences align causal masks bottom-right, each its own
+    if pid_m * BLOCK_M >= nq:
+        return
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mmask = offs_m < nq
+    dmask = offs_d < D
+
+    if Q_IN_KERNEL:  # the quantization pass's own tile function: the same bits
+        q, qs, _, _, _ = quantize_int8_tile(
+            Q, QM, AQ, AK, b, h, q_start, pid_m, nq,
+            sqb, sqh, sqn, sqd, sqmb, sqmh, sqmk, sqmd, saqb, saqh, sakb, sakh, D, GROUP,
+            PER_TOKEN, Q_CENTER, Q_BALANCE, BLOCK_M, BLOCK_D,
+        )
+        qs = qs * qk_multiplier
+    else:
+        q = tl.load(
+            Q + b * sqb + h * sqh + (q_start + offs_m)[:, None] * sqn + offs_d[None, :] * sqd,
+            mask=mmask[:, None] & dmask[None, :], other=0,
+        )
+        if PER_TOKEN:
+            qs = tl.load(QS + b * sqsb + h * sqsh + (q_start + offs_m) * sqsn, mask=mmask,
+                         other=1.0)
+        else:
+            qs = tl.load(QS + b * sqsb + h * sqsh + pid_m * sqsn)
+
+    # Loop-invariant bases (int64 arithmetic once; the loop adds int32 offsets within a head).
+    k_base = K + b * skb + hk * skh + k_start * skn
+    v_base = V + b * svb + hk * svh + k_start * svn
+    if PER_TOKEN:
+        ks_base = KS + b * sksb + hk * sksh + k_start * sksn
+    else:
+        ks_base = KS + b * sksb + hk * sksh
+    ds_base = DS
+    if HAS_DS:
+        ds_base = DS + b * sdb + h * sdh + pid_m * sdq
+    if PV_FP8:
+        offset = _LOG2_FP8_MAX
+    else:
+        offset = 0.0
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    full_hi, hi = key_block_bounds(nk, pid_m, causal_offset, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    if PIPELINE:
+        # Q·Kᵀ of the next block (and its key scales, carried in registers) is issued before the
+        # softmax of this one, so that the softmax can run under it: Triton waits for the wgmma at
+        # once, and ptxas moves the independent work above the wait. Costs a second score tile in
+        # registers.
+        if full_hi > 0:
+            s_cur = _scores(q, 0, offs_n, offs_d, dmask, nk, k_base, skn, skd, False)
+            ks_cur = _key_scales(ks_base, 0, offs_n, nk, sksn, PER_TOKEN, BLOCK_N)
+            for start_n in range(0, full_hi - BLOCK_N, BLOCK_N):
+                s_next = _scores(q, start_n + BLOCK_N, offs_n, offs_d, dmask, nk, k_base, skn,
+                                 skd, False)
+                ks_next = _key_scales(ks_base, start_n + BLOCK_N, offs_n, nk, sksn, PER_TOKEN,
+                                      BLOCK_N)
+                acc, m_i, l_i = _softmax_pv(
+                    acc, m_i, l_i, s_cur, ks_cur, qs, start_n, offs_m, offs_n, offs_d, dmask, nk,
+                    causal_offset, v_base, ds_base, svn, svd, sdn, offset,
+                    False, IS_CAUSAL, PER_TOKEN, PV_FP8, HAS_DS, EXACT_FP8, BLOCK_N,
+                )
+                s_cur = s_next
+                ks_cur = ks_next
+            acc, m_i, l_i = _softmax_pv(
+                acc, m_i, l_i, s_cur, ks_cur, qs, full_hi - BLOCK_N, offs_m, offs_n, offs_d, dmask,
+                nk, causal_offset, v_base, ds_base, svn, svd, sdn, offset,
+                False, IS_CAUSAL, PER_TOKEN, PV_FP8, HAS_DS, EXACT_FP8, BLOCK_N,
+            )
+    else:
+        for start_n in range(0, full_hi, BLOCK_N):
+            s_int = _scores(q, start_n, offs_n, offs_d, dmask, nk, k_base, skn, skd, False)
+            ks = _key_scales(ks_base, start_n, offs_n, nk, sksn, PER_TOKEN, BLOCK_N)
+            acc, m_i, l_i = _softmax_pv(
+                acc, m_i, l_i, s_int, ks, qs, start_n, offs_m, offs_n, offs_d, dmask, nk,
+                causal_offset, v_base, ds_base, svn, svd, sdn, offset,
+                False, IS_CAUSAL, PER_TOKEN, PV_FP8, HAS_DS, EXACT_FP8, BLOCK_N,
+            )
+    for start_n in range(full_hi, hi, BLOCK_N):
+        s_int = _scores(q, start_n, offs_n, offs_d, dmask, nk, k_base, skn, skd, True)
+        ks = _key_scales(ks_base, start_n, offs_n, nk, sksn, PER_TOKEN, BLOCK_N)
+        acc, m_i, l_i = _softmax_pv(
+            acc, m_i, l_i, s_int, ks, qs, start_n, offs_m, offs_n, offs_d, dmask, nk,
+            causal_offset, v_base, ds_base, svn, svd, sdn, offset,
+            True, IS_CAUSAL, PER_TOKEN, PV_FP8, HAS_DS, EXACT_FP8, BLOCK_N,
+        )
+
+    out = finish_rows(acc, l_i, VS, VM, b * svsb + hk * svsh, offs_d, dmask, svsd, HAS_VSCALE,
+                      HAS_VMEAN)
+    tl.store(
+        O + b * sob + h * soh + (q_start + offs_m)[:, None] * son + offs_d[None, :] * sod,
+        out.to(O.dtype.element_ty), mask=mmask[:, None] & dmask[None, :],
+    )
+    if WRITE_LSE:
+        rows = q_start + offs_m
+        store_lse(LSE, b * seb + h * seh + rows * sen, LSH, b * slb + h * slh + rows * sln,
+                  m_i, l_i, offset, mmask, HAS_LSH)
+
+
+def fits(num_warps: int, block_d: int, block_n: int = 64, pipeline: bool = False) -> bool:
+    """Whether a candidate keeps its tiles in registers (ptxas -v, sm_80 to sm_90a): 4 warps at
+    D > 64 spill about 1 KB per thread, and the pipelined loop's second score tile spills from
+    128×128 keys × channels (304 bytes at D=128, block_k=128). The autotuner does not try them."""
+    return (num_warps >= 8 or block_d <= 64) and not (pipeline and block_n * block_d > 8192)
+
+
+def _prune(configs, named_args, **kwargs):
+    block_d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
+    block_n = kwargs.get("BLOCK_N", named_args.get("BLOCK_N"))
+    kept = [c for c in configs
+            if fits(c.num_warps, block_d, block_n, bool(c.kwargs.get("PIPELINE")))]
+    return kept or configs
+
+
+_attn_fwd_int8 = triton.autotune(
+    configs=triton_configs(CONFIGS, get_capability()),
+    prune_configs_by={"early_config_prune": _prune},
+    # N_BUCKET (a power of two of the key length, unused by the kernel): tune per length range.
+    key=["N_BUCKET", "BLOCK_D", "IS_CAUSAL", "PER_TOKEN", "PV_FP8", "VARLEN", "BLOCK_M", "BLOCK_N",
+         "Q_IN_KERNEL"],
+)(
+    triton.heuristics(
+        {
+            "HAS_VSCALE": lambda a: a["VS"] is not None,
+            "HAS_VMEAN": lambda a: a["VM"] is not None,
+            "HAS_DS": lambda a: a["DS"] is not None,
+            "HAS_LSH": lambda a: a["LSH"] is not None,
+            "WRITE_LSE": lambda a: a["LSE"] is not None,
+            "Q_IN_KERNEL": lambda a: a["QS"] is None,
+            "Q_CENTER": lambda a: 0 if a["QM"] is None else 2,
+            "Q_BALANCE": lambda a: 0 if a["AQ"] is None else 1,
+        }
+    )(_attn_fwd_int8_kernel)
+)
+
+
+def attention(
+    qz: QuantizedQKV,
+    *,
+    out: torch.Tensor,
+    pv: str,
+    granularity: str,
+    block_q: int,
+    block_k: int,
+    causal_offset: int | None,
+    return_lse: bool,
+    seqs_q: Seqs | None = None,
+    seqs_k: Seqs | None = None,
+) -> torch.Tensor | None:
+    """Run the kernel; writes ``out`` (logical ``[B, Hq, Nq, D]`` view or packed ``[total, Hq, D]``)
+    and returns the LSE (``[B, Hq, Nq]`` or ``[Hq, total]`` fp32) when asked."""
+    seqs_q = seqs_q or dense_seqs(qz.q)
+    seqs_k = seqs_k or dense_seqs(qz.k)
+    packed = seqs_q.packed
+    hq, d = qz.q.shape[1], qz.q.shape[-1]
+    hkv = qz.k.shape[1]
+    per_token = granularity == "per_token"
+    lse = None
+    if return_lse:
+        if packed:
+            lse = torch.empty((hq, qz.q.shape[0]), device=out.device, dtype=torch.float32)
+        else:
+            lse = torch.empty(qz.q.shape[:3], device=out.device, dtype=torch.float32)
+    vec = qz.v_scale if qz.v_scale is not None else qz.v_mean
+    fused = qz.q_raw
+    q_center = fused.center if fused is not None else None
+    amax_q, amax_k = fused.balance if fused is not None and fused.balance else (None, None)
+    grid = (triton.cdiv(seqs_q.max_len, block_q), seqs_q.batch * hq)
+    _attn_fwd_int8[grid](
+        qz.q, qz.k, qz.v, qz.q_scale, qz.k_scale, qz.v_scale, qz.v_mean, qz.delta_s, qz.lse_shift,
+        out, lse, seqs_q.cu_seqlens, seqs_k.cu_seqlens, q_center, amax_q, amax_k,
+        *bhnd_strides(qz.q, packed), *bhnd_strides(qz.k, packed), *bhnd_strides(qz.v, packed),
+        *row_strides(qz.q_scale, packed and per_token),
+        *row_strides(qz.k_scale, packed and per_token),
+        *(vec.stride() if vec is not None else (0, 0, 0)),
+        *(qz.delta_s.stride() if qz.delta_s is not None else (0, 0, 0, 0)),
+        *row_strides(qz.lse_shift, packed), *bhnd_strides(out, packed), *row_strides(lse, packed),
+        *(q_center.stride() if q_center is not None else (0, 0, 0, 0)),
+        *(amax_q.stride()[:2] if amax_q is not None else (0, 0)),
+        *(amax_k.stride()[:2] if amax_k is not None else (0, 0)),
+        fused.multiplier if fused is not None else 1.0,
+        seqs_q.max_len, seqs_k.max_len, hq, hq // hkv, d,
+        0 if causal_offset is None else int(causal_offset),
+        min(triton.next_power_of_2(seqs_k.max_len), 32768),
+        IS_CAUSAL=causal_offset is not None, PER_TOKEN=per_token, PV_FP8=pv == "fp8",
+        EXACT_FP8=exact_fp8(), VARLEN=packed,
+        BLOCK_M=block_q, BLOCK_N=block_k, BLOCK_D=next_pow2(d, minimum=32),  # int8 MMA: k ≥ 32
+    )
+    return lse

@@ -1,0 +1,248 @@
+"""Attention in plain PyTorch: exact attention (the oracle) and the quantized recipes' numerics.
+
+The quantized forward walks the key blocks in the kernel's order with the same online softmax in
+base 2, so it matches the Triton kernel to rounding, and it runs anywhere PyTorch does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lowbit_attn.core.operands import LN2, LOG2_FP8_MAX, QuantizedFP4, QuantizedQKV
+from lowbit_attn.quant.int8_naive import to_e4m3
+from lowbit_attn.quant.fp4_qkv_naive import dequantize_fp4, quantize_p, two_level_p
+
+
+def visible(nq: int, nk: int, causal_offset: int | None, device, rows=None, cols=None):
+    """Boolean ``[nq, nk]`` mask: key ``j`` is visible to query ``i`` iff ``j <= i + causal_offset``
+    (everything when ``causal_offset`` is None)."""
+    i = torch.arange(nq, device=device) if rows is None else rows
+    j = torch.arange(nk, device=device) if cols is None else cols
+    if causal_offset is None:
+        return torch.ones(len(i), len(j), dtype=torch.bool, device=device)
+    return j[None, :] <= i[:, None] + causal_offset
+
+
+def _expand_heads(x: torch.Tensor, hq: int) -> torch.Tensor:
+    """``[B, Hkv, ...]`` → ``[B, Hq, ...]`` (query head h reads KV head ``h // (Hq/Hkv)``)."""
+    group = hq // x.shape[1]
+    return x if group == 1 else x.repeat_interleave(group, dim=1)
+
+
+def exact_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    causal_offset: int | None = None,
+    dtype: torch.dtype = torch.float64,
+    chunk: int = 1024,
+    max_chunk_bytes: int = 1 << 28,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact softmax attention in ``dtype``, query rows in chunks whose score matrix stays under
+    ``max_chunk_bytes`` (so that long sequences do not allocate an N×N matrix).
+
+    Args:
+        q: ``[B, Hq, Nq, D]``; k, v: ``[B, Hkv, Nk, D]`` (HND).
+    Returns:
+        ``(out [B, Hq, Nq, D] in dtype, lse [B, Hq, Nq] natural log in dtype)``. Rows that see no key
+        give 0 and LSE ``-inf``.
+    """
+    hq = q.shape[1]
+    k = _expand_heads(k, hq).to(dtype)
+    v = _expand_heads(v, hq).to(dtype)
+    nq, nk = q.shape[2], k.shape[2]
+    row_bytes = q.shape[0] * hq * nk * torch.finfo(dtype).bits // 8
+    chunk = max(1, min(chunk, max_chunk_bytes // max(row_bytes, 1)))
+    outs, lses = [], []
+    for start in range(0, nq, chunk):
+        qc = q[:, :, start : start + chunk].to(dtype)
+        s = torch.matmul(qc, k.transpose(-1, -2)) * scale
+        rows = torch.arange(start, start + qc.shape[2], device=q.device)
+        mask = visible(nq, nk, causal_offset, q.device, rows=rows)
+        s = s.masked_fill(~mask, float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
+        p = torch.where(mask, p, torch.zeros((), dtype=dtype, device=q.device))
+        outs.append(torch.matmul(p, v))
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+
+def quantized_attention(
+    qz: QuantizedQKV,
+    *,
+    pv: str,
+    granularity: str,
+    block_q: int,
+    block_k: int,
+    causal_offset: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The INT8-Q·Kᵀ attention forward of the recipes, dense HND tensors.
+
+    Returns:
+        ``(out fp32 [B, Hq, Nq, D], lse fp32 [B, Hq, Nq])`` with the LSE in natural log of the
+        unsmoothed scores when ``qz.lse_shift`` is given (of the smoothed scores otherwise).
+    """
+    b, hq, nq, d = qz.q.shape
+    nk = qz.k.shape[2]
+    dev = qz.q.device
+    qf = qz.q.float()
+    kf = _expand_heads(qz.k, hq).float()
+    vf = _expand_heads(qz.v, hq).float()
+    if granularity == "per_block":
+        q_scale = qz.q_scale.repeat_interleave(block_q, dim=-1)[..., :nq]
+        k_scale = _expand_heads(qz.k_scale, hq).repeat_interleave(block_k, dim=-1)[..., :nk]
+    else:
+        q_scale = qz.q_scale
+        k_scale = _expand_heads(qz.k_scale, hq)
+    delta = None
+    if qz.delta_s is not None:
+        delta = qz.delta_s.repeat_interleave(block_q, dim=2)[:, :, :nq]
+
+    m = torch.full((b, hq, nq), float("-inf"), device=dev)
+    l_sum = torch.zeros((b, hq, nq), device=dev)
+    acc = torch.zeros((b, hq, nq, d), device=dev)
+    rows = torch.arange(nq, device=dev)
+    offset = LOG2_FP8_MAX if pv == "fp8" else 0.0
+    for start in range(0, nk, block_k):
+        stop = min(start + block_k, nk)
+        # int8 products summed in fp32 are exact: |sum| <= 127² · D < 2^24.
+        s_int = torch.matmul(qf, kf[:, :, start:stop].transpose(-1, -2))
+        if granularity == "per_block":
+            s = s_int * (q_scale.unsqueeze(-1) * k_scale[:, :, None, start:stop])
+        else:  # the kernels' order: the key scale first, then the query row's (see there)
+            s = (s_int * k_scale[:, :, None, start:stop]) * q_scale.unsqueeze(-1)
+        if delta is not None:
+            s = s + delta[..., start:stop]
+        mask = visible(nq, nk, causal_offset, dev, rows=rows, cols=torch.arange(start, stop, device=dev))
+        s = s.masked_fill(~mask, float("-inf"))
+        acc, m, l_sum = softmax_step(s, vf[:, :, start:stop], acc, m, l_sum, pv=pv)
+    v_scale = None if qz.v_scale is None else _expand_heads(qz.v_scale, hq).unsqueeze(-2)
+    return finish(acc, l_sum, m, offset, v_scale, qz.v_mean, qz.lse_shift)
+
+
+def softmax_step(s, v_block, acc, m, l_sum, *, pv: str):
+    """One key block of the quantized recipes' online softmax in base 2: scores ``s`` (``-inf``
+    where masked) against ``v_block`` (dequantized to fp32 up to its scale); P̃ rounded to E4M3
+    with the static offset ``log2 448`` (``pv="fp8"``) or to fp16. Returns ``(acc, m, l_sum)``."""
+    offset = LOG2_FP8_MAX if pv == "fp8" else 0.0
+    m_new = torch.maximum(m, s.amax(dim=-1))
+    m_safe = torch.where(torch.isneginf(m_new), 0.0, m_new)
+    alpha = torch.exp2(m - m_safe)
+    p = torch.exp2(s - (m_safe - offset).unsqueeze(-1))
+    l_sum = l_sum * alpha + p.sum(dim=-1)
+    p_q = to_e4m3(p) if pv == "fp8" else p.to(torch.float16)
+    acc = acc * alpha.unsqueeze(-1) + torch.matmul(p_q.float(), v_block)
+    return acc, m_new, l_sum
+
+
+def finish(acc, l_sum, m, offset, v_scale, v_mean, lse_shift):
+    """Normalise the accumulator, undo V's scale and smoothing, zero rows that saw no key; the LSE
+    in natural log (``offset``: what the exp2 added to every score, in base 2)."""
+    hq = acc.shape[1]
+    empty = l_sum == 0
+    out = acc / torch.where(empty, 1.0, l_sum).unsqueeze(-1)
+    if v_scale is not None:
+        out = out * v_scale
+    if v_mean is not None:
+        out = out + _expand_heads(v_mean, hq).unsqueeze(-2)
+    out = torch.where(empty.unsqueeze(-1), 0.0, out)
+    lse = (m + torch.log2(l_sum) - offset) * LN2
+    if lse_shift is not None:
+        lse = lse + lse_shift
+    return out, lse
+
+
+def fp4_attention(
+    qz: QuantizedFP4,
+    *,
+    head_dim: int,
+    block_q: int,
+    block_k: int,
+    causal_offset: int | None,
+    two_level: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP4 attention forward (SageAttention3 numerics), dense HND tensors, in the kernel's
+    block order.
+
+    Scores: the exact product of the dequantized operands (what a block-scaled FP4 MMA computes)
+    times ``qk_multiplier`` and the NVFP4 tensor scales, plus ΔS. P̃ is quantized per key block in
+    groups of keys: with ``two_level`` each row is first scaled so its block maximum sits at the
+    format's target (:func:`two_level_p`) and the factor ``s1`` is applied after P·V.
+
+    Returns:
+        ``(out fp32 [B, Hq, Nq, head_dim], lse fp32 [B, Hq, Nq])`` as :func:`quantized_attention`.
+    """
+    fmt = qz.fmt
+    b, hq, nq, _ = qz.q.shape
+    nk = qz.k.shape[2]
+    dev = qz.q.device
+    qf = dequantize_fp4(qz.q, qz.q_scale, fmt)
+    vf = _expand_heads(dequantize_fp4(qz.v, qz.v_scale, fmt), hq).transpose(-1, -2)
+    kf = dequantize_fp4(qz.k, qz.k_scale, fmt)  # padded to V's whole key blocks, as V is
+    kf = _expand_heads(torch.nn.functional.pad(kf, (0, 0, 0, vf.shape[-2] - nk)), hq)
+    mult = torch.full((b, hq), qz.qk_multiplier, device=dev)
+    if fmt == "nvfp4":
+        mult = mult * (qz.q_global * _expand_heads(qz.k_global, hq))
+    mult = mult[:, :, None, None]
+    delta = None
+    if qz.delta_s is not None:
+        delta = qz.delta_s.repeat_interleave(block_q, dim=2)[:, :, :nq]
+
+    m = torch.full((b, hq, nq), float("-inf"), device=dev)
+    l_sum = torch.zeros((b, hq, nq), device=dev)
+    acc = torch.zeros((b, hq, nq, vf.shape[-1]), device=dev)
+    rows = torch.arange(nq, device=dev)
+    for start in range(0, nk, block_k):
+        stop = start + block_k  # V is padded to whole blocks; masked keys give P̃ = 0
+        s = torch.matmul(qf, kf[:, :, start:stop].transpose(-1, -2)) * mult
+        if delta is not None:
+            s = s + torch.nn.functional.pad(delta[..., start:stop], (0, stop - min(stop, nk)))
+        cols = torch.arange(start, stop, device=dev)
+        mask = visible(nq, nk, causal_offset, dev, rows=rows, cols=cols) & (cols < nk)
+        s = s.masked_fill(~mask, float("-inf"))
+        block_max = s.amax(dim=-1)
+        m_new = torch.maximum(m, block_max)
+        m_safe = torch.where(torch.isneginf(m_new), 0.0, m_new)
+        alpha = torch.exp2(m - m_safe)
+        if two_level:
+            p, s1 = two_level_p(s, block_max, m_safe, fmt)
+        else:
+            p = torch.exp2(s - m_safe.unsqueeze(-1))
+            s1 = torch.ones_like(m_safe)
+        l_sum = l_sum * alpha + p.sum(dim=-1) * s1
+        pv = torch.matmul(quantize_p(p, fmt), vf[:, :, start:stop])
+        acc = acc * alpha.unsqueeze(-1) + pv * s1.unsqueeze(-1)
+        m = m_new
+    v_scale = None
+    if fmt == "nvfp4":
+        v_scale = _expand_heads(qz.v_global, hq)[:, :, None, None]
+    out, lse = finish(acc[..., :head_dim], l_sum, m, 0.0, v_scale, qz.v_mean, qz.lse_shift)
+    return out, lse
+
+
+def delta_s(qm: torch.Tensor, k: torch.Tensor, k_mean: torch.Tensor | None, scale_multiplier: float):
+    """Q-smoothing correction ``ΔS = mean(Q_block)·(K - mean(K))ᵀ``, fp32 (fp64 for fp64 inputs),
+    times ``scale_multiplier``.
+
+    Args:
+        qm: ``[B, Hq, nbq, D]`` fp32 block means of Q; k: ``[B, Hkv, Nk, D]``; k_mean: ``[B, Hkv, D]``.
+    Returns:
+        ``[B, Hq, nbq, Nk]``.
+    """
+    wide = torch.promote_types(k.dtype, torch.float32)
+    kf = k.to(wide)
+    if k_mean is not None:
+        kf = kf - k_mean.to(wide).unsqueeze(-2)
+    kf = _expand_heads(kf, qm.shape[1])
+    return torch.matmul(qm.to(wide), kf.transpose(-1, -2)) * scale_multiplier
+
+
+def lse_shift(q: torch.Tensor, k_mean: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    """``softmax_scale·(q·mean(K))`` per query row ``[B, Hq, Nq]``: what K smoothing took off each
+    row of scores, so the LSE can be reported for the unsmoothed scores."""
+    km = _expand_heads(k_mean, q.shape[1])
+    return torch.matmul(q.float(), km.unsqueeze(-1)).squeeze(-1) * softmax_scale
+

@@ -1,0 +1,184 @@
+"""Smoothing, balancing and quantization of Q, K, V for one call: the recipe's first stage.
+
+The same sequence of steps serves both backends; each step runs as a Triton kernel or as its
+PyTorch twin. On the Triton backend a call launches one statistics pass for the tensors that need
+statistics, and quantizes K and converts V in one more; Q is quantized in its own pass or by the
+attention kernel. The balancing factors and FP8 scales are computed inside the kernels that use
+them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lowbit_attn.core.operands import LOG2E, QuantizedFP4, QuantizedQKV, QuantizeInKernel
+from lowbit_attn.core.recipes import Recipe
+from lowbit_attn.inference import naive as ref_attn
+from lowbit_attn.quant import int8_naive as ref_quant
+from lowbit_attn.quant import fp4_qkv_naive as ref_quant_fp4
+
+
+def _ops(backend: str):
+    if backend == "triton":
+        from lowbit_attn.quant import int8 as kq
+
+        return kq, kq, kq
+    return ref_quant, ref_quant, ref_attn
+
+
+def _stats_all(backend: str, requests: dict[str, tuple], seqs: dict[str, object]) -> dict:
+    """``{name: (mean, amax)}`` for ``{name: (x, center, block)}``: one launch on the Triton
+    backend."""
+    if not requests:
+        return {}
+    names = list(requests)
+    if backend == "triton":
+        from lowbit_attn.quant import int8 as kq
+
+        found = kq.channel_stats_many(
+            *(kq.StatsRequest(*requests[n], seqs=seqs[n]) for n in names)
+        )
+    else:
+        found = [ref_quant.channel_stats(x, center=c, block=blk) for x, c, blk in requests.values()]
+    return dict(zip(names, found))
+
+
+def quantize_qkv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    recipe: Recipe,
+    softmax_scale: float,
+    *,
+    need_lse_shift: bool,
+    backend: str,
+    seqs_q=None,
+    seqs_k=None,
+    q_in_kernel: bool = False,
+    kv_stats_in_program: bool = False,
+) -> QuantizedQKV:
+    """Q, K, V (logical ``[B, H, N, D]`` views, or packed ``[total, H, D]`` with ``seqs_*`` on the
+    Triton backend) → :class:`QuantizedQKV`.
+
+    On the Triton backend the statistics of all three tensors take one launch and K's quantization
+    with V's conversion another. Options (Triton only; the same values either way):
+    ``q_in_kernel`` leaves Q unquantized, with what its quantization needs, for the attention
+    kernel to quantize itself; ``kv_stats_in_program`` has the K/V launch compute K's and V's
+    statistics itself, one program per (batch, head) reading its tensor twice, the second time from
+    L2 when it still holds it (the statistics launch then reads Q only)."""
+    _, quant, extra = _ops(backend)
+    triton_backend = backend == "triton"
+    if (q_in_kernel or kv_stats_in_program) and not triton_backend:
+        raise ValueError("q_in_kernel and kv_stats_in_program need the Triton backend")
+    kw_q = {"seqs": seqs_q} if triton_backend else {}
+    kw_k = {"seqs": seqs_k} if triton_backend else {}
+    k_center = "mean" if recipe.smooth_k else "none"
+    v_center = "mean" if recipe.smooth_v else "none"
+    # V gets a per-channel scale from its amax unless fp16 holds it exactly: FP8 always; fp16
+    # when V comes from another dtype (bf16/fp32 V can be tiny or past 65504) or is centered.
+    v_scaled = recipe.pv == "fp8" or recipe.smooth_v or v.dtype != torch.float16
+
+    requests = {}
+    if (recipe.smooth_k or recipe.balance_qk) and not kv_stats_in_program:
+        requests["k"] = (k, k_center, 0)
+    if recipe.smooth_q or recipe.balance_qk:
+        requests["q"] = (q, "block_mean" if recipe.smooth_q else "none", recipe.block_q)
+    if v_scaled and not kv_stats_in_program:
+        requests["v"] = (v, v_center, 0)
+    stats = _stats_all(backend, requests, {"q": seqs_q, "k": seqs_k, "v": seqs_k})
+    k_mean, k_amax = stats.get("k", (None, None))
+    q_mean, q_amax = stats.get("q", (None, None))
+    v_mean, v_amax = stats.get("v", (None, None))
+
+    multiplier = softmax_scale * LOG2E
+    k_args = dict(granularity=recipe.granularity, block=recipe.block_k, center=k_mean,
+                  balance=(q_amax, k_amax) if recipe.balance_qk else None, balance_role="k")
+    if triton_backend:
+        own = kv_stats_in_program
+        (k8, k_scale, k_stats), (vq, v_scale, v_stats) = quant.quantize(
+            quant.Int8Request(k, **k_args, own_stats=k_center if own else None),
+            quant.VRequest(v, recipe.pv, v_mean, v_amax, own_stats=v_center if own else None,
+                           scaled=v_scaled),
+            seqs=seqs_k,
+        )
+        if own:  # what the launch computed
+            k_mean, k_amax = k_stats
+            v_mean, v_amax = v_stats
+            v_mean = v_mean if recipe.smooth_v else None
+    else:
+        k8, k_scale = quant.quantize_int8(k, **k_args)
+        vq, v_scale = quant.convert_v(v, pv=recipe.pv, center=v_mean, amax=v_amax)
+
+    balance = (q_amax, k_amax) if recipe.balance_qk else None
+    q_args = dict(granularity=recipe.granularity, block=recipe.block_q, center=q_mean,
+                  center_per_block=True, balance=balance, balance_role="q",
+                  scale_multiplier=multiplier)
+    if q_in_kernel:
+        q8, q_scale = q, None
+    else:
+        q8, q_scale = quant.quantize_int8(q, **q_args, **kw_q)
+
+    delta = shift = None
+    if recipe.smooth_q:
+        kw_ds = {"block_q": recipe.block_q, "seqs_q": seqs_q, **kw_k} if triton_backend else {}
+        delta = extra.delta_s(q_mean, k, k_mean, multiplier, **kw_ds)
+    if need_lse_shift and k_mean is not None:
+        shift = extra.lse_shift(q, k_mean, softmax_scale, **kw_q)
+    return QuantizedQKV(
+        q=q8, q_scale=q_scale, k=k8, k_scale=k_scale, v=vq, v_scale=v_scale, v_mean=v_mean,
+        delta_s=delta, lse_shift=shift,
+        q_raw=QuantizeInKernel(q_mean, balance, multiplier) if q_in_kernel else None,
+    )
+
+
+def quantize_qkv_fp4(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    recipe: Recipe,
+    softmax_scale: float,
+    *,
+    need_lse_shift: bool,
+    backend: str,
+) -> QuantizedFP4:
+    """Dense Q, K, V (logical ``[B, H, N, D]`` views) → :class:`QuantizedFP4` for an FP4 recipe.
+
+    NVFP4's per-(batch, head) tensor scales come from the per-channel amax of the smoothed tensor,
+    so each tensor that is quantized to NVFP4 gets a statistics pass even without smoothing.
+    """
+    stats, _, extra = _ops(backend)
+    if backend == "triton":
+        from lowbit_attn.quant import fp4_qkv as fp4
+    else:
+        fp4 = ref_quant_fp4
+    fmt = recipe.qk
+    nv = fmt == "nvfp4"
+
+    k_mean = k_amax = q_mean = q_amax = v_mean = v_amax = None
+    if recipe.smooth_k or nv:
+        k_mean, k_amax = stats.channel_stats(k, center="mean" if recipe.smooth_k else "none")
+    if recipe.smooth_q or nv:
+        q_mean, q_amax = stats.channel_stats(
+            q, center="block_mean" if recipe.smooth_q else "none", block=recipe.block_q
+        )
+    if recipe.smooth_v or nv:
+        v_mean, v_amax = stats.channel_stats(v, center="mean" if recipe.smooth_v else "none")
+    q4, q_scale, q_global = fp4.quantize_qk_fp4(
+        q, fmt, center=q_mean, center_per_block=True, block=recipe.block_q, amax=q_amax
+    )
+    k4, k_scale, k_global = fp4.quantize_qk_fp4(k, fmt, center=k_mean, amax=k_amax)
+    v4, v_scale, v_global = fp4.quantize_v_fp4(
+        v, fmt, block_k=recipe.block_k, center=v_mean, amax=v_amax
+    )
+    multiplier = softmax_scale * LOG2E
+    delta = shift = None
+    if recipe.smooth_q:
+        kw_ds = {"block_q": recipe.block_q} if backend == "triton" else {}
+        delta = extra.delta_s(q_mean, k, k_mean, multiplier, **kw_ds)
+    if need_lse_shift and k_mean is not None:
+        shift = extra.lse_shift(q, k_mean, softmax_scale)
+    return QuantizedFP4(
+        fmt=fmt, q=q4, q_scale=q_scale, k=k4, k_scale=k_scale, v=v4, v_scale=v_scale,
+        qk_multiplier=multiplier, q_global=q_global, k_global=k_global, v_global=v_global,
+        v_mean=v_mean if recipe.smooth_v else None, delta_s=delta, lse_shift=shift,
+    )

@@ -1,0 +1,625 @@
+"""Triton kernels that prepare Q, K and V: per-channel statistics, then smoothing, balancing and
+quantization fused in one pass per tensor. Twins: ``lowbit_attn.quant.int8_naive``.
+
+Every launcher takes a logical ``[B, H, N, D]`` tensor (any strides) or, with ``seqs`` packed, a
+``[total, H, D]`` tensor whose sequences ``cu_seqlens`` delimits; statistics are per sequence.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from lowbit_attn.core.operands import FP16_V_KEEP_HI, FP16_V_KEEP_LO, Seqs, dense_seqs
+from lowbit_attn.core.triton_helpers import (
+    batch_head, bhnd_strides, exact_fp8, next_pow2, row_strides, seq_span, to_e4m3,
+)
+from lowbit_attn.quant.tile import load_centered, quantize_int8_tile
+
+CENTERS = {"none": 0, "mean": 1, "block_mean": 2}
+# Globals read inside @triton.jit functions must be constexpr.
+_KEEP_LO = tl.constexpr(FP16_V_KEEP_LO)
+_KEEP_HI = tl.constexpr(FP16_V_KEEP_HI)
+
+
+@triton.jit
+def _stats_program(
+    X, MEAN, AMAX, CU, b, h, pid_d,
+    sxb, sxh, sxn, sxd, smb, smh, smk, smd, sab, sah, sad, N, D,
+    CENTER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
+):
+    """Channel statistics of ``BLOCK_D`` channels of one (batch, head): the amax about the
+    ``CENTER`` (0 none, 1 the mean, 2 each block's mean), and the mean(s) when centering."""
+    start, n = seq_span(CU, b, N, VARLEN)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    base = X + b * sxb + h * sxh + start * sxn
+    total = tl.zeros([BLOCK_D], dtype=tl.float32)
+    hi = tl.full([BLOCK_D], float("-inf"), tl.float32)
+    lo = tl.full([BLOCK_D], float("inf"), tl.float32)
+    amax = tl.zeros([BLOCK_D], dtype=tl.float32)
+    poison = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for i in range(0, n, BLOCK_N):
+        rows = i + tl.arange(0, BLOCK_N)
+        rmask = rows < n
+        mask = rmask[:, None] & dmask[None, :]
+        x = tl.load(base + rows[:, None] * sxn + offs_d[None, :] * sxd, mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        poison += tl.sum(x * 0.0, axis=0)
+        if CENTER == 2:
+            count = tl.minimum(n - i, BLOCK_N).to(tl.float32)
+            bmean = tl.sum(x, axis=0) / count
+            bhi = tl.max(tl.where(mask, x, float("-inf")), axis=0)
+            blo = tl.min(tl.where(mask, x, float("inf")), axis=0)
+            amax = tl.maximum(amax, tl.maximum(bhi - bmean, bmean - blo))
+            tl.store(
+                MEAN + b * smb + h * smh + (i // BLOCK_N) * smk + offs_d * smd, bmean, mask=dmask
+            )
+        else:
+            total += tl.sum(x, axis=0)
+            hi = tl.maximum(hi, tl.max(tl.where(mask, x, float("-inf")), axis=0))
+            lo = tl.minimum(lo, tl.min(tl.where(mask, x, float("inf")), axis=0))
+    if CENTER == 1:
+        mean = total / tl.maximum(n, 1)  # an empty sequence's mean is 0, as its amax
+        amax = tl.maximum(hi - mean, mean - lo)
+        tl.store(MEAN + b * smb + h * smh + offs_d * smd, mean, mask=dmask)
+    elif CENTER == 0:
+        amax = tl.maximum(hi, -lo)
+    amax = tl.where(n > 0, amax, 0.0)  # not -inf: no token, no magnitude
+    tl.store(AMAX + b * sab + h * sah + offs_d * sad, amax + poison, mask=dmask)
+
+
+@triton.jit
+def _channel_stats_kernel(
+    X0, MEAN0, AMAX0, CU0, sxb0, sxh0, sxn0, sxd0, smb0, smh0, smk0, smd0, sab0, sah0, sad0, N0, H0,
+    X1, MEAN1, AMAX1, CU1, sxb1, sxh1, sxn1, sxd1, smb1, smh1, smk1, smd1, sab1, sah1, sad1, N1, H1,
+    X2, MEAN2, AMAX2, CU2, sxb2, sxh2, sxn2, sxd2, smb2, smh2, smk2, smd2, sab2, sah2, sad2, N2, H2,
+    NB, D,
+    CENTER0: tl.constexpr, CENTER1: tl.constexpr, CENTER2: tl.constexpr,
+    BLOCK_N0: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_N2: tl.constexpr,
+    BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
+):
+    """Statistics of up to three tensors in one launch (``CENTERi`` -1: no tensor ``i``); program
+    ``pid`` of axis 0 runs (batch, head) ``pid`` of the first tensor, then of the second, ..."""
+    pid = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    n0 = NB * H0
+    n1 = NB * H1
+    if CENTER0 >= 0 and pid < n0:
+        b, h = batch_head(pid, H0)
+        _stats_program(X0, MEAN0, AMAX0, CU0, b, h, pid_d, sxb0, sxh0, sxn0, sxd0,
+                       smb0, smh0, smk0, smd0, sab0, sah0, sad0, N0, D,
+                       CENTER0, BLOCK_N0, BLOCK_D, VARLEN)
+    elif CENTER1 >= 0 and pid < n0 + n1:
+        b, h = batch_head(pid - n0, H1)
+        _stats_program(X1, MEAN1, AMAX1, CU1, b, h, pid_d, sxb1, sxh1, sxn1, sxd1,
+                       smb1, smh1, smk1, smd1, sab1, sah1, sad1, N1, D,
+                       CENTER1, BLOCK_N1, BLOCK_D, VARLEN)
+    elif CENTER2 >= 0:
+        b, h = batch_head(pid - n0 - n1, H2)
+        _stats_program(X2, MEAN2, AMAX2, CU2, b, h, pid_d, sxb2, sxh2, sxn2, sxd2,
+                       smb2, smh2, smk2, smd2, sab2, sah2, sad2, N2, D,
+                       CENTER2, BLOCK_N2, BLOCK_D, VARLEN)
+
+
+class StatsRequest(NamedTuple):
+    """One tensor whose channel statistics a launch computes (see :func:`channel_stats`)."""
+
+    x: torch.Tensor
+    center: str
+    block: int = 0
+    seqs: Seqs | None = None
+
+
+def _stats_args(req: StatsRequest | None):
+    """Buffers, kernel arguments and constexprs of one part of ``_channel_stats_kernel``."""
+    if req is None:
+        return None, (None, None, None, None, *(0,) * 11, 1, 0), -1, 64
+    seqs = req.seqs or dense_seqs(req.x)
+    x, h, d = req.x, req.x.shape[1], req.x.shape[-1]
+    mode = CENTERS[req.center]
+    amax = torch.empty((seqs.batch, h, d), device=x.device, dtype=torch.float32)
+    if mode == 2:
+        nb = triton.cdiv(seqs.max_len, req.block)
+        mean = torch.zeros((seqs.batch, h, nb, d), device=x.device, dtype=torch.float32)
+        mstrides = mean.stride()
+    elif mode == 1:
+        mean = torch.empty((seqs.batch, h, d), device=x.device, dtype=torch.float32)
+        mstrides = (mean.stride(0), mean.stride(1), 0, mean.stride(2))
+    else:
+        mean = None
+        mstrides = (0, 0, 0, 0)
+    args = (x, mean, amax, seqs.cu_seqlens, *bhnd_strides(x, seqs.packed), *mstrides,
+            *amax.stride(), seqs.max_len, h)
+    return (mean, amax), args, mode, req.block if mode == 2 else 64
+
+
+def channel_stats_many(*requests: StatsRequest) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
+    """``(mean, amax)`` of one to three tensors (same batch, head dim and layout) in one launch."""
+    if not 1 <= len(requests) <= 3:
+        raise ValueError(f"channel_stats_many: 1 to 3 tensors, got {len(requests)}")
+    parts = [_stats_args(r) for r in requests] + [_stats_args(None)] * (3 - len(requests))
+    first = requests[0]
+    seqs = first.seqs or dense_seqs(first.x)
+    d = first.x.shape[-1]
+    assert all((r.seqs is not None and r.seqs.packed) == seqs.packed for r in requests[1:])
+    block_d = min(32, next_pow2(d))
+    programs = sum(r.x.shape[1] for r in requests) * seqs.batch
+    _channel_stats_kernel[(programs, triton.cdiv(d, block_d))](
+        *parts[0][1], *parts[1][1], *parts[2][1], seqs.batch, d,
+        CENTER0=parts[0][2], CENTER1=parts[1][2], CENTER2=parts[2][2],
+        BLOCK_N0=parts[0][3], BLOCK_N1=parts[1][3], BLOCK_N2=parts[2][3],
+        BLOCK_D=block_d, VARLEN=seqs.packed,
+    )
+    return [p[0] for p in parts[: len(requests)]]
+
+
+def channel_stats(
+    x: torch.Tensor, *, center: str, block: int = 0, seqs: Seqs | None = None
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Triton twin of :func:`lowbit_attn.quant.int8_naive.channel_stats` (equal to rounding: the
+    sums are taken in another order)."""
+    return channel_stats_many(StatsRequest(x, center, block, seqs))[0]
+
+
+@triton.jit
+def _int8_program(
+    X, OUT, SCALE, CENTER_PTR, AQ, AK, CU, pid_n, b, h,
+    sxb, sxh, sxn, sxd, sob, soh, son, sod, ssb, ssh, ssn, scb, sch, sck, scd,
+    saqb, saqh, sakb, sakh, N, D, GROUP, scale_multiplier,
+    PER_TOKEN: tl.constexpr, CENTER: tl.constexpr, BALANCE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
+):
+    start, n = seq_span(CU, b, N, VARLEN)
+    if pid_n * BLOCK_N < n:
+        q, scale, rows, offs_d, mask = quantize_int8_tile(
+            X, CENTER_PTR, AQ, AK, b, h, start, pid_n, n,
+            sxb, sxh, sxn, sxd, scb, sch, sck, scd, saqb, saqh, sakb, sakh, D, GROUP,
+            PER_TOKEN, CENTER, BALANCE, BLOCK_N, BLOCK_D,
+        )
+        if PER_TOKEN:
+            tl.store(SCALE + b * ssb + h * ssh + (start + rows) * ssn, scale * scale_multiplier,
+                     mask=rows < n)
+        else:
+            tl.store(SCALE + b * ssb + h * ssh + pid_n * ssn, scale * scale_multiplier)
+        tl.store(OUT + b * sob + h * soh + (start + rows)[:, None] * son + offs_d[None, :] * sod,
+                 q, mask=mask)
+
+
+@triton.jit
+def _fp16_v_scale(amax):
+    """``(2^e, 2^-e)`` of each channel's amax, from its bits. Twin:
+    ``reference.quant.fp16_v_scale``."""
+    biased = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    exp = biased - 127
+    keep = (biased == 255) | (amax == 0.0) | ((exp >= _KEEP_LO) & (exp <= _KEEP_HI))
+    e = tl.where(keep, 0, tl.maximum(exp - _KEEP_HI, -126))
+    return ((e + 127) << 23).to(tl.float32, bitcast=True), \
+        ((127 - e) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _convert_v_program(
+    X, OUT, CENTER_PTR, AMAX, SCALE, CU, pid_n, b, h,
+    sxb, sxh, sxn, sxd, sob, soh, son, sod, scb, sch, scd, N, D,
+    FP8: tl.constexpr, SCALED: tl.constexpr, CENTER: tl.constexpr, EXACT_FP8: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
+):
+    start, n = seq_span(CU, b, N, VARLEN)
+    if pid_n * BLOCK_N < n:
+        x, rows, offs_d, mask = load_centered(
+            X, CENTER_PTR, b, h, start, pid_n, n,
+            sxb, sxh, sxn, sxd, scb, sch, 0, scd, D,
+            CENTER, BLOCK_N, BLOCK_D,
+        )
+        if SCALED:  # FP8 always, fp16 when asked
+            amax = tl.load(AMAX + b * scb + h * sch + offs_d * scd, mask=offs_d < D, other=0.0)
+            if FP8:
+                s = amax * (1.0 / 448.0)
+                s = tl.where(s == 0.0, 1.0, s)
+            else:
+                s, inverse = _fp16_v_scale(amax)
+            if pid_n == 0:
+                tl.store(SCALE + b * scb + h * sch + offs_d * scd, s, mask=offs_d < D)
+        if FP8:
+            y = to_e4m3(tl.div_rn(x, s[None, :]), EXACT_FP8)
+        elif SCALED:
+            y = (x * inverse[None, :]).to(tl.float16)
+        else:
+            y = x.to(tl.float16)
+        tl.store(OUT + b * sob + h * soh + (start + rows)[:, None] * son + offs_d[None, :] * sod,
+                 y, mask=mask)
+
+
+@triton.jit
+def _token_blocks(CU, b, N, OWN_STATS: tl.constexpr, BLOCK_N: tl.constexpr,
+                  VARLEN: tl.constexpr):
+    """``[first, last)`` token blocks a program quantizes: its sequence's all (``OWN_STATS``), or
+    block ``program_id(0)`` alone."""
+    if OWN_STATS:
+        _, n = seq_span(CU, b, N, VARLEN)
+        return 0, tl.cdiv(n, BLOCK_N)
+    else:
+        return tl.program_id(0), tl.program_id(0) + 1
+
+
+@triton.jit
+def _quantize_kernel(
+    X, OUT, SCALE, CENTER_PTR, AQ, AK,
+    sxb, sxh, sxn, sxd, sob, soh, son, sod, ssb, ssh, ssn, scb, sch, sck, scd,
+    saqb, saqh, sakb, sakh, H, GROUP, scale_multiplier,
+    VX, VOUT, VCENTER, VAMAX, VSCALE,
+    svxb, svxh, svxn, svxd, svob, svoh, svon, svod, svcb, svch, svcd, HV,
+    CU, N, D,
+    HAS_INT8: tl.constexpr, PER_TOKEN: tl.constexpr, CENTER: tl.constexpr,
+    BALANCE: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_V: tl.constexpr, FP8: tl.constexpr, V_SCALED: tl.constexpr, V_CENTER: tl.constexpr,
+    EXACT_FP8: tl.constexpr,
+    V_BLOCK_N: tl.constexpr, OWN_STATS: tl.constexpr,
+    BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
+):
+    """INT8 quantization of one tensor (Q or K) and/or V's conversion, in one launch: programs
+    ``(pid_n, pid)`` of axis 1 run (batch, head) ``pid`` of the INT8 tensor, then of V.
+
+    ``OWN_STATS``: one program per (batch, head) and tensor (axis 0 has one program), which first
+    computes the channel statistics its quantization needs (stored, for the later stages), then
+    quantizes the whole sequence, reading it a second time (from L2 when it still holds it)."""
+    pid = tl.program_id(1)
+    n_int8 = 0
+    if HAS_INT8:
+        n_int8 = H * (tl.num_programs(1) // (H + HV))
+    if HAS_INT8 and pid < n_int8:
+        b, h = batch_head(pid, H)
+        if OWN_STATS:
+            _stats_program(X, CENTER_PTR, AK, CU, b, h, 0, sxb, sxh, sxn, sxd,
+                           scb, sch, 0, scd, sakb, sakh, 1, N, D, CENTER, 64, BLOCK_D, VARLEN)
+            tl.debug_barrier()  # the statistics are read back by every thread
+        first, last = _token_blocks(CU, b, N, OWN_STATS, BLOCK_N, VARLEN)
+        for pid_n in range(first, last):
+            _int8_program(
+                X, OUT, SCALE, CENTER_PTR, AQ, AK, CU, pid_n, b, h,
+                sxb, sxh, sxn, sxd, sob, soh, son, sod, ssb, ssh, ssn, scb, sch, sck, scd,
+                saqb, saqh, sakb, sakh, N, D, GROUP, scale_multiplier,
+                PER_TOKEN, CENTER, BALANCE, BLOCK_N, BLOCK_D, VARLEN,
+            )
+    elif HAS_V:
+        b, h = batch_head(pid - n_int8, HV)
+        if OWN_STATS and (V_SCALED or V_CENTER == 1):
+            _stats_program(VX, VCENTER, VAMAX, CU, b, h, 0, svxb, svxh, svxn, svxd,
+                           svcb, svch, 0, svcd, svcb, svch, svcd, N, D, V_CENTER, 64, BLOCK_D,
+                           VARLEN)
+            tl.debug_barrier()
+        first, last = _token_blocks(CU, b, N, OWN_STATS, V_BLOCK_N, VARLEN)
+        for pid_n in range(first, last):
+            _convert_v_program(
+                VX, VOUT, VCENTER, VAMAX, VSCALE, CU, pid_n, b, h,
+                svxb, svxh, svxn, svxd, svob, svoh, svon, svod, svcb, svch, svcd, N, D,
+                FP8, V_SCALED, V_CENTER, EXACT_FP8, V_BLOCK_N, BLOCK_D, VARLEN,
+            )
+
+
+def _warps(rows: int, d: int) -> int:
+    """A tile of ``rows × d`` fp32 values: 8 warps from 8k elements on, to keep it in registers."""
+    return 8 if rows * d >= 8192 else 4
+
+
+def _new_like_layout(x: torch.Tensor, seqs: Seqs, dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous buffer for ``x``'s logical shape (``[B, H, N, D]`` or packed ``[total, H, D]``)."""
+    return torch.empty(x.shape, device=x.device, dtype=dtype)
+
+
+def _per_token_vector(x: torch.Tensor, seqs: Seqs) -> torch.Tensor:
+    if seqs.packed:
+        return torch.empty((x.shape[1], x.shape[0]), device=x.device, dtype=torch.float32)
+    return torch.empty(x.shape[:3], device=x.device, dtype=torch.float32)
+
+
+def _center_strides(center, center_per_block):
+    if center is None:
+        return (0, 0, 0, 0)
+    if center_per_block:
+        return tuple(center.stride())
+    return (center.stride(0), center.stride(1), 0, center.stride(2))
+
+
+def _channel_vector_strides(vec: torch.Tensor | None) -> tuple[int, int]:
+    """(batch, head) strides of a contiguous ``[B, H, D]`` statistics vector."""
+    if vec is None:
+        return (0, 0)
+    assert vec.is_contiguous()
+    return (vec.stride(0), vec.stride(1))
+
+
+class Int8Request(NamedTuple):
+    """Q or K to quantize to INT8 (see :func:`quantize_int8`). ``own_stats`` (``"mean"`` or
+    ``"none"``, K only): the launch computes K's channel statistics itself, centering on the mean
+    or not; ``center`` is then ignored and ``balance`` holds ``(amax_q, None)``."""
+
+    x: torch.Tensor
+    granularity: str
+    block: int
+    center: torch.Tensor | None = None
+    center_per_block: bool = False
+    balance: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    balance_role: str = "q"
+    scale_multiplier: float = 1.0
+    own_stats: str | None = None
+
+
+class VRequest(NamedTuple):
+    """V to convert for P·V (see :func:`convert_v`). ``own_stats`` (``"mean"`` or ``"none"``): the
+    launch computes V's statistics itself; ``center`` and ``amax`` are then ignored. ``scaled``
+    (fp16 only; FP8 always is): a power-of-two scale per channel from ``amax`` (given, or computed
+    with ``own_stats``)."""
+
+    x: torch.Tensor
+    pv: str
+    center: torch.Tensor | None = None
+    amax: torch.Tensor | None = None
+    own_stats: str | None = None
+    scaled: bool = True
+
+
+def _stats_buffers(x: torch.Tensor, seqs: Seqs, center: str):
+    """``(mean or None, amax)`` fp32 ``[B, H, D]`` buffers for statistics a launch computes."""
+    shape = (seqs.batch, x.shape[1], x.shape[-1])
+    mean = torch.empty(shape, device=x.device, dtype=torch.float32) if center == "mean" else None
+    return mean, torch.empty(shape, device=x.device, dtype=torch.float32)
+
+
+def _int8_part(req: Int8Request | None, seqs: Seqs):
+    """Outputs, kernel arguments and constexprs of the INT8 part of ``_quantize_kernel``."""
+    if req is None:
+        return None, (None,) * 6 + (0,) * 20 + (1, 1.0), dict(
+            HAS_INT8=False, PER_TOKEN=False, CENTER=0, BALANCE=0, BLOCK_N=64)
+    stats = None
+    if req.own_stats is not None:
+        if req.center_per_block:
+            raise ValueError("own_stats computes per-sequence statistics, not block means")
+        mean, amax = stats = _stats_buffers(req.x, seqs, req.own_stats)
+        balance = (req.balance[0], amax) if req.balance is not None else None
+        req = req._replace(center=mean, balance=balance)
+    x, h = req.x, req.x.shape[1]
+    out = _new_like_layout(x, seqs, torch.int8)
+    per_token = req.granularity == "per_token"
+    if per_token:
+        scale = _per_token_vector(x, seqs)
+    else:  # blocks past a short sequence's end stay unwritten; the attention never reads them
+        scale = torch.empty((seqs.batch, h, triton.cdiv(seqs.max_len, req.block)),
+                            device=x.device)
+    mode = 0 if req.center is None else (2 if req.center_per_block else 1)
+    amax_q, amax_k = req.balance if req.balance is not None else (None, None)
+    group = amax_q.shape[1] // amax_k.shape[1] if req.balance is not None else 1
+    if stats is not None and amax_k is None:
+        amax_k = stats[1]  # where the launch stores K's amax
+    args = (
+        x, out, scale, req.center, amax_q, amax_k,
+        *bhnd_strides(x, seqs.packed), *bhnd_strides(out, seqs.packed),
+        *row_strides(scale, seqs.packed and per_token),
+        *_center_strides(req.center, req.center_per_block),
+        *_channel_vector_strides(amax_q), *_channel_vector_strides(amax_k),
+        h, group, float(req.scale_multiplier),
+    )
+    constexprs = dict(
+        HAS_INT8=True, PER_TOKEN=per_token, CENTER=mode,
+        BALANCE=0 if req.balance is None else (1 if req.balance_role == "q" else 2),
+        BLOCK_N=req.block,
+    )
+    return (out, scale, stats), args, constexprs
+
+
+def _v_part(req: VRequest | None, seqs: Seqs):
+    """Outputs, kernel arguments and constexprs of the V part of ``_quantize_kernel``."""
+    if req is None:
+        return None, (None,) * 5 + (0,) * 12, dict(HAS_V=False, FP8=False, V_SCALED=False,
+                                                   V_CENTER=0, V_BLOCK_N=64)
+    stats = None
+    if req.own_stats is not None:
+        mean, amax = stats = _stats_buffers(req.x, seqs, req.own_stats)
+        req = req._replace(center=mean, amax=amax)
+    x, h, d = req.x, req.x.shape[1], req.x.shape[-1]
+    scaled = req.pv == "fp8" or req.scaled
+    if scaled and req.amax is None:
+        raise ValueError("a scaled V needs its amax (or own_stats)")
+    if req.pv == "fp8":
+        if seqs.packed:
+            total = x.shape[0]
+            buf = torch.empty((h, d, triton.cdiv(total, 16) * 16), device=x.device,
+                              dtype=torch.float8_e4m3fn)
+            out = buf[:, :, :total].permute(2, 0, 1)
+        else:
+            buf = torch.empty((x.shape[0], h, d, triton.cdiv(x.shape[2], 16) * 16),
+                              device=x.device, dtype=torch.float8_e4m3fn)
+            out = buf[..., : x.shape[2]].transpose(-1, -2)
+    else:
+        out = _new_like_layout(x, seqs, torch.float16)
+    scale = None
+    if scaled:
+        scale = torch.empty((seqs.batch, h, d), device=x.device, dtype=torch.float32)
+    # center, amax and scale are contiguous [B, H, D] channel vectors: one set of strides.
+    for vec in (req.center, req.amax):
+        assert vec is None or (vec.is_contiguous() and vec.shape == (seqs.batch, h, d))
+    args = (x, out, req.center, req.amax, scale,
+            *bhnd_strides(x, seqs.packed), *bhnd_strides(out, seqs.packed), h * d, d, 1, h)
+    constexprs = dict(HAS_V=True, FP8=req.pv == "fp8", V_SCALED=scaled,
+                      V_CENTER=0 if req.center is None else 1, V_BLOCK_N=64)
+    return (out, scale, stats), args, constexprs
+
+
+def quantize(
+    int8: Int8Request | None = None, v: VRequest | None = None, *, seqs: Seqs | None = None
+) -> tuple:
+    """Quantize a tensor to INT8 and/or convert V, in one launch (``seqs``: both tensors' common
+    sequences). Returns ``(values, scale, stats)`` for each (``None`` when not asked); ``stats`` is
+    ``(mean, amax)`` when the request asked the launch to compute them (``own_stats``; then both
+    requests must), else ``None``."""
+    first = int8.x if int8 is not None else v.x
+    seqs = seqs or dense_seqs(first)
+    own = {r.own_stats is not None for r in (int8, v) if r is not None}
+    if len(own) != 1:
+        raise ValueError("own_stats must be set on both requests of a launch or on neither")
+    own_stats = own.pop()
+    outs_i, args_i, const_i = _int8_part(int8, seqs)
+    outs_v, args_v, const_v = _v_part(v, seqs)
+    heads_i = int8.x.shape[1] if int8 is not None else 0
+    heads_v = v.x.shape[1] if v is not None else 0
+    block_rows = [c for c, present in ((const_i["BLOCK_N"], int8), (const_v["V_BLOCK_N"], v))
+                  if present is not None]
+    rows = max(block_rows)
+    d = first.shape[-1]
+    if own_stats:
+        rows = max(rows, 64)  # the statistics loop's tile
+        blocks = 1
+    else:  # axis 0 covers the smaller blocks; programs past a part's own blocks do nothing
+        blocks = triton.cdiv(seqs.max_len, min(block_rows))
+    _quantize_kernel[(blocks, seqs.batch * (heads_i + heads_v))](
+        *args_i, *args_v, seqs.cu_seqlens, seqs.max_len, d,
+        **const_i, **const_v, OWN_STATS=own_stats, EXACT_FP8=exact_fp8(), BLOCK_D=next_pow2(d),
+        VARLEN=seqs.packed, num_warps=_warps(rows, d),
+    )
+    return outs_i, outs_v
+
+
+def quantize_int8(
+    x: torch.Tensor,
+    *,
+    granularity: str,
+    block: int,
+    center: torch.Tensor | None = None,
+    center_per_block: bool = False,
+    balance: tuple[torch.Tensor, torch.Tensor] | None = None,
+    balance_role: str = "q",
+    scale_multiplier: float = 1.0,
+    seqs: Seqs | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of :func:`lowbit_attn.quant.int8_naive.quantize_int8` (bit-identical)."""
+    req = Int8Request(x, granularity, block, center, center_per_block, balance, balance_role,
+                      scale_multiplier)
+    return quantize(req, seqs=seqs)[0][:2]
+
+
+def convert_v(
+    x: torch.Tensor,
+    *,
+    pv: str,
+    center: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
+    seqs: Seqs | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Triton twin of :func:`lowbit_attn.quant.int8_naive.convert_v` (bit-identical). The E4M3
+    values are stored token-contiguous (``[B, H, D, N']``, returned as a transposed view), the
+    operand order FP8 tensor cores need."""
+    return quantize(v=VRequest(x, pv, center, amax, scaled=amax is not None), seqs=seqs)[1][:2]
+
+
+@triton.heuristics({"HAS_KMEAN": lambda args: args["KMEAN"] is not None})
+@triton.jit
+def _delta_s_kernel(
+    QM, K, KMEAN, DS, CUQ, CUK,
+    sqb, sqh, sqk, sqd,
+    skb, skh, skn, skd,
+    smb, smh, smd,
+    sdb, sdh, sdq, sdn,
+    NQ, NK, HQ, GROUP, D, scale_multiplier,
+    HAS_KMEAN: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b, h = batch_head(pid_bh, HQ)
+    hk = h // GROUP
+    k_start, nk = seq_span(CUK, b, NK, VARLEN)
+    q_start, nq = seq_span(CUQ, b, NQ, VARLEN)
+    if pid_n * BLOCK_N >= nk:
+        return
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    kmask = (cols < nk)[:, None] & dmask[None, :]
+    k = tl.load(K + b * skb + hk * skh + (k_start + cols)[:, None] * skn + offs_d[None, :] * skd,
+                mask=kmask, other=0.0).to(tl.float32)
+    if HAS_KMEAN:
+        km = tl.load(KMEAN + b * smb + hk * smh + offs_d * smd, mask=dmask, other=0.0)
+        k = tl.where(kmask, k - km[None, :], 0.0)
+    for qb in range(0, tl.cdiv(nq, BLOCK_Q)):
+        qm = tl.load(QM + b * sqb + h * sqh + qb * sqk + offs_d * sqd, mask=dmask, other=0.0)
+        ds = tl.sum(k * qm[None, :], axis=1) * scale_multiplier
+        tl.store(DS + b * sdb + h * sdh + qb * sdq + cols * sdn, ds, mask=cols < nk)
+
+
+def delta_s(
+    qm: torch.Tensor,
+    k: torch.Tensor,
+    k_mean: torch.Tensor | None,
+    scale_multiplier: float,
+    *,
+    block_q: int,
+    seqs_q: Seqs | None = None,
+    seqs: Seqs | None = None,
+) -> torch.Tensor:
+    """Triton twin of :func:`lowbit_attn.inference.naive.delta_s` (to rounding)."""
+    seqs = seqs or dense_seqs(k)
+    seqs_q = seqs_q or Seqs(batch=qm.shape[0], max_len=qm.shape[2] * block_q)
+    b, hq, nbq, d = qm.shape
+    hkv = k.shape[1]
+    out = torch.zeros((b, hq, nbq, seqs.max_len), device=k.device, dtype=torch.float32)
+    block_n = 64
+    grid = (triton.cdiv(seqs.max_len, block_n), b * hq)
+    _delta_s_kernel[grid](
+        qm, k, k_mean, out, seqs_q.cu_seqlens, seqs.cu_seqlens,
+        *qm.stride(), *bhnd_strides(k, seqs.packed),
+        *(k_mean.stride() if k_mean is not None else (0, 0, 0)), *out.stride(),
+        seqs_q.max_len, seqs.max_len, hq, hq // hkv, d, float(scale_multiplier),
+        BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_D=next_pow2(d), VARLEN=seqs.packed,
+    )
+    return out
+
+
+@triton.jit
+def _lse_shift_kernel(
+    Q, KMEAN, OUT, CU,
+    sqb, sqh, sqn, sqd, smb, smh, smd, sob, soh, son,
+    N, HQ, GROUP, D, softmax_scale,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b, h = batch_head(pid_bh, HQ)
+    start, n = seq_span(CU, b, N, VARLEN)
+    if pid_n * BLOCK_N >= n:
+        return
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (rows < n)[:, None] & (offs_d < D)[None, :]
+    q = tl.load(Q + b * sqb + h * sqh + (start + rows)[:, None] * sqn + offs_d[None, :] * sqd,
+                mask=mask, other=0.0).to(tl.float32)
+    km = tl.load(KMEAN + b * smb + (h // GROUP) * smh + offs_d * smd, mask=offs_d < D, other=0.0)
+    shift = tl.sum(q * km[None, :], axis=1) * softmax_scale
+    tl.store(OUT + b * sob + h * soh + (start + rows) * son, shift, mask=rows < n)
+
+
+def lse_shift(
+    q: torch.Tensor, k_mean: torch.Tensor, softmax_scale: float, *, seqs: Seqs | None = None
+) -> torch.Tensor:
+    """Triton twin of :func:`lowbit_attn.inference.naive.lse_shift` (to rounding)."""
+    seqs = seqs or dense_seqs(q)
+    hq, d = q.shape[1], q.shape[-1]
+    out = _per_token_vector(q, seqs)
+    block_n = 64
+    grid = (triton.cdiv(seqs.max_len, block_n), seqs.batch * hq)
+    _lse_shift_kernel[grid](
+        q, k_mean, out, seqs.cu_seqlens,
+        *bhnd_strides(q, seqs.packed), *k_mean.stride(), *row_strides(out, seqs.packed),
+        seqs.max_len, hq, hq // k_mean.shape[1], d, float(softmax_scale),
+        BLOCK_N=block_n, BLOCK_D=next_pow2(d), VARLEN=seqs.packed,
+    )
+    return out
+
+
+__all__ = [
+    "Seqs", "StatsRequest", "Int8Request", "VRequest", "channel_stats", "channel_stats_many",
+    "quantize", "quantize_int8", "convert_v", "delta_s", "lse_shift",
+]

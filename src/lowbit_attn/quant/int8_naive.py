@@ -1,0 +1,214 @@
+"""PyTorch twins of the quantization kernels. Given the same statistics, they produce the same bits.
+
+All functions take dense ``[B, H, N, D]`` tensors (a packed sequence is handled one sequence at a
+time by the caller). Arithmetic is fp32 and in the kernels' order, so results are bit-identical.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lowbit_attn.core.operands import FP8_MAX, FP16_V_KEEP_HI, FP16_V_KEEP_LO, INT8_MAX
+
+
+def _poison(y: torch.Tensor, dims) -> torch.Tensor:
+    """0 where every element of the group is finite, NaN otherwise (``sum(y·0)``): added to an
+    ``amax`` it keeps a NaN or Inf from being hidden behind a finite scale."""
+    return (y * 0.0).sum(dim=dims)
+
+
+def channel_stats(
+    x: torch.Tensor, *, center: str, block: int = 0
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Per-channel statistics over tokens.
+
+    Args:
+        x: ``[B, H, N, D]``.
+        center: ``"none"``, ``"mean"`` (one mean per (batch, head, channel)) or ``"block_mean"``
+            (one mean per block of ``block`` consecutive tokens).
+    Returns:
+        ``(mean, amax)``: ``mean`` is ``None``, ``[B, H, D]`` or ``[B, H, ceil(N/block), D]`` fp32;
+        ``amax`` is ``max |x - mean|`` per channel, ``[B, H, D]`` fp32, NaN if any input is not finite.
+        No token (``N = 0``, a packed sequence without keys) gives means and amax 0, not 0/0.
+    """
+    xf = x.float()
+    n = x.shape[-2]
+    if center == "none":
+        mean = None
+        centered = xf
+    elif center == "mean":
+        mean = xf.sum(dim=-2) / max(n, 1)
+        centered = xf - mean.unsqueeze(-2)
+    elif center == "block_mean":
+        mean = block_means(xf, block)
+        centered = xf - expand_blocks(mean, block, n)
+    else:
+        raise ValueError(f"center must be 'none', 'mean' or 'block_mean', got {center!r}")
+    if n == 0:
+        return mean, xf.new_zeros(x.shape[:2] + x.shape[3:])
+    amax = centered.abs().amax(dim=-2) + _poison(centered, -2)
+    return mean, amax
+
+
+def block_means(xf: torch.Tensor, block: int) -> torch.Tensor:
+    """Mean of each block of ``block`` tokens (the last block may be partial): ``[B, H, nb, D]``."""
+    b, h, n, d = xf.shape
+    nb = -(-n // block)
+    padded = torch.nn.functional.pad(xf, (0, 0, 0, nb * block - n))
+    sums = padded.reshape(b, h, nb, block, d).sum(dim=3)
+    counts = torch.full((nb,), float(block), device=xf.device)
+    counts[nb - 1 :] = n - (nb - 1) * block  # the last block (none when n = 0)
+    return sums / counts[:, None]
+
+
+def expand_blocks(per_block: torch.Tensor, block: int, n: int) -> torch.Tensor:
+    """``[..., nb, X]`` → ``[..., n, X]``: each block's row repeated for its tokens."""
+    return per_block.repeat_interleave(block, dim=-2)[..., :n, :]
+
+
+def balance_factors(amax_q: torch.Tensor, amax_k: torch.Tensor) -> torch.Tensor:
+    """``α_c = sqrt(amax|K_c| / amax|Q_c|)`` per (batch, KV head, channel), ``[B, Hkv, D]``.
+
+    Q's amax is taken over all query heads that share the KV head. A channel where either side is
+    all zero keeps ``α = 1``; NaN statistics give NaN (never hidden).
+    """
+    b, hq, d = amax_q.shape
+    hkv = amax_k.shape[1]
+    aq = amax_q.view(b, hkv, hq // hkv, d).amax(dim=2)
+    alpha = sqrt_rn(amax_k / aq)
+    degenerate = (aq == 0) | (amax_k == 0)
+    return torch.where(degenerate, torch.ones_like(alpha), alpha)
+
+
+def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded fp32 square root (IEEE ``sqrt``, the kernels' ``tl.sqrt_rn``).
+
+    ``torch.sqrt`` on a CPU is not always correctly rounded: with torch 2.13's CPU build on an AMD
+    EPYC, 17 % of fp32 results are one ulp off, under every ``ATEN_CPU_CAPABILITY``. So the root is
+    taken in fp64, rounded to fp32, and moved by one ulp where the exact test says so: for an fp32
+    ``s`` the midpoints ``m`` to its neighbours have 25 significant bits, so ``m²`` is exact in fp64
+    and ``x < m²`` decides the rounding (a tie is impossible: ``m²`` needs more bits than ``x``).
+    """
+    x = x.float()
+    s = torch.sqrt(x.double()).float()
+    up = torch.nextafter(s, torch.full_like(s, float("inf")))
+    down = torch.nextafter(s, torch.zeros_like(s))
+    sd = s.double()
+    mid_up = (sd + up.double()) * 0.5
+    mid_down = (sd + down.double()) * 0.5
+    xd = x.double()
+    regular = torch.isfinite(s) & (s > 0)
+    s = torch.where(regular & (xd >= mid_up * mid_up), up, s)
+    return torch.where(regular & (xd < mid_down * mid_down), down, s)
+
+
+def quantize_int8(
+    x: torch.Tensor,
+    *,
+    granularity: str,
+    block: int,
+    center: torch.Tensor | None = None,
+    center_per_block: bool = False,
+    balance: tuple[torch.Tensor, torch.Tensor] | None = None,
+    balance_role: str = "q",
+    scale_multiplier: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric INT8: ``s = amax(|y|)/127`` per group, ``round_half_even(y/s)`` in ``[-127, 127]``,
+    where ``y = (x - center)`` times the balancing factor of its channel.
+
+    Args:
+        x: ``[B, H, N, D]`` (any float dtype).
+        granularity: ``"per_block"`` (one scale per ``block`` tokens) or ``"per_token"``.
+        center: ``[B, H, D]``, or ``[B, H, nb, D]`` with ``center_per_block``; ``None`` for no shift.
+        balance: ``(amax_q [B, Hq, D], amax_k [B, Hkv, D])`` to multiply Q's channels by
+            ``α`` (``balance_role="q"``) or K's by ``1/α`` (``"k"``), see :func:`balance_factors`.
+        scale_multiplier: folded into the returned scales (``softmax_scale·log2 e`` for Q).
+    Returns:
+        ``(values int8 [B, H, N, D], scales fp32 [B, H, nb] or [B, H, N])``.
+    """
+    b, h, n, d = x.shape
+    y = x.float()
+    if center is not None:
+        y = y - (expand_blocks(center, block, n) if center_per_block else center.unsqueeze(-2))
+    if balance is not None:
+        alpha = balance_factors(*balance)
+        if balance_role == "q":
+            multiplier = alpha.repeat_interleave(h // alpha.shape[1], dim=1)
+        else:
+            multiplier = 1.0 / alpha
+        y = y * multiplier.unsqueeze(-2)
+    if granularity == "per_token":
+        amax = y.abs().amax(dim=-1) + _poison(y, -1)
+        scale = _int8_scale(amax)
+        per_row = scale
+    elif granularity == "per_block":
+        nb = -(-n // block)
+        padded = torch.nn.functional.pad(y, (0, 0, 0, nb * block - n)).reshape(b, h, nb, block * d)
+        amax = padded.abs().amax(dim=-1) + _poison(padded, -1)
+        scale = _int8_scale(amax)
+        per_row = scale.repeat_interleave(block, dim=-1)[..., :n]
+    else:
+        raise ValueError(f"granularity must be 'per_block' or 'per_token', got {granularity!r}")
+    values = round_half_even_int8(y / per_row.unsqueeze(-1))
+    if scale_multiplier != 1.0:
+        scale = scale * scale_multiplier
+    return values, scale
+
+
+def _int8_scale(amax: torch.Tensor) -> torch.Tensor:
+    scale = amax * (1.0 / INT8_MAX)
+    return torch.where(scale == 0, torch.ones_like(scale), scale)
+
+
+def round_half_even_int8(y: torch.Tensor) -> torch.Tensor:
+    """Round half to even, clamp to ±127, NaN → 0 (its scale is NaN, which carries it), to int8."""
+    r = torch.clamp(torch.round(y), -INT8_MAX, INT8_MAX)
+    return torch.nan_to_num(r, nan=0.0).to(torch.int8)
+
+
+def convert_v(
+    x: torch.Tensor,
+    *,
+    pv: str,
+    center: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """V for the P·V product: ``y = x - center`` (fp32) divided by a per-channel scale ``s`` and
+    rounded to E4M3 with ``s = amax/448`` (``pv="fp8"``), or to fp16 with ``s`` the power of two of
+    :func:`fp16_v_scale` (``pv="fp16"``; without ``amax``, unscaled: ``s`` None).
+
+    Args:
+        amax: ``max |y|`` per channel ``[B, H, D]`` fp32 (NaN if V is not finite).
+    Returns:
+        ``(values [B, H, N, D], s [B, H, D] fp32 or None)``: V ≈ ``values·s``.
+    """
+    y = x.float()
+    if center is not None:
+        y = y - center.unsqueeze(-2)
+    if pv != "fp8":
+        if amax is None:
+            return y.to(torch.float16), None
+        scale, inverse = fp16_v_scale(amax)
+        return (y * inverse.unsqueeze(-2)).to(torch.float16), scale
+    scale = amax * (1.0 / FP8_MAX)
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    return to_e4m3(y / scale.unsqueeze(-2)), scale
+
+
+def fp16_v_scale(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(2^e, 2^-e)`` fp32 per channel for fp16 V (see ``quantized.FP16_V_KEEP_LO``): ``e = 0``
+    where amax's binary exponent is in ``[FP16_V_KEEP_LO, FP16_V_KEEP_HI]``, amax is 0 or it is
+    not finite (Inf and NaN reach fp16 as they are); else ``amax·2^-e`` gets the exponent
+    ``FP16_V_KEEP_HI`` (``e ≥ -126``: an fp32 subnormal amax only gets to about 2^-23). Computed
+    from amax's bits, as the kernel does."""
+    biased = (amax.float().contiguous().view(torch.int32) >> 23) & 0xFF
+    exp = biased - 127
+    keep = (biased == 255) | (amax == 0) | ((exp >= FP16_V_KEEP_LO) & (exp <= FP16_V_KEEP_HI))
+    e = torch.where(keep, 0, torch.clamp(exp - FP16_V_KEEP_HI, min=-126))
+    return ((e + 127) << 23).view(torch.float32), ((127 - e) << 23).view(torch.float32)
+
+
+def to_e4m3(y: torch.Tensor) -> torch.Tensor:
+    """fp32 → E4M3 (``float8_e4m3fn``): round to nearest even, saturate to ±448, NaN stays NaN."""
+    return torch.clamp(y, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+

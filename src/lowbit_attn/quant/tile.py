@@ -1,0 +1,98 @@
+"""One tile of Q or K smoothed, balanced and quantized to INT8, as Triton functions.
+
+The quantization pass (``quantize.py``) stores such tiles; the attention kernel builds its Q tile
+with the same functions when it quantizes Q itself, so both give the same bits. Twin:
+``lowbit_attn.quant.int8_naive.quantize_int8``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from lowbit_attn.core.triton_helpers import to_int8
+
+
+@triton.jit
+def balance_multiplier(AQ, AK, b, h, offs_d, D, saqb, saqh, sakb, sakh, GROUP,
+                       ROLE: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Per-channel balancing factor: ``α = sqrt(amax_k / max over the group's amax_q)`` for Q
+    (``ROLE`` 1, head ``h`` of Q) or ``1/α`` for K (``ROLE`` 2, head ``h`` of K); 1 where a side is
+    all zero; NaN statistics give NaN. Twin: ``reference.quant.balance_factors``."""
+    dmask = offs_d < D
+    if ROLE == 1:
+        hk = h // GROUP
+    else:
+        hk = h
+    ak = tl.load(AK + b * sakb + hk * sakh + offs_d, mask=dmask, other=1.0)
+    aq = tl.zeros([BLOCK_D], dtype=tl.float32)
+    poison = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for g in range(0, GROUP):
+        a = tl.load(AQ + b * saqb + (hk * GROUP + g) * saqh + offs_d, mask=dmask, other=1.0)
+        aq = tl.maximum(aq, a)
+        poison += a * 0.0  # a GPU max drops NaN; the sum keeps it
+    aq = aq + poison
+    alpha = tl.sqrt_rn(tl.div_rn(ak, aq))
+    alpha = tl.where((aq == 0.0) | (ak == 0.0), 1.0, alpha)
+    if ROLE == 2:
+        alpha = tl.div_rn(tl.full([BLOCK_D], 1.0, tl.float32), alpha)
+    return alpha
+
+
+@triton.jit
+def load_centered(
+    X, CENTER_PTR, b, h, start, pid_n, n,
+    sxb, sxh, sxn, sxd, scb, sch, sck, scd, D,
+    CENTER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Rows ``pid_n·BLOCK_N …`` of one (batch, head) in fp32, minus the channel mean (``CENTER``
+    1) or the block's mean (``CENTER`` 2); 0 outside the sequence and past ``D``."""
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (rows < n)[:, None] & (offs_d < D)[None, :]
+    x = tl.load(
+        X + b * sxb + h * sxh + (start + rows)[:, None] * sxn + offs_d[None, :] * sxd,
+        mask=mask, other=0.0,
+    ).to(tl.float32)
+    if CENTER == 1:
+        c = tl.load(CENTER_PTR + b * scb + h * sch + offs_d * scd, mask=offs_d < D, other=0.0)
+        x = x - c[None, :]
+    elif CENTER == 2:
+        c = tl.load(
+            CENTER_PTR + b * scb + h * sch + pid_n * sck + offs_d * scd, mask=offs_d < D, other=0.0
+        )
+        x = x - c[None, :]
+    x = tl.where(mask, x, 0.0)
+    return x, rows, offs_d, mask
+
+
+@triton.jit
+def quantize_int8_tile(
+    X, CENTER_PTR, AQ, AK, b, h, start, pid_n, n,
+    sxb, sxh, sxn, sxd, scb, sch, sck, scd, saqb, saqh, sakb, sakh, D, GROUP,
+    PER_TOKEN: tl.constexpr, CENTER: tl.constexpr, BALANCE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """``(q, scale, rows, offs_d, mask)``: the tile's INT8 values and its dequantization scale
+    (one per row ``PER_TOKEN``, else one for the tile; NaN/Inf in a row or tile poison it).
+    ``BALANCE``: 0 none, 1 Q's factors, 2 K's."""
+    x, rows, offs_d, mask = load_centered(
+        X, CENTER_PTR, b, h, start, pid_n, n,
+        sxb, sxh, sxn, sxd, scb, sch, sck, scd, D,
+        CENTER, BLOCK_N, BLOCK_D,
+    )
+    if BALANCE != 0:
+        mult = balance_multiplier(AQ, AK, b, h, offs_d, D, saqb, saqh, sakb, sakh, GROUP,
+                                  BALANCE, BLOCK_D)
+        x = x * mult[None, :]
+    if PER_TOKEN:
+        amax = tl.max(tl.abs(x), axis=1) + tl.sum(x * 0.0, axis=1)
+        scale = amax * (1.0 / 127.0)
+        scale = tl.where(scale == 0.0, 1.0, scale)
+        q = to_int8(tl.div_rn(x, scale[:, None]))
+    else:
+        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0) + tl.sum(tl.sum(x * 0.0, axis=1), axis=0)
+        scale = amax * (1.0 / 127.0)
+        scale = tl.where(scale == 0.0, 1.0, scale)
+        q = to_int8(tl.div_rn(x, scale))
+    return q, scale, rows, offs_d, mask

@@ -1,0 +1,2 @@
+"""Tooling on top of the library, never imported by it: the CLI, ahead-of-time compilation and SASS
+reading, the accuracy studies and their input families, the benchmark."""

@@ -1,0 +1,761 @@
+"""Ahead-of-time compilation of a recipe's kernels for a GPU target, on any machine (no GPU needed).
+
+This is how tensor-core use is proven on a CPU machine: the kernels a call would launch are
+compiled for ``sm_80`` … ``sm_120a`` with ``triton.compile``, the PTX is searched for tensor-core
+instructions (``mma.sync``, ``wgmma.mma_async``, ``tcgen05.mma``) and Triton's bundled
+``ptxas -v`` reports registers and spills::
+
+    from lowbit_attn.tools.aot import compile_recipe
+    for r in compile_recipe("qk_int8_pv_fp8", "sm_90a"):
+        print(r.kernel, r.instructions, r.registers, r.spill_stores)
+
+Which kernels, with which arguments: the real launch path (``forward.run``, Triton backend) runs
+on small CPU tensors while every kernel object of the kernel packages is replaced by a
+recorder, so AOT sees exactly the launches, pointer dtypes, ``None`` inputs and strides a GPU call
+makes, and specializes them as Triton's launcher does (``None`` and integers equal to 1 become
+constexprs, pointers and multiples of 16 get ``tt.divisibility = 16``). Launch options: an
+autotuned kernel gets the first entry of its module's ``CONFIGS`` for the target's family (or the
+entry asked for); other kernels what their launcher passes, or Triton's defaults.
+
+Works under ``TRITON_INTERPRET=1`` too (the test suite sets it): ``triton.jit`` then returns
+interpreter objects, so each kernel is rebuilt as a real ``JITFunction`` from its Python function,
+and the interpreter's leftover patches of ``triton.language`` are undone for the duration of each
+compilation (see ``_pristine_language``). The PTX is byte-identical to a clean process's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import importlib
+import inspect
+import os
+import pkgutil
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.autotuner import Autotuner, Heuristics
+from triton.runtime.jit import JITFunction, KernelInterface
+
+from lowbit_attn.core import checks
+from lowbit_attn.core.arch import arch_name, interpreter_enabled, native_fp4, parse_arch
+from lowbit_attn.core.recipes import Recipe, resolve
+
+# The targets this package is built for; ``sm_90`` and friends are accepted and mean ``sm_90a``.
+ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a", "sm_120a")
+
+# Constexprs the launchers set differently under the interpreter (or on the machine at hand) than
+# on the target GPU, as functions of the target's capability: the interpreter's own E4M3
+# conversion is inexact, so it builds the bits arithmetically (a GPU uses ``cvt``); FP4 emulation
+# multiplies in fp32 under the interpreter (its bf16 dot is wrong) and in bf16 on a GPU; FP4
+# tensor cores exist from sm_100 on.
+GPU_CONSTEXPRS = {
+    "EXACT_FP8": lambda capability: False,
+    "EMU_FP32": lambda capability: False,
+    "NATIVE_FP4": native_fp4,
+}
+
+# Tensor-core opcodes with their shape/type suffixes, operands stripped; optional predicate first.
+_TC_OPCODE = re.compile(
+    r"^\s*(?:@!?%\w+\s+)?((?:wgmma\.mma_async|tcgen05\.mma|mma)\.[\w.:]+)", re.MULTILINE
+)
+_OPTION_KEYS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+_RECORD_LOCK = threading.Lock()
+_LANGUAGE_LOCK = threading.RLock()
+_COMPILED: dict[tuple, "KernelReport"] = {}
+
+
+@dataclass(frozen=True)
+class KernelReport:
+    """One kernel compiled for one target.
+
+    Attributes:
+        kernel: the ``@triton.jit`` function's name.
+        arch: the target, e.g. ``"sm_90a"``.
+        constexprs: its ``tl.constexpr`` parameters' values (what picks this specialization).
+        num_warps, num_stages: launch options compiled with.
+        instructions: distinct tensor-core instruction forms in the PTX (opcode with shape and type
+            suffixes, operands stripped) → number of occurrences. On ``sm_100a`` ``tcgen05.mma``
+            carries only its kind (``kind::f16``, ``kind::f8f6f4``…); shape and types live in the
+            instruction descriptor.
+        registers, spill_stores, spill_loads, stack_frame: from ``ptxas -v`` (bytes for the last
+            three); ``None`` when compilation failed.
+        shared_memory: bytes of shared memory Triton allocated.
+        error: why compilation or ``ptxas`` failed (``None`` when it worked).
+        ptx: the PTX text (left out of ``repr``).
+        cubin: the assembled binary (left out of ``repr``; :mod:`lowbit_attn.tools.sass` reads it).
+    """
+
+    kernel: str
+    arch: str
+    constexprs: dict[str, Any]
+    num_warps: int
+    num_stages: int
+    instructions: dict[str, int] = field(default_factory=dict)
+    registers: int | None = None
+    spill_stores: int | None = None
+    spill_loads: int | None = None
+    stack_frame: int | None = None
+    shared_memory: int | None = None
+    error: str | None = None
+    ptx: str = field(default="", repr=False)
+    cubin: bytes = field(default=b"", repr=False)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def spills(self) -> int | None:
+        """Spilled bytes, stores plus loads (0 is what a fast kernel needs)."""
+        if self.spill_stores is None or self.spill_loads is None:
+            return None
+        return self.spill_stores + self.spill_loads
+
+    @property
+    def variant(self) -> str:
+        """The constexprs as ``NAME=value`` pairs, for display."""
+        return ", ".join(f"{k}={v}" for k, v in self.constexprs.items())
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready fields (without the PTX and the binary)."""
+        d = dataclasses.asdict(self)
+        d.pop("ptx")
+        d.pop("cubin")
+        d["spills"] = self.spills
+        return d
+
+
+# ---------------------------------------------------------------------------------------------
+# targets
+
+
+def normalize_arch(arch: str) -> str:
+    """``"sm_90"``/``"sm_90a"`` → ``"sm_90a"``; raises ``ValueError`` naming ``arch`` for anything
+    that is not one of :data:`ARCHS`."""
+    if not isinstance(arch, str):
+        raise ValueError(f"arch must be a string like 'sm_90a', got {arch!r}")
+    try:
+        name = arch_name(parse_arch(arch))
+    except ValueError:
+        name = None
+    if name not in ARCHS:
+        raise ValueError(f"arch must be one of {', '.join(ARCHS)}, got {arch!r}")
+    return name
+
+
+def config_family(arch: str) -> str:
+    """The key of a kernel module's ``CONFIGS`` that serves ``arch``: ``"sm_90"`` from Hopper on
+    (``sm_90a``, ``sm_100a``, ``sm_120a``), else ``"sm_89"`` or ``"sm_80"`` (as ``configs_for``)."""
+    capability = parse_arch(arch)
+    if capability >= (9, 0):
+        return "sm_90"
+    if capability >= (8, 9):
+        return "sm_89"
+    return "sm_80"
+
+
+def _capability_int(arch: str) -> int:
+    major, minor = parse_arch(arch)
+    return major * 10 + minor
+
+
+def ptxas_path(arch: str) -> str:
+    """Triton's bundled ``ptxas`` for ``arch`` (its ``ptxas-blackwell`` from ``sm_100`` on, as
+    Triton itself does; ``TRITON_PTXAS_PATH`` / ``TRITON_PTXAS_BLACKWELL_PATH`` override)."""
+    blackwell = parse_arch(arch) >= (10, 0)
+    try:
+        tool = triton.knobs.nvidia.ptxas_blackwell if blackwell else triton.knobs.nvidia.ptxas
+        if tool is not None and tool.path:
+            return tool.path
+    except Exception:  # noqa: BLE001 - older/newer Triton: fall back to the wheel's own copy
+        pass
+    name = "ptxas-blackwell" if blackwell else "ptxas"
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+# ---------------------------------------------------------------------------------------------
+# recording the launches of one call
+
+
+@dataclass
+class Launch:
+    """One ``kernel[grid](*args, **kwargs)`` seen during a recorded call (``kernel`` is the launched
+    object: a ``JITFunction`` or interpreter function, possibly under heuristics/autotuning)."""
+
+    kernel: Any
+    args: tuple
+    kwargs: dict
+    grid: Any = None
+
+
+class _Recorder:
+    """Stands in for a kernel object: ``recorder[grid](...)`` notes the launch, runs nothing."""
+
+    def __init__(self, kernel: Any, sink: list[Launch]) -> None:
+        self._kernel = kernel
+        self._sink = sink
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self._sink.append(Launch(self._kernel, args, kwargs, grid))
+
+        return launch
+
+
+KERNEL_PACKAGES = ("core", "quant", "inference", "training", "vsa")
+
+
+def _kernel_modules() -> list[types.ModuleType]:
+    """Every module of the packages that hold kernels, imported now: one first imported during
+    the recorded call would launch for real."""
+    modules = []
+    for name in KERNEL_PACKAGES:
+        package = importlib.import_module(f"lowbit_attn.{name}")
+        modules += [importlib.import_module(info.name)
+                    for info in pkgutil.walk_packages(package.__path__, package.__name__ + ".")]
+    return modules
+
+
+@contextlib.contextmanager
+def _recording():
+    """Replace every kernel object of the kernel packages' modules by a recorder for
+    the duration (under a lock: recordings do not overlap; the originals are always restored)."""
+    sink: list[Launch] = []
+    saved = []
+    with _RECORD_LOCK:
+        try:
+            for module in _kernel_modules():
+                for name, obj in list(vars(module).items()):
+                    if isinstance(obj, KernelInterface):
+                        saved.append((module, name, obj))
+                        setattr(module, name, _Recorder(obj, sink))
+            yield sink
+        finally:
+            for module, name, obj in saved:
+                setattr(module, name, obj)
+
+
+def record_launches(
+    recipe: Recipe,
+    *,
+    head_dim: int = 128,
+    causal: bool = False,
+    dtype: torch.dtype = torch.float16,
+    seq_len: int = 1024,
+    return_lse: bool = False,
+) -> list[Launch]:
+    """The kernel launches, in order, of one dense ``[1, 2, seq_len, head_dim]`` attention call with
+    ``recipe`` on the Triton backend (nothing runs: see the module docstring)."""
+    from lowbit_attn.inference import dispatch as forward
+
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a lowbit_attn.Recipe, got {type(recipe).__name__}")
+    q, k, v = (torch.zeros(1, 2, seq_len, head_dim, dtype=dtype) for _ in range(3))
+    out = torch.zeros_like(q)
+    with _recording() as sink:
+        forward.run(
+            q, k, v, out=out, recipe=recipe, scale=head_dim ** -0.5, is_causal=causal,
+            causal_offset=0, return_lse=return_lse, backend="triton",
+        )
+    return list(sink)
+
+
+# ---------------------------------------------------------------------------------------------
+# from a launch to a compiler input
+
+
+# Under TRITON_INTERPRET=1, ``triton.jit`` returns interpreter objects, and the interpreter
+# patches ``triton.language`` while a kernel runs. Triton 3.6 undoes the patches of a kernel's own
+# globals but not those made when a kernel calls a ``triton.language`` ``@jit`` function
+# (``tl.max``, ``tl.sum``): ``tl.core``'s builtins stay patched afterwards, and the methods of
+# ``tl.tensor`` resolve names through ``tl.core``. It also copies its module globals into every
+# module whose functions it runs (inert). So: kernels are rebuilt as JITFunctions, and ``tl.core``
+# is put back in its pristine state for the duration of each compilation.
+
+
+def _made_by_interpreter(value) -> bool:
+    """A replacement the interpreter patched in (its own ``@jit`` objects do not count)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if isinstance(value, InterpretedFunction):
+        return False
+    func = getattr(value, "func", value)  # functools.partial
+    return getattr(func, "__module__", None) == "triton.runtime.interpreter"
+
+
+_UNKNOWN = object()
+
+
+def _pristine(module: types.ModuleType, name: str, value):
+    """What ``module.name`` holds in a process that never interpreted a kernel, or ``_UNKNOWN``
+    when that cannot be told. ``tl.core`` names that ``tl`` also binds are the same objects there
+    (and ``tl`` is restored after each run); a ``_patch_attr`` wrapper keeps its builtin as the
+    ``member`` keyword default."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    if module is tl.core and name in vars(tl) and not name.startswith("__") and name != "math":
+        if not _made_by_interpreter(vars(tl)[name]):
+            return vars(tl)[name]
+    if not _made_by_interpreter(value) or vars(interpreter).get(name) is value:
+        return value
+    return (getattr(value, "__kwdefaults__", None) or {}).get("member", _UNKNOWN)
+
+
+def _language_leftovers() -> list[str]:
+    """``triton.language`` names still holding interpreter patches that cannot be undone."""
+    import triton.language as tl
+
+    spaces = [("tl", tl), ("tl.core", tl.core), ("tl.math", tl.math), ("tl.tensor", tl.tensor),
+              ("tl.dtype", tl.dtype)]
+    return [f"{where}.{name}" for where, space in spaces for name, value in vars(space).items()
+            if _pristine(space, name, value) is _UNKNOWN]
+
+
+@contextlib.contextmanager
+def _pristine_language():
+    """``tl.core`` without the interpreter's leftover patches while the block runs; put back as it
+    was afterwards. Raises ``RuntimeError`` naming what cannot be undone."""
+    import triton.language as tl
+
+    saved = {}
+    for name, value in list(vars(tl.core).items()):
+        clean = _pristine(tl.core, name, value)
+        if clean is not _UNKNOWN and clean is not value:
+            saved[name] = value
+            setattr(tl.core, name, clean)
+    try:
+        leftovers = _language_leftovers()
+        if leftovers:
+            raise RuntimeError(
+                "cannot compile ahead of time in this process: the Triton interpreter left "
+                f"triton.language patched ({', '.join(leftovers[:5])}); run it in a process "
+                "without TRITON_INTERPRET=1"
+            )
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(tl.core, name, value)
+
+
+def _rebuild(obj, memo: dict[int, Any]):
+    """``obj`` with interpreter functions turned back into ``JITFunction`` s, recursively through
+    their globals and through ``triton.language`` modules (shadow copies holding the rebuilt
+    ``tl.sum``, ``tl.max``…); anything else unchanged."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    key = id(obj)
+    if key in memo:
+        return memo[key]
+    if isinstance(obj, InterpretedFunction):
+        fn = obj.fn
+        scope: dict[str, Any] = {}
+        clone = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+        for attr in ("__qualname__", "__module__", "__doc__", "__kwdefaults__", "__annotations__"):
+            setattr(clone, attr, getattr(fn, attr))
+        jit = JITFunction(clone, **obj.kwargs)
+        memo[key] = jit
+        scope.update({name: _rebuild(value, memo) for name, value in fn.__globals__.items()})
+        return jit
+    if isinstance(obj, types.ModuleType) and obj.__name__.startswith("triton.language"):
+        shadow = types.ModuleType(obj.__name__, obj.__doc__)
+        memo[key] = shadow
+        for name, value in vars(obj).items():
+            clean = _pristine(obj, name, value)
+            setattr(shadow, name, _rebuild(value if clean is _UNKNOWN else clean, memo))
+        return shadow
+    return obj
+
+
+_REBUILT: dict[int, Any] = {}
+
+
+def as_jit_function(obj) -> JITFunction:
+    """The ``JITFunction`` for a ``@triton.jit`` kernel, also when it was defined under
+    ``TRITON_INTERPRET=1`` (then rebuilt once and cached)."""
+    if isinstance(obj, JITFunction):
+        return obj
+    with _LANGUAGE_LOCK:
+        jit = _rebuild(obj, _REBUILT)
+    if not isinstance(jit, JITFunction):
+        raise TypeError(f"expected a @triton.jit function, got {type(obj).__name__}")
+    return jit
+
+
+def autotune_configs(jit: JITFunction, family: str, autotuner: Autotuner) -> list:
+    """The launch configs an autotuned kernel would try on ``family``: its module's
+    ``CONFIGS[family]`` (the autotuner itself was built for the machine that imported it), else the
+    autotuner's own list."""
+    configs = getattr(sys.modules.get(jit.__module__), "CONFIGS", None)
+    if isinstance(configs, dict) and configs.get(family):
+        return list(configs[family])
+    return list(autotuner.configs)
+
+
+def _innermost(obj):
+    while isinstance(obj, (Autotuner, Heuristics)):
+        obj = obj.fn
+    return obj
+
+
+def _chosen_config(jit: JITFunction, family: str, autotuner: Autotuner, config: int):
+    configs = autotune_configs(jit, family, autotuner)
+    if config >= len(configs):
+        raise ValueError(
+            f"config must be < {len(configs)} for {jit.__name__} on {family}, got {config}"
+        )
+    return configs[config]
+
+
+def _unwrap(
+    launch: Launch, family: str, config: int = 0
+) -> tuple[JITFunction, dict[str, Any], dict[str, int]]:
+    """(jit function, every argument by name, compile options) of a launch, as the wrappers would
+    pass them on: the autotuner's ``config``-th config for ``family`` (its options and meta-
+    parameters), then the heuristics."""
+    jit = as_jit_function(_innermost(launch.kernel))
+    obj, args, kwargs = launch.kernel, launch.args, dict(launch.kwargs)
+    options: dict[str, int] = {}
+    while isinstance(obj, (Autotuner, Heuristics)):
+        if isinstance(obj, Heuristics):
+            named = {**dict(zip(obj.arg_names, args)), **kwargs}
+            for name, rule in obj.values.items():
+                kwargs[name] = rule(named)
+        else:
+            chosen = _chosen_config(jit, family, obj, config)
+            kwargs.update(getattr(chosen, "kwargs", None) or {})
+            options = {"num_warps": chosen.num_warps, "num_stages": chosen.num_stages}
+        obj = obj.fn
+    options.update({key: kwargs.pop(key) for key in _OPTION_KEYS if key in kwargs})
+    bound = inspect.signature(jit.fn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return jit, dict(bound.arguments), options
+
+
+def _tensor_type(x: torch.Tensor) -> str:
+    from triton._utils import type_canonicalisation_dict
+
+    return "*" + type_canonicalisation_dict[str(x.dtype).split(".")[-1]]
+
+
+def _arg_kind(param, value) -> tuple[str, bool]:
+    """(signature type, 16-divisible) of one argument, as Triton's launcher specializes it."""
+    if param.is_constexpr or value is None:
+        return "constexpr", False
+    align = not (param.do_not_specialize or param.do_not_specialize_on_alignment)
+    if isinstance(value, torch.Tensor):
+        return _tensor_type(value), align and value.data_ptr() % 16 == 0
+    if isinstance(value, bool):
+        return "u1", False
+    if isinstance(value, int):
+        if value == 1 and not param.do_not_specialize:
+            return "constexpr", False
+        kind = "i32" if -(2**31) <= value < 2**31 else ("i64" if value < 2**63 else "u64")
+        return kind, align and value % 16 == 0
+    if isinstance(value, float):
+        return "fp32", False
+    raise TypeError(f"cannot specialize argument {param.name}={value!r} for AOT compilation")
+
+
+def specialize(jit: JITFunction, values: dict[str, Any], arch: str):
+    """``(signature, constexprs, attrs)`` for ``ASTSource``, as a launch with ``values`` on an
+    ``arch`` GPU gets them."""
+    signature, constexprs, attrs = {}, {}, {}
+    for i, param in enumerate(jit.params):
+        value = values[param.name]
+        if param.is_constexpr and param.name in GPU_CONSTEXPRS:
+            value = GPU_CONSTEXPRS[param.name](parse_arch(arch))
+        kind, divisible = _arg_kind(param, value)
+        signature[param.name] = kind
+        if kind == "constexpr":
+            constexprs[param.name] = value
+        elif divisible:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return signature, constexprs, attrs
+
+
+# ---------------------------------------------------------------------------------------------
+# compiling and reading the result
+
+
+@contextlib.contextmanager
+def _compiler_mode():
+    """Compile as on a GPU machine even under ``TRITON_INTERPRET=1``: the interpret knob off and
+    ``tl.core`` pristine, for the block only."""
+    if not interpreter_enabled():
+        yield
+        return
+    # Imported with the knob still on: gluon's standard library asserts, at import, that its
+    # triton functions are JITFunctions unless interpreting.
+    import triton.compiler.code_generator  # noqa: F401
+
+    with _LANGUAGE_LOCK, _pristine_language(), triton.knobs.runtime.scope():
+        triton.knobs.runtime.interpret = False
+        yield
+
+
+def tensor_core_instructions(ptx: str) -> dict[str, int]:
+    """Distinct tensor-core instruction forms in ``ptx`` → occurrences, e.g.
+    ``{"wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8": 4}``."""
+    counts: dict[str, int] = {}
+    for match in _TC_OPCODE.finditer(ptx):
+        counts[match.group(1)] = counts.get(match.group(1), 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def parse_ptxas_log(log: str, kernel: str | None = None) -> dict[str, int]:
+    """Registers, spill stores/loads and stack frame (bytes) of ``kernel``'s entry (the first entry
+    when ``kernel`` is None) from ``ptxas -v`` output; raises ``ValueError`` if they are missing."""
+    blocks = re.split(r"Compiling entry function '", log)[1:]
+    if kernel is not None:
+        blocks = [b for b in blocks if b.startswith(kernel + "'")] or blocks
+    if not blocks:
+        raise ValueError("ptxas -v output names no entry function")
+    block = blocks[0]
+    regs = re.search(r"Used (\d+) registers", block)
+    frame = re.search(
+        r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", block
+    )
+    if regs is None or frame is None:
+        raise ValueError(f"ptxas -v output has no register/spill line:\n{block}")
+    return {
+        "registers": int(regs.group(1)),
+        "stack_frame": int(frame.group(1)),
+        "spill_stores": int(frame.group(2)),
+        "spill_loads": int(frame.group(3)),
+    }
+
+
+def run_ptxas(ptx: str, arch: str, kernel: str | None = None) -> dict[str, int]:
+    """Assemble ``ptx`` with ``ptxas -arch=<arch> -v`` and return :func:`parse_ptxas_log`'s fields;
+    raises ``RuntimeError`` with ptxas's messages when it fails."""
+    with tempfile.TemporaryDirectory(prefix="lowbit_attn_aot_") as tmp:
+        src = os.path.join(tmp, "kernel.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        out = os.path.join(tmp, "kernel.cubin")
+        cmd = [ptxas_path(arch), f"-arch={arch}", "-v", src, "-o", out]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    log = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise RuntimeError(f"ptxas -arch={arch} failed ({proc.returncode}):\n{log.strip()}")
+    return parse_ptxas_log(log, kernel)
+
+
+def _declared_constexprs(jit: JITFunction, constexprs: dict[str, Any]) -> dict[str, Any]:
+    return {p.name: constexprs[p.name] for p in jit.params if p.is_constexpr}
+
+
+def _error_text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).strip()}"
+
+
+def _kernel_name(obj) -> str:
+    obj = _innermost(obj)
+    return getattr(obj, "__name__", type(obj).__name__)
+
+
+def compile_launch(launch: Launch, arch: str, config: int = 0) -> KernelReport:
+    """Compile one recorded launch for ``arch`` and report its tensor-core instructions, registers
+    and spills. An autotuned kernel gets its ``config``-th launch config for the target's family
+    (``ValueError`` if it has fewer). Failures (Triton or ptxas) are returned in ``error``, not
+    raised. Cached per specialization for the life of the process."""
+    arch = normalize_arch(arch)
+    try:
+        jit, values, options = _unwrap(launch, config_family(arch), config)
+        signature, constexprs, attrs = specialize(jit, values, arch)
+    except (RuntimeError, TypeError) as exc:
+        return KernelReport(kernel=_kernel_name(launch.kernel), arch=arch, constexprs={},
+                            num_warps=0, num_stages=0, error=_error_text(exc))
+    options = {"num_warps": 4, "num_stages": 3, **options}  # Triton's defaults
+    key = (arch, jit.__module__, jit.__qualname__, repr(sorted(signature.items())),
+           repr(sorted(constexprs.items())), repr(sorted(attrs.items())),
+           repr(sorted(options.items())))
+    if key in _COMPILED:
+        return _COMPILED[key]
+    base = dict(kernel=jit.__name__, arch=arch, constexprs=_declared_constexprs(jit, constexprs),
+                num_warps=options["num_warps"], num_stages=options["num_stages"])
+    try:
+        src = ASTSource(fn=jit, signature=signature, constexprs=constexprs, attrs=attrs)
+        with _compiler_mode():
+            compiled = triton.compile(src, target=GPUTarget("cuda", _capability_int(arch), 32),
+                                      options=options)
+        ptx = compiled.asm["ptx"]
+    except Exception as exc:  # noqa: BLE001 - every failure is reported, per kernel
+        report = KernelReport(**base, error=_error_text(exc))
+    else:
+        usage: dict[str, int] = {}
+        error = None
+        try:
+            usage = run_ptxas(ptx, arch, compiled.metadata.name)
+        except (OSError, RuntimeError, ValueError) as exc:
+            error = _error_text(exc)
+        report = KernelReport(
+            **base, instructions=tensor_core_instructions(ptx), error=error, ptx=ptx,
+            cubin=compiled.asm.get("cubin", b""), shared_memory=compiled.metadata.shared, **usage,
+        )
+    _COMPILED[key] = report
+    return report
+
+
+def compile_recipe(
+    recipe: "str | Recipe",
+    arch: str,
+    head_dim: int = 128,
+    causal: bool = False,
+    dtype: torch.dtype = torch.float16,
+    *,
+    return_lse: bool = False,
+    seq_len: int = 1024,
+    config: int = 0,
+) -> list[KernelReport]:
+    """Compile, for ``arch``, every kernel one attention call with ``recipe`` launches (quantizers
+    first, attention last; identical launches once) and report each (see :class:`KernelReport`).
+
+    Args:
+        recipe: a recipe name, ``"auto"`` (resolved for ``arch``) or a :class:`~lowbit_attn.Recipe`.
+        arch: one of :data:`ARCHS` (``"sm_90"`` means ``"sm_90a"``).
+        head_dim: D, 1 to 256; ``BLOCK_D`` is its next power of two.
+        causal: compile the causal variant.
+        dtype: input/output dtype (float16, bfloat16 or float32).
+        return_lse: include what ``return_lse=True`` adds (LSE output, LSE shift kernel).
+        seq_len: tokens of the representative call; only strides (their divisibility by 16)
+            depend on it.
+        config: which entry of an autotuned kernel's configs for the target's family to compile
+            (0, the first, by default).
+    Returns:
+        one report per distinct kernel specialization; ``[]`` for ``"exact"`` (no Triton kernel).
+    """
+    arch = normalize_arch(arch)
+    if (isinstance(head_dim, bool) or not isinstance(head_dim, int)
+            or not 1 <= head_dim <= checks.MAX_HEAD_DIM):
+        raise ValueError(f"head_dim must be an int in [1, {checks.MAX_HEAD_DIM}], got {head_dim!r}")
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"dtype must be torch.float16, bfloat16 or float32, got {dtype!r}")
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+    if isinstance(config, bool) or not isinstance(config, int) or config < 0:
+        raise ValueError(f"config must be an int >= 0, got {config!r}")
+    r = resolve(recipe, parse_arch(arch))
+    checks.recipe_fits(r, head_dim)  # what the public functions refuse is not compiled either
+    launches = record_launches(r, head_dim=head_dim, causal=causal, dtype=dtype, seq_len=seq_len,
+                               return_lse=return_lse)
+    return _compile_all(launches, arch, config)
+
+
+def _compile_all(launches: list[Launch], arch: str, config: int) -> list[KernelReport]:
+    reports: list[KernelReport] = []
+    for launch in launches:
+        report = compile_launch(launch, arch, config)  # identical launches: the same object
+        if not any(report is seen for seen in reports):
+            reports.append(report)
+    return reports
+
+
+def record_train_launches(
+    recipe, *, head_dim: int = 128, causal: bool = False, dtype: torch.dtype = torch.bfloat16,
+    seq_len: int = 1024, dq_mode: str = "recompute",
+) -> list[Launch]:
+    """The kernel launches of one trainable attention forward and backward (``[1, 2, seq_len,
+    head_dim]``, a :class:`~lowbit_attn.core.recipes.TrainRecipe` or its name) on the Triton backend;
+    ``dq_mode`` as ``kernels.attn_train_bwd.dq_mode``."""
+    from lowbit_attn.training.prepare import prepare, prepare_grad
+    from lowbit_attn.core.recipes import resolve_train
+    from lowbit_attn.training import kernel_bwd as attn_train_bwd, kernel_fwd as attn_train_fwd
+
+    r = resolve_train(recipe)
+    q, k, v, do = (torch.zeros(1, 2, seq_len, head_dim, dtype=dtype) for _ in range(4))
+    lse = torch.zeros(1, 2, seq_len)
+    offset = 0 if causal else None
+    scale = head_dim ** -0.5
+    with _recording() as sink:
+        ops = prepare(q, k, v, r, scale, "triton")
+        attn_train_fwd.forward(ops, out=torch.zeros_like(q), causal_offset=offset)
+        grad = prepare_grad(do, r, "triton")
+        attn_train_bwd.backward(ops, grad, lse, torch.zeros_like(q), torch.zeros_like(k),
+                                torch.zeros_like(v), causal_offset=offset, softmax_scale=scale,
+                                mode=dq_mode)
+    return list(sink)
+
+
+def record_vsa_launches(*, head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
+                        recipe: str = "exact", topk: int = 4) -> list[Launch]:
+    """The kernel launches of the video sparse attention fine stage on a 4×16×16 grid of 4×4×4
+    tiles (16 tiles of 64 tokens): tokens to tiles (with tile means) and back, forward and
+    backward (``recipe="exact"``), or the 8-bit inference forward with its quantization and
+    tiling (``"qk_int8_pv_fp8"``, ``"qk_int8_pv_fp16"``)."""
+    from lowbit_attn.vsa import op as vsa_ops
+    from lowbit_attn.vsa import kernel_fine as vsa_fine, kernel_tiles as vsa_tiles
+    from lowbit_attn.vsa.tiles import tile_layout
+    from lowbit_attn.vsa.interface import resolve_recipe
+
+    layout = tile_layout((4, 16, 16), (4, 4, 4))
+    nt, ts = layout.n_tiles, layout.tile_tokens
+    idx = torch.zeros(1, 2, nt, topk, dtype=torch.int32)
+    counts = layout.counts.to(torch.int32)
+    scale = head_dim ** -0.5
+    with _recording() as sink:
+        if recipe == "exact":
+            x = torch.zeros(1, 2, layout.n_tokens, head_dim, dtype=dtype)
+            qt, _ = vsa_tiles.tile(x, layout.index, layout.counts, slots=ts, pool=True)
+            kt, vt, dot = (torch.zeros_like(qt) for _ in range(3))
+            lse = torch.zeros(1, 2, nt, ts)
+            vsa_fine.forward(qt, kt, vt, idx, counts, scale=scale)
+            vsa_fine.backward(qt, kt, vt, torch.zeros_like(qt), lse, dot, idx, counts, scale=scale)
+            vsa_tiles.untile(qt, torch.zeros(1, 2, nt, head_dim), layout.index, layout.counts,
+                             n_tokens=layout.n_tokens, dtype=dtype)
+        else:
+            q, k, v = (torch.zeros(1, 2, layout.n_tokens, head_dim, dtype=dtype) for _ in range(3))
+            vsa_ops.run_int8(q, k, v, idx, layout, scale, resolve_recipe(recipe), kernels=True)
+    return list(sink)
+
+
+def compile_vsa(arch: str = "sm_90a", head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
+                config: int = 0, recipe: str = "exact") -> list[KernelReport]:
+    """Compile, for ``arch``, the fine stage's kernels (see :func:`record_vsa_launches`) and
+    report each."""
+    return _compile_all(record_vsa_launches(head_dim=head_dim, dtype=dtype, recipe=recipe),
+                        normalize_arch(arch), config)
+
+
+def compile_train(recipe="sagebwd_int8", arch: str = "sm_90a", head_dim: int = 128,
+                  causal: bool = False, dtype: torch.dtype = torch.bfloat16,
+                  config: int = 0, dq_mode: str = "recompute") -> list[KernelReport]:
+    """Compile, for ``arch``, every kernel of one trainable attention forward and backward and
+    report each (see :func:`compile_recipe`)."""
+    arch = normalize_arch(arch)
+    launches = record_train_launches(recipe, head_dim=head_dim, causal=causal, dtype=dtype,
+                                     dq_mode=dq_mode)
+    return _compile_all(launches, arch, config)
+
+
+@functools.lru_cache(maxsize=None)
+def ptxas_version(arch: str) -> str:
+    """``ptxas --version``'s release (e.g. ``"12.8"``) for ``arch``'s ptxas, or ``"unknown"``."""
+    try:
+        out = subprocess.run([ptxas_path(arch), "--version"], capture_output=True, text=True).stdout
+    except OSError:
+        return "unknown"
+    match = re.search(r"release (\d+\.\d+)", out)
+    return match.group(1) if match else "unknown"
+
+
+__all__ = [
+    "ARCHS", "GPU_CONSTEXPRS", "KernelReport", "Launch", "compile_recipe", "compile_launch",
+    "compile_train", "record_train_launches", "compile_vsa", "record_vsa_launches",
+    "record_launches", "normalize_arch", "config_family", "autotune_configs",
+    "tensor_core_instructions",
+    "parse_ptxas_log", "run_ptxas", "ptxas_path", "ptxas_version", "as_jit_function", "specialize",
+]

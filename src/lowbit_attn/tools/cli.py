@@ -1,0 +1,408 @@
+"""The ``lowbit-attn`` command.
+
+Subcommands:
+    inspect   compile a recipe's kernels for a GPU target (no GPU needed) and show their tensor-core
+              instructions, registers and spills
+    doctor    versions, the GPU, the environment switches, and how each recipe would run here
+    accuracy  error of each recipe against exact attention (``lowbit_attn.tools.accuracy``)
+    bench     speed of each recipe and the baselines (``lowbit_attn.tools.benchmark``)
+
+Only the chosen subcommand's dependencies are imported: ``lowbit-attn --help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import json
+import math
+import os
+import platform
+import sys
+from typing import Callable, Sequence
+
+from lowbit_attn.core.arch import native_fp4
+from lowbit_attn.core.checks import MAX_HEAD_DIM
+
+# Subcommands implemented in other modules: name → (module, help). Each module exports
+# ``add_arguments(parser)`` and ``cli_main(args) -> int``.
+EXTERNAL = {
+    "accuracy": ("lowbit_attn.tools.accuracy", "error of each recipe against exact attention"),
+    "bench": ("lowbit_attn.tools.benchmark", "speed of each recipe and the baselines"),
+}
+ENV_VARS = ("LOWBIT_ATTN_ARCH", "LOWBIT_ATTN_BACKEND", "LOWBIT_ATTN_Q_QUANT", "LOWBIT_ATTN_KV_STATS",
+            "LOWBIT_ATTN_TRAIN_DQ", "TRITON_INTERPRET")
+DTYPES = ("float16", "bfloat16", "float32")
+# The targets of ``lowbit_attn.tools.aot.ARCHS``, spelled out so that ``--help`` imports nothing heavy.
+ARCH_HELP = "sm_80, sm_86, sm_89, sm_90a, sm_100a or sm_120a"
+
+
+# ---------------------------------------------------------------------------------------------
+# argument types: a bad value is a usage error (exit 2, one line) before any work starts
+
+
+class UsageError(Exception):
+    """A bad combination of options, found by a subcommand's ``cli_main`` after parsing (before
+    any work); ``lowbit-attn`` reports it as argparse reports a bad option."""
+
+
+def ranged(kind: type, low: float, high: float | None = None) -> Callable[[str], float]:
+    """argparse type: ``kind(text)`` (``int`` or ``float``), finite, in ``[low, high]``."""
+    bounds = f">= {low}" if high is None else f"between {low} and {high}"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {kind.__name__} {bounds}, got {text!r}") from None
+        finite = not isinstance(value, float) or math.isfinite(value)
+        if not finite or value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {text}")
+        return value
+
+    return parse
+
+
+positive_int = ranged(int, 1)
+head_dim_arg = ranged(int, 1, MAX_HEAD_DIM)
+
+
+def device_arg(text: str) -> str:
+    """argparse type for ``--device``: ``cpu``, or ``cuda``/``cuda:N`` of a GPU that is there."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: CUDA is not available here; use cpu")
+        if device.index is not None and device.index >= count:
+            raise argparse.ArgumentTypeError(f"{text!r}: this machine has {count} GPU(s)")
+    return text
+
+
+def output_file(text: str) -> str:
+    """argparse type for a file to write at the end: its directory must exist now."""
+    folder = os.path.dirname(os.path.abspath(text))
+    if os.path.isdir(text) or not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is a directory" if os.path.isdir(text) else f"no directory {folder!r}"
+        )
+    return text
+
+
+# ---------------------------------------------------------------------------------------------
+# inspect
+
+
+def _arch_arg(value: str) -> str:
+    """argparse type for ``--arch``: normalized (``sm_90`` → ``sm_90a``) or a usage error."""
+    from lowbit_attn.tools.aot import normalize_arch
+
+    try:
+        return normalize_arch(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _add_inspect(sub) -> None:
+    from lowbit_attn.core.recipes import RECIPES, SAGEBWD_INT8
+
+    p = sub.add_parser(
+        "inspect", help="compile a recipe's kernels for a GPU target and show what they use",
+        description="Compile, on this machine, the kernels one attention call with RECIPE "
+        "launches, for ARCH, and print each kernel's tensor-core instructions (from the PTX) and "
+        "its registers and spills (from ptxas -v).",
+    )
+    p.add_argument("--arch", required=True, type=_arch_arg, metavar="ARCH",
+                   help=f"GPU target: {ARCH_HELP}")
+    names = [*RECIPES, SAGEBWD_INT8.name]
+    p.add_argument("--recipe", default="auto", choices=["auto", *names], metavar="NAME",
+                   help=f"one of {', '.join(names)} (the trainable attention's forward and "
+                   "backward), or 'auto' (what ARCH gets by default)")
+    p.add_argument("--head-dim", type=head_dim_arg, default=128,
+                   help=f"head dim D, 1 to {MAX_HEAD_DIM} (default 128)")
+    p.add_argument("--causal", action="store_true", help="the causal variant")
+    p.add_argument("--dtype", choices=DTYPES, default="float16", help="input dtype")
+    p.add_argument("--return-lse", action="store_true", help="include what return_lse=True adds")
+    p.add_argument("--config", type=ranged(int, 0), default=0,
+                   help="which autotuning config of ARCH's family to compile (default 0)")
+    p.add_argument("--json", action="store_true", help="print the reports as JSON")
+    p.add_argument("--ptx-dir", metavar="DIR", help="also write each kernel's PTX into DIR")
+    p.set_defaults(handler=functools.partial(_inspect, parser=p))
+
+
+def _format_report(report) -> list[str]:
+    lines = [f"{report.kernel}  [{report.variant}]",
+             f"  launch        {report.num_warps} warps, {report.num_stages} stages"]
+    if report.error is not None:
+        lines.append(f"  error         {_last_line(report.error)}")
+    if report.registers is not None:
+        lines.append(
+            f"  registers     {report.registers}; spills {report.spill_stores} B stored, "
+            f"{report.spill_loads} B loaded; stack frame {report.stack_frame} B; "
+            f"shared memory {report.shared_memory} B"
+        )
+    if report.ptx:
+        if report.instructions:
+            lines.append("  tensor cores")
+            lines += [f"    {count:3d} x {form}" for form, count in report.instructions.items()]
+        else:
+            lines.append("  tensor cores  none")
+    return lines
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else text
+
+
+def _write_ptx(reports, directory: str) -> None:
+    os.makedirs(directory, exist_ok=True)
+    for i, r in enumerate(reports):
+        if r.ptx:
+            with open(os.path.join(directory, f"{i:02d}_{r.kernel}_{r.arch}.ptx"), "w") as f:
+                f.write(r.ptx)
+
+
+def _inspect(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> int:
+    import torch
+    import triton
+
+    from lowbit_attn.tools import aot
+    from lowbit_attn.core.arch import parse_arch
+    from lowbit_attn.core.recipes import resolve
+
+    from lowbit_attn.core.recipes import RECIPES, TRAIN_RECIPES
+
+    try:
+        if args.recipe in TRAIN_RECIPES and args.recipe not in RECIPES:  # "exact" is both
+            recipe = TRAIN_RECIPES[args.recipe]
+            reports = aot.compile_train(recipe, args.arch, head_dim=args.head_dim,
+                                        causal=args.causal, dtype=getattr(torch, args.dtype),
+                                        config=args.config)
+        else:
+            recipe = resolve(args.recipe, parse_arch(args.arch))
+            reports = aot.compile_recipe(
+                recipe, args.arch, head_dim=args.head_dim, causal=args.causal,
+                dtype=getattr(torch, args.dtype), return_lse=args.return_lse, config=args.config,
+            )
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.ptx_dir:
+        _write_ptx(reports, args.ptx_dir)
+    if args.json:
+        print(json.dumps([r.as_dict() for r in reports], indent=2, default=str))
+    else:
+        mode = "causal" if args.causal else "non-causal"
+        print(f"{recipe.name} for {args.arch} (head dim {args.head_dim}, {mode}, {args.dtype}); "
+              f"Triton {triton.__version__}, ptxas {aot.ptxas_version(args.arch)}")
+        if not reports:
+            print(f"recipe {recipe.name!r} launches no Triton kernel (PyTorch computes it)")
+        for r in reports:
+            print()
+            print("\n".join(_format_report(r)))
+    return 1 if any(not r.ok for r in reports) else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# doctor
+
+
+# What the Triton versions in play can express for FP4 (AOT compiles with 3.6; DESIGN.md for 3.9).
+FP4_SUPPORT = (
+    "native: tl.dot_scaled with NVFP4's E4M3 group-16 scales and MXFP4's E8M0 group-32 scales",
+    "  compiles to tcgen05.mma ... block_scale (sm_100) and mma.sync ... kind::mxf4nvf4 (sm_120)",
+    "  with Triton 3.6 (lowbit-attn inspect --arch sm_120a --recipe qk_fp4_pv_fp4)",
+    "emulated: before sm_100 (Triton 3.6 cannot compile an NVFP4 dot_scaled for sm_90) and under",
+    "  the interpreter (no dot_scaled), the kernel unpacks FP4 and applies the scales itself:",
+    "  the same function, exact products, no FP4 speed-up",
+)
+
+
+def recipe_status(recipe, device_type: str, capability, backend: str) -> str:
+    """How ``recipe`` runs for tensors on ``device_type`` (``"cuda"``/``"cpu"``):
+
+    ``"reference"`` (PyTorch: the exact recipe, the reference backend, CPU tensors by default),
+    ``"interpreter"`` (Triton kernels on the CPU under ``TRITON_INTERPRET=1``), ``"native"``
+    (Triton kernels on tensor cores: INT8 needs sm_80+, FP8 P·V sm_89+, FP4 sm_100+), ``"emulated"``
+    (FP4 recipes before sm_100: the same kernel, FP4 unpacked to bf16), ``"unsupported (...)"``
+    (a GPU without them: Triton 3.6 cannot compile the kernel) or ``"no GPU"``.
+    """
+    if device_type == "cuda" and capability is None:
+        return "no GPU"
+    if recipe.is_exact or backend == "reference":
+        return "reference"
+    if device_type == "cpu":
+        return "interpreter (FP4 emulated)" if recipe.is_fp4 else "interpreter"
+    if recipe.is_fp4 and tuple(capability) >= (8, 0):
+        return "native (FP4 tensor cores)" if native_fp4(capability) else "emulated (bf16 MMA)"
+    need = (8, 9) if recipe.pv == "fp8" else (8, 0)
+    if tuple(capability) >= need:
+        return "native"
+    return f"unsupported (needs sm_{need[0]}{need[1]}+)"
+
+
+def _optional_version(module: str) -> str:
+    try:
+        mod = importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not usable here"
+        return "not installed" if isinstance(exc, ModuleNotFoundError) else f"broken ({exc})"
+    return str(getattr(mod, "__version__", "installed"))
+
+
+def _gpu_lines(torch) -> tuple[list[tuple[str, str]], tuple[int, int] | None]:
+    try:
+        available = torch.cuda.is_available()
+    except Exception as exc:  # noqa: BLE001 - a broken driver is a finding, not a crash
+        return [("CUDA", f"error: {exc}")], None
+    if not available:
+        return [("CUDA", "not available"), ("GPU", "none")], None
+    cap = torch.cuda.get_device_capability()
+    name = torch.cuda.get_device_name()
+    return [("CUDA", f"available (torch built with CUDA {torch.version.cuda})"),
+            ("GPU", f"{name}, capability {cap[0]}.{cap[1]}")], cap
+
+
+def _backend(arch_mod, device_type: str) -> str:
+    import torch
+
+    try:
+        return arch_mod.backend_for(torch.device(device_type))
+    except (ValueError, RuntimeError) as exc:
+        return f"error: {exc}"
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    import torch
+    import triton
+
+    from lowbit_attn import __version__
+    from lowbit_attn.core import arch as arch_mod
+    from lowbit_attn.core.recipes import RECIPES, auto_recipe
+
+    rows = [("lowbit_attn", __version__), ("python", platform.python_version()),
+            ("torch", torch.__version__), ("triton", triton.__version__)]
+    gpu_rows, physical = _gpu_lines(torch)
+    rows += gpu_rows
+    try:
+        target = arch_mod.get_capability()
+        rows.append(("target arch", arch_mod.arch_name(target) if target else "none"))
+    except ValueError as exc:
+        target = None
+        rows.append(("target arch", f"error: {exc}"))
+    rows += [(name, os.environ.get(name, "(unset)")) for name in ENV_VARS]
+    backends = {d: _backend(arch_mod, d) for d in ("cuda", "cpu")}
+    rows += [("CUDA tensors", backends["cuda"]), ("CPU tensors", backends["cpu"])]
+    width = max(len(k) for k, _ in rows) + 2
+    for key, value in rows:
+        print(f"{key:<{width}}{value}")
+
+    print("\nrecipes (CUDA tensors / CPU tensors)")
+    cuda_cap = target if physical is not None else None  # the target arch, on a real GPU only
+    for name, recipe in RECIPES.items():
+        cuda = recipe_status(recipe, "cuda", cuda_cap, backends["cuda"])
+        cpu = recipe_status(recipe, "cpu", None, backends["cpu"])
+        print(f"  {name:<18}{cuda} / {cpu}")
+    on_cuda = auto_recipe(cuda_cap).name if cuda_cap is not None else "no GPU"
+    print(f"  {'auto':<18}{on_cuda} / {auto_recipe(None).name}")
+
+    mode = arch_mod.fp4_mode("cuda" if cuda_cap is not None else "cpu",
+                             backends["cuda" if cuda_cap is not None else "cpu"], cuda_cap)
+    print(f"\nFP4 (qk_fp4_pv_fp4, qk_mxfp4_pv_mxfp4) here: {mode}")
+    for line in FP4_SUPPORT:
+        print(f"  {line}")
+
+    print("\noptional")
+    for module in ("sageattention", "matplotlib"):
+        print(f"  {module:<18}{_optional_version(module)}")
+    return 0
+
+
+def _add_doctor(sub) -> None:
+    p = sub.add_parser("doctor", help="versions, GPU, environment and how each recipe runs here",
+                       description="Report versions, the GPU, the LOWBIT_ATTN_*/TRITON_INTERPRET "
+                       "switches, the backend of CUDA and CPU tensors and how each recipe runs.")
+    p.set_defaults(handler=_doctor)
+
+
+# ---------------------------------------------------------------------------------------------
+# accuracy / bench (other modules)
+
+
+def _external_handler(module, parser: argparse.ArgumentParser) -> Callable:
+    def handler(args: argparse.Namespace) -> int:
+        try:
+            result = module.cli_main(args)
+        except UsageError as exc:
+            parser.error(str(exc))
+        return int(result or 0)
+
+    return handler
+
+
+def _import_external(name: str):
+    """The module behind subcommand ``name``; raises ``ImportError`` with a readable message."""
+    module_name = EXTERNAL[name][0]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ImportError(f"lowbit-attn {name}: cannot import {module_name} ({exc})") from exc
+    for attr in ("add_arguments", "cli_main"):
+        if not callable(getattr(module, attr, None)):
+            raise ImportError(f"lowbit-attn {name}: {module_name} has no {attr}()")
+    return module
+
+
+def _add_external(sub, name: str, chosen: str | None) -> None:
+    """Add subcommand ``name``; its module is imported (and its options defined) only when it is
+    the subcommand being run."""
+    module_name, help_text = EXTERNAL[name]
+    p = sub.add_parser(name, help=help_text, description=f"{help_text} ({module_name})")
+    if name == chosen:
+        module = _import_external(name)
+        module.add_arguments(p)
+        p.set_defaults(handler=_external_handler(module, p))
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The ``lowbit-attn`` parser; ``argv`` tells which external subcommand to load options for."""
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    parser = argparse.ArgumentParser(
+        prog="lowbit-attn",
+        description="Low-bit attention for PyTorch: inspect the kernels a recipe compiles to, "
+        "check this machine, measure accuracy and speed.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    _add_inspect(sub)
+    _add_doctor(sub)
+    for name in EXTERNAL:
+        _add_external(sub, name, chosen)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``lowbit-attn``; returns the exit status (0 on success)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        parser = build_parser(argv)
+    except ImportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""Reading the SASS of a kernel compiled ahead of time (:mod:`lowbit_attn.tools.aot`), with the
+``cuobjdump`` bundled in Triton's wheel: the instructions of each loop, and where the exp2s of a
+softmax sit against the asynchronous tensor-core products.
+
+On Hopper a ``wgmma`` is issued (``IGMMA``/``QGMMA``/``HGMMA`` in SASS) and waited for later
+(``WARPGROUP.DEPBAR``); instructions between the two run while the tensor cores work. ::
+
+    from lowbit_attn import aot, sass
+    report = aot.compile_launch(launch, "sm_90a", config=1)
+    for body in sass.loops(sass.disassemble(report.cubin)):
+        print(sass.exp2_under_mma(body))
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+import triton
+
+_LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", re.MULTILINE)
+_PREDICATE = re.compile(r"^@!?U?P\w+\s+")
+
+
+def cuobjdump_path() -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def disassemble(cubin: bytes) -> list[tuple[int, str]]:
+    """``(address, instruction)`` of every SASS instruction (predicates stripped)."""
+    if not cubin:
+        raise ValueError("cubin is empty: the kernel did not compile")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        done = subprocess.run([cuobjdump_path(), "-sass", path], capture_output=True, text=True,
+                              timeout=120)
+    if done.returncode != 0:
+        raise RuntimeError(f"cuobjdump failed: {done.stderr.strip()[:300]}")
+    return [(int(a, 16), _PREDICATE.sub("", text)) for a, text in _LINE.findall(done.stdout)]
+
+
+def loops(instructions: list[tuple[int, str]]) -> list[list[str]]:
+    """The bodies of the loops, in program order: from the target of each backward branch to the
+    branch."""
+    bodies = []
+    for address, text in instructions:
+        if not re.match(r"BRA\b", text):
+            continue
+        target = re.search(r"0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < address:
+            lo = int(target.group(1), 16)
+            bodies.append([t for a, t in instructions if lo <= a <= address])
+    return bodies
+
+
+def opcode_counts(body: list[str]) -> dict[str, int]:
+    """Instructions per opcode (the text before the first ``.`` or space)."""
+    counts: dict[str, int] = {}
+    for text in body:
+        op = re.split(r"[ .]", text, maxsplit=1)[0]
+        counts[op] = counts.get(op, 0) + 1
+    return counts
+
+
+@dataclass(frozen=True)
+class Exp2Placement:
+    """Where a loop's ``MUFU.EX2`` instructions sit against a group of asynchronous MMAs:
+    ``before`` the first is issued, ``under`` them (after the first issue and before the
+    ``WARPGROUP.DEPBAR`` that waits for the last), ``after`` that wait."""
+
+    before: int
+    under: int
+    after: int
+
+    @property
+    def total(self) -> int:
+        return self.before + self.under + self.after
+
+
+def exp2_under_mma(body: list[str], mma: str = "IGMMA") -> Exp2Placement | None:
+    """Placement of the exp2s against the loop's ``mma`` group (``IGMMA``: INT8 wgmma); ``None``
+    when the loop issues none."""
+    issued = [i for i, t in enumerate(body) if t.startswith(mma)]
+    if not issued:
+        return None
+    first, last = issued[0], issued[-1]
+    wait = next((i for i in range(last, len(body)) if body[i].startswith("WARPGROUP.DEPBAR")),
+                len(body))
+
+    def exp2s(lo: int, hi: int) -> int:
+        return sum(t.startswith("MUFU.EX2") for t in body[lo:hi])
+
+    return Exp2Placement(before=exp2s(0, first), under=exp2s(first, wait),
+                         after=exp2s(wait, len(body)))

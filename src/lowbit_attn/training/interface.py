@@ -1,0 +1,79 @@
+"""The trainable attention's public function: argument checks, recipe, dispatch to the custom op."""
+
+from __future__ import annotations
+
+import torch
+
+from lowbit_attn.core import checks
+from lowbit_attn.training import op as train_ops
+from lowbit_attn.core.arch import backend_for
+from lowbit_attn.core.recipes import TrainRecipe, resolve_train
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def trainable_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    layout: str = "HND",
+    recipe: "str | TrainRecipe" = "sagebwd_int8",
+    smooth_k: "bool | None" = None,
+    smooth_q: "bool | None" = None,
+    keep_16bit: "tuple[str, ...] | None" = None,
+    balance_qk: "bool | None" = None,
+) -> torch.Tensor:
+    """Differentiable 8-bit attention ``softmax(q·kᵀ·scale)·v`` for training (SageBwd).
+
+    Args:
+        q: ``[B, Hq, Nq, D]`` (``"HND"``) or ``[B, Nq, Hq, D]`` (``"NHD"``). float16 or bfloat16 on a
+            GPU; the CPU reference also takes float32 and float64.
+        k, v: ``[B, Hkv, Nk, D]`` or ``[B, Nk, Hkv, D]``, q's dtype and device; ``Hq`` a multiple
+            of ``Hkv`` (GQA). Head dims 64 and 128 are the fast path; 1 to 256 work.
+        is_causal: query ``i`` sees key ``j`` iff ``j <= i + Nk - Nq`` (bottom-right, as
+            FlashAttention).
+        scale: softmax scale, ``D ** -0.5`` by default.
+        layout: ``"HND"`` or ``"NHD"``; the output and the gradients keep the inputs' layout.
+        recipe: ``"sagebwd_int8"`` (INT8 in six of the seven matmuls, ``dP = dO·Vᵀ`` in 16-bit),
+            ``"exact"`` (no quantization; fp16/bf16 operands with fp32 accumulation on a GPU, the
+            input precision on a CPU), or a :class:`TrainRecipe`.
+        smooth_k: subtract K's per-channel mean before quantizing it (exact; recommended).
+            ``None``: the recipe's setting (on for ``"sagebwd_int8"``).
+        smooth_q: subtract each 64-row block's mean from Q and add the correction back in fp32
+            (exact; costs an ``[Nq/64, Nk]`` fp32 correction per head, so not O(N) memory).
+            ``None``: the recipe's setting (off).
+        keep_16bit: matmuls to keep in 16-bit (names among ``"qk"``, ``"pv"``, ``"dp"``, ``"dv"``,
+            ``"dq"``, ``"dk"``); the others of a quantized recipe run in INT8. ``()`` puts dP in
+            INT8 too. ``None`` keeps the recipe's choice.
+        balance_qk: rescale Q's and K's channels by ``α``/``1/α`` before quantizing (exact; the
+            gradients are scaled back): for models with outlier channels in Q or K. Not part of
+            SageBwd; ``None``: the recipe's setting (off).
+    Returns:
+        the output, q's shape, dtype and layout. Rows that see no key give 0 (and zero gradients).
+
+    The backward recomputes the scores from the saved LSE (no ``N×N`` tensor on the GPU path).
+    Double backward is not supported (a clear ``RuntimeError``).
+    """
+    qh, kh, vh = checks.dense_qkv(q, k, v, layout, dtypes=checks.FLOAT_DTYPES + (torch.float64,))
+    is_causal = checks.flag("is_causal", is_causal)
+    for name, value in (("smooth_k", smooth_k), ("smooth_q", smooth_q), ("balance_qk", balance_qk)):
+        if value is not None:
+            checks.flag(name, value)
+    r = resolve_train(recipe, smooth_k=smooth_k, smooth_q=smooth_q, keep_16bit=keep_16bit,
+                      balance_qk=balance_qk)
+    if backend_for(q.device) == "triton" and q.dtype not in KERNEL_DTYPES:
+        raise TypeError(
+            f"trainable_attention's kernels take float16 or bfloat16 inputs, got {q.dtype}; cast q, "
+            "k, v (e.g. under torch.autocast) or use LOWBIT_ATTN_BACKEND=reference"
+        )
+    sm_scale = checks.softmax_scale(scale, q.shape[-1])
+    nq, nk = qh.shape[2], kh.shape[2]
+    if nq == 0:
+        return q.clone()
+    return train_ops.call(
+        q, k, v, r, scale=sm_scale, is_causal=is_causal, causal_offset=nk - nq,
+        nhd=layout == "NHD",
+    )

@@ -1,0 +1,157 @@
+"""Trainable attention forward (SageBwd numerics): INT8 (or 16-bit) Q·Kᵀ, an online softmax in base
+2 over key blocks of 64, P̃ quantized per query row as ``round(127·exp2(S - rowmax_block))`` with the
+row's scale ``exp2(rowmax_block - m)/127`` folded into the accumulation, INT8 (or 16-bit) P̃·V against
+V's per-block scale; writes O and the base-2 LSE for the backward.
+Twin: ``lowbit_attn.training.naive.forward``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lowbit_attn.core.arch import get_capability, interpreter_enabled
+from lowbit_attn.core.operands import TRAIN_BLOCK, TrainOperands
+from lowbit_attn.core.triton_helpers import (
+    LaunchConfig, batch_head, finish_scores, key_block_bounds, mm, next_pow2, online_max,
+    normalize_rows, round_half_even, triton_configs,
+)
+
+CONFIGS = {
+    "interpreter": [LaunchConfig(4, 1)],
+    "sm_80": [LaunchConfig(8, 2), LaunchConfig(4, 2)],
+    "sm_89": [LaunchConfig(8, 2), LaunchConfig(4, 2)],
+    # 4 warps spill at 128-row tiles with D=128 (ptxas -v, sm_90a): 8 warps only.
+    "sm_90": [LaunchConfig(8, 2), LaunchConfig(8, 3)],
+}
+
+
+@triton.jit
+def _fwd_block(
+    acc, m_i, l_i, q, qs, start_n, offs_m, offs_n, offs_d, dmask, nk, causal_offset,
+    k_base, v_base, ks_base, vs_base, ds_base, V, skn, skd, svn, svd, sksn, svsn, sdn,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, QK_INT8: tl.constexpr, PV_INT8: tl.constexpr,
+    HAS_DS: tl.constexpr, EMU_FP32: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    cols = start_n + offs_n
+    nmask = cols < nk
+    if MASKED:
+        kmask = nmask[None, :] & dmask[:, None]
+        vmask = nmask[:, None] & dmask[None, :]
+    else:
+        kmask = dmask[:, None]
+        vmask = dmask[None, :]
+    kt = tl.load(k_base + cols[None, :] * skn + offs_d[:, None] * skd, mask=kmask, other=0)
+    ks = tl.load(ks_base + (start_n // BLOCK_N) * sksn)
+    s = mm(q, kt, QK_INT8, EMU_FP32) * (qs[:, None] * ks)
+    s = finish_scores(s, cols, nmask, offs_m, causal_offset, ds_base, sdn, HAS_DS, MASKED,
+                      IS_CAUSAL)
+    block_max = tl.max(s, axis=1)
+    m_new, m_safe, alpha = online_max(m_i, block_max)
+    row_scale = tl.exp2(block_max - m_safe)
+    p = tl.exp2(s - tl.where(block_max == float("-inf"), 0.0, block_max)[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1) * row_scale
+    v = tl.load(v_base + cols[:, None] * svn + offs_d[None, :] * svd, mask=vmask, other=0)
+    vs = tl.load(vs_base + (start_n // BLOCK_N) * svsn)
+    if PV_INT8:
+        pq = round_half_even(p * 127.0).to(tl.int8)
+        unit = 1.0 / 127.0
+    else:
+        pq = p.to(V.dtype.element_ty)
+        unit = 1.0
+    pv = mm(pq, v, PV_INT8, EMU_FP32)
+    acc = acc * alpha[:, None] + pv * (row_scale * (vs * unit))[:, None]
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _train_fwd_kernel(
+    Q, K, V, QS, KS, VS, DS, O, LSE,
+    sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+    sqsb, sqsh, sqsn, sksb, sksh, sksn, svsb, svsh, svsn,
+    sdb, sdh, sdq, sdn, sob, soh, son, sod, slb, slh, sln,
+    NQ, NK, HQ, GROUP, D, causal_offset, N_BUCKET,
+    IS_CAUSAL: tl.constexpr, QK_INT8: tl.constexpr, PV_INT8: tl.constexpr,
+    HAS_DS: tl.constexpr, EMU_FP32: tl.constexpr, QUANT_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    b, h = batch_head(tl.program_id(1), HQ)
+    hk = h // GROUP
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mmask = offs_m < NQ
+    dmask = offs_d < D
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :] * sqd,
+                mask=mmask[:, None] & dmask[None, :], other=0)
+    # One scale per QUANT_BLOCK rows (two per tile of 128 rows); QS holds s_q·softmax_scale·log2 e.
+    qs = tl.load(QS + b * sqsb + h * sqsh + (offs_m // QUANT_BLOCK) * sqsn, mask=mmask, other=0.0)
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+    ks_base = KS + b * sksb + hk * sksh
+    vs_base = VS + b * svsb + hk * svsh
+    ds_base = DS
+    if HAS_DS:  # BLOCK_M == QUANT_BLOCK: one ΔS row per program
+        ds_base = DS + b * sdb + h * sdh + pid_m * sdq
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    full_hi, hi = key_block_bounds(NK, pid_m, causal_offset, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    for start_n in range(0, full_hi, BLOCK_N):
+        acc, m_i, l_i = _fwd_block(
+            acc, m_i, l_i, q, qs, start_n, offs_m, offs_n, offs_d, dmask, NK, causal_offset,
+            k_base, v_base, ks_base, vs_base, ds_base, V, skn, skd, svn, svd, sksn, svsn, sdn,
+            False, IS_CAUSAL, QK_INT8, PV_INT8, HAS_DS, EMU_FP32, BLOCK_N,
+        )
+    for start_n in range(full_hi, hi, BLOCK_N):
+        acc, m_i, l_i = _fwd_block(
+            acc, m_i, l_i, q, qs, start_n, offs_m, offs_n, offs_d, dmask, NK, causal_offset,
+            k_base, v_base, ks_base, vs_base, ds_base, V, skn, skd, svn, svd, sksn, svsn, sdn,
+            True, IS_CAUSAL, QK_INT8, PV_INT8, HAS_DS, EMU_FP32, BLOCK_N,
+        )
+    out, empty = normalize_rows(acc, l_i)
+    out = tl.where(empty[:, None], 0.0, out)
+    tl.store(O + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :] * sod,
+             out.to(O.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
+    tl.store(LSE + b * slb + h * slh + offs_m * sln, m_i + tl.log2(l_i), mask=mmask)
+
+
+_train_fwd = triton.autotune(
+    configs=triton_configs(CONFIGS, get_capability()),
+    key=["N_BUCKET", "BLOCK_D", "IS_CAUSAL", "QK_INT8", "PV_INT8", "HAS_DS", "BLOCK_M"],
+)(triton.heuristics({"HAS_DS": lambda a: a["DS"] is not None})(_train_fwd_kernel))
+
+
+def launch_args(ops: TrainOperands, out: torch.Tensor, lse: torch.Tensor, causal_offset):
+    """The kernel's arguments (also what ``lowbit-attn inspect`` compiles ahead of time)."""
+    b, hq, nq, d = ops.q.shape
+    hkv, nk = ops.k.shape[1], ops.k.shape[2]
+    block_m = TRAIN_BLOCK if ops.delta_s is not None else 2 * TRAIN_BLOCK
+    qs = ops.q_scale * ops.qk_multiplier
+    args = (
+        ops.q, ops.k, ops.v, qs, ops.k_scale, ops.v_scale, ops.delta_s, out, lse,
+        *ops.q.stride(), *ops.k.stride(), *ops.v.stride(),
+        *qs.stride(), *ops.k_scale.stride(), *ops.v_scale.stride(),
+        *(ops.delta_s.stride() if ops.delta_s is not None else (0, 0, 0, 0)),
+        *out.stride(), *lse.stride(),
+        nq, nk, hq, hq // hkv, d, 0 if causal_offset is None else int(causal_offset),
+        min(triton.next_power_of_2(nk), 32768),
+    )
+    constexprs = dict(
+        IS_CAUSAL=causal_offset is not None, QK_INT8="qk" in ops.int8, PV_INT8="pv" in ops.int8,
+        EMU_FP32=interpreter_enabled(), QUANT_BLOCK=TRAIN_BLOCK, BLOCK_M=block_m,
+        BLOCK_N=TRAIN_BLOCK, BLOCK_D=next_pow2(d, minimum=32),
+    )
+    grid = (triton.cdiv(nq, block_m), b * hq)
+    return grid, args, constexprs
+
+
+def forward(ops: TrainOperands, *, out: torch.Tensor, causal_offset: int | None) -> torch.Tensor:
+    """Writes ``out`` (a ``[B, Hq, Nq, D]`` view) and returns the base-2 LSE ``[B, Hq, Nq]`` fp32."""
+    lse = torch.empty(ops.q.shape[:3], device=out.device, dtype=torch.float32)
+    grid, args, constexprs = launch_args(ops, out, lse, causal_offset)
+    _train_fwd[grid](*args, **constexprs)
+    return lse

@@ -1,0 +1,127 @@
+"""The trainable attention as two ``torch.library`` custom ops (forward, backward) joined by
+``register_autograd``, with fake implementations so ``torch.compile`` traces them. Each op prepares
+its operands and runs the Triton kernels or the PyTorch reference."""
+
+from __future__ import annotations
+
+import torch
+
+from lowbit_attn.core.arch import backend_for
+from lowbit_attn.training.prepare import prepare, prepare_grad
+from lowbit_attn.core.recipes import TrainRecipe
+from lowbit_attn.training import naive as ref
+
+
+def _recipe(int8: str, smooth_k: bool, smooth_q: bool, balance_qk: bool) -> TrainRecipe:
+    names = frozenset(x for x in int8.split(",") if x)
+    return TrainRecipe(name="op", int8=names, smooth_k=smooth_k, smooth_q=smooth_q,
+                       balance_qk=balance_qk)
+
+
+def _hnd(x: torch.Tensor, nhd: bool) -> torch.Tensor:
+    return x.transpose(1, 2) if nhd else x
+
+
+@torch.library.custom_op("lowbit_attn::train_fwd", mutates_args=())
+def train_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, int8: str, smooth_k: bool, smooth_q: bool,
+    balance_qk: bool, scale: float, is_causal: bool, causal_offset: int, nhd: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output (q's shape and dtype) and base-2 LSE ``[B, Hq, Nq]`` (fp32; fp64 for fp64 inputs);
+    ``int8`` is a comma-separated list of the matmuls computed in INT8."""
+    recipe = _recipe(int8, smooth_k, smooth_q, balance_qk)
+    qh, kh, vh = (_hnd(x, nhd) for x in (q, k, v))
+    backend = backend_for(q.device)
+    ops = prepare(qh, kh, vh, recipe, scale, backend)
+    offset = causal_offset if is_causal else None
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if backend == "triton":
+        from lowbit_attn.training import kernel_fwd as attn_train_fwd
+
+        lse = attn_train_fwd.forward(ops, out=_hnd(out, nhd), causal_offset=offset)
+    else:
+        o, lse = ref.forward(ops, causal_offset=offset)
+        _hnd(out, nhd).copy_(o)
+        lse = lse.to(_lse_dtype(q))
+    return out, lse
+
+
+def _lse_dtype(q: torch.Tensor) -> torch.dtype:
+    """fp32, or fp64 for fp64 inputs (the reference's float64 gradients need it)."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+@train_fwd.register_fake
+def _(q, k, v, int8, smooth_k, smooth_q, balance_qk, scale, is_causal, causal_offset, nhd):
+    b, hq, nq = (q.shape[0], q.shape[2], q.shape[1]) if nhd else q.shape[:3]
+    return q.new_empty(q.shape), q.new_empty((b, hq, nq), dtype=_lse_dtype(q))
+
+
+@torch.library.custom_op("lowbit_attn::train_bwd", mutates_args=())
+def train_bwd(
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
+    int8: str, smooth_k: bool, smooth_q: bool, balance_qk: bool, scale: float,
+    is_causal: bool, causal_offset: int, nhd: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` in the shapes and dtype of ``q, k, v``."""
+    recipe = _recipe(int8, smooth_k, smooth_q, balance_qk)
+    qh, kh, vh, doh = (_hnd(x, nhd) for x in (q, k, v, do))
+    backend = backend_for(q.device)
+    ops = prepare(qh, kh, vh, recipe, scale, backend)
+    grad = prepare_grad(doh, recipe, backend)
+    offset = causal_offset if is_causal else None
+    grads = tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+    if backend == "triton":
+        from lowbit_attn.training import kernel_bwd as attn_train_bwd
+
+        attn_train_bwd.backward(ops, grad, lse, *(_hnd(g, nhd) for g in grads),
+                                causal_offset=offset, softmax_scale=scale)
+    else:
+        for g, r in zip(grads, ref.backward(ops, grad, lse, causal_offset=offset, softmax_scale=scale)):
+            _hnd(g, nhd).copy_(r)
+    return grads
+
+
+@train_bwd.register_fake
+def _(do, q, k, v, lse, int8, smooth_k, smooth_q, balance_qk, scale, is_causal, causal_offset,
+      nhd):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, *options = inputs
+    _, lse = output  # the backward does not read the output (Δ comes from P and dP)
+    ctx.save_for_backward(q, k, v, lse)
+    ctx.options = options
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, lse = ctx.saved_tensors
+    dq, dk, dv = train_bwd(grad_out.contiguous(), q, k, v, lse, *ctx.options)
+    needs = ctx.needs_input_grad
+    return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None,
+            *([None] * len(ctx.options)))
+
+
+train_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError(
+        "lowbit_attn.trainable_attention does not support double backward (gradients of its "
+        "gradients); use exact attention (torch.nn.functional.scaled_dot_product_attention) there"
+    )
+
+
+def _save_nothing(ctx, inputs, output):
+    pass
+
+
+train_bwd.register_autograd(_no_double_backward, setup_context=_save_nothing)
+
+
+def call(q, k, v, recipe: TrainRecipe, *, scale: float, is_causal: bool, causal_offset: int,
+         nhd: bool) -> torch.Tensor:
+    out, _ = train_fwd(q, k, v, ",".join(sorted(recipe.int8)), recipe.smooth_k, recipe.smooth_q,
+                       recipe.balance_qk, scale, is_causal, causal_offset, nhd)
+    return out

@@ -1,0 +1,294 @@
+"""Block-sparse attention over tiles (the fine stage of video sparse attention), forward and
+backward. Q, K, V come as padded tiles ``[B, H, n_tiles, TS, D]`` (tile-contiguous, each tile's
+``count`` first rows valid); each query tile attends to the key tiles of its index list, read by
+index (no dense mask). Forward: online softmax in base 2, the LSE saved. Backward (FlashAttention-2
+style): Δ = rowsum(dO∘O); a dQ kernel over each query tile's key tiles, and a dK/dV kernel over each
+key tile's query tiles (the transposed lists, built on the host), looping over the query heads
+that share the K/V head. Twin: ``lowbit_attn.vsa.naive.fine``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lowbit_attn.core.arch import get_capability, interpreter_enabled
+from lowbit_attn.core.operands import LOG2_FP8_MAX, QuantizedQKV
+from lowbit_attn.core.triton_helpers import (
+    LaunchConfig, batch_head, exact_fp8, finish_rows, mm, next_pow2, online_max, to_e4m3,
+    triton_configs,
+)
+
+LOG2E = tl.constexpr(1.4426950408889634)
+_LOG2_FP8_MAX = tl.constexpr(LOG2_FP8_MAX)
+
+CONFIGS = {
+    "interpreter": [LaunchConfig(4, 1)],
+    "sm_80": [LaunchConfig(4, 2), LaunchConfig(8, 2)],
+    "sm_89": [LaunchConfig(4, 2), LaunchConfig(8, 2)],
+    "sm_90": [LaunchConfig(4, 2), LaunchConfig(8, 2), LaunchConfig(4, 3)],
+}
+
+
+@triton.jit
+def _tile(X, b, h, t, offs_s, offs_d, mask, sxb, sxh, sxt, sxs, sxd, TRANS: tl.constexpr):
+    base = X + b * sxb + h * sxh + t.to(tl.int64) * sxt
+    """One padded tile ``[TS, D]`` (``[D, TS]`` with ``TRANS``) of ``X [B, H, n_tiles, TS, D]``."""
+    if TRANS:
+        x = tl.load(base + offs_s[None, :] * sxs + offs_d[:, None] * sxd, mask=tl.trans(mask),
+                    other=0.0)
+    else:
+        x = tl.load(base + offs_s[:, None] * sxs + offs_d[None, :] * sxd, mask=mask, other=0.0)
+    return x
+
+
+@triton.jit
+def _own_tile(CNT, pid_t, H, D, TS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A program's (batch, head) among ``H`` heads, its slot and channel offsets, and its own
+    tile's token count and element mask."""
+    b, h = batch_head(tl.program_id(1), H)
+    offs_s = tl.arange(0, TS)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    cnt = tl.load(CNT + pid_t)
+    return b, h, offs_s, offs_d, dmask, cnt, (offs_s < cnt)[:, None] & dmask[None, :]
+
+
+@triton.jit
+def _query_tile(Q, CNT, pid_t, HQ, GROUP, D, sqb, sqh, sqt, sqs, sqd, TS: tl.constexpr,
+                BLOCK_D: tl.constexpr):
+    """A program's (batch, head, K/V head), offsets, and its query tile with its row mask."""
+    b, h, offs_s, offs_d, dmask, cnt_q, qmask = _own_tile(CNT, pid_t, HQ, D, TS, BLOCK_D)
+    q = _tile(Q, b, h, pid_t, offs_s, offs_d, qmask, sqb, sqh, sqt, sqs, sqd, False)
+    return b, h, h // GROUP, offs_s, offs_d, dmask, cnt_q, qmask, q
+
+
+@triton.jit
+def _key_tile(K, CNT, b, hk, j, offs_s, offs_d, dmask, skb, skh, skt, sks, skd):
+    """Key tile ``j`` transposed ``[D, TS]``, its token count and row mask."""
+    cnt_k = tl.load(CNT + j)
+    kmask = (offs_s < cnt_k)[:, None] & dmask[None, :]
+    return cnt_k, kmask, _tile(K, b, hk, j, offs_s, offs_d, kmask, skb, skh, skt, sks, skd, True)
+
+
+@triton.jit
+def _vsa_fwd_kernel(
+    Q, K, V, QS, KS, VS, VM, IDX, CNT, O, LSE,
+    sqb, sqh, sqt, sqs, sqd, skb, skh, skt, sks, skd, svb, svh, svt, svs, svd,
+    sib, sih, sit, sik, sob, soh, sot, sos, sod, slb, slh, slt, sls,
+    sqsb, sqsh, sqst, sqss, sksb, sksh, skst, skss, svsb, svsh, svsd,
+    HQ, GROUP, D, KK, scale,
+    TS: tl.constexpr, BLOCK_D: tl.constexpr, EMU_FP32: tl.constexpr, INT8_QK: tl.constexpr,
+    PV_FP8: tl.constexpr, HAS_VSCALE: tl.constexpr, HAS_VMEAN: tl.constexpr,
+    EXACT_FP8: tl.constexpr,
+):
+    """One query tile over its key tiles. 16-bit: scores ``q·kᵀ·scale`` and the LSE written.
+    ``INT8_QK``: INT8 tiles with one scale per token (Q's times ``scale·log2 e``), P̃ and V in E4M3
+    (``PV_FP8``, P̃ offset by ``log2 448``) or fp16, V's per-channel scale (if any) in the
+    epilogue."""
+    pid_t = tl.program_id(0)
+    b, h, hk, offs_s, offs_d, dmask, cnt_q, qmask, q = _query_tile(
+        Q, CNT, pid_t, HQ, GROUP, D, sqb, sqh, sqt, sqs, sqd, TS, BLOCK_D)
+    if INT8_QK:
+        qs = tl.load(QS + b * sqsb + h * sqsh + pid_t.to(tl.int64) * sqst + offs_s * sqss,
+                     mask=offs_s < cnt_q, other=0.0)
+    if PV_FP8:
+        offset = _LOG2_FP8_MAX
+    else:
+        offset = 0.0
+    m_i = tl.full([TS], float("-inf"), tl.float32)
+    l_i = tl.zeros([TS], dtype=tl.float32)
+    acc = tl.zeros([TS, BLOCK_D], dtype=tl.float32)
+    for s in range(0, KK):
+        j = tl.load(IDX + b * sib + h * sih + pid_t * sit + s * sik)
+        cnt_k, kmask, kt = _key_tile(K, CNT, b, hk, j, offs_s, offs_d, dmask, skb, skh, skt, sks,
+                                     skd)
+        if INT8_QK:
+            ks = tl.load(KS + b * sksb + hk * sksh + j.to(tl.int64) * skst + offs_s * skss,
+                         mask=offs_s < cnt_k, other=0.0)
+            sc = mm(q, kt, True, False) * (qs[:, None] * ks[None, :])
+        else:
+            sc = mm(q, kt, False, EMU_FP32) * (scale * LOG2E)
+        sc = tl.where((offs_s < cnt_k)[None, :], sc, float("-inf"))
+        m_new, m_safe, alpha = online_max(m_i, tl.max(sc, axis=1))
+        p = tl.exp2(sc - (m_safe - offset)[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = _tile(V, b, hk, j, offs_s, offs_d, kmask, svb, svh, svt, svs, svd, False)
+        if PV_FP8:
+            pv = tl.dot(to_e4m3(p, EXACT_FP8), v, out_dtype=tl.float32)
+        else:
+            pv = mm(p.to(V.dtype.element_ty), v, False, EMU_FP32)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    out = finish_rows(acc, l_i, VS, VM, b * svsb + hk * svsh, offs_d, dmask, svsd, HAS_VSCALE,
+                      HAS_VMEAN)
+    base_o = O + b * sob + h * soh + pid_t.to(tl.int64) * sot
+    tl.store(base_o + offs_s[:, None] * sos + offs_d[None, :] * sod, out.to(O.dtype.element_ty),
+             mask=qmask)
+    if not INT8_QK:
+        tl.store(LSE + b * slb + h * slh + pid_t.to(tl.int64) * slt + offs_s * sls,
+                 m_i + tl.log2(l_i), mask=offs_s < cnt_q)
+
+
+@triton.jit
+def _tile_ds(q, kt, v_t, do, lse, delta, cnt_k, offs_s, scale, EMU_FP32: tl.constexpr):
+    """P and dS (natural-log units) of one (query tile, key tile) pair, recomputed."""
+    sc = mm(q, kt, False, EMU_FP32) * (scale * LOG2E)
+    sc = tl.where((offs_s < cnt_k)[None, :], sc, float("-inf"))
+    p = tl.exp2(sc - tl.where(lse == float("-inf"), 0.0, lse)[:, None])
+    dp = mm(do, v_t, False, EMU_FP32)
+    return p, p * (dp - delta[:, None])
+
+
+@triton.jit
+def _vsa_dq_kernel(
+    Q, K, V, DO, IDX, CNT, LSE, DELTA, DQ,
+    sqb, sqh, sqt, sqs, sqd, skb, skh, skt, sks, skd, sib, sih, sit, sik,
+    slb, slh, slt, sls,
+    HQ, GROUP, D, KK, scale,
+    TS: tl.constexpr, BLOCK_D: tl.constexpr, EMU_FP32: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    b, h, hk, offs_s, offs_d, dmask, cnt_q, qmask, q = _query_tile(
+        Q, CNT, pid_t, HQ, GROUP, D, sqb, sqh, sqt, sqs, sqd, TS, BLOCK_D)
+    do = _tile(DO, b, h, pid_t, offs_s, offs_d, qmask, sqb, sqh, sqt, sqs, sqd, False)
+    lse_base = b * slb + h * slh + pid_t.to(tl.int64) * slt + offs_s * sls
+    lse = tl.load(LSE + lse_base, mask=offs_s < cnt_q, other=float("-inf"))
+    delta = tl.load(DELTA + lse_base, mask=offs_s < cnt_q, other=0.0)
+    dq = tl.zeros([TS, BLOCK_D], dtype=tl.float32)
+    for s in range(0, KK):
+        j = tl.load(IDX + b * sib + h * sih + pid_t * sit + s * sik)
+        cnt_k, kmask, kt = _key_tile(K, CNT, b, hk, j, offs_s, offs_d, dmask, skb, skh, skt, sks,
+                                     skd)
+        v_t = _tile(V, b, hk, j, offs_s, offs_d, kmask, skb, skh, skt, sks, skd, True)
+        _, ds = _tile_ds(q, kt, v_t, do, lse, delta, cnt_k, offs_s, scale, EMU_FP32)
+        k = _tile(K, b, hk, j, offs_s, offs_d, kmask, skb, skh, skt, sks, skd, False)
+        dq += mm(ds.to(K.dtype.element_ty), k, False, EMU_FP32)
+    base = DQ + b * sqb + h * sqh + pid_t.to(tl.int64) * sqt
+    tl.store(base + offs_s[:, None] * sqs + offs_d[None, :] * sqd, (dq * scale).to(DQ.dtype.element_ty),
+             mask=qmask)
+
+
+@triton.jit
+def _vsa_dkdv_kernel(
+    Q, K, V, DO, RIDX, RCNT, CNT, LSE, DELTA, DK, DV,
+    sqb, sqh, sqt, sqs, sqd, skb, skh, skt, sks, skd, srb, srh, srt, srk, srcb, srch, srct,
+    slb, slh, slt, sls,
+    HKV, GROUP, D, scale,
+    TS: tl.constexpr, BLOCK_D: tl.constexpr, EMU_FP32: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    b, hk, offs_s, offs_d, dmask, cnt_k, kmask = _own_tile(CNT, pid_t, HKV, D, TS, BLOCK_D)
+    kt = _tile(K, b, hk, pid_t, offs_s, offs_d, kmask, skb, skh, skt, sks, skd, True)
+    v_t = _tile(V, b, hk, pid_t, offs_s, offs_d, kmask, skb, skh, skt, sks, skd, True)
+    dk = tl.zeros([TS, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([TS, BLOCK_D], dtype=tl.float32)
+    for g in range(0, GROUP):
+        h = hk * GROUP + g
+        n_q = tl.load(RCNT + b * srcb + h * srch + pid_t * srct)
+        for s in range(0, n_q):
+            i = tl.load(RIDX + b * srb + h * srh + pid_t * srt + s * srk)
+            cnt_q = tl.load(CNT + i)
+            qmask = (offs_s < cnt_q)[:, None] & dmask[None, :]
+            q = _tile(Q, b, h, i, offs_s, offs_d, qmask, sqb, sqh, sqt, sqs, sqd, False)
+            do = _tile(DO, b, h, i, offs_s, offs_d, qmask, sqb, sqh, sqt, sqs, sqd, False)
+            lse_base = b * slb + h * slh + i.to(tl.int64) * slt + offs_s * sls
+            lse = tl.load(LSE + lse_base, mask=offs_s < cnt_q, other=float("-inf"))
+            delta = tl.load(DELTA + lse_base, mask=offs_s < cnt_q, other=0.0)
+            p, ds = _tile_ds(q, kt, v_t, do, lse, delta, cnt_k, offs_s, scale, EMU_FP32)
+            dv += mm(tl.trans(p.to(DO.dtype.element_ty)), do, False, EMU_FP32)
+            dk += mm(tl.trans(ds.to(Q.dtype.element_ty)), q, False, EMU_FP32)
+    base_k = DK + b * skb + hk * skh + pid_t.to(tl.int64) * skt
+    tl.store(base_k + offs_s[:, None] * sks + offs_d[None, :] * skd,
+             (dk * scale).to(DK.dtype.element_ty), mask=kmask)
+    base_v = DV + b * skb + hk * skh + pid_t.to(tl.int64) * skt
+    tl.store(base_v + offs_s[:, None] * sks + offs_d[None, :] * skd, dv.to(DV.dtype.element_ty),
+             mask=kmask)
+
+
+_KEY = ["TS", "BLOCK_D"]
+_fwd = triton.autotune(configs=triton_configs(CONFIGS, get_capability()),
+                       key=_KEY + ["INT8_QK", "PV_FP8"])(
+    triton.heuristics({"HAS_VSCALE": lambda a: a["VS"] is not None,
+                       "HAS_VMEAN": lambda a: a["VM"] is not None})(_vsa_fwd_kernel))
+_dq = triton.autotune(configs=triton_configs(CONFIGS, get_capability()), key=_KEY)(_vsa_dq_kernel)
+_dkdv = triton.autotune(configs=triton_configs(CONFIGS, get_capability()), key=_KEY)(_vsa_dkdv_kernel)
+
+
+def _consts(d: int):
+    return dict(BLOCK_D=next_pow2(d), EMU_FP32=interpreter_enabled())
+
+
+def _strides(x: torch.Tensor | None, n: int) -> tuple[int, ...]:
+    return (0,) * n if x is None else tuple(x.stride())
+
+
+def _launch_fwd(qt, kt, vt, qs, ks, vs, vm, idx, counts, out, lse, *, scale: float, int8: bool,
+                pv_fp8: bool):
+    b, hq, nt, ts, d = qt.shape
+    _fwd[(nt, b * hq)](
+        qt, kt, vt, qs, ks, vs, vm, idx, counts, out, lse, *qt.stride(), *kt.stride(),
+        *vt.stride(), *idx.stride(), *out.stride(), *_strides(lse, 4), *_strides(qs, 4),
+        *_strides(ks, 4), *_strides(vs if vs is not None else vm, 3),
+        hq, hq // kt.shape[1], d, idx.shape[-1], float(scale),
+        TS=ts, BLOCK_D=next_pow2(d, minimum=32 if int8 else 16), EMU_FP32=interpreter_enabled(),
+        INT8_QK=int8, PV_FP8=pv_fp8, EXACT_FP8=exact_fp8(),
+    )
+
+
+def forward(qt, kt, vt, idx, counts, *, scale: float):
+    """Padded tiles ``qt [B, Hq, nt, TS, D]``, ``kt, vt [B, Hkv, nt, TS, D]`` (contiguous), index
+    lists ``idx [B, Hq, nt, k]`` int32 and tile sizes ``counts [nt]`` int32 →
+    ``(out [B, Hq, nt, TS, D]`` (zero past a tile's count), ``lse [B, Hq, nt, TS]`` fp32, base 2
+    (``-inf`` there))."""
+    b, hq, nt, ts, d = qt.shape
+    out = torch.zeros_like(qt)
+    lse = torch.full((b, hq, nt, ts), float("-inf"), device=qt.device, dtype=torch.float32)
+    _launch_fwd(qt, kt, vt, None, None, None, None, idx, counts, out, lse, scale=scale,
+                int8=False, pv_fp8=False)
+    return out, lse
+
+
+def forward_int8(qz: QuantizedQKV, idx, counts, *, out_dtype: torch.dtype) -> torch.Tensor:
+    """The 8-bit fine stage on padded tiles: ``qz`` holds INT8 ``q [B, Hq, nt, TS, D]``,
+    ``k [B, Hkv, nt, TS, D]``, their per-token scales ``[B, H, nt, TS]`` (Q's times
+    ``scale·log2 e``; zeros in empty slots), V in E4M3 or fp16 with its ``v_scale`` (optional for
+    fp16), ``v_mean`` optional → ``out [B, Hq, nt, TS, D]`` in ``out_dtype``. TS ≥ 32 (the FP8
+    MMA's depth)."""
+    out = torch.zeros(qz.q.shape, device=qz.q.device, dtype=out_dtype)
+    _launch_fwd(qz.q, qz.k, qz.v, qz.q_scale, qz.k_scale, qz.v_scale, qz.v_mean, idx, counts, out,
+                None, scale=1.0, int8=True, pv_fp8=qz.v.dtype == torch.float8_e4m3fn)
+    return out
+
+
+def reverse_lists(idx: torch.Tensor, n_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each key tile, the query tiles that chose it: ``(ridx [B, Hq, nt, nt]`` int32, the
+    first ``rcount`` entries valid, ``rcount [B, Hq, nt]`` int32)."""
+    b, hq, nt, _ = idx.shape
+    chosen = torch.zeros((b, hq, nt, n_tiles), dtype=torch.bool, device=idx.device)
+    chosen.scatter_(-1, idx.long(), True)
+    by_key = chosen.transpose(-1, -2)                        # [B, Hq, key tile, query tile]
+    order = torch.argsort((~by_key).to(torch.int8), dim=-1, stable=True)
+    return order.to(torch.int32).contiguous(), by_key.sum(-1).to(torch.int32)
+
+
+def backward(qt, kt, vt, ot, lse, dot, idx, counts, *, scale: float):
+    """``(dq, dk, dv)`` padded tiles for the fine stage's forward ``ot, lse``."""
+    b, hq, nt, ts, d = qt.shape
+    hkv = kt.shape[1]
+    if dot.stride() != qt.stride():
+        dot = dot.contiguous()
+    delta = (dot.float() * ot.float()).sum(-1).contiguous()
+    dq, dk, dv = torch.zeros_like(qt), torch.zeros_like(kt), torch.zeros_like(vt)
+    _dq[(nt, b * hq)](
+        qt, kt, vt, dot, idx, counts, lse, delta, dq, *qt.stride(), *kt.stride(), *idx.stride(),
+        *lse.stride(), hq, hq // hkv, d, idx.shape[-1], float(scale), TS=ts, **_consts(d),
+    )
+    ridx, rcount = reverse_lists(idx, nt)
+    _dkdv[(nt, b * hkv)](
+        qt, kt, vt, dot, ridx, rcount, counts, lse, delta, dk, dv, *qt.stride(), *kt.stride(),
+        *ridx.stride(), *rcount.stride(), *lse.stride(), hkv, hq // hkv, d, float(scale),
+        TS=ts, **_consts(d),
+    )
+    return dq, dk, dv

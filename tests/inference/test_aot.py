@@ -1,0 +1,317 @@
+"""Ahead-of-time compilation for GPU targets on a CPU machine: the PTX of each recipe's kernels shows
+the intended tensor-core instructions, and ptxas reports registers and spills.
+
+What Triton 3.6 emits for the attention kernel (BLOCK_M=128, BLOCK_N=64, D=128):
+
+| target  | INT8 Q·Kᵀ                                              | P·V (fp16 / FP8)                        |
+|---------|--------------------------------------------------------|-----------------------------------------|
+| sm_80   | mma.sync m16n8k32 s32.s8.s8                            | mma.sync m16n8k16 f16 / (FP8 refused)   |
+| sm_90a  | wgmma m64n64k32 s32.s8.s8                              | wgmma m64n128k16 f16 / m64n128k32 e4m3  |
+| sm_100a | mma.sync m16n8k32 s32.s8.s8 (no tcgen05 kind::i8)      | tcgen05.mma kind::f16 / kind::f8f6f4    |
+| sm_120a | mma.sync m16n8k32 s32.s8.s8                            | mma.sync m16n8k16 f16 / m16n8k32 e4m3   |
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from lowbit_attn.tools import aot, sass
+from lowbit_attn.inference import kernel_int8 as attn_fwd_int8
+from lowbit_attn.core.recipes import get_recipe
+
+pytestmark = pytest.mark.aot
+
+ATTENTION = "_attn_fwd_int8_kernel"
+INT8_WGMMA = "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8"
+FP8_WGMMA = "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"
+F16_WGMMA = "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16"
+INT8_MMA = "mma.sync.aligned.m16n8k32.row.col.satfinite.s32.s8.s8.s32"
+FP8_MMA = "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32"
+F16_MMA = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
+TCGEN05_F8 = "tcgen05.mma.cta_group::1.kind::f8f6f4"
+TCGEN05_F16 = "tcgen05.mma.cta_group::1.kind::f16"
+
+# Kernels one call launches, by where Q is quantized (LOWBIT_ATTN_Q_QUANT).
+LAUNCHES = {
+    "kernel": ["_channel_stats_kernel", "_quantize_kernel", ATTENTION],
+    "pass": ["_channel_stats_kernel", "_quantize_kernel", "_quantize_kernel", ATTENTION],
+}
+
+
+COMPILED = [
+    ("qk_int8_pv_fp8", "sm_90a"),
+    ("qk_int8_pv_fp16", "sm_90a"),
+    ("qk_int8_pv_fp16", "sm_80"),
+    ("qk_int8_pv_fp8", "sm_100a"),
+    ("qk_int8_pv_fp16", "sm_100a"),
+    ("qk_int8_pv_fp8", "sm_120a"),
+    ("qk_int8_pv_fp16", "sm_120a"),
+]
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """``compiled(recipe, arch)`` → reports, each (recipe, arch) compiled once per module."""
+    cache: dict[tuple[str, str], list[aot.KernelReport]] = {}
+
+    def get(recipe: str, arch: str) -> list[aot.KernelReport]:
+        if (recipe, arch) not in cache:
+            cache[(recipe, arch)] = aot.compile_recipe(recipe, arch, head_dim=128)
+        return cache[(recipe, arch)]
+
+    return get
+
+
+def attention_report(reports: list[aot.KernelReport]) -> aot.KernelReport:
+    (report,) = [r for r in reports if r.kernel == ATTENTION]
+    return report
+
+
+def describe(r: aot.KernelReport) -> str:
+    return (f"{r.kernel} on {r.arch}: {r.num_warps} warps, {r.num_stages} stages, "
+            f"{r.registers} registers, spills {r.spill_stores}/{r.spill_loads} B, "
+            f"instructions {r.instructions}, error {r.error}")
+
+
+@pytest.mark.parametrize("recipe,arch", COMPILED, ids=[f"{r}-{a}" for r, a in COMPILED])
+def test_every_kernel_compiles_and_assembles(compiled, recipe, arch):
+    reports = compiled(recipe, arch)
+    assert [r.kernel for r in reports][-1] == ATTENTION
+    assert [r.kernel for r in reports] == LAUNCHES["pass"]
+    for r in reports:
+        assert r.ok, describe(r)
+        assert r.registers is not None and 0 < r.registers <= 255, describe(r)
+
+
+@pytest.mark.parametrize("mode", [None, "pass", "kernel"], ids=["default", "pass", "kernel"])
+@pytest.mark.parametrize("recipe", ["qk_int8_pv_fp8", "qk_int8_pv_fp16"])
+def test_a_call_launches_four_kernels_or_three(recipe, mode, monkeypatch):
+    """Statistics of Q, K and V in one launch, K and V quantized in one more, Q quantized by a
+    pass of its own (the default, ``LOWBIT_ATTN_Q_QUANT=pass``) or by the attention kernel
+    (``kernel``)."""
+    if mode is not None:
+        monkeypatch.setenv("LOWBIT_ATTN_Q_QUANT", mode)
+    launches = LAUNCHES[mode or "pass"]
+    recorded = aot.record_launches(get_recipe(recipe), head_dim=64, seq_len=1024)
+    assert [aot._kernel_name(launch.kernel) for launch in recorded] == launches
+    # one program per token block of each part: 64-key blocks for K and V, 128-row ones for Q
+    assert recorded[1].grid == (1024 // 64, 2 * 2)
+    if launches == LAUNCHES["pass"]:
+        assert recorded[2].grid == (1024 // 128, 2)
+
+
+def test_kv_statistics_in_the_quantizing_launch(monkeypatch):
+    """``LOWBIT_ATTN_KV_STATS=program``: the statistics launch reads Q only, one program per
+    (batch, head) and tensor computes K's and V's statistics then quantizes them; on sm_90a no
+    tensor cores and no spills."""
+    monkeypatch.setenv("LOWBIT_ATTN_KV_STATS", "program")
+    recorded = aot.record_launches(get_recipe("qk_int8_pv_fp8"), head_dim=128)
+    assert [aot._kernel_name(launch.kernel) for launch in recorded] == LAUNCHES["pass"]
+    stats, quantize_kv = recorded[0], recorded[1]
+    assert stats.kwargs["CENTER0"] == 0 and stats.kwargs["CENTER1"] == -1  # Q's amax only
+    assert quantize_kv.kwargs["OWN_STATS"] is True
+    r = aot.compile_launch(quantize_kv, "sm_90a")
+    assert r.ok and r.instructions == {} and r.spills == 0, describe(r)
+
+
+@pytest.mark.parametrize("recipe,pv_form", [("qk_int8_pv_fp8", FP8_WGMMA),
+                                            ("qk_int8_pv_fp16", F16_WGMMA)])
+def test_hopper_uses_wgmma_for_both_products_without_spills(compiled, recipe, pv_form):
+    r = attention_report(compiled(recipe, "sm_90a"))
+    assert r.ok, describe(r)
+    assert r.instructions.get(INT8_WGMMA, 0) > 0, describe(r)
+    assert r.instructions.get(pv_form, 0) > 0, describe(r)
+    assert not any(form.startswith("mma.sync") for form in r.instructions), describe(r)
+    assert (r.num_warps, r.num_stages) == (8, 2)  # CONFIGS["sm_90"][0]
+    assert r.spill_stores == 0 and r.spill_loads == 0, describe(r)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("recipe,granularity,block_k", [
+    ("qk_int8_pv_fp8", "per_token", 64), ("qk_int8_pv_fp8", "per_block", 64),
+    ("qk_int8_pv_fp16", "per_token", 64), ("qk_int8_pv_fp16", "per_block", 64),
+    ("qk_int8_pv_fp8", "per_token", 128),
+])
+def test_every_hopper_candidate_fits_in_registers(recipe, granularity, block_k, d):
+    """Each autotuning candidate on sm_90a (plain and pipelined loops, 2–4 stages) that the
+    autotuner tries at this head dim and key block: wgmma for both products, no spills."""
+    r8 = get_recipe(recipe).replace(granularity=granularity, block_k=block_k)
+    attention = aot.record_launches(r8, head_dim=d)[-1]
+    candidates = attn_fwd_int8.CONFIGS["sm_90"]
+    tried = [i for i, c in enumerate(candidates)
+             if attn_fwd_int8.fits(c.num_warps, d, block_k, c.kwargs["PIPELINE"])]
+    assert any(candidates[i].kwargs["PIPELINE"] for i in tried) == (block_k * d <= 8192)
+    for config in tried:
+        r = aot.compile_launch(attention, "sm_90a", config=config)
+        assert r.ok and any(f.startswith("wgmma") and f.endswith("s32.s8.s8")
+                            for f in r.instructions), describe(r)
+        assert r.spill_stores == 0 and r.spill_loads == 0, (config, describe(r))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("granularity", ["per_token", "per_block"])
+def test_pipelined_candidate_runs_the_softmax_under_the_next_qk_wgmma(granularity, d):
+    """In the SASS of the main (unmasked) loop, the plain candidate waits for Q·Kᵀ before any
+    exp2; the pipelined one issues at least half of them while the next block's Q·Kᵀ is in flight,
+    in fewer instructions (2026-11-22: 31 and 32 of 34 per token, 18 and 28 per block, at D=64 and
+    128; 7 to 47 instructions fewer per 128×64 tile)."""
+    attention = aot.record_launches(
+        get_recipe("qk_int8_pv_fp8").replace(granularity=granularity), head_dim=d)[-1]
+    configs = attn_fwd_int8.CONFIGS["sm_90"]
+    plain = configs.index(attn_fwd_int8.LaunchConfig(8, 2, (("PIPELINE", False),)))
+    pipelined = configs.index(attn_fwd_int8.LaunchConfig(8, 2, (("PIPELINE", True),)))
+    main_loops = {}
+    for config in (plain, pipelined):
+        report = aot.compile_launch(attention, "sm_90a", config=config)
+        main_loops[config] = sass.loops(sass.disassemble(report.cubin))[0]
+    before = sass.exp2_under_mma(main_loops[plain])
+    after = sass.exp2_under_mma(main_loops[pipelined])
+    assert before.total == after.total == 34  # 32 scores + 2 rescale factors per thread
+    assert before.under == 0
+    assert after.under >= after.total // 2, after
+    assert len(main_loops[pipelined]) < len(main_loops[plain])
+
+
+def test_hopper_quantizers_use_no_tensor_cores_and_do_not_spill(compiled):
+    for r in compiled("qk_int8_pv_fp8", "sm_90a"):
+        if r.kernel != ATTENTION:
+            assert r.ok and r.instructions == {} and r.spills == 0, describe(r)
+
+
+def test_ampere_uses_mma_sync_for_int8_and_fp16(compiled):
+    r = attention_report(compiled("qk_int8_pv_fp16", "sm_80"))
+    assert r.ok, describe(r)
+    assert r.instructions.get(INT8_MMA, 0) > 0, describe(r)
+    assert r.instructions.get(F16_MMA, 0) > 0, describe(r)
+    assert set(r.instructions) == {INT8_MMA, F16_MMA}, describe(r)
+
+
+def test_fp8_pv_is_refused_before_sm_89():
+    """Why ``doctor`` calls qk_int8_pv_fp8 unsupported on Ampere: Triton refuses E4M3 there."""
+    r = attention_report(aot.compile_recipe("qk_int8_pv_fp8", "sm_80"))
+    assert not r.ok and "fp8e4nv" in r.error
+
+
+@pytest.mark.parametrize("recipe,pv_form", [("qk_int8_pv_fp8", TCGEN05_F8),
+                                            ("qk_int8_pv_fp16", TCGEN05_F16)])
+def test_blackwell_datacenter_uses_tcgen05_for_pv(compiled, recipe, pv_form):
+    """sm_100a: P·V on tcgen05; Triton 3.6 lowers the INT8 Q·Kᵀ to mma.sync (no kind::i8)."""
+    r = attention_report(compiled(recipe, "sm_100a"))
+    assert r.ok, describe(r)
+    assert r.instructions.get(pv_form, 0) > 0, describe(r)
+    assert r.instructions.get(INT8_MMA, 0) > 0, describe(r)
+    assert not any(f.startswith("wgmma") for f in r.instructions), describe(r)
+
+
+@pytest.mark.parametrize("recipe,pv_form", [("qk_int8_pv_fp8", FP8_MMA),
+                                            ("qk_int8_pv_fp16", F16_MMA)])
+def test_blackwell_consumer_uses_mma_sync(compiled, recipe, pv_form):
+    """sm_120a (RTX 50xx) has neither wgmma nor tcgen05: INT8 and FP8 on mma.sync."""
+    r = attention_report(compiled(recipe, "sm_120a"))
+    assert r.ok, describe(r)
+    assert set(r.instructions) == {INT8_MMA, pv_form}, describe(r)
+
+
+def test_launch_specialization_matches_the_launchers():
+    """The recorded launch is specialized as Triton's launcher would: unused optional inputs are
+    constexpr None, unit strides constexpr 1, the FP8 V operand token-contiguous."""
+    launches = aot.record_launches(get_recipe("qk_int8_pv_fp8"), head_dim=128)
+    jit, values, options = aot._unwrap(launches[-1], "sm_90")
+    signature, constexprs, attrs = aot.specialize(jit, values, "sm_90a")
+    assert jit.__name__ == ATTENTION
+    assert signature["Q"] == "*i8" and signature["V"] == "*fp8e4nv" and signature["O"] == "*fp16"
+    for name in ("QM", "AQ", "AK", "VM", "DS", "LSH", "LSE", "CUQ", "CUK"):
+        assert signature[name] == "constexpr" and constexprs[name] is None
+    assert constexprs["svn"] == 1 and signature["svd"] == "i32"  # V stored [B, H, D, N']
+    assert constexprs["EXACT_FP8"] is False and constexprs["PV_FP8"] is True
+    assert constexprs["Q_IN_KERNEL"] is False and constexprs["PIPELINE"] is False
+    assert options == {"num_warps": 8, "num_stages": 2}
+
+
+@pytest.mark.interpreter
+def test_compiles_identically_after_the_interpreter_ran(compiled, monkeypatch):
+    """Triton 3.6's interpreter leaves ``tl.core`` patched after a kernel calls ``tl.max``; AOT
+    must see past it and produce the same PTX as before."""
+    before = attention_report(compiled("qk_int8_pv_fp8", "sm_90a"))
+    assert before.ok, describe(before)
+    monkeypatch.setenv("LOWBIT_ATTN_BACKEND", "triton")
+    import lowbit_attn
+
+    q = torch.randn(1, 1, 20, 16)
+    lowbit_attn.attention(q, q, q, recipe="qk_int8_pv_fp8")  # interpreted: uses tl.max, tl.sum
+    monkeypatch.setattr(aot, "_COMPILED", {})
+    monkeypatch.setenv("TRITON_ALWAYS_COMPILE", "1")  # no Triton cache hit: really compile
+    after = attention_report(aot.compile_recipe("qk_int8_pv_fp8", "sm_90a"))
+    assert after.ok, describe(after)
+    assert _code(after.ptx) == _code(before.ptx)
+
+
+def _code(ptx: str) -> str:
+    """PTX without its debug information (``.file`` directives and ``.debug_*`` sections), which
+    spells out the checkout's path: a Triton cache hit may come from another checkout."""
+    code = ptx.split(".section\t.debug", 1)[0].split(".section .debug", 1)[0]
+    return "\n".join(line for line in code.splitlines() if not line.lstrip().startswith(".file"))
+
+
+def test_instruction_parsing_strips_operands_and_counts():
+    ptx = """
+    wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 {%r1,%r2}, %rd1, %rd2, 0;
+    wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 {%r1,%r2}, %rd3, %rd4, %p1;
+    wgmma.fence.sync.aligned;
+    @%p221 tcgen05.mma.cta_group::1.kind::f8f6f4 [ %r2 + 0 ], %rd293, %rd294, %r1192, %p220;
+    mma.sync.aligned.m16n8k32.row.col.satfinite.s32.s8.s8.s32 {%r1}, {%r2}, {%r3}, {%r4};
+    """
+    assert aot.tensor_core_instructions(ptx) == {
+        "mma.sync.aligned.m16n8k32.row.col.satfinite.s32.s8.s8.s32": 1,
+        "tcgen05.mma.cta_group::1.kind::f8f6f4": 1,
+        "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8": 2,
+    }
+
+
+def test_ptxas_log_parsing():
+    log = """ptxas info    : 11 bytes gmem
+ptxas info    : Compiling entry function 'kern' for 'sm_120a'
+ptxas info    : Function properties for kern
+    88 bytes stack frame, 88 bytes spill stores, 84 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 88 bytes cumulative stack size
+"""
+    assert aot.parse_ptxas_log(log, "kern") == {
+        "registers": 255, "stack_frame": 88, "spill_stores": 88, "spill_loads": 84,
+    }
+    with pytest.raises(ValueError, match="entry function"):
+        aot.parse_ptxas_log("ptxas info    : 11 bytes gmem")
+
+
+@pytest.mark.parametrize("arch,expected", [("sm_90", "sm_90a"), ("sm_100a", "sm_100a"),
+                                           ("sm_89", "sm_89"), ("sm_120", "sm_120a")])
+def test_normalize_arch(arch, expected):
+    assert aot.normalize_arch(arch) == expected
+
+
+@pytest.mark.parametrize("arch", ["sm_70", "sm_75", "hopper", "", "sm_90b"])
+def test_unknown_arch_is_a_value_error_naming_it(arch):
+    with pytest.raises(ValueError, match="arch must be one of"):
+        aot.normalize_arch(arch)
+
+
+def test_bad_arguments_name_themselves():
+    with pytest.raises(ValueError, match="head_dim"):
+        aot.compile_recipe("qk_int8_pv_fp8", "sm_90a", head_dim=0)
+    with pytest.raises(ValueError, match="multiple of 32, got 48"):  # what attention() refuses
+        aot.compile_recipe("qk_fp4_pv_fp4", "sm_100a", head_dim=48)
+    with pytest.raises(ValueError, match="config"):
+        aot.compile_recipe("qk_int8_pv_fp8", "sm_90a", config=99)
+    with pytest.raises(ValueError, match="dtype"):
+        aot.compile_recipe("qk_int8_pv_fp8", "sm_90a", dtype=torch.int8)
+
+
+def test_exact_recipe_launches_no_kernel():
+    assert aot.compile_recipe("exact", "sm_90a") == []
+
+
+def test_bundled_ptxas_exists():
+    for arch in ("sm_90a", "sm_100a"):
+        assert os.path.exists(aot.ptxas_path(arch))

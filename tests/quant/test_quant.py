@@ -1,0 +1,241 @@
+"""Quantizers: the Triton kernels against their PyTorch twins, bit for bit, and the numerics' edges."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from helpers import assert_close
+from lowbit_attn.quant import int8_naive as ref
+
+pytestmark = pytest.mark.interpreter
+
+
+def kq():
+    from lowbit_attn.quant import int8 as quantize
+
+    return quantize
+
+
+SHAPES = [
+    pytest.param((1, 1, 63, 60), id="B1-H1-N63-D60"),
+    pytest.param((2, 3, 111, 100), id="B2-H3-N111-D100"),
+    pytest.param((1, 2, 128, 64), id="B1-H2-N128-D64"),
+    pytest.param((1, 1, 1, 128), id="B1-H1-N1-D128"),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("granularity", ["per_block", "per_token"])
+@pytest.mark.parametrize("center", ["none", "mean", "block_mean"])
+@pytest.mark.parametrize("role", ["q", "k"])
+def test_int8_kernel_matches_twin_bit_for_bit(shape, granularity, center, role):
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(shape, generator=g) * 3 + torch.randn(shape[-1], generator=g)).half()
+    b, h, n, d = shape
+    block = 64
+    # GQA statistics: x is Q with h heads sharing one KV head, or K whose heads each serve 2 Q heads
+    hq, hkv = (h, 1) if role == "q" else (2 * h, h)
+    amax_q = torch.rand(b, hq, d, generator=g) * 3
+    amax_q[..., 0] = 0.0  # a channel that is all zero on one side keeps α = 1
+    amax_k = torch.rand(b, hkv, d, generator=g) * 20
+    c = None
+    if center == "mean":
+        c = torch.randn(b, h, d, generator=g)
+    elif center == "block_mean":
+        c = torch.randn(b, h, -(-n // block), d, generator=g)
+    kw = dict(granularity=granularity, block=block, center=c, center_per_block=center == "block_mean",
+              balance=(amax_q, amax_k), balance_role=role, scale_multiplier=0.18)
+    v_ref, s_ref = ref.quantize_int8(x, **kw)
+    v_k, s_k = kq().quantize_int8(x, **kw)
+    assert torch.equal(v_k, v_ref)
+    assert torch.equal(s_k, s_ref)
+
+
+def test_sqrt_rn_is_correctly_rounded():
+    # The balancing factor's square root decides Q's and K's scales; the kernels take it with
+    # IEEE sqrt, which numpy's float32 sqrt also is, so the twin must match it on every input
+    # (torch.sqrt on a CPU does not: one ulp off on some machines).
+    import numpy as np
+
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(0, 2**31 - 1, (200_000,), generator=g, dtype=torch.int64).to(torch.int32)
+    x = bits.view(torch.float32)
+    x = torch.cat([x[torch.isfinite(x)], torch.tensor([0.0, -0.0, 1e-45, 2.0, 4.0, 3.4e38,
+                                                        float("inf"), float("nan"), -1.0])])
+    with np.errstate(invalid="ignore"):
+        want = np.sqrt(x.numpy())
+    got = ref.sqrt_rn(x).numpy()
+    assert np.array_equal(np.isnan(got), np.isnan(want))  # NaN payloads are the platform's
+    finite = ~np.isnan(want)
+    assert np.array_equal(got[finite].view(np.int32), want[finite].view(np.int32))
+
+
+def test_int8_rounds_half_to_even():
+    # amax 127 gives scale exactly 1, so these are exact ties.
+    row = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5, 126.5, -126.5, 0.0, 4.5,
+                        -3.5, 5.5, 6.5, 7.5])
+    x = row.view(1, 1, 1, 16)
+    expected = torch.tensor([127, 0, 2, 2, 0, -2, -2, 4, 126, -126, 0, 4, -4, 6, 6, 8],
+                            dtype=torch.int8).view(1, 1, 1, 16)
+    for impl in (ref, kq()):
+        values, scale = impl.quantize_int8(x, granularity="per_token", block=16)
+        assert torch.equal(values, expected)
+        assert scale.item() == 1.0
+
+
+@pytest.mark.parametrize("impl_name", ["reference", "triton"])
+def test_int8_zero_group_and_non_finite(impl_name):
+    impl = ref if impl_name == "reference" else kq()
+    x = torch.zeros(1, 1, 32, 16)
+    x[0, 0, 16:] = torch.randn(16, 16)
+    x[0, 0, 20, 3] = float("nan")
+    values, scale = impl.quantize_int8(x, granularity="per_block", block=16)
+    assert scale[0, 0, 0].item() == 1.0 and torch.all(values[0, 0, :16] == 0)
+    assert torch.isnan(scale[0, 0, 1])  # a NaN makes its block's scale NaN: never hidden
+    x[0, 0, 20, 3] = float("inf")
+    _, scale = impl.quantize_int8(x, granularity="per_token", block=16)
+    assert torch.isnan(scale[0, 0, 20]) and torch.isfinite(scale[0, 0, 21])
+
+
+def test_int8_dequantization_error_is_within_half_a_step():
+    x = torch.randn(1, 2, 96, 64)
+    values, scale = ref.quantize_int8(x, granularity="per_token", block=64)
+    err = (values.float() * scale.unsqueeze(-1) - x).abs()
+    assert torch.all(err <= scale.unsqueeze(-1) * 0.5 * (1 + 1e-6))
+
+
+def _e4m3_probe_values() -> torch.Tensor:
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = torch.sort(grid[torch.isfinite(grid)]).values
+    mids = (grid[:-1] + grid[1:]) / 2  # exact ties between neighbours
+    extra = torch.tensor([448.0, 449.0, 463.9, 464.0, 470.0, 1e6, -1e6, 1e-9, -1e-9, 2.0**-10,
+                          3 * 2.0**-11, float("inf"), float("-inf")])
+    return torch.cat([grid, mids, mids * 1.0001, mids * 0.9999, extra])
+
+
+def test_e4m3_kernel_conversion_matches_torch():
+    vals = _e4m3_probe_values()
+    n = vals.numel()
+    x = vals.view(1, 1, n, 1).expand(1, 1, n, 16).contiguous()
+    amax = torch.full((1, 1, 16), 448.0)  # scale 1
+    got, got_scale = kq().convert_v(x, pv="fp8", amax=amax)
+    want, want_scale = ref.convert_v(x, pv="fp8", amax=amax)
+    assert torch.equal(got_scale, want_scale) and torch.all(want_scale == 1)
+    assert torch.equal(got.float().nan_to_num(nan=1234.0), want.float().nan_to_num(nan=1234.0))
+
+
+def test_e4m3_saturates_and_keeps_nan():
+    x = torch.tensor([500.0, -1e9, float("nan"), 0.0])
+    y = ref.to_e4m3(x).float()
+    assert y[0] == 448 and y[1] == -448 and torch.isnan(y[2]) and y[3] == 0
+
+
+@pytest.mark.parametrize("center", ["none", "mean"])
+@pytest.mark.parametrize("pv", ["fp16", "fp8", "fp16-unscaled"])
+def test_convert_v_matches_twin(center, pv):
+    g = torch.Generator().manual_seed(3)
+    # channels from 2^-60 to 2^60: fp16 V is scaled by a power of two where fp16 cannot hold it
+    spread = 2.0 ** torch.linspace(-60, 60, 48)
+    x = (torch.randn(2, 3, 77, 48, generator=g) * spread).bfloat16()
+    c = torch.randn(2, 3, 48, generator=g) * spread if center == "mean" else None
+    amax = None
+    if pv != "fp16-unscaled":
+        amax = torch.rand(2, 3, 48, generator=g) * 5 * spread
+        amax[0, 0, 0] = 0.0  # an all-zero channel gets scale 1
+    pv = pv[:4]
+    got, got_scale = kq().convert_v(x, pv=pv, center=c, amax=amax)
+    want, want_scale = ref.convert_v(x, pv=pv, center=c, amax=amax)
+    assert got.shape == want.shape
+    assert torch.equal(got.float().nan_to_num(nan=7.0), want.float().nan_to_num(nan=7.0))
+    if amax is not None:
+        assert torch.equal(got_scale, want_scale) and want_scale[0, 0, 0] == 1
+    else:
+        assert got_scale is None and want_scale is None
+
+
+def test_fp16_v_scale_is_a_power_of_two_only_where_fp16_needs_one():
+    """1 where amax's exponent is in [-6, 7] (the bits of plain fp16 rounding), for 0 and for
+    non-finite amax (Inf and NaN reach fp16 as they are); elsewhere amax/scale in [2^7, 2^8)."""
+    tiny = torch.tensor([1e-40])  # an fp32 subnormal
+    amax = torch.cat([torch.tensor([0.0, 2.0**-6, 1.0, 255.9, float("inf"), float("nan")]),
+                      torch.tensor([2.0**-7, 1e-8, 256.0, 65504.0, 1e5, 3e38]), tiny])
+    scale, inverse = ref.fp16_v_scale(amax)
+    assert torch.equal(scale[:6], torch.ones(6)) and torch.equal(inverse * scale, torch.ones(13))
+    assert torch.all(torch.log2(scale) == torch.round(torch.log2(scale)))
+    scaled = amax[6:12] * inverse[6:12]
+    assert torch.all((scaled >= 2.0**7) & (scaled < 2.0**8)), scaled
+    assert scale[12] == 2.0**-126 and 1e-3 < tiny * inverse[12] < 2**8
+    x = amax.view(1, 1, 1, 13).expand(1, 1, 3, 13).nan_to_num(nan=0.0, posinf=0.0)
+    want, want_scale = ref.convert_v(x, pv="fp16", amax=amax.view(1, 1, 13))
+    got, got_scale = kq().convert_v(x, pv="fp16", amax=amax.view(1, 1, 13))
+    assert torch.equal(got, want) and torch.equal(got_scale, want_scale)
+    assert torch.isfinite(want).all()
+    assert torch.allclose(want[0, 0, 0].float() * want_scale[0, 0], x[0, 0, 0], rtol=2**-11, atol=0)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("center", ["none", "mean", "block_mean"])
+def test_channel_stats_match_twin_to_rounding(shape, center):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(shape, generator=g) * 2 + 3 * torch.randn(shape[-1], generator=g)
+    m_ref, a_ref = ref.channel_stats(x, center=center, block=32)
+    m_k, a_k = kq().channel_stats(x, center=center, block=32)
+    assert_close(a_k, a_ref, atol=1e-5, rtol=1e-5, name="amax")
+    if center == "none":
+        assert m_ref is None and m_k is None
+    else:
+        assert_close(m_k, m_ref, atol=1e-5, rtol=1e-5, name="mean")
+
+
+def test_channel_stats_propagate_nan():
+    x = torch.randn(1, 2, 40, 8)
+    x[0, 1, 7, 2] = float("nan")
+    for impl in (ref, kq()):
+        mean, amax = impl.channel_stats(x, center="mean")
+        assert torch.isnan(amax[0, 1]).all() or torch.isnan(amax[0, 1, 2])
+        assert torch.isfinite(amax[0, 0]).all()
+
+
+
+@pytest.mark.parametrize("center", ["none", "mean"])
+def test_channel_stats_of_no_token_are_zero(center):
+    """A packed sequence without tokens (a varlen sequence with queries and no keys) has mean and
+    amax 0, not 0/0 = NaN, which smoothing would carry into the LSE; the twin agrees."""
+    from lowbit_attn.core.operands import Seqs
+
+    x = torch.randn(9, 2, 8) + 3
+    seqs = Seqs(batch=3, max_len=6, cu_seqlens=torch.tensor([0, 3, 3, 9], dtype=torch.int32))
+    mean, amax = kq().channel_stats(x, center=center, seqs=seqs)
+    assert torch.equal(amax[1], torch.zeros(2, 8)) and torch.all(amax[[0, 2]] > 0)
+    m_ref, a_ref = ref.channel_stats(x[3:3].transpose(0, 1).unsqueeze(0), center=center)
+    assert torch.equal(a_ref, torch.zeros(1, 2, 8))
+    if center == "mean":
+        assert torch.equal(mean[1], torch.zeros(2, 8)) and torch.equal(m_ref, torch.zeros(1, 2, 8))
+
+def test_balance_factors_equalize_ranges_and_keep_degenerate_channels():
+    aq = torch.tensor([[[1.0, 4.0, 0.0, 2.0], [3.0, 1.0, 1.0, 2.0]]])  # B=1, Hq=2
+    ak = torch.tensor([[[16.0, 1.0, 5.0, 0.0]]])  # Hkv=1: both q heads share it
+    alpha = ref.balance_factors(aq, ak)
+    # amax over the group of q heads: [3, 4, 1, 2]
+    assert torch.allclose(alpha, torch.tensor([[[(16 / 3) ** 0.5, 0.5, 5**0.5, 1.0]]]))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(
+    n=st.integers(1, 70),
+    d=st.sampled_from([16, 24, 40, 64]),
+    per_token=st.booleans(),
+    scale_exp=st.integers(-8, 8),
+    seed=st.integers(0, 2**16),
+)
+def test_int8_twins_agree_on_random_shapes_and_ranges(n, d, per_token, scale_exp, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, 2, n, d, generator=g) * (2.0**scale_exp)
+    kw = dict(granularity="per_token" if per_token else "per_block", block=32)
+    v_ref, s_ref = ref.quantize_int8(x, **kw)
+    v_k, s_k = kq().quantize_int8(x, **kw)
+    assert torch.equal(v_k, v_ref) and torch.equal(s_k, s_ref)
+    assert int(v_ref.abs().max()) <= 127

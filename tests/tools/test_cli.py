@@ -1,0 +1,259 @@
+"""The ``lowbit-attn`` command: ``doctor``, ``inspect`` (AOT), and the wiring of ``accuracy`` and
+``bench`` to their modules."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import types
+
+import pytest
+import torch
+
+from lowbit_attn.tools import cli
+from lowbit_attn.core.recipes import RECIPES, get_recipe
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_doctor_reports_versions_environment_and_recipes(capsys, monkeypatch):
+    monkeypatch.setenv("LOWBIT_ATTN_BACKEND", "reference")
+    code, out, _ = run(capsys, "doctor")
+    assert code == 0
+    for field in ("python", "torch", "triton", "CUDA", "GPU", "target arch", "LOWBIT_ATTN_ARCH",
+                  "LOWBIT_ATTN_BACKEND", "TRITON_INTERPRET", "CUDA tensors", "CPU tensors",
+                  "sageattention", "matplotlib"):
+        assert field in out, f"doctor does not print {field!r}:\n{out}"
+    for name in RECIPES:
+        assert f"  {name} " in out
+    (cpu_line,) = [line for line in out.splitlines() if line.startswith("CPU tensors")]
+    assert cpu_line.split()[-1] == "reference"
+    assert "FP4 (qk_fp4_pv_fp4, qk_mxfp4_pv_mxfp4) here: reference" in out
+    assert "cannot compile an NVFP4 dot_scaled for sm_90" in out
+
+
+def test_doctor_survives_a_bad_backend_setting(capsys, monkeypatch):
+    monkeypatch.setenv("LOWBIT_ATTN_BACKEND", "bogus")
+    code, out, _ = run(capsys, "doctor")
+    assert code == 0
+    assert "error: LOWBIT_ATTN_BACKEND must be one of" in out
+
+
+@pytest.mark.parametrize(
+    "recipe,device,cap,backend,expected",
+    [
+        ("qk_int8_pv_fp8", "cuda", (9, 0), "triton", "native"),
+        ("qk_int8_pv_fp8", "cuda", (8, 9), "triton", "native"),
+        ("qk_int8_pv_fp8", "cuda", (8, 0), "triton", "unsupported (needs sm_89+)"),
+        ("qk_int8_pv_fp16", "cuda", (8, 0), "triton", "native"),
+        ("qk_int8_pv_fp16", "cuda", (7, 5), "triton", "unsupported (needs sm_80+)"),
+        ("qk_int8_pv_fp16", "cuda", None, "triton", "no GPU"),
+        ("qk_int8_pv_fp8", "cuda", (9, 0), "reference", "reference"),
+        ("exact", "cuda", (9, 0), "triton", "reference"),
+        ("exact", "cuda", None, "triton", "no GPU"),
+        ("qk_int8_pv_fp8", "cpu", None, "reference", "reference"),
+        ("qk_int8_pv_fp8", "cpu", None, "triton", "interpreter"),
+        ("qk_fp4_pv_fp4", "cuda", (10, 0), "triton", "native (FP4 tensor cores)"),
+        ("qk_mxfp4_pv_mxfp4", "cuda", (12, 0), "triton", "native (FP4 tensor cores)"),
+        ("qk_fp4_pv_fp4", "cuda", (9, 0), "triton", "emulated (bf16 MMA)"),
+        ("qk_fp4_pv_fp4", "cuda", (7, 5), "triton", "unsupported (needs sm_80+)"),
+        ("qk_fp4_pv_fp4", "cpu", None, "triton", "interpreter (FP4 emulated)"),
+        ("qk_fp4_pv_fp4", "cpu", None, "reference", "reference"),
+    ],
+)
+def test_recipe_status(recipe, device, cap, backend, expected):
+    assert cli.recipe_status(get_recipe(recipe), device, cap, backend) == expected
+
+
+@pytest.mark.aot
+def test_inspect_prints_tensor_core_instructions_registers_and_spills(capsys):
+    code, out, _ = run(capsys, "inspect", "--arch", "sm_90a", "--recipe", "qk_int8_pv_fp8")
+    assert code == 0, out
+    assert "qk_int8_pv_fp8 for sm_90a (head dim 128, non-causal, float16)" in out
+    assert "_attn_fwd_int8_kernel" in out and "_quantize_kernel" in out
+    assert "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8" in out
+    assert "f32.e4m3.e4m3" in out
+    assert "registers" in out and "B stored" in out and "B loaded" in out
+    assert "tensor cores  none" in out  # the quantizers
+
+
+@pytest.mark.aot
+def test_inspect_json(capsys):
+    code, out, _ = run(capsys, "inspect", "--arch", "sm_90", "--recipe", "qk_int8_pv_fp16",
+                       "--json")
+    assert code == 0
+    reports = json.loads(out)
+    attn = reports[-1]
+    assert attn["kernel"] == "_attn_fwd_int8_kernel" and attn["arch"] == "sm_90a"
+    assert any(form.endswith("f32.f16.f16") for form in attn["instructions"])
+    assert attn["spills"] == 0 and attn["error"] is None
+    assert isinstance(attn["registers"], int)
+
+
+@pytest.mark.aot
+def test_inspect_failing_kernel_exits_1_and_says_why(capsys):
+    code, out, _ = run(capsys, "inspect", "--arch", "sm_80", "--recipe", "qk_int8_pv_fp8")
+    assert code == 1
+    assert "error" in out and "fp8e4nv" in out
+
+
+def test_inspect_exact_launches_nothing(capsys):
+    code, out, _ = run(capsys, "inspect", "--arch", "sm_90a", "--recipe", "exact")
+    assert code == 0
+    assert "launches no Triton kernel" in out
+
+
+def _fail(*args, **kwargs):
+    raise AssertionError("a usage error must stop before any work")
+
+
+def usage_error(capsys, argv: list[str]) -> str:
+    """Run ``lowbit-attn ARGV``, expect a usage error (exit 2, the usage and then exactly one
+    error line, no traceback) and return that line."""
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert errors == [err.splitlines()[-1]] and "Traceback" not in err, err
+    return errors[0]
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["inspect", "--arch", "sm_70", "--recipe", "qk_int8_pv_fp8"], "argument --arch"),
+    (["inspect", "--arch", "hopper"], "sm_90a"),
+    (["inspect", "--recipe", "qk_int8_pv_fp8"], "--arch"),
+    (["inspect", "--arch", "sm_90a", "--recipe", "int4"], "argument --recipe"),
+    (["inspect", "--arch", "sm_90a", "--head-dim", "512"], "argument --head-dim"),
+    (["inspect", "--arch", "sm_90a", "--head-dim", "0"], "argument --head-dim"),
+    (["inspect", "--arch", "sm_90a", "--config", "-1"], "argument --config"),
+    (["inspect", "--arch", "sm_100a", "--recipe", "qk_fp4_pv_fp4", "--head-dim", "48"],
+     "multiple of 32, got 48"),
+    ([], "COMMAND"),
+])
+def test_usage_errors_exit_2_with_a_clear_message(capsys, argv, needle):
+    assert needle in usage_error(capsys, argv)
+
+
+ACCURACY_USAGE_ERRORS = [
+    pytest.param(["--n", "0"], "argument --n: must be >= 1, got 0", id="n-zero"),
+    pytest.param(["--n", "-5"], "argument --n: must be >= 1, got -5", id="n-negative"),
+    pytest.param(["--n", "1e3"], "argument --n: expected int", id="n-float"),
+    pytest.param(["--n-k", "0"], "argument --n-k: must be >= 1", id="n-k-zero"),
+    pytest.param(["--head-dim", "0"], "argument --head-dim: must be between 1 and 256", id="d-zero"),
+    pytest.param(["--head-dim", "300"], "argument --head-dim: must be between 1 and 256",
+                 id="d-300"),
+    pytest.param(["--batch", "0"], "argument --batch: must be >= 1", id="batch-zero"),
+    pytest.param(["--heads", "0"], "argument --heads: must be >= 1", id="heads-zero"),
+    pytest.param(["--kv-heads", "0"], "argument --kv-heads: must be >= 1", id="kv-heads-zero"),
+    pytest.param(["--heads", "3", "--kv-heads", "2"], "argument --kv-heads: must divide --heads",
+                 id="kv-heads-ratio"),
+    pytest.param(["--seed", "-1"], "argument --seed", id="seed"),
+    pytest.param(["--device", "bogus"], "argument --device: expected cpu, cuda or cuda:N",
+                 id="device-bogus"),
+    pytest.param(["--device", "meta"], "argument --device: expected cpu, cuda or cuda:N",
+                 id="device-meta"),
+    pytest.param(["--recipes", "qk_fp4_pv_fp4", "--head-dim", "16"],
+                 "argument --head-dim: recipe 'qk_fp4_pv_fp4' needs a head dim that is a multiple "
+                 "of 32, got 16", id="fp4-d16"),
+    pytest.param(["--recipes", "qk_int8_pv_fp9"], "argument --recipes: unknown recipe",
+                 id="recipe"),
+    pytest.param(["--recipes", "qk_int8_pv_fp8:block_q=100"], "argument --recipes: Recipe.block_q",
+                 id="recipe-option"),
+    pytest.param(["--families", "nope"], "argument --families: unknown famil", id="family"),
+    pytest.param(["--json", "/nonexistent-dir/rows.json"],
+                 "argument --json: no directory '/nonexistent-dir'", id="json-missing-dir"),
+]
+
+
+@pytest.mark.parametrize("argv,message", ACCURACY_USAGE_ERRORS)
+def test_accuracy_usage_errors_stop_before_any_work(capsys, monkeypatch, argv, message):
+    """One error line naming the option, and nothing evaluated."""
+    from lowbit_attn.tools import accuracy
+
+    monkeypatch.setattr(accuracy, "evaluate", _fail)
+    line = usage_error(capsys, ["accuracy", "--n", "16", "--head-dim", "32", *argv])
+    assert line.startswith("lowbit-attn accuracy: error: ") and message in line, line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_accuracy_refuses_cuda_without_a_gpu(capsys, monkeypatch):
+    from lowbit_attn.tools import accuracy
+
+    monkeypatch.setattr(accuracy, "evaluate", _fail)
+    line = usage_error(capsys, ["accuracy", "--device", "cuda"])
+    assert "argument --device: 'cuda': CUDA is not available here" in line
+
+
+@pytest.mark.parametrize("argv,message", [
+    pytest.param(["--batch", "0"], "argument --batch: must be >= 1", id="batch"),
+    pytest.param(["--heads", "-1"], "argument --heads: must be >= 1", id="heads"),
+    pytest.param(["--dims", "64,0"], "argument --dims: must be between 1 and 256", id="dims"),
+    pytest.param(["--seqlens", "0"], "argument --seqlens", id="seqlens"),
+    pytest.param(["--rep", "nan"], "argument --rep: must be >= 0", id="rep-nan"),
+    pytest.param(["--warmup", "-1"], "argument --warmup: must be >= 0", id="warmup"),
+    pytest.param(["--min-cosine", "2"], "argument --min-cosine: must be between -1 and 1",
+                 id="min-cosine"),
+    pytest.param(["--time-budget", "x"], "argument --time-budget: expected float", id="budget"),
+])
+def test_bench_usage_errors(capsys, monkeypatch, argv, message):
+    from lowbit_attn.tools import benchmark
+
+    monkeypatch.setattr(benchmark, "cli_main", _fail)
+    line = usage_error(capsys, ["bench", *argv])
+    assert line.startswith("lowbit-attn bench: error: ") and message in line, line
+
+
+def test_bench_refuses_a_head_dim_an_fp4_recipe_cannot_take(capsys):
+    assert cli.main(["bench", "--recipes", "qk_fp4_pv_fp4", "--dims", "48"]) == 2
+    assert "needs a head dim that is a multiple of 32, got 48" in capsys.readouterr().err
+
+
+def test_arch_help_lists_every_aot_target():
+    from lowbit_attn.tools import aot
+
+    for arch in aot.ARCHS:
+        assert arch in cli.ARCH_HELP
+
+
+def _fake_module(name: str, calls: list) -> types.ModuleType:
+    module = types.ModuleType(name)
+
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--n", type=int, default=1)
+
+    def cli_main(args: argparse.Namespace) -> int:
+        calls.append(args)
+        return 0
+
+    module.add_arguments = add_arguments
+    module.cli_main = cli_main
+    return module
+
+
+@pytest.mark.parametrize("command,module", [("accuracy", "lowbit_attn.tools.accuracy"),
+                                            ("bench", "lowbit_attn.tools.benchmark")])
+def test_external_subcommands_get_their_modules_arguments(monkeypatch, command, module):
+    calls: list = []
+    monkeypatch.setitem(sys.modules, module, _fake_module(module, calls))
+    assert cli.main([command, "--n", "7"]) == 0
+    assert len(calls) == 1 and calls[0].n == 7 and calls[0].command == command
+
+
+def test_missing_external_module_is_a_clear_error(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "lowbit_attn.tools.benchmark", None)  # import raises ImportError
+    assert cli.main(["bench", "--n", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "lowbit-attn bench: cannot import lowbit_attn.tools.benchmark" in err
+
+
+def test_other_subcommands_do_not_import_external_modules(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "lowbit_attn.tools.benchmark", None)
+    monkeypatch.setitem(sys.modules, "lowbit_attn.tools.accuracy", None)
+    code, _, _ = run(capsys, "inspect", "--arch", "sm_90a", "--recipe", "exact")
+    assert code == 0

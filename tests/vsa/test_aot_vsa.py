@@ -1,0 +1,45 @@
+"""The video sparse attention fine-stage kernels compiled ahead of time for sm_90a on the CPU: all
+three products of each 16-bit kernel on ``wgmma`` (bf16, fp32 accumulation); the 8-bit forward's
+Q·Kᵀ on INT8 ``wgmma`` (s32 accumulation) and its P̃·V on FP8 ``wgmma``.
+
+Triton 3.6, 64-token tiles, first sm_90 config (4 warps, 2 stages), ptxas -v (registers, spilled
+bytes): D=64 forward 149/0, dQ 158/0, dK/dV 227/0; D=128 forward 246/0, dQ 254/0, dK/dV 255/44;
+8-bit forward D=64 204/0, D=128 242/0.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from lowbit_attn.tools import aot
+
+pytestmark = pytest.mark.aot
+
+BF16_WGMMA = "f32.bf16.bf16"
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_fine_stage_kernels_use_wgmma(d):
+    rs = {r.kernel: r for r in aot.compile_vsa("sm_90a", d)}
+    assert set(rs) == {"_vsa_fwd_kernel", "_vsa_dq_kernel", "_vsa_dkdv_kernel", "_tile_kernel",
+                       "_untile_kernel"}
+    for name in ("_tile_kernel", "_untile_kernel"):
+        assert rs.pop(name).ok
+    for name, r in rs.items():
+        assert r.ok and r.error is None, (name, r.error)
+        forms = [f for f in r.instructions if f.startswith("wgmma") and f.endswith(BF16_WGMMA)]
+        assert forms, (name, r.instructions)
+        assert not any(f.startswith("mma.sync") for f in r.instructions), (name, r.instructions)
+        assert r.registers is not None and r.registers <= 255
+    print({name: (r.registers, r.spill_stores) for name, r in rs.items()})
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_8bit_fine_forward_uses_int8_and_fp8_wgmma(d):
+    rs = {r.kernel: r for r in aot.compile_vsa("sm_90a", d, recipe="qk_int8_pv_fp8")}
+    r = rs["_vsa_fwd_kernel"]
+    assert r.ok and r.error is None, r.error
+    wgmma = {".".join(f.split(".")[-3:]) for f in r.instructions
+             if f.startswith("wgmma")}
+    assert wgmma == {"s32.s8.s8", "f32.e4m3.e4m3"}, r.instructions
+    assert all(x.ok for x in rs.values()) and r.spill_stores == 0
