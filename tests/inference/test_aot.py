@@ -17,6 +17,8 @@ import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from lowbit_attn.tools import aot, sass
 from lowbit_attn.inference import kernel_int8 as attn_fwd_int8
@@ -229,6 +231,29 @@ def test_launch_specialization_matches_the_launchers():
     assert constexprs["EXACT_FP8"] is False and constexprs["PV_FP8"] is True
     assert constexprs["Q_IN_KERNEL"] is False and constexprs["PIPELINE"] is False
     assert options == {"num_warps": 8, "num_stages": 2}
+
+
+@triton.jit
+def _strided_copy(X, Y, x_strides, y_strides, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(X + offs * x_strides[1] + x_strides[0], mask=offs < n)
+    tl.store(Y + offs * y_strides[0], x, mask=offs < n)
+
+
+def test_tuple_arguments_are_specialized_element_by_element():
+    """A tensor's strides passed as one tuple argument: each element gets the launcher's
+    specialization (1 becomes a constexpr, multiples of 16 are marked divisible), and the kernel
+    compiles with the unit stride folded in."""
+    x, y = torch.zeros(64), torch.zeros(64)
+    launch = aot.Launch(_strided_copy, (x, y), dict(x_strides=(32, 1), y_strides=(1,), n=64,
+                                                     BLOCK=64), grid=(1,))
+    jit, values, _ = aot._unwrap(launch, "sm_90")
+    signature, constexprs, attrs = aot.specialize(jit, values, "sm_90a")
+    assert signature["x_strides"] == ("i32", "constexpr") and signature["y_strides"] == ("constexpr",)
+    assert constexprs[(2, 1)] == 1 and constexprs[(3, 0)] == 1 and constexprs["BLOCK"] == 64
+    assert attrs[(2, 0)] == [["tt.divisibility", 16]] and (4,) in attrs  # 32 and n = 64
+    report = aot.compile_launch(launch, "sm_90a")
+    assert report.ok, describe(report)
 
 
 @pytest.mark.interpreter

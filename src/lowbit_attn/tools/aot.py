@@ -471,12 +471,25 @@ def _arg_kind(param, value) -> tuple[str, bool]:
 
 def specialize(jit: JITFunction, values: dict[str, Any], arch: str):
     """``(signature, constexprs, attrs)`` for ``ASTSource``, as a launch with ``values`` on an
-    ``arch`` GPU gets them."""
+    ``arch`` GPU gets them. A tuple argument (e.g. a tensor's strides) is specialized element by
+    element, its constexprs and attributes keyed by their index path ``(argument, element)``
+    (other constexprs by name, as ``ASTSource`` takes both)."""
     signature, constexprs, attrs = {}, {}, {}
     for i, param in enumerate(jit.params):
         value = values[param.name]
         if param.is_constexpr and param.name in GPU_CONSTEXPRS:
             value = GPU_CONSTEXPRS[param.name](parse_arch(arch))
+        if isinstance(value, tuple) and not param.is_constexpr:
+            kinds = []
+            for j, item in enumerate(value):
+                kind, divisible = _arg_kind(param, item)
+                kinds.append(kind)
+                if kind == "constexpr":
+                    constexprs[(i, j)] = item
+                elif divisible:
+                    attrs[(i, j)] = [["tt.divisibility", 16]]
+            signature[param.name] = tuple(kinds)
+            continue
         kind, divisible = _arg_kind(param, value)
         signature[param.name] = kind
         if kind == "constexpr":
@@ -554,7 +567,7 @@ def run_ptxas(ptx: str, arch: str, kernel: str | None = None) -> dict[str, int]:
     return parse_ptxas_log(log, kernel)
 
 
-def _declared_constexprs(jit: JITFunction, constexprs: dict[str, Any]) -> dict[str, Any]:
+def _declared_constexprs(jit: JITFunction, constexprs: dict[Any, Any]) -> dict[str, Any]:
     return {p.name: constexprs[p.name] for p in jit.params if p.is_constexpr}
 
 
@@ -581,7 +594,7 @@ def compile_launch(launch: Launch, arch: str, config: int = 0) -> KernelReport:
                             num_warps=0, num_stages=0, error=_error_text(exc))
     options = {"num_warps": 4, "num_stages": 3, **options}  # Triton's defaults
     key = (arch, jit.__module__, jit.__qualname__, repr(sorted(signature.items())),
-           repr(sorted(constexprs.items())), repr(sorted(attrs.items())),
+           repr(sorted(constexprs.items(), key=repr)), repr(sorted(attrs.items())),
            repr(sorted(options.items())))
     if key in _COMPILED:
         return _COMPILED[key]
