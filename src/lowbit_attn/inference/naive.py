@@ -23,7 +23,7 @@ def visible(nq: int, nk: int, causal_offset: int | None, device, rows=None, cols
     return j[None, :] <= i[:, None] + causal_offset
 
 
-def _expand_heads(x: torch.Tensor, hq: int) -> torch.Tensor:
+def expand_heads(x: torch.Tensor, hq: int) -> torch.Tensor:
     """``[B, Hkv, ...]`` → ``[B, Hq, ...]`` (query head h reads KV head ``h // (Hq/Hkv)``)."""
     group = hq // x.shape[1]
     return x if group == 1 else x.repeat_interleave(group, dim=1)
@@ -50,8 +50,8 @@ def exact_attention(
         give 0 and LSE ``-inf``.
     """
     hq = q.shape[1]
-    k = _expand_heads(k, hq).to(dtype)
-    v = _expand_heads(v, hq).to(dtype)
+    k = expand_heads(k, hq).to(dtype)
+    v = expand_heads(v, hq).to(dtype)
     nq, nk = q.shape[2], k.shape[2]
     row_bytes = q.shape[0] * hq * nk * torch.finfo(dtype).bits // 8
     chunk = max(1, min(chunk, max_chunk_bytes // max(row_bytes, 1)))
@@ -89,14 +89,14 @@ def quantized_attention(
     nk = qz.k.shape[2]
     dev = qz.q.device
     qf = qz.q.float()
-    kf = _expand_heads(qz.k, hq).float()
-    vf = _expand_heads(qz.v, hq).float()
+    kf = expand_heads(qz.k, hq).float()
+    vf = expand_heads(qz.v, hq).float()
     if granularity == "per_block":
         q_scale = qz.q_scale.repeat_interleave(block_q, dim=-1)[..., :nq]
-        k_scale = _expand_heads(qz.k_scale, hq).repeat_interleave(block_k, dim=-1)[..., :nk]
+        k_scale = expand_heads(qz.k_scale, hq).repeat_interleave(block_k, dim=-1)[..., :nk]
     else:
         q_scale = qz.q_scale
-        k_scale = _expand_heads(qz.k_scale, hq)
+        k_scale = expand_heads(qz.k_scale, hq)
     delta = None
     if qz.delta_s is not None:
         delta = qz.delta_s.repeat_interleave(block_q, dim=2)[:, :, :nq]
@@ -119,7 +119,7 @@ def quantized_attention(
         mask = visible(nq, nk, causal_offset, dev, rows=rows, cols=torch.arange(start, stop, device=dev))
         s = s.masked_fill(~mask, float("-inf"))
         acc, m, l_sum = softmax_step(s, vf[:, :, start:stop], acc, m, l_sum, pv=pv)
-    v_scale = None if qz.v_scale is None else _expand_heads(qz.v_scale, hq).unsqueeze(-2)
+    v_scale = None if qz.v_scale is None else expand_heads(qz.v_scale, hq).unsqueeze(-2)
     return finish(acc, l_sum, m, offset, v_scale, qz.v_mean, qz.lse_shift)
 
 
@@ -147,7 +147,7 @@ def finish(acc, l_sum, m, offset, v_scale, v_mean, lse_shift):
     if v_scale is not None:
         out = out * v_scale
     if v_mean is not None:
-        out = out + _expand_heads(v_mean, hq).unsqueeze(-2)
+        out = out + expand_heads(v_mean, hq).unsqueeze(-2)
     out = torch.where(empty.unsqueeze(-1), 0.0, out)
     lse = (m + torch.log2(l_sum) - offset) * LN2
     if lse_shift is not None:
@@ -180,12 +180,12 @@ def fp4_attention(
     nk = qz.k.shape[2]
     dev = qz.q.device
     qf = dequantize_fp4(qz.q, qz.q_scale, fmt)
-    vf = _expand_heads(dequantize_fp4(qz.v, qz.v_scale, fmt), hq).transpose(-1, -2)
+    vf = expand_heads(dequantize_fp4(qz.v, qz.v_scale, fmt), hq).transpose(-1, -2)
     kf = dequantize_fp4(qz.k, qz.k_scale, fmt)  # padded to V's whole key blocks, as V is
-    kf = _expand_heads(torch.nn.functional.pad(kf, (0, 0, 0, vf.shape[-2] - nk)), hq)
+    kf = expand_heads(torch.nn.functional.pad(kf, (0, 0, 0, vf.shape[-2] - nk)), hq)
     mult = torch.full((b, hq), qz.qk_multiplier, device=dev)
     if fmt == "nvfp4":
-        mult = mult * (qz.q_global * _expand_heads(qz.k_global, hq))
+        mult = mult * (qz.q_global * expand_heads(qz.k_global, hq))
     mult = mult[:, :, None, None]
     delta = None
     if qz.delta_s is not None:
@@ -218,7 +218,7 @@ def fp4_attention(
         m = m_new
     v_scale = None
     if fmt == "nvfp4":
-        v_scale = _expand_heads(qz.v_global, hq)[:, :, None, None]
+        v_scale = expand_heads(qz.v_global, hq)[:, :, None, None]
     out, lse = finish(acc[..., :head_dim], l_sum, m, 0.0, v_scale, qz.v_mean, qz.lse_shift)
     return out, lse
 
@@ -236,13 +236,13 @@ def delta_s(qm: torch.Tensor, k: torch.Tensor, k_mean: torch.Tensor | None, scal
     kf = k.to(wide)
     if k_mean is not None:
         kf = kf - k_mean.to(wide).unsqueeze(-2)
-    kf = _expand_heads(kf, qm.shape[1])
+    kf = expand_heads(kf, qm.shape[1])
     return torch.matmul(qm.to(wide), kf.transpose(-1, -2)) * scale_multiplier
 
 
 def lse_shift(q: torch.Tensor, k_mean: torch.Tensor, softmax_scale: float) -> torch.Tensor:
     """``softmax_scale·(q·mean(K))`` per query row ``[B, Hq, Nq]``: what K smoothing took off each
     row of scores, so the LSE can be reported for the unsmoothed scores."""
-    km = _expand_heads(k_mean, q.shape[1])
+    km = expand_heads(k_mean, q.shape[1])
     return torch.matmul(q.float(), km.unsqueeze(-1)).squeeze(-1) * softmax_scale
 

@@ -40,6 +40,7 @@ import numbers
 import torch
 
 from lowbit_attn.core.checks import quant_groups, shown
+from lowbit_attn.quant.int8_naive import nonfinite_guard
 
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
@@ -59,11 +60,6 @@ E8M0_NAN = 255
 E2M1_VALUES = torch.tensor(
     [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 )
-
-
-def _poison(y: torch.Tensor) -> torch.Tensor:
-    """0 where every element of the group (last dim) is finite, NaN otherwise."""
-    return (y * 0.0).sum(dim=-1)
 
 
 def e2m1_code(y: torch.Tensor) -> torch.Tensor:
@@ -242,7 +238,7 @@ def nvfp4_group_codes(
     """The NVFP4 core: fp32 groups ``[..., n_groups, 16]`` and the tensor scale ``g`` (broadcastable
     to ``[..., n_groups]``) → ``(E2M1 codes [..., n_groups, 16], E4M3 scale bits [..., n_groups])``,
     both uint8."""
-    amax = xg.abs().amax(dim=-1) + _poison(xg)
+    amax = xg.abs().amax(dim=-1) + nonfinite_guard(xg, -1)
     code = e4m3_scale_code((amax / 6.0) / g, amax > 0)
     s = code.view(torch.float8_e4m3fn).float()
     sg = torch.where(code == 0, torch.ones_like(s), s * g)  # all-zero group: no 0/0
@@ -326,7 +322,7 @@ def mxfp4_scale_code(amax: torch.Tensor) -> torch.Tensor:
 
 def mxfp4_group_codes(xg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The MXFP4 core: fp32 groups ``[..., n_groups, 32]`` → ``(E2M1 codes, E8M0 scale bits)``."""
-    code = mxfp4_scale_code(xg.abs().amax(dim=-1) + _poison(xg))
+    code = mxfp4_scale_code(xg.abs().amax(dim=-1) + nonfinite_guard(xg, -1))
     return e2m1_code(xg / e8m0_value(code).unsqueeze(-1)), code
 
 

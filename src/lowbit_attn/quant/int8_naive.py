@@ -11,7 +11,7 @@ import torch
 from lowbit_attn.core.operands import FP8_MAX, FP16_V_KEEP_HI, FP16_V_KEEP_LO, INT8_MAX
 
 
-def _poison(y: torch.Tensor, dims) -> torch.Tensor:
+def nonfinite_guard(y: torch.Tensor, dims) -> torch.Tensor:
     """0 where every element of the group is finite, NaN otherwise (``sum(y·0)``): added to an
     ``amax`` it keeps a NaN or Inf from being hidden behind a finite scale."""
     return (y * 0.0).sum(dim=dims)
@@ -46,7 +46,7 @@ def channel_stats(
         raise ValueError(f"center must be 'none', 'mean' or 'block_mean', got {center!r}")
     if n == 0:
         return mean, xf.new_zeros(x.shape[:2] + x.shape[3:])
-    amax = centered.abs().amax(dim=-2) + _poison(centered, -2)
+    amax = centered.abs().amax(dim=-2) + nonfinite_guard(centered, -2)
     return mean, amax
 
 
@@ -138,13 +138,13 @@ def quantize_int8(
             multiplier = 1.0 / alpha
         y = y * multiplier.unsqueeze(-2)
     if granularity == "per_token":
-        amax = y.abs().amax(dim=-1) + _poison(y, -1)
+        amax = y.abs().amax(dim=-1) + nonfinite_guard(y, -1)
         scale = _int8_scale(amax)
         per_row = scale
     elif granularity == "per_block":
         nb = -(-n // block)
         padded = torch.nn.functional.pad(y, (0, 0, 0, nb * block - n)).reshape(b, h, nb, block * d)
-        amax = padded.abs().amax(dim=-1) + _poison(padded, -1)
+        amax = padded.abs().amax(dim=-1) + nonfinite_guard(padded, -1)
         scale = _int8_scale(amax)
         per_row = scale.repeat_interleave(block, dim=-1)[..., :n]
     else:

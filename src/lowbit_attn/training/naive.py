@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 
 from lowbit_attn.core.operands import INT8_MAX, TRAIN_BLOCK, GradOperands, TrainOperands
-from lowbit_attn.inference.naive import _expand_heads, visible
-from lowbit_attn.quant.int8_naive import _poison
+from lowbit_attn.inference.naive import expand_heads, visible
+from lowbit_attn.quant.int8_naive import nonfinite_guard
 
 
 def compute_dtype(ops: TrainOperands) -> torch.dtype:
@@ -40,11 +40,11 @@ def scores(ops: TrainOperands, causal_offset: int | None) -> torch.Tensor:
     """Base-2 scores ``[B, Hq, Nq, Nk]``, ``-inf`` where a key is not visible."""
     cdt = compute_dtype(ops)
     hq, nq, nk = ops.q.shape[1], ops.q.shape[2], ops.k.shape[2]
-    kf = _expand_heads(ops.k, hq).to(cdt)
+    kf = expand_heads(ops.k, hq).to(cdt)
     # INT8 products summed in fp32 are exact (|sum| <= 127²·D < 2^24), as the int32 MMA's.
     s = torch.matmul(ops.q.to(cdt), kf.transpose(-1, -2))
     qs = (ops.q_scale.to(cdt) * ops.qk_multiplier)
-    ks = _expand_heads(ops.k_scale, hq).to(cdt)
+    ks = expand_heads(ops.k_scale, hq).to(cdt)
     s = s * (_per_row(qs, nq)[..., :, None] * _per_row(ks, nk)[..., None, :])
     if ops.delta_s is not None:
         s = s + _per_row(ops.delta_s.transpose(-1, -2), nq).transpose(-1, -2).to(cdt)
@@ -68,8 +68,8 @@ def forward(ops: TrainOperands, *, causal_offset: int | None) -> tuple[torch.Ten
     b, hq, nq, _ = ops.q.shape
     nk = ops.k.shape[2]
     s_all = scores(ops, causal_offset)
-    vf = _expand_heads(ops.v, hq).to(cdt)
-    vs = _expand_heads(ops.v_scale, hq).to(cdt)
+    vf = expand_heads(ops.v, hq).to(cdt)
+    vs = expand_heads(ops.v_scale, hq).to(cdt)
     m = torch.full((b, hq, nq), float("-inf"), dtype=cdt, device=ops.q.device)
     l_sum = torch.zeros((b, hq, nq), dtype=cdt, device=ops.q.device)
     acc = torch.zeros((b, hq, nq, vf.shape[-1]), dtype=cdt, device=ops.q.device)
@@ -104,7 +104,8 @@ def quantize_tiles(x: torch.Tensor, int8: bool, dtype: torch.dtype) -> torch.Ten
     nbq, nbk = -(-nq // t), -(-nk // t)
     padded = torch.nn.functional.pad(x, (0, nbk * t - nk, 0, nbq * t - nq))
     tiles = padded.reshape(*lead, nbq, t, nbk, t)
-    amax = tiles.abs().amax(dim=(-3, -1), keepdim=True) + _poison(tiles, (-3, -1)).unsqueeze(-1).unsqueeze(-3)
+    guard = nonfinite_guard(tiles, (-3, -1)).unsqueeze(-1).unsqueeze(-3)
+    amax = tiles.abs().amax(dim=(-3, -1), keepdim=True) + guard
     scale = amax * (1.0 / INT8_MAX)
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
     values = torch.clamp(torch.round(tiles / scale), -INT8_MAX, INT8_MAX)
@@ -129,7 +130,7 @@ def probabilities(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, *,
     lse_safe = torch.where(torch.isneginf(lse), 0.0, lse).to(cdt)
     p = torch.exp2(s - lse_safe.unsqueeze(-1))
     do_dp = dequantize(grad.do_dp, grad.do_dp_scale, cdt)
-    v_dp = _expand_heads(dequantize(ops.v_dp, ops.v_dp_scale, cdt), ops.q.shape[1])
+    v_dp = expand_heads(dequantize(ops.v_dp, ops.v_dp_scale, cdt), ops.q.shape[1])
     dp = torch.matmul(do_dp, v_dp.transpose(-1, -2))
     return p, dp, p * (dp - (p * dp).sum(dim=-1, keepdim=True))
 
@@ -152,7 +153,7 @@ def backward(
     p_op = quantize_tiles(p, "dv" in ops.int8, ops.dtype)
     dv = _sum_groups(torch.matmul(p_op.transpose(-1, -2), do_dv), hkv)
 
-    k_dq = _expand_heads(dequantize(ops.k_dq, ops.k_dq_scale, cdt), hq)
+    k_dq = expand_heads(dequantize(ops.k_dq, ops.k_dq_scale, cdt), hq)
     dq = torch.matmul(quantize_tiles(ds, "dq" in ops.int8, ops.dtype), k_dq) * softmax_scale
 
     q_dk = dequantize(ops.q_dk, ops.q_dk_scale, cdt)
@@ -164,6 +165,6 @@ def backward(
     dk = _sum_groups(dk, hkv) * softmax_scale
     if ops.balance is not None:  # Q entered as Q∘α and K as K/α
         alpha = ops.balance.to(cdt).unsqueeze(-2)
-        dq = dq * _expand_heads(alpha, hq)
+        dq = dq * expand_heads(alpha, hq)
         dk = dk / alpha
     return dq, dk, dv

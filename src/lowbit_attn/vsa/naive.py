@@ -12,7 +12,7 @@ import torch
 
 from lowbit_attn.core.operands import QuantizedQKV
 from lowbit_attn.vsa.tiles import TileLayout
-from lowbit_attn.inference.naive import _expand_heads, finish, softmax_step
+from lowbit_attn.inference.naive import expand_heads, finish, softmax_step
 
 
 def gather_tiles(x: torch.Tensor, layout: TileLayout, slots: int | None = None) -> torch.Tensor:
@@ -50,8 +50,8 @@ def coarse_pooled(qp, kp, vp, *, scale: float, topk: int):
         n_tiles]`` (pooled Q·Kᵀ·scale))``.
     """
     hq = qp.shape[1]
-    scores = torch.matmul(qp, _expand_heads(kp, hq).transpose(-1, -2)) * scale
-    out = torch.matmul(torch.softmax(scores, dim=-1), _expand_heads(vp, hq))
+    scores = torch.matmul(qp, expand_heads(kp, hq).transpose(-1, -2)) * scale
+    out = torch.matmul(torch.softmax(scores, dim=-1), expand_heads(vp, hq))
     with torch.no_grad():
         indices = scores.topk(topk, dim=-1).indices.sort(dim=-1).values
     return out, indices, scores
@@ -73,8 +73,8 @@ def fine(q, k, v, layout: TileLayout, tile_indices: torch.Tensor, *, scale: floa
     nt, ts = layout.n_tiles, layout.tile_tokens
     kk = tile_indices.shape[-1]
     qt = gather_tiles(q, layout)                                   # [B, Hq, nt, ts, D]
-    kt = _expand_heads(gather_tiles(k, layout), hq)                # [B, Hq, nt, ts, D]
-    vt = _expand_heads(gather_tiles(v, layout), hq)
+    kt = expand_heads(gather_tiles(k, layout), hq)                # [B, Hq, nt, ts, D]
+    vt = expand_heads(gather_tiles(v, layout), hq)
     sel = tile_indices.reshape(b, hq, nt * kk)
     gather = lambda t: torch.gather(  # noqa: E731 - [B, Hq, nt, kk·ts, D]
         t, 2, sel[..., None, None].expand(b, hq, nt * kk, ts, d)
@@ -98,9 +98,9 @@ def fine_quantized(qz: QuantizedQKV, layout: TileLayout, tile_indices: torch.Ten
     nt, ts = layout.n_tiles, layout.tile_tokens
     qt = gather_tiles(qz.q.float(), layout)                                 # [B, Hq, nt, ts, D]
     qs = gather_tiles(qz.q_scale.unsqueeze(-1), layout).squeeze(-1)          # [B, Hq, nt, ts]
-    kt = _expand_heads(gather_tiles(qz.k.float(), layout), hq)
-    ks = _expand_heads(gather_tiles(qz.k_scale.unsqueeze(-1), layout).squeeze(-1), hq)
-    vt = _expand_heads(gather_tiles(qz.v.float(), layout), hq)
+    kt = expand_heads(gather_tiles(qz.k.float(), layout), hq)
+    ks = expand_heads(gather_tiles(qz.k_scale.unsqueeze(-1), layout).squeeze(-1), hq)
+    vt = expand_heads(gather_tiles(qz.v.float(), layout), hq)
     valid = layout.index >= 0
     m = torch.full((b, hq, nt, ts), float("-inf"), device=qt.device)
     l_sum = torch.zeros_like(m)
@@ -112,7 +112,7 @@ def fine_quantized(qz: QuantizedQKV, layout: TileLayout, tile_indices: torch.Ten
         s = torch.matmul(qt, take(kt).transpose(-1, -2)) * (qs.unsqueeze(-1) * take(ks).unsqueeze(-2))
         s = s.masked_fill(~valid[j].unsqueeze(-2), float("-inf"))
         acc, m, l_sum = softmax_step(s, take(vt), acc, m, l_sum, pv=pv)
-    v_scale = None if qz.v_scale is None else _expand_heads(qz.v_scale, hq).unsqueeze(-2)
+    v_scale = None if qz.v_scale is None else expand_heads(qz.v_scale, hq).unsqueeze(-2)
     out, _ = finish(acc.reshape(b, hq, nt * ts, d), l_sum.reshape(b, hq, nt * ts), m.reshape(b, hq, -1),
                     0.0, v_scale, qz.v_mean, None)
     return scatter_tiles(out.reshape(b, hq, nt, ts, d), layout)
@@ -130,6 +130,6 @@ def block_mask(layout: TileLayout, tile_indices: torch.Tensor) -> torch.Tensor:
 def masked_attention(q, k, v, mask: torch.Tensor, *, scale: float) -> torch.Tensor:
     """Dense attention with a boolean ``[B, Hq, N, N]`` mask (the oracle of the fine stage)."""
     hq = q.shape[1]
-    s = torch.matmul(q, _expand_heads(k, hq).transpose(-1, -2)) * scale
+    s = torch.matmul(q, expand_heads(k, hq).transpose(-1, -2)) * scale
     p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
-    return torch.matmul(p, _expand_heads(v, hq))
+    return torch.matmul(p, expand_heads(v, hq))
