@@ -1,17 +1,23 @@
 """The attention forwards (dense and packed) as ``torch.library`` custom ops with fake
 implementations, so ``torch.compile`` traces calls to the public functions without graph breaks and
-the ops stay opaque to it (quantization and kernel launches inside)."""
+the ops stay opaque to it (quantization and kernel launches inside).
+
+Inside an op, :func:`run` picks the implementation once, from :func:`~lowbit_attn.core.arch.backend_for`:
+:func:`kernel` (quantizers and attention on Triton) or its twin :func:`naive` (PyTorch), called
+with the same arguments."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
-from lowbit_attn.inference import dispatch as forward
 from lowbit_attn.core.arch import backend_for
 from lowbit_attn.core.operands import Seqs
 from lowbit_attn.core.recipes import Recipe
+from lowbit_attn.inference.naive import exact_attention, fp4_attention, quantized_attention
+from lowbit_attn.inference.prepare import quantize_qkv, quantize_qkv_fp4
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(Recipe))
@@ -46,6 +52,137 @@ def recipe_from_key(key: str) -> Recipe:
     return recipe
 
 
+def _env_choice(name: str, choices: tuple[str, ...]) -> str:
+    """``os.environ[name]``, one of ``choices`` (the first when unset)."""
+    value = os.environ.get(name, choices[0])
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
+
+
+Q_QUANT_MODES = ("pass", "kernel")
+
+
+def q_in_kernel() -> bool:
+    """Whether the INT8 attention kernel quantizes Q itself (``LOWBIT_ATTN_Q_QUANT=kernel``: one
+    launch and 2 bytes per Q element fewer than a separate pass, for some work in every query
+    tile's prologue) or a separate pass does (``pass``, the default). Both give the same bits.
+    Why it is not the default: ``benchmarks/NOTES.md``."""
+    return _env_choice("LOWBIT_ATTN_Q_QUANT", Q_QUANT_MODES) == "kernel"
+
+
+KV_STATS_MODES = ("launch", "program")
+
+
+def kv_stats_in_program() -> bool:
+    """Whether K's and V's channel statistics are computed by the launch that quantizes them, one
+    program per (batch, head) reading the tensor twice (``LOWBIT_ATTN_KV_STATS=program``: 4 bytes
+    per K/V element fewer from HBM when the second read hits L2, but only B·H programs per tensor),
+    or by the statistics launch with Q's (``launch``, the default). Both give the same values up to
+    the order of the sums."""
+    return _env_choice("LOWBIT_ATTN_KV_STATS", KV_STATS_MODES) == "program"
+
+
+def kernel(q, k, v, *, out: torch.Tensor, recipe: Recipe, scale: float, causal_offset: int | None,
+           return_lse: bool, seqs: tuple[Seqs, Seqs] | None) -> torch.Tensor | None:
+    """The Triton path: quantizers and attention kernel (INT8 dense or packed, FP4 dense), or
+    :func:`naive` for what has no kernel (the exact recipe). Arguments and result: :func:`run`."""
+    if recipe.is_exact:
+        return naive(q, k, v, out=out, recipe=recipe, scale=scale, causal_offset=causal_offset,
+                     return_lse=return_lse, seqs=seqs)
+    if recipe.is_fp4:
+        if seqs is not None:  # no packed FP4 kernel
+            return _per_sequence(kernel, q, k, v, out=out, recipe=recipe, scale=scale,
+                                 causal_offset=causal_offset, return_lse=return_lse, seqs=seqs)
+        from lowbit_attn.inference import kernel_fp4
+
+        qz = quantize_qkv_fp4(q, k, v, recipe, scale, need_lse_shift=return_lse, backend="triton")
+        return kernel_fp4.attention(
+            qz, out=out, head_dim=q.shape[-1], block_q=recipe.block_q, block_k=recipe.block_k,
+            causal_offset=causal_offset, two_level=recipe.two_level_p, return_lse=return_lse,
+        )
+    from lowbit_attn.inference import kernel_int8
+
+    seqs_q, seqs_k = seqs if seqs is not None else (None, None)
+    qz = quantize_qkv(
+        q, k, v, recipe, scale, need_lse_shift=return_lse, backend="triton", seqs_q=seqs_q,
+        seqs_k=seqs_k, q_in_kernel=q_in_kernel(), kv_stats_in_program=kv_stats_in_program(),
+    )
+    return kernel_int8.attention(
+        qz, out=out, pv=recipe.pv, granularity=recipe.granularity, block_q=recipe.block_q,
+        block_k=recipe.block_k, causal_offset=causal_offset, return_lse=return_lse,
+        seqs_q=seqs_q, seqs_k=seqs_k,
+    )
+
+
+def naive(q, k, v, *, out: torch.Tensor, recipe: Recipe, scale: float, causal_offset: int | None,
+          return_lse: bool, seqs: tuple[Seqs, Seqs] | None) -> torch.Tensor | None:
+    """The PyTorch twin of :func:`kernel`, the same arguments and result (packed sequences one
+    at a time)."""
+    if seqs is not None:
+        return _per_sequence(naive, q, k, v, out=out, recipe=recipe, scale=scale,
+                             causal_offset=causal_offset, return_lse=return_lse, seqs=seqs)
+    if recipe.is_exact:
+        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        o, lse = exact_attention(q, k, v, scale=scale, causal_offset=causal_offset, dtype=dtype)
+    elif recipe.is_fp4:
+        qz = quantize_qkv_fp4(q, k, v, recipe, scale, need_lse_shift=return_lse,
+                              backend="reference")
+        o, lse = fp4_attention(
+            qz, head_dim=q.shape[-1], block_q=recipe.block_q, block_k=recipe.block_k,
+            causal_offset=causal_offset, two_level=recipe.two_level_p,
+        )
+    else:
+        qz = quantize_qkv(q, k, v, recipe, scale, need_lse_shift=return_lse, backend="reference")
+        o, lse = quantized_attention(
+            qz, pv=recipe.pv, granularity=recipe.granularity, block_q=recipe.block_q,
+            block_k=recipe.block_k, causal_offset=causal_offset,
+        )
+    out.copy_(o)
+    return lse.float() if return_lse else None
+
+
+def _as_dense(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Rows ``lo:hi`` of a packed ``[total, H, D]`` tensor as a ``[1, H, n, D]`` view."""
+    return x[lo:hi].transpose(0, 1).unsqueeze(0)
+
+
+def _per_sequence(attend, q, k, v, *, out, recipe, scale, causal_offset, return_lse, seqs):
+    """Packed sequences through ``attend``'s dense path, one sequence at a time (each aligned
+    bottom-right when causal)."""
+    bounds_q, bounds_k = (s.cu_seqlens.tolist() for s in seqs)  # host offsets for the loop
+    lse_all = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device) if return_lse else None
+    for b in range(seqs[0].batch):
+        q0, q1 = bounds_q[b], bounds_q[b + 1]
+        k0, k1 = bounds_k[b], bounds_k[b + 1]
+        if q1 == q0:
+            continue
+        if k1 == k0:
+            out[q0:q1].zero_()
+            continue
+        lse = attend(
+            _as_dense(q, q0, q1), _as_dense(k, k0, k1), _as_dense(v, k0, k1),
+            out=_as_dense(out, q0, q1), recipe=recipe, scale=scale,
+            causal_offset=None if causal_offset is None else (k1 - k0) - (q1 - q0),
+            return_lse=return_lse, seqs=None,
+        )
+        if return_lse:
+            lse_all[:, q0:q1] = lse[0]
+    return lse_all
+
+
+def run(q, k, v, *, out: torch.Tensor, recipe: Recipe, scale: float, causal_offset: int | None,
+        return_lse: bool, backend: str, seqs: tuple[Seqs, Seqs] | None = None) -> torch.Tensor | None:
+    """Attention of logical ``[B, H, N, D]`` views (or packed ``[total, H, D]`` tensors with
+    ``seqs``) written into ``out``; returns the natural-log LSE (``[B, Hq, Nq]`` or
+    ``[Hq, total]`` fp32) when ``return_lse``. ``causal_offset``: key ``j`` is visible to query
+    ``i`` iff ``j <= i + causal_offset``; None when not causal (packed sequences: any int, each
+    sequence is aligned bottom-right). ``backend``: ``"triton"`` or ``"reference"``."""
+    attend = kernel if backend == "triton" else naive
+    return attend(q, k, v, out=out, recipe=recipe, scale=scale, causal_offset=causal_offset,
+                  return_lse=return_lse, seqs=seqs)
+
+
 @torch.library.custom_op("lowbit_attn::attention_fwd", mutates_args=())
 def attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: str, scale: float, is_causal: bool,
@@ -56,9 +193,9 @@ def attention_fwd(
     ``[B, Hq, Nq]`` (an empty tensor unless ``return_lse``)."""
     qh, kh, vh = (x.transpose(1, 2) if nhd else x for x in (q, k, v))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = forward.run(
-        qh, kh, vh, out=out.transpose(1, 2) if nhd else out, recipe=recipe_from_key(recipe), scale=scale,
-        is_causal=is_causal, causal_offset=causal_offset, return_lse=return_lse,
+    lse = run(
+        qh, kh, vh, out=out.transpose(1, 2) if nhd else out, recipe=recipe_from_key(recipe),
+        scale=scale, causal_offset=causal_offset if is_causal else None, return_lse=return_lse,
         backend=backend_for(q.device),
     )
     return out, _lse_or_empty(lse, q)
@@ -87,9 +224,10 @@ def attention_varlen_fwd(
     seqs = tuple(Seqs(batch, max(n, 1), cu.to(torch.int32))
                  for cu, n in ((cu_seqlens_q, max_seqlen_q), (cu_seqlens_k, max_seqlen_k)))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = forward.run(
-        q, k, v, out=out, recipe=recipe_from_key(recipe), scale=scale, is_causal=is_causal,
-        causal_offset=0, return_lse=return_lse, backend=backend_for(q.device), seqs=seqs,
+    lse = run(
+        q, k, v, out=out, recipe=recipe_from_key(recipe), scale=scale,
+        causal_offset=0 if is_causal else None, return_lse=return_lse,
+        backend=backend_for(q.device), seqs=seqs,
     )
     return out, _lse_or_empty(lse, q)
 

@@ -359,11 +359,11 @@ def _ours_fn(method: Method, q, k, v, causal):
 
 
 def _stage_fn(method: Method, q, k, v, causal):
-    """Our call split in its two stages, as ``forward.run`` does on the Triton backend."""
+    """Our call split in its two stages, as ``inference.op.run`` does on the Triton backend."""
     if backend_for(q.device) != "triton":
         raise Unsupported("stage timings need the Triton backend (a CUDA GPU, or "
                           "LOWBIT_ATTN_BACKEND=triton with TRITON_INTERPRET=1)")
-    from lowbit_attn.inference.dispatch import kv_stats_in_program, q_in_kernel
+    from lowbit_attn.inference.op import kv_stats_in_program, q_in_kernel
     from lowbit_attn.inference import kernel_fp4 as attn_fwd_fp4, kernel_int8 as attn_fwd_int8
     from lowbit_attn.inference.prepare import quantize_qkv, quantize_qkv_fp4
 
@@ -488,7 +488,7 @@ def _measure(method, inputs, refs, row, *, timer, min_cosine, causal):
     b, h, n, d = row["B"], row["H"], row["N"], row["D"]
     if method.kind == "stage" and method.backend == "prepare":
         cap = torch.cuda.get_device_capability(q.device) if cuda else None
-        from lowbit_attn.inference.dispatch import kv_stats_in_program, q_in_kernel
+        from lowbit_attn.inference.op import kv_stats_in_program, q_in_kernel
 
         nbytes = quantization_bytes(resolve(method.recipe, cap), b * h * n * d, b * h * n * d,
                                     in_bytes=q.element_size(), q_in_kernel=q_in_kernel(),
