@@ -8,48 +8,15 @@ with the same arguments."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import torch
 
 from lowbit_attn.core.arch import backend_for
 from lowbit_attn.core.operands import Seqs
-from lowbit_attn.core.recipes import Recipe
+from lowbit_attn.core.recipes import Recipe, recipe_from_key, recipe_key
 from lowbit_attn.inference.naive import exact_attention, fp4_attention, quantized_attention
 from lowbit_attn.inference.prepare import quantize_qkv, quantize_qkv_fp4
-
-
-_FIELDS = tuple(f.name for f in dataclasses.fields(Recipe))
-_TYPES = {f.name: f.type for f in dataclasses.fields(Recipe)}
-# Field annotations are text (``from __future__ import annotations`` in core/recipes.py).
-_PARSE = {"bool": {"True": True, "False": False}.__getitem__, "int": int}
-
-
-def recipe_key(recipe: Recipe) -> str:
-    """A :class:`Recipe` as the ops take it: ``name=value`` of each field in field order, joined
-    by ``;`` (a plain string argument, so the ops' schemas stay fixed as recipes gain options;
-    built with operations torch.compile traces). Unambiguous because a Recipe's fields are
-    validated: its name and formats are identifiers, its options Python bools and ints, whose
-    text reads back exactly."""
-    return ";".join(f"{name}={getattr(recipe, name)}" for name in _FIELDS)
-
-
-def recipe_from_key(key: str) -> Recipe:
-    """The :class:`Recipe` that :func:`recipe_key` wrote; ``ValueError`` for any other text (a
-    missing, unknown or repeated field, a value that is not a bool or int literal where one is
-    due, or a Recipe's own validation error)."""
-    values = dict(item.partition("=")[::2] for item in key.split(";"))
-    if tuple(values) != _FIELDS:
-        raise ValueError(f"recipe key {key!r} must give {'=…;'.join(_FIELDS)}=… in this order")
-    try:
-        parsed = {k: _PARSE.get(_TYPES[k], str)(x) for k, x in values.items()}
-    except (KeyError, ValueError):
-        raise ValueError(f"recipe key {key!r} has a value of the wrong type") from None
-    recipe = Recipe(**parsed)
-    if recipe_key(recipe) != key:
-        raise ValueError(f"recipe key {key!r} is not in the form recipe_key writes")
-    return recipe
 
 
 def _env_choice(name: str, choices: tuple[str, ...]) -> str:
@@ -189,7 +156,7 @@ def attention_fwd(
     causal_offset: int, nhd: bool, return_lse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of validated ``q, k, v`` in layout HND (``nhd`` False) or NHD with the recipe
-    :func:`recipe_key` encodes; returns the output in q's shape (contiguous) and the LSE
+    :func:`~lowbit_attn.core.recipes.recipe_key` encodes; returns the output in q's shape (contiguous) and the LSE
     ``[B, Hq, Nq]`` (an empty tensor unless ``return_lse``)."""
     qh, kh, vh = (x.transpose(1, 2) if nhd else x for x in (q, k, v))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -10,15 +10,9 @@ import torch
 
 from lowbit_attn.core.arch import backend_for
 from lowbit_attn.core.operands import GradOperands, TrainOperands
-from lowbit_attn.core.recipes import TrainRecipe
+from lowbit_attn.core.recipes import TrainRecipe, recipe_from_key, recipe_key
 from lowbit_attn.training import naive as ref
 from lowbit_attn.training.prepare import prepare, prepare_grad
-
-
-def _recipe(int8: str, smooth_k: bool, smooth_q: bool, balance_qk: bool) -> TrainRecipe:
-    names = frozenset(x for x in int8.split(",") if x)
-    return TrainRecipe(name="op", int8=names, smooth_k=smooth_k, smooth_q=smooth_q,
-                       balance_qk=balance_qk)
 
 
 def _hnd(x: torch.Tensor, nhd: bool) -> torch.Tensor:
@@ -67,12 +61,12 @@ def _implementation(device: torch.device):
 
 @torch.library.custom_op("lowbit_attn::train_fwd", mutates_args=())
 def train_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, int8: str, smooth_k: bool, smooth_q: bool,
-    balance_qk: bool, scale: float, is_causal: bool, causal_offset: int, nhd: bool,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: str, scale: float, is_causal: bool,
+    causal_offset: int, nhd: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Output (q's shape and dtype) and base-2 LSE ``[B, Hq, Nq]`` (fp32; fp64 for fp64 inputs);
-    ``int8`` is a comma-separated list of the matmuls computed in INT8."""
-    recipe = _recipe(int8, smooth_k, smooth_q, balance_qk)
+    """Output (q's shape and dtype) and base-2 LSE ``[B, Hq, Nq]`` (fp32; fp64 for fp64 inputs)
+    with the :class:`TrainRecipe` that :func:`~lowbit_attn.core.recipes.recipe_key` encodes."""
+    recipe = recipe_from_key(recipe, TrainRecipe)
     qh, kh, vh = (_hnd(x, nhd) for x in (q, k, v))
     backend, forward, _ = _implementation(q.device)
     ops = prepare(qh, kh, vh, recipe, scale, backend)
@@ -87,7 +81,7 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 @train_fwd.register_fake
-def _(q, k, v, int8, smooth_k, smooth_q, balance_qk, scale, is_causal, causal_offset, nhd):
+def _(q, k, v, recipe, scale, is_causal, causal_offset, nhd):
     b, hq, nq = (q.shape[0], q.shape[2], q.shape[1]) if nhd else q.shape[:3]
     return q.new_empty(q.shape), q.new_empty((b, hq, nq), dtype=_lse_dtype(q.dtype))
 
@@ -95,11 +89,10 @@ def _(q, k, v, int8, smooth_k, smooth_q, balance_qk, scale, is_causal, causal_of
 @torch.library.custom_op("lowbit_attn::train_bwd", mutates_args=())
 def train_bwd(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
-    int8: str, smooth_k: bool, smooth_q: bool, balance_qk: bool, scale: float,
-    is_causal: bool, causal_offset: int, nhd: bool,
+    recipe: str, scale: float, is_causal: bool, causal_offset: int, nhd: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` in the shapes and dtype of ``q, k, v``."""
-    recipe = _recipe(int8, smooth_k, smooth_q, balance_qk)
+    recipe = recipe_from_key(recipe, TrainRecipe)
     qh, kh, vh, doh = (_hnd(x, nhd) for x in (q, k, v, do))
     backend, _, backward = _implementation(q.device)
     ops = prepare(qh, kh, vh, recipe, scale, backend)
@@ -111,8 +104,7 @@ def train_bwd(
 
 
 @train_bwd.register_fake
-def _(do, q, k, v, lse, int8, smooth_k, smooth_q, balance_qk, scale, is_causal, causal_offset,
-      nhd):
+def _(do, q, k, v, lse, recipe, scale, is_causal, causal_offset, nhd):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -150,6 +142,5 @@ train_bwd.register_autograd(_no_double_backward, setup_context=_save_nothing)
 
 def call(q, k, v, recipe: TrainRecipe, *, scale: float, is_causal: bool, causal_offset: int,
          nhd: bool) -> torch.Tensor:
-    out, _ = train_fwd(q, k, v, ",".join(sorted(recipe.int8)), recipe.smooth_k, recipe.smooth_q,
-                       recipe.balance_qk, scale, is_causal, causal_offset, nhd)
+    out, _ = train_fwd(q, k, v, recipe_key(recipe), scale, is_causal, causal_offset, nhd)
     return out

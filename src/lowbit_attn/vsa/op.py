@@ -14,10 +14,9 @@ from __future__ import annotations
 import torch
 
 from lowbit_attn.core.arch import backend_for
-from lowbit_attn.inference.op import recipe_from_key, recipe_key
-from lowbit_attn.inference.prepare import quantize_qkv
 from lowbit_attn.core.operands import QuantizedQKV
-from lowbit_attn.core.recipes import Recipe
+from lowbit_attn.core.recipes import Recipe, recipe_from_key, recipe_key
+from lowbit_attn.inference.prepare import quantize_qkv
 from lowbit_attn.vsa import naive as ref
 from lowbit_attn.vsa.tiles import TileLayout, tile_layout
 
@@ -224,7 +223,7 @@ def naive_int8(q, k, v, idx, layout: TileLayout, scale: float, recipe: Recipe) -
 def fine_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,
               video_shape: list[int], tile: list[int], scale: float, recipe: str) -> torch.Tensor:
     """:func:`kernel_int8` or :func:`naive_int8` (as :func:`use_kernels` says) as an op
-    (``recipe`` as :func:`lowbit_attn.inference.op.recipe_key` writes it)."""
+    (``recipe`` as :func:`lowbit_attn.core.recipes.recipe_key` writes it)."""
     layout = tile_layout(tuple(video_shape), tuple(tile), q.device)
     fine = kernel_int8 if use_kernels(q) else naive_int8
     return fine(q, k, v, idx, layout, scale, recipe_from_key(recipe))
