@@ -371,6 +371,13 @@ def test_custom_op_passes_opcheck(nhd):
                                       "test_autograd_registration"))
 
 
+def test_dq_mode_is_checked(monkeypatch):
+    monkeypatch.setenv("LOWBIT_ATTN_TRAIN_DQ", "fused")
+    q = torch.randn(1, 1, 8, 16, requires_grad=True)
+    with pytest.raises(ValueError, match="LOWBIT_ATTN_TRAIN_DQ"):
+        lowbit_attn.trainable_attention(q, q, q).sum().backward()
+
+
 def test_recipe_key_round_trips_train_recipes():
     for r in (*lowbit_attn.TRAIN_RECIPES.values(),
               resolve_train("sagebwd_int8", smooth_q=True, balance_qk=True, keep_16bit=("qk", "dq"))):

@@ -2,65 +2,35 @@
 implementations, so ``torch.compile`` traces calls to the public functions without graph breaks and
 the ops stay opaque to it (quantization and kernel launches inside).
 
-Inside an op, :func:`run` picks the implementation once, from :func:`~lowbit_attn.core.arch.backend_for`:
-:func:`kernel` (quantizers and attention on Triton) or its twin :func:`naive` (PyTorch), called
-with the same arguments."""
+Inside an op, :func:`run` picks the implementation once, by the backend that
+:func:`~lowbit_attn.core.arch.backend_for` chose: :func:`kernel` (quantizers and attention on
+Triton) or its twin :func:`naive` (PyTorch), called with the same arguments."""
 
 from __future__ import annotations
-
-import os
 
 import torch
 
 from lowbit_attn.core.arch import backend_for
 from lowbit_attn.core.operands import Seqs
+from lowbit_attn.core.options import KernelOptions
 from lowbit_attn.core.recipes import Recipe, recipe_from_key, recipe_key
 from lowbit_attn.inference.naive import exact_attention, fp4_attention, quantized_attention
 from lowbit_attn.inference.prepare import quantize_qkv, quantize_qkv_fp4
 
 
-def _env_choice(name: str, choices: tuple[str, ...]) -> str:
-    """``os.environ[name]``, one of ``choices`` (the first when unset)."""
-    value = os.environ.get(name, choices[0])
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-    return value
-
-
-Q_QUANT_MODES = ("pass", "kernel")
-
-
-def q_in_kernel() -> bool:
-    """Whether the INT8 attention kernel quantizes Q itself (``LOWBIT_ATTN_Q_QUANT=kernel``: one
-    launch and 2 bytes per Q element fewer than a separate pass, for some work in every query
-    tile's prologue) or a separate pass does (``pass``, the default). Both give the same bits.
-    Why it is not the default: ``benchmarks/NOTES.md``."""
-    return _env_choice("LOWBIT_ATTN_Q_QUANT", Q_QUANT_MODES) == "kernel"
-
-
-KV_STATS_MODES = ("launch", "program")
-
-
-def kv_stats_in_program() -> bool:
-    """Whether K's and V's channel statistics are computed by the launch that quantizes them, one
-    program per (batch, head) reading the tensor twice (``LOWBIT_ATTN_KV_STATS=program``: 4 bytes
-    per K/V element fewer from HBM when the second read hits L2, but only B·H programs per tensor),
-    or by the statistics launch with Q's (``launch``, the default). Both give the same values up to
-    the order of the sums."""
-    return _env_choice("LOWBIT_ATTN_KV_STATS", KV_STATS_MODES) == "program"
-
-
 def kernel(q, k, v, *, out: torch.Tensor, recipe: Recipe, scale: float, causal_offset: int | None,
-           return_lse: bool, seqs: tuple[Seqs, Seqs] | None) -> torch.Tensor | None:
+           return_lse: bool, seqs: tuple[Seqs, Seqs] | None,
+           options: KernelOptions) -> torch.Tensor | None:
     """The Triton path: quantizers and attention kernel (INT8 dense or packed, FP4 dense), or
     :func:`naive` for what has no kernel (the exact recipe). Arguments and result: :func:`run`."""
     if recipe.is_exact:
         return naive(q, k, v, out=out, recipe=recipe, scale=scale, causal_offset=causal_offset,
-                     return_lse=return_lse, seqs=seqs)
+                     return_lse=return_lse, seqs=seqs, options=options)
     if recipe.is_fp4:
         if seqs is not None:  # no packed FP4 kernel
             return _per_sequence(kernel, q, k, v, out=out, recipe=recipe, scale=scale,
-                                 causal_offset=causal_offset, return_lse=return_lse, seqs=seqs)
+                                 causal_offset=causal_offset, return_lse=return_lse, seqs=seqs,
+                                 options=options)
         from lowbit_attn.inference import kernel_fp4
 
         qz = quantize_qkv_fp4(q, k, v, recipe, scale, need_lse_shift=return_lse, backend="triton")
@@ -73,7 +43,8 @@ def kernel(q, k, v, *, out: torch.Tensor, recipe: Recipe, scale: float, causal_o
     seqs_q, seqs_k = seqs if seqs is not None else (None, None)
     qz = quantize_qkv(
         q, k, v, recipe, scale, need_lse_shift=return_lse, backend="triton", seqs_q=seqs_q,
-        seqs_k=seqs_k, q_in_kernel=q_in_kernel(), kv_stats_in_program=kv_stats_in_program(),
+        seqs_k=seqs_k, q_in_kernel=options.q_in_kernel,
+        kv_stats_in_program=options.kv_stats_in_program,
     )
     return kernel_int8.attention(
         qz, out=out, pv=recipe.pv, granularity=recipe.granularity, block_q=recipe.block_q,
@@ -83,12 +54,14 @@ def kernel(q, k, v, *, out: torch.Tensor, recipe: Recipe, scale: float, causal_o
 
 
 def naive(q, k, v, *, out: torch.Tensor, recipe: Recipe, scale: float, causal_offset: int | None,
-          return_lse: bool, seqs: tuple[Seqs, Seqs] | None) -> torch.Tensor | None:
+          return_lse: bool, seqs: tuple[Seqs, Seqs] | None,
+          options: KernelOptions) -> torch.Tensor | None:
     """The PyTorch twin of :func:`kernel`, the same arguments and result (packed sequences one
     at a time)."""
     if seqs is not None:
         return _per_sequence(naive, q, k, v, out=out, recipe=recipe, scale=scale,
-                             causal_offset=causal_offset, return_lse=return_lse, seqs=seqs)
+                             causal_offset=causal_offset, return_lse=return_lse, seqs=seqs,
+                             options=options)
     if recipe.is_exact:
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         o, lse = exact_attention(q, k, v, scale=scale, causal_offset=causal_offset, dtype=dtype)
@@ -114,7 +87,8 @@ def _as_dense(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     return x[lo:hi].transpose(0, 1).unsqueeze(0)
 
 
-def _per_sequence(attend, q, k, v, *, out, recipe, scale, causal_offset, return_lse, seqs):
+def _per_sequence(attend, q, k, v, *, out, recipe, scale, causal_offset, return_lse, seqs,
+                  options):
     """Packed sequences through ``attend``'s dense path, one sequence at a time (each aligned
     bottom-right when causal)."""
     bounds_q, bounds_k = (s.cu_seqlens.tolist() for s in seqs)  # host offsets for the loop
@@ -131,7 +105,7 @@ def _per_sequence(attend, q, k, v, *, out, recipe, scale, causal_offset, return_
             _as_dense(q, q0, q1), _as_dense(k, k0, k1), _as_dense(v, k0, k1),
             out=_as_dense(out, q0, q1), recipe=recipe, scale=scale,
             causal_offset=None if causal_offset is None else (k1 - k0) - (q1 - q0),
-            return_lse=return_lse, seqs=None,
+            return_lse=return_lse, seqs=None, options=options,
         )
         if return_lse:
             lse_all[:, q0:q1] = lse[0]
@@ -139,15 +113,17 @@ def _per_sequence(attend, q, k, v, *, out, recipe, scale, causal_offset, return_
 
 
 def run(q, k, v, *, out: torch.Tensor, recipe: Recipe, scale: float, causal_offset: int | None,
-        return_lse: bool, backend: str, seqs: tuple[Seqs, Seqs] | None = None) -> torch.Tensor | None:
+        return_lse: bool, backend: str, seqs: tuple[Seqs, Seqs] | None = None,
+        options: KernelOptions = KernelOptions()) -> torch.Tensor | None:
     """Attention of logical ``[B, H, N, D]`` views (or packed ``[total, H, D]`` tensors with
     ``seqs``) written into ``out``; returns the natural-log LSE (``[B, Hq, Nq]`` or
     ``[Hq, total]`` fp32) when ``return_lse``. ``causal_offset``: key ``j`` is visible to query
     ``i`` iff ``j <= i + causal_offset``; None when not causal (packed sequences: any int, each
-    sequence is aligned bottom-right). ``backend``: ``"triton"`` or ``"reference"``."""
+    sequence is aligned bottom-right). ``backend``: ``"triton"`` or ``"reference"``; ``options``:
+    where the Triton path does some of its work (the same values either way)."""
     attend = kernel if backend == "triton" else naive
     return attend(q, k, v, out=out, recipe=recipe, scale=scale, causal_offset=causal_offset,
-                  return_lse=return_lse, seqs=seqs)
+                  return_lse=return_lse, seqs=seqs, options=options)
 
 
 @torch.library.custom_op("lowbit_attn::attention_fwd", mutates_args=())
@@ -156,14 +132,14 @@ def attention_fwd(
     causal_offset: int, nhd: bool, return_lse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of validated ``q, k, v`` in layout HND (``nhd`` False) or NHD with the recipe
-    :func:`~lowbit_attn.core.recipes.recipe_key` encodes; returns the output in q's shape (contiguous) and the LSE
-    ``[B, Hq, Nq]`` (an empty tensor unless ``return_lse``)."""
+    :func:`~lowbit_attn.core.recipes.recipe_key` encodes; returns the output in q's shape
+    (contiguous) and the LSE ``[B, Hq, Nq]`` (an empty tensor unless ``return_lse``)."""
     qh, kh, vh = (x.transpose(1, 2) if nhd else x for x in (q, k, v))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = run(
         qh, kh, vh, out=out.transpose(1, 2) if nhd else out, recipe=recipe_from_key(recipe),
         scale=scale, causal_offset=causal_offset if is_causal else None, return_lse=return_lse,
-        backend=backend_for(q.device),
+        backend=backend_for(q.device), options=KernelOptions.from_env(),
     )
     return out, _lse_or_empty(lse, q)
 
@@ -194,7 +170,7 @@ def attention_varlen_fwd(
     lse = run(
         q, k, v, out=out, recipe=recipe_from_key(recipe), scale=scale,
         causal_offset=0 if is_causal else None, return_lse=return_lse,
-        backend=backend_for(q.device), seqs=seqs,
+        backend=backend_for(q.device), seqs=seqs, options=KernelOptions.from_env(),
     )
     return out, _lse_or_empty(lse, q)
 

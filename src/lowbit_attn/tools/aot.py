@@ -258,6 +258,7 @@ def record_launches(
 ) -> list[Launch]:
     """The kernel launches, in order, of one dense ``[1, 2, seq_len, head_dim]`` attention call with
     ``recipe`` on the Triton backend (nothing runs: see the module docstring)."""
+    from lowbit_attn.core.options import KernelOptions
     from lowbit_attn.inference import op
 
     if not isinstance(recipe, Recipe):
@@ -268,6 +269,7 @@ def record_launches(
         op.run(
             q, k, v, out=out, recipe=recipe, scale=head_dim ** -0.5,
             causal_offset=0 if causal else None, return_lse=return_lse, backend="triton",
+            options=KernelOptions.from_env(),  # as the op reads them
         )
     return list(sink)
 

@@ -10,6 +10,7 @@ import torch
 
 from lowbit_attn.core.arch import backend_for
 from lowbit_attn.core.operands import GradOperands, TrainOperands
+from lowbit_attn.core.options import KernelOptions
 from lowbit_attn.core.recipes import TrainRecipe, recipe_from_key, recipe_key
 from lowbit_attn.training import naive as ref
 from lowbit_attn.training.prepare import prepare, prepare_grad
@@ -35,18 +36,19 @@ def naive_forward(ops: TrainOperands, *, out: torch.Tensor, causal_offset: int |
 
 def kernel_backward(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, dq: torch.Tensor,
                     dk: torch.Tensor, dv: torch.Tensor, *, causal_offset: int | None,
-                    softmax_scale: float) -> None:
-    """Writes ``dq [B, Hq, Nq, D]``, ``dk, dv [B, Hkv, Nk, D]`` (views)."""
+                    softmax_scale: float, options: KernelOptions) -> None:
+    """Writes ``dq [B, Hq, Nq, D]``, ``dk, dv [B, Hkv, Nk, D]`` (views); dQ as
+    ``options.train_dq`` says."""
     from lowbit_attn.training import kernel_bwd
 
     kernel_bwd.backward(ops, grad, lse, dq, dk, dv, causal_offset=causal_offset,
-                        softmax_scale=softmax_scale)
+                        softmax_scale=softmax_scale, mode=options.train_dq)
 
 
 def naive_backward(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, dq: torch.Tensor,
                    dk: torch.Tensor, dv: torch.Tensor, *, causal_offset: int | None,
-                   softmax_scale: float) -> None:
-    """The twin of :func:`kernel_backward`."""
+                   softmax_scale: float, options: KernelOptions) -> None:
+    """The twin of :func:`kernel_backward` (``options`` place work on the kernels only)."""
     grads = ref.backward(ops, grad, lse, causal_offset=causal_offset, softmax_scale=softmax_scale)
     for g, r in zip((dq, dk, dv), grads):
         g.copy_(r)
@@ -99,7 +101,8 @@ def train_bwd(
     grad = prepare_grad(doh, recipe, backend)
     grads = tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     backward(ops, grad, lse, *(_hnd(g, nhd) for g in grads),
-             causal_offset=causal_offset if is_causal else None, softmax_scale=scale)
+             causal_offset=causal_offset if is_causal else None, softmax_scale=scale,
+             options=KernelOptions.from_env())
     return grads
 
 
