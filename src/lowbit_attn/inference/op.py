@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from lowbit_attn.core.arch import backend_for
+from lowbit_attn.core.counters import count_call
 from lowbit_attn.core.operands import Seqs
 from lowbit_attn.core.options import KernelOptions
 from lowbit_attn.core.recipes import Recipe, recipe_from_key, recipe_key
@@ -134,6 +135,7 @@ def attention_fwd(
     """Attention of validated ``q, k, v`` in layout HND (``nhd`` False) or NHD with the recipe
     :func:`~lowbit_attn.core.recipes.recipe_key` encodes; returns the output in q's shape
     (contiguous) and the LSE ``[B, Hq, Nq]`` (an empty tensor unless ``return_lse``)."""
+    count_call("attention")
     qh, kh, vh = (x.transpose(1, 2) if nhd else x for x in (q, k, v))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = run(
@@ -163,6 +165,7 @@ def attention_varlen_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of validated packed ``[total, H, D]`` sequences; the output in q's shape and
     the LSE ``[Hq, total_q]`` (an empty tensor unless ``return_lse``)."""
+    count_call("attention")
     batch = cu_seqlens_q.numel() - 1
     seqs = tuple(Seqs(batch, max(n, 1), cu.to(torch.int32))
                  for cu, n in ((cu_seqlens_q, max_seqlen_q), (cu_seqlens_k, max_seqlen_k)))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from lowbit_attn.core.arch import backend_for
+from lowbit_attn.core.counters import count_call
 from lowbit_attn.core.operands import GradOperands, TrainOperands
 from lowbit_attn.core.options import KernelOptions
 from lowbit_attn.core.recipes import TrainRecipe, recipe_from_key, recipe_key
@@ -68,6 +69,7 @@ def train_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Output (q's shape and dtype) and base-2 LSE ``[B, Hq, Nq]`` (fp32; fp64 for fp64 inputs)
     with the :class:`TrainRecipe` that :func:`~lowbit_attn.core.recipes.recipe_key` encodes."""
+    count_call("trainable")
     recipe = recipe_from_key(recipe, TrainRecipe)
     qh, kh, vh = (_hnd(x, nhd) for x in (q, k, v))
     backend, forward, _ = _implementation(q.device)

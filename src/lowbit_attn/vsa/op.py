@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from lowbit_attn.core.arch import backend_for
+from lowbit_attn.core.counters import count_call
 from lowbit_attn.core.operands import QuantizedQKV
 from lowbit_attn.core.recipes import Recipe, recipe_from_key, recipe_key
 from lowbit_attn.inference.prepare import quantize_qkv
@@ -42,6 +43,7 @@ def fine_fwd(qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, idx: torch.Te
     :func:`lowbit_attn.vsa.kernel_fine.forward`)."""
     from lowbit_attn.vsa import kernel_fine as vsa_fine
 
+    count_call("video_sparse")
     return vsa_fine.forward(qt, kt, vt, idx, counts, scale=scale)
 
 
@@ -224,6 +226,7 @@ def fine_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tens
               video_shape: list[int], tile: list[int], scale: float, recipe: str) -> torch.Tensor:
     """:func:`kernel_int8` or :func:`naive_int8` (as :func:`use_kernels` says) as an op
     (``recipe`` as :func:`lowbit_attn.core.recipes.recipe_key` writes it)."""
+    count_call("video_sparse")
     layout = tile_layout(tuple(video_shape), tuple(tile), q.device)
     fine = kernel_int8 if use_kernels(q) else naive_int8
     return fine(q, k, v, idx, layout, scale, recipe_from_key(recipe))
