@@ -379,11 +379,12 @@ def test_dq_mode_is_checked(monkeypatch):
 
 
 def test_recipe_key_round_trips_train_recipes():
-    for r in (*lowbit_attn.TRAIN_RECIPES.values(),
-              resolve_train("sagebwd_int8", smooth_q=True, balance_qk=True, keep_16bit=("qk", "dq"))):
+    custom = resolve_train("sagebwd_int8", smooth_q=True, balance_qk=True, keep_16bit=("qk", "dq"))
+    for r in (*lowbit_attn.TRAIN_RECIPES.values(), custom):
         assert recipe_from_key(recipe_key(r), TrainRecipe) == r
+    unsorted = recipe_key(lowbit_attn.TRAIN_RECIPES["sagebwd_int8"]).replace("dk,dq", "dq,dk")
     with pytest.raises(ValueError, match="recipe key"):
-        recipe_from_key(recipe_key(lowbit_attn.TRAIN_RECIPES["sagebwd_int8"]).replace("dk,dq", "dq,dk"), TrainRecipe)
+        recipe_from_key(unsorted, TrainRecipe)
 
 
 def test_recipes():

@@ -303,7 +303,8 @@ def recipe_key(recipe: "Recipe | TrainRecipe") -> str:
     names is written sorted, joined by ``,``. Unambiguous because a recipe's fields are validated:
     its name, formats and matmul names are identifiers, its options Python bools and ints, whose
     text reads back exactly."""
-    return ";".join(f"{f.name}={_text(getattr(recipe, f.name))}" for f in dataclasses.fields(recipe))
+    fields = dataclasses.fields(recipe)
+    return ";".join(f"{f.name}={_text(getattr(recipe, f.name))}" for f in fields)
 
 
 def recipe_from_key(key: str, kind: type = Recipe) -> "Recipe | TrainRecipe":

@@ -21,14 +21,16 @@ def _hnd(x: torch.Tensor, nhd: bool) -> torch.Tensor:
     return x.transpose(1, 2) if nhd else x
 
 
-def kernel_forward(ops: TrainOperands, *, out: torch.Tensor, causal_offset: int | None) -> torch.Tensor:
+def kernel_forward(ops: TrainOperands, *, out: torch.Tensor,
+                   causal_offset: int | None) -> torch.Tensor:
     """Writes ``out`` (a ``[B, Hq, Nq, D]`` view) and returns the base-2 LSE ``[B, Hq, Nq]``."""
     from lowbit_attn.training import kernel_fwd
 
     return kernel_fwd.forward(ops, out=out, causal_offset=causal_offset)
 
 
-def naive_forward(ops: TrainOperands, *, out: torch.Tensor, causal_offset: int | None) -> torch.Tensor:
+def naive_forward(ops: TrainOperands, *, out: torch.Tensor,
+                  causal_offset: int | None) -> torch.Tensor:
     """The twin of :func:`kernel_forward` (LSE in fp64 for fp64 inputs)."""
     o, lse = ref.forward(ops, causal_offset=causal_offset)
     out.copy_(o)
