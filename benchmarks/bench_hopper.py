@@ -36,7 +36,7 @@ except ImportError:  # a source checkout that is not installed
     import lowbit_attn
 from lowbit_attn.tools import benchmark as bm
 from lowbit_attn.core.arch import backend_for
-from lowbit_attn.inference.dispatch import kv_stats_in_program, q_in_kernel
+from lowbit_attn.core.options import KernelOptions
 from lowbit_attn.inference import kernel_int8 as attn_fwd_int8
 from lowbit_attn.core.triton_helpers import LaunchConfig, configs_for, triton_configs
 from lowbit_attn.inference.prepare import quantize_qkv
@@ -103,14 +103,15 @@ def describe(c: LaunchConfig) -> str:
 
 
 def stage_fns(q, k, v, causal):
-    """``(prepare, attention)``: the two stages of the public call, as ``forward.run`` runs them."""
+    """``(prepare, attention)``: the two stages of the public call, as ``inference.op.run`` runs them."""
     recipe = get_recipe(RECIPE)
     scale = q.shape[-1] ** -0.5
+    options = KernelOptions.from_env()
 
     def prepare():
         return quantize_qkv(q, k, v, recipe, scale, need_lse_shift=False, backend="triton",
-                            q_in_kernel=q_in_kernel(),
-                            kv_stats_in_program=kv_stats_in_program())
+                            q_in_kernel=options.q_in_kernel,
+                            kv_stats_in_program=options.kv_stats_in_program)
 
     qz = prepare()
     out = torch.empty_like(q)

@@ -229,9 +229,29 @@ FALLBACKS = [
 ]
 
 
+def test_kernel_calls_count_the_calls_the_ops_serve():
+    """The tooling hooks: served calls (attention, packed, the drop-in) count, fallbacks do not;
+    a reset fallback reason warns again."""
+    from lowbit_attn.core.counters import kernel_calls
+
+    q, k, v = qkv(nq=32, nk=32, dtype=torch.float32)
+    before = kernel_calls()
+    lowbit_attn.attention(q, k, v)
+    lowbit_attn.scaled_dot_product_attention(q, k, v)
+    cu = torch.tensor([0, 32], dtype=torch.int32)
+    packed = (x[0].transpose(0, 1) for x in (q, k, v))
+    lowbit_attn.attention_varlen(*packed, cu, cu, 32, 32)
+    assert kernel_calls() == before + 3
+    for _ in range(2):
+        api.reset_fallback_warnings()
+        with pytest.warns(UserWarning, match="dropout_p"):
+            lowbit_attn.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    assert kernel_calls() == before + 3
+
+
 @pytest.mark.parametrize("kwargs,reason", FALLBACKS)
 def test_sdpa_fallback_is_exact_and_warns_once(kwargs, reason, monkeypatch):
-    monkeypatch.setattr(api, "_warned", set())
+    api.reset_fallback_warnings()
     q, k, v = qkv(nq=32, nk=32, dtype=torch.float32)
     torch.manual_seed(0)
     with pytest.warns(UserWarning, match=reason):
@@ -286,7 +306,7 @@ def test_sdpa_drop_in_returns_what_pytorch_returns(q_shape, kv_shape, kwargs, fa
                                                    backend, monkeypatch):
     """Whatever PyTorch's SDPA computes, the drop-in computes too (never raising instead): the
     same result on a fallback, the recipe's accuracy on the kernels."""
-    monkeypatch.setattr(api, "_warned", set())
+    api.reset_fallback_warnings()
     monkeypatch.setenv("LOWBIT_ATTN_BACKEND", backend)
     torch.manual_seed(len(q_shape) * 100 + q_shape[-2])
     q, (k, v) = torch.randn(q_shape), (torch.randn(kv_shape) for _ in range(2))
@@ -311,7 +331,7 @@ def test_sdpa_drop_in_returns_what_pytorch_returns(q_shape, kv_shape, kwargs, fa
 
 
 def test_sdpa_scale_fallback_names_the_reason(monkeypatch):
-    monkeypatch.setattr(api, "_warned", set())
+    api.reset_fallback_warnings()
     q, k, v = qkv(nq=8, nk=8, dtype=torch.float32)
     with pytest.warns(UserWarning, match="scale is not a positive finite real number"):
         lowbit_attn.scaled_dot_product_attention(q, k, v, scale=0.0)
@@ -327,7 +347,7 @@ def test_sdpa_scale_fallback_names_the_reason(monkeypatch):
 def test_sdpa_non_bool_flags_raise_what_pytorch_raises(kwargs, patched, monkeypatch):
     """PyTorch takes only a bool for ``is_causal`` and ``enable_gqa``; the drop-in must not read
     ``"False"`` as true and run causal (or grouped) attention where PyTorch raises."""
-    monkeypatch.setattr(api, "_warned", set())
+    api.reset_fallback_warnings()
     q, k, v = qkv(hq=2, hkv=1, nq=8, nk=8, dtype=torch.float32)  # grouped: enable_gqa matters
     kwargs = dict(enable_gqa=True) | kwargs
     with pytest.raises(TypeError, match="must be bool") as theirs:
@@ -343,7 +363,7 @@ def test_sdpa_non_bool_flags_raise_what_pytorch_raises(kwargs, patched, monkeypa
 
 
 def test_sdpa_falls_back_for_autograd_and_stays_differentiable(monkeypatch):
-    monkeypatch.setattr(api, "_warned", set())
+    api.reset_fallback_warnings()
     q, k, v = (x.requires_grad_() for x in qkv(dtype=torch.float32))
     with pytest.warns(UserWarning, match="gradient"):
         out = lowbit_attn.scaled_dot_product_attention(q, k, v)
@@ -425,7 +445,7 @@ def test_sdpa_falls_back_where_the_recipe_cannot_run(name, capability, head_dim,
 
 def test_sdpa_fp4_recipe_with_an_odd_head_dim_falls_back(monkeypatch):
     q, k, v = (torch.randn(1, 2, 20, 48) for _ in range(3))
-    monkeypatch.setattr(api, "_warned", set())
+    api.reset_fallback_warnings()
     with lowbit_attn.patch_sdpa("qk_fp4_pv_fp4"), pytest.warns(UserWarning, match="multiple of 32"):
         out = F.scaled_dot_product_attention(q, k, v)
     assert torch.equal(out, api.TORCH_SDPA(q, k, v))

@@ -10,6 +10,7 @@ import torch
 
 import lowbit_attn
 from helpers import channel_biased
+from lowbit_attn.core.recipes import recipe_from_key, recipe_key
 from lowbit_attn.inference import op as ops
 
 
@@ -40,7 +41,7 @@ def test_custom_op_passes_opcheck(nhd, return_lse):
     if nhd:
         q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))
     r = lowbit_attn.get_recipe("qk_int8_pv_fp16")
-    args = (q, k, v, ops.recipe_key(r), 0.25, True, 4, nhd, return_lse)
+    args = (q, k, v, recipe_key(r), 0.25, True, 4, nhd, return_lse)
     torch.library.opcheck(ops.attention_fwd, args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
 
@@ -84,7 +85,7 @@ def test_varlen_compiles_fullgraph_without_the_host_check():
 def test_varlen_custom_op_passes_opcheck():
     q, k, v, cu, longest = _packed(4)
     r = lowbit_attn.get_recipe("qk_int8_pv_fp16")
-    args = (q, k, v, cu, cu, longest, longest, ops.recipe_key(r), 0.25, True, True)
+    args = (q, k, v, cu, cu, longest, longest, recipe_key(r), 0.25, True, True)
     torch.library.opcheck(ops.attention_varlen_fwd, args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
 
@@ -112,10 +113,10 @@ def test_recipe_key_round_trips_every_recipe_and_option():
     recipes = _recipes_with_every_option()
     assert len(recipes) > 60
     for r in recipes:
-        assert ops.recipe_from_key(ops.recipe_key(r)) == r
+        assert recipe_from_key(recipe_key(r)) == r
     # a numpy bool is stored as a bool, so it encodes as the bool does
     r = lowbit_attn.get_recipe("qk_int8_pv_fp16")
-    assert ops.recipe_key(r.replace(balance_qk=np.False_)) == ops.recipe_key(r.replace(balance_qk=False))
+    assert recipe_key(r.replace(balance_qk=np.False_)) == recipe_key(r.replace(balance_qk=False))
 
 
 @pytest.mark.parametrize("edit", [
@@ -130,9 +131,9 @@ def test_recipe_key_round_trips_every_recipe_and_option():
     pytest.param(lambda key: ";".join(reversed(key.split(";"))), id="order"),
 ])
 def test_recipe_from_key_refuses_any_other_text(edit):
-    key = ops.recipe_key(lowbit_attn.get_recipe("qk_int8_pv_fp16"))
+    key = recipe_key(lowbit_attn.get_recipe("qk_int8_pv_fp16"))
     with pytest.raises(ValueError, match="recipe key|Recipe.name"):
-        ops.recipe_from_key(edit(key))
+        recipe_from_key(edit(key))
 
 
 @pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")

@@ -42,7 +42,7 @@ PROFILE = settings(max_examples=60, derandomize=True, deadline=None, database=No
 @pytest.fixture(autouse=True)
 def _reference_backend(monkeypatch):
     monkeypatch.setenv("LOWBIT_ATTN_BACKEND", "reference")
-    api._warned.clear()
+    api.reset_fallback_warnings()
 
 
 def exact(q, k, v, *, causal: bool, scale: float | None = None):

@@ -21,7 +21,7 @@ from lowbit_attn.integrations import sdpa
 @pytest.fixture(autouse=True)
 def _no_patch_left():
     original = F.scaled_dot_product_attention
-    sdpa._warned.clear()
+    sdpa.reset_fallback_warnings()
     yield
     while lowbit_attn.unpatch_sdpa():
         pass

@@ -13,7 +13,7 @@ from lowbit_attn.tools.inputs import FAMILIES
 from lowbit_attn.core.metrics import errors
 from lowbit_attn.training.prepare import prepare, prepare_grad
 from lowbit_attn.core.operands import TRAIN_MATMULS
-from lowbit_attn.core.recipes import resolve_train
+from lowbit_attn.core.recipes import TrainRecipe, recipe_from_key, recipe_key, resolve_train
 from lowbit_attn.training import naive as ref
 from lowbit_attn.training.op import train_fwd
 
@@ -364,10 +364,27 @@ def test_custom_op_passes_opcheck(nhd):
     if nhd:
         q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))
     q.requires_grad_()
-    args = (q, k, v, "dk,dq,dv,pv,qk", True, False, True, 0.25, True, 4, nhd)
+    r = resolve_train("sagebwd_int8", balance_qk=True)
+    args = (q, k, v, recipe_key(r), 0.25, True, 4, nhd)
     torch.library.opcheck(train_fwd, args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static",
                                       "test_autograd_registration"))
+
+
+def test_dq_mode_is_checked(monkeypatch):
+    monkeypatch.setenv("LOWBIT_ATTN_TRAIN_DQ", "fused")
+    q = torch.randn(1, 1, 8, 16, requires_grad=True)
+    with pytest.raises(ValueError, match="LOWBIT_ATTN_TRAIN_DQ"):
+        lowbit_attn.trainable_attention(q, q, q).sum().backward()
+
+
+def test_recipe_key_round_trips_train_recipes():
+    custom = resolve_train("sagebwd_int8", smooth_q=True, balance_qk=True, keep_16bit=("qk", "dq"))
+    for r in (*lowbit_attn.TRAIN_RECIPES.values(), custom):
+        assert recipe_from_key(recipe_key(r), TrainRecipe) == r
+    unsorted = recipe_key(lowbit_attn.TRAIN_RECIPES["sagebwd_int8"]).replace("dk,dq", "dq,dk")
+    with pytest.raises(ValueError, match="recipe key"):
+        recipe_from_key(unsorted, TrainRecipe)
 
 
 def test_recipes():

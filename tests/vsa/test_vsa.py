@@ -403,7 +403,7 @@ def test_8bit_path_compiles_fullgraph():
 def test_8bit_custom_op_passes_opcheck():
     q, k, v = _qkv(90, b=1, hq=2, hkv=1, dtype=torch.float32, seed=13)
     idx = torch.tensor([0, 3])[None, None, None].expand(1, 2, 12, 2).contiguous()
-    key = lowbit_attn.inference.op.recipe_key(vsa.resolve_recipe("qk_int8_pv_fp8"))
+    key = lowbit_attn.core.recipes.recipe_key(vsa.resolve_recipe("qk_int8_pv_fp8"))
     torch.library.opcheck(vsa_ops.fine_int8, (q, k, v, idx, [3, 5, 6], [2, 2, 4], 0.25, key),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
 

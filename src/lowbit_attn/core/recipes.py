@@ -279,3 +279,47 @@ def resolve_train(recipe, *, smooth_k=None, smooth_q=None, keep_16bit=None,
         base = frozenset() if r.is_exact else frozenset(TRAIN_MATMULS)
         changes["int8"] = base - frozenset(names)
     return r.replace(**changes)
+
+
+# --- the recipe as the custom ops take it ----------------------------------------------------
+
+def _parse_names(text: str) -> frozenset:
+    return frozenset(text.split(",")) if text else frozenset()
+
+
+# Field annotations are text (``from __future__ import annotations``); str fields read as they are.
+_PARSE = {"bool": {"True": True, "False": False}.__getitem__, "int": int,
+          "frozenset": _parse_names}
+
+
+def _text(value) -> str:
+    return ",".join(sorted(value)) if isinstance(value, frozenset) else f"{value}"
+
+
+def recipe_key(recipe: "Recipe | TrainRecipe") -> str:
+    """A :class:`Recipe` or :class:`TrainRecipe` as every custom op takes it: ``name=value`` of
+    each field in field order, joined by ``;`` (a plain string argument, so the ops' schemas stay
+    fixed as recipes gain options; built with operations torch.compile traces). A set of matmul
+    names is written sorted, joined by ``,``. Unambiguous because a recipe's fields are validated:
+    its name, formats and matmul names are identifiers, its options Python bools and ints, whose
+    text reads back exactly."""
+    fields = dataclasses.fields(recipe)
+    return ";".join(f"{f.name}={_text(getattr(recipe, f.name))}" for f in fields)
+
+
+def recipe_from_key(key: str, kind: type = Recipe) -> "Recipe | TrainRecipe":
+    """The ``kind`` (:class:`Recipe` or :class:`TrainRecipe`) that :func:`recipe_key` wrote;
+    ``ValueError`` for any other text (a missing, unknown or repeated field, a value that is not a
+    bool or int literal where one is due, or the recipe's own validation error)."""
+    fields = {f.name: f.type for f in dataclasses.fields(kind)}
+    values = dict(item.partition("=")[::2] for item in key.split(";"))
+    if tuple(values) != tuple(fields):
+        raise ValueError(f"recipe key {key!r} must give {'=…;'.join(fields)}=… in this order")
+    try:
+        parsed = {k: _PARSE.get(fields[k], str)(x) for k, x in values.items()}
+    except (KeyError, ValueError):
+        raise ValueError(f"recipe key {key!r} has a value of the wrong type") from None
+    recipe = kind(**parsed)
+    if recipe_key(recipe) != key:
+        raise ValueError(f"recipe key {key!r} is not in the form recipe_key writes")
+    return recipe

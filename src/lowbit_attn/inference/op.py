@@ -1,49 +1,131 @@
 """The attention forwards (dense and packed) as ``torch.library`` custom ops with fake
 implementations, so ``torch.compile`` traces calls to the public functions without graph breaks and
-the ops stay opaque to it (quantization and kernel launches inside)."""
+the ops stay opaque to it (quantization and kernel launches inside).
+
+Inside an op, :func:`run` picks the implementation once, by the backend that
+:func:`~lowbit_attn.core.arch.backend_for` chose: :func:`kernel` (quantizers and attention on
+Triton) or its twin :func:`naive` (PyTorch), called with the same arguments."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
-from lowbit_attn.inference import dispatch as forward
 from lowbit_attn.core.arch import backend_for
+from lowbit_attn.core.counters import count_call
 from lowbit_attn.core.operands import Seqs
-from lowbit_attn.core.recipes import Recipe
+from lowbit_attn.core.options import KernelOptions
+from lowbit_attn.core.recipes import Recipe, recipe_from_key, recipe_key
+from lowbit_attn.inference.naive import exact_attention, fp4_attention, quantized_attention
+from lowbit_attn.inference.prepare import quantize_qkv, quantize_qkv_fp4
 
 
-_FIELDS = tuple(f.name for f in dataclasses.fields(Recipe))
-_TYPES = {f.name: f.type for f in dataclasses.fields(Recipe)}
-# Field annotations are text (``from __future__ import annotations`` in core/recipes.py).
-_PARSE = {"bool": {"True": True, "False": False}.__getitem__, "int": int}
+def kernel(q, k, v, *, out: torch.Tensor, recipe: Recipe, scale: float, causal_offset: int | None,
+           return_lse: bool, seqs: tuple[Seqs, Seqs] | None,
+           options: KernelOptions) -> torch.Tensor | None:
+    """The Triton path: quantizers and attention kernel (INT8 dense or packed, FP4 dense), or
+    :func:`naive` for what has no kernel (the exact recipe). Arguments and result: :func:`run`."""
+    if recipe.is_exact:
+        return naive(q, k, v, out=out, recipe=recipe, scale=scale, causal_offset=causal_offset,
+                     return_lse=return_lse, seqs=seqs, options=options)
+    if recipe.is_fp4:
+        if seqs is not None:  # no packed FP4 kernel
+            return _per_sequence(kernel, q, k, v, out=out, recipe=recipe, scale=scale,
+                                 causal_offset=causal_offset, return_lse=return_lse, seqs=seqs,
+                                 options=options)
+        from lowbit_attn.inference import kernel_fp4
+
+        qz = quantize_qkv_fp4(q, k, v, recipe, scale, need_lse_shift=return_lse, backend="triton")
+        return kernel_fp4.attention(
+            qz, out=out, head_dim=q.shape[-1], block_q=recipe.block_q, block_k=recipe.block_k,
+            causal_offset=causal_offset, two_level=recipe.two_level_p, return_lse=return_lse,
+        )
+    from lowbit_attn.inference import kernel_int8
+
+    seqs_q, seqs_k = seqs if seqs is not None else (None, None)
+    qz = quantize_qkv(
+        q, k, v, recipe, scale, need_lse_shift=return_lse, backend="triton", seqs_q=seqs_q,
+        seqs_k=seqs_k, q_in_kernel=options.q_in_kernel,
+        kv_stats_in_program=options.kv_stats_in_program,
+    )
+    return kernel_int8.attention(
+        qz, out=out, pv=recipe.pv, granularity=recipe.granularity, block_q=recipe.block_q,
+        block_k=recipe.block_k, causal_offset=causal_offset, return_lse=return_lse,
+        seqs_q=seqs_q, seqs_k=seqs_k,
+    )
 
 
-def recipe_key(recipe: Recipe) -> str:
-    """A :class:`Recipe` as the ops take it: ``name=value`` of each field in field order, joined
-    by ``;`` (a plain string argument, so the ops' schemas stay fixed as recipes gain options;
-    built with operations torch.compile traces). Unambiguous because a Recipe's fields are
-    validated: its name and formats are identifiers, its options Python bools and ints, whose
-    text reads back exactly."""
-    return ";".join(f"{name}={getattr(recipe, name)}" for name in _FIELDS)
+def naive(q, k, v, *, out: torch.Tensor, recipe: Recipe, scale: float, causal_offset: int | None,
+          return_lse: bool, seqs: tuple[Seqs, Seqs] | None,
+          options: KernelOptions) -> torch.Tensor | None:
+    """The PyTorch twin of :func:`kernel`, the same arguments and result (packed sequences one
+    at a time)."""
+    if seqs is not None:
+        return _per_sequence(naive, q, k, v, out=out, recipe=recipe, scale=scale,
+                             causal_offset=causal_offset, return_lse=return_lse, seqs=seqs,
+                             options=options)
+    if recipe.is_exact:
+        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        o, lse = exact_attention(q, k, v, scale=scale, causal_offset=causal_offset, dtype=dtype)
+    elif recipe.is_fp4:
+        qz = quantize_qkv_fp4(q, k, v, recipe, scale, need_lse_shift=return_lse,
+                              backend="reference")
+        o, lse = fp4_attention(
+            qz, head_dim=q.shape[-1], block_q=recipe.block_q, block_k=recipe.block_k,
+            causal_offset=causal_offset, two_level=recipe.two_level_p,
+        )
+    else:
+        qz = quantize_qkv(q, k, v, recipe, scale, need_lse_shift=return_lse, backend="reference")
+        o, lse = quantized_attention(
+            qz, pv=recipe.pv, granularity=recipe.granularity, block_q=recipe.block_q,
+            block_k=recipe.block_k, causal_offset=causal_offset,
+        )
+    out.copy_(o)
+    return lse.float() if return_lse else None
 
 
-def recipe_from_key(key: str) -> Recipe:
-    """The :class:`Recipe` that :func:`recipe_key` wrote; ``ValueError`` for any other text (a
-    missing, unknown or repeated field, a value that is not a bool or int literal where one is
-    due, or a Recipe's own validation error)."""
-    values = dict(item.partition("=")[::2] for item in key.split(";"))
-    if tuple(values) != _FIELDS:
-        raise ValueError(f"recipe key {key!r} must give {'=…;'.join(_FIELDS)}=… in this order")
-    try:
-        parsed = {k: _PARSE.get(_TYPES[k], str)(x) for k, x in values.items()}
-    except (KeyError, ValueError):
-        raise ValueError(f"recipe key {key!r} has a value of the wrong type") from None
-    recipe = Recipe(**parsed)
-    if recipe_key(recipe) != key:
-        raise ValueError(f"recipe key {key!r} is not in the form recipe_key writes")
-    return recipe
+def _as_dense(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Rows ``lo:hi`` of a packed ``[total, H, D]`` tensor as a ``[1, H, n, D]`` view."""
+    return x[lo:hi].transpose(0, 1).unsqueeze(0)
+
+
+def _per_sequence(attend, q, k, v, *, out, recipe, scale, causal_offset, return_lse, seqs,
+                  options):
+    """Packed sequences through ``attend``'s dense path, one sequence at a time (each aligned
+    bottom-right when causal)."""
+    bounds_q, bounds_k = (s.cu_seqlens.tolist() for s in seqs)  # host offsets for the loop
+    lse_all = (torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
+               if return_lse else None)
+    for b in range(seqs[0].batch):
+        q0, q1 = bounds_q[b], bounds_q[b + 1]
+        k0, k1 = bounds_k[b], bounds_k[b + 1]
+        if q1 == q0:
+            continue
+        if k1 == k0:
+            out[q0:q1].zero_()
+            continue
+        lse = attend(
+            _as_dense(q, q0, q1), _as_dense(k, k0, k1), _as_dense(v, k0, k1),
+            out=_as_dense(out, q0, q1), recipe=recipe, scale=scale,
+            causal_offset=None if causal_offset is None else (k1 - k0) - (q1 - q0),
+            return_lse=return_lse, seqs=None, options=options,
+        )
+        if return_lse:
+            lse_all[:, q0:q1] = lse[0]
+    return lse_all
+
+
+def run(q, k, v, *, out: torch.Tensor, recipe: Recipe, scale: float, causal_offset: int | None,
+        return_lse: bool, backend: str, seqs: tuple[Seqs, Seqs] | None = None,
+        options: KernelOptions = KernelOptions()) -> torch.Tensor | None:
+    """Attention of logical ``[B, H, N, D]`` views (or packed ``[total, H, D]`` tensors with
+    ``seqs``) written into ``out``; returns the natural-log LSE (``[B, Hq, Nq]`` or
+    ``[Hq, total]`` fp32) when ``return_lse``. ``causal_offset``: key ``j`` is visible to query
+    ``i`` iff ``j <= i + causal_offset``; None when not causal (packed sequences: any int, each
+    sequence is aligned bottom-right). ``backend``: ``"triton"`` or ``"reference"``; ``options``:
+    where the Triton path does some of its work (the same values either way)."""
+    attend = kernel if backend == "triton" else naive
+    return attend(q, k, v, out=out, recipe=recipe, scale=scale, causal_offset=causal_offset,
+                  return_lse=return_lse, seqs=seqs, options=options)
 
 
 @torch.library.custom_op("lowbit_attn::attention_fwd", mutates_args=())
@@ -52,14 +134,15 @@ def attention_fwd(
     causal_offset: int, nhd: bool, return_lse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of validated ``q, k, v`` in layout HND (``nhd`` False) or NHD with the recipe
-    :func:`recipe_key` encodes; returns the output in q's shape (contiguous) and the LSE
-    ``[B, Hq, Nq]`` (an empty tensor unless ``return_lse``)."""
+    :func:`~lowbit_attn.core.recipes.recipe_key` encodes; returns the output in q's shape
+    (contiguous) and the LSE ``[B, Hq, Nq]`` (an empty tensor unless ``return_lse``)."""
+    count_call("attention")
     qh, kh, vh = (x.transpose(1, 2) if nhd else x for x in (q, k, v))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = forward.run(
-        qh, kh, vh, out=out.transpose(1, 2) if nhd else out, recipe=recipe_from_key(recipe), scale=scale,
-        is_causal=is_causal, causal_offset=causal_offset, return_lse=return_lse,
-        backend=backend_for(q.device),
+    lse = run(
+        qh, kh, vh, out=out.transpose(1, 2) if nhd else out, recipe=recipe_from_key(recipe),
+        scale=scale, causal_offset=causal_offset if is_causal else None, return_lse=return_lse,
+        backend=backend_for(q.device), options=KernelOptions.from_env(),
     )
     return out, _lse_or_empty(lse, q)
 
@@ -83,13 +166,15 @@ def attention_varlen_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of validated packed ``[total, H, D]`` sequences; the output in q's shape and
     the LSE ``[Hq, total_q]`` (an empty tensor unless ``return_lse``)."""
+    count_call("attention")
     batch = cu_seqlens_q.numel() - 1
     seqs = tuple(Seqs(batch, max(n, 1), cu.to(torch.int32))
                  for cu, n in ((cu_seqlens_q, max_seqlen_q), (cu_seqlens_k, max_seqlen_k)))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = forward.run(
-        q, k, v, out=out, recipe=recipe_from_key(recipe), scale=scale, is_causal=is_causal,
-        causal_offset=0, return_lse=return_lse, backend=backend_for(q.device), seqs=seqs,
+    lse = run(
+        q, k, v, out=out, recipe=recipe_from_key(recipe), scale=scale,
+        causal_offset=0 if is_causal else None, return_lse=return_lse,
+        backend=backend_for(q.device), seqs=seqs, options=KernelOptions.from_env(),
     )
     return out, _lse_or_empty(lse, q)
 

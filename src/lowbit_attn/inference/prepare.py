@@ -18,12 +18,15 @@ from lowbit_attn.quant import int8_naive as ref_quant
 from lowbit_attn.quant import fp4_qkv_naive as ref_quant_fp4
 
 
-def _ops(backend: str):
+def _quantizers(backend: str):
+    """The modules that quantize for ``backend`` (which the op chose): ``(int8, extra, fp4)``:
+    channel statistics and INT8/V quantizers, ΔS and the LSE shift, FP4 operands. The Triton
+    launchers fuse what their twins do in separate calls, hence the branches below."""
     if backend == "triton":
-        from lowbit_attn.quant import int8 as kq
+        from lowbit_attn.quant import fp4_qkv, int8
 
-        return kq, kq, kq
-    return ref_quant, ref_quant, ref_attn
+        return int8, int8, fp4_qkv
+    return ref_quant, ref_attn, ref_quant_fp4
 
 
 def _stats_all(backend: str, requests: dict[str, tuple], seqs: dict[str, object]) -> dict:
@@ -32,14 +35,13 @@ def _stats_all(backend: str, requests: dict[str, tuple], seqs: dict[str, object]
     if not requests:
         return {}
     names = list(requests)
+    quant, _, _ = _quantizers(backend)
     if backend == "triton":
-        from lowbit_attn.quant import int8 as kq
-
-        found = kq.channel_stats_many(
-            *(kq.StatsRequest(*requests[n], seqs=seqs[n]) for n in names)
+        found = quant.channel_stats_many(
+            *(quant.StatsRequest(*requests[n], seqs=seqs[n]) for n in names)
         )
     else:
-        found = [ref_quant.channel_stats(x, center=c, block=blk) for x, c, blk in requests.values()]
+        found = [quant.channel_stats(x, center=c, block=blk) for x, c, blk in requests.values()]
     return dict(zip(names, found))
 
 
@@ -66,7 +68,7 @@ def quantize_qkv(
     kernel to quantize itself; ``kv_stats_in_program`` has the K/V launch compute K's and V's
     statistics itself, one program per (batch, head) reading its tensor twice, the second time from
     L2 when it still holds it (the statistics launch then reads Q only)."""
-    _, quant, extra = _ops(backend)
+    quant, extra, _ = _quantizers(backend)
     triton_backend = backend == "triton"
     if (q_in_kernel or kv_stats_in_program) and not triton_backend:
         raise ValueError("q_in_kernel and kv_stats_in_program need the Triton backend")
@@ -146,11 +148,7 @@ def quantize_qkv_fp4(
     NVFP4's per-(batch, head) tensor scales come from the per-channel amax of the smoothed tensor,
     so each tensor that is quantized to NVFP4 gets a statistics pass even without smoothing.
     """
-    stats, _, extra = _ops(backend)
-    if backend == "triton":
-        from lowbit_attn.quant import fp4_qkv as fp4
-    else:
-        fp4 = ref_quant_fp4
+    stats, extra, fp4 = _quantizers(backend)
     fmt = recipe.qk
     nv = fmt == "nvfp4"
 

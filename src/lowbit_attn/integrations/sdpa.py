@@ -40,6 +40,8 @@ _warned_lock = threading.Lock()
 
 
 def warn_fallback(reason: str) -> None:
+    """Warn that calls for ``reason`` go to PyTorch: once per reason and process (until
+    :func:`reset_fallback_warnings`)."""
     with _warned_lock:
         if reason in _warned:
             return
@@ -49,6 +51,13 @@ def warn_fallback(reason: str) -> None:
         "attention for such calls",
         stacklevel=3,
     )
+
+
+def reset_fallback_warnings() -> None:
+    """Forget which fallback reasons were warned about, so each warns again on its next call (for
+    tools and tests that record the warnings of a run)."""
+    with _warned_lock:
+        _warned.clear()
 
 
 def _fallback_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa,

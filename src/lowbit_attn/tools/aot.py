@@ -9,7 +9,7 @@ instructions (``mma.sync``, ``wgmma.mma_async``, ``tcgen05.mma``) and Triton's b
     for r in compile_recipe("qk_int8_pv_fp8", "sm_90a"):
         print(r.kernel, r.instructions, r.registers, r.spill_stores)
 
-Which kernels, with which arguments: the real launch path (``forward.run``, Triton backend) runs
+Which kernels, with which arguments: the real launch path (``inference.op.run``, Triton backend) runs
 on small CPU tensors while every kernel object of the kernel packages is replaced by a
 recorder, so AOT sees exactly the launches, pointer dtypes, ``None`` inputs and strides a GPU call
 makes, and specializes them as Triton's launcher does (``None`` and integers equal to 1 become
@@ -258,16 +258,18 @@ def record_launches(
 ) -> list[Launch]:
     """The kernel launches, in order, of one dense ``[1, 2, seq_len, head_dim]`` attention call with
     ``recipe`` on the Triton backend (nothing runs: see the module docstring)."""
-    from lowbit_attn.inference import dispatch as forward
+    from lowbit_attn.core.options import KernelOptions
+    from lowbit_attn.inference import op
 
     if not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be a lowbit_attn.Recipe, got {type(recipe).__name__}")
     q, k, v = (torch.zeros(1, 2, seq_len, head_dim, dtype=dtype) for _ in range(3))
     out = torch.zeros_like(q)
     with _recording() as sink:
-        forward.run(
-            q, k, v, out=out, recipe=recipe, scale=head_dim ** -0.5, is_causal=causal,
-            causal_offset=0, return_lse=return_lse, backend="triton",
+        op.run(
+            q, k, v, out=out, recipe=recipe, scale=head_dim ** -0.5,
+            causal_offset=0 if causal else None, return_lse=return_lse, backend="triton",
+            options=KernelOptions.from_env(),  # as the op reads them
         )
     return list(sink)
 
@@ -731,7 +733,7 @@ def record_vsa_launches(*, head_dim: int = 128, dtype: torch.dtype = torch.bfloa
                              n_tokens=layout.n_tokens, dtype=dtype)
         else:
             q, k, v = (torch.zeros(1, 2, layout.n_tokens, head_dim, dtype=dtype) for _ in range(3))
-            vsa_ops.run_int8(q, k, v, idx, layout, scale, resolve_recipe(recipe), kernels=True)
+            vsa_ops.kernel_int8(q, k, v, idx, layout, scale, resolve_recipe(recipe))
     return list(sink)
 
 

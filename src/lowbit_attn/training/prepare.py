@@ -7,6 +7,8 @@ Each tensor is prepared once per format, and the forward and the backward prepar
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from lowbit_attn.core.operands import LOG2E, TRAIN_BLOCK, GradOperands, TrainOperands
@@ -15,12 +17,15 @@ from lowbit_attn.inference import naive as ref_attn
 from lowbit_attn.quant import int8_naive as ref_quant
 
 
-def _quant(backend: str):
+def _quantizers(backend: str):
+    """``(int8 module, delta_s)`` of ``backend`` (which the op chose): the channel statistics and
+    INT8 quantizers, and ``ΔS = mean(Q_block)·(K - mean K)ᵀ·multiplier`` ``[B, Hq, nbq, Nk]`` (fp64
+    for fp64 inputs) as ``delta_s(q_mean, k, k_mean, multiplier)``."""
     if backend == "triton":
         from lowbit_attn.quant import int8 as kq
 
-        return kq
-    return ref_quant
+        return kq, functools.partial(kq.delta_s, block_q=TRAIN_BLOCK)
+    return ref_quant, ref_attn.delta_s
 
 
 def _centered(x: torch.Tensor, center: torch.Tensor | None, per_block: bool,
@@ -77,18 +82,9 @@ class _Formats:
         return self.made[int8]
 
 
-def _delta_s(q_mean, k, k_mean, multiplier, backend):
-    """``mean(Q_block)·(K - mean K)ᵀ·multiplier`` ``[B, Hq, nbq, Nk]`` (fp64 for fp64 inputs)."""
-    if backend == "triton":
-        from lowbit_attn.quant import int8 as kq
-
-        return kq.delta_s(q_mean, k, k_mean, multiplier, block_q=TRAIN_BLOCK)
-    return ref_attn.delta_s(q_mean, k, k_mean, multiplier)
-
-
 def prepare(q, k, v, recipe: TrainRecipe, softmax_scale: float, backend: str) -> TrainOperands:
     """Dense ``[B, H, N, D]`` q, k, v → :class:`TrainOperands`."""
-    quant = _quant(backend)
+    quant, delta_s = _quantizers(backend)
     int8 = recipe.int8
     k_mean = q_mean = q_amax = k_amax = None
     if recipe.smooth_k or recipe.balance_qk:
@@ -113,7 +109,7 @@ def prepare(q, k, v, recipe: TrainRecipe, softmax_scale: float, backend: str) ->
     v_dp, vdps = vf.get("dp" in int8)
     delta = None
     if recipe.smooth_q:
-        delta = _delta_s(q_mean, k, k_mean, multiplier, backend)
+        delta = delta_s(q_mean, k, k_mean, multiplier)
     if q_mean is not None and alpha is not None:  # dK's correction, in the balanced space of Q
         wide = torch.promote_types(q.dtype, torch.float32)
         q_mean = q_mean.to(wide) * per_query_head(alpha, q.shape[1]).to(wide).unsqueeze(-2)
@@ -129,8 +125,8 @@ def prepare_grad(do: torch.Tensor, recipe: TrainRecipe, backend: str) -> GradOpe
     int8 = recipe.int8
     do8 = do_scale = None
     if {"dv", "dp"} & int8:
-        do8, do_scale = _quant(backend).quantize_int8(do, granularity="per_block",
-                                                      block=TRAIN_BLOCK)
+        quant, _ = _quantizers(backend)
+        do8, do_scale = quant.quantize_int8(do, granularity="per_block", block=TRAIN_BLOCK)
     ones = _ones(do)
     do_dv = (do8, do_scale) if "dv" in int8 else (do, ones)
     do_dp = (do8, do_scale) if "dp" in int8 else (do, ones)

@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 
 from lowbit_attn.core.arch import backend_for
-from lowbit_attn.inference.op import recipe_from_key, recipe_key
-from lowbit_attn.inference.prepare import quantize_qkv
+from lowbit_attn.core.counters import count_call
 from lowbit_attn.core.operands import QuantizedQKV
-from lowbit_attn.core.recipes import Recipe
+from lowbit_attn.core.recipes import Recipe, recipe_from_key, recipe_key
+from lowbit_attn.inference.prepare import quantize_qkv
 from lowbit_attn.vsa import naive as ref
 from lowbit_attn.vsa.tiles import TileLayout, tile_layout
 
@@ -25,7 +25,8 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def use_kernels(x: torch.Tensor) -> bool:
-    """Whether the fine stage runs on the Triton kernels: fp16/bf16 on the Triton backend."""
+    """Whether the stages run on the Triton kernels (fp16/bf16 on the Triton backend) or on their
+    PyTorch twins: the family's one choice."""
     return x.dtype in KERNEL_DTYPES and backend_for(x.device) == "triton"
 
 
@@ -42,6 +43,7 @@ def fine_fwd(qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, idx: torch.Te
     :func:`lowbit_attn.vsa.kernel_fine.forward`)."""
     from lowbit_attn.vsa import kernel_fine as vsa_fine
 
+    count_call("video_sparse")
     return vsa_fine.forward(qt, kt, vt, idx, counts, scale=scale)
 
 
@@ -200,29 +202,34 @@ def _padded_tiles(qz: QuantizedQKV, layout: TileLayout, ts: int) -> QuantizedQKV
                         k_scale=row_tiles(qz.k_scale), v=v, v_scale=qz.v_scale, v_mean=qz.v_mean)
 
 
-def run_int8(q, k, v, idx, layout: TileLayout, scale: float, recipe: Recipe, *,
-             kernels: bool) -> torch.Tensor:
-    """The 8-bit fine stage, ``[B, H, N, D]`` row-major tokens in, q's dtype out: per-token
-    quantization, then the kernel on padded tiles or the reference."""
-    qz = quantize_qkv(q, k, v, recipe, scale, need_lse_shift=False,
-                      backend="triton" if kernels else "reference")
-    if not kernels:
-        return ref.fine_quantized(qz, layout, idx, pv=recipe.pv).to(q.dtype)
-    from lowbit_attn.vsa import kernel_fine as vsa_fine, kernel_tiles as vsa_tiles
+def kernel_int8(q, k, v, idx, layout: TileLayout, scale: float, recipe: Recipe) -> torch.Tensor:
+    """The 8-bit fine stage on the kernels: ``[B, H, N, D]`` row-major tokens in, q's dtype out
+    (per-token quantization, the kernel on padded tiles, back to tokens)."""
+    from lowbit_attn.vsa import kernel_fine, kernel_tiles
 
-    ot = vsa_fine.forward_int8(_padded_tiles(qz, layout, tile_slots(layout, int8=True)),
-                               idx.to(torch.int32).contiguous(), layout.counts.to(torch.int32),
-                               out_dtype=q.dtype)
-    return vsa_tiles.untile(ot, None, layout.index, layout.counts, n_tokens=layout.n_tokens,
-                            dtype=q.dtype)
+    qz = quantize_qkv(q, k, v, recipe, scale, need_lse_shift=False, backend="triton")
+    ot = kernel_fine.forward_int8(_padded_tiles(qz, layout, tile_slots(layout, int8=True)),
+                                  idx.to(torch.int32).contiguous(), layout.counts.to(torch.int32),
+                                  out_dtype=q.dtype)
+    return kernel_tiles.untile(ot, None, layout.index, layout.counts, n_tokens=layout.n_tokens,
+                               dtype=q.dtype)
+
+
+def naive_int8(q, k, v, idx, layout: TileLayout, scale: float, recipe: Recipe) -> torch.Tensor:
+    """The PyTorch twin of :func:`kernel_int8`, the same arguments and result."""
+    qz = quantize_qkv(q, k, v, recipe, scale, need_lse_shift=False, backend="reference")
+    return ref.fine_quantized(qz, layout, idx, pv=recipe.pv).to(q.dtype)
 
 
 @torch.library.custom_op("lowbit_attn::vsa_fine_int8", mutates_args=())
 def fine_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,
               video_shape: list[int], tile: list[int], scale: float, recipe: str) -> torch.Tensor:
-    """:func:`run_int8` as an op (``recipe`` as :func:`lowbit_attn.inference.op.recipe_key` writes it)."""
+    """:func:`kernel_int8` or :func:`naive_int8` (as :func:`use_kernels` says) as an op
+    (``recipe`` as :func:`lowbit_attn.core.recipes.recipe_key` writes it)."""
+    count_call("video_sparse")
     layout = tile_layout(tuple(video_shape), tuple(tile), q.device)
-    return run_int8(q, k, v, idx, layout, scale, recipe_from_key(recipe), kernels=use_kernels(q))
+    fine = kernel_int8 if use_kernels(q) else naive_int8
+    return fine(q, k, v, idx, layout, scale, recipe_from_key(recipe))
 
 
 @fine_int8.register_fake

@@ -1,0 +1,29 @@
+"""How many times the custom ops ran in this process: a hook for tools (how many of a model's
+attention calls reached the low-bit ops rather than a fallback), counted inside the ops, so calls
+from compiled graphs count too."""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+FAMILIES = ("attention", "trainable", "video_sparse")
+
+_lock = threading.Lock()
+_counts: collections.Counter = collections.Counter()
+
+
+def count_call(family: str) -> None:
+    """One run of an op of ``family`` (called by the ops)."""
+    with _lock:
+        _counts[family] += 1
+
+
+def kernel_calls(family: str = "attention") -> int:
+    """Runs so far of ``family``'s ops, on either backend: ``"attention"`` (dense and packed
+    inference forwards), ``"trainable"`` (trainable forwards), ``"video_sparse"`` (fine stages).
+    Tools take the difference around the code they watch."""
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    with _lock:
+        return _counts[family]

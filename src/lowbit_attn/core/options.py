@@ -1,0 +1,59 @@
+"""Experimental kernel placements, until a GPU measurement decides them: one frozen object, read
+from the environment once per call by the custom op that needs it and passed down explicitly.
+
+- ``LOWBIT_ATTN_Q_QUANT``: ``pass`` (default: Q quantized by a pass of its own) or ``kernel`` (by
+  the INT8 attention kernel's prologue: one launch and 2 bytes per Q element fewer). Same bits.
+- ``LOWBIT_ATTN_KV_STATS``: ``launch`` (default: K's and V's channel statistics in the statistics
+  launch with Q's) or ``program`` (by the launch that quantizes them, one program per (batch,
+  head) reading its tensor twice: 4 bytes per element fewer from HBM when the second read hits
+  L2, but only B·H programs). Same values up to the order of the sums.
+- ``LOWBIT_ATTN_TRAIN_DQ``: ``recompute`` (default: a dQ kernel that recomputes S and dP per query
+  block; deterministic) or ``atomic`` (the dK/dV kernel adds each tile's dS·K into an fp32
+  buffer: two fewer matmuls per tile, summation order not fixed).
+
+Why the defaults are what they are: ``benchmarks/NOTES.md``. Each option is used on the Triton
+backend only; the PyTorch twins take the object and compute the same values.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+Q_QUANT_MODES = ("pass", "kernel")
+KV_STATS_MODES = ("launch", "program")
+DQ_MODES = ("recompute", "atomic")
+_VARIABLES = {"q_quant": ("LOWBIT_ATTN_Q_QUANT", Q_QUANT_MODES),
+              "kv_stats": ("LOWBIT_ATTN_KV_STATS", KV_STATS_MODES),
+              "train_dq": ("LOWBIT_ATTN_TRAIN_DQ", DQ_MODES)}
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """Where the Triton path does some of its work (see the module docstring); the defaults are
+    the production path."""
+
+    q_quant: str = Q_QUANT_MODES[0]
+    kv_stats: str = KV_STATS_MODES[0]
+    train_dq: str = DQ_MODES[0]
+
+    def __post_init__(self) -> None:
+        for field, (variable, choices) in _VARIABLES.items():
+            value = getattr(self, field)
+            if value not in choices:
+                raise ValueError(f"{variable} must be one of {choices}, got {value!r}")
+
+    @classmethod
+    def from_env(cls) -> "KernelOptions":
+        """The options the environment sets (``ValueError`` naming the variable for a value that
+        is not one of its modes)."""
+        return cls(**{field: os.environ.get(variable, choices[0])
+                      for field, (variable, choices) in _VARIABLES.items()})
+
+    @property
+    def q_in_kernel(self) -> bool:
+        return self.q_quant == "kernel"
+
+    @property
+    def kv_stats_in_program(self) -> bool:
+        return self.kv_stats == "program"
