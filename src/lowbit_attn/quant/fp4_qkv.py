@@ -14,7 +14,7 @@ from lowbit_attn.core.checks import fp4_amax
 from lowbit_attn.core.operands import FP4_GROUP, padded_head_dim
 from lowbit_attn.core.triton_helpers import batch_head
 from lowbit_attn.quant.fp4 import nvfp4_global_from_amax, quantize_groups
-from lowbit_attn.quant.int8 import _center_strides
+from lowbit_attn.quant.int8 import center_strides
 from lowbit_attn.quant.tile import load_centered
 
 
@@ -109,7 +109,7 @@ def quantize_qk_fp4(
     per_block = center_per_block and center is not None
     return _launch(
         x, fmt, transposed=False, block_n=block if per_block else 64, center=center,
-        center_strides=_center_strides(center, center_per_block),
+        center_strides=center_strides(center, center_per_block),
         center_mode=0 if center is None else (2 if center_per_block else 1), amax=amax,
     )
 
@@ -125,6 +125,6 @@ def quantize_v_fp4(
     """Triton twin of :func:`lowbit_attn.quant.fp4_qkv_naive.quantize_v_fp4` (bit-identical)."""
     return _launch(
         v, fmt, transposed=True, block_n=block_k, center=center,
-        center_strides=_center_strides(center, False), center_mode=0 if center is None else 1,
+        center_strides=center_strides(center, False), center_mode=0 if center is None else 1,
         amax=amax,
     )

@@ -317,7 +317,9 @@ def _per_token_vector(x: torch.Tensor, seqs: Seqs) -> torch.Tensor:
     return torch.empty(x.shape[:3], device=x.device, dtype=torch.float32)
 
 
-def _center_strides(center, center_per_block):
+def center_strides(center, center_per_block):
+    """Strides ``(batch, head, block, dim)`` of a centering vector: ``[B, H, blocks, D]`` per block,
+    ``[B, H, D]`` (block stride 0) per sequence; zeros when there is none."""
     if center is None:
         return (0, 0, 0, 0)
     if center_per_block:
@@ -399,7 +401,7 @@ def _int8_part(req: Int8Request | None, seqs: Seqs):
         x, out, scale, req.center, amax_q, amax_k,
         *bhnd_strides(x, seqs.packed), *bhnd_strides(out, seqs.packed),
         *row_strides(scale, seqs.packed and per_token),
-        *_center_strides(req.center, req.center_per_block),
+        *center_strides(req.center, req.center_per_block),
         *_channel_vector_strides(amax_q), *_channel_vector_strides(amax_k),
         h, group, float(req.scale_multiplier),
     )

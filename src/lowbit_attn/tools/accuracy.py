@@ -2,7 +2,7 @@
 
 Behind ``lowbit-attn accuracy``; usable from Python too::
 
-    from lowbit_attn import accuracy
+    from lowbit_attn.tools import accuracy
     rows = accuracy.evaluate(["qk_int8_pv_fp8"], ["channel_bias_k"], n=4096, head_dim=128,
                              heads_q=2, heads_kv=2, causal=False, seed=0, device="cpu")
     print(accuracy.format_table(rows))
@@ -26,6 +26,10 @@ from typing import Iterable, Sequence
 import torch
 
 from lowbit_attn.tools import inputs
+from lowbit_attn.tools.args import (
+    UsageError, device_arg, head_dim_arg, output_file, parse_recipe, positive_int, ranged,
+    recipe_spec,
+)
 from lowbit_attn.inference import attention
 from lowbit_attn.core.metrics import errors
 from lowbit_attn.core.recipes import RECIPES, Recipe, get_recipe
@@ -98,36 +102,6 @@ def describe(recipe: Recipe) -> str:
         else:
             parts.append(f"{f.name}={value}")
     return " ".join(parts)
-
-
-def parse_recipe(spec: "str | Recipe") -> Recipe:
-    """``"qk_int8_pv_fp8"`` or ``"qk_int8_pv_fp8:granularity=per_token,smooth_q=1"`` → Recipe."""
-    if isinstance(spec, Recipe):
-        return spec
-    name, _, opts = spec.partition(":")
-    recipe = get_recipe(name.strip())
-    if not opts.strip():
-        return recipe
-    fields = {f.name: f for f in dataclasses.fields(Recipe)}
-    changes = {}
-    for item in opts.split(","):
-        key, sep, raw = item.partition("=")
-        key, raw = key.strip(), raw.strip()
-        if not sep or key not in fields or key == "name":
-            raise ValueError(
-                f"recipe option {item!r} in {spec!r} must be KEY=VALUE with KEY one of "
-                f"{sorted(k for k in fields if k != 'name')}"
-            )
-        current = getattr(recipe, key)
-        if isinstance(current, bool):
-            if raw.lower() not in ("1", "0", "true", "false", "on", "off", "yes", "no"):
-                raise ValueError(f"recipe option {key} needs a boolean (1/0, on/off), got {raw!r}")
-            changes[key] = raw.lower() in ("1", "true", "on", "yes")
-        elif isinstance(current, int):
-            changes[key] = int(raw)
-        else:
-            changes[key] = raw
-    return recipe.replace(**changes)
 
 
 def _bar_status(
@@ -284,19 +258,9 @@ class _Explicit(argparse.Action):
         namespace.explicit = {*getattr(namespace, "explicit", ()), self.dest}
 
 
-def _recipe_spec(text: str) -> str:
-    """argparse type for ``--recipes``: the spec unchanged, once :func:`parse_recipe` accepts it."""
-    try:
-        parse_recipe(text)
-    except (ValueError, TypeError) as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``lowbit-attn accuracy``."""
     from lowbit_attn.core.checks import MAX_HEAD_DIM
-    from lowbit_attn.tools.cli import device_arg, head_dim_arg, output_file, positive_int, ranged
 
     parser.add_argument("--n", type=positive_int, default=1024,
                         help="query (and key) tokens (default 1024)")
@@ -314,7 +278,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--recipes", nargs="+", default=list(DEFAULT_RECIPES), metavar="RECIPE", action=_Explicit,
-        type=_recipe_spec,
+        type=recipe_spec,
         help="recipes, each NAME or NAME:KEY=VALUE,... e.g. qk_int8_pv_fp8:granularity=per_token,"
              f"smooth_q=1 (default: {' '.join(DEFAULT_RECIPES)}; with --model: all but exact)",
     )
@@ -342,7 +306,6 @@ def cli_main(args: argparse.Namespace) -> int:
 
         return model_accuracy.cli_main(args)
     from lowbit_attn.core.checks import recipe_fits
-    from lowbit_attn.tools.cli import UsageError
 
     families = _split_list(args.families)
     unknown = [f for f in families if f not in inputs.FAMILIES]
@@ -384,9 +347,14 @@ def cli_main(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m lowbit_attn.tools.accuracy``: the same as ``lowbit-attn accuracy``."""
-    from lowbit_attn.tools import cli
-
-    return cli.main(["accuracy", *(sys.argv[1:] if argv is None else argv)])
+    parser = argparse.ArgumentParser(prog="python -m lowbit_attn.tools.accuracy",
+                                     description="Error of each recipe against exact attention.")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return cli_main(args)
+    except UsageError as exc:
+        parser.error(str(exc))  # exits 2, as ``lowbit-attn accuracy`` does
 
 
 if __name__ == "__main__":

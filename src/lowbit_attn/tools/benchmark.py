@@ -46,6 +46,7 @@ from lowbit_attn.core import checks
 from lowbit_attn.integrations.sdpa import TORCH_SDPA
 from lowbit_attn.core.arch import arch_name, backend_for
 from lowbit_attn.core.recipes import RECIPES, Recipe, resolve
+from lowbit_attn.tools.args import head_dim_arg, positive_int, ranged
 
 BATCH = 4
 HEADS = 32
@@ -1135,8 +1136,6 @@ def _split(text: str) -> list[str]:
 
 def parse_dims(text: str) -> list[int]:
     """``"64,128"`` → ``[64, 128]``, each a head dim the attention functions take."""
-    from lowbit_attn.tools.cli import head_dim_arg
-
     return [head_dim_arg(t) for t in _split(text)]
 
 
@@ -1159,8 +1158,6 @@ def parse_names(text: str) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Options of ``lowbit-attn bench``."""
-    from lowbit_attn.tools.cli import positive_int, ranged
-
     parser.add_argument("--dims", type=parse_dims, default=None,
                         help="head dims, comma-separated (default 64,128; --quick: 128)")
     parser.add_argument("--seqlens", type=parse_seqlens, default=None,

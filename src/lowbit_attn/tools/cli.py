@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 
 from lowbit_attn.core.arch import native_fp4
 from lowbit_attn.core.checks import MAX_HEAD_DIM
+from lowbit_attn.tools.args import UsageError, head_dim_arg, ranged
 
 # Subcommands implemented in other modules: name → (module, help). Each module exports
 # ``add_arguments(parser)`` and ``cli_main(args) -> int``.
@@ -36,66 +37,6 @@ ENV_VARS = ("LOWBIT_ATTN_ARCH", "LOWBIT_ATTN_BACKEND", "LOWBIT_ATTN_Q_QUANT", "L
 DTYPES = ("float16", "bfloat16", "float32")
 # The targets of ``lowbit_attn.tools.aot.ARCHS``, spelled out so that ``--help`` imports nothing heavy.
 ARCH_HELP = "sm_80, sm_86, sm_89, sm_90a, sm_100a or sm_120a"
-
-
-# ---------------------------------------------------------------------------------------------
-# argument types: a bad value is a usage error (exit 2, one line) before any work starts
-
-
-class UsageError(Exception):
-    """A bad combination of options, found by a subcommand's ``cli_main`` after parsing (before
-    any work); ``lowbit-attn`` reports it as argparse reports a bad option."""
-
-
-def ranged(kind: type, low: float, high: float | None = None) -> Callable[[str], float]:
-    """argparse type: ``kind(text)`` (``int`` or ``float``), finite, in ``[low, high]``."""
-    bounds = f">= {low}" if high is None else f"between {low} and {high}"
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected {kind.__name__} {bounds}, got {text!r}") from None
-        finite = not isinstance(value, float) or math.isfinite(value)
-        if not finite or value < low or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"must be {bounds}, got {text}")
-        return value
-
-    return parse
-
-
-positive_int = ranged(int, 1)
-head_dim_arg = ranged(int, 1, MAX_HEAD_DIM)
-
-
-def device_arg(text: str) -> str:
-    """argparse type for ``--device``: ``cpu``, or ``cuda``/``cuda:N`` of a GPU that is there."""
-    import torch
-
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
-        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
-    if device.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise argparse.ArgumentTypeError(f"{text!r}: CUDA is not available here; use cpu")
-        if device.index is not None and device.index >= count:
-            raise argparse.ArgumentTypeError(f"{text!r}: this machine has {count} GPU(s)")
-    return text
-
-
-def output_file(text: str) -> str:
-    """argparse type for a file to write at the end: its directory must exist now."""
-    folder = os.path.dirname(os.path.abspath(text))
-    if os.path.isdir(text) or not os.path.isdir(folder):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is a directory" if os.path.isdir(text) else f"no directory {folder!r}"
-        )
-    return text
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ encoded one at a time (no padding, so no mask: every attention call can reach th
 row counts the kernel calls and records the fallback warnings, if any call went to PyTorch.
 Usable from Python too::
 
-    from lowbit_attn import model_accuracy
+    from lowbit_attn.tools import model_accuracy
     rows = model_accuracy.evaluate("minilm", ["qk_int8_pv_fp16"])
     print(model_accuracy.format_table(rows))
 """
@@ -47,6 +47,7 @@ from lowbit_attn.core.counters import kernel_calls
 from lowbit_attn.integrations.sdpa import reset_fallback_warnings
 from lowbit_attn.core.metrics import errors
 from lowbit_attn.core.recipes import RECIPES
+from lowbit_attn.tools.args import parse_recipe
 
 MODELS = ("minilm", "smollm2")
 # Every recipe but "exact" (the sdpa baseline is the exact run).
@@ -283,7 +284,7 @@ def evaluate(model_name: str, recipes: Sequence[str] = DEFAULT_RECIPES, *,
     Args:
         model_name: ``"minilm"`` or ``"smollm2"``.
         recipes: names or ``"name:key=value,..."`` specs
-            (:func:`lowbit_attn.tools.accuracy.parse_recipe`).
+            (:func:`lowbit_attn.tools.args.parse_recipe`).
         dtype, device: of the model and its runs (on a CPU the recipes run as the PyTorch
             reference, any float dtype; on CUDA as Triton kernels).
         loaded: ``(tokenizer, model)`` already loaded with ``attn_implementation="sdpa"`` (it is
@@ -292,7 +293,6 @@ def evaluate(model_name: str, recipes: Sequence[str] = DEFAULT_RECIPES, *,
         dicts with model, recipe (``"sdpa"`` for the baseline), dtype, device, the model's metrics,
         attention_calls (layers × forwards), kernel_calls, fallbacks (warnings) and seconds.
     """
-    from lowbit_attn.tools.accuracy import parse_recipe
     from lowbit_attn.integrations.transformers import register
 
     recipes = {spec: parse_recipe(spec) for spec in recipes}  # a bad spec fails before loading
@@ -374,7 +374,6 @@ def cli_main(args: argparse.Namespace) -> int:
     Uses ``args.model`` (a name or ``"all"``), ``args.device``, and ``args.recipes`` /
     ``args.dtype`` where given on the command line (``args.explicit``): by default every recipe
     but ``exact``, float32 on a CPU and float16 on CUDA."""
-    from lowbit_attn.tools.accuracy import parse_recipe
 
     explicit = getattr(args, "explicit", set())
     recipes = list(args.recipes) if "recipes" in explicit else list(DEFAULT_RECIPES)

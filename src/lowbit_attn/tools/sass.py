@@ -5,7 +5,7 @@ softmax sit against the asynchronous tensor-core products.
 On Hopper a ``wgmma`` is issued (``IGMMA``/``QGMMA``/``HGMMA`` in SASS) and waited for later
 (``WARPGROUP.DEPBAR``); instructions between the two run while the tensor cores work. ::
 
-    from lowbit_attn import aot, sass
+    from lowbit_attn.tools import aot, sass
     report = aot.compile_launch(launch, "sm_90a", config=1)
     for body in sass.loops(sass.disassemble(report.cubin)):
         print(sass.exp2_under_mma(body))

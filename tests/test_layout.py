@@ -1,0 +1,93 @@
+"""The package's layout rules, read from the source (no import runs): calls go one way, the runtime
+never imports the tooling, no import loop, no private name crosses a module, and the package root
+holds only the public entry points."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "lowbit_attn"
+# Lower layers first; the three families sit side by side and may use each other's public names.
+LAYERS = {"core": 0, "quant": 1, "inference": 2, "training": 2, "vsa": 2, "integrations": 3,
+          "tools": 4}
+ROOT_MODULES = {"__init__.py", "fp4.py", "parallel.py", "tiles.py"}  # public module paths
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _imports(path: Path) -> list[tuple[str, str | None, int]]:
+    """``(module, imported name or None, line)`` for every import of a lowbit_attn module."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}:{node.lineno}: relative import"
+            if node.module and node.module.split(".")[0] == "lowbit_attn":
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    found.append((sub, None, node.lineno) if sub in MODULES
+                                 else (node.module, alias.name, node.lineno))
+        elif isinstance(node, ast.Import):
+            found += [(a.name, None, node.lineno) for a in node.names
+                      if a.name.split(".")[0] == "lowbit_attn"]
+    return found
+
+
+GRAPH = {m: {d for d, _, _ in _imports(p) if d != m} for m, p in MODULES.items()}
+
+
+def _layer(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in LAYERS else None
+
+
+def test_the_root_holds_only_folders_and_the_public_entry_points():
+    files = {p.name for p in PACKAGE.glob("*.py")}
+    assert files == ROOT_MODULES
+    for name in ROOT_MODULES - {"__init__.py"}:
+        assert len((PACKAGE / name).read_text().splitlines()) <= 45, name
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if _layer(m)))
+def test_imports_go_down_and_the_runtime_never_imports_tools(module):
+    here = LAYERS[_layer(module)]
+    for dep in GRAPH[module]:
+        layer = _layer(dep)
+        if layer is None:  # the package root: only the tools (on top of everything) use it
+            assert _layer(module) == "tools", f"{module} imports the package root {dep}"
+            continue
+        assert LAYERS[layer] <= here, f"{module} imports {dep}, a higher layer"
+        assert layer != "tools" or _layer(module) == "tools", f"{module} imports tooling {dep}"
+
+
+def test_no_private_name_crosses_a_module():
+    crossings = [f"{m}: {name} from {dep}" for m, p in MODULES.items()
+                 for dep, name, _ in _imports(p) if name is not None and name.startswith("_")
+                 and not name.startswith("__")]
+    assert not crossings
+
+
+def test_no_import_loop():
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for dep in sorted(GRAPH.get(module, ())):
+            if dep not in GRAPH:
+                continue
+            assert state.get(dep) != 1, "import loop: " + " -> ".join(path + [module, dep])
+            if dep not in state:
+                visit(dep, path + [module])
+        state[module] = 2
+
+    for module in sorted(GRAPH):
+        if module not in state:
+            visit(module, [])
