@@ -84,7 +84,7 @@ METHODS = {
 }
 
 
-# dQ added by the dK/dV kernel instead of its own kernel (kernels/attn_train_bwd.dq_mode)
+# dQ added by the dK/dV kernel instead of its own kernel (LOWBIT_ATTN_TRAIN_DQ, lowbit_attn.core.options)
 ENVIRONMENT = {"sagebwd_int8_atomic_dq": {"LOWBIT_ATTN_TRAIN_DQ": "atomic"}}
 
 

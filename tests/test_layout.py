@@ -1,6 +1,6 @@
-"""The package's layout rules, read from the source (no import runs): calls go one way, the runtime
-never imports the tooling, no import loop, no private name crosses a module, and the package root
-holds only the public entry points."""
+"""The package's layout rules, read from the source: calls go one way, the runtime never imports
+the tooling, no import loop, no private name crosses a module, and the package root holds only the
+public entry points; and, from a recorded call, the walk of ``q`` down to the INT8 kernel."""
 
 from __future__ import annotations
 
@@ -91,3 +91,55 @@ def test_no_import_loop():
     for module in sorted(GRAPH):
         if module not in state:
             visit(module, [])
+
+
+def test_the_walk_of_q_from_attention_to_the_int8_kernel(monkeypatch):
+    """``q`` goes down one chain of calls: the files on the stack at each launch that reads ``q``
+    (statistics, its quantization) or its INT8 values (the attention kernel) are at most five,
+    interface → op → prepare → quantizer | kernel. Validation (``core.checks``) is a side call
+    that returns before the chain starts. Nothing runs: the launches are recorded."""
+    import importlib
+    import pkgutil
+    import traceback
+
+    import torch
+    from triton.runtime.jit import KernelInterface
+
+    import lowbit_attn
+    from lowbit_attn.inference import kernel_int8
+    from lowbit_attn.tools.aot import Launch
+
+    int8_attention = kernel_int8._attn_fwd_int8
+    launches: list[tuple[set[str], list[torch.Tensor], object]] = []
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                files = {str(Path(f.filename).relative_to(PACKAGE)) for f in traceback.extract_stack()
+                         if Path(f.filename).is_relative_to(PACKAGE)}
+                launches.append((files, Launch(self.kernel, args, kwargs, grid).tensors(),
+                                 self.kernel))
+            return launch
+
+    for family in ("core", "quant", "inference"):
+        package = importlib.import_module(f"lowbit_attn.{family}")
+        for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+            module = importlib.import_module(info.name)
+            for name, obj in list(vars(module).items()):
+                if isinstance(obj, KernelInterface):
+                    monkeypatch.setattr(module, name, Recorder(obj))
+    monkeypatch.setenv("LOWBIT_ATTN_BACKEND", "triton")
+    q, k, v = torch.randn(3, 1, 2, 128, 64, dtype=torch.float16).unbind(0)
+    lowbit_attn.attention(q, k, v, recipe="qk_int8_pv_fp8")
+
+    storage = q.untyped_storage().data_ptr()
+    attention = [files for files, _, kernel in launches if kernel is int8_attention]
+    reads_q = [files for files, tensors, _ in launches
+               if any(t.untyped_storage().data_ptr() == storage for t in tensors)]
+    assert len(attention) == 1 and reads_q
+    walk = set().union(*attention, *reads_q)
+    assert walk == {"inference/interface.py", "inference/op.py", "inference/prepare.py",
+                    "quant/int8.py", "inference/kernel_int8.py"}, sorted(walk)

@@ -98,7 +98,7 @@ def test_a_call_launches_four_kernels_or_three(recipe, mode, monkeypatch):
         monkeypatch.setenv("LOWBIT_ATTN_Q_QUANT", mode)
     launches = LAUNCHES[mode or "pass"]
     recorded = aot.record_launches(get_recipe(recipe), head_dim=64, seq_len=1024)
-    assert [aot._kernel_name(launch.kernel) for launch in recorded] == launches
+    assert [launch.name for launch in recorded] == launches
     # one program per token block of each part: 64-key blocks for K and V, 128-row ones for Q
     assert recorded[1].grid == (1024 // 64, 2 * 2)
     if launches == LAUNCHES["pass"]:
@@ -111,7 +111,7 @@ def test_kv_statistics_in_the_quantizing_launch(monkeypatch):
     tensor cores and no spills."""
     monkeypatch.setenv("LOWBIT_ATTN_KV_STATS", "program")
     recorded = aot.record_launches(get_recipe("qk_int8_pv_fp8"), head_dim=128)
-    assert [aot._kernel_name(launch.kernel) for launch in recorded] == LAUNCHES["pass"]
+    assert [launch.name for launch in recorded] == LAUNCHES["pass"]
     stats, quantize_kv = recorded[0], recorded[1]
     assert stats.kwargs["CENTER0"] == 0 and stats.kwargs["CENTER1"] == -1  # Q's amax only
     assert quantize_kv.kwargs["OWN_STATS"] is True
@@ -224,10 +224,11 @@ def test_launch_specialization_matches_the_launchers():
     jit, values, options = aot._unwrap(launches[-1], "sm_90")
     signature, constexprs, attrs = aot.specialize(jit, values, "sm_90a")
     assert jit.__name__ == ATTENTION
-    assert signature["Q"] == "*i8" and signature["V"] == "*fp8e4nv" and signature["O"] == "*fp16"
+    assert signature["q"][0] == "*i8" and signature["V"] == "*fp8e4nv" and signature["O"] == "*fp16"
     for name in ("QM", "AQ", "AK", "VM", "DS", "LSH", "LSE", "CUQ", "CUK"):
         assert signature[name] == "constexpr" and constexprs[name] is None
-    assert constexprs["svn"] == 1 and signature["svd"] == "i32"  # V stored [B, H, D, N']
+    v_strides = [p.name for p in jit.params].index("v_strides")  # (batch, head, token, dim)
+    assert constexprs[(v_strides, 2)] == 1 and signature["v_strides"][3] == "i32"  # V [B, H, D, N']
     assert constexprs["EXACT_FP8"] is False and constexprs["PV_FP8"] is True
     assert constexprs["Q_IN_KERNEL"] is False and constexprs["PIPELINE"] is False
     assert options == {"num_warps": 8, "num_stages": 2}

@@ -103,11 +103,9 @@ def test_no_kernel_argument_is_n_by_n(smooth_q):
     (with ``smooth_q``, ΔS holds N²/64 per head, as documented)."""
     from lowbit_attn.core.recipes import SAGEBWD_INT8
 
-    import torch
-
     n, d = 2048, 64
     launches = aot.record_train_launches(SAGEBWD_INT8.replace(smooth_q=smooth_q), head_dim=d, seq_len=n)
-    sizes = [x.numel() for launch in launches for x in launch.args if isinstance(x, torch.Tensor)]
+    sizes = [x.numel() for launch in launches for x in launch.tensors()]
     per_head = max(sizes) / 2  # [1, 2, N, D] inputs
     assert per_head <= max(n * d, n * n / 64 if smooth_q else 0)
     assert per_head < n * n / 16

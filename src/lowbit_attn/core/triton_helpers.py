@@ -198,6 +198,25 @@ def exact_fp8() -> bool:
     return interpreter_enabled()
 
 
+# Kernels take each tensor's strides as one tuple argument, passed by keyword (``q_strides=...``)
+# and unpacked by name at the kernel's top; Triton specializes the tuple element by element, as it
+# would separate arguments (1 becomes a constant, multiples of 16 are marked divisible).
+
+
+def strides(x: torch.Tensor | None, ndim: int) -> tuple[int, ...]:
+    """``x.stride()`` (``ndim`` of them), or zeros for an absent tensor."""
+    if x is None:
+        return (0,) * ndim
+    assert x.dim() == ndim, f"expected a {ndim}-D tensor, got shape {tuple(x.shape)}"
+    return tuple(x.stride())
+
+
+def operand(values: torch.Tensor, scales: torch.Tensor) -> tuple:
+    """A quantized operand as one kernel argument: ``(values, scales, values' strides, scales'
+    strides)``."""
+    return (values, scales, tuple(values.stride()), tuple(scales.stride()))
+
+
 def bhnd_strides(x: torch.Tensor | None, packed: bool) -> tuple[int, int, int, int]:
     """Strides ``(batch, head, token, dim)`` of a logical ``[B, H, N, D]`` tensor, or of a packed
     ``[total, H, D]`` one (batch stride 0: a sequence's first token comes from ``cu_seqlens``)."""
@@ -216,6 +235,14 @@ def row_strides(x: torch.Tensor | None, packed_per_token: bool) -> tuple[int, in
     if packed_per_token:
         return (0, x.stride(0), x.stride(1))
     return tuple(x.stride())  # type: ignore[return-value]
+
+
+def channel_vector_strides(vec: torch.Tensor | None) -> tuple[int, int]:
+    """(batch, head) strides of a contiguous ``[B, H, D]`` statistics vector (dim stride 1)."""
+    if vec is None:
+        return (0, 0)
+    assert vec.is_contiguous()
+    return (vec.stride(0), vec.stride(1))
 
 
 def next_pow2(n: int, minimum: int = 16) -> int:

@@ -33,7 +33,7 @@ from lowbit_attn.core.arch import fp4_mode, get_capability, interpreter_enabled
 from lowbit_attn.core.operands import FP4_GROUP, P_TWO_LEVEL_PEAK, QuantizedFP4
 from lowbit_attn.core.triton_helpers import (
     LaunchConfig, batch_head, finish_scores, key_block_bounds, normalize_rows, online_max,
-    store_lse, triton_configs,
+    store_lse, strides, triton_configs,
 )
 from lowbit_attn.quant.fp4 import (
     e2m1_code, e2m1_value, e4m3_group_scale, e4m3_value, e8m0_group_scale, e8m0_value,
@@ -166,25 +166,36 @@ def _attend_block(
 
 @triton.jit
 def _attn_fwd_fp4_kernel(
-    Q, QS, QG, K, KS, KG, V, VS, VG, VM, DS, LSH, O, LSE,
-    sqb, sqh, sqn,
-    sqsb, sqsh, sqsn,
-    skb, skh, skn,
-    sksb, sksh, sksn,
-    svb, svh, svd,
-    svsb, svsh, svsd,
-    sgqb, sgqh, sgkb, sgkh, sgvb, sgvh,
-    svmb, svmh,
-    sdb, sdh, sdq, sdn,
-    slb, slh, sln,
-    sob, soh, son, sod,
-    seb, seh, sen,
+    q, k, v, VM, DS, LSH, O, LSE, vm_strides, ds_strides, lsh_strides, o_strides, lse_strides,
     NQ, NK, HQ, GROUP_HEADS, D, causal_offset, qk_multiplier, zero, N_BUCKET,
     IS_CAUSAL: tl.constexpr, NV: tl.constexpr, NATIVE_FP4: tl.constexpr, EMU_FP32: tl.constexpr,
     TWO_LEVEL: tl.constexpr, HAS_VMEAN: tl.constexpr, HAS_DS: tl.constexpr,
     HAS_LSH: tl.constexpr, WRITE_LSE: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    """Operands ``q``, ``k``, ``v``: ``(packed codes, group scales, tensor scale or None, and the
+    three's strides)``; codes and scales are contiguous along their last dim, their strides are
+    (batch, head, token) for Q and K, (batch, head, dim) for V (token-contiguous); the tensor
+    scale's (batch, head). Strides: (batch, head) of V's channel mean ``VM``; (batch, head, query
+    block, key) of ``DS``; (batch, head, token, dim) of ``O``; (batch, head, token) of ``LSH`` and
+    ``LSE``."""
+    Q, QS, QG, q_strides, qs_strides, qg_strides = q
+    K, KS, KG, k_strides, ks_strides, kg_strides = k
+    V, VS, VG, v_strides, vs_strides, vg_strides = v
+    sqb, sqh, sqn = q_strides
+    sqsb, sqsh, sqsn = qs_strides
+    skb, skh, skn = k_strides
+    sksb, sksh, sksn = ks_strides
+    svb, svh, svd = v_strides
+    svsb, svsh, svsd = vs_strides
+    sgqb, sgqh = qg_strides
+    sgkb, sgkh = kg_strides
+    sgvb, sgvh = vg_strides
+    svmb, svmh = vm_strides
+    sdb, sdh, sdq, sdn = ds_strides
+    slb, slh, sln = lsh_strides
+    sob, soh, son, sod = o_strides
+    seb, seh, sen = lse_strides
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b, h = batch_head(pid_bh, HQ)  # int64: offsets of large tensors may pass 2^31 elements
@@ -195,15 +206,15 @@ def _attn_fwd_fp4_kernel(
 
     half_d = tl.arange(0, BLOCK_D // 2)
     grp_d = tl.arange(0, BLOCK_D // GROUP)
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqn + half_d[None, :],
+    q_blk = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqn + half_d[None, :],
                 mask=mmask[:, None], other=0)
     qs = tl.load(QS + b * sqsb + h * sqsh + offs_m[:, None] * sqsn + grp_d[None, :],
                  mask=mmask[:, None], other=0)
     if NATIVE_FP4:
-        q_op = q
+        q_op = q_blk
         qs_op = _scale_operand(qs, NV)
     else:
-        q_op = _dequant(q, qs, BLOCK_M, BLOCK_D, GROUP, NV)
+        q_op = _dequant(q_blk, qs, BLOCK_M, BLOCK_D, GROUP, NV)
         if not EMU_FP32:
             q_op = q_op.to(tl.bfloat16)
         qs_op = qs
@@ -274,7 +285,14 @@ _attn_fwd_fp4 = triton.autotune(
 
 
 def _pair(x: torch.Tensor | None) -> tuple[int, int]:
+    """(batch, head) strides of a per-(batch, head) tensor or vector; zeros when absent."""
     return (0, 0) if x is None else (x.stride(0), x.stride(1))
+
+
+def _operand(codes: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor | None):
+    """An FP4 operand as one kernel argument (see the kernel's docstring)."""
+    return (codes, scales, tensor_scale, codes.stride()[:3], scales.stride()[:3],
+            _pair(tensor_scale))
 
 
 def attention(
@@ -296,18 +314,15 @@ def attention(
     nv = qz.fmt == "nvfp4"
     grid = (triton.cdiv(nq, block_q), b * hq)
     _attn_fwd_fp4[grid](
-        qz.q, qz.q_scale, qz.q_global, qz.k, qz.k_scale, qz.k_global, qz.v, qz.v_scale,
-        qz.v_global, qz.v_mean, qz.delta_s, qz.lse_shift, out, lse,
-        *qz.q.stride()[:3], *qz.q_scale.stride()[:3],
-        *qz.k.stride()[:3], *qz.k_scale.stride()[:3],
-        *qz.v.stride()[:3], *qz.v_scale.stride()[:3],
-        *_pair(qz.q_global), *_pair(qz.k_global), *_pair(qz.v_global), *_pair(qz.v_mean),
-        *(qz.delta_s.stride() if qz.delta_s is not None else (0, 0, 0, 0)),
-        *(qz.lse_shift.stride() if qz.lse_shift is not None else (0, 0, 0)),
-        *out.stride(), *(lse.stride() if lse is not None else (0, 0, 0)),
-        nq, nk, hq, hq // hkv, head_dim,
-        0 if causal_offset is None else int(causal_offset), float(qz.qk_multiplier), 0.0,
-        min(triton.next_power_of_2(nk), 32768),
+        q=_operand(qz.q, qz.q_scale, qz.q_global), k=_operand(qz.k, qz.k_scale, qz.k_global),
+        v=_operand(qz.v, qz.v_scale, qz.v_global), VM=qz.v_mean, DS=qz.delta_s,
+        LSH=qz.lse_shift, O=out, LSE=lse, vm_strides=_pair(qz.v_mean),
+        ds_strides=strides(qz.delta_s, 4), lsh_strides=strides(qz.lse_shift, 3),
+        o_strides=out.stride(), lse_strides=strides(lse, 3),
+        NQ=nq, NK=nk, HQ=hq, GROUP_HEADS=hq // hkv, D=head_dim,
+        causal_offset=0 if causal_offset is None else int(causal_offset),
+        qk_multiplier=float(qz.qk_multiplier), zero=0.0,
+        N_BUCKET=min(triton.next_power_of_2(nk), 32768),
         IS_CAUSAL=causal_offset is not None, NV=nv,
         NATIVE_FP4=fp4_mode(out.device.type, "triton", get_capability()) == "native",
         EMU_FP32=interpreter_enabled(), TWO_LEVEL=two_level,

@@ -16,9 +16,9 @@ import triton.language as tl
 from lowbit_attn.core.arch import get_capability
 from lowbit_attn.core.operands import LOG2_FP8_MAX, QuantizedQKV, Seqs, dense_seqs
 from lowbit_attn.core.triton_helpers import (
-    LaunchConfig, batch_head, bhnd_strides, exact_fp8, finish_rows, finish_scores,
-    key_block_bounds, next_pow2, online_max, row_strides, seq_span, store_lse, to_e4m3,
-    triton_configs,
+    LaunchConfig, batch_head, bhnd_strides, channel_vector_strides, exact_fp8, finish_rows,
+    finish_scores, key_block_bounds, next_pow2, online_max, row_strides, seq_span, store_lse,
+    strides, to_e4m3, triton_configs,
 )
 from lowbit_attn.quant.tile import quantize_int8_tile
 
@@ -123,18 +123,9 @@ def _softmax_pv(
 
 @triton.jit
 def _attn_fwd_int8_kernel(
-    Q, K, V, QS, KS, VS, VM, DS, LSH, O, LSE, CUQ, CUK, QM, AQ, AK,
-    sqb, sqh, sqn, sqd,
-    skb, skh, skn, skd,
-    svb, svh, svn, svd,
-    sqsb, sqsh, sqsn,
-    sksb, sksh, sksn,
-    svsb, svsh, svsd,
-    sdb, sdh, sdq, sdn,
-    slb, slh, sln,
-    sob, soh, son, sod,
-    seb, seh, sen,
-    sqmb, sqmh, sqmk, sqmd, saqb, saqh, sakb, sakh, qk_multiplier,
+    q, k, V, VS, VM, DS, LSH, O, LSE, CUQ, CUK, QM, AQ, AK,
+    v_strides, vs_strides, ds_strides, lsh_strides, o_strides, lse_strides, qm_strides,
+    aq_strides, ak_strides, qk_multiplier,
     NQ, NK, HQ, GROUP, D, causal_offset, N_BUCKET,
     Q_IN_KERNEL: tl.constexpr, Q_CENTER: tl.constexpr, Q_BALANCE: tl.constexpr,
     IS_CAUSAL: tl.constexpr, PER_TOKEN: tl.constexpr, PV_FP8: tl.constexpr,
@@ -143,6 +134,24 @@ def _attn_fwd_int8_kernel(
     EXACT_FP8: tl.constexpr, VARLEN: tl.constexpr, PIPELINE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    """Operands ``q`` and ``k``: ``(INT8 values, scales, values' strides, scales' strides)``; ``q``
+    may instead hold Q itself with no scales (``Q_IN_KERNEL``: the kernel quantizes it). Strides:
+    (batch, head, token, dim) of Q, K, ``V``, ``O``; (batch, head, row) of the scales (a row is a
+    token or a block), of ``LSH`` and ``LSE``; (batch, head, dim) of V's channel vectors
+    ``VS``/``VM``; (batch, head, query block, key) of ``DS``; (batch, head, block, dim) of Q's
+    block means ``QM``; (batch, head) of the balancing amax ``AQ``/``AK``."""
+    Q, QS, q_strides, qs_strides = q
+    K, KS, k_strides, ks_strides = k
+    sqb, sqh, sqn, sqd = q_strides
+    skb, skh, skn, skd = k_strides
+    svb, svh, svn, svd = v_strides
+    sqsb, sqsh, sqsn = qs_strides
+    sksb, sksh, sksn = ks_strides
+    svsb, svsh, svsd = vs_strides
+    sdb, sdh, sdq, sdn = ds_strides
+    slb, slh, sln = lsh_strides
+    sob, soh, son, sod = o_strides
+    seb, seh, sen = lse_strides
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     # int64 batch/head/token bases: offsets of large tensors may pass 2^31 elements
@@ -162,14 +171,13 @@ def _attn_fwd_int8_kernel(
     dmask = offs_d < D
 
     if Q_IN_KERNEL:  # the quantization pass's own tile function: the same bits
-        q, qs, _, _, _ = quantize_int8_tile(
-            Q, QM, AQ, AK, b, h, q_start, pid_m, nq,
-            sqb, sqh, sqn, sqd, sqmb, sqmh, sqmk, sqmd, saqb, saqh, sakb, sakh, D, GROUP,
-            PER_TOKEN, Q_CENTER, Q_BALANCE, BLOCK_M, BLOCK_D,
+        q_blk, qs, _, _, _ = quantize_int8_tile(
+            Q, QM, AQ, AK, b, h, q_start, pid_m, nq, q_strides, qm_strides, aq_strides, ak_strides,
+            D, GROUP, PER_TOKEN, Q_CENTER, Q_BALANCE, BLOCK_M, BLOCK_D,
         )
         qs = qs * qk_multiplier
     else:
-        q = tl.load(
+        q_blk = tl.load(
             Q + b * sqb + h * sqh + (q_start + offs_m)[:, None] * sqn + offs_d[None, :] * sqd,
             mask=mmask[:, None] & dmask[None, :], other=0,
         )
@@ -205,10 +213,10 @@ def _attn_fwd_int8_kernel(
         # once, and ptxas moves the independent work above the wait. Costs a second score tile in
         # registers.
         if full_hi > 0:
-            s_cur = _scores(q, 0, offs_n, offs_d, dmask, nk, k_base, skn, skd, False)
+            s_cur = _scores(q_blk, 0, offs_n, offs_d, dmask, nk, k_base, skn, skd, False)
             ks_cur = _key_scales(ks_base, 0, offs_n, nk, sksn, PER_TOKEN, BLOCK_N)
             for start_n in range(0, full_hi - BLOCK_N, BLOCK_N):
-                s_next = _scores(q, start_n + BLOCK_N, offs_n, offs_d, dmask, nk, k_base, skn,
+                s_next = _scores(q_blk, start_n + BLOCK_N, offs_n, offs_d, dmask, nk, k_base, skn,
                                  skd, False)
                 ks_next = _key_scales(ks_base, start_n + BLOCK_N, offs_n, nk, sksn, PER_TOKEN,
                                       BLOCK_N)
@@ -226,7 +234,7 @@ def _attn_fwd_int8_kernel(
             )
     else:
         for start_n in range(0, full_hi, BLOCK_N):
-            s_int = _scores(q, start_n, offs_n, offs_d, dmask, nk, k_base, skn, skd, False)
+            s_int = _scores(q_blk, start_n, offs_n, offs_d, dmask, nk, k_base, skn, skd, False)
             ks = _key_scales(ks_base, start_n, offs_n, nk, sksn, PER_TOKEN, BLOCK_N)
             acc, m_i, l_i = _softmax_pv(
                 acc, m_i, l_i, s_int, ks, qs, start_n, offs_m, offs_n, offs_d, dmask, nk,
@@ -234,7 +242,7 @@ def _attn_fwd_int8_kernel(
                 False, IS_CAUSAL, PER_TOKEN, PV_FP8, HAS_DS, EXACT_FP8, BLOCK_N,
             )
     for start_n in range(full_hi, hi, BLOCK_N):
-        s_int = _scores(q, start_n, offs_n, offs_d, dmask, nk, k_base, skn, skd, True)
+        s_int = _scores(q_blk, start_n, offs_n, offs_d, dmask, nk, k_base, skn, skd, True)
         ks = _key_scales(ks_base, start_n, offs_n, nk, sksn, PER_TOKEN, BLOCK_N)
         acc, m_i, l_i = _softmax_pv(
             acc, m_i, l_i, s_int, ks, qs, start_n, offs_m, offs_n, offs_d, dmask, nk,
@@ -283,7 +291,7 @@ _attn_fwd_int8 = triton.autotune(
             "HAS_DS": lambda a: a["DS"] is not None,
             "HAS_LSH": lambda a: a["LSH"] is not None,
             "WRITE_LSE": lambda a: a["LSE"] is not None,
-            "Q_IN_KERNEL": lambda a: a["QS"] is None,
+            "Q_IN_KERNEL": lambda a: a["q"][1] is None,
             "Q_CENTER": lambda a: 0 if a["QM"] is None else 2,
             "Q_BALANCE": lambda a: 0 if a["AQ"] is None else 1,
         }
@@ -324,21 +332,21 @@ def attention(
     amax_q, amax_k = fused.balance if fused is not None and fused.balance else (None, None)
     grid = (triton.cdiv(seqs_q.max_len, block_q), seqs_q.batch * hq)
     _attn_fwd_int8[grid](
-        qz.q, qz.k, qz.v, qz.q_scale, qz.k_scale, qz.v_scale, qz.v_mean, qz.delta_s, qz.lse_shift,
-        out, lse, seqs_q.cu_seqlens, seqs_k.cu_seqlens, q_center, amax_q, amax_k,
-        *bhnd_strides(qz.q, packed), *bhnd_strides(qz.k, packed), *bhnd_strides(qz.v, packed),
-        *row_strides(qz.q_scale, packed and per_token),
-        *row_strides(qz.k_scale, packed and per_token),
-        *(vec.stride() if vec is not None else (0, 0, 0)),
-        *(qz.delta_s.stride() if qz.delta_s is not None else (0, 0, 0, 0)),
-        *row_strides(qz.lse_shift, packed), *bhnd_strides(out, packed), *row_strides(lse, packed),
-        *(q_center.stride() if q_center is not None else (0, 0, 0, 0)),
-        *(amax_q.stride()[:2] if amax_q is not None else (0, 0)),
-        *(amax_k.stride()[:2] if amax_k is not None else (0, 0)),
-        fused.multiplier if fused is not None else 1.0,
-        seqs_q.max_len, seqs_k.max_len, hq, hq // hkv, d,
-        0 if causal_offset is None else int(causal_offset),
-        min(triton.next_power_of_2(seqs_k.max_len), 32768),
+        q=(qz.q, qz.q_scale, bhnd_strides(qz.q, packed),
+           row_strides(qz.q_scale, packed and per_token)),
+        k=(qz.k, qz.k_scale, bhnd_strides(qz.k, packed),
+           row_strides(qz.k_scale, packed and per_token)),
+        V=qz.v, VS=qz.v_scale, VM=qz.v_mean, DS=qz.delta_s, LSH=qz.lse_shift, O=out, LSE=lse,
+        CUQ=seqs_q.cu_seqlens, CUK=seqs_k.cu_seqlens, QM=q_center, AQ=amax_q, AK=amax_k,
+        v_strides=bhnd_strides(qz.v, packed), vs_strides=strides(vec, 3),
+        ds_strides=strides(qz.delta_s, 4), lsh_strides=row_strides(qz.lse_shift, packed),
+        o_strides=bhnd_strides(out, packed), lse_strides=row_strides(lse, packed),
+        qm_strides=strides(q_center, 4), aq_strides=channel_vector_strides(amax_q),
+        ak_strides=channel_vector_strides(amax_k),
+        qk_multiplier=fused.multiplier if fused is not None else 1.0,
+        NQ=seqs_q.max_len, NK=seqs_k.max_len, HQ=hq, GROUP=hq // hkv, D=d,
+        causal_offset=0 if causal_offset is None else int(causal_offset),
+        N_BUCKET=min(triton.next_power_of_2(seqs_k.max_len), 32768),
         IS_CAUSAL=causal_offset is not None, PER_TOKEN=per_token, PV_FP8=pv == "fp8",
         EXACT_FP8=exact_fp8(), VARLEN=packed,
         BLOCK_M=block_q, BLOCK_N=block_k, BLOCK_D=next_pow2(d, minimum=32),  # int8 MMA: k ≥ 32

@@ -157,9 +157,9 @@ def _launch(x: torch.Tensor, group: int, scale_dtype: torch.dtype, gscale=None):
     grid = (triton.cdiv(r, block_r), triton.cdiv(ng, block_g))
     if r > 0 and ng > 0:
         _quantize_fp4_rows_kernel[grid](
-            x2, packed, codes, gscale,
-            r, k, x2.stride(0), x2.stride(1), packed.stride(0), codes.stride(0),
-            NV=gscale is not None, GROUP=group, BLOCK_R=block_r, BLOCK_K=block_g * group,
+            X=x2, OUT=packed, SCALE=codes, GSCALE=gscale, R=r, K=k, sxr=x2.stride(0),
+            sxk=x2.stride(1), sor=packed.stride(0), ssr=codes.stride(0), NV=gscale is not None,
+            GROUP=group, BLOCK_R=block_r, BLOCK_K=block_g * group,
         )
     lead = x.shape[:-1]
     return packed.view(*lead, k // 2), scales.view(*lead, ng)

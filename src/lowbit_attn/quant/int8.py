@@ -15,7 +15,8 @@ import triton.language as tl
 
 from lowbit_attn.core.operands import FP16_V_KEEP_HI, FP16_V_KEEP_LO, Seqs, dense_seqs
 from lowbit_attn.core.triton_helpers import (
-    batch_head, bhnd_strides, exact_fp8, next_pow2, row_strides, seq_span, to_e4m3,
+    batch_head, bhnd_strides, channel_vector_strides, exact_fp8, next_pow2, row_strides, seq_span,
+    strides, to_e4m3,
 )
 from lowbit_attn.quant.tile import load_centered, quantize_int8_tile
 
@@ -27,12 +28,16 @@ _KEEP_HI = tl.constexpr(FP16_V_KEEP_HI)
 
 @triton.jit
 def _stats_program(
-    X, MEAN, AMAX, CU, b, h, pid_d,
-    sxb, sxh, sxn, sxd, smb, smh, smk, smd, sab, sah, sad, N, D,
+    X, MEAN, AMAX, CU, b, h, pid_d, x_strides, mean_strides, amax_strides, N, D,
     CENTER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """Channel statistics of ``BLOCK_D`` channels of one (batch, head): the amax about the
-    ``CENTER`` (0 none, 1 the mean, 2 each block's mean), and the mean(s) when centering."""
+    ``CENTER`` (0 none, 1 the mean, 2 each block's mean), and the mean(s) when centering.
+    Strides: (batch, head, token, dim) of ``X``, (batch, head, block, dim) of ``MEAN``, (batch,
+    head, dim) of ``AMAX``."""
+    sxb, sxh, sxn, sxd = x_strides
+    smb, smh, smk, smd = mean_strides
+    sab, sah, sad = amax_strides
     start, n = seq_span(CU, b, N, VARLEN)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = offs_d < D
@@ -74,9 +79,9 @@ def _stats_program(
 
 @triton.jit
 def _channel_stats_kernel(
-    X0, MEAN0, AMAX0, CU0, sxb0, sxh0, sxn0, sxd0, smb0, smh0, smk0, smd0, sab0, sah0, sad0, N0, H0,
-    X1, MEAN1, AMAX1, CU1, sxb1, sxh1, sxn1, sxd1, smb1, smh1, smk1, smd1, sab1, sah1, sad1, N1, H1,
-    X2, MEAN2, AMAX2, CU2, sxb2, sxh2, sxn2, sxd2, smb2, smh2, smk2, smd2, sab2, sah2, sad2, N2, H2,
+    X0, MEAN0, AMAX0, CU0, x_strides0, mean_strides0, amax_strides0, N0, H0,
+    X1, MEAN1, AMAX1, CU1, x_strides1, mean_strides1, amax_strides1, N1, H1,
+    X2, MEAN2, AMAX2, CU2, x_strides2, mean_strides2, amax_strides2, N2, H2,
     NB, D,
     CENTER0: tl.constexpr, CENTER1: tl.constexpr, CENTER2: tl.constexpr,
     BLOCK_N0: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_N2: tl.constexpr,
@@ -90,19 +95,16 @@ def _channel_stats_kernel(
     n1 = NB * H1
     if CENTER0 >= 0 and pid < n0:
         b, h = batch_head(pid, H0)
-        _stats_program(X0, MEAN0, AMAX0, CU0, b, h, pid_d, sxb0, sxh0, sxn0, sxd0,
-                       smb0, smh0, smk0, smd0, sab0, sah0, sad0, N0, D,
-                       CENTER0, BLOCK_N0, BLOCK_D, VARLEN)
+        _stats_program(X0, MEAN0, AMAX0, CU0, b, h, pid_d, x_strides0, mean_strides0,
+                       amax_strides0, N0, D, CENTER0, BLOCK_N0, BLOCK_D, VARLEN)
     elif CENTER1 >= 0 and pid < n0 + n1:
         b, h = batch_head(pid - n0, H1)
-        _stats_program(X1, MEAN1, AMAX1, CU1, b, h, pid_d, sxb1, sxh1, sxn1, sxd1,
-                       smb1, smh1, smk1, smd1, sab1, sah1, sad1, N1, D,
-                       CENTER1, BLOCK_N1, BLOCK_D, VARLEN)
+        _stats_program(X1, MEAN1, AMAX1, CU1, b, h, pid_d, x_strides1, mean_strides1,
+                       amax_strides1, N1, D, CENTER1, BLOCK_N1, BLOCK_D, VARLEN)
     elif CENTER2 >= 0:
         b, h = batch_head(pid - n0 - n1, H2)
-        _stats_program(X2, MEAN2, AMAX2, CU2, b, h, pid_d, sxb2, sxh2, sxn2, sxd2,
-                       smb2, smh2, smk2, smd2, sab2, sah2, sad2, N2, D,
-                       CENTER2, BLOCK_N2, BLOCK_D, VARLEN)
+        _stats_program(X2, MEAN2, AMAX2, CU2, b, h, pid_d, x_strides2, mean_strides2,
+                       amax_strides2, N2, D, CENTER2, BLOCK_N2, BLOCK_D, VARLEN)
 
 
 class StatsRequest(NamedTuple):
@@ -114,10 +116,13 @@ class StatsRequest(NamedTuple):
     seqs: Seqs | None = None
 
 
-def _stats_args(req: StatsRequest | None):
-    """Buffers, kernel arguments and constexprs of one part of ``_channel_stats_kernel``."""
+def _stats_args(req: StatsRequest | None, part: int):
+    """Buffers, keyword arguments and constexprs of part ``part`` (0, 1, 2) of
+    ``_channel_stats_kernel``."""
     if req is None:
-        return None, (None, None, None, None, *(0,) * 11, 1, 0), -1, 64
+        args = dict(X=None, MEAN=None, AMAX=None, CU=None, x_strides=(0,) * 4,
+                    mean_strides=(0,) * 4, amax_strides=(0,) * 3, N=1, H=0)
+        return None, {f"{name}{part}": value for name, value in args.items()}, -1, 64
     seqs = req.seqs or dense_seqs(req.x)
     x, h, d = req.x, req.x.shape[1], req.x.shape[-1]
     mode = CENTERS[req.center]
@@ -132,16 +137,18 @@ def _stats_args(req: StatsRequest | None):
     else:
         mean = None
         mstrides = (0, 0, 0, 0)
-    args = (x, mean, amax, seqs.cu_seqlens, *bhnd_strides(x, seqs.packed), *mstrides,
-            *amax.stride(), seqs.max_len, h)
-    return (mean, amax), args, mode, req.block if mode == 2 else 64
+    args = dict(X=x, MEAN=mean, AMAX=amax, CU=seqs.cu_seqlens,
+                x_strides=bhnd_strides(x, seqs.packed), mean_strides=mstrides,
+                amax_strides=amax.stride(), N=seqs.max_len, H=h)
+    return ((mean, amax), {f"{name}{part}": value for name, value in args.items()}, mode,
+            req.block if mode == 2 else 64)
 
 
 def channel_stats_many(*requests: StatsRequest) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
     """``(mean, amax)`` of one to three tensors (same batch, head dim and layout) in one launch."""
     if not 1 <= len(requests) <= 3:
         raise ValueError(f"channel_stats_many: 1 to 3 tensors, got {len(requests)}")
-    parts = [_stats_args(r) for r in requests] + [_stats_args(None)] * (3 - len(requests))
+    parts = [_stats_args(requests[i] if i < len(requests) else None, i) for i in range(3)]
     first = requests[0]
     seqs = first.seqs or dense_seqs(first.x)
     d = first.x.shape[-1]
@@ -149,7 +156,7 @@ def channel_stats_many(*requests: StatsRequest) -> list[tuple[torch.Tensor | Non
     block_d = min(32, next_pow2(d))
     programs = sum(r.x.shape[1] for r in requests) * seqs.batch
     _channel_stats_kernel[(programs, triton.cdiv(d, block_d))](
-        *parts[0][1], *parts[1][1], *parts[2][1], seqs.batch, d,
+        **parts[0][1], **parts[1][1], **parts[2][1], NB=seqs.batch, D=d,
         CENTER0=parts[0][2], CENTER1=parts[1][2], CENTER2=parts[2][2],
         BLOCK_N0=parts[0][3], BLOCK_N1=parts[1][3], BLOCK_N2=parts[2][3],
         BLOCK_D=block_d, VARLEN=seqs.packed,
@@ -168,17 +175,18 @@ def channel_stats(
 @triton.jit
 def _int8_program(
     X, OUT, SCALE, CENTER_PTR, AQ, AK, CU, pid_n, b, h,
-    sxb, sxh, sxn, sxd, sob, soh, son, sod, ssb, ssh, ssn, scb, sch, sck, scd,
-    saqb, saqh, sakb, sakh, N, D, GROUP, scale_multiplier,
+    x_strides, out_strides, scale_strides, c_strides, aq_strides, ak_strides,
+    N, D, GROUP, scale_multiplier,
     PER_TOKEN: tl.constexpr, CENTER: tl.constexpr, BALANCE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
 ):
+    sob, soh, son, sod = out_strides
+    ssb, ssh, ssn = scale_strides
     start, n = seq_span(CU, b, N, VARLEN)
     if pid_n * BLOCK_N < n:
         q, scale, rows, offs_d, mask = quantize_int8_tile(
-            X, CENTER_PTR, AQ, AK, b, h, start, pid_n, n,
-            sxb, sxh, sxn, sxd, scb, sch, sck, scd, saqb, saqh, sakb, sakh, D, GROUP,
-            PER_TOKEN, CENTER, BALANCE, BLOCK_N, BLOCK_D,
+            X, CENTER_PTR, AQ, AK, b, h, start, pid_n, n, x_strides, c_strides, aq_strides,
+            ak_strides, D, GROUP, PER_TOKEN, CENTER, BALANCE, BLOCK_N, BLOCK_D,
         )
         if PER_TOKEN:
             tl.store(SCALE + b * ssb + h * ssh + (start + rows) * ssn, scale * scale_multiplier,
@@ -203,16 +211,18 @@ def _fp16_v_scale(amax):
 
 @triton.jit
 def _convert_v_program(
-    X, OUT, CENTER_PTR, AMAX, SCALE, CU, pid_n, b, h,
-    sxb, sxh, sxn, sxd, sob, soh, son, sod, scb, sch, scd, N, D,
+    X, OUT, CENTER_PTR, AMAX, SCALE, CU, pid_n, b, h, x_strides, out_strides, c_strides, N, D,
     FP8: tl.constexpr, SCALED: tl.constexpr, CENTER: tl.constexpr, EXACT_FP8: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
 ):
+    """``c_strides``: (batch, head, dim) of the ``[B, H, D]`` channel vectors (center, amax,
+    scale)."""
+    sob, soh, son, sod = out_strides
+    scb, sch, scd = c_strides
     start, n = seq_span(CU, b, N, VARLEN)
     if pid_n * BLOCK_N < n:
         x, rows, offs_d, mask = load_centered(
-            X, CENTER_PTR, b, h, start, pid_n, n,
-            sxb, sxh, sxn, sxd, scb, sch, 0, scd, D,
+            X, CENTER_PTR, b, h, start, pid_n, n, x_strides, (scb, sch, 0, scd), D,
             CENTER, BLOCK_N, BLOCK_D,
         )
         if SCALED:  # FP8 always, fp16 when asked
@@ -246,13 +256,16 @@ def _token_blocks(CU, b, N, OWN_STATS: tl.constexpr, BLOCK_N: tl.constexpr,
         return tl.program_id(0), tl.program_id(0) + 1
 
 
+@triton.heuristics({
+    "HAS_INT8": lambda args: args["X"] is not None,
+    "HAS_V": lambda args: args["VX"] is not None,
+})
 @triton.jit
 def _quantize_kernel(
     X, OUT, SCALE, CENTER_PTR, AQ, AK,
-    sxb, sxh, sxn, sxd, sob, soh, son, sod, ssb, ssh, ssn, scb, sch, sck, scd,
-    saqb, saqh, sakb, sakh, H, GROUP, scale_multiplier,
-    VX, VOUT, VCENTER, VAMAX, VSCALE,
-    svxb, svxh, svxn, svxd, svob, svoh, svon, svod, svcb, svch, svcd, HV,
+    x_strides, out_strides, scale_strides, c_strides, aq_strides, ak_strides,
+    H, GROUP, scale_multiplier,
+    VX, VOUT, VCENTER, VAMAX, VSCALE, vx_strides, vout_strides, vc_strides, HV,
     CU, N, D,
     HAS_INT8: tl.constexpr, PER_TOKEN: tl.constexpr, CENTER: tl.constexpr,
     BALANCE: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -266,7 +279,10 @@ def _quantize_kernel(
 
     ``OWN_STATS``: one program per (batch, head) and tensor (axis 0 has one program), which first
     computes the channel statistics its quantization needs (stored, for the later stages), then
-    quantizes the whole sequence, reading it a second time (from L2 when it still holds it)."""
+    quantizes the whole sequence, reading it a second time (from L2 when it still holds it).
+    Strides: (batch, head, token, dim) of ``X``/``OUT``/``VX``/``VOUT``, (batch, head, row) of
+    ``SCALE``, (batch, head, block, dim) of ``CENTER_PTR``, (batch, head) of ``AQ``/``AK``, (batch,
+    head, dim) of V's channel vectors."""
     pid = tl.program_id(1)
     n_int8 = 0
     if HAS_INT8:
@@ -274,30 +290,30 @@ def _quantize_kernel(
     if HAS_INT8 and pid < n_int8:
         b, h = batch_head(pid, H)
         if OWN_STATS:
-            _stats_program(X, CENTER_PTR, AK, CU, b, h, 0, sxb, sxh, sxn, sxd,
-                           scb, sch, 0, scd, sakb, sakh, 1, N, D, CENTER, 64, BLOCK_D, VARLEN)
+            scb, sch, _, scd = c_strides
+            sakb, sakh = ak_strides
+            _stats_program(X, CENTER_PTR, AK, CU, b, h, 0, x_strides, (scb, sch, 0, scd),
+                           (sakb, sakh, 1), N, D, CENTER, 64, BLOCK_D, VARLEN)
             tl.debug_barrier()  # the statistics are read back by every thread
         first, last = _token_blocks(CU, b, N, OWN_STATS, BLOCK_N, VARLEN)
         for pid_n in range(first, last):
             _int8_program(
-                X, OUT, SCALE, CENTER_PTR, AQ, AK, CU, pid_n, b, h,
-                sxb, sxh, sxn, sxd, sob, soh, son, sod, ssb, ssh, ssn, scb, sch, sck, scd,
-                saqb, saqh, sakb, sakh, N, D, GROUP, scale_multiplier,
+                X, OUT, SCALE, CENTER_PTR, AQ, AK, CU, pid_n, b, h, x_strides, out_strides,
+                scale_strides, c_strides, aq_strides, ak_strides, N, D, GROUP, scale_multiplier,
                 PER_TOKEN, CENTER, BALANCE, BLOCK_N, BLOCK_D, VARLEN,
             )
     elif HAS_V:
         b, h = batch_head(pid - n_int8, HV)
         if OWN_STATS and (V_SCALED or V_CENTER == 1):
-            _stats_program(VX, VCENTER, VAMAX, CU, b, h, 0, svxb, svxh, svxn, svxd,
-                           svcb, svch, 0, svcd, svcb, svch, svcd, N, D, V_CENTER, 64, BLOCK_D,
-                           VARLEN)
+            svcb, svch, svcd = vc_strides
+            _stats_program(VX, VCENTER, VAMAX, CU, b, h, 0, vx_strides, (svcb, svch, 0, svcd),
+                           vc_strides, N, D, V_CENTER, 64, BLOCK_D, VARLEN)
             tl.debug_barrier()
         first, last = _token_blocks(CU, b, N, OWN_STATS, V_BLOCK_N, VARLEN)
         for pid_n in range(first, last):
             _convert_v_program(
-                VX, VOUT, VCENTER, VAMAX, VSCALE, CU, pid_n, b, h,
-                svxb, svxh, svxn, svxd, svob, svoh, svon, svod, svcb, svch, svcd, N, D,
-                FP8, V_SCALED, V_CENTER, EXACT_FP8, V_BLOCK_N, BLOCK_D, VARLEN,
+                VX, VOUT, VCENTER, VAMAX, VSCALE, CU, pid_n, b, h, vx_strides, vout_strides,
+                vc_strides, N, D, FP8, V_SCALED, V_CENTER, EXACT_FP8, V_BLOCK_N, BLOCK_D, VARLEN,
             )
 
 
@@ -325,14 +341,6 @@ def center_strides(center, center_per_block):
     if center_per_block:
         return tuple(center.stride())
     return (center.stride(0), center.stride(1), 0, center.stride(2))
-
-
-def _channel_vector_strides(vec: torch.Tensor | None) -> tuple[int, int]:
-    """(batch, head) strides of a contiguous ``[B, H, D]`` statistics vector."""
-    if vec is None:
-        return (0, 0)
-    assert vec.is_contiguous()
-    return (vec.stride(0), vec.stride(1))
 
 
 class Int8Request(NamedTuple):
@@ -373,10 +381,13 @@ def _stats_buffers(x: torch.Tensor, seqs: Seqs, center: str):
 
 
 def _int8_part(req: Int8Request | None, seqs: Seqs):
-    """Outputs, kernel arguments and constexprs of the INT8 part of ``_quantize_kernel``."""
+    """Outputs, keyword arguments and constexprs of the INT8 part of ``_quantize_kernel``."""
     if req is None:
-        return None, (None,) * 6 + (0,) * 20 + (1, 1.0), dict(
-            HAS_INT8=False, PER_TOKEN=False, CENTER=0, BALANCE=0, BLOCK_N=64)
+        absent = dict(X=None, OUT=None, SCALE=None, CENTER_PTR=None, AQ=None, AK=None,
+                      x_strides=(0,) * 4, out_strides=(0,) * 4, scale_strides=(0,) * 3,
+                      c_strides=(0,) * 4, aq_strides=(0,) * 2, ak_strides=(0,) * 2,
+                      H=0, GROUP=1, scale_multiplier=1.0)
+        return None, absent, dict(PER_TOKEN=False, CENTER=0, BALANCE=0, BLOCK_N=64)
     stats = None
     if req.own_stats is not None:
         if req.center_per_block:
@@ -397,16 +408,16 @@ def _int8_part(req: Int8Request | None, seqs: Seqs):
     group = amax_q.shape[1] // amax_k.shape[1] if req.balance is not None else 1
     if stats is not None and amax_k is None:
         amax_k = stats[1]  # where the launch stores K's amax
-    args = (
-        x, out, scale, req.center, amax_q, amax_k,
-        *bhnd_strides(x, seqs.packed), *bhnd_strides(out, seqs.packed),
-        *row_strides(scale, seqs.packed and per_token),
-        *center_strides(req.center, req.center_per_block),
-        *_channel_vector_strides(amax_q), *_channel_vector_strides(amax_k),
-        h, group, float(req.scale_multiplier),
+    args = dict(
+        X=x, OUT=out, SCALE=scale, CENTER_PTR=req.center, AQ=amax_q, AK=amax_k,
+        x_strides=bhnd_strides(x, seqs.packed), out_strides=bhnd_strides(out, seqs.packed),
+        scale_strides=row_strides(scale, seqs.packed and per_token),
+        c_strides=center_strides(req.center, req.center_per_block),
+        aq_strides=channel_vector_strides(amax_q), ak_strides=channel_vector_strides(amax_k),
+        H=h, GROUP=group, scale_multiplier=float(req.scale_multiplier),
     )
     constexprs = dict(
-        HAS_INT8=True, PER_TOKEN=per_token, CENTER=mode,
+        PER_TOKEN=per_token, CENTER=mode,
         BALANCE=0 if req.balance is None else (1 if req.balance_role == "q" else 2),
         BLOCK_N=req.block,
     )
@@ -414,10 +425,11 @@ def _int8_part(req: Int8Request | None, seqs: Seqs):
 
 
 def _v_part(req: VRequest | None, seqs: Seqs):
-    """Outputs, kernel arguments and constexprs of the V part of ``_quantize_kernel``."""
+    """Outputs, keyword arguments and constexprs of the V part of ``_quantize_kernel``."""
     if req is None:
-        return None, (None,) * 5 + (0,) * 12, dict(HAS_V=False, FP8=False, V_SCALED=False,
-                                                   V_CENTER=0, V_BLOCK_N=64)
+        absent = dict(VX=None, VOUT=None, VCENTER=None, VAMAX=None, VSCALE=None,
+                      vx_strides=(0,) * 4, vout_strides=(0,) * 4, vc_strides=(0,) * 3, HV=0)
+        return None, absent, dict(FP8=False, V_SCALED=False, V_CENTER=0, V_BLOCK_N=64)
     stats = None
     if req.own_stats is not None:
         mean, amax = stats = _stats_buffers(req.x, seqs, req.own_stats)
@@ -444,9 +456,11 @@ def _v_part(req: VRequest | None, seqs: Seqs):
     # center, amax and scale are contiguous [B, H, D] channel vectors: one set of strides.
     for vec in (req.center, req.amax):
         assert vec is None or (vec.is_contiguous() and vec.shape == (seqs.batch, h, d))
-    args = (x, out, req.center, req.amax, scale,
-            *bhnd_strides(x, seqs.packed), *bhnd_strides(out, seqs.packed), h * d, d, 1, h)
-    constexprs = dict(HAS_V=True, FP8=req.pv == "fp8", V_SCALED=scaled,
+    args = dict(VX=x, VOUT=out, VCENTER=req.center, VAMAX=req.amax, VSCALE=scale,
+                vx_strides=bhnd_strides(x, seqs.packed),
+                vout_strides=bhnd_strides(out, seqs.packed),
+                vc_strides=(h * d, d, 1), HV=h)
+    constexprs = dict(FP8=req.pv == "fp8", V_SCALED=scaled,
                       V_CENTER=0 if req.center is None else 1, V_BLOCK_N=64)
     return (out, scale, stats), args, constexprs
 
@@ -478,7 +492,7 @@ def quantize(
     else:  # axis 0 covers the smaller blocks; programs past a part's own blocks do nothing
         blocks = triton.cdiv(seqs.max_len, min(block_rows))
     _quantize_kernel[(blocks, seqs.batch * (heads_i + heads_v))](
-        *args_i, *args_v, seqs.cu_seqlens, seqs.max_len, d,
+        **args_i, **args_v, CU=seqs.cu_seqlens, N=seqs.max_len, D=d,
         **const_i, **const_v, OWN_STATS=own_stats, EXACT_FP8=exact_fp8(), BLOCK_D=next_pow2(d),
         VARLEN=seqs.packed, num_warps=_warps(rows, d),
     )
@@ -520,15 +534,18 @@ def convert_v(
 @triton.heuristics({"HAS_KMEAN": lambda args: args["KMEAN"] is not None})
 @triton.jit
 def _delta_s_kernel(
-    QM, K, KMEAN, DS, CUQ, CUK,
-    sqb, sqh, sqk, sqd,
-    skb, skh, skn, skd,
-    smb, smh, smd,
-    sdb, sdh, sdq, sdn,
+    QM, K, KMEAN, DS, CUQ, CUK, qm_strides, k_strides, kmean_strides, ds_strides,
     NQ, NK, HQ, GROUP, D, scale_multiplier,
     HAS_KMEAN: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
 ):
+    """ΔS of one key block for every query block of one (batch, query head). Strides: (batch,
+    head, query block, dim) of ``QM``, (batch, head, token, dim) of ``K``, (batch, head, dim) of
+    ``KMEAN``, (batch, head, query block, key) of ``DS``."""
+    sqb, sqh, sqk, sqd = qm_strides
+    skb, skh, skn, skd = k_strides
+    smb, smh, smd = kmean_strides
+    sdb, sdh, sdq, sdn = ds_strides
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b, h = batch_head(pid_bh, HQ)
@@ -571,22 +588,26 @@ def delta_s(
     block_n = 64
     grid = (triton.cdiv(seqs.max_len, block_n), b * hq)
     _delta_s_kernel[grid](
-        qm, k, k_mean, out, seqs_q.cu_seqlens, seqs.cu_seqlens,
-        *qm.stride(), *bhnd_strides(k, seqs.packed),
-        *(k_mean.stride() if k_mean is not None else (0, 0, 0)), *out.stride(),
-        seqs_q.max_len, seqs.max_len, hq, hq // hkv, d, float(scale_multiplier),
-        BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_D=next_pow2(d), VARLEN=seqs.packed,
+        QM=qm, K=k, KMEAN=k_mean, DS=out, CUQ=seqs_q.cu_seqlens, CUK=seqs.cu_seqlens,
+        qm_strides=qm.stride(), k_strides=bhnd_strides(k, seqs.packed),
+        kmean_strides=strides(k_mean, 3), ds_strides=out.stride(),
+        NQ=seqs_q.max_len, NK=seqs.max_len, HQ=hq, GROUP=hq // hkv, D=d,
+        scale_multiplier=float(scale_multiplier), BLOCK_Q=block_q, BLOCK_N=block_n,
+        BLOCK_D=next_pow2(d), VARLEN=seqs.packed,
     )
     return out
 
 
 @triton.jit
 def _lse_shift_kernel(
-    Q, KMEAN, OUT, CU,
-    sqb, sqh, sqn, sqd, smb, smh, smd, sob, soh, son,
-    N, HQ, GROUP, D, softmax_scale,
+    Q, KMEAN, OUT, CU, q_strides, kmean_strides, out_strides, N, HQ, GROUP, D, softmax_scale,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
 ):
+    """Strides: (batch, head, token, dim) of ``Q``, (batch, head, dim) of ``KMEAN``, (batch,
+    head, token) of ``OUT``."""
+    sqb, sqh, sqn, sqd = q_strides
+    smb, smh, smd = kmean_strides
+    sob, soh, son = out_strides
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b, h = batch_head(pid_bh, HQ)
@@ -613,9 +634,9 @@ def lse_shift(
     block_n = 64
     grid = (triton.cdiv(seqs.max_len, block_n), seqs.batch * hq)
     _lse_shift_kernel[grid](
-        q, k_mean, out, seqs.cu_seqlens,
-        *bhnd_strides(q, seqs.packed), *k_mean.stride(), *row_strides(out, seqs.packed),
-        seqs.max_len, hq, hq // k_mean.shape[1], d, float(softmax_scale),
+        Q=q, KMEAN=k_mean, OUT=out, CU=seqs.cu_seqlens, q_strides=bhnd_strides(q, seqs.packed),
+        kmean_strides=k_mean.stride(), out_strides=row_strides(out, seqs.packed), N=seqs.max_len,
+        HQ=hq, GROUP=hq // k_mean.shape[1], D=d, softmax_scale=float(softmax_scale),
         BLOCK_N=block_n, BLOCK_D=next_pow2(d), VARLEN=seqs.packed,
     )
     return out

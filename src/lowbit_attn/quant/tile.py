@@ -1,7 +1,7 @@
 """One tile of Q or K smoothed, balanced and quantized to INT8, as Triton functions.
 
-The quantization pass (``quantize.py``) stores such tiles; the attention kernel builds its Q tile
-with the same functions when it quantizes Q itself, so both give the same bits. Twin:
+The quantization pass (``lowbit_attn.quant.int8``) stores such tiles; the attention kernel builds
+its Q tile with the same functions when it quantizes Q itself, so both give the same bits. Twin:
 ``lowbit_attn.quant.int8_naive.quantize_int8``.
 """
 
@@ -14,11 +14,14 @@ from lowbit_attn.core.triton_helpers import to_int8
 
 
 @triton.jit
-def balance_multiplier(AQ, AK, b, h, offs_d, D, saqb, saqh, sakb, sakh, GROUP,
+def balance_multiplier(AQ, AK, b, h, offs_d, D, aq_strides, ak_strides, GROUP,
                        ROLE: tl.constexpr, BLOCK_D: tl.constexpr):
     """Per-channel balancing factor: ``α = sqrt(amax_k / max over the group's amax_q)`` for Q
     (``ROLE`` 1, head ``h`` of Q) or ``1/α`` for K (``ROLE`` 2, head ``h`` of K); 1 where a side is
-    all zero; NaN statistics give NaN. Twin: ``reference.quant.balance_factors``."""
+    all zero; NaN statistics give NaN. ``*_strides``: (batch, head) of the ``[B, H, D]`` amax
+    vectors. Twin: ``lowbit_attn.quant.int8_naive.balance_factors``."""
+    saqb, saqh = aq_strides
+    sakb, sakh = ak_strides
     dmask = offs_d < D
     if ROLE == 1:
         hk = h // GROUP
@@ -41,12 +44,14 @@ def balance_multiplier(AQ, AK, b, h, offs_d, D, saqb, saqh, sakb, sakh, GROUP,
 
 @triton.jit
 def load_centered(
-    X, CENTER_PTR, b, h, start, pid_n, n,
-    sxb, sxh, sxn, sxd, scb, sch, sck, scd, D,
+    X, CENTER_PTR, b, h, start, pid_n, n, x_strides, c_strides, D,
     CENTER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Rows ``pid_n·BLOCK_N …`` of one (batch, head) in fp32, minus the channel mean (``CENTER``
-    1) or the block's mean (``CENTER`` 2); 0 outside the sequence and past ``D``."""
+    1) or the block's mean (``CENTER`` 2); 0 outside the sequence and past ``D``. Strides:
+    ``x_strides`` (batch, head, token, dim), ``c_strides`` (batch, head, block, dim)."""
+    sxb, sxh, sxn, sxd = x_strides
+    scb, sch, sck, scd = c_strides
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (rows < n)[:, None] & (offs_d < D)[None, :]
@@ -68,21 +73,18 @@ def load_centered(
 
 @triton.jit
 def quantize_int8_tile(
-    X, CENTER_PTR, AQ, AK, b, h, start, pid_n, n,
-    sxb, sxh, sxn, sxd, scb, sch, sck, scd, saqb, saqh, sakb, sakh, D, GROUP,
-    PER_TOKEN: tl.constexpr, CENTER: tl.constexpr, BALANCE: tl.constexpr,
+    X, CENTER_PTR, AQ, AK, b, h, start, pid_n, n, x_strides, c_strides, aq_strides, ak_strides,
+    D, GROUP, PER_TOKEN: tl.constexpr, CENTER: tl.constexpr, BALANCE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """``(q, scale, rows, offs_d, mask)``: the tile's INT8 values and its dequantization scale
     (one per row ``PER_TOKEN``, else one for the tile; NaN/Inf in a row or tile poison it).
     ``BALANCE``: 0 none, 1 Q's factors, 2 K's."""
     x, rows, offs_d, mask = load_centered(
-        X, CENTER_PTR, b, h, start, pid_n, n,
-        sxb, sxh, sxn, sxd, scb, sch, sck, scd, D,
-        CENTER, BLOCK_N, BLOCK_D,
+        X, CENTER_PTR, b, h, start, pid_n, n, x_strides, c_strides, D, CENTER, BLOCK_N, BLOCK_D,
     )
     if BALANCE != 0:
-        mult = balance_multiplier(AQ, AK, b, h, offs_d, D, saqb, saqh, sakb, sakh, GROUP,
+        mult = balance_multiplier(AQ, AK, b, h, offs_d, D, aq_strides, ak_strides, GROUP,
                                   BALANCE, BLOCK_D)
         x = x * mult[None, :]
     if PER_TOKEN:

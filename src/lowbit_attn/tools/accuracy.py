@@ -32,7 +32,7 @@ from lowbit_attn.tools.args import (
 )
 from lowbit_attn.inference import attention
 from lowbit_attn.core.metrics import errors
-from lowbit_attn.core.recipes import RECIPES, Recipe, get_recipe
+from lowbit_attn.core.recipes import RECIPES, Recipe
 from lowbit_attn.inference.naive import exact_attention
 
 DEFAULT_RECIPES = ("exact", "qk_int8_pv_fp16", "qk_int8_pv_fp8", "qk_fp4_pv_fp4")

@@ -199,6 +199,22 @@ class Launch:
     kwargs: dict
     grid: Any = None
 
+    @property
+    def name(self) -> str:
+        """The launched kernel's name."""
+        return _kernel_name(self.kernel)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor handed to the kernel, also those inside tuple arguments."""
+        found, todo = [], [*self.args, *self.kwargs.values()]
+        while todo:
+            value = todo.pop()
+            if isinstance(value, torch.Tensor):
+                found.append(value)
+            elif isinstance(value, tuple):
+                todo.extend(value)
+        return found
+
 
 class _Recorder:
     """Stands in for a kernel object: ``recorder[grid](...)`` notes the launch, runs nothing."""
@@ -473,31 +489,27 @@ def _arg_kind(param, value) -> tuple[str, bool]:
 
 def specialize(jit: JITFunction, values: dict[str, Any], arch: str):
     """``(signature, constexprs, attrs)`` for ``ASTSource``, as a launch with ``values`` on an
-    ``arch`` GPU gets them. A tuple argument (e.g. a tensor's strides) is specialized element by
-    element, its constexprs and attributes keyed by their index path ``(argument, element)``
-    (other constexprs by name, as ``ASTSource`` takes both)."""
+    ``arch`` GPU gets them. A tuple argument (a tensor's strides, or an operand's tensors and
+    strides, nested) is specialized element by element, its constexprs and attributes keyed by
+    their index path ``(argument, element, ...)`` (other constexprs by name, as ``ASTSource`` takes
+    both)."""
     signature, constexprs, attrs = {}, {}, {}
+
+    def visit(param, value, path):
+        if isinstance(value, tuple) and not param.is_constexpr:
+            return tuple(visit(param, item, path + (j,)) for j, item in enumerate(value))
+        kind, divisible = _arg_kind(param, value)
+        if kind == "constexpr":
+            constexprs[path if len(path) > 1 else param.name] = value
+        elif divisible:
+            attrs[path] = [["tt.divisibility", 16]]
+        return kind
+
     for i, param in enumerate(jit.params):
         value = values[param.name]
         if param.is_constexpr and param.name in GPU_CONSTEXPRS:
             value = GPU_CONSTEXPRS[param.name](parse_arch(arch))
-        if isinstance(value, tuple) and not param.is_constexpr:
-            kinds = []
-            for j, item in enumerate(value):
-                kind, divisible = _arg_kind(param, item)
-                kinds.append(kind)
-                if kind == "constexpr":
-                    constexprs[(i, j)] = item
-                elif divisible:
-                    attrs[(i, j)] = [["tt.divisibility", 16]]
-            signature[param.name] = tuple(kinds)
-            continue
-        kind, divisible = _arg_kind(param, value)
-        signature[param.name] = kind
-        if kind == "constexpr":
-            constexprs[param.name] = value
-        elif divisible:
-            attrs[(i,)] = [["tt.divisibility", 16]]
+        signature[param.name] = visit(param, value, (i,))
     return signature, constexprs, attrs
 
 
@@ -685,10 +697,11 @@ def record_train_launches(
 ) -> list[Launch]:
     """The kernel launches of one trainable attention forward and backward (``[1, 2, seq_len,
     head_dim]``, a :class:`~lowbit_attn.core.recipes.TrainRecipe` or its name) on the Triton backend;
-    ``dq_mode`` as ``kernels.attn_train_bwd.dq_mode``."""
+    ``dq_mode``: ``"recompute"`` or ``"atomic"``, as ``LOWBIT_ATTN_TRAIN_DQ`` chooses
+    (:mod:`lowbit_attn.core.options`)."""
     from lowbit_attn.training.prepare import prepare, prepare_grad
     from lowbit_attn.core.recipes import resolve_train
-    from lowbit_attn.training import kernel_bwd as attn_train_bwd, kernel_fwd as attn_train_fwd
+    from lowbit_attn.training import kernel_bwd, kernel_fwd
 
     r = resolve_train(recipe)
     q, k, v, do = (torch.zeros(1, 2, seq_len, head_dim, dtype=dtype) for _ in range(4))
@@ -697,11 +710,11 @@ def record_train_launches(
     scale = head_dim ** -0.5
     with _recording() as sink:
         ops = prepare(q, k, v, r, scale, "triton")
-        attn_train_fwd.forward(ops, out=torch.zeros_like(q), causal_offset=offset)
+        kernel_fwd.forward(ops, out=torch.zeros_like(q), causal_offset=offset)
         grad = prepare_grad(do, r, "triton")
-        attn_train_bwd.backward(ops, grad, lse, torch.zeros_like(q), torch.zeros_like(k),
-                                torch.zeros_like(v), causal_offset=offset, softmax_scale=scale,
-                                mode=dq_mode)
+        kernel_bwd.backward(ops, grad, lse, torch.zeros_like(q), torch.zeros_like(k),
+                            torch.zeros_like(v), causal_offset=offset, softmax_scale=scale,
+                            mode=dq_mode)
     return list(sink)
 
 

@@ -16,7 +16,6 @@ import argparse
 import functools
 import importlib
 import json
-import math
 import os
 import platform
 import sys

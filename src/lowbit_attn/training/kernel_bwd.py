@@ -10,8 +10,6 @@ Twin: ``lowbit_attn.training.naive.backward``.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -19,7 +17,7 @@ import triton.language as tl
 from lowbit_attn.core.arch import get_capability, interpreter_enabled
 from lowbit_attn.core.operands import TRAIN_BLOCK, GradOperands, TrainOperands
 from lowbit_attn.core.triton_helpers import (
-    LaunchConfig, batch_head, mm, next_pow2, quantize_tile, triton_configs,
+    LaunchConfig, batch_head, mm, next_pow2, operand, quantize_tile, strides, triton_configs,
 )
 
 CONFIGS = {
@@ -33,10 +31,13 @@ CONFIGS = {
 
 
 @triton.jit
-def _operand(X, XS, b, h, blk, rows, offs_d, mask, sxb, sxh, sxn, sxd, ssb, ssh, ssn,
-             TRANS: tl.constexpr):
+def _operand(op, b, h, blk, rows, offs_d, mask, TRANS: tl.constexpr):
     """One block of 64 tokens of an operand, ``[64, D]`` (``[D, 64]`` with ``TRANS``), and the
-    block's scale (``blk``: its index)."""
+    block's scale (``blk``: its index). ``op``: ``(values [B, H, N, D], scales [B, H, N/64],
+    values' strides, scales' strides)``."""
+    X, XS, x_strides, s_strides = op
+    sxb, sxh, sxn, sxd = x_strides
+    ssb, ssh, ssn = s_strides
     if TRANS:
         x = tl.load(X + b * sxb + h * sxh + rows[None, :] * sxn + offs_d[:, None] * sxd,
                     mask=tl.trans(mask), other=0)
@@ -68,20 +69,27 @@ def _tile_p_dp(
 
 @triton.jit
 def _train_dkdv_kernel(
-    Q, K, QS, KS, DO_DP, DOS_DP, V_DP, VS_DP, DO_DV, DOS_DV, Q_DK, QS_DK, QM, DS, LSE, DELTA,
-    DK, DV, BAL, K_DQ, KS_DQ, DQ_ACC,
-    sqb, sqh, sqn, sqd, skb, skh, skn, skd, sqsb, sqsh, sqsn, sksb, sksh, sksn,
-    sdpb, sdph, sdpn, sdpd, sdpsb, sdpsh, sdpsn, svb, svh, svn, svd, svsb, svsh, svsn,
-    sdvb, sdvh, sdvn, sdvd, sdvsb, sdvsh, sdvsn, sqkb, sqkh, sqkn, sqkd, sqksb, sqksh, sqksn,
-    sqmb, sqmh, sqmk, sqmd, sdsb, sdsh, sdsq, sdsn, slb, slh, sln,
-    sdkb, sdkh, sdkn, sdkd, sdvob, sdvoh, sdvon, sdvod, sbb, sbh, sbd,
-    skqb, skqh, skqn, skqd, skqsb, skqsh, skqsn, sab, sah, san, sad,
+    q, k, do_dp, v_dp, do_dv, q_dk, k_dq,
+    QM, DS, LSE, DELTA, DK, DV, BAL, DQ_ACC,
+    qm_strides, ds_strides, lse_strides, dk_strides, dv_strides, bal_strides, acc_strides,
     NQ, NK, HKV, GROUP, D, causal_offset, softmax_scale, N_BUCKET,
     IS_CAUSAL: tl.constexpr, QK_INT8: tl.constexpr, DP_INT8: tl.constexpr,
     DV_INT8: tl.constexpr, DK_INT8: tl.constexpr, DQ_INT8: tl.constexpr, HAS_DS: tl.constexpr,
     HAS_BAL: tl.constexpr, ATOMIC_DQ: tl.constexpr, EMU_FP32: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    """dK and dV of one key block. Operands (see :func:`_operand`): Q and K for the scores, dO and
+    V for dP, dO for dV, Q for dK, K for dQ (``ATOMIC_DQ``). Strides: (batch, head, query block,
+    dim) of Q's block means ``QM``; (batch, head, query block, key) of ``DS``; (batch, head, token)
+    of ``LSE`` and ``DELTA``; (batch, head, token, dim) of ``DK``, ``DV``, ``DQ_ACC``; (batch, head,
+    dim) of the balancing factors ``BAL``."""
+    sqmb, sqmh, sqmk, sqmd = qm_strides
+    sdsb, sdsh, sdsq, sdsn = ds_strides
+    slb, slh, sln = lse_strides
+    sdkb, sdkh, sdkn, sdkd = dk_strides
+    sdvob, sdvoh, sdvon, sdvod = dv_strides
+    sbb, sbh, sbd = bal_strides
+    sab, sah, san, sad = acc_strides
     pid_n = tl.program_id(0)
     b, hk = batch_head(tl.program_id(1), HKV)
     cols = pid_n * BLOCK + tl.arange(0, BLOCK)
@@ -89,13 +97,10 @@ def _train_dkdv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     nd_mask = (cols < NK)[:, None] & dmask[None, :]
-    kt, ks = _operand(K, KS, b, hk, pid_n, cols, offs_d, nd_mask, skb, skh, skn, skd,
-                      sksb, sksh, sksn, True)
-    v_dpt, vdps = _operand(V_DP, VS_DP, b, hk, pid_n, cols, offs_d, nd_mask, svb, svh, svn, svd,
-                           svsb, svsh, svsn, True)
+    kt, ks = _operand(k, b, hk, pid_n, cols, offs_d, nd_mask, True)
+    v_dpt, vdps = _operand(v_dp, b, hk, pid_n, cols, offs_d, nd_mask, True)
     if ATOMIC_DQ:  # this key block's share of dQ = dS·K, added into an fp32 buffer
-        k_dq, kdqs = _operand(K_DQ, KS_DQ, b, hk, pid_n, cols, offs_d, nd_mask, skqb, skqh, skqn,
-                              skqd, skqsb, skqsh, skqsn, False)
+        k_dq_blk, kdqs = _operand(k_dq, b, hk, pid_n, cols, offs_d, nd_mask, False)
     dk = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     lo = 0
@@ -107,32 +112,28 @@ def _train_dkdv_kernel(
             rows = start_m + offs_m
             md_mask = (rows < NQ)[:, None] & dmask[None, :]
             qb = start_m // BLOCK
-            q, qs = _operand(Q, QS, b, h, qb, rows, offs_d, md_mask, sqb, sqh, sqn, sqd,
-                             sqsb, sqsh, sqsn, False)
-            do_dp, dos = _operand(DO_DP, DOS_DP, b, h, qb, rows, offs_d, md_mask, sdpb, sdph,
-                                  sdpn, sdpd, sdpsb, sdpsh, sdpsn, False)
+            q_blk, qs = _operand(q, b, h, qb, rows, offs_d, md_mask, False)
+            do_dp_blk, dos = _operand(do_dp, b, h, qb, rows, offs_d, md_mask, False)
             lse = tl.load(LSE + b * slb + h * slh + rows * sln, mask=rows < NQ, other=0.0)
             delta = tl.load(DELTA + b * slb + h * slh + rows * sln, mask=rows < NQ, other=0.0)
             ds_ptrs = DS
             if HAS_DS:
                 ds_ptrs = DS + b * sdsb + h * sdsh + qb * sdsq + cols[None, :] * sdsn
-            p, dp = _tile_p_dp(q, qs, kt, ks, do_dp, dos, v_dpt, vdps, lse, rows, cols, NQ, NK,
-                               causal_offset, ds_ptrs, IS_CAUSAL, HAS_DS, QK_INT8, DP_INT8,
+            p, dp = _tile_p_dp(q_blk, qs, kt, ks, do_dp_blk, dos, v_dpt, vdps, lse, rows, cols, NQ,
+                               NK, causal_offset, ds_ptrs, IS_CAUSAL, HAS_DS, QK_INT8, DP_INT8,
                                EMU_FP32)
             ds = p * (dp - delta[:, None])
-            do_dv, dovs = _operand(DO_DV, DOS_DV, b, h, qb, rows, offs_d, md_mask, sdvb, sdvh,
-                                   sdvn, sdvd, sdvsb, sdvsh, sdvsn, False)
-            pq, ps = quantize_tile(p, DV_INT8, DO_DV)
-            dv += mm(tl.trans(pq), do_dv, DV_INT8, EMU_FP32) * (ps * dovs)
-            q_dk, qdks = _operand(Q_DK, QS_DK, b, h, qb, rows, offs_d, md_mask, sqkb, sqkh, sqkn,
-                                  sqkd, sqksb, sqksh, sqksn, False)
-            dsq, dss = quantize_tile(ds, DK_INT8, Q_DK)
-            dk += mm(tl.trans(dsq), q_dk, DK_INT8, EMU_FP32) * (dss * qdks)
+            do_dv_blk, dovs = _operand(do_dv, b, h, qb, rows, offs_d, md_mask, False)
+            pq, ps = quantize_tile(p, DV_INT8, do_dv[0])
+            dv += mm(tl.trans(pq), do_dv_blk, DV_INT8, EMU_FP32) * (ps * dovs)
+            q_dk_blk, qdks = _operand(q_dk, b, h, qb, rows, offs_d, md_mask, False)
+            dsq, dss = quantize_tile(ds, DK_INT8, q_dk[0])
+            dk += mm(tl.trans(dsq), q_dk_blk, DK_INT8, EMU_FP32) * (dss * qdks)
             if ATOMIC_DQ:
                 if DQ_INT8 != DK_INT8:
-                    dsq, dss = quantize_tile(ds, DQ_INT8, K_DQ)
+                    dsq, dss = quantize_tile(ds, DQ_INT8, k_dq[0])
                 tl.atomic_add(DQ_ACC + b * sab + h * sah + rows[:, None] * san + offs_d[None, :] * sad,
-                              mm(dsq, k_dq, DQ_INT8, EMU_FP32) * (dss * kdqs), mask=md_mask,
+                              mm(dsq, k_dq_blk, DQ_INT8, EMU_FP32) * (dss * kdqs), mask=md_mask,
                               sem="relaxed")
             if HAS_DS:  # Q smoothing: dK also gets Σ_i dS_ij·mean(Q_block)
                 qm = tl.load(QM + b * sqmb + h * sqmh + qb * sqmk + offs_d * sqmd, mask=dmask,
@@ -149,18 +150,20 @@ def _train_dkdv_kernel(
 
 @triton.jit
 def _train_dq_kernel(
-    Q, K, QS, KS, DO_DP, DOS_DP, V_DP, VS_DP, K_DQ, KS_DQ, DS, LSE, DELTA, DQ, BAL,
-    sqb, sqh, sqn, sqd, skb, skh, skn, skd, sqsb, sqsh, sqsn, sksb, sksh, sksn,
-    sdpb, sdph, sdpn, sdpd, sdpsb, sdpsh, sdpsn, svb, svh, svn, svd, svsb, svsh, svsn,
-    skqb, skqh, skqn, skqd, skqsb, skqsh, skqsn, sdsb, sdsh, sdsq, sdsn, slb, slh, sln,
-    sdqb, sdqh, sdqn, sdqd, sbb, sbh, sbd,
+    q, k, do_dp, v_dp, k_dq, DS, LSE, DELTA, DQ, BAL,
+    ds_strides, lse_strides, dq_strides, bal_strides,
     NQ, NK, HQ, GROUP, D, causal_offset, softmax_scale, N_BUCKET,
     IS_CAUSAL: tl.constexpr, QK_INT8: tl.constexpr, DP_INT8: tl.constexpr,
     DQ_INT8: tl.constexpr, HAS_DS: tl.constexpr, HAS_BAL: tl.constexpr, EMU_FP32: tl.constexpr,
     DELTA_PASS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One query block's dQ, for the Δ in DELTA; with ``DELTA_PASS``, instead, the block's
-    ``Δ_i = Σ_j P_ij·dP_ij`` into DELTA (the first launch of the backward)."""
+    ``Δ_i = Σ_j P_ij·dP_ij`` into DELTA (the first launch of the backward). Operands and strides
+    as in :func:`_train_dkdv_kernel` (``DQ``: batch, head, token, dim)."""
+    sdsb, sdsh, sdsq, sdsn = ds_strides
+    slb, slh, sln = lse_strides
+    sdqb, sdqh, sdqn, sdqd = dq_strides
+    sbb, sbh, sbd = bal_strides
     pid_m = tl.program_id(0)
     b, h = batch_head(tl.program_id(1), HQ)
     hk = h // GROUP
@@ -169,10 +172,8 @@ def _train_dq_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     md_mask = (rows < NQ)[:, None] & dmask[None, :]
-    q, qs = _operand(Q, QS, b, h, pid_m, rows, offs_d, md_mask, sqb, sqh, sqn, sqd, sqsb, sqsh,
-                     sqsn, False)
-    do_dp, dos = _operand(DO_DP, DOS_DP, b, h, pid_m, rows, offs_d, md_mask, sdpb, sdph, sdpn,
-                          sdpd, sdpsb, sdpsh, sdpsn, False)
+    q_blk, qs = _operand(q, b, h, pid_m, rows, offs_d, md_mask, False)
+    do_dp_blk, dos = _operand(do_dp, b, h, pid_m, rows, offs_d, md_mask, False)
     lse = tl.load(LSE + b * slb + h * slh + rows * sln, mask=rows < NQ, other=0.0)
     if DELTA_PASS:
         delta = tl.zeros([BLOCK], dtype=tl.float32)
@@ -186,23 +187,20 @@ def _train_dq_kernel(
         cols = start_n + offs_n
         nd_mask = (cols < NK)[:, None] & dmask[None, :]
         kb = start_n // BLOCK
-        kt, ks = _operand(K, KS, b, hk, kb, cols, offs_d, nd_mask, skb, skh, skn, skd,
-                          sksb, sksh, sksn, True)
-        v_dpt, vdps = _operand(V_DP, VS_DP, b, hk, kb, cols, offs_d, nd_mask, svb, svh, svn, svd,
-                               svsb, svsh, svsn, True)
+        kt, ks = _operand(k, b, hk, kb, cols, offs_d, nd_mask, True)
+        v_dpt, vdps = _operand(v_dp, b, hk, kb, cols, offs_d, nd_mask, True)
         ds_ptrs = DS
         if HAS_DS:
             ds_ptrs = DS + b * sdsb + h * sdsh + pid_m * sdsq + cols[None, :] * sdsn
-        p, dp = _tile_p_dp(q, qs, kt, ks, do_dp, dos, v_dpt, vdps, lse, rows, cols, NQ, NK,
+        p, dp = _tile_p_dp(q_blk, qs, kt, ks, do_dp_blk, dos, v_dpt, vdps, lse, rows, cols, NQ, NK,
                            causal_offset, ds_ptrs, IS_CAUSAL, HAS_DS, QK_INT8, DP_INT8, EMU_FP32)
         if DELTA_PASS:
             delta += tl.sum(p * dp, axis=1)
         else:
             ds = p * (dp - delta[:, None])
-            k_dq, kdqs = _operand(K_DQ, KS_DQ, b, hk, kb, cols, offs_d, nd_mask, skqb, skqh, skqn,
-                                  skqd, skqsb, skqsh, skqsn, False)
-            dsq, dss = quantize_tile(ds, DQ_INT8, K_DQ)
-            dq += mm(dsq, k_dq, DQ_INT8, EMU_FP32) * (dss * kdqs)
+            k_dq_blk, kdqs = _operand(k_dq, b, hk, kb, cols, offs_d, nd_mask, False)
+            dsq, dss = quantize_tile(ds, DQ_INT8, k_dq[0])
+            dq += mm(dsq, k_dq_blk, DQ_INT8, EMU_FP32) * (dss * kdqs)
     if DELTA_PASS:
         tl.store(DELTA + b * slb + h * slh + rows * sln, delta, mask=rows < NQ)
     else:
@@ -214,10 +212,13 @@ def _train_dq_kernel(
 
 
 @triton.jit
-def _dq_finish_kernel(ACC, DQ, BAL, sab, sah, san, sad, sdqb, sdqh, sdqn, sdqd, sbb, sbh, sbd,
+def _dq_finish_kernel(ACC, DQ, BAL, acc_strides, dq_strides, bal_strides,
                       NQ, HQ, GROUP, D, softmax_scale, HAS_BAL: tl.constexpr,
                       BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
     """dQ from the fp32 buffer the dK/dV kernel added into: times the softmax scale (and α)."""
+    sab, sah, san, sad = acc_strides
+    sdqb, sdqh, sdqn, sdqd = dq_strides
+    sbb, sbh, sbd = bal_strides
     b, h = batch_head(tl.program_id(1), HQ)
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, BLOCK_D)
@@ -240,88 +241,60 @@ _dq = triton.autotune(configs=triton_configs(CONFIGS, get_capability()),
                       key=_KEY + ["DQ_INT8", "DELTA_PASS"])(_train_dq_kernel)
 
 
-def _strides(x: torch.Tensor | None, n: int) -> tuple:
-    return tuple(x.stride()) if x is not None else (0,) * n
-
-
-DQ_MODES = ("recompute", "atomic")
-
-
-def dq_mode() -> str:
-    """How dQ is computed: ``"recompute"`` (default: a dQ kernel that recomputes S and dP per
-    query block; deterministic) or ``"atomic"`` (the dK/dV kernel adds each tile's dS·K into an
-    fp32 buffer: two fewer matmuls per tile, summation order not fixed). ``LOWBIT_ATTN_TRAIN_DQ``
-    chooses, until a GPU measurement decides the default."""
-    mode = os.environ.get("LOWBIT_ATTN_TRAIN_DQ", "recompute")
-    if mode not in DQ_MODES:
-        raise ValueError(f"LOWBIT_ATTN_TRAIN_DQ must be one of {DQ_MODES}, got {mode!r}")
-    return mode
-
-
 def launch_args(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, dq, dk, dv, *,
-                causal_offset, softmax_scale, mode: str = "recompute"):
-    """``[(kernel, grid, args, constexprs), ...]`` in launch order for ``mode`` (see
-    :func:`dq_mode`)."""
+                causal_offset, softmax_scale, mode: str):
+    """``[(kernel, grid, kwargs), ...]`` in launch order for dQ ``mode``: ``"recompute"`` (a dQ
+    kernel recomputes S and dP per query block) or ``"atomic"`` (the dK/dV kernel adds dS·K into
+    an fp32 buffer); see :mod:`lowbit_attn.core.options`."""
     b, hq, nq, d = ops.q.shape
     hkv, nk = ops.k.shape[1], ops.k.shape[2]
     lse = lse.contiguous()
     delta = torch.empty_like(lse)  # Δ [B, Hq, Nq] fp32, written by the first launch; LSE's strides
     atomic = mode == "atomic"
-    qs = ops.q_scale * ops.qk_multiplier
     common = dict(
+        q=operand(ops.q, ops.q_scale * ops.qk_multiplier), k=operand(ops.k, ops.k_scale),
+        do_dp=operand(grad.do_dp, grad.do_dp_scale), v_dp=operand(ops.v_dp, ops.v_dp_scale),
+        k_dq=operand(ops.k_dq, ops.k_dq_scale), DS=ops.delta_s, LSE=lse, DELTA=delta,
+        BAL=ops.balance, ds_strides=strides(ops.delta_s, 4), lse_strides=lse.stride(),
+        bal_strides=strides(ops.balance, 3), NQ=nq, NK=nk, GROUP=hq // hkv, D=d,
+        causal_offset=0 if causal_offset is None else int(causal_offset),
+        softmax_scale=float(softmax_scale),
+        N_BUCKET=min(triton.next_power_of_2(max(nq, nk)), 32768),
         IS_CAUSAL=causal_offset is not None, QK_INT8="qk" in ops.int8, DP_INT8="dp" in ops.int8,
         DQ_INT8="dq" in ops.int8, HAS_DS=ops.delta_s is not None, HAS_BAL=ops.balance is not None,
         EMU_FP32=interpreter_enabled(), BLOCK=TRAIN_BLOCK, BLOCK_D=next_pow2(d, minimum=32),
     )
-    offset = 0 if causal_offset is None else int(causal_offset)
-    bucket = min(triton.next_power_of_2(max(nq, nk)), 32768)
-    qk = (ops.q, ops.k, qs, ops.k_scale)
-    qk_strides = (*ops.q.stride(), *ops.k.stride(), *qs.stride(), *ops.k_scale.stride())
-    dp = (grad.do_dp, grad.do_dp_scale, ops.v_dp, ops.v_dp_scale)
-    dp_strides = (*grad.do_dp.stride(), *grad.do_dp_scale.stride(), *ops.v_dp.stride(),
-                  *ops.v_dp_scale.stride())
-    k_dq = (ops.k_dq, ops.k_dq_scale)
-    k_dq_strides = (*ops.k_dq.stride(), *ops.k_dq_scale.stride())
     # the autotuner zeroes DQ_ACC before each timed run, so it must be a tensor in both modes
     acc = torch.zeros((b, hq, nq, d) if atomic else (1, 1, 1, 1), device=dq.device,
                       dtype=torch.float32)
-    rows_pass = (
-        _dq, (triton.cdiv(nq, TRAIN_BLOCK), b * hq),
-        (*qk, *dp, *k_dq, ops.delta_s, lse, delta, dq, ops.balance,
-         *qk_strides, *dp_strides, *k_dq_strides,
-         *_strides(ops.delta_s, 4), *lse.stride(), *dq.stride(), *_strides(ops.balance, 3),
-         nq, nk, hq, hq // hkv, d, offset, float(softmax_scale), bucket),
-    )
-    launches = [(*rows_pass, dict(common, DELTA_PASS=True)), (
+    rows_grid = (triton.cdiv(nq, TRAIN_BLOCK), b * hq)
+    rows_pass = dict(common, DQ=dq, dq_strides=dq.stride(), HQ=hq)
+    launches = [(_dq, rows_grid, dict(rows_pass, DELTA_PASS=True)), (
         _dkdv, (triton.cdiv(nk, TRAIN_BLOCK), b * hkv),
-        (*qk, *dp, grad.do_dv, grad.do_dv_scale, ops.q_dk, ops.q_dk_scale, ops.q_mean,
-         ops.delta_s, lse, delta, dk, dv, ops.balance, *k_dq, acc,
-         *qk_strides, *dp_strides, *grad.do_dv.stride(), *grad.do_dv_scale.stride(),
-         *ops.q_dk.stride(), *ops.q_dk_scale.stride(), *_strides(ops.q_mean, 4),
-         *_strides(ops.delta_s, 4), *lse.stride(), *dk.stride(), *dv.stride(),
-         *_strides(ops.balance, 3), *k_dq_strides, *_strides(acc, 4),
-         nq, nk, hkv, hq // hkv, d, offset, float(softmax_scale), bucket),
-        dict(common, DV_INT8="dv" in ops.int8, DK_INT8="dk" in ops.int8, ATOMIC_DQ=atomic),
+        dict(common, do_dv=operand(grad.do_dv, grad.do_dv_scale),
+             q_dk=operand(ops.q_dk, ops.q_dk_scale), QM=ops.q_mean, DK=dk, DV=dv, DQ_ACC=acc,
+             qm_strides=strides(ops.q_mean, 4), dk_strides=dk.stride(), dv_strides=dv.stride(),
+             acc_strides=acc.stride(), HKV=hkv, DV_INT8="dv" in ops.int8,
+             DK_INT8="dk" in ops.int8, ATOMIC_DQ=atomic),
     )]
     if atomic:
-        launches.append((
-            _dq_finish_kernel, (triton.cdiv(nq, TRAIN_BLOCK), b * hq),
-            (acc, dq, ops.balance, *acc.stride(), *dq.stride(), *_strides(ops.balance, 3),
-             nq, hq, hq // hkv, d, float(softmax_scale)),
-            dict(HAS_BAL=ops.balance is not None, BLOCK=TRAIN_BLOCK,
-                 BLOCK_D=next_pow2(d, minimum=32)),
-        ))
+        launches.append((_dq_finish_kernel, rows_grid, dict(
+            ACC=acc, DQ=dq, BAL=ops.balance, acc_strides=acc.stride(), dq_strides=dq.stride(),
+            bal_strides=strides(ops.balance, 3), NQ=nq, HQ=hq, GROUP=hq // hkv, D=d,
+            softmax_scale=float(softmax_scale), HAS_BAL=ops.balance is not None,
+            BLOCK=TRAIN_BLOCK, BLOCK_D=next_pow2(d, minimum=32),
+        )))
     else:
-        launches.append((*rows_pass, dict(common, DELTA_PASS=False)))
+        launches.append((_dq, rows_grid, dict(rows_pass, DELTA_PASS=False)))
     return launches
 
 
 def backward(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, dq: torch.Tensor,
              dk: torch.Tensor, dv: torch.Tensor, *, causal_offset: int | None,
-             softmax_scale: float, mode: str | None = None) -> None:
+             softmax_scale: float, mode: str) -> None:
     """Writes ``dq [B, Hq, Nq, D]``, ``dk, dv [B, Hkv, Nk, D]`` (views in any layout)."""
-    for kernel, grid, args, constexprs in launch_args(
+    for kernel, grid, kwargs in launch_args(
         ops, grad, lse, dq, dk, dv, causal_offset=causal_offset, softmax_scale=softmax_scale,
-        mode=mode or dq_mode(),
+        mode=mode,
     ):
-        kernel[grid](*args, **constexprs)
+        kernel[grid](**kwargs)

@@ -15,7 +15,7 @@ from lowbit_attn.core.arch import get_capability, interpreter_enabled
 from lowbit_attn.core.operands import TRAIN_BLOCK, TrainOperands
 from lowbit_attn.core.triton_helpers import (
     LaunchConfig, batch_head, finish_scores, key_block_bounds, mm, next_pow2, online_max,
-    normalize_rows, round_half_even, triton_configs,
+    normalize_rows, operand, round_half_even, strides, triton_configs,
 )
 
 CONFIGS = {
@@ -67,15 +67,27 @@ def _fwd_block(
 
 @triton.jit
 def _train_fwd_kernel(
-    Q, K, V, QS, KS, VS, DS, O, LSE,
-    sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-    sqsb, sqsh, sqsn, sksb, sksh, sksn, svsb, svsh, svsn,
-    sdb, sdh, sdq, sdn, sob, soh, son, sod, slb, slh, sln,
+    q, k, v, DS, O, LSE, ds_strides, o_strides, lse_strides,
     NQ, NK, HQ, GROUP, D, causal_offset, N_BUCKET,
     IS_CAUSAL: tl.constexpr, QK_INT8: tl.constexpr, PV_INT8: tl.constexpr,
     HAS_DS: tl.constexpr, EMU_FP32: tl.constexpr, QUANT_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    """Operands ``q``, ``k``, ``v``: ``(values [B, H, N, D], scales [B, H, N/QUANT_BLOCK], values'
+    strides, scales' strides)``. Strides: (batch, head, query block, key) of ``DS``; (batch, head,
+    token, dim) of ``O``; (batch, head, token) of ``LSE``."""
+    Q, QS, q_strides, qs_strides = q
+    K, KS, k_strides, ks_strides = k
+    V, VS, v_strides, vs_strides = v
+    sqb, sqh, sqn, sqd = q_strides
+    skb, skh, skn, skd = k_strides
+    svb, svh, svn, svd = v_strides
+    sqsb, sqsh, sqsn = qs_strides
+    sksb, sksh, sksn = ks_strides
+    svsb, svsh, svsn = vs_strides
+    sdb, sdh, sdq, sdn = ds_strides
+    sob, soh, son, sod = o_strides
+    slb, slh, sln = lse_strides
     pid_m = tl.program_id(0)
     b, h = batch_head(tl.program_id(1), HQ)
     hk = h // GROUP
@@ -84,7 +96,7 @@ def _train_fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mmask = offs_m < NQ
     dmask = offs_d < D
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :] * sqd,
+    q_blk = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :] * sqd,
                 mask=mmask[:, None] & dmask[None, :], other=0)
     # One scale per QUANT_BLOCK rows (two per tile of 128 rows); QS holds s_q·softmax_scale·log2 e.
     qs = tl.load(QS + b * sqsb + h * sqsh + (offs_m // QUANT_BLOCK) * sqsn, mask=mmask, other=0.0)
@@ -102,13 +114,13 @@ def _train_fwd_kernel(
     full_hi, hi = key_block_bounds(NK, pid_m, causal_offset, IS_CAUSAL, BLOCK_M, BLOCK_N)
     for start_n in range(0, full_hi, BLOCK_N):
         acc, m_i, l_i = _fwd_block(
-            acc, m_i, l_i, q, qs, start_n, offs_m, offs_n, offs_d, dmask, NK, causal_offset,
+            acc, m_i, l_i, q_blk, qs, start_n, offs_m, offs_n, offs_d, dmask, NK, causal_offset,
             k_base, v_base, ks_base, vs_base, ds_base, V, skn, skd, svn, svd, sksn, svsn, sdn,
             False, IS_CAUSAL, QK_INT8, PV_INT8, HAS_DS, EMU_FP32, BLOCK_N,
         )
     for start_n in range(full_hi, hi, BLOCK_N):
         acc, m_i, l_i = _fwd_block(
-            acc, m_i, l_i, q, qs, start_n, offs_m, offs_n, offs_d, dmask, NK, causal_offset,
+            acc, m_i, l_i, q_blk, qs, start_n, offs_m, offs_n, offs_d, dmask, NK, causal_offset,
             k_base, v_base, ks_base, vs_base, ds_base, V, skn, skd, svn, svd, sksn, svsn, sdn,
             True, IS_CAUSAL, QK_INT8, PV_INT8, HAS_DS, EMU_FP32, BLOCK_N,
         )
@@ -126,32 +138,29 @@ _train_fwd = triton.autotune(
 
 
 def launch_args(ops: TrainOperands, out: torch.Tensor, lse: torch.Tensor, causal_offset):
-    """The kernel's arguments (also what ``lowbit-attn inspect`` compiles ahead of time)."""
+    """``(grid, kwargs)`` of the kernel's launch (also what ``lowbit-attn inspect`` compiles ahead
+    of time)."""
     b, hq, nq, d = ops.q.shape
     hkv, nk = ops.k.shape[1], ops.k.shape[2]
     block_m = TRAIN_BLOCK if ops.delta_s is not None else 2 * TRAIN_BLOCK
-    qs = ops.q_scale * ops.qk_multiplier
-    args = (
-        ops.q, ops.k, ops.v, qs, ops.k_scale, ops.v_scale, ops.delta_s, out, lse,
-        *ops.q.stride(), *ops.k.stride(), *ops.v.stride(),
-        *qs.stride(), *ops.k_scale.stride(), *ops.v_scale.stride(),
-        *(ops.delta_s.stride() if ops.delta_s is not None else (0, 0, 0, 0)),
-        *out.stride(), *lse.stride(),
-        nq, nk, hq, hq // hkv, d, 0 if causal_offset is None else int(causal_offset),
-        min(triton.next_power_of_2(nk), 32768),
-    )
-    constexprs = dict(
+    kwargs = dict(
+        q=operand(ops.q, ops.q_scale * ops.qk_multiplier), k=operand(ops.k, ops.k_scale),
+        v=operand(ops.v, ops.v_scale), DS=ops.delta_s, O=out, LSE=lse,
+        ds_strides=strides(ops.delta_s, 4), o_strides=out.stride(), lse_strides=lse.stride(),
+        NQ=nq, NK=nk, HQ=hq, GROUP=hq // hkv, D=d,
+        causal_offset=0 if causal_offset is None else int(causal_offset),
+        N_BUCKET=min(triton.next_power_of_2(nk), 32768),
         IS_CAUSAL=causal_offset is not None, QK_INT8="qk" in ops.int8, PV_INT8="pv" in ops.int8,
         EMU_FP32=interpreter_enabled(), QUANT_BLOCK=TRAIN_BLOCK, BLOCK_M=block_m,
         BLOCK_N=TRAIN_BLOCK, BLOCK_D=next_pow2(d, minimum=32),
     )
     grid = (triton.cdiv(nq, block_m), b * hq)
-    return grid, args, constexprs
+    return grid, kwargs
 
 
 def forward(ops: TrainOperands, *, out: torch.Tensor, causal_offset: int | None) -> torch.Tensor:
     """Writes ``out`` (a ``[B, Hq, Nq, D]`` view) and returns the base-2 LSE ``[B, Hq, Nq]`` fp32."""
     lse = torch.empty(ops.q.shape[:3], device=out.device, dtype=torch.float32)
-    grid, args, constexprs = launch_args(ops, out, lse, causal_offset)
-    _train_fwd[grid](*args, **constexprs)
+    grid, kwargs = launch_args(ops, out, lse, causal_offset)
+    _train_fwd[grid](**kwargs)
     return lse

@@ -16,8 +16,8 @@ import triton.language as tl
 from lowbit_attn.core.arch import get_capability, interpreter_enabled
 from lowbit_attn.core.operands import LOG2_FP8_MAX, QuantizedQKV
 from lowbit_attn.core.triton_helpers import (
-    LaunchConfig, batch_head, exact_fp8, finish_rows, mm, next_pow2, online_max, to_e4m3,
-    triton_configs,
+    LaunchConfig, batch_head, exact_fp8, finish_rows, mm, next_pow2, online_max, strides,
+    to_e4m3, triton_configs,
 )
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -32,9 +32,11 @@ CONFIGS = {
 
 
 @triton.jit
-def _tile(X, b, h, t, offs_s, offs_d, mask, sxb, sxh, sxt, sxs, sxd, TRANS: tl.constexpr):
+def _tile(X, b, h, t, offs_s, offs_d, mask, x_strides, TRANS: tl.constexpr):
+    """One padded tile ``[TS, D]`` (``[D, TS]`` with ``TRANS``) of ``X [B, H, n_tiles, TS, D]``
+    (``x_strides``: batch, head, tile, slot, dim)."""
+    sxb, sxh, sxt, sxs, sxd = x_strides
     base = X + b * sxb + h * sxh + t.to(tl.int64) * sxt
-    """One padded tile ``[TS, D]`` (``[D, TS]`` with ``TRANS``) of ``X [B, H, n_tiles, TS, D]``."""
     if TRANS:
         x = tl.load(base + offs_s[None, :] * sxs + offs_d[:, None] * sxd, mask=tl.trans(mask),
                     other=0.0)
@@ -56,29 +58,26 @@ def _own_tile(CNT, pid_t, H, D, TS: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _query_tile(Q, CNT, pid_t, HQ, GROUP, D, sqb, sqh, sqt, sqs, sqd, TS: tl.constexpr,
-                BLOCK_D: tl.constexpr):
+def _query_tile(Q, CNT, pid_t, HQ, GROUP, D, q_strides, TS: tl.constexpr, BLOCK_D: tl.constexpr):
     """A program's (batch, head, K/V head), offsets, and its query tile with its row mask."""
     b, h, offs_s, offs_d, dmask, cnt_q, qmask = _own_tile(CNT, pid_t, HQ, D, TS, BLOCK_D)
-    q = _tile(Q, b, h, pid_t, offs_s, offs_d, qmask, sqb, sqh, sqt, sqs, sqd, False)
+    q = _tile(Q, b, h, pid_t, offs_s, offs_d, qmask, q_strides, False)
     return b, h, h // GROUP, offs_s, offs_d, dmask, cnt_q, qmask, q
 
 
 @triton.jit
-def _key_tile(K, CNT, b, hk, j, offs_s, offs_d, dmask, skb, skh, skt, sks, skd):
+def _key_tile(K, CNT, b, hk, j, offs_s, offs_d, dmask, k_strides):
     """Key tile ``j`` transposed ``[D, TS]``, its token count and row mask."""
     cnt_k = tl.load(CNT + j)
     kmask = (offs_s < cnt_k)[:, None] & dmask[None, :]
-    return cnt_k, kmask, _tile(K, b, hk, j, offs_s, offs_d, kmask, skb, skh, skt, sks, skd, True)
+    return cnt_k, kmask, _tile(K, b, hk, j, offs_s, offs_d, kmask, k_strides, True)
 
 
 @triton.jit
 def _vsa_fwd_kernel(
     Q, K, V, QS, KS, VS, VM, IDX, CNT, O, LSE,
-    sqb, sqh, sqt, sqs, sqd, skb, skh, skt, sks, skd, svb, svh, svt, svs, svd,
-    sib, sih, sit, sik, sob, soh, sot, sos, sod, slb, slh, slt, sls,
-    sqsb, sqsh, sqst, sqss, sksb, sksh, skst, skss, svsb, svsh, svsd,
-    HQ, GROUP, D, KK, scale,
+    q_strides, k_strides, v_strides, idx_strides, o_strides, lse_strides, qs_strides, ks_strides,
+    vs_strides, HQ, GROUP, D, KK, scale,
     TS: tl.constexpr, BLOCK_D: tl.constexpr, EMU_FP32: tl.constexpr, INT8_QK: tl.constexpr,
     PV_FP8: tl.constexpr, HAS_VSCALE: tl.constexpr, HAS_VMEAN: tl.constexpr,
     EXACT_FP8: tl.constexpr,
@@ -86,10 +85,18 @@ def _vsa_fwd_kernel(
     """One query tile over its key tiles. 16-bit: scores ``q·kᵀ·scale`` and the LSE written.
     ``INT8_QK``: INT8 tiles with one scale per token (Q's times ``scale·log2 e``), P̃ and V in E4M3
     (``PV_FP8``, P̃ offset by ``log2 448``) or fp16, V's per-channel scale (if any) in the
-    epilogue."""
+    epilogue. Strides: (batch, head, tile, slot, dim) of the tiles ``Q``, ``K``, ``V``, ``O``;
+    (batch, head, query tile, entry) of ``IDX``; (batch, head, tile, slot) of ``LSE``, ``QS``,
+    ``KS``; (batch, head, dim) of V's channel vectors ``VS``/``VM``."""
+    sib, sih, sit, sik = idx_strides
+    sob, soh, sot, sos, sod = o_strides
+    slb, slh, slt, sls = lse_strides
+    sqsb, sqsh, sqst, sqss = qs_strides
+    sksb, sksh, skst, skss = ks_strides
+    svsb, svsh, svsd = vs_strides
     pid_t = tl.program_id(0)
     b, h, hk, offs_s, offs_d, dmask, cnt_q, qmask, q = _query_tile(
-        Q, CNT, pid_t, HQ, GROUP, D, sqb, sqh, sqt, sqs, sqd, TS, BLOCK_D)
+        Q, CNT, pid_t, HQ, GROUP, D, q_strides, TS, BLOCK_D)
     if INT8_QK:
         qs = tl.load(QS + b * sqsb + h * sqsh + pid_t.to(tl.int64) * sqst + offs_s * sqss,
                      mask=offs_s < cnt_q, other=0.0)
@@ -102,8 +109,7 @@ def _vsa_fwd_kernel(
     acc = tl.zeros([TS, BLOCK_D], dtype=tl.float32)
     for s in range(0, KK):
         j = tl.load(IDX + b * sib + h * sih + pid_t * sit + s * sik)
-        cnt_k, kmask, kt = _key_tile(K, CNT, b, hk, j, offs_s, offs_d, dmask, skb, skh, skt, sks,
-                                     skd)
+        cnt_k, kmask, kt = _key_tile(K, CNT, b, hk, j, offs_s, offs_d, dmask, k_strides)
         if INT8_QK:
             ks = tl.load(KS + b * sksb + hk * sksh + j.to(tl.int64) * skst + offs_s * skss,
                          mask=offs_s < cnt_k, other=0.0)
@@ -114,7 +120,7 @@ def _vsa_fwd_kernel(
         m_new, m_safe, alpha = online_max(m_i, tl.max(sc, axis=1))
         p = tl.exp2(sc - (m_safe - offset)[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = _tile(V, b, hk, j, offs_s, offs_d, kmask, svb, svh, svt, svs, svd, False)
+        v = _tile(V, b, hk, j, offs_s, offs_d, kmask, v_strides, False)
         if PV_FP8:
             pv = tl.dot(to_e4m3(p, EXACT_FP8), v, out_dtype=tl.float32)
         else:
@@ -143,27 +149,30 @@ def _tile_ds(q, kt, v_t, do, lse, delta, cnt_k, offs_s, scale, EMU_FP32: tl.cons
 
 @triton.jit
 def _vsa_dq_kernel(
-    Q, K, V, DO, IDX, CNT, LSE, DELTA, DQ,
-    sqb, sqh, sqt, sqs, sqd, skb, skh, skt, sks, skd, sib, sih, sit, sik,
-    slb, slh, slt, sls,
+    Q, K, V, DO, IDX, CNT, LSE, DELTA, DQ, q_strides, k_strides, idx_strides, lse_strides,
     HQ, GROUP, D, KK, scale,
     TS: tl.constexpr, BLOCK_D: tl.constexpr, EMU_FP32: tl.constexpr,
 ):
+    """dQ of one query tile. Strides: (batch, head, tile, slot, dim) of the query-side tiles ``Q``,
+    ``DO``, ``DQ`` (``q_strides``) and of the key-side ``K``, ``V`` (``k_strides``); the rest as in
+    :func:`_vsa_fwd_kernel`, ``DELTA`` as ``LSE``."""
+    sqb, sqh, sqt, sqs, sqd = q_strides
+    sib, sih, sit, sik = idx_strides
+    slb, slh, slt, sls = lse_strides
     pid_t = tl.program_id(0)
     b, h, hk, offs_s, offs_d, dmask, cnt_q, qmask, q = _query_tile(
-        Q, CNT, pid_t, HQ, GROUP, D, sqb, sqh, sqt, sqs, sqd, TS, BLOCK_D)
-    do = _tile(DO, b, h, pid_t, offs_s, offs_d, qmask, sqb, sqh, sqt, sqs, sqd, False)
+        Q, CNT, pid_t, HQ, GROUP, D, q_strides, TS, BLOCK_D)
+    do = _tile(DO, b, h, pid_t, offs_s, offs_d, qmask, q_strides, False)
     lse_base = b * slb + h * slh + pid_t.to(tl.int64) * slt + offs_s * sls
     lse = tl.load(LSE + lse_base, mask=offs_s < cnt_q, other=float("-inf"))
     delta = tl.load(DELTA + lse_base, mask=offs_s < cnt_q, other=0.0)
     dq = tl.zeros([TS, BLOCK_D], dtype=tl.float32)
     for s in range(0, KK):
         j = tl.load(IDX + b * sib + h * sih + pid_t * sit + s * sik)
-        cnt_k, kmask, kt = _key_tile(K, CNT, b, hk, j, offs_s, offs_d, dmask, skb, skh, skt, sks,
-                                     skd)
-        v_t = _tile(V, b, hk, j, offs_s, offs_d, kmask, skb, skh, skt, sks, skd, True)
+        cnt_k, kmask, kt = _key_tile(K, CNT, b, hk, j, offs_s, offs_d, dmask, k_strides)
+        v_t = _tile(V, b, hk, j, offs_s, offs_d, kmask, k_strides, True)
         _, ds = _tile_ds(q, kt, v_t, do, lse, delta, cnt_k, offs_s, scale, EMU_FP32)
-        k = _tile(K, b, hk, j, offs_s, offs_d, kmask, skb, skh, skt, sks, skd, False)
+        k = _tile(K, b, hk, j, offs_s, offs_d, kmask, k_strides, False)
         dq += mm(ds.to(K.dtype.element_ty), k, False, EMU_FP32)
     base = DQ + b * sqb + h * sqh + pid_t.to(tl.int64) * sqt
     tl.store(base + offs_s[:, None] * sqs + offs_d[None, :] * sqd, (dq * scale).to(DQ.dtype.element_ty),
@@ -173,15 +182,22 @@ def _vsa_dq_kernel(
 @triton.jit
 def _vsa_dkdv_kernel(
     Q, K, V, DO, RIDX, RCNT, CNT, LSE, DELTA, DK, DV,
-    sqb, sqh, sqt, sqs, sqd, skb, skh, skt, sks, skd, srb, srh, srt, srk, srcb, srch, srct,
-    slb, slh, slt, sls,
+    q_strides, k_strides, ridx_strides, rcnt_strides, lse_strides,
     HKV, GROUP, D, scale,
     TS: tl.constexpr, BLOCK_D: tl.constexpr, EMU_FP32: tl.constexpr,
 ):
+    """dK and dV of one key tile. Strides: (batch, head, tile, slot, dim) of ``Q``, ``DO``
+    (``q_strides``) and of ``K``, ``V``, ``DK``, ``DV`` (``k_strides``); (batch, head, key tile,
+    entry) of ``RIDX``; (batch, head, key tile) of ``RCNT``; ``LSE`` and ``DELTA`` as in
+    :func:`_vsa_dq_kernel`."""
+    skb, skh, skt, sks, skd = k_strides
+    srb, srh, srt, srk = ridx_strides
+    srcb, srch, srct = rcnt_strides
+    slb, slh, slt, sls = lse_strides
     pid_t = tl.program_id(0)
     b, hk, offs_s, offs_d, dmask, cnt_k, kmask = _own_tile(CNT, pid_t, HKV, D, TS, BLOCK_D)
-    kt = _tile(K, b, hk, pid_t, offs_s, offs_d, kmask, skb, skh, skt, sks, skd, True)
-    v_t = _tile(V, b, hk, pid_t, offs_s, offs_d, kmask, skb, skh, skt, sks, skd, True)
+    kt = _tile(K, b, hk, pid_t, offs_s, offs_d, kmask, k_strides, True)
+    v_t = _tile(V, b, hk, pid_t, offs_s, offs_d, kmask, k_strides, True)
     dk = tl.zeros([TS, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([TS, BLOCK_D], dtype=tl.float32)
     for g in range(0, GROUP):
@@ -191,8 +207,8 @@ def _vsa_dkdv_kernel(
             i = tl.load(RIDX + b * srb + h * srh + pid_t * srt + s * srk)
             cnt_q = tl.load(CNT + i)
             qmask = (offs_s < cnt_q)[:, None] & dmask[None, :]
-            q = _tile(Q, b, h, i, offs_s, offs_d, qmask, sqb, sqh, sqt, sqs, sqd, False)
-            do = _tile(DO, b, h, i, offs_s, offs_d, qmask, sqb, sqh, sqt, sqs, sqd, False)
+            q = _tile(Q, b, h, i, offs_s, offs_d, qmask, q_strides, False)
+            do = _tile(DO, b, h, i, offs_s, offs_d, qmask, q_strides, False)
             lse_base = b * slb + h * slh + i.to(tl.int64) * slt + offs_s * sls
             lse = tl.load(LSE + lse_base, mask=offs_s < cnt_q, other=float("-inf"))
             delta = tl.load(DELTA + lse_base, mask=offs_s < cnt_q, other=0.0)
@@ -220,19 +236,17 @@ def _consts(d: int):
     return dict(BLOCK_D=next_pow2(d), EMU_FP32=interpreter_enabled())
 
 
-def _strides(x: torch.Tensor | None, n: int) -> tuple[int, ...]:
-    return (0,) * n if x is None else tuple(x.stride())
-
-
 def _launch_fwd(qt, kt, vt, qs, ks, vs, vm, idx, counts, out, lse, *, scale: float, int8: bool,
                 pv_fp8: bool):
     b, hq, nt, ts, d = qt.shape
     _fwd[(nt, b * hq)](
-        qt, kt, vt, qs, ks, vs, vm, idx, counts, out, lse, *qt.stride(), *kt.stride(),
-        *vt.stride(), *idx.stride(), *out.stride(), *_strides(lse, 4), *_strides(qs, 4),
-        *_strides(ks, 4), *_strides(vs if vs is not None else vm, 3),
-        hq, hq // kt.shape[1], d, idx.shape[-1], float(scale),
-        TS=ts, BLOCK_D=next_pow2(d, minimum=32 if int8 else 16), EMU_FP32=interpreter_enabled(),
+        Q=qt, K=kt, V=vt, QS=qs, KS=ks, VS=vs, VM=vm, IDX=idx, CNT=counts, O=out, LSE=lse,
+        q_strides=qt.stride(), k_strides=kt.stride(), v_strides=vt.stride(),
+        idx_strides=idx.stride(), o_strides=out.stride(), lse_strides=strides(lse, 4),
+        qs_strides=strides(qs, 4), ks_strides=strides(ks, 4),
+        vs_strides=strides(vs if vs is not None else vm, 3),
+        HQ=hq, GROUP=hq // kt.shape[1], D=d, KK=idx.shape[-1], scale=float(scale), TS=ts,
+        BLOCK_D=next_pow2(d, minimum=32 if int8 else 16), EMU_FP32=interpreter_enabled(),
         INT8_QK=int8, PV_FP8=pv_fp8, EXACT_FP8=exact_fp8(),
     )
 
@@ -282,13 +296,16 @@ def backward(qt, kt, vt, ot, lse, dot, idx, counts, *, scale: float):
     delta = (dot.float() * ot.float()).sum(-1).contiguous()
     dq, dk, dv = torch.zeros_like(qt), torch.zeros_like(kt), torch.zeros_like(vt)
     _dq[(nt, b * hq)](
-        qt, kt, vt, dot, idx, counts, lse, delta, dq, *qt.stride(), *kt.stride(), *idx.stride(),
-        *lse.stride(), hq, hq // hkv, d, idx.shape[-1], float(scale), TS=ts, **_consts(d),
+        Q=qt, K=kt, V=vt, DO=dot, IDX=idx, CNT=counts, LSE=lse, DELTA=delta, DQ=dq,
+        q_strides=qt.stride(), k_strides=kt.stride(), idx_strides=idx.stride(),
+        lse_strides=lse.stride(), HQ=hq, GROUP=hq // hkv, D=d, KK=idx.shape[-1],
+        scale=float(scale), TS=ts, **_consts(d),
     )
     ridx, rcount = reverse_lists(idx, nt)
     _dkdv[(nt, b * hkv)](
-        qt, kt, vt, dot, ridx, rcount, counts, lse, delta, dk, dv, *qt.stride(), *kt.stride(),
-        *ridx.stride(), *rcount.stride(), *lse.stride(), hkv, hq // hkv, d, float(scale),
-        TS=ts, **_consts(d),
+        Q=qt, K=kt, V=vt, DO=dot, RIDX=ridx, RCNT=rcount, CNT=counts, LSE=lse, DELTA=delta,
+        DK=dk, DV=dv, q_strides=qt.stride(), k_strides=kt.stride(), ridx_strides=ridx.stride(),
+        rcnt_strides=rcount.stride(), lse_strides=lse.stride(), HKV=hkv, GROUP=hq // hkv, D=d,
+        scale=float(scale), TS=ts, **_consts(d),
     )
     return dq, dk, dv

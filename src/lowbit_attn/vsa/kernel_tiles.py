@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit_attn.core.triton_helpers import batch_head, next_pow2
+from lowbit_attn.core.triton_helpers import batch_head, next_pow2, strides
 
 
 @triton.jit
@@ -32,12 +32,15 @@ def _program_tile(INDEX, H, D, TT, SLOTS: tl.constexpr, BLOCK_D: tl.constexpr):
 
 @triton.jit
 def _tile_kernel(
-    X, INDEX, CNT, TILES, POOL,
-    sxb, sxh, sxn, sxd, stb, sth, stt, sts, std, spb, sph, spt, spd,
-    H, D, TT,
+    X, INDEX, CNT, TILES, POOL, x_strides, tiles_strides, pool_strides, H, D, TT,
     SLOTS: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_TILES: tl.constexpr,
     WRITE_POOL: tl.constexpr,
 ):
+    """Strides: (batch, head, token, dim) of ``X``; (batch, head, tile, slot, dim) of ``TILES``;
+    (batch, head, tile, dim) of ``POOL``."""
+    sxb, sxh, sxn, sxd = x_strides
+    stb, sth, stt, sts, std = tiles_strides
+    spb, sph, spt, spd = pool_strides
     t, b, h, offs_s, offs_d, dmask, tok, rows = _program_tile(INDEX, H, D, TT, SLOTS, BLOCK_D)
     x = tl.load(X + b * sxb + h * sxh + tok.to(tl.int64)[:, None] * sxn + offs_d[None, :] * sxd,
                 mask=rows, other=0.0)
@@ -51,11 +54,13 @@ def _tile_kernel(
 
 @triton.jit
 def _untile_kernel(
-    TILES, POOL, INDEX, CNT, X,
-    stb, sth, stt, sts, std, spb, sph, spt, spd, sxb, sxh, sxn, sxd,
-    H, D, TT,
+    TILES, POOL, INDEX, CNT, X, tiles_strides, pool_strides, x_strides, H, D, TT,
     SLOTS: tl.constexpr, BLOCK_D: tl.constexpr, HAS_TILES: tl.constexpr, HAS_POOL: tl.constexpr,
 ):
+    """Strides as in :func:`_tile_kernel`."""
+    stb, sth, stt, sts, std = tiles_strides
+    spb, sph, spt, spd = pool_strides
+    sxb, sxh, sxn, sxd = x_strides
     t, b, h, offs_s, offs_d, dmask, tok, rows = _program_tile(INDEX, H, D, TT, SLOTS, BLOCK_D)
     x = tl.zeros([SLOTS, BLOCK_D], dtype=tl.float32)
     if HAS_TILES:
@@ -84,10 +89,9 @@ def tile(x: torch.Tensor, index: torch.Tensor, counts: torch.Tensor, *, slots: i
         raise ValueError(f"slots must be 0 or a power of two >= {tt}, got {slots}")
     tiles = torch.empty((b, h, nt, slots, d), device=x.device, dtype=x.dtype) if slots else None
     pooled = torch.empty((b, h, nt, d), device=x.device, dtype=torch.float32) if pool else None
-    t_str = tiles.stride() if tiles is not None else (0,) * 5
-    p_str = pooled.stride() if pooled is not None else (0,) * 4
     _tile_kernel[(nt, b * h)](
-        x, index, counts, tiles, pooled, *x.stride(), *t_str, *p_str, h, d, tt,
+        X=x, INDEX=index, CNT=counts, TILES=tiles, POOL=pooled, x_strides=x.stride(),
+        tiles_strides=strides(tiles, 5), pool_strides=strides(pooled, 4), H=h, D=d, TT=tt,
         SLOTS=_slots(index, slots), BLOCK_D=next_pow2(d), WRITE_TILES=tiles is not None,
         WRITE_POOL=pool, num_warps=4,
     )
@@ -102,10 +106,9 @@ def untile(tiles: torch.Tensor | None, pooled: torch.Tensor | None, index: torch
     b, h, d = like.shape[0], like.shape[1], like.shape[-1]
     nt, tt = index.shape
     x = torch.empty((b, h, n_tokens, d), device=like.device, dtype=dtype)
-    t_str = tiles.stride() if tiles is not None else (0,) * 5
-    p_str = pooled.stride() if pooled is not None else (0,) * 4
     _untile_kernel[(nt, b * h)](
-        tiles, pooled, index, counts, x, *t_str, *p_str, *x.stride(), h, d, tt,
+        TILES=tiles, POOL=pooled, INDEX=index, CNT=counts, X=x, tiles_strides=strides(tiles, 5),
+        pool_strides=strides(pooled, 4), x_strides=x.stride(), H=h, D=d, TT=tt,
         SLOTS=next_pow2(tt, minimum=1), BLOCK_D=next_pow2(d), HAS_TILES=tiles is not None,
         HAS_POOL=pooled is not None, num_warps=4,
     )
