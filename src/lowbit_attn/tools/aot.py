@@ -20,7 +20,7 @@ entry asked for); other kernels what their launcher passes, or Triton's defaults
 Works under ``TRITON_INTERPRET=1`` too (the test suite sets it): ``triton.jit`` then returns
 interpreter objects, so each kernel is rebuilt as a real ``JITFunction`` from its Python function,
 and the interpreter's leftover patches of ``triton.language`` are undone for the duration of each
-compilation (see ``_pristine_language``). The PTX is byte-identical to a clean process's.
+compilation (:mod:`lowbit_attn.tools.triton_compat`, written for one Triton version). The PTX is byte-identical to a clean process's.
 """
 
 from __future__ import annotations
@@ -49,8 +49,9 @@ from triton.runtime.autotuner import Autotuner, Heuristics
 from triton.runtime.jit import JITFunction, KernelInterface
 
 from lowbit_attn.core import checks
-from lowbit_attn.core.arch import arch_name, interpreter_enabled, native_fp4, parse_arch
+from lowbit_attn.core.arch import arch_name, native_fp4, parse_arch
 from lowbit_attn.core.recipes import Recipe, resolve
+from lowbit_attn.tools.triton_compat import as_jit_function, compiler_mode, pointer_type
 
 # The targets this package is built for; ``sm_90`` and friends are accepted and mean ``sm_90a``.
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a", "sm_120a")
@@ -72,7 +73,6 @@ _TC_OPCODE = re.compile(
 )
 _OPTION_KEYS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 _RECORD_LOCK = threading.Lock()
-_LANGUAGE_LOCK = threading.RLock()
 _COMPILED: dict[tuple, "KernelReport"] = {}
 
 
@@ -294,124 +294,6 @@ def record_launches(
 # from a launch to a compiler input
 
 
-# Under TRITON_INTERPRET=1, ``triton.jit`` returns interpreter objects, and the interpreter
-# patches ``triton.language`` while a kernel runs. Triton 3.6 undoes the patches of a kernel's own
-# globals but not those made when a kernel calls a ``triton.language`` ``@jit`` function
-# (``tl.max``, ``tl.sum``): ``tl.core``'s builtins stay patched afterwards, and the methods of
-# ``tl.tensor`` resolve names through ``tl.core``. It also copies its module globals into every
-# module whose functions it runs (inert). So: kernels are rebuilt as JITFunctions, and ``tl.core``
-# is put back in its pristine state for the duration of each compilation.
-
-
-def _made_by_interpreter(value) -> bool:
-    """A replacement the interpreter patched in (its own ``@jit`` objects do not count)."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if isinstance(value, InterpretedFunction):
-        return False
-    func = getattr(value, "func", value)  # functools.partial
-    return getattr(func, "__module__", None) == "triton.runtime.interpreter"
-
-
-_UNKNOWN = object()
-
-
-def _pristine(module: types.ModuleType, name: str, value):
-    """What ``module.name`` holds in a process that never interpreted a kernel, or ``_UNKNOWN``
-    when that cannot be told. ``tl.core`` names that ``tl`` also binds are the same objects there
-    (and ``tl`` is restored after each run); a ``_patch_attr`` wrapper keeps its builtin as the
-    ``member`` keyword default."""
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    if module is tl.core and name in vars(tl) and not name.startswith("__") and name != "math":
-        if not _made_by_interpreter(vars(tl)[name]):
-            return vars(tl)[name]
-    if not _made_by_interpreter(value) or vars(interpreter).get(name) is value:
-        return value
-    return (getattr(value, "__kwdefaults__", None) or {}).get("member", _UNKNOWN)
-
-
-def _language_leftovers() -> list[str]:
-    """``triton.language`` names still holding interpreter patches that cannot be undone."""
-    import triton.language as tl
-
-    spaces = [("tl", tl), ("tl.core", tl.core), ("tl.math", tl.math), ("tl.tensor", tl.tensor),
-              ("tl.dtype", tl.dtype)]
-    return [f"{where}.{name}" for where, space in spaces for name, value in vars(space).items()
-            if _pristine(space, name, value) is _UNKNOWN]
-
-
-@contextlib.contextmanager
-def _pristine_language():
-    """``tl.core`` without the interpreter's leftover patches while the block runs; put back as it
-    was afterwards. Raises ``RuntimeError`` naming what cannot be undone."""
-    import triton.language as tl
-
-    saved = {}
-    for name, value in list(vars(tl.core).items()):
-        clean = _pristine(tl.core, name, value)
-        if clean is not _UNKNOWN and clean is not value:
-            saved[name] = value
-            setattr(tl.core, name, clean)
-    try:
-        leftovers = _language_leftovers()
-        if leftovers:
-            raise RuntimeError(
-                "cannot compile ahead of time in this process: the Triton interpreter left "
-                f"triton.language patched ({', '.join(leftovers[:5])}); run it in a process "
-                "without TRITON_INTERPRET=1"
-            )
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(tl.core, name, value)
-
-
-def _rebuild(obj, memo: dict[int, Any]):
-    """``obj`` with interpreter functions turned back into ``JITFunction`` s, recursively through
-    their globals and through ``triton.language`` modules (shadow copies holding the rebuilt
-    ``tl.sum``, ``tl.max``…); anything else unchanged."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    key = id(obj)
-    if key in memo:
-        return memo[key]
-    if isinstance(obj, InterpretedFunction):
-        fn = obj.fn
-        scope: dict[str, Any] = {}
-        clone = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
-        for attr in ("__qualname__", "__module__", "__doc__", "__kwdefaults__", "__annotations__"):
-            setattr(clone, attr, getattr(fn, attr))
-        jit = JITFunction(clone, **obj.kwargs)
-        memo[key] = jit
-        scope.update({name: _rebuild(value, memo) for name, value in fn.__globals__.items()})
-        return jit
-    if isinstance(obj, types.ModuleType) and obj.__name__.startswith("triton.language"):
-        shadow = types.ModuleType(obj.__name__, obj.__doc__)
-        memo[key] = shadow
-        for name, value in vars(obj).items():
-            clean = _pristine(obj, name, value)
-            setattr(shadow, name, _rebuild(value if clean is _UNKNOWN else clean, memo))
-        return shadow
-    return obj
-
-
-_REBUILT: dict[int, Any] = {}
-
-
-def as_jit_function(obj) -> JITFunction:
-    """The ``JITFunction`` for a ``@triton.jit`` kernel, also when it was defined under
-    ``TRITON_INTERPRET=1`` (then rebuilt once and cached)."""
-    if isinstance(obj, JITFunction):
-        return obj
-    with _LANGUAGE_LOCK:
-        jit = _rebuild(obj, _REBUILT)
-    if not isinstance(jit, JITFunction):
-        raise TypeError(f"expected a @triton.jit function, got {type(obj).__name__}")
-    return jit
-
-
 def autotune_configs(jit: JITFunction, family: str, autotuner: Autotuner) -> list:
     """The launch configs an autotuned kernel would try on ``family``: its module's
     ``CONFIGS[family]`` (the autotuner itself was built for the machine that imported it), else the
@@ -462,19 +344,13 @@ def _unwrap(
     return jit, dict(bound.arguments), options
 
 
-def _tensor_type(x: torch.Tensor) -> str:
-    from triton._utils import type_canonicalisation_dict
-
-    return "*" + type_canonicalisation_dict[str(x.dtype).split(".")[-1]]
-
-
 def _arg_kind(param, value) -> tuple[str, bool]:
     """(signature type, 16-divisible) of one argument, as Triton's launcher specializes it."""
     if param.is_constexpr or value is None:
         return "constexpr", False
     align = not (param.do_not_specialize or param.do_not_specialize_on_alignment)
     if isinstance(value, torch.Tensor):
-        return _tensor_type(value), align and value.data_ptr() % 16 == 0
+        return pointer_type(value.dtype), align and value.data_ptr() % 16 == 0
     if isinstance(value, bool):
         return "u1", False
     if isinstance(value, int):
@@ -515,22 +391,6 @@ def specialize(jit: JITFunction, values: dict[str, Any], arch: str):
 
 # ---------------------------------------------------------------------------------------------
 # compiling and reading the result
-
-
-@contextlib.contextmanager
-def _compiler_mode():
-    """Compile as on a GPU machine even under ``TRITON_INTERPRET=1``: the interpret knob off and
-    ``tl.core`` pristine, for the block only."""
-    if not interpreter_enabled():
-        yield
-        return
-    # Imported with the knob still on: gluon's standard library asserts, at import, that its
-    # triton functions are JITFunctions unless interpreting.
-    import triton.compiler.code_generator  # noqa: F401
-
-    with _LANGUAGE_LOCK, _pristine_language(), triton.knobs.runtime.scope():
-        triton.knobs.runtime.interpret = False
-        yield
 
 
 def tensor_core_instructions(ptx: str) -> dict[str, int]:
@@ -616,7 +476,7 @@ def compile_launch(launch: Launch, arch: str, config: int = 0) -> KernelReport:
                 num_warps=options["num_warps"], num_stages=options["num_stages"])
     try:
         src = ASTSource(fn=jit, signature=signature, constexprs=constexprs, attrs=attrs)
-        with _compiler_mode():
+        with compiler_mode():
             compiled = triton.compile(src, target=GPUTarget("cuda", _capability_int(arch), 32),
                                       options=options)
         ptx = compiled.asm["ptx"]
