@@ -189,7 +189,7 @@ def main(argv=None) -> int:
                 record(base, "sdpa_cudnn_bf16", cudnn, ref)
                 with forced(None):
                     record(base, "ours", ours, ref)
-                    rows[-1]["autotune"] = bm._autotune_choice()
+                    rows[-1]["autotune"] = bm.autotune_choice()
                 if not triton_path:
                     continue
                 for q_mode, kv_mode in (("kernel", None), (None, "program"), ("kernel", "program")):
@@ -197,14 +197,14 @@ def main(argv=None) -> int:
                     with env("LOWBIT_ATTN_Q_QUANT", q_mode), env("LOWBIT_ATTN_KV_STATS", kv_mode), \
                             forced(None):
                         record(base, f"ours {name}", ours, ref)
-                        rows[-1]["autotune"] = bm._autotune_choice()
+                        rows[-1]["autotune"] = bm.autotune_choice()
                 with env("LOWBIT_ATTN_KV_STATS", "program"):
                     prepare, _ = stage_fns(q, k, v, causal)
                     record(base, "prepare kv=program", prepare)
                 wide = get_recipe(RECIPE).replace(block_k=128)  # per-token: any key block fits
                 record(base, "ours block_k=128", lambda: lowbit_attn.attention(
                     q, k, v, recipe=wide, is_causal=causal), ref)
-                rows[-1]["autotune"] = bm._autotune_choice()
+                rows[-1]["autotune"] = bm.autotune_choice()
                 for config in candidates(cuda, d):
                     with forced(config):
                         record(base, f"ours cfg={describe(config)}", ours, ref)
@@ -234,7 +234,8 @@ def render(rows: list[dict]) -> str:
     lines = ["| D | N | causal | method | ms | TOP/s | × cuDNN | cosine | rel L1 | autotune |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        head = f"| {r['D']} | {bm._n(r['N'])} | {'yes' if r['causal'] else 'no'} | {r['method']} |"
+        head = (f"| {r['D']} | {bm.seqlen_label(r['N'])} | {'yes' if r['causal'] else 'no'} | "
+                f"{r['method']} |")
         if r["status"] != "ok":
             lines.append(f"{head} {r['status']} | | | | | |")
             continue
@@ -254,7 +255,7 @@ def render(rows: list[dict]) -> str:
             continue
         speed = base["ms"] / r["ms"]
         met = "—" if bar is None else ("yes" if speed >= bar else "no")
-        lines.append(f"| {r['D']} | {bm._n(r['N'])} | {'yes' if r['causal'] else 'no'} | "
+        lines.append(f"| {r['D']} | {bm.seqlen_label(r['N'])} | {'yes' if r['causal'] else 'no'} | "
                      f"{speed:.2f} | {bar or '—'} | {met} |")
     return "\n".join(lines)
 

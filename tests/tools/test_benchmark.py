@@ -123,8 +123,8 @@ def test_a_failing_method_is_recorded_not_raised(monkeypatch):
     def raising(method, q, k, v, causal):
         raise RuntimeError("kernel exploded")
 
-    monkeypatch.setitem(bm._BUILDERS, "ours", broken)
-    monkeypatch.setitem(bm._BUILDERS, "sage", raising)
+    monkeypatch.setitem(bm.BUILDERS, "ours", broken)
+    monkeypatch.setitem(bm.BUILDERS, "sage", raising)
     methods = [bm.Method("ours_fp8", "ours", "ours", recipe="qk_int8_pv_fp8"),
                bm.Method(bm.SAGE_KEY, "sage", "sage")]
     res = bm.run_benchmark(dims=[16], seqlens=[32], causal_values=[False], batch=1, heads=1,

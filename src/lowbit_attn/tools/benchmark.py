@@ -306,11 +306,12 @@ def reference_output(q, k, v, causal: bool) -> tuple[torch.Tensor, str]:
         except RuntimeError as exc:  # no kernel for this case, or OOM of the math backend
             if isinstance(exc, torch.cuda.OutOfMemoryError):
                 torch.cuda.empty_cache()
-            errors.append(f"{name}: {_first_line(exc)}")
+            errors.append(f"{name}: {first_line(exc)}")
     raise Unsupported("no SDPA reference could run: " + "; ".join(errors))
 
 
-def _first_line(exc: BaseException, limit: int = 300) -> str:
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """``"<ExceptionType>: <first line of its message>"``, at most ``limit`` characters."""
     text = str(exc).strip().splitlines()
     msg = f"{type(exc).__name__}: {text[0] if text else ''}"
     return msg[:limit]
@@ -336,7 +337,7 @@ def _sage_fn(method: Method, q, k, v, causal):
         from sageattention import sageattn
     except ImportError as exc:
         raise Unsupported(
-            f"sageattention is not importable ({_first_line(exc)}); install "
+            f"sageattention is not importable ({first_line(exc)}); install "
             f"sageattention=={SAGE_VERSION} (carry "
             f"wheels/sageattention-{SAGE_VERSION}-py3-none-any.whl)"
         ) from None
@@ -403,7 +404,7 @@ def _stage_fn(method: Method, q, k, v, causal):
     return attend, contextlib.nullcontext
 
 
-_BUILDERS = {
+BUILDERS = {
     "ours": _ours_fn,
     "cpu_reference": _ours_fn,
     "stage": _stage_fn,
@@ -412,7 +413,8 @@ _BUILDERS = {
 }
 
 
-def _autotune_choice() -> str | None:
+def autotune_choice() -> str | None:
+    """The config the INT8 attention kernel's autotuner chose last (``None`` when unknown)."""
     try:
         from lowbit_attn.inference import kernel_int8 as attn_fwd_int8
 
@@ -442,7 +444,7 @@ def _call_checked(fn, ctx):
                     text = " ".join(str(w.message).split())
                     if text not in reasons:
                         reasons.append(text)
-                detail = "; ".join(reasons) or _first_line(exc)
+                detail = "; ".join(reasons) or first_line(exc)
                 raise Unsupported(detail[:600]) from None
             raise
 
@@ -456,14 +458,16 @@ def new_row(method: Method, batch, heads, n, d, causal) -> dict:
     return row
 
 
-def _measure(method, inputs, refs, row, *, timer, min_cosine, causal):
+def measure_method(method, inputs, refs, row, *, timer, min_cosine, causal):
+    """Check ``method`` against the reference, record its peak extra memory (CUDA) and time it,
+    filling ``row``; ``inputs(dtype)`` gives q, k, v and ``refs`` caches the references by dtype."""
     q, k, v = inputs(method.dtype)
-    fn, ctx = _BUILDERS[method.kind](method, q, k, v, causal)
+    fn, ctx = BUILDERS[method.kind](method, q, k, v, causal)
     cuda = q.device.type == "cuda"
     out = _call_checked(fn, ctx)
     if method.kind != "sdpa" and method.kind != "sage" and backend_for(q.device) == "triton" \
             and not (method.kind == "stage" and method.backend == "prepare"):
-        row["autotune"] = _autotune_choice()
+        row["autotune"] = autotune_choice()
     if not (method.kind == "stage" and method.backend == "prepare"):
         if method.dtype not in refs:
             refs[method.dtype] = reference_output(q, k, v, causal)
@@ -504,13 +508,15 @@ def _measure(method, inputs, refs, row, *, timer, min_cosine, causal):
     row["status"] = "ok"
 
 
-def _cuda_timer(warmup_ms: float, rep_ms: float) -> Callable:
+def cuda_timer(warmup_ms: float, rep_ms: float) -> Callable:
+    """``fn → ms``: Triton's ``do_bench`` median."""
     from triton.testing import do_bench
 
     return lambda fn: do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
-def _cpu_timer(reps: int = 5, warmup: int = 1) -> Callable:
+def cpu_timer(reps: int = 5, warmup: int = 1) -> Callable:
+    """``fn → ms``: median of ``reps`` wall-clock calls after ``warmup`` calls."""
     def timer(fn):
         for _ in range(warmup):
             fn()
@@ -527,7 +533,7 @@ def _cpu_timer(reps: int = 5, warmup: int = 1) -> Callable:
 def timer_for(cuda: bool, *, warmup_ms: float = 25, rep_ms: float = 100) -> Callable:
     """A timer ``fn → ms`` for the benchmark scripts: Triton's ``do_bench`` median on a GPU, one
     wall-clock run on a CPU (whose numbers only show that the script works)."""
-    return _cuda_timer(warmup_ms, rep_ms) if cuda else _cpu_timer(reps=1, warmup=0)
+    return cuda_timer(warmup_ms, rep_ms) if cuda else cpu_timer(reps=1, warmup=0)
 
 
 def peak_extra_mib(step: Callable, cuda: bool) -> float | None:
@@ -544,7 +550,8 @@ def peak_extra_mib(step: Callable, cuda: bool) -> float | None:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def _free_memory(cuda: bool) -> None:
+def free_memory(cuda: bool) -> None:
+    """Collect garbage and, on CUDA, return cached blocks to the driver."""
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
@@ -673,7 +680,7 @@ def run_benchmark(
     cuda = device == "cuda"
     dims, seqlens, causal_values = list(dims), list(seqlens), list(causal_values)
     methods = list(methods) if methods is not None else select_methods()
-    timer = _cuda_timer(warmup_ms, rep_ms) if cuda else _cpu_timer(cpu_reps)
+    timer = cuda_timer(warmup_ms, rep_ms) if cuda else cpu_timer(cpu_reps)
     protocol = {
         "B": batch, "H": heads, "dims": dims, "seqlens": seqlens, "causal": causal_values,
         "layout": "HND",
@@ -736,24 +743,24 @@ def _run_config(rows, methods, batch, heads, n, d, causal, *, device, seed, time
             row.update(status="skipped", reason=f"time budget of {time_budget_s:.0f} s spent")
         else:
             try:
-                _measure(method, inputs, refs, row, timer=timer, min_cosine=min_cosine,
-                         causal=causal)
+                measure_method(method, inputs, refs, row, timer=timer, min_cosine=min_cosine,
+                               causal=causal)
             except torch.cuda.OutOfMemoryError as exc:
-                row.update(status="oom", reason=_first_line(exc))
+                row.update(status="oom", reason=first_line(exc))
             except Unsupported as exc:
                 row.update(status="unsupported", reason=str(exc))
             except Exception as exc:  # recorded in the row; one failing method must not end the run
-                row.update(status="error", reason=_first_line(exc),
+                row.update(status="error", reason=first_line(exc),
                            detail=traceback.format_exc(limit=6)[-2000:])
             finally:
-                _free_memory(cuda)
+                free_memory(cuda)
         if bar is not None:
             bar.update(1)
         else:
             _log_row(row)
     cache.clear()
     refs.clear()
-    _free_memory(cuda)
+    free_memory(cuda)
 
 
 def _progress(total: int, enabled: bool):
@@ -811,7 +818,8 @@ def results_stem(results: dict) -> str:
     return stem
 
 
-def _configs(rows):
+def config_keys(rows):
+    """``(D, causal, N)`` of each configuration in ``rows``, in order of appearance."""
     seen = []
     for r in rows:
         key = (r["D"], r["causal"], r["N"])
@@ -820,11 +828,13 @@ def _configs(rows):
     return seen
 
 
-def _index(rows):
+def row_index(rows):
+    """``{(method, D, causal, N): row}``."""
     return {(r["method"], r["D"], r["causal"], r["N"]): r for r in rows}
 
 
-def _columns(rows, kinds):
+def columns(rows, kinds):
+    """``(method, label)`` of the methods of ``kinds`` in ``rows``, in order of appearance."""
     cols = []
     for r in rows:
         if r["kind"] in kinds and (r["method"], r["label"]) not in cols:
@@ -832,12 +842,13 @@ def _columns(rows, kinds):
     return cols
 
 
-def _n(n: int) -> str:
+def seqlen_label(n: int) -> str:
+    """``4096`` → ``"4k"``; lengths that are not a multiple of 1024 as they are."""
     return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
 def _cfg_name(r: dict) -> str:
-    return f"D={r['D']} N={_n(r['N'])} {'causal' if r['causal'] else 'non-causal'}"
+    return f"D={r['D']} N={seqlen_label(r['N'])} {'causal' if r['causal'] else 'non-causal'}"
 
 
 def _fmt_tops(x: float) -> str:
@@ -887,15 +898,15 @@ def _table(header: list[str], body: list[list[str]]) -> list[str]:
 
 
 def _cfg_cells(d, causal, n):
-    return [str(d), "yes" if causal else "no", _n(n)]
+    return [str(d), "yes" if causal else "no", seqlen_label(n)]
 
 
 def render_markdown(results: dict) -> str:
     """The results as markdown: throughput, speedups, stage breakdown, accuracy and memory, and
     every skipped or failed measurement with its reason."""
     meta, rows = results["metadata"], results["rows"]
-    idx = _index(rows)
-    configs = _configs(rows)
+    idx = row_index(rows)
+    configs = config_keys(rows)
     v = meta.get("versions", {})
     proto = meta.get("protocol", {})
     cpu = meta.get("device") != "cuda"
@@ -918,8 +929,8 @@ def render_markdown(results: dict) -> str:
         f"- inputs: {proto.get('inputs')}; check: {proto.get('check')} (✗ = failed)",
         "",
     ]
-    main_cols = _columns(rows, ("ours", "sdpa", "sage", "cpu_reference"))
-    ours_cols = _columns(rows, ("ours", "cpu_reference"))
+    main_cols = columns(rows, ("ours", "sdpa", "sage", "cpu_reference"))
+    ours_cols = columns(rows, ("ours", "cpu_reference"))
     out += ["## Throughput (TOP/s)", ""]
     body = [_cfg_cells(*c) + [_cell_tops(idx.get((m, *c))) for m, _ in main_cols] for c in configs]
     out += _table(["D", "causal", "N"] + [lbl for _, lbl in main_cols], body) + [""]
@@ -947,7 +958,7 @@ def render_markdown(results: dict) -> str:
             body.append(cells)
         out += _table(header, body) + [""]
 
-    stage_cols = _columns(rows, ("stage",))
+    stage_cols = columns(rows, ("stage",))
     if stage_cols:
         out += ["## Where the time goes (ms; quantization passes and attention kernel alone)", ""]
         header = ["D", "causal", "N"]
@@ -1013,16 +1024,16 @@ def render_short_table(results: dict) -> str:
     """One line per configuration: TOP/s of our recipes and the baselines, the first recipe's
     speedup over cuDNN bf16 against the target, the worst cosine of our rows and the check."""
     rows = results["rows"]
-    idx = _index(rows)
-    cols = _columns(rows, ("ours", "sdpa", "sage", "cpu_reference"))
-    ours = _columns(rows, ("ours", "cpu_reference"))
+    idx = row_index(rows)
+    cols = columns(rows, ("ours", "sdpa", "sage", "cpu_reference"))
+    ours = columns(rows, ("ours", "cpu_reference"))
     has_cudnn = any(r["method"] == CUDNN_KEY for r in rows)
     header = ["D", "causal", "N"] + [lbl.replace("qk_int8_pv_", "") for _, lbl in cols]
     if ours and has_cudnn:
         header += [f"{ours[0][1].replace('qk_int8_pv_', '')} ÷ cuDNN bf16", "target"]
     header += ["min cos (ours)", "check"]
     body = []
-    for c in _configs(rows):
+    for c in config_keys(rows):
         cells = _cfg_cells(*c) + [_cell_tops(idx.get((m, *c))) for m, _ in cols]
         if ours and has_cudnn:
             first = idx.get((ours[0][0], *c))
@@ -1058,9 +1069,9 @@ def plot_results(results: dict, path: str | os.PathLike) -> Path | None:
         return None
     rows = results["rows"]
     meta = results["metadata"]
-    idx = _index(rows)
-    cols = _columns(rows, ("ours", "sdpa", "sage", "cpu_reference"))
-    configs = _configs(rows)
+    idx = row_index(rows)
+    cols = columns(rows, ("ours", "sdpa", "sage", "cpu_reference"))
+    configs = config_keys(rows)
     dims = sorted({c[0] for c in configs})
     causals = sorted({c[1] for c in configs})
     fig, axes = plt.subplots(len(dims), len(causals), squeeze=False,
@@ -1082,7 +1093,7 @@ def plot_results(results: dict, path: str | os.PathLike) -> Path | None:
                 for bar, h in zip(bars, hatches):
                     bar.set_hatch(h)
             ax.set_xticks(range(len(ns)))
-            ax.set_xticklabels([_n(n) for n in ns])
+            ax.set_xticklabels([seqlen_label(n) for n in ns])
             ax.set_xlabel("N")
             ax.set_ylabel("TOP/s")
             ax.set_title(f"D={d}, {'causal' if causal else 'non-causal'}")
