@@ -34,7 +34,16 @@ try:
 except ImportError:  # a source checkout that is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import lowbit_attn
-from lowbit_attn.tools import benchmark as bm
+from lowbit_attn.integrations.sdpa import TORCH_SDPA
+from lowbit_attn.tools.bench.calls import autotune_choice, reference_output
+from lowbit_attn.tools.bench.command import parse_seqlens
+from lowbit_attn.tools.bench.flops import tops
+from lowbit_attn.tools.bench.measure import compare
+from lowbit_attn.tools.bench.metadata import make_metadata
+from lowbit_attn.tools.bench.protocol import BATCH, HEADS, MIN_COSINE, make_inputs
+from lowbit_attn.tools.bench.save import save_script_results
+from lowbit_attn.tools.bench.tables import seqlen_label
+from lowbit_attn.tools.bench.timers import timer_for
 from lowbit_attn.core.arch import backend_for
 from lowbit_attn.core.options import KernelOptions
 from lowbit_attn.inference import kernel_int8 as attn_fwd_int8
@@ -130,8 +139,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="D=128 and N=1k,16k only")
     ap.add_argument("--dims", default="128,64", help="in this order (the D=128 bars first)")
     ap.add_argument("--seqlens", default="1k,8k,16k")
-    ap.add_argument("--batch", type=int, default=bm.BATCH)
-    ap.add_argument("--heads", type=int, default=bm.HEADS)
+    ap.add_argument("--batch", type=int, default=BATCH)
+    ap.add_argument("--heads", type=int, default=HEADS)
     ap.add_argument("--time-budget", type=float, default=None,
                     help="seconds; configurations not started by then are recorded as skipped")
     ap.add_argument("--out", action="append", default=[])
@@ -139,13 +148,13 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     dims = [128] if args.quick else [int(x) for x in args.dims.split(",")]
-    seqlens = [1024, 16384] if args.quick else bm.parse_seqlens(args.seqlens)
+    seqlens = [1024, 16384] if args.quick else parse_seqlens(args.seqlens)
     batch, heads = args.batch, args.heads
     if not cuda:
         print("NO CUDA: tiny sizes on the CPU (not a kernel benchmark)", file=sys.stderr)
         dims, seqlens, batch, heads = [64], [160], 1, 2
     triton_path = backend_for(torch.device(device)) == "triton"
-    timer = bm.timer_for(cuda)
+    timer = timer_for(cuda)
     start = time.monotonic()
     rows: list[dict] = []
 
@@ -154,12 +163,12 @@ def main(argv=None) -> int:
         try:
             out = fn()
             if ref is not None:
-                row.update(bm.compare(out, ref))
-                row["check"] = "pass" if row["cosine"] >= bm.MIN_COSINE else "FAIL"
+                row.update(compare(out, ref))
+                row["check"] = "pass" if row["cosine"] >= MIN_COSINE else "FAIL"
             del out
             row["ms"] = float(timer(fn))
-            row["tops"] = bm.tops(base["B"], base["H"], base["N"], base["D"], base["causal"],
-                                  row["ms"])
+            row["tops"] = tops(base["B"], base["H"], base["N"], base["D"], base["causal"],
+                               row["ms"])
             row["status"] = "ok"
         except Exception as exc:  # noqa: BLE001 - a failing method is a row, not a crash
             row["status"] = f"error: {type(exc).__name__}: {exc}"[:300]
@@ -173,15 +182,15 @@ def main(argv=None) -> int:
                 if args.time_budget is not None and time.monotonic() - start > args.time_budget:
                     rows.append({**base, "method": "*", "status": "skipped"})
                     continue
-                q, k, v = bm.make_inputs(batch, heads, n, d, device=device)
-                ref, _ = bm.reference_output(q, k, v, causal)
+                q, k, v = make_inputs(batch, heads, n, d, device=device)
+                ref, _ = reference_output(q, k, v, causal)
                 qb, kb, vb = (x.to(torch.bfloat16) for x in (q, k, v))
 
                 def cudnn():
                     from torch.nn.attention import SDPBackend, sdpa_kernel
 
                     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION if cuda else SDPBackend.MATH):
-                        return bm.TORCH_SDPA(qb, kb, vb, is_causal=causal)
+                        return TORCH_SDPA(qb, kb, vb, is_causal=causal)
 
                 def ours():
                     return lowbit_attn.attention(q, k, v, recipe=RECIPE, is_causal=causal)
@@ -189,7 +198,7 @@ def main(argv=None) -> int:
                 record(base, "sdpa_cudnn_bf16", cudnn, ref)
                 with forced(None):
                     record(base, "ours", ours, ref)
-                    rows[-1]["autotune"] = bm._autotune_choice()
+                    rows[-1]["autotune"] = autotune_choice()
                 if not triton_path:
                     continue
                 for q_mode, kv_mode in (("kernel", None), (None, "program"), ("kernel", "program")):
@@ -197,14 +206,14 @@ def main(argv=None) -> int:
                     with env("LOWBIT_ATTN_Q_QUANT", q_mode), env("LOWBIT_ATTN_KV_STATS", kv_mode), \
                             forced(None):
                         record(base, f"ours {name}", ours, ref)
-                        rows[-1]["autotune"] = bm._autotune_choice()
+                        rows[-1]["autotune"] = autotune_choice()
                 with env("LOWBIT_ATTN_KV_STATS", "program"):
                     prepare, _ = stage_fns(q, k, v, causal)
                     record(base, "prepare kv=program", prepare)
                 wide = get_recipe(RECIPE).replace(block_k=128)  # per-token: any key block fits
                 record(base, "ours block_k=128", lambda: lowbit_attn.attention(
                     q, k, v, recipe=wide, is_causal=causal), ref)
-                rows[-1]["autotune"] = bm._autotune_choice()
+                rows[-1]["autotune"] = autotune_choice()
                 for config in candidates(cuda, d):
                     with forced(config):
                         record(base, f"ours cfg={describe(config)}", ours, ref)
@@ -216,12 +225,12 @@ def main(argv=None) -> int:
                 if cuda:
                     torch.cuda.empty_cache()
 
-    meta = bm.make_metadata(device=device, mode="hopper", protocol={
+    meta = make_metadata(device=device, mode="hopper", protocol={
         "recipe": RECIPE, "batch": batch, "heads": heads, "dims": dims, "seqlens": seqlens,
         "inputs": "fp16 q, k, v (bf16 copies for cuDNN); k += 4·N(0,1) per channel",
     })
     table = render(rows)
-    bm.save_script_results(args.out, "hopper", {**meta, "rows": rows}, table)
+    save_script_results(args.out, "hopper", {**meta, "rows": rows}, table)
     print(table)
     ok = all(r["status"] in ("ok", "skipped") and r.get("check", "pass") == "pass" for r in rows)
     return 0 if ok else 1
@@ -234,7 +243,8 @@ def render(rows: list[dict]) -> str:
     lines = ["| D | N | causal | method | ms | TOP/s | × cuDNN | cosine | rel L1 | autotune |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        head = f"| {r['D']} | {bm._n(r['N'])} | {'yes' if r['causal'] else 'no'} | {r['method']} |"
+        head = (f"| {r['D']} | {seqlen_label(r['N'])} | {'yes' if r['causal'] else 'no'} | "
+                f"{r['method']} |")
         if r["status"] != "ok":
             lines.append(f"{head} {r['status']} | | | | | |")
             continue
@@ -254,7 +264,7 @@ def render(rows: list[dict]) -> str:
             continue
         speed = base["ms"] / r["ms"]
         met = "—" if bar is None else ("yes" if speed >= bar else "no")
-        lines.append(f"| {r['D']} | {bm._n(r['N'])} | {'yes' if r['causal'] else 'no'} | "
+        lines.append(f"| {r['D']} | {seqlen_label(r['N'])} | {'yes' if r['causal'] else 'no'} | "
                      f"{speed:.2f} | {bar or '—'} | {met} |")
     return "\n".join(lines)
 

@@ -31,9 +31,10 @@ try:
 except ImportError:  # a source checkout that is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import lowbit_attn
-from lowbit_attn.tools.benchmark import (
-    make_inputs, make_metadata, peak_extra_mib, save_script_results, timer_for,
-)
+from lowbit_attn.tools.bench.metadata import make_metadata
+from lowbit_attn.tools.bench.protocol import make_inputs
+from lowbit_attn.tools.bench.save import save_script_results
+from lowbit_attn.tools.bench.timers import peak_extra_mib, timer_for
 from lowbit_attn.core.metrics import errors
 
 TOKENS = 16384

@@ -27,9 +27,9 @@ except ImportError:  # a source checkout that is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import lowbit_attn
 from lowbit_attn.vsa import interface as vsa
-from lowbit_attn.tools.benchmark import (
-    make_metadata, peak_extra_mib, save_script_results, timer_for,
-)
+from lowbit_attn.tools.bench.metadata import make_metadata
+from lowbit_attn.tools.bench.save import save_script_results
+from lowbit_attn.tools.bench.timers import peak_extra_mib, timer_for
 from lowbit_attn.vsa.tiles import tile_layout
 
 

@@ -16,10 +16,12 @@ import sys
 from pathlib import Path
 
 try:
-    from lowbit_attn.tools.benchmark import plot_results, render_markdown
+    from lowbit_attn.tools.bench.plots import plot_results
+    from lowbit_attn.tools.bench.tables import render_markdown
 except ImportError:  # a source checkout that is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    from lowbit_attn.tools.benchmark import plot_results, render_markdown
+    from lowbit_attn.tools.bench.plots import plot_results
+    from lowbit_attn.tools.bench.tables import render_markdown
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -93,7 +93,7 @@ if [[ "$STAGE" == fp4 ]]; then
     budget=$((TOTAL_BUDGET - SECONDS - 25))
     if ((budget < 60)); then budget=60; fi
     log "FP4 benchmark (quick, vs SDPA cuDNN)"
-    "$PY" -m lowbit_attn.tools.benchmark --recipes qk_fp4_pv_fp4,qk_mxfp4_pv_mxfp4 --baselines cudnn \
+    "$PY" -m lowbit_attn.tools.bench --recipes qk_fp4_pv_fp4,qk_mxfp4_pv_mxfp4 --baselines cudnn \
         --quick --out "$OUT" --out benchmarks/results --time-budget "$budget" --no-progress \
         >"$OUT/bench-fp4-table.txt" 2>"$OUT/bench-fp4.log"
     rc_bench=$?
@@ -146,8 +146,8 @@ if [[ "$STAGE" == all || "$STAGE" == bench || "$STAGE" == quick ]]; then
         log "NO CUDA: the benchmark will only time the CPU reference (not a kernel benchmark)"
     fi
     [[ "$STAGE" == quick ]] && args+=(--quick)
-    log "benchmark: python -m lowbit_attn.tools.benchmark ${args[*]} (log in \$OUT/bench.log)"
-    "$PY" -m lowbit_attn.tools.benchmark "${args[@]}" >"$OUT/bench-table.txt" 2>"$OUT/bench.log"
+    log "benchmark: python -m lowbit_attn.tools.bench ${args[*]} (log in \$OUT/bench.log)"
+    "$PY" -m lowbit_attn.tools.bench "${args[@]}" >"$OUT/bench-table.txt" 2>"$OUT/bench.log"
     rc_bench=$?
     grep -v -e '^  D=' "$OUT/bench.log" | tail -n 40
     log "measurements that are not ok (unsupported, oom, error, failed check):"

@@ -8,32 +8,35 @@ import json
 import pytest
 import torch
 
-from lowbit_attn.tools import benchmark as bm
+from lowbit_attn.core.recipes import RECIPES
+from lowbit_attn.tools.bench import (
+    calls, command, flops, metadata, plots, protocol, run, save, tables,
+)
 
 
 def test_tops_counts_four_bhn2d_and_halves_causal():
     # 4·B·H·N²·D = 4·4·32·1024²·128 = 68 719 476 736 operations in 1 ms → 68.72 TOP/s.
-    assert bm.attention_ops(4, 32, 1024, 128, causal=False) == 68_719_476_736
-    assert bm.tops(4, 32, 1024, 128, False, 1.0) == pytest.approx(68.719476736)
-    assert bm.tops(4, 32, 1024, 128, True, 1.0) == pytest.approx(68.719476736 / 2)
-    assert bm.tops(1, 1, 2, 1, False, 1e-9) == pytest.approx(16 / 1e-12 / 1e12)
+    assert flops.attention_ops(4, 32, 1024, 128, causal=False) == 68_719_476_736
+    assert flops.tops(4, 32, 1024, 128, False, 1.0) == pytest.approx(68.719476736)
+    assert flops.tops(4, 32, 1024, 128, True, 1.0) == pytest.approx(68.719476736 / 2)
+    assert flops.tops(1, 1, 2, 1, False, 1e-9) == pytest.approx(16 / 1e-12 / 1e12)
 
 
 def test_quantization_bytes_follow_the_passes_of_prepare():
     e = 1000
-    fp8, fp16 = bm.RECIPES["qk_int8_pv_fp8"], bm.RECIPES["qk_int8_pv_fp16"]
+    fp8, fp16 = RECIPES["qk_int8_pv_fp8"], RECIPES["qk_int8_pv_fp16"]
     # fp8: K stats 2E + Q stats 2E + quantize Q 3E + quantize K 3E + V stats 2E + convert V 3E = 15E
-    assert bm.quantization_bytes(fp8, e, e) == 15 * e
+    assert flops.quantization_bytes(fp8, e, e) == 15 * e
     # fp16 P·V: no V stats; V is rewritten as fp16 (2E read + 2E write) = 14E
-    assert bm.quantization_bytes(fp16, e, e) == 14 * e
-    assert bm.attention_bytes(fp8, e, e) == 5 * e
+    assert flops.quantization_bytes(fp16, e, e) == 14 * e
+    assert flops.attention_bytes(fp8, e, e) == 5 * e
     # Q quantized by the attention kernel: 3E fewer in the passes, 1E more for the attention
-    assert bm.quantization_bytes(fp8, e, e, q_in_kernel=True) == 12 * e
-    assert bm.attention_bytes(fp8, e, e, q_in_kernel=True) == 6 * e
+    assert flops.quantization_bytes(fp8, e, e, q_in_kernel=True) == 12 * e
+    assert flops.attention_bytes(fp8, e, e, q_in_kernel=True) == 6 * e
     # K and V statistics taken by the quantizing launch (second read from L2): 4E fewer
-    assert bm.quantization_bytes(fp8, e, e, kv_stats_in_program=True) == 11 * e
-    assert bm.quantization_bytes(fp16, e, e, kv_stats_in_program=True) == 12 * e
-    assert bm.quantization_bytes(bm.RECIPES["exact"], e, e) is None
+    assert flops.quantization_bytes(fp8, e, e, kv_stats_in_program=True) == 11 * e
+    assert flops.quantization_bytes(fp16, e, e, kv_stats_in_program=True) == 12 * e
+    assert flops.quantization_bytes(RECIPES["exact"], e, e) is None
 
 
 @pytest.mark.parametrize(
@@ -42,48 +45,49 @@ def test_quantization_bytes_follow_the_passes_of_prepare():
     ids=["k-suffix", "spaces", "upper-K"],
 )
 def test_parse_seqlens(text, expected):
-    assert bm.parse_seqlens(text) == expected
+    assert command.parse_seqlens(text) == expected
 
 
 def test_parse_rejects_garbage():
     with pytest.raises(argparse.ArgumentTypeError):
-        bm.parse_seqlens("1m")
+        command.parse_seqlens("1m")
     with pytest.raises(argparse.ArgumentTypeError):
-        bm.parse_dims("64,x")
+        command.parse_dims("64,x")
     with pytest.raises(argparse.ArgumentTypeError):
-        bm.parse_dims("64,300")
+        command.parse_dims("64,300")
     with pytest.raises(argparse.ArgumentTypeError):
-        bm.parse_seqlens("0,1k")
+        command.parse_seqlens("0,1k")
 
 
 def test_slug_of_gpu_name():
-    assert bm.slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
-    assert bm.slug("  ") == "unknown"
+    assert save.slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    assert save.slug("  ") == "unknown"
 
 
 def test_select_methods_names_and_refuses_exact():
-    keys = [m.key for m in bm.select_methods()]
+    keys = [m.key for m in protocol.select_methods()]
     assert keys[:3] == ["ours_fp8", "ours_fp8_bf16", "ours_fp16"]
-    for k in (bm.FLASH_KEY, bm.CUDNN_KEY, "sdpa_cudnn_fp16", bm.SAGE_KEY, "ours_fp8_prepare",
-              "ours_fp8_attn"):
+    for k in (protocol.FLASH_KEY, protocol.CUDNN_KEY, "sdpa_cudnn_fp16", protocol.SAGE_KEY,
+              "ours_fp8_prepare", "ours_fp8_attn"):
         assert k in keys
-    assert [m.key for m in bm.select_methods(baselines=[], bf16=False, breakdown=False)] == [
+    assert [m.key for m in protocol.select_methods(baselines=[], bf16=False, breakdown=False)] == [
         "ours_fp8", "ours_fp16"]
     with pytest.raises(ValueError, match="exact"):
-        bm.select_methods(["exact"])
+        protocol.select_methods(["exact"])
     with pytest.raises(ValueError, match="baseline"):
-        bm.select_methods(baselines=["xformers"])
+        protocol.select_methods(baselines=["xformers"])
 
 
 def _check_row(row):
-    assert set(bm.ROW_FIELDS) <= set(row)
-    assert row["status"] in bm.STATUSES
+    assert set(protocol.ROW_FIELDS) <= set(row)
+    assert row["status"] in protocol.STATUSES
 
 
 def test_cpu_reference_run_returns_checked_rows():
-    res = bm.run_benchmark(
+    res = run.run_benchmark(
         dims=[32], seqlens=[64], causal_values=[False, True], batch=1, heads=2,
-        methods=bm.cpu_methods(), device="cpu", cpu_reps=1, mode="cpu-reference", progress=False,
+        methods=protocol.cpu_methods(), device="cpu", cpu_reps=1, mode="cpu-reference",
+        progress=False,
     )
     rows = res["rows"]
     assert len(rows) == 2 * 3
@@ -103,13 +107,13 @@ def test_cpu_reference_run_returns_checked_rows():
 def test_gpu_loop_on_cpu_records_unsupported_backends():
     """The GPU method list on CPU tensors: our calls and SDPA flash run, cuDNN and SageAttention
     are recorded as unsupported with a reason instead of ending the run."""
-    methods = bm.select_methods(breakdown=False)
-    res = bm.run_benchmark(dims=[32], seqlens=[48], causal_values=[True], batch=1, heads=1,
-                           methods=methods, device="cpu", cpu_reps=1, progress=False)
+    methods = protocol.select_methods(breakdown=False)
+    res = run.run_benchmark(dims=[32], seqlens=[48], causal_values=[True], batch=1, heads=1,
+                            methods=methods, device="cpu", cpu_reps=1, progress=False)
     by = {r["method"]: r for r in res["rows"]}
-    for key in ("ours_fp8", "ours_fp8_bf16", "ours_fp16", bm.FLASH_KEY):
+    for key in ("ours_fp8", "ours_fp8_bf16", "ours_fp16", protocol.FLASH_KEY):
         assert by[key]["status"] == "ok" and by[key]["check"] == "pass", by[key]
-    for key in (bm.CUDNN_KEY, bm.SAGE_KEY):
+    for key in (protocol.CUDNN_KEY, protocol.SAGE_KEY):
         assert by[key]["status"] == "unsupported" and by[key]["reason"], by[key]
 
 
@@ -123,24 +127,24 @@ def test_a_failing_method_is_recorded_not_raised(monkeypatch):
     def raising(method, q, k, v, causal):
         raise RuntimeError("kernel exploded")
 
-    monkeypatch.setitem(bm._BUILDERS, "ours", broken)
-    monkeypatch.setitem(bm._BUILDERS, "sage", raising)
-    methods = [bm.Method("ours_fp8", "ours", "ours", recipe="qk_int8_pv_fp8"),
-               bm.Method(bm.SAGE_KEY, "sage", "sage")]
-    res = bm.run_benchmark(dims=[16], seqlens=[32], causal_values=[False], batch=1, heads=1,
-                           methods=methods, device="cpu", cpu_reps=1, progress=False)
+    monkeypatch.setitem(calls.BUILDERS, "ours", broken)
+    monkeypatch.setitem(calls.BUILDERS, "sage", raising)
+    methods = [protocol.Method("ours_fp8", "ours", "ours", recipe="qk_int8_pv_fp8"),
+               protocol.Method(protocol.SAGE_KEY, "sage", "sage")]
+    res = run.run_benchmark(dims=[16], seqlens=[32], causal_values=[False], batch=1, heads=1,
+                            methods=methods, device="cpu", cpu_reps=1, progress=False)
     ours, sage = res["rows"]
     assert ours["status"] == "ok" and ours["check"] == "FAIL" and ours["nonfinite"] == 32 * 16
     assert sage["status"] == "error" and "kernel exploded" in sage["reason"]
-    assert bm._failures(res) == [ours]
-    assert "✗" in bm.render_markdown(res)
-    assert "FAIL: ours_fp8" in bm.render_short_table(res)
+    assert command._failures(res) == [ours]
+    assert "✗" in tables.render_markdown(res)
+    assert "FAIL: ours_fp8" in tables.render_short_table(res)
 
 
 def test_time_budget_skips_the_rest():
-    res = bm.run_benchmark(dims=[16], seqlens=[32, 64], causal_values=[False], batch=1, heads=1,
-                           methods=bm.cpu_methods(["qk_int8_pv_fp16"]), device="cpu", cpu_reps=1,
-                           time_budget_s=0.0, progress=False)
+    res = run.run_benchmark(dims=[16], seqlens=[32, 64], causal_values=[False], batch=1, heads=1,
+                            methods=protocol.cpu_methods(["qk_int8_pv_fp16"]), device="cpu",
+                            cpu_reps=1, time_budget_s=0.0, progress=False)
     assert {r["status"] for r in res["rows"]} == {"skipped"}
     assert "time budget" in res["rows"][0]["reason"]
 
@@ -159,8 +163,8 @@ def _synthetic_results():
 
     def row(method, label, kind, n, causal, tops=None, status="ok", check="pass", reason=None,
             dtype="fp16"):
-        r = dict.fromkeys(bm.ROW_FIELDS)
-        ops = bm.attention_ops(4, 32, n, 128, causal)
+        r = dict.fromkeys(protocol.ROW_FIELDS)
+        ops = flops.attention_ops(4, 32, n, 128, causal)
         r.update(method=method, label=label, kind=kind, dtype=dtype, B=4, H=32, N=n, D=128,
                  causal=causal, status=status, reason=reason)
         if status == "ok":
@@ -171,18 +175,18 @@ def _synthetic_results():
     for n, ours, cudnn, flash, sage in ((1024, 300, 554, 318, 225), (16384, 785, 628, 345, 459)):
         row("ours_fp8", "ours qk_int8_pv_fp8", "ours", n, False, ours,
             check="FAIL" if n == 1024 else "pass")
-        row(bm.CUDNN_KEY, "SDPA cuDNN bf16", "sdpa", n, False, cudnn, dtype="bf16")
-        row(bm.FLASH_KEY, "SDPA flash fp16", "sdpa", n, False, flash)
+        row(protocol.CUDNN_KEY, "SDPA cuDNN bf16", "sdpa", n, False, cudnn, dtype="bf16")
+        row(protocol.FLASH_KEY, "SDPA flash fp16", "sdpa", n, False, flash)
         if n == 1024:
-            row(bm.SAGE_KEY, "SageAttention 1.0.6 fp16", "sage", n, False, sage)
+            row(protocol.SAGE_KEY, "SageAttention 1.0.6 fp16", "sage", n, False, sage)
         else:
-            row(bm.SAGE_KEY, "SageAttention 1.0.6 fp16", "sage", n, False, status="oom",
+            row(protocol.SAGE_KEY, "SageAttention 1.0.6 fp16", "sage", n, False, status="oom",
                 reason="OutOfMemoryError: CUDA out of memory")
     return {"metadata": meta, "rows": rows, "complete": True}
 
 
 def test_markdown_renders_tops_speedups_failures_and_skips():
-    md = bm.render_markdown(_synthetic_results())
+    md = tables.render_markdown(_synthetic_results())
     assert "NVIDIA H100 80GB HBM3 (sm_90a)" in md
     assert "| 128 | no | 16k | 785 | 628 | 345 | oom |" in md
     assert "| 128 | no | 1k | 300 ✗ | 554 | 318 | 225 |" in md
@@ -190,14 +194,14 @@ def test_markdown_renders_tops_speedups_failures_and_skips():
     assert "≥ 1.25×" in md and "≥ 1.00×" in md  # the targets
     assert "**check failed**" in md
     assert "**oom** — OutOfMemoryError" in md
-    short = bm.render_short_table(_synthetic_results())
+    short = tables.render_short_table(_synthetic_results())
     assert "0.54× ✗" not in short  # the short table shows the speedup and flags the check apart
     assert "≥1.25 met" in short and "≥1.00 MISSED" in short
     assert short.splitlines()[0].startswith("| D | causal | N | ours fp8 |")
 
 
 def test_write_results_names_files_by_gpu_and_date(tmp_path):
-    paths = bm.write_results(_synthetic_results(), tmp_path, plot=False)
+    paths = save.write_results(_synthetic_results(), tmp_path, plot=False)
     assert [p.name for p in paths] == ["nvidia-h100-80gb-hbm3-2026-11-22.json",
                                        "nvidia-h100-80gb-hbm3-2026-11-22.md"]
     back = json.loads(paths[0].read_text())
@@ -207,12 +211,12 @@ def test_write_results_names_files_by_gpu_and_date(tmp_path):
 
 def test_plot_draws_from_the_data(tmp_path):
     pytest.importorskip("matplotlib")
-    path = bm.plot_results(_synthetic_results(), tmp_path / "chart.png")
+    path = plots.plot_results(_synthetic_results(), tmp_path / "chart.png")
     assert path.is_file() and path.stat().st_size > 1000
 
 
 def test_metadata_names_the_device():
-    meta = bm.make_metadata(device="cpu", mode="cpu-reference", protocol={}, argv=["bench"])
+    meta = metadata.make_metadata(device="cpu", mode="cpu-reference", protocol={}, argv=["bench"])
     assert meta["device"] == "cpu" and meta["device_name"].startswith("CPU")
     assert meta["command"] == "bench"
     for key in ("date_utc", "date", "hostname", "versions", "capability", "backend"):
@@ -224,8 +228,8 @@ def test_metadata_names_the_device():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU mode of `bench` runs without CUDA")
 def test_cli_on_cpu_writes_files_only_with_out(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    parser = bm.add_arguments(argparse.ArgumentParser())
-    assert bm.cli_main(parser.parse_args(["--causal", "no", "--no-plot"])) == 0
+    parser = command.add_arguments(argparse.ArgumentParser())
+    assert command.cli_main(parser.parse_args(["--causal", "no", "--no-plot"])) == 0
     captured = capsys.readouterr()
     assert "NOT kernel benchmarks" in captured.err
     assert captured.out.strip().splitlines()[-1].startswith("| 64 | no | 256 |")
@@ -233,7 +237,8 @@ def test_cli_on_cpu_writes_files_only_with_out(tmp_path, monkeypatch, capsys):
     assert list(tmp_path.iterdir()) == []
 
     out = tmp_path / "res"
-    assert bm.cli_main(parser.parse_args(["--causal", "yes", "--no-plot", "--out", str(out)])) == 0
+    assert command.cli_main(
+        parser.parse_args(["--causal", "yes", "--no-plot", "--out", str(out)])) == 0
     files = sorted(p.name for p in out.iterdir())
     assert len(files) == 2 and files[0].startswith("cpu-reference-") and files[0].endswith(".json")
     meta = json.loads((out / files[0]).read_text())["metadata"]
@@ -241,8 +246,8 @@ def test_cli_on_cpu_writes_files_only_with_out(tmp_path, monkeypatch, capsys):
 
 
 def test_cli_rejects_unknown_recipe(capsys):
-    parser = bm.add_arguments(argparse.ArgumentParser())
-    assert bm.cli_main(parser.parse_args(["--recipes", "qk_int4"])) == 2
+    parser = command.add_arguments(argparse.ArgumentParser())
+    assert command.cli_main(parser.parse_args(["--recipes", "qk_int4"])) == 2
     assert "unknown recipe" in capsys.readouterr().err
 
 
@@ -252,9 +257,9 @@ def test_gpu_smoke_run_checks_and_times_every_method():
     recipes pass the accuracy check against SDPA."""
     # heads=16: the same integer specialisations (multiples of 16) as the full run, which then
     # finds these kernels in Triton's cache.
-    res = bm.run_benchmark(dims=[64, 128], seqlens=[256], causal_values=[False, True], batch=1,
-                           heads=16, methods=bm.select_methods(), device="cuda", warmup_ms=1,
-                           rep_ms=3, progress=False)
+    res = run.run_benchmark(dims=[64, 128], seqlens=[256], causal_values=[False, True], batch=1,
+                            heads=16, methods=protocol.select_methods(), device="cuda",
+                            warmup_ms=1, rep_ms=3, progress=False)
     assert res["metadata"]["device_name"] == torch.cuda.get_device_name()
     for row in res["rows"]:
         _check_row(row)
@@ -267,7 +272,7 @@ def test_gpu_smoke_run_checks_and_times_every_method():
                 assert row["check"] == "pass", row
         if row["kind"] == "ours":
             assert row["peak_extra_mib"] is not None
-    flash = [r for r in res["rows"] if r["method"] == bm.FLASH_KEY]
+    flash = [r for r in res["rows"] if r["method"] == protocol.FLASH_KEY]
     assert all(r["status"] == "ok" for r in flash)
 
 
@@ -287,17 +292,19 @@ def test_cli_gpu_path_writes_every_out_dir(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
-    monkeypatch.setattr(bm, "run_benchmark", fake_run)
-    parser = bm.add_arguments(argparse.ArgumentParser())
+    monkeypatch.setattr(command, "run_benchmark", fake_run)
+    parser = command.add_arguments(argparse.ArgumentParser())
     a, b = tmp_path / "a", tmp_path / "b"
     args = parser.parse_args(["--quick", "--causal", "no", "--no-plot", "--out", str(a), "--out",
                               str(b), "--time-budget", "100", "--baselines", "cudnn,flash"])
-    assert bm.cli_main(args) == 1  # the synthetic ours row at 1k failed its check
-    assert seen["dims"] == list(bm.QUICK_DIMS) and seen["seqlens"] == list(bm.QUICK_SEQLENS)
+    assert command.cli_main(args) == 1  # the synthetic ours row at 1k failed its check
+    assert (seen["dims"] == list(protocol.QUICK_DIMS)
+            and seen["seqlens"] == list(protocol.QUICK_SEQLENS))
     assert seen["causal_values"] == [False] and seen["time_budget_s"] == 100
     assert seen["device"] == "cuda"
     assert [m.key for m in seen["methods"] if m.kind != "stage"] == [
-        "ours_fp8", "ours_fp8_bf16", "ours_fp16", bm.FLASH_KEY, bm.CUDNN_KEY, "sdpa_cudnn_fp16"]
+        "ours_fp8", "ours_fp8_bf16", "ours_fp16", protocol.FLASH_KEY, protocol.CUDNN_KEY,
+        "sdpa_cudnn_fp16"]
     for d in (a, b):
         names = sorted(p.name for p in d.iterdir())
         assert names == ["nvidia-h100-80gb-hbm3-2026-11-22-quick.json",
@@ -310,13 +317,13 @@ def test_cli_gpu_path_writes_every_out_dir(tmp_path, monkeypatch, capsys):
 
 
 def test_default_results_dir_is_in_the_checkout():
-    d = bm.default_results_dir()
+    d = command.default_results_dir()
     assert d.parts[-2:] == ("benchmarks", "results")
 
 
 def test_fp4_recipes_get_their_own_keys_and_stage_rows():
-    keys = [m.key for m in bm.select_methods(["qk_fp4_pv_fp4", "qk_mxfp4_pv_mxfp4"], [],
-                                             bf16=True)]
+    keys = [m.key for m in protocol.select_methods(["qk_fp4_pv_fp4", "qk_mxfp4_pv_mxfp4"], [],
+                                                   bf16=True)]
     assert keys == ["ours_nvfp4", "ours_mxfp4", "ours_nvfp4_prepare", "ours_nvfp4_attn",
                     "ours_mxfp4_prepare", "ours_mxfp4_attn"]
 

@@ -202,9 +202,9 @@ def test_accuracy_refuses_cuda_without_a_gpu(capsys, monkeypatch):
     pytest.param(["--time-budget", "x"], "argument --time-budget: expected float", id="budget"),
 ])
 def test_bench_usage_errors(capsys, monkeypatch, argv, message):
-    from lowbit_attn.tools import benchmark
+    from lowbit_attn.tools import bench
 
-    monkeypatch.setattr(benchmark, "cli_main", _fail)
+    monkeypatch.setattr(bench, "cli_main", _fail)
     line = usage_error(capsys, ["bench", *argv])
     assert line.startswith("lowbit-attn bench: error: ") and message in line, line
 
@@ -237,7 +237,7 @@ def _fake_module(name: str, calls: list) -> types.ModuleType:
 
 
 @pytest.mark.parametrize("command,module", [("accuracy", "lowbit_attn.tools.accuracy"),
-                                            ("bench", "lowbit_attn.tools.benchmark")])
+                                            ("bench", "lowbit_attn.tools.bench")])
 def test_external_subcommands_get_their_modules_arguments(monkeypatch, command, module):
     calls: list = []
     monkeypatch.setitem(sys.modules, module, _fake_module(module, calls))
@@ -246,14 +246,14 @@ def test_external_subcommands_get_their_modules_arguments(monkeypatch, command, 
 
 
 def test_missing_external_module_is_a_clear_error(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "lowbit_attn.tools.benchmark", None)  # import raises ImportError
+    monkeypatch.setitem(sys.modules, "lowbit_attn.tools.bench", None)  # import raises ImportError
     assert cli.main(["bench", "--n", "3"]) == 2
     err = capsys.readouterr().err
-    assert "lowbit-attn bench: cannot import lowbit_attn.tools.benchmark" in err
+    assert "lowbit-attn bench: cannot import lowbit_attn.tools.bench" in err
 
 
 def test_other_subcommands_do_not_import_external_modules(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "lowbit_attn.tools.benchmark", None)
+    monkeypatch.setitem(sys.modules, "lowbit_attn.tools.bench", None)
     monkeypatch.setitem(sys.modules, "lowbit_attn.tools.accuracy", None)
     code, _, _ = run(capsys, "inspect", "--arch", "sm_90a", "--recipe", "exact")
     assert code == 0

@@ -5,7 +5,7 @@ Subcommands:
               instructions, registers and spills
     doctor    versions, the GPU, the environment switches, and how each recipe would run here
     accuracy  error of each recipe against exact attention (``lowbit_attn.tools.accuracy``)
-    bench     speed of each recipe and the baselines (``lowbit_attn.tools.benchmark``)
+    bench     speed of each recipe and the baselines (``lowbit_attn.tools.bench``)
 
 Only the chosen subcommand's dependencies are imported: ``lowbit-attn --help`` stays instant.
 """
@@ -29,7 +29,7 @@ from lowbit_attn.tools.args import UsageError, head_dim_arg, ranged
 # ``add_arguments(parser)`` and ``cli_main(args) -> int``.
 EXTERNAL = {
     "accuracy": ("lowbit_attn.tools.accuracy", "error of each recipe against exact attention"),
-    "bench": ("lowbit_attn.tools.benchmark", "speed of each recipe and the baselines"),
+    "bench": ("lowbit_attn.tools.bench", "speed of each recipe and the baselines"),
 }
 ENV_VARS = ("LOWBIT_ATTN_ARCH", "LOWBIT_ATTN_BACKEND", "LOWBIT_ATTN_Q_QUANT", "LOWBIT_ATTN_KV_STATS",
             "LOWBIT_ATTN_TRAIN_DQ", "TRITON_INTERPRET")
