@@ -45,6 +45,7 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.autotuner import Autotuner, Heuristics
 from triton.runtime.jit import JITFunction, KernelInterface
 
@@ -91,6 +92,7 @@ class KernelReport:
             instruction descriptor.
         registers, spill_stores, spill_loads, stack_frame: from ``ptxas -v`` (bytes for the last
             three); ``None`` when compilation failed.
+        ptxas_warnings: ptxas's warning lines (e.g. C7514: wgmma serialized), in order.
         shared_memory: bytes of shared memory Triton allocated.
         error: why compilation or ``ptxas`` failed (``None`` when it worked).
         ptx: the PTX text (left out of ``repr``).
@@ -107,6 +109,7 @@ class KernelReport:
     spill_stores: int | None = None
     spill_loads: int | None = None
     stack_frame: int | None = None
+    ptxas_warnings: tuple[str, ...] = ()
     shared_memory: int | None = None
     error: str | None = None
     ptx: str = field(default="", repr=False)
@@ -425,9 +428,15 @@ def parse_ptxas_log(log: str, kernel: str | None = None) -> dict[str, int]:
     }
 
 
-def run_ptxas(ptx: str, arch: str, kernel: str | None = None) -> dict[str, int]:
-    """Assemble ``ptx`` with ``ptxas -arch=<arch> -v`` and return :func:`parse_ptxas_log`'s fields;
-    raises ``RuntimeError`` with ptxas's messages when it fails."""
+def ptxas_warnings(log: str) -> tuple[str, ...]:
+    """The warning lines of a ``ptxas`` log (``ptxas warning : ...``), stripped, in order."""
+    return tuple(line.strip() for line in log.splitlines() if "ptxas warning" in line)
+
+
+def run_ptxas(ptx: str, arch: str, kernel: str | None = None) -> dict:
+    """Assemble ``ptx`` with ``ptxas -arch=<arch> -v`` and return :func:`parse_ptxas_log`'s fields
+    plus ``ptxas_warnings`` (:func:`ptxas_warnings`); raises ``RuntimeError`` with ptxas's messages
+    when it fails."""
     with tempfile.TemporaryDirectory(prefix="lowbit_attn_aot_") as tmp:
         src = os.path.join(tmp, "kernel.ptx")
         with open(src, "w") as f:
@@ -438,7 +447,7 @@ def run_ptxas(ptx: str, arch: str, kernel: str | None = None) -> dict[str, int]:
     log = proc.stdout + proc.stderr
     if proc.returncode != 0:
         raise RuntimeError(f"ptxas -arch={arch} failed ({proc.returncode}):\n{log.strip()}")
-    return parse_ptxas_log(log, kernel)
+    return {**parse_ptxas_log(log, kernel), "ptxas_warnings": ptxas_warnings(log)}
 
 
 def _declared_constexprs(jit: JITFunction, constexprs: dict[Any, Any]) -> dict[str, Any]:
@@ -475,7 +484,9 @@ def compile_launch(launch: Launch, arch: str, config: int = 0) -> KernelReport:
     base = dict(kernel=jit.__name__, arch=arch, constexprs=_declared_constexprs(jit, constexprs),
                 num_warps=options["num_warps"], num_stages=options["num_stages"])
     try:
-        src = ASTSource(fn=jit, signature=signature, constexprs=constexprs, attrs=attrs)
+        # A Gluon kernel (``triton.experimental.gluon.jit``) is lowered from its own source kind.
+        source = GluonASTSource if jit.is_gluon() else ASTSource
+        src = source(fn=jit, signature=signature, constexprs=constexprs, attrs=attrs)
         with compiler_mode():
             compiled = triton.compile(src, target=GPUTarget("cuda", _capability_int(arch), 32),
                                       options=options)
@@ -645,5 +656,5 @@ __all__ = [
     "compile_train", "record_train_launches", "compile_vsa", "record_vsa_launches",
     "record_launches", "normalize_arch", "config_family", "autotune_configs",
     "tensor_core_instructions",
-    "parse_ptxas_log", "run_ptxas", "ptxas_path", "ptxas_version", "as_jit_function", "specialize",
+    "parse_ptxas_log", "ptxas_warnings", "run_ptxas", "ptxas_path", "ptxas_version", "as_jit_function", "specialize",
 ]

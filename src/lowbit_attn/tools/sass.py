@@ -67,33 +67,52 @@ def opcode_counts(body: list[str]) -> dict[str, int]:
     return counts
 
 
+_WAIT = re.compile(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x([0-9a-f]+)")
+
+
 @dataclass(frozen=True)
 class Exp2Placement:
     """Where a loop's ``MUFU.EX2`` instructions sit against a group of asynchronous MMAs:
     ``before`` the first is issued, ``under`` them (after the first issue and before the
-    ``WARPGROUP.DEPBAR`` that waits for the last), ``after`` that wait."""
+    ``WARPGROUP.DEPBAR`` that retires the group), ``after`` that wait. ``span``: instructions of
+    any kind strictly between the first issue and that wait."""
 
     before: int
     under: int
     after: int
+    span: int = 0
 
     @property
     def total(self) -> int:
         return self.before + self.under + self.after
 
 
+def retiring_wait(body: list[str], last: int) -> int:
+    """Index of the ``WARPGROUP.DEPBAR.LE gsb0, N`` that retires the wgmma group whose last
+    instruction is ``body[last]`` (``len(body)`` if none does): groups complete in order, so it is
+    the first wait after it that leaves at most N groups in flight, N being the number of groups
+    committed since (each group's last wgmma carries ``gsb0``)."""
+    later = 0
+    for i in range(last + 1, len(body)):
+        wait = _WAIT.match(body[i])
+        if wait and int(wait.group(1), 16) <= later:
+            return i
+        if "GMMA" in body[i] and "gsb0" in body[i]:
+            later += 1
+    return len(body)
+
+
 def exp2_under_mma(body: list[str], mma: str = "IGMMA") -> Exp2Placement | None:
-    """Placement of the exp2s against the loop's ``mma`` group (``IGMMA``: INT8 wgmma); ``None``
-    when the loop issues none."""
+    """Placement of the exp2s against the loop's ``mma`` group (``IGMMA``: INT8 wgmma,
+    ``QGMMA``: FP8); ``None`` when the loop issues none."""
     issued = [i for i, t in enumerate(body) if t.startswith(mma)]
     if not issued:
         return None
     first, last = issued[0], issued[-1]
-    wait = next((i for i in range(last, len(body)) if body[i].startswith("WARPGROUP.DEPBAR")),
-                len(body))
+    wait = retiring_wait(body, last)
 
     def exp2s(lo: int, hi: int) -> int:
         return sum(t.startswith("MUFU.EX2") for t in body[lo:hi])
 
     return Exp2Placement(before=exp2s(0, first), under=exp2s(first, wait),
-                         after=exp2s(wait, len(body)))
+                         after=exp2s(wait, len(body)), span=max(wait - first - 1, 0))

@@ -131,26 +131,39 @@ def _pristine_language():
             setattr(tl.core, name, value)
 
 
+# Language modules whose ``@jit`` functions a kernel may reach: Triton's and Gluon's (Gluon's
+# ``gl.sum``, ``gl.max``… are Gluon functions over ``triton.language.standard``'s code).
+_LANGUAGE_MODULES = ("triton.language", "triton.experimental.gluon.language")
+
+
 def _rebuild(obj, memo: dict[int, Any]):
     """``obj`` with interpreter functions turned back into ``JITFunction`` s, recursively through
-    their globals and through ``triton.language`` modules (shadow copies holding the rebuilt
-    ``tl.sum``, ``tl.max``…); anything else unchanged."""
+    their globals and through the language modules (shadow copies holding the rebuilt ``tl.sum``,
+    ``tl.max``…); a Gluon ``JITFunction`` (``gluon.jit`` makes one even under the interpreter) is
+    cloned the same way, so that the helpers it calls are rebuilt too; anything else unchanged."""
     from triton.runtime.interpreter import InterpretedFunction
 
     key = id(obj)
     if key in memo:
         return memo[key]
-    if isinstance(obj, InterpretedFunction):
+    gluon = isinstance(obj, JITFunction) and obj.is_gluon()
+    if isinstance(obj, InterpretedFunction) or gluon:
         fn = obj.fn
         scope: dict[str, Any] = {}
         clone = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
         for attr in ("__qualname__", "__module__", "__doc__", "__kwdefaults__", "__annotations__"):
             setattr(clone, attr, getattr(fn, attr))
-        jit = JITFunction(clone, **obj.kwargs)
+        if gluon:
+            jit = type(obj)(clone, version=obj.version, do_not_specialize=obj.do_not_specialize,
+                            do_not_specialize_on_alignment=obj.do_not_specialize_on_alignment,
+                            debug=obj.debug, noinline=obj.noinline, repr=obj._repr,
+                            launch_metadata=obj.launch_metadata)
+        else:
+            jit = JITFunction(clone, **obj.kwargs)
         memo[key] = jit
         scope.update({name: _rebuild(value, memo) for name, value in fn.__globals__.items()})
         return jit
-    if isinstance(obj, types.ModuleType) and obj.__name__.startswith("triton.language"):
+    if isinstance(obj, types.ModuleType) and obj.__name__.startswith(_LANGUAGE_MODULES):
         shadow = types.ModuleType(obj.__name__, obj.__doc__)
         memo[key] = shadow
         for name, value in vars(obj).items():
@@ -164,10 +177,11 @@ _REBUILT: dict[int, Any] = {}
 
 
 def as_jit_function(obj) -> JITFunction:
-    """The ``JITFunction`` for a ``@triton.jit`` kernel, also when it was defined under
-    ``TRITON_INTERPRET=1`` (then rebuilt once and cached; ``RuntimeError`` on a Triton this was
-    not written for)."""
-    if isinstance(obj, JITFunction):
+    """The ``JITFunction`` for a ``@triton.jit`` or ``@gluon.jit`` kernel, also when it was defined
+    under ``TRITON_INTERPRET=1`` (then rebuilt once and cached: a Triton kernel is an interpreter
+    function, a Gluon kernel calls some; ``RuntimeError`` on a Triton this was not written
+    for)."""
+    if isinstance(obj, JITFunction) and not (obj.is_gluon() and interpreter_enabled()):
         return obj
     check_version()
     with _LANGUAGE_LOCK:
