@@ -1,0 +1,384 @@
+"""Attention forward with INT8 Q·Kᵀ and FP8 P·V for Hopper (sm_90a), written in Gluon.
+
+The same numerics as :mod:`lowbit_attn.inference.kernel_int8` (SageAttention2: per-token scales
+folded into the exp2's argument, P̃ to E4M3 as ``exp2(S - m + log2 448)``, each key block's P̃·V a
+fresh tensor-core product added into the fp32 accumulator) on the same operands
+(:class:`~lowbit_attn.core.operands.QuantizedQKV`), with a schedule Triton's ``tl.dot`` cannot
+express: both products asynchronous, P̃·V of the previous key block in flight while this block's
+softmax runs.
+
+One program (8 warps: two warpgroups of 64 rows) computes ``BLOCK_M`` = 128 query rows of one
+(batch, query head). Key block ``j``'s iteration:
+
+1. issue Q·Kᵀ(j) (INT8 wgmma, Q and K(j) in shared memory), then P̃·V(j-1) (FP8 wgmma, P̃(j-1) and
+   V(j-1) in shared memory, a fresh accumulator), both asynchronous;
+2. ``wait(1)``: retires Q·Kᵀ(j) only (wgmma groups complete in order);
+3. softmax of block j under P̃·V(j-1): row max, ``α``, ``exp2``, ``l``; P̃(j) to E4M3, stored to the
+   other of two shared-memory P̃ buffers;
+4. ``wait(0)``, then ``acc = acc·α(j-1) + pv(j-1)``. The rescale reads only registers the finished
+   wgmma wrote, so ptxas does not serialize the wgmmas (its warning C7514, met when an accumulator
+   still in flight is read).
+
+P̃ goes through shared memory rather than registers: Triton 3.6 cannot carry an 8-bit register
+operand through ``warpgroup_mma_wait`` ("Unexpected bitwidth in WGMMAWaitGroupOp: 8"). K and V
+arrive by TMA (descriptors made in the kernel, so any token stride and exact zero fill past the
+sequence's end), two stages each. The per-token K scales are loaded right after the two wgmmas are
+issued, so their latency hides under Q·Kᵀ: loading them one block ahead, as the Triton kernel does,
+keeps one more scale vector live and spills at D=128 with 128-key blocks (ptxas, see NOTES §11).
+
+Phase 1 scope: dense inputs, per-token scales, FP8 P·V, D = 64 or 128, causal or not, GQA, LSE
+(with the K-smoothing shift). Twin: ``lowbit_attn.inference.naive.quantized_attention``. Written
+for Triton 3.6's Gluon (:data:`WRITTEN_FOR`); another version is refused at launch. Opt-in only:
+nothing in the public API calls it yet.
+"""
+
+from __future__ import annotations
+
+import contextvars
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
+
+from lowbit_attn.core.operands import LOG2_FP8_MAX, QuantizedQKV, Seqs
+from lowbit_attn.core.triton_helpers import (
+    batch_head, bhnd_strides, finish_rows, finish_scores, key_block_bounds, online_max,
+    row_strides, strides, store_lse, to_e4m3,
+)
+
+WRITTEN_FOR = "3.6"  # the Triton release series whose Gluon API this module uses
+
+# Globals read inside @jit functions must be constexpr.
+_LOG2_FP8_MAX = gl.constexpr(LOG2_FP8_MAX)
+
+NUM_WARPS = 8  # two warpgroups of 64 query rows
+BLOCK_M = 128
+BLOCK_NS = (64, 128)  # the sm_90 key blocks of the per-token FP8 recipe
+HEAD_DIMS = (64, 128)
+
+
+@gluon.jit
+def _softmax(s_int, ks, qs, m_i, l_i, start_n, offs_m, offs_n, nk, causal_offset,
+             MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """One key block's online-softmax step on its integer scores: ``(P̃ as E4M3, m, l, α)``.
+
+    The per-token fold of ``kernel_int8._softmax_pv`` (``t = s_int·s_k``, the row max on ``t``
+    scaled once per row, ``exp2(fma(t, s_q, -(m - log2 448)))``) with the same shared helpers, so
+    both kernels round alike. ``finish_scores`` without ΔS only masks."""
+    cols = start_n + offs_n
+    t = s_int.to(gl.float32) * ks[None, :]
+    t = finish_scores(t, cols, cols < nk, offs_m, causal_offset, None, 0, False, MASKED,
+                      IS_CAUSAL)
+    m_new, m_safe, alpha = online_max(m_i, gl.max(t, axis=1) * qs)
+    p = gl.exp2(gl.fma(t, qs[:, None], -(m_safe - _LOG2_FP8_MAX)[:, None]))
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    return to_e4m3(p, False), m_new, l_i, alpha
+
+
+@gluon.jit
+def _key_scales(ks_base, start_n, offs_n, nk, sksn, MASKED: gl.constexpr):
+    """K's per-token scales of one key block (0 past the sequence's end in ``MASKED`` blocks)."""
+    cols = start_n + offs_n
+    if MASKED:
+        return gl.load(ks_base + cols * sksn, mask=cols < nk, other=0.0)
+    else:
+        return gl.load(ks_base + cols * sksn)
+
+
+@gluon.jit
+def _attn_fwd_int8_gluon_kernel(
+    q, k, V, VS, VM, LSH, O, LSE,
+    v_strides, vs_strides, lsh_strides, o_strides, lse_strides,
+    NQ, NK, HQ, GROUP, D, causal_offset,
+    IS_CAUSAL: gl.constexpr, HAS_VSCALE: gl.constexpr, HAS_VMEAN: gl.constexpr,
+    HAS_LSH: gl.constexpr, WRITE_LSE: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+):
+    """Operands ``q`` and ``k``: ``(INT8 values, per-token scales, values' strides, scales'
+    strides)`` as in ``kernel_int8``. Strides: (batch, head, token, dim) of Q, K, ``V``, ``O``
+    (V's token stride is 1: E4M3 V is stored ``[B, H, D, N']``); (batch, head, row) of the scales,
+    ``LSH`` and ``LSE``; (batch, head, dim) of V's channel vectors ``VS``/``VM``."""
+    Q, QS, q_strides, qs_strides = q
+    K, KS, k_strides, ks_strides = k
+    sqb, sqh, sqn, sqd = q_strides
+    skb, skh, skn, skd = k_strides
+    svb, svh, svn, svd = v_strides
+    sqsb, sqsh, sqsn = qs_strides
+    sksb, sksh, sksn = ks_strides
+    svsb, svsh, svsd = vs_strides
+    slb, slh, sln = lsh_strides
+    sob, soh, son, sod = o_strides
+    seb, seh, sen = lse_strides
+
+    # Two warpgroups stacked along the rows; each owns 64 rows of every tile.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BLOCK_N, 32])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BLOCK_D, 32])
+    rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    cols_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+    q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_D], gl.int8)
+    k_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], gl.int8)
+    v_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_D, BLOCK_N],
+                                                                       gl.float8e4nv)
+    p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N],
+                                                                       gl.float8e4nv)
+
+    pid_m = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    b, h = batch_head(pid_bh, HQ)
+    hk = h // GROUP
+    nq = NQ
+    nk = NK
+    if pid_m * BLOCK_M >= nq:
+        return
+
+    offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=rows_s)
+    offs_n = gl.arange(0, BLOCK_N, layout=cols_s)
+    offs_d = gl.arange(0, BLOCK_D, layout=cols_o)
+    mmask = offs_m < nq
+    dmask = offs_d < D
+
+    # TMA descriptors over this (batch, head)'s tokens: rows past the sequence read as 0.
+    q_desc = tma.make_tensor_descriptor(Q + b * sqb + h * sqh, [nq, D], [sqn, 1],
+                                        [BLOCK_M, BLOCK_D], q_smem_layout)
+    k_desc = tma.make_tensor_descriptor(K + b * skb + hk * skh, [nk, D], [skn, 1],
+                                        [BLOCK_N, BLOCK_D], k_smem_layout)
+    v_desc = tma.make_tensor_descriptor(V + b * svb + hk * svh, [D, nk], [svd, 1],
+                                        [BLOCK_D, BLOCK_N], v_smem_layout)
+
+    q_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_M, BLOCK_D], q_smem_layout)
+    k_smem = gl.allocate_shared_memory(gl.int8, [2, BLOCK_N, BLOCK_D], k_smem_layout)
+    v_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, BLOCK_D, BLOCK_N], v_smem_layout)
+    p_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, BLOCK_M, BLOCK_N], p_smem_layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(k_bars.index(i), count=1)
+        mbarrier.init(v_bars.index(i), count=1)
+
+    qs = gl.load(QS + b * sqsb + h * sqsh + offs_m * sqsn, mask=mmask, other=1.0)
+    ks_base = KS + b * sksb + hk * sksh
+
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=rows_s)
+    l_i = gl.full([BLOCK_M], 0.0, gl.float32, layout=rows_s)
+    acc = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, layout=o_layout)
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.int32, layout=s_layout)
+
+    full_hi, hi = key_block_bounds(nk, pid_m, causal_offset, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    n_blocks = gl.cdiv(hi, BLOCK_N)
+    n_full = full_hi // BLOCK_N
+    k_bytes: gl.constexpr = BLOCK_N * BLOCK_D
+    v_bytes: gl.constexpr = BLOCK_D * BLOCK_N
+    if n_blocks > 0:
+        mbarrier.expect(q_bar, BLOCK_M * BLOCK_D)
+        tma.async_copy_global_to_shared(q_desc, [pid_m * BLOCK_M, 0], q_bar, q_smem)
+        # Stage 0 holds block 0; stage 1 block 1 (when there is one).
+        for i in gl.static_range(2):
+            more = i < n_blocks
+            mbarrier.expect(k_bars.index(i), k_bytes, pred=more)
+            tma.async_copy_global_to_shared(k_desc, [i * BLOCK_N, 0], k_bars.index(i),
+                                            k_smem.index(i), pred=more)
+            mbarrier.expect(v_bars.index(i), v_bytes, pred=more)
+            tma.async_copy_global_to_shared(v_desc, [0, i * BLOCK_N], v_bars.index(i),
+                                            v_smem.index(i), pred=more)
+
+        # Block 0: its softmax waits for its Q·Kᵀ (nothing is in flight yet). Masked: a whole
+        # block's masks are all true, so this costs nothing in numerics.
+        ks = _key_scales(ks_base, 0, offs_n, nk, sksn, True)
+        mbarrier.wait(q_bar, 0)
+        mbarrier.wait(k_bars.index(0), 0)
+        s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False,
+                              is_async=True)
+        s_int = warpgroup_mma_wait(0, deps=[s_tok])
+        # K(0) is read: its stage takes K(2) (each later step j loads K(j+2)).
+        more = 2 < n_blocks
+        mbarrier.expect(k_bars.index(0), k_bytes, pred=more)
+        tma.async_copy_global_to_shared(k_desc, [2 * BLOCK_N, 0], k_bars.index(0),
+                                        k_smem.index(0), pred=more)
+        p, m_i, l_i, alpha = _softmax(s_int, ks, qs, m_i, l_i, 0, offs_m, offs_n, nk,
+                                      causal_offset, True, IS_CAUSAL)
+        p_smem.index(0).store(p)
+        fence_async_shared()
+
+        # Blocks 1 .. n_full-1 unmasked, then the masked tail.
+        for j in range(1, n_full):
+            acc, m_i, l_i, alpha = _step(
+                j, acc, m_i, l_i, alpha, qs, offs_m, offs_n, nk, causal_offset, ks_base,
+                sksn, q_smem, k_smem, v_smem, p_smem, k_bars, v_bars, k_desc, v_desc, n_blocks,
+                zero_s, False, IS_CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, o_layout)
+        for j in range(gl.maximum(n_full, 1), n_blocks):
+            acc, m_i, l_i, alpha = _step(
+                j, acc, m_i, l_i, alpha, qs, offs_m, offs_n, nk, causal_offset, ks_base,
+                sksn, q_smem, k_smem, v_smem, p_smem, k_bars, v_bars, k_desc, v_desc, n_blocks,
+                zero_s, True, IS_CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, o_layout)
+
+        # The last block's P̃·V.
+        last = n_blocks - 1
+        mbarrier.wait(v_bars.index(last % 2), (last // 2) & 1)
+        pv = warpgroup_mma(p_smem.index(last % 2), v_smem.index(last % 2).permute((1, 0)),
+                           gl.zeros([BLOCK_M, BLOCK_D], gl.float32, layout=o_layout),
+                           use_acc=False, is_async=True)
+        pv = warpgroup_mma_wait(0, deps=[pv])
+        acc = acc * gl.convert_layout(alpha, rows_o)[:, None] + pv
+
+    mbarrier.invalidate(q_bar)
+    for i in gl.static_range(2):
+        mbarrier.invalidate(k_bars.index(i))
+        mbarrier.invalidate(v_bars.index(i))
+
+    offs_mo = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=rows_o)
+    out = finish_rows(acc, gl.convert_layout(l_i, rows_o), VS, VM, b * svsb + hk * svsh, offs_d,
+                      dmask, svsd, HAS_VSCALE, HAS_VMEAN)
+    gl.store(O + b * sob + h * soh + offs_mo[:, None] * son + offs_d[None, :] * sod,
+             out.to(O.dtype.element_ty), mask=(offs_mo < nq)[:, None] & dmask[None, :])
+    if WRITE_LSE:
+        store_lse(LSE, b * seb + h * seh + offs_m * sen, LSH, b * slb + h * slh + offs_m * sln,
+                  m_i, l_i, _LOG2_FP8_MAX, mmask, HAS_LSH)
+
+
+@gluon.jit
+def _step(j, acc, m_i, l_i, alpha, qs, offs_m, offs_n, nk, causal_offset, ks_base, sksn,
+          q_smem, k_smem, v_smem, p_smem, k_bars, v_bars, k_desc, v_desc, n_blocks, zero_s,
+          MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+          BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, o_layout: gl.constexpr):
+    """Key block ``j`` (≥ 1): Q·Kᵀ(j) and P̃·V(j-1) in flight, softmax(j) under P̃·V(j-1), then
+    ``acc·α(j-1) + pv(j-1)``; returns ``(acc, m, l, α(j))``. Stages alternate: block ``i`` is in
+    K/V/P̃ stage ``i % 2``, the barrier phase of its load is ``(i // 2) & 1``."""
+    stage = j % 2
+    prev = 1 - stage
+    phase = (j // 2) & 1
+    mbarrier.wait(k_bars.index(stage), phase)
+    s_tok = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False,
+                          is_async=True)
+    mbarrier.wait(v_bars.index(prev), ((j - 1) // 2) & 1)
+    pv_tok = warpgroup_mma(p_smem.index(prev), v_smem.index(prev).permute((1, 0)),
+                           gl.zeros([BLOCK_M, BLOCK_D], gl.float32, layout=o_layout),
+                           use_acc=False, is_async=True)
+    ks = _key_scales(ks_base, j * BLOCK_N, offs_n, nk, sksn, MASKED)
+    s_int = warpgroup_mma_wait(1, deps=[s_tok])
+    # K(j) is read: its stage takes K(j+2).
+    more = j + 2 < n_blocks
+    mbarrier.expect(k_bars.index(stage), BLOCK_N * BLOCK_D, pred=more)
+    tma.async_copy_global_to_shared(k_desc, [(j + 2) * BLOCK_N, 0], k_bars.index(stage),
+                                    k_smem.index(stage), pred=more)
+    p, m_new, l_i, alpha_new = _softmax(s_int, ks, qs, m_i, l_i, j * BLOCK_N, offs_m, offs_n, nk,
+                                        causal_offset, MASKED, IS_CAUSAL)
+    p_smem.index(stage).store(p)
+    fence_async_shared()
+    pv = warpgroup_mma_wait(0, deps=[pv_tok])
+    # V(j-1) is read: its stage takes V(j+1).
+    more = j + 1 < n_blocks
+    mbarrier.expect(v_bars.index(prev), BLOCK_D * BLOCK_N, pred=more)
+    tma.async_copy_global_to_shared(v_desc, [0, (j + 1) * BLOCK_N], v_bars.index(prev),
+                                    v_smem.index(prev), pred=more)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None] + pv
+    return acc, m_new, l_i, alpha_new
+
+
+def check_version(version: str | None = None) -> None:
+    """``RuntimeError`` unless ``version`` (default: the installed Triton's) is of the
+    :data:`WRITTEN_FOR` series: Gluon's API changes between releases."""
+    version = triton.__version__ if version is None else version
+    if version.split("+")[0].split(".")[:2] != WRITTEN_FOR.split("."):
+        raise RuntimeError(
+            f"the Gluon attention kernel is written for Triton {WRITTEN_FOR}.x, found Triton "
+            f"{version}: install triton=={WRITTEN_FOR}.* or use the Triton kernel "
+            "(lowbit_attn.inference.kernel_int8)"
+        )
+
+
+def _scratch(size: int, alignment: int, stream):
+    """Global memory for the TMA descriptors the kernel builds (128 bytes per program)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def attention(
+    qz: QuantizedQKV,
+    *,
+    out: torch.Tensor,
+    pv: str,
+    granularity: str,
+    block_q: int,
+    block_k: int,
+    causal_offset: int | None,
+    return_lse: bool,
+    seqs_q: Seqs | None = None,
+    seqs_k: Seqs | None = None,
+) -> torch.Tensor | None:
+    """Run the kernel, as ``kernel_int8.attention`` (same arguments); writes ``out`` (logical
+    ``[B, Hq, Nq, D]``) and returns the LSE (``[B, Hq, Nq]`` fp32) when asked. Raises
+    ``RuntimeError`` on a Triton other than 3.6, ``ValueError`` for what phase 1 does not cover."""
+    check_version()
+    _check_scope(qz, pv=pv, granularity=granularity, block_q=block_q, block_k=block_k,
+                 seqs_q=seqs_q, seqs_k=seqs_k)
+    b, hq, nq, d = qz.q.shape
+    hkv, nk = qz.k.shape[1], qz.k.shape[2]
+    lse = None
+    if return_lse:
+        lse = torch.empty((b, hq, nq), device=out.device, dtype=torch.float32)
+    vec = qz.v_scale if qz.v_scale is not None else qz.v_mean
+    grid = (triton.cdiv(nq, block_q), b * hq)
+
+    def launch():
+        triton.set_allocator(_scratch)  # in a copy of the caller's context: theirs is kept
+        _attn_fwd_int8_gluon_kernel[grid](
+            q=(qz.q, qz.q_scale, tuple(qz.q.stride()), row_strides(qz.q_scale, False)),
+            k=(qz.k, qz.k_scale, tuple(qz.k.stride()), row_strides(qz.k_scale, False)),
+            V=qz.v, VS=qz.v_scale, VM=qz.v_mean, LSH=qz.lse_shift, O=out, LSE=lse,
+            v_strides=bhnd_strides(qz.v, False), vs_strides=strides(vec, 3),
+            lsh_strides=row_strides(qz.lse_shift, False), o_strides=bhnd_strides(out, False),
+            lse_strides=row_strides(lse, False),
+            NQ=nq, NK=nk, HQ=hq, GROUP=hq // hkv, D=d,
+            causal_offset=0 if causal_offset is None else int(causal_offset),
+            IS_CAUSAL=causal_offset is not None, HAS_VSCALE=qz.v_scale is not None,
+            HAS_VMEAN=qz.v_mean is not None, HAS_LSH=qz.lse_shift is not None,
+            WRITE_LSE=lse is not None,
+            BLOCK_M=block_q, BLOCK_N=block_k, BLOCK_D=d, num_warps=NUM_WARPS,
+        )
+
+    contextvars.copy_context().run(launch)
+    return lse
+
+
+def _check_scope(qz: QuantizedQKV, *, pv, granularity, block_q, block_k, seqs_q, seqs_k) -> None:
+    """``ValueError`` naming what this kernel does not (yet) cover."""
+    if pv != "fp8":
+        raise ValueError(f"pv must be 'fp8' for the Gluon kernel, got {pv!r}")
+    if granularity != "per_token":
+        raise ValueError(f"granularity must be 'per_token' for the Gluon kernel, got "
+                         f"{granularity!r}")
+    if block_q != BLOCK_M or block_k not in BLOCK_NS:
+        raise ValueError(f"block_q must be {BLOCK_M} and block_k one of {BLOCK_NS} for the Gluon "
+                         f"kernel, got block_q={block_q}, block_k={block_k}")
+    if (seqs_q is not None and seqs_q.packed) or (seqs_k is not None and seqs_k.packed):
+        raise ValueError("packed (varlen) sequences are not supported by the Gluon kernel yet")
+    if qz.q_raw is not None or qz.q_scale is None:
+        raise ValueError("the Gluon kernel needs Q quantized by its pass "
+                         "(LOWBIT_ATTN_Q_QUANT=kernel is not supported)")
+    if qz.delta_s is not None:
+        raise ValueError("smooth_q (ΔS) is not supported by the Gluon kernel yet")
+    d = qz.q.shape[-1]
+    if d not in HEAD_DIMS:
+        raise ValueError(f"head dim must be one of {HEAD_DIMS} for the Gluon kernel, got {d}")
+    if qz.v.dtype != torch.float8_e4m3fn or qz.v.stride(2) != 1:
+        raise ValueError("v must be E4M3 stored token-contiguous ([B, H, D, N'] transposed), got "
+                         f"dtype {qz.v.dtype} with strides {tuple(qz.v.stride())}")
+    # TMA: 16-byte aligned bases and strides (8-bit elements: strides in bytes), unit inner stride.
+    for name, x, inner in (("q", qz.q, 3), ("k", qz.k, 3), ("v", qz.v, 2)):
+        outer = [s for i, s in enumerate(x.stride()) if i != inner]
+        if x.stride(inner) != 1 or any(s % 16 for s in outer) or x.data_ptr() % 16:
+            raise ValueError(f"{name} must be 16-byte aligned with a unit stride along dim {inner} "
+                             f"and the others multiples of 16 (TMA), got strides "
+                             f"{tuple(x.stride())}")
+
+
+__all__ = ["WRITTEN_FOR", "attention", "check_version"]
