@@ -621,6 +621,33 @@ def record_vsa_launches(*, head_dim: int = 128, dtype: torch.dtype = torch.bfloa
     return list(sink)
 
 
+def record_gluon_launch(*, head_dim: int = 128, causal: bool = False, block_k: int = 64,
+                        return_lse: bool = False, seq_len: int = 1024) -> Launch:
+    """The launch of the Gluon Hopper forward (``inference.kernel_int8_gluon``) on the operands a
+    dense ``[1, 2, seq_len, head_dim]`` ``qk_int8_pv_fp8`` call (per token, ``block_k`` keys) hands
+    the Triton kernel: that call is recorded, then the Gluon launcher runs on its operands (nothing
+    runs on a device)."""
+    from lowbit_attn.core.operands import QuantizedQKV
+    from lowbit_attn.core.recipes import get_recipe
+    from lowbit_attn.inference import kernel_int8_gluon
+
+    recipe = get_recipe("qk_int8_pv_fp8").replace(block_k=block_k)
+    triton_launch = record_launches(recipe, head_dim=head_dim, causal=causal, seq_len=seq_len,
+                                    return_lse=return_lse)[-1]
+    kw = triton_launch.kwargs
+    qz = QuantizedQKV(q=kw["q"][0], q_scale=kw["q"][1], k=kw["k"][0], k_scale=kw["k"][1],
+                      v=kw["V"], v_scale=kw["VS"], v_mean=kw["VM"], delta_s=kw["DS"],
+                      lse_shift=kw["LSH"])
+    with _recording() as sink:
+        kernel_int8_gluon.attention(
+            qz, out=kw["O"], pv=recipe.pv, granularity=recipe.granularity,
+            block_q=recipe.block_q, block_k=block_k, causal_offset=0 if causal else None,
+            return_lse=return_lse,
+        )
+    (launch,) = sink
+    return launch
+
+
 def compile_vsa(arch: str = "sm_90a", head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
                 config: int = 0, recipe: str = "exact") -> list[KernelReport]:
     """Compile, for ``arch``, the fine stage's kernels (see :func:`record_vsa_launches`) and
@@ -653,7 +680,7 @@ def ptxas_version(arch: str) -> str:
 
 __all__ = [
     "ARCHS", "GPU_CONSTEXPRS", "KernelReport", "Launch", "compile_recipe", "compile_launch",
-    "compile_train", "record_train_launches", "compile_vsa", "record_vsa_launches",
+    "compile_train", "record_train_launches", "record_gluon_launch", "compile_vsa", "record_vsa_launches",
     "record_launches", "normalize_arch", "config_family", "autotune_configs",
     "tensor_core_instructions",
     "parse_ptxas_log", "ptxas_warnings", "run_ptxas", "ptxas_path", "ptxas_version", "as_jit_function", "specialize",
