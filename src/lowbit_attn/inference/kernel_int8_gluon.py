@@ -71,8 +71,15 @@ def _softmax(s_int, ks, qs, m_i, l_i, start_n, offs_m, offs_n, nk, causal_offset
     both kernels round alike. ``finish_scores`` without ΔS only masks."""
     cols = start_n + offs_n
     t = s_int.to(gl.float32) * ks[None, :]
-    t = finish_scores(t, cols, cols < nk, offs_m, causal_offset, None, 0, False, MASKED,
-                      IS_CAUSAL)
+    if IS_CAUSAL:
+        # Keys past the end folded into each row's causal limit (the same set of keys, one
+        # compare per score, and no per-key mask live in registers).
+        lim = gl.minimum(offs_m + causal_offset, nk - 1) - causal_offset
+        t = finish_scores(t, cols, offs_n < offs_n.shape[0], lim, causal_offset, None, 0, False,
+                          MASKED, IS_CAUSAL)
+    else:
+        t = finish_scores(t, cols, cols < nk, offs_m, causal_offset, None, 0, False, MASKED,
+                          IS_CAUSAL)
     m_new, m_safe, alpha = online_max(m_i, gl.max(t, axis=1) * qs)
     p = gl.exp2(gl.fma(t, qs[:, None], -(m_safe - _LOG2_FP8_MAX)[:, None]))
     l_i = l_i * alpha + gl.sum(p, axis=1)

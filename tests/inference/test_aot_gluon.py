@@ -1,0 +1,139 @@
+"""CPU gates of the Gluon Hopper forward (``inference/kernel_int8_gluon.py``), compiled ahead of
+time for sm_90a: it assembles without spills or wgmma serialization, and its main loop keeps the
+softmax under the previous block's P·V. Numbers measured 2026-11-25 (Triton 3.6.0, its bundled
+ptxas and cuobjdump), 128-row tiles, 8 warps, per-token FP8 P·V, with LSE:
+
+| D   | keys | regs    | spills (B) | main loop, per tile (per score) | exp2 under P·V | span    | masked loop |
+|-----|------|---------|------------|---------------------------------|----------------|---------|-------------|
+| 64  | 64   | 158/181 | 0/0        | 406/405 (12.69/12.66)           | 34/34, 33/34   | 292/291 | 452/498     |
+| 64  | 128  | 241/255 | 0/0        | 642/641 (10.03/10.02)           | 64/66          | 527     | 738/824     |
+| 128 | 64   | 237/255 | 0/0        | 439/439 (13.72)                 | 33/34          | 289/290 | 486/529     |
+| 128 | 128  | 254/255 | 0/16       | 680/674 (10.62/10.53)           | 64/66          | 529/524 | 776/871     |
+
+(x/y: non-causal / causal; span: SASS instructions between the first P·V wgmma and the wait that
+retires it; per score: per-thread instructions per tile over the 128·keys/256 scores a thread
+holds.)
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from lowbit_attn.inference import kernel_int8_gluon
+from lowbit_attn.tools import aot, sass
+
+pytestmark = pytest.mark.aot
+
+KERNEL = "_attn_fwd_int8_gluon_kernel"
+INT8_WGMMA = "wgmma.mma_async.sync.aligned.m64n{n}k32.s32.s8.s8"
+FP8_WGMMA = "wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3"
+
+VARIANTS = [(d, block_k, causal) for d in (64, 128) for block_k in (64, 128)
+            for causal in (False, True)]
+IDS = [f"D{d}-k{block_k}-{'causal' if causal else 'full'}" for d, block_k, causal in VARIANTS]
+
+# Minimum exp2s and instructions between each P·V wgmma's issue and its wait in the main loop
+# (measured minus a margin: 33 of 34 and 64 of 66, spans 289 to 529).
+MIN_EXP2_UNDER_PV = {64: 32, 128: 60}
+MIN_SPAN = {64: 250, 128: 480}
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    cache: dict[tuple, aot.KernelReport] = {}
+
+    def get(d: int, block_k: int, causal: bool) -> aot.KernelReport:
+        key = (d, block_k, causal)
+        if key not in cache:
+            launch = aot.record_gluon_launch(head_dim=d, causal=causal, block_k=block_k,
+                                             return_lse=True)
+            cache[key] = aot.compile_launch(launch, "sm_90a")
+        return cache[key]
+
+    return get
+
+
+def describe(r: aot.KernelReport) -> str:
+    return (f"{r.kernel} {r.variant}: {r.registers} registers, spills {r.spill_stores}/"
+            f"{r.spill_loads} B, warnings {r.ptxas_warnings}, error {r.error}")
+
+
+def main_loop(r: aot.KernelReport) -> list[str]:
+    """The unmasked key-block loop: the first loop of the SASS (the masked tail's is second)."""
+    return sass.loops(sass.disassemble(r.cubin))[0]
+
+
+@pytest.mark.parametrize("d,block_k,causal", VARIANTS, ids=IDS)
+def test_compiles_with_both_products_on_wgmma_and_no_serialization(compiled, d, block_k, causal):
+    r = compiled(d, block_k, causal)
+    assert r.ok and r.kernel == KERNEL, describe(r)
+    assert r.instructions.get(INT8_WGMMA.format(n=block_k), 0) > 0, r.instructions
+    assert r.instructions.get(FP8_WGMMA.format(n=d), 0) > 0, r.instructions
+    assert not any("C7514" in w for w in r.ptxas_warnings), describe(r)
+    assert r.ptxas_warnings == (), describe(r)
+    assert r.registers is not None and r.registers <= 255, describe(r)
+
+
+@pytest.mark.parametrize("d,block_k,causal", [
+    v if v != (128, 128, True) else pytest.param(
+        *v, marks=pytest.mark.xfail(strict=True, reason=(
+            "2026-11-25: 16 B spilled in the masked (diagonal) loop, 2 registers over 255")))
+    for v in VARIANTS], ids=IDS)
+def test_no_spills(compiled, d, block_k, causal):
+    r = compiled(d, block_k, causal)
+    assert r.spill_stores == 0 and r.spill_loads == 0, describe(r)
+
+
+@pytest.mark.parametrize("d,block_k,causal", VARIANTS, ids=IDS)
+def test_the_softmax_runs_under_the_previous_blocks_pv(compiled, d, block_k, causal):
+    """In the main loop every exp2 but the rescale factor's sits between the P·V wgmma's issue
+    and its wait; none waits for Q·Kᵀ to be in flight (its wait(1) comes first)."""
+    body = main_loop(compiled(d, block_k, causal))
+    pv = sass.exp2_under_mma(body, "QGMMA")
+    qk = sass.exp2_under_mma(body, "IGMMA")
+    assert pv.total == qk.total == 128 * block_k // 256 + 2  # scores + 2 rescale factors
+    assert pv.under >= MIN_EXP2_UNDER_PV[block_k], pv
+    assert pv.span >= MIN_SPAN[block_k], pv
+    assert qk.under == 0  # the softmax needs this block's scores: it follows Q·Kᵀ's wait
+
+
+def per_score(r: aot.KernelReport, block_k: int) -> float:
+    return len(main_loop(r)) / (128 * block_k // 256)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_instructions_per_score_regression(compiled, causal):
+    """D=128, 128-key blocks: 10.62 (680 per tile) and 10.53 (674) instructions per score
+    measured 2026-11-25 (the pipelined Triton loop: 12.73 at 128 keys, 14.28 at 64)."""
+    assert per_score(compiled(128, 128, causal), 128) <= 10.75
+
+
+@pytest.mark.xfail(strict=True, reason="2026-11-25: 10.62 per score measured (680 per tile); the "
+                   "issue's budget for the async design is 10.5")
+def test_instructions_per_score_budget(compiled):
+    assert per_score(compiled(128, 128, False), 128) <= 10.5
+
+
+def test_the_triton_version_is_pinned():
+    kernel_int8_gluon.check_version()
+    kernel_int8_gluon.check_version("3.6.1+git1a2b3c")
+    for version in ("3.5.1", "3.7.0", "3.60.0"):
+        with pytest.raises(RuntimeError, match=rf"written for Triton 3\.6\.x, found Triton "
+                                               rf"{version}"):
+            kernel_int8_gluon.check_version(version)
+
+
+def test_retiring_wait_counts_groups_committed_since():
+    """Groups complete in order: Q·Kᵀ (issued first) is retired by ``wait(1)``, P·V by
+    ``wait(0)``."""
+    body = ["IGMMA.64x64x32.S8.S8 R88, gdesc[UR12], RZ, !UPT",
+            "IGMMA.64x64x32.S8.S8 R88, gdesc[UR16], R88, gsb0",
+            "QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR36], R24, gsb0",
+            "WARPGROUP.DEPBAR.LE gsb0, 0x1",
+            "MUFU.EX2 R1, R1",
+            "WARPGROUP.DEPBAR.LE gsb0, 0x0",
+            "MUFU.EX2 R2, R2"]
+    assert sass.retiring_wait(body, 1) == 3
+    assert sass.retiring_wait(body, 2) == 5
+    assert sass.exp2_under_mma(body, "QGMMA") == sass.Exp2Placement(0, 1, 1, span=2)
+    assert sass.exp2_under_mma(body, "IGMMA") == sass.Exp2Placement(0, 0, 2, span=2)
