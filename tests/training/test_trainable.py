@@ -268,6 +268,30 @@ def test_atomic_dq_matches_reference(dtype, causal, kw, shape):
     _kernels_match_reference(dtype, causal, kw, shape, "atomic")
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("mode", ["recompute", "atomic"])
+def test_tensor_memory_targets_give_the_same_gradients(monkeypatch, mode):
+    """On the sm_100 family the backward reduces each dS tile's scale as a ``[1, 1]`` tile
+    (Triton 3.6 cannot compile the scalar reduction there): the same gradients, bit for bit."""
+    from lowbit_attn.training import kernel_bwd
+
+    q, k, v = channel_biased((1, 2, 100, 64), (1, 1, 90, 64), seed=3, dtype=torch.float16)
+    do = torch.randn(q.shape).to(torch.float16)
+    r = resolve_train("sagebwd_int8")
+    ops = prepare(q, k, v, r, 0.125, "reference")
+    grad = prepare_grad(do, r, "reference")
+    _, lse = ref.forward(ops, causal_offset=None)
+    grads = []
+    for tmem in (False, True):
+        monkeypatch.setattr(kernel_bwd, "tensor_memory", lambda capability, tmem=tmem: tmem)
+        got = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+        kernel_bwd.backward(ops, grad, lse, *got, causal_offset=None, softmax_scale=0.125,
+                            mode=mode)
+        grads.append(got)
+    for name, a, b in zip(("dq", "dk", "dv"), *grads):
+        assert torch.equal(a, b), name
+
+
 def _kernels_match_reference(dtype, causal, kw, shape, mode):
     from lowbit_attn.training import kernel_bwd as attn_train_bwd, kernel_fwd as attn_train_fwd
 

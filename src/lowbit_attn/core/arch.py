@@ -54,6 +54,13 @@ def native_fp4(capability: tuple[int, int] | None) -> bool:
     return capability is not None and capability >= (10, 0)
 
 
+def tensor_memory(capability: tuple[int, int] | None) -> bool:
+    """Whether Triton's MMAs accumulate in tensor memory (``tcgen05``: sm_100 family). Triton 3.6
+    cannot lower a tile's reduction to a scalar there when the tile comes from such MMAs (its
+    tensor-memory layout pass fails), so the kernels keep that reduction two-dimensional."""
+    return capability is not None and 10 <= capability[0] < 12
+
+
 def fp4_mode(device_type: str, backend: str, capability: tuple[int, int] | None) -> str:
     """How FP4 recipes run for a call: ``"native"`` (FP4 tensor cores), ``"emulated"`` (the same
     Triton kernel computing the identical function through bf16 or fp32 products) or

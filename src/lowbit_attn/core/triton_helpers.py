@@ -262,11 +262,18 @@ def mm(a, b, INT8: tl.constexpr, EMU_FP32: tl.constexpr):
 
 
 @triton.jit
-def quantize_tile(x, INT8: tl.constexpr, LIKE):
+def quantize_tile(x, INT8: tl.constexpr, LIKE, KEEP_DIMS: tl.constexpr = False):
     """A tile as a matmul operand: INT8 with one scale ``amax/127`` (NaN/Inf poison it), or
-    ``x`` in the element type of the pointer ``LIKE`` with scale 1."""
+    ``x`` in the element type of the pointer ``LIKE`` with scale 1. ``KEEP_DIMS``: the scale as a
+    ``[1, 1]`` tile instead of a scalar (the same value; see :func:`~lowbit_attn.core.arch.
+    tensor_memory`)."""
     if INT8:
-        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0) + tl.sum(tl.sum(x * 0.0, axis=1), axis=0)
+        if KEEP_DIMS:
+            amax = (tl.max(tl.max(tl.abs(x), axis=1, keep_dims=True), axis=0, keep_dims=True)
+                    + tl.sum(tl.sum(x * 0.0, axis=1, keep_dims=True), axis=0, keep_dims=True))
+        else:
+            amax = (tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+                    + tl.sum(tl.sum(x * 0.0, axis=1), axis=0))
         scale = amax * (1.0 / 127.0)
         scale = tl.where(scale == 0.0, 1.0, scale)
         return to_int8(tl.div_rn(x, scale)), scale

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit_attn.core.arch import get_capability, interpreter_enabled
+from lowbit_attn.core.arch import get_capability, interpreter_enabled, tensor_memory
 from lowbit_attn.core.operands import TRAIN_BLOCK, GradOperands, TrainOperands
 from lowbit_attn.core.triton_helpers import (
     LaunchConfig, batch_head, mm, next_pow2, operand, quantize_tile, strides, triton_configs,
@@ -75,7 +75,7 @@ def _train_dkdv_kernel(
     NQ, NK, HKV, GROUP, D, causal_offset, softmax_scale, N_BUCKET,
     IS_CAUSAL: tl.constexpr, QK_INT8: tl.constexpr, DP_INT8: tl.constexpr,
     DV_INT8: tl.constexpr, DK_INT8: tl.constexpr, DQ_INT8: tl.constexpr, HAS_DS: tl.constexpr,
-    HAS_BAL: tl.constexpr, ATOMIC_DQ: tl.constexpr, EMU_FP32: tl.constexpr,
+    HAS_BAL: tl.constexpr, ATOMIC_DQ: tl.constexpr, EMU_FP32: tl.constexpr, TMEM: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """dK and dV of one key block. Operands (see :func:`_operand`): Q and K for the scores, dO and
@@ -127,11 +127,11 @@ def _train_dkdv_kernel(
             pq, ps = quantize_tile(p, DV_INT8, do_dv[0])
             dv += mm(tl.trans(pq), do_dv_blk, DV_INT8, EMU_FP32) * (ps * dovs)
             q_dk_blk, qdks = _operand(q_dk, b, h, qb, rows, offs_d, md_mask, False)
-            dsq, dss = quantize_tile(ds, DK_INT8, q_dk[0])
+            dsq, dss = quantize_tile(ds, DK_INT8, q_dk[0], TMEM)
             dk += mm(tl.trans(dsq), q_dk_blk, DK_INT8, EMU_FP32) * (dss * qdks)
             if ATOMIC_DQ:
                 if DQ_INT8 != DK_INT8:
-                    dsq, dss = quantize_tile(ds, DQ_INT8, k_dq[0])
+                    dsq, dss = quantize_tile(ds, DQ_INT8, k_dq[0], TMEM)
                 tl.atomic_add(DQ_ACC + b * sab + h * sah + rows[:, None] * san + offs_d[None, :] * sad,
                               mm(dsq, k_dq_blk, DQ_INT8, EMU_FP32) * (dss * kdqs), mask=md_mask,
                               sem="relaxed")
@@ -155,7 +155,7 @@ def _train_dq_kernel(
     NQ, NK, HQ, GROUP, D, causal_offset, softmax_scale, N_BUCKET,
     IS_CAUSAL: tl.constexpr, QK_INT8: tl.constexpr, DP_INT8: tl.constexpr,
     DQ_INT8: tl.constexpr, HAS_DS: tl.constexpr, HAS_BAL: tl.constexpr, EMU_FP32: tl.constexpr,
-    DELTA_PASS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+    TMEM: tl.constexpr, DELTA_PASS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One query block's dQ, for the Δ in DELTA; with ``DELTA_PASS``, instead, the block's
     ``Δ_i = Σ_j P_ij·dP_ij`` into DELTA (the first launch of the backward). Operands and strides
@@ -199,7 +199,7 @@ def _train_dq_kernel(
         else:
             ds = p * (dp - delta[:, None])
             k_dq_blk, kdqs = _operand(k_dq, b, hk, kb, cols, offs_d, nd_mask, False)
-            dsq, dss = quantize_tile(ds, DQ_INT8, k_dq[0])
+            dsq, dss = quantize_tile(ds, DQ_INT8, k_dq[0], TMEM)
             dq += mm(dsq, k_dq_blk, DQ_INT8, EMU_FP32) * (dss * kdqs)
     if DELTA_PASS:
         tl.store(DELTA + b * slb + h * slh + rows * sln, delta, mask=rows < NQ)
@@ -262,7 +262,8 @@ def launch_args(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, dq, d
         N_BUCKET=min(triton.next_power_of_2(max(nq, nk)), 32768),
         IS_CAUSAL=causal_offset is not None, QK_INT8="qk" in ops.int8, DP_INT8="dp" in ops.int8,
         DQ_INT8="dq" in ops.int8, HAS_DS=ops.delta_s is not None, HAS_BAL=ops.balance is not None,
-        EMU_FP32=interpreter_enabled(), BLOCK=TRAIN_BLOCK, BLOCK_D=next_pow2(d, minimum=32),
+        EMU_FP32=interpreter_enabled(), TMEM=tensor_memory(get_capability()), BLOCK=TRAIN_BLOCK,
+        BLOCK_D=next_pow2(d, minimum=32),
     )
     # the autotuner zeroes DQ_ACC before each timed run, so it must be a tensor in both modes
     acc = torch.zeros((b, hq, nq, d) if atomic else (1, 1, 1, 1), device=dq.device,
