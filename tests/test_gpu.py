@@ -21,38 +21,6 @@ def _needs_fp8(name):
         pytest.skip("FP8 P·V needs compute capability 8.9+")
 
 
-@pytest.mark.parametrize("name", RECIPES)
-@pytest.mark.parametrize("granularity", ["per_block", "per_token"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d", [64, 128])
-def test_quantizers_and_kernel_match_the_reference(name, granularity, causal, d):
-    _needs_fp8(name)
-    recipe = get_recipe(name).replace(granularity=granularity)
-    q, k, v = (x.cuda() for x in channel_biased((2, 8, 1000, d), (2, 4, 1500, d), seed=d,
-                                                 dtype=torch.float16))
-    ref_qz = quantize_qkv(q, k, v, recipe, d**-0.5, need_lse_shift=True, backend="reference")
-    gpu_qz = quantize_qkv(q, k, v, recipe, d**-0.5, need_lse_shift=True, backend="triton")
-    for field in ("q", "k"):
-        a, b = getattr(gpu_qz, field), getattr(ref_qz, field)
-        mismatch = (a.int() - b.int()).abs()
-        assert int(mismatch.max()) <= 1 and float((mismatch > 0).float().mean()) < 1e-4, field
-    offset = 500 if causal else None
-    want, want_lse = quantized_attention(
-        ref_qz, pv=recipe.pv, granularity=granularity, block_q=recipe.block_q,
-        block_k=recipe.block_k, causal_offset=offset,
-    )
-    from lowbit_attn.inference import kernel_int8 as attn_fwd_int8
-
-    got = torch.empty(q.shape, device="cuda", dtype=torch.float32)
-    got_lse = attn_fwd_int8.attention(
-        ref_qz, out=got, pv=recipe.pv, granularity=granularity, block_q=recipe.block_q,
-        block_k=recipe.block_k, causal_offset=offset, return_lse=True,
-    )
-    assert lowbit_attn.errors(got, want).cosine > 0.99999
-    assert_close(got, want, atol=3e-3 if recipe.pv == "fp8" else 1e-3, name="out")
-    assert_close(got_lse, want_lse, atol=1e-3, name="lse")
-
-
 def _gpu_candidates():
     from lowbit_attn.inference import kernel_int8 as attn_fwd_int8
     from lowbit_attn.core.triton_helpers import configs_for
@@ -70,11 +38,9 @@ CANDIDATE_CASES = [
 
 @pytest.mark.parametrize("name,granularity,d", CANDIDATE_CASES)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_every_autotuning_candidate_matches_the_reference(name, granularity, d, causal,
-                                                          monkeypatch):
+def test_every_autotuning_candidate_matches_the_reference(name, granularity, d, causal):
     """Each candidate the autotuner may pick (plain and pipelined loops, every stage count), forced
-    alone, against the reference on the same quantized operands; and Q quantized in the kernel
-    gives the bits of the pass."""
+    alone, against the reference on the same quantized operands."""
     from lowbit_attn.inference import kernel_int8 as attn_fwd_int8
     from lowbit_attn.core.triton_helpers import triton_configs
 
@@ -104,26 +70,6 @@ def test_every_autotuning_candidate_matches_the_reference(name, granularity, d, 
     finally:
         tuner.configs = saved
         tuner.cache.clear()
-    results = {}
-    for mode in ("pass", "kernel"):
-        monkeypatch.setenv("LOWBIT_ATTN_Q_QUANT", mode)
-        results[mode] = lowbit_attn.attention(q, k, v, recipe=recipe, is_causal=causal)
-    assert torch.equal(results["pass"], results["kernel"])
-
-
-@pytest.mark.parametrize("name", RECIPES)
-@pytest.mark.parametrize("d", [64, 128])
-def test_kv_statistics_in_the_quantizing_launch_on_the_gpu(name, d, monkeypatch):
-    """``LOWBIT_ATTN_KV_STATS=program`` against the default: the same statistics up to the order
-    of the sums, so the same output to within a few rounding flips."""
-    _needs_fp8(name)
-    q, k, v = (x.cuda() for x in channel_biased((2, 8, 1000, d), (2, 4, 1500, d), seed=d + 2,
-                                                 dtype=torch.float16))
-    results = {}
-    for mode in ("launch", "program"):
-        monkeypatch.setenv("LOWBIT_ATTN_KV_STATS", mode)
-        results[mode] = lowbit_attn.attention(q, k, v, recipe=name, is_causal=True)
-    assert lowbit_attn.errors(results["program"], results["launch"]).cosine > 0.99999
 
 
 @pytest.mark.parametrize("name,cos,l1", [
@@ -139,42 +85,6 @@ def test_issue_accuracy_bars_on_the_gpu(name, cos, l1):
     ref, _ = exact_attention(q, k, v, scale=128**-0.5)
     e = lowbit_attn.errors(out, ref)
     assert e.cosine >= cos and e.rel_l1 <= l1, e
-
-
-@pytest.mark.parametrize("name", RECIPES)
-def test_varlen_layouts_and_decode_on_the_gpu(name):
-    _needs_fp8(name)
-    lens = [1, 700, 129, 2048]
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-    q = torch.randn(sum(lens), 8, 128, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(sum(lens), 2, 128, device="cuda", dtype=torch.bfloat16) + 3
-    v = torch.randn(sum(lens), 2, 128, device="cuda", dtype=torch.bfloat16)
-    out = lowbit_attn.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), is_causal=True,
-                                       recipe=name)
-    for i, n in enumerate(lens):
-        a, b = int(cu[i]), int(cu[i + 1])
-        ref, _ = exact_attention(q[a:b].transpose(0, 1)[None], k[a:b].transpose(0, 1)[None],
-                                 v[a:b].transpose(0, 1)[None], scale=128**-0.5, causal_offset=0)
-        assert lowbit_attn.errors(out[a:b], ref[0].transpose(0, 1)).cosine > 0.999, n
-    # decoding: one query row against a long cache, NHD views of a larger buffer
-    cache = torch.randn(1, 4096, 2, 128, device="cuda", dtype=torch.float16)
-    qd = torch.randn(1, 1, 8, 128, device="cuda", dtype=torch.float16)
-    outd = lowbit_attn.attention(qd, cache[:, :3000], cache[:, 1000:4000], layout="NHD", recipe=name)
-    refd, _ = exact_attention(qd.transpose(1, 2), cache[:, :3000].transpose(1, 2),
-                              cache[:, 1000:4000].transpose(1, 2), scale=128**-0.5)
-    assert lowbit_attn.errors(outd, refd.transpose(1, 2)).cosine > 0.999
-
-
-def test_nan_is_not_hidden_on_the_gpu():
-    q, k, v = (x.cuda() for x in channel_biased((1, 2, 256, 64), (1, 2, 256, 64), seed=1,
-                                                 dtype=torch.float16))
-    k[0, 1, 17, 3] = float("nan")
-    for name in RECIPES:
-        if name == "qk_int8_pv_fp8" and torch.cuda.get_device_capability() < (8, 9):
-            continue
-        out = lowbit_attn.attention(q, k, v, recipe=name)
-        assert torch.isfinite(out[0, 0]).all()
-        assert (~torch.isfinite(out[0, 1])).any(dim=-1).all()
 
 
 def test_offsets_past_two_to_the_31_elements():
