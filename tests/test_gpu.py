@@ -135,63 +135,6 @@ def test_trainable_public_call_meets_the_bars_on_the_gpu():
 # --- video sparse attention -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("d", [64, 128])
-def test_vsa_fine_kernels_match_the_reference_on_the_gpu(d, monkeypatch):
-    import math
-
-    from lowbit_attn.vsa import interface as vsa
-    from lowbit_attn.core.metrics import errors
-    from lowbit_attn.vsa.tiles import tile_layout
-
-    grid, tile = (5, 14, 15), (4, 4, 4)  # partial tiles along every axis
-    n = math.prod(grid)
-    q, k, v = (x.cuda() for x in channel_biased((2, 8, n, d), (2, 4, n, d), seed=d,
-                                                 dtype=torch.bfloat16))
-    do = torch.randn_like(q)
-    layout = tile_layout(grid, tile)
-    idx = torch.rand(2, 8, layout.n_tiles, layout.n_tiles, device="cuda").argsort(-1)[..., :6]
-
-    def run(a, b, c, g):
-        a, b, c = (x.detach().requires_grad_() for x in (a, b, c))
-        out = vsa.fine(a, b, c, video_shape=grid, tile=tile, tile_indices=idx)
-        return (out, *torch.autograd.grad(out, (a, b, c), g))
-
-    got = run(q, k, v, do)
-    monkeypatch.setenv("LOWBIT_ATTN_BACKEND", "reference")
-    want = run(q.float(), k.float(), v.float(), do.float())
-    for name, a, e in zip(("out", "dq", "dk", "dv"), got, want):
-        assert torch.isfinite(a).all() and errors(a.float(), e).cosine > 0.9999, name
-
-
-@pytest.mark.parametrize("d", [64, 128])
-def test_vsa_8bit_fine_kernel_matches_the_reference_on_the_gpu(d, monkeypatch):
-    """The 8-bit fine stage (INT8 and FP8 tensor cores) against its twin on the same quantized
-    operands, and against exact masked attention."""
-    import math
-
-    from lowbit_attn.vsa import interface as vsa
-    from lowbit_attn.core.metrics import errors
-    from lowbit_attn.vsa import naive as ref
-    from lowbit_attn.vsa.tiles import tile_layout
-
-    grid, tile = (5, 14, 15), (4, 4, 4)
-    n = math.prod(grid)
-    q, k, v = (x.cuda() for x in channel_biased((2, 8, n, d), (2, 4, n, d), seed=d,
-                                                 dtype=torch.bfloat16))
-    layout = tile_layout(grid, tile)
-    idx = torch.rand(2, 8, layout.n_tiles, layout.n_tiles, device="cuda").argsort(-1)[..., :6]
-    with torch.no_grad():
-        got = vsa.fine(q, k, v, video_shape=grid, tile=tile, tile_indices=idx, recipe="qk_int8_pv_fp8")
-        monkeypatch.setenv("LOWBIT_ATTN_BACKEND", "reference")
-        twin = vsa.fine(q.float(), k.float(), v.float(), video_shape=grid, tile=tile, tile_indices=idx,
-                        recipe="qk_int8_pv_fp8")
-        exact = ref.masked_attention(q.double(), k.double(), v.double(),
-                                     ref.block_mask(layout.to("cuda"), idx), scale=d ** -0.5)
-    assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
-    assert errors(got.float(), twin).cosine > 0.99999
-    assert errors(got.double(), exact).cosine > 0.999
-
-
 # --- CUDA graphs: no host synchronisation on the GPU path -----------------------------------------
 
 
