@@ -1,4 +1,18 @@
-"""Compiled kernels on a CUDA GPU against the reference and exact attention (skipped without one)."""
+"""Compiled kernels on a CUDA GPU (skipped without one): what the interpreter cannot check.
+
+The kernels against their PyTorch twins are not checked here: the interpreter tests' own parameter
+lists run on the cuda target of the ``device`` fixture (tests/conftest.py, with test_gpu.py's
+former tolerances in tests/helpers.py and its GPU-sized shapes as parameters marked ``gpu``), so a
+GPU run exercises exactly what the CPU checks. What stays has no interpreter counterpart:
+
+- every autotuning candidate forced alone: the interpreter has one launch configuration;
+- the issue's accuracy bars at N = 4096 on the compiled kernels (INT8, FP4, trainable): the CPU
+  holds the twins to them (tests/tools/test_accuracy.py, tests/training/test_trainable.py), the
+  kernels at that size are far too slow for the interpreter;
+- offsets past 2^31 elements: a 4 GiB buffer, and int32 wrap-around in compiled pointer arithmetic;
+- CUDA graph capture (no host synchronisation) and inductor's fullgraph compile around the compiled
+  kernels: CUDA machinery the interpreter does not have.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +20,7 @@ import pytest
 import torch
 
 import lowbit_attn
-from helpers import channel_biased
+from helpers import Target, channel_biased
 from lowbit_attn.inference.prepare import quantize_qkv
 from lowbit_attn.core.recipes import get_recipe
 from lowbit_attn.inference.naive import exact_attention, quantized_attention
@@ -14,11 +28,7 @@ from lowbit_attn.inference.naive import exact_attention, quantized_attention
 pytestmark = pytest.mark.gpu
 
 RECIPES = ["qk_int8_pv_fp16", "qk_int8_pv_fp8"]
-
-
-def _needs_fp8(name):
-    if name == "qk_int8_pv_fp8" and torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("FP8 P·V needs compute capability 8.9+")
+CUDA = Target("cuda")
 
 
 def _gpu_candidates():
@@ -44,7 +54,7 @@ def test_every_autotuning_candidate_matches_the_reference(name, granularity, d, 
     from lowbit_attn.inference import kernel_int8 as attn_fwd_int8
     from lowbit_attn.core.triton_helpers import triton_configs
 
-    _needs_fp8(name)
+    CUDA.needs(name)
     recipe = get_recipe(name).replace(granularity=granularity)
     q, k, v = (x.cuda() for x in channel_biased((2, 8, 700, d), (2, 4, 1100, d), seed=d + 1,
                                                  dtype=torch.float16))
@@ -78,7 +88,7 @@ def test_every_autotuning_candidate_matches_the_reference(name, granularity, d, 
     pytest.param("qk_int8_pv_fp8", 0.99903, 0.0453, id="fp8-at-the-measured-level"),
 ])
 def test_issue_accuracy_bars_on_the_gpu(name, cos, l1):
-    _needs_fp8(name)
+    CUDA.needs(name)
     q, k, v = (x.cuda() for x in channel_biased((1, 4, 4096, 128), (1, 4, 4096, 128), seed=0,
                                                  dtype=torch.float16))
     out = lowbit_attn.attention(q, k, v, recipe=name)
