@@ -18,8 +18,8 @@ from helpers import Target  # noqa: E402
 HAS_CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
-# The targets of the ``device`` fixture: the interpreter on CPU tensors where TRITON_INTERPRET is on,
-# the compiled kernels where a CUDA GPU is; a run skips the other (collected, never run).
+# The targets of the ``device`` fixture: the interpreter on CPU tensors where TRITON_INTERPRET is
+# on, the compiled kernels where a CUDA GPU is; a run skips the other (collected, never run).
 TARGETS = [
     pytest.param(Target("cpu"), id="cpu", marks=pytest.mark.interpreter),
     pytest.param(Target("cuda"), id="cuda", marks=pytest.mark.gpu),

@@ -304,9 +304,9 @@ Q_QUANT_CASES = [
     pytest.param("qk_int8_pv_fp16", {"smooth_k": False, "balance_qk": False}, (1, 2, 1, 1, 65, 16),
                  id="fp16-plain-decode-D16"),
 ] + [  # test_gpu.py's: statistics of many blocks per (batch, head)
-    pytest.param(name, {}, (2, 8, 4, 1000, 1500, d), id=f"gpu-{name[-3:]}-Nq1000-Nk1500-D{d}",
-                 marks=pytest.mark.gpu)
-    for name, d in (("qk_int8_pv_fp16", 64), ("qk_int8_pv_fp8", 128))
+    pytest.param(f"qk_int8_pv_{pv}", {}, (2, 8, 4, 1000, 1500, d),
+                 id=f"gpu-{pv}-Nq1000-Nk1500-D{d}", marks=pytest.mark.gpu)
+    for pv, d in (("fp16", 64), ("fp8", 128))
 ]
 
 

@@ -238,12 +238,12 @@ def test_bad_tile_indices():
         lowbit_attn.video_sparse_attention(q[:, :, :60], k, v, topk=1, **kw)
 
 
-# --- the fine stage's Triton kernels (interpreter, and compiled on a GPU) --------------------------
+# --- the fine stage's Triton kernels (interpreter, and compiled on a GPU) ------------------------
 
 # test_gpu.py's: whole 4×4×4 tiles of 64 tokens (and partial ones at every edge), D of 64 and 128
 GPU_FINE_CASES = [
-    pytest.param(torch.bfloat16, (5, 14, 15), (4, 4, 4), (8, 4), d, id=f"gpu-bf16-partial-TS64-D{d}",
-                 marks=pytest.mark.gpu)
+    pytest.param(torch.bfloat16, (5, 14, 15), (4, 4, 4), (8, 4), d,
+                 id=f"gpu-bf16-partial-TS64-D{d}", marks=pytest.mark.gpu)
     for d in (64, 128)
 ]
 
@@ -354,7 +354,8 @@ SMALL = ((3, 5, 6), (2, 2, 4), 32)  # video, tile, head dim: partial tiles along
                      (2, 1), SMALL, id="bf16-fp8pv-smooth-v"),
     ] + [  # test_gpu.py's: tiles of 64 tokens, D of 64 and 128
         pytest.param(torch.bfloat16, "qk_int8_pv_fp8", "channel_bias_k", (8, 4),
-                     ((5, 14, 15), (4, 4, 4), d), id=f"gpu-bf16-fp8pv-TS64-D{d}", marks=pytest.mark.gpu)
+                     ((5, 14, 15), (4, 4, 4), d), id=f"gpu-bf16-fp8pv-TS64-D{d}",
+                     marks=pytest.mark.gpu)
         for d in (64, 128)
     ],
 )
