@@ -1,5 +1,6 @@
 """Test set-up: the Triton interpreter on CPU-only machines (set before triton is imported), the
-markers, a NaN-poisoned allocator and a shared closeness check."""
+markers, the ``device`` fixture (each target the Triton kernels run on) and a NaN-poisoned
+allocator."""
 
 from __future__ import annotations
 
@@ -12,14 +13,56 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from helpers import Target  # noqa: E402
+
 HAS_CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+# The targets of the ``device`` fixture: the interpreter on CPU tensors where TRITON_INTERPRET is
+# on, the compiled kernels where a CUDA GPU is; a run skips the other (collected, never run).
+TARGETS = [
+    pytest.param(Target("cpu"), id="cpu", marks=pytest.mark.interpreter),
+    pytest.param(Target("cuda"), id="cuda", marks=pytest.mark.gpu),
+]
+
+
+def _parametrized_by_the_test(metafunc, name: str) -> bool:
+    for mark in metafunc.definition.iter_markers("parametrize"):
+        names = mark.args[0] if mark.args else mark.kwargs["argnames"]
+        if name in ([n.strip() for n in names.split(",")] if isinstance(names, str) else names):
+            return True
+    return False
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_generate_tests(metafunc):
+    # last, so the target ends each test's id: test_x[<its own parameters>-cpu]; a test with a
+    # parameter of its own called device (a CLI argument) keeps it
+    if "device" in metafunc.fixturenames and not _parametrized_by_the_test(metafunc, "device"):
+        metafunc.parametrize("device", TARGETS, indirect=True)
+
+
+@pytest.fixture
+def device(request) -> Target:
+    """The target a kernel-against-twin test runs on, one test per target: ``device.name`` is the
+    torch device of its inputs, ``device.bound(kind, bound)`` how close kernel and twin are there
+    (tests/helpers.py). A case marked ``gpu`` (GPU-sized shapes) runs on the cuda target alone;
+    ``device.needs(recipe)`` skips what the GPU cannot run."""
+    return request.param
 
 
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_interp = pytest.mark.skip(reason="needs TRITON_INTERPRET=1 (Triton on CPU tensors)")
+    skip_sized = pytest.mark.skip(reason="a GPU-sized case: the cuda target's alone")
     for item in items:
+        target = item.callspec.params.get("device") if hasattr(item, "callspec") else None
+        target = target if isinstance(target, Target) else None  # (test_cli's own device strings)
+        if target is not None and not target.interpreted and "interpreter" in item.keywords:
+            raise pytest.UsageError(f"{item.nodeid}: a test that takes `device` gets the "
+                                    "interpreter mark from its cpu target, not a mark of its own")
+        if target is not None and target.interpreted and "gpu" in item.keywords:
+            item.add_marker(skip_sized)
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
         if "interpreter" in item.keywords and not INTERPRET:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import pytest
 import torch
 
 import lowbit_attn
@@ -35,14 +36,16 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, atol: float, r
         )
 
 
-def channel_biased(shape_q, shape_kv, *, seed: int = 0, dtype=torch.float32, bias: float = 4.0):
-    """q, k, v ~ N(0, 1) with ``k += bias·N(0, 1)`` per (batch, head, channel) (HND)."""
+def channel_biased(shape_q, shape_kv, *, seed: int = 0, dtype=torch.float32, bias: float = 4.0,
+                   device: str = "cpu"):
+    """q, k, v ~ N(0, 1) with ``k += bias·N(0, 1)`` per (batch, head, channel) (HND), drawn on
+    the CPU (the same values on every device)."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(shape_q, generator=g)
     k = torch.randn(shape_kv, generator=g)
     k = k + bias * torch.randn(shape_kv[0], shape_kv[1], 1, shape_kv[3], generator=g)
     v = torch.randn(shape_kv, generator=g)
-    return q.to(dtype), k.to(dtype), v.to(dtype)
+    return q.to(device, dtype), k.to(device, dtype), v.to(device, dtype)
 
 
 @dataclass(frozen=True)
@@ -85,3 +88,137 @@ def check_rows(out, ref, lse, ref_lse, vmax: float, b: Budget) -> None:
     assert err <= b.abs_v, f"max |out - ref| = {err:.3g} · max|V| > {b.abs_v} · max|V|"
     assert cos is None or cos >= b.cos, f"cosine {cos:.6f} < {b.cos}"
     assert lerr is None or lerr <= b.lse, f"max |lse - ref| = {lerr:.3g} > {b.lse}"
+
+
+# --- kernels against their twins on each target (the ``device`` fixture, tests/conftest.py) -------
+
+
+@dataclass(frozen=True)
+class Bound:
+    """How close a kernel's result must be to its twin's: ``|got - want| <= atol + rtol·|want|``
+    with NaN and Inf at the same places, relative L2 error ``< rel_l2``, cosine ``> cos``; a part
+    that is ``None`` is not checked."""
+
+    atol: float | None = None
+    rtol: float = 0.0
+    rel_l2: float | None = None
+    cos: float | None = None
+
+    def widened(self, other: Bound) -> Bound:
+        """This bound with each part it checks no tighter than ``other``'s (the parts it does not
+        check stay unchecked)."""
+        def looser(mine, theirs, pick):
+            return mine if mine is None or theirs is None else pick(mine, theirs)
+
+        return Bound(atol=looser(self.atol, other.atol, max),
+                     rtol=0.0 if self.atol is None else max(self.rtol, other.rtol),
+                     rel_l2=looser(self.rel_l2, other.rel_l2, max),
+                     cos=looser(self.cos, other.cos, min))
+
+    def only(self, *parts: str) -> Bound:
+        """The same bound checking ``parts`` alone (for a test that holds its parts to different
+        references)."""
+        return replace(self, **{p: None for p in ("atol", "rel_l2", "cos") if p not in parts})
+
+
+@dataclass(frozen=True)
+class Codes:
+    """How far quantized codes may be from their twin's: a fraction ``< flipped`` of the elements
+    differs, each by at most ``step`` codes (``None``: any; only integer codes are stepped)."""
+
+    step: int | None
+    flipped: float
+
+
+# What tests/test_gpu.py allowed a compiled kernel against its twin on a CUDA GPU (2×8×1000×D
+# inputs, D = 64 and 128) before its checks moved onto the interpreter tests' parameter lists. Fast
+# exp2, fused multiply-adds, tensor-core accumulation and statistics summed in another order leave
+# differences the interpreter, which runs a kernel's arithmetic in the twin's order, does not.
+# Where a test compares what test_gpu.py did not, the nearest of its bounds is used: marked (*).
+ON_CUDA = {
+    # quantized Q and K (INT8 quantizer and attention kernel test): at most one code apart on
+    # fewer than 1e-4 of the values; (*) their scales: differing on fewer than 1e-4 as well
+    "int8 codes": Codes(step=1, flipped=1e-4),
+    # packed FP4 operands (FP4 operands and kernel test): ``same > 0.999``; (*) scales and tensor
+    # scales held to it too
+    "fp4 codes": Codes(step=None, flipped=1e-3),
+    # the INT8 attention kernel on the twin's operands, by P·V format, and its LSE (FP4's too;
+    # (*) also the LSE where test_gpu.py compared outputs alone: varlen, KV statistics)
+    "int8 out fp16": Bound(atol=1e-3, cos=0.99999),
+    "int8 out fp8": Bound(atol=3e-3, cos=0.99999),
+    "lse": Bound(atol=1e-3),
+    # the FP4 attention kernel on the twin's operands
+    "fp4 out": Bound(cos=0.9999),
+    # the same statistics summed in another order (KV statistics in the quantizing launch against
+    # the statistics launch): "the same output to within a few rounding flips"; (*) also a varlen
+    # sequence against the same call alone
+    "sum order": Bound(cos=0.99999),
+    # the trainable kernels on the twin's operands (both dQ modes)
+    "train lse": Bound(atol=5e-5),
+    "train out": Bound(cos=0.99999),
+    "train grad": Bound(cos=0.9999),
+    # the video sparse attention fine stage: 16-bit (output and gradients) and 8-bit
+    "vsa": Bound(cos=0.9999),
+    "vsa 8bit": Bound(cos=0.99999),
+    # a public call against exact attention (varlen and decode test; (*) the layouts test)
+    "exact": Bound(cos=0.999),
+}
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a test runs the Triton kernels: ``"cpu"``, under the Triton interpreter (the tests'
+    own bounds, bit for bit where they say so), or ``"cuda"``, compiled (the bounds of
+    :data:`ON_CUDA`, widened to a test's own where that is looser: a case the interpreter needs more
+    room for needs it on a GPU too). ``name`` is the torch device of the inputs."""
+
+    name: str
+
+    @property
+    def interpreted(self) -> bool:
+        return self.name == "cpu"
+
+    def bound(self, kind: str, here: Bound) -> Bound:
+        """``here`` (a test's bound under the interpreter) on this target."""
+        return here if self.interpreted else ON_CUDA[kind].widened(here)
+
+    def needs(self, recipe) -> None:
+        """Skip a recipe this GPU cannot run: FP8 P·V needs compute capability 8.9."""
+        recipe = lowbit_attn.get_recipe(recipe) if isinstance(recipe, str) else recipe
+        if (not self.interpreted and recipe.pv == "fp8"
+                and torch.cuda.get_device_capability() < (8, 9)):
+            pytest.skip("FP8 P·V needs compute capability 8.9+")
+
+
+def assert_within(got: torch.Tensor, want: torch.Tensor, bound: Bound, *,
+                  name: str = "tensor") -> None:
+    """``got`` against ``want`` within ``bound`` (see :class:`Bound`)."""
+    if bound.atol is not None:
+        assert_close(got, want, atol=bound.atol, rtol=bound.rtol, name=name)
+    if bound.rel_l2 is not None:
+        rel = float((got.float() - want).norm() / want.norm())
+        assert rel < bound.rel_l2, f"{name}: relative L2 error {rel:.2e}"
+    if bound.cos is not None:
+        cos = lowbit_attn.errors(got, want).cosine
+        assert cos > bound.cos, f"{name}: cosine {cos:.7f} <= {bound.cos}"
+
+
+def assert_same(got: torch.Tensor, want: torch.Tensor, device: Target, kind: str, *,
+                name: str = "tensor") -> None:
+    """The same bits under the interpreter; on a GPU within ``ON_CUDA[kind]``: a :class:`Codes`
+    for quantized codes and their scales, a :class:`Bound` for anything else."""
+    if device.interpreted:
+        assert torch.equal(got, want), f"{name} differ"
+        return
+    spec = ON_CUDA[kind]
+    if isinstance(spec, Bound):
+        assert_within(got, want, spec, name=name)
+        return
+    assert got.shape == want.shape and got.dtype == want.dtype, name
+    if got.element_size() == 1 and got.is_floating_point():  # E4M3 scales: compare the bits
+        got, want = got.view(torch.uint8), want.view(torch.uint8)
+    if spec.step is not None and not got.is_floating_point() and got.numel():
+        step = int((got.int() - want.int()).abs().max())
+        assert step <= spec.step, f"{name}: codes {step} apart"
+    flipped = float((got != want).float().mean()) if got.numel() else 0.0
+    assert flipped < spec.flipped, f"{name}: {flipped:.2e} of the elements differ"

@@ -1,6 +1,6 @@
 """FP4 attention (SageAttention3 recipes): operand quantizers (kernel = twin, bit for bit), the P̃
-quantizer's edges, the attention kernel against its PyTorch twin (interpreter), the twin against
-exact attention, recipe options and bad input."""
+quantizer's edges, the attention kernel against its PyTorch twin (on each target of the ``device``
+fixture, tests/conftest.py), the twin against exact attention, recipe options and bad input."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import lowbit_attn
-from helpers import assert_close, channel_biased
+from helpers import Bound, assert_close, assert_same, assert_within, channel_biased
 from lowbit_attn.inference.prepare import quantize_qkv_fp4
 from lowbit_attn.core.operands import padded_head_dim
 from lowbit_attn.core.recipes import get_recipe
@@ -88,17 +88,17 @@ def test_operands_dequantize_close_to_their_input(fmt):
         assert err.cosine > 0.99 and err.rel_l1 < 0.12, (fmt, err)
 
 
-@pytest.mark.interpreter
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize(
     "shape",
     [pytest.param((1, 2, 70, 64), id="N70-D64"), pytest.param((2, 1, 130, 96), id="B2-N130-D96"),
-     pytest.param((1, 1, 33, 32), id="N33-D32")],
+     pytest.param((1, 1, 33, 32), id="N33-D32"),
+     pytest.param((2, 8, 1000, 128), id="gpu-B2-H8-N1000-D128", marks=pytest.mark.gpu)],
 )
-def test_operand_kernels_equal_their_twins_bit_for_bit(fmt, shape):
+def test_operand_kernels_equal_their_twins_bit_for_bit(fmt, shape, device):
     from lowbit_attn.quant import fp4_qkv as kqf4
 
-    q, k, v = channel_biased(shape, shape, seed=shape[2])
+    q, k, v = channel_biased(shape, shape, seed=shape[2], device=device.name)
     v = v.transpose(1, 2).contiguous().transpose(1, 2)  # strided input
     qm, qa = _stats(q, "block_mean", 64)
     km, ka = _stats(k, "mean")
@@ -113,10 +113,10 @@ def test_operand_kernels_equal_their_twins_bit_for_bit(fmt, shape):
     ]
     for name, run in cases:
         want, got = run(ref_qf4), run(kqf4)
-        assert torch.equal(got[0], want[0]), f"{name}: packed values differ"
-        assert torch.equal(got[1], want[1]), f"{name}: scales differ"
+        assert_same(got[0], want[0], device, "fp4 codes", name=f"{name}: packed values")
+        assert_same(got[1], want[1], device, "fp4 codes", name=f"{name}: scales")
         if fmt == "nvfp4":
-            assert torch.equal(got[2], want[2]), f"{name}: tensor scales differ"
+            assert_same(got[2], want[2], device, "fp4 codes", name=f"{name}: tensor scales")
         else:
             assert got[2] is None and want[2] is None
 
@@ -169,7 +169,7 @@ def _kernel(qz, recipe, head_dim, causal_offset, dtype=torch.float32):
     from lowbit_attn.inference import kernel_fp4 as attn_fwd_fp4
 
     b, hq, nq, _ = qz.q.shape
-    out = torch.empty((b, hq, nq, head_dim), dtype=dtype)
+    out = torch.empty((b, hq, nq, head_dim), dtype=dtype, device=qz.q.device)
     lse = attn_fwd_fp4.attention(
         qz, out=out, head_dim=head_dim, block_q=recipe.block_q, block_k=recipe.block_k,
         causal_offset=causal_offset, two_level=recipe.two_level_p, return_lse=True,
@@ -181,17 +181,20 @@ KERNEL_CASES = [
     pytest.param(1, 2, 2, 130, 130, 64, id="B1-H2-N130-D64"),
     pytest.param(2, 4, 2, 77, 150, 32, id="B2-GQA4:2-Nq77-Nk150-D32"),
     pytest.param(1, 1, 1, 1, 100, 96, id="B1-decode-Nq1-Nk100-D96"),
+] + [  # test_gpu.py's shapes: many query and key blocks per head
+    pytest.param(2, 8, 4, 1000, 1500, d, id=f"gpu-B2-GQA8:4-Nq1000-Nk1500-D{d}",
+                 marks=pytest.mark.gpu)
+    for d in (64, 128)
 ]
 
 
-@pytest.mark.interpreter
 @pytest.mark.parametrize("b,hq,hkv,nq,nk,d", KERNEL_CASES)
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_kernel_matches_reference_on_the_same_quantized_inputs(b, hq, hkv, nq, nk, d, fmt,
-                                                                causal):
+                                                                causal, device):
     recipe = get_recipe(RECIPE_OF[fmt])
-    q, k, v = channel_biased((b, hq, nq, d), (b, hkv, nk, d), seed=nq + nk)
+    q, k, v = channel_biased((b, hq, nq, d), (b, hkv, nk, d), seed=nq + nk, device=device.name)
     qz = quantize_qkv_fp4(q, k, v, recipe, d**-0.5, need_lse_shift=True, backend="reference")
     offset = nk - nq if causal else None
     want, want_lse = fp4_attention(qz, head_dim=d, block_q=recipe.block_q,
@@ -199,12 +202,10 @@ def test_kernel_matches_reference_on_the_same_quantized_inputs(b, hq, hkv, nq, n
     got, got_lse = _kernel(qz, recipe, d, offset)
     # exp2 and the fp32 sums differ in the last bits, which now and then moves a P̃ value across
     # an E2M1 rounding boundary (a step of 1/6 to 1/3 of its group's largest value).
-    assert_close(got, want, atol=5e-3, name="out")
-    assert lowbit_attn.errors(got, want).cosine > 0.99999
-    assert_close(got_lse, want_lse, atol=1e-5, rtol=1e-5, name="lse")
+    assert_within(got, want, device.bound("fp4 out", Bound(atol=5e-3, cos=0.99999)), name="out")
+    assert_within(got_lse, want_lse, device.bound("lse", Bound(atol=1e-5, rtol=1e-5)), name="lse")
 
 
-@pytest.mark.interpreter
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize(
     "options",
@@ -214,9 +215,10 @@ def test_kernel_matches_reference_on_the_same_quantized_inputs(b, hq, hkv, nq, n
         pytest.param({"smooth_v": True, "block_q": 64, "block_k": 32}, id="smooth_v-64x32"),
     ],
 )
-def test_public_call_triton_equals_reference(fmt, options, monkeypatch):
+def test_public_call_triton_equals_reference(fmt, options, monkeypatch, device):
     recipe = get_recipe(RECIPE_OF[fmt]).replace(**options)
-    q, k, v = channel_biased((1, 2, 90, 64), (1, 1, 120, 64), seed=3, dtype=torch.float16)
+    q, k, v = channel_biased((1, 2, 90, 64), (1, 1, 120, 64), seed=3, dtype=torch.float16,
+                             device=device.name)
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # NHD
     monkeypatch.setenv("LOWBIT_ATTN_BACKEND", "reference")
     want, want_lse = lowbit_attn.attention(q, k, v, recipe=recipe, is_causal=True, layout="NHD",
@@ -226,8 +228,8 @@ def test_public_call_triton_equals_reference(fmt, options, monkeypatch):
                                          return_lse=True)
     assert got.dtype == torch.float16 and got.shape == q.shape
     # statistics are summed in another order: a few scales and FP4 values differ by one step
-    assert lowbit_attn.errors(got, want).cosine > 0.9999
-    assert_close(got_lse, want_lse, atol=1e-3, name="lse")
+    assert_within(got, want, device.bound("fp4 out", Bound(cos=0.9999)), name="out")
+    assert_within(got_lse, want_lse, device.bound("lse", Bound(atol=1e-3)), name="lse")
 
 
 @pytest.mark.interpreter

@@ -1,4 +1,6 @@
-"""Quantizers: the Triton kernels against their PyTorch twins, bit for bit, and the numerics' edges."""
+"""Quantizers: the Triton kernels against their PyTorch twins, bit for bit, and the numerics' edges.
+The test that takes ``device`` runs on each target (tests/conftest.py), the others under the
+interpreter."""
 
 from __future__ import annotations
 
@@ -7,10 +9,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import assert_close
+from helpers import assert_close, assert_same
 from lowbit_attn.quant import int8_naive as ref
-
-pytestmark = pytest.mark.interpreter
 
 
 def kq():
@@ -27,11 +27,12 @@ SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", SHAPES + [
+    pytest.param((2, 8, 1000, 128), id="gpu-B2-H8-N1000-D128", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("granularity", ["per_block", "per_token"])
 @pytest.mark.parametrize("center", ["none", "mean", "block_mean"])
 @pytest.mark.parametrize("role", ["q", "k"])
-def test_int8_kernel_matches_twin_bit_for_bit(shape, granularity, center, role):
+def test_int8_kernel_matches_twin_bit_for_bit(shape, granularity, center, role, device):
     g = torch.Generator().manual_seed(1)
     x = (torch.randn(shape, generator=g) * 3 + torch.randn(shape[-1], generator=g)).half()
     b, h, n, d = shape
@@ -46,14 +47,16 @@ def test_int8_kernel_matches_twin_bit_for_bit(shape, granularity, center, role):
         c = torch.randn(b, h, d, generator=g)
     elif center == "block_mean":
         c = torch.randn(b, h, -(-n // block), d, generator=g)
+    x, amax_q, amax_k, c = (t if t is None else t.to(device.name) for t in (x, amax_q, amax_k, c))
     kw = dict(granularity=granularity, block=block, center=c, center_per_block=center == "block_mean",
               balance=(amax_q, amax_k), balance_role=role, scale_multiplier=0.18)
     v_ref, s_ref = ref.quantize_int8(x, **kw)
     v_k, s_k = kq().quantize_int8(x, **kw)
-    assert torch.equal(v_k, v_ref)
-    assert torch.equal(s_k, s_ref)
+    assert_same(v_k, v_ref, device, "int8 codes", name="values")
+    assert_same(s_k, s_ref, device, "int8 codes", name="scales")
 
 
+@pytest.mark.interpreter
 def test_sqrt_rn_is_correctly_rounded():
     # The balancing factor's square root decides Q's and K's scales; the kernels take it with
     # IEEE sqrt, which numpy's float32 sqrt also is, so the twin must match it on every input
@@ -73,6 +76,7 @@ def test_sqrt_rn_is_correctly_rounded():
     assert np.array_equal(got[finite].view(np.int32), want[finite].view(np.int32))
 
 
+@pytest.mark.interpreter
 def test_int8_rounds_half_to_even():
     # amax 127 gives scale exactly 1, so these are exact ties.
     row = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5, 126.5, -126.5, 0.0, 4.5,
@@ -86,6 +90,7 @@ def test_int8_rounds_half_to_even():
         assert scale.item() == 1.0
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("impl_name", ["reference", "triton"])
 def test_int8_zero_group_and_non_finite(impl_name):
     impl = ref if impl_name == "reference" else kq()
@@ -100,6 +105,7 @@ def test_int8_zero_group_and_non_finite(impl_name):
     assert torch.isnan(scale[0, 0, 20]) and torch.isfinite(scale[0, 0, 21])
 
 
+@pytest.mark.interpreter
 def test_int8_dequantization_error_is_within_half_a_step():
     x = torch.randn(1, 2, 96, 64)
     values, scale = ref.quantize_int8(x, granularity="per_token", block=64)
@@ -116,6 +122,7 @@ def _e4m3_probe_values() -> torch.Tensor:
     return torch.cat([grid, mids, mids * 1.0001, mids * 0.9999, extra])
 
 
+@pytest.mark.interpreter
 def test_e4m3_kernel_conversion_matches_torch():
     vals = _e4m3_probe_values()
     n = vals.numel()
@@ -127,12 +134,14 @@ def test_e4m3_kernel_conversion_matches_torch():
     assert torch.equal(got.float().nan_to_num(nan=1234.0), want.float().nan_to_num(nan=1234.0))
 
 
+@pytest.mark.interpreter
 def test_e4m3_saturates_and_keeps_nan():
     x = torch.tensor([500.0, -1e9, float("nan"), 0.0])
     y = ref.to_e4m3(x).float()
     assert y[0] == 448 and y[1] == -448 and torch.isnan(y[2]) and y[3] == 0
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("center", ["none", "mean"])
 @pytest.mark.parametrize("pv", ["fp16", "fp8", "fp16-unscaled"])
 def test_convert_v_matches_twin(center, pv):
@@ -156,6 +165,7 @@ def test_convert_v_matches_twin(center, pv):
         assert got_scale is None and want_scale is None
 
 
+@pytest.mark.interpreter
 def test_fp16_v_scale_is_a_power_of_two_only_where_fp16_needs_one():
     """1 where amax's exponent is in [-6, 7] (the bits of plain fp16 rounding), for 0 and for
     non-finite amax (Inf and NaN reach fp16 as they are); elsewhere amax/scale in [2^7, 2^8)."""
@@ -176,6 +186,7 @@ def test_fp16_v_scale_is_a_power_of_two_only_where_fp16_needs_one():
     assert torch.allclose(want[0, 0, 0].float() * want_scale[0, 0], x[0, 0, 0], rtol=2**-11, atol=0)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("center", ["none", "mean", "block_mean"])
 def test_channel_stats_match_twin_to_rounding(shape, center):
@@ -190,6 +201,7 @@ def test_channel_stats_match_twin_to_rounding(shape, center):
         assert_close(m_k, m_ref, atol=1e-5, rtol=1e-5, name="mean")
 
 
+@pytest.mark.interpreter
 def test_channel_stats_propagate_nan():
     x = torch.randn(1, 2, 40, 8)
     x[0, 1, 7, 2] = float("nan")
@@ -200,6 +212,7 @@ def test_channel_stats_propagate_nan():
 
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("center", ["none", "mean"])
 def test_channel_stats_of_no_token_are_zero(center):
     """A packed sequence without tokens (a varlen sequence with queries and no keys) has mean and
@@ -215,6 +228,7 @@ def test_channel_stats_of_no_token_are_zero(center):
     if center == "mean":
         assert torch.equal(mean[1], torch.zeros(2, 8)) and torch.equal(m_ref, torch.zeros(1, 2, 8))
 
+@pytest.mark.interpreter
 def test_balance_factors_equalize_ranges_and_keep_degenerate_channels():
     aq = torch.tensor([[[1.0, 4.0, 0.0, 2.0], [3.0, 1.0, 1.0, 2.0]]])  # B=1, Hq=2
     ak = torch.tensor([[[16.0, 1.0, 5.0, 0.0]]])  # Hkv=1: both q heads share it
@@ -223,6 +237,7 @@ def test_balance_factors_equalize_ranges_and_keep_degenerate_channels():
     assert torch.allclose(alpha, torch.tensor([[[(16 / 3) ** 0.5, 0.5, 5**0.5, 1.0]]]))
 
 
+@pytest.mark.interpreter
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(
     n=st.integers(1, 70),

@@ -1,6 +1,7 @@
 """Video sparse attention (PyTorch implementation): the tile layout and token order, the fine stage
 against dense attention with the corresponding block mask (forward and gradients, partial edge
-tiles), all tiles = exact attention, the coarse stage, gates, the sparsity schedule, bad input."""
+tiles), all tiles = exact attention, the coarse stage, gates, the sparsity schedule, bad input; the
+fine stage's kernels against it on each target of the ``device`` fixture (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lowbit_attn
-from helpers import assert_close
+from helpers import Bound, assert_close, assert_within
 from lowbit_attn import get_recipe
 from lowbit_attn.tools import inputs
 from lowbit_attn.vsa import interface as vsa, op as vsa_ops
@@ -237,35 +238,44 @@ def test_bad_tile_indices():
         lowbit_attn.video_sparse_attention(q[:, :, :60], k, v, topk=1, **kw)
 
 
-# --- the fine stage's Triton kernels (interpreter) ------------------------------------------------
+# --- the fine stage's Triton kernels (interpreter, and compiled on a GPU) ------------------------
+
+# test_gpu.py's: whole 4×4×4 tiles of 64 tokens (and partial ones at every edge), D of 64 and 128
+GPU_FINE_CASES = [
+    pytest.param(torch.bfloat16, (5, 14, 15), (4, 4, 4), (8, 4), d,
+                 id=f"gpu-bf16-partial-TS64-D{d}", marks=pytest.mark.gpu)
+    for d in (64, 128)
+]
 
 
-@pytest.mark.interpreter
 @pytest.mark.parametrize(
-    "dtype, grid, tile, heads",
+    "dtype, grid, tile, heads, d",
     [
-        pytest.param(torch.float16, (3, 5, 6), (2, 2, 4), (2, 1), id="fp16-partial-GQA2"),
-        pytest.param(torch.bfloat16, (2, 4, 5), (2, 2, 2), (1, 1), id="bf16-partial-TS8"),
-    ],
+        pytest.param(torch.float16, (3, 5, 6), (2, 2, 4), (2, 1), 16, id="fp16-partial-GQA2"),
+        pytest.param(torch.bfloat16, (2, 4, 5), (2, 2, 2), (1, 1), 16, id="bf16-partial-TS8"),
+    ] + GPU_FINE_CASES,
 )
-def test_fine_kernels_match_the_reference(triton_backend, monkeypatch, dtype, grid, tile, heads):
+def test_fine_kernels_match_the_reference(triton_backend, monkeypatch, dtype, grid, tile, heads, d,
+                                          device):
     """Forward and gradients of the fine stage on the kernels against the PyTorch twin (fp32) on the
     same tile lists, through the public function (gathers, autograd)."""
     hq, hkv = heads
     n = math.prod(grid)
-    q, k, v = (x.to(dtype) for x in _qkv(n, b=1, hq=hq, hkv=hkv, d=16, seed=8, dtype=torch.float32))
-    do = torch.randn(q.shape).to(dtype)
+    q, k, v = (x.to(device.name, dtype)
+               for x in _qkv(n, b=1, hq=hq, hkv=hkv, d=d, seed=8, dtype=torch.float32))
+    do = torch.randn(q.shape).to(device.name, dtype)
     layout = tile_layout(grid, tile)
     g = torch.Generator().manual_seed(9)
     idx = torch.rand(1, hq, layout.n_tiles, layout.n_tiles, generator=g).argsort(-1)[..., :2]
+    idx = idx.to(device.name)
     fn = lambda a, b, c: vsa.fine(a, b, c, video_shape=grid, tile=tile, tile_indices=idx)  # noqa: E731
     got = _grads(fn, q, k, v, do)
     monkeypatch.setenv("LOWBIT_ATTN_BACKEND", "reference")
     want = _grads(fn, *(x.float() for x in (q, k, v, do)))
-    tol = 2e-2 if dtype == torch.bfloat16 else 3e-3
+    bound = device.bound("vsa", Bound(rel_l2=2e-2 if dtype == torch.bfloat16 else 3e-3))
     for name, a, e in zip(("out", "dq", "dk", "dv"), got, want):
         assert a.dtype == dtype and torch.isfinite(a).all(), name
-        assert float((a.float() - e).norm() / e.norm()) < tol, name
+        assert_within(a.float(), e, bound, name=name)
 
 
 @pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
@@ -331,35 +341,46 @@ def test_8bit_fine_stage_propagates_nan(where):
     assert torch.isnan(out[0]).any() and torch.isfinite(out[1]).all()
 
 
-@pytest.mark.interpreter
+SMALL = ((3, 5, 6), (2, 2, 4), 32)  # video, tile, head dim: partial tiles along every axis
+
+
 @pytest.mark.parametrize(
-    "dtype, recipe, family, heads",
+    "dtype, recipe, family, heads, size",
     [
-        pytest.param(torch.float16, "qk_int8_pv_fp8", "outliers", (2, 1), id="fp16-fp8pv-GQA2"),
-        pytest.param(torch.bfloat16, "qk_int8_pv_fp8", "channel_bias_k", (1, 1), id="bf16-fp8pv"),
-        pytest.param(torch.float16, "qk_int8_pv_fp16", "heavy_tail", (2, 2), id="fp16-fp16pv"),
+        pytest.param(torch.float16, "qk_int8_pv_fp8", "outliers", (2, 1), SMALL, id="fp16-fp8pv-GQA2"),
+        pytest.param(torch.bfloat16, "qk_int8_pv_fp8", "channel_bias_k", (1, 1), SMALL, id="bf16-fp8pv"),
+        pytest.param(torch.float16, "qk_int8_pv_fp16", "heavy_tail", (2, 2), SMALL, id="fp16-fp16pv"),
         pytest.param(torch.bfloat16, get_recipe("qk_int8_pv_fp8").replace(smooth_v=True), "v_bias",
-                     (2, 1), id="bf16-fp8pv-smooth-v"),
+                     (2, 1), SMALL, id="bf16-fp8pv-smooth-v"),
+    ] + [  # test_gpu.py's: tiles of 64 tokens, D of 64 and 128
+        pytest.param(torch.bfloat16, "qk_int8_pv_fp8", "channel_bias_k", (8, 4),
+                     ((5, 14, 15), (4, 4, 4), d), id=f"gpu-bf16-fp8pv-TS64-D{d}",
+                     marks=pytest.mark.gpu)
+        for d in (64, 128)
     ],
 )
 def test_8bit_fine_kernel_matches_the_reference(triton_backend, monkeypatch, dtype, recipe, family,
-                                                heads):
+                                                heads, size, device):
     """The kernel against its twin on the same quantized operands (bit-identical quantization),
     partial edge tiles: equal up to the output's rounding (the interpreter truncates fp32 → bf16,
     one ulp)."""
-    grid, tile = (3, 5, 6), (2, 2, 4)
-    q, k, v = _family(family, 90, hq=heads[0], hkv=heads[1], d=32, dtype=dtype)
+    device.needs(recipe)
+    grid, tile, d = size
+    q, k, v = (x.to(device.name) for x in _family(family, math.prod(grid), hq=heads[0],
+                                                  hkv=heads[1], d=d, dtype=dtype))
     layout = tile_layout(grid, tile)
     g = torch.Generator().manual_seed(3)
     idx = torch.rand(1, heads[0], layout.n_tiles, layout.n_tiles, generator=g).argsort(-1)[..., :3]
+    idx = idx.to(device.name)
     fn = lambda a, b, c: vsa.fine(a, b, c, video_shape=grid, tile=tile, tile_indices=idx,  # noqa: E731
                                   recipe=recipe)
     got = fn(q, k, v)
     monkeypatch.setenv("LOWBIT_ATTN_BACKEND", "reference")
     want = fn(q.float(), k.float(), v.float())
-    assert got.dtype == dtype
+    assert got.dtype == dtype and torch.isfinite(got).all()
     ulp = 2.0 ** (-7 if dtype == torch.bfloat16 else -10)
-    torch.testing.assert_close(got.float(), want, rtol=ulp, atol=ulp * 1e-2)
+    assert_within(got.float(), want, device.bound("vsa 8bit", Bound(atol=ulp * 1e-2, rtol=ulp)),
+                  name="out")
 
 
 @pytest.mark.interpreter
