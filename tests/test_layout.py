@@ -124,13 +124,15 @@ def test_the_walk_of_q_from_attention_to_the_int8_kernel(monkeypatch):
                                  self.kernel))
             return launch
 
+    modules = []  # every module imported before any is patched: a later import would bind a recorder
     for family in ("core", "quant", "inference"):
         package = importlib.import_module(f"lowbit_attn.{family}")
-        for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
-            module = importlib.import_module(info.name)
-            for name, obj in list(vars(module).items()):
-                if isinstance(obj, KernelInterface):
-                    monkeypatch.setattr(module, name, Recorder(obj))
+        modules += [importlib.import_module(info.name)
+                    for info in pkgutil.walk_packages(package.__path__, package.__name__ + ".")]
+    for module in modules:
+        for name, obj in list(vars(module).items()):
+            if isinstance(obj, KernelInterface):
+                monkeypatch.setattr(module, name, Recorder(obj))
     monkeypatch.setenv("LOWBIT_ATTN_BACKEND", "triton")
     q, k, v = torch.randn(3, 1, 2, 128, 64, dtype=torch.float16).unbind(0)
     lowbit_attn.attention(q, k, v, recipe="qk_int8_pv_fp8")

@@ -106,11 +106,15 @@ def test_int8_zero_group_and_non_finite(impl_name):
 
 
 @pytest.mark.interpreter
-def test_int8_dequantization_error_is_within_half_a_step():
-    x = torch.randn(1, 2, 96, 64)
+@pytest.mark.parametrize("seed", range(8))
+def test_int8_dequantization_error_is_within_half_a_step(seed):
+    """|q·s − x| ≤ s/2, up to fp32 rounding of x/s and of q·s (an ulp of |x| each: a bound of
+    s/2·(1 + 1e-6) fails on ~1 % of random tensors, where x sits near a half step and |x| ≈ 127·s)."""
+    x = torch.randn(1, 2, 96, 64, generator=torch.Generator().manual_seed(seed))
     values, scale = ref.quantize_int8(x, granularity="per_token", block=64)
-    err = (values.float() * scale.unsqueeze(-1) - x).abs()
-    assert torch.all(err <= scale.unsqueeze(-1) * 0.5 * (1 + 1e-6))
+    s = scale.unsqueeze(-1)
+    err = (values.float() * s - x).abs()
+    assert torch.all(err <= 0.5 * s + x.abs() * 2.0**-23)
 
 
 def _e4m3_probe_values() -> torch.Tensor:
