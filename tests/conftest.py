@@ -1,6 +1,6 @@
 """Test set-up: the Triton interpreter on CPU-only machines (set before triton is imported), the
-markers, the ``device`` fixture (each target the Triton kernels run on) and a NaN-poisoned
-allocator."""
+markers, the ``device`` fixture (each target the Triton kernels run on), a NaN-poisoned
+allocator and a seeded global generator."""
 
 from __future__ import annotations
 
