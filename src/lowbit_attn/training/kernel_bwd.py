@@ -70,8 +70,8 @@ def _tile_p_dp(
 @triton.jit
 def _train_dkdv_kernel(
     q, k, do_dp, v_dp, do_dv, q_dk, k_dq,
-    QM, DS, LSE, DELTA, DK, DV, BAL, DQ_ACC,
-    qm_strides, ds_strides, lse_strides, dk_strides, dv_strides, bal_strides, acc_strides,
+    QM, DS, LSE, DELTA, dk_out, dv_out, BAL, DQ_ACC,
+    qm_strides, ds_strides, lse_strides, bal_strides, acc_strides,
     NQ, NK, HKV, GROUP, D, causal_offset, softmax_scale, N_BUCKET,
     IS_CAUSAL: tl.constexpr, QK_INT8: tl.constexpr, DP_INT8: tl.constexpr,
     DV_INT8: tl.constexpr, DK_INT8: tl.constexpr, DQ_INT8: tl.constexpr, HAS_DS: tl.constexpr,
@@ -81,11 +81,13 @@ def _train_dkdv_kernel(
     """dK and dV of one key block. Operands (see :func:`_operand`): Q and K for the scores, dO and
     V for dP, dO for dV, Q for dK, K for dQ (``ATOMIC_DQ``). Strides: (batch, head, query block,
     dim) of Q's block means ``QM``; (batch, head, query block, key) of ``DS``; (batch, head, token)
-    of ``LSE`` and ``DELTA``; (batch, head, token, dim) of ``DK``, ``DV``, ``DQ_ACC``; (batch, head,
+    of ``LSE`` and ``DELTA``; (batch, head, token, dim) of ``DQ_ACC``; (batch, head,
     dim) of the balancing factors ``BAL``."""
     sqmb, sqmh, sqmk, sqmd = qm_strides
     sdsb, sdsh, sdsq, sdsn = ds_strides
     slb, slh, sln = lse_strides
+    DK, dk_strides = dk_out  # the outputs with their (batch, head, token, dim) strides
+    DV, dv_strides = dv_out
     sdkb, sdkh, sdkn, sdkd = dk_strides
     sdvob, sdvoh, sdvon, sdvod = dv_strides
     sbb, sbh, sbd = bal_strides
@@ -273,8 +275,8 @@ def launch_args(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, dq, d
     launches = [(_dq, rows_grid, dict(rows_pass, DELTA_PASS=True)), (
         _dkdv, (triton.cdiv(nk, TRAIN_BLOCK), b * hkv),
         dict(common, do_dv=operand(grad.do_dv, grad.do_dv_scale),
-             q_dk=operand(ops.q_dk, ops.q_dk_scale), QM=ops.q_mean, DK=dk, DV=dv, DQ_ACC=acc,
-             qm_strides=strides(ops.q_mean, 4), dk_strides=dk.stride(), dv_strides=dv.stride(),
+             q_dk=operand(ops.q_dk, ops.q_dk_scale), QM=ops.q_mean, dk_out=(dk, dk.stride()),
+             dv_out=(dv, dv.stride()), DQ_ACC=acc, qm_strides=strides(ops.q_mean, 4),
              acc_strides=acc.stride(), HKV=hkv, DV_INT8="dv" in ops.int8,
              DK_INT8="dk" in ops.int8, ATOMIC_DQ=atomic),
     )]
