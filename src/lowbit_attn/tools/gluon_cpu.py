@@ -1,0 +1,791 @@
+"""Run a Gluon kernel's own code on CPU tensors, one program after another: a sequential model of
+the part of Gluon the Hopper forward (``inference/kernel_int8_gluon.py``) uses.
+
+Triton 3.6 has no Gluon interpreter. This module executes the kernel's Python function itself
+(``jit_function.fn``, and every ``@jit`` helper it calls, with their module globals rebound), so
+the grid, the loops over key blocks, the masked/unmasked split, the stage and barrier-phase
+arithmetic, the TMA coordinates, the masks and the arithmetic are the kernel's own lines, not a
+copy. What stands in for the hardware:
+
+- tensors are torch CPU tensors; distributed layouts are ignored (``convert_layout`` is the
+  identity): the Gluon compiler checks them (``tests/inference/test_aot_gluon.py``);
+- shared memory holds logical tiles (no swizzle), poisoned at allocation (NaN E4M3, -128 INT8);
+- a TMA load gathers its box at issue, with zero fill outside the descriptor's shape, and lands
+  only when a ``mbarrier.wait`` on its barrier completes the phase (the latest it may land);
+- an mbarrier counts arrivals (``expect``) and transaction bytes; ``wait(bar, parity)`` returns at
+  once when the phase of that parity has completed (the hardware rule), otherwise it completes
+  the current phase, and raises :class:`Hang` when nothing armed can complete it;
+- ``warpgroup_mma`` computes its product at issue (operands as they are then); with ``is_async``
+  the result is a token that ``warpgroup_mma_wait(n, deps)`` releases when it retires the group
+  (groups retire oldest first);
+- hazards between these raise :class:`Race`: a wgmma reading a buffer whose TMA load was not
+  waited for, or a P̃ tile stored without ``fence_async_shared``; a TMA load or a store into a
+  buffer an unretired wgmma reads or a load is still filling; a result read before its group
+  retired.
+
+Products and row sums are computed in float64 and rounded once to fp32 (``canonical_reductions``
+makes the reference do the same); INT8 products are exact either way, and FP8 P̃·V is exact in
+float64. ``fma`` is a multiply then an add (two fp32 roundings, the reference's order) unless
+``fused_fma``. Integer ``//`` and ``%`` follow Python (Triton truncates toward zero: the same for
+the non-negative values the kernel divides); int32 overflow is not modelled.
+
+What it cannot show: anything about time. Asynchrony, barriers as the hardware executes them,
+races between warps or warpgroups (one sequential thread stands for the CTA), swizzled layouts.
+Those are proven only on a GPU.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import dataclasses
+import inspect
+import itertools
+import textwrap
+import types
+from collections import Counter
+
+import torch
+import triton.language as tl
+from torch.overrides import TorchFunctionMode
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia import hopper
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier as real_mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import tma as real_tma
+
+
+class ScheduleError(AssertionError):
+    """The kernel did something the sequential model shows to be wrong."""
+
+
+class Hang(ScheduleError):
+    """An ``mbarrier.wait`` that no armed load or arrival can ever complete."""
+
+
+class Race(ScheduleError):
+    """An access whose result depends on when an asynchronous operation runs."""
+
+
+class NotModeled(ScheduleError):
+    """The kernel uses a Gluon or Triton name this model does not implement."""
+
+
+# --- numerics --------------------------------------------------------------------------------
+
+
+def row_sum(x: torch.Tensor, axis: int) -> torch.Tensor:
+    """fp32 sum in float64, one rounding: independent of the summation order and of trailing
+    zeros (a partial block's zero-filled columns)."""
+    return x.double().sum(dim=axis).to(x.dtype)
+
+
+def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` in float64 rounded once to fp32 (INT8 and E4M3 products are exact in float64)."""
+    # contiguous: torch's float64 matmul on a transposed view is ~50x slower on the CPU
+    return (a.double().contiguous() @ b.double().contiguous()).float()
+
+
+def exp2(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``exp2`` through float64, rounded once: the same bits wherever the element sits
+    (torch's fp32 ``exp2`` takes a vector path or a scalar one by position in the tensor)."""
+    return torch.exp2(x.double()).to(x.dtype)
+
+
+def log2(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``log2`` through float64, rounded once (see :func:`exp2`)."""
+    return torch.log2(x.double()).to(x.dtype)
+
+
+_UNARY = {torch.exp2: exp2, torch.log2: log2}
+
+
+class _Canonical(TorchFunctionMode):
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _UNARY and not kwargs and args[0].dtype == torch.float32:
+            return _UNARY[func](args[0])
+        if func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__):
+            a, b = args
+            if a.dtype == torch.float32 and b.dtype == torch.float32:
+                return product(a, b)
+        if func in (torch.sum, torch.Tensor.sum) and args and args[0].dtype == torch.float32:
+            x, *rest = args
+            return func(x.double(), *rest, **kwargs).float()
+        return func(*args, **kwargs)
+
+
+def canonical_reductions():
+    """Context in which fp32 ``torch.matmul``, ``sum``, ``exp2`` and ``log2`` compute in float64
+    and round once, as this model's products, ``gl.sum``, ``gl.exp2`` and ``gl.log2`` do: run the
+    reference twin under it to compare bit for bit. Without it the bits would depend on shapes,
+    not on indices: torch's fp32 sum order depends on the row length (a kernel's partial key block
+    has zero-filled columns the twin's slice does not), its ``exp2`` on where an element sits."""
+    return _Canonical()
+
+
+# --- memory ----------------------------------------------------------------------------------
+
+
+class _PtrType:
+    def __init__(self, element_ty):
+        self.element_ty = element_ty
+
+
+class Ptr:
+    """A pointer (or a tensor of pointers): a flat view of a tensor's storage from its first
+    element, and element offsets."""
+
+    def __init__(self, mem: torch.Tensor, offset, name: str = "?"):
+        self.mem, self.offset, self.name = mem, offset, name
+
+    @classmethod
+    def of(cls, t: torch.Tensor, name: str) -> Ptr:
+        n = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
+        flat = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), t.storage_offset(), (n,))
+        return cls(flat, 0, name)
+
+    @property
+    def dtype(self):
+        return _PtrType(self.mem.dtype)
+
+    def __add__(self, other):
+        if isinstance(other, Ptr):
+            raise TypeError("pointer + pointer")
+        return Ptr(self.mem, _as_offset(self.offset) + _as_offset(other), self.name)
+
+    __radd__ = __add__
+
+
+def _as_offset(x):
+    return x if isinstance(x, int) else torch.as_tensor(x).to(torch.int64)
+
+
+def _addresses(ptr: Ptr, mask, like=None):
+    off = torch.as_tensor(ptr.offset, dtype=torch.int64)
+    parts = [off] + ([torch.as_tensor(mask)] if mask is not None else []) + (
+        [like] if like is not None else [])
+    shape = torch.broadcast_shapes(*(p.shape for p in parts))
+    off = off.expand(shape)
+    m = torch.ones(shape, dtype=torch.bool) if mask is None else torch.as_tensor(mask).expand(shape)
+    bad = m & ((off < 0) | (off >= ptr.mem.numel()))
+    if bool(bad.any()):
+        raise ScheduleError(f"access outside {ptr.name}: offset {int(off[bad][0])} of "
+                            f"{ptr.mem.numel()} elements")
+    return off, m
+
+
+def _poison_value(dtype):
+    if dtype.is_floating_point:
+        return float("nan")
+    return -128 if dtype == torch.int8 else -1
+
+
+def _load(ptr, mask=None, other=None, **_):
+    """Masked gather; masked-off lanes read ``other``, or poison where none is given."""
+    off, m = _addresses(ptr, mask)
+    mem = ptr.mem
+    raw = mem.view(torch.uint8) if mem.dtype == torch.float8_e4m3fn else mem
+    out = raw[off.clamp(0, max(mem.numel() - 1, 0))]
+    if mem.dtype == torch.float8_e4m3fn:  # fill with bits: no torch.where on E4M3
+        fill = torch.tensor(0x7F if other is None else other, dtype=torch.float32)
+        fill = fill.to(mem.dtype).view(torch.uint8) if other is not None else fill.to(torch.uint8)
+        return torch.where(m, out, fill).view(mem.dtype)
+    fill = _poison_value(mem.dtype) if other is None else other
+    return torch.where(m, out, torch.tensor(fill, dtype=out.dtype))
+
+
+def _store(ptr, value, mask=None, **_):
+    value = torch.as_tensor(value)
+    off, m = _addresses(ptr, mask, like=value)
+    value = value.expand(off.shape).to(ptr.mem.dtype)
+    written = _machine().launch.written.setdefault(
+        id(ptr.mem), torch.zeros(ptr.mem.numel(), dtype=torch.int32))
+    hit = off[m]
+    written.index_put_((hit,), torch.ones_like(hit, dtype=torch.int32), accumulate=True)
+    if bool((written[hit] > 1).any()):
+        o = int(hit[written[hit] > 1][0])
+        raise Race(f"element {o} of {ptr.name} is stored twice in one launch")
+    ptr.mem[hit] = value[m]
+
+
+class _Barrier:
+    def __init__(self, name):
+        self.name = name
+        self.count = None  # set by init
+        self.arrivals = 0
+        self.tx = 0
+        self.completed = 0  # phases completed; the current phase's parity is completed & 1
+        self.loads = []  # (buffer view, data, bytes) issued, not landed
+
+
+class _Shared:
+    """A shared-memory buffer or a view of one (``index``, ``permute``); hazards are tracked per
+    root buffer and index path."""
+
+    def __init__(self, tensor, root=None, key=(), name="smem"):
+        self.tensor, self.key = tensor, key
+        self.root = root if root is not None else _Root(name)
+
+    @property
+    def shape(self):
+        return list(self.tensor.shape)
+
+    @property
+    def dtype(self):
+        return self.tensor.dtype
+
+    def index(self, i):
+        i = int(i)
+        if not 0 <= i < self.tensor.shape[0]:
+            raise ScheduleError(f"{self.root.name}.index({i}) of {self.tensor.shape[0]}")
+        return _Shared(self.tensor[i], self.root, self.key + (i,))
+
+    def permute(self, order):
+        return _Shared(self.tensor.permute(*order), self.root, self.key)
+
+    def where(self):
+        return f"{self.root.name}{list(self.key)}"
+
+    def store(self, value):
+        machine = _machine()
+        machine.check_no_reader(self, "a store into")
+        machine.check_no_load(self, "a store into")
+        if list(value.shape) != self.shape or value.dtype != self.dtype:
+            raise ScheduleError(f"store of {value.dtype}{list(value.shape)} into "
+                                f"{self.where()}: {self.dtype}{self.shape}")
+        self.tensor.copy_(value)
+        self.root.unfenced.add(self.key)
+
+    def load(self, layout=None):
+        _machine().check_no_load(self, "a load from")
+        return self.tensor.clone()
+
+
+class _Root:
+    def __init__(self, name):
+        self.name = name
+        self.loading = {}  # key -> barrier of a TMA load not yet landed
+        self.unfenced = set()  # keys written by the generic proxy since the last fence
+        self.barriers = {}
+
+
+def _overlap(a, b):
+    n = min(len(a), len(b))
+    return a[:n] == b[:n]
+
+
+@dataclasses.dataclass
+class _Group:
+    result: torch.Tensor
+    reads: list
+    done: bool = False
+
+
+class _Token:
+    """An asynchronous wgmma's result: usable only through ``warpgroup_mma_wait``."""
+
+    def __init__(self, group):
+        self.group = group
+
+
+@dataclasses.dataclass
+class Trace:
+    """What the launches did, summed over programs: counts of events, and of calls to each
+    ``@jit`` function with its constexpr arguments."""
+
+    events: Counter = dataclasses.field(default_factory=Counter)
+    calls: Counter = dataclasses.field(default_factory=Counter)
+
+
+class _Launch:
+    def __init__(self, trace):
+        self.trace = trace
+        self.written = {}
+
+
+class _Machine:
+    def __init__(self, pid, launch):
+        self.pid, self.launch = pid, launch
+        self.inflight: list[_Group] = []
+        self.roots: list[_Root] = []
+        self.barriers: list[_Barrier] = []
+
+    def event(self, name, n=1):
+        self.launch.trace.events[name] += n
+
+    def check_no_reader(self, view, what):
+        for g in self.inflight:
+            for r in g.reads:
+                if r.root is view.root and _overlap(r.key, view.key):
+                    raise Race(f"{what} {view.where()} while a wgmma that reads it is in flight")
+
+    def check_no_load(self, view, what):
+        for key, bar in view.root.loading.items():
+            if _overlap(key, view.key):
+                raise Race(f"{what} {view.where()} while its TMA load (barrier {bar.name}) has "
+                           "not been waited for")
+
+    def finish(self):
+        if self.inflight:
+            raise ScheduleError(f"program {self.pid} ends with {len(self.inflight)} wgmma group(s) "
+                                "never waited for")
+        for bar in self.barriers:
+            if bar.loads or bar.tx:
+                raise ScheduleError(f"program {self.pid} ends with a TMA load on {bar.name} never "
+                                    "waited for")
+
+
+_CURRENT: list[_Machine] = []
+
+
+def _machine() -> _Machine:
+    return _CURRENT[-1]
+
+
+# --- the language ----------------------------------------------------------------------------
+
+
+def _t(x):
+    return x if isinstance(x, torch.Tensor) else torch.as_tensor(x)
+
+
+def _cdiv(x, d):
+    return torch.div(_t(x) + (d - 1), d, rounding_mode="trunc")
+
+
+class _Layout:
+    """Any layout: recorded, never used."""
+
+    def __init__(self, *args, **kwargs):
+        self.args, self.kwargs = args, kwargs
+
+    @classmethod
+    def get_default_for(cls, *args, **kwargs):
+        return cls(*args, **kwargs)
+
+
+class _BarrierLayout(_Layout):
+    pass
+
+
+def _allocate_shared_memory(element_ty, shape, layout, value=None):
+    """A fresh buffer, poisoned (NaN E4M3, -128 INT8, NaN floats); barriers: ``bar<n>``."""
+    m = _machine()
+    if isinstance(layout, _BarrierLayout):
+        root = _Root(f"bar{len(m.roots)}")
+        t = torch.zeros(shape, dtype=torch.int64)
+    else:
+        root = _Root(f"smem{len(m.roots)}")
+        if element_ty == torch.float8_e4m3fn:
+            t = torch.full(shape, 0x7F, dtype=torch.uint8).view(element_ty)
+        else:
+            t = torch.full(shape, _poison_value(element_ty), dtype=element_ty)
+    view = _Shared(t, root)
+    if value is not None:
+        view.store(value)
+    m.roots.append(root)
+    return view
+
+
+def _barrier(view: _Shared) -> _Barrier:
+    if view.tensor.dim() != 1 or view.tensor.shape[0] != 1:
+        raise ScheduleError(f"{view.where()} is not one mbarrier")
+    bars = view.root.barriers
+    if view.key not in bars:
+        bars[view.key] = _Barrier(view.where())
+        _machine().barriers.append(bars[view.key])
+    return bars[view.key]
+
+
+class _Namespace:
+    """A stand-in for a language module: unknown names raise :class:`NotModeled` when used."""
+
+    def __init__(self, real_name, **names):
+        self._real_name = real_name
+        self.__dict__.update(names)
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise NotModeled(f"{self._real_name}.{name} is not modelled by lowbit_attn.tools.gluon_cpu")
+
+    def modeled(self):
+        return {k for k in self.__dict__ if not k.startswith("_")}
+
+
+def _make_lang(real_name, numerics):
+    def fma(a, b, c):
+        if numerics.fused_fma:
+            return (_t(a).double() * _t(b).double() + _t(c).double()).float()
+        return a * b + c
+
+    def where(c, a, b):
+        return torch.where(_t(c), a, b)
+
+    def program_id(axis):
+        return torch.tensor(_machine().pid[axis], dtype=torch.int32)
+
+    def full(shape, value, dtype, layout=None):
+        return torch.full(list(shape), value, dtype=dtype)
+
+    def zeros(shape, dtype, layout=None):
+        return torch.zeros(list(shape), dtype=dtype)
+
+    def arange(start, end, layout=None):
+        return torch.arange(start, end, dtype=torch.int32)
+
+    def max_(x, axis):
+        return torch.amax(x, dim=axis)
+
+    def sum_(x, axis):
+        return row_sum(x, axis)
+
+    names = dict(
+        program_id=program_id, arange=arange, full=full, zeros=zeros, load=_load, store=_store,
+        exp2=exp2, log2=log2, abs=torch.abs, fma=fma, where=where,
+        maximum=lambda a, b: torch.maximum(_t(a), _t(b)),
+        minimum=lambda a, b: torch.minimum(_t(a), _t(b)),
+        max=max_, sum=sum_, cdiv=_cdiv, static_range=range, constexpr=lambda v: v,
+        convert_layout=lambda x, layout, assert_trivial=False: x,
+        float32=torch.float32, int8=torch.int8, int32=torch.int32, int64=torch.int64,
+        uint8=torch.uint8, float8e4nv=torch.float8_e4m3fn,
+    )
+    if real_name == "gl":
+        names.update(
+            allocate_shared_memory=_allocate_shared_memory, NVMMADistributedLayout=_Layout,
+            SliceLayout=_Layout, NVMMASharedLayout=_Layout, BlockedLayout=_Layout,
+        )
+    return _Namespace(real_name, **names)
+
+
+# mbarrier, TMA, wgmma
+
+
+def _mb_init(bar, count):
+    b = _barrier(bar)
+    b.count, b.arrivals, b.tx, b.completed, b.loads = count, 0, 0, 0, []
+
+
+def _mb_expect(bar, bytes, pred=True):
+    if not bool(pred):
+        return
+    b = _barrier(bar)
+    b.arrivals += 1
+    b.tx += int(bytes)
+
+
+def _mb_arrive(bar, *, count=1, pred=True):
+    if bool(pred):
+        _barrier(bar).arrivals += count
+
+
+def _mb_wait(bar, phase, pred=True, deps=()):
+    if not bool(pred):
+        return
+    b = _barrier(bar)
+    if b.count is None:
+        raise ScheduleError(f"wait on {b.name}, never initialised")
+    parity = int(phase)
+    m = _machine()
+    if (b.completed & 1) != parity:  # the phase of this parity completed earlier
+        m.event("wait returned at once")
+        return
+    for view, data, _ in b.loads:
+        view.tensor.copy_(data)
+        view.root.loading.pop(view.key, None)
+        b.tx -= data.numel() * data.element_size()
+    b.loads = []
+    if b.tx < 0:
+        raise ScheduleError(f"program {m.pid}: {b.name} received {-b.tx} bytes more than its "
+                            "expect() announced (a load signals the wrong barrier)")
+    if b.arrivals < b.count or b.tx != 0:
+        raise Hang(f"program {m.pid}: wait({b.name}, phase {parity}) never returns: "
+                   f"{b.arrivals} of {b.count} arrivals, {b.tx} bytes outstanding")
+    b.completed += 1
+    b.arrivals = 0
+    m.event(f"wait phase {parity}")
+
+
+def _mb_invalidate(bar):
+    b = _barrier(bar)
+    if b.loads or b.tx or b.arrivals:
+        raise ScheduleError(f"{b.name} invalidated with a load or an arrival pending")
+    b.count = None
+
+
+@dataclasses.dataclass
+class _Descriptor:
+    base: Ptr
+    shape: list
+    strides: list
+    block_shape: list
+
+
+def _make_tensor_descriptor(base, shape, strides, block_shape, layout, padding_option="zero"):
+    strides = [int(s) for s in strides]
+    if strides[-1] != 1:
+        raise ScheduleError(f"TMA descriptor over {base.name} with inner stride {strides[-1]}")
+    return _Descriptor(base, [int(s) for s in shape], strides, [int(s) for s in block_shape])
+
+
+def _async_copy_global_to_shared(desc, coord, barrier, result, pred=True):
+    m = _machine()
+    if not bool(pred):
+        m.event("tma skipped")
+        return
+    if result.shape != desc.block_shape or result.dtype != desc.base.mem.dtype:
+        raise ScheduleError(f"TMA box {desc.block_shape} of {desc.base.mem.dtype} into "
+                            f"{result.where()}: {result.dtype}{result.shape}")
+    m.check_no_reader(result, "a TMA load into")
+    m.check_no_load(result, "a TMA load into")
+    idx = [int(c) + torch.arange(n) for c, n in zip(coord, desc.block_shape)]
+    grids = torch.meshgrid(*idx, indexing="ij")
+    inside = torch.ones(grids[0].shape, dtype=torch.bool)
+    off = torch.as_tensor(desc.base.offset, dtype=torch.int64)
+    for g, n, s in zip(grids, desc.shape, desc.strides):
+        inside &= (g >= 0) & (g < n)
+        off = off + g * s
+    data = _load(Ptr(desc.base.mem, off, desc.base.name), mask=inside, other=0)
+    b = _barrier(barrier)
+    b.loads.append((result, data, None))
+    result.root.loading[result.key] = b
+    m.event("tma")
+    m.event("tma zero-filled elements", int((~inside).sum()))
+
+
+def _fence_async_shared(cluster=False):
+    for root in _machine().roots:
+        root.unfenced.clear()
+
+
+def _operand(x, m):
+    if isinstance(x, _Shared):
+        m.check_no_load(x, "a wgmma reading")
+        for key in x.root.unfenced:
+            if _overlap(key, x.key):
+                raise Race(f"a wgmma reads {x.where()}, stored without fence_async_shared")
+        return x.tensor
+    if isinstance(x, _Token):
+        raise Race("a wgmma reads the result of a wgmma still in flight")
+    return x
+
+
+def _warpgroup_mma(a, b, acc, *, use_acc=True, precision=None, max_num_imprecise_acc=None,
+                   is_async=False):
+    m = _machine()
+    av, bv, cv = _operand(a, m), _operand(b, m), _operand(acc, m)
+    if av.shape[1] != bv.shape[0] or list(cv.shape) != [av.shape[0], bv.shape[1]]:
+        raise ScheduleError(f"wgmma of {list(av.shape)}·{list(bv.shape)} into {list(cv.shape)}")
+    prod = av.double().contiguous() @ bv.double().contiguous()
+    if use_acc:
+        prod = prod + cv.double()
+    result = prod.to(cv.dtype)
+    m.event("wgmma")
+    if not is_async:
+        return result
+    group = _Group(result, [x for x in (a, b) if isinstance(x, _Shared)])
+    m.inflight.append(group)
+    return _Token(group)
+
+
+def _warpgroup_mma_wait(num_outstanding=0, deps=None):
+    m = _machine()
+    while len(m.inflight) > int(num_outstanding):
+        m.inflight.pop(0).done = True
+    out = []
+    for d in deps:
+        if isinstance(d, _Token):
+            if not d.group.done:
+                raise Race("a wgmma's result is read before the wait that retires it")
+            out.append(d.group.result)
+        else:
+            out.append(d)
+    return out[0] if len(out) == 1 else tuple(out)
+
+
+def _not_modeled(name):
+    def fail(*args, **kwargs):
+        raise NotModeled(f"{name} is not modelled by lowbit_attn.tools.gluon_cpu")
+    return fail
+
+
+MBARRIER = _Namespace("mbarrier", init=_mb_init, expect=_mb_expect, arrive=_mb_arrive,
+                      wait=_mb_wait, invalidate=_mb_invalidate, MBarrierLayout=_BarrierLayout)
+TMA = _Namespace("tma", make_tensor_descriptor=_make_tensor_descriptor,
+                 async_copy_global_to_shared=_async_copy_global_to_shared)
+HOPPER_FUNCTIONS = {
+    hopper.warpgroup_mma: _warpgroup_mma,
+    hopper.warpgroup_mma_wait: _warpgroup_mma_wait,
+    hopper.fence_async_shared: _fence_async_shared,
+}
+
+
+# --- running a kernel ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Numerics:
+    fused_fma: bool = False  # True: fma in float64, rounded once (double rounding aside)
+
+
+def _is_jit(v) -> bool:
+    return type(v).__module__.startswith("triton") and callable(getattr(v, "fn", None)) and \
+        isinstance(v.fn, types.FunctionType)
+
+
+class _Rebinder:
+    """The kernel's functions with their globals pointing at this model."""
+
+    def __init__(self, numerics, overrides, trace):
+        self.trace = trace
+        self.overrides = dict(overrides or {})
+        self.langs = {"gl": _make_lang("gl", numerics), "tl": _make_lang("tl", numerics)}
+        self.globals: dict[int, dict] = {}
+        self.functions: dict = {}
+
+    def translate(self, v):
+        if v is gl:
+            return self.langs["gl"]
+        if v is tl:
+            return self.langs["tl"]
+        if v is real_mbarrier:
+            return MBARRIER
+        if v is real_tma:
+            return TMA
+        if isinstance(v, tl.constexpr):
+            return v.value
+        if _is_jit(v):
+            return self.function(v)
+        if isinstance(v, types.FunctionType) and v.__module__.startswith("triton"):
+            return HOPPER_FUNCTIONS.get(v) or _not_modeled(v.__qualname__)
+        return v
+
+    def globals_for(self, g: dict) -> dict:
+        if id(g) not in self.globals:
+            new: dict = {}
+            self.globals[id(g)] = new
+            new.update({k: self.translate(v) for k, v in g.items()})
+        return self.globals[id(g)]
+
+    def function(self, jit):
+        py = getattr(jit, "fn", jit)
+        if py in self.functions:
+            return self.functions[py]
+        src = self.overrides.get(py, py)
+        placeholder = {}
+        self.functions[py] = lambda *a, **k: placeholder["f"](*a, **k)
+        f = types.FunctionType(src.__code__, self.globals_for(src.__globals__), src.__name__,
+                               src.__defaults__, src.__closure__)
+        sig = inspect.signature(src)
+        flags = [n for n, p in sig.parameters.items() if "constexpr" in str(p.annotation)]
+        trace = self.trace
+
+        def recorded(*args, **kwargs):
+            bound = sig.bind(*args, **kwargs).arguments
+            key = tuple((n, bound[n]) for n in flags
+                        if isinstance(bound.get(n), (bool, int, str)))
+            trace.calls[(py.__name__, key)] += 1
+            return f(*args, **kwargs)
+
+        placeholder["f"] = recorded
+        self.functions[py] = recorded
+        return recorded
+
+
+def _arguments(v, name):
+    if isinstance(v, torch.Tensor):
+        return Ptr.of(v, name)
+    if isinstance(v, tuple):
+        return tuple(_arguments(x, f"{name}[{i}]") for i, x in enumerate(v))
+    return v
+
+
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+
+
+class CpuKernel:
+    """Stands in for a ``@gluon.jit`` kernel object: ``CpuKernel(k)[grid](**kwargs)`` runs every
+    program of the grid, in order, on CPU tensors. ``overrides``: ``{jit.fn: plain Python
+    function}`` to run instead of a ``@jit`` function (a mutated copy, in tests; keyed by the
+    plain function: hashing a Gluon JIT object hashes its dependencies). ``trace`` sums what the
+    launches did."""
+
+    def __init__(self, kernel, *, numerics: Numerics = Numerics(), overrides=None):
+        self.kernel = kernel
+        self.trace = Trace()
+        self.rebinder = _Rebinder(numerics, overrides, self.trace)
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            if args:
+                raise TypeError("launch the kernel with keyword arguments")
+            kw = {k: _arguments(v, k) for k, v in kwargs.items() if k not in LAUNCH_OPTIONS}
+            fn = self.rebinder.function(self.kernel)
+            state = _Launch(self.trace)
+            grid3 = tuple(grid) + (1,) * (3 - len(grid))
+            for pid in itertools.product(*(range(n) for n in grid3)):
+                m = _Machine((pid[0], pid[1], pid[2]), state)
+                _CURRENT.append(m)
+                try:
+                    fn(**kw)
+                    m.finish()
+                finally:
+                    _CURRENT.pop()
+                self.trace.events["programs"] += 1
+        return launch
+
+
+def referenced_names(kernel) -> dict[str, set[str]]:
+    """What the source of ``kernel`` and of every ``@jit`` function it reaches takes from Gluon and
+    Triton: ``{"gl" | "tl" | "mbarrier" | "tma": attribute names used on that namespace,
+    "functions": language functions imported by name}``."""
+    real = {"gl": gl, "tl": tl, "mbarrier": real_mbarrier, "tma": real_tma}
+    names: dict[str, set[str]] = {ns: set() for ns in (*real, "functions")}
+    seen = set()
+
+    def visit(jit):
+        py = jit.fn
+        if py in seen:
+            return
+        seen.add(py)
+        g = py.__globals__
+        tree = ast.parse(textwrap.dedent(inspect.getsource(py)))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                for ns, mod in real.items():
+                    if g.get(node.value.id) is mod:
+                        names[ns].add(node.attr)
+            elif isinstance(node, ast.Name):
+                v = g.get(node.id)
+                if _is_jit(v):
+                    visit(v)
+                elif isinstance(v, types.FunctionType) and v.__module__.startswith("triton"):
+                    names["functions"].add(v.__qualname__)
+
+    visit(kernel)
+    return names
+
+
+def modeled_names() -> dict[str, set[str]]:
+    """What this model implements, in the form of :func:`referenced_names`."""
+    n = Numerics()
+    return {"gl": _make_lang("gl", n).modeled(), "tl": _make_lang("tl", n).modeled(),
+            "mbarrier": MBARRIER.modeled(), "tma": TMA.modeled(),
+            "functions": {f.__qualname__ for f in HOPPER_FUNCTIONS}}
+
+
+@contextlib.contextmanager
+def kernel_on_cpu(module, name: str, **options):
+    """Replace ``module.<name>`` (a ``@gluon.jit`` kernel) by a :class:`CpuKernel` for the
+    duration; yields it (its ``trace`` fills as the launcher runs)."""
+    real = getattr(module, name)
+    cpu = CpuKernel(real, **options)
+    setattr(module, name, cpu)
+    try:
+        yield cpu
+    finally:
+        setattr(module, name, real)
+
+
+__all__ = ["CpuKernel", "Hang", "NotModeled", "Numerics", "Race", "ScheduleError", "Trace",
+           "canonical_reductions", "kernel_on_cpu", "modeled_names", "referenced_names"]

@@ -1,0 +1,243 @@
+"""The Gluon Hopper forward (``inference/kernel_int8_gluon.py``) executed on the CPU by
+``lowbit_attn.tools.gluon_cpu``: the kernel's own code, launched by its own launcher, with shared
+memory, TMA, mbarriers and wgmma modelled sequentially, against the twin
+``inference.naive.quantized_attention`` bit for bit.
+
+Both sides take fp32 products and row sums in float64 rounded once (``canonical_reductions``), and
+the model's ``fma`` rounds twice as the twin's ``s - m`` does; everything else (masks, offsets,
+key-block order, the delayed ``acc·α + pv``, E4M3 rounding, the epilogue and LSE) is compared
+exactly. ``test_the_check_catches`` breaks the kernel's source in known ways and expects each
+break to be caught."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import textwrap
+import __future__
+
+import pytest
+import torch
+
+from helpers import Bound, assert_within
+from lowbit_attn.core.recipes import get_recipe
+from lowbit_attn.inference import kernel_int8_gluon as kg
+from lowbit_attn.inference.naive import quantized_attention
+from lowbit_attn.inference.prepare import quantize_qkv
+from lowbit_attn.tools import gluon_cpu
+
+try:
+    kg.check_version()
+except RuntimeError as e:  # pragma: no cover - another Triton
+    pytest.skip(str(e), allow_module_level=True)
+
+KERNEL = kg._attn_fwd_int8_gluon_kernel
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiles of 128 rows: torch's second thread only waits on a loaded machine (4x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+# (B, Hq, Hkv, Nq, Nk, D, causal offset or None for "nk - nq" when causal): partial query and key
+# blocks, GQA and MQA, decode, rows that see no key (a whole query tile with none), offsets past
+# the bottom-right diagonal, and enough key blocks to reuse each stage twice.
+SHAPES = [
+    pytest.param(1, 2, 2, 130, 130, 64, None, id="B1-H2-N130-D64"),
+    pytest.param(2, 4, 2, 77, 200, 64, None, id="B2-GQA4:2-Nq77-Nk200-D64"),
+    pytest.param(1, 3, 1, 200, 90, 128, None, id="B1-MQA3:1-Nq200-Nk90-D128"),
+    pytest.param(1, 1, 1, 1, 257, 128, None, id="B1-decode-Nq1-Nk257-D128"),
+    pytest.param(1, 2, 1, 300, 333, 64, None, id="B1-GQA2:1-Nq300-Nk333-D64"),
+    pytest.param(1, 1, 1, 300, 40, 64, None, id="B1-Nq300-Nk40-D64-keyless-tiles"),
+    pytest.param(1, 2, 2, 150, 100, 128, 0, id="B1-Nq150-Nk100-D128-offset0"),
+    pytest.param(1, 1, 1, 200, 300, 64, 150, id="B1-Nq200-Nk300-D64-offset150"),
+]
+
+
+def token_contiguous(v: torch.Tensor) -> torch.Tensor:
+    """E4M3 V ``[B, H, N, D]`` as the Gluon kernel takes it: a transposed view of ``[B, H, D, N']``
+    (N' a multiple of 16, TMA's stride alignment), the padding poisoned (NaN E4M3)."""
+    b, h, n, d = v.shape
+    store = torch.full((b, h, d, -(-n // 16) * 16), 0x7F, dtype=torch.uint8)
+    store = store.view(torch.float8_e4m3fn)
+    store[..., :n] = v.transpose(-1, -2)
+    return store.transpose(-1, -2)[:, :, :n]
+
+
+def operands(b, hq, hkv, nq, nk, d, block_k):
+    g = torch.Generator().manual_seed(nq + 7 * nk + d)
+    q = torch.randn(b, hq, nq, d, generator=g)
+    k = torch.randn(b, hkv, nk, d, generator=g) + 4 * torch.randn(b, hkv, 1, d, generator=g)
+    v = torch.randn(b, hkv, nk, d, generator=g)
+    recipe = get_recipe("qk_int8_pv_fp8").replace(block_k=block_k)
+    qz = quantize_qkv(q, k, v, recipe, d**-0.5, need_lse_shift=True, backend="reference")
+    return dataclasses.replace(qz, v=token_contiguous(qz.v))
+
+
+def twin(qz, block_k, causal_offset):
+    with gluon_cpu.canonical_reductions():
+        return quantized_attention(qz, pv="fp8", granularity="per_token", block_q=kg.BLOCK_M,
+                                   block_k=block_k, causal_offset=causal_offset)
+
+
+def gluon_on_cpu(qz, block_k, causal_offset, **options):
+    """``kernel_int8_gluon.attention`` (launcher and kernel) with the kernel run by the model:
+    ``(out, lse, trace)``."""
+    out = torch.empty(qz.q.shape, dtype=torch.float32)  # NaN-poisoned (conftest)
+    with gluon_cpu.kernel_on_cpu(kg, "_attn_fwd_int8_gluon_kernel", **options) as cpu:
+        lse = kg.attention(qz, out=out, pv="fp8", granularity="per_token", block_q=kg.BLOCK_M,
+                           block_k=block_k, causal_offset=causal_offset, return_lse=True)
+    return out, lse, cpu.trace
+
+
+def offset_of(nq, nk, causal, offset):
+    if not causal:
+        return None
+    return nk - nq if offset is None else offset
+
+
+def assert_bits(got, want, name):
+    same = (got == want) | (torch.isnan(got) & torch.isnan(want))
+    if not bool(same.all()):
+        i = tuple(int(x) for x in (~same).nonzero()[0])
+        raise AssertionError(f"{name}: {int((~same).sum())} of {got.numel()} differ; first at {i}: "
+                             f"{got[i].item()!r} against the twin's {want[i].item()!r}")
+
+
+@pytest.mark.parametrize("b,hq,hkv,nq,nk,d,offset", SHAPES)
+@pytest.mark.parametrize("block_k", kg.BLOCK_NS, ids=lambda n: f"k{n}")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gluon_schedule_equals_the_twin_bit_for_bit(b, hq, hkv, nq, nk, d, offset, block_k, causal):
+    qz = operands(b, hq, hkv, nq, nk, d, block_k)
+    co = offset_of(nq, nk, causal, offset)
+    want, want_lse = twin(qz, block_k, co)
+    got, got_lse, _ = gluon_on_cpu(qz, block_k, co)
+    assert_bits(got, want, "out")
+    assert_bits(got_lse, want_lse, "lse")
+
+
+@pytest.mark.parametrize("b,hq,hkv,nq,nk,d,offset", SHAPES[:5])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fused_fma_stays_within_the_triton_kernels_bound(b, hq, hkv, nq, nk, d, offset, causal):
+    """With the GPU's fused ``fma`` (one rounding) the exp2 argument moves by an ulp now and then:
+    the same bound as the Triton kernel against the twin (test_attention_kernel.py)."""
+    qz = operands(b, hq, hkv, nq, nk, d, 64)
+    co = offset_of(nq, nk, causal, offset)
+    want, want_lse = twin(qz, 64, co)
+    got, got_lse, _ = gluon_on_cpu(qz, 64, co, numerics=gluon_cpu.Numerics(fused_fma=True))
+    assert_within(got, want, Bound(atol=4e-3, cos=0.999999), name="out")
+    assert_within(got_lse, want_lse, Bound(atol=1e-5, rtol=1e-5), name="lse")
+
+
+def test_the_shapes_cover_the_schedule():
+    """Over three of the shapes above, every branch of the schedule runs: both loops in both mask modes,
+    each stage's barrier in both phases, predicated-off loads, zero fill past the end."""
+    events, calls = {}, set()
+    for i in (3, 4, 5):  # decode, GQA with 3 query tiles, keyless tiles
+        b, hq, hkv, nq, nk, d, offset = SHAPES[i].values
+        for block_k in kg.BLOCK_NS:
+            for causal in (False, True):
+                qz = operands(b, hq, hkv, nq, nk, d, block_k)
+                *_, trace = gluon_on_cpu(qz, block_k, offset_of(nq, nk, causal, offset))
+                for k, n in trace.events.items():
+                    events[k] = events.get(k, 0) + n
+                calls |= {(name, dict(flags).get("MASKED"), dict(flags).get("IS_CAUSAL"))
+                          for name, flags in trace.calls}
+    for masked in (False, True):
+        for causal in (False, True):
+            assert ("_step", masked, causal) in calls, (masked, causal)
+    assert events["wait phase 0"] and events["wait phase 1"], events
+    assert events["tma skipped"] and events["tma zero-filled elements"], events
+    assert "wait returned at once" not in events, events
+
+
+def test_every_gluon_name_the_kernel_uses_is_modelled():
+    """A kernel edited to use more of Gluon (``warp_specialize``, another barrier, …) fails here,
+    by name, until the model implements it: the check runs the kernel's code, so what it does
+    not model it cannot vouch for."""
+    used, modeled = gluon_cpu.referenced_names(KERNEL), gluon_cpu.modeled_names()
+    missing = {ns: sorted(names - modeled[ns]) for ns, names in used.items() if names - modeled[ns]}
+    assert not missing, f"used by the kernel, not modelled by tools/gluon_cpu.py: {missing}"
+    assert {"warpgroup_mma", "warpgroup_mma_wait", "fence_async_shared"} <= used["functions"]
+    assert {"wait", "expect"} <= used["mbarrier"] and "async_copy_global_to_shared" in used["tma"]
+
+
+def mutant(jit, old: str, new: str):
+    """A plain-Python copy of ``jit``'s function with ``old`` (present exactly once) replaced."""
+    py = jit.fn
+    src = textwrap.dedent(inspect.getsource(py))
+    assert src.count(old) == 1, f"{py.__name__} no longer holds {old!r} once: update the mutation"
+    lines = src.replace(old, new).splitlines()
+    while lines[0].startswith("@"):
+        lines.pop(0)
+    ns = dict(py.__globals__)
+    exec(compile("\n".join(lines), f"<{py.__name__}, mutated>", "exec",
+                 flags=__future__.annotations.compiler_flag, dont_inherit=True), ns)
+    return ns[py.__name__]
+
+
+# (id, function, old, new, what must happen: "hang", "race", "error" (another ScheduleError),
+# "wrong" numbers, or "any" of these)
+MUTATIONS = [
+    ("K(2)-never-loaded", KERNEL, "more = 2 < n_blocks", "more = False", "hang"),
+    ("K(2)-signals-stage-1's-barrier", KERNEL, "[2 * BLOCK_N, 0], k_bars.index(0)",
+     "[2 * BLOCK_N, 0], k_bars.index(1)", "error"),
+    ("K-phase-j&1", kg._step, "phase = (j // 2) & 1", "phase = j & 1", "race"),
+    ("P-into-buffer-in-flight", kg._step, "p_smem.index(stage).store(p)",
+     "p_smem.index(prev).store(p)", "race"),
+    ("no-fence-before-wgmma", kg._step, "store(p)\n    fence_async_shared()\n", "store(p)\n",
+     "race"),
+    ("wait(2)-for-QK", kg._step, "warpgroup_mma_wait(1, deps=[s_tok])",
+     "warpgroup_mma_wait(2, deps=[s_tok])", "race"),
+    ("causal-limit-off-by-one", kg._softmax, "nk - 1) - causal_offset", "nk) - causal_offset",
+     "wrong"),
+    ("end-mask-off-by-one", kg._softmax, "cols < nk, offs_m", "cols <= nk, offs_m", "wrong"),
+    ("unmasked-loop-one-too-far", KERNEL, "range(1, n_full)", "range(1, n_full + 1)", "any"),
+    ("V-coordinate-one-block-late", kg._step, "[0, (j + 1) * BLOCK_N]", "[0, (j + 2) * BLOCK_N]",
+     "wrong"),
+    ("last-P-V-other-stage", KERNEL, "p_smem.index(last % 2)", "p_smem.index((last + 1) % 2)",
+     "any"),
+    ("GQA-head-h%GROUP", KERNEL, "hk = h // GROUP", "hk = h % GROUP", "error"),
+    ("Q-box-at-BLOCK_N-rows", KERNEL, "[pid_m * BLOCK_M, 0], q_bar", "[pid_m * BLOCK_N, 0], q_bar",
+     "wrong"),
+]
+MUTATION_CASES = [  # (shape, block_k, causal offset)
+    ((1, 2, 1, 300, 333, 64), 64, 33),
+    ((2, 4, 2, 77, 200, 64), 64, None),
+    ((1, 2, 2, 150, 100, 128), 128, 0),
+]
+
+
+def outcome(jit, old, new) -> str:
+    """How the check answers the mutated kernel over ``MUTATION_CASES``: the first failure's kind,
+    or "passes"."""
+    for shape, block_k, co in MUTATION_CASES:
+        qz = operands(*shape, block_k)
+        want, want_lse = twin(qz, block_k, co)
+        broken = {jit.fn: mutant(jit, old, new)}
+        try:
+            got, got_lse, _ = gluon_on_cpu(qz, block_k, co, overrides=broken)
+        except gluon_cpu.Hang:
+            return "hang"
+        except gluon_cpu.Race:
+            return "race"
+        except gluon_cpu.ScheduleError:  # e.g. an access outside a tensor
+            return "error"
+        if not (torch.equal(got, want) and torch.equal(got_lse, want_lse)):
+            return "wrong"
+    return "passes"
+
+
+@pytest.mark.parametrize("jit,old,new,expected", [m[1:] for m in MUTATIONS],
+                         ids=[m[0] for m in MUTATIONS])
+def test_the_check_catches(jit, old, new, expected):
+    got = outcome(jit, old, new)
+    assert got != "passes", "the mutated kernel passes the CPU check"
+    assert expected == "any" or got == expected, got
+
+
+def test_the_unmutated_kernel_passes_the_mutation_cases():
+    assert outcome(KERNEL, "hk = h // GROUP", "hk = h // GROUP") == "passes"
