@@ -67,8 +67,9 @@ class Case:
     lse: bool
 
     def __str__(self) -> str:
+        flags = (" causal" if self.causal else "") + (" lse" if self.lse else "")
         return (f"B{self.b} H{self.hq}:{self.hkv} Nq{self.nq} Nk{self.nk} D{self.d} "
-                f"keys {self.block_k}{' causal' if self.causal else ''}{' lse' if self.lse else ''}")
+                f"keys {self.block_k}{flags}")
 
 
 # Every row count and key count leaves a partial block; D 64 and 128, both key blocks, GQA, causal
