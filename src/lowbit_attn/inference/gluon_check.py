@@ -21,12 +21,13 @@ so it is opt-in and earns its place on each machine. A call uses it only where
    it does not cover (packed sequences, per-block scales, FP16 P·V, D other than 64 and 128, Q
    quantized in the kernel, ΔS, operands TMA cannot read); such a call runs the Triton kernel.
 
-Tolerances of the check: on a GPU each compiled kernel is within ``atol 3e-3`` and cosine
-``0.99999`` of the twin on the same FP8 P·V operands (unit-variance V; tests/helpers.py ``ON_CUDA
-"int8 out fp8"``), its LSE within ``1e-3``. Two kernels that both meet that bound differ by at most
-twice it (triangle inequality; for the cosine, angles add: ``arccos 0.99999 = 4.47e-3`` rad, twice
-that is cosine ``0.99996``). A layout or indexing mistake moves whole rows or tiles and lands far
-outside these bounds.
+Tolerances of the check: on a GPU the compiled Triton kernel is held within ``atol 4e-3`` and
+cosine ``0.99999`` of the twin on the same FP8 P·V operands (unit-variance V; the kernel test's
+bound for an exp2 that moves one E4M3 P̃ across a rounding boundary, widened by tests/helpers.py
+``ON_CUDA "int8 out fp8"``), its LSE within ``1e-3``; tests/test_gpu.py holds the Gluon forward to
+the same. Two kernels that both meet that bound differ by at most twice it (triangle inequality;
+for the cosine, angles add: ``arccos 0.99999 = 4.47e-3`` rad, twice that is cosine ``0.99996``). A
+layout or indexing mistake moves whole rows or tiles and lands far outside these bounds.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from lowbit_attn.inference import kernel_int8
 from lowbit_attn.inference.prepare import quantize_qkv
 
 CAPABILITY = (9, 0)  # sm_90a
-CHECK_ATOL = 6e-3  # 2 × 3e-3: max |Gluon - Triton| of the outputs
+CHECK_ATOL = 8e-3  # 2 × 4e-3: max |Gluon - Triton| of the outputs
 CHECK_COSINE = 0.99996  # cos(2·arccos 0.99999)
 CHECK_LSE_ATOL = 2e-3  # 2 × 1e-3
 
