@@ -6,6 +6,7 @@ end, with each output checked against SDPA flash fp16 (cosine, relative L1).
     python benchmarks/bench_hopper.py                 # D=128,64; N=1k,8k,16k; causal and not (a GPU)
     python benchmarks/bench_hopper.py --quick         # D=128; N=1k,16k
     python benchmarks/bench_hopper.py --out DIR --time-budget 500
+    python benchmarks/bench_hopper.py --gluon         # Triton vs Gluon vs SDPA, N up to 32k
 
 Rows per (D, N, causal): ``sdpa_cudnn_bf16``; ``ours`` (``qk_int8_pv_fp8`` as users call it:
 autotuned, the default options); ``ours q=kernel`` (``LOWBIT_ATTN_Q_QUANT=kernel``), ``ours
@@ -16,6 +17,14 @@ candidates one at a time: warps, stages, plain or pipelined loop); ``prepare`` a
 configuration, where ``ours`` stands against the issue's bars (1.25× cuDNN at D=128, N ≥ 8k;
 1.15× at D=64, N ≥ 8k; 1.0× at N=1k). Without CUDA it runs the same rows at a tiny size on whatever backend the
 environment selects (the Triton interpreter in the tests) and says so.
+
+``--gluon`` (issue 16; default N=1k,8k,16k,32k) times other rows: ``sdpa_cudnn_bf16`` and
+``sdpa_flash_bf16``; ``ours`` (the Triton kernel, default autotuning with the pipelined loop among
+its candidates); ``ours kernel=gluon`` (``LOWBIT_ATTN_KERNEL=gluon``: the Gluon sm_90a forward once
+its first-use check passed; the row's ``gluon`` field says ``admitted`` or why not) and the same
+with ``block_k=128``; and the attention kernels alone on the same operands (``attention``:
+Triton, ``attention gluon`` and ``attention gluon k=128``). JSON, markdown and a chart (PNG, with
+matplotlib).
 """
 
 from __future__ import annotations
@@ -41,7 +50,8 @@ from lowbit_attn.tools.bench.flops import tops
 from lowbit_attn.tools.bench.measure import compare
 from lowbit_attn.tools.bench.metadata import make_metadata
 from lowbit_attn.tools.bench.protocol import BATCH, HEADS, MIN_COSINE, make_inputs
-from lowbit_attn.tools.bench.save import save_script_results
+from lowbit_attn.tools.bench.plots import plot_results
+from lowbit_attn.tools.bench.save import save_script_results, slug
 from lowbit_attn.tools.bench.tables import seqlen_label
 from lowbit_attn.tools.bench.timers import timer_for
 from lowbit_attn.core.arch import backend_for
@@ -111,9 +121,11 @@ def describe(c: LaunchConfig) -> str:
     return f"{c.num_warps}w{c.num_stages}s-{loop}"
 
 
-def stage_fns(q, k, v, causal):
-    """``(prepare, attention)``: the two stages of the public call, as ``inference.op.run`` runs them."""
-    recipe = get_recipe(RECIPE)
+def stage_fns(q, k, v, causal, recipe=None, kernel=None):
+    """``(prepare, attention)``: the two stages of the public call, as ``inference.op.run`` runs
+    them; ``kernel``: the attention launcher (default: the Triton kernel's)."""
+    recipe = recipe or get_recipe(RECIPE)
+    kernel = kernel or attn_fwd_int8.attention
     scale = q.shape[-1] ** -0.5
     options = KernelOptions.from_env()
 
@@ -126,9 +138,8 @@ def stage_fns(q, k, v, causal):
     out = torch.empty_like(q)
 
     def attention():
-        attn_fwd_int8.attention(qz, out=out, pv=recipe.pv, granularity=recipe.granularity,
-                                block_q=recipe.block_q, block_k=recipe.block_k,
-                                causal_offset=0 if causal else None, return_lse=False)
+        kernel(qz, out=out, pv=recipe.pv, granularity=recipe.granularity, block_q=recipe.block_q,
+               block_k=recipe.block_k, causal_offset=0 if causal else None, return_lse=False)
         return out
 
     return prepare, attention
@@ -138,7 +149,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="D=128 and N=1k,16k only")
     ap.add_argument("--dims", default="128,64", help="in this order (the D=128 bars first)")
-    ap.add_argument("--seqlens", default="1k,8k,16k")
+    ap.add_argument("--seqlens", default=None, help="default 1k,8k,16k (--gluon: 1k,8k,16k,32k)")
+    ap.add_argument("--gluon", action="store_true",
+                    help="Triton vs the Gluon sm_90a forward vs SDPA cuDNN/flash (issue 16)")
     ap.add_argument("--batch", type=int, default=BATCH)
     ap.add_argument("--heads", type=int, default=HEADS)
     ap.add_argument("--time-budget", type=float, default=None,
@@ -148,7 +161,8 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     dims = [128] if args.quick else [int(x) for x in args.dims.split(",")]
-    seqlens = [1024, 16384] if args.quick else parse_seqlens(args.seqlens)
+    default_seqlens = "1k,8k,16k,32k" if args.gluon else "1k,8k,16k"
+    seqlens = [1024, 16384] if args.quick else parse_seqlens(args.seqlens or default_seqlens)
     batch, heads = args.batch, args.heads
     if not cuda:
         print("NO CUDA: tiny sizes on the CPU (not a kernel benchmark)", file=sys.stderr)
@@ -159,7 +173,8 @@ def main(argv=None) -> int:
     rows: list[dict] = []
 
     def record(base: dict, name: str, fn, ref=None, **extra):
-        row = {**base, "method": name, **extra}
+        kind = "sdpa" if name.startswith("sdpa") else "ours"
+        row = {**base, "method": name, "kind": kind, "label": name, **extra}
         try:
             out = fn()
             if ref is not None:
@@ -175,13 +190,29 @@ def main(argv=None) -> int:
         rows.append(row)
         print({k: row[k] for k in row if k not in ("max_abs_err",)}, file=sys.stderr, flush=True)
 
+    kind = "hopper-gluon" if args.gluon else "hopper"
+    meta = make_metadata(device=device, mode=kind, protocol={
+        "recipe": RECIPE, "batch": batch, "heads": heads, "dims": dims, "seqlens": seqlens,
+        "inputs": "fp16 q, k, v (bf16 copies for SDPA); k += 4·N(0,1) per channel",
+        "B": batch, "H": heads,
+    })
+
+    def save(complete: bool) -> str:
+        """JSON and markdown of the rows so far (after every configuration: a run stopped by a
+        timeout keeps what it measured)."""
+        table = render(rows)
+        save_script_results(args.out, kind, {**meta, "rows": rows, "complete": complete}, table)
+        return table
+
     for d in dims:
         for n in seqlens:
             for causal in (False, True):
                 base = {"B": batch, "H": heads, "N": n, "D": d, "causal": causal}
                 if args.time_budget is not None and time.monotonic() - start > args.time_budget:
-                    rows.append({**base, "method": "*", "status": "skipped"})
+                    rows.append({**base, "method": "*", "kind": "skipped", "status": "skipped"})
                     continue
+                if rows:
+                    save(complete=False)
                 q, k, v = make_inputs(batch, heads, n, d, device=device)
                 ref, _ = reference_output(q, k, v, causal)
                 qb, kb, vb = (x.to(torch.bfloat16) for x in (q, k, v))
@@ -196,6 +227,12 @@ def main(argv=None) -> int:
                     return lowbit_attn.attention(q, k, v, recipe=RECIPE, is_causal=causal)
 
                 record(base, "sdpa_cudnn_bf16", cudnn, ref)
+                if args.gluon:
+                    gluon_rows(base, q, k, v, causal, ref, cuda, triton_path, record, rows)
+                    del q, k, v, qb, kb, vb, ref
+                    if cuda:
+                        torch.cuda.empty_cache()
+                    continue
                 with forced(None):
                     record(base, "ours", ours, ref)
                     rows[-1]["autotune"] = autotune_choice()
@@ -225,22 +262,59 @@ def main(argv=None) -> int:
                 if cuda:
                     torch.cuda.empty_cache()
 
-    meta = make_metadata(device=device, mode="hopper", protocol={
-        "recipe": RECIPE, "batch": batch, "heads": heads, "dims": dims, "seqlens": seqlens,
-        "inputs": "fp16 q, k, v (bf16 copies for cuDNN); k += 4·N(0,1) per channel",
-    })
-    table = render(rows)
-    save_script_results(args.out, "hopper", {**meta, "rows": rows}, table)
+    table = save(complete=True)
+    if args.gluon:
+        for out in args.out:
+            plot_results({"metadata": meta, "rows": rows},
+                         Path(out) / f"{kind}-{slug(meta['device_name'])}-{meta['date']}.png")
     print(table)
     ok = all(r["status"] in ("ok", "skipped") and r.get("check", "pass") == "pass" for r in rows)
     return 0 if ok else 1
+
+
+def gluon_rows(base, q, k, v, causal, ref, cuda, triton_path, record, rows) -> None:
+    """The ``--gluon`` rows of one configuration after ``sdpa_cudnn_bf16`` (module docstring)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from lowbit_attn.inference import gluon_check, kernel_int8_gluon
+
+    qb, kb, vb = (x.to(torch.bfloat16) for x in (q, k, v))
+
+    def flash():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION if cuda else SDPBackend.MATH):
+            return TORCH_SDPA(qb, kb, vb, is_causal=causal)
+
+    def ours(recipe=RECIPE):
+        return lambda: lowbit_attn.attention(q, k, v, recipe=recipe, is_causal=causal)
+
+    wide = get_recipe(RECIPE).replace(block_k=128)
+    record(base, "sdpa_flash_bf16", flash, ref)
+    with env("LOWBIT_ATTN_KERNEL", None), forced(None):
+        record(base, "ours", ours(), ref)
+        rows[-1]["autotune"] = autotune_choice()
+    for name, recipe in (("ours kernel=gluon", RECIPE), ("ours kernel=gluon block_k=128", wide)):
+        with env("LOWBIT_ATTN_KERNEL", "gluon"), forced(None):
+            record(base, name, ours(recipe), ref)
+            rows[-1]["gluon"] = gluon_check.verdict(q.device) or "admitted"
+    if not triton_path:
+        return
+    with forced(None):
+        _, attention = stage_fns(q, k, v, causal)
+        record(base, "attention", attention, ref)
+    for name, recipe in (("attention gluon", get_recipe(RECIPE)), ("attention gluon k=128", wide)):
+        if not (cuda and gluon_check.applies(q.device)):
+            rows.append({**base, "method": name, "kind": "ours", "label": name,
+                         "status": "skipped", "reason": "needs a capability 9.0 GPU"})
+            continue
+        _, attention = stage_fns(q, k, v, causal, recipe, kernel_int8_gluon.attention)
+        record(base, name, attention, ref)
 
 
 def render(rows: list[dict]) -> str:
     """Every row, then per configuration ``ours`` against cuDNN and the bar."""
     cudnn = {(r["D"], r["N"], r["causal"]): r for r in rows
              if r["method"] == "sdpa_cudnn_bf16" and r["status"] == "ok"}
-    lines = ["| D | N | causal | method | ms | TOP/s | × cuDNN | cosine | rel L1 | autotune |",
+    lines = ["| D | N | causal | method | ms | TOP/s | × cuDNN | cosine | rel L1 | autotune, gluon |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         head = (f"| {r['D']} | {seqlen_label(r['N'])} | {'yes' if r['causal'] else 'no'} | "
@@ -253,10 +327,11 @@ def render(rows: list[dict]) -> str:
         cos = f"{r['cosine']:.5f}" if "cosine" in r else ""
         rel = f"{r['rel_l1']:.4f}" if "rel_l1" in r else ""
         lines.append(f"{head} {r['ms']:.3f} | {r['tops']:.0f} | {speed} | {cos} | {rel} | "
-                     f"{r.get('autotune') or ''} |")
-    lines += ["", "| D | N | causal | ours × cuDNN | bar | met |", "|---|---|---|---|---|---|"]
+                     f"{r.get('autotune') or r.get('gluon') or ''} |")
+    lines += ["", "| D | N | causal | method | × cuDNN | bar | met |",
+              "|---|---|---|---|---|---|---|"]
     for r in rows:
-        if r["method"] != "ours" or r["status"] != "ok":
+        if not (r["method"] == "ours" or "kernel=gluon" in r["method"]) or r["status"] != "ok":
             continue
         base = cudnn.get((r["D"], r["N"], r["causal"]))
         bar = bar_for(r["D"], r["N"])
@@ -265,7 +340,7 @@ def render(rows: list[dict]) -> str:
         speed = base["ms"] / r["ms"]
         met = "—" if bar is None else ("yes" if speed >= bar else "no")
         lines.append(f"| {r['D']} | {seqlen_label(r['N'])} | {'yes' if r['causal'] else 'no'} | "
-                     f"{speed:.2f} | {bar or '—'} | {met} |")
+                     f"{r['method']} | {speed:.2f} | {bar or '—'} | {met} |")
     return "\n".join(lines)
 
 

@@ -3,7 +3,7 @@
 # environment report, GPU correctness tests (pytest -m gpu), then the full benchmark of
 # DESIGN.md ("Benchmark protocol"), its short table printed last.
 #
-#   bash benchmarks/run_on_gpu.sh [all|tests|bench|quick|fp4|train|vsa|hopper]      (default: all)
+#   bash benchmarks/run_on_gpu.sh [all|tests|bench|quick|fp4|train|vsa|hopper|gluon]  (default: all)
 #
 # fp4: the FP4 recipes alone (GPU tests -k fp4, then a quick benchmark of qk_fp4_pv_fp4 and
 # qk_mxfp4_pv_mxfp4 against SDPA cuDNN): emulated on Hopper, native on Blackwell.
@@ -12,6 +12,12 @@
 # hopper: the INT8/FP8 forward's speed work (the 8-bit forward's GPU tests, then bench_hopper.py:
 # every autotuning candidate, Q quantized in the kernel or in a pass, the two stages apart, against
 # SDPA cuDNN bf16 at D=64,128, N=1k,8k,16k, causal and not; HOPPER_ARGS adds options, e.g. --quick).
+# gluon: the Gluon sm_90a forward against the Triton kernel (issue 16): the GPU tests of both
+# kernels (pytest -m gpu -k "gluon or autotuning_candidate": the Gluon forward against the twin and
+# its opt-in's check, every Triton candidate; then the public-call INT8 GPU tests again with
+# LOWBIT_ATTN_KERNEL=gluon), then bench_hopper.py --gluon: Triton (default autotuning) vs Gluon
+# (end to end and kernel alone, 64- and 128-key blocks) vs SDPA cuDNN and flash bf16 at D=128,64,
+# N=1k,8k,16k,32k, causal and not (JSON, markdown, PNG). Each pytest run gets TEST_TIMEOUT/2.
 # vsa: video sparse attention (GPU tests -k vsa, then benchmarks/bench_vsa.py: T=16, H=W=48, D=128,
 # sparsities 50–95 % against SDPA cuDNN dense, and the fine kernel's FLOP rate).
 #
@@ -134,6 +140,40 @@ tests_then_bench() {
 [[ "$STAGE" == hopper ]] && tests_then_bench "Hopper speed" "not fp4 and not trainable and not vsa and not video" \
     benchmarks/bench_hopper.py \
     --time-budget $((TOTAL_BUDGET - SECONDS - TEST_TIMEOUT - 40)) ${HOPPER_ARGS:-}
+
+if [[ "$STAGE" == gluon ]]; then
+    half=$((TEST_TIMEOUT / 2))
+    log "Gluon and Triton GPU tests: pytest -m gpu -k \"gluon or autotuning_candidate\" (at most ${half} s)"
+    timeout "$half" "$PY" -m pytest -m gpu -k "gluon or autotuning_candidate" -q -p no:cacheprovider \
+        >"$OUT/pytest-gpu-gluon.log" 2>&1
+    rc_tests=$?
+    tail -n 25 "$OUT/pytest-gpu-gluon.log"
+    log "INT8 public-call GPU tests with LOWBIT_ATTN_KERNEL=gluon (at most ${half} s)"
+    LOWBIT_ATTN_KERNEL=gluon timeout "$half" "$PY" -m pytest -m gpu tests/test_gpu.py tests/inference \
+        -k "not fp4 and not trainable and not vsa and not video and not autotuning_candidate" \
+        -q -p no:cacheprovider >"$OUT/pytest-gpu-gluon-optin.log" 2>&1
+    rc_optin=$?
+    tail -n 25 "$OUT/pytest-gpu-gluon-optin.log"
+    log "benchmark: bench_hopper.py --gluon (log in \$OUT/bench_hopper_gluon.log)"
+    outs=(--out "$OUT")
+    if "$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+        outs+=(--out benchmarks/results)  # kernel results only, never CPU timings
+    fi
+    limit=$((TOTAL_BUDGET - SECONDS - 10))
+    if ((limit < 60)); then limit=60; fi  # timeout 0 would mean no limit
+    # configurations stop starting 90 s before the limit: one N=32k configuration takes about that
+    timeout "$limit" "$PY" benchmarks/bench_hopper.py --gluon "${outs[@]}" \
+        --time-budget $((limit - 90)) >"$OUT/bench_hopper_gluon-table.md" \
+        2>"$OUT/bench_hopper_gluon.log"
+    rc_bench=$?
+    tail -n 40 "$OUT/bench_hopper_gluon.log"
+    log "summary: Gluon/Triton GPU tests exit $rc_tests, opt-in tests exit $rc_optin, benchmark exit $rc_bench, ${SECONDS} s"
+    cat "$OUT/bench_hopper_gluon-table.md"
+    for rc in "$rc_tests" "$rc_optin"; do
+        if ((rc != 0 && rc != 5)); then exit "$rc"; fi
+    done
+    exit "$rc_bench"
+fi
 
 rc_bench=0
 if [[ "$STAGE" == all || "$STAGE" == bench || "$STAGE" == quick ]]; then

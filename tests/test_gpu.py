@@ -82,6 +82,78 @@ def test_every_autotuning_candidate_matches_the_reference(name, granularity, d, 
         tuner.cache.clear()
 
 
+# --- the Gluon sm_90a forward (LOWBIT_ATTN_KERNEL=gluon) ---------------------------------------
+
+
+def _needs_gluon():
+    """Skip unless the Gluon forward can run here: compute capability 9.0 and Triton 3.6."""
+    from lowbit_attn.inference import kernel_int8_gluon
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon forward is written for sm_90a (compute capability 9.0)")
+    try:
+        kernel_int8_gluon.check_version()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    return kernel_int8_gluon
+
+
+@pytest.mark.parametrize("d,block_k", [pytest.param(d, n, id=f"D{d}-k{n}")
+                                       for d in (64, 128) for n in (64, 128)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gluon_forward_matches_the_reference(d, block_k, causal):
+    """The Gluon forward against the twin on the same quantized operands (the Triton pass's: V
+    token-contiguous, as the TMA needs), GPU-sized: many query and key blocks, partial ones at
+    both ends, GQA 8:4, a causal diagonal off the block grid; within the compiled Triton kernel's
+    own bounds (tests/inference/test_attention_kernel.py's, widened by tests/helpers.py
+    ON_CUDA)."""
+    from helpers import ON_CUDA, Bound, assert_within
+
+    kernel_int8_gluon = _needs_gluon()
+    recipe = get_recipe("qk_int8_pv_fp8").replace(block_k=block_k)
+    q, k, v = (x.cuda() for x in channel_biased((2, 8, 700, d), (2, 4, 1100, d), seed=d + block_k,
+                                                 dtype=torch.float16))
+    offset = 400 if causal else None
+    qz = quantize_qkv(q, k, v, recipe, d**-0.5, need_lse_shift=True, backend="triton")
+    want, want_lse = quantized_attention(qz, pv=recipe.pv, granularity=recipe.granularity,
+                                         block_q=recipe.block_q, block_k=block_k,
+                                         causal_offset=offset)
+    got = torch.full(q.shape, float("nan"), device="cuda", dtype=torch.float32)
+    got_lse = kernel_int8_gluon.attention(qz, out=got, pv=recipe.pv,
+                                          granularity=recipe.granularity, block_q=recipe.block_q,
+                                          block_k=block_k, causal_offset=offset, return_lse=True)
+    out_bound = ON_CUDA["int8 out fp8"].widened(Bound(atol=4e-3, cos=0.999999))
+    assert_within(got, want.float(), out_bound, name="out")
+    assert_within(got_lse, want_lse.float(), ON_CUDA["lse"], name="lse")
+
+
+def test_gluon_opt_in_passes_its_check_and_runs_in_the_public_call(monkeypatch):
+    """``LOWBIT_ATTN_KERNEL=gluon``: the first call checks the Gluon forward against the Triton
+    kernel (no warning), later calls run it, and the result stays within the check's bounds of
+    the default (Triton) call's."""
+    import warnings
+
+    from lowbit_attn.inference import gluon_check
+
+    kernel_int8_gluon = _needs_gluon()
+    monkeypatch.setattr(gluon_check, "_verdicts", {})
+    ran = []
+    launcher = kernel_int8_gluon.attention
+    monkeypatch.setattr(kernel_int8_gluon, "attention",
+                        lambda qz, **kw: ran.append(qz.q.shape) or launcher(qz, **kw))
+    q, k, v = (x.cuda() for x in channel_biased((2, 8, 2000, 128), (2, 4, 2000, 128), seed=3,
+                                                 dtype=torch.float16))
+    want = lowbit_attn.attention(q, k, v, recipe="qk_int8_pv_fp8", is_causal=True)
+    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "gluon")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="LOWBIT_ATTN_KERNEL")
+        got = lowbit_attn.attention(q, k, v, recipe="qk_int8_pv_fp8", is_causal=True)
+    assert gluon_check.verdict(q.device) is None
+    assert len(ran) == len(gluon_check.CASES) + 1 and ran[-1] == q.shape
+    assert float((got.float() - want.float()).abs().max()) <= gluon_check.CHECK_ATOL
+    assert lowbit_attn.errors(got, want).cosine >= gluon_check.CHECK_COSINE
+
+
 @pytest.mark.parametrize("name,cos,l1", [
     pytest.param("qk_int8_pv_fp16", 0.9999, 0.015, id="fp16-bar"),
     # E4M3 P̃·V caps this input near 0.9993 (SageAttention2's own code: 0.99930 / 0.0376)

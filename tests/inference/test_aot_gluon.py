@@ -58,9 +58,11 @@ def describe(r: aot.KernelReport) -> str:
             f"{r.spill_loads} B, warnings {r.ptxas_warnings}, error {r.error}")
 
 
-def main_loop(r: aot.KernelReport) -> list[str]:
+def main_loop(r: aot.KernelReport) -> sass.MainLoop:
     """The unmasked key-block loop: the first loop of the SASS (the masked tail's is second)."""
-    return sass.loops(sass.disassemble(r.cubin))[0]
+    c = r.constexprs
+    return sass.main_loop(r.cubin, block_m=c["BLOCK_M"], block_n=c["BLOCK_N"],
+                          num_warps=r.num_warps)
 
 
 @pytest.mark.parametrize("d,block_k,causal", VARIANTS, ids=IDS)
@@ -88,7 +90,7 @@ def test_no_spills(compiled, d, block_k, causal):
 def test_the_softmax_runs_under_the_previous_blocks_pv(compiled, d, block_k, causal):
     """In the main loop every exp2 but the rescale factor's sits between the P·V wgmma's issue
     and its wait; none waits for Q·Kᵀ to be in flight (its wait(1) comes first)."""
-    body = main_loop(compiled(d, block_k, causal))
+    body = main_loop(compiled(d, block_k, causal)).body
     pv = sass.exp2_under_mma(body, "QGMMA")
     qk = sass.exp2_under_mma(body, "IGMMA")
     assert pv.total == qk.total == 128 * block_k // 256 + 2  # scores + 2 rescale factors
@@ -98,7 +100,9 @@ def test_the_softmax_runs_under_the_previous_blocks_pv(compiled, d, block_k, cau
 
 
 def per_score(r: aot.KernelReport, block_k: int) -> float:
-    return len(main_loop(r)) / (128 * block_k // 256)
+    loop = main_loop(r)
+    assert loop.scores == 128 * block_k // 256
+    return loop.per_score
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

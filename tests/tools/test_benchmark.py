@@ -386,4 +386,35 @@ def test_hopper_benchmark_runs_every_variant_on_the_interpreter(tmp_path, monkey
                        "attention", "ours cfg=4w1s-plain", "ours cfg=4w1s-pipelined"}
     assert all(r["status"] == "ok" for r in rows)
     assert all(r["cosine"] > 0.998 for r in rows if not r["method"].startswith("prepare"))
-    assert "| ours × cuDNN | bar | met |" in (tmp_path / result.name.replace(".json", ".md")).read_text()
+    table = (tmp_path / result.name.replace(".json", ".md")).read_text()
+    assert "| method | × cuDNN | bar | met |" in table
+
+
+def test_hopper_gluon_benchmark_runs_on_the_interpreter_without_the_gluon_kernel(tmp_path,
+                                                                                 monkeypatch):
+    """``bench_hopper.py --gluon`` on the interpreter (tiny size): the SDPA and Triton rows run;
+    the public call with ``LOWBIT_ATTN_KERNEL=gluon`` runs the Triton kernel (no Gluon interpreter:
+    its row says the Gluon forward was never checked); the Gluon kernel-only rows are skipped."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    monkeypatch.setenv("LOWBIT_ATTN_BACKEND", "triton")
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_hopper.py"
+    spec = importlib.util.spec_from_file_location("bench_hopper", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--gluon", "--out", str(tmp_path)]) == 0
+    (result,) = tmp_path.glob("hopper-gluon-*.json")
+    data = json.loads(result.read_text())
+    assert data["complete"] is True
+    rows = {r["method"]: r for r in data["rows"] if not r["causal"]}
+    assert set(rows) == {"sdpa_cudnn_bf16", "sdpa_flash_bf16", "ours", "ours kernel=gluon",
+                         "ours kernel=gluon block_k=128", "attention", "attention gluon",
+                         "attention gluon k=128"}
+    for name in ("ours kernel=gluon", "ours kernel=gluon block_k=128"):
+        assert rows[name]["status"] == "ok" and rows[name]["gluon"] == "not checked"
+    assert rows["ours kernel=gluon"]["cosine"] == rows["ours"]["cosine"]  # the same kernel
+    assert rows["attention gluon"]["status"] == "skipped"
+    table = (tmp_path / result.name.replace(".json", ".md")).read_text()
+    assert "| 64 | 160 | no | ours kernel=gluon |" in table

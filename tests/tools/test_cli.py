@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import types
 
@@ -102,6 +103,50 @@ def test_inspect_failing_kernel_exits_1_and_says_why(capsys):
     assert "error" in out and "fp8e4nv" in out
 
 
+@pytest.mark.aot
+def test_inspect_gluon_prints_the_gates_of_both_key_blocks(capsys):
+    code, out, _ = run(capsys, "inspect", "--arch", "sm_90", "--recipe", "qk_int8_pv_fp8",
+                       "--kernel", "gluon", "--head-dim", "64", "--causal")
+    assert code == 0, out
+    assert "qk_int8_pv_fp8 for sm_90a, Gluon forward (head dim 64, causal, float16)" in out
+    reports = out.split("\n\n")[1:]
+    assert [re.search(r"BLOCK_N=(\d+)", r).group(1) for r in reports] == ["64", "128"], out
+    for report in reports:
+        assert report.startswith("_attn_fwd_int8_gluon_kernel"), report
+        assert "f32.e4m3.e4m3" in report and "s32.s8.s8" in report
+        assert "spills 0 B stored, 0 B loaded" in report
+        assert "  ptxas warnings  none (no C7514)" in report
+        tile, score, held = re.search(r"  main loop     (\d+) instructions per tile, ([\d.]+) per "
+                                      r"score \((\d+) scores per thread\)", report).groups()
+        assert abs(int(tile) / int(held) - float(score)) < 0.005
+        under, total = map(int, re.search(r"  exp2 under P·V: (\d+) of (\d+) \(\d+ instructions "
+                                          r"between", report).groups())
+        assert total == int(held) + 2 and total - 2 <= under <= total, report
+
+
+@pytest.mark.aot
+def test_inspect_gluon_json_carries_the_gates(capsys):
+    code, out, _ = run(capsys, "inspect", "--arch", "sm_90a", "--recipe", "auto", "--kernel",
+                       "gluon", "--head-dim", "64", "--json")
+    assert code == 0
+    reports = json.loads(out)
+    assert [r["constexprs"]["BLOCK_N"] for r in reports] == [64, 128]
+    for r in reports:
+        g = r["gates"]
+        assert r["spills"] == 0 and g["c7514"] is False
+        assert g["per_tile"] == round(g["per_score"] * g["scores_per_thread"])
+        assert g["exp2"] == g["scores_per_thread"] + 2 and g["exp2_under_pv"] >= g["exp2"] - 2
+        assert g["span_under_pv"] > 250
+
+
+@pytest.mark.aot
+def test_inspect_kernel_triton_is_the_default_output(capsys):
+    argv = ["inspect", "--arch", "sm_90a", "--recipe", "qk_int8_pv_fp8", "--head-dim", "64"]
+    _, default, _ = run(capsys, *argv)
+    _, named, _ = run(capsys, *argv, "--kernel", "triton")
+    assert named == default and "gluon" not in default and "exp2 under" not in default
+
+
 def test_inspect_exact_launches_nothing(capsys):
     code, out, _ = run(capsys, "inspect", "--arch", "sm_90a", "--recipe", "exact")
     assert code == 0
@@ -135,6 +180,17 @@ def usage_error(capsys, argv: list[str]) -> str:
     (["inspect", "--arch", "sm_100a", "--recipe", "qk_fp4_pv_fp4", "--head-dim", "48"],
      "multiple of 32, got 48"),
     ([], "COMMAND"),
+    (["inspect", "--arch", "sm_90a", "--kernel", "cuda"], "argument --kernel"),
+    (["inspect", "--arch", "sm_100a", "--kernel", "gluon"],
+     "--kernel gluon: the Gluon forward is written for sm_90a only, got --arch sm_100a"),
+    (["inspect", "--arch", "sm_90a", "--kernel", "gluon", "--recipe", "qk_int8_pv_fp16"],
+     "runs the qk_int8_pv_fp8 recipe only, got --recipe qk_int8_pv_fp16"),
+    (["inspect", "--arch", "sm_90a", "--kernel", "gluon", "--recipe", "sagebwd_int8"],
+     "runs the qk_int8_pv_fp8 recipe only"),
+    (["inspect", "--arch", "sm_90a", "--kernel", "gluon", "--head-dim", "96"],
+     "takes head dim 64 or 128, got --head-dim 96"),
+    (["inspect", "--arch", "sm_90a", "--kernel", "gluon", "--config", "1"],
+     "one launch configuration, got --config 1"),
 ])
 def test_usage_errors_exit_2_with_a_clear_message(capsys, argv, needle):
     assert needle in usage_error(capsys, argv)

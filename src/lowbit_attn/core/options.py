@@ -10,6 +10,12 @@ from the environment once per call by the custom op that needs it and passed dow
 - ``LOWBIT_ATTN_TRAIN_DQ``: ``recompute`` (default: a dQ kernel that recomputes S and dP per query
   block; deterministic) or ``atomic`` (the dK/dV kernel adds each tile's dS·K into an fp32
   buffer: two fewer matmuls per tile, summation order not fixed).
+- ``LOWBIT_ATTN_KERNEL``: ``triton`` (default: the Triton INT8 attention kernel) or ``gluon`` (the
+  Gluon forward for Hopper, ``inference/kernel_int8_gluon.py``, where it applies: a CUDA device of
+  capability 9.0, the per-token FP8 P·V recipe, D = 64 or 128, dense; the Triton kernel elsewhere).
+  Admitted on a device only after a one-time check against the Triton kernel there
+  (``inference/gluon_check.py``). Not run on a GPU yet, hence never the default. On a CPU (the
+  interpreter) it is accepted and changes nothing: Triton has no Gluon interpreter.
 
 Why the defaults are what they are: ``benchmarks/NOTES.md``. Each option is used on the Triton
 backend only; the PyTorch twins take the object and compute the same values.
@@ -23,9 +29,11 @@ from dataclasses import dataclass
 Q_QUANT_MODES = ("pass", "kernel")
 KV_STATS_MODES = ("launch", "program")
 DQ_MODES = ("recompute", "atomic")
+KERNELS = ("triton", "gluon")
 _VARIABLES = {"q_quant": ("LOWBIT_ATTN_Q_QUANT", Q_QUANT_MODES),
               "kv_stats": ("LOWBIT_ATTN_KV_STATS", KV_STATS_MODES),
-              "train_dq": ("LOWBIT_ATTN_TRAIN_DQ", DQ_MODES)}
+              "train_dq": ("LOWBIT_ATTN_TRAIN_DQ", DQ_MODES),
+              "kernel": ("LOWBIT_ATTN_KERNEL", KERNELS)}
 
 
 @dataclass(frozen=True)
@@ -36,6 +44,7 @@ class KernelOptions:
     q_quant: str = Q_QUANT_MODES[0]
     kv_stats: str = KV_STATS_MODES[0]
     train_dq: str = DQ_MODES[0]
+    kernel: str = KERNELS[0]
 
     def __post_init__(self) -> None:
         for field, (variable, choices) in _VARIABLES.items():
@@ -57,3 +66,7 @@ class KernelOptions:
     @property
     def kv_stats_in_program(self) -> bool:
         return self.kv_stats == "program"
+
+    @property
+    def gluon_forward(self) -> bool:
+        return self.kernel == "gluon"

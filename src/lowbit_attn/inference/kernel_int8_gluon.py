@@ -29,7 +29,8 @@ keeps one more scale vector live and spills at D=128 with 128-key blocks (ptxas,
 Phase 1 scope: dense inputs, per-token scales, FP8 P·V, D = 64 or 128, causal or not, GQA, LSE
 (with the K-smoothing shift). Twin: ``lowbit_attn.inference.naive.quantized_attention``. Written
 for Triton 3.6's Gluon (:data:`WRITTEN_FOR`); another version is refused at launch. Opt-in only:
-nothing in the public API calls it yet.
+the op calls it when ``LOWBIT_ATTN_KERNEL=gluon`` and :mod:`lowbit_attn.inference.gluon_check`
+admits it.
 """
 
 from __future__ import annotations

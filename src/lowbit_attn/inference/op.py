@@ -23,7 +23,10 @@ def kernel(q, k, v, *, out: torch.Tensor, recipe: Recipe, scale: float, causal_o
            return_lse: bool, seqs: tuple[Seqs, Seqs] | None,
            options: KernelOptions) -> torch.Tensor | None:
     """The Triton path: quantizers and attention kernel (INT8 dense or packed, FP4 dense), or
-    :func:`naive` for what has no kernel (the exact recipe). Arguments and result: :func:`run`."""
+    :func:`naive` for what has no kernel (the exact recipe). Arguments and result: :func:`run`.
+    With ``options.kernel == "gluon"`` the INT8 attention goes through
+    :func:`lowbit_attn.inference.gluon_check.attention` (the Gluon forward on sm_90 where it
+    applies and passed its check, the Triton kernel otherwise)."""
     if recipe.is_exact:
         return naive(q, k, v, out=out, recipe=recipe, scale=scale, causal_offset=causal_offset,
                      return_lse=return_lse, seqs=seqs, options=options)
@@ -47,7 +50,12 @@ def kernel(q, k, v, *, out: torch.Tensor, recipe: Recipe, scale: float, causal_o
         seqs_k=seqs_k, q_in_kernel=options.q_in_kernel,
         kv_stats_in_program=options.kv_stats_in_program,
     )
-    return kernel_int8.attention(
+    forward = kernel_int8.attention
+    if options.gluon_forward:  # the Gluon forward where it applies and passed its check here
+        from lowbit_attn.inference import gluon_check
+
+        forward = gluon_check.attention
+    return forward(
         qz, out=out, pv=recipe.pv, granularity=recipe.granularity, block_q=recipe.block_q,
         block_k=recipe.block_k, causal_offset=causal_offset, return_lse=return_lse,
         seqs_q=seqs_q, seqs_k=seqs_k,

@@ -624,18 +624,19 @@ def record_vsa_launches(*, head_dim: int = 128, dtype: torch.dtype = torch.bfloa
 
 
 def record_gluon_launch(*, head_dim: int = 128, causal: bool = False, block_k: int = 64,
-                        return_lse: bool = False, seq_len: int = 1024) -> Launch:
+                        return_lse: bool = False, seq_len: int = 1024,
+                        dtype: torch.dtype = torch.float16) -> Launch:
     """The launch of the Gluon Hopper forward (``inference.kernel_int8_gluon``) on the operands a
-    dense ``[1, 2, seq_len, head_dim]`` ``qk_int8_pv_fp8`` call (per token, ``block_k`` keys) hands
-    the Triton kernel: that call is recorded, then the Gluon launcher runs on its operands (nothing
-    runs on a device)."""
+    dense ``[1, 2, seq_len, head_dim]`` ``qk_int8_pv_fp8`` call (per token, ``block_k`` keys,
+    ``dtype`` inputs and output) hands the Triton kernel: that call is recorded, then the Gluon
+    launcher runs on its operands (nothing runs on a device)."""
     from lowbit_attn.core.operands import QuantizedQKV
     from lowbit_attn.core.recipes import get_recipe
     from lowbit_attn.inference import kernel_int8_gluon
 
     recipe = get_recipe("qk_int8_pv_fp8").replace(block_k=block_k)
     triton_launch = record_launches(recipe, head_dim=head_dim, causal=causal, seq_len=seq_len,
-                                    return_lse=return_lse)[-1]
+                                    return_lse=return_lse, dtype=dtype)[-1]
     kw = triton_launch.kwargs
     qz = QuantizedQKV(q=kw["q"][0], q_scale=kw["q"][1], k=kw["k"][0], k_scale=kw["k"][1],
                       v=kw["V"], v_scale=kw["VS"], v_mean=kw["VM"], delta_s=kw["DS"],

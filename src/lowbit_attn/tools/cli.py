@@ -32,8 +32,9 @@ EXTERNAL = {
     "bench": ("lowbit_attn.tools.bench", "speed of each recipe and the baselines"),
 }
 ENV_VARS = ("LOWBIT_ATTN_ARCH", "LOWBIT_ATTN_BACKEND", "LOWBIT_ATTN_Q_QUANT", "LOWBIT_ATTN_KV_STATS",
-            "LOWBIT_ATTN_TRAIN_DQ", "TRITON_INTERPRET")
+            "LOWBIT_ATTN_TRAIN_DQ", "LOWBIT_ATTN_KERNEL", "TRITON_INTERPRET")
 DTYPES = ("float16", "bfloat16", "float32")
+KERNELS = ("triton", "gluon")  # core.options.KERNELS, spelled out: --help imports nothing heavy
 # The targets of ``lowbit_attn.tools.aot.ARCHS``, spelled out so that ``--help`` imports nothing heavy.
 ARCH_HELP = "sm_80, sm_86, sm_89, sm_90a, sm_100a or sm_120a"
 
@@ -74,6 +75,11 @@ def _add_inspect(sub) -> None:
     p.add_argument("--return-lse", action="store_true", help="include what return_lse=True adds")
     p.add_argument("--config", type=ranged(int, 0), default=0,
                    help="which autotuning config of ARCH's family to compile (default 0)")
+    p.add_argument("--kernel", choices=KERNELS, default="triton",
+                   help="triton (default): every kernel of one call; gluon: the Gluon forward "
+                   "for sm_90a (qk_int8_pv_fp8, D 64 or 128) at both key blocks, with its gates "
+                   "(spills, ptxas warnings, instructions per tile and per score of the main "
+                   "loop, exp2 under P·V)")
     p.add_argument("--json", action="store_true", help="print the reports as JSON")
     p.add_argument("--ptx-dir", metavar="DIR", help="also write each kernel's PTX into DIR")
     p.set_defaults(handler=functools.partial(_inspect, parser=p))
@@ -122,6 +128,8 @@ def _inspect(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> in
 
     from lowbit_attn.core.recipes import RECIPES, TRAIN_RECIPES
 
+    if args.kernel == "gluon":
+        return _inspect_gluon(args, parser)
     try:
         if args.recipe in TRAIN_RECIPES and args.recipe not in RECIPES:  # "exact" is both
             recipe = TRAIN_RECIPES[args.recipe]
@@ -149,6 +157,95 @@ def _inspect(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> in
         for r in reports:
             print()
             print("\n".join(_format_report(r)))
+    return 1 if any(not r.ok for r in reports) else 0
+
+
+def _gluon_scope_error(args: argparse.Namespace) -> str | None:
+    """Why ``--kernel gluon`` cannot compile what the other options ask for, or ``None``."""
+    from lowbit_attn.core.arch import parse_arch
+    from lowbit_attn.core.recipes import QK_INT8_PV_FP8, RECIPES, resolve
+    from lowbit_attn.inference.kernel_int8_gluon import HEAD_DIMS
+
+    if args.arch != "sm_90a":
+        return ("--kernel gluon: the Gluon forward is written for sm_90a only, got --arch "
+                f"{args.arch}")
+    inference = args.recipe == "auto" or args.recipe in RECIPES  # not the trainable recipes
+    recipe = resolve(args.recipe, parse_arch(args.arch)) if inference else None
+    if recipe != QK_INT8_PV_FP8:
+        return (f"--kernel gluon: the Gluon forward runs the {QK_INT8_PV_FP8.name} recipe only, "
+                f"got --recipe {args.recipe}")
+    if args.head_dim not in HEAD_DIMS:
+        return (f"--kernel gluon: the Gluon forward takes head dim 64 or 128, got --head-dim "
+                f"{args.head_dim}")
+    if args.config != 0:
+        return ("--kernel gluon: the Gluon forward has one launch configuration, got --config "
+                f"{args.config}")
+    return None
+
+
+def gluon_gates(report) -> dict | None:
+    """What ``inspect --kernel gluon`` prints of a compiled Gluon forward beyond the common
+    report: its main loop's instructions per tile and per score, and where that loop's exp2s sit
+    against the P·V wgmma (``QGMMA``): ``None`` when it did not compile."""
+    from lowbit_attn.tools import sass
+
+    if not report.ok or not report.cubin:
+        return None
+    c = report.constexprs
+    loop = sass.main_loop(report.cubin, block_m=c["BLOCK_M"], block_n=c["BLOCK_N"],
+                          num_warps=report.num_warps)
+    pv = sass.exp2_under_mma(loop.body, "QGMMA")
+    return {"per_tile": loop.per_tile, "per_score": round(loop.per_score, 2),
+            "scores_per_thread": loop.scores,
+            "exp2_under_pv": None if pv is None else pv.under,
+            "exp2": None if pv is None else pv.total,
+            "span_under_pv": None if pv is None else pv.span,
+            "c7514": any("C7514" in w for w in report.ptxas_warnings)}
+
+
+def _format_gluon_gates(report, gates: dict | None) -> list[str]:
+    if report.ptxas_warnings:
+        warned = [f"  ptxas warning {'C7514 (wgmma serialized): ' if 'C7514' in w else ''}{w}"
+                  for w in report.ptxas_warnings]
+    else:
+        warned = ["  ptxas warnings  none (no C7514)"]
+    if gates is None:
+        return warned
+    return warned + [
+        f"  main loop     {gates['per_tile']} instructions per tile, {gates['per_score']:.2f} per "
+        f"score ({gates['scores_per_thread']} scores per thread)",
+        f"  exp2 under P·V: {gates['exp2_under_pv']} of {gates['exp2']} ({gates['span_under_pv']} "
+        "instructions between the P·V wgmma's issue and its wait)",
+    ]
+
+
+def _inspect_gluon(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``inspect --kernel gluon``: the Gluon forward at each key block, with its gates."""
+    import torch
+    import triton
+
+    from lowbit_attn.inference.kernel_int8_gluon import BLOCK_NS
+    from lowbit_attn.tools import aot
+
+    error = _gluon_scope_error(args)
+    if error is not None:
+        parser.error(error)
+    reports = [aot.compile_launch(aot.record_gluon_launch(
+        head_dim=args.head_dim, causal=args.causal, block_k=block_k, return_lse=args.return_lse,
+        dtype=getattr(torch, args.dtype)), args.arch) for block_k in BLOCK_NS]
+    gates = [gluon_gates(r) for r in reports]
+    if args.ptx_dir:
+        _write_ptx(reports, args.ptx_dir)
+    if args.json:
+        print(json.dumps([{**r.as_dict(), "gates": g} for r, g in zip(reports, gates)], indent=2,
+                         default=str))
+    else:
+        mode = "causal" if args.causal else "non-causal"
+        print(f"qk_int8_pv_fp8 for {args.arch}, Gluon forward (head dim {args.head_dim}, {mode}, "
+              f"{args.dtype}); Triton {triton.__version__}, ptxas {aot.ptxas_version(args.arch)}")
+        for r, g in zip(reports, gates):
+            print()
+            print("\n".join(_format_report(r) + _format_gluon_gates(r, g)))
     return 1 if any(not r.ok for r in reports) else 0
 
 

@@ -116,3 +116,30 @@ def exp2_under_mma(body: list[str], mma: str = "IGMMA") -> Exp2Placement | None:
 
     return Exp2Placement(before=exp2s(0, first), under=exp2s(first, wait),
                          after=exp2s(wait, len(body)), span=max(wait - first - 1, 0))
+
+
+@dataclass(frozen=True)
+class MainLoop:
+    """The unmasked key-block loop of an attention kernel: the first loop of its SASS (the masked
+    tail's comes second). ``scores``: the scores one thread holds per tile (``block_m·block_n``
+    over the program's threads), so that ``per_score`` is the per-thread instructions per tile
+    over them, as ``benchmarks/NOTES.md`` §10–11 count."""
+
+    body: list[str]
+    scores: int
+
+    @property
+    def per_tile(self) -> int:
+        return len(self.body)
+
+    @property
+    def per_score(self) -> float:
+        return self.per_tile / self.scores
+
+
+def main_loop(cubin: bytes, *, block_m: int, block_n: int, num_warps: int) -> MainLoop:
+    """The :class:`MainLoop` of a compiled attention kernel (``ValueError`` if it has no loop)."""
+    bodies = loops(disassemble(cubin))
+    if not bodies:
+        raise ValueError("the kernel's SASS has no loop")
+    return MainLoop(bodies[0], block_m * block_n // (32 * num_warps))

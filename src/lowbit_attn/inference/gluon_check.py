@@ -1,0 +1,193 @@
+"""The INT8 attention forward a call on the Triton path runs under ``LOWBIT_ATTN_KERNEL=gluon``:
+the Gluon forward for Hopper (:mod:`~lowbit_attn.inference.kernel_int8_gluon`) where it applies
+and has passed a check on this device, the Triton kernel (:mod:`~lowbit_attn.inference.kernel_int8`)
+everywhere else, without error.
+
+The Gluon forward has been compiled ahead of time only (no GPU has run it when this was written),
+so it is opt-in and earns its place on each machine. A call uses it only where
+
+1. :func:`applies`: CUDA tensors on a device of capability 9.0 (sm_90a, the only target it is
+   written for), compiled kernels (not the Triton interpreter: Triton has no Gluon interpreter, so
+   on a CPU the option changes nothing);
+2. it has passed, in this process and on this device, the one-time check :func:`self_check`
+   against the Triton kernel on the small inputs of :data:`CASES` (partial blocks, causal, GQA,
+   LSE, both key blocks), run at the first call that gets here. A mismatch or any exception (the
+   module failing to import, the Triton version pin of ``kernel_int8_gluon.check_version``, a
+   compile or launch error) warns once, naming the reason, and the Triton kernel runs for the
+   rest of the process on that device. A call made while a CUDA graph is being captured does not
+   run the check (it would synchronize): it runs the Triton kernel, and the check waits for a call
+   outside a capture;
+3. the Gluon launcher takes the call: it raises ``ValueError`` before launching anything for what
+   it does not cover (packed sequences, per-block scales, FP16 P·V, D other than 64 and 128, Q
+   quantized in the kernel, ΔS, operands TMA cannot read); such a call runs the Triton kernel.
+
+Tolerances of the check: on a GPU the compiled Triton kernel is held within ``atol 4e-3`` and
+cosine ``0.99999`` of the twin on the same FP8 P·V operands (unit-variance V; the kernel test's
+bound for an exp2 that moves one E4M3 P̃ across a rounding boundary, widened by tests/helpers.py
+``ON_CUDA "int8 out fp8"``), its LSE within ``1e-3``; tests/test_gpu.py holds the Gluon forward to
+the same. Two kernels that both meet that bound differ by at most twice it (triangle inequality;
+for the cosine, angles add: ``arccos 0.99999 = 4.47e-3`` rad, twice that is cosine ``0.99996``). A
+layout or indexing mistake moves whole rows or tiles and lands far outside these bounds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from lowbit_attn.core.arch import interpreter_enabled
+from lowbit_attn.core.metrics import cosine_similarity
+from lowbit_attn.core.recipes import QK_INT8_PV_FP8
+from lowbit_attn.inference import kernel_int8
+from lowbit_attn.inference.prepare import quantize_qkv
+
+CAPABILITY = (9, 0)  # sm_90a
+CHECK_ATOL = 8e-3  # 2 × 4e-3: max |Gluon - Triton| of the outputs
+CHECK_COSINE = 0.99996  # cos(2·arccos 0.99999)
+CHECK_LSE_ATOL = 2e-3  # 2 × 1e-3
+
+
+@dataclass(frozen=True)
+class Case:
+    """One input of the check: ``[b, hq, nq, d]`` queries against ``[b, hkv, nk, d]`` keys and
+    values, ``block_k`` keys per block, causal (aligned bottom-right) or not, with LSE or not."""
+
+    b: int
+    hq: int
+    hkv: int
+    nq: int
+    nk: int
+    d: int
+    block_k: int
+    causal: bool
+    lse: bool
+
+    def __str__(self) -> str:
+        flags = (" causal" if self.causal else "") + (" lse" if self.lse else "")
+        return (f"B{self.b} H{self.hq}:{self.hkv} Nq{self.nq} Nk{self.nk} D{self.d} "
+                f"keys {self.block_k}{flags}")
+
+
+# Every row count and key count leaves a partial block; D 64 and 128, both key blocks, GQA, causal
+# with a diagonal that is not the block grid's, LSE with the K-smoothing shift.
+CASES = (
+    Case(1, 2, 2, 200, 200, 64, 64, causal=False, lse=False),
+    Case(1, 4, 2, 300, 333, 128, 64, causal=True, lse=True),
+    Case(2, 2, 1, 130, 257, 128, 128, causal=True, lse=False),
+    Case(1, 2, 1, 129, 300, 64, 128, causal=False, lse=True),
+)
+
+_lock = threading.Lock()
+# (process id, device index) → None (admitted) or why not; a forked child checks again.
+_verdicts: dict[tuple[int, int | None], str | None] = {}
+
+
+def applies(device: torch.device) -> bool:
+    """Whether the Gluon forward can run on ``device`` at all (see the module docstring, 1)."""
+    return (device.type == "cuda" and not interpreter_enabled()
+            and torch.cuda.get_device_capability(device) == CAPABILITY)
+
+
+def _key(device: torch.device) -> tuple[int, int | None]:
+    index = device.index
+    if index is None and device.type == "cuda":
+        index = torch.cuda.current_device()
+    return os.getpid(), index
+
+
+def verdict(device: torch.device) -> str | None:
+    """``None`` if the Gluon forward was admitted on ``device`` in this process, else why not
+    (``"not checked"`` before the first check)."""
+    return _verdicts.get(_key(device), "not checked")
+
+
+def admitted(device: torch.device) -> bool:
+    """Whether the Gluon forward has passed its check on ``device``, running the check (and
+    warning once if it fails) at the first call in this process."""
+    key = _key(device)
+    with _lock:
+        if key not in _verdicts:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return False  # no check inside a capture; the next call outside one runs it
+            reason = self_check(device)
+            _verdicts[key] = reason
+            if reason is not None:
+                warnings.warn(
+                    f"LOWBIT_ATTN_KERNEL=gluon: the Gluon attention forward failed its check "
+                    f"against the Triton kernel on {device} ({reason}); the Triton kernel runs "
+                    "instead for the rest of this process", RuntimeWarning, stacklevel=2)
+        return _verdicts[key] is None
+
+
+def self_check(device: torch.device) -> str | None:
+    """Run :data:`CASES` through both kernels on ``device``: ``None`` if every output (and LSE)
+    agrees within the module's tolerances, else the first reason it does not (a mismatch, or the
+    exception raised)."""
+    try:
+        guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+        with torch.no_grad(), guard:
+            for case in CASES:
+                reason = _compare(case, device)
+                if reason is not None:
+                    return f"{case}: {reason}"
+    except Exception as exc:  # noqa: BLE001 - any failure keeps the Triton kernel, with its reason
+        lines = str(exc).strip().splitlines()
+        return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:500]
+    return None
+
+
+def _compare(case: Case, device: torch.device) -> str | None:
+    g = torch.Generator(device=device).manual_seed(case.nq * 1000 + case.nk)
+    q = torch.randn(case.b, case.hq, case.nq, case.d, generator=g, device=device)
+    k = torch.randn(case.b, case.hkv, case.nk, case.d, generator=g, device=device)
+    k += 4 * torch.randn(case.b, case.hkv, 1, case.d, generator=g, device=device)  # channel bias
+    v = torch.randn(case.b, case.hkv, case.nk, case.d, generator=g, device=device)
+    q, k, v = (x.to(torch.float16) for x in (q, k, v))
+    recipe = QK_INT8_PV_FP8.replace(block_k=case.block_k)
+    qz = quantize_qkv(q, k, v, recipe, case.d**-0.5, need_lse_shift=case.lse, backend="triton")
+    kw = dict(pv=recipe.pv, granularity=recipe.granularity, block_q=recipe.block_q,
+              block_k=case.block_k, causal_offset=case.nk - case.nq if case.causal else None,
+              return_lse=case.lse)
+    from lowbit_attn.inference import kernel_int8_gluon  # an import failure is a reason too
+
+    want, got = torch.empty_like(q), torch.full_like(q, float("nan"))
+    want_lse = kernel_int8.attention(qz, out=want, **kw)
+    got_lse = kernel_int8_gluon.attention(qz, out=got, **kw)
+    if not bool(torch.isfinite(got).all()):
+        return f"{int((~torch.isfinite(got)).sum())} outputs not finite or not written"
+    err = float((got.float() - want.float()).abs().max())
+    if err > CHECK_ATOL:
+        return f"max |gluon - triton| = {err:.3g} > {CHECK_ATOL}"
+    cos = cosine_similarity(got, want)
+    if not cos >= CHECK_COSINE:
+        return f"cosine {cos:.6f} < {CHECK_COSINE}"
+    if case.lse:
+        lse_err = float((got_lse - want_lse).abs().max())
+        if not lse_err <= CHECK_LSE_ATOL:
+            return f"max |LSE gluon - triton| = {lse_err:.3g} > {CHECK_LSE_ATOL}"
+    return None
+
+
+def attention(qz, *, out: torch.Tensor, pv: str, granularity: str, block_q: int, block_k: int,
+              causal_offset: int | None, return_lse: bool, seqs_q=None,
+              seqs_k=None) -> torch.Tensor | None:
+    """``kernel_int8.attention``'s arguments and result, run by the Gluon forward where it applies,
+    is admitted on ``out``'s device and takes the call, else by the Triton kernel."""
+    kw = dict(out=out, pv=pv, granularity=granularity, block_q=block_q, block_k=block_k,
+              causal_offset=causal_offset, return_lse=return_lse, seqs_q=seqs_q, seqs_k=seqs_k)
+    if applies(out.device) and admitted(out.device):
+        from lowbit_attn.inference import kernel_int8_gluon
+
+        try:
+            return kernel_int8_gluon.attention(qz, **kw)
+        except ValueError:  # refused before launching: not a case the Gluon forward covers
+            pass
+    return kernel_int8.attention(qz, **kw)
+
+
+__all__ = ["CASES", "Case", "admitted", "applies", "attention", "self_check", "verdict"]

@@ -1,0 +1,215 @@
+"""``LOWBIT_ATTN_KERNEL=gluon``: which forward a call runs (``inference/gluon_check.py``).
+
+What a CPU can check is the selection logic, not the Gluon kernel (there is no Gluon interpreter):
+the option's parsing; that the Gluon launcher is never reached on CPU tensors or under the
+interpreter; and, with the device condition faked and the Gluon launcher replaced by a stand-in
+that raises, returns wrong values or returns the Triton kernel's, that the one-time check admits
+or drops it, warns once, and that every call still gets the Triton kernel's result. The real
+kernel against the Triton kernel and the twin: tests/test_gpu.py (``-k gluon``, sm_90 only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import pytest
+import torch
+import triton
+
+import lowbit_attn
+from lowbit_attn.core.options import KernelOptions
+from lowbit_attn.inference import gluon_check, kernel_int8, kernel_int8_gluon
+
+# One small check case instead of gluon_check.CASES: the interpreter runs the Triton side.
+TINY = (gluon_check.Case(1, 2, 1, 40, 70, 64, 64, causal=True, lse=True),)
+
+
+def test_the_kernel_option_is_read_and_checked(monkeypatch):
+    monkeypatch.delenv("LOWBIT_ATTN_KERNEL", raising=False)
+    assert KernelOptions.from_env().kernel == "triton"
+    assert not KernelOptions.from_env().gluon_forward
+    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "gluon")
+    assert KernelOptions.from_env().gluon_forward
+    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "cudnn")
+    with pytest.raises(ValueError, match=r"LOWBIT_ATTN_KERNEL must be one of \('triton', "
+                                         r"'gluon'\), got 'cudnn'"):
+        KernelOptions.from_env()
+
+
+@pytest.mark.interpreter
+def test_a_bad_kernel_value_is_refused_at_the_call(monkeypatch, triton_backend):
+    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "Gluon")
+    q = torch.randn(1, 1, 8, 64)
+    with pytest.raises(ValueError, match="LOWBIT_ATTN_KERNEL"):
+        lowbit_attn.attention(q, q, q, recipe="qk_int8_pv_fp8")
+
+
+def test_applies_only_to_compiled_kernels_on_capability_9_0(monkeypatch):
+    cuda = torch.device("cuda", 0)
+    assert not gluon_check.applies(torch.device("cpu"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not gluon_check.applies(cuda)  # decided before any CUDA query
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    for capability, expected in (((9, 0), True), ((8, 9), False), ((10, 0), False),
+                                 ((12, 0), False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d, c=capability: c)
+        assert gluon_check.applies(cuda) is expected, capability
+
+
+def _inputs(d=64, nq=50, nk=90):
+    g = torch.Generator().manual_seed(d + nq)
+    q = torch.randn(1, 2, nq, d, generator=g, dtype=torch.float32).half()
+    k = torch.randn(1, 1, nk, d, generator=g, dtype=torch.float32).half()
+    v = torch.randn(1, 1, nk, d, generator=g, dtype=torch.float32).half()
+    return q, k, v
+
+
+def _call(q, k, v):
+    return lowbit_attn.attention(q, k, v, recipe="qk_int8_pv_fp8", is_causal=True,
+                                 return_lse=True)
+
+
+@pytest.fixture
+def fresh(monkeypatch, triton_backend):
+    """No verdict yet, the tiny check case, and the default (Triton kernel) result of a call for
+    comparison; the option itself is set by each test."""
+    monkeypatch.setattr(gluon_check, "_verdicts", {})
+    monkeypatch.setattr(gluon_check, "CASES", TINY)
+    monkeypatch.delenv("LOWBIT_ATTN_KERNEL", raising=False)
+    q, k, v = _inputs()
+    return (q, k, v), _call(q, k, v)
+
+
+@contextlib.contextmanager
+def no_gluon_warning():
+    """The option's warning becomes an error (the interpreter's own warnings stay warnings)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="LOWBIT_ATTN_KERNEL")
+        yield
+
+
+@contextlib.contextmanager
+def gluon_warnings():
+    """The messages of the option's warnings raised in the block (others are dropped)."""
+    messages: list[str] = []
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        yield messages
+    messages += [str(w.message) for w in record if "LOWBIT_ATTN_KERNEL" in str(w.message)
+                 and issubclass(w.category, RuntimeWarning)]
+
+
+def _same(got, want):
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.interpreter
+def test_on_cpu_the_option_runs_the_triton_kernel_and_never_the_gluon_one(fresh, monkeypatch):
+    inputs, want = fresh
+
+    def never(*args, **kwargs):
+        raise AssertionError("the Gluon forward was reached on CPU tensors")
+
+    monkeypatch.setattr(kernel_int8_gluon, "attention", never)
+    monkeypatch.setattr(gluon_check, "self_check", never)
+    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "gluon")
+    with no_gluon_warning():
+        _same(_call(*inputs), want)
+    assert gluon_check.verdict(torch.device("cpu")) == "not checked"
+
+
+def _counting(fn):
+    calls = []
+
+    def wrapper(qz, **kw):
+        calls.append(qz.q.shape)
+        return fn(qz, **kw)
+
+    return wrapper, calls
+
+
+def _raises(qz, **kw):
+    raise RuntimeError("boom: no kernel image")
+
+
+def _offset(qz, **kw):
+    lse = kernel_int8.attention(qz, **kw)
+    kw["out"].add_(0.05)
+    return lse
+
+
+def _unwritten(qz, **kw):
+    return kernel_int8.attention(qz, **{**kw, "out": torch.empty_like(kw["out"])})
+
+
+def _lse_off(qz, **kw):
+    lse = kernel_int8.attention(qz, **kw)
+    return None if lse is None else lse + 0.01
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("stand_in,reason", [
+    (_raises, "RuntimeError: boom: no kernel image"),
+    (_offset, "max |gluon - triton| = 0.05"),
+    (_unwritten, "outputs not finite or not written"),
+    (_lse_off, "max |LSE gluon - triton| = 0.01"),
+], ids=["raises", "wrong-values", "unwritten", "wrong-lse"])
+def test_a_failed_check_warns_once_and_keeps_the_triton_kernel(fresh, monkeypatch, stand_in,
+                                                                reason):
+    inputs, want = fresh
+    monkeypatch.setattr(gluon_check, "applies", lambda device: True)  # a "capability 9.0" device
+    fake, calls = _counting(stand_in)
+    monkeypatch.setattr(kernel_int8_gluon, "attention", fake)
+    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "gluon")
+    with gluon_warnings() as messages:
+        _same(_call(*inputs), want)
+    (message,) = messages
+    assert reason in message and "the Triton kernel runs instead" in message
+    assert len(calls) == 1  # the check's one case; the call itself ran the Triton kernel
+    with no_gluon_warning():  # no second warning, no second check
+        _same(_call(*inputs), want)
+    assert len(calls) == 1
+    assert reason in gluon_check.verdict(torch.device("cpu"))
+
+
+@pytest.mark.interpreter
+def test_another_triton_version_is_refused_with_the_pin_as_reason(fresh, monkeypatch):
+    inputs, want = fresh
+    monkeypatch.setattr(gluon_check, "applies", lambda device: True)
+    monkeypatch.setattr(triton, "__version__", "3.7.0")  # the real launcher, refused before launch
+    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "gluon")
+    with gluon_warnings() as messages:
+        _same(_call(*inputs), want)
+    (message,) = messages
+    assert "written for Triton 3.6.x, found Triton 3.7.0" in message
+
+
+@pytest.mark.interpreter
+def test_a_passed_check_admits_the_gluon_forward_for_what_it_takes(fresh, monkeypatch):
+    """A stand-in with the Triton kernel's results passes; later calls go to it, and what it
+    refuses (ValueError before launching, as the real launcher does for D=32) to the Triton
+    kernel."""
+    inputs, want = fresh
+
+    def in_scope(qz, **kw):
+        if qz.q.shape[-1] not in (64, 128):
+            raise ValueError("head dim must be one of (64, 128) for the Gluon kernel")
+        return kernel_int8.attention(qz, **kw)
+
+    monkeypatch.setattr(gluon_check, "applies", lambda device: True)
+    fake, calls = _counting(in_scope)
+    monkeypatch.setattr(kernel_int8_gluon, "attention", fake)
+    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "gluon")
+    with no_gluon_warning():
+        _same(_call(*inputs), want)
+        assert gluon_check.verdict(torch.device("cpu")) is None
+        assert len(calls) == 2  # the check, then the call
+        _same(_call(*inputs), want)
+        assert len(calls) == 3
+        q32, k32, v32 = _inputs(d=32)
+        got = _call(q32, k32, v32)
+    assert len(calls) == 4  # tried, refused
+    monkeypatch.delenv("LOWBIT_ATTN_KERNEL")
+    _same(got, _call(q32, k32, v32))
