@@ -88,13 +88,13 @@ def _softmax(s_int, ks, qs, m_i, l_i, start_n, offs_m, offs_n, nk, causal_offset
 
 
 @gluon.jit
-def _key_scales(ks_base, start_n, offs_n, nk, sksn, MASKED: gl.constexpr):
-    """K's per-token scales of one key block (0 past the sequence's end in ``MASKED`` blocks)."""
-    cols = start_n + offs_n
+def _key_scales(ks_ptr, start_n, offs_n, nk, sksn, MASKED: gl.constexpr):
+    """K's per-token scales of one key block, ``ks_ptr`` pointing at its first key's (0 past the
+    sequence's end in ``MASKED`` blocks)."""
     if MASKED:
-        return gl.load(ks_base + cols * sksn, mask=cols < nk, other=0.0)
+        return gl.load(ks_ptr + offs_n * sksn, mask=start_n + offs_n < nk, other=0.0)
     else:
-        return gl.load(ks_base + cols * sksn)
+        return gl.load(ks_ptr + offs_n * sksn)
 
 
 @gluon.jit
@@ -218,14 +218,17 @@ def _attn_fwd_int8_gluon_kernel(
         fence_async_shared()
 
         # Blocks 1 .. n_full-1 unmasked, then the masked tail.
+        ks_ptr = ks_base + BLOCK_N * sksn
         for j in range(1, n_full):
-            acc, m_i, l_i, alpha = _step(
-                j, acc, m_i, l_i, alpha, qs, offs_m, offs_n, nk, causal_offset, ks_base,
+            acc, m_i, l_i, alpha, ks_ptr = _step(
+                j, acc, m_i, l_i, alpha, qs, offs_m, offs_n, nk, causal_offset, ks_ptr,
                 sksn, q_smem, k_smem, v_smem, p_smem, k_bars, v_bars, k_desc, v_desc, n_blocks,
                 zero_s, False, IS_CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, o_layout)
-        for j in range(gl.maximum(n_full, 1), n_blocks):
-            acc, m_i, l_i, alpha = _step(
-                j, acc, m_i, l_i, alpha, qs, offs_m, offs_n, nk, causal_offset, ks_base,
+        j0 = gl.maximum(n_full, 1)
+        ks_ptr = ks_base + j0 * BLOCK_N * sksn
+        for j in range(j0, n_blocks):
+            acc, m_i, l_i, alpha, ks_ptr = _step(
+                j, acc, m_i, l_i, alpha, qs, offs_m, offs_n, nk, causal_offset, ks_ptr,
                 sksn, q_smem, k_smem, v_smem, p_smem, k_bars, v_bars, k_desc, v_desc, n_blocks,
                 zero_s, True, IS_CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, o_layout)
 
@@ -254,13 +257,16 @@ def _attn_fwd_int8_gluon_kernel(
 
 
 @gluon.jit
-def _step(j, acc, m_i, l_i, alpha, qs, offs_m, offs_n, nk, causal_offset, ks_base, sksn,
+def _step(j, acc, m_i, l_i, alpha, qs, offs_m, offs_n, nk, causal_offset, ks_ptr, sksn,
           q_smem, k_smem, v_smem, p_smem, k_bars, v_bars, k_desc, v_desc, n_blocks, zero_s,
           MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
           BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, o_layout: gl.constexpr):
     """Key block ``j`` (≥ 1): Q·Kᵀ(j) and P̃·V(j-1) in flight, softmax(j) under P̃·V(j-1), then
-    ``acc·α(j-1) + pv(j-1)``; returns ``(acc, m, l, α(j))``. Stages alternate: block ``i`` is in
-    K/V/P̃ stage ``i % 2``, the barrier phase of its load is ``(i // 2) & 1``."""
+    ``acc·α(j-1) + pv(j-1)``; returns ``(acc, m, l, α(j))`` and ``ks_ptr`` moved to the next
+    block's K scales (carried rather than computed from ``j``: an address from ``j`` makes LLVM
+    widen the loop counter to 64 bits, and every compare and stage/phase computation with it).
+    Stages alternate: block ``i`` is in K/V/P̃ stage ``i % 2``, the barrier phase of its load is
+    ``(i // 2) & 1``."""
     stage = j % 2
     prev = 1 - stage
     phase = (j // 2) & 1
@@ -271,7 +277,7 @@ def _step(j, acc, m_i, l_i, alpha, qs, offs_m, offs_n, nk, causal_offset, ks_bas
     pv_tok = warpgroup_mma(p_smem.index(prev), v_smem.index(prev).permute((1, 0)),
                            gl.zeros([BLOCK_M, BLOCK_D], gl.float32, layout=o_layout),
                            use_acc=False, is_async=True)
-    ks = _key_scales(ks_base, j * BLOCK_N, offs_n, nk, sksn, MASKED)
+    ks = _key_scales(ks_ptr, j * BLOCK_N, offs_n, nk, sksn, MASKED)
     s_int = warpgroup_mma_wait(1, deps=[s_tok])
     # K(j) is read: its stage takes K(j+2).
     more = j + 2 < n_blocks
@@ -289,7 +295,7 @@ def _step(j, acc, m_i, l_i, alpha, qs, offs_m, offs_n, nk, causal_offset, ks_bas
     tma.async_copy_global_to_shared(v_desc, [0, (j + 1) * BLOCK_N], v_bars.index(prev),
                                     v_smem.index(prev), pred=more)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None] + pv
-    return acc, m_new, l_i, alpha_new
+    return acc, m_new, l_i, alpha_new, ks_ptr + BLOCK_N * sksn
 
 
 def check_version(version: str | None = None) -> None:
