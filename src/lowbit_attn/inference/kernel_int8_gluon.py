@@ -273,7 +273,7 @@ def _step(j, acc, m_i, l_i, alpha, qs, offs_m, offs_n, nk, causal_offset, ks_ptr
     mbarrier.wait(k_bars.index(stage), phase)
     s_tok = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False,
                           is_async=True)
-    mbarrier.wait(v_bars.index(prev), ((j - 1) // 2) & 1)
+    mbarrier.wait(v_bars.index(prev), phase ^ prev)  # block j-1's: ((j - 1) // 2) & 1
     pv_tok = warpgroup_mma(p_smem.index(prev), v_smem.index(prev).permute((1, 0)),
                            gl.zeros([BLOCK_M, BLOCK_D], gl.float32, layout=o_layout),
                            use_acc=False, is_async=True)
