@@ -15,7 +15,9 @@ One program (8 warps: two warpgroups of 64 rows) computes ``BLOCK_M`` = 128 quer
 2. ``wait(1)``: retires Q·Kᵀ(j) only (wgmma groups complete in order);
 3. softmax of block j under P̃·V(j-1): row max, ``α``, ``exp2``, ``l``; P̃(j) to E4M3, stored to the
    other of two shared-memory P̃ buffers;
-4. ``wait(0)``, then ``acc = acc·α(j-1) + pv(j-1)``. The rescale reads only registers the finished
+4. ``wait(0)``; K(j+2) and V(j+1) requested into the stages just read (both together: the CTA
+   barriers Triton puts before a TMA request then cover both, 3 per iteration rather than 4);
+   then ``acc = acc·α(j-1) + pv(j-1)``. The rescale reads only registers the finished
    wgmma wrote, so ptxas does not serialize the wgmmas (its warning C7514, met when an accumulator
    still in flight is read).
 
@@ -279,21 +281,20 @@ def _step(j, acc, m_i, l_i, alpha, qs, offs_m, offs_n, nk, causal_offset, ks_ptr
                            use_acc=False, is_async=True)
     ks = _key_scales(ks_ptr, j * BLOCK_N, offs_n, nk, sksn, MASKED)
     s_int = warpgroup_mma_wait(1, deps=[s_tok])
-    # K(j) is read: its stage takes K(j+2).
-    more = j + 2 < n_blocks
-    mbarrier.expect(k_bars.index(stage), BLOCK_N * BLOCK_D, pred=more)
-    tma.async_copy_global_to_shared(k_desc, [(j + 2) * BLOCK_N, 0], k_bars.index(stage),
-                                    k_smem.index(stage), pred=more)
     p, m_new, l_i, alpha_new = _softmax(s_int, ks, qs, m_i, l_i, j * BLOCK_N, offs_m, offs_n, nk,
                                         causal_offset, MASKED, IS_CAUSAL)
     p_smem.index(stage).store(p)
     fence_async_shared()
     pv = warpgroup_mma_wait(0, deps=[pv_tok])
-    # V(j-1) is read: its stage takes V(j+1).
-    more = j + 1 < n_blocks
-    mbarrier.expect(v_bars.index(prev), BLOCK_D * BLOCK_N, pred=more)
+    # K(j) and V(j-1) are read: their stages take K(j+2) and V(j+1).
+    more_k = j + 2 < n_blocks
+    more_v = j + 1 < n_blocks
+    mbarrier.expect(k_bars.index(stage), BLOCK_N * BLOCK_D, pred=more_k)
+    mbarrier.expect(v_bars.index(prev), BLOCK_D * BLOCK_N, pred=more_v)
+    tma.async_copy_global_to_shared(k_desc, [(j + 2) * BLOCK_N, 0], k_bars.index(stage),
+                                    k_smem.index(stage), pred=more_k)
     tma.async_copy_global_to_shared(v_desc, [0, (j + 1) * BLOCK_N], v_bars.index(prev),
-                                    v_smem.index(prev), pred=more)
+                                    v_smem.index(prev), pred=more_v)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None] + pv
     return acc, m_new, l_i, alpha_new, ks_ptr + BLOCK_N * sksn
 
