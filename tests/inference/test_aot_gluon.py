@@ -5,15 +5,15 @@ ptxas and cuobjdump), 128-row tiles, 8 warps, per-token FP8 P·V, with LSE:
 
 | D   | keys | regs    | spills (B) | main loop, per tile (per score) | exp2 under P·V | span    | masked loop |
 |-----|------|---------|------------|---------------------------------|----------------|---------|-------------|
-| 64  | 64   | 156/181 | 0/0        | 395/395 (12.34)                 | 34/34, 33/34   | 286     | 439/483     |
-| 64  | 128  | 243/255 | 0/0        | 631/630 (9.86/9.84)             | 64/66          | 519     | 736/822     |
-| 128 | 64   | 235/255 | 0/0        | 427/427 (13.34)                 | 33/34          | 282     | 474/517     |
-| 128 | 128  | 254/255 | 0/0        | 664/663 (10.38/10.36)           | 64/66          | 514     | 766/855     |
+| 64  | 64   | 156/181 | 0/0        | 389/390 (12.16/12.19)           | 34/34          | 279/281 | 437/480     |
+| 64  | 128  | 243/255 | 0/0        | 626/625 (9.78/9.77)             | 64/66          | 506/503 | 728/814     |
+| 128 | 64   | 235/255 | 0/0        | 421/421 (13.16)                 | 33/34          | 276     | 472/515     |
+| 128 | 128  | 254/255 | 0/0        | 661/658 (10.33/10.28)           | 64/66          | 505     | 763/852     |
 
 (x/y: non-causal / causal; span: SASS instructions between the first P·V wgmma and the wait that
 retires it; per score: per-thread instructions per tile over the 128·keys/256 scores a thread
-holds.) Before the K-scale address was carried across iterations (same day): D=128/128 keys 680/674
-per tile (10.62/10.53) with 16 B spilled when causal; the other variants 11–16 instructions more.
+holds.) First count, the same day, before the main loop was trimmed (NOTES §11): D=128/128 keys
+680/674 per tile (10.62/10.53) with 16 B spilled when causal; the other variants 15–18 more.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ VARIANTS = [(d, block_k, causal) for d in (64, 128) for block_k in (64, 128)
 IDS = [f"D{d}-k{block_k}-{'causal' if causal else 'full'}" for d, block_k, causal in VARIANTS]
 
 # Minimum exp2s and instructions between each P·V wgmma's issue and its wait in the main loop
-# (measured minus a margin: 33 of 34 and 64 of 66, spans 282 to 519).
+# (measured minus a margin: 33 of 34 and 64 of 66, spans 276 to 506).
 MIN_EXP2_UNDER_PV = {64: 32, 128: 60}
 MIN_SPAN = {64: 250, 128: 480}
 
@@ -106,14 +106,14 @@ def per_score(r: aot.KernelReport, block_k: int) -> float:
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_instructions_per_score_regression(compiled, causal):
-    """D=128, 128-key blocks: 10.38 (664 per tile) and 10.36 (663) instructions per score
+    """D=128, 128-key blocks: 10.33 (661 per tile) and 10.28 (658) instructions per score
     measured 2026-11-25 (the pipelined Triton loop: 12.73 at 128 keys, 14.28 at 64)."""
     assert per_score(compiled(128, 128, causal), 128) <= 10.5
 
 
 def test_instructions_per_score_budget(compiled):
-    """The issue's budget for the asynchronous design. 2026-11-25: 10.38 (664 per tile; 10.62,
-    680, before the K-scale address was carried across iterations)."""
+    """The issue's budget for the asynchronous design. 2026-11-25: 10.33 (661 per tile; 10.62,
+    680, before the main loop was trimmed, NOTES §11)."""
     assert per_score(compiled(128, 128, False), 128) <= 10.5
 
 
