@@ -196,7 +196,8 @@ MUTATIONS = [
      "wrong"),
     ("end-mask-off-by-one", kg._softmax, "cols < nk, offs_m", "cols <= nk, offs_m", "wrong"),
     ("unmasked-loop-one-too-far", KERNEL, "range(1, n_full)", "range(1, n_full + 1)", "any"),
-    ("V-coordinate-one-block-late", kg._step, "[0, (j + 1) * BLOCK_N]", "[0, (j + 2) * BLOCK_N]",
+    ("V-coordinate-one-block-late", kg._step, "[0, v_col + (j + 1) * BLOCK_N]",
+     "[0, v_col + (j + 2) * BLOCK_N]",
      "wrong"),
     ("last-P-V-other-stage", KERNEL, "p_smem.index(last % 2)", "p_smem.index((last + 1) % 2)",
      "any"),
@@ -241,3 +242,88 @@ def test_the_check_catches(jit, old, new, expected):
 
 def test_the_unmutated_kernel_passes_the_mutation_cases():
     assert outcome(KERNEL, "hk = h // GROUP", "hk = h // GROUP") == "passes"
+
+
+# Packed variable-length sequences: (query lengths, key lengths, Hq, Hkv, D). Lengths of 1, of a
+# partial tile, of several tiles, a sequence with queries and no key, one with keys and no query;
+# starts that are not 16-aligned (V's descriptor base moves back to the boundary).
+VARLEN = [
+    pytest.param([1, 130, 77, 5], [1, 140, 200, 19], 2, 2, 64, id="lens1-130-77-5-D64"),
+    pytest.param([3, 0, 200, 4], [9, 33, 90, 0], 4, 2, 128, id="GQA4:2-empty-D128"),
+]
+
+
+def packed_operands(lens_q, lens_k, hq, hkv, d, block_k):
+    """Each sequence quantized alone (dense ``[1, H, n, D]``) and the results packed as the
+    quantization pass packs them (V token-contiguous ``[H, D, total']``, padding poisoned): the
+    twin of sequence ``i`` is the twin of its own operands. ``(packed QuantizedQKV, Seqs of Q, Seqs
+    of K, [per-sequence dense QuantizedQKV or None])``."""
+    from lowbit_attn.core.operands import Seqs
+    alone, parts = [], {n: [] for n in ("q", "qs", "k", "ks", "v", "vs", "lsh")}
+    for i, (nq, nk) in enumerate(zip(lens_q, lens_k)):
+        g = torch.Generator().manual_seed(100 * i + nq + 7 * nk + d)
+        if nq and nk:
+            q = torch.randn(1, hq, nq, d, generator=g)
+            k = torch.randn(1, hkv, nk, d, generator=g) + 4 * torch.randn(1, hkv, 1, d, generator=g)
+            v = torch.randn(1, hkv, nk, d, generator=g)
+            recipe = get_recipe("qk_int8_pv_fp8").replace(block_k=block_k)
+            qz = quantize_qkv(q, k, v, recipe, d**-0.5, need_lse_shift=True, backend="reference")
+            assert qz.v_mean is None and qz.delta_s is None
+        else:  # no key (or no query): operands of the right shapes, never read as values
+            qz = kg.QuantizedQKV(
+                q=torch.randint(-127, 128, (1, hq, nq, d), generator=g, dtype=torch.int8),
+                q_scale=torch.rand(1, hq, nq, generator=g),
+                k=torch.randint(-127, 128, (1, hkv, nk, d), generator=g, dtype=torch.int8),
+                k_scale=torch.rand(1, hkv, nk, generator=g),
+                v=torch.randn(1, hkv, nk, d, generator=g).to(torch.float8_e4m3fn),
+                v_scale=torch.rand(1, hkv, d, generator=g), v_mean=None, delta_s=None,
+                lse_shift=torch.randn(1, hq, nq, generator=g))
+        alone.append(qz if nq and nk else None)
+        parts["q"].append(qz.q[0].transpose(0, 1))
+        parts["qs"].append(qz.q_scale[0])
+        parts["k"].append(qz.k[0].transpose(0, 1))
+        parts["ks"].append(qz.k_scale[0])
+        parts["v"].append(qz.v[0].transpose(0, 1))
+        parts["vs"].append(qz.v_scale[0])
+        parts["lsh"].append(qz.lse_shift[0])
+    total_k = sum(lens_k)
+    store = torch.full((hkv, d, -(-total_k // 16) * 16), 0x7F, dtype=torch.uint8)
+    store = store.view(torch.float8_e4m3fn)
+    store[..., :total_k] = torch.cat(parts["v"]).permute(1, 2, 0)
+    packed = kg.QuantizedQKV(
+        q=torch.cat(parts["q"]).contiguous(), q_scale=torch.cat(parts["qs"], 1).contiguous(),
+        k=torch.cat(parts["k"]).contiguous(), k_scale=torch.cat(parts["ks"], 1).contiguous(),
+        v=store[..., :total_k].permute(2, 0, 1), v_scale=torch.stack(parts["vs"]),
+        v_mean=None, delta_s=None, lse_shift=torch.cat(parts["lsh"], 1).contiguous())
+
+    def seqs(lens):
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+        return Seqs(batch=len(lens), max_len=max(lens), cu_seqlens=cu)
+
+    return packed, seqs(lens_q), seqs(lens_k), alone
+
+
+@pytest.mark.parametrize("lens_q,lens_k,hq,hkv,d", VARLEN)
+@pytest.mark.parametrize("block_k", kg.BLOCK_NS, ids=lambda n: f"k{n}")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gluon_varlen_equals_each_sequence_alone_bit_for_bit(lens_q, lens_k, hq, hkv, d, block_k,
+                                                              causal):
+    """Each packed sequence as the twin on that sequence alone (causal: aligned bottom-right in
+    each); a sequence with queries and no key gives rows of 0 and LSE -inf, as the Triton
+    kernel."""
+    qz, sq, sk, alone = packed_operands(lens_q, lens_k, hq, hkv, d, block_k)
+    out = torch.empty(qz.q.shape, dtype=torch.float32)  # NaN-poisoned (conftest)
+    with gluon_cpu.kernel_on_cpu(kg, "_attn_fwd_int8_gluon_kernel"):
+        lse = kg.attention(qz, out=out, pv="fp8", granularity="per_token", block_q=kg.BLOCK_M,
+                           block_k=block_k, causal_offset=0 if causal else None,
+                           return_lse=True, seqs_q=sq, seqs_k=sk)
+    assert lse.shape == (hq, qz.q.shape[0])
+    cu = sq.cu_seqlens.tolist()
+    for i, (nq, nk) in enumerate(zip(lens_q, lens_k)):
+        rows = slice(cu[i], cu[i + 1])
+        if alone[i] is None:
+            assert bool((out[rows] == 0).all()) and bool(torch.isneginf(lse[:, rows]).all()), i
+            continue
+        want, want_lse = twin(alone[i], block_k, nk - nq if causal else None)
+        assert_bits(out[rows], want[0].transpose(0, 1), f"out of sequence {i}")
+        assert_bits(lse[:, rows], want_lse[0], f"lse of sequence {i}")

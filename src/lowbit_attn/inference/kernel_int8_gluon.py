@@ -28,7 +28,8 @@ sequence's end), two stages each. The per-token K scales are loaded right after 
 issued, so their latency hides under Q·Kᵀ: loading them one block ahead, as the Triton kernel does,
 keeps one more scale vector live and spills at D=128 with 128-key blocks (ptxas, see NOTES §11).
 
-Phase 1 scope: dense inputs, per-token scales, FP8 P·V, D = 64 or 128, causal or not, GQA, LSE
+Phase 1 scope: dense or packed variable-length inputs (``VARLEN``, as the Triton kernel: each
+sequence's causal mask aligned bottom-right), per-token scales, FP8 P·V, D = 64 or 128, causal or not, GQA, LSE
 (with the K-smoothing shift). Twin: ``lowbit_attn.inference.naive.quantized_attention``. Written
 for Triton 3.6's Gluon (:data:`WRITTEN_FOR`); another version is refused at launch. Opt-in only:
 the op calls it when ``LOWBIT_ATTN_KERNEL=gluon`` and :mod:`lowbit_attn.inference.gluon_check`
@@ -47,10 +48,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
-from lowbit_attn.core.operands import LOG2_FP8_MAX, QuantizedQKV, Seqs
+from lowbit_attn.core.operands import LOG2_FP8_MAX, QuantizedQKV, Seqs, dense_seqs
 from lowbit_attn.core.triton_helpers import (
     batch_head, bhnd_strides, finish_rows, finish_scores, key_block_bounds, online_max,
-    row_strides, strides, store_lse, to_e4m3,
+    row_strides, seq_span, strides, store_lse, to_e4m3,
 )
 
 WRITTEN_FOR = "3.6"  # the Triton release series whose Gluon API this module uses
@@ -101,17 +102,20 @@ def _key_scales(ks_ptr, start_n, offs_n, nk, sksn, MASKED: gl.constexpr):
 
 @gluon.jit
 def _attn_fwd_int8_gluon_kernel(
-    q, k, V, VS, VM, LSH, O, LSE,
+    q, k, V, VS, VM, LSH, O, LSE, CUQ, CUK,
     v_strides, vs_strides, lsh_strides, o_strides, lse_strides,
     NQ, NK, HQ, GROUP, D, causal_offset,
     IS_CAUSAL: gl.constexpr, HAS_VSCALE: gl.constexpr, HAS_VMEAN: gl.constexpr,
-    HAS_LSH: gl.constexpr, WRITE_LSE: gl.constexpr,
+    HAS_LSH: gl.constexpr, WRITE_LSE: gl.constexpr, VARLEN: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
 ):
     """Operands ``q`` and ``k``: ``(INT8 values, per-token scales, values' strides, scales'
     strides)`` as in ``kernel_int8``. Strides: (batch, head, token, dim) of Q, K, ``V``, ``O``
     (V's token stride is 1: E4M3 V is stored ``[B, H, D, N']``); (batch, head, row) of the scales,
-    ``LSH`` and ``LSE``; (batch, head, dim) of V's channel vectors ``VS``/``VM``."""
+    ``LSH`` and ``LSE``; (batch, head, dim) of V's channel vectors ``VS``/``VM``. ``VARLEN``:
+    packed ``[total, H, ·]`` tensors (batch strides 0, per-token vectors ``[H, total]``), sequence
+    ``b`` at tokens ``CUQ[b]:CUQ[b+1]`` of Q/O and ``CUK[b]:CUK[b+1]`` of K/V, causal masks aligned
+    bottom-right in each; the dense variant compiles without any of it."""
     Q, QS, q_strides, qs_strides = q
     K, KS, k_strides, ks_strides = k
     sqb, sqh, sqn, sqd = q_strides
@@ -144,8 +148,13 @@ def _attn_fwd_int8_gluon_kernel(
     pid_bh = gl.program_id(1)
     b, h = batch_head(pid_bh, HQ)
     hk = h // GROUP
-    nq = NQ
-    nk = NK
+    if VARLEN:
+        q_start, nq = seq_span(CUQ, b, NQ, True)
+        k_start, nk = seq_span(CUK, b, NK, True)
+        causal_offset = nk - nq  # each sequence aligned bottom-right
+    else:
+        nq = NQ
+        nk = NK
     if pid_m * BLOCK_M >= nq:
         return
 
@@ -156,12 +165,26 @@ def _attn_fwd_int8_gluon_kernel(
     dmask = offs_d < D
 
     # TMA descriptors over this (batch, head)'s tokens: rows past the sequence read as 0.
-    q_desc = tma.make_tensor_descriptor(Q + b * sqb + h * sqh, [nq, D], [sqn, 1],
-                                        [BLOCK_M, BLOCK_D], q_smem_layout)
-    k_desc = tma.make_tensor_descriptor(K + b * skb + hk * skh, [nk, D], [skn, 1],
-                                        [BLOCK_N, BLOCK_D], k_smem_layout)
-    v_desc = tma.make_tensor_descriptor(V + b * svb + hk * svh, [D, nk], [svd, 1],
-                                        [BLOCK_D, BLOCK_N], v_smem_layout)
+    v_col = 0
+    if VARLEN:
+        # Q's and K's token strides are multiples of 16 bytes, so their sequence's first token is
+        # a TMA base; V's token stride is 1 byte: its descriptor starts at the 16-byte boundary at
+        # or before the sequence's first key and the boxes start ``v_col`` keys into it (those
+        # ``v_col`` keys, the previous sequence's, are never in a box).
+        v_col = (k_start % 16).to(gl.int32)
+        q_desc = tma.make_tensor_descriptor(Q + h * sqh + q_start * sqn, [nq, D], [sqn, 1],
+                                            [BLOCK_M, BLOCK_D], q_smem_layout)
+        k_desc = tma.make_tensor_descriptor(K + hk * skh + k_start * skn, [nk, D], [skn, 1],
+                                            [BLOCK_N, BLOCK_D], k_smem_layout)
+        v_desc = tma.make_tensor_descriptor(V + hk * svh + (k_start - v_col), [D, v_col + nk],
+                                            [svd, 1], [BLOCK_D, BLOCK_N], v_smem_layout)
+    else:
+        q_desc = tma.make_tensor_descriptor(Q + b * sqb + h * sqh, [nq, D], [sqn, 1],
+                                            [BLOCK_M, BLOCK_D], q_smem_layout)
+        k_desc = tma.make_tensor_descriptor(K + b * skb + hk * skh, [nk, D], [skn, 1],
+                                            [BLOCK_N, BLOCK_D], k_smem_layout)
+        v_desc = tma.make_tensor_descriptor(V + b * svb + hk * svh, [D, nk], [svd, 1],
+                                            [BLOCK_D, BLOCK_N], v_smem_layout)
 
     q_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_M, BLOCK_D], q_smem_layout)
     k_smem = gl.allocate_shared_memory(gl.int8, [2, BLOCK_N, BLOCK_D], k_smem_layout)
@@ -175,8 +198,12 @@ def _attn_fwd_int8_gluon_kernel(
         mbarrier.init(k_bars.index(i), count=1)
         mbarrier.init(v_bars.index(i), count=1)
 
-    qs = gl.load(QS + b * sqsb + h * sqsh + offs_m * sqsn, mask=mmask, other=1.0)
-    ks_base = KS + b * sksb + hk * sksh
+    if VARLEN:
+        qs = gl.load(QS + h * sqsh + (q_start + offs_m) * sqsn, mask=mmask, other=1.0)
+        ks_base = KS + hk * sksh + k_start * sksn
+    else:
+        qs = gl.load(QS + b * sqsb + h * sqsh + offs_m * sqsn, mask=mmask, other=1.0)
+        ks_base = KS + b * sksb + hk * sksh
 
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=rows_s)
     l_i = gl.full([BLOCK_M], 0.0, gl.float32, layout=rows_s)
@@ -198,7 +225,7 @@ def _attn_fwd_int8_gluon_kernel(
             tma.async_copy_global_to_shared(k_desc, [i * BLOCK_N, 0], k_bars.index(i),
                                             k_smem.index(i), pred=more)
             mbarrier.expect(v_bars.index(i), v_bytes, pred=more)
-            tma.async_copy_global_to_shared(v_desc, [0, i * BLOCK_N], v_bars.index(i),
+            tma.async_copy_global_to_shared(v_desc, [0, v_col + i * BLOCK_N], v_bars.index(i),
                                             v_smem.index(i), pred=more)
 
         # Block 0: its softmax waits for its Q·Kᵀ (nothing is in flight yet). Masked: a whole
@@ -224,14 +251,16 @@ def _attn_fwd_int8_gluon_kernel(
         for j in range(1, n_full):
             acc, m_i, l_i, alpha, ks_ptr = _step(
                 j, acc, m_i, l_i, alpha, qs, offs_m, offs_n, nk, causal_offset, ks_ptr,
-                sksn, q_smem, k_smem, v_smem, p_smem, k_bars, v_bars, k_desc, v_desc, n_blocks,
+                sksn, q_smem, k_smem, v_smem, p_smem, k_bars, v_bars, k_desc, v_desc, v_col,
+                n_blocks,
                 zero_s, False, IS_CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, o_layout)
         j0 = gl.maximum(n_full, 1)
         ks_ptr = ks_base + j0 * BLOCK_N * sksn
         for j in range(j0, n_blocks):
             acc, m_i, l_i, alpha, ks_ptr = _step(
                 j, acc, m_i, l_i, alpha, qs, offs_m, offs_n, nk, causal_offset, ks_ptr,
-                sksn, q_smem, k_smem, v_smem, p_smem, k_bars, v_bars, k_desc, v_desc, n_blocks,
+                sksn, q_smem, k_smem, v_smem, p_smem, k_bars, v_bars, k_desc, v_desc, v_col,
+                n_blocks,
                 zero_s, True, IS_CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, o_layout)
 
         # The last block's P̃·V.
@@ -251,16 +280,23 @@ def _attn_fwd_int8_gluon_kernel(
     offs_mo = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=rows_o)
     out = finish_rows(acc, gl.convert_layout(l_i, rows_o), VS, VM, b * svsb + hk * svsh, offs_d,
                       dmask, svsd, HAS_VSCALE, HAS_VMEAN)
-    gl.store(O + b * sob + h * soh + offs_mo[:, None] * son + offs_d[None, :] * sod,
+    o_base = O + b * sob + h * soh
+    lse_row = b * seb + h * seh
+    lsh_row = b * slb + h * slh
+    if VARLEN:
+        o_base += q_start * son
+        lse_row += q_start * sen
+        lsh_row += q_start * sln
+    gl.store(o_base + offs_mo[:, None] * son + offs_d[None, :] * sod,
              out.to(O.dtype.element_ty), mask=(offs_mo < nq)[:, None] & dmask[None, :])
     if WRITE_LSE:
-        store_lse(LSE, b * seb + h * seh + offs_m * sen, LSH, b * slb + h * slh + offs_m * sln,
+        store_lse(LSE, lse_row + offs_m * sen, LSH, lsh_row + offs_m * sln,
                   m_i, l_i, _LOG2_FP8_MAX, mmask, HAS_LSH)
 
 
 @gluon.jit
 def _step(j, acc, m_i, l_i, alpha, qs, offs_m, offs_n, nk, causal_offset, ks_ptr, sksn,
-          q_smem, k_smem, v_smem, p_smem, k_bars, v_bars, k_desc, v_desc, n_blocks, zero_s,
+          q_smem, k_smem, v_smem, p_smem, k_bars, v_bars, k_desc, v_desc, v_col, n_blocks, zero_s,
           MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
           BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, o_layout: gl.constexpr):
     """Key block ``j`` (≥ 1): Q·Kᵀ(j) and P̃·V(j-1) in flight, softmax(j) under P̃·V(j-1), then
@@ -293,7 +329,7 @@ def _step(j, acc, m_i, l_i, alpha, qs, offs_m, offs_n, nk, causal_offset, ks_ptr
     mbarrier.expect(v_bars.index(prev), BLOCK_D * BLOCK_N, pred=more_v)
     tma.async_copy_global_to_shared(k_desc, [(j + 2) * BLOCK_N, 0], k_bars.index(stage),
                                     k_smem.index(stage), pred=more_k)
-    tma.async_copy_global_to_shared(v_desc, [0, (j + 1) * BLOCK_N], v_bars.index(prev),
+    tma.async_copy_global_to_shared(v_desc, [0, v_col + (j + 1) * BLOCK_N], v_bars.index(prev),
                                     v_smem.index(prev), pred=more_v)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None] + pv
     return acc, m_new, l_i, alpha_new, ks_ptr + BLOCK_N * sksn
@@ -330,33 +366,39 @@ def attention(
     seqs_k: Seqs | None = None,
 ) -> torch.Tensor | None:
     """Run the kernel, as ``kernel_int8.attention`` (same arguments); writes ``out`` (logical
-    ``[B, Hq, Nq, D]``) and returns the LSE (``[B, Hq, Nq]`` fp32) when asked. Raises
+    ``[B, Hq, Nq, D]`` view or packed ``[total, Hq, D]``) and returns the LSE (``[B, Hq, Nq]`` or
+    ``[Hq, total]`` fp32) when asked. Raises
     ``RuntimeError`` on a Triton other than 3.6, ``ValueError`` for what phase 1 does not cover."""
     check_version()
     _check_scope(qz, pv=pv, granularity=granularity, block_q=block_q, block_k=block_k,
                  seqs_q=seqs_q, seqs_k=seqs_k)
-    b, hq, nq, d = qz.q.shape
-    hkv, nk = qz.k.shape[1], qz.k.shape[2]
+    seqs_q = seqs_q or dense_seqs(qz.q)
+    seqs_k = seqs_k or dense_seqs(qz.k)
+    packed = seqs_q.packed
+    hq, d = qz.q.shape[1], qz.q.shape[-1]
+    hkv = qz.k.shape[1]
     lse = None
     if return_lse:
-        lse = torch.empty((b, hq, nq), device=out.device, dtype=torch.float32)
+        shape = (hq, qz.q.shape[0]) if packed else qz.q.shape[:3]
+        lse = torch.empty(shape, device=out.device, dtype=torch.float32)
     vec = qz.v_scale if qz.v_scale is not None else qz.v_mean
-    grid = (triton.cdiv(nq, block_q), b * hq)
+    grid = (triton.cdiv(seqs_q.max_len, block_q), seqs_q.batch * hq)
 
     def launch():
         triton.set_allocator(_scratch)  # in a copy of the caller's context: theirs is kept
         _attn_fwd_int8_gluon_kernel[grid](
-            q=(qz.q, qz.q_scale, tuple(qz.q.stride()), row_strides(qz.q_scale, False)),
-            k=(qz.k, qz.k_scale, tuple(qz.k.stride()), row_strides(qz.k_scale, False)),
+            q=(qz.q, qz.q_scale, bhnd_strides(qz.q, packed), row_strides(qz.q_scale, packed)),
+            k=(qz.k, qz.k_scale, bhnd_strides(qz.k, packed), row_strides(qz.k_scale, packed)),
             V=qz.v, VS=qz.v_scale, VM=qz.v_mean, LSH=qz.lse_shift, O=out, LSE=lse,
-            v_strides=bhnd_strides(qz.v, False), vs_strides=strides(vec, 3),
-            lsh_strides=row_strides(qz.lse_shift, False), o_strides=bhnd_strides(out, False),
-            lse_strides=row_strides(lse, False),
-            NQ=nq, NK=nk, HQ=hq, GROUP=hq // hkv, D=d,
+            CUQ=seqs_q.cu_seqlens, CUK=seqs_k.cu_seqlens,
+            v_strides=bhnd_strides(qz.v, packed), vs_strides=strides(vec, 3),
+            lsh_strides=row_strides(qz.lse_shift, packed), o_strides=bhnd_strides(out, packed),
+            lse_strides=row_strides(lse, packed),
+            NQ=seqs_q.max_len, NK=seqs_k.max_len, HQ=hq, GROUP=hq // hkv, D=d,
             causal_offset=0 if causal_offset is None else int(causal_offset),
             IS_CAUSAL=causal_offset is not None, HAS_VSCALE=qz.v_scale is not None,
             HAS_VMEAN=qz.v_mean is not None, HAS_LSH=qz.lse_shift is not None,
-            WRITE_LSE=lse is not None,
+            WRITE_LSE=lse is not None, VARLEN=packed,
             BLOCK_M=block_q, BLOCK_N=block_k, BLOCK_D=d, num_warps=NUM_WARPS,
         )
 
@@ -374,8 +416,9 @@ def _check_scope(qz: QuantizedQKV, *, pv, granularity, block_q, block_k, seqs_q,
     if block_q != BLOCK_M or block_k not in BLOCK_NS:
         raise ValueError(f"block_q must be {BLOCK_M} and block_k one of {BLOCK_NS} for the Gluon "
                          f"kernel, got block_q={block_q}, block_k={block_k}")
-    if (seqs_q is not None and seqs_q.packed) or (seqs_k is not None and seqs_k.packed):
-        raise ValueError("packed (varlen) sequences are not supported by the Gluon kernel yet")
+    packed = seqs_q is not None and seqs_q.packed
+    if packed != (seqs_k is not None and seqs_k.packed):
+        raise ValueError("Q and K must be both packed or both dense for the Gluon kernel")
     if qz.q_raw is not None or qz.q_scale is None:
         raise ValueError("the Gluon kernel needs Q quantized by its pass "
                          "(LOWBIT_ATTN_Q_QUANT=kernel is not supported)")
@@ -384,11 +427,15 @@ def _check_scope(qz: QuantizedQKV, *, pv, granularity, block_q, block_k, seqs_q,
     d = qz.q.shape[-1]
     if d not in HEAD_DIMS:
         raise ValueError(f"head dim must be one of {HEAD_DIMS} for the Gluon kernel, got {d}")
-    if qz.v.dtype != torch.float8_e4m3fn or qz.v.stride(2) != 1:
-        raise ValueError("v must be E4M3 stored token-contiguous ([B, H, D, N'] transposed), got "
+    token = 0 if packed else 2  # V's token dimension
+    if qz.v.dtype != torch.float8_e4m3fn or qz.v.stride(token) != 1:
+        raise ValueError("v must be E4M3 stored token-contiguous ([B, H, D, N'] or packed "
+                         "[H, D, total'], transposed), got "
                          f"dtype {qz.v.dtype} with strides {tuple(qz.v.stride())}")
     # TMA: 16-byte aligned bases and strides (8-bit elements: strides in bytes), unit inner stride.
-    for name, x, inner in (("q", qz.q, 3), ("k", qz.k, 3), ("v", qz.v, 2)):
+    # (Packed V: its descriptor starts at the 16-byte boundary before each sequence.)
+    inner_qk = 2 if packed else 3
+    for name, x, inner in (("q", qz.q, inner_qk), ("k", qz.k, inner_qk), ("v", qz.v, token)):
         outer = [s for i, s in enumerate(x.stride()) if i != inner]
         if x.stride(inner) != 1 or any(s % 16 for s in outer) or x.data_ptr() % 16:
             raise ValueError(f"{name} must be 16-byte aligned with a unit stride along dim {inner} "
