@@ -280,18 +280,20 @@ def _attn_fwd_int8_gluon_kernel(
     offs_mo = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=rows_o)
     out = finish_rows(acc, gl.convert_layout(l_i, rows_o), VS, VM, b * svsb + hk * svsh, offs_d,
                       dmask, svsd, HAS_VSCALE, HAS_VMEAN)
-    o_base = O + b * sob + h * soh
-    lse_row = b * seb + h * seh
-    lsh_row = b * slb + h * slh
     if VARLEN:
-        o_base += q_start * son
-        lse_row += q_start * sen
-        lsh_row += q_start * sln
-    gl.store(o_base + offs_mo[:, None] * son + offs_d[None, :] * sod,
-             out.to(O.dtype.element_ty), mask=(offs_mo < nq)[:, None] & dmask[None, :])
-    if WRITE_LSE:
-        store_lse(LSE, lse_row + offs_m * sen, LSH, lsh_row + offs_m * sln,
-                  m_i, l_i, _LOG2_FP8_MAX, mmask, HAS_LSH)
+        o_rows = q_start + offs_mo
+        gl.store(O + h * soh + o_rows[:, None] * son + offs_d[None, :] * sod,
+                 out.to(O.dtype.element_ty), mask=(offs_mo < nq)[:, None] & dmask[None, :])
+        if WRITE_LSE:
+            rows = q_start + offs_m
+            store_lse(LSE, h * seh + rows * sen, LSH, h * slh + rows * sln, m_i, l_i,
+                      _LOG2_FP8_MAX, mmask, HAS_LSH)
+    else:
+        gl.store(O + b * sob + h * soh + offs_mo[:, None] * son + offs_d[None, :] * sod,
+                 out.to(O.dtype.element_ty), mask=(offs_mo < nq)[:, None] & dmask[None, :])
+        if WRITE_LSE:
+            store_lse(LSE, b * seb + h * seh + offs_m * sen, LSH,
+                      b * slb + h * slh + offs_m * sln, m_i, l_i, _LOG2_FP8_MAX, mmask, HAS_LSH)
 
 
 @gluon.jit
