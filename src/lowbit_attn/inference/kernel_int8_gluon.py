@@ -255,6 +255,8 @@ def _attn_fwd_int8_gluon_kernel(
                 n_blocks,
                 zero_s, False, IS_CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, o_layout)
         j0 = gl.maximum(n_full, 1)
+        if VARLEN:  # read again: not kept live through the main loop (see the epilogue)
+            _, nk = seq_span(CUK, b, NK, True)
         ks_ptr = ks_base + j0 * BLOCK_N * sksn
         for j in range(j0, n_blocks):
             acc, m_i, l_i, alpha, ks_ptr = _step(
@@ -281,6 +283,9 @@ def _attn_fwd_int8_gluon_kernel(
     out = finish_rows(acc, gl.convert_layout(l_i, rows_o), VS, VM, b * svsb + hk * svsh, offs_d,
                       dmask, svsd, HAS_VSCALE, HAS_VMEAN)
     if VARLEN:
+        # The sequence's first row read again rather than kept live through the loops (at D=128
+        # with 128-key blocks, causal, those registers spill 20 B).
+        q_start, nq = seq_span(CUQ, b, NQ, True)
         o_rows = q_start + offs_mo
         gl.store(O + h * soh + o_rows[:, None] * son + offs_d[None, :] * sod,
                  out.to(O.dtype.element_ty), mask=(offs_mo < nq)[:, None] & dmask[None, :])

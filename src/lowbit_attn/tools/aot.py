@@ -625,11 +625,12 @@ def record_vsa_launches(*, head_dim: int = 128, dtype: torch.dtype = torch.bfloa
 
 def record_gluon_launch(*, head_dim: int = 128, causal: bool = False, block_k: int = 64,
                         return_lse: bool = False, seq_len: int = 1024,
-                        dtype: torch.dtype = torch.float16) -> Launch:
+                        dtype: torch.dtype = torch.float16, varlen: bool = False) -> Launch:
     """The launch of the Gluon Hopper forward (``inference.kernel_int8_gluon``) on the operands a
     dense ``[1, 2, seq_len, head_dim]`` ``qk_int8_pv_fp8`` call (per token, ``block_k`` keys,
     ``dtype`` inputs and output) hands the Triton kernel: that call is recorded, then the Gluon
-    launcher runs on its operands (nothing runs on a device)."""
+    launcher runs on its operands (nothing runs on a device). ``varlen``: the same tokens as two
+    packed sequences (``[total, H, D]`` views, per-token vectors ``[H, total]``, ``cu_seqlens``)."""
     from lowbit_attn.core.operands import QuantizedQKV
     from lowbit_attn.core.recipes import get_recipe
     from lowbit_attn.inference import kernel_int8_gluon
@@ -641,11 +642,25 @@ def record_gluon_launch(*, head_dim: int = 128, causal: bool = False, block_k: i
     qz = QuantizedQKV(q=kw["q"][0], q_scale=kw["q"][1], k=kw["k"][0], k_scale=kw["k"][1],
                       v=kw["V"], v_scale=kw["VS"], v_mean=kw["VM"], delta_s=kw["DS"],
                       lse_shift=kw["LSH"])
+    out, seqs = kw["O"], {}
+    if varlen:
+        from lowbit_attn.core.operands import Seqs
+
+        cu = torch.tensor([0, seq_len // 3, seq_len], dtype=torch.int32)
+        seq = Seqs(batch=2, max_len=seq_len - seq_len // 3, cu_seqlens=cu)
+        seqs = dict(seqs_q=seq, seqs_k=seq)
+        tokens = (lambda x: x[0].transpose(0, 1))  # [1, H, N, ·] → [N, H, ·]
+        vec = (lambda x: None if x is None else torch.cat([x, x]))  # one per sequence
+        qz = QuantizedQKV(q=tokens(qz.q), q_scale=qz.q_scale[0], k=tokens(qz.k),
+                          k_scale=qz.k_scale[0], v=tokens(qz.v), v_scale=vec(qz.v_scale),
+                          v_mean=vec(qz.v_mean), delta_s=None,
+                          lse_shift=None if qz.lse_shift is None else qz.lse_shift[0])
+        out = tokens(out)
     with _recording() as sink:
         kernel_int8_gluon.attention(
-            qz, out=kw["O"], pv=recipe.pv, granularity=recipe.granularity,
+            qz, out=out, pv=recipe.pv, granularity=recipe.granularity,
             block_q=recipe.block_q, block_k=block_k, causal_offset=0 if causal else None,
-            return_lse=return_lse,
+            return_lse=return_lse, **seqs,
         )
     (launch,) = sink
     return launch
