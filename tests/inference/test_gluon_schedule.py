@@ -327,3 +327,24 @@ def test_gluon_varlen_equals_each_sequence_alone_bit_for_bit(lens_q, lens_k, hq,
         want, want_lse = twin(alone[i], block_k, nk - nq if causal else None)
         assert_bits(out[rows], want[0].transpose(0, 1), f"out of sequence {i}")
         assert_bits(lse[:, rows], want_lse[0], f"lse of sequence {i}")
+
+
+@pytest.mark.parametrize("old,new", [
+    ("V + hk * svh + (k_start - v_col)", "V + hk * svh + k_start"),  # V's first key as the base
+    ("[svd, 1], [BLOCK_D, BLOCK_N], v_smem_layout)\n    else",
+     "[svd, 1], [BLOCK_D, BLOCK_N], v_smem_layout)\n        v_col = 0\n    else"),
+], ids=["V-base-not-16-byte-aligned", "V-boxes-from-the-boundary"])
+def test_the_check_catches_varlen_breaks(old, new):
+    """Sequence 1 starts at key 1: V's descriptor base must move back to the 16-byte boundary
+    (TMA's alignment, which the model enforces) and its boxes start ``v_col`` keys in."""
+    qz, sq, sk, alone = packed_operands([1, 130, 77, 5], [1, 140, 200, 19], 2, 2, 64, 64)
+    broken = {KERNEL.fn: mutant(KERNEL, old, new)}
+    out = torch.empty(qz.q.shape, dtype=torch.float32)
+    try:
+        with gluon_cpu.kernel_on_cpu(kg, "_attn_fwd_int8_gluon_kernel", overrides=broken):
+            kg.attention(qz, out=out, pv="fp8", granularity="per_token", block_q=kg.BLOCK_M,
+                         block_k=64, causal_offset=None, return_lse=False, seqs_q=sq, seqs_k=sk)
+    except gluon_cpu.ScheduleError:
+        return
+    want, _ = twin(alone[1], 64, None)
+    assert not torch.equal(out[1:131], want[0].transpose(0, 1))

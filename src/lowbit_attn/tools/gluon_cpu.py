@@ -525,6 +525,11 @@ def _make_tensor_descriptor(base, shape, strides, block_shape, layout, padding_o
     strides = [int(s) for s in strides]
     if strides[-1] != 1:
         raise ScheduleError(f"TMA descriptor over {base.name} with inner stride {strides[-1]}")
+    size = base.mem.element_size()
+    address = base.mem.data_ptr() + int(base.offset) * size
+    if address % 16 or any(s * size % 16 for s in strides[:-1]):
+        raise ScheduleError(f"TMA descriptor over {base.name}: global address {address:#x} and "
+                            f"strides {strides} (elements of {size} B) must be 16-byte aligned")
     return _Descriptor(base, [int(s) for s in shape], strides, [int(s) for s in block_shape])
 
 
