@@ -253,28 +253,29 @@ VARLEN = [
 ]
 
 
-def packed_operands(lens_q, lens_k, hq, hkv, d, block_k):
+def packed_operands(lens_q, lens_k, hq, hkv, d, block_k, granularity="per_token"):
     """Each sequence quantized alone (dense ``[1, H, n, D]``) and the results packed as the
     quantization pass packs them (V token-contiguous ``[H, D, total']``, padding poisoned): the
     twin of sequence ``i`` is the twin of its own operands. ``(packed QuantizedQKV, Seqs of Q, Seqs
     of K, [per-sequence dense QuantizedQKV or None])``."""
     from lowbit_attn.core.operands import Seqs
     alone, parts = [], {n: [] for n in ("q", "qs", "k", "ks", "v", "vs", "lsh")}
+    per_token = granularity == "per_token"
     for i, (nq, nk) in enumerate(zip(lens_q, lens_k)):
         g = torch.Generator().manual_seed(100 * i + nq + 7 * nk + d)
         if nq and nk:
             q = torch.randn(1, hq, nq, d, generator=g)
             k = torch.randn(1, hkv, nk, d, generator=g) + 4 * torch.randn(1, hkv, 1, d, generator=g)
             v = torch.randn(1, hkv, nk, d, generator=g)
-            recipe = get_recipe("qk_int8_pv_fp8").replace(block_k=block_k)
+            recipe = get_recipe("qk_int8_pv_fp8").replace(block_k=block_k, granularity=granularity)
             qz = quantize_qkv(q, k, v, recipe, d**-0.5, need_lse_shift=True, backend="reference")
             assert qz.v_mean is None and qz.delta_s is None
         else:  # no key (or no query): operands of the right shapes, never read as values
             qz = kg.QuantizedQKV(
                 q=torch.randint(-127, 128, (1, hq, nq, d), generator=g, dtype=torch.int8),
-                q_scale=torch.rand(1, hq, nq, generator=g),
+                q_scale=torch.rand(1, hq, nq if per_token else -(-nq // kg.BLOCK_M), generator=g),
                 k=torch.randint(-127, 128, (1, hkv, nk, d), generator=g, dtype=torch.int8),
-                k_scale=torch.rand(1, hkv, nk, generator=g),
+                k_scale=torch.rand(1, hkv, nk if per_token else -(-nk // block_k), generator=g),
                 v=torch.randn(1, hkv, nk, d, generator=g).to(torch.float8_e4m3fn),
                 v_scale=torch.rand(1, hkv, d, generator=g), v_mean=None, delta_s=None,
                 lse_shift=torch.randn(1, hq, nq, generator=g))
@@ -290,9 +291,19 @@ def packed_operands(lens_q, lens_k, hq, hkv, d, block_k):
     store = torch.full((hkv, d, -(-total_k // 16) * 16), 0x7F, dtype=torch.uint8)
     store = store.view(torch.float8_e4m3fn)
     store[..., :total_k] = torch.cat(parts["v"]).permute(1, 2, 0)
+    def blocks(scales):  # per block: [B, H, most blocks], past a sequence's blocks NaN
+        out = torch.full((len(scales), scales[0].shape[0], max(x.shape[1] for x in scales)),
+                         float("nan"))
+        for i, x in enumerate(scales):
+            out[i, :, :x.shape[1]] = x
+        return out
+
+    def scales(name):
+        return torch.cat(parts[name], 1).contiguous() if per_token else blocks(parts[name])
+
     packed = kg.QuantizedQKV(
-        q=torch.cat(parts["q"]).contiguous(), q_scale=torch.cat(parts["qs"], 1).contiguous(),
-        k=torch.cat(parts["k"]).contiguous(), k_scale=torch.cat(parts["ks"], 1).contiguous(),
+        q=torch.cat(parts["q"]).contiguous(), q_scale=scales("qs"),
+        k=torch.cat(parts["k"]).contiguous(), k_scale=scales("ks"),
         v=store[..., :total_k].permute(2, 0, 1), v_scale=torch.stack(parts["vs"]),
         v_mean=None, delta_s=None, lse_shift=torch.cat(parts["lsh"], 1).contiguous())
 
@@ -348,3 +359,58 @@ def test_the_check_catches_varlen_breaks(old, new):
         return
     want, _ = twin(alone[1], 64, None)
     assert not torch.equal(out[1:131], want[0].transpose(0, 1))
+
+
+
+def per_block_operands(b, hq, hkv, nq, nk, d, block_k):
+    g = torch.Generator().manual_seed(3 * nq + nk + d)
+    q = torch.randn(b, hq, nq, d, generator=g)
+    k = torch.randn(b, hkv, nk, d, generator=g) + 4 * torch.randn(b, hkv, 1, d, generator=g)
+    v = torch.randn(b, hkv, nk, d, generator=g)
+    recipe = get_recipe("qk_int8_pv_fp8").replace(block_k=block_k, granularity="per_block")
+    qz = quantize_qkv(q, k, v, recipe, d**-0.5, need_lse_shift=True, backend="reference")
+    return dataclasses.replace(qz, v=token_contiguous(qz.v))
+
+
+@pytest.mark.parametrize("b,hq,hkv,nq,nk,d,offset", [SHAPES[i] for i in (1, 2, 4, 5, 7)])
+@pytest.mark.parametrize("block_k", kg.BLOCK_NS, ids=lambda n: f"k{n}")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gluon_per_block_scales_equal_the_twin_bit_for_bit(b, hq, hkv, nq, nk, d, offset, block_k,
+                                                           causal):
+    """``granularity="per_block"``: one Q scale per 128 rows, one K scale per key block."""
+    qz = per_block_operands(b, hq, hkv, nq, nk, d, block_k)
+    co = offset_of(nq, nk, causal, offset)
+    with gluon_cpu.canonical_reductions():
+        want, want_lse = quantized_attention(qz, pv="fp8", granularity="per_block",
+                                             block_q=kg.BLOCK_M, block_k=block_k,
+                                             causal_offset=co)
+    out = torch.empty(qz.q.shape, dtype=torch.float32)
+    with gluon_cpu.kernel_on_cpu(kg, "_attn_fwd_int8_gluon_kernel"):
+        lse = kg.attention(qz, out=out, pv="fp8", granularity="per_block", block_q=kg.BLOCK_M,
+                           block_k=block_k, causal_offset=co, return_lse=True)
+    assert_bits(out, want, "out")
+    assert_bits(lse, want_lse, "lse")
+
+
+
+@pytest.mark.parametrize("lens_q,lens_k,hq,hkv,d", VARLEN)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gluon_varlen_per_block_equals_each_sequence_alone(lens_q, lens_k, hq, hkv, d, causal):
+    qz, sq, sk, alone = packed_operands(lens_q, lens_k, hq, hkv, d, 64, "per_block")
+    out = torch.empty(qz.q.shape, dtype=torch.float32)
+    with gluon_cpu.kernel_on_cpu(kg, "_attn_fwd_int8_gluon_kernel"):
+        lse = kg.attention(qz, out=out, pv="fp8", granularity="per_block", block_q=kg.BLOCK_M,
+                           block_k=64, causal_offset=0 if causal else None, return_lse=True,
+                           seqs_q=sq, seqs_k=sk)
+    cu = sq.cu_seqlens.tolist()
+    for i, (nq, nk) in enumerate(zip(lens_q, lens_k)):
+        rows = slice(cu[i], cu[i + 1])
+        if alone[i] is None:
+            assert bool((out[rows] == 0).all()) and bool(torch.isneginf(lse[:, rows]).all()), i
+            continue
+        with gluon_cpu.canonical_reductions():
+            want, want_lse = quantized_attention(alone[i], pv="fp8", granularity="per_block",
+                                                 block_q=kg.BLOCK_M, block_k=64,
+                                                 causal_offset=nk - nq if causal else None)
+        assert_bits(out[rows], want[0].transpose(0, 1), f"out of sequence {i}")
+        assert_bits(lse[:, rows], want_lse[0], f"lse of sequence {i}")

@@ -29,8 +29,8 @@ issued, so their latency hides under Q·Kᵀ: loading them one block ahead, as t
 keeps one more scale vector live and spills at D=128 with 128-key blocks (ptxas, see NOTES §11).
 
 Phase 1 scope: dense or packed variable-length inputs (``VARLEN``, as the Triton kernel: each
-sequence's causal mask aligned bottom-right), per-token scales, FP8 P·V, D = 64 or 128, causal or not, GQA, LSE
-(with the K-smoothing shift). Twin: ``lowbit_attn.inference.naive.quantized_attention``. Written
+sequence's causal mask aligned bottom-right), per-token or per-block scales (``PER_TOKEN``), FP8
+P·V, D = 64 or 128, causal or not, GQA, LSE (with the K-smoothing shift). Twin: ``lowbit_attn.inference.naive.quantized_attention``. Written
 for Triton 3.6's Gluon (:data:`WRITTEN_FOR`); another version is refused at launch. Opt-in only:
 the op calls it when ``LOWBIT_ATTN_KERNEL=gluon`` and :mod:`lowbit_attn.inference.gluon_check`
 admits it.
@@ -67,14 +67,19 @@ HEAD_DIMS = (64, 128)
 
 @gluon.jit
 def _softmax(s_int, ks, qs, m_i, l_i, start_n, offs_m, offs_n, nk, causal_offset,
-             MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr):
+             MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, PER_TOKEN: gl.constexpr = True):
     """One key block's online-softmax step on its integer scores: ``(P̃ as E4M3, m, l, α)``.
 
     The per-token fold of ``kernel_int8._softmax_pv`` (``t = s_int·s_k``, the row max on ``t``
     scaled once per row, ``exp2(fma(t, s_q, -(m - log2 448)))``) with the same shared helpers, so
     both kernels round alike. ``finish_scores`` without ΔS only masks."""
     cols = start_n + offs_n
-    t = s_int.to(gl.float32) * ks[None, :]
+    if PER_TOKEN:
+        t = s_int.to(gl.float32) * ks[None, :]
+        c = qs
+    else:  # one scale per query block and per key block (``kernel_int8``'s per-block fold)
+        t = s_int.to(gl.float32)
+        c = l_i * 0.0 + qs * ks  # a row vector (l_i is finite: ·0 gives 0)
     if IS_CAUSAL:
         # Keys past the end folded into each row's causal limit (the same set of keys, one
         # compare per score, and no per-key mask live in registers).
@@ -84,17 +89,20 @@ def _softmax(s_int, ks, qs, m_i, l_i, start_n, offs_m, offs_n, nk, causal_offset
     else:
         t = finish_scores(t, cols, cols < nk, offs_m, causal_offset, None, 0, False, MASKED,
                           IS_CAUSAL)
-    m_new, m_safe, alpha = online_max(m_i, gl.max(t, axis=1) * qs)
-    p = gl.exp2(gl.fma(t, qs[:, None], -(m_safe - _LOG2_FP8_MAX)[:, None]))
+    m_new, m_safe, alpha = online_max(m_i, gl.max(t, axis=1) * c)
+    p = gl.exp2(gl.fma(t, c[:, None], -(m_safe - _LOG2_FP8_MAX)[:, None]))
     l_i = l_i * alpha + gl.sum(p, axis=1)
     return to_e4m3(p, False), m_new, l_i, alpha
 
 
 @gluon.jit
-def _key_scales(ks_ptr, start_n, offs_n, nk, sksn, MASKED: gl.constexpr):
+def _key_scales(ks_ptr, start_n, offs_n, nk, sksn, MASKED: gl.constexpr,
+                PER_TOKEN: gl.constexpr = True):
     """K's per-token scales of one key block, ``ks_ptr`` pointing at its first key's (0 past the
-    sequence's end in ``MASKED`` blocks)."""
-    if MASKED:
+    sequence's end in ``MASKED`` blocks); per block, the block's one scale at ``ks_ptr``."""
+    if not PER_TOKEN:
+        return gl.load(ks_ptr)
+    elif MASKED:
         return gl.load(ks_ptr + offs_n * sksn, mask=start_n + offs_n < nk, other=0.0)
     else:
         return gl.load(ks_ptr + offs_n * sksn)
@@ -107,6 +115,7 @@ def _attn_fwd_int8_gluon_kernel(
     NQ, NK, HQ, GROUP, D, causal_offset,
     IS_CAUSAL: gl.constexpr, HAS_VSCALE: gl.constexpr, HAS_VMEAN: gl.constexpr,
     HAS_LSH: gl.constexpr, WRITE_LSE: gl.constexpr, VARLEN: gl.constexpr,
+    PER_TOKEN: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
 ):
     """Operands ``q`` and ``k``: ``(INT8 values, per-token scales, values' strides, scales'
@@ -198,7 +207,10 @@ def _attn_fwd_int8_gluon_kernel(
         mbarrier.init(k_bars.index(i), count=1)
         mbarrier.init(v_bars.index(i), count=1)
 
-    if VARLEN:
+    if not PER_TOKEN:  # [B, H, blocks] in both layouts: one per query block, per key block
+        qs = gl.load(QS + b * sqsb + h * sqsh + pid_m * sqsn)
+        ks_base = KS + b * sksb + hk * sksh
+    elif VARLEN:
         qs = gl.load(QS + h * sqsh + (q_start + offs_m) * sqsn, mask=mmask, other=1.0)
         ks_base = KS + hk * sksh + k_start * sksn
     else:
@@ -230,7 +242,7 @@ def _attn_fwd_int8_gluon_kernel(
 
         # Block 0: its softmax waits for its Q·Kᵀ (nothing is in flight yet). Masked: a whole
         # block's masks are all true, so this costs nothing in numerics.
-        ks = _key_scales(ks_base, 0, offs_n, nk, sksn, True)
+        ks = _key_scales(ks_base, 0, offs_n, nk, sksn, True, PER_TOKEN)
         mbarrier.wait(q_bar, 0)
         mbarrier.wait(k_bars.index(0), 0)
         s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False,
@@ -242,28 +254,34 @@ def _attn_fwd_int8_gluon_kernel(
         tma.async_copy_global_to_shared(k_desc, [2 * BLOCK_N, 0], k_bars.index(0),
                                         k_smem.index(0), pred=more)
         p, m_i, l_i, alpha = _softmax(s_int, ks, qs, m_i, l_i, 0, offs_m, offs_n, nk,
-                                      causal_offset, True, IS_CAUSAL)
+                                      causal_offset, True, IS_CAUSAL, PER_TOKEN)
         p_smem.index(0).store(p)
         fence_async_shared()
 
         # Blocks 1 .. n_full-1 unmasked, then the masked tail.
-        ks_ptr = ks_base + BLOCK_N * sksn
+        if PER_TOKEN:
+            ks_ptr = ks_base + BLOCK_N * sksn
+        else:
+            ks_ptr = ks_base + sksn
         for j in range(1, n_full):
             acc, m_i, l_i, alpha, ks_ptr = _step(
                 j, acc, m_i, l_i, alpha, qs, offs_m, offs_n, nk, causal_offset, ks_ptr,
                 sksn, q_smem, k_smem, v_smem, p_smem, k_bars, v_bars, k_desc, v_desc, v_col,
                 n_blocks,
-                zero_s, False, IS_CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, o_layout)
+                zero_s, False, IS_CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, o_layout, PER_TOKEN)
         j0 = gl.maximum(n_full, 1)
         if VARLEN:  # read again: not kept live through the main loop (see the epilogue)
             _, nk = seq_span(CUK, b, NK, True)
-        ks_ptr = ks_base + j0 * BLOCK_N * sksn
+        if PER_TOKEN:
+            ks_ptr = ks_base + j0 * BLOCK_N * sksn
+        else:
+            ks_ptr = ks_base + j0 * sksn
         for j in range(j0, n_blocks):
             acc, m_i, l_i, alpha, ks_ptr = _step(
                 j, acc, m_i, l_i, alpha, qs, offs_m, offs_n, nk, causal_offset, ks_ptr,
                 sksn, q_smem, k_smem, v_smem, p_smem, k_bars, v_bars, k_desc, v_desc, v_col,
                 n_blocks,
-                zero_s, True, IS_CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, o_layout)
+                zero_s, True, IS_CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, o_layout, PER_TOKEN)
 
         # The last block's P̃·V.
         last = n_blocks - 1
@@ -305,7 +323,8 @@ def _attn_fwd_int8_gluon_kernel(
 def _step(j, acc, m_i, l_i, alpha, qs, offs_m, offs_n, nk, causal_offset, ks_ptr, sksn,
           q_smem, k_smem, v_smem, p_smem, k_bars, v_bars, k_desc, v_desc, v_col, n_blocks, zero_s,
           MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-          BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, o_layout: gl.constexpr):
+          BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, o_layout: gl.constexpr,
+          PER_TOKEN: gl.constexpr = True):
     """Key block ``j`` (≥ 1): Q·Kᵀ(j) and P̃·V(j-1) in flight, softmax(j) under P̃·V(j-1), then
     ``acc·α(j-1) + pv(j-1)``; returns ``(acc, m, l, α(j))`` and ``ks_ptr`` moved to the next
     block's K scales (carried rather than computed from ``j``: an address from ``j`` makes LLVM
@@ -322,10 +341,10 @@ def _step(j, acc, m_i, l_i, alpha, qs, offs_m, offs_n, nk, causal_offset, ks_ptr
     pv_tok = warpgroup_mma(p_smem.index(prev), v_smem.index(prev).permute((1, 0)),
                            gl.zeros([BLOCK_M, BLOCK_D], gl.float32, layout=o_layout),
                            use_acc=False, is_async=True)
-    ks = _key_scales(ks_ptr, j * BLOCK_N, offs_n, nk, sksn, MASKED)
+    ks = _key_scales(ks_ptr, j * BLOCK_N, offs_n, nk, sksn, MASKED, PER_TOKEN)
     s_int = warpgroup_mma_wait(1, deps=[s_tok])
     p, m_new, l_i, alpha_new = _softmax(s_int, ks, qs, m_i, l_i, j * BLOCK_N, offs_m, offs_n, nk,
-                                        causal_offset, MASKED, IS_CAUSAL)
+                                        causal_offset, MASKED, IS_CAUSAL, PER_TOKEN)
     p_smem.index(stage).store(p)
     fence_async_shared()
     pv = warpgroup_mma_wait(0, deps=[pv_tok])
@@ -339,7 +358,11 @@ def _step(j, acc, m_i, l_i, alpha, qs, offs_m, offs_n, nk, causal_offset, ks_ptr
     tma.async_copy_global_to_shared(v_desc, [0, v_col + (j + 1) * BLOCK_N], v_bars.index(prev),
                                     v_smem.index(prev), pred=more_v)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None] + pv
-    return acc, m_new, l_i, alpha_new, ks_ptr + BLOCK_N * sksn
+    if PER_TOKEN:
+        ks_ptr += BLOCK_N * sksn
+    else:
+        ks_ptr += sksn
+    return acc, m_new, l_i, alpha_new, ks_ptr
 
 
 def check_version(version: str | None = None) -> None:
@@ -382,6 +405,7 @@ def attention(
     seqs_q = seqs_q or dense_seqs(qz.q)
     seqs_k = seqs_k or dense_seqs(qz.k)
     packed = seqs_q.packed
+    per_token = granularity == "per_token"
     hq, d = qz.q.shape[1], qz.q.shape[-1]
     hkv = qz.k.shape[1]
     lse = None
@@ -394,8 +418,10 @@ def attention(
     def launch():
         triton.set_allocator(_scratch)  # in a copy of the caller's context: theirs is kept
         _attn_fwd_int8_gluon_kernel[grid](
-            q=(qz.q, qz.q_scale, bhnd_strides(qz.q, packed), row_strides(qz.q_scale, packed)),
-            k=(qz.k, qz.k_scale, bhnd_strides(qz.k, packed), row_strides(qz.k_scale, packed)),
+            q=(qz.q, qz.q_scale, bhnd_strides(qz.q, packed),
+               row_strides(qz.q_scale, packed and per_token)),
+            k=(qz.k, qz.k_scale, bhnd_strides(qz.k, packed),
+               row_strides(qz.k_scale, packed and per_token)),
             V=qz.v, VS=qz.v_scale, VM=qz.v_mean, LSH=qz.lse_shift, O=out, LSE=lse,
             CUQ=seqs_q.cu_seqlens, CUK=seqs_k.cu_seqlens,
             v_strides=bhnd_strides(qz.v, packed), vs_strides=strides(vec, 3),
@@ -405,7 +431,7 @@ def attention(
             causal_offset=0 if causal_offset is None else int(causal_offset),
             IS_CAUSAL=causal_offset is not None, HAS_VSCALE=qz.v_scale is not None,
             HAS_VMEAN=qz.v_mean is not None, HAS_LSH=qz.lse_shift is not None,
-            WRITE_LSE=lse is not None, VARLEN=packed,
+            WRITE_LSE=lse is not None, VARLEN=packed, PER_TOKEN=per_token,
             BLOCK_M=block_q, BLOCK_N=block_k, BLOCK_D=d, num_warps=NUM_WARPS,
         )
 
@@ -417,9 +443,9 @@ def _check_scope(qz: QuantizedQKV, *, pv, granularity, block_q, block_k, seqs_q,
     """``ValueError`` naming what this kernel does not (yet) cover."""
     if pv != "fp8":
         raise ValueError(f"pv must be 'fp8' for the Gluon kernel, got {pv!r}")
-    if granularity != "per_token":
-        raise ValueError(f"granularity must be 'per_token' for the Gluon kernel, got "
-                         f"{granularity!r}")
+    if granularity not in ("per_token", "per_block"):
+        raise ValueError(f"granularity must be 'per_token' or 'per_block' for the Gluon kernel, "
+                         f"got {granularity!r}")
     if block_q != BLOCK_M or block_k not in BLOCK_NS:
         raise ValueError(f"block_q must be {BLOCK_M} and block_k one of {BLOCK_NS} for the Gluon "
                          f"kernel, got block_q={block_q}, block_k={block_k}")
