@@ -18,10 +18,11 @@ so it is opt-in and earns its place on each machine. A call uses it only where
    run the check (it would synchronize): it runs the Triton kernel, and the check waits for a call
    outside a capture;
 3. the Gluon launcher takes the call: it raises ``ValueError`` before launching anything for what
-   it does not cover (per-block scales, FP16 P·V, D other than 64 and 128, Q quantized in the
-   kernel, ΔS, operands TMA cannot read); such a call runs the Triton kernel. Packed (varlen)
-   calls are covered; the check's :data:`CASES` are dense (the per-sequence indexing is checked
-   on the CPU model, tests/inference/test_gluon_schedule.py).
+   it does not cover (FP16 P·V, D other than 64 and 128, Q quantized in the kernel, ΔS,
+   operands TMA cannot read); such a call runs the Triton kernel. Packed (varlen) calls and
+   per-block scales are covered; the check's :data:`CASES` are dense and per token (the
+   per-sequence indexing and the per-block fold are checked on the CPU model,
+   tests/inference/test_gluon_schedule.py).
 
 Tolerances of the check: on a GPU the compiled Triton kernel is held within ``atol 4e-3`` and
 cosine ``0.99999`` of the twin on the same FP8 P·V operands (unit-variance V; the kernel test's
