@@ -213,3 +213,24 @@ def test_a_passed_check_admits_the_gluon_forward_for_what_it_takes(fresh, monkey
     assert len(calls) == 4  # tried, refused
     monkeypatch.delenv("LOWBIT_ATTN_KERNEL")
     _same(got, _call(q32, k32, v32))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("case", [
+    gluon_check.Case(2, 2, 1, 0, 0, 64, 64, causal=True, lse=True, granularity="per_block",
+                     lengths=((1, 20), (40, 70))),
+    gluon_check.Case(1, 2, 1, 30, 45, 64, 64, causal=False, lse=True, granularity="per_block"),
+], ids=str)
+def test_the_check_builds_packed_and_per_block_inputs(monkeypatch, case):
+    """The check's packed and per-block cases run end to end on the interpreter, the Triton kernel
+    standing in for the Gluon one: agreement gives no reason, a wrong output row gives one."""
+    monkeypatch.setattr(kernel_int8_gluon, "attention", kernel_int8.attention)
+    assert gluon_check._compare(case, torch.device("cpu")) is None
+
+    def wrong(qz, *, out, **kw):
+        lse = kernel_int8.attention(qz, out=out, **kw)
+        out[0] += 0.5
+        return lse
+
+    monkeypatch.setattr(kernel_int8_gluon, "attention", wrong)
+    assert "max |gluon - triton|" in gluon_check._compare(case, torch.device("cpu"))

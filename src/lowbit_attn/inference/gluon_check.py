@@ -11,7 +11,7 @@ so it is opt-in and earns its place on each machine. A call uses it only where
    on a CPU the option changes nothing);
 2. it has passed, in this process and on this device, the one-time check :func:`self_check`
    against the Triton kernel on the small inputs of :data:`CASES` (partial blocks, causal, GQA,
-   LSE, both key blocks), run at the first call that gets here. A mismatch or any exception (the
+   LSE, both key blocks, per-block scales, packed sequences), run at the first call that gets here. A mismatch or any exception (the
    module failing to import, the Triton version pin of ``kernel_int8_gluon.check_version``, a
    compile or launch error) warns once, naming the reason, and the Triton kernel runs for the
    rest of the process on that device. A call made while a CUDA graph is being captured does not
@@ -20,9 +20,8 @@ so it is opt-in and earns its place on each machine. A call uses it only where
 3. the Gluon launcher takes the call: it raises ``ValueError`` before launching anything for what
    it does not cover (FP16 P·V, D other than 64 and 128, Q quantized in the kernel, ΔS,
    operands TMA cannot read); such a call runs the Triton kernel. Packed (varlen) calls and
-   per-block scales are covered; the check's :data:`CASES` are dense and per token (the
-   per-sequence indexing and the per-block fold are checked on the CPU model,
-   tests/inference/test_gluon_schedule.py).
+   per-block scales are covered, and so is each in :data:`CASES` (their indexing is also checked
+   bit for bit on the CPU model, tests/inference/test_gluon_schedule.py).
 
 Tolerances of the check: on a GPU the compiled Triton kernel is held within ``atol 4e-3`` and
 cosine ``0.99999`` of the twin on the same FP8 P·V operands (unit-variance V; the kernel test's
@@ -45,6 +44,7 @@ import torch
 
 from lowbit_attn.core.arch import interpreter_enabled
 from lowbit_attn.core.metrics import cosine_similarity
+from lowbit_attn.core.operands import Seqs
 from lowbit_attn.core.recipes import QK_INT8_PV_FP8
 from lowbit_attn.inference import kernel_int8
 from lowbit_attn.inference.prepare import quantize_qkv
@@ -58,7 +58,9 @@ CHECK_LSE_ATOL = 2e-3  # 2 × 1e-3
 @dataclass(frozen=True)
 class Case:
     """One input of the check: ``[b, hq, nq, d]`` queries against ``[b, hkv, nk, d]`` keys and
-    values, ``block_k`` keys per block, causal (aligned bottom-right) or not, with LSE or not."""
+    values, ``block_k`` keys per block, causal (aligned bottom-right) or not, with LSE or not,
+    scales per token or per block. With ``lengths`` (``(nq, nk)`` per sequence) the sequences are
+    packed ``[total, H, D]`` instead (``b``, ``nq`` and ``nk`` then only seed the inputs)."""
 
     b: int
     hq: int
@@ -69,20 +71,28 @@ class Case:
     block_k: int
     causal: bool
     lse: bool
+    granularity: str = "per_token"
+    lengths: tuple[tuple[int, int], ...] = ()
 
     def __str__(self) -> str:
         flags = (" causal" if self.causal else "") + (" lse" if self.lse else "")
-        return (f"B{self.b} H{self.hq}:{self.hkv} Nq{self.nq} Nk{self.nk} D{self.d} "
-                f"keys {self.block_k}{flags}")
+        flags += "" if self.granularity == "per_token" else f" {self.granularity}"
+        shape = (f"packed {list(self.lengths)}" if self.lengths
+                 else f"B{self.b} Nq{self.nq} Nk{self.nk}")
+        return f"{shape} H{self.hq}:{self.hkv} D{self.d} keys {self.block_k}{flags}"
 
 
 # Every row count and key count leaves a partial block; D 64 and 128, both key blocks, GQA, causal
-# with a diagonal that is not the block grid's, LSE with the K-smoothing shift.
+# with a diagonal that is not the block grid's, LSE with the K-smoothing shift; per-block scales;
+# packed sequences (one token, a partial tile, several tiles; bases not 16-aligned).
 CASES = (
     Case(1, 2, 2, 200, 200, 64, 64, causal=False, lse=False),
     Case(1, 4, 2, 300, 333, 128, 64, causal=True, lse=True),
     Case(2, 2, 1, 130, 257, 128, 128, causal=True, lse=False),
     Case(1, 2, 1, 129, 300, 64, 128, causal=False, lse=True),
+    Case(1, 2, 1, 150, 170, 128, 64, causal=True, lse=True, granularity="per_block"),
+    Case(3, 4, 2, 0, 0, 64, 128, causal=True, lse=True,
+         lengths=((1, 37), (77, 77), (260, 301))),
 )
 
 _lock = threading.Lock()
@@ -145,17 +155,32 @@ def self_check(device: torch.device) -> str | None:
 
 
 def _compare(case: Case, device: torch.device) -> str | None:
-    g = torch.Generator(device=device).manual_seed(case.nq * 1000 + case.nk)
-    q = torch.randn(case.b, case.hq, case.nq, case.d, generator=g, device=device)
-    k = torch.randn(case.b, case.hkv, case.nk, case.d, generator=g, device=device)
-    k += 4 * torch.randn(case.b, case.hkv, 1, case.d, generator=g, device=device)  # channel bias
-    v = torch.randn(case.b, case.hkv, case.nk, case.d, generator=g, device=device)
-    q, k, v = (x.to(torch.float16) for x in (q, k, v))
-    recipe = QK_INT8_PV_FP8.replace(block_k=case.block_k)
-    qz = quantize_qkv(q, k, v, recipe, case.d**-0.5, need_lse_shift=case.lse, backend="triton")
+    g = torch.Generator(device=device).manual_seed(case.b * 10**6 + case.nq * 1000 + case.nk)
+    rows = ([(1, nq, nk) for nq, nk in case.lengths] if case.lengths
+            else [(case.b, case.nq, case.nk)])
+    parts = []
+    for b, nq, nk in rows:
+        q = torch.randn(b, case.hq, nq, case.d, generator=g, device=device)
+        k = torch.randn(b, case.hkv, nk, case.d, generator=g, device=device)
+        k += 4 * torch.randn(b, case.hkv, 1, case.d, generator=g, device=device)  # channel bias
+        v = torch.randn(b, case.hkv, nk, case.d, generator=g, device=device)
+        parts.append(tuple(x.to(torch.float16) for x in (q, k, v)))
+    recipe = QK_INT8_PV_FP8.replace(block_k=case.block_k, granularity=case.granularity)
+    seqs = {}
+    if case.lengths:  # packed [total, H, D]; each sequence causal bottom-right
+        q, k, v = (torch.cat([p[i][0].transpose(0, 1) for p in parts]) for i in range(3))
+        for name, n in (("seqs_q", [nq for nq, _ in case.lengths]),
+                        ("seqs_k", [nk for _, nk in case.lengths])):
+            cu = torch.tensor([0, *n], device=device).cumsum(0).to(torch.int32)
+            seqs[name] = Seqs(len(n), max(max(n), 1), cu)
+        offset = 0 if case.causal else None
+    else:
+        q, k, v = parts[0]
+        offset = case.nk - case.nq if case.causal else None
+    qz = quantize_qkv(q, k, v, recipe, case.d**-0.5, need_lse_shift=case.lse, backend="triton",
+                      **seqs)
     kw = dict(pv=recipe.pv, granularity=recipe.granularity, block_q=recipe.block_q,
-              block_k=case.block_k, causal_offset=case.nk - case.nq if case.causal else None,
-              return_lse=case.lse)
+              block_k=case.block_k, causal_offset=offset, return_lse=case.lse, **seqs)
     from lowbit_attn.inference import kernel_int8_gluon  # an import failure is a reason too
 
     want, got = torch.empty_like(q), torch.full_like(q, float("nan"))
