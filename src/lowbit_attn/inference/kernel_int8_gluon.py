@@ -60,6 +60,8 @@ WRITTEN_FOR = "3.6"  # the Triton release series whose Gluon API this module use
 _LOG2_FP8_MAX = gl.constexpr(LOG2_FP8_MAX)
 
 NUM_WARPS = 8  # two warpgroups of 64 query rows
+# The K scales' load layout: one key per thread (a block's keys replicated over the 256 threads).
+_KEYS = gl.constexpr(gl.BlockedLayout([1], [32], [NUM_WARPS], [0]))
 BLOCK_M = 128
 BLOCK_NS = (64, 128)  # the sm_90 key blocks of the per-token FP8 recipe
 HEAD_DIMS = (64, 128)
@@ -97,15 +99,26 @@ def _softmax(s_int, ks, qs, m_i, l_i, start_n, offs_m, offs_n, nk, causal_offset
 
 @gluon.jit
 def _key_scales(ks_ptr, start_n, offs_n, nk, sksn, MASKED: gl.constexpr,
-                PER_TOKEN: gl.constexpr = True):
-    """K's per-token scales of one key block, ``ks_ptr`` pointing at its first key's (0 past the
-    sequence's end in ``MASKED`` blocks); per block, the block's one scale at ``ks_ptr``."""
+                PER_TOKEN: gl.constexpr = True, COLS: gl.constexpr = None):
+    """K's per-token scales of one key block in the score columns' layout, ``ks_ptr`` the block's
+    keys' addresses in :data:`_KEYS` (0 past the sequence's end in ``MASKED`` blocks); per block,
+    the block's one scale at ``ks_ptr``.
+
+    Loaded one key per thread, then moved to the score layout through shared memory (the CTA
+    barrier this takes merges with the one Triton places after ``wait(1)``): loaded in the score
+    layout, each thread would hold 32 keys' addresses and masks. With every stride and length a
+    multiple of 16 those are 16 vector loads from one base, but otherwise (packed sequences, or
+    lengths not a multiple of 16) 32 scalar loads whose 64-bit offsets ptxas keeps live through
+    the main loop: 336 B spilled at D=128 with 128-key blocks (NOTES §11)."""
     if not PER_TOKEN:
         return gl.load(ks_ptr)
-    elif MASKED:
-        return gl.load(ks_ptr + offs_n * sksn, mask=start_n + offs_n < nk, other=0.0)
     else:
-        return gl.load(ks_ptr + offs_n * sksn)
+        keys = gl.arange(0, offs_n.shape[0], layout=_KEYS)
+        if MASKED:
+            ks = gl.load(ks_ptr, mask=start_n + keys < nk, other=0.0)
+        else:
+            ks = gl.load(ks_ptr)
+        return gl.convert_layout(ks, COLS)
 
 
 @gluon.jit
@@ -216,6 +229,8 @@ def _attn_fwd_int8_gluon_kernel(
     else:
         qs = gl.load(QS + b * sqsb + h * sqsh + offs_m * sqsn, mask=mmask, other=1.0)
         ks_base = KS + b * sksb + hk * sksh
+    if PER_TOKEN:  # each thread's key's address (see _key_scales)
+        ks_base = ks_base + gl.arange(0, BLOCK_N, layout=_KEYS) * sksn
 
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=rows_s)
     l_i = gl.full([BLOCK_M], 0.0, gl.float32, layout=rows_s)
@@ -242,7 +257,7 @@ def _attn_fwd_int8_gluon_kernel(
 
         # Block 0: its softmax waits for its Q·Kᵀ (nothing is in flight yet). Masked: a whole
         # block's masks are all true, so this costs nothing in numerics.
-        ks = _key_scales(ks_base, 0, offs_n, nk, sksn, True, PER_TOKEN)
+        ks = _key_scales(ks_base, 0, offs_n, nk, sksn, True, PER_TOKEN, cols_s)
         mbarrier.wait(q_bar, 0)
         mbarrier.wait(k_bars.index(0), 0)
         s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False,
@@ -268,7 +283,8 @@ def _attn_fwd_int8_gluon_kernel(
                 j, acc, m_i, l_i, alpha, qs, offs_m, offs_n, nk, causal_offset, ks_ptr,
                 sksn, q_smem, k_smem, v_smem, p_smem, k_bars, v_bars, k_desc, v_desc, v_col,
                 n_blocks,
-                zero_s, False, IS_CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, o_layout, PER_TOKEN)
+                zero_s, False, IS_CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, o_layout, PER_TOKEN,
+                s_layout)
         j0 = gl.maximum(n_full, 1)
         if VARLEN:  # read again: not kept live through the main loop (see the epilogue)
             _, nk = seq_span(CUK, b, NK, True)
@@ -281,7 +297,8 @@ def _attn_fwd_int8_gluon_kernel(
                 j, acc, m_i, l_i, alpha, qs, offs_m, offs_n, nk, causal_offset, ks_ptr,
                 sksn, q_smem, k_smem, v_smem, p_smem, k_bars, v_bars, k_desc, v_desc, v_col,
                 n_blocks,
-                zero_s, True, IS_CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, o_layout, PER_TOKEN)
+                zero_s, True, IS_CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, o_layout, PER_TOKEN,
+                s_layout)
 
         # The last block's P̃·V.
         last = n_blocks - 1
@@ -310,7 +327,7 @@ def _attn_fwd_int8_gluon_kernel(
         if WRITE_LSE:
             rows = q_start + offs_m
             store_lse(LSE, h * seh + rows * sen, LSH, h * slh + rows * sln, m_i, l_i,
-                      _LOG2_FP8_MAX, mmask, HAS_LSH)
+                      _LOG2_FP8_MAX, offs_m < nq, HAS_LSH)
     else:
         gl.store(O + b * sob + h * soh + offs_mo[:, None] * son + offs_d[None, :] * sod,
                  out.to(O.dtype.element_ty), mask=(offs_mo < nq)[:, None] & dmask[None, :])
@@ -324,7 +341,7 @@ def _step(j, acc, m_i, l_i, alpha, qs, offs_m, offs_n, nk, causal_offset, ks_ptr
           q_smem, k_smem, v_smem, p_smem, k_bars, v_bars, k_desc, v_desc, v_col, n_blocks, zero_s,
           MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
           BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, o_layout: gl.constexpr,
-          PER_TOKEN: gl.constexpr = True):
+          PER_TOKEN: gl.constexpr = True, s_layout: gl.constexpr = None):
     """Key block ``j`` (≥ 1): Q·Kᵀ(j) and P̃·V(j-1) in flight, softmax(j) under P̃·V(j-1), then
     ``acc·α(j-1) + pv(j-1)``; returns ``(acc, m, l, α(j))`` and ``ks_ptr`` moved to the next
     block's K scales (carried rather than computed from ``j``: an address from ``j`` makes LLVM
@@ -341,7 +358,8 @@ def _step(j, acc, m_i, l_i, alpha, qs, offs_m, offs_n, nk, causal_offset, ks_ptr
     pv_tok = warpgroup_mma(p_smem.index(prev), v_smem.index(prev).permute((1, 0)),
                            gl.zeros([BLOCK_M, BLOCK_D], gl.float32, layout=o_layout),
                            use_acc=False, is_async=True)
-    ks = _key_scales(ks_ptr, j * BLOCK_N, offs_n, nk, sksn, MASKED, PER_TOKEN)
+    ks = _key_scales(ks_ptr, j * BLOCK_N, offs_n, nk, sksn, MASKED, PER_TOKEN,
+                     gl.SliceLayout(0, s_layout))
     s_int = warpgroup_mma_wait(1, deps=[s_tok])
     p, m_new, l_i, alpha_new = _softmax(s_int, ks, qs, m_i, l_i, j * BLOCK_N, offs_m, offs_n, nk,
                                         causal_offset, MASKED, IS_CAUSAL, PER_TOKEN)
