@@ -1,6 +1,11 @@
 """lowbit_attn: fast, accurate low-bit attention for PyTorch, written in Triton."""
 
-from lowbit_attn import fp4, parallel, tiles, vsa
+import sys
+
+from lowbit_attn import vsa
+from lowbit_attn.integrations import parallel
+from lowbit_attn.quant import fp4_interface as fp4
+from lowbit_attn.vsa import tiles
 from lowbit_attn.core.metrics import Errors, errors
 from lowbit_attn.core.recipes import RECIPES, TRAIN_RECIPES, Recipe, TrainRecipe, get_recipe
 from lowbit_attn.inference import attention, attention_varlen
@@ -9,6 +14,12 @@ from lowbit_attn.training import trainable_attention
 from lowbit_attn.vsa import video_sparse_attention
 
 __version__ = "0.1.0"
+
+# The public module paths lowbit_attn.fp4, .parallel and .tiles (``import lowbit_attn.fp4``, ``from
+# lowbit_attn.parallel import ring_attention``) name the modules that live in the family folders.
+for _name, _module in (("fp4", fp4), ("parallel", parallel), ("tiles", tiles)):
+    sys.modules[f"{__name__}.{_name}"] = _module
+del _name, _module
 
 __all__ = [
     "attention",

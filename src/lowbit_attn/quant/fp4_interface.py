@@ -1,6 +1,6 @@
-"""FP4 microscaling quantizers for users: NVFP4 and MXFP4, on the backend of the tensor's device
-(Triton on a GPU, the PyTorch twin on a CPU; bit-identical). Numerics and edge cases:
-:mod:`lowbit_attn.quant.fp4_naive`.
+"""FP4 microscaling quantizers for users, public as ``lowbit_attn.fp4``: NVFP4 and MXFP4, on the
+backend of the tensor's device (Triton on a GPU, the PyTorch twin on a CPU; bit-identical).
+Numerics and edge cases: :mod:`lowbit_attn.quant.fp4_naive`.
 
     packed, scales, g = lowbit_attn.fp4.quantize_nvfp4(x)        # x [..., K], K % 16 == 0
     x_hat = lowbit_attn.fp4.dequantize_nvfp4(packed, scales, g)
