@@ -48,6 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
+from lowbit_attn.core.arch import check_triton_series
 from lowbit_attn.core.operands import LOG2_FP8_MAX, QuantizedQKV, Seqs, dense_seqs
 from lowbit_attn.core.triton_helpers import (
     batch_head, bhnd_strides, finish_rows, finish_scores, key_block_bounds, online_max,
@@ -386,13 +387,10 @@ def _step(j, acc, m_i, l_i, alpha, qs, offs_m, offs_n, nk, causal_offset, ks_ptr
 def check_version(version: str | None = None) -> None:
     """``RuntimeError`` unless ``version`` (default: the installed Triton's) is of the
     :data:`WRITTEN_FOR` series: Gluon's API changes between releases."""
-    version = triton.__version__ if version is None else version
-    if version.split("+")[0].split(".")[:2] != WRITTEN_FOR.split("."):
-        raise RuntimeError(
-            f"the Gluon attention kernel is written for Triton {WRITTEN_FOR}.x, found Triton "
-            f"{version}: install triton=={WRITTEN_FOR}.* or use the Triton kernel "
-            "(lowbit_attn.inference.kernel_int8)"
-        )
+    check_triton_series(
+        WRITTEN_FOR, "the Gluon attention kernel is written for Triton {series}.x, found Triton "
+        "{version}: install triton=={series}.* or use the Triton kernel "
+        "(lowbit_attn.inference.kernel_int8)", version)
 
 
 def _scratch(size: int, alignment: int, stream):

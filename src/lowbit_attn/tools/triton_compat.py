@@ -21,10 +21,9 @@ import types
 from typing import Any
 
 import torch
-import triton
 from triton.runtime.jit import JITFunction
 
-from lowbit_attn.core.arch import interpreter_enabled
+from lowbit_attn.core.arch import check_triton_series, interpreter_enabled
 
 WRITTEN_FOR = "3.6"  # the Triton release series whose interpreter internals this module reads
 _LANGUAGE_LOCK = threading.RLock()
@@ -33,13 +32,10 @@ _LANGUAGE_LOCK = threading.RLock()
 def check_version(version: str | None = None) -> None:
     """``RuntimeError`` unless ``version`` (default: the installed Triton's) is of the
     :data:`WRITTEN_FOR` series."""
-    version = triton.__version__ if version is None else version
-    if version.split("+")[0].split(".")[:2] != WRITTEN_FOR.split("."):
-        raise RuntimeError(
-            f"ahead-of-time compilation under TRITON_INTERPRET=1 reads Triton {WRITTEN_FOR}.x "
-            f"internals, found Triton {version}: install triton=={WRITTEN_FOR}.* or compile in a "
-            "process without TRITON_INTERPRET=1"
-        )
+    check_triton_series(
+        WRITTEN_FOR, "ahead-of-time compilation under TRITON_INTERPRET=1 reads Triton {series}.x "
+        "internals, found Triton {version}: install triton=={series}.* or compile in a process "
+        "without TRITON_INTERPRET=1", version)
 
 
 def pointer_type(dtype: torch.dtype) -> str:
