@@ -77,9 +77,9 @@ def operands(b, hq, hkv, nq, nk, d, block_k):
     return dataclasses.replace(qz, v=token_contiguous(qz.v))
 
 
-def twin(qz, block_k, causal_offset):
+def twin(qz, block_k, causal_offset, granularity="per_token"):
     with gluon_cpu.canonical_reductions():
-        return quantized_attention(qz, pv="fp8", granularity="per_token", block_q=kg.BLOCK_M,
+        return quantized_attention(qz, pv="fp8", granularity=granularity, block_q=kg.BLOCK_M,
                                    block_k=block_k, causal_offset=causal_offset)
 
 
@@ -322,10 +322,14 @@ def test_gluon_varlen_equals_each_sequence_alone_bit_for_bit(lens_q, lens_k, hq,
     """Each packed sequence as the twin on that sequence alone (causal: aligned bottom-right in
     each); a sequence with queries and no key gives rows of 0 and LSE -inf, as the Triton
     kernel."""
-    qz, sq, sk, alone = packed_operands(lens_q, lens_k, hq, hkv, d, block_k)
+    _packed_equals_each_sequence_alone(lens_q, lens_k, hq, hkv, d, block_k, causal, "per_token")
+
+
+def _packed_equals_each_sequence_alone(lens_q, lens_k, hq, hkv, d, block_k, causal, granularity):
+    qz, sq, sk, alone = packed_operands(lens_q, lens_k, hq, hkv, d, block_k, granularity)
     out = torch.empty(qz.q.shape, dtype=torch.float32)  # NaN-poisoned (conftest)
     with gluon_cpu.kernel_on_cpu(kg, "_attn_fwd_int8_gluon_kernel"):
-        lse = kg.attention(qz, out=out, pv="fp8", granularity="per_token", block_q=kg.BLOCK_M,
+        lse = kg.attention(qz, out=out, pv="fp8", granularity=granularity, block_q=kg.BLOCK_M,
                            block_k=block_k, causal_offset=0 if causal else None,
                            return_lse=True, seqs_q=sq, seqs_k=sk)
     assert lse.shape == (hq, qz.q.shape[0])
@@ -335,7 +339,7 @@ def test_gluon_varlen_equals_each_sequence_alone_bit_for_bit(lens_q, lens_k, hq,
         if alone[i] is None:
             assert bool((out[rows] == 0).all()) and bool(torch.isneginf(lse[:, rows]).all()), i
             continue
-        want, want_lse = twin(alone[i], block_k, nk - nq if causal else None)
+        want, want_lse = twin(alone[i], block_k, nk - nq if causal else None, granularity)
         assert_bits(out[rows], want[0].transpose(0, 1), f"out of sequence {i}")
         assert_bits(lse[:, rows], want_lse[0], f"lse of sequence {i}")
 
@@ -396,21 +400,4 @@ def test_gluon_per_block_scales_equal_the_twin_bit_for_bit(b, hq, hkv, nq, nk, d
 @pytest.mark.parametrize("lens_q,lens_k,hq,hkv,d", VARLEN)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_gluon_varlen_per_block_equals_each_sequence_alone(lens_q, lens_k, hq, hkv, d, causal):
-    qz, sq, sk, alone = packed_operands(lens_q, lens_k, hq, hkv, d, 64, "per_block")
-    out = torch.empty(qz.q.shape, dtype=torch.float32)
-    with gluon_cpu.kernel_on_cpu(kg, "_attn_fwd_int8_gluon_kernel"):
-        lse = kg.attention(qz, out=out, pv="fp8", granularity="per_block", block_q=kg.BLOCK_M,
-                           block_k=64, causal_offset=0 if causal else None, return_lse=True,
-                           seqs_q=sq, seqs_k=sk)
-    cu = sq.cu_seqlens.tolist()
-    for i, (nq, nk) in enumerate(zip(lens_q, lens_k)):
-        rows = slice(cu[i], cu[i + 1])
-        if alone[i] is None:
-            assert bool((out[rows] == 0).all()) and bool(torch.isneginf(lse[:, rows]).all()), i
-            continue
-        with gluon_cpu.canonical_reductions():
-            want, want_lse = quantized_attention(alone[i], pv="fp8", granularity="per_block",
-                                                 block_q=kg.BLOCK_M, block_k=64,
-                                                 causal_offset=nk - nq if causal else None)
-        assert_bits(out[rows], want[0].transpose(0, 1), f"out of sequence {i}")
-        assert_bits(lse[:, rows], want_lse[0], f"lse of sequence {i}")
+    _packed_equals_each_sequence_alone(lens_q, lens_k, hq, hkv, d, 64, causal, "per_block")
