@@ -21,6 +21,7 @@ import torch
 
 from helpers import Bound, assert_within
 from lowbit_attn.core.recipes import get_recipe
+from lowbit_attn.inference import gluon_blocks as gb
 from lowbit_attn.inference import kernel_int8_gluon as kg
 from lowbit_attn.inference.naive import quantized_attention
 from lowbit_attn.inference.prepare import quantize_qkv
@@ -192,9 +193,9 @@ MUTATIONS = [
      "race"),
     ("wait(2)-for-QK", kg._step, "warpgroup_mma_wait(1, deps=[s_tok])",
      "warpgroup_mma_wait(2, deps=[s_tok])", "race"),
-    ("causal-limit-off-by-one", kg._softmax, "nk - 1) - causal_offset", "nk) - causal_offset",
+    ("causal-limit-off-by-one", gb.softmax_block, "nk - 1) - causal_offset", "nk) - causal_offset",
      "wrong"),
-    ("end-mask-off-by-one", kg._softmax, "cols < nk, offs_m", "cols <= nk, offs_m", "wrong"),
+    ("end-mask-off-by-one", gb.softmax_block, "cols < nk, offs_m", "cols <= nk, offs_m", "wrong"),
     ("unmasked-loop-one-too-far", KERNEL, "range(1, n_full)", "range(1, n_full + 1)", "any"),
     ("V-coordinate-one-block-late", kg._step, "[0, v_col + (j + 1) * BLOCK_N]",
      "[0, v_col + (j + 2) * BLOCK_N]",
@@ -346,14 +347,14 @@ def _packed_equals_each_sequence_alone(lens_q, lens_k, hq, hkv, d, block_k, caus
 
 @pytest.mark.parametrize("old,new", [
     ("V + hk * svh + (k_start - v_col)", "V + hk * svh + k_start"),  # V's first key as the base
-    ("[svd, 1], [BLOCK_D, BLOCK_N], v_smem_layout)\n    else",
-     "[svd, 1], [BLOCK_D, BLOCK_N], v_smem_layout)\n        v_col = 0\n    else"),
+    ("[svd, 1], [BLOCK_D, BLOCK_N], v_layout)\n    else",
+     "[svd, 1], [BLOCK_D, BLOCK_N], v_layout)\n        v_col = 0\n    else"),
 ], ids=["V-base-not-16-byte-aligned", "V-boxes-from-the-boundary"])
 def test_the_check_catches_varlen_breaks(old, new):
     """Sequence 1 starts at key 1: V's descriptor base must move back to the 16-byte boundary
     (TMA's alignment, which the model enforces) and its boxes start ``v_col`` keys in."""
     qz, sq, sk, alone = packed_operands([1, 130, 77, 5], [1, 140, 200, 19], 2, 2, 64, 64)
-    broken = {KERNEL.fn: mutant(KERNEL, old, new)}
+    broken = {gb.descriptors.fn: mutant(gb.descriptors, old, new)}
     out = torch.empty(qz.q.shape, dtype=torch.float32)
     try:
         with gluon_cpu.kernel_on_cpu(kg, "_attn_fwd_int8_gluon_kernel", overrides=broken):

@@ -49,16 +49,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from lowbit_attn.core.arch import check_triton_series
-from lowbit_attn.core.operands import LOG2_FP8_MAX, QuantizedQKV, Seqs, dense_seqs
+from lowbit_attn.core.operands import QuantizedQKV, Seqs, dense_seqs
 from lowbit_attn.core.triton_helpers import (
-    batch_head, bhnd_strides, finish_rows, finish_scores, key_block_bounds, online_max,
-    row_strides, seq_span, strides, store_lse, to_e4m3,
+    batch_head, bhnd_strides, finish_rows, key_block_bounds, row_strides, seq_span, strides,
+    store_lse,
+)
+from lowbit_attn.inference.gluon_blocks import (
+    LOG2_FP8_MAX_C, descriptors, key_scales, softmax_block,
 )
 
 WRITTEN_FOR = "3.6"  # the Triton release series whose Gluon API this module uses
-
-# Globals read inside @jit functions must be constexpr.
-_LOG2_FP8_MAX = gl.constexpr(LOG2_FP8_MAX)
 
 NUM_WARPS = 8  # two warpgroups of 64 query rows
 # The K scales' load layout: one key per thread (a block's keys replicated over the 256 threads).
@@ -66,60 +66,6 @@ _KEYS = gl.constexpr(gl.BlockedLayout([1], [32], [NUM_WARPS], [0]))
 BLOCK_M = 128
 BLOCK_NS = (64, 128)  # the sm_90 key blocks of the per-token FP8 recipe
 HEAD_DIMS = (64, 128)
-
-
-@gluon.jit
-def _softmax(s_int, ks, qs, m_i, l_i, start_n, offs_m, offs_n, nk, causal_offset,
-             MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, PER_TOKEN: gl.constexpr = True):
-    """One key block's online-softmax step on its integer scores: ``(P̃ as E4M3, m, l, α)``.
-
-    The per-token fold of ``kernel_int8._softmax_pv`` (``t = s_int·s_k``, the row max on ``t``
-    scaled once per row, ``exp2(fma(t, s_q, -(m - log2 448)))``) with the same shared helpers, so
-    both kernels round alike. ``finish_scores`` without ΔS only masks."""
-    cols = start_n + offs_n
-    if PER_TOKEN:
-        t = s_int.to(gl.float32) * ks[None, :]
-        c = qs
-    else:  # one scale per query block and per key block (``kernel_int8``'s per-block fold)
-        t = s_int.to(gl.float32)
-        c = l_i * 0.0 + qs * ks  # a row vector (l_i is finite: ·0 gives 0)
-    if IS_CAUSAL:
-        # Keys past the end folded into each row's causal limit (the same set of keys, one
-        # compare per score, and no per-key mask live in registers).
-        lim = gl.minimum(offs_m + causal_offset, nk - 1) - causal_offset
-        t = finish_scores(t, cols, offs_n < offs_n.shape[0], lim, causal_offset, None, 0, False,
-                          MASKED, IS_CAUSAL)
-    else:
-        t = finish_scores(t, cols, cols < nk, offs_m, causal_offset, None, 0, False, MASKED,
-                          IS_CAUSAL)
-    m_new, m_safe, alpha = online_max(m_i, gl.max(t, axis=1) * c)
-    p = gl.exp2(gl.fma(t, c[:, None], -(m_safe - _LOG2_FP8_MAX)[:, None]))
-    l_i = l_i * alpha + gl.sum(p, axis=1)
-    return to_e4m3(p, False), m_new, l_i, alpha
-
-
-@gluon.jit
-def _key_scales(ks_ptr, start_n, offs_n, nk, sksn, MASKED: gl.constexpr,
-                PER_TOKEN: gl.constexpr = True, COLS: gl.constexpr = None):
-    """K's per-token scales of one key block in the score columns' layout, ``ks_ptr`` the block's
-    keys' addresses in :data:`_KEYS` (0 past the sequence's end in ``MASKED`` blocks); per block,
-    the block's one scale at ``ks_ptr``.
-
-    Loaded one key per thread, then moved to the score layout through shared memory (the CTA
-    barrier this takes merges with the one Triton places after ``wait(1)``): loaded in the score
-    layout, each thread would hold 32 keys' addresses and masks. With every stride and length a
-    multiple of 16 those are 16 vector loads from one base, but otherwise (packed sequences, or
-    lengths not a multiple of 16) 32 scalar loads whose 64-bit offsets ptxas keeps live through
-    the main loop: 336 B spilled at D=128 with 128-key blocks (NOTES §11)."""
-    if not PER_TOKEN:
-        return gl.load(ks_ptr)
-    else:
-        keys = gl.arange(0, offs_n.shape[0], layout=_KEYS)
-        if MASKED:
-            ks = gl.load(ks_ptr, mask=start_n + keys < nk, other=0.0)
-        else:
-            ks = gl.load(ks_ptr)
-        return gl.convert_layout(ks, COLS)
 
 
 @gluon.jit
@@ -176,6 +122,8 @@ def _attn_fwd_int8_gluon_kernel(
         k_start, nk = seq_span(CUK, b, NK, True)
         causal_offset = nk - nq  # each sequence aligned bottom-right
     else:
+        q_start = 0
+        k_start = 0
         nq = NQ
         nk = NK
     if pid_m * BLOCK_M >= nq:
@@ -187,27 +135,9 @@ def _attn_fwd_int8_gluon_kernel(
     mmask = offs_m < nq
     dmask = offs_d < D
 
-    # TMA descriptors over this (batch, head)'s tokens: rows past the sequence read as 0.
-    v_col = 0
-    if VARLEN:
-        # Q's and K's token strides are multiples of 16 bytes, so their sequence's first token is
-        # a TMA base; V's token stride is 1 byte: its descriptor starts at the 16-byte boundary at
-        # or before the sequence's first key and the boxes start ``v_col`` keys into it (those
-        # ``v_col`` keys, the previous sequence's, are never in a box).
-        v_col = (k_start % 16).to(gl.int32)
-        q_desc = tma.make_tensor_descriptor(Q + h * sqh + q_start * sqn, [nq, D], [sqn, 1],
-                                            [BLOCK_M, BLOCK_D], q_smem_layout)
-        k_desc = tma.make_tensor_descriptor(K + hk * skh + k_start * skn, [nk, D], [skn, 1],
-                                            [BLOCK_N, BLOCK_D], k_smem_layout)
-        v_desc = tma.make_tensor_descriptor(V + hk * svh + (k_start - v_col), [D, v_col + nk],
-                                            [svd, 1], [BLOCK_D, BLOCK_N], v_smem_layout)
-    else:
-        q_desc = tma.make_tensor_descriptor(Q + b * sqb + h * sqh, [nq, D], [sqn, 1],
-                                            [BLOCK_M, BLOCK_D], q_smem_layout)
-        k_desc = tma.make_tensor_descriptor(K + b * skb + hk * skh, [nk, D], [skn, 1],
-                                            [BLOCK_N, BLOCK_D], k_smem_layout)
-        v_desc = tma.make_tensor_descriptor(V + b * svb + hk * svh, [D, nk], [svd, 1],
-                                            [BLOCK_D, BLOCK_N], v_smem_layout)
+    q_desc, k_desc, v_desc, v_col = descriptors(
+        Q, K, V, b, h, hk, q_start, nq, k_start, nk, D, sqb, sqh, sqn, skb, skh, skn, svb, svh, svd,
+        VARLEN, BLOCK_M, BLOCK_N, BLOCK_D, q_smem_layout, k_smem_layout, v_smem_layout)
 
     q_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_M, BLOCK_D], q_smem_layout)
     k_smem = gl.allocate_shared_memory(gl.int8, [2, BLOCK_N, BLOCK_D], k_smem_layout)
@@ -230,7 +160,7 @@ def _attn_fwd_int8_gluon_kernel(
     else:
         qs = gl.load(QS + b * sqsb + h * sqsh + offs_m * sqsn, mask=mmask, other=1.0)
         ks_base = KS + b * sksb + hk * sksh
-    if PER_TOKEN:  # each thread's key's address (see _key_scales)
+    if PER_TOKEN:  # each thread's key's address (see gluon_blocks.key_scales)
         ks_base = ks_base + gl.arange(0, BLOCK_N, layout=_KEYS) * sksn
 
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=rows_s)
@@ -258,7 +188,7 @@ def _attn_fwd_int8_gluon_kernel(
 
         # Block 0: its softmax waits for its Q·Kᵀ (nothing is in flight yet). Masked: a whole
         # block's masks are all true, so this costs nothing in numerics.
-        ks = _key_scales(ks_base, 0, offs_n, nk, sksn, True, PER_TOKEN, cols_s)
+        ks = key_scales(ks_base, 0, offs_n, nk, _KEYS, True, PER_TOKEN, cols_s)
         mbarrier.wait(q_bar, 0)
         mbarrier.wait(k_bars.index(0), 0)
         s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False,
@@ -269,7 +199,7 @@ def _attn_fwd_int8_gluon_kernel(
         mbarrier.expect(k_bars.index(0), k_bytes, pred=more)
         tma.async_copy_global_to_shared(k_desc, [2 * BLOCK_N, 0], k_bars.index(0),
                                         k_smem.index(0), pred=more)
-        p, m_i, l_i, alpha = _softmax(s_int, ks, qs, m_i, l_i, 0, offs_m, offs_n, nk,
+        p, m_i, l_i, alpha = softmax_block(s_int, ks, qs, m_i, l_i, 0, offs_m, offs_n, nk,
                                       causal_offset, True, IS_CAUSAL, PER_TOKEN)
         p_smem.index(0).store(p)
         fence_async_shared()
@@ -328,13 +258,13 @@ def _attn_fwd_int8_gluon_kernel(
         if WRITE_LSE:
             rows = q_start + offs_m
             store_lse(LSE, h * seh + rows * sen, LSH, h * slh + rows * sln, m_i, l_i,
-                      _LOG2_FP8_MAX, offs_m < nq, HAS_LSH)
+                      LOG2_FP8_MAX_C, offs_m < nq, HAS_LSH)
     else:
         gl.store(O + b * sob + h * soh + offs_mo[:, None] * son + offs_d[None, :] * sod,
                  out.to(O.dtype.element_ty), mask=(offs_mo < nq)[:, None] & dmask[None, :])
         if WRITE_LSE:
             store_lse(LSE, b * seb + h * seh + offs_m * sen, LSH,
-                      b * slb + h * slh + offs_m * sln, m_i, l_i, _LOG2_FP8_MAX, mmask, HAS_LSH)
+                      b * slb + h * slh + offs_m * sln, m_i, l_i, LOG2_FP8_MAX_C, mmask, HAS_LSH)
 
 
 @gluon.jit
@@ -359,11 +289,11 @@ def _step(j, acc, m_i, l_i, alpha, qs, offs_m, offs_n, nk, causal_offset, ks_ptr
     pv_tok = warpgroup_mma(p_smem.index(prev), v_smem.index(prev).permute((1, 0)),
                            gl.zeros([BLOCK_M, BLOCK_D], gl.float32, layout=o_layout),
                            use_acc=False, is_async=True)
-    ks = _key_scales(ks_ptr, j * BLOCK_N, offs_n, nk, sksn, MASKED, PER_TOKEN,
-                     gl.SliceLayout(0, s_layout))
+    ks = key_scales(ks_ptr, j * BLOCK_N, offs_n, nk, _KEYS, MASKED, PER_TOKEN,
+                    gl.SliceLayout(0, s_layout))
     s_int = warpgroup_mma_wait(1, deps=[s_tok])
-    p, m_new, l_i, alpha_new = _softmax(s_int, ks, qs, m_i, l_i, j * BLOCK_N, offs_m, offs_n, nk,
-                                        causal_offset, MASKED, IS_CAUSAL, PER_TOKEN)
+    p, m_new, l_i, alpha_new = softmax_block(s_int, ks, qs, m_i, l_i, j * BLOCK_N, offs_m, offs_n,
+                                             nk, causal_offset, MASKED, IS_CAUSAL, PER_TOKEN)
     p_smem.index(stage).store(p)
     fence_async_shared()
     pv = warpgroup_mma_wait(0, deps=[pv_tok])

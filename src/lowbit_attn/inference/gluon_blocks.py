@@ -1,0 +1,109 @@
+"""The ``@gluon.jit`` pieces both Hopper Gluon forwards share (the asynchronous kernel,
+``kernel_int8_gluon``, and the warp-specialized ping-pong one, ``kernel_int8_gluon_pingpong``):
+one key block's online-softmax step, its K scales, and the TMA descriptors over one (batch, head).
+
+The numerics are those of ``kernel_int8._softmax_pv`` through the same ``core.triton_helpers``
+functions, so the Gluon kernels and the interpreter-tested Triton kernel round alike; only the
+data movement differs."""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import tma
+
+from lowbit_attn.core.operands import LOG2_FP8_MAX
+from lowbit_attn.core.triton_helpers import finish_scores, online_max, to_e4m3
+
+# Globals read inside @jit functions must be constexpr.
+LOG2_FP8_MAX_C = gl.constexpr(LOG2_FP8_MAX)
+
+
+@gluon.jit
+def softmax_block(s_int, ks, qs, m_i, l_i, start_n, offs_m, offs_n, nk, causal_offset,
+                  MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, PER_TOKEN: gl.constexpr = True):
+    """One key block's online-softmax step on its integer scores: ``(P̃ as E4M3, m, l, α)``.
+
+    The per-token fold of ``kernel_int8._softmax_pv`` (``t = s_int·s_k``, the row max on ``t``
+    scaled once per row, ``exp2(fma(t, s_q, -(m - log2 448)))``) with the same shared helpers, so
+    both kernels round alike. ``finish_scores`` without ΔS only masks."""
+    cols = start_n + offs_n
+    if PER_TOKEN:
+        t = s_int.to(gl.float32) * ks[None, :]
+        c = qs
+    else:  # one scale per query block and per key block (``kernel_int8``'s per-block fold)
+        t = s_int.to(gl.float32)
+        c = l_i * 0.0 + qs * ks  # a row vector (l_i is finite: ·0 gives 0)
+    if IS_CAUSAL:
+        # Keys past the end folded into each row's causal limit (the same set of keys, one
+        # compare per score, and no per-key mask live in registers).
+        lim = gl.minimum(offs_m + causal_offset, nk - 1) - causal_offset
+        t = finish_scores(t, cols, offs_n < offs_n.shape[0], lim, causal_offset, None, 0, False,
+                          MASKED, IS_CAUSAL)
+    else:
+        t = finish_scores(t, cols, cols < nk, offs_m, causal_offset, None, 0, False, MASKED,
+                          IS_CAUSAL)
+    m_new, m_safe, alpha = online_max(m_i, gl.max(t, axis=1) * c)
+    p = gl.exp2(gl.fma(t, c[:, None], -(m_safe - LOG2_FP8_MAX_C)[:, None]))
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    return to_e4m3(p, False), m_new, l_i, alpha
+
+
+@gluon.jit
+def key_scales(ks_ptr, start_n, offs_n, nk, KEYS: gl.constexpr, MASKED: gl.constexpr,
+               PER_TOKEN: gl.constexpr = True, COLS: gl.constexpr = None):
+    """K's per-token scales of one key block in the score columns' layout ``COLS``, ``ks_ptr``
+    the block's keys' addresses in the flat layout ``KEYS`` (one key per thread; 0 past the
+    sequence's end in ``MASKED`` blocks); per block, the block's one scale at ``ks_ptr``.
+
+    Loaded one key per thread, then moved to the score layout through shared memory (the CTA
+    barrier this takes merges with the one Triton places after ``wait(1)``): loaded in the score
+    layout, each thread would hold 32 keys' addresses and masks. With every stride and length a
+    multiple of 16 those are 16 vector loads from one base, but otherwise (packed sequences, or
+    lengths not a multiple of 16) 32 scalar loads whose 64-bit offsets ptxas keeps live through
+    the main loop: 336 B spilled at D=128 with 128-key blocks (NOTES §11)."""
+    if not PER_TOKEN:
+        return gl.load(ks_ptr)
+    else:
+        keys = gl.arange(0, offs_n.shape[0], layout=KEYS)
+        if MASKED:
+            ks = gl.load(ks_ptr, mask=start_n + keys < nk, other=0.0)
+        else:
+            ks = gl.load(ks_ptr)
+        return gl.convert_layout(ks, COLS)
+
+
+@gluon.jit
+def descriptors(Q, K, V, b, h, hk, q_start, nq, k_start, nk, D, sqb, sqh, sqn, skb, skh, skn, svb,
+                svh, svd, VARLEN: gl.constexpr, Q_ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                BLOCK_D: gl.constexpr, q_layout: gl.constexpr, k_layout: gl.constexpr,
+                v_layout: gl.constexpr):
+    """TMA descriptors over one (batch, head)'s tokens of Q (boxes of ``Q_ROWS`` rows), K and
+    E4M3 V (stored ``[D, N']``, boxes ``[BLOCK_D, BLOCK_N]``), rows past the sequence reading as
+    0, and ``v_col``, the column of V's descriptor where the sequence's first key sits.
+    ``nq``/``nk``: the sequence's lengths; ``q_start``/``k_start`` its first tokens when packed.
+
+    Packed (``VARLEN``): Q's and K's token strides are multiples of 16 bytes, so their sequence's
+    first token is a TMA base; V's token stride is 1 byte: its descriptor starts at the 16-byte
+    boundary at or before the sequence's first key and the boxes start ``v_col`` keys into it
+    (those ``v_col`` keys, the previous sequence's, are never in a box)."""
+    v_col = 0
+    if VARLEN:
+        v_col = (k_start % 16).to(gl.int32)
+        q_desc = tma.make_tensor_descriptor(Q + h * sqh + q_start * sqn, [nq, D], [sqn, 1],
+                                            [Q_ROWS, BLOCK_D], q_layout)
+        k_desc = tma.make_tensor_descriptor(K + hk * skh + k_start * skn, [nk, D], [skn, 1],
+                                            [BLOCK_N, BLOCK_D], k_layout)
+        v_desc = tma.make_tensor_descriptor(V + hk * svh + (k_start - v_col), [D, v_col + nk],
+                                            [svd, 1], [BLOCK_D, BLOCK_N], v_layout)
+    else:
+        q_desc = tma.make_tensor_descriptor(Q + b * sqb + h * sqh, [nq, D], [sqn, 1],
+                                            [Q_ROWS, BLOCK_D], q_layout)
+        k_desc = tma.make_tensor_descriptor(K + b * skb + hk * skh, [nk, D], [skn, 1],
+                                            [BLOCK_N, BLOCK_D], k_layout)
+        v_desc = tma.make_tensor_descriptor(V + b * svb + hk * svh, [D, nk], [svd, 1],
+                                            [BLOCK_D, BLOCK_N], v_layout)
+    return q_desc, k_desc, v_desc, v_col
+
+
+__all__ = ["LOG2_FP8_MAX_C", "descriptors", "key_scales", "softmax_block"]
