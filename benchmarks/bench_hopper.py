@@ -22,8 +22,9 @@ environment selects (the Triton interpreter in the tests) and says so.
 ``sdpa_flash_bf16``; ``ours`` (the Triton kernel, default autotuning with the pipelined loop among
 its candidates); ``ours kernel=gluon`` (``LOWBIT_ATTN_KERNEL=gluon``: the Gluon sm_90a forward once
 its first-use check passed; the row's ``gluon`` field says ``admitted`` or why not) and the same
-with ``block_k=128``; and the attention kernels alone on the same operands (``attention``:
-Triton, ``attention gluon`` and ``attention gluon k=128``). JSON, markdown and a chart (PNG, with
+with ``block_k=128``; the same two rows with ``kernel=gluon-pingpong`` (the warp-specialized
+schedule); and the attention kernels alone on the same operands (``attention``: Triton,
+``attention gluon async``, ``attention gluon pingpong``, each also with ``k=128``). JSON, markdown and a chart (PNG, with
 matplotlib).
 """
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import sys
 import time
@@ -292,22 +294,27 @@ def gluon_rows(base, q, k, v, causal, ref, cuda, triton_path, record, rows) -> N
     with env("LOWBIT_ATTN_KERNEL", None), forced(None):
         record(base, "ours", ours(), ref)
         rows[-1]["autotune"] = autotune_choice()
-    for name, recipe in (("ours kernel=gluon", RECIPE), ("ours kernel=gluon block_k=128", wide)):
-        with env("LOWBIT_ATTN_KERNEL", "gluon"), forced(None):
-            record(base, name, ours(recipe), ref)
-            rows[-1]["gluon"] = gluon_check.verdict(q.device) or "admitted"
+    for value, schedule in (("gluon", "async"), ("gluon-pingpong", "pingpong")):
+        for name, recipe in ((f"ours kernel={value}", RECIPE),
+                             (f"ours kernel={value} block_k=128", wide)):
+            with env("LOWBIT_ATTN_KERNEL", value), forced(None):
+                record(base, name, ours(recipe), ref)
+                rows[-1]["gluon"] = gluon_check.verdict(q.device, schedule) or "admitted"
     if not triton_path:
         return
     with forced(None):
         _, attention = stage_fns(q, k, v, causal)
         record(base, "attention", attention, ref)
-    for name, recipe in (("attention gluon", get_recipe(RECIPE)), ("attention gluon k=128", wide)):
-        if not (cuda and gluon_check.applies(q.device)):
-            rows.append({**base, "method": name, "kind": "ours", "label": name,
-                         "status": "skipped", "reason": "needs a capability 9.0 GPU"})
-            continue
-        _, attention = stage_fns(q, k, v, causal, recipe, kernel_int8_gluon.attention)
-        record(base, name, attention, ref)
+    for schedule in kernel_int8_gluon.SCHEDULES:
+        launcher = functools.partial(kernel_int8_gluon.attention, schedule=schedule)
+        for name, recipe in ((f"attention gluon {schedule}", get_recipe(RECIPE)),
+                             (f"attention gluon {schedule} k=128", wide)):
+            if not (cuda and gluon_check.applies(q.device)):
+                rows.append({**base, "method": name, "kind": "ours", "label": name,
+                             "status": "skipped", "reason": "needs a capability 9.0 GPU"})
+                continue
+            _, attention = stage_fns(q, k, v, causal, recipe, launcher)
+            record(base, name, attention, ref)
 
 
 def render(rows: list[dict]) -> str:

@@ -13,10 +13,11 @@
 # every autotuning candidate, Q quantized in the kernel or in a pass, the two stages apart, against
 # SDPA cuDNN bf16 at D=64,128, N=1k,8k,16k, causal and not; HOPPER_ARGS adds options, e.g. --quick).
 # gluon: the Gluon sm_90a forward against the Triton kernel (issue 16): the GPU tests of both
-# kernels (pytest -m gpu -k "gluon or autotuning_candidate": the Gluon forward against the twin and
-# its opt-in's check, every Triton candidate; then the public-call INT8 GPU tests again with
-# LOWBIT_ATTN_KERNEL=gluon), then bench_hopper.py --gluon: Triton (default autotuning) vs Gluon
-# (end to end and kernel alone, 64- and 128-key blocks) vs SDPA cuDNN and flash bf16 at D=128,64,
+# kernels (pytest -m gpu -k "gluon or autotuning_candidate": both Gluon schedules, asynchronous and
+# ping-pong, against the twin and their opt-ins' checks, every Triton candidate; then the public-call
+# INT8 GPU tests again with LOWBIT_ATTN_KERNEL=gluon), then bench_hopper.py --gluon: Triton (default
+# autotuning) vs Gluon async vs Gluon ping-pong (end to end and kernel alone, 64- and 128-key
+# blocks) vs SDPA cuDNN and flash bf16 at D=128,64,
 # N=1k,8k,16k,32k, causal and not (JSON, markdown, PNG). Each pytest run gets TEST_TIMEOUT/2.
 # vsa: video sparse attention (GPU tests -k vsa, then benchmarks/bench_vsa.py: T=16, H=W=48, D=128,
 # sparsities 50–95 % against SDPA cuDNN dense, and the fine kernel's FLOP rate).

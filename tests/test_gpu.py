@@ -101,8 +101,9 @@ def _needs_gluon():
 @pytest.mark.parametrize("d,block_k", [pytest.param(d, n, id=f"D{d}-k{n}")
                                        for d in (64, 128) for n in (64, 128)])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_gluon_forward_matches_the_reference(d, block_k, causal):
-    """The Gluon forward against the twin on the same quantized operands (the Triton pass's: V
+@pytest.mark.parametrize("schedule", ["async", "pingpong"])
+def test_gluon_forward_matches_the_reference(d, block_k, causal, schedule):
+    """The Gluon forward (each schedule) against the twin on the same quantized operands (the Triton pass's: V
     token-contiguous, as the TMA needs), GPU-sized: many query and key blocks, partial ones at
     both ends, GQA 8:4, a causal diagonal off the block grid; within the compiled Triton kernel's
     own bounds (tests/inference/test_attention_kernel.py's, widened by tests/helpers.py
@@ -121,14 +122,16 @@ def test_gluon_forward_matches_the_reference(d, block_k, causal):
     got = torch.full(q.shape, float("nan"), device="cuda", dtype=torch.float32)
     got_lse = kernel_int8_gluon.attention(qz, out=got, pv=recipe.pv,
                                           granularity=recipe.granularity, block_q=recipe.block_q,
-                                          block_k=block_k, causal_offset=offset, return_lse=True)
+                                          block_k=block_k, causal_offset=offset, return_lse=True,
+                                          schedule=schedule)
     out_bound = ON_CUDA["int8 out fp8"].widened(Bound(atol=4e-3, cos=0.999999))
     assert_within(got, want.float(), out_bound, name="out")
     assert_within(got_lse, want_lse.float(), ON_CUDA["lse"], name="lse")
 
 
-def test_gluon_opt_in_passes_its_check_and_runs_in_the_public_call(monkeypatch):
-    """``LOWBIT_ATTN_KERNEL=gluon``: the first call checks the Gluon forward against the Triton
+@pytest.mark.parametrize("value,schedule", [("gluon", "async"), ("gluon-pingpong", "pingpong")])
+def test_gluon_opt_in_passes_its_check_and_runs_in_the_public_call(monkeypatch, value, schedule):
+    """``LOWBIT_ATTN_KERNEL=gluon`` (or ``gluon-pingpong``): the first call checks the Gluon forward against the Triton
     kernel (no warning), later calls run it, and the result stays within the check's bounds of
     the default (Triton) call's."""
     import warnings
@@ -140,16 +143,17 @@ def test_gluon_opt_in_passes_its_check_and_runs_in_the_public_call(monkeypatch):
     ran = []
     launcher = kernel_int8_gluon.attention
     monkeypatch.setattr(kernel_int8_gluon, "attention",
-                        lambda qz, **kw: ran.append(qz.q.shape) or launcher(qz, **kw))
+                        lambda qz, **kw: ran.append((qz.q.shape, kw["schedule"]))
+                        or launcher(qz, **kw))
     q, k, v = (x.cuda() for x in channel_biased((2, 8, 2000, 128), (2, 4, 2000, 128), seed=3,
                                                  dtype=torch.float16))
     want = lowbit_attn.attention(q, k, v, recipe="qk_int8_pv_fp8", is_causal=True)
-    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "gluon")
+    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", value)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="LOWBIT_ATTN_KERNEL")
         got = lowbit_attn.attention(q, k, v, recipe="qk_int8_pv_fp8", is_causal=True)
-    assert gluon_check.verdict(q.device) is None
-    assert len(ran) == len(gluon_check.CASES) + 1 and ran[-1] == q.shape
+    assert gluon_check.verdict(q.device, schedule) is None
+    assert len(ran) == len(gluon_check.CASES) + 1 and ran[-1] == (q.shape, schedule)
     assert float((got.float() - want.float()).abs().max()) <= gluon_check.CHECK_ATOL
     assert lowbit_attn.errors(got, want).cosine >= gluon_check.CHECK_COSINE
 

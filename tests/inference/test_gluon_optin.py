@@ -29,11 +29,14 @@ def test_the_kernel_option_is_read_and_checked(monkeypatch):
     monkeypatch.delenv("LOWBIT_ATTN_KERNEL", raising=False)
     assert KernelOptions.from_env().kernel == "triton"
     assert not KernelOptions.from_env().gluon_forward
-    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "gluon")
-    assert KernelOptions.from_env().gluon_forward
+    assert KernelOptions.from_env().gluon_schedule is None
+    for value, schedule in (("gluon", "async"), ("gluon-pingpong", "pingpong")):
+        monkeypatch.setenv("LOWBIT_ATTN_KERNEL", value)
+        assert KernelOptions.from_env().gluon_forward
+        assert KernelOptions.from_env().gluon_schedule == schedule
     monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "cudnn")
     with pytest.raises(ValueError, match=r"LOWBIT_ATTN_KERNEL must be one of \('triton', "
-                                         r"'gluon'\), got 'cudnn'"):
+                                         r"'gluon', 'gluon-pingpong'\), got 'cudnn'"):
         KernelOptions.from_env()
 
 
@@ -121,10 +124,12 @@ def test_on_cpu_the_option_runs_the_triton_kernel_and_never_the_gluon_one(fresh,
 
 
 def _counting(fn):
+    """``fn`` standing in for ``kernel_int8_gluon.attention``: each call's schedule is recorded
+    and dropped (the stand-ins are Triton-kernel calls)."""
     calls = []
 
-    def wrapper(qz, **kw):
-        calls.append(qz.q.shape)
+    def wrapper(qz, *, schedule, **kw):
+        calls.append(schedule)
         return fn(qz, **kw)
 
     return wrapper, calls
@@ -187,10 +192,12 @@ def test_another_triton_version_is_refused_with_the_pin_as_reason(fresh, monkeyp
 
 
 @pytest.mark.interpreter
-def test_a_passed_check_admits_the_gluon_forward_for_what_it_takes(fresh, monkeypatch):
-    """A stand-in with the Triton kernel's results passes; later calls go to it, and what it
-    refuses (ValueError before launching, as the real launcher does for D=32) to the Triton
-    kernel."""
+@pytest.mark.parametrize("value,schedule", [("gluon", "async"), ("gluon-pingpong", "pingpong")])
+def test_a_passed_check_admits_the_gluon_forward_for_what_it_takes(fresh, monkeypatch, value,
+                                                                   schedule):
+    """A stand-in with the Triton kernel's results passes; later calls go to it with the
+    option's schedule, and what it refuses (ValueError before launching, as the real launcher
+    does for D=32) to the Triton kernel. Each schedule has its own verdict."""
     inputs, want = fresh
 
     def in_scope(qz, **kw):
@@ -201,11 +208,13 @@ def test_a_passed_check_admits_the_gluon_forward_for_what_it_takes(fresh, monkey
     monkeypatch.setattr(gluon_check, "applies", lambda device: True)
     fake, calls = _counting(in_scope)
     monkeypatch.setattr(kernel_int8_gluon, "attention", fake)
-    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "gluon")
+    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", value)
     with no_gluon_warning():
         _same(_call(*inputs), want)
-        assert gluon_check.verdict(torch.device("cpu")) is None
-        assert len(calls) == 2  # the check, then the call
+        assert gluon_check.verdict(torch.device("cpu"), schedule) is None
+        other = "pingpong" if schedule == "async" else "async"
+        assert gluon_check.verdict(torch.device("cpu"), other) == "not checked"
+        assert calls == [schedule, schedule]  # the check, then the call
         _same(_call(*inputs), want)
         assert len(calls) == 3
         q32, k32, v32 = _inputs(d=32)
@@ -224,13 +233,13 @@ def test_a_passed_check_admits_the_gluon_forward_for_what_it_takes(fresh, monkey
 def test_the_check_builds_packed_and_per_block_inputs(monkeypatch, case):
     """The check's packed and per-block cases run end to end on the interpreter, the Triton kernel
     standing in for the Gluon one: agreement gives no reason, a wrong output row gives one."""
-    monkeypatch.setattr(kernel_int8_gluon, "attention", kernel_int8.attention)
-    assert gluon_check._compare(case, torch.device("cpu")) is None
+    monkeypatch.setattr(kernel_int8_gluon, "attention", _counting(kernel_int8.attention)[0])
+    assert gluon_check._compare(case, torch.device("cpu"), "async") is None
 
-    def wrong(qz, *, out, **kw):
+    def wrong(qz, *, out, schedule, **kw):
         lse = kernel_int8.attention(qz, out=out, **kw)
         out[0] += 0.5
         return lse
 
     monkeypatch.setattr(kernel_int8_gluon, "attention", wrong)
-    assert "max |gluon - triton|" in gluon_check._compare(case, torch.device("cpu"))
+    assert "max |gluon - triton|" in gluon_check._compare(case, torch.device("cpu"), "async")

@@ -409,12 +409,15 @@ def test_hopper_gluon_benchmark_runs_on_the_interpreter_without_the_gluon_kernel
     data = json.loads(result.read_text())
     assert data["complete"] is True
     rows = {r["method"]: r for r in data["rows"] if not r["causal"]}
-    assert set(rows) == {"sdpa_cudnn_bf16", "sdpa_flash_bf16", "ours", "ours kernel=gluon",
-                         "ours kernel=gluon block_k=128", "attention", "attention gluon",
-                         "attention gluon k=128"}
-    for name in ("ours kernel=gluon", "ours kernel=gluon block_k=128"):
+    public = [f"ours kernel={v}{k}" for v in ("gluon", "gluon-pingpong")
+              for k in ("", " block_k=128")]
+    alone = [f"attention gluon {s}{k}" for s in ("async", "pingpong") for k in ("", " k=128")]
+    assert set(rows) == {"sdpa_cudnn_bf16", "sdpa_flash_bf16", "ours", "attention", *public,
+                         *alone}
+    for name in public:
         assert rows[name]["status"] == "ok" and rows[name]["gluon"] == "not checked"
     assert rows["ours kernel=gluon"]["cosine"] == rows["ours"]["cosine"]  # the same kernel
-    assert rows["attention gluon"]["status"] == "skipped"
+    assert rows["ours kernel=gluon-pingpong"]["cosine"] == rows["ours"]["cosine"]
+    assert all(rows[name]["status"] == "skipped" for name in alone)
     table = (tmp_path / result.name.replace(".json", ".md")).read_text()
     assert "| 64 | 160 | no | ours kernel=gluon |" in table

@@ -108,7 +108,8 @@ def test_inspect_gluon_prints_the_gates_of_both_key_blocks(capsys):
     code, out, _ = run(capsys, "inspect", "--arch", "sm_90", "--recipe", "qk_int8_pv_fp8",
                        "--kernel", "gluon", "--head-dim", "64", "--causal")
     assert code == 0, out
-    assert "qk_int8_pv_fp8 for sm_90a, Gluon forward (head dim 64, causal, float16)" in out
+    assert ("qk_int8_pv_fp8 for sm_90a, Gluon forward, async schedule (head dim 64, causal, "
+            "float16)") in out
     reports = out.split("\n\n")[1:]
     assert [re.search(r"BLOCK_N=(\d+)", r).group(1) for r in reports] == ["64", "128"], out
     for report in reports:
@@ -132,11 +133,32 @@ def test_inspect_gluon_json_carries_the_gates(capsys):
     reports = json.loads(out)
     assert [r["constexprs"]["BLOCK_N"] for r in reports] == [64, 128]
     for r in reports:
-        g = r["gates"]
-        assert r["spills"] == 0 and g["c7514"] is False
+        assert r["spills"] == 0 and r["gates"]["c7514"] is False
+        (g,) = r["gates"]["loops"]
+        assert g["partition"] == "kernel"
         assert g["per_tile"] == round(g["per_score"] * g["scores_per_thread"])
         assert g["exp2"] == g["scores_per_thread"] + 2 and g["exp2_under_pv"] >= g["exp2"] - 2
         assert g["span_under_pv"] > 250
+
+
+@pytest.mark.aot
+def test_inspect_gluon_pingpong_prints_each_consumers_gates(capsys):
+    code, out, _ = run(capsys, "inspect", "--arch", "sm_90a", "--recipe", "qk_int8_pv_fp8",
+                       "--kernel", "gluon-pingpong", "--head-dim", "64")
+    assert code == 0, out
+    assert "Gluon forward, pingpong schedule (head dim 64, non-causal, float16)" in out
+    reports = out.split("\n\n")[1:]
+    assert len(reports) == 2, out
+    for report in reports:
+        assert report.startswith("_attn_fwd_int8_pingpong_kernel"), report
+        for consumer in (0, 1):
+            tile, score, held = re.search(
+                rf"  consumer {consumer}: main loop     (\d+) instructions per tile, ([\d.]+) per "
+                r"score \((\d+) scores per thread\)", report).groups()
+            assert abs(int(tile) / int(held) - float(score)) < 0.005
+            under, total = map(int, re.search(rf"  consumer {consumer}: exp2 under P·V: (\d+) of "
+                                              r"(\d+)", report).groups())
+            assert total == int(held) + 2 and total - 2 <= under <= total, report
 
 
 @pytest.mark.aot

@@ -10,9 +10,11 @@ from the environment once per call by the custom op that needs it and passed dow
 - ``LOWBIT_ATTN_TRAIN_DQ``: ``recompute`` (default: a dQ kernel that recomputes S and dP per query
   block; deterministic) or ``atomic`` (the dK/dV kernel adds each tile's dS·K into an fp32
   buffer: two fewer matmuls per tile, summation order not fixed).
-- ``LOWBIT_ATTN_KERNEL``: ``triton`` (default: the Triton INT8 attention kernel) or ``gluon`` (the
+- ``LOWBIT_ATTN_KERNEL``: ``triton`` (default: the Triton INT8 attention kernel), ``gluon`` (the
   Gluon forward for Hopper, ``inference/kernel_int8_gluon.py``, where it applies: a CUDA device of
-  capability 9.0, the per-token FP8 P·V recipe, D = 64 or 128, dense; the Triton kernel elsewhere).
+  capability 9.0, the FP8 P·V recipe, D = 64 or 128; the Triton kernel elsewhere) or
+  ``gluon-pingpong`` (its warp-specialized schedule, ``inference/kernel_int8_gluon_pingpong.py``,
+  where the same applies).
   Admitted on a device only after a one-time check against the Triton kernel there
   (``inference/gluon_check.py``). Not run on a GPU yet, hence never the default. On a CPU (the
   interpreter) it is accepted and changes nothing: Triton has no Gluon interpreter.
@@ -29,7 +31,8 @@ from dataclasses import dataclass
 Q_QUANT_MODES = ("pass", "kernel")
 KV_STATS_MODES = ("launch", "program")
 DQ_MODES = ("recompute", "atomic")
-KERNELS = ("triton", "gluon")
+KERNELS = ("triton", "gluon", "gluon-pingpong")
+GLUON_SCHEDULES = {"gluon": "async", "gluon-pingpong": "pingpong"}  # kernel_int8_gluon.SCHEDULES
 _VARIABLES = {"q_quant": ("LOWBIT_ATTN_Q_QUANT", Q_QUANT_MODES),
               "kv_stats": ("LOWBIT_ATTN_KV_STATS", KV_STATS_MODES),
               "train_dq": ("LOWBIT_ATTN_TRAIN_DQ", DQ_MODES),
@@ -69,4 +72,10 @@ class KernelOptions:
 
     @property
     def gluon_forward(self) -> bool:
-        return self.kernel == "gluon"
+        return self.kernel in GLUON_SCHEDULES
+
+    @property
+    def gluon_schedule(self) -> str | None:
+        """The Gluon forward's schedule (``kernel_int8_gluon.attention``'s ``schedule``), or
+        ``None`` for the Triton kernel."""
+        return GLUON_SCHEDULES.get(self.kernel)

@@ -13,10 +13,54 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import tma
 
 from lowbit_attn.core.operands import LOG2_FP8_MAX
-from lowbit_attn.core.triton_helpers import finish_scores, online_max, to_e4m3
+from lowbit_attn.core.triton_helpers import (
+    batch_head, finish_rows, finish_scores, online_max, seq_span, store_lse, to_e4m3,
+)
 
 # Globals read inside @jit functions must be constexpr.
 LOG2_FP8_MAX_C = gl.constexpr(LOG2_FP8_MAX)
+
+
+@gluon.jit
+def program_sequence(CUQ, CUK, NQ, NK, HQ, GROUP, causal_offset, VARLEN: gl.constexpr):
+    """What one program works on: ``(pid_m, b, h, hk, q_start, nq, k_start, nk, causal_offset)``,
+    its query block, batch, query head and K/V head (GQA), and its sequence's first tokens and
+    lengths (packed: from ``CUQ``/``CUK``, each sequence's causal mask aligned bottom-right; dense:
+    0 and ``NQ``/``NK``)."""
+    pid_m = gl.program_id(0)
+    b, h = batch_head(gl.program_id(1), HQ)
+    hk = h // GROUP
+    if VARLEN:
+        q_start, nq = seq_span(CUQ, b, NQ, True)
+        k_start, nk = seq_span(CUK, b, NK, True)
+        causal_offset = nk - nq  # each sequence aligned bottom-right
+    else:
+        q_start = 0
+        k_start = 0
+        nq = NQ
+        nk = NK
+    return pid_m, b, h, hk, q_start, nq, k_start, nk, causal_offset
+
+
+@gluon.jit
+def scales_of_rows(QS, KS, b, h, hk, pid_m, q_start, k_start, offs_m, mmask, sqsb, sqsh, sqsn,
+                   sksb, sksh, sksn, BLOCK_N: gl.constexpr, KEYS: gl.constexpr,
+                   VARLEN: gl.constexpr, PER_TOKEN: gl.constexpr):
+    """``(qs, ks_base)``: the rows' Q scales and the address of the first key block's K scales
+    for :func:`key_scales` (per token: one key per thread in ``KEYS``); per block, the query
+    block's one scale and the K scales' first block (``[B, H, blocks]`` in both layouts)."""
+    if not PER_TOKEN:
+        qs = gl.load(QS + b * sqsb + h * sqsh + pid_m * sqsn)
+        ks_base = KS + b * sksb + hk * sksh
+    elif VARLEN:
+        qs = gl.load(QS + h * sqsh + (q_start + offs_m) * sqsn, mask=mmask, other=1.0)
+        ks_base = KS + hk * sksh + k_start * sksn
+    else:
+        qs = gl.load(QS + b * sqsb + h * sqsh + offs_m * sqsn, mask=mmask, other=1.0)
+        ks_base = KS + b * sksb + hk * sksh
+    if PER_TOKEN:  # each thread's key's address (see key_scales)
+        ks_base = ks_base + gl.arange(0, BLOCK_N, layout=KEYS) * sksn
+    return qs, ks_base
 
 
 @gluon.jit
@@ -106,4 +150,35 @@ def descriptors(Q, K, V, b, h, hk, q_start, nq, k_start, nk, D, sqb, sqh, sqn, s
     return q_desc, k_desc, v_desc, v_col
 
 
-__all__ = ["LOG2_FP8_MAX_C", "descriptors", "key_scales", "softmax_block"]
+@gluon.jit
+def write_rows(acc, m_i, l_i, O, LSE, LSH, VS, VM, CUQ, b, h, hk, nq, NQ, offs_m, offs_mo, offs_d,
+               dmask, svsb, svsh, svsd, sob, soh, son, sod, seb, seh, sen, slb, slh, sln,
+               rows_o: gl.constexpr, VARLEN: gl.constexpr, WRITE_LSE: gl.constexpr,
+               HAS_VSCALE: gl.constexpr, HAS_VMEAN: gl.constexpr, HAS_LSH: gl.constexpr):
+    """The epilogue of a tile's rows: ``acc / l`` (V's scale and mean applied, ``finish_rows``)
+    stored to ``O`` and, with ``WRITE_LSE``, the natural-log LSE; ``offs_m``/``offs_mo`` the
+    rows in the score and output layouts."""
+    out = finish_rows(acc, gl.convert_layout(l_i, rows_o), VS, VM, b * svsb + hk * svsh, offs_d,
+                      dmask, svsd, HAS_VSCALE, HAS_VMEAN)
+    if VARLEN:
+        # The sequence's first row read again rather than kept live through the loops (at D=128
+        # with 128-key blocks, causal, those registers spill 20 B).
+        q_start, nq = seq_span(CUQ, b, NQ, True)
+        o_rows = q_start + offs_mo
+        gl.store(O + h * soh + o_rows[:, None] * son + offs_d[None, :] * sod,
+                 out.to(O.dtype.element_ty), mask=(offs_mo < nq)[:, None] & dmask[None, :])
+        if WRITE_LSE:
+            rows = q_start + offs_m
+            store_lse(LSE, h * seh + rows * sen, LSH, h * slh + rows * sln, m_i, l_i,
+                      LOG2_FP8_MAX_C, offs_m < nq, HAS_LSH)
+    else:
+        gl.store(O + b * sob + h * soh + offs_mo[:, None] * son + offs_d[None, :] * sod,
+                 out.to(O.dtype.element_ty), mask=(offs_mo < nq)[:, None] & dmask[None, :])
+        if WRITE_LSE:
+            store_lse(LSE, b * seb + h * seh + offs_m * sen, LSH,
+                      b * slb + h * slh + offs_m * sln, m_i, l_i, LOG2_FP8_MAX_C, offs_m < nq,
+                      HAS_LSH)
+
+
+__all__ = ["LOG2_FP8_MAX_C", "descriptors", "key_scales", "program_sequence", "scales_of_rows",
+           "softmax_block", "write_rows"]

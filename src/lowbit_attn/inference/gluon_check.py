@@ -45,11 +45,14 @@ import torch
 from lowbit_attn.core.arch import interpreter_enabled
 from lowbit_attn.core.metrics import cosine_similarity
 from lowbit_attn.core.operands import Seqs
+from lowbit_attn.core.options import GLUON_SCHEDULES
 from lowbit_attn.core.recipes import QK_INT8_PV_FP8
 from lowbit_attn.inference import kernel_int8
 from lowbit_attn.inference.prepare import quantize_qkv
 
 CAPABILITY = (9, 0)  # sm_90a
+# The LOWBIT_ATTN_KERNEL value of each schedule (core.options.GLUON_SCHEDULES, inverted).
+_VARIABLE_VALUE = {schedule: value for value, schedule in GLUON_SCHEDULES.items()}
 CHECK_ATOL = 8e-3  # 2 × 4e-3: max |Gluon - Triton| of the outputs
 CHECK_COSINE = 0.99996  # cos(2·arccos 0.99999)
 CHECK_LSE_ATOL = 2e-3  # 2 × 1e-3
@@ -96,8 +99,8 @@ CASES = (
 )
 
 _lock = threading.Lock()
-# (process id, device index) → None (admitted) or why not; a forked child checks again.
-_verdicts: dict[tuple[int, int | None], str | None] = {}
+# (process id, device index, schedule) → None (admitted) or why not; a forked child checks again.
+_verdicts: dict[tuple[int, int | None, str], str | None] = {}
 
 
 def applies(device: torch.device) -> bool:
@@ -106,38 +109,40 @@ def applies(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device) == CAPABILITY)
 
 
-def _key(device: torch.device) -> tuple[int, int | None]:
+def _key(device: torch.device, schedule: str) -> tuple[int, int | None, str]:
     index = device.index
     if index is None and device.type == "cuda":
         index = torch.cuda.current_device()
-    return os.getpid(), index
+    return os.getpid(), index, schedule
 
 
-def verdict(device: torch.device) -> str | None:
-    """``None`` if the Gluon forward was admitted on ``device`` in this process, else why not
-    (``"not checked"`` before the first check)."""
-    return _verdicts.get(_key(device), "not checked")
+def verdict(device: torch.device, schedule: str = "async") -> str | None:
+    """``None`` if the Gluon forward with ``schedule`` was admitted on ``device`` in this process,
+    else why not (``"not checked"`` before the first check)."""
+    return _verdicts.get(_key(device, schedule), "not checked")
 
 
-def admitted(device: torch.device) -> bool:
-    """Whether the Gluon forward has passed its check on ``device``, running the check (and
-    warning once if it fails) at the first call in this process."""
-    key = _key(device)
+def admitted(device: torch.device, schedule: str = "async") -> bool:
+    """Whether the Gluon forward with ``schedule`` (``kernel_int8_gluon.SCHEDULES``; each is
+    checked on its own) has passed its check on ``device``, running the check (and warning once
+    if it fails) at the first call in this process."""
+    key = _key(device, schedule)
     with _lock:
         if key not in _verdicts:
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 return False  # no check inside a capture; the next call outside one runs it
-            reason = self_check(device)
+            reason = self_check(device, schedule)
             _verdicts[key] = reason
             if reason is not None:
                 warnings.warn(
-                    f"LOWBIT_ATTN_KERNEL=gluon: the Gluon attention forward failed its check "
-                    f"against the Triton kernel on {device} ({reason}); the Triton kernel runs "
-                    "instead for the rest of this process", RuntimeWarning, stacklevel=2)
+                    f"LOWBIT_ATTN_KERNEL={_VARIABLE_VALUE[schedule]}: the Gluon attention forward "
+                    f"({schedule} schedule) failed its check against the Triton kernel on "
+                    f"{device} ({reason}); the Triton kernel runs instead for the rest of this "
+                    "process", RuntimeWarning, stacklevel=2)
         return _verdicts[key] is None
 
 
-def self_check(device: torch.device) -> str | None:
+def self_check(device: torch.device, schedule: str = "async") -> str | None:
     """Run :data:`CASES` through both kernels on ``device``: ``None`` if every output (and LSE)
     agrees within the module's tolerances, else the first reason it does not (a mismatch, or the
     exception raised)."""
@@ -145,7 +150,7 @@ def self_check(device: torch.device) -> str | None:
         guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
         with torch.no_grad(), guard:
             for case in CASES:
-                reason = _compare(case, device)
+                reason = _compare(case, device, schedule)
                 if reason is not None:
                     return f"{case}: {reason}"
     except Exception as exc:  # noqa: BLE001 - any failure keeps the Triton kernel, with its reason
@@ -154,7 +159,7 @@ def self_check(device: torch.device) -> str | None:
     return None
 
 
-def _compare(case: Case, device: torch.device) -> str | None:
+def _compare(case: Case, device: torch.device, schedule: str) -> str | None:
     g = torch.Generator(device=device).manual_seed(case.b * 10**6 + case.nq * 1000 + case.nk)
     rows = ([(1, nq, nk) for nq, nk in case.lengths] if case.lengths
             else [(case.b, case.nq, case.nk)])
@@ -185,7 +190,7 @@ def _compare(case: Case, device: torch.device) -> str | None:
 
     want, got = torch.empty_like(q), torch.full_like(q, float("nan"))
     want_lse = kernel_int8.attention(qz, out=want, **kw)
-    got_lse = kernel_int8_gluon.attention(qz, out=got, **kw)
+    got_lse = kernel_int8_gluon.attention(qz, out=got, schedule=schedule, **kw)
     if not bool(torch.isfinite(got).all()):
         return f"{int((~torch.isfinite(got)).sum())} outputs not finite or not written"
     err = float((got.float() - want.float()).abs().max())
@@ -202,17 +207,18 @@ def _compare(case: Case, device: torch.device) -> str | None:
 
 
 def attention(qz, *, out: torch.Tensor, pv: str, granularity: str, block_q: int, block_k: int,
-              causal_offset: int | None, return_lse: bool, seqs_q=None,
-              seqs_k=None) -> torch.Tensor | None:
-    """``kernel_int8.attention``'s arguments and result, run by the Gluon forward where it applies,
-    is admitted on ``out``'s device and takes the call, else by the Triton kernel."""
+              causal_offset: int | None, return_lse: bool, seqs_q=None, seqs_k=None,
+              schedule: str = "async") -> torch.Tensor | None:
+    """``kernel_int8.attention``'s arguments and result, run by the Gluon forward with
+    ``schedule`` where it applies, is admitted on ``out``'s device and takes the call, else by
+    the Triton kernel."""
     kw = dict(out=out, pv=pv, granularity=granularity, block_q=block_q, block_k=block_k,
               causal_offset=causal_offset, return_lse=return_lse, seqs_q=seqs_q, seqs_k=seqs_k)
-    if applies(out.device) and admitted(out.device):
+    if applies(out.device) and admitted(out.device, schedule):
         from lowbit_attn.inference import kernel_int8_gluon
 
         try:
-            return kernel_int8_gluon.attention(qz, **kw)
+            return kernel_int8_gluon.attention(qz, schedule=schedule, **kw)
         except ValueError:  # refused before launching: not a case the Gluon forward covers
             pass
     return kernel_int8.attention(qz, **kw)

@@ -51,14 +51,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from lowbit_attn.core.arch import check_triton_series
 from lowbit_attn.core.operands import QuantizedQKV, Seqs, dense_seqs
 from lowbit_attn.core.triton_helpers import (
-    batch_head, bhnd_strides, finish_rows, key_block_bounds, row_strides, seq_span, strides,
-    store_lse,
+    bhnd_strides, key_block_bounds, row_strides, seq_span, strides,
 )
+from lowbit_attn.inference import kernel_int8_gluon_pingpong as pingpong
 from lowbit_attn.inference.gluon_blocks import (
-    LOG2_FP8_MAX_C, descriptors, key_scales, softmax_block,
+    descriptors, key_scales, program_sequence, scales_of_rows, softmax_block, write_rows,
 )
 
 WRITTEN_FOR = "3.6"  # the Triton release series whose Gluon API this module uses
+SCHEDULES = ("async", "pingpong")
 
 NUM_WARPS = 8  # two warpgroups of 64 query rows
 # The K scales' load layout: one key per thread (a block's keys replicated over the 256 threads).
@@ -113,19 +114,8 @@ def _attn_fwd_int8_gluon_kernel(
     p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N],
                                                                        gl.float8e4nv)
 
-    pid_m = gl.program_id(0)
-    pid_bh = gl.program_id(1)
-    b, h = batch_head(pid_bh, HQ)
-    hk = h // GROUP
-    if VARLEN:
-        q_start, nq = seq_span(CUQ, b, NQ, True)
-        k_start, nk = seq_span(CUK, b, NK, True)
-        causal_offset = nk - nq  # each sequence aligned bottom-right
-    else:
-        q_start = 0
-        k_start = 0
-        nq = NQ
-        nk = NK
+    pid_m, b, h, hk, q_start, nq, k_start, nk, causal_offset = program_sequence(
+        CUQ, CUK, NQ, NK, HQ, GROUP, causal_offset, VARLEN)
     if pid_m * BLOCK_M >= nq:
         return
 
@@ -151,17 +141,8 @@ def _attn_fwd_int8_gluon_kernel(
         mbarrier.init(k_bars.index(i), count=1)
         mbarrier.init(v_bars.index(i), count=1)
 
-    if not PER_TOKEN:  # [B, H, blocks] in both layouts: one per query block, per key block
-        qs = gl.load(QS + b * sqsb + h * sqsh + pid_m * sqsn)
-        ks_base = KS + b * sksb + hk * sksh
-    elif VARLEN:
-        qs = gl.load(QS + h * sqsh + (q_start + offs_m) * sqsn, mask=mmask, other=1.0)
-        ks_base = KS + hk * sksh + k_start * sksn
-    else:
-        qs = gl.load(QS + b * sqsb + h * sqsh + offs_m * sqsn, mask=mmask, other=1.0)
-        ks_base = KS + b * sksb + hk * sksh
-    if PER_TOKEN:  # each thread's key's address (see gluon_blocks.key_scales)
-        ks_base = ks_base + gl.arange(0, BLOCK_N, layout=_KEYS) * sksn
+    qs, ks_base = scales_of_rows(QS, KS, b, h, hk, pid_m, q_start, k_start, offs_m, mmask, sqsb,
+                                 sqsh, sqsn, sksb, sksh, sksn, BLOCK_N, _KEYS, VARLEN, PER_TOKEN)
 
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=rows_s)
     l_i = gl.full([BLOCK_M], 0.0, gl.float32, layout=rows_s)
@@ -246,25 +227,9 @@ def _attn_fwd_int8_gluon_kernel(
         mbarrier.invalidate(v_bars.index(i))
 
     offs_mo = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=rows_o)
-    out = finish_rows(acc, gl.convert_layout(l_i, rows_o), VS, VM, b * svsb + hk * svsh, offs_d,
-                      dmask, svsd, HAS_VSCALE, HAS_VMEAN)
-    if VARLEN:
-        # The sequence's first row read again rather than kept live through the loops (at D=128
-        # with 128-key blocks, causal, those registers spill 20 B).
-        q_start, nq = seq_span(CUQ, b, NQ, True)
-        o_rows = q_start + offs_mo
-        gl.store(O + h * soh + o_rows[:, None] * son + offs_d[None, :] * sod,
-                 out.to(O.dtype.element_ty), mask=(offs_mo < nq)[:, None] & dmask[None, :])
-        if WRITE_LSE:
-            rows = q_start + offs_m
-            store_lse(LSE, h * seh + rows * sen, LSH, h * slh + rows * sln, m_i, l_i,
-                      LOG2_FP8_MAX_C, offs_m < nq, HAS_LSH)
-    else:
-        gl.store(O + b * sob + h * soh + offs_mo[:, None] * son + offs_d[None, :] * sod,
-                 out.to(O.dtype.element_ty), mask=(offs_mo < nq)[:, None] & dmask[None, :])
-        if WRITE_LSE:
-            store_lse(LSE, b * seb + h * seh + offs_m * sen, LSH,
-                      b * slb + h * slh + offs_m * sln, m_i, l_i, LOG2_FP8_MAX_C, mmask, HAS_LSH)
+    write_rows(acc, m_i, l_i, O, LSE, LSH, VS, VM, CUQ, b, h, hk, nq, NQ, offs_m, offs_mo, offs_d,
+               dmask, svsb, svsh, svsd, sob, soh, son, sod, seb, seh, sen, slb, slh, sln, rows_o,
+               VARLEN, WRITE_LSE, HAS_VSCALE, HAS_VMEAN, HAS_LSH)
 
 
 @gluon.jit
@@ -340,12 +305,17 @@ def attention(
     return_lse: bool,
     seqs_q: Seqs | None = None,
     seqs_k: Seqs | None = None,
+    schedule: str = "async",
 ) -> torch.Tensor | None:
     """Run the kernel, as ``kernel_int8.attention`` (same arguments); writes ``out`` (logical
     ``[B, Hq, Nq, D]`` view or packed ``[total, Hq, D]``) and returns the LSE (``[B, Hq, Nq]`` or
-    ``[Hq, total]`` fp32) when asked. Raises
-    ``RuntimeError`` on a Triton other than 3.6, ``ValueError`` for what phase 1 does not cover."""
+    ``[Hq, total]`` fp32) when asked. ``schedule``: one of :data:`SCHEDULES`, ``"async"`` (this
+    module's kernel) or ``"pingpong"`` (``kernel_int8_gluon_pingpong``'s, same operands and
+    scope). Raises ``RuntimeError`` on a Triton other than 3.6, ``ValueError`` for what the
+    kernels do not cover."""
     check_version()
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     _check_scope(qz, pv=pv, granularity=granularity, block_q=block_q, block_k=block_k,
                  seqs_q=seqs_q, seqs_k=seqs_k)
     seqs_q = seqs_q or dense_seqs(qz.q)
@@ -361,9 +331,15 @@ def attention(
     vec = qz.v_scale if qz.v_scale is not None else qz.v_mean
     grid = (triton.cdiv(seqs_q.max_len, block_q), seqs_q.batch * hq)
 
+    if schedule == "async":
+        kernel, options = _attn_fwd_int8_gluon_kernel, dict(num_warps=NUM_WARPS)
+    else:
+        kernel = pingpong.KERNEL
+        options = dict(num_warps=pingpong.CONSUMER_WARPS, maxnreg=pingpong.MAXNREG)
+
     def launch():
         triton.set_allocator(_scratch)  # in a copy of the caller's context: theirs is kept
-        _attn_fwd_int8_gluon_kernel[grid](
+        kernel[grid](
             q=(qz.q, qz.q_scale, bhnd_strides(qz.q, packed),
                row_strides(qz.q_scale, packed and per_token)),
             k=(qz.k, qz.k_scale, bhnd_strides(qz.k, packed),
@@ -378,7 +354,7 @@ def attention(
             IS_CAUSAL=causal_offset is not None, HAS_VSCALE=qz.v_scale is not None,
             HAS_VMEAN=qz.v_mean is not None, HAS_LSH=qz.lse_shift is not None,
             WRITE_LSE=lse is not None, VARLEN=packed, PER_TOKEN=per_token,
-            BLOCK_M=block_q, BLOCK_N=block_k, BLOCK_D=d, num_warps=NUM_WARPS,
+            BLOCK_M=block_q, BLOCK_N=block_k, BLOCK_D=d, **options,
         )
 
     contextvars.copy_context().run(launch)
@@ -422,4 +398,4 @@ def _check_scope(qz: QuantizedQKV, *, pv, granularity, block_q, block_k, seqs_q,
                              f"{tuple(x.stride())}")
 
 
-__all__ = ["WRITTEN_FOR", "attention", "check_version"]
+__all__ = ["SCHEDULES", "WRITTEN_FOR", "attention", "check_version"]

@@ -34,7 +34,7 @@ EXTERNAL = {
 ENV_VARS = ("LOWBIT_ATTN_ARCH", "LOWBIT_ATTN_BACKEND", "LOWBIT_ATTN_Q_QUANT", "LOWBIT_ATTN_KV_STATS",
             "LOWBIT_ATTN_TRAIN_DQ", "LOWBIT_ATTN_KERNEL", "TRITON_INTERPRET")
 DTYPES = ("float16", "bfloat16", "float32")
-KERNELS = ("triton", "gluon")  # core.options.KERNELS, spelled out: --help imports nothing heavy
+KERNELS = ("triton", "gluon", "gluon-pingpong")  # core.options.KERNELS, spelled out: --help imports nothing heavy
 # The targets of ``lowbit_attn.tools.aot.ARCHS``, spelled out so that ``--help`` imports nothing heavy.
 ARCH_HELP = "sm_80, sm_86, sm_89, sm_90a, sm_100a or sm_120a"
 
@@ -79,7 +79,8 @@ def _add_inspect(sub) -> None:
                    help="triton (default): every kernel of one call; gluon: the Gluon forward "
                    "for sm_90a (qk_int8_pv_fp8, D 64 or 128) at both key blocks, with its gates "
                    "(spills, ptxas warnings, instructions per tile and per score of the main "
-                   "loop, exp2 under P·V)")
+                   "loop, exp2 under P·V); gluon-pingpong: its warp-specialized schedule, the "
+                   "same gates for each consumer warpgroup")
     p.add_argument("--json", action="store_true", help="print the reports as JSON")
     p.add_argument("--ptx-dir", metavar="DIR", help="also write each kernel's PTX into DIR")
     p.set_defaults(handler=functools.partial(_inspect, parser=p))
@@ -128,7 +129,7 @@ def _inspect(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> in
 
     from lowbit_attn.core.recipes import RECIPES, TRAIN_RECIPES
 
-    if args.kernel == "gluon":
+    if args.kernel != "triton":
         return _inspect_gluon(args, parser)
     try:
         if args.recipe in TRAIN_RECIPES and args.recipe not in RECIPES:  # "exact" is both
@@ -161,46 +162,59 @@ def _inspect(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> in
 
 
 def _gluon_scope_error(args: argparse.Namespace) -> str | None:
-    """Why ``--kernel gluon`` cannot compile what the other options ask for, or ``None``."""
+    """Why ``--kernel gluon[-pingpong]`` cannot compile what the other options ask for, or
+    ``None``."""
     from lowbit_attn.core.arch import parse_arch
     from lowbit_attn.core.recipes import QK_INT8_PV_FP8, RECIPES, resolve
     from lowbit_attn.inference.kernel_int8_gluon import HEAD_DIMS
 
     if args.arch != "sm_90a":
-        return ("--kernel gluon: the Gluon forward is written for sm_90a only, got --arch "
+        return (f"--kernel {args.kernel}: the Gluon forward is written for sm_90a only, got --arch "
                 f"{args.arch}")
     inference = args.recipe == "auto" or args.recipe in RECIPES  # not the trainable recipes
     recipe = resolve(args.recipe, parse_arch(args.arch)) if inference else None
     if recipe != QK_INT8_PV_FP8:
-        return (f"--kernel gluon: the Gluon forward runs the {QK_INT8_PV_FP8.name} recipe only, "
+        return (f"--kernel {args.kernel}: the Gluon forward runs the {QK_INT8_PV_FP8.name} recipe only, "
                 f"got --recipe {args.recipe}")
     if args.head_dim not in HEAD_DIMS:
-        return (f"--kernel gluon: the Gluon forward takes head dim 64 or 128, got --head-dim "
+        return (f"--kernel {args.kernel}: the Gluon forward takes head dim 64 or 128, got --head-dim "
                 f"{args.head_dim}")
     if args.config != 0:
-        return ("--kernel gluon: the Gluon forward has one launch configuration, got --config "
+        return (f"--kernel {args.kernel}: the Gluon forward has one launch configuration, got --config "
                 f"{args.config}")
     return None
 
 
 def gluon_gates(report) -> dict | None:
-    """What ``inspect --kernel gluon`` prints of a compiled Gluon forward beyond the common
-    report: its main loop's instructions per tile and per score, and where that loop's exp2s sit
-    against the P·V wgmma (``QGMMA``): ``None`` when it did not compile."""
+    """What ``inspect --kernel gluon[-pingpong]`` prints of a compiled Gluon forward beyond the
+    common report: ``c7514`` (whether ptxas serialized a wgmma) and, under ``loops``, for the
+    unmasked key-block loop of each partition that runs one (the kernel; each consumer warpgroup
+    of the ping-pong kernel), its instructions per tile and per score and where its exp2s sit
+    against the P·V wgmma (``QGMMA``); ``None`` when it did not compile."""
     from lowbit_attn.tools import sass
 
     if not report.ok or not report.cubin:
         return None
     c = report.constexprs
-    loop = sass.main_loop(report.cubin, block_m=c["BLOCK_M"], block_n=c["BLOCK_N"],
-                          num_warps=report.num_warps)
-    pv = sass.exp2_under_mma(loop.body, "QGMMA")
-    return {"per_tile": loop.per_tile, "per_score": round(loop.per_score, 2),
-            "scores_per_thread": loop.scores,
-            "exp2_under_pv": None if pv is None else pv.under,
-            "exp2": None if pv is None else pv.total,
-            "span_under_pv": None if pv is None else pv.span,
-            "c7514": any("C7514" in w for w in report.ptxas_warnings)}
+    bodies = sass.key_block_loops(sass.disassemble(report.cubin))
+    pingpong = report.kernel == PINGPONG_KERNEL
+    # The unmasked loop comes first, then the masked one, in each partition's copy.
+    mains = [("consumer 0", bodies[0]), ("consumer 1", bodies[2])] if pingpong else [
+        ("kernel", bodies[0])]
+    rows = c["BLOCK_M"] // 2 if pingpong else c["BLOCK_M"]  # per partition
+    loops = []
+    for partition, body in mains:
+        loop = sass.MainLoop(body, rows * c["BLOCK_N"] // (32 * report.num_warps))
+        pv = sass.exp2_under_mma(loop.body, "QGMMA")
+        loops.append({"partition": partition, "per_tile": loop.per_tile,
+                      "per_score": round(loop.per_score, 2), "scores_per_thread": loop.scores,
+                      "exp2_under_pv": None if pv is None else pv.under,
+                      "exp2": None if pv is None else pv.total,
+                      "span_under_pv": None if pv is None else pv.span})
+    return {"c7514": any("C7514" in w for w in report.ptxas_warnings), "loops": loops}
+
+
+PINGPONG_KERNEL = "_attn_fwd_int8_pingpong_kernel"
 
 
 def _format_gluon_gates(report, gates: dict | None) -> list[str]:
@@ -211,16 +225,21 @@ def _format_gluon_gates(report, gates: dict | None) -> list[str]:
         warned = ["  ptxas warnings  none (no C7514)"]
     if gates is None:
         return warned
-    return warned + [
-        f"  main loop     {gates['per_tile']} instructions per tile, {gates['per_score']:.2f} per "
-        f"score ({gates['scores_per_thread']} scores per thread)",
-        f"  exp2 under P·V: {gates['exp2_under_pv']} of {gates['exp2']} ({gates['span_under_pv']} "
-        "instructions between the P·V wgmma's issue and its wait)",
-    ]
+    lines = warned
+    for g in gates["loops"]:
+        who = "" if g["partition"] == "kernel" else f"{g['partition']}: "
+        lines += [
+            f"  {who}main loop     {g['per_tile']} instructions per tile, {g['per_score']:.2f} "
+            f"per score ({g['scores_per_thread']} scores per thread)",
+            f"  {who}exp2 under P·V: {g['exp2_under_pv']} of {g['exp2']} ({g['span_under_pv']} "
+            "instructions between the P·V wgmma's issue and its wait)",
+        ]
+    return lines
 
 
 def _inspect_gluon(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """``inspect --kernel gluon``: the Gluon forward at each key block, with its gates."""
+    """``inspect --kernel gluon[-pingpong]``: the Gluon forward (the asynchronous or the
+    ping-pong schedule) at each key block, with its gates."""
     import torch
     import triton
 
@@ -230,9 +249,10 @@ def _inspect_gluon(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     error = _gluon_scope_error(args)
     if error is not None:
         parser.error(error)
+    schedule = "pingpong" if args.kernel == "gluon-pingpong" else "async"
     reports = [aot.compile_launch(aot.record_gluon_launch(
         head_dim=args.head_dim, causal=args.causal, block_k=block_k, return_lse=args.return_lse,
-        dtype=getattr(torch, args.dtype)), args.arch) for block_k in BLOCK_NS]
+        dtype=getattr(torch, args.dtype), schedule=schedule), args.arch) for block_k in BLOCK_NS]
     gates = [gluon_gates(r) for r in reports]
     if args.ptx_dir:
         _write_ptx(reports, args.ptx_dir)
@@ -241,8 +261,8 @@ def _inspect_gluon(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
                          default=str))
     else:
         mode = "causal" if args.causal else "non-causal"
-        print(f"qk_int8_pv_fp8 for {args.arch}, Gluon forward (head dim {args.head_dim}, {mode}, "
-              f"{args.dtype}); Triton {triton.__version__}, ptxas {aot.ptxas_version(args.arch)}")
+        print(f"qk_int8_pv_fp8 for {args.arch}, Gluon forward, {schedule} schedule (head dim "
+              f"{args.head_dim}, {mode}, {args.dtype}); Triton {triton.__version__}, ptxas {aot.ptxas_version(args.arch)}")
         for r, g in zip(reports, gates):
             print()
             print("\n".join(_format_report(r) + _format_gluon_gates(r, g)))

@@ -58,6 +58,27 @@ def loops(instructions: list[tuple[int, str]]) -> list[list[str]]:
     return bodies
 
 
+def key_block_loops(instructions: list[tuple[int, str]], mma: str = "IGMMA") -> list[list[str]]:
+    """The key-block loops of an attention kernel, in program order: the loops that issue
+    ``mma`` and hold no smaller such loop. Only code before the last ``EXIT`` counts: the
+    out-of-line retry stubs of mbarrier waits sit after it and branch backwards into the kernel,
+    so :func:`loops` reads each as a loop around everything in between. A warp-specialized
+    kernel has one copy of its loops per partition that runs them."""
+    last_exit = max((a for a, t in instructions if re.match(r"EXIT\b", t)), default=None)
+    spans = []
+    for address, text in instructions:
+        if not re.match(r"BRA\b", text) or (last_exit is not None and address > last_exit):
+            continue
+        target = re.search(r"0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < address:
+            lo = int(target.group(1), 16)
+            body = [t for a, t in instructions if lo <= a <= address]
+            if any(t.startswith(mma) for t in body):
+                spans.append((lo, address, body))
+    return [body for lo, hi, body in spans
+            if not any((a, b) != (lo, hi) and lo <= a and b <= hi for a, b, _ in spans)]
+
+
 def opcode_counts(body: list[str]) -> dict[str, int]:
     """Instructions per opcode (the text before the first ``.`` or space)."""
     counts: dict[str, int] = {}

@@ -1,0 +1,320 @@
+"""Attention forward with INT8 Q·Kᵀ and FP8 P·V for Hopper (sm_90a), warp-specialized: one loader
+warp and two consumer warpgroups in ping-pong, written in Gluon. The second schedule of the Gluon
+forward (``kernel_int8_gluon`` is the first): the same numerics (``gluon_blocks``), operands,
+launcher and twin; only who does what, and when, differs.
+
+One program computes ``BLOCK_M`` = 128 query rows of one (batch, query head) with three
+partitions (``gl.warp_specialize``):
+
+- the **loader** (1 warp, 24 registers) brings Q's two 64-row halves once, then K(j) and V(j) by
+  TMA into two stages each, each stage released by both consumers (``*_empty`` barriers counting
+  2 arrivals);
+- two **consumers** (4 warps each, 64 query rows each; the kernel's default partition is
+  consumer 0), each running the asynchronous loop of ``kernel_int8_gluon`` on its rows: issue
+  Q·Kᵀ(j) and P̃·V(j-1), ``wait(1)``, release K(j), softmax(j) under P̃·V(j-1), ``wait(0)``,
+  release V(j-1), ``acc·α + pv``.
+
+The two consumers take turns at the tensor cores: a consumer issues its two wgmmas only after the
+other has issued its own for the same block (two ``turn`` mbarriers passed back and forth), so
+one consumer's softmax runs while the other's products do. In the phase-1 kernel both warpgroups
+wait for their Q·Kᵀ together before the softmax (T_tile = T_QK + max(T_PV, T_soft), NOTES §11);
+here the model's bound is max(T_QK + T_PV, T_soft) per consumer pair.
+
+Registers: 12 warps (the loader's warpgroup counts whole), launched with ``maxnreg`` = 168
+(12·32·168 ≤ 64 Ki); ``setmaxnreg`` gives the loader 24 and each consumer 240 (the default
+partition receives what is left: 3·168 − 24 − 240 = 240). The consumers hold the same per-thread
+state as the phase-1 kernel's threads (64 rows over 128 threads instead of 128 over 256), which
+used up to 255 registers there.
+
+Scope, numerics and opt-in as ``kernel_int8_gluon`` (``LOWBIT_ATTN_KERNEL=gluon-pingpong``).
+Compiled ahead of time and executed on the CPU model (``tools/gluon_cpu.py``: the partitions as
+cooperatively scheduled threads); never run on a GPU.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
+
+from lowbit_attn.core.triton_helpers import key_block_bounds
+from lowbit_attn.inference.gluon_blocks import (
+    descriptors, key_scales, program_sequence, scales_of_rows, softmax_block, write_rows,
+)
+
+CONSUMER_WARPS = 4  # the kernel's num_warps: the default partition is consumer 0
+CONSUMER_REGS = 240
+LOADER_REGS = 24
+# Globals read inside @jit functions must be constexpr.
+_WORKER_WARPS = gl.constexpr((CONSUMER_WARPS, 1))  # consumer 1, the loader
+_WORKER_REGS = gl.constexpr((CONSUMER_REGS, LOADER_REGS))
+MAXNREG = 168  # 3 warpgroups × 128 threads × 168 = 64 Ki registers, redistributed by setmaxnreg
+BLOCK_M = 128
+HALF_M = 64  # each consumer's rows
+
+_KEYS = gl.constexpr(gl.BlockedLayout([1], [32], [CONSUMER_WARPS], [0]))
+
+
+@gluon.jit
+def _attn_fwd_int8_pingpong_kernel(
+    q, k, V, VS, VM, LSH, O, LSE, CUQ, CUK,
+    v_strides, vs_strides, lsh_strides, o_strides, lse_strides,
+    NQ, NK, HQ, GROUP, D, causal_offset,
+    IS_CAUSAL: gl.constexpr, HAS_VSCALE: gl.constexpr, HAS_VMEAN: gl.constexpr,
+    HAS_LSH: gl.constexpr, WRITE_LSE: gl.constexpr, VARLEN: gl.constexpr,
+    PER_TOKEN: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+):
+    """The arguments of ``kernel_int8_gluon._attn_fwd_int8_gluon_kernel`` (same launcher)."""
+    Q, QS, q_strides, qs_strides = q
+    K, KS, k_strides, ks_strides = k
+    sqb, sqh, sqn, sqd = q_strides
+    skb, skh, skn, skd = k_strides
+    svb, svh, svn, svd = v_strides
+
+    HALF: gl.constexpr = BLOCK_M // 2
+    q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, BLOCK_D], gl.int8)
+    k_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], gl.int8)
+    v_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_D, BLOCK_N],
+                                                                       gl.float8e4nv)
+    p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, BLOCK_N],
+                                                                       gl.float8e4nv)
+
+    pid_m, b, h, hk, q_start, nq, k_start, nk, causal_offset = program_sequence(
+        CUQ, CUK, NQ, NK, HQ, GROUP, causal_offset, VARLEN)
+    if pid_m * BLOCK_M >= nq:
+        return
+    q_desc, k_desc, v_desc, v_col = descriptors(
+        Q, K, V, b, h, hk, q_start, nq, k_start, nk, D, sqb, sqh, sqn, skb, skh, skn, svb, svh, svd,
+        VARLEN, HALF, BLOCK_N, BLOCK_D, q_smem_layout, k_smem_layout, v_smem_layout)
+
+    q_smem = gl.allocate_shared_memory(gl.int8, [2, HALF, BLOCK_D], q_smem_layout)
+    k_smem = gl.allocate_shared_memory(gl.int8, [2, BLOCK_N, BLOCK_D], k_smem_layout)
+    v_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, BLOCK_D, BLOCK_N], v_smem_layout)
+    # P̃: two buffers per consumer (index 2·consumer + stage)
+    p_smem = gl.allocate_shared_memory(gl.float8e4nv, [4, HALF, BLOCK_N], p_smem_layout)
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bars.index(i), count=1)
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # both consumers release a stage
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(v_empty.index(i), count=2)
+        mbarrier.init(turn.index(i), count=1)
+
+    full_hi, hi = key_block_bounds(nk, pid_m, causal_offset, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    n_blocks = gl.cdiv(hi, BLOCK_N)
+    n_full = full_hi // BLOCK_N
+    # Runtime values travel as one tuple; constexprs must be written in the call (a tuple held
+    # in a variable turns them into runtime values).
+    state = (q, k, VS, VM, LSH, O, LSE, CUQ, vs_strides, lsh_strides, o_strides, lse_strides,
+             NQ, D, pid_m, b, h, hk, q_start, k_start, nq, nk, causal_offset, n_blocks, n_full,
+             q_smem, k_smem, v_smem, p_smem, q_bars, k_ready, k_empty, v_ready, v_empty, turn)
+    gl.warp_specialize([
+        (_consumer, (state, 0, IS_CAUSAL, HAS_VSCALE, HAS_VMEAN, HAS_LSH, WRITE_LSE, VARLEN,
+                     PER_TOKEN, BLOCK_M, BLOCK_N, BLOCK_D)),  # the default partition
+        (_consumer, (state, 1, IS_CAUSAL, HAS_VSCALE, HAS_VMEAN, HAS_LSH, WRITE_LSE, VARLEN,
+                     PER_TOKEN, BLOCK_M, BLOCK_N, BLOCK_D)),
+        (_loader, (q_desc, k_desc, v_desc, v_col, pid_m, n_blocks, q_smem, k_smem, v_smem,
+                   q_bars, k_ready, k_empty, v_ready, v_empty, BLOCK_M, BLOCK_N, BLOCK_D)),
+    ], _WORKER_WARPS, _WORKER_REGS)
+
+    for i in gl.static_range(2):
+        mbarrier.invalidate(q_bars.index(i))
+        mbarrier.invalidate(k_ready.index(i))
+        mbarrier.invalidate(k_empty.index(i))
+        mbarrier.invalidate(v_ready.index(i))
+        mbarrier.invalidate(v_empty.index(i))
+        mbarrier.invalidate(turn.index(i))
+
+
+@gluon.jit
+def _loader(q_desc, k_desc, v_desc, v_col, pid_m, n_blocks, q_smem, k_smem, v_smem, q_bars,
+            k_ready, k_empty, v_ready, v_empty, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+            BLOCK_D: gl.constexpr):
+    """Q's two halves, then K(j) and V(j) for every key block into stage ``j % 2``, each once
+    both consumers have released the block two before (a fresh barrier's wait on parity 1
+    returns at once: the first two blocks need no release)."""
+    HALF: gl.constexpr = BLOCK_M // 2
+    if n_blocks > 0:
+        for i in gl.static_range(2):
+            mbarrier.expect(q_bars.index(i), HALF * BLOCK_D)
+            tma.async_copy_global_to_shared(q_desc, [pid_m * BLOCK_M + i * HALF, 0],
+                                            q_bars.index(i), q_smem.index(i))
+    for j in range(n_blocks):
+        stage = j % 2
+        phase = (j // 2) & 1
+        mbarrier.wait(k_empty.index(stage), phase ^ 1)
+        mbarrier.expect(k_ready.index(stage), BLOCK_N * BLOCK_D)
+        tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, 0], k_ready.index(stage),
+                                        k_smem.index(stage))
+        mbarrier.wait(v_empty.index(stage), phase ^ 1)
+        mbarrier.expect(v_ready.index(stage), BLOCK_D * BLOCK_N)
+        tma.async_copy_global_to_shared(v_desc, [0, v_col + j * BLOCK_N], v_ready.index(stage),
+                                        v_smem.index(stage))
+
+
+@gluon.jit
+def _turn_wait(turn, WG: gl.constexpr, t):
+    """Wait for consumer ``WG``'s ``t``-th turn at the tensor cores. Consumer 0 goes first: its
+    turn barrier's wait on parity 1 passes at once (a fresh barrier is in phase 0); after that
+    each consumer's turn ``t`` is the other's pass ``t`` (consumer 0) or ``t + 1`` (consumer 1)."""
+    mbarrier.wait(turn.index(WG), (t & 1) ^ (1 - WG))
+
+
+@gluon.jit
+def _turn_pass(turn, WG: gl.constexpr):
+    """Hand the tensor cores to the other consumer."""
+    mbarrier.arrive(turn.index(1 - WG), count=1)
+
+
+@gluon.jit
+def _consumer(state, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_VSCALE: gl.constexpr,
+              HAS_VMEAN: gl.constexpr, HAS_LSH: gl.constexpr, WRITE_LSE: gl.constexpr,
+              VARLEN: gl.constexpr, PER_TOKEN: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr):
+    """Consumer ``WG``: rows ``64·WG`` to ``64·WG + 63`` of the tile, the loop of
+    ``kernel_int8_gluon`` on them, in turns with the other consumer, then their epilogue."""
+    (q, k, VS, VM, LSH, O, LSE, CUQ, vs_strides, lsh_strides, o_strides, lse_strides,
+     NQ, D, pid_m, b, h, hk, q_start, k_start, nq, nk, causal_offset, n_blocks, n_full,
+     q_smem, k_smem, v_smem, p_smem, q_bars, k_ready, k_empty, v_ready, v_empty, turn) = state
+    Q, QS, q_strides, qs_strides = q
+    K, KS, k_strides, ks_strides = k
+    sqsb, sqsh, sqsn = qs_strides
+    sksb, sksh, sksn = ks_strides
+    svsb, svsh, svsd = vs_strides
+    slb, slh, sln = lsh_strides
+    sob, soh, son, sod = o_strides
+    seb, seh, sen = lse_strides
+    HALF: gl.constexpr = BLOCK_M // 2
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_D, 32])
+    rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    cols_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+
+    row0 = pid_m * BLOCK_M + WG * HALF
+    offs_m = row0 + gl.arange(0, HALF, layout=rows_s)
+    offs_n = gl.arange(0, BLOCK_N, layout=cols_s)
+    offs_d = gl.arange(0, BLOCK_D, layout=cols_o)
+    mmask = offs_m < nq
+    dmask = offs_d < D
+    qs, ks_base = scales_of_rows(QS, KS, b, h, hk, pid_m, q_start, k_start, offs_m, mmask, sqsb,
+                                 sqsh, sqsn, sksb, sksh, sksn, BLOCK_N, _KEYS, VARLEN, PER_TOKEN)
+
+    m_i = gl.full([HALF], float("-inf"), gl.float32, layout=rows_s)
+    l_i = gl.full([HALF], 0.0, gl.float32, layout=rows_s)
+    acc = gl.zeros([HALF, BLOCK_D], gl.float32, layout=o_layout)
+    zero_s = gl.zeros([HALF, BLOCK_N], gl.int32, layout=s_layout)
+    q_half = q_smem.index(WG)
+    if n_blocks > 0:
+        # Block 0: Q·Kᵀ alone (nothing to overlap yet), in this consumer's turn 0.
+        ks = key_scales(ks_base, 0, offs_n, nk, _KEYS, True, PER_TOKEN, cols_s)
+        mbarrier.wait(q_bars.index(WG), 0)
+        mbarrier.wait(k_ready.index(0), 0)
+        _turn_wait(turn, WG, 0)
+        s_tok = warpgroup_mma(q_half, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False,
+                              is_async=True)
+        _turn_pass(turn, WG)
+        s_int = warpgroup_mma_wait(0, deps=[s_tok])
+        mbarrier.arrive(k_empty.index(0), count=1)
+        p, m_i, l_i, alpha = softmax_block(s_int, ks, qs, m_i, l_i, 0, offs_m, offs_n, nk,
+                                           causal_offset, True, IS_CAUSAL, PER_TOKEN)
+        p_smem.index(2 * WG).store(p)
+        fence_async_shared()
+
+        if PER_TOKEN:
+            ks_ptr = ks_base + BLOCK_N * sksn
+        else:
+            ks_ptr = ks_base + sksn
+        for j in range(1, n_full):
+            acc, m_i, l_i, alpha, ks_ptr = _consumer_step(
+                j, acc, m_i, l_i, alpha, qs, offs_m, offs_n, nk, causal_offset, ks_ptr, sksn,
+                q_half, k_smem, v_smem, p_smem, k_ready, k_empty, v_ready, v_empty, turn, zero_s,
+                WG, False, IS_CAUSAL, BLOCK_N, BLOCK_D, s_layout, o_layout, PER_TOKEN)
+        j0 = gl.maximum(n_full, 1)
+        if PER_TOKEN:
+            ks_ptr = ks_base + j0 * BLOCK_N * sksn
+        else:
+            ks_ptr = ks_base + j0 * sksn
+        for j in range(j0, n_blocks):
+            acc, m_i, l_i, alpha, ks_ptr = _consumer_step(
+                j, acc, m_i, l_i, alpha, qs, offs_m, offs_n, nk, causal_offset, ks_ptr, sksn,
+                q_half, k_smem, v_smem, p_smem, k_ready, k_empty, v_ready, v_empty, turn, zero_s,
+                WG, True, IS_CAUSAL, BLOCK_N, BLOCK_D, s_layout, o_layout, PER_TOKEN)
+
+        # The last block's P̃·V, in turn n_blocks.
+        last = n_blocks - 1
+        mbarrier.wait(v_ready.index(last % 2), (last // 2) & 1)
+        _turn_wait(turn, WG, n_blocks)
+        pv = warpgroup_mma(p_smem.index(2 * WG + last % 2),
+                           v_smem.index(last % 2).permute((1, 0)),
+                           gl.zeros([HALF, BLOCK_D], gl.float32, layout=o_layout),
+                           use_acc=False, is_async=True)
+        _turn_pass(turn, WG)
+        pv = warpgroup_mma_wait(0, deps=[pv])
+        mbarrier.arrive(v_empty.index(last % 2), count=1)
+        acc = acc * gl.convert_layout(alpha, rows_o)[:, None] + pv
+
+    offs_mo = row0 + gl.arange(0, HALF, layout=rows_o)
+    write_rows(acc, m_i, l_i, O, LSE, LSH, VS, VM, CUQ, b, h, hk, nq, NQ, offs_m, offs_mo, offs_d,
+               dmask, svsb, svsh, svsd, sob, soh, son, sod, seb, seh, sen, slb, slh, sln, rows_o,
+               VARLEN, WRITE_LSE, HAS_VSCALE, HAS_VMEAN, HAS_LSH)
+
+
+@gluon.jit
+def _consumer_step(j, acc, m_i, l_i, alpha, qs, offs_m, offs_n, nk, causal_offset, ks_ptr, sksn,
+                   q_half, k_smem, v_smem, p_smem, k_ready, k_empty, v_ready, v_empty, turn,
+                   zero_s, WG: gl.constexpr, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                   BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, s_layout: gl.constexpr,
+                   o_layout: gl.constexpr, PER_TOKEN: gl.constexpr):
+    """Key block ``j`` (≥ 1) of consumer ``WG``, in its turn ``j``: Q·Kᵀ(j) and P̃·V(j-1) issued,
+    the turn passed, K(j) released once Q·Kᵀ(j) retires, softmax(j) under P̃·V(j-1), V(j-1)
+    released, ``acc·α(j-1) + pv(j-1)``; returns ``(acc, m, l, α(j))`` and ``ks_ptr`` moved to the
+    next block's K scales. Block ``i`` sits in K/V stage ``i % 2`` (barrier phase
+    ``(i // 2) & 1``) and in this consumer's P̃ buffer ``2·WG + i % 2``."""
+    HALF: gl.constexpr = zero_s.shape[0]
+    stage = j % 2
+    prev = 1 - stage
+    phase = (j // 2) & 1
+    mbarrier.wait(k_ready.index(stage), phase)
+    mbarrier.wait(v_ready.index(prev), phase ^ prev)  # block j-1's: ((j - 1) // 2) & 1
+    _turn_wait(turn, WG, j)
+    s_tok = warpgroup_mma(q_half, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False,
+                          is_async=True)
+    pv_tok = warpgroup_mma(p_smem.index(2 * WG + prev), v_smem.index(prev).permute((1, 0)),
+                           gl.zeros([HALF, BLOCK_D], gl.float32, layout=o_layout),
+                           use_acc=False, is_async=True)
+    _turn_pass(turn, WG)
+    ks = key_scales(ks_ptr, j * BLOCK_N, offs_n, nk, _KEYS, MASKED, PER_TOKEN,
+                    gl.SliceLayout(0, s_layout))
+    s_int = warpgroup_mma_wait(1, deps=[s_tok])
+    mbarrier.arrive(k_empty.index(stage), count=1)
+    p, m_new, l_i, alpha_new = softmax_block(s_int, ks, qs, m_i, l_i, j * BLOCK_N, offs_m, offs_n,
+                                             nk, causal_offset, MASKED, IS_CAUSAL, PER_TOKEN)
+    p_smem.index(2 * WG + stage).store(p)
+    fence_async_shared()
+    pv = warpgroup_mma_wait(0, deps=[pv_tok])
+    mbarrier.arrive(v_empty.index(prev), count=1)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None] + pv
+    if PER_TOKEN:
+        ks_ptr += BLOCK_N * sksn
+    else:
+        ks_ptr += sksn
+    return acc, m_new, l_i, alpha_new, ks_ptr
+
+
+KERNEL = _attn_fwd_int8_pingpong_kernel  # what the launcher (kernel_int8_gluon.attention) runs
+
+__all__ = ["BLOCK_M", "CONSUMER_REGS", "CONSUMER_WARPS", "KERNEL", "LOADER_REGS", "MAXNREG"]
