@@ -42,6 +42,7 @@ import dataclasses
 import inspect
 import itertools
 import textwrap
+import threading
 import types
 from collections import Counter
 
@@ -209,6 +210,9 @@ def _store(ptr, value, mask=None, **_):
 
 
 class _Barrier:
+    """An mbarrier: a phase completes when its arrivals reach ``count`` and every transaction byte
+    expected in it has landed; arrivals after that count towards the next phase."""
+
     def __init__(self, name):
         self.name = name
         self.count = None  # set by init
@@ -216,6 +220,39 @@ class _Barrier:
         self.tx = 0
         self.completed = 0  # phases completed; the current phase's parity is completed & 1
         self.loads = []  # (buffer view, data, bytes) issued, not landed
+
+    def phase_done(self, parity: int) -> bool:
+        """``wait(bar, parity)``'s test: has the latest phase of that parity completed?"""
+        return (self.completed & 1) != parity
+
+    def arrive(self, count: int, tx: int = 0):
+        if self.count is None:
+            raise ScheduleError(f"arrival on {self.name}, never initialised")
+        self.arrivals += count
+        self.tx += tx
+        if self.arrivals > self.count:
+            raise ScheduleError(f"{self.name}: {self.arrivals} arrivals in one phase of a barrier "
+                                f"initialised with count {self.count}")
+        self.try_complete()
+
+    def land(self, pid):
+        """Every TMA load issued on this barrier lands (the latest it may: at a wait on it)."""
+        for view, data, _ in self.loads:
+            view.tensor.copy_(data)
+            view.root.loading.pop(view.key, None)
+            self.tx -= data.numel() * data.element_size()
+        self.loads = []
+        if self.tx < 0:
+            raise ScheduleError(f"program {pid}: {self.name} received {-self.tx} bytes more than "
+                                "its expect() announced (a load signals the wrong barrier)")
+
+    def try_complete(self):
+        if self.arrivals >= self.count and self.tx == 0 and not self.loads:
+            self.completed += 1
+            self.arrivals -= self.count
+
+    def state(self) -> str:
+        return f"{self.arrivals} of {self.count} arrivals, {self.tx} bytes outstanding"
 
 
 class _Shared:
@@ -254,7 +291,7 @@ class _Shared:
             raise ScheduleError(f"store of {value.dtype}{list(value.shape)} into "
                                 f"{self.where()}: {self.dtype}{self.shape}")
         self.tensor.copy_(value)
-        self.root.unfenced.add(self.key)
+        self.root.unfenced.add((machine.current, self.key))
 
     def load(self, layout=None):
         _machine().check_no_load(self, "a load from")
@@ -265,7 +302,7 @@ class _Root:
     def __init__(self, name):
         self.name = name
         self.loading = {}  # key -> barrier of a TMA load not yet landed
-        self.unfenced = set()  # keys written by the generic proxy since the last fence
+        self.unfenced = set()  # (partition, key) stored by the generic proxy, not yet fenced
         self.barriers = {}
 
 
@@ -297,27 +334,166 @@ class Trace:
     calls: Counter = dataclasses.field(default_factory=Counter)
 
 
+SCHEDULES = ("lazy", "eager", "reverse")
+
+
 class _Launch:
-    def __init__(self, trace):
+    def __init__(self, trace, schedule="lazy", num_warps=4):
         self.trace = trace
+        self.schedule, self.num_warps = schedule, num_warps
         self.written = {}
 
 
+class _Stop(BaseException):
+    """Unwinds a partition's thread once another partition has failed."""
+
+
+class _Partition:
+    """The warps that run one function: the whole program outside ``warp_specialize``, one
+    partition inside it. Owns its wgmma groups in flight; while blocked in an mbarrier wait it
+    holds ``waiting = (can_go, what)``."""
+
+    def __init__(self, name, num_warps):
+        self.name, self.num_warps = name, num_warps
+        self.inflight: list[_Group] = []
+        self.waiting = None
+        self.finished = False
+        self.turn = threading.Semaphore(0)  # released to let this partition's thread run
+
+
 class _Machine:
+    """One program (CTA): its shared memory, barriers and partitions. Inside ``warp_specialize``
+    each partition is a thread, and exactly one runs at a time: the running one hands the CPU
+    over only at a synchronisation point (:meth:`sync`) or when it blocks (:meth:`block`)."""
+
     def __init__(self, pid, launch):
         self.pid, self.launch = pid, launch
-        self.inflight: list[_Group] = []
+        self.main = _Partition("default", launch.num_warps)
+        self.current = self.main
+        self.partitions = [self.main]  # those running now: one outside warp_specialize
+        self.every_partition = [self.main]
         self.roots: list[_Root] = []
         self.barriers: list[_Barrier] = []
+        self.failure = None  # (partition, exception) that stops a warp_specialize
+        self.done = threading.Event()
 
     def event(self, name, n=1):
         self.launch.trace.events[name] += n
 
     def check_no_reader(self, view, what):
-        for g in self.inflight:
-            for r in g.reads:
-                if r.root is view.root and _overlap(r.key, view.key):
-                    raise Race(f"{what} {view.where()} while a wgmma that reads it is in flight")
+        for p in self.every_partition:
+            for g in p.inflight:
+                for r in g.reads:
+                    if r.root is view.root and _overlap(r.key, view.key):
+                        by = f" (issued by {p.name})" if len(self.every_partition) > 1 else ""
+                        raise Race(f"{what} {view.where()} while a wgmma that reads it is in "
+                                   f"flight{by}")
+
+    # scheduling the partitions of a warp_specialize
+
+    def _order(self, after):
+        """The partitions in the policy's round-robin order, starting after ``after`` (which
+        comes last); "reverse" goes round the other way."""
+        ps = self.partitions[::-1] if self.launch.schedule == "reverse" else self.partitions
+        i = ps.index(after)
+        return ps[i + 1:] + ps[:i + 1]
+
+    @staticmethod
+    def _can_run(p) -> bool:
+        return not p.finished and (p.waiting is None or p.waiting[0]())
+
+    def _next(self, after):
+        return next((p for p in self._order(after) if self._can_run(p)), None)
+
+    def _switch(self, nxt):
+        p = self.current
+        if nxt is p:
+            return
+        self.event("partition switches")
+        self.current = nxt
+        nxt.turn.release()
+        p.turn.acquire()
+        if self.failure is not None:
+            raise _Stop
+
+    def sync(self):
+        """A synchronisation point of the running partition: under "eager" the next partition
+        that can run takes over (round robin); otherwise the running one goes on."""
+        if len(self.partitions) > 1 and self.launch.schedule == "eager":
+            self._switch(self._next(self.current))
+
+    def block(self, can_go, what):
+        """Wait until ``can_go()`` (which may land loads and complete phases) holds, letting the
+        other partitions run; :class:`Hang` when no partition can run."""
+        p = self.current
+        p.waiting = (can_go, what)
+        nxt = self._next(p)
+        if nxt is None:
+            raise self._hang()
+        self._switch(nxt)
+        p.waiting = None
+
+    def _hang(self) -> Hang:
+        if len(self.partitions) == 1:
+            return Hang(f"program {self.pid}: {self.current.waiting[1]()} never returns")
+        states = [f"{p.name} finished" if p.finished else f"{p.name} blocked in {p.waiting[1]()}"
+                  for p in self.partitions]
+        hang = Hang(f"program {self.pid}: every partition is blocked: " + "; ".join(states))
+        hang.names_every_partition = True
+        return hang
+
+    def specialize(self, functions_and_args, worker_num_warps):
+        """Run the partitions to the end; the default partition's return value."""
+        if len(self.partitions) > 1:
+            raise NotModeled("warp_specialize inside a warp-specialized partition")
+        self.main.turn = threading.Semaphore(0)
+        workers = [_Partition(f"worker {i}", w) for i, w in enumerate(worker_num_warps)]
+        self.partitions = [self.main] + workers
+        self.every_partition += workers
+        for p, (fn, _) in zip(self.partitions, functions_and_args):
+            p.name = f"{p.name.split(' (')[0]} ({getattr(fn, '__name__', fn)})"
+        self.failure, results = None, {}
+        self.done.clear()
+        threads = [threading.Thread(target=self._run, args=(p, fn, tuple(args), results),
+                                    name=f"gluon_cpu {p.name}", daemon=True)
+                   for p, (fn, args) in zip(self.partitions, functions_and_args)]
+        for t in threads:
+            t.start()
+        self.current = self.partitions[-1 if self.launch.schedule == "reverse" else 0]
+        self.current.turn.release()
+        self.done.wait()
+        for t in threads:
+            t.join()
+        self.partitions, self.current = [self.main], self.main
+        if self.failure is not None:
+            raise _named(*self.failure)
+        return results.get("default")
+
+    def _run(self, p, fn, args, results):
+        p.turn.acquire()
+        try:
+            if self.failure is not None:
+                return
+            value = fn(*args)
+            if p is self.main:
+                results["default"] = value
+            p.finished = True
+            nxt = self._next(p)
+            if nxt is None:
+                if not all(q.finished for q in self.partitions):
+                    raise self._hang()
+                self.done.set()
+                return
+            self.current = nxt
+            nxt.turn.release()
+        except _Stop:
+            return
+        except BaseException as e:  # noqa: BLE001 - re-raised by the launching thread
+            self.failure = (p, e)
+            for q in self.partitions:
+                if q is not p:
+                    q.turn.release()
+            self.done.set()
 
     def check_no_load(self, view, what):
         for key, bar in view.root.loading.items():
@@ -326,13 +502,27 @@ class _Machine:
                            "not been waited for")
 
     def finish(self):
-        if self.inflight:
-            raise ScheduleError(f"program {self.pid} ends with {len(self.inflight)} wgmma group(s) "
-                                "never waited for")
+        for p in self.every_partition:
+            if p.inflight:
+                of = f" of {p.name}" if len(self.every_partition) > 1 else ""
+                raise ScheduleError(f"program {self.pid} ends with {len(p.inflight)} wgmma "
+                                    f"group(s){of} never waited for")
         for bar in self.barriers:
             if bar.loads or bar.tx:
                 raise ScheduleError(f"program {self.pid} ends with a TMA load on {bar.name} never "
                                     "waited for")
+
+
+def _named(p: _Partition, e: BaseException) -> BaseException:
+    """``e``, raised in partition ``p``, to re-raise in the launching thread, naming ``p``."""
+    if getattr(e, "names_every_partition", False):
+        return e
+    if isinstance(e, ScheduleError):
+        named = type(e)(f"{p.name}: {e}")
+        named.__cause__ = e
+        return named
+    e.add_note(f"raised in the warp-specialized partition {p.name}")
+    return e
 
 
 _CURRENT: list[_Machine] = []
@@ -454,6 +644,7 @@ def _make_lang(real_name, numerics):
         names.update(
             allocate_shared_memory=_allocate_shared_memory, NVMMADistributedLayout=_Layout,
             SliceLayout=_Layout, NVMMASharedLayout=_Layout, BlockedLayout=_Layout,
+            warp_specialize=_warp_specialize, num_warps=lambda: _machine().current.num_warps,
         )
     return _Namespace(real_name, **names)
 
@@ -467,19 +658,22 @@ def _mb_init(bar, count):
 
 
 def _mb_expect(bar, bytes, pred=True):
+    """An arrival that also announces ``bytes`` of TMA transactions."""
     if not bool(pred):
         return
-    b = _barrier(bar)
-    b.arrivals += 1
-    b.tx += int(bytes)
+    _barrier(bar).arrive(1, int(bytes))
+    _machine().sync()
 
 
 def _mb_arrive(bar, *, count=1, pred=True):
     if bool(pred):
-        _barrier(bar).arrivals += count
+        _barrier(bar).arrive(int(count))
+        _machine().sync()
 
 
 def _mb_wait(bar, phase, pred=True, deps=()):
+    """Returns at once when the phase of parity ``phase`` has completed; otherwise the loads on
+    the barrier land and, if the phase still cannot complete, the partition blocks."""
     if not bool(pred):
         return
     b = _barrier(bar)
@@ -487,22 +681,18 @@ def _mb_wait(bar, phase, pred=True, deps=()):
         raise ScheduleError(f"wait on {b.name}, never initialised")
     parity = int(phase)
     m = _machine()
-    if (b.completed & 1) != parity:  # the phase of this parity completed earlier
+    m.sync()
+    if b.phase_done(parity):
         m.event("wait returned at once")
         return
-    for view, data, _ in b.loads:
-        view.tensor.copy_(data)
-        view.root.loading.pop(view.key, None)
-        b.tx -= data.numel() * data.element_size()
-    b.loads = []
-    if b.tx < 0:
-        raise ScheduleError(f"program {m.pid}: {b.name} received {-b.tx} bytes more than its "
-                            "expect() announced (a load signals the wrong barrier)")
-    if b.arrivals < b.count or b.tx != 0:
-        raise Hang(f"program {m.pid}: wait({b.name}, phase {parity}) never returns: "
-                   f"{b.arrivals} of {b.count} arrivals, {b.tx} bytes outstanding")
-    b.completed += 1
-    b.arrivals = 0
+
+    def can_go():
+        b.land(m.pid)
+        b.try_complete()
+        return b.phase_done(parity)
+
+    if not can_go():
+        m.block(can_go, lambda: f"wait({b.name}, phase {parity}) with {b.state()}")
     m.event(f"wait phase {parity}")
 
 
@@ -556,19 +746,23 @@ def _async_copy_global_to_shared(desc, coord, barrier, result, pred=True):
     result.root.loading[result.key] = b
     m.event("tma")
     m.event("tma zero-filled elements", int((~inside).sum()))
+    m.sync()
 
 
 def _fence_async_shared(cluster=False):
-    for root in _machine().roots:
-        root.unfenced.clear()
+    """Orders the calling partition's own shared-memory stores before later async reads."""
+    m = _machine()
+    for root in m.roots:
+        root.unfenced = {(p, key) for p, key in root.unfenced if p is not m.current}
 
 
 def _operand(x, m):
     if isinstance(x, _Shared):
         m.check_no_load(x, "a wgmma reading")
-        for key in x.root.unfenced:
+        for p, key in x.root.unfenced:
             if _overlap(key, x.key):
-                raise Race(f"a wgmma reads {x.where()}, stored without fence_async_shared")
+                by = "" if p is m.current else f" by {p.name}"
+                raise Race(f"a wgmma reads {x.where()}, stored{by} without fence_async_shared")
         return x.tensor
     if isinstance(x, _Token):
         raise Race("a wgmma reads the result of a wgmma still in flight")
@@ -589,14 +783,18 @@ def _warpgroup_mma(a, b, acc, *, use_acc=True, precision=None, max_num_imprecise
     if not is_async:
         return result
     group = _Group(result, [x for x in (a, b) if isinstance(x, _Shared)])
-    m.inflight.append(group)
+    m.current.inflight.append(group)
+    m.sync()
     return _Token(group)
 
 
 def _warpgroup_mma_wait(num_outstanding=0, deps=None):
+    """Retires the calling partition's oldest groups until ``num_outstanding`` remain."""
     m = _machine()
-    while len(m.inflight) > int(num_outstanding):
-        m.inflight.pop(0).done = True
+    inflight = m.current.inflight
+    while len(inflight) > int(num_outstanding):
+        inflight.pop(0).done = True
+    m.sync()
     out = []
     for d in deps:
         if isinstance(d, _Token):
@@ -606,6 +804,16 @@ def _warpgroup_mma_wait(num_outstanding=0, deps=None):
         else:
             out.append(d)
     return out[0] if len(out) == 1 else tuple(out)
+
+
+def _warp_specialize(functions_and_args, worker_num_warps, worker_num_regs=()):
+    """Runs the partitions as threads taking turns (see :class:`_Machine`); returns what the
+    default partition (the first) returns. ``worker_num_regs`` is not modelled."""
+    functions_and_args = list(functions_and_args)
+    if len(functions_and_args) != len(worker_num_warps) + 1:
+        raise ScheduleError(f"warp_specialize of {len(functions_and_args)} partitions with "
+                            f"{len(worker_num_warps)} worker warp counts")
+    return _machine().specialize(functions_and_args, [int(w) for w in worker_num_warps])
 
 
 def _not_modeled(name):
@@ -692,6 +900,7 @@ class _Rebinder:
             trace.calls[(py.__name__, key)] += 1
             return f(*args, **kwargs)
 
+        recorded.__name__ = py.__name__
         placeholder["f"] = recorded
         self.functions[py] = recorded
         return recorded
@@ -712,11 +921,19 @@ class CpuKernel:
     """Stands in for a ``@gluon.jit`` kernel object: ``CpuKernel(k)[grid](**kwargs)`` runs every
     program of the grid, in order, on CPU tensors. ``overrides``: ``{jit.fn: plain Python
     function}`` to run instead of a ``@jit`` function (a mutated copy, in tests; keyed by the
-    plain function: hashing a Gluon JIT object hashes its dependencies). ``trace`` sums what the
+    plain function: hashing a Gluon JIT object hashes its dependencies). ``schedule``: the order
+    in which the partitions of a ``warp_specialize`` take turns, one of :data:`SCHEDULES` ("lazy":
+    the running partition goes on until it blocks, then the next in order runs; "eager": the next
+    partition that can run takes over at every synchronisation point, round robin; "reverse": as
+    "lazy", starting with the last worker and going round the other way). ``trace`` sums what the
     launches did."""
 
-    def __init__(self, kernel, *, numerics: Numerics = Numerics(), overrides=None):
+    def __init__(self, kernel, *, numerics: Numerics = Numerics(), overrides=None,
+                 schedule: str = "lazy"):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         self.kernel = kernel
+        self.schedule = schedule
         self.trace = Trace()
         self.rebinder = _Rebinder(numerics, overrides, self.trace)
 
@@ -726,7 +943,7 @@ class CpuKernel:
                 raise TypeError("launch the kernel with keyword arguments")
             kw = {k: _arguments(v, k) for k, v in kwargs.items() if k not in LAUNCH_OPTIONS}
             fn = self.rebinder.function(self.kernel)
-            state = _Launch(self.trace)
+            state = _Launch(self.trace, self.schedule, int(kwargs.get("num_warps", 4)))
             grid3 = tuple(grid) + (1,) * (3 - len(grid))
             for pid in itertools.product(*(range(n) for n in grid3)):
                 m = _Machine((pid[0], pid[1], pid[2]), state)
@@ -792,5 +1009,5 @@ def kernel_on_cpu(module, name: str, **options):
         setattr(module, name, real)
 
 
-__all__ = ["CpuKernel", "Hang", "NotModeled", "Numerics", "Race", "ScheduleError", "Trace",
-           "canonical_reductions", "kernel_on_cpu", "modeled_names", "referenced_names"]
+__all__ = ["SCHEDULES", "CpuKernel", "Hang", "NotModeled", "Numerics", "Race", "ScheduleError",
+           "Trace", "canonical_reductions", "kernel_on_cpu", "modeled_names", "referenced_names"]
