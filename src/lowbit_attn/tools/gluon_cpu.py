@@ -638,7 +638,8 @@ def _make_lang(real_name, numerics):
         max=max_, sum=sum_, cdiv=_cdiv, static_range=range, constexpr=lambda v: v,
         convert_layout=lambda x, layout, assert_trivial=False: x,
         float32=torch.float32, int8=torch.int8, int32=torch.int32, int64=torch.int64,
-        uint8=torch.uint8, float8e4nv=torch.float8_e4m3fn,
+        uint8=torch.uint8, float8e4nv=torch.float8_e4m3fn, float16=torch.float16,
+        bfloat16=torch.bfloat16,
     )
     if real_name == "gl":
         names.update(
