@@ -220,14 +220,18 @@ class _Barrier:
         self.tx = 0
         self.completed = 0  # phases completed; the current phase's parity is completed & 1
         self.loads = []  # (buffer view, data, bytes) issued, not landed
+        self.release = Counter()  # what the arrivals of the current phase had seen
+        self.clock = Counter()  # what the last completed phase tells the partitions that wait it
 
     def phase_done(self, parity: int) -> bool:
         """``wait(bar, parity)``'s test: has the latest phase of that parity completed?"""
         return (self.completed & 1) != parity
 
-    def arrive(self, count: int, tx: int = 0):
+    def arrive(self, by: _Partition, count: int, tx: int = 0):
         if self.count is None:
             raise ScheduleError(f"arrival on {self.name}, never initialised")
+        by.tick()
+        _join(self.release, by.seen)
         self.arrivals += count
         self.tx += tx
         if self.arrivals > self.count:
@@ -240,6 +244,7 @@ class _Barrier:
         for view, data, _ in self.loads:
             view.tensor.copy_(data)
             view.root.loading.pop(view.key, None)
+            view.root.tma_phase[view.key] = (self, self.completed + 1)
             self.tx -= data.numel() * data.element_size()
         self.loads = []
         if self.tx < 0:
@@ -250,6 +255,8 @@ class _Barrier:
         if self.arrivals >= self.count and self.tx == 0 and not self.loads:
             self.completed += 1
             self.arrivals -= self.count
+            self.clock = _join(self.release, {self: self.completed})
+            self.release = Counter()
 
     def state(self) -> str:
         return f"{self.arrivals} of {self.count} arrivals, {self.tx} bytes outstanding"
@@ -290,11 +297,15 @@ class _Shared:
         if list(value.shape) != self.shape or value.dtype != self.dtype:
             raise ScheduleError(f"store of {value.dtype}{list(value.shape)} into "
                                 f"{self.where()}: {self.dtype}{self.shape}")
+        machine.check_ordered_write(self, "a store into")
         self.tensor.copy_(value)
         self.root.unfenced.add((machine.current, self.key))
+        self.root.stored_by[(self.key, machine.current)] = machine.current.tick()
 
     def load(self, layout=None):
-        _machine().check_no_load(self, "a load from")
+        machine = _machine()
+        machine.check_no_load(self, "a load from")
+        machine.check_ordered_read(self, "a load from")
         return self.tensor.clone()
 
 
@@ -304,6 +315,18 @@ class _Root:
         self.loading = {}  # key -> barrier of a TMA load not yet landed
         self.unfenced = set()  # (partition, key) stored by the generic proxy, not yet fenced
         self.barriers = {}
+        # for the happens-before checks between partitions: the last access to each key
+        self.tma_phase = {}  # key -> (barrier, phase number) in which its last TMA load landed
+        self.read_by = {}  # (key, partition) -> partition's time when a wgmma reading it retired
+        self.stored_by = {}  # (key, partition) -> partition's time at its last store
+
+
+def _join(clock: Counter, other) -> Counter:
+    """``clock`` raised to at least ``other`` in every entry (a vector clock's join)."""
+    for actor, t in other.items():
+        if clock[actor] < t:
+            clock[actor] = t
+    return clock
 
 
 def _overlap(a, b):
@@ -359,6 +382,13 @@ class _Partition:
         self.waiting = None
         self.finished = False
         self.turn = threading.Semaphore(0)  # released to let this partition's thread run
+        # a vector clock: for each partition (and each barrier, whose time is its number of
+        # completed phases) the latest of its events known to have happened before now
+        self.seen = Counter()
+
+    def tick(self) -> int:
+        self.seen[self] += 1
+        return self.seen[self]
 
 
 class _Machine:
@@ -388,6 +418,40 @@ class _Machine:
                         by = f" (issued by {p.name})" if len(self.every_partition) > 1 else ""
                         raise Race(f"{what} {view.where()} while a wgmma that reads it is in "
                                    f"flight{by}")
+
+    # happens-before between partitions (inside warp_specialize; one thread is in program order)
+
+    def check_ordered_read(self, view, what):
+        """Reading ``view``: its TMA load's phase must have been waited for, and another
+        partition's store into it must reach this one through barriers."""
+        if len(self.partitions) == 1:
+            return
+        p = self.current
+        for key, (bar, phase) in view.root.tma_phase.items():
+            if _overlap(key, view.key) and p.seen[bar] < phase:
+                raise Race(f"{what} {view.where()} by {p.name}: its TMA load completes phase "
+                           f"{phase - 1} of {bar.name}, which {p.name} has not waited for")
+        self._check_stores(view, what)
+
+    def check_ordered_write(self, view, what):
+        """Writing ``view`` (a TMA load issued, a store): every other partition's wgmma reading it
+        must have retired, and its retirement reached this partition through barriers; so must
+        its last TMA load and other partitions' stores."""
+        if len(self.partitions) == 1:
+            return
+        p = self.current
+        for (key, q), t in view.root.read_by.items():
+            if q is not p and _overlap(key, view.key) and p.seen[q] < t:
+                raise Race(f"{what} {view.where()} by {p.name} is not ordered after the "
+                           f"retirement of {q.name}'s wgmma that reads it (no barrier in between)")
+        self.check_ordered_read(view, what)
+
+    def _check_stores(self, view, what):
+        p = self.current
+        for (key, q), t in view.root.stored_by.items():
+            if q is not p and _overlap(key, view.key) and p.seen[q] < t:
+                raise Race(f"{what} {view.where()} by {p.name} is not ordered after {q.name}'s "
+                           "store into it (no barrier in between)")
 
     # scheduling the partitions of a warp_specialize
 
@@ -448,6 +512,8 @@ class _Machine:
             raise NotModeled("warp_specialize inside a warp-specialized partition")
         self.main.turn = threading.Semaphore(0)
         workers = [_Partition(f"worker {i}", w) for i, w in enumerate(worker_num_warps)]
+        for w in workers:
+            _join(w.seen, self.main.seen)
         self.partitions = [self.main] + workers
         self.every_partition += workers
         for p, (fn, _) in zip(self.partitions, functions_and_args):
@@ -465,6 +531,8 @@ class _Machine:
         for t in threads:
             t.join()
         self.partitions, self.current = [self.main], self.main
+        for w in workers:
+            _join(self.main.seen, w.seen)
         if self.failure is not None:
             raise _named(*self.failure)
         return results.get("default")
@@ -662,14 +730,16 @@ def _mb_expect(bar, bytes, pred=True):
     """An arrival that also announces ``bytes`` of TMA transactions."""
     if not bool(pred):
         return
-    _barrier(bar).arrive(1, int(bytes))
-    _machine().sync()
+    m = _machine()
+    _barrier(bar).arrive(m.current, 1, int(bytes))
+    m.sync()
 
 
 def _mb_arrive(bar, *, count=1, pred=True):
     if bool(pred):
-        _barrier(bar).arrive(int(count))
-        _machine().sync()
+        m = _machine()
+        _barrier(bar).arrive(m.current, int(count))
+        m.sync()
 
 
 def _mb_wait(bar, phase, pred=True, deps=()):
@@ -685,6 +755,7 @@ def _mb_wait(bar, phase, pred=True, deps=()):
     m.sync()
     if b.phase_done(parity):
         m.event("wait returned at once")
+        _join(m.current.seen, b.clock)
         return
 
     def can_go():
@@ -694,6 +765,7 @@ def _mb_wait(bar, phase, pred=True, deps=()):
 
     if not can_go():
         m.block(can_go, lambda: f"wait({b.name}, phase {parity}) with {b.state()}")
+    _join(m.current.seen, b.clock)
     m.event(f"wait phase {parity}")
 
 
@@ -734,6 +806,7 @@ def _async_copy_global_to_shared(desc, coord, barrier, result, pred=True):
                             f"{result.where()}: {result.dtype}{result.shape}")
     m.check_no_reader(result, "a TMA load into")
     m.check_no_load(result, "a TMA load into")
+    m.check_ordered_write(result, "a TMA load into")
     idx = [int(c) + torch.arange(n) for c, n in zip(coord, desc.block_shape)]
     grids = torch.meshgrid(*idx, indexing="ij")
     inside = torch.ones(grids[0].shape, dtype=torch.bool)
@@ -760,6 +833,7 @@ def _fence_async_shared(cluster=False):
 def _operand(x, m):
     if isinstance(x, _Shared):
         m.check_no_load(x, "a wgmma reading")
+        m.check_ordered_read(x, "a wgmma reading")
         for p, key in x.root.unfenced:
             if _overlap(key, x.key):
                 by = "" if p is m.current else f" by {p.name}"
@@ -768,6 +842,14 @@ def _operand(x, m):
     if isinstance(x, _Token):
         raise Race("a wgmma reads the result of a wgmma still in flight")
     return x
+
+
+def _retired(m, reads):
+    """The running partition's wgmma that read ``reads`` has retired: noted for the
+    happens-before check of a later write."""
+    now = m.current.tick()
+    for r in reads:
+        r.root.read_by[(r.key, m.current)] = now
 
 
 def _warpgroup_mma(a, b, acc, *, use_acc=True, precision=None, max_num_imprecise_acc=None,
@@ -782,6 +864,7 @@ def _warpgroup_mma(a, b, acc, *, use_acc=True, precision=None, max_num_imprecise
     result = prod.to(cv.dtype)
     m.event("wgmma")
     if not is_async:
+        _retired(m, [x for x in (a, b) if isinstance(x, _Shared)])
         return result
     group = _Group(result, [x for x in (a, b) if isinstance(x, _Shared)])
     m.current.inflight.append(group)
@@ -794,7 +877,9 @@ def _warpgroup_mma_wait(num_outstanding=0, deps=None):
     m = _machine()
     inflight = m.current.inflight
     while len(inflight) > int(num_outstanding):
-        inflight.pop(0).done = True
+        group = inflight.pop(0)
+        group.done = True
+        _retired(m, group.reads)
     m.sync()
     out = []
     for d in deps:
