@@ -7,7 +7,9 @@ for their own 64 rows of ``A``, passing a turn back and forth through two barrie
 The kernel must give the torch result bit for bit under every schedule the model tries, and
 known breaks of the protocol must be caught: a loader that does not wait for the ring slot, a
 consumer waiting the wrong parity, the ``empty`` barrier counting one arrival, a consumer that
-never hands the turn back."""
+never hands the turn back, a consumer that frees the slot before its wgmma retires. A second toy
+has a worker stage a tile through registers into shared memory for the default partition's wgmma
+(fence and barrier across partitions)."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
 from lowbit_attn.tools import gluon_cpu
@@ -196,3 +198,145 @@ def outcome(schedule, jit, old, new, n_tiles=5) -> tuple[str, str]:
 def test_the_unmutated_toy_passes_through_the_mutation_path():
     for schedule in gluon_cpu.SCHEDULES:
         assert outcome(schedule, toy_kernel, "count=2)", "count=2)")[0] == "passes"
+
+
+# (id, function, old, new, what each schedule must report): "hang", "race", "error" (another
+# ScheduleError), "wrong" numbers
+MUTATIONS = [
+    ("loader-skips-the-empty-wait", _load_tiles,
+     "        mbarrier.wait(empty.index(stage), ((t // 2) & 1) ^ 1)\n", "",
+     # lazy: the loader runs ahead and arms ready[0] twice in one phase
+     {"lazy": "error", "eager": "race", "reverse": "error"}),
+    ("consumer-waits-ready-on-the-wrong-parity", _consume,
+     "mbarrier.wait(ready.index(stage), (t // 2) & 1)",
+     "mbarrier.wait(ready.index(stage), ((t // 2) & 1) ^ 1)",
+     # lazy: the consumers read the poisoned ring first and the loader's parity-1 wait on a
+     # barrier that has already completed phase 0 never returns
+     {"lazy": "hang", "eager": "race", "reverse": "race"}),
+    ("empty-counts-one-arrival", toy_kernel, "mbarrier.init(empty.index(i), count=2)",
+     "mbarrier.init(empty.index(i), count=1)",
+     # each consumer's arrival completes a phase: the loader refills a slot too early, or (lazy)
+     # counts phases two at a time and misses the parity it waits for
+     {"lazy": "hang", "eager": "race", "reverse": "race"}),
+    ("consumer-frees-the-slot-before-its-wgmma-retires", _consume,
+     "        acc = warpgroup_mma_wait(0, deps=[tok])\n"
+     "        mbarrier.arrive(empty.index(stage), count=1)",
+     "        mbarrier.arrive(empty.index(stage), count=1)\n"
+     "        acc = warpgroup_mma_wait(0, deps=[tok])",
+     # the happens-before check: caught whatever the interleaving
+     {"lazy": "race", "eager": "race", "reverse": "race"}),
+]
+
+
+@pytest.mark.parametrize("schedule", gluon_cpu.SCHEDULES)
+@pytest.mark.parametrize("jit,old,new,expected", [m[1:] for m in MUTATIONS],
+                         ids=[m[0] for m in MUTATIONS])
+def test_the_model_catches(jit, old, new, expected, schedule):
+    got, message = outcome(schedule, jit, old, new)
+    assert got == expected[schedule], (got, message)
+
+
+@pytest.mark.parametrize("schedule", gluon_cpu.SCHEDULES)
+def test_a_consumer_that_never_hands_the_turn_over_hangs_naming_every_partition(schedule):
+    got, message = outcome(schedule, _consume, "mbarrier.arrive(other_turn, count=1)",
+                           "mbarrier.arrive(other_turn, count=1, pred=GOES_FIRST == 0)")
+    assert got == "hang", (got, message)
+    assert "every partition is blocked" in message, message
+    for name in ("default (_consumer_a)", "worker 0 (_consumer_b)", "worker 1 (_load_tiles)"):
+        assert name in message, message
+    assert "blocked in wait(" in message, message
+
+
+def test_an_error_in_a_worker_names_it_and_stops_the_program():
+    broken = {_consumer_b.fn: mutant(_consumer_b, "_store_rows(out_ptr, acc, BM)",
+                                     "_store_rows(out_ptr, acc, BM)\n    assert False, 'boom'")}
+    with pytest.raises(AssertionError, match="boom") as info:
+        run(2, "lazy", broken)
+    assert any("worker 0 (_consumer_b)" in note for note in info.value.__notes__)
+
+
+def test_an_unknown_schedule_is_refused():
+    with pytest.raises(ValueError, match="schedule"):
+        gluon_cpu.CpuKernel(toy_kernel, schedule="random")
+
+
+# A worker stages a tile of X through registers into shared memory; the default partition waits
+# for it and multiplies A's first 64 rows by it.
+
+
+@gluon.jit
+def _stage_tile(src_ptr, p_smem, p_bar):
+    layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [gl.num_warps(), 1], [1, 0])
+    rows = gl.arange(0, K, gl.SliceLayout(1, layout))
+    cols = gl.arange(0, N, gl.SliceLayout(0, layout))
+    p_smem.store(gl.load(src_ptr + rows[:, None] * N + cols[None, :]))
+    fence_async_shared()
+    mbarrier.arrive(p_bar, count=1)
+
+
+@gluon.jit
+def _multiply_staged(a_smem, p_smem, p_bar):
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, N, 16])
+    mbarrier.wait(p_bar, 0)
+    return warpgroup_mma(a_smem, p_smem, gl.zeros([BM, N], gl.float32, acc_layout),
+                         use_acc=False)
+
+
+@gluon.jit
+def staged_kernel(A, X, OUT):
+    """``OUT = A[:64] @ X[:K]`` with ``X``'s tile staged by a worker partition."""
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, K], gl.float16)
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([K, N], gl.float16)
+    a_desc = tma.make_tensor_descriptor(A, [2 * BM, K], [K, 1], [BM, K], a_layout)
+    a_smem = gl.allocate_shared_memory(gl.float16, [BM, K], a_layout)
+    p_smem = gl.allocate_shared_memory(gl.float16, [K, N], p_layout)
+    a_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    p_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(a_bar, count=1)
+    mbarrier.init(p_bar, count=1)
+    mbarrier.expect(a_bar, BM * K * 2)
+    tma.async_copy_global_to_shared(a_desc, [0, 0], a_bar, a_smem)
+    mbarrier.wait(a_bar, 0)
+    acc = gl.warp_specialize([
+        (_multiply_staged, (a_smem, p_smem, p_bar)),
+        (_stage_tile, (X, p_smem, p_bar)),
+    ], [4], [232])
+    _store_rows(OUT, acc, 0)
+    mbarrier.invalidate(a_bar)
+    mbarrier.invalidate(p_bar)
+
+
+def staged_outcome(schedule, jit=None, old="", new="") -> tuple[str, str]:
+    a, x = operands(1)
+    out = torch.full((BM.value, N.value), float("nan"))
+    overrides = {jit.fn: mutant(jit, old, new)} if jit is not None else None
+    try:
+        gluon_cpu.CpuKernel(staged_kernel, schedule=schedule, overrides=overrides)[(1,)](
+            A=a, X=x, OUT=out, num_warps=4)
+    except gluon_cpu.Race as e:
+        return "race", str(e)
+    except gluon_cpu.ScheduleError as e:
+        return "error", str(e)
+    return ("passes" if torch.equal(out, reference(a[:BM.value], x, 1)) else "wrong"), ""
+
+
+@pytest.mark.parametrize("schedule", gluon_cpu.SCHEDULES)
+def test_a_tile_staged_by_a_worker_reaches_the_default_partitions_wgmma(schedule):
+    assert staged_outcome(schedule) == ("passes", "")
+
+
+@pytest.mark.parametrize("schedule", gluon_cpu.SCHEDULES)
+def test_a_store_the_storing_partition_did_not_fence_is_a_race(schedule):
+    got, message = staged_outcome(schedule, _stage_tile, "    fence_async_shared()\n", "")
+    assert got == "race", (got, message)
+    assert "stored by worker 0 (_stage_tile) without fence_async_shared" in message, message
+
+
+@pytest.mark.parametrize("schedule", gluon_cpu.SCHEDULES)
+def test_a_wgmma_not_ordered_after_another_partitions_store_is_a_race(schedule):
+    """The default partition skips the wait: whichever runs first, the check sees the store and
+    the wgmma unordered."""
+    got, message = staged_outcome(schedule, _multiply_staged, "    mbarrier.wait(p_bar, 0)\n", "")
+    assert got == "race", (got, message)
+    assert "no barrier in between" in message, message
