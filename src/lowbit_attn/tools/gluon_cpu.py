@@ -1,5 +1,6 @@
 """Run a Gluon kernel's own code on CPU tensors, one program after another: a sequential model of
-the part of Gluon the Hopper forward (``inference/kernel_int8_gluon.py``) uses.
+the part of Gluon the Hopper forward (``inference/kernel_int8_gluon.py``) uses, and of
+``gl.warp_specialize``.
 
 Triton 3.6 has no Gluon interpreter. This module executes the kernel's Python function itself
 (``jit_function.fn``, and every ``@jit`` helper it calls, with their module globals rebound), so
@@ -12,9 +13,13 @@ copy. What stands in for the hardware:
 - shared memory holds logical tiles (no swizzle), poisoned at allocation (NaN E4M3, -128 INT8);
 - a TMA load gathers its box at issue, with zero fill outside the descriptor's shape, and lands
   only when a ``mbarrier.wait`` on its barrier completes the phase (the latest it may land);
-- an mbarrier counts arrivals (``expect``) and transaction bytes; ``wait(bar, parity)`` returns at
-  once when the phase of that parity has completed (the hardware rule), otherwise it completes
-  the current phase, and raises :class:`Hang` when nothing armed can complete it;
+- an mbarrier counts arrivals (``arrive``, ``expect``) and transaction bytes; a phase completes
+  when its arrivals reach the init count and every expected byte has landed (an ``arrive`` can
+  complete it; later arrivals count towards the next phase; more arrivals than the count in one
+  phase is an error). ``wait(bar, parity)`` returns at once when the phase of that parity has
+  completed (``(completed & 1) != parity``, the hardware rule); otherwise the barrier's loads
+  land and, if the phase still cannot complete, the caller blocks, and :class:`Hang` is raised
+  when no partition can run;
 - ``warpgroup_mma`` computes its product at issue (operands as they are then); with ``is_async``
   the result is a token that ``warpgroup_mma_wait(n, deps)`` releases when it retires the group
   (groups retire oldest first);
@@ -23,6 +28,32 @@ copy. What stands in for the hardware:
   buffer an unretired wgmma reads or a load is still filling; a result read before its group
   retired.
 
+``gl.warp_specialize`` runs each partition's function (its args tuple; the default partition's
+return value is returned) in a thread of its own, the threads taking turns: exactly one runs, and
+it hands over only at a synchronisation point (mbarrier ``wait`` / ``arrive`` / ``expect``, a TMA
+issue, a wgmma issue or wait) under a deterministic policy, ``CpuKernel(..., schedule=)``: "lazy"
+(run until blocked), "eager" (round robin at every synchronisation point), "reverse" (lazy from
+the last worker, round the other way). ``gl.num_warps()`` is the partition's warp count. Each
+partition owns its wgmma groups (``warpgroup_mma_wait`` retires only its own) and its fences (a
+fence orders the calling partition's own stores; a wgmma reading another partition's unfenced
+store is a race). An exception in any partition stops them all and is raised by the launch,
+naming the partition. Across partitions, a vector clock per partition (barriers carry the clocks
+of their arrivals to whoever waits the phase) checks happens-before, whatever the interleaving:
+a write into shared memory (TMA issue, store) must follow, through barriers, every other
+partition's retired wgmma read of it and its stores; a read must follow the TMA phase that filled
+it and other partitions' stores into it.
+
+So the multi-partition model shows the protocol: barrier counts and parities, that every wait
+is satisfied (no :class:`Hang`) under the interleavings tried, that buffers are reused only after
+their readers released them through barriers, results equal under each policy. What it cannot
+show: real concurrency (only the interleavings at synchronisation points that the named policies
+produce are run: a hang or a wrong value that needs another interleaving is missed; the
+happens-before checks catch an unordered pair of accesses whichever order the run put them in,
+but only among the accesses that run made, and a wait takes the clock of the barrier's latest
+completed phase, so one that falls two phases behind is not seen), timing and throughput,
+register budgets (``worker_num_regs`` is ignored), and races between warps inside one
+partition.
+
 Products and row sums are computed in float64 and rounded once to fp32 (``canonical_reductions``
 makes the reference do the same); INT8 products are exact either way, and FP8 P̃·V is exact in
 float64. ``fma`` is a multiply then an add (two fp32 roundings, the reference's order) unless
@@ -30,8 +61,9 @@ float64. ``fma`` is a multiply then an add (two fp32 roundings, the reference's 
 the non-negative values the kernel divides); int32 overflow is not modelled.
 
 What it cannot show: anything about time. Asynchrony, barriers as the hardware executes them,
-races between warps or warpgroups (one sequential thread stands for the CTA), swizzled layouts.
-Those are proven only on a GPU.
+races between warps or warpgroups (one sequential thread stands for the CTA outside
+``warp_specialize``, one for each partition inside), swizzled layouts. Those are proven only on
+a GPU.
 """
 
 from __future__ import annotations
