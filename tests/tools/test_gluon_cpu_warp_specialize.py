@@ -26,6 +26,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from lowbit_attn.tools import gluon_cpu
+from lowbit_attn.tools.triton_compat import compiler_mode
 
 BM = gl.constexpr(64)  # rows of A per consumer
 K = gl.constexpr(32)  # A's columns, X's tile rows
@@ -74,7 +75,8 @@ def _store_rows(out_ptr, acc, row0):
 
 @gluon.jit
 def _consumer_a(a_smem, x_smem, ready, empty, turns, n_tiles):
-    return _consume(a_smem, x_smem, ready, empty, turns.index(0), turns.index(1), n_tiles, 1)
+    acc = _consume(a_smem, x_smem, ready, empty, turns.index(0), turns.index(1), n_tiles, 1)
+    return (acc,)  # Triton 3.6: the default partition returns a tuple
 
 
 @gluon.jit
@@ -105,12 +107,12 @@ def toy_kernel(A, X, OUT, n_tiles):
     tma.async_copy_global_to_shared(a_desc, [0, 0], a_bar, a_smem.index(0))
     tma.async_copy_global_to_shared(a_desc, [BM, 0], a_bar, a_smem.index(1))
     mbarrier.wait(a_bar, 0)
-    acc = gl.warp_specialize([
+    results = gl.warp_specialize([
         (_consumer_a, (a_smem.index(0), x_smem, ready, empty, turns, n_tiles)),
         (_consumer_b, (a_smem.index(1), x_smem, ready, empty, turns, OUT, n_tiles)),
         (_load_tiles, (x_desc, x_smem, ready, empty, n_tiles)),
     ], [4, 1], [232, 40])
-    _store_rows(OUT, acc, 0)
+    _store_rows(OUT, results[0], 0)
     mbarrier.invalidate(a_bar)
     for i in gl.static_range(2):
         mbarrier.invalidate(ready.index(i))
@@ -255,6 +257,12 @@ def test_an_error_in_a_worker_names_it_and_stops_the_program():
     assert any("worker 0 (_consumer_b)" in note for note in info.value.__notes__)
 
 
+def test_a_default_partition_returning_a_bare_tensor_is_refused():
+    broken = {_consumer_a.fn: mutant(_consumer_a, "return (acc,)", "return acc")}
+    with pytest.raises(gluon_cpu.ScheduleError, match="tuple"):
+        run(1, "lazy", broken)
+
+
 def test_an_unknown_schedule_is_refused():
     with pytest.raises(ValueError, match="schedule"):
         gluon_cpu.CpuKernel(toy_kernel, schedule="random")
@@ -279,8 +287,8 @@ def _multiply_staged(a_smem, p_smem, p_bar):
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, N, 16])
     mbarrier.wait(p_bar, 0)
-    return warpgroup_mma(a_smem, p_smem, gl.zeros([BM, N], gl.float32, acc_layout),
-                         use_acc=False)
+    acc = warpgroup_mma(a_smem, p_smem, gl.zeros([BM, N], gl.float32, acc_layout), use_acc=False)
+    return (acc,)
 
 
 @gluon.jit
@@ -298,11 +306,11 @@ def staged_kernel(A, X, OUT):
     mbarrier.expect(a_bar, BM * K * 2)
     tma.async_copy_global_to_shared(a_desc, [0, 0], a_bar, a_smem)
     mbarrier.wait(a_bar, 0)
-    acc = gl.warp_specialize([
+    results = gl.warp_specialize([
         (_multiply_staged, (a_smem, p_smem, p_bar)),
         (_stage_tile, (X, p_smem, p_bar)),
     ], [4], [232])
-    _store_rows(OUT, acc, 0)
+    _store_rows(OUT, results[0], 0)
     mbarrier.invalidate(a_bar)
     mbarrier.invalidate(p_bar)
 
@@ -340,3 +348,20 @@ def test_a_wgmma_not_ordered_after_another_partitions_store_is_a_race(schedule):
     got, message = staged_outcome(schedule, _multiply_staged, "    mbarrier.wait(p_bar, 0)\n", "")
     assert got == "race", (got, message)
     assert "no barrier in between" in message, message
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("kernel,signature", [
+    (toy_kernel, {"A": "*fp16", "X": "*fp16", "OUT": "*fp32", "n_tiles": "i32"}),
+    (staged_kernel, {"A": "*fp16", "X": "*fp16", "OUT": "*fp32"}),
+], ids=["toy", "staged"])
+def test_the_toy_kernels_compile_for_sm_90a(kernel, signature):
+    """The toys are real Gluon: Triton lowers them to PTX with wgmma (no GPU needed)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    src = GluonASTSource(fn=kernel, signature=signature, constexprs={}, attrs={})
+    with compiler_mode():
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    assert "wgmma.mma_async" in compiled.asm["ptx"]

@@ -29,7 +29,7 @@ copy. What stands in for the hardware:
   retired.
 
 ``gl.warp_specialize`` runs each partition's function (its args tuple; the default partition's
-return value is returned) in a thread of its own, the threads taking turns: exactly one runs, and
+return value, a tuple as Gluon requires, is returned) in a thread of its own, the threads taking turns: exactly one runs, and
 it hands over only at a synchronisation point (mbarrier ``wait`` / ``arrive`` / ``expect``, a TMA
 issue, a wgmma issue or wait) under a deterministic policy, ``CpuKernel(..., schedule=)``: "lazy"
 (run until blocked), "eager" (round robin at every synchronisation point), "reverse" (lazy from
@@ -567,7 +567,12 @@ class _Machine:
             _join(self.main.seen, w.seen)
         if self.failure is not None:
             raise _named(*self.failure)
-        return results.get("default")
+        value = results.get("default")
+        if value is not None and not isinstance(value, tuple):
+            raise ScheduleError(f"the default partition {self.main.name} returns a "
+                                f"{type(value).__name__}: Gluon's warp_specialize takes a tuple "
+                                "(or nothing) and returns it")
+        return value
 
     def _run(self, p, fn, args, results):
         p.turn.acquire()
