@@ -263,6 +263,50 @@ def test_a_default_partition_returning_a_bare_tensor_is_refused():
         run(1, "lazy", broken)
 
 
+def second_region(barrier: str) -> dict:
+    """The toy kernel, its default partition's result dropped, then a second region: a worker
+    stages ``X[:K]`` into ring slot 0 for the default partition's ``A[:64] @ X[:K]`` (rows 0-63
+    of ``OUT``), signalling ``barrier``."""
+    fresh = "" if barrier == "a_bar" else f"""\
+    {barrier} = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init({barrier}, count=1)
+"""
+    return {toy_kernel.fn: mutant(toy_kernel, "    _store_rows(OUT, results[0], 0)\n", fresh + f"""\
+    results = gl.warp_specialize([
+        (_multiply_staged, (a_smem.index(0), x_smem.index(0), {barrier})),
+        (_stage_tile, (X, x_smem.index(0), {barrier})),
+    ], [4], [232])
+    _store_rows(OUT, results[0], 0)
+""")}
+
+
+def test_two_warp_specialize_regions_in_one_program():
+    """The default partition is the program's own: after a first region it runs a second."""
+    twice = second_region("staged")
+    a, x = operands(2)
+    for schedule in gluon_cpu.SCHEDULES:
+        out, _ = run(2, schedule, twice)  # rows 0-63: the second region's A[:64] @ X[:K]
+        assert torch.equal(out[:BM.value], reference(a[:BM.value], x, 1)), schedule
+        assert torch.equal(out[BM.value:], reference(a, x, 2)[BM.value:]), schedule
+
+
+@pytest.mark.parametrize("schedule,expected", [("lazy", "race"), ("eager", "hang"),
+                                               ("reverse", "hang")])
+def test_a_reused_barrier_whose_phase_0_completed_is_caught(schedule, expected):
+    """``a_bar`` completed phase 0 before the region: the default partition's ``wait(a_bar, 0)``
+    returns at once (a race with the worker's store) or, if the worker arrived first (phase 1
+    done), waits for a phase 0 that never comes."""
+    try:
+        run(2, schedule, second_region("a_bar"))
+    except gluon_cpu.Race:
+        got = "race"
+    except gluon_cpu.Hang:
+        got = "hang"
+    else:
+        got = "passes"
+    assert got == expected
+
+
 def test_an_unknown_schedule_is_refused():
     with pytest.raises(ValueError, match="schedule"):
         gluon_cpu.CpuKernel(toy_kernel, schedule="random")

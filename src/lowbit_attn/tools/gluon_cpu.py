@@ -539,17 +539,35 @@ class _Machine:
         return hang
 
     def specialize(self, functions_and_args, worker_num_warps):
-        """Run the partitions to the end; the default partition's return value."""
+        """Run the partitions to the end; the default partition's return value. The program's
+        own partition is the default one (same warps, same wgmma groups and fences)."""
         if len(self.partitions) > 1:
             raise NotModeled("warp_specialize inside a warp-specialized partition")
-        self.main.turn = threading.Semaphore(0)
+        main = self.main
+        main.turn, main.finished, main.waiting = threading.Semaphore(0), False, None
         workers = [_Partition(f"worker {i}", w) for i, w in enumerate(worker_num_warps)]
         for w in workers:
-            _join(w.seen, self.main.seen)
-        self.partitions = [self.main] + workers
+            _join(w.seen, main.seen)  # the fork: workers start after what the program did
+        self.partitions = [main] + workers
         self.every_partition += workers
         for p, (fn, _) in zip(self.partitions, functions_and_args):
             p.name = f"{p.name.split(' (')[0]} ({getattr(fn, '__name__', fn)})"
+        results = self._run_threads(functions_and_args)
+        self.partitions, self.current = [main], main
+        for w in workers:
+            _join(main.seen, w.seen)  # the join: what follows comes after every partition
+        if self.failure is not None:
+            raise _named(*self.failure)
+        value = results.get("default")
+        if value is not None and not isinstance(value, tuple):
+            raise ScheduleError(f"the default partition {main.name} returns a "
+                                f"{type(value).__name__}: Gluon's warp_specialize takes a tuple "
+                                "(or nothing) and returns it")
+        return value
+
+    def _run_threads(self, functions_and_args) -> dict:
+        """One thread per partition; the first to run is the policy's; returns when every
+        partition has finished or one has failed (``self.failure``)."""
         self.failure, results = None, {}
         self.done.clear()
         threads = [threading.Thread(target=self._run, args=(p, fn, tuple(args), results),
@@ -562,17 +580,7 @@ class _Machine:
         self.done.wait()
         for t in threads:
             t.join()
-        self.partitions, self.current = [self.main], self.main
-        for w in workers:
-            _join(self.main.seen, w.seen)
-        if self.failure is not None:
-            raise _named(*self.failure)
-        value = results.get("default")
-        if value is not None and not isinstance(value, tuple):
-            raise ScheduleError(f"the default partition {self.main.name} returns a "
-                                f"{type(value).__name__}: Gluon's warp_specialize takes a tuple "
-                                "(or nothing) and returns it")
-        return value
+        return results
 
     def _run(self, p, fn, args, results):
         p.turn.acquire()
