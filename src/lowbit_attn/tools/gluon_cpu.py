@@ -29,19 +29,19 @@ copy. What stands in for the hardware:
   retired.
 
 ``gl.warp_specialize`` runs each partition's function (its args tuple; the default partition's
-return value, a tuple as Gluon requires, is returned) in a thread of its own, the threads taking turns: exactly one runs, and
-it hands over only at a synchronisation point (mbarrier ``wait`` / ``arrive`` / ``expect``, a TMA
-issue, a wgmma issue or wait) under a deterministic policy, ``CpuKernel(..., schedule=)``: "lazy"
-(run until blocked), "eager" (round robin at every synchronisation point), "reverse" (lazy from
-the last worker, round the other way). ``gl.num_warps()`` is the partition's warp count. Each
-partition owns its wgmma groups (``warpgroup_mma_wait`` retires only its own) and its fences (a
-fence orders the calling partition's own stores; a wgmma reading another partition's unfenced
-store is a race). An exception in any partition stops them all and is raised by the launch,
-naming the partition. Across partitions, a vector clock per partition (barriers carry the clocks
-of their arrivals to whoever waits the phase) checks happens-before, whatever the interleaving:
-a write into shared memory (TMA issue, store) must follow, through barriers, every other
-partition's retired wgmma read of it and its stores; a read must follow the TMA phase that filled
-it and other partitions' stores into it.
+return value, a tuple as Gluon requires, is returned) in a thread of its own, the threads taking
+turns: exactly one runs, and it hands over only at a synchronisation point (mbarrier ``wait`` /
+``arrive`` / ``expect``, a TMA issue, a wgmma issue or wait) under a deterministic policy,
+``CpuKernel(..., schedule=)``: "lazy" (run until blocked), "eager" (round robin at every
+synchronisation point), "reverse" (lazy from the last worker, round the other way).
+``gl.num_warps()`` is the partition's warp count. Each partition owns its wgmma groups
+(``warpgroup_mma_wait`` retires only its own) and its fences (a fence orders the calling
+partition's own stores; a wgmma reading another partition's unfenced store is a race). An exception
+in any partition stops them all and is raised by the launch, naming the partition. Across
+partitions, a vector clock per partition (barriers carry the clocks of their arrivals to whoever
+waits the phase) checks happens-before, not only the order the run took: a write into shared memory (TMA
+issue, store) must follow, through barriers, every other partition's retired wgmma read of it and
+its stores; a read must follow the TMA phase that filled it and other partitions' stores into it.
 
 So the multi-partition model shows the protocol: barrier counts and parities, that every wait
 is satisfied (no :class:`Hang`) under the interleavings tried, that buffers are reused only after
@@ -1130,7 +1130,8 @@ def modeled_names() -> dict[str, set[str]]:
 @contextlib.contextmanager
 def kernel_on_cpu(module, name: str, **options):
     """Replace ``module.<name>`` (a ``@gluon.jit`` kernel) by a :class:`CpuKernel` for the
-    duration; yields it (its ``trace`` fills as the launcher runs)."""
+    duration; yields it (its ``trace`` fills as the launcher runs). ``options``: the
+    :class:`CpuKernel`'s (``numerics``, ``overrides``, ``schedule``)."""
     real = getattr(module, name)
     cpu = CpuKernel(real, **options)
     setattr(module, name, cpu)
