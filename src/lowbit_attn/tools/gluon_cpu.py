@@ -39,9 +39,10 @@ synchronisation point), "reverse" (lazy from the last worker, round the other wa
 partition's own stores; a wgmma reading another partition's unfenced store is a race). An exception
 in any partition stops them all and is raised by the launch, naming the partition. Across
 partitions, a vector clock per partition (barriers carry the clocks of their arrivals to whoever
-waits the phase) checks happens-before, not only the order the run took: a write into shared memory (TMA
-issue, store) must follow, through barriers, every other partition's retired wgmma read of it and
-its stores; a read must follow the TMA phase that filled it and other partitions' stores into it.
+waits the phase) checks happens-before, not only the order the run took: a write into shared memory
+(TMA issue, store) must follow, through barriers, every other partition's retired wgmma read of it
+and its stores; a read must follow the TMA phase that filled it and other partitions' stores into
+it.
 
 So the multi-partition model shows the protocol: barrier counts and parities, that every wait
 is satisfied (no :class:`Hang`) under the interleavings tried, that buffers are reused only after
