@@ -1,5 +1,6 @@
 """Run a Gluon kernel's own code on CPU tensors, one program after another: a sequential model of
-the part of Gluon the Hopper forward (``inference/kernel_int8_gluon.py``) uses.
+the part of Gluon the Hopper forward (``inference/kernel_int8_gluon.py``) uses, and of
+``gl.warp_specialize``.
 
 Triton 3.6 has no Gluon interpreter. This module executes the kernel's Python function itself
 (``jit_function.fn``, and every ``@jit`` helper it calls, with their module globals rebound), so
@@ -12,9 +13,13 @@ copy. What stands in for the hardware:
 - shared memory holds logical tiles (no swizzle), poisoned at allocation (NaN E4M3, -128 INT8);
 - a TMA load gathers its box at issue, with zero fill outside the descriptor's shape, and lands
   only when a ``mbarrier.wait`` on its barrier completes the phase (the latest it may land);
-- an mbarrier counts arrivals (``expect``) and transaction bytes; ``wait(bar, parity)`` returns at
-  once when the phase of that parity has completed (the hardware rule), otherwise it completes
-  the current phase, and raises :class:`Hang` when nothing armed can complete it;
+- an mbarrier counts arrivals (``arrive``, ``expect``) and transaction bytes; a phase completes
+  when its arrivals reach the init count and every expected byte has landed (an ``arrive`` can
+  complete it; later arrivals count towards the next phase; more arrivals than the count in one
+  phase is an error). ``wait(bar, parity)`` returns at once when the phase of that parity has
+  completed (``(completed & 1) != parity``, the hardware rule); otherwise the barrier's loads
+  land and, if the phase still cannot complete, the caller blocks, and :class:`Hang` is raised
+  when no partition can run;
 - ``warpgroup_mma`` computes its product at issue (operands as they are then); with ``is_async``
   the result is a token that ``warpgroup_mma_wait(n, deps)`` releases when it retires the group
   (groups retire oldest first);
@@ -23,6 +28,33 @@ copy. What stands in for the hardware:
   buffer an unretired wgmma reads or a load is still filling; a result read before its group
   retired.
 
+``gl.warp_specialize`` runs each partition's function (its args tuple; the default partition's
+return value, a tuple as Gluon requires, is returned) in a thread of its own, the threads taking
+turns: exactly one runs, and it hands over only at a synchronisation point (mbarrier ``wait`` /
+``arrive`` / ``expect``, a TMA issue, a wgmma issue or wait) under a deterministic policy,
+``CpuKernel(..., schedule=)``: "lazy" (run until blocked), "eager" (round robin at every
+synchronisation point), "reverse" (lazy from the last worker, round the other way).
+``gl.num_warps()`` is the partition's warp count. Each partition owns its wgmma groups
+(``warpgroup_mma_wait`` retires only its own) and its fences (a fence orders the calling
+partition's own stores; a wgmma reading another partition's unfenced store is a race). An exception
+in any partition stops them all and is raised by the launch, naming the partition. Across
+partitions, a vector clock per partition (barriers carry the clocks of their arrivals to whoever
+waits the phase) checks happens-before, not only the order the run took: a write into shared memory
+(TMA issue, store) must follow, through barriers, every other partition's retired wgmma read of it
+and its stores; a read must follow the TMA phase that filled it and other partitions' stores into
+it.
+
+So the multi-partition model shows the protocol: barrier counts and parities, that every wait
+is satisfied (no :class:`Hang`) under the interleavings tried, that buffers are reused only after
+their readers released them through barriers, results equal under each policy. What it cannot
+show: real concurrency (only the interleavings at synchronisation points that the named policies
+produce are run: a hang or a wrong value that needs another interleaving is missed; the
+happens-before checks catch an unordered pair of accesses whichever order the run put them in,
+but only among the accesses that run made, and a wait takes the clock of the barrier's latest
+completed phase, so one that falls two phases behind is not seen), timing and throughput,
+register budgets (``worker_num_regs`` is ignored), and races between warps inside one
+partition.
+
 Products and row sums are computed in float64 and rounded once to fp32 (``canonical_reductions``
 makes the reference do the same); INT8 products are exact either way, and FP8 P̃·V is exact in
 float64. ``fma`` is a multiply then an add (two fp32 roundings, the reference's order) unless
@@ -30,8 +62,9 @@ float64. ``fma`` is a multiply then an add (two fp32 roundings, the reference's 
 the non-negative values the kernel divides); int32 overflow is not modelled.
 
 What it cannot show: anything about time. Asynchrony, barriers as the hardware executes them,
-races between warps or warpgroups (one sequential thread stands for the CTA), swizzled layouts.
-Those are proven only on a GPU.
+races between warps or warpgroups (one sequential thread stands for the CTA outside
+``warp_specialize``, one for each partition inside), swizzled layouts. Those are proven only on
+a GPU.
 """
 
 from __future__ import annotations
@@ -42,6 +75,7 @@ import dataclasses
 import inspect
 import itertools
 import textwrap
+import threading
 import types
 from collections import Counter
 
@@ -209,6 +243,9 @@ def _store(ptr, value, mask=None, **_):
 
 
 class _Barrier:
+    """An mbarrier: a phase completes when its arrivals reach ``count`` and every transaction byte
+    expected in it has landed; arrivals after that count towards the next phase."""
+
     def __init__(self, name):
         self.name = name
         self.count = None  # set by init
@@ -216,6 +253,46 @@ class _Barrier:
         self.tx = 0
         self.completed = 0  # phases completed; the current phase's parity is completed & 1
         self.loads = []  # (buffer view, data, bytes) issued, not landed
+        self.release = Counter()  # what the arrivals of the current phase had seen
+        self.clock = Counter()  # what the last completed phase tells the partitions that wait it
+
+    def phase_done(self, parity: int) -> bool:
+        """``wait(bar, parity)``'s test: has the latest phase of that parity completed?"""
+        return (self.completed & 1) != parity
+
+    def arrive(self, by: _Partition, count: int, tx: int = 0):
+        if self.count is None:
+            raise ScheduleError(f"arrival on {self.name}, never initialised")
+        by.tick()
+        _join(self.release, by.seen)
+        self.arrivals += count
+        self.tx += tx
+        if self.arrivals > self.count:
+            raise ScheduleError(f"{self.name}: {self.arrivals} arrivals in one phase of a barrier "
+                                f"initialised with count {self.count}")
+        self.try_complete()
+
+    def land(self, pid):
+        """Every TMA load issued on this barrier lands (the latest it may: at a wait on it)."""
+        for view, data, _ in self.loads:
+            view.tensor.copy_(data)
+            view.root.loading.pop(view.key, None)
+            view.root.tma_phase[view.key] = (self, self.completed + 1)
+            self.tx -= data.numel() * data.element_size()
+        self.loads = []
+        if self.tx < 0:
+            raise ScheduleError(f"program {pid}: {self.name} received {-self.tx} bytes more than "
+                                "its expect() announced (a load signals the wrong barrier)")
+
+    def try_complete(self):
+        if self.arrivals >= self.count and self.tx == 0 and not self.loads:
+            self.completed += 1
+            self.arrivals -= self.count
+            self.clock = _join(self.release, {self: self.completed})
+            self.release = Counter()
+
+    def state(self) -> str:
+        return f"{self.arrivals} of {self.count} arrivals, {self.tx} bytes outstanding"
 
 
 class _Shared:
@@ -253,11 +330,15 @@ class _Shared:
         if list(value.shape) != self.shape or value.dtype != self.dtype:
             raise ScheduleError(f"store of {value.dtype}{list(value.shape)} into "
                                 f"{self.where()}: {self.dtype}{self.shape}")
+        machine.check_ordered_write(self, "a store into")
         self.tensor.copy_(value)
-        self.root.unfenced.add(self.key)
+        self.root.unfenced.add((machine.current, self.key))
+        self.root.stored_by[(self.key, machine.current)] = machine.current.tick()
 
     def load(self, layout=None):
-        _machine().check_no_load(self, "a load from")
+        machine = _machine()
+        machine.check_no_load(self, "a load from")
+        machine.check_ordered_read(self, "a load from")
         return self.tensor.clone()
 
 
@@ -265,8 +346,20 @@ class _Root:
     def __init__(self, name):
         self.name = name
         self.loading = {}  # key -> barrier of a TMA load not yet landed
-        self.unfenced = set()  # keys written by the generic proxy since the last fence
+        self.unfenced = set()  # (partition, key) stored by the generic proxy, not yet fenced
         self.barriers = {}
+        # for the happens-before checks between partitions: the last access to each key
+        self.tma_phase = {}  # key -> (barrier, phase number) in which its last TMA load landed
+        self.read_by = {}  # (key, partition) -> partition's time when a wgmma reading it retired
+        self.stored_by = {}  # (key, partition) -> partition's time at its last store
+
+
+def _join(clock: Counter, other) -> Counter:
+    """``clock`` raised to at least ``other`` in every entry (a vector clock's join)."""
+    for actor, t in other.items():
+        if clock[actor] < t:
+            clock[actor] = t
+    return clock
 
 
 def _overlap(a, b):
@@ -297,27 +390,224 @@ class Trace:
     calls: Counter = dataclasses.field(default_factory=Counter)
 
 
+SCHEDULES = ("lazy", "eager", "reverse")
+
+
 class _Launch:
-    def __init__(self, trace):
+    def __init__(self, trace, schedule="lazy", num_warps=4):
         self.trace = trace
+        self.schedule, self.num_warps = schedule, num_warps
         self.written = {}
 
 
+class _Stop(BaseException):
+    """Unwinds a partition's thread once another partition has failed."""
+
+
+class _Partition:
+    """The warps that run one function: the whole program outside ``warp_specialize``, one
+    partition inside it. Owns its wgmma groups in flight; while blocked in an mbarrier wait it
+    holds ``waiting = (can_go, what)``."""
+
+    def __init__(self, name, num_warps):
+        self.name, self.num_warps = name, num_warps
+        self.inflight: list[_Group] = []
+        self.waiting = None
+        self.finished = False
+        self.turn = threading.Semaphore(0)  # released to let this partition's thread run
+        # a vector clock: for each partition (and each barrier, whose time is its number of
+        # completed phases) the latest of its events known to have happened before now
+        self.seen = Counter()
+
+    def tick(self) -> int:
+        self.seen[self] += 1
+        return self.seen[self]
+
+
 class _Machine:
+    """One program (CTA): its shared memory, barriers and partitions. Inside ``warp_specialize``
+    each partition is a thread, and exactly one runs at a time: the running one hands the CPU
+    over only at a synchronisation point (:meth:`sync`) or when it blocks (:meth:`block`)."""
+
     def __init__(self, pid, launch):
         self.pid, self.launch = pid, launch
-        self.inflight: list[_Group] = []
+        self.main = _Partition("default", launch.num_warps)
+        self.current = self.main
+        self.partitions = [self.main]  # those running now: one outside warp_specialize
+        self.every_partition = [self.main]
         self.roots: list[_Root] = []
         self.barriers: list[_Barrier] = []
+        self.failure = None  # (partition, exception) that stops a warp_specialize
+        self.done = threading.Event()
 
     def event(self, name, n=1):
         self.launch.trace.events[name] += n
 
     def check_no_reader(self, view, what):
-        for g in self.inflight:
-            for r in g.reads:
-                if r.root is view.root and _overlap(r.key, view.key):
-                    raise Race(f"{what} {view.where()} while a wgmma that reads it is in flight")
+        for p in self.every_partition:
+            for g in p.inflight:
+                for r in g.reads:
+                    if r.root is view.root and _overlap(r.key, view.key):
+                        by = f" (issued by {p.name})" if len(self.every_partition) > 1 else ""
+                        raise Race(f"{what} {view.where()} while a wgmma that reads it is in "
+                                   f"flight{by}")
+
+    # happens-before between partitions (inside warp_specialize; one thread is in program order)
+
+    def check_ordered_read(self, view, what):
+        """Reading ``view``: its TMA load's phase must have been waited for, and another
+        partition's store into it must reach this one through barriers."""
+        if len(self.partitions) == 1:
+            return
+        p = self.current
+        for key, (bar, phase) in view.root.tma_phase.items():
+            if _overlap(key, view.key) and p.seen[bar] < phase:
+                raise Race(f"{what} {view.where()} by {p.name}: its TMA load completes phase "
+                           f"{phase - 1} of {bar.name}, which {p.name} has not waited for")
+        self._check_stores(view, what)
+
+    def check_ordered_write(self, view, what):
+        """Writing ``view`` (a TMA load issued, a store): every other partition's wgmma reading it
+        must have retired, and its retirement reached this partition through barriers; so must
+        its last TMA load and other partitions' stores."""
+        if len(self.partitions) == 1:
+            return
+        p = self.current
+        for (key, q), t in view.root.read_by.items():
+            if q is not p and _overlap(key, view.key) and p.seen[q] < t:
+                raise Race(f"{what} {view.where()} by {p.name} is not ordered after the "
+                           f"retirement of {q.name}'s wgmma that reads it (no barrier in between)")
+        self.check_ordered_read(view, what)
+
+    def _check_stores(self, view, what):
+        p = self.current
+        for (key, q), t in view.root.stored_by.items():
+            if q is not p and _overlap(key, view.key) and p.seen[q] < t:
+                raise Race(f"{what} {view.where()} by {p.name} is not ordered after {q.name}'s "
+                           "store into it (no barrier in between)")
+
+    # scheduling the partitions of a warp_specialize
+
+    def _order(self, after):
+        """The partitions in the policy's round-robin order, starting after ``after`` (which
+        comes last); "reverse" goes round the other way."""
+        ps = self.partitions[::-1] if self.launch.schedule == "reverse" else self.partitions
+        i = ps.index(after)
+        return ps[i + 1:] + ps[:i + 1]
+
+    @staticmethod
+    def _can_run(p) -> bool:
+        return not p.finished and (p.waiting is None or p.waiting[0]())
+
+    def _next(self, after):
+        return next((p for p in self._order(after) if self._can_run(p)), None)
+
+    def _switch(self, nxt):
+        p = self.current
+        if nxt is p:
+            return
+        self.event("partition switches")
+        self.current = nxt
+        nxt.turn.release()
+        p.turn.acquire()
+        if self.failure is not None:
+            raise _Stop
+
+    def sync(self):
+        """A synchronisation point of the running partition: under "eager" the next partition
+        that can run takes over (round robin); otherwise the running one goes on."""
+        if len(self.partitions) > 1 and self.launch.schedule == "eager":
+            self._switch(self._next(self.current))
+
+    def block(self, can_go, what):
+        """Wait until ``can_go()`` (which may land loads and complete phases) holds, letting the
+        other partitions run; :class:`Hang` when no partition can run."""
+        p = self.current
+        p.waiting = (can_go, what)
+        nxt = self._next(p)
+        if nxt is None:
+            raise self._hang()
+        self._switch(nxt)
+        p.waiting = None
+
+    def _hang(self) -> Hang:
+        if len(self.partitions) == 1:
+            return Hang(f"program {self.pid}: {self.current.waiting[1]()} never returns")
+        states = [f"{p.name} finished" if p.finished else f"{p.name} blocked in {p.waiting[1]()}"
+                  for p in self.partitions]
+        hang = Hang(f"program {self.pid}: every partition is blocked: " + "; ".join(states))
+        hang.names_every_partition = True
+        return hang
+
+    def specialize(self, functions_and_args, worker_num_warps):
+        """Run the partitions to the end; the default partition's return value. The program's
+        own partition is the default one (same warps, same wgmma groups and fences)."""
+        if len(self.partitions) > 1:
+            raise NotModeled("warp_specialize inside a warp-specialized partition")
+        main = self.main
+        main.turn, main.finished, main.waiting = threading.Semaphore(0), False, None
+        workers = [_Partition(f"worker {i}", w) for i, w in enumerate(worker_num_warps)]
+        for w in workers:
+            _join(w.seen, main.seen)  # the fork: workers start after what the program did
+        self.partitions = [main] + workers
+        self.every_partition += workers
+        for p, (fn, _) in zip(self.partitions, functions_and_args):
+            p.name = f"{p.name.split(' (')[0]} ({getattr(fn, '__name__', fn)})"
+        results = self._run_threads(functions_and_args)
+        self.partitions, self.current = [main], main
+        for w in workers:
+            _join(main.seen, w.seen)  # the join: what follows comes after every partition
+        if self.failure is not None:
+            raise _named(*self.failure)
+        value = results.get("default")
+        if value is not None and not isinstance(value, tuple):
+            raise ScheduleError(f"the default partition {main.name} returns a "
+                                f"{type(value).__name__}: Gluon's warp_specialize takes a tuple "
+                                "(or nothing) and returns it")
+        return value
+
+    def _run_threads(self, functions_and_args) -> dict:
+        """One thread per partition; the first to run is the policy's; returns when every
+        partition has finished or one has failed (``self.failure``)."""
+        self.failure, results = None, {}
+        self.done.clear()
+        threads = [threading.Thread(target=self._run, args=(p, fn, tuple(args), results),
+                                    name=f"gluon_cpu {p.name}", daemon=True)
+                   for p, (fn, args) in zip(self.partitions, functions_and_args)]
+        for t in threads:
+            t.start()
+        self.current = self.partitions[-1 if self.launch.schedule == "reverse" else 0]
+        self.current.turn.release()
+        self.done.wait()
+        for t in threads:
+            t.join()
+        return results
+
+    def _run(self, p, fn, args, results):
+        p.turn.acquire()
+        try:
+            if self.failure is not None:
+                return
+            value = fn(*args)
+            if p is self.main:
+                results["default"] = value
+            p.finished = True
+            nxt = self._next(p)
+            if nxt is None:
+                if not all(q.finished for q in self.partitions):
+                    raise self._hang()
+                self.done.set()
+                return
+            self.current = nxt
+            nxt.turn.release()
+        except _Stop:
+            return
+        except BaseException as e:  # noqa: BLE001 - re-raised by the launching thread
+            self.failure = (p, e)
+            for q in self.partitions:
+                if q is not p:
+                    q.turn.release()
+            self.done.set()
 
     def check_no_load(self, view, what):
         for key, bar in view.root.loading.items():
@@ -326,13 +616,27 @@ class _Machine:
                            "not been waited for")
 
     def finish(self):
-        if self.inflight:
-            raise ScheduleError(f"program {self.pid} ends with {len(self.inflight)} wgmma group(s) "
-                                "never waited for")
+        for p in self.every_partition:
+            if p.inflight:
+                of = f" of {p.name}" if len(self.every_partition) > 1 else ""
+                raise ScheduleError(f"program {self.pid} ends with {len(p.inflight)} wgmma "
+                                    f"group(s){of} never waited for")
         for bar in self.barriers:
             if bar.loads or bar.tx:
                 raise ScheduleError(f"program {self.pid} ends with a TMA load on {bar.name} never "
                                     "waited for")
+
+
+def _named(p: _Partition, e: BaseException) -> BaseException:
+    """``e``, raised in partition ``p``, to re-raise in the launching thread, naming ``p``."""
+    if getattr(e, "names_every_partition", False):
+        return e
+    if isinstance(e, ScheduleError):
+        named = type(e)(f"{p.name}: {e}")
+        named.__cause__ = e
+        return named
+    e.add_note(f"raised in the warp-specialized partition {p.name}")
+    return e
 
 
 _CURRENT: list[_Machine] = []
@@ -448,12 +752,14 @@ def _make_lang(real_name, numerics):
         max=max_, sum=sum_, cdiv=_cdiv, static_range=range, constexpr=lambda v: v,
         convert_layout=lambda x, layout, assert_trivial=False: x,
         float32=torch.float32, int8=torch.int8, int32=torch.int32, int64=torch.int64,
-        uint8=torch.uint8, float8e4nv=torch.float8_e4m3fn,
+        uint8=torch.uint8, float8e4nv=torch.float8_e4m3fn, float16=torch.float16,
+        bfloat16=torch.bfloat16,
     )
     if real_name == "gl":
         names.update(
             allocate_shared_memory=_allocate_shared_memory, NVMMADistributedLayout=_Layout,
             SliceLayout=_Layout, NVMMASharedLayout=_Layout, BlockedLayout=_Layout,
+            warp_specialize=_warp_specialize, num_warps=lambda: _machine().current.num_warps,
         )
     return _Namespace(real_name, **names)
 
@@ -467,19 +773,24 @@ def _mb_init(bar, count):
 
 
 def _mb_expect(bar, bytes, pred=True):
+    """An arrival that also announces ``bytes`` of TMA transactions."""
     if not bool(pred):
         return
-    b = _barrier(bar)
-    b.arrivals += 1
-    b.tx += int(bytes)
+    m = _machine()
+    _barrier(bar).arrive(m.current, 1, int(bytes))
+    m.sync()
 
 
 def _mb_arrive(bar, *, count=1, pred=True):
     if bool(pred):
-        _barrier(bar).arrivals += count
+        m = _machine()
+        _barrier(bar).arrive(m.current, int(count))
+        m.sync()
 
 
 def _mb_wait(bar, phase, pred=True, deps=()):
+    """Returns at once when the phase of parity ``phase`` has completed; otherwise the loads on
+    the barrier land and, if the phase still cannot complete, the partition blocks."""
     if not bool(pred):
         return
     b = _barrier(bar)
@@ -487,22 +798,20 @@ def _mb_wait(bar, phase, pred=True, deps=()):
         raise ScheduleError(f"wait on {b.name}, never initialised")
     parity = int(phase)
     m = _machine()
-    if (b.completed & 1) != parity:  # the phase of this parity completed earlier
+    m.sync()
+    if b.phase_done(parity):
         m.event("wait returned at once")
+        _join(m.current.seen, b.clock)
         return
-    for view, data, _ in b.loads:
-        view.tensor.copy_(data)
-        view.root.loading.pop(view.key, None)
-        b.tx -= data.numel() * data.element_size()
-    b.loads = []
-    if b.tx < 0:
-        raise ScheduleError(f"program {m.pid}: {b.name} received {-b.tx} bytes more than its "
-                            "expect() announced (a load signals the wrong barrier)")
-    if b.arrivals < b.count or b.tx != 0:
-        raise Hang(f"program {m.pid}: wait({b.name}, phase {parity}) never returns: "
-                   f"{b.arrivals} of {b.count} arrivals, {b.tx} bytes outstanding")
-    b.completed += 1
-    b.arrivals = 0
+
+    def can_go():
+        b.land(m.pid)
+        b.try_complete()
+        return b.phase_done(parity)
+
+    if not can_go():
+        m.block(can_go, lambda: f"wait({b.name}, phase {parity}) with {b.state()}")
+    _join(m.current.seen, b.clock)
     m.event(f"wait phase {parity}")
 
 
@@ -543,6 +852,7 @@ def _async_copy_global_to_shared(desc, coord, barrier, result, pred=True):
                             f"{result.where()}: {result.dtype}{result.shape}")
     m.check_no_reader(result, "a TMA load into")
     m.check_no_load(result, "a TMA load into")
+    m.check_ordered_write(result, "a TMA load into")
     idx = [int(c) + torch.arange(n) for c, n in zip(coord, desc.block_shape)]
     grids = torch.meshgrid(*idx, indexing="ij")
     inside = torch.ones(grids[0].shape, dtype=torch.bool)
@@ -556,23 +866,36 @@ def _async_copy_global_to_shared(desc, coord, barrier, result, pred=True):
     result.root.loading[result.key] = b
     m.event("tma")
     m.event("tma zero-filled elements", int((~inside).sum()))
+    m.sync()
 
 
 def _fence_async_shared(cluster=False):
-    for root in _machine().roots:
-        root.unfenced.clear()
+    """Orders the calling partition's own shared-memory stores before later async reads."""
+    m = _machine()
+    for root in m.roots:
+        root.unfenced = {(p, key) for p, key in root.unfenced if p is not m.current}
 
 
 def _operand(x, m):
     if isinstance(x, _Shared):
         m.check_no_load(x, "a wgmma reading")
-        for key in x.root.unfenced:
+        m.check_ordered_read(x, "a wgmma reading")
+        for p, key in x.root.unfenced:
             if _overlap(key, x.key):
-                raise Race(f"a wgmma reads {x.where()}, stored without fence_async_shared")
+                by = "" if p is m.current else f" by {p.name}"
+                raise Race(f"a wgmma reads {x.where()}, stored{by} without fence_async_shared")
         return x.tensor
     if isinstance(x, _Token):
         raise Race("a wgmma reads the result of a wgmma still in flight")
     return x
+
+
+def _retired(m, reads):
+    """The running partition's wgmma that read ``reads`` has retired: noted for the
+    happens-before check of a later write."""
+    now = m.current.tick()
+    for r in reads:
+        r.root.read_by[(r.key, m.current)] = now
 
 
 def _warpgroup_mma(a, b, acc, *, use_acc=True, precision=None, max_num_imprecise_acc=None,
@@ -587,16 +910,23 @@ def _warpgroup_mma(a, b, acc, *, use_acc=True, precision=None, max_num_imprecise
     result = prod.to(cv.dtype)
     m.event("wgmma")
     if not is_async:
+        _retired(m, [x for x in (a, b) if isinstance(x, _Shared)])
         return result
     group = _Group(result, [x for x in (a, b) if isinstance(x, _Shared)])
-    m.inflight.append(group)
+    m.current.inflight.append(group)
+    m.sync()
     return _Token(group)
 
 
 def _warpgroup_mma_wait(num_outstanding=0, deps=None):
+    """Retires the calling partition's oldest groups until ``num_outstanding`` remain."""
     m = _machine()
-    while len(m.inflight) > int(num_outstanding):
-        m.inflight.pop(0).done = True
+    inflight = m.current.inflight
+    while len(inflight) > int(num_outstanding):
+        group = inflight.pop(0)
+        group.done = True
+        _retired(m, group.reads)
+    m.sync()
     out = []
     for d in deps:
         if isinstance(d, _Token):
@@ -606,6 +936,16 @@ def _warpgroup_mma_wait(num_outstanding=0, deps=None):
         else:
             out.append(d)
     return out[0] if len(out) == 1 else tuple(out)
+
+
+def _warp_specialize(functions_and_args, worker_num_warps, worker_num_regs=()):
+    """Runs the partitions as threads taking turns (see :class:`_Machine`); returns what the
+    default partition (the first) returns. ``worker_num_regs`` is not modelled."""
+    functions_and_args = list(functions_and_args)
+    if len(functions_and_args) != len(worker_num_warps) + 1:
+        raise ScheduleError(f"warp_specialize of {len(functions_and_args)} partitions with "
+                            f"{len(worker_num_warps)} worker warp counts")
+    return _machine().specialize(functions_and_args, [int(w) for w in worker_num_warps])
 
 
 def _not_modeled(name):
@@ -692,6 +1032,7 @@ class _Rebinder:
             trace.calls[(py.__name__, key)] += 1
             return f(*args, **kwargs)
 
+        recorded.__name__ = py.__name__
         placeholder["f"] = recorded
         self.functions[py] = recorded
         return recorded
@@ -712,11 +1053,19 @@ class CpuKernel:
     """Stands in for a ``@gluon.jit`` kernel object: ``CpuKernel(k)[grid](**kwargs)`` runs every
     program of the grid, in order, on CPU tensors. ``overrides``: ``{jit.fn: plain Python
     function}`` to run instead of a ``@jit`` function (a mutated copy, in tests; keyed by the
-    plain function: hashing a Gluon JIT object hashes its dependencies). ``trace`` sums what the
+    plain function: hashing a Gluon JIT object hashes its dependencies). ``schedule``: the order
+    in which the partitions of a ``warp_specialize`` take turns, one of :data:`SCHEDULES` ("lazy":
+    the running partition goes on until it blocks, then the next in order runs; "eager": the next
+    partition that can run takes over at every synchronisation point, round robin; "reverse": as
+    "lazy", starting with the last worker and going round the other way). ``trace`` sums what the
     launches did."""
 
-    def __init__(self, kernel, *, numerics: Numerics = Numerics(), overrides=None):
+    def __init__(self, kernel, *, numerics: Numerics = Numerics(), overrides=None,
+                 schedule: str = "lazy"):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         self.kernel = kernel
+        self.schedule = schedule
         self.trace = Trace()
         self.rebinder = _Rebinder(numerics, overrides, self.trace)
 
@@ -726,7 +1075,7 @@ class CpuKernel:
                 raise TypeError("launch the kernel with keyword arguments")
             kw = {k: _arguments(v, k) for k, v in kwargs.items() if k not in LAUNCH_OPTIONS}
             fn = self.rebinder.function(self.kernel)
-            state = _Launch(self.trace)
+            state = _Launch(self.trace, self.schedule, int(kwargs.get("num_warps", 4)))
             grid3 = tuple(grid) + (1,) * (3 - len(grid))
             for pid in itertools.product(*(range(n) for n in grid3)):
                 m = _Machine((pid[0], pid[1], pid[2]), state)
@@ -782,7 +1131,8 @@ def modeled_names() -> dict[str, set[str]]:
 @contextlib.contextmanager
 def kernel_on_cpu(module, name: str, **options):
     """Replace ``module.<name>`` (a ``@gluon.jit`` kernel) by a :class:`CpuKernel` for the
-    duration; yields it (its ``trace`` fills as the launcher runs)."""
+    duration; yields it (its ``trace`` fills as the launcher runs). ``options``: the
+    :class:`CpuKernel`'s (``numerics``, ``overrides``, ``schedule``)."""
     real = getattr(module, name)
     cpu = CpuKernel(real, **options)
     setattr(module, name, cpu)
@@ -792,5 +1142,5 @@ def kernel_on_cpu(module, name: str, **options):
         setattr(module, name, real)
 
 
-__all__ = ["CpuKernel", "Hang", "NotModeled", "Numerics", "Race", "ScheduleError", "Trace",
-           "canonical_reductions", "kernel_on_cpu", "modeled_names", "referenced_names"]
+__all__ = ["SCHEDULES", "CpuKernel", "Hang", "NotModeled", "Numerics", "Race", "ScheduleError",
+           "Trace", "canonical_reductions", "kernel_on_cpu", "modeled_names", "referenced_names"]
