@@ -11,8 +11,10 @@ break to be caught."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
+import itertools
 import textwrap
 import __future__
 
@@ -23,6 +25,7 @@ from helpers import Bound, assert_within
 from lowbit_attn.core.recipes import get_recipe
 from lowbit_attn.inference import gluon_blocks as gb
 from lowbit_attn.inference import kernel_int8_gluon as kg
+from lowbit_attn.inference import kernel_int8_gluon_pingpong as pp
 from lowbit_attn.inference.naive import quantized_attention
 from lowbit_attn.inference.prepare import quantize_qkv
 from lowbit_attn.tools import gluon_cpu
@@ -84,13 +87,33 @@ def twin(qz, block_k, causal_offset, granularity="per_token"):
                                    block_k=block_k, causal_offset=causal_offset)
 
 
-def gluon_on_cpu(qz, block_k, causal_offset, **options):
+# What runs: the asynchronous kernel, or the ping-pong one with its partitions interleaved by
+# each of the model's policies (tools/gluon_cpu.py: "lazy", "eager", "reverse").
+RUNS = ["async", "pingpong-lazy", "pingpong-eager", "pingpong-reverse"]
+
+
+@contextlib.contextmanager
+def on_cpu(run: str = "async", **options):
+    """The Gluon kernel of ``run`` replaced by the model for the block; yields ``(the launcher's
+    extra arguments, the model's kernel)``."""
+    if run == "async":
+        replaced = gluon_cpu.kernel_on_cpu(kg, "_attn_fwd_int8_gluon_kernel", **options)
+        extra = {}
+    else:
+        policy = run.split("-")[1]
+        replaced = gluon_cpu.kernel_on_cpu(pp, "KERNEL", schedule=policy, **options)
+        extra = {"schedule": "pingpong"}
+    with replaced as cpu:
+        yield extra, cpu
+
+
+def gluon_on_cpu(qz, block_k, causal_offset, run="async", **options):
     """``kernel_int8_gluon.attention`` (launcher and kernel) with the kernel run by the model:
     ``(out, lse, trace)``."""
     out = torch.empty(qz.q.shape, dtype=torch.float32)  # NaN-poisoned (conftest)
-    with gluon_cpu.kernel_on_cpu(kg, "_attn_fwd_int8_gluon_kernel", **options) as cpu:
+    with on_cpu(run, **options) as (extra, cpu):
         lse = kg.attention(qz, out=out, pv="fp8", granularity="per_token", block_q=kg.BLOCK_M,
-                           block_k=block_k, causal_offset=causal_offset, return_lse=True)
+                           block_k=block_k, causal_offset=causal_offset, return_lse=True, **extra)
     return out, lse, cpu.trace
 
 
@@ -111,11 +134,13 @@ def assert_bits(got, want, name):
 @pytest.mark.parametrize("b,hq,hkv,nq,nk,d,offset", SHAPES)
 @pytest.mark.parametrize("block_k", kg.BLOCK_NS, ids=lambda n: f"k{n}")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_gluon_schedule_equals_the_twin_bit_for_bit(b, hq, hkv, nq, nk, d, offset, block_k, causal):
+@pytest.mark.parametrize("run", RUNS)
+def test_gluon_schedule_equals_the_twin_bit_for_bit(b, hq, hkv, nq, nk, d, offset, block_k, causal,
+                                                    run):
     qz = operands(b, hq, hkv, nq, nk, d, block_k)
     co = offset_of(nq, nk, causal, offset)
     want, want_lse = twin(qz, block_k, co)
-    got, got_lse, _ = gluon_on_cpu(qz, block_k, co)
+    got, got_lse, _ = gluon_on_cpu(qz, block_k, co, run)
     assert_bits(got, want, "out")
     assert_bits(got_lse, want_lse, "lse")
 
@@ -213,15 +238,15 @@ MUTATION_CASES = [  # (shape, block_k, causal offset)
 ]
 
 
-def outcome(jit, old, new) -> str:
-    """How the check answers the mutated kernel over ``MUTATION_CASES``: the first failure's kind,
-    or "passes"."""
-    for shape, block_k, co in MUTATION_CASES:
+def outcome(jit, old, new, runs=("async",)) -> str:
+    """How the check answers the mutated kernel over ``MUTATION_CASES``, each run by each of
+    ``runs``: the first failure's kind, or "passes"."""
+    for (shape, block_k, co), run in itertools.product(MUTATION_CASES, runs):
         qz = operands(*shape, block_k)
         want, want_lse = twin(qz, block_k, co)
         broken = {jit.fn: mutant(jit, old, new)}
         try:
-            got, got_lse, _ = gluon_on_cpu(qz, block_k, co, overrides=broken)
+            got, got_lse, _ = gluon_on_cpu(qz, block_k, co, run, overrides=broken)
         except gluon_cpu.Hang:
             return "hang"
         except gluon_cpu.Race:
@@ -243,6 +268,52 @@ def test_the_check_catches(jit, old, new, expected):
 
 def test_the_unmutated_kernel_passes_the_mutation_cases():
     assert outcome(gb.program_sequence, "hk = h // GROUP", "hk = h // GROUP") == "passes"
+
+
+# The ping-pong kernel's own protocol (loader, two consumers, turns), broken in known ways, each
+# run under the model's three interleavings. (Releasing K(j) before Q·Kᵀ(j) retires is not among
+# them: it is harmless here, and the model's happens-before check agrees: the loader requests
+# K(j+2) only after V(j+1), whose stage the consumers release after the wait that retires
+# Q·Kᵀ(j) too.)
+PINGPONG_RUNS = ("pingpong-lazy", "pingpong-eager", "pingpong-reverse")
+PINGPONG_MUTATIONS = [
+    ("turn-never-passed", pp._turn_pass, "count=1)", "count=1, pred=False)", "hang"),
+    ("K-stage-released-by-one-consumer", pp.KERNEL, "init(k_empty.index(i), count=2)",
+     "init(k_empty.index(i), count=1)", "any"),
+    ("loader-ignores-K-release", pp._loader, "wait(k_empty.index(stage), phase ^ 1)",
+     "wait(k_empty.index(stage), phase ^ 1, pred=False)", "any"),
+    ("V-released-before-P̃·V-retires", pp._consumer_step,
+     "pv = warpgroup_mma_wait(0, deps=[pv_tok])\n    mbarrier.arrive(v_empty.index(prev), count=1)",
+     "mbarrier.arrive(v_empty.index(prev), count=1)\n    pv = warpgroup_mma_wait(0, deps=[pv_tok])",
+     "race"),
+    ("loader-ignores-V-release", pp._loader, "wait(v_empty.index(stage), phase ^ 1)",
+     "wait(v_empty.index(stage), phase ^ 1, pred=False)", "race"),
+    ("consumers-share-P̃-buffers", pp._consumer_step, "p_smem.index(2 * WG + stage).store(p)",
+     "p_smem.index(stage).store(p)", "race"),
+    ("both-consumers-on-rows-0-63", pp._consumer, "row0 = pid_m * BLOCK_M + WG * HALF",
+     "row0 = pid_m * BLOCK_M", "race"),  # each output element stored twice
+    ("V-phase-of-K", pp._consumer_step, "v_ready.index(prev), phase ^ prev)",
+     "v_ready.index(prev), phase)", "race"),
+]
+
+
+@pytest.mark.parametrize("jit,old,new,expected", [m[1:] for m in PINGPONG_MUTATIONS],
+                         ids=[m[0] for m in PINGPONG_MUTATIONS])
+def test_the_check_catches_pingpong_breaks(jit, old, new, expected):
+    got = outcome(jit, old, new, PINGPONG_RUNS)
+    assert got != "passes", "the mutated kernel passes the CPU check"
+    assert expected == "any" or got == expected, got
+
+
+def test_the_unmutated_pingpong_kernel_passes_the_mutation_cases():
+    assert outcome(pp._consumer, "WG * HALF", "WG * HALF", PINGPONG_RUNS) == "passes"
+
+
+def test_every_gluon_name_the_pingpong_kernel_uses_is_modelled():
+    used, modeled = gluon_cpu.referenced_names(pp.KERNEL), gluon_cpu.modeled_names()
+    missing = {ns: sorted(names - modeled[ns]) for ns, names in used.items() if names - modeled[ns]}
+    assert not missing, f"used by the kernel, not modelled by tools/gluon_cpu.py: {missing}"
+    assert "warp_specialize" in used["gl"] and {"arrive", "wait", "expect"} <= used["mbarrier"]
 
 
 # Packed variable-length sequences: (query lengths, key lengths, Hq, Hkv, D). Lengths of 1, of a
@@ -318,21 +389,24 @@ def packed_operands(lens_q, lens_k, hq, hkv, d, block_k, granularity="per_token"
 @pytest.mark.parametrize("lens_q,lens_k,hq,hkv,d", VARLEN)
 @pytest.mark.parametrize("block_k", kg.BLOCK_NS, ids=lambda n: f"k{n}")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("run", ["async", "pingpong-eager"])
 def test_gluon_varlen_equals_each_sequence_alone_bit_for_bit(lens_q, lens_k, hq, hkv, d, block_k,
-                                                              causal):
+                                                              causal, run):
     """Each packed sequence as the twin on that sequence alone (causal: aligned bottom-right in
     each); a sequence with queries and no key gives rows of 0 and LSE -inf, as the Triton
     kernel."""
-    _packed_equals_each_sequence_alone(lens_q, lens_k, hq, hkv, d, block_k, causal, "per_token")
+    _packed_equals_each_sequence_alone(lens_q, lens_k, hq, hkv, d, block_k, causal, "per_token",
+                                       run)
 
 
-def _packed_equals_each_sequence_alone(lens_q, lens_k, hq, hkv, d, block_k, causal, granularity):
+def _packed_equals_each_sequence_alone(lens_q, lens_k, hq, hkv, d, block_k, causal, granularity,
+                                       run):
     qz, sq, sk, alone = packed_operands(lens_q, lens_k, hq, hkv, d, block_k, granularity)
     out = torch.empty(qz.q.shape, dtype=torch.float32)  # NaN-poisoned (conftest)
-    with gluon_cpu.kernel_on_cpu(kg, "_attn_fwd_int8_gluon_kernel"):
+    with on_cpu(run) as (extra, _):
         lse = kg.attention(qz, out=out, pv="fp8", granularity=granularity, block_q=kg.BLOCK_M,
                            block_k=block_k, causal_offset=0 if causal else None,
-                           return_lse=True, seqs_q=sq, seqs_k=sk)
+                           return_lse=True, seqs_q=sq, seqs_k=sk, **extra)
     assert lse.shape == (hq, qz.q.shape[0])
     cu = sq.cu_seqlens.tolist()
     for i, (nq, nk) in enumerate(zip(lens_q, lens_k)):
@@ -380,8 +454,9 @@ def per_block_operands(b, hq, hkv, nq, nk, d, block_k):
 @pytest.mark.parametrize("b,hq,hkv,nq,nk,d,offset", [SHAPES[i] for i in (1, 2, 4, 5, 7)])
 @pytest.mark.parametrize("block_k", kg.BLOCK_NS, ids=lambda n: f"k{n}")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("run", ["async", "pingpong-eager"])
 def test_gluon_per_block_scales_equal_the_twin_bit_for_bit(b, hq, hkv, nq, nk, d, offset, block_k,
-                                                           causal):
+                                                           causal, run):
     """``granularity="per_block"``: one Q scale per 128 rows, one K scale per key block."""
     qz = per_block_operands(b, hq, hkv, nq, nk, d, block_k)
     co = offset_of(nq, nk, causal, offset)
@@ -390,9 +465,9 @@ def test_gluon_per_block_scales_equal_the_twin_bit_for_bit(b, hq, hkv, nq, nk, d
                                              block_q=kg.BLOCK_M, block_k=block_k,
                                              causal_offset=co)
     out = torch.empty(qz.q.shape, dtype=torch.float32)
-    with gluon_cpu.kernel_on_cpu(kg, "_attn_fwd_int8_gluon_kernel"):
+    with on_cpu(run) as (extra, _):
         lse = kg.attention(qz, out=out, pv="fp8", granularity="per_block", block_q=kg.BLOCK_M,
-                           block_k=block_k, causal_offset=co, return_lse=True)
+                           block_k=block_k, causal_offset=co, return_lse=True, **extra)
     assert_bits(out, want, "out")
     assert_bits(lse, want_lse, "lse")
 
@@ -400,5 +475,7 @@ def test_gluon_per_block_scales_equal_the_twin_bit_for_bit(b, hq, hkv, nq, nk, d
 
 @pytest.mark.parametrize("lens_q,lens_k,hq,hkv,d", VARLEN)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_gluon_varlen_per_block_equals_each_sequence_alone(lens_q, lens_k, hq, hkv, d, causal):
-    _packed_equals_each_sequence_alone(lens_q, lens_k, hq, hkv, d, 64, causal, "per_block")
+@pytest.mark.parametrize("run", ["async", "pingpong-eager"])
+def test_gluon_varlen_per_block_equals_each_sequence_alone(lens_q, lens_k, hq, hkv, d, causal,
+                                                           run):
+    _packed_equals_each_sequence_alone(lens_q, lens_k, hq, hkv, d, 64, causal, "per_block", run)
