@@ -102,16 +102,17 @@ def _needs_gluon():
                                        for d in (64, 128) for n in (64, 128)])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("schedule", ["async", "pingpong"])
-def test_gluon_forward_matches_the_reference(d, block_k, causal, schedule):
-    """The Gluon forward (each schedule) against the twin on the same quantized operands (the Triton pass's: V
-    token-contiguous, as the TMA needs), GPU-sized: many query and key blocks, partial ones at
+@pytest.mark.parametrize("pv", ["fp8", "fp16"])
+def test_gluon_forward_matches_the_reference(d, block_k, causal, schedule, pv):
+    """The Gluon forward (each schedule, FP8 and fp16 P·V) against the twin on the same quantized
+    operands (the Triton pass's: E4M3 V token-contiguous, as the TMA needs), GPU-sized: many query and key blocks, partial ones at
     both ends, GQA 8:4, a causal diagonal off the block grid; within the compiled Triton kernel's
     own bounds (tests/inference/test_attention_kernel.py's, widened by tests/helpers.py
     ON_CUDA)."""
     from helpers import ON_CUDA, Bound, assert_within
 
     kernel_int8_gluon = _needs_gluon()
-    recipe = get_recipe("qk_int8_pv_fp8").replace(block_k=block_k)
+    recipe = get_recipe(f"qk_int8_pv_{pv}").replace(block_k=block_k)
     q, k, v = (x.cuda() for x in channel_biased((2, 8, 700, d), (2, 4, 1100, d), seed=d + block_k,
                                                  dtype=torch.float16))
     offset = 400 if causal else None
@@ -124,7 +125,7 @@ def test_gluon_forward_matches_the_reference(d, block_k, causal, schedule):
                                           granularity=recipe.granularity, block_q=recipe.block_q,
                                           block_k=block_k, causal_offset=offset, return_lse=True,
                                           schedule=schedule)
-    out_bound = ON_CUDA["int8 out fp8"].widened(Bound(atol=4e-3, cos=0.999999))
+    out_bound = ON_CUDA[f"int8 out {pv}"].widened(Bound(atol=4e-3, cos=0.999999))
     assert_within(got, want.float(), out_bound, name="out")
     assert_within(got_lse, want_lse.float(), ON_CUDA["lse"], name="lse")
 

@@ -47,12 +47,13 @@ def compiled():
     cache: dict[tuple, aot.KernelReport] = {}
 
     def get(d: int, block_k: int, causal: bool, varlen: bool = False,
-            granularity: str = "per_token", seq_len: int = 1024) -> aot.KernelReport:
-        key = (d, block_k, causal, varlen, granularity, seq_len)
+            granularity: str = "per_token", seq_len: int = 1024,
+            pv: str = "fp8") -> aot.KernelReport:
+        key = (d, block_k, causal, varlen, granularity, seq_len, pv)
         if key not in cache:
             launch = aot.record_gluon_launch(head_dim=d, causal=causal, block_k=block_k,
                                              return_lse=True, varlen=varlen,
-                                             granularity=granularity, seq_len=seq_len)
+                                             granularity=granularity, seq_len=seq_len, pv=pv)
             cache[key] = aot.compile_launch(launch, "sm_90a")
         return cache[key]
 
@@ -205,3 +206,22 @@ def test_lengths_not_a_multiple_of_16_do_not_spill(compiled, causal, seq_len):
     assert per_score(r, 128) <= 10.5
     pv = sass.exp2_under_mma(main_loop(r).body, "QGMMA")
     assert pv.under >= MIN_EXP2_UNDER_PV[128] and pv.span >= MIN_SPAN[128], pv
+
+
+FP16_WGMMA = "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16"
+
+
+@pytest.mark.parametrize("d,block_k,causal", VARIANTS, ids=IDS)
+def test_fp16_pv_variant_compiles_without_spills(compiled, d, block_k, causal):
+    """``qk_int8_pv_fp16`` (its default per-block scales): P̃·V on fp16 wgmma (V ``[keys, D]`` as
+    the B operand), no ptxas warning, no spills, the softmax's exp2s under the previous block's
+    P·V (``HGMMA``). Measured 2026-11-25: 127-255 registers, 32-64 of 34-66 exp2 under P·V,
+    main loop 349 / 541 / 385 / 576 per tile in the table's order."""
+    r = compiled(d, block_k, causal, granularity="per_block", pv="fp16")
+    assert r.ok and r.kernel == KERNEL and not r.constexprs["PV_FP8"], describe(r)
+    assert r.instructions.get(INT8_WGMMA.format(n=block_k), 0) > 0, r.instructions
+    assert r.instructions.get(FP16_WGMMA.format(n=d), 0) > 0, r.instructions
+    assert r.ptxas_warnings == (), describe(r)
+    assert r.spill_stores == 0 and r.spill_loads == 0, describe(r)
+    pv = sass.exp2_under_mma(main_loop(r).body, "HGMMA")
+    assert pv.total == 128 * block_k // 256 + 2 and pv.under >= MIN_EXP2_UNDER_PV[block_k], pv

@@ -125,3 +125,17 @@ def test_varlen_and_per_block_variants_compile(d, block_k):
         assert r.spill_stores <= bound, describe(r)
         for body in consumers(r):
             assert sass.exp2_under_mma(body, "QGMMA").under >= MIN_EXP2_UNDER_PV[block_k]
+
+
+@pytest.mark.parametrize("d,block_k,causal", VARIANTS, ids=IDS)
+def test_fp16_pv_variant(d, block_k, causal):
+    """``qk_int8_pv_fp16`` (per-block scales): fp16 P̃·V wgmma, the softmax under it in each
+    consumer, no local memory in the loops; spills none but D=128/128 keys causal, 4 B outside
+    the loops (measured 2026-11-25)."""
+    r = report(d, block_k, causal, granularity="per_block", pv="fp16")
+    assert r.ok and r.kernel == KERNEL and r.ptxas_warnings == (), describe(r)
+    assert r.instructions.get(f"wgmma.mma_async.sync.aligned.m64n{d}k16.f32.f16.f16", 0) > 0
+    assert r.spill_stores <= (4 if (d, block_k, causal) == (128, 128, True) else 0), describe(r)
+    for body in consumers(r):
+        pv = sass.exp2_under_mma(body, "HGMMA")
+        assert pv.under >= MIN_EXP2_UNDER_PV[block_k] and local_memory(body) == 0, pv

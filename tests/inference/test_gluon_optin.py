@@ -229,9 +229,11 @@ def test_a_passed_check_admits_the_gluon_forward_for_what_it_takes(fresh, monkey
     gluon_check.Case(2, 2, 1, 0, 0, 64, 64, causal=True, lse=True, granularity="per_block",
                      lengths=((1, 20), (40, 70))),
     gluon_check.Case(1, 2, 1, 30, 45, 64, 64, causal=False, lse=True, granularity="per_block"),
+    gluon_check.Case(1, 2, 1, 30, 45, 64, 64, causal=True, lse=True, granularity="per_block",
+                     pv="fp16"),
 ], ids=str)
 def test_the_check_builds_packed_and_per_block_inputs(monkeypatch, case):
-    """The check's packed and per-block cases run end to end on the interpreter, the Triton kernel
+    """The check's packed, per-block and fp16 P·V cases run end to end on the interpreter, the Triton kernel
     standing in for the Gluon one: agreement gives no reason, a wrong output row gives one."""
     monkeypatch.setattr(kernel_int8_gluon, "attention", _counting(kernel_int8.attention)[0])
     assert gluon_check._compare(case, torch.device("cpu"), "async") is None

@@ -222,9 +222,7 @@ MUTATIONS = [
      "wrong"),
     ("end-mask-off-by-one", gb.softmax_block, "cols < nk, offs_m", "cols <= nk, offs_m", "wrong"),
     ("unmasked-loop-one-too-far", KERNEL, "range(1, n_full)", "range(1, n_full + 1)", "any"),
-    ("V-coordinate-one-block-late", kg._step, "[0, v_col + (j + 1) * BLOCK_N]",
-     "[0, v_col + (j + 2) * BLOCK_N]",
-     "wrong"),
+    ("V-coordinate-one-block-late", kg._step, "v_box(j + 1, v_col", "v_box(j + 2, v_col", "wrong"),
     ("last-P-V-other-stage", KERNEL, "p_smem.index(last % 2)", "p_smem.index((last + 1) % 2)",
      "any"),
     ("GQA-head-h%GROUP", gb.program_sequence, "hk = h // GROUP", "hk = h % GROUP", "error"),
@@ -421,8 +419,9 @@ def _packed_equals_each_sequence_alone(lens_q, lens_k, hq, hkv, d, block_k, caus
 
 @pytest.mark.parametrize("old,new", [
     ("V + hk * svh + (k_start - v_col)", "V + hk * svh + k_start"),  # V's first key as the base
-    ("[svd, 1], [BLOCK_D, BLOCK_N], v_layout)\n    else",
-     "[svd, 1], [BLOCK_D, BLOCK_N], v_layout)\n        v_col = 0\n    else"),
+    ("[BLOCK_D, BLOCK_N],\n                                                v_layout)\n",
+     "[BLOCK_D, BLOCK_N],\n                                                v_layout)\n"
+     "            v_col = 0\n"),
 ], ids=["V-base-not-16-byte-aligned", "V-boxes-from-the-boundary"])
 def test_the_check_catches_varlen_breaks(old, new):
     """Sequence 1 starts at key 1: V's descriptor base must move back to the 16-byte boundary
@@ -479,3 +478,42 @@ def test_gluon_per_block_scales_equal_the_twin_bit_for_bit(b, hq, hkv, nq, nk, d
 def test_gluon_varlen_per_block_equals_each_sequence_alone(lens_q, lens_k, hq, hkv, d, causal,
                                                            run):
     _packed_equals_each_sequence_alone(lens_q, lens_k, hq, hkv, d, 64, causal, "per_block", run)
+
+
+def fp16_operands(b, hq, hkv, nq, nk, d, block_k, granularity, dtype):
+    """``qk_int8_pv_fp16`` operands: fp16 V ``[B, H, N, D]`` as the pass leaves it (scaled by a
+    power of two per channel when the inputs are not fp16)."""
+    g = torch.Generator().manual_seed(5 * nq + nk + d)
+    q = torch.randn(b, hq, nq, d, generator=g)
+    k = torch.randn(b, hkv, nk, d, generator=g) + 4 * torch.randn(b, hkv, 1, d, generator=g)
+    v = torch.randn(b, hkv, nk, d, generator=g)
+    recipe = get_recipe("qk_int8_pv_fp16").replace(block_k=block_k, granularity=granularity)
+    return quantize_qkv(q.to(dtype), k.to(dtype), v.to(dtype), recipe, d**-0.5,
+                        need_lse_shift=True, backend="reference")
+
+
+@pytest.mark.parametrize("b,hq,hkv,nq,nk,d,offset", [SHAPES[i] for i in (1, 2, 5, 7)])
+@pytest.mark.parametrize("block_k", kg.BLOCK_NS, ids=lambda n: f"k{n}")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("run", RUNS)
+@pytest.mark.parametrize("granularity,dtype", [("per_block", torch.float16),
+                                               ("per_token", torch.bfloat16)],
+                         ids=["per_block-fp16", "per_token-bf16"])
+def test_gluon_fp16_pv_equals_the_twin_bit_for_bit(b, hq, hkv, nq, nk, d, offset, block_k, causal,
+                                                   run, granularity, dtype):
+    """``pv="fp16"``: P̃ rounded to fp16 (no 448 offset), V ``[keys, D]`` in shared memory as
+    the wgmma's B operand; fp16 inputs (V unscaled) and bf16 ones (V with a power-of-two scale
+    per channel)."""
+    qz = fp16_operands(b, hq, hkv, nq, nk, d, block_k, granularity, dtype)
+    assert (qz.v_scale is None) == (dtype == torch.float16)
+    co = offset_of(nq, nk, causal, offset)
+    with gluon_cpu.canonical_reductions():
+        want, want_lse = quantized_attention(qz, pv="fp16", granularity=granularity,
+                                             block_q=kg.BLOCK_M, block_k=block_k,
+                                             causal_offset=co)
+    out = torch.empty(qz.q.shape, dtype=torch.float32)
+    with on_cpu(run) as (extra, _):
+        lse = kg.attention(qz, out=out, pv="fp16", granularity=granularity, block_q=kg.BLOCK_M,
+                           block_k=block_k, causal_offset=co, return_lse=True, **extra)
+    assert_bits(out, want.float(), "out")
+    assert_bits(lse, want_lse, "lse")

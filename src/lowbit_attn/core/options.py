@@ -12,7 +12,7 @@ from the environment once per call by the custom op that needs it and passed dow
   buffer: two fewer matmuls per tile, summation order not fixed).
 - ``LOWBIT_ATTN_KERNEL``: ``triton`` (default: the Triton INT8 attention kernel), ``gluon`` (the
   Gluon forward for Hopper, ``inference/kernel_int8_gluon.py``, where it applies: a CUDA device of
-  capability 9.0, the FP8 P·V recipe, D = 64 or 128; the Triton kernel elsewhere) or
+  capability 9.0, the INT8 recipes (FP8 or fp16 P·V), D = 64 or 128; the Triton kernel elsewhere) or
   ``gluon-pingpong`` (its warp-specialized schedule, ``inference/kernel_int8_gluon_pingpong.py``,
   where the same applies).
   Admitted on a device only after a one-time check against the Triton kernel there

@@ -18,7 +18,7 @@ from lowbit_attn.core.triton_helpers import (
 )
 
 # Globals read inside @jit functions must be constexpr.
-LOG2_FP8_MAX_C = gl.constexpr(LOG2_FP8_MAX)
+_LOG2_FP8_MAX = gl.constexpr(LOG2_FP8_MAX)
 
 
 @gluon.jit
@@ -65,12 +65,15 @@ def scales_of_rows(QS, KS, b, h, hk, pid_m, q_start, k_start, offs_m, mmask, sqs
 
 @gluon.jit
 def softmax_block(s_int, ks, qs, m_i, l_i, start_n, offs_m, offs_n, nk, causal_offset,
-                  MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, PER_TOKEN: gl.constexpr = True):
-    """One key block's online-softmax step on its integer scores: ``(P̃ as E4M3, m, l, α)``.
+                  MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, PER_TOKEN: gl.constexpr = True,
+                  PV_FP8: gl.constexpr = True):
+    """One key block's online-softmax step on its integer scores: ``(P̃, m, l, α)``, P̃ as E4M3
+    (``PV_FP8``) or fp16.
 
-    The per-token fold of ``kernel_int8._softmax_pv`` (``t = s_int·s_k``, the row max on ``t``
-    scaled once per row, ``exp2(fma(t, s_q, -(m - log2 448)))``) with the same shared helpers, so
-    both kernels round alike. ``finish_scores`` without ΔS only masks."""
+    The fold of ``kernel_int8._softmax_pv`` (``t = s_int·s_k``, the row max on ``t`` scaled once
+    per row, ``exp2(fma(t, s_q, -(m - offset)))``, ``offset`` = log2 448 for E4M3 P̃, 0 for fp16)
+    with the same shared helpers, so both kernels round alike. ``finish_scores`` without ΔS only
+    masks."""
     cols = start_n + offs_n
     if PER_TOKEN:
         t = s_int.to(gl.float32) * ks[None, :]
@@ -88,9 +91,43 @@ def softmax_block(s_int, ks, qs, m_i, l_i, start_n, offs_m, offs_n, nk, causal_o
         t = finish_scores(t, cols, cols < nk, offs_m, causal_offset, None, 0, False, MASKED,
                           IS_CAUSAL)
     m_new, m_safe, alpha = online_max(m_i, gl.max(t, axis=1) * c)
-    p = gl.exp2(gl.fma(t, c[:, None], -(m_safe - LOG2_FP8_MAX_C)[:, None]))
+    p = gl.exp2(gl.fma(t, c[:, None], -(m_safe - p_offset(PV_FP8))[:, None]))
     l_i = l_i * alpha + gl.sum(p, axis=1)
-    return to_e4m3(p, False), m_new, l_i, alpha
+    if PV_FP8:
+        p = to_e4m3(p, False)
+    else:
+        p = p.to(gl.float16)
+    return p, m_new, l_i, alpha
+
+
+@gluon.jit
+def p_offset(PV_FP8: gl.constexpr):
+    """What the exp2 adds to every score, in base 2: log2 448 for E4M3 P̃ (its range used
+    whole), 0 for fp16."""
+    if PV_FP8:
+        return _LOG2_FP8_MAX
+    else:
+        return 0.0
+
+
+@gluon.jit
+def v_box(j, v_col, BLOCK_N: gl.constexpr, PV_FP8: gl.constexpr):
+    """The TMA coordinates of key block ``j``'s V tile: E4M3 V is stored ``[D, N']`` (the box
+    ``[BLOCK_D, BLOCK_N]`` at column ``v_col + j·BLOCK_N``), fp16 V ``[N, D]``."""
+    if PV_FP8:
+        return 0, v_col + j * BLOCK_N
+    else:
+        return j * BLOCK_N, 0
+
+
+@gluon.jit
+def v_operand(v_tile, PV_FP8: gl.constexpr):
+    """A V tile in shared memory as P̃·V's B operand (``[keys, D]``): E4M3 tiles are stored
+    ``[D, keys]`` (8-bit wgmma operands must be K-major), fp16 ones ``[keys, D]``."""
+    if PV_FP8:
+        return v_tile.permute((1, 0))
+    else:
+        return v_tile
 
 
 @gluon.jit
@@ -119,12 +156,13 @@ def key_scales(ks_ptr, start_n, offs_n, nk, KEYS: gl.constexpr, MASKED: gl.const
 
 @gluon.jit
 def descriptors(Q, K, V, b, h, hk, q_start, nq, k_start, nk, D, sqb, sqh, sqn, skb, skh, skn, svb,
-                svh, svd, VARLEN: gl.constexpr, Q_ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                svh, svn, svd, VARLEN: gl.constexpr, Q_ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
                 BLOCK_D: gl.constexpr, q_layout: gl.constexpr, k_layout: gl.constexpr,
-                v_layout: gl.constexpr):
-    """TMA descriptors over one (batch, head)'s tokens of Q (boxes of ``Q_ROWS`` rows), K and
-    E4M3 V (stored ``[D, N']``, boxes ``[BLOCK_D, BLOCK_N]``), rows past the sequence reading as
-    0, and ``v_col``, the column of V's descriptor where the sequence's first key sits.
+                v_layout: gl.constexpr, PV_FP8: gl.constexpr = True):
+    """TMA descriptors over one (batch, head)'s tokens of Q (boxes of ``Q_ROWS`` rows), K and V
+    (E4M3 stored ``[D, N']``, boxes ``[BLOCK_D, BLOCK_N]``; fp16 ``[N, D]``, boxes
+    ``[BLOCK_N, BLOCK_D]``), rows past the sequence reading as 0, and ``v_col``, the column of
+    E4M3 V's descriptor where the sequence's first key sits (0 for fp16).
     ``nq``/``nk``: the sequence's lengths; ``q_start``/``k_start`` its first tokens when packed.
 
     Packed (``VARLEN``): Q's and K's token strides are multiples of 16 bytes, so their sequence's
@@ -133,20 +171,29 @@ def descriptors(Q, K, V, b, h, hk, q_start, nq, k_start, nk, D, sqb, sqh, sqn, s
     (those ``v_col`` keys, the previous sequence's, are never in a box)."""
     v_col = 0
     if VARLEN:
-        v_col = (k_start % 16).to(gl.int32)
         q_desc = tma.make_tensor_descriptor(Q + h * sqh + q_start * sqn, [nq, D], [sqn, 1],
                                             [Q_ROWS, BLOCK_D], q_layout)
         k_desc = tma.make_tensor_descriptor(K + hk * skh + k_start * skn, [nk, D], [skn, 1],
                                             [BLOCK_N, BLOCK_D], k_layout)
-        v_desc = tma.make_tensor_descriptor(V + hk * svh + (k_start - v_col), [D, v_col + nk],
-                                            [svd, 1], [BLOCK_D, BLOCK_N], v_layout)
+        if PV_FP8:
+            v_col = (k_start % 16).to(gl.int32)
+            v_desc = tma.make_tensor_descriptor(V + hk * svh + (k_start - v_col),
+                                                [D, v_col + nk], [svd, 1], [BLOCK_D, BLOCK_N],
+                                                v_layout)
+        else:
+            v_desc = tma.make_tensor_descriptor(V + hk * svh + k_start * svn, [nk, D], [svn, 1],
+                                                [BLOCK_N, BLOCK_D], v_layout)
     else:
         q_desc = tma.make_tensor_descriptor(Q + b * sqb + h * sqh, [nq, D], [sqn, 1],
                                             [Q_ROWS, BLOCK_D], q_layout)
         k_desc = tma.make_tensor_descriptor(K + b * skb + hk * skh, [nk, D], [skn, 1],
                                             [BLOCK_N, BLOCK_D], k_layout)
-        v_desc = tma.make_tensor_descriptor(V + b * svb + hk * svh, [D, nk], [svd, 1],
-                                            [BLOCK_D, BLOCK_N], v_layout)
+        if PV_FP8:
+            v_desc = tma.make_tensor_descriptor(V + b * svb + hk * svh, [D, nk], [svd, 1],
+                                                [BLOCK_D, BLOCK_N], v_layout)
+        else:
+            v_desc = tma.make_tensor_descriptor(V + b * svb + hk * svh, [nk, D], [svn, 1],
+                                                [BLOCK_N, BLOCK_D], v_layout)
     return q_desc, k_desc, v_desc, v_col
 
 
@@ -154,7 +201,8 @@ def descriptors(Q, K, V, b, h, hk, q_start, nq, k_start, nk, D, sqb, sqh, sqn, s
 def write_rows(acc, m_i, l_i, O, LSE, LSH, VS, VM, CUQ, b, h, hk, nq, NQ, offs_m, offs_mo, offs_d,
                dmask, svsb, svsh, svsd, sob, soh, son, sod, seb, seh, sen, slb, slh, sln,
                rows_o: gl.constexpr, VARLEN: gl.constexpr, WRITE_LSE: gl.constexpr,
-               HAS_VSCALE: gl.constexpr, HAS_VMEAN: gl.constexpr, HAS_LSH: gl.constexpr):
+               HAS_VSCALE: gl.constexpr, HAS_VMEAN: gl.constexpr, HAS_LSH: gl.constexpr,
+               PV_FP8: gl.constexpr = True):
     """The epilogue of a tile's rows: ``acc / l`` (V's scale and mean applied, ``finish_rows``)
     stored to ``O`` and, with ``WRITE_LSE``, the natural-log LSE; ``offs_m``/``offs_mo`` the
     rows in the score and output layouts."""
@@ -170,15 +218,15 @@ def write_rows(acc, m_i, l_i, O, LSE, LSH, VS, VM, CUQ, b, h, hk, nq, NQ, offs_m
         if WRITE_LSE:
             rows = q_start + offs_m
             store_lse(LSE, h * seh + rows * sen, LSH, h * slh + rows * sln, m_i, l_i,
-                      LOG2_FP8_MAX_C, offs_m < nq, HAS_LSH)
+                      p_offset(PV_FP8), offs_m < nq, HAS_LSH)
     else:
         gl.store(O + b * sob + h * soh + offs_mo[:, None] * son + offs_d[None, :] * sod,
                  out.to(O.dtype.element_ty), mask=(offs_mo < nq)[:, None] & dmask[None, :])
         if WRITE_LSE:
             store_lse(LSE, b * seb + h * seh + offs_m * sen, LSH,
-                      b * slb + h * slh + offs_m * sln, m_i, l_i, LOG2_FP8_MAX_C, offs_m < nq,
-                      HAS_LSH)
+                      b * slb + h * slh + offs_m * sln, m_i, l_i, p_offset(PV_FP8),
+                      offs_m < nq, HAS_LSH)
 
 
-__all__ = ["LOG2_FP8_MAX_C", "descriptors", "key_scales", "program_sequence", "scales_of_rows",
-           "softmax_block", "write_rows"]
+__all__ = ["descriptors", "key_scales", "p_offset", "program_sequence",
+           "scales_of_rows", "softmax_block", "v_box", "v_operand", "write_rows"]

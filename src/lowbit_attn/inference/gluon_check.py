@@ -1,7 +1,8 @@
-"""The INT8 attention forward a call on the Triton path runs under ``LOWBIT_ATTN_KERNEL=gluon``:
-the Gluon forward for Hopper (:mod:`~lowbit_attn.inference.kernel_int8_gluon`) where it applies
-and has passed a check on this device, the Triton kernel (:mod:`~lowbit_attn.inference.kernel_int8`)
-everywhere else, without error.
+"""The INT8 attention forward a call on the Triton path runs under ``LOWBIT_ATTN_KERNEL=gluon``
+(or ``gluon-pingpong``): the Gluon forward for Hopper (:mod:`~lowbit_attn.inference.kernel_int8_gluon`,
+with the asynchronous or the ping-pong schedule) where it applies and has passed a check on this
+device, the Triton kernel (:mod:`~lowbit_attn.inference.kernel_int8`) everywhere else, without
+error. Each schedule is checked, admitted or refused on its own.
 
 The Gluon forward has been compiled ahead of time only (no GPU has run it when this was written),
 so it is opt-in and earns its place on each machine. A call uses it only where
@@ -11,23 +12,25 @@ so it is opt-in and earns its place on each machine. A call uses it only where
    on a CPU the option changes nothing);
 2. it has passed, in this process and on this device, the one-time check :func:`self_check`
    against the Triton kernel on the small inputs of :data:`CASES` (partial blocks, causal, GQA,
-   LSE, both key blocks, per-block scales, packed sequences), run at the first call that gets here. A mismatch or any exception (the
+   LSE, both key blocks, per-block scales, packed sequences, fp16 P·V), run at the first call
+   that gets here. A mismatch or any exception (the
    module failing to import, the Triton version pin of ``kernel_int8_gluon.check_version``, a
    compile or launch error) warns once, naming the reason, and the Triton kernel runs for the
    rest of the process on that device. A call made while a CUDA graph is being captured does not
    run the check (it would synchronize): it runs the Triton kernel, and the check waits for a call
    outside a capture;
 3. the Gluon launcher takes the call: it raises ``ValueError`` before launching anything for what
-   it does not cover (FP16 P·V, D other than 64 and 128, Q quantized in the kernel, ΔS,
-   operands TMA cannot read); such a call runs the Triton kernel. Packed (varlen) calls and
-   per-block scales are covered, and so is each in :data:`CASES` (their indexing is also checked
-   bit for bit on the CPU model, tests/inference/test_gluon_schedule.py).
+   it does not cover (D other than 64 and 128, Q quantized in the kernel, ΔS, operands TMA cannot
+   read); such a call runs the Triton kernel. Packed (varlen) calls, per-block scales and fp16
+   P·V are covered, and so is each in :data:`CASES` (their indexing is also checked bit for bit
+   on the CPU model, tests/inference/test_gluon_schedule.py).
 
 Tolerances of the check: on a GPU the compiled Triton kernel is held within ``atol 4e-3`` and
 cosine ``0.99999`` of the twin on the same FP8 P·V operands (unit-variance V; the kernel test's
 bound for an exp2 that moves one E4M3 P̃ across a rounding boundary, widened by tests/helpers.py
 ``ON_CUDA "int8 out fp8"``), its LSE within ``1e-3``; tests/test_gpu.py holds the Gluon forward to
-the same. Two kernels that both meet that bound differ by at most twice it (triangle inequality;
+the same. The fp16 P·V case is held to the same bounds (looser than that recipe needs: they are
+there to catch layout and indexing mistakes, not last bits). Two kernels that both meet that bound differ by at most twice it (triangle inequality;
 for the cosine, angles add: ``arccos 0.99999 = 4.47e-3`` rad, twice that is cosine ``0.99996``). A
 layout or indexing mistake moves whole rows or tiles and lands far outside these bounds.
 """
@@ -46,7 +49,7 @@ from lowbit_attn.core.arch import interpreter_enabled
 from lowbit_attn.core.metrics import cosine_similarity
 from lowbit_attn.core.operands import Seqs
 from lowbit_attn.core.options import GLUON_SCHEDULES
-from lowbit_attn.core.recipes import QK_INT8_PV_FP8
+from lowbit_attn.core.recipes import get_recipe
 from lowbit_attn.inference import kernel_int8
 from lowbit_attn.inference.prepare import quantize_qkv
 
@@ -76,10 +79,12 @@ class Case:
     lse: bool
     granularity: str = "per_token"
     lengths: tuple[tuple[int, int], ...] = ()
+    pv: str = "fp8"
 
     def __str__(self) -> str:
         flags = (" causal" if self.causal else "") + (" lse" if self.lse else "")
         flags += "" if self.granularity == "per_token" else f" {self.granularity}"
+        flags += "" if self.pv == "fp8" else f" pv {self.pv}"
         shape = (f"packed {list(self.lengths)}" if self.lengths
                  else f"B{self.b} Nq{self.nq} Nk{self.nk}")
         return f"{shape} H{self.hq}:{self.hkv} D{self.d} keys {self.block_k}{flags}"
@@ -96,6 +101,7 @@ CASES = (
     Case(1, 2, 1, 150, 170, 128, 64, causal=True, lse=True, granularity="per_block"),
     Case(3, 4, 2, 0, 0, 64, 128, causal=True, lse=True,
          lengths=((1, 37), (77, 77), (260, 301))),
+    Case(1, 4, 2, 200, 260, 128, 128, causal=True, lse=True, granularity="per_block", pv="fp16"),
 )
 
 _lock = threading.Lock()
@@ -170,7 +176,8 @@ def _compare(case: Case, device: torch.device, schedule: str) -> str | None:
         k += 4 * torch.randn(b, case.hkv, 1, case.d, generator=g, device=device)  # channel bias
         v = torch.randn(b, case.hkv, nk, case.d, generator=g, device=device)
         parts.append(tuple(x.to(torch.float16) for x in (q, k, v)))
-    recipe = QK_INT8_PV_FP8.replace(block_k=case.block_k, granularity=case.granularity)
+    recipe = get_recipe(f"qk_int8_pv_{case.pv}").replace(block_k=case.block_k,
+                                                         granularity=case.granularity)
     seqs = {}
     if case.lengths:  # packed [total, H, D]; each sequence causal bottom-right
         q, k, v = (torch.cat([p[i][0].transpose(0, 1) for p in parts]) for i in range(3))

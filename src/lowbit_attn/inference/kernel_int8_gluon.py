@@ -1,8 +1,9 @@
-"""Attention forward with INT8 Q·Kᵀ and FP8 P·V for Hopper (sm_90a), written in Gluon.
+"""Attention forward with INT8 Q·Kᵀ and FP8 or fp16 P·V for Hopper (sm_90a), written in Gluon.
 
 The same numerics as :mod:`lowbit_attn.inference.kernel_int8` (SageAttention2: per-token scales
-folded into the exp2's argument, P̃ to E4M3 as ``exp2(S - m + log2 448)``, each key block's P̃·V a
-fresh tensor-core product added into the fp32 accumulator) on the same operands
+folded into the exp2's argument, P̃ to E4M3 as ``exp2(S - m + log2 448)`` or to fp16 as
+``exp2(S - m)``, each key block's P̃·V a fresh tensor-core product added into the fp32
+accumulator) on the same operands
 (:class:`~lowbit_attn.core.operands.QuantizedQKV`), with a schedule Triton's ``tl.dot`` cannot
 express: both products asynchronous, P̃·V of the previous key block in flight while this block's
 softmax runs.
@@ -10,11 +11,11 @@ softmax runs.
 One program (8 warps: two warpgroups of 64 rows) computes ``BLOCK_M`` = 128 query rows of one
 (batch, query head). Key block ``j``'s iteration:
 
-1. issue Q·Kᵀ(j) (INT8 wgmma, Q and K(j) in shared memory), then P̃·V(j-1) (FP8 wgmma, P̃(j-1) and
-   V(j-1) in shared memory, a fresh accumulator), both asynchronous;
+1. issue Q·Kᵀ(j) (INT8 wgmma, Q and K(j) in shared memory), then P̃·V(j-1) (FP8 or fp16 wgmma,
+   P̃(j-1) and V(j-1) in shared memory, a fresh accumulator), both asynchronous;
 2. ``wait(1)``: retires Q·Kᵀ(j) only (wgmma groups complete in order);
-3. softmax of block j under P̃·V(j-1): row max, ``α``, ``exp2``, ``l``; P̃(j) to E4M3, stored to the
-   other of two shared-memory P̃ buffers;
+3. softmax of block j under P̃·V(j-1): row max, ``α``, ``exp2``, ``l``; P̃(j) to E4M3 (or fp16),
+   stored to the other of two shared-memory P̃ buffers;
 4. ``wait(0)``; K(j+2) and V(j+1) requested into the stages just read (both together: the CTA
    barriers Triton puts before a TMA request then cover both, 3 per iteration rather than 4);
    then ``acc = acc·α(j-1) + pv(j-1)``. The rescale reads only registers the finished
@@ -28,12 +29,16 @@ sequence's end), two stages each. The per-token K scales are loaded right after 
 issued, so their latency hides under Q·Kᵀ: loading them one block ahead, as the Triton kernel does,
 keeps one more scale vector live and spills at D=128 with 128-key blocks (ptxas, see NOTES §11).
 
-Phase 1 scope: dense or packed variable-length inputs (``VARLEN``, as the Triton kernel: each
-sequence's causal mask aligned bottom-right), per-token or per-block scales (``PER_TOKEN``), FP8
-P·V, D = 64 or 128, causal or not, GQA, LSE (with the K-smoothing shift). Twin: ``lowbit_attn.inference.naive.quantized_attention``. Written
-for Triton 3.6's Gluon (:data:`WRITTEN_FOR`); another version is refused at launch. Opt-in only:
-the op calls it when ``LOWBIT_ATTN_KERNEL=gluon`` and :mod:`lowbit_attn.inference.gluon_check`
-admits it.
+Scope: dense or packed variable-length inputs (``VARLEN``, as the Triton kernel: each sequence's
+causal mask aligned bottom-right), per-token or per-block scales (``PER_TOKEN``), FP8 P·V (E4M3
+V stored ``[D, N']``: 8-bit wgmma operands must be K-major) or fp16 P·V (``PV_FP8=False``: fp16
+V ``[N, D]`` as it is), D = 64 or 128, causal or not, GQA, LSE (with the K-smoothing shift).
+Not covered (refused before launch, the Triton kernel runs): ΔS (``smooth_q``), Q quantized in
+the kernel. Twin: ``lowbit_attn.inference.naive.quantized_attention``. Written for Triton 3.6's
+Gluon (:data:`WRITTEN_FOR`); another version is refused at launch. Opt-in only: the op calls it
+when ``LOWBIT_ATTN_KERNEL=gluon`` (this module's kernel) or ``gluon-pingpong``
+(:mod:`~lowbit_attn.inference.kernel_int8_gluon_pingpong`'s) and
+:mod:`lowbit_attn.inference.gluon_check` admits it.
 """
 
 from __future__ import annotations
@@ -55,7 +60,8 @@ from lowbit_attn.core.triton_helpers import (
 )
 from lowbit_attn.inference import kernel_int8_gluon_pingpong as pingpong
 from lowbit_attn.inference.gluon_blocks import (
-    descriptors, key_scales, program_sequence, scales_of_rows, softmax_block, write_rows,
+    descriptors, key_scales, program_sequence, scales_of_rows, softmax_block, v_box, v_operand,
+    write_rows,
 )
 
 WRITTEN_FOR = "3.6"  # the Triton release series whose Gluon API this module uses
@@ -76,7 +82,7 @@ def _attn_fwd_int8_gluon_kernel(
     NQ, NK, HQ, GROUP, D, causal_offset,
     IS_CAUSAL: gl.constexpr, HAS_VSCALE: gl.constexpr, HAS_VMEAN: gl.constexpr,
     HAS_LSH: gl.constexpr, WRITE_LSE: gl.constexpr, VARLEN: gl.constexpr,
-    PER_TOKEN: gl.constexpr,
+    PER_TOKEN: gl.constexpr, PV_FP8: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
 ):
     """Operands ``q`` and ``k``: ``(INT8 values, per-token scales, values' strides, scales'
@@ -102,17 +108,18 @@ def _attn_fwd_int8_gluon_kernel(
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BLOCK_N, 32])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BLOCK_D, 32])
+        version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BLOCK_D, 32 if PV_FP8 else 16])
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     cols_o: gl.constexpr = gl.SliceLayout(0, o_layout)
     q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_D], gl.int8)
     k_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], gl.int8)
-    v_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_D, BLOCK_N],
-                                                                       gl.float8e4nv)
-    p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N],
-                                                                       gl.float8e4nv)
+    # E4M3 P̃ and V ([D, keys], K-major), or fp16 ([keys, D])
+    PV_TYPE: gl.constexpr = gl.float8e4nv if PV_FP8 else gl.float16
+    V_TILE: gl.constexpr = [BLOCK_D, BLOCK_N] if PV_FP8 else [BLOCK_N, BLOCK_D]
+    v_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(V_TILE, PV_TYPE)
+    p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], PV_TYPE)
 
     pid_m, b, h, hk, q_start, nq, k_start, nk, causal_offset = program_sequence(
         CUQ, CUK, NQ, NK, HQ, GROUP, causal_offset, VARLEN)
@@ -126,13 +133,14 @@ def _attn_fwd_int8_gluon_kernel(
     dmask = offs_d < D
 
     q_desc, k_desc, v_desc, v_col = descriptors(
-        Q, K, V, b, h, hk, q_start, nq, k_start, nk, D, sqb, sqh, sqn, skb, skh, skn, svb, svh, svd,
-        VARLEN, BLOCK_M, BLOCK_N, BLOCK_D, q_smem_layout, k_smem_layout, v_smem_layout)
+        Q, K, V, b, h, hk, q_start, nq, k_start, nk, D, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn,
+        svd, VARLEN, BLOCK_M, BLOCK_N, BLOCK_D, q_smem_layout, k_smem_layout, v_smem_layout,
+        PV_FP8)
 
     q_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_M, BLOCK_D], q_smem_layout)
     k_smem = gl.allocate_shared_memory(gl.int8, [2, BLOCK_N, BLOCK_D], k_smem_layout)
-    v_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, BLOCK_D, BLOCK_N], v_smem_layout)
-    p_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, BLOCK_M, BLOCK_N], p_smem_layout)
+    v_smem = gl.allocate_shared_memory(PV_TYPE, [2] + V_TILE, v_smem_layout)
+    p_smem = gl.allocate_shared_memory(PV_TYPE, [2, BLOCK_M, BLOCK_N], p_smem_layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -153,7 +161,7 @@ def _attn_fwd_int8_gluon_kernel(
     n_blocks = gl.cdiv(hi, BLOCK_N)
     n_full = full_hi // BLOCK_N
     k_bytes: gl.constexpr = BLOCK_N * BLOCK_D
-    v_bytes: gl.constexpr = BLOCK_D * BLOCK_N
+    v_bytes: gl.constexpr = BLOCK_D * BLOCK_N if PV_FP8 else 2 * BLOCK_D * BLOCK_N
     if n_blocks > 0:
         mbarrier.expect(q_bar, BLOCK_M * BLOCK_D)
         tma.async_copy_global_to_shared(q_desc, [pid_m * BLOCK_M, 0], q_bar, q_smem)
@@ -164,8 +172,9 @@ def _attn_fwd_int8_gluon_kernel(
             tma.async_copy_global_to_shared(k_desc, [i * BLOCK_N, 0], k_bars.index(i),
                                             k_smem.index(i), pred=more)
             mbarrier.expect(v_bars.index(i), v_bytes, pred=more)
-            tma.async_copy_global_to_shared(v_desc, [0, v_col + i * BLOCK_N], v_bars.index(i),
-                                            v_smem.index(i), pred=more)
+            v0, v1 = v_box(i, v_col, BLOCK_N, PV_FP8)
+            tma.async_copy_global_to_shared(v_desc, [v0, v1], v_bars.index(i), v_smem.index(i),
+                                            pred=more)
 
         # Block 0: its softmax waits for its Q·Kᵀ (nothing is in flight yet). Masked: a whole
         # block's masks are all true, so this costs nothing in numerics.
@@ -181,7 +190,7 @@ def _attn_fwd_int8_gluon_kernel(
         tma.async_copy_global_to_shared(k_desc, [2 * BLOCK_N, 0], k_bars.index(0),
                                         k_smem.index(0), pred=more)
         p, m_i, l_i, alpha = softmax_block(s_int, ks, qs, m_i, l_i, 0, offs_m, offs_n, nk,
-                                      causal_offset, True, IS_CAUSAL, PER_TOKEN)
+                                           causal_offset, True, IS_CAUSAL, PER_TOKEN, PV_FP8)
         p_smem.index(0).store(p)
         fence_async_shared()
 
@@ -196,7 +205,7 @@ def _attn_fwd_int8_gluon_kernel(
                 sksn, q_smem, k_smem, v_smem, p_smem, k_bars, v_bars, k_desc, v_desc, v_col,
                 n_blocks,
                 zero_s, False, IS_CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, o_layout, PER_TOKEN,
-                s_layout)
+                s_layout, PV_FP8)
         j0 = gl.maximum(n_full, 1)
         if VARLEN:  # read again: not kept live through the main loop (see the epilogue)
             _, nk = seq_span(CUK, b, NK, True)
@@ -210,12 +219,12 @@ def _attn_fwd_int8_gluon_kernel(
                 sksn, q_smem, k_smem, v_smem, p_smem, k_bars, v_bars, k_desc, v_desc, v_col,
                 n_blocks,
                 zero_s, True, IS_CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, o_layout, PER_TOKEN,
-                s_layout)
+                s_layout, PV_FP8)
 
         # The last block's P̃·V.
         last = n_blocks - 1
         mbarrier.wait(v_bars.index(last % 2), (last // 2) & 1)
-        pv = warpgroup_mma(p_smem.index(last % 2), v_smem.index(last % 2).permute((1, 0)),
+        pv = warpgroup_mma(p_smem.index(last % 2), v_operand(v_smem.index(last % 2), PV_FP8),
                            gl.zeros([BLOCK_M, BLOCK_D], gl.float32, layout=o_layout),
                            use_acc=False, is_async=True)
         pv = warpgroup_mma_wait(0, deps=[pv])
@@ -229,7 +238,7 @@ def _attn_fwd_int8_gluon_kernel(
     offs_mo = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=rows_o)
     write_rows(acc, m_i, l_i, O, LSE, LSH, VS, VM, CUQ, b, h, hk, nq, NQ, offs_m, offs_mo, offs_d,
                dmask, svsb, svsh, svsd, sob, soh, son, sod, seb, seh, sen, slb, slh, sln, rows_o,
-               VARLEN, WRITE_LSE, HAS_VSCALE, HAS_VMEAN, HAS_LSH)
+               VARLEN, WRITE_LSE, HAS_VSCALE, HAS_VMEAN, HAS_LSH, PV_FP8)
 
 
 @gluon.jit
@@ -237,7 +246,8 @@ def _step(j, acc, m_i, l_i, alpha, qs, offs_m, offs_n, nk, causal_offset, ks_ptr
           q_smem, k_smem, v_smem, p_smem, k_bars, v_bars, k_desc, v_desc, v_col, n_blocks, zero_s,
           MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
           BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, o_layout: gl.constexpr,
-          PER_TOKEN: gl.constexpr = True, s_layout: gl.constexpr = None):
+          PER_TOKEN: gl.constexpr = True, s_layout: gl.constexpr = None,
+          PV_FP8: gl.constexpr = True):
     """Key block ``j`` (≥ 1): Q·Kᵀ(j) and P̃·V(j-1) in flight, softmax(j) under P̃·V(j-1), then
     ``acc·α(j-1) + pv(j-1)``; returns ``(acc, m, l, α(j))`` and ``ks_ptr`` moved to the next
     block's K scales (carried rather than computed from ``j``: an address from ``j`` makes LLVM
@@ -251,14 +261,15 @@ def _step(j, acc, m_i, l_i, alpha, qs, offs_m, offs_n, nk, causal_offset, ks_ptr
     s_tok = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False,
                           is_async=True)
     mbarrier.wait(v_bars.index(prev), phase ^ prev)  # block j-1's: ((j - 1) // 2) & 1
-    pv_tok = warpgroup_mma(p_smem.index(prev), v_smem.index(prev).permute((1, 0)),
+    pv_tok = warpgroup_mma(p_smem.index(prev), v_operand(v_smem.index(prev), PV_FP8),
                            gl.zeros([BLOCK_M, BLOCK_D], gl.float32, layout=o_layout),
                            use_acc=False, is_async=True)
     ks = key_scales(ks_ptr, j * BLOCK_N, offs_n, nk, _KEYS, MASKED, PER_TOKEN,
                     gl.SliceLayout(0, s_layout))
     s_int = warpgroup_mma_wait(1, deps=[s_tok])
     p, m_new, l_i, alpha_new = softmax_block(s_int, ks, qs, m_i, l_i, j * BLOCK_N, offs_m, offs_n,
-                                             nk, causal_offset, MASKED, IS_CAUSAL, PER_TOKEN)
+                                             nk, causal_offset, MASKED, IS_CAUSAL, PER_TOKEN,
+                                             PV_FP8)
     p_smem.index(stage).store(p)
     fence_async_shared()
     pv = warpgroup_mma_wait(0, deps=[pv_tok])
@@ -266,11 +277,13 @@ def _step(j, acc, m_i, l_i, alpha, qs, offs_m, offs_n, nk, causal_offset, ks_ptr
     more_k = j + 2 < n_blocks
     more_v = j + 1 < n_blocks
     mbarrier.expect(k_bars.index(stage), BLOCK_N * BLOCK_D, pred=more_k)
-    mbarrier.expect(v_bars.index(prev), BLOCK_D * BLOCK_N, pred=more_v)
+    mbarrier.expect(v_bars.index(prev), BLOCK_D * BLOCK_N if PV_FP8 else 2 * BLOCK_D * BLOCK_N,
+                    pred=more_v)
     tma.async_copy_global_to_shared(k_desc, [(j + 2) * BLOCK_N, 0], k_bars.index(stage),
                                     k_smem.index(stage), pred=more_k)
-    tma.async_copy_global_to_shared(v_desc, [0, v_col + (j + 1) * BLOCK_N], v_bars.index(prev),
-                                    v_smem.index(prev), pred=more_v)
+    v0, v1 = v_box(j + 1, v_col, BLOCK_N, PV_FP8)
+    tma.async_copy_global_to_shared(v_desc, [v0, v1], v_bars.index(prev), v_smem.index(prev),
+                                    pred=more_v)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None] + pv
     if PER_TOKEN:
         ks_ptr += BLOCK_N * sksn
@@ -353,7 +366,7 @@ def attention(
             causal_offset=0 if causal_offset is None else int(causal_offset),
             IS_CAUSAL=causal_offset is not None, HAS_VSCALE=qz.v_scale is not None,
             HAS_VMEAN=qz.v_mean is not None, HAS_LSH=qz.lse_shift is not None,
-            WRITE_LSE=lse is not None, VARLEN=packed, PER_TOKEN=per_token,
+            WRITE_LSE=lse is not None, VARLEN=packed, PER_TOKEN=per_token, PV_FP8=pv == "fp8",
             BLOCK_M=block_q, BLOCK_N=block_k, BLOCK_D=d, **options,
         )
 
@@ -363,8 +376,8 @@ def attention(
 
 def _check_scope(qz: QuantizedQKV, *, pv, granularity, block_q, block_k, seqs_q, seqs_k) -> None:
     """``ValueError`` naming what this kernel does not (yet) cover."""
-    if pv != "fp8":
-        raise ValueError(f"pv must be 'fp8' for the Gluon kernel, got {pv!r}")
+    if pv not in ("fp8", "fp16"):
+        raise ValueError(f"pv must be 'fp8' or 'fp16' for the Gluon kernel, got {pv!r}")
     if granularity not in ("per_token", "per_block"):
         raise ValueError(f"granularity must be 'per_token' or 'per_block' for the Gluon kernel, "
                          f"got {granularity!r}")
@@ -383,19 +396,23 @@ def _check_scope(qz: QuantizedQKV, *, pv, granularity, block_q, block_k, seqs_q,
     if d not in HEAD_DIMS:
         raise ValueError(f"head dim must be one of {HEAD_DIMS} for the Gluon kernel, got {d}")
     token = 0 if packed else 2  # V's token dimension
-    if qz.v.dtype != torch.float8_e4m3fn or qz.v.stride(token) != 1:
+    if pv == "fp8" and (qz.v.dtype != torch.float8_e4m3fn or qz.v.stride(token) != 1):
         raise ValueError("v must be E4M3 stored token-contiguous ([B, H, D, N'] or packed "
                          "[H, D, total'], transposed), got "
                          f"dtype {qz.v.dtype} with strides {tuple(qz.v.stride())}")
-    # TMA: 16-byte aligned bases and strides (8-bit elements: strides in bytes), unit inner stride.
+    if pv == "fp16" and qz.v.dtype != torch.float16:
+        raise ValueError(f"v must be float16 for fp16 P·V, got dtype {qz.v.dtype}")
+    # TMA: 16-byte aligned bases and strides in bytes, unit inner stride.
     # (Packed V: its descriptor starts at the 16-byte boundary before each sequence.)
     inner_qk = 2 if packed else 3
-    for name, x, inner in (("q", qz.q, inner_qk), ("k", qz.k, inner_qk), ("v", qz.v, token)):
-        outer = [s for i, s in enumerate(x.stride()) if i != inner]
+    inner_v = token if pv == "fp8" else inner_qk
+    for name, x, inner in (("q", qz.q, inner_qk), ("k", qz.k, inner_qk), ("v", qz.v, inner_v)):
+        size = x.element_size()
+        outer = [s * size for i, s in enumerate(x.stride()) if i != inner]
         if x.stride(inner) != 1 or any(s % 16 for s in outer) or x.data_ptr() % 16:
             raise ValueError(f"{name} must be 16-byte aligned with a unit stride along dim {inner} "
-                             f"and the others multiples of 16 (TMA), got strides "
-                             f"{tuple(x.stride())}")
+                             f"and the others multiples of 16 bytes (TMA), got strides "
+                             f"{tuple(x.stride())} of {size}-byte elements")
 
 
 __all__ = ["SCHEDULES", "WRITTEN_FOR", "attention", "check_version"]

@@ -1,4 +1,4 @@
-"""Attention forward with INT8 Q·Kᵀ and FP8 P·V for Hopper (sm_90a), warp-specialized: one loader
+"""Attention forward with INT8 Q·Kᵀ and FP8 or fp16 P·V for Hopper (sm_90a), warp-specialized: one loader
 warp and two consumer warpgroups in ping-pong, written in Gluon. The second schedule of the Gluon
 forward (``kernel_int8_gluon`` is the first): the same numerics (``gluon_blocks``), operands,
 launcher and twin; only who does what, and when, differs.
@@ -41,7 +41,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from lowbit_attn.core.triton_helpers import key_block_bounds
 from lowbit_attn.inference.gluon_blocks import (
-    descriptors, key_scales, program_sequence, scales_of_rows, softmax_block, write_rows,
+    descriptors, key_scales, program_sequence, scales_of_rows, softmax_block, v_box, v_operand,
+    write_rows,
 )
 
 CONSUMER_WARPS = 4  # the kernel's num_warps: the default partition is consumer 0
@@ -64,7 +65,7 @@ def _attn_fwd_int8_pingpong_kernel(
     NQ, NK, HQ, GROUP, D, causal_offset,
     IS_CAUSAL: gl.constexpr, HAS_VSCALE: gl.constexpr, HAS_VMEAN: gl.constexpr,
     HAS_LSH: gl.constexpr, WRITE_LSE: gl.constexpr, VARLEN: gl.constexpr,
-    PER_TOKEN: gl.constexpr,
+    PER_TOKEN: gl.constexpr, PV_FP8: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
 ):
     """The arguments of ``kernel_int8_gluon._attn_fwd_int8_gluon_kernel`` (same launcher)."""
@@ -77,24 +78,25 @@ def _attn_fwd_int8_pingpong_kernel(
     HALF: gl.constexpr = BLOCK_M // 2
     q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, BLOCK_D], gl.int8)
     k_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], gl.int8)
-    v_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_D, BLOCK_N],
-                                                                       gl.float8e4nv)
-    p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, BLOCK_N],
-                                                                       gl.float8e4nv)
+    # E4M3 P̃ and V ([D, keys], K-major), or fp16 ([keys, D])
+    PV_TYPE: gl.constexpr = gl.float8e4nv if PV_FP8 else gl.float16
+    V_TILE: gl.constexpr = [BLOCK_D, BLOCK_N] if PV_FP8 else [BLOCK_N, BLOCK_D]
+    v_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(V_TILE, PV_TYPE)
+    p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, BLOCK_N], PV_TYPE)
 
     pid_m, b, h, hk, q_start, nq, k_start, nk, causal_offset = program_sequence(
         CUQ, CUK, NQ, NK, HQ, GROUP, causal_offset, VARLEN)
     if pid_m * BLOCK_M >= nq:
         return
     q_desc, k_desc, v_desc, v_col = descriptors(
-        Q, K, V, b, h, hk, q_start, nq, k_start, nk, D, sqb, sqh, sqn, skb, skh, skn, svb, svh, svd,
-        VARLEN, HALF, BLOCK_N, BLOCK_D, q_smem_layout, k_smem_layout, v_smem_layout)
+        Q, K, V, b, h, hk, q_start, nq, k_start, nk, D, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn,
+        svd, VARLEN, HALF, BLOCK_N, BLOCK_D, q_smem_layout, k_smem_layout, v_smem_layout, PV_FP8)
 
     q_smem = gl.allocate_shared_memory(gl.int8, [2, HALF, BLOCK_D], q_smem_layout)
     k_smem = gl.allocate_shared_memory(gl.int8, [2, BLOCK_N, BLOCK_D], k_smem_layout)
-    v_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, BLOCK_D, BLOCK_N], v_smem_layout)
+    v_smem = gl.allocate_shared_memory(PV_TYPE, [2] + V_TILE, v_smem_layout)
     # P̃: two buffers per consumer (index 2·consumer + stage)
-    p_smem = gl.allocate_shared_memory(gl.float8e4nv, [4, HALF, BLOCK_N], p_smem_layout)
+    p_smem = gl.allocate_shared_memory(PV_TYPE, [4, HALF, BLOCK_N], p_smem_layout)
     q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -119,11 +121,12 @@ def _attn_fwd_int8_pingpong_kernel(
              q_smem, k_smem, v_smem, p_smem, q_bars, k_ready, k_empty, v_ready, v_empty, turn)
     gl.warp_specialize([
         (_consumer, (state, 0, IS_CAUSAL, HAS_VSCALE, HAS_VMEAN, HAS_LSH, WRITE_LSE, VARLEN,
-                     PER_TOKEN, BLOCK_M, BLOCK_N, BLOCK_D)),  # the default partition
+                     PER_TOKEN, PV_FP8, BLOCK_M, BLOCK_N, BLOCK_D)),  # the default partition
         (_consumer, (state, 1, IS_CAUSAL, HAS_VSCALE, HAS_VMEAN, HAS_LSH, WRITE_LSE, VARLEN,
-                     PER_TOKEN, BLOCK_M, BLOCK_N, BLOCK_D)),
+                     PER_TOKEN, PV_FP8, BLOCK_M, BLOCK_N, BLOCK_D)),
         (_loader, (q_desc, k_desc, v_desc, v_col, pid_m, n_blocks, q_smem, k_smem, v_smem,
-                   q_bars, k_ready, k_empty, v_ready, v_empty, BLOCK_M, BLOCK_N, BLOCK_D)),
+                   q_bars, k_ready, k_empty, v_ready, v_empty, PV_FP8, BLOCK_M, BLOCK_N,
+                   BLOCK_D)),
     ], _WORKER_WARPS, _WORKER_REGS)
 
     for i in gl.static_range(2):
@@ -137,8 +140,8 @@ def _attn_fwd_int8_pingpong_kernel(
 
 @gluon.jit
 def _loader(q_desc, k_desc, v_desc, v_col, pid_m, n_blocks, q_smem, k_smem, v_smem, q_bars,
-            k_ready, k_empty, v_ready, v_empty, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-            BLOCK_D: gl.constexpr):
+            k_ready, k_empty, v_ready, v_empty, PV_FP8: gl.constexpr, BLOCK_M: gl.constexpr,
+            BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr):
     """Q's two halves, then K(j) and V(j) for every key block into stage ``j % 2``, each once
     both consumers have released the block two before (a fresh barrier's wait on parity 1
     returns at once: the first two blocks need no release)."""
@@ -156,8 +159,10 @@ def _loader(q_desc, k_desc, v_desc, v_col, pid_m, n_blocks, q_smem, k_smem, v_sm
         tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, 0], k_ready.index(stage),
                                         k_smem.index(stage))
         mbarrier.wait(v_empty.index(stage), phase ^ 1)
-        mbarrier.expect(v_ready.index(stage), BLOCK_D * BLOCK_N)
-        tma.async_copy_global_to_shared(v_desc, [0, v_col + j * BLOCK_N], v_ready.index(stage),
+        mbarrier.expect(v_ready.index(stage),
+                        BLOCK_D * BLOCK_N if PV_FP8 else 2 * BLOCK_D * BLOCK_N)
+        v0, v1 = v_box(j, v_col, BLOCK_N, PV_FP8)
+        tma.async_copy_global_to_shared(v_desc, [v0, v1], v_ready.index(stage),
                                         v_smem.index(stage))
 
 
@@ -178,8 +183,8 @@ def _turn_pass(turn, WG: gl.constexpr):
 @gluon.jit
 def _consumer(state, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_VSCALE: gl.constexpr,
               HAS_VMEAN: gl.constexpr, HAS_LSH: gl.constexpr, WRITE_LSE: gl.constexpr,
-              VARLEN: gl.constexpr, PER_TOKEN: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr):
+              VARLEN: gl.constexpr, PER_TOKEN: gl.constexpr, PV_FP8: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr):
     """Consumer ``WG``: rows ``64·WG`` to ``64·WG + 63`` of the tile, the loop of
     ``kernel_int8_gluon`` on them, in turns with the other consumer, then their epilogue."""
     (q, k, VS, VM, LSH, O, LSE, CUQ, vs_strides, lsh_strides, o_strides, lse_strides,
@@ -198,7 +203,7 @@ def _consumer(state, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_VSCALE: gl.c
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_D, 32])
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_D, 32 if PV_FP8 else 16])
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -230,7 +235,7 @@ def _consumer(state, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_VSCALE: gl.c
         s_int = warpgroup_mma_wait(0, deps=[s_tok])
         mbarrier.arrive(k_empty.index(0), count=1)
         p, m_i, l_i, alpha = softmax_block(s_int, ks, qs, m_i, l_i, 0, offs_m, offs_n, nk,
-                                           causal_offset, True, IS_CAUSAL, PER_TOKEN)
+                                           causal_offset, True, IS_CAUSAL, PER_TOKEN, PV_FP8)
         p_smem.index(2 * WG).store(p)
         fence_async_shared()
 
@@ -242,7 +247,7 @@ def _consumer(state, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_VSCALE: gl.c
             acc, m_i, l_i, alpha, ks_ptr = _consumer_step(
                 j, acc, m_i, l_i, alpha, qs, offs_m, offs_n, nk, causal_offset, ks_ptr, sksn,
                 q_half, k_smem, v_smem, p_smem, k_ready, k_empty, v_ready, v_empty, turn, zero_s,
-                WG, False, IS_CAUSAL, BLOCK_N, BLOCK_D, s_layout, o_layout, PER_TOKEN)
+                WG, False, IS_CAUSAL, BLOCK_N, BLOCK_D, s_layout, o_layout, PER_TOKEN, PV_FP8)
         j0 = gl.maximum(n_full, 1)
         if PER_TOKEN:
             ks_ptr = ks_base + j0 * BLOCK_N * sksn
@@ -252,14 +257,14 @@ def _consumer(state, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_VSCALE: gl.c
             acc, m_i, l_i, alpha, ks_ptr = _consumer_step(
                 j, acc, m_i, l_i, alpha, qs, offs_m, offs_n, nk, causal_offset, ks_ptr, sksn,
                 q_half, k_smem, v_smem, p_smem, k_ready, k_empty, v_ready, v_empty, turn, zero_s,
-                WG, True, IS_CAUSAL, BLOCK_N, BLOCK_D, s_layout, o_layout, PER_TOKEN)
+                WG, True, IS_CAUSAL, BLOCK_N, BLOCK_D, s_layout, o_layout, PER_TOKEN, PV_FP8)
 
         # The last block's P̃·V, in turn n_blocks.
         last = n_blocks - 1
         mbarrier.wait(v_ready.index(last % 2), (last // 2) & 1)
         _turn_wait(turn, WG, n_blocks)
         pv = warpgroup_mma(p_smem.index(2 * WG + last % 2),
-                           v_smem.index(last % 2).permute((1, 0)),
+                           v_operand(v_smem.index(last % 2), PV_FP8),
                            gl.zeros([HALF, BLOCK_D], gl.float32, layout=o_layout),
                            use_acc=False, is_async=True)
         _turn_pass(turn, WG)
@@ -270,7 +275,7 @@ def _consumer(state, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_VSCALE: gl.c
     offs_mo = row0 + gl.arange(0, HALF, layout=rows_o)
     write_rows(acc, m_i, l_i, O, LSE, LSH, VS, VM, CUQ, b, h, hk, nq, NQ, offs_m, offs_mo, offs_d,
                dmask, svsb, svsh, svsd, sob, soh, son, sod, seb, seh, sen, slb, slh, sln, rows_o,
-               VARLEN, WRITE_LSE, HAS_VSCALE, HAS_VMEAN, HAS_LSH)
+               VARLEN, WRITE_LSE, HAS_VSCALE, HAS_VMEAN, HAS_LSH, PV_FP8)
 
 
 @gluon.jit
@@ -278,7 +283,7 @@ def _consumer_step(j, acc, m_i, l_i, alpha, qs, offs_m, offs_n, nk, causal_offse
                    q_half, k_smem, v_smem, p_smem, k_ready, k_empty, v_ready, v_empty, turn,
                    zero_s, WG: gl.constexpr, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr,
                    BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, s_layout: gl.constexpr,
-                   o_layout: gl.constexpr, PER_TOKEN: gl.constexpr):
+                   o_layout: gl.constexpr, PER_TOKEN: gl.constexpr, PV_FP8: gl.constexpr):
     """Key block ``j`` (≥ 1) of consumer ``WG``, in its turn ``j``: Q·Kᵀ(j) and P̃·V(j-1) issued,
     the turn passed, K(j) released once Q·Kᵀ(j) retires, softmax(j) under P̃·V(j-1), V(j-1)
     released, ``acc·α(j-1) + pv(j-1)``; returns ``(acc, m, l, α(j))`` and ``ks_ptr`` moved to the
@@ -293,7 +298,7 @@ def _consumer_step(j, acc, m_i, l_i, alpha, qs, offs_m, offs_n, nk, causal_offse
     _turn_wait(turn, WG, j)
     s_tok = warpgroup_mma(q_half, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False,
                           is_async=True)
-    pv_tok = warpgroup_mma(p_smem.index(2 * WG + prev), v_smem.index(prev).permute((1, 0)),
+    pv_tok = warpgroup_mma(p_smem.index(2 * WG + prev), v_operand(v_smem.index(prev), PV_FP8),
                            gl.zeros([HALF, BLOCK_D], gl.float32, layout=o_layout),
                            use_acc=False, is_async=True)
     _turn_pass(turn, WG)
@@ -302,7 +307,8 @@ def _consumer_step(j, acc, m_i, l_i, alpha, qs, offs_m, offs_n, nk, causal_offse
     s_int = warpgroup_mma_wait(1, deps=[s_tok])
     mbarrier.arrive(k_empty.index(stage), count=1)
     p, m_new, l_i, alpha_new = softmax_block(s_int, ks, qs, m_i, l_i, j * BLOCK_N, offs_m, offs_n,
-                                             nk, causal_offset, MASKED, IS_CAUSAL, PER_TOKEN)
+                                             nk, causal_offset, MASKED, IS_CAUSAL, PER_TOKEN,
+                                             PV_FP8)
     p_smem.index(2 * WG + stage).store(p)
     fence_async_shared()
     pv = warpgroup_mma_wait(0, deps=[pv_tok])

@@ -626,19 +626,21 @@ def record_vsa_launches(*, head_dim: int = 128, dtype: torch.dtype = torch.bfloa
 def record_gluon_launch(*, head_dim: int = 128, causal: bool = False, block_k: int = 64,
                         return_lse: bool = False, seq_len: int = 1024,
                         dtype: torch.dtype = torch.float16, varlen: bool = False,
-                        granularity: str = "per_token", schedule: str = "async") -> Launch:
+                        granularity: str = "per_token", schedule: str = "async",
+                        pv: str = "fp8") -> Launch:
     """The launch of the Gluon Hopper forward (``inference.kernel_int8_gluon``) on the operands a
     dense ``[1, 2, seq_len, head_dim]`` ``qk_int8_pv_fp8`` call (per token, ``block_k`` keys,
     ``dtype`` inputs and output) hands the Triton kernel: that call is recorded, then the Gluon
     launcher runs on its operands (nothing runs on a device). ``varlen``: the same tokens as two
     packed sequences (``[total, H, D]`` views, per-token vectors ``[H, total]``, ``cu_seqlens``);
     ``granularity="per_block"``: the recipe's per-block scales (dense only here); ``schedule``:
-    which Gluon kernel (``kernel_int8_gluon.SCHEDULES``)."""
+    which Gluon kernel (``kernel_int8_gluon.SCHEDULES``); ``pv="fp16"``: the ``qk_int8_pv_fp16``
+    recipe's operands (fp16 P̃ and V) instead of ``qk_int8_pv_fp8``'s."""
     from lowbit_attn.core.operands import QuantizedQKV
     from lowbit_attn.core.recipes import get_recipe
     from lowbit_attn.inference import kernel_int8_gluon
 
-    recipe = get_recipe("qk_int8_pv_fp8").replace(block_k=block_k, granularity=granularity)
+    recipe = get_recipe(f"qk_int8_pv_{pv}").replace(block_k=block_k, granularity=granularity)
     if varlen and granularity != "per_token":
         raise ValueError("record_gluon_launch: varlen is recorded with per-token scales only")
     triton_launch = record_launches(recipe, head_dim=head_dim, causal=causal, seq_len=seq_len,

@@ -165,7 +165,7 @@ def _gluon_scope_error(args: argparse.Namespace) -> str | None:
     """Why ``--kernel gluon[-pingpong]`` cannot compile what the other options ask for, or
     ``None``."""
     from lowbit_attn.core.arch import parse_arch
-    from lowbit_attn.core.recipes import QK_INT8_PV_FP8, RECIPES, resolve
+    from lowbit_attn.core.recipes import QK_INT8_PV_FP8, QK_INT8_PV_FP16, RECIPES, resolve
     from lowbit_attn.inference.kernel_int8_gluon import HEAD_DIMS
 
     if args.arch != "sm_90a":
@@ -173,9 +173,9 @@ def _gluon_scope_error(args: argparse.Namespace) -> str | None:
                 f"{args.arch}")
     inference = args.recipe == "auto" or args.recipe in RECIPES  # not the trainable recipes
     recipe = resolve(args.recipe, parse_arch(args.arch)) if inference else None
-    if recipe != QK_INT8_PV_FP8:
-        return (f"--kernel {args.kernel}: the Gluon forward runs the {QK_INT8_PV_FP8.name} recipe only, "
-                f"got --recipe {args.recipe}")
+    if recipe not in (QK_INT8_PV_FP8, QK_INT8_PV_FP16):
+        return (f"--kernel {args.kernel}: the Gluon forward runs the {QK_INT8_PV_FP8.name} and "
+                f"{QK_INT8_PV_FP16.name} recipes only, got --recipe {args.recipe}")
     if args.head_dim not in HEAD_DIMS:
         return (f"--kernel {args.kernel}: the Gluon forward takes head dim 64 or 128, got --head-dim "
                 f"{args.head_dim}")
@@ -190,7 +190,8 @@ def gluon_gates(report) -> dict | None:
     common report: ``c7514`` (whether ptxas serialized a wgmma) and, under ``loops``, for the
     unmasked key-block loop of each partition that runs one (the kernel; each consumer warpgroup
     of the ping-pong kernel), its instructions per tile and per score and where its exp2s sit
-    against the P·V wgmma (``QGMMA``); ``None`` when it did not compile."""
+    against the P·V wgmma (``QGMMA`` for FP8, ``HGMMA`` for fp16); ``None`` when it did not
+    compile."""
     from lowbit_attn.tools import sass
 
     if not report.ok or not report.cubin:
@@ -205,7 +206,7 @@ def gluon_gates(report) -> dict | None:
     loops = []
     for partition, body in mains:
         loop = sass.MainLoop(body, rows * c["BLOCK_N"] // (32 * report.num_warps))
-        pv = sass.exp2_under_mma(loop.body, "QGMMA")
+        pv = sass.exp2_under_mma(loop.body, "QGMMA" if c["PV_FP8"] else "HGMMA")
         loops.append({"partition": partition, "per_tile": loop.per_tile,
                       "per_score": round(loop.per_score, 2), "scores_per_thread": loop.scores,
                       "exp2_under_pv": None if pv is None else pv.under,
@@ -243,16 +244,20 @@ def _inspect_gluon(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     import torch
     import triton
 
+    from lowbit_attn.core.arch import parse_arch
+    from lowbit_attn.core.recipes import resolve
     from lowbit_attn.inference.kernel_int8_gluon import BLOCK_NS
     from lowbit_attn.tools import aot
 
     error = _gluon_scope_error(args)
     if error is not None:
         parser.error(error)
+    recipe = resolve(args.recipe, parse_arch(args.arch))
     schedule = "pingpong" if args.kernel == "gluon-pingpong" else "async"
     reports = [aot.compile_launch(aot.record_gluon_launch(
         head_dim=args.head_dim, causal=args.causal, block_k=block_k, return_lse=args.return_lse,
-        dtype=getattr(torch, args.dtype), schedule=schedule), args.arch) for block_k in BLOCK_NS]
+        dtype=getattr(torch, args.dtype), schedule=schedule, pv=recipe.pv,
+        granularity=recipe.granularity), args.arch) for block_k in BLOCK_NS]
     gates = [gluon_gates(r) for r in reports]
     if args.ptx_dir:
         _write_ptx(reports, args.ptx_dir)
@@ -261,8 +266,9 @@ def _inspect_gluon(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
                          default=str))
     else:
         mode = "causal" if args.causal else "non-causal"
-        print(f"qk_int8_pv_fp8 for {args.arch}, Gluon forward, {schedule} schedule (head dim "
-              f"{args.head_dim}, {mode}, {args.dtype}); Triton {triton.__version__}, ptxas {aot.ptxas_version(args.arch)}")
+        print(f"{recipe.name} for {args.arch}, Gluon forward, {schedule} schedule (head dim "
+              f"{args.head_dim}, {mode}, {args.dtype}); Triton {triton.__version__}, ptxas "
+              f"{aot.ptxas_version(args.arch)}")
         for r, g in zip(reports, gates):
             print()
             print("\n".join(_format_report(r) + _format_gluon_gates(r, g)))
