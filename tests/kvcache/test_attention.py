@@ -214,4 +214,5 @@ def test_rows_that_see_no_key():
     _, lse2 = lowbit_attn.attention_with_kv_cache(q, cache, 0, scale=0.5, return_lse=True)
     ref, ref_lse = exact_attention(q[:1].double(), k[:1].double(), k[:1].double(), scale=0.5,
                                    causal_offset=-2)
-    assert float((lse2[0, :, 2:].double() - ref_lse[0, :, 2:]).abs().max()) < 0.06  # scores 3x the default scale
+    # scores at 3x the default scale: larger INT8 errors in them
+    assert float((lse2[0, :, 2:].double() - ref_lse[0, :, 2:]).abs().max()) < 0.06

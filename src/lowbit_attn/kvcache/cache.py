@@ -56,7 +56,8 @@ class QuantizedKVCache:
         self.page_size = _positive("page_size", page_size)
         self.recipe = get_kv_recipe(recipe)
         if dtype not in checks.FLOAT_DTYPES:
-            raise TypeError(f"dtype must be torch.float16, torch.bfloat16 or torch.float32, got {dtype!r}")
+            raise TypeError(
+                f"dtype must be torch.float16, torch.bfloat16 or torch.float32, got {dtype!r}")
         self.dtype = dtype
         self.device = torch.device(device)
         self.max_pages_per_seq = -(-self.max_tokens // self.page_size)
@@ -169,7 +170,8 @@ class QuantizedKVCache:
                     f"{name} must have shape [batch={self.batch}, kv_heads={self.kv_heads}, n >= 1, "
                     f"head_dim={self.head_dim}], got {tuple(x.shape)}")
         if k.shape != v.shape:
-            raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+            raise ValueError(
+                f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
         n = k.shape[2]
         if valid is None:
             counts = [n] * self.batch
