@@ -26,7 +26,8 @@ def attention_with_kv_cache(q: torch.Tensor, cache: QuantizedKVCache, layer: int
         the output ``[B, Hq, n, D]`` in q's dtype and, with ``return_lse``, the LSE fp32
         ``[B, Hq, n]``. Causal, aligned bottom-right: row ``i`` of sequence ``b`` sees its first
         ``length[b] - n + i + 1`` tokens (in a left-padded batch the valid rows of each sequence
-        are its last ones); a row that sees no key gives 0 and LSE ``-inf``.
+        are its last ones, as they should be; in a right-padded prefill they are not, while decode
+        steps, ``n = 1``, are aligned either way); a row that sees no key gives 0 and LSE ``-inf``.
 
     Numerics: ``lowbit_attn/kvcache/naive.py`` (INT8 Q·Kᵀ per token with K smoothed by its frozen
     prompt mean; P̃ in E4M3 or fp16; V per page per channel).
