@@ -1,0 +1,200 @@
+"""``QuantizedKVCache``: a paged KV cache stored in 8 bits (K INT8, V E4M3 or INT8), for LLM
+generation. Every argument of an append is checked before anything is written: a refused append
+leaves the cache as it was.
+
+Numerics of what is stored: ``quantize.py``. Layout of the pages: ``pages.py``.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from lowbit_attn.core import checks
+from lowbit_attn.kvcache.pages import PagedLayer, StoredSequence, stored_sequence
+from lowbit_attn.kvcache.quantize import key_mean, quantize_keys, quantize_v_page
+from lowbit_attn.kvcache.recipes import get_kv_recipe
+
+
+def _positive(name: str, value, *, at_most: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {checks.shown(value)}")
+    if value < 1 or (at_most is not None and value > at_most):
+        bound = f"between 1 and {at_most}" if at_most is not None else "at least 1"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+    return int(value)
+
+
+class QuantizedKVCache:
+    """A paged, 8-bit KV cache for ``num_layers`` layers of ``batch`` sequences.
+
+    Args:
+        num_layers, batch, kv_heads, head_dim: the cache's shape (head dim 1 to 256).
+        max_tokens: the most tokens one sequence may hold; each layer's pool has
+            ``batch·ceil(max_tokens/page_size)`` pages.
+        page_size: tokens per page (64 by default).
+        recipe: ``"kv_int8_fp8"`` (K INT8, V E4M3; the default) or ``"kv_int8_int8"`` (V INT8).
+        dtype: the dtype of the K and V given to :meth:`append` (float16, bfloat16 or float32),
+            which the open page keeps V in.
+        device: where every tensor of the cache lives.
+
+    Storage per layer (``pages.PagedLayer``): K int8 ``[num_pages, Hkv, page_size, D]`` and its
+    per-token scales; V ``[num_pages, Hkv, page_size, D]`` and its per-page channel scales; each
+    sequence's open page of V in ``dtype``; μ per (sequence, head); the block table int32
+    ``[B, max_pages_per_seq]`` (-1 unused); the lengths.
+    """
+
+    def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, *,
+                 max_tokens: int, page_size: int = 64, recipe: str = "kv_int8_fp8",
+                 dtype: torch.dtype = torch.float16, device="cpu"):
+        self.num_layers = _positive("num_layers", num_layers)
+        self.batch = _positive("batch", batch)
+        self.kv_heads = _positive("kv_heads", kv_heads)
+        self.head_dim = _positive("head_dim", head_dim, at_most=checks.MAX_HEAD_DIM)
+        self.max_tokens = _positive("max_tokens", max_tokens)
+        self.page_size = _positive("page_size", page_size)
+        self.recipe = get_kv_recipe(recipe)
+        if dtype not in checks.FLOAT_DTYPES:
+            raise TypeError(
+                f"dtype must be torch.float16, torch.bfloat16 or torch.float32, got {dtype!r}")
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.max_pages_per_seq = -(-self.max_tokens // self.page_size)
+        self.layers = [
+            PagedLayer.allocate(self.batch, self.kv_heads, self.head_dim,
+                                max_pages_per_seq=self.max_pages_per_seq, page_size=self.page_size,
+                                v_dtype=self.recipe.v_dtype, dtype=dtype, device=self.device)
+            for _ in range(self.num_layers)
+        ]
+
+    def __repr__(self) -> str:
+        return (f"QuantizedKVCache(num_layers={self.num_layers}, batch={self.batch}, "
+                f"kv_heads={self.kv_heads}, head_dim={self.head_dim}, max_tokens={self.max_tokens}, "
+                f"page_size={self.page_size}, recipe={self.recipe.name!r}, dtype={self.dtype}, "
+                f"device={str(self.device)!r})")
+
+    # --- reading -----------------------------------------------------------------------------
+
+    def layer_index(self, layer) -> int:
+        """``layer`` checked: an int in ``[0, num_layers)``."""
+        if isinstance(layer, bool) or not isinstance(layer, numbers.Integral):
+            raise TypeError(f"layer must be an int, got {checks.shown(layer)}")
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}")
+        return int(layer)
+
+    def length(self, layer: int) -> torch.Tensor:
+        """Tokens stored per sequence in ``layer``: int64 ``[B]`` (a copy)."""
+        return self.layers[self.layer_index(layer)].lengths.clone()
+
+    def sequence(self, layer: int, b: int) -> StoredSequence:
+        """Sequence ``b``'s stored tokens in ``layer``, in order (views into the pool)."""
+        if isinstance(b, bool) or not isinstance(b, numbers.Integral) or not 0 <= b < self.batch:
+            raise ValueError(f"b must be an int in [0, {self.batch}), got {checks.shown(b)}")
+        return stored_sequence(self.layers[self.layer_index(layer)], int(b))
+
+    def nbytes(self) -> int:
+        """Bytes of every tensor the cache allocated, all layers: the page pools of K and V, their
+        scales, the open pages of V, μ, the block tables and the lengths (the host-side free
+        lists are not counted)."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+    # --- writing -----------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Every sequence of every layer empty (its μ is set afresh by its next append)."""
+        for layer in self.layers:
+            layer.reset()
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, *,
+               valid: torch.Tensor | None = None) -> None:
+        """Store ``n`` new tokens per sequence at the end of each sequence of ``layer``.
+
+        Args:
+            k, v: ``[B, Hkv, n, D]`` (``n ≥ 1``: a prompt or one decode step), in the cache's
+                dtype and on its device; neither is modified.
+            valid: optional bool ``[B, n]``: tokens marked False are not stored (the padding of a
+                left- or right-padded batch); each sequence stores its valid tokens in order.
+        Raises:
+            TypeError / ValueError naming the argument, with nothing stored, for a layer out of
+            range, a wrong shape, dtype or device, or a sequence that would pass ``max_tokens``.
+        """
+        store = self.layers[self.layer_index(layer)]
+        counts = self._check_append(store, k, v, valid)
+        lengths = store.lengths.tolist()
+        tokens = [torch.arange(k.shape[2], device=self.device) if valid is None
+                  else valid[b].nonzero().flatten() for b in range(self.batch)]
+        for b in range(self.batch):
+            if lengths[b] == 0 and counts[b] > 0:  # the sequence's first tokens set its μ
+                store.k_mean[b] = key_mean(k[b : b + 1, :, tokens[b]])[0]
+        k8, k_scale = quantize_keys(k, store.k_mean)
+        for b in range(self.batch):
+            self._write(store, b, lengths[b], tokens[b], k8[b], k_scale[b], v[b])
+        store.lengths += torch.tensor(counts, dtype=torch.int64, device=self.device)
+
+    def _write(self, store: PagedLayer, b: int, start: int, tokens: torch.Tensor,
+               k8: torch.Tensor, k_scale: torch.Tensor, v: torch.Tensor) -> None:
+        """Sequence ``b``'s tokens (indices into the ``n`` of this append) from position ``start``
+        on, one page at a time; a page that fills has its V quantized."""
+        size = self.page_size
+        pos, done = start, 0
+        while done < tokens.numel():
+            page_no, slot = divmod(pos, size)
+            if slot == 0:
+                store.block_table[b, page_no] = store.free.take()
+            page = int(store.block_table[b, page_no])
+            take = min(size - slot, tokens.numel() - done)
+            idx = tokens[done : done + take]
+            store.k[page, :, slot : slot + take] = k8[:, idx]
+            store.k_scale[page, :, slot : slot + take] = k_scale[:, idx]
+            store.v_open[b, :, slot : slot + take] = v[:, idx]
+            if slot + take == size:
+                values, scales = quantize_v_page(store.v_open[b : b + 1], self.recipe)
+                store.v[page] = values[0]
+                store.v_scale[page] = scales[0]
+            pos += take
+            done += take
+
+    def _check_append(self, store: PagedLayer, k, v, valid) -> list[int]:
+        """Every check of an append; returns the tokens each sequence stores."""
+        for name, x in (("k", k), ("v", v)):
+            checks.tensor(name, x, 4)
+            if x.dtype != self.dtype:
+                raise TypeError(f"{name} must have the cache's dtype {self.dtype}, got {x.dtype}")
+            if x.device != self.device:
+                raise ValueError(f"{name} must be on the cache's device {self.device}, got {x.device}")
+            want = (self.batch, self.kv_heads, x.shape[2], self.head_dim)
+            if tuple(x.shape) != want or x.shape[2] < 1:
+                raise ValueError(
+                    f"{name} must have shape [batch={self.batch}, kv_heads={self.kv_heads}, n >= 1, "
+                    f"head_dim={self.head_dim}], got {tuple(x.shape)}")
+        if k.shape != v.shape:
+            raise ValueError(
+                f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        n = k.shape[2]
+        if valid is None:
+            counts = [n] * self.batch
+        else:
+            if not isinstance(valid, torch.Tensor):
+                raise TypeError(f"valid must be a torch.Tensor or None, got {type(valid).__name__}")
+            if valid.dtype != torch.bool or tuple(valid.shape) != (self.batch, n):
+                raise ValueError(f"valid must be a bool tensor of shape [batch={self.batch}, n={n}], "
+                                 f"got {valid.dtype} {tuple(valid.shape)}")
+            if valid.device != self.device:
+                raise ValueError(f"valid must be on the cache's device {self.device}, got {valid.device}")
+            counts = valid.sum(dim=1).tolist()
+        lengths = store.lengths.tolist()
+        over = [b for b in range(self.batch) if lengths[b] + counts[b] > self.max_tokens]
+        if over:
+            b = over[0]
+            raise ValueError(
+                f"k and v would pass max_tokens={self.max_tokens} for sequence {b} (it holds "
+                f"{lengths[b]} tokens, the append adds {counts[b]}); nothing was stored")
+        size = self.page_size
+        pages = sum(-(-(lengths[b] + counts[b]) // size) - -(-lengths[b] // size)
+                    for b in range(self.batch))
+        if pages > len(store.free):
+            raise ValueError(f"the append needs {pages} pages, layer's pool has {len(store.free)} "
+                             "free; nothing was stored")
+        return counts

@@ -1,0 +1,59 @@
+"""The public functions of the KV cache: argument checks, then the twin (the one backend until a
+decode kernel is added, which will be chosen here, beside it, with the same arguments)."""
+
+from __future__ import annotations
+
+import torch
+
+from lowbit_attn.core import checks
+from lowbit_attn.kvcache.cache import QuantizedKVCache
+from lowbit_attn.kvcache.naive import attention_with_kv_cache_naive
+
+
+def attention_with_kv_cache(q: torch.Tensor, cache: QuantizedKVCache, layer: int, *,
+                            scale: float | None = None, return_lse: bool = False):
+    """Attention of new queries against the tokens stored in one layer of a
+    :class:`QuantizedKVCache` (append the step's K and V first: a query sees its own token).
+
+    Args:
+        q: ``[B, Hq, n, D]`` in the cache's dtype and on its device; ``Hq`` a multiple of the
+            cache's ``kv_heads`` (GQA/MQA). ``n`` rows per sequence: 1 for a decode step, the
+            prompt for a prefill.
+        cache: the cache; layer: which of its layers.
+        scale: softmax scale, ``D ** -0.5`` by default.
+        return_lse: also return the natural-log log-sum-exp of each row's scores.
+    Returns:
+        the output ``[B, Hq, n, D]`` in q's dtype and, with ``return_lse``, the LSE fp32
+        ``[B, Hq, n]``. Causal, aligned bottom-right: row ``i`` of sequence ``b`` sees its first
+        ``length[b] - n + i + 1`` tokens (in a left-padded batch the valid rows of each sequence
+        are its last ones, as they should be; in a right-padded prefill they are not, while decode
+        steps, ``n = 1``, are aligned either way); a row that sees no key gives 0 and LSE ``-inf``.
+
+    Numerics: ``lowbit_attn/kvcache/naive.py`` (INT8 Q·Kᵀ per token with K smoothed by its frozen
+    prompt mean; P̃ in E4M3 or fp16; V per page per channel).
+    """
+    if not isinstance(cache, QuantizedKVCache):
+        raise TypeError(f"cache must be a QuantizedKVCache, got {type(cache).__name__}")
+    index = cache.layer_index(layer)
+    checks.tensor("q", q, 4)
+    if q.dtype != cache.dtype:
+        raise TypeError(f"q must have the cache's dtype {cache.dtype}, got {q.dtype}")
+    if q.device != cache.device:
+        raise ValueError(f"q must be on the cache's device {cache.device}, got {q.device}")
+    b, hq, n, d = q.shape
+    if b != cache.batch or d != cache.head_dim:
+        raise ValueError(f"q must have shape [batch={cache.batch}, Hq, n, head_dim={cache.head_dim}], "
+                         f"got {tuple(q.shape)}")
+    if hq == 0 or hq % cache.kv_heads != 0:
+        raise ValueError(f"the number of query heads ({hq}) must be a multiple of the cache's "
+                         f"kv_heads ({cache.kv_heads})")
+    return_lse = checks.flag("return_lse", return_lse)
+    sm_scale = checks.softmax_scale(scale, d)
+    checks.forward_only(q)
+    if n == 0:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty((b, hq, 0), dtype=torch.float32, device=q.device)
+        return (out, lse) if return_lse else out
+    out, lse = attention_with_kv_cache_naive(q, cache.layers[index], cache.recipe, scale=sm_scale)
+    out = out.to(q.dtype)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,145 @@
+"""Paged storage of one layer: a pool of fixed-size pages, a free list, one block table per
+sequence, and the reading of one sequence's stored tokens back in order.
+
+Token ``t`` of sequence ``b`` lives on page ``block_table[b, t // page_size]`` at slot
+``t % page_size``. Pages are taken from the free list when a sequence writes the first token of a
+page, so an engine that owns the allocator later only needs to hand out page ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+
+class FreePages:
+    """The free list of a pool of ``num_pages`` pages: the lowest ids are handed out first."""
+
+    def __init__(self, num_pages: int):
+        self.num_pages = num_pages
+        self.reset()
+
+    def reset(self) -> None:
+        self._free = list(range(self.num_pages - 1, -1, -1))  # pop() hands out the lowest id
+
+    def __len__(self) -> int:
+        return len(self._free)
+
+    def take(self) -> int:
+        if not self._free:
+            raise RuntimeError("the page pool is exhausted")
+        return self._free.pop()
+
+    def snapshot(self) -> tuple[int, ...]:
+        return tuple(self._free)
+
+
+@dataclass
+class PagedLayer:
+    """One layer's stored K and V.
+
+    Attributes:
+        k: int8 ``[num_pages, Hkv, page_size, D]``, K − μ quantized per token.
+        k_scale: fp32 ``[num_pages, Hkv, page_size]``, one scale per stored token.
+        v: ``[num_pages, Hkv, page_size, D]`` E4M3 or int8: V of full pages.
+        v_scale: fp32 ``[num_pages, Hkv, D]``: one scale per channel of a full page.
+        v_open: ``[B, Hkv, page_size, D]`` in the cache's dtype: V of each sequence's open (last,
+            not yet full) page, exact.
+        k_mean: fp32 ``[B, Hkv, D]``: μ, set by a sequence's first stored tokens.
+        block_table: int32 ``[B, max_pages_per_seq]``: page ids in order, -1 where unused.
+        lengths: int64 ``[B]``: tokens stored per sequence.
+        free: the pool's free list.
+    """
+
+    k: torch.Tensor
+    k_scale: torch.Tensor
+    v: torch.Tensor
+    v_scale: torch.Tensor
+    v_open: torch.Tensor
+    k_mean: torch.Tensor
+    block_table: torch.Tensor
+    lengths: torch.Tensor
+    free: FreePages
+
+    @classmethod
+    def allocate(cls, batch: int, kv_heads: int, head_dim: int, *, max_pages_per_seq: int,
+                 page_size: int, v_dtype: torch.dtype, dtype: torch.dtype, device) -> "PagedLayer":
+        num_pages = batch * max_pages_per_seq
+        pool = (num_pages, kv_heads, page_size, head_dim)
+        on = {"device": device}
+        layer = cls(
+            k=torch.empty(pool, dtype=torch.int8, **on),
+            k_scale=torch.empty(pool[:3], dtype=torch.float32, **on),
+            v=torch.empty(pool, dtype=v_dtype, **on),
+            v_scale=torch.empty((num_pages, kv_heads, head_dim), dtype=torch.float32, **on),
+            v_open=torch.empty((batch, kv_heads, page_size, head_dim), dtype=dtype, **on),
+            k_mean=torch.empty((batch, kv_heads, head_dim), dtype=torch.float32, **on),
+            block_table=torch.empty((batch, max_pages_per_seq), dtype=torch.int32, **on),
+            lengths=torch.empty((batch,), dtype=torch.int64, **on),
+            free=FreePages(num_pages),
+        )
+        layer.reset()
+        return layer
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in
+                ("k", "k_scale", "v", "v_scale", "v_open", "k_mean", "block_table", "lengths")}
+
+    def reset(self) -> None:
+        """Every sequence empty, every page free (page contents are left as they are: unread)."""
+        self.block_table.fill_(-1)
+        self.lengths.zero_()
+        self.free.reset()
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[2]
+
+
+class StoredSequence(NamedTuple):
+    """One sequence's stored tokens in order (``L`` tokens, ``F = L // page_size`` full pages).
+
+    Attributes:
+        k: int8 ``[Hkv, L, D]``; k_scale: fp32 ``[Hkv, L]``.
+        v: ``[Hkv, F·page_size, D]`` E4M3 or int8 (full pages); v_scale: fp32 ``[Hkv, F, D]``.
+        v_open: ``[Hkv, L - F·page_size, D]`` in the cache's dtype (the open page's tokens).
+        k_mean: fp32 ``[Hkv, D]`` (μ; unset, and not to be used, when ``L = 0``).
+        pages: int64 ``[ceil(L / page_size)]``: the page ids, in order.
+    """
+
+    k: torch.Tensor
+    k_scale: torch.Tensor
+    v: torch.Tensor
+    v_scale: torch.Tensor
+    v_open: torch.Tensor
+    k_mean: torch.Tensor
+    pages: torch.Tensor
+
+
+def stored_sequence(layer: PagedLayer, b: int) -> StoredSequence:
+    """Sequence ``b``'s tokens read through its block table (nothing beyond its length is read)."""
+    size = layer.page_size
+    length = int(layer.lengths[b])
+    full = length // size
+    pages = layer.block_table[b, : -(-length // size)].long()
+    hkv, d = layer.k.shape[1], layer.k.shape[3]
+
+    def tokens(pool: torch.Tensor, ids: torch.Tensor, n: int) -> torch.Tensor:
+        # [pages, H, size, ...] → [H, pages·size, ...] → the first n tokens
+        x = pool[ids].transpose(0, 1)
+        return x.reshape(hkv, ids.numel() * size, *x.shape[3:])[:, :n]
+
+    return StoredSequence(
+        k=tokens(layer.k, pages, length),
+        k_scale=tokens(layer.k_scale, pages, length),
+        v=tokens(layer.v, pages[:full], full * size),
+        v_scale=layer.v_scale[pages[:full]].transpose(0, 1).reshape(hkv, full, d),
+        v_open=layer.v_open[b, :, : length - full * size],
+        k_mean=layer.k_mean[b],
+        pages=pages,
+    )
