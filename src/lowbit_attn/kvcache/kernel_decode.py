@@ -231,7 +231,7 @@ def attention(q: torch.Tensor, layer: PagedLayer, recipe: KVRecipe, *, scale: fl
         max_pages = -(-int(layer.lengths.max()) // page)  # one host read per call
         num_splits = num_splits_for(bsz, hkv, max_pages, q.device)
     block_r = next_pow2(group * n, 16)
-    block_d = next_pow2(d, 32)  # INT8 MMA: k ≥ 32
+    block_d = next_pow2(d, 32)  # INT8 MMA: k ≥ 32 (and FP8's over the page's slots, below)
     pv_fp8 = recipe.pv == "fp8"
     on = {"device": q.device, "dtype": torch.float32}
     wacc = torch.empty((bsz, hkv, num_splits, block_r, d), **on)
@@ -251,7 +251,8 @@ def attention(q: torch.Tensor, layer: PagedLayer, recipe: KVRecipe, *, scale: fl
         bt_strides=strides(layer.block_table, 2), wacc_strides=strides(wacc, 5),
         wml_strides=strides(wm, 4), qk_multiplier=scale * LOG2E, N=n, GROUP=group, D=d,
         PAGE=page, PV_FP8=pv_fp8, EXACT_FP8=exact_fp8(), OPEN_FP32=open_fp32,
-        EMU_FP32=interpreted, BLOCK_R=block_r, BLOCK_P=next_pow2(page, 16), BLOCK_D=block_d,
+        EMU_FP32=interpreted, BLOCK_R=block_r, BLOCK_P=next_pow2(page, 32 if pv_fp8 else 16),
+        BLOCK_D=block_d,
     )
     _decode_merge_kernel[(bsz, hkv)](
         Q=q, KM=layer.k_mean, WACC=wacc, WM=wm, WL=wl, O=out, LSE=lse,
