@@ -50,7 +50,7 @@ def _decode_split_kernel(
     q_strides, k_strides, ks_strides, v_strides, vs_strides, vo_strides, bt_strides,
     wacc_strides, wml_strides, qk_multiplier, N, GROUP, D,
     PAGE: tl.constexpr, PV_FP8: tl.constexpr, EXACT_FP8: tl.constexpr,
-    OPEN_FP32: tl.constexpr, EMU_FP32: tl.constexpr,
+    OPEN_MODE: tl.constexpr, EMU_FP32: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Strides: ``Q`` (batch, head, token, dim); the pools ``K``, ``V`` (page, head, slot, dim),
@@ -113,33 +113,39 @@ def _decode_split_kernel(
         p = tl.exp2(s - (m_safe - offset)[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if page_no < full_pages:
-            v = tl.load(V + page * svp + hk * svh + offs_p[:, None] * svn + offs_d[None, :] * svd,
+            vq = tl.load(V + page * svp + hk * svh + offs_p[:, None] * svn + offs_d[None, :] * svd,
                         mask=(offs_p < PAGE)[:, None] & dmask[None, :], other=0.0)
             vs = tl.load(VS + page * svsp + hk * svsh + offs_d * svsd, mask=dmask, other=0.0)
             if PV_FP8:
                 p8 = to_e4m3(p, EXACT_FP8)
                 if EMU_FP32:
-                    pv = tl.dot(p8.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+                    pv = tl.dot(p8.to(tl.float32), vq.to(tl.float32), input_precision="ieee")
                 else:
-                    pv = tl.dot(p8, v, out_dtype=tl.float32)
+                    pv = tl.dot(p8, vq, out_dtype=tl.float32)
             else:  # INT8 V is exact in fp16
                 if EMU_FP32:
-                    pv = tl.dot(p.to(tl.float16).to(tl.float32), v.to(tl.float32),
+                    pv = tl.dot(p.to(tl.float16).to(tl.float32), vq.to(tl.float32),
                                 input_precision="ieee")
                 else:
-                    pv = tl.dot(p.to(tl.float16), v.to(tl.float16), out_dtype=tl.float32)
+                    pv = tl.dot(p.to(tl.float16), vq.to(tl.float16), out_dtype=tl.float32)
             pv = pv * vs[None, :]
-        else:  # the open page: V exact in the cache's dtype, P̃ rounded as on every page
-            v = tl.load(VO + b * sob + hk * soh + offs_p[:, None] * son + offs_d[None, :] * sod,
+        else:  # the open page: V exact in the cache's dtype, P̃ rounded as on every page (the
+            # branches name their V apart: Triton types a name assigned in both alike)
+            vo = tl.load(VO + b * sob + hk * soh + offs_p[:, None] * son + offs_d[None, :] * sod,
                         mask=smask[:, None] & dmask[None, :], other=0.0)
             if PV_FP8:
                 pr = to_e4m3(p, EXACT_FP8).to(tl.float32)
             else:
                 pr = p.to(tl.float16).to(tl.float32)
-            if OPEN_FP32:  # fp32 V, or fp16 P̃ against bf16 V: exact fp32 products
-                pv = tl.dot(pr, v.to(tl.float32), input_precision="ieee")
+            if OPEN_MODE == 1:  # fp32 V (or the interpreter): exact fp32 products
+                pv = tl.dot(pr, vo.to(tl.float32), input_precision="ieee")
+            elif OPEN_MODE == 2:  # fp16 P̃, bf16 V: P̃ = hi + lo, both exact in bf16 (11 bits)
+                hi = pr.to(tl.bfloat16)
+                lo = (pr - hi.to(tl.float32)).to(tl.bfloat16)
+                pv = tl.dot(hi, vo, out_dtype=tl.float32)
+                pv = tl.dot(lo, vo, acc=pv, out_dtype=tl.float32)
             else:  # E4M3 P̃ is exact in V's 16-bit type, fp16 P̃ in fp16
-                pv = tl.dot(pr.to(v.dtype), v, out_dtype=tl.float32)
+                pv = tl.dot(pr.to(vo.dtype), vo, out_dtype=tl.float32)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
@@ -240,8 +246,11 @@ def attention(q: torch.Tensor, layer: PagedLayer, recipe: KVRecipe, *, scale: fl
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((bsz, hq, n), **on)
     interpreted = interpreter_enabled()
-    open_fp32 = interpreted or layer.v_open.dtype == torch.float32 or (
-        not pv_fp8 and layer.v_open.dtype == torch.bfloat16)
+    open_mode = 0  # how the open page's P̃·V stays exact: see the kernel
+    if interpreted or layer.v_open.dtype == torch.float32:
+        open_mode = 1
+    elif not pv_fp8 and layer.v_open.dtype == torch.bfloat16:
+        open_mode = 2  # one fp32 FMA product there spills (ptxas, sm_90a, D=128)
     _decode_split_kernel[(bsz, hkv, num_splits)](
         Q=q, K=layer.k, KS=layer.k_scale, V=layer.v, VS=layer.v_scale, VO=layer.v_open,
         BT=layer.block_table, LEN=layer.lengths, WACC=wacc, WM=wm, WL=wl,
@@ -250,7 +259,7 @@ def attention(q: torch.Tensor, layer: PagedLayer, recipe: KVRecipe, *, scale: fl
         vs_strides=strides(layer.v_scale, 3), vo_strides=strides(layer.v_open, 4),
         bt_strides=strides(layer.block_table, 2), wacc_strides=strides(wacc, 5),
         wml_strides=strides(wm, 4), qk_multiplier=scale * LOG2E, N=n, GROUP=group, D=d,
-        PAGE=page, PV_FP8=pv_fp8, EXACT_FP8=exact_fp8(), OPEN_FP32=open_fp32,
+        PAGE=page, PV_FP8=pv_fp8, EXACT_FP8=exact_fp8(), OPEN_MODE=open_mode,
         EMU_FP32=interpreted, BLOCK_R=block_r, BLOCK_P=next_pow2(page, 32 if pv_fp8 else 16),
         BLOCK_D=block_d,
     )
