@@ -84,22 +84,24 @@ CASES = [  # lengths, kv heads, GQA group, head dim, n, dtype
 
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("lengths, kv_heads, group, head_dim, n, dtype", CASES)
-def test_kernel_matches_the_twin_for_every_split_count(device, recipe, lengths, kv_heads, group,
-                                                       head_dim, n, dtype):
+def test_kernel_matches_the_twin_for_every_split_size(device, recipe, lengths, kv_heads, group,
+                                                      head_dim, n, dtype):
     cache, vmax = build(lengths, kv_heads, head_dim, recipe, dtype, device.name)
     q = queries(len(lengths), kv_heads * group, n, head_dim, dtype, device.name)
     layer, scale = cache.layers[0], head_dim ** -0.5
     ref, ref_lse = attention_with_kv_cache_naive(q, layer, cache.recipe, scale=scale)
     results = []
-    for splits in (1, 2, 3):
-        out, lse = kernel_decode.attention(q, layer, cache.recipe, scale=scale, num_splits=splits)
+    for per_split in (3, 2, 1):  # up to 3 pages: one split, two, three
+        out, lse = kernel_decode.attention(q, layer, cache.recipe, scale=scale,
+                                           pages_per_split=per_split)
         check_against_twin(out, lse, ref, ref_lse, bar=BARS[recipe], vmax=vmax, dtype=dtype,
-                           name=f"splits={splits}")
+                           name=f"pages_per_split={per_split}")
         results.append((out.float(), lse))
-    for splits, (out, lse) in zip((2, 3), results[1:]):  # splits agree with each other too
+    for per_split, (out, lse) in zip((2, 1), results[1:]):  # split sizes agree with each other
         assert_close(out, results[0][0], atol=BARS[recipe] * vmax, rtol=UNIT_ROUNDOFF[dtype],
-                     name=f"splits={splits} vs 1")
-        assert_close(lse, results[0][1], atol=LSE_RTOL, rtol=LSE_RTOL, name=f"lse splits={splits}")
+                     name=f"pages_per_split={per_split} vs 3")
+        assert_close(lse, results[0][1], atol=LSE_RTOL, rtol=LSE_RTOL,
+                     name=f"lse pages_per_split={per_split}")
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -110,7 +112,7 @@ def test_one_page_and_one_split_give_the_twin_to_fp32_rounding(device, recipe):
     q = queries(2, 8, 3, 64, torch.float32, device.name)
     ref, ref_lse = attention_with_kv_cache_naive(q, cache.layers[0], cache.recipe, scale=0.125)
     out, lse = kernel_decode.attention(q, cache.layers[0], cache.recipe, scale=0.125,
-                                       num_splits=1)
+                                       pages_per_split=1)
     check_against_twin(out, lse, ref, ref_lse, bar=ONE_PAGE_BAR, vmax=vmax, dtype=torch.float32,
                        name="one split")
 
@@ -133,12 +135,32 @@ def test_the_public_function_runs_the_kernel_on_the_triton_backend(device, monke
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
 
 
-def test_the_split_count_fills_the_machine_and_never_passes_the_pages():
-    cpu = torch.device("cpu")
-    assert kernel_decode.num_splits_for(1, 1, 100, cpu) == kernel_decode.PROGRAMS_PER_SM
-    assert kernel_decode.num_splits_for(1, 1, 2, cpu) == 2
-    assert kernel_decode.num_splits_for(8, 8, 100, cpu) == 1
-    assert kernel_decode.num_splits_for(2, 2, 0, cpu) == 1
+def test_a_split_is_a_fixed_number_of_pages():
+    assert kernel_decode.pages_per_split_for(64) == kernel_decode.TOKENS_PER_SPLIT // 64
+    assert kernel_decode.pages_per_split_for(16) == kernel_decode.TOKENS_PER_SPLIT // 16
+    assert kernel_decode.pages_per_split_for(4096) == 1
+
+
+def test_a_sequence_gives_the_same_bits_alone_or_in_a_batch(device):
+    """Its splits depend on its own length only (``pages_per_split``), not on the batch: sequence
+    0 of a batch of three and the same tokens in a cache of its own give the same bits."""
+    lengths = (40, 7, 33)
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(3, 2, 40, 64, generator=g) + 2.0 * torch.randn(3, 2, 1, 64, generator=g)
+    v = torch.randn(3, 2, 40, 64, generator=g)
+    valid = torch.arange(40)[None, :] < torch.tensor(lengths)[:, None]
+    q = queries(3, 8, 1, 64, torch.float16, device.name)
+    results = []
+    for rows in (slice(0, 3), slice(0, 1)):
+        batch = rows.stop - rows.start
+        cache = lowbit_attn.QuantizedKVCache(1, batch, 2, 64, max_tokens=4 * PAGE, page_size=PAGE,
+                                             dtype=torch.float16, device=device.name)
+        cache.append(0, *(x[rows].to(device.name, torch.float16) for x in (k, v)),
+                     valid=valid[rows].to(device.name))
+        results.append(kernel_decode.attention(q[rows], cache.layers[0], cache.recipe,
+                                               scale=0.125, pages_per_split=1))
+    (both, both_lse), (one, one_lse) = results
+    assert torch.equal(both[:1], one) and torch.equal(both_lse[:1], one_lse)
 
 
 def test_the_launches_pass_keywords_only_and_few_of_them(monkeypatch):
@@ -158,7 +180,7 @@ def test_the_launches_pass_keywords_only_and_few_of_them(monkeypatch):
         monkeypatch.setattr(kernel_decode, name, Recorder(getattr(kernel_decode, name)))
     cache, _ = build((5, 20), 2, 64, "kv_int8_fp8", torch.float16, "cpu")
     kernel_decode.attention(queries(2, 4, 1, 64, torch.float16, "cpu"), cache.layers[0],
-                            cache.recipe, scale=0.125, num_splits=2)
+                            cache.recipe, scale=0.125, pages_per_split=1)
     assert [launch.name for launch in launches] == ["_decode_split_kernel", "_decode_merge_kernel"]
     for launch in launches:
         assert launch.args == () and len(launch.kwargs) <= 42
@@ -204,7 +226,7 @@ def test_the_kernels_compile_for_sm_90a_without_spills(monkeypatch, recipe, dtyp
     kv = torch.randn(2, 4, 100, 128).to(dtype)
     cache.append(0, kv, kv)
     kernel_decode.attention(torch.randn(2, 32, n, 128).to(dtype), cache.layers[0], cache.recipe,
-                            scale=128 ** -0.5, num_splits=2)
+                            scale=128 ** -0.5, pages_per_split=1)
     for launch in launches:
         r = aot.compile_launch(launch, "sm_90a")
         assert r.error is None, r.error

@@ -29,8 +29,10 @@ from lowbit_attn.kvcache.recipes import KVRecipe
 
 _LOG2_FP8_MAX = tl.constexpr(LOG2_FP8_MAX)
 
-# Programs per SM that the split count aims at: enough to hide a page's load latency.
-PROGRAMS_PER_SM = 4
+# Keys per split (rounded down to whole pages, at least one): a split's pages depend only on its
+# own sequence's length, never on the batch around it, so a sequence's result is the same alone
+# or in any batch. 512 keys: at N = 32k, 64 splits per (sequence, KV head); at 1k, 2.
+TOKENS_PER_SPLIT = 512
 
 
 @triton.jit
@@ -48,7 +50,7 @@ def _quantize_rows(x, qk_multiplier):
 def _decode_split_kernel(
     Q, K, KS, V, VS, VO, BT, LEN, WACC, WM, WL,
     q_strides, k_strides, ks_strides, v_strides, vs_strides, vo_strides, bt_strides,
-    wacc_strides, wml_strides, qk_multiplier, N, GROUP, D,
+    wacc_strides, wml_strides, qk_multiplier, N, GROUP, D, pages_per_split,
     PAGE: tl.constexpr, PV_FP8: tl.constexpr, EXACT_FP8: tl.constexpr,
     OPEN_MODE: tl.constexpr, EMU_FP32: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -69,7 +71,6 @@ def _decode_split_kernel(
     b = tl.program_id(0).to(tl.int64)
     hk = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
-    splits = tl.num_programs(2)
 
     offs_r = tl.arange(0, BLOCK_R)
     offs_p = tl.arange(0, BLOCK_P)
@@ -81,9 +82,8 @@ def _decode_split_kernel(
 
     length = tl.load(LEN + b).to(tl.int32)
     pages = tl.cdiv(length, PAGE)
-    per_split = tl.cdiv(pages, splits)
-    first = split * per_split
-    last = tl.minimum(first + per_split, pages)
+    first = split * pages_per_split  # past the sequence's pages: an empty split
+    last = tl.minimum(first + pages_per_split, pages)
     full_pages = length // PAGE
     # row r sees keys j <= length - N + token
     limit = length - N + token
@@ -214,28 +214,26 @@ def _decode_merge_kernel(
     tl.store(LSE + b * seb + head * seh + token * sen, lse, mask=rmask)
 
 
-def num_splits_for(batch: int, kv_heads: int, pages: int, device: torch.device) -> int:
-    """Splits per (sequence, KV head): enough programs for ``PROGRAMS_PER_SM`` per SM (one SM
-    counted off a GPU), at most one per page of the longest sequence, at least 1."""
-    sms = (torch.cuda.get_device_properties(device).multi_processor_count
-           if device.type == "cuda" else 1)
-    want = -(-PROGRAMS_PER_SM * sms // max(batch * kv_heads, 1))
-    return max(1, min(want, pages))
+def pages_per_split_for(page_size: int) -> int:
+    """Pages per split: :data:`TOKENS_PER_SPLIT` keys, at least one page."""
+    return max(1, TOKENS_PER_SPLIT // page_size)
 
 
 def attention(q: torch.Tensor, layer: PagedLayer, recipe: KVRecipe, *, scale: float,
-              num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              pages_per_split: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q [B, Hq, n, D]`` (``n ≥ 1``) against one layer of the cache, the twin's
-    arguments (``kvcache.naive.attention_with_kv_cache_naive``) plus ``num_splits`` (default:
-    :func:`num_splits_for` the longest sequence). Returns ``(out [B, Hq, n, D] in q's dtype,
-    lse fp32 [B, Hq, n])``."""
+    arguments (``kvcache.naive.attention_with_kv_cache_naive``) plus ``pages_per_split``
+    (default: :func:`pages_per_split_for` the page size): split ``s`` of a sequence covers its
+    pages ``s·pages_per_split`` onwards, so the result of a sequence does not depend on the
+    batch. Returns ``(out [B, Hq, n, D] in q's dtype, lse fp32 [B, Hq, n])``."""
     bsz, hq, n, d = q.shape
     hkv = layer.k.shape[1]
     group = hq // hkv
     page = layer.page_size
-    if num_splits is None:
-        max_pages = -(-int(layer.lengths.max()) // page)  # one host read per call
-        num_splits = num_splits_for(bsz, hkv, max_pages, q.device)
+    if pages_per_split is None:
+        pages_per_split = pages_per_split_for(page)
+    max_pages = -(-int(layer.lengths.max()) // page)  # one host read per call: the grid
+    num_splits = max(1, -(-max_pages // pages_per_split))
     block_r = next_pow2(group * n, 16)
     block_d = next_pow2(d, 32)  # INT8 MMA: k ≥ 32 (and FP8's over the page's slots, below)
     pv_fp8 = recipe.pv == "fp8"
@@ -259,7 +257,7 @@ def attention(q: torch.Tensor, layer: PagedLayer, recipe: KVRecipe, *, scale: fl
         vs_strides=strides(layer.v_scale, 3), vo_strides=strides(layer.v_open, 4),
         bt_strides=strides(layer.block_table, 2), wacc_strides=strides(wacc, 5),
         wml_strides=strides(wm, 4), qk_multiplier=scale * LOG2E, N=n, GROUP=group, D=d,
-        PAGE=page, PV_FP8=pv_fp8, EXACT_FP8=exact_fp8(), OPEN_MODE=open_mode,
+        pages_per_split=pages_per_split, PAGE=page, PV_FP8=pv_fp8, EXACT_FP8=exact_fp8(), OPEN_MODE=open_mode,
         EMU_FP32=interpreted, BLOCK_R=block_r, BLOCK_P=next_pow2(page, 32 if pv_fp8 else 16),
         BLOCK_D=block_d,
     )
