@@ -1,11 +1,14 @@
-"""The public functions of the KV cache: argument checks, then the twin (the one backend until a
-decode kernel is added, which will be chosen here, beside it, with the same arguments)."""
+"""The public functions of the KV cache: argument checks, then the split-KV Triton kernel
+(``kernel_decode``; on CUDA tensors, or on CPU tensors under ``LOWBIT_ATTN_BACKEND=triton`` with
+the interpreter) or its twin (``naive``), chosen here by ``core.arch.backend_for``, with the same
+arguments."""
 
 from __future__ import annotations
 
 import torch
 
 from lowbit_attn.core import checks
+from lowbit_attn.core.arch import backend_for
 from lowbit_attn.kvcache.cache import QuantizedKVCache
 from lowbit_attn.kvcache.naive import attention_with_kv_cache_naive
 
@@ -54,6 +57,11 @@ def attention_with_kv_cache(q: torch.Tensor, cache: QuantizedKVCache, layer: int
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty((b, hq, 0), dtype=torch.float32, device=q.device)
         return (out, lse) if return_lse else out
-    out, lse = attention_with_kv_cache_naive(q, cache.layers[index], cache.recipe, scale=sm_scale)
+    attend = attention_with_kv_cache_naive
+    if backend_for(q.device) == "triton":
+        from lowbit_attn.kvcache import kernel_decode  # Triton only where it runs
+
+        attend = kernel_decode.attention
+    out, lse = attend(q, cache.layers[index], cache.recipe, scale=sm_scale)
     out = out.to(q.dtype)
     return (out, lse) if return_lse else out

@@ -1,0 +1,233 @@
+"""The split-KV decode kernel (``kvcache/kernel_decode.py``) against its twin on the same cache:
+page boundaries (lengths 1, page−1, page, page+1 with 16-token pages), GQA 1 and 4, head dims 64
+and 128, batches of unequal lengths (one empty), n = 1 and 3 query rows, 1 to 3 splits, both
+recipes and the three cache dtypes; and the public function's routing.
+
+Why not bit for bit: the twin rounds ``P̃ = exp2(S - m + o)`` against each row's global maximum,
+the kernel against the running maximum of its split (then rescales by ``2^(m_run - M)``), so
+the two round P̃ at different points. Each P̃ element is within half an ulp of its exact value in
+both (relative ``2^-4`` in E4M3, ``2^-11`` in fp16), so ``|out - twin| ≤ 2·u·max|V|`` in the worst
+case (``2^-3·max|V|`` for ``kv_int8_fp8``, ``2^-10·max|V|`` for ``kv_int8_int8``), plus the
+output's own rounding to q's dtype (``u_dtype·|out|``). Rounding errors of random rows mostly
+cancel; measured 2026-11-25 (interpreter, the cases below with seeds 0-1, ``max|out - twin| /
+max|V|`` with ``out`` in fp32, and the LSE's relative error):
+
+    kv_int8_fp8   several pages: 0.0067     one page, one split (fp32): 6.4e-8    LSE 1.2e-6
+    kv_int8_int8  several pages: 5.1e-5     one page, one split (fp32): 6.4e-8    LSE 1.0e-6
+    splits 2, 3 against 1:  kv_int8_fp8 0.0053,  kv_int8_int8 5.1e-5 (fp32) to 4.9e-4 (bf16 out)
+
+The bars below are about twice those, and within the worst-case bounds. With one split and at most
+one page the running maximum is the global one: P̃ is the twin's to the bit and only the fp32
+order of sums differs (bar 1e-6·max|V|): the merge of a single split is exact.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lowbit_attn
+from helpers import assert_close
+from lowbit_attn.kvcache import kernel_decode
+from lowbit_attn.kvcache.naive import attention_with_kv_cache_naive
+
+PAGE = 16
+RECIPES = ("kv_int8_fp8", "kv_int8_int8")
+# max|out - twin| / max|V| (before the output's rounding to q's dtype)
+BARS = {"kv_int8_fp8": 0.015, "kv_int8_int8": 2e-4}
+ONE_PAGE_BAR = 1e-6
+LSE_RTOL = 1e-5
+# The output's rounding to q's dtype, relative; bf16 a whole ulp: the interpreter's fp32 → bf16
+# conversion truncates (seen: 1.07027 stored as 1.0625, not 1.0703125).
+UNIT_ROUNDOFF = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -7, torch.float32: 0.0}
+
+
+def build(lengths, kv_heads: int, head_dim: int, recipe: str, dtype, device, seed: int = 0):
+    """A one-layer cache holding ``lengths[b]`` tokens of sequence ``b`` (K with a per-channel
+    bias, so that μ matters), stored by one padded append. Returns ``(cache, max|V|)``."""
+    g = torch.Generator().manual_seed(seed)
+    batch, longest = len(lengths), max(max(lengths), 1)
+    cache = lowbit_attn.QuantizedKVCache(1, batch, kv_heads, head_dim, max_tokens=4 * PAGE,
+                                         page_size=PAGE, recipe=recipe, dtype=dtype,
+                                         device=device)
+    shape = (batch, kv_heads, longest, head_dim)
+    k = torch.randn(shape, generator=g) + 2.0 * torch.randn(batch, kv_heads, 1, head_dim,
+                                                            generator=g)
+    v = torch.randn(shape, generator=g)
+    valid = torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]
+    cache.append(0, k.to(device, dtype), v.to(device, dtype), valid=valid.to(device))
+    return cache, float(v.to(dtype).abs().max())
+
+
+def queries(batch, heads, n, head_dim, dtype, device, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, heads, n, head_dim, generator=g).to(device, dtype)
+
+
+def check_against_twin(out, lse, ref, ref_lse, *, bar: float, vmax: float, dtype, name: str):
+    seen = torch.isfinite(ref_lse)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert torch.all(out[~seen] == 0), f"{name}: a row that sees no key is not 0"
+    assert torch.all(torch.isneginf(lse[~seen])), f"{name}: a row that sees no key has LSE != -inf"
+    assert_close(out.float(), ref, atol=bar * vmax, rtol=UNIT_ROUNDOFF[dtype], name=f"{name} out")
+    assert_close(lse, ref_lse, atol=LSE_RTOL, rtol=LSE_RTOL, name=f"{name} lse")
+
+
+CASES = [  # lengths, kv heads, GQA group, head dim, n, dtype
+    pytest.param((1, 15), 2, 1, 64, 1, torch.float16, id="L1,15-G1-D64-n1-fp16"),
+    pytest.param((16, 17), 1, 4, 64, 3, torch.float16, id="L16,17-G4-D64-n3-fp16"),
+    pytest.param((17, 0), 2, 4, 64, 1, torch.float32, id="L17,0-G4-D64-n1-fp32"),
+    pytest.param((40, 2), 1, 1, 128, 3, torch.bfloat16, id="L40,2-G1-D128-n3-bf16"),
+    pytest.param((33, 48), 1, 4, 64, 3, torch.float16, id="L33,48-G4-D64-n3-fp16"),
+]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("lengths, kv_heads, group, head_dim, n, dtype", CASES)
+def test_kernel_matches_the_twin_for_every_split_size(device, recipe, lengths, kv_heads, group,
+                                                      head_dim, n, dtype):
+    cache, vmax = build(lengths, kv_heads, head_dim, recipe, dtype, device.name)
+    q = queries(len(lengths), kv_heads * group, n, head_dim, dtype, device.name)
+    layer, scale = cache.layers[0], head_dim ** -0.5
+    ref, ref_lse = attention_with_kv_cache_naive(q, layer, cache.recipe, scale=scale)
+    results = []
+    for per_split in (3, 2, 1):  # up to 3 pages: one split, two, three
+        out, lse = kernel_decode.attention(q, layer, cache.recipe, scale=scale,
+                                           pages_per_split=per_split)
+        check_against_twin(out, lse, ref, ref_lse, bar=BARS[recipe], vmax=vmax, dtype=dtype,
+                           name=f"pages_per_split={per_split}")
+        results.append((out.float(), lse))
+    for per_split, (out, lse) in zip((2, 1), results[1:]):  # split sizes agree with each other
+        assert_close(out, results[0][0], atol=BARS[recipe] * vmax, rtol=UNIT_ROUNDOFF[dtype],
+                     name=f"pages_per_split={per_split} vs 3")
+        assert_close(lse, results[0][1], atol=LSE_RTOL, rtol=LSE_RTOL,
+                     name=f"lse pages_per_split={per_split}")
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_one_page_and_one_split_give_the_twin_to_fp32_rounding(device, recipe):
+    """One split over one page: the running maximum is the global one, so P̃ is the twin's bit for
+    bit and the merge divides by ``2^0 = 1``; only the fp32 order of sums differs."""
+    cache, vmax = build((PAGE, 9), 2, 64, recipe, torch.float32, device.name)
+    q = queries(2, 8, 3, 64, torch.float32, device.name)
+    ref, ref_lse = attention_with_kv_cache_naive(q, cache.layers[0], cache.recipe, scale=0.125)
+    out, lse = kernel_decode.attention(q, cache.layers[0], cache.recipe, scale=0.125,
+                                       pages_per_split=1)
+    check_against_twin(out, lse, ref, ref_lse, bar=ONE_PAGE_BAR, vmax=vmax, dtype=torch.float32,
+                       name="one split")
+
+
+def test_the_public_function_runs_the_kernel_on_the_triton_backend(device, monkeypatch):
+    monkeypatch.setenv("LOWBIT_ATTN_BACKEND", "triton")
+    cache, _ = build((5, 20), 2, 64, "kv_int8_fp8", torch.float16, device.name)
+    q = queries(2, 4, 1, 64, torch.float16, device.name)
+    calls = []
+    attention = kernel_decode.attention
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs)
+        return attention(*args, **kwargs)
+
+    monkeypatch.setattr(kernel_decode, "attention", recording)
+    out, lse = lowbit_attn.attention_with_kv_cache(q, cache, 0, return_lse=True)
+    assert len(calls) == 1
+    want, want_lse = attention(q, cache.layers[0], cache.recipe, scale=0.125)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+
+
+def test_a_split_is_a_fixed_number_of_pages():
+    assert kernel_decode.pages_per_split_for(64) == kernel_decode.TOKENS_PER_SPLIT // 64
+    assert kernel_decode.pages_per_split_for(16) == kernel_decode.TOKENS_PER_SPLIT // 16
+    assert kernel_decode.pages_per_split_for(4096) == 1
+
+
+def test_a_sequence_gives_the_same_bits_alone_or_in_a_batch(device):
+    """Its splits depend on its own length only (``pages_per_split``), not on the batch: sequence
+    0 of a batch of three and the same tokens in a cache of its own give the same bits."""
+    lengths = (40, 7, 33)
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(3, 2, 40, 64, generator=g) + 2.0 * torch.randn(3, 2, 1, 64, generator=g)
+    v = torch.randn(3, 2, 40, 64, generator=g)
+    valid = torch.arange(40)[None, :] < torch.tensor(lengths)[:, None]
+    q = queries(3, 8, 1, 64, torch.float16, device.name)
+    results = []
+    for rows in (slice(0, 3), slice(0, 1)):
+        batch = rows.stop - rows.start
+        cache = lowbit_attn.QuantizedKVCache(1, batch, 2, 64, max_tokens=4 * PAGE, page_size=PAGE,
+                                             dtype=torch.float16, device=device.name)
+        cache.append(0, *(x[rows].to(device.name, torch.float16) for x in (k, v)),
+                     valid=valid[rows].to(device.name))
+        results.append(kernel_decode.attention(q[rows], cache.layers[0], cache.recipe,
+                                               scale=0.125, pages_per_split=1))
+    (both, both_lse), (one, one_lse) = results
+    assert torch.equal(both[:1], one) and torch.equal(both_lse[:1], one_lse)
+
+
+def test_the_launches_pass_keywords_only_and_few_of_them(monkeypatch):
+    """The launch rules of tests/tools/test_launch_arguments.py, on a recorded call."""
+    from lowbit_attn.tools.aot import Launch
+
+    launches = []
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(Launch(self.kernel, args, kwargs, grid))
+
+    for name in ("_decode_split_kernel", "_decode_merge_kernel"):
+        monkeypatch.setattr(kernel_decode, name, Recorder(getattr(kernel_decode, name)))
+    cache, _ = build((5, 20), 2, 64, "kv_int8_fp8", torch.float16, "cpu")
+    kernel_decode.attention(queries(2, 4, 1, 64, torch.float16, "cpu"), cache.layers[0],
+                            cache.recipe, scale=0.125, pages_per_split=1)
+    assert [launch.name for launch in launches] == ["_decode_split_kernel", "_decode_merge_kernel"]
+    for launch in launches:
+        assert launch.args == () and len(launch.kwargs) <= 42
+        for name, value in launch.kwargs.items():
+            if name.endswith("_strides"):
+                assert isinstance(value, tuple) and all(isinstance(s, int) for s in value), name
+
+
+AOT_CASES = [  # recipe, cache dtype, n (D=128, 64-token pages, GQA 8)
+    pytest.param("kv_int8_fp8", torch.bfloat16, 1, id="fp8-bf16-n1"),
+    pytest.param("kv_int8_int8", torch.bfloat16, 1, id="int8-bf16-n1"),
+    pytest.param("kv_int8_fp8", torch.float16, 4, id="fp8-fp16-n4"),
+    pytest.param("kv_int8_int8", torch.float16, 4, id="int8-fp16-n4"),
+]
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("recipe, dtype, n", AOT_CASES)
+def test_the_kernels_compile_for_sm_90a_without_spills(monkeypatch, recipe, dtype, n):
+    """Compiled ahead of time from a recorded launch, with the GPU's flags (not the
+    interpreter's). Measured 2026-11-25 (Triton 3.6, 4 warps; rows ≤ 32, so mma.sync, not wgmma):
+    split kernel 187 (fp8, bf16, n=1), 208 (int8, bf16, n=1), 239 (fp8, fp16, n=4), 251 (int8,
+    fp16, n=4) registers; the merge kernel 64-96. An fp32 cache (the open page's fp32 FMA product)
+    spills about 5 KB: not covered here."""
+    from lowbit_attn.tools import aot
+    from lowbit_attn.tools.aot import Launch
+
+    launches = []
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(Launch(self.kernel, args, kwargs, grid))
+
+    for name in ("_decode_split_kernel", "_decode_merge_kernel"):
+        monkeypatch.setattr(kernel_decode, name, Recorder(getattr(kernel_decode, name)))
+    monkeypatch.setattr(kernel_decode, "interpreter_enabled", lambda: False)
+    monkeypatch.setattr(kernel_decode, "exact_fp8", lambda: False)
+    cache = lowbit_attn.QuantizedKVCache(1, 2, 4, 128, max_tokens=256, page_size=64,
+                                         recipe=recipe, dtype=dtype)
+    kv = torch.randn(2, 4, 100, 128).to(dtype)
+    cache.append(0, kv, kv)
+    kernel_decode.attention(torch.randn(2, 32, n, 128).to(dtype), cache.layers[0], cache.recipe,
+                            scale=128 ** -0.5, pages_per_split=1)
+    for launch in launches:
+        r = aot.compile_launch(launch, "sm_90a")
+        assert r.error is None, r.error
+        assert r.spill_stores == 0 and r.spill_loads == 0, (r.kernel, r.registers, r.spill_stores)
