@@ -8,14 +8,16 @@
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="lowbit")
     cache = lowbit_hf.QuantizedCache(model.config, batch=2, max_tokens=4096, dtype=model.dtype,
                                      device=model.device)
-    out = model.generate(**tokenizer(prompts, padding=True, return_tensors="pt"),
-                         past_key_values=cache, max_new_tokens=256)
+    tokenizer.padding_side = "left"
+    out = model.generate(**tokenizer(prompts, padding=True, return_tensors="pt"), cache=cache,
+                         max_new_tokens=256)       # (past_key_values=cache before transformers 5)
 
 How a step flows: the model calls ``cache.update(k, v, layer)``, which stores nothing yet and
 returns a pair of :class:`PendingKV` markers; the attention function recognises them, reads which
 of the new tokens are padding from the 4D mask, appends the rest to the 8-bit pages, and attends
 against the stored tokens (causal, bottom-right). Nothing else can read a marker as a tensor: any
-other attention implementation that touches one raises.
+other attention implementation that touches one raises. Reading the mask and the stored lengths
+happens on the host: a synchronisation per layer and step (the mask is checked, not trusted).
 
 Two lengths are kept apart: ``get_seq_length()`` counts every position the model has seen
 (padding included, as transformers counts them for positions and masks), while
@@ -56,8 +58,8 @@ class PendingKV:
 
     def _refuse(self, what: str):
         raise RuntimeError(
-            f"lowbit_attn QuantizedCache: the {self.role}s of layer {self.layer.layer_idx} were used "
-            f"as a tensor ({what}) by an attention implementation other than lowbit_attn's; the "
+            f"lowbit_attn QuantizedCache: the {self.role}s of layer {self.layer.layer_idx} were "
+            f"used as a tensor ({what}) by an attention implementation other than lowbit_attn's; the "
             "cache holds 8-bit pages only lowbit_attn reads: register it "
             "(lowbit_attn.integrations.transformers.register()) and load the model with "
             "attn_implementation='lowbit', or generate with transformers' DynamicCache")
@@ -102,9 +104,10 @@ class QuantizedCacheLayer(CacheLayerMixin):
         for the attention function, which stores them."""
         if self.pending is not None:
             raise RuntimeError(
-                f"lowbit_attn QuantizedCache: layer {self.layer_idx}'s previous keys and values were "
-                "never stored: the model's attention implementation is not lowbit_attn's "
-                "(attn_implementation='lowbit'), or a call failed; call cache.reset() to start over")
+                f"lowbit_attn QuantizedCache: layer {self.layer_idx}'s previous keys and values "
+                "were never stored: the model's attention implementation is not lowbit_attn's "
+                "(attn_implementation='lowbit'), or a call failed; call cache.reset() to start "
+                "over")
         store = self.store
         for name, x in (("key_states", key_states), ("value_states", value_states)):
             if not isinstance(x, torch.Tensor) or x.dim() != 4:
@@ -113,7 +116,8 @@ class QuantizedCacheLayer(CacheLayerMixin):
             if x.dtype != store.dtype or x.device != store.device:
                 raise TypeError(
                     f"{name} is {x.dtype} on {x.device}, the cache holds {store.dtype} on "
-                    f"{store.device}: build QuantizedCache with dtype=model.dtype, device=model.device")
+                    f"{store.device}: build QuantizedCache with dtype=model.dtype, "
+                    "device=model.device")
             if x.shape[0] != store.batch:
                 raise ValueError(f"{name} has batch {x.shape[0]}, the cache was built for batch="
                                  f"{store.batch} (num_return_sequences and beams count too)")
@@ -146,8 +150,8 @@ class QuantizedCacheLayer(CacheLayerMixin):
                                       "decoding, rollbacks): its pages are append-only")
 
     def reorder_cache(self, beam_idx) -> None:
-        raise NotImplementedError("lowbit_attn QuantizedCache cannot reorder sequences: beam search "
-                                  "is not served; use greedy or sampled decoding")
+        raise NotImplementedError("lowbit_attn QuantizedCache cannot reorder sequences: beam "
+                                  "search is not served; use greedy or sampled decoding")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise NotImplementedError("lowbit_attn QuantizedCache cannot change its batch: build it "
@@ -176,7 +180,8 @@ def _count(name: str, value) -> int:
 
 class QuantizedCache(Cache):
     """A transformers ``Cache`` whose K and V live in a :class:`QuantizedKVCache` (8-bit pages),
-    for ``model.generate(..., past_key_values=cache)`` with ``attn_implementation="lowbit"``.
+    for ``model.generate(..., cache=cache)`` (``past_key_values=`` before transformers 5) with
+    ``attn_implementation="lowbit"``.
     (Not transformers' own ``QuantizedCache``, which dequantizes for the attention.)
 
     Args:
