@@ -19,11 +19,16 @@ for) run PyTorch's exact SDPA instead, with one warning per reason.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from lowbit_attn.core.recipes import Recipe, resolve
 from lowbit_attn.inference import attention_varlen
 from lowbit_attn.integrations.sdpa import TORCH_SDPA, sdpa_or_fallback, warn_fallback
+
+if TYPE_CHECKING:  # at run time, imported by __getattr__ below
+    from lowbit_attn.integrations.transformers_cache import QuantizedCache
 
 # Arguments some models pass that the kernels have no use for; when set, the model's call goes to
 # transformers' own SDPA function.
@@ -51,8 +56,13 @@ def attention_function(recipe: "str | Recipe" = "auto"):
     # name: after register("sdpa") that name is this function, and a fallback would call itself.
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    from lowbit_attn.integrations.transformers_cache import PendingKV, attend
+
     def lowbit_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
                                  scaling=None, is_causal=None, **kwargs):
+        if isinstance(key, PendingKV):  # a QuantizedCache step: its own path, never a fallback
+            return attend(module, query, key, value, attention_mask, dropout=dropout,
+                          scaling=scaling, **kwargs)
         unserved = [k for k in _UNSERVED if kwargs.get(k) is not None]
         if kwargs.get("output_attentions"):
             unserved.append("output_attentions")
@@ -118,4 +128,15 @@ def register(name: str = "lowbit", recipe: "str | Recipe" = "auto") -> str:
     return name
 
 
-__all__ = ["attention_function", "register"]
+def __getattr__(name: str):
+    # QuantizedCache subclasses transformers' Cache: imported on first use, so that importing
+    # this module does not import transformers
+    if name == "QuantizedCache":
+        _transformers()
+        from lowbit_attn.integrations.transformers_cache import QuantizedCache
+
+        return QuantizedCache
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["QuantizedCache", "attention_function", "register"]

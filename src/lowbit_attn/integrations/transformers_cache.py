@@ -1,0 +1,303 @@
+"""A Hugging Face ``Cache`` backed by :class:`lowbit_attn.kvcache.QuantizedKVCache`, read by the
+``"lowbit"`` attention implementation (``integrations.transformers``) through
+:func:`lowbit_attn.kvcache.attention_with_kv_cache`, never dequantized::
+
+    from lowbit_attn.integrations import transformers as lowbit_hf
+
+    lowbit_hf.register()
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="lowbit")
+    cache = lowbit_hf.QuantizedCache(model.config, batch=2, max_tokens=4096, dtype=model.dtype,
+                                     device=model.device)
+    tokenizer.padding_side = "left"
+    out = model.generate(**tokenizer(prompts, padding=True, return_tensors="pt"), cache=cache,
+                         max_new_tokens=256)       # (past_key_values=cache before transformers 5)
+
+How a step flows: the model calls ``cache.update(k, v, layer)``, which stores nothing yet and
+returns a pair of :class:`PendingKV` markers; the attention function recognises them, reads which
+of the new tokens are padding from the 4D mask, appends the rest to the 8-bit pages, and attends
+against the stored tokens (causal, bottom-right). Nothing else can read a marker as a tensor: any
+other attention implementation that touches one raises. Reading the mask and the stored lengths
+happens on the host: a synchronisation per layer and step (the mask is checked, not trusted).
+
+Two lengths are kept apart: ``get_seq_length()`` counts every position the model has seen
+(padding included, as transformers counts them for positions and masks), while
+``store.length(layer)`` counts the tokens stored per sequence (padding dropped).
+
+Served: causal self-attention layers (no sliding window), left-padded or unpadded batches, greedy
+and sampled decoding, prefill in one or several chunks. Refused with an error: sliding-window
+layers (at construction), a mask other than causal with left padding (right padding, packed or
+custom masks), attention weights asked for, dropout, gradients, beam search and cropping.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from lowbit_attn.kvcache import QuantizedKVCache, attention_with_kv_cache
+
+# Arguments some models pass that the cache path has no use for (as integrations.transformers).
+_UNSERVED = ("softcap", "position_bias", "s_aux", "sinks")
+
+
+class PendingKV:
+    """What :meth:`QuantizedCache.update` returns for a layer's keys (``role="key"``) and values:
+    a handle on the step's new K and V, which only the ``"lowbit"`` attention function consumes.
+    Read as a tensor (an attribute, a torch function), it raises ``RuntimeError``."""
+
+    __slots__ = ("layer", "role")
+
+    def __init__(self, layer: "QuantizedCacheLayer", role: str):
+        object.__setattr__(self, "layer", layer)
+        object.__setattr__(self, "role", role)
+
+    def __repr__(self) -> str:
+        return f"PendingKV(layer={self.layer.layer_idx}, role={self.role!r})"
+
+    def _refuse(self, what: str):
+        raise RuntimeError(
+            f"lowbit_attn QuantizedCache: the {self.role}s of layer {self.layer.layer_idx} were "
+            f"used as a tensor ({what}) by an attention implementation other than lowbit_attn's; the "
+            "cache holds 8-bit pages only lowbit_attn reads: register it "
+            "(lowbit_attn.integrations.transformers.register()) and load the model with "
+            "attn_implementation='lowbit', or generate with transformers' DynamicCache")
+
+    def __getattr__(self, name):
+        self._refuse(f".{name}")
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        marker = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, PendingKV))
+        marker._refuse(getattr(func, "__name__", repr(func)))
+
+    def __array__(self, *args, **kwargs):
+        self._refuse("__array__")
+
+
+class QuantizedCacheLayer(CacheLayerMixin):
+    """One layer of :class:`QuantizedCache`: stashes each step's K and V until the attention
+    function appends them to layer ``layer_idx`` of the shared :class:`QuantizedKVCache`."""
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(self, store: QuantizedKVCache, layer_idx: int):
+        super().__init__()
+        self.store = store
+        self.layer_idx = layer_idx
+        self.seen = 0              # positions seen, padding included
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.device = store.device
+        self.is_initialized = True  # the pages are allocated up front
+
+    def __repr__(self) -> str:
+        return f"QuantizedCacheLayer(layer_idx={self.layer_idx}, seen={self.seen})"
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Stash the step's ``[B, Hkv, n, D]`` keys and values; returns ``(PendingKV, PendingKV)``
+        for the attention function, which stores them."""
+        if self.pending is not None:
+            raise RuntimeError(
+                f"lowbit_attn QuantizedCache: layer {self.layer_idx}'s previous keys and values "
+                "were never stored: the model's attention implementation is not lowbit_attn's "
+                "(attn_implementation='lowbit'), or a call failed; call cache.reset() to start "
+                "over")
+        store = self.store
+        for name, x in (("key_states", key_states), ("value_states", value_states)):
+            if not isinstance(x, torch.Tensor) or x.dim() != 4:
+                raise ValueError(f"{name} must be a 4D tensor [B, Hkv, n, D], got "
+                                 f"{getattr(x, 'shape', type(x).__name__)}")
+            if x.dtype != store.dtype or x.device != store.device:
+                raise TypeError(
+                    f"{name} is {x.dtype} on {x.device}, the cache holds {store.dtype} on "
+                    f"{store.device}: build QuantizedCache with dtype=model.dtype, "
+                    "device=model.device")
+            if x.shape[0] != store.batch:
+                raise ValueError(f"{name} has batch {x.shape[0]}, the cache was built for batch="
+                                 f"{store.batch} (num_return_sequences and beams count too)")
+        self.pending = (key_states, value_states)
+        self.seen += key_states.shape[2]
+        return PendingKV(self, "key"), PendingKV(self, "value")
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1  # positions are not bounded by the store (padding is not stored)
+
+    def reset(self) -> None:
+        self.seen = 0
+        self.pending = None
+
+    def offload(self):
+        raise NotImplementedError("lowbit_attn QuantizedCache does not offload")
+
+    def prefetch(self):
+        raise NotImplementedError("lowbit_attn QuantizedCache does not offload")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove != 0:
+            raise NotImplementedError("lowbit_attn QuantizedCache cannot be cropped (assisted "
+                                      "decoding, rollbacks): its pages are append-only")
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise NotImplementedError("lowbit_attn QuantizedCache cannot reorder sequences: beam "
+                                  "search is not served; use greedy or sampled decoding")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("lowbit_attn QuantizedCache cannot change its batch: build it "
+                                  "with the batch generate runs (num_return_sequences included)")
+
+    def batch_select_indices(self, indices) -> None:
+        self.batch_repeat_interleave(1)
+
+
+def _sliding_layers(config) -> list[str]:
+    """Which layers of ``config`` use a sliding window, as ``"layer i (type)"`` strings."""
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return [f"layer {i} ({t!r})" for i, t in enumerate(types) if t != "full_attention"]
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True) is not False:
+        return [f"every layer (sliding_window={window})"]
+    return []
+
+
+def _count(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+class QuantizedCache(Cache):
+    """A transformers ``Cache`` whose K and V live in a :class:`QuantizedKVCache` (8-bit pages),
+    for ``model.generate(..., cache=cache)`` (``past_key_values=`` before transformers 5) with
+    ``attn_implementation="lowbit"``.
+    (Not transformers' own ``QuantizedCache``, which dequantizes for the attention.)
+
+    Args:
+        config: the model's config (``num_hidden_layers``, ``num_key_value_heads``,
+            ``head_dim``), or ``None`` with ``num_layers``, ``kv_heads`` and ``head_dim`` given.
+        batch: the batch ``generate`` runs (times ``num_return_sequences``).
+        max_tokens: the most tokens one sequence stores (prompt without padding + new tokens).
+        page_size, recipe: as :class:`QuantizedKVCache` (``"kv_int8_fp8"`` or ``"kv_int8_int8"``).
+        dtype, device: the model's dtype and device (the K and V it produces).
+    Raises:
+        ValueError: a config with sliding-window layers (naming them), or missing dimensions.
+
+    ``store`` is the :class:`QuantizedKVCache`; ``store.length(layer)`` its stored tokens.
+    """
+
+    def __init__(self, config=None, *, batch: int, max_tokens: int, num_layers: int | None = None,
+                 kv_heads: int | None = None, head_dim: int | None = None, page_size: int = 64,
+                 recipe: str = "kv_int8_fp8", dtype: torch.dtype = torch.float16, device="cpu"):
+        if config is not None:
+            if hasattr(config, "get_text_config"):
+                config = config.get_text_config(decoder=True)
+            sliding = _sliding_layers(config)
+            if sliding:
+                raise ValueError(
+                    f"config has sliding-window attention in {', '.join(sliding)}: lowbit_attn "
+                    "QuantizedCache serves full causal attention only; use transformers' "
+                    "DynamicCache for this model")
+            heads = config.num_attention_heads
+            num_layers = num_layers or config.num_hidden_layers
+            kv_heads = kv_heads or getattr(config, "num_key_value_heads", None) or heads
+            head_dim = head_dim or getattr(config, "head_dim", None) or config.hidden_size // heads
+        elif None in (num_layers, kv_heads, head_dim):
+            raise ValueError("give QuantizedCache a model config, or num_layers, kv_heads and "
+                             f"head_dim (got {num_layers}, {kv_heads}, {head_dim})")
+        self.store = QuantizedKVCache(_count("num_layers", num_layers), batch,
+                                      _count("kv_heads", kv_heads), _count("head_dim", head_dim),
+                                      max_tokens=max_tokens, page_size=page_size, recipe=recipe,
+                                      dtype=dtype, device=device)
+        super().__init__(layers=[QuantizedCacheLayer(self.store, i) for i in range(num_layers)])
+
+    def __repr__(self) -> str:
+        return f"QuantizedCache(seen={self.get_seq_length()}, store={self.store!r})"
+
+    def reset(self) -> None:
+        """Every layer empty: the store's pages freed, no position seen."""
+        self.store.reset()
+        super().reset()
+
+
+def _refuse(reason: str):
+    raise ValueError(f"lowbit_attn QuantizedCache: {reason}")
+
+
+def _new_token_validity(mask, layer: QuantizedCacheLayer, n: int) -> torch.Tensor | None:
+    """``valid [B, n]`` for the step's new tokens (None: all), read from the 4D bool mask ``mask``
+    ``[B or 1, 1, n, seen]``: a key hidden from the step's last query is padding. Refuses a mask
+    that is not causal with left padding, or that disagrees with the stored lengths."""
+    store, seen = layer.store, layer.seen
+    lengths = store.length(layer.layer_idx)
+    if mask is None:  # transformers leaves out a purely causal mask: no padding anywhere
+        if not bool((lengths + n == seen).all()):
+            _refuse(f"layer {layer.layer_idx} got no attention mask, but its sequences store "
+                    f"{lengths.tolist()} tokens of {seen - n} positions (padding was dropped "
+                    "earlier): pass the attention_mask on every call")
+        return None
+    b = store.batch
+    if (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4
+            or mask.shape[0] not in (1, b) or mask.shape[1] != 1 or mask.shape[2] != n
+            or mask.shape[3] != seen):
+        _refuse(f"layer {layer.layer_idx} needs a bool mask [B, 1, {n}, {seen}] (as the 'lowbit' "
+                f"implementation builds), got {getattr(mask, 'dtype', type(mask).__name__)} "
+                f"{tuple(getattr(mask, 'shape', ()))}")
+    mask = mask[:, 0].expand(b, -1, -1)
+    keys = mask[:, -1]                                   # [B, seen]: the last query sees them all
+    valid = keys[:, seen - n:]
+    if bool((valid[:, :-1] & ~valid[:, 1:]).any()):
+        _refuse("the new tokens are right-padded (a real token followed by padding); the cache "
+                "aligns queries bottom-right: pad on the left (tokenizer.padding_side = 'left')")
+    causal = torch.ones(n, seen, dtype=torch.bool, device=mask.device).tril(seen - n)
+    wrong = (mask != (keys[:, None, :] & causal)) & valid[:, :, None]
+    if bool(wrong.any()):
+        _refuse(f"layer {layer.layer_idx}'s mask is not causal with left padding (a sliding "
+                "window, packed sequences or a custom mask): the cache cannot serve it")
+    after = (lengths + valid.sum(dim=1).to(lengths.device)).tolist()
+    if after != keys.sum(dim=1).tolist():
+        _refuse(f"layer {layer.layer_idx}'s mask shows {keys.sum(dim=1).tolist()} visible keys per "
+                f"sequence, the cache would hold {after}: the mask does not match what was stored")
+    return None if bool(valid.all()) else valid.to(store.device)
+
+
+def attend(module, query: torch.Tensor, key: PendingKV, value: PendingKV, attention_mask,
+           dropout: float = 0.0, scaling: float | None = None, **kwargs):
+    """The attention function's path for a :class:`QuantizedCache` step: store the step's K and
+    V (padding dropped), then :func:`attention_with_kv_cache`. Returns ``(out [B, n, H, D],
+    None)``; raises ``ValueError`` for a call it cannot serve, with nothing stored."""
+    layer = key.layer
+    if not isinstance(value, PendingKV) or value.layer is not layer or layer.pending is None:
+        _refuse("keys and values must be the pair cache.update() returned for this step")
+    unserved = [k for k in _UNSERVED if kwargs.get(k) is not None]
+    if kwargs.get("output_attentions"):
+        unserved.append("output_attentions (no attention weights are formed)")
+    if dropout:
+        unserved.append(f"dropout={dropout} (call model.eval())")
+    if getattr(module, "sliding_window", None) is not None:
+        unserved.append(f"sliding_window={module.sliding_window}")
+    if unserved:
+        _refuse(f"layer {layer.layer_idx} cannot serve {', '.join(unserved)}")
+    k, v = layer.pending
+    n = k.shape[2]
+    if query.shape[0] != k.shape[0] or query.shape[2] != n:
+        _refuse(f"query {tuple(query.shape)} does not match the step's keys {tuple(k.shape)}")
+    valid = _new_token_validity(attention_mask, layer, n)
+    layer.store.append(layer.layer_idx, k, v, valid=valid)
+    layer.pending = None
+    out = attention_with_kv_cache(query, layer.store, layer.layer_idx, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+__all__ = ["PendingKV", "QuantizedCache", "QuantizedCacheLayer", "attend"]
