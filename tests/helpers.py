@@ -222,3 +222,23 @@ def assert_same(got: torch.Tensor, want: torch.Tensor, device: Target, kind: str
         assert step <= spec.step, f"{name}: codes {step} apart"
     flipped = float((got != want).float().mean()) if got.numel() else 0.0
     assert flipped < spec.flipped, f"{name}: {flipped:.2e} of the elements differ"
+
+
+def mutant(jit, old: str, new: str):
+    """A plain-Python copy of a ``@jit`` function with ``old`` (present exactly once in its source)
+    replaced by ``new``, for the CPU schedule checks' mutation tests (run through
+    ``tools.gluon_cpu``'s ``overrides``)."""
+    import __future__
+    import inspect
+    import textwrap
+
+    py = jit.fn
+    src = textwrap.dedent(inspect.getsource(py))
+    assert src.count(old) == 1, f"{py.__name__} no longer holds {old!r} once: update the mutation"
+    lines = src.replace(old, new).splitlines()
+    while lines[0].startswith("@"):
+        lines.pop(0)
+    ns = dict(py.__globals__)
+    exec(compile("\n".join(lines), f"<{py.__name__}, mutated>", "exec",
+                 flags=__future__.annotations.compiler_flag, dont_inherit=True), ns)
+    return ns[py.__name__]

@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import itertools
-import textwrap
-import __future__
 
 import pytest
 import torch
 
-from helpers import Bound, assert_within
+from helpers import Bound, assert_within, mutant
 from lowbit_attn.core.recipes import get_recipe
 from lowbit_attn.inference import gluon_blocks as gb
 from lowbit_attn.inference import kernel_int8_gluon as kg
@@ -189,20 +186,6 @@ def test_every_gluon_name_the_kernel_uses_is_modelled():
     assert not missing, f"used by the kernel, not modelled by tools/gluon_cpu.py: {missing}"
     assert {"warpgroup_mma", "warpgroup_mma_wait", "fence_async_shared"} <= used["functions"]
     assert {"wait", "expect"} <= used["mbarrier"] and "async_copy_global_to_shared" in used["tma"]
-
-
-def mutant(jit, old: str, new: str):
-    """A plain-Python copy of ``jit``'s function with ``old`` (present exactly once) replaced."""
-    py = jit.fn
-    src = textwrap.dedent(inspect.getsource(py))
-    assert src.count(old) == 1, f"{py.__name__} no longer holds {old!r} once: update the mutation"
-    lines = src.replace(old, new).splitlines()
-    while lines[0].startswith("@"):
-        lines.pop(0)
-    ns = dict(py.__globals__)
-    exec(compile("\n".join(lines), f"<{py.__name__}, mutated>", "exec",
-                 flags=__future__.annotations.compiler_flag, dont_inherit=True), ns)
-    return ns[py.__name__]
 
 
 # (id, function, old, new, what must happen: "hang", "race", "error" (another ScheduleError),
@@ -439,7 +422,6 @@ def test_the_check_catches_varlen_breaks(old, new):
     assert not torch.equal(out[1:131], want[0].transpose(0, 1))
 
 
-
 def per_block_operands(b, hq, hkv, nq, nk, d, block_k):
     g = torch.Generator().manual_seed(3 * nq + nk + d)
     q = torch.randn(b, hq, nq, d, generator=g)
@@ -469,7 +451,6 @@ def test_gluon_per_block_scales_equal_the_twin_bit_for_bit(b, hq, hkv, nq, nk, d
                            block_k=block_k, causal_offset=co, return_lse=True, **extra)
     assert_bits(out, want, "out")
     assert_bits(lse, want_lse, "lse")
-
 
 
 @pytest.mark.parametrize("lens_q,lens_k,hq,hkv,d", VARLEN)

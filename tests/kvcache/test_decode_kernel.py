@@ -163,8 +163,9 @@ def test_a_sequence_gives_the_same_bits_alone_or_in_a_batch(device):
     assert torch.equal(both[:1], one) and torch.equal(both_lse[:1], one_lse)
 
 
-def test_the_launches_pass_keywords_only_and_few_of_them(monkeypatch):
-    """The launch rules of tests/tools/test_launch_arguments.py, on a recorded call."""
+def record_launches(monkeypatch) -> list:
+    """The decode kernels replaced by recorders for the test: each launch is appended, as an
+    ``aot.Launch``, to the list returned, and nothing runs."""
     from lowbit_attn.tools.aot import Launch
 
     launches = []
@@ -178,6 +179,12 @@ def test_the_launches_pass_keywords_only_and_few_of_them(monkeypatch):
 
     for name in ("_decode_split_kernel", "_decode_merge_kernel"):
         monkeypatch.setattr(kernel_decode, name, Recorder(getattr(kernel_decode, name)))
+    return launches
+
+
+def test_the_launches_pass_keywords_only_and_few_of_them(monkeypatch):
+    """The launch rules of tests/tools/test_launch_arguments.py, on a recorded call."""
+    launches = record_launches(monkeypatch)
     cache, _ = build((5, 20), 2, 64, "kv_int8_fp8", torch.float16, "cpu")
     kernel_decode.attention(queries(2, 4, 1, 64, torch.float16, "cpu"), cache.layers[0],
                             cache.recipe, scale=0.125, pages_per_split=1)
@@ -206,19 +213,8 @@ def test_the_kernels_compile_for_sm_90a_without_spills(monkeypatch, recipe, dtyp
     fp16, n=4) registers; the merge kernel 64-96. An fp32 cache (the open page's fp32 FMA product)
     spills about 5 KB: not covered here."""
     from lowbit_attn.tools import aot
-    from lowbit_attn.tools.aot import Launch
 
-    launches = []
-
-    class Recorder:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append(Launch(self.kernel, args, kwargs, grid))
-
-    for name in ("_decode_split_kernel", "_decode_merge_kernel"):
-        monkeypatch.setattr(kernel_decode, name, Recorder(getattr(kernel_decode, name)))
+    launches = record_launches(monkeypatch)
     monkeypatch.setattr(kernel_decode, "interpreter_enabled", lambda: False)
     monkeypatch.setattr(kernel_decode, "exact_fp8", lambda: False)
     cache = lowbit_attn.QuantizedKVCache(1, 2, 4, 128, max_tokens=256, page_size=64,

@@ -13,9 +13,6 @@ has a worker stage a tile through registers into shared memory for the default p
 
 from __future__ import annotations
 
-import inspect
-import textwrap
-import __future__
 
 import pytest
 import torch
@@ -25,6 +22,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
+from helpers import mutant
 from lowbit_attn.tools import gluon_cpu
 from lowbit_attn.tools.triton_compat import compiler_mode
 
@@ -167,20 +165,6 @@ def test_every_gluon_name_the_toy_uses_is_modelled():
     assert not missing, missing
     assert {"warp_specialize", "num_warps"} <= used["gl"]
     assert {"arrive", "wait", "expect"} <= used["mbarrier"]
-
-
-def mutant(jit, old: str, new: str):
-    """A plain-Python copy of ``jit``'s function with ``old`` (present exactly once) replaced."""
-    py = jit.fn
-    src = textwrap.dedent(inspect.getsource(py))
-    assert src.count(old) == 1, f"{py.__name__} no longer holds {old!r} once"
-    lines = src.replace(old, new).splitlines()
-    while lines[0].startswith("@"):
-        lines.pop(0)
-    ns = dict(py.__globals__)
-    exec(compile("\n".join(lines), f"<{py.__name__}, mutated>", "exec",
-                 flags=__future__.annotations.compiler_flag, dont_inherit=True), ns)
-    return ns[py.__name__]
 
 
 def outcome(schedule, jit, old, new, n_tiles=5) -> tuple[str, str]:
