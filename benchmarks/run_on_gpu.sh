@@ -3,7 +3,7 @@
 # environment report, GPU correctness tests (pytest -m gpu), then the full benchmark of
 # DESIGN.md ("Benchmark protocol"), its short table printed last.
 #
-#   bash benchmarks/run_on_gpu.sh [all|tests|bench|quick|fp4|train|vsa|hopper|gluon]  (default: all)
+#   bash benchmarks/run_on_gpu.sh [all|tests|bench|quick|fp4|train|vsa|hopper|gluon|decode]  (default: all)
 #
 # fp4: the FP4 recipes alone (GPU tests -k fp4, then a quick benchmark of qk_fp4_pv_fp4 and
 # qk_mxfp4_pv_mxfp4 against SDPA cuDNN): emulated on Hopper, native on Blackwell.
@@ -21,6 +21,9 @@
 # N=1k,8k,16k,32k, causal and not (JSON, markdown, PNG), in the time left.
 # vsa: video sparse attention (GPU tests -k vsa, then benchmarks/bench_vsa.py: T=16, H=W=48, D=128,
 # sparsities 50–95 % against SDPA cuDNN dense, and the fine kernel's FLOP rate).
+# decode: the 8-bit paged KV cache (GPU tests -k "kvcache or kv_cache", then
+# benchmarks/bench_decode.py: one decode step against SDPA on fp16 K/V, N=1k..128k, batch 1 and 16,
+# GQA 4:1 and 8:1, D=128, with the bytes read and the 3.0 TB/s floor).
 #
 # The wheels travel in wheels/ (ignored by git: pass it in the device tool's `carry`):
 # sageattention-1.0.6 (the SageAttention baseline) and pytest with its dependencies (installed only
@@ -137,6 +140,8 @@ tests_then_bench() {
 
 [[ "$STAGE" == train ]] && tests_then_bench "trainable attention" trainable benchmarks/bench_train.py
 [[ "$STAGE" == vsa ]] && tests_then_bench "video sparse attention" vsa benchmarks/bench_vsa.py
+[[ "$STAGE" == decode ]] && tests_then_bench "KV-cache decode" "kvcache or kv_cache" \
+    benchmarks/bench_decode.py
 # shellcheck disable=SC2086  # HOPPER_ARGS: options split on spaces
 [[ "$STAGE" == hopper ]] && tests_then_bench "Hopper speed" "not fp4 and not trainable and not vsa and not video" \
     benchmarks/bench_hopper.py \

@@ -364,6 +364,31 @@ def test_vsa_benchmark_runs_on_cpu(tmp_path):
     assert all(r["status"] == "ok" for r in rows)
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_decode_benchmark_runs_on_cpu(tmp_path, monkeypatch, backend):
+    """benchmarks/bench_decode.py end to end at its CPU size: the SDPA fp16 row and the 8-bit
+    cache's (the reference, or the split-KV kernel on the interpreter), bytes below the fp16
+    cache's, the cosine against float64 at the recipe's level."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    monkeypatch.setenv("LOWBIT_ATTN_BACKEND", backend)
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_decode.py"
+    spec = importlib.util.spec_from_file_location("bench_decode", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--out", str(tmp_path)]) == 0
+    (result,) = tmp_path.glob("decode-*.json")
+    rows = {r["method"]: r for r in json.loads(result.read_text())["rows"]}
+    assert set(rows) == {"sdpa_fp16", "kv_int8_fp8"}
+    assert all(r["status"] == "ok" for r in rows.values())
+    assert rows["kv_int8_fp8"]["bytes"] < 0.6 * rows["sdpa_fp16"]["bytes"]
+    assert rows["sdpa_fp16"]["cosine"] > 0.99999 and rows["kv_int8_fp8"]["cosine"] > 0.999
+    assert "| 200 | 2 | 2:1 | kv_int8_fp8 |" in (tmp_path / result.name.replace(".json", ".md")
+                                                  ).read_text()
+
+
 def test_hopper_benchmark_runs_every_variant_on_the_interpreter(tmp_path, monkeypatch):
     """benchmarks/bench_hopper.py end to end on the Triton interpreter (tiny size): every row
     checked against the reference, the forced kernel candidates (plain and pipelined) included."""

@@ -1,0 +1,149 @@
+#!/usr/bin/env python
+"""Decode benchmark: one generation step (one query token per sequence) against the 8-bit paged KV
+cache (``lowbit_attn.attention_with_kv_cache``, split-KV kernel) and against SDPA on an fp16 cache
+of the same tokens, with the bytes each reads and the floor at 3.0 TB/s (benchmarks/NOTES.md §13).
+
+    python benchmarks/bench_decode.py                      # a GPU: N = 1k..128k, batch 1 and 16
+    python benchmarks/bench_decode.py --seqlens 1k,8k --batches 1 --out DIR
+
+Per configuration (D = 128, Hkv = 8 KV heads, GQA 4:1 and 8:1, 64-token pages, fp16): the cache
+is filled once (not timed), then each method's step is timed; ``cosine`` compares each output with
+exact attention in float64 on the same fp16 tokens. Without CUDA it times the PyTorch reference on
+a tiny size and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+try:
+    import lowbit_attn
+except ImportError:  # a source checkout that is not installed
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    import lowbit_attn
+from lowbit_attn.core.metrics import cosine_similarity
+from lowbit_attn.tools.bench.command import parse_seqlens
+from lowbit_attn.tools.bench.metadata import make_metadata
+from lowbit_attn.tools.bench.save import save_script_results
+from lowbit_attn.tools.bench.tables import seqlen_label
+from lowbit_attn.tools.bench.timers import timer_for
+
+COPY_BANDWIDTH = 3.0e12  # bytes/s, the measured H100 copy bandwidth (NOTES §1)
+KV_HEADS, HEAD_DIM, PAGE = 8, 128, 64
+
+
+def fp16_bytes(batch: int, n: int, kv_heads: int, d: int) -> int:
+    """What an fp16 decode step reads: K and V, 2 bytes each."""
+    return 2 * batch * n * kv_heads * d * 2
+
+
+def cache_bytes(batch: int, n: int, kv_heads: int, d: int, page: int) -> int:
+    """What a step reads from the 8-bit cache: K INT8 and V E4M3 of the full pages and their
+    scales (K per token, V per channel and page), the open page's V in fp16 and its K."""
+    full = n // page * page
+    per_head = (n * d + full * d + 4 * n + (n // page) * d * 4 + (n - full) * d * 2)
+    return batch * kv_heads * per_head
+
+
+def exact(q, k, v) -> torch.Tensor:
+    """Exact attention of one query token per sequence, float64, GQA by repeating K/V heads."""
+    group = q.shape[1] // k.shape[1]
+    k64, v64 = (x.double().repeat_interleave(group, dim=1) for x in (k, v))
+    s = q.double() @ k64.transpose(-1, -2) * q.shape[-1] ** -0.5
+    return torch.softmax(s, dim=-1) @ v64
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seqlens", default="1k,8k,32k,128k")
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--groups", default="4,8", help="query heads per KV head")
+    ap.add_argument("--out", action="append", default=[])
+    args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    seqlens = parse_seqlens(args.seqlens)
+    batches = [int(b) for b in args.batches.split(",")]
+    groups = [int(g) for g in args.groups.split(",")]
+    kv_heads, d, page = KV_HEADS, HEAD_DIM, PAGE
+    if not cuda:
+        print("NO CUDA: timing the PyTorch reference at N=200, batch 2, 2 KV heads, D=64 (not a "
+              "kernel benchmark)", file=sys.stderr)
+        seqlens, batches, groups, kv_heads, d, page = [200], [2], [2], 2, 64, 16
+    timer = timer_for(cuda)
+    rows = []
+    for n in seqlens:
+        for batch in batches:
+            for group in groups:
+                rows += configuration(n, batch, group, kv_heads, d, page, device, timer)
+    meta = make_metadata(device=device, mode="decode",
+                         protocol={"kv_heads": kv_heads, "d": d, "page": page,
+                                   "bandwidth_floor": COPY_BANDWIDTH})
+    table = render(rows)
+    save_script_results(args.out, "decode", {**meta, "rows": rows}, table)
+    print(table)
+    return 0 if all(r["status"] == "ok" for r in rows) else 1
+
+
+def configuration(n, batch, group, kv_heads, d, page, device, timer) -> list[dict]:
+    """The rows of one (N, batch, GQA) configuration: SDPA on fp16 K/V, then the 8-bit cache."""
+    base = {"N": n, "batch": batch, "gqa": f"{group}:1"}
+    g = torch.Generator(device=device).manual_seed(n + batch + group)
+    shape = (batch, kv_heads, n, d)
+    k = (torch.randn(shape, generator=g, device=device)
+         + 2 * torch.randn(batch, kv_heads, 1, d, generator=g, device=device)).half()
+    v = torch.randn(shape, generator=g, device=device).half()
+    q = torch.randn(batch, kv_heads * group, 1, d, generator=g, device=device).half()
+    want = exact(q, k, v)
+    rows = []
+
+    def record(method, step, nbytes):
+        try:
+            out = step()
+            ms = timer(step)
+            rows.append({**base, "method": method, "ms": ms, "bytes": nbytes,
+                         "floor_ms": nbytes / COPY_BANDWIDTH * 1e3,
+                         "tb_per_s": nbytes / ms * 1e-9, "cosine": cosine_similarity(out, want),
+                         "status": "ok"})
+        except Exception as exc:  # noqa: BLE001 - a failing method is a row, not a crash
+            rows.append({**base, "method": method,
+                         "status": f"error: {type(exc).__name__}: {exc}"[:300]})
+        print(rows[-1], file=sys.stderr, flush=True)
+
+    with torch.no_grad():
+        record("sdpa_fp16", lambda: torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, enable_gqa=True), fp16_bytes(batch, n, kv_heads, d))
+        cache = lowbit_attn.QuantizedKVCache(1, batch, kv_heads, d, max_tokens=n, page_size=page,
+                                             dtype=torch.float16, device=device)
+        cache.append(0, k, v)
+        del k, v
+        record("kv_int8_fp8", lambda: lowbit_attn.attention_with_kv_cache(q, cache, 0),
+               cache_bytes(batch, n, kv_heads, d, page))
+        rows[-1]["cache_nbytes"] = cache.nbytes()
+    return rows
+
+
+def render(rows: list[dict]) -> str:
+    """Every row, with its speed against the same configuration's SDPA fp16 row."""
+    sdpa = {(r["N"], r["batch"], r["gqa"]): r for r in rows
+            if r["method"] == "sdpa_fp16" and r["status"] == "ok"}
+    lines = ["| N | batch | GQA | method | ms | floor ms | TB/s | × SDPA fp16 | cosine |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        head = f"| {seqlen_label(r['N'])} | {r['batch']} | {r['gqa']} | {r['method']} |"
+        if r["status"] != "ok":
+            lines.append(f"{head} {r['status']} | | | | |")
+            continue
+        ref = sdpa.get((r["N"], r["batch"], r["gqa"]))
+        speed = f"{ref['ms'] / r['ms']:.2f}" if ref else "—"
+        lines.append(f"{head} {r['ms']:.4f} | {r['floor_ms']:.4f} | {r['tb_per_s']:.2f} | "
+                     f"{speed} | {r['cosine']:.5f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
