@@ -120,7 +120,6 @@ def configuration(n, batch, group, kv_heads, d, page, device, timer) -> list[dic
         cache = lowbit_attn.QuantizedKVCache(1, batch, kv_heads, d, max_tokens=n, page_size=page,
                                              dtype=torch.float16, device=device)
         cache.append(0, k, v)
-        del k, v
         record("kv_int8_fp8", lambda: lowbit_attn.attention_with_kv_cache(q, cache, 0),
                cache_bytes(batch, n, kv_heads, d, page))
         rows[-1]["cache_nbytes"] = cache.nbytes()
