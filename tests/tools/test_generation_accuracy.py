@@ -152,7 +152,7 @@ def test_the_cli_refuses_generation_it_cannot_run(argv, message):
 
 def test_smollm2_generation_with_the_cache_agrees_with_exact(tmp_path, capsys):
     """A short run on the real model through the CLI (the issue's size, P=512 and G=256, takes
-    tens of minutes on a CPU: its numbers are in the module's docstring)."""
+    about a minute on an idle 2-core CPU: its numbers are in evaluate_generation's docstring)."""
     try:
         model_accuracy.wheel_dir("smollm2")
     except ImportError as exc:
