@@ -34,6 +34,7 @@ from lowbit_attn.inference import attention
 from lowbit_attn.core.metrics import errors
 from lowbit_attn.core.recipes import RECIPES, Recipe
 from lowbit_attn.inference.naive import exact_attention
+from lowbit_attn.kvcache.recipes import KV_RECIPES
 
 DEFAULT_RECIPES = ("exact", "qk_int8_pv_fp16", "qk_int8_pv_fp8", "qk_fp4_pv_fp4")
 
@@ -296,11 +297,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="instead of synthetic inputs, compare each recipe with exact attention end to end in a "
              "real model (lowbit_attn.tools.model_accuracy; needs transformers and the model wheels)",
     )
+    parser.add_argument(
+        "--generation", action="store_true",
+        help="with --model smollm2: greedy generation with the 8-bit KV cache (QuantizedCache), "
+             "teacher-forced on the exact run's tokens (lowbit_attn.tools.generation_accuracy)",
+    )
+    parser.add_argument("--gen-prompt", type=positive_int, default=512, metavar="P",
+                        help="with --generation: prompt tokens (default 512)")
+    parser.add_argument("--gen-tokens", type=positive_int, default=256, metavar="G",
+                        help="with --generation: generated tokens (default 256)")
+    parser.add_argument("--kv-recipes", nargs="+", default=list(KV_RECIPES),
+                        choices=list(KV_RECIPES), metavar="KV_RECIPE",
+                        help=f"with --generation: KV cache recipes (default: {' '.join(KV_RECIPES)})")
 
 
 def cli_main(args: argparse.Namespace) -> int:
     """Run :func:`evaluate` with parsed :func:`add_arguments` options, print the table; 0 on success.
-    With ``--model``: :func:`lowbit_attn.tools.model_accuracy.cli_main` instead."""
+    With ``--model``: :func:`lowbit_attn.tools.model_accuracy.cli_main` instead (with
+    ``--generation``: :func:`lowbit_attn.tools.generation_accuracy.cli_main`)."""
+    if getattr(args, "generation", False):
+        from lowbit_attn.tools import generation_accuracy
+
+        return generation_accuracy.cli_main(args)
     if getattr(args, "model", None):
         from lowbit_attn.tools import model_accuracy
 
