@@ -10,8 +10,10 @@ import triton
 import triton.language as tl
 
 from lowbit_attn.core.arch import interpreter_enabled
+from lowbit_attn.core.operands import LOG2_FP8_MAX
 
 LN2 = tl.constexpr(0.6931471805599453)
+_LOG2_FP8_MAX = tl.constexpr(LOG2_FP8_MAX)
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,17 @@ def finish_scores(s, cols, nmask, offs_m, causal_offset, ds_base, sdn, HAS_DS: t
             valid = nmask[None, :]
         s = tl.where(valid, s, float("-inf"))
     return s
+
+
+
+@triton.jit
+def p_offset(PV_FP8: tl.constexpr):
+    """What the softmax's exp2 adds to every score, in base 2: log2 448 for E4M3 P̃ (its range
+    used whole), 0 for 16-bit P̃ (``naive.softmax_step``'s ``offset``)."""
+    if PV_FP8:
+        return _LOG2_FP8_MAX
+    else:
+        return 0.0
 
 
 @triton.jit

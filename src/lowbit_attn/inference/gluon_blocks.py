@@ -12,13 +12,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import tma
 
-from lowbit_attn.core.operands import LOG2_FP8_MAX
 from lowbit_attn.core.triton_helpers import (
-    batch_head, finish_rows, finish_scores, online_max, seq_span, store_lse, to_e4m3,
+    batch_head, finish_rows, finish_scores, online_max, p_offset, seq_span, store_lse, to_e4m3,
 )
 
-# Globals read inside @jit functions must be constexpr.
-_LOG2_FP8_MAX = gl.constexpr(LOG2_FP8_MAX)
 
 
 @gluon.jit
@@ -98,16 +95,6 @@ def softmax_block(s_int, ks, qs, m_i, l_i, start_n, offs_m, offs_n, nk, causal_o
     else:
         p = p.to(gl.float16)
     return p, m_new, l_i, alpha
-
-
-@gluon.jit
-def p_offset(PV_FP8: gl.constexpr):
-    """What the exp2 adds to every score, in base 2: log2 448 for E4M3 P̃ (its range used
-    whole), 0 for fp16."""
-    if PV_FP8:
-        return _LOG2_FP8_MAX
-    else:
-        return 0.0
 
 
 @gluon.jit
@@ -228,5 +215,5 @@ def write_rows(acc, m_i, l_i, O, LSE, LSH, VS, VM, CUQ, b, h, hk, nq, NQ, offs_m
                       offs_m < nq, HAS_LSH)
 
 
-__all__ = ["descriptors", "key_scales", "p_offset", "program_sequence",
+__all__ = ["descriptors", "key_scales", "program_sequence",
            "scales_of_rows", "softmax_block", "v_box", "v_operand", "write_rows"]

@@ -14,17 +14,13 @@ import triton
 import triton.language as tl
 
 from lowbit_attn.core.arch import get_capability
-from lowbit_attn.core.operands import LOG2_FP8_MAX, QuantizedQKV, Seqs, dense_seqs
+from lowbit_attn.core.operands import QuantizedQKV, Seqs, dense_seqs
 from lowbit_attn.core.triton_helpers import (
     LaunchConfig, batch_head, bhnd_strides, channel_vector_strides, exact_fp8, finish_rows,
-    finish_scores, key_block_bounds, next_pow2, online_max, row_strides, seq_span, store_lse,
-    strides, to_e4m3, triton_configs,
+    finish_scores, key_block_bounds, next_pow2, online_max, p_offset, row_strides, seq_span,
+    store_lse, strides, to_e4m3, triton_configs,
 )
 from lowbit_attn.quant.tile import quantize_int8_tile
-
-
-# Globals read inside @triton.jit functions must be constexpr.
-_LOG2_FP8_MAX = tl.constexpr(LOG2_FP8_MAX)
 
 
 # Named per architecture; BLOCK_M and BLOCK_N come from the recipe (they are also the per-block
@@ -197,10 +193,7 @@ def _attn_fwd_int8_kernel(
     ds_base = DS
     if HAS_DS:
         ds_base = DS + b * sdb + h * sdh + pid_m * sdq
-    if PV_FP8:
-        offset = _LOG2_FP8_MAX
-    else:
-        offset = 0.0
+    offset = p_offset(PV_FP8)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)

@@ -20,14 +20,12 @@ import triton
 import triton.language as tl
 
 from lowbit_attn.core.arch import interpreter_enabled
-from lowbit_attn.core.operands import LOG2_FP8_MAX, LOG2E
+from lowbit_attn.core.operands import LOG2E
 from lowbit_attn.core.triton_helpers import (
-    LN2, exact_fp8, next_pow2, online_max, strides, to_e4m3, to_int8,
+    LN2, exact_fp8, next_pow2, online_max, p_offset, strides, to_e4m3, to_int8,
 )
 from lowbit_attn.kvcache.pages import PagedLayer
 from lowbit_attn.kvcache.recipes import KVRecipe
-
-_LOG2_FP8_MAX = tl.constexpr(LOG2_FP8_MAX)
 
 # Keys per split (rounded down to whole pages, at least one): a split's pages depend only on its
 # own sequence's length, never on the batch around it, so a sequence's result is the same alone
@@ -91,10 +89,7 @@ def _decode_split_kernel(
     x = tl.load(Q + b * sqb + head[:, None] * sqh + token[:, None] * sqn + offs_d[None, :] * sqd,
                 mask=rmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
     q8, qs = _quantize_rows(x, qk_multiplier)
-    if PV_FP8:
-        offset = _LOG2_FP8_MAX
-    else:
-        offset = 0.0
+    offset = p_offset(PV_FP8)
 
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -181,10 +176,7 @@ def _decode_merge_kernel(
     dmask = offs_d < D
     token = offs_r % N
     head = hk * GROUP + offs_r // N
-    if PV_FP8:
-        offset = _LOG2_FP8_MAX
-    else:
-        offset = 0.0
+    offset = p_offset(PV_FP8)
 
     w = b * smb + hk * smh + offs_r * smr
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)

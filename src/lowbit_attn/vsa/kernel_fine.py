@@ -14,15 +14,13 @@ import triton
 import triton.language as tl
 
 from lowbit_attn.core.arch import get_capability, interpreter_enabled
-from lowbit_attn.core.operands import LOG2_FP8_MAX, QuantizedQKV
+from lowbit_attn.core.operands import QuantizedQKV
 from lowbit_attn.core.triton_helpers import (
-    LaunchConfig, batch_head, exact_fp8, finish_rows, mm, next_pow2, online_max, strides,
-    to_e4m3, triton_configs,
+    LaunchConfig, batch_head, exact_fp8, finish_rows, mm, next_pow2, online_max, p_offset,
+    strides, to_e4m3, triton_configs,
 )
 
 LOG2E = tl.constexpr(1.4426950408889634)
-_LOG2_FP8_MAX = tl.constexpr(LOG2_FP8_MAX)
-
 CONFIGS = {
     "interpreter": [LaunchConfig(4, 1)],
     "sm_80": [LaunchConfig(4, 2), LaunchConfig(8, 2)],
@@ -100,10 +98,7 @@ def _vsa_fwd_kernel(
     if INT8_QK:
         qs = tl.load(QS + b * sqsb + h * sqsh + pid_t.to(tl.int64) * sqst + offs_s * sqss,
                      mask=offs_s < cnt_q, other=0.0)
-    if PV_FP8:
-        offset = _LOG2_FP8_MAX
-    else:
-        offset = 0.0
+    offset = p_offset(PV_FP8)
     m_i = tl.full([TS], float("-inf"), tl.float32)
     l_i = tl.zeros([TS], dtype=tl.float32)
     acc = tl.zeros([TS, BLOCK_D], dtype=tl.float32)
