@@ -105,7 +105,8 @@ def test_any_chunking_stores_the_same_bits(chunks, recipe, size):
 def test_nbytes_is_at_most_0_56_of_an_fp16_cache():
     """At N = 4096, D = 128, pages of 64: K and V 1 byte per value, plus per-token K scales
     (4 bytes per token and head), per-page V scales (4·D bytes per page and head), each sequence's
-    open page of V in fp16, μ, the block table and the lengths: 0.531 of fp16's 2·B·Hkv·N·D·2."""
+    open page of V in fp16, μ and the balancing statistics, the block table and the lengths:
+    0.532 of fp16's 2·B·Hkv·N·D·2."""
     b, hkv, n, d = 2, 2, 4096, 128
     cache = lowbit_attn.QuantizedKVCache(1, b, hkv, d, max_tokens=n, page_size=64)
     layer = cache.layers[0]
@@ -127,6 +128,31 @@ def test_reset_empties_every_sequence_and_frees_every_page():
     torch.testing.assert_close(cache.sequence(0, 1).k_mean, k[1, :, 3:].float().mean(dim=1))
 
 
+def test_the_first_append_freezes_the_balancing_statistics():
+    """μ, max|Q| (over the group's query heads and the valid tokens) and max|K - μ| come from a
+    sequence's first append and stay; a later append's queries are not read; K is stored as
+    ``(K - μ)/α`` (so a token equal to μ + α·c is stored as c, to the INT8 step)."""
+    k, v = kv(5)
+    q = torch.randn(2, 4, 5, 64).half()
+    valid = torch.tensor([[True] * 5, [False, True, True, True, True]])
+    cache = lowbit_attn.QuantizedKVCache(1, 2, 2, 64, max_tokens=10, page_size=4)
+    cache.append(0, k, v, valid=valid, q=q)
+    layer = cache.layers[0]
+    frozen = [t.clone() for t in (layer.k_mean, layer.q_amax, layer.k_amax)]
+    want_q = q.float().abs()[1, :, 1:].amax(dim=1).view(2, 2, 64).amax(dim=1)  # sequence 1
+    assert torch.equal(layer.q_amax[1], want_q)
+    mean = k[1, :, 1:].float().mean(dim=1)
+    torch.testing.assert_close(layer.k_amax[1], (k[1, :, 1:].float() - mean[:, None]).abs().amax(1))
+    cache.append(0, k, v, q=100 * q)
+    for before, now in zip(frozen, (layer.k_mean, layer.q_amax, layer.k_amax)):
+        assert torch.equal(before, now)
+    seq = cache.sequence(0, 0)
+    alpha = torch.sqrt(layer.k_amax[0] / layer.q_amax[0])
+    stored = seq.k.float() * seq.k_scale[..., None] * alpha[:, None]
+    torch.testing.assert_close(stored + seq.k_mean[:, None], k[0].float().repeat(1, 2, 1),
+                               atol=float((seq.k_scale[..., None] * alpha[:, None]).max()), rtol=0)
+
+
 def bad_appends():
     k, v = kv(5)
     yes = torch.ones(2, 5, dtype=torch.bool)
@@ -146,6 +172,13 @@ def bad_appends():
         pytest.param(dict(valid=yes[:, :4]), ValueError, "valid must be a bool tensor", id="valid-n"),
         pytest.param(dict(valid=[[True] * 5] * 2), TypeError, "valid must be a torch.Tensor",
                      id="valid-list"),
+        pytest.param(dict(q=torch.zeros(2, 3, 5, 64, dtype=torch.float16)), ValueError,
+                     "q must have shape", id="q-heads"),
+        pytest.param(dict(q=torch.zeros(2, 4, 4, 64, dtype=torch.float16)), ValueError,
+                     "n=5", id="q-tokens"),
+        pytest.param(dict(q=torch.zeros(2, 4, 5, 64)), TypeError, "q must have the cache's dtype",
+                     id="q-dtype"),
+        pytest.param(dict(q=torch.zeros(2, 4, 5)), ValueError, "q must have 4 dimensions", id="q-3d"),
         # sequence 0 fits (5 + 3 <= 8), sequence 1 does not (4 + 5): neither is written
         pytest.param(dict(valid=torch.tensor([[True] * 3 + [False] * 2, [True] * 5])), ValueError,
                      "would pass max_tokens=8 for sequence 1", id="past-max-tokens"),
@@ -158,9 +191,9 @@ def test_a_refused_append_names_its_argument_and_changes_nothing(change, error, 
     cache = lowbit_attn.QuantizedKVCache(2, 2, 2, 64, max_tokens=8, page_size=4)
     cache.append(0, k, v, valid=torch.tensor([[True] * 5, [False, True, True, True, True]]))
     before = state(cache)
-    args = dict(layer=0, k=k, v=v, valid=None) | change
+    args = dict(layer=0, k=k, v=v, valid=None, q=None) | change
     with pytest.raises(error, match=re.escape(message)):
-        cache.append(args["layer"], args["k"], args["v"], valid=args["valid"])
+        cache.append(args["layer"], args["k"], args["v"], valid=args["valid"], q=args["q"])
     assert same_state(before, state(cache))
 
 

@@ -42,9 +42,12 @@ LSE_RTOL = 1e-5
 UNIT_ROUNDOFF = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -7, torch.float32: 0.0}
 
 
-def build(lengths, kv_heads: int, head_dim: int, recipe: str, dtype, device, seed: int = 0):
+def build(lengths, kv_heads: int, head_dim: int, recipe: str, dtype, device, seed: int = 0,
+          prompt_heads: int | None = None):
     """A one-layer cache holding ``lengths[b]`` tokens of sequence ``b`` (K with a per-channel
-    bias, so that μ matters), stored by one padded append. Returns ``(cache, max|V|)``."""
+    bias, so that μ matters), stored by one padded append; with ``prompt_heads``, the append is
+    given queries of that many heads (Q's channel 0 and K's channel 1 ×8, so that the balancing
+    factors are far from 1). Returns ``(cache, max|V|)``."""
     g = torch.Generator().manual_seed(seed)
     batch, longest = len(lengths), max(max(lengths), 1)
     cache = lowbit_attn.QuantizedKVCache(1, batch, kv_heads, head_dim, max_tokens=4 * PAGE,
@@ -55,7 +58,13 @@ def build(lengths, kv_heads: int, head_dim: int, recipe: str, dtype, device, see
                                                             generator=g)
     v = torch.randn(shape, generator=g)
     valid = torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]
-    cache.append(0, k.to(device, dtype), v.to(device, dtype), valid=valid.to(device))
+    q = None
+    if prompt_heads is not None:
+        k[..., 1] *= 8.0
+        q = torch.randn(batch, prompt_heads, longest, head_dim, generator=g)
+        q[..., 0] *= 8.0
+        q = q.to(device, dtype)
+    cache.append(0, k.to(device, dtype), v.to(device, dtype), valid=valid.to(device), q=q)
     return cache, float(v.to(dtype).abs().max())
 
 
@@ -82,11 +91,17 @@ CASES = [  # lengths, kv heads, GQA group, head dim, n, dtype
 ]
 
 
+@pytest.mark.parametrize("balanced", [False, True], ids=["", "balanced"])
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("lengths, kv_heads, group, head_dim, n, dtype", CASES)
 def test_kernel_matches_the_twin_for_every_split_size(device, recipe, lengths, kv_heads, group,
-                                                      head_dim, n, dtype):
-    cache, vmax = build(lengths, kv_heads, head_dim, recipe, dtype, device.name)
+                                                      head_dim, n, dtype, balanced):
+    cache, vmax = build(lengths, kv_heads, head_dim, recipe, dtype, device.name,
+                        prompt_heads=kv_heads * group if balanced else None)
+    if balanced:  # the factors differ from 1 (the appended queries and keys had outliers)
+        longest, layer = lengths.index(max(lengths)), cache.layers[0]
+        assert layer.q_amax[longest, :, 0].min() > 2 * layer.q_amax[longest, :, 2:].max()
+        assert layer.k_amax[longest, :, 1].min() > 2 * layer.k_amax[longest, :, 2:].max()
     q = queries(len(lengths), kv_heads * group, n, head_dim, dtype, device.name)
     layer, scale = cache.layers[0], head_dim ** -0.5
     ref, ref_lse = attention_with_kv_cache_naive(q, layer, cache.recipe, scale=scale)
@@ -108,7 +123,7 @@ def test_kernel_matches_the_twin_for_every_split_size(device, recipe, lengths, k
 def test_one_page_and_one_split_give_the_twin_to_fp32_rounding(device, recipe):
     """One split over one page: the running maximum is the global one, so P̃ is the twin's bit for
     bit and the merge divides by ``2^0 = 1``; only the fp32 order of sums differs."""
-    cache, vmax = build((PAGE, 9), 2, 64, recipe, torch.float32, device.name)
+    cache, vmax = build((PAGE, 9), 2, 64, recipe, torch.float32, device.name, prompt_heads=8)
     q = queries(2, 8, 3, 64, torch.float32, device.name)
     ref, ref_lse = attention_with_kv_cache_naive(q, cache.layers[0], cache.recipe, scale=0.125)
     out, lse = kernel_decode.attention(q, cache.layers[0], cache.recipe, scale=0.125,
@@ -208,9 +223,9 @@ AOT_CASES = [  # recipe, cache dtype, n (D=128, 64-token pages, GQA 8)
 @pytest.mark.parametrize("recipe, dtype, n", AOT_CASES)
 def test_the_kernels_compile_for_sm_90a_without_spills(monkeypatch, recipe, dtype, n):
     """Compiled ahead of time from a recorded launch, with the GPU's flags (not the
-    interpreter's). Measured 2026-11-25 (Triton 3.6, 4 warps; rows ≤ 32, so mma.sync, not wgmma):
-    split kernel 187 (fp8, bf16, n=1), 208 (int8, bf16, n=1), 239 (fp8, fp16, n=4), 251 (int8,
-    fp16, n=4) registers; the merge kernel 64-96. An fp32 cache (the open page's fp32 FMA product)
+    interpreter's). Measured 2026-11-25 (Triton 3.6, 4 warps; rows ≤ 32, so mma.sync, not wgmma;
+    with Q's balancing): split kernel 190 (fp8, bf16, n=1), 211 (int8, bf16, n=1), 232 (fp8,
+    fp16, n=4), 240 (int8, fp16, n=4) registers; the merge kernel 64-96. An fp32 cache (the open page's fp32 FMA product)
     spills about 5 KB: not covered here."""
     from lowbit_attn.tools import aot
 

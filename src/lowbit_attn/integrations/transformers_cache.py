@@ -14,7 +14,8 @@
 
 How a step flows: the model calls ``cache.update(k, v, layer)``, which stores nothing yet and
 returns a pair of :class:`PendingKV` markers; the attention function recognises them, reads which
-of the new tokens are padding from the 4D mask, appends the rest to the 8-bit pages, and attends
+of the new tokens are padding from the 4D mask, appends the rest to the 8-bit pages (with the
+step's queries: a sequence's first step, its prompt, freezes its Q/K channel balancing), and attends
 against the stored tokens (causal, bottom-right). Nothing else can read a marker as a tensor: any
 other attention implementation that touches one raises. Reading the mask and the stored lengths
 happens on the host: a synchronisation per layer and step (the mask is checked, not trusted).
@@ -294,7 +295,7 @@ def attend(module, query: torch.Tensor, key: PendingKV, value: PendingKV, attent
     if query.shape[0] != k.shape[0] or query.shape[2] != n:
         _refuse(f"query {tuple(query.shape)} does not match the step's keys {tuple(k.shape)}")
     valid = _new_token_validity(attention_mask, layer, n)
-    layer.store.append(layer.layer_idx, k, v, valid=valid)
+    layer.store.append(layer.layer_idx, k, v, valid=valid, q=query)  # q: frozen balancing
     layer.pending = None
     out = attention_with_kv_cache(query, layer.store, layer.layer_idx, scale=scaling)
     return out.transpose(1, 2).contiguous(), None

@@ -13,7 +13,7 @@ import torch
 
 from lowbit_attn.core import checks
 from lowbit_attn.kvcache.pages import PagedLayer, StoredSequence, stored_sequence
-from lowbit_attn.kvcache.quantize import key_mean, quantize_keys, quantize_v_page
+from lowbit_attn.kvcache.quantize import frozen_stats, quantize_keys, quantize_v_page
 from lowbit_attn.kvcache.recipes import get_kv_recipe
 
 
@@ -41,7 +41,8 @@ class QuantizedKVCache:
 
     Storage per layer (``pages.PagedLayer``): K int8 ``[num_pages, Hkv, page_size, D]`` and its
     per-token scales; V ``[num_pages, Hkv, page_size, D]`` and its per-page channel scales; each
-    sequence's open page of V in ``dtype``; μ per (sequence, head); the block table int32
+    sequence's open page of V in ``dtype``; μ and the balancing statistics per (sequence, head);
+    the block table int32
     ``[B, max_pages_per_seq]`` (-1 unused); the lengths.
     """
 
@@ -108,7 +109,7 @@ class QuantizedKVCache:
             layer.reset()
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, *,
-               valid: torch.Tensor | None = None) -> None:
+               valid: torch.Tensor | None = None, q: torch.Tensor | None = None) -> None:
         """Store ``n`` new tokens per sequence at the end of each sequence of ``layer``.
 
         Args:
@@ -116,19 +117,27 @@ class QuantizedKVCache:
                 dtype and on its device; neither is modified.
             valid: optional bool ``[B, n]``: tokens marked False are not stored (the padding of a
                 left- or right-padded batch); each sequence stores its valid tokens in order.
+            q: optional ``[B, Hq, n, D]``, the same tokens' queries (``Hq`` a multiple of
+                ``Hkv``): read only by a sequence's first append, whose statistics are frozen
+                (``μ``, and with ``q`` the Q/K channel balancing: ``quantize.py``). Give the
+                prompt's queries: on inputs with outlier channels they are worth an order of
+                magnitude in ``1 - cosine``.
         Raises:
             TypeError / ValueError naming the argument, with nothing stored, for a layer out of
             range, a wrong shape, dtype or device, or a sequence that would pass ``max_tokens``.
         """
         store = self.layers[self.layer_index(layer)]
-        counts = self._check_append(store, k, v, valid)
+        counts = self._check_append(store, k, v, valid, q)
         lengths = store.lengths.tolist()
         tokens = [torch.arange(k.shape[2], device=self.device) if valid is None
                   else valid[b].nonzero().flatten() for b in range(self.batch)]
         for b in range(self.batch):
-            if lengths[b] == 0 and counts[b] > 0:  # the sequence's first tokens set its μ
-                store.k_mean[b] = key_mean(k[b : b + 1, :, tokens[b]])[0]
-        k8, k_scale = quantize_keys(k, store.k_mean)
+            if lengths[b] == 0 and counts[b] > 0:  # the sequence's first tokens freeze its stats
+                stats = frozen_stats(k[b : b + 1, :, tokens[b]],
+                                     None if q is None else q[b : b + 1, :, tokens[b]])
+                for frozen, value in zip((store.k_mean, store.q_amax, store.k_amax), stats):
+                    frozen[b] = value[0]
+        k8, k_scale = quantize_keys(k, store.k_mean, store.q_amax, store.k_amax)
         for b in range(self.batch):
             self._write(store, b, lengths[b], tokens[b], k8[b], k_scale[b], v[b])
         store.lengths += torch.tensor(counts, dtype=torch.int64, device=self.device)
@@ -156,14 +165,18 @@ class QuantizedKVCache:
             pos += take
             done += take
 
-    def _check_append(self, store: PagedLayer, k, v, valid) -> list[int]:
+    def _check_append(self, store: PagedLayer, k, v, valid, q) -> list[int]:
         """Every check of an append; returns the tokens each sequence stores."""
-        for name, x in (("k", k), ("v", v)):
+        for name, x in (("k", k), ("v", v), ("q", q)):
+            if x is None:
+                continue
             checks.tensor(name, x, 4)
             if x.dtype != self.dtype:
                 raise TypeError(f"{name} must have the cache's dtype {self.dtype}, got {x.dtype}")
             if x.device != self.device:
                 raise ValueError(f"{name} must be on the cache's device {self.device}, got {x.device}")
+            if name == "q":
+                continue
             want = (self.batch, self.kv_heads, x.shape[2], self.head_dim)
             if tuple(x.shape) != want or x.shape[2] < 1:
                 raise ValueError(
@@ -173,6 +186,12 @@ class QuantizedKVCache:
             raise ValueError(
                 f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
         n = k.shape[2]
+        if q is not None:
+            b, hq, nq, d = q.shape
+            if (b, nq, d) != (self.batch, n, self.head_dim) or hq == 0 or hq % self.kv_heads:
+                raise ValueError(
+                    f"q must have shape [batch={self.batch}, Hq (a multiple of kv_heads="
+                    f"{self.kv_heads}), n={n}, head_dim={self.head_dim}], got {tuple(q.shape)}")
         if valid is None:
             counts = [n] * self.batch
         else:

@@ -33,7 +33,8 @@ def attention_with_kv_cache(q: torch.Tensor, cache: QuantizedKVCache, layer: int
         steps, ``n = 1``, are aligned either way); a row that sees no key gives 0 and LSE ``-inf``.
 
     Numerics: ``lowbit_attn/kvcache/naive.py`` (INT8 Q·Kᵀ per token with K smoothed by its frozen
-    prompt mean; P̃ in E4M3 or fp16; V per page per channel).
+    prompt mean and Q, K balanced by the factors frozen with it; P̃ in E4M3 or fp16; V per page
+    per channel).
     """
     if not isinstance(cache, QuantizedKVCache):
         raise TypeError(f"cache must be a QuantizedKVCache, got {type(cache).__name__}")

@@ -2,7 +2,8 @@
 
 ``_decode_split_kernel``: one program per (sequence, KV head, split). Its rows are the GQA group's
 query heads × the ``n`` query tokens (row ``r`` = head ``r // n`` of the group, token ``r % n``),
-padded to ``BLOCK_R ≥ 16`` for ``tl.dot``. A split covers a contiguous range of the sequence's
+padded to ``BLOCK_R ≥ 16`` for ``tl.dot``; the rows are multiplied by the sequence's balancing factors and
+quantized to INT8 per row. A split covers a contiguous range of the sequence's
 pages; each page is looked up in the block table, its INT8 K and per-token scales give
 ``S = ((Q̂·K̂ᵀ)·s_k)·s_q`` in fp32 (base 2), an online softmax runs over the split's pages, and
 each page's ``P̃·V̂`` is a fresh fp32 product times the page's per-channel V scale (the open page:
@@ -26,6 +27,7 @@ from lowbit_attn.core.triton_helpers import (
 )
 from lowbit_attn.kvcache.pages import PagedLayer
 from lowbit_attn.kvcache.recipes import KVRecipe
+from lowbit_attn.quant.tile import balance_multiplier
 
 # Keys per split (rounded down to whole pages, at least one): a split's pages depend only on its
 # own sequence's length, never on the batch around it, so a sequence's result is the same alone
@@ -46,14 +48,15 @@ def _quantize_rows(x, qk_multiplier):
 
 @triton.jit
 def _decode_split_kernel(
-    Q, K, KS, V, VS, VO, BT, LEN, WACC, WM, WL,
-    q_strides, k_strides, ks_strides, v_strides, vs_strides, vo_strides, bt_strides,
+    Q, AQ, AK, K, KS, V, VS, VO, BT, LEN, WACC, WM, WL,
+    q_strides, amax_strides, k_strides, ks_strides, v_strides, vs_strides, vo_strides, bt_strides,
     wacc_strides, wml_strides, qk_multiplier, N, GROUP, D, pages_per_split,
     PAGE: tl.constexpr, PV_FP8: tl.constexpr, EXACT_FP8: tl.constexpr,
     OPEN_MODE: tl.constexpr, EMU_FP32: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Strides: ``Q`` (batch, head, token, dim); the pools ``K``, ``V`` (page, head, slot, dim),
+    """Strides: ``Q`` (batch, head, token, dim); the frozen balancing statistics ``AQ``, ``AK``
+    (batch, head; unit stride over dim); the pools ``K``, ``V`` (page, head, slot, dim),
     ``KS`` (page, head, slot), ``VS`` (page, head, dim); the open pages ``VO`` (batch, head, slot,
     dim); ``BT`` (batch, page); the workspace ``WACC`` (batch, head, split, row, dim), ``WM`` and
     ``WL`` (batch, head, split, row)."""
@@ -88,7 +91,9 @@ def _decode_split_kernel(
 
     x = tl.load(Q + b * sqb + head[:, None] * sqh + token[:, None] * sqn + offs_d[None, :] * sqd,
                 mask=rmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-    q8, qs = _quantize_rows(x, qk_multiplier)
+    balance = balance_multiplier(AQ, AK, b, hk, offs_d, D, amax_strides, amax_strides, 1,
+                               ROLE=1, BLOCK_D=BLOCK_D)  # statistics per KV head: a group of 1
+    q8, qs = _quantize_rows(x * balance[None, :], qk_multiplier)
     offset = p_offset(PV_FP8)
 
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
@@ -242,10 +247,10 @@ def attention(q: torch.Tensor, layer: PagedLayer, recipe: KVRecipe, *, scale: fl
     elif not pv_fp8 and layer.v_open.dtype == torch.bfloat16:
         open_mode = 2  # one fp32 FMA product there spills (ptxas, sm_90a, D=128)
     _decode_split_kernel[(bsz, hkv, num_splits)](
-        Q=q, K=layer.k, KS=layer.k_scale, V=layer.v, VS=layer.v_scale, VO=layer.v_open,
+        Q=q, AQ=layer.q_amax, AK=layer.k_amax, K=layer.k, KS=layer.k_scale, V=layer.v, VS=layer.v_scale, VO=layer.v_open,
         BT=layer.block_table, LEN=layer.lengths, WACC=wacc, WM=wm, WL=wl,
-        q_strides=strides(q, 4), k_strides=strides(layer.k, 4),
-        ks_strides=strides(layer.k_scale, 3), v_strides=strides(layer.v, 4),
+        q_strides=strides(q, 4), amax_strides=layer.q_amax.stride()[:2],
+        k_strides=strides(layer.k, 4), ks_strides=strides(layer.k_scale, 3), v_strides=strides(layer.v, 4),
         vs_strides=strides(layer.v_scale, 3), vo_strides=strides(layer.v_open, 4),
         bt_strides=strides(layer.block_table, 2), wacc_strides=strides(wacc, 5),
         wml_strides=strides(wm, 4), qk_multiplier=scale * LOG2E, N=n, GROUP=group, D=d,

@@ -5,12 +5,13 @@ For queries ``q [B, Hq, n, D]`` (``Hq`` a multiple of ``Hkv``) and sequence ``b`
 tokens, query row ``i`` sees the first ``L - n + i + 1`` stored tokens (causal, aligned
 bottom-right: the queries are the last ``n`` tokens appended); ``scale`` defaults to ``D**-0.5``.
 
-1. Q: INT8 per token (row), ``s_q = max|q|/127`` times ``scale·log2 e`` (the scale folded into
-   Q's scales, as the ``qk_int8_pv_*`` recipes do; ``quant.int8_naive.quantize_int8``).
+1. Q: times the sequence's frozen balancing factors ``α`` (fp32; ``α = 1`` without them), then
+   INT8 per token (row), ``s_q = max|qα|/127`` times ``scale·log2 e`` (the scale folded into Q's
+   scales, as the ``qk_int8_pv_*`` recipes do; ``kvcache.quantize.quantize_queries``).
 2. Scores in base 2: ``S = ((Q̂·K̂ᵀ) · s_k) · s_q`` in fp32, the key scale first, then the query
    row's (the per-token order of ``inference.naive.quantized_attention``); the integer products
-   summed in fp32 are exact (``127²·D < 2^24``). K is stored as ``K - μ``: S lacks ``q·μ``,
-   the same for every key of a row, which softmax ignores.
+   summed in fp32 are exact (``127²·D < 2^24``). K is stored as ``(K - μ)/α``: S lacks
+   ``q·μ``, the same for every key of a row, which softmax ignores.
 3. ``m`` = the row maximum of S over every visible key (no online softmax: one maximum per row).
 4. ``P̃ = exp2(S - m + o)`` with ``o = log2 448`` for ``kv_int8_fp8`` (P̃ in [0, 448], rounded
    to E4M3) and ``o = 0`` for ``kv_int8_int8`` (P̃ in [0, 1], rounded to fp16), as
@@ -30,8 +31,9 @@ import torch
 from lowbit_attn.core.operands import LOG2_FP8_MAX, LOG2E
 from lowbit_attn.inference.naive import expand_heads, finish, lse_shift, visible
 from lowbit_attn.kvcache.pages import PagedLayer, stored_sequence
+from lowbit_attn.kvcache.quantize import quantize_queries
 from lowbit_attn.kvcache.recipes import KVRecipe
-from lowbit_attn.quant.int8_naive import quantize_int8, to_e4m3
+from lowbit_attn.quant.int8_naive import to_e4m3
 
 
 def attention_with_kv_cache_naive(
@@ -42,7 +44,7 @@ def attention_with_kv_cache_naive(
     Returns:
         ``(out fp32 [B, Hq, n, D], lse fp32 [B, Hq, n])``.
     """
-    q8, q_scale = quantize_int8(q, granularity="per_token", block=1, scale_multiplier=scale * LOG2E)
+    q8, q_scale = quantize_queries(q, layer.q_amax, layer.k_amax, scale * LOG2E)
     outs, lses = [], []
     for b in range(q.shape[0]):
         out, lse = _one_sequence(q[b : b + 1], q8[b : b + 1], q_scale[b : b + 1],

@@ -48,6 +48,9 @@ class PagedLayer:
         v_open: ``[B, Hkv, page_size, D]`` in the cache's dtype: V of each sequence's open (last,
             not yet full) page, exact.
         k_mean: fp32 ``[B, Hkv, D]``: μ, set by a sequence's first stored tokens.
+        q_amax, k_amax: fp32 ``[B, Hkv, D]``: the balancing statistics, set with μ: ``max|Q|``
+            over the first append's queries of the KV head's group (0 when none were given: no
+            balancing) and ``max|K - μ|`` over its keys (``quantize.py``).
         block_table: int32 ``[B, max_pages_per_seq]``: page ids in order, -1 where unused.
         lengths: int64 ``[B]``: tokens stored per sequence.
         free: the pool's free list.
@@ -59,6 +62,8 @@ class PagedLayer:
     v_scale: torch.Tensor
     v_open: torch.Tensor
     k_mean: torch.Tensor
+    q_amax: torch.Tensor
+    k_amax: torch.Tensor
     block_table: torch.Tensor
     lengths: torch.Tensor
     free: FreePages
@@ -76,6 +81,8 @@ class PagedLayer:
             v_scale=torch.empty((num_pages, kv_heads, head_dim), dtype=torch.float32, **on),
             v_open=torch.empty((batch, kv_heads, page_size, head_dim), dtype=dtype, **on),
             k_mean=torch.empty((batch, kv_heads, head_dim), dtype=torch.float32, **on),
+            q_amax=torch.empty((batch, kv_heads, head_dim), dtype=torch.float32, **on),
+            k_amax=torch.empty((batch, kv_heads, head_dim), dtype=torch.float32, **on),
             block_table=torch.empty((batch, max_pages_per_seq), dtype=torch.int32, **on),
             lengths=torch.empty((batch,), dtype=torch.int64, **on),
             free=FreePages(num_pages),
@@ -85,11 +92,15 @@ class PagedLayer:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in
-                ("k", "k_scale", "v", "v_scale", "v_open", "k_mean", "block_table", "lengths")}
+                ("k", "k_scale", "v", "v_scale", "v_open", "k_mean", "q_amax", "k_amax",
+                              "block_table", "lengths")}
 
     def reset(self) -> None:
-        """Every sequence empty, every page free (page contents are left as they are: unread)."""
+        """Every sequence empty, every page free (page contents are left as they are: unread;
+        the balancing statistics read 0, no balancing, until a sequence's next first append)."""
         self.block_table.fill_(-1)
+        self.q_amax.zero_()
+        self.k_amax.zero_()
         self.lengths.zero_()
         self.free.reset()
 

@@ -6,9 +6,17 @@ whose helpers do every step here).
   token gives ``μ`` = that token), then frozen: every token is stored as ``K - μ``. Softmax
   ignores a vector subtracted from every key (each score of a query row moves by ``q·μ``); the
   LSE adds ``scale·q·μ`` back.
-- **K**: INT8 per token, ``s = max|K - μ| / 127`` over the head dim, ``round_half_even``, clamped
-  to ±127 (a zero row gets the scale 1; a non-finite row a NaN scale). Done at append time: every
-  stored K token is INT8.
+- **Q/K balancing**, frozen with ``μ`` from the same tokens: per (sequence, KV head, channel),
+  ``α = sqrt(max|K - μ| / max|Q|)``, Q's maximum over the queries of the first append
+  (``append(..., q=)``) and over the query heads of the KV head's group (``α = 1`` where either
+  side is 0, and everywhere when no queries were given). K is stored as ``(K - μ)/α`` and every
+  query is multiplied by ``α`` before its quantization: ``(Qα)·((K - μ)/α)ᵀ = Q·(K - μ)ᵀ``
+  exactly, while a channel in which K (or Q) carries outliers no longer sets the INT8 step of
+  every token (or query row); ``quant.int8_naive.balance_factors``, as in the dense recipes, whose
+  statistics come from the whole call instead of the prompt.
+- **K**: INT8 per token, ``s = max|(K - μ)/α| / 127`` over the head dim, ``round_half_even``,
+  clamped to ±127 (a zero row gets the scale 1; a non-finite row a NaN scale). Done at append
+  time: every stored K token is INT8.
 - **V**: one scale per (page, head, channel) over the page's tokens, ``amax/448`` to E4M3 or
   ``amax/127`` to INT8, computed once, when the page fills. Until then the sequence's open page
   keeps V as it came (the cache's dtype).
@@ -22,17 +30,35 @@ from lowbit_attn.kvcache.recipes import KVRecipe
 from lowbit_attn.quant.int8_naive import channel_stats, convert_v, quantize_int8
 
 
-def key_mean(k: torch.Tensor) -> torch.Tensor:
-    """``μ`` fp32 ``[B, H, D]``: the mean of ``k [B, H, n, D]`` over its tokens (``n ≥ 1``)."""
-    mean, _ = channel_stats(k, center="mean")
-    return mean
+def frozen_stats(k: torch.Tensor, q: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The statistics a sequence's first append freezes, from its tokens ``k [B, Hkv, n, D]``
+    (``n ≥ 1``) and their queries ``q [B, Hq, n, D]`` or ``None``: ``(μ, max|Q|, max|K - μ|)``,
+    each fp32 ``[B, Hkv, D]``; ``max|Q|`` is over the tokens and the query heads of each KV head's
+    group, 0 without queries."""
+    mean, k_amax = channel_stats(k, center="mean")
+    if q is None:
+        return mean, torch.zeros_like(k_amax), k_amax
+    _, q_amax = channel_stats(q, center="none")
+    b, hq, d = q_amax.shape
+    return mean, q_amax.view(b, k.shape[1], hq // k.shape[1], d).amax(dim=2), k_amax
 
 
-def quantize_keys(k: torch.Tensor, mean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``k [B, H, n, D]`` less ``mean [B, H, D]`` → ``(int8 [B, H, n, D], scales fp32 [B, H, n])``,
-    one scale per token. Each token's row is quantized on its own: the same row gives the same bits
-    whatever else is in the batch."""
-    return quantize_int8(k, granularity="per_token", block=1, center=mean)
+def quantize_keys(k: torch.Tensor, mean: torch.Tensor, q_amax: torch.Tensor,
+                  k_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(k [B, H, n, D] - mean [B, H, D])/α`` → ``(int8 [B, H, n, D], scales fp32 [B, H, n])``,
+    one scale per token, ``α`` from the frozen ``q_amax``, ``k_amax [B, H, D]``. Each token's row
+    is quantized on its own: the same row gives the same bits whatever else is in the batch."""
+    return quantize_int8(k, granularity="per_token", block=1, center=mean,
+                         balance=(q_amax, k_amax), balance_role="k")
+
+
+def quantize_queries(q: torch.Tensor, q_amax: torch.Tensor, k_amax: torch.Tensor,
+                     multiplier: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q [B, Hq, n, D]`` times ``α`` (from the frozen ``[B, Hkv, D]`` statistics) → ``(int8,
+    scales fp32 [B, Hq, n])``, per token (row), the scales times ``multiplier``."""
+    return quantize_int8(q, granularity="per_token", block=1, balance=(q_amax, k_amax),
+                         balance_role="q", scale_multiplier=multiplier)
 
 
 def quantize_v_page(v: torch.Tensor, recipe: KVRecipe) -> tuple[torch.Tensor, torch.Tensor]:

