@@ -75,6 +75,38 @@ def test_sm120_runs_both_products_on_mma_sync_block_scaled_fp4(compiled, recipe)
     assert r.spills == 0, describe(r)
 
 
+# The key-block loop of the native kernels (BLOCK_M=128, BLOCK_N=64, D=128, 8 warps: 32 scores per
+# thread per tile; non-causal), instructions per thread per tile, measured 2026-11-25 (Triton 3.6's
+# ptxas and cuobjdump) before and after P̃'s E2M1 rounding moved from fp32 arithmetic (~20 operations
+# per value) to the hardware conversion (``quant.fp4.e2m1_pack``: one F2FP per two values):
+#                       arithmetic   cvt.rn.satfinite.e2m1x2
+#   sm_100a  NVFP4         1225          773
+#            MXFP4         1074          644
+#   sm_120a  NVFP4         2196         1457
+#            MXFP4         1644          925
+# The bars: the measured counts plus 5 %.
+KEY_LOOP_BUDGET = {("sm_100a", "qk_fp4_pv_fp4"): 812, ("sm_100a", "qk_mxfp4_pv_mxfp4"): 676,
+                   ("sm_120a", "qk_fp4_pv_fp4"): 1530, ("sm_120a", "qk_mxfp4_pv_mxfp4"): 971}
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("arch", ["sm_100a", "sm_120a"])
+def test_native_kernels_round_p_to_e2m1_with_the_hardware_conversion(compiled, arch, recipe):
+    """P̃'s E2M1 codes come from ``cvt.rn.satfinite.e2m1x2.f32`` (SASS ``F2FP…E2M1``), 16 per
+    thread per tile (two values each), and the key-block loop stays within its budget."""
+    from lowbit_attn.tools import sass
+
+    r = attention_report(compiled(recipe, arch))
+    assert r.ok, describe(r)
+    assert r.ptx.count("cvt.rn.satfinite.e2m1x2.f32") > 0
+    instructions = sass.disassemble(r.cubin)
+    body = (sass.key_block_loops(instructions, mma="UTCOMMA") if arch == "sm_100a"
+            else sass.loops(instructions))[0]
+    conversions = [op for op in body if op.startswith("F2FP") and "E2M1" in op]
+    assert len(conversions) == 16, conversions
+    assert len(body) <= KEY_LOOP_BUDGET[arch, recipe], len(body)
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_hopper_emulates_through_bf16_wgmma_without_spills(compiled, recipe):
     """Triton 3.6 cannot compile an NVFP4 ``dot_scaled`` for sm_90: the kernel unpacks instead."""

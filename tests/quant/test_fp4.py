@@ -109,6 +109,36 @@ def test_e2m1_ties_saturation_and_specials():
     assert ref.e2m1_code(torch.tensor([float("nan"), -0.1, -0.0])).tolist() == [0, 8, 0]
 
 
+def nearest_even_e2m1(x: float) -> int:
+    """The E2M1 code of ``x`` by the definition of ``cvt.rn.satfinite.e2m1x2.f32`` (PTX): the
+    nearest grid value in exact arithmetic, a tie to the even code (even mantissa), saturated to
+    ±6 (Inf included); written apart from the twin's arithmetic."""
+    from fractions import Fraction
+
+    a = Fraction(min(abs(x), 6.0)) if x == x and abs(x) != float("inf") else Fraction(6)
+    dist = [(abs(a - Fraction(v)), code % 2, code) for code, v in enumerate(GRID)]
+    code = min(dist)[2]
+    return code | 8 if x < 0 else code
+
+
+def test_e2m1_twin_is_the_hardware_conversion_on_every_boundary():
+    """Every midpoint between neighbouring grid values, one ulp either side, and the saturation,
+    both signs: the twin's ``e2m1_code`` (the codes the emulation and the quantizers compute) is
+    the round-to-nearest-even, saturating conversion the native kernels get from the hardware
+    (``quant.fp4.e2m1_pack``)."""
+    points = []
+    for lo, hi in zip(GRID, GRID[1:]):
+        mid = torch.tensor((lo + hi) / 2, dtype=torch.float32)
+        points += [mid, torch.nextafter(mid, torch.tensor(-1.0)), torch.nextafter(mid, torch.tensor(7.0))]
+    six = torch.tensor(6.0)
+    points += [six, torch.nextafter(six, torch.tensor(7.0)), torch.tensor(1e38), torch.tensor(float("inf")),
+               torch.tensor(1e-45), torch.tensor(0.0)]
+    x = torch.stack(points).float()
+    x = torch.cat([x, -x[x > 0]])
+    want = [nearest_even_e2m1(float(v)) for v in x]
+    assert ref.e2m1_code(x).tolist() == want
+
+
 def test_pack_unpack_low_nibble_first():
     codes = torch.tensor([[2, 15, 0, 7, 9, 1]], dtype=torch.uint8)
     packed = ref.pack_fp4(codes)

@@ -36,7 +36,7 @@ from lowbit_attn.core.triton_helpers import (
     store_lse, strides, triton_configs,
 )
 from lowbit_attn.quant.fp4 import (
-    e2m1_code, e2m1_value, e4m3_group_scale, e4m3_value, e8m0_group_scale, e8m0_value,
+    e2m1_code, e2m1_pack, e2m1_value, e4m3_group_scale, e4m3_value, e8m0_group_scale, e8m0_value,
 )
 
 # the two-level target peak of P̃ rows, per format (twin: reference.quant_fp4.two_level_p)
@@ -81,9 +81,9 @@ def _dequant(packed, bits, R: tl.constexpr, C: tl.constexpr, GROUP: tl.constexpr
 @triton.jit
 def _quantize_p(p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
                 NV: tl.constexpr):
-    """P̃ ``[BLOCK_M, BLOCK_N]`` (≥ 0) → ``(E2M1 codes [BLOCK_M, BLOCK_N/GROUP, GROUP] int32, scale
-    bits [BLOCK_M, BLOCK_N/GROUP] int32, scales fp32)``: group amax → scale, then ``x·(1/s)``
-    rounded to E2M1. Twin: ``reference.quant_fp4.quantize_p``."""
+    """P̃ ``[BLOCK_M, BLOCK_N]`` (≥ 0) → ``(x [BLOCK_M, BLOCK_N/GROUP, GROUP] fp32, scale bits
+    [BLOCK_M, BLOCK_N/GROUP] int32, scales fp32)``: group amax → scale, then ``x = P̃·(1/s)``, which
+    the caller rounds to E2M1. Twin: ``reference.quant_fp4.quantize_p``."""
     pg = tl.reshape(p, [BLOCK_M, BLOCK_N // GROUP, GROUP])
     amax = tl.max(pg, axis=2) + tl.sum(pg * 0.0, axis=2)
     if NV:
@@ -92,7 +92,7 @@ def _quantize_p(p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.const
     else:
         code, denom = e8m0_group_scale(amax)
     rcp = tl.div_rn(tl.full(denom.shape, 1.0, tl.float32), denom)
-    return e2m1_code(pg * rcp[:, :, None]), code, denom
+    return pg * rcp[:, :, None], code, denom
 
 
 @triton.jit
@@ -139,20 +139,19 @@ def _attend_block(
         s1 = tl.full([BLOCK_M], 1.0, tl.float32)
     l_i = l_i * alpha + tl.sum(p, axis=1) * s1
 
-    codes, pcode, pscale = _quantize_p(p, BLOCK_M, BLOCK_N, GROUP, NV)
+    x, pcode, pscale = _quantize_p(p, BLOCK_M, BLOCK_N, GROUP, NV)
     offs_d = tl.arange(0, BLOCK_D)
     grp_n = start_n // GROUP + tl.arange(0, BLOCK_N // GROUP)
     vs = tl.load(vs_base + offs_d[:, None] * svsd + grp_n[None, :])
     if NATIVE_FP4:
-        lo, hi = tl.split(tl.reshape(codes, [BLOCK_M, BLOCK_N // 2, 2]))
-        pk = (lo | (hi << 4)).to(tl.uint8)
+        pk = e2m1_pack(x, BLOCK_M, BLOCK_N, True)  # the hardware conversion
         half_n = start_n // 2 + tl.arange(0, BLOCK_N // 2)
         vt = tl.load(v_base + half_n[:, None] + offs_d[None, :] * svd)
         pv = tl.dot_scaled(pk, _scale_operand(pcode.to(tl.uint8), NV), "e2m1",
                            vt, _scale_operand(vs, NV), "e2m1",
                            acc=tl.full([BLOCK_M, BLOCK_D], zero, tl.float32))
     else:
-        pq = tl.reshape(e2m1_value(codes) * pscale[:, :, None], [BLOCK_M, BLOCK_N])
+        pq = tl.reshape(e2m1_value(e2m1_code(x)) * pscale[:, :, None], [BLOCK_M, BLOCK_N])
         half_n = start_n // 2 + tl.arange(0, BLOCK_N // 2)
         v = tl.load(v_base + half_n[None, :] + offs_d[:, None] * svd)
         vd = tl.trans(_dequant(v, vs, BLOCK_D, BLOCK_N, GROUP, NV))

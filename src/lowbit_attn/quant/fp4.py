@@ -39,6 +39,38 @@ def e2m1_code(y):
     return tl.where(y < 0.0, code | 8, code)
 
 
+# Four ``cvt.rn.satfinite.e2m1x2.f32`` (sm_100a, sm_120a): each packs two fp32 into one byte, its
+# first source in the high nibble; ``$1..$4`` are the even elements, ``$5..$8`` the odd ones, and
+# the four bytes come back as one 32-bit register (``pack=4``). Shared with the Gluon kernels.
+E2M1X2_PTX = tl.constexpr(
+    "{ .reg .b8 b0, b1, b2, b3;\n"
+    "cvt.rn.satfinite.e2m1x2.f32 b0, $5, $1;\n"
+    "cvt.rn.satfinite.e2m1x2.f32 b1, $6, $2;\n"
+    "cvt.rn.satfinite.e2m1x2.f32 b2, $7, $3;\n"
+    "cvt.rn.satfinite.e2m1x2.f32 b3, $8, $4;\n"
+    "mov.b32 $0, {b0, b1, b2, b3}; }")
+E2M1X2_CONSTRAINTS = tl.constexpr("=r,r,r,r,r,r,r,r,r")
+
+
+@triton.jit
+def e2m1_pack(y, R: tl.constexpr, C: tl.constexpr, HW_CVT: tl.constexpr):
+    """fp32 ``[R, C]`` (any shape of ``R·C`` elements, row-major) → E2M1 bytes ``[R, C/2]`` uint8,
+    element ``2i`` in the low nibble (twin: ``reference.fp4.pack_fp4`` of ``e2m1_code``).
+
+    ``HW_CVT`` (sm_100a, sm_120a): the hardware conversion, ``cvt.rn.satfinite.e2m1x2.f32``,
+    one instruction per two values; round to nearest even and saturation to ±6 are the twin's
+    :func:`e2m1_code` for every non-NaN input (the ties 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 go to
+    the even code; ±Inf to ±6); a NaN's code is the hardware's, where the twin writes 0 (its group
+    scale is NaN either way). Otherwise :func:`e2m1_code` in fp32 arithmetic (~20 operations per
+    value; the interpreter has no inline PTX)."""
+    lo, hi = tl.split(tl.reshape(y, [R, C // 2, 2]))
+    if HW_CVT:
+        return tl.inline_asm_elementwise(E2M1X2_PTX, E2M1X2_CONSTRAINTS, [lo, hi],
+                                         dtype=tl.uint8, is_pure=True, pack=4)
+    else:
+        return (e2m1_code(lo) | (e2m1_code(hi) << 4)).to(tl.uint8)
+
+
 @triton.jit
 def e4m3_group_scale(s, nonzero):
     """Non-negative (or NaN) fp32 → ``(E4M3 value as fp32, E4M3 bits as int32)``: RNE, saturating
@@ -114,9 +146,7 @@ def quantize_groups(y, g, R: tl.constexpr, C: tl.constexpr, GROUP: tl.constexpr,
         denom = tl.where(code == 0, 1.0, s * g)  # all-zero group: no 0/0
     else:
         code, denom = e8m0_group_scale(amax)
-    codes = e2m1_code(tl.div_rn(yg, denom[:, :, None]))
-    lo, hi = tl.split(tl.reshape(codes, [R, C // 2, 2]))
-    return (lo | (hi << 4)).to(tl.uint8), code.to(tl.uint8)
+    return e2m1_pack(tl.div_rn(yg, denom[:, :, None]), R, C, False), code.to(tl.uint8)
 
 
 @triton.jit
