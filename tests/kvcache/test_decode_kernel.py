@@ -216,6 +216,8 @@ AOT_CASES = [  # recipe, cache dtype, n (D=128, 64-token pages, GQA 8)
     pytest.param("kv_int8_int8", torch.bfloat16, 1, id="int8-bf16-n1"),
     pytest.param("kv_int8_fp8", torch.float16, 4, id="fp8-fp16-n4"),
     pytest.param("kv_int8_int8", torch.float16, 4, id="int8-fp16-n4"),
+    pytest.param("kv_int8_fp8", torch.float32, 1, id="fp8-fp32-n1"),
+    pytest.param("kv_int8_int8", torch.float32, 4, id="int8-fp32-n4"),
 ]
 
 
@@ -225,8 +227,10 @@ def test_the_kernels_compile_for_sm_90a_without_spills(monkeypatch, recipe, dtyp
     """Compiled ahead of time from a recorded launch, with the GPU's flags (not the
     interpreter's). Measured 2026-11-25 (Triton 3.6, 4 warps; rows ≤ 32, so mma.sync, not wgmma;
     with Q's balancing): split kernel 190 (fp8, bf16, n=1), 211 (int8, bf16, n=1), 232 (fp8,
-    fp16, n=4), 240 (int8, fp16, n=4) registers; the merge kernel 64-96. An fp32 cache (the open page's fp32 FMA product)
-    spills about 5 KB: not covered here."""
+    fp16, n=4), 240 (int8, fp16, n=4) registers; the merge kernel 64-96. An fp32 cache: the open
+    page's product in TF32x3 (P̃ is exact in TF32, V split in two: within 2^-22·|V| of fp32) over
+    8 warps, 228 (fp8, n=1) and 254 (int8, n=4) registers; as an IEEE fp32 product (an FMA loop)
+    it spilled about 5 KB, in TF32x3 over 4 warps 72-296 B."""
     from lowbit_attn.tools import aot
 
     launches = record_launches(monkeypatch)

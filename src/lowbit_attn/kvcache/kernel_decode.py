@@ -137,7 +137,9 @@ def _decode_split_kernel(
                 pr = to_e4m3(p, EXACT_FP8).to(tl.float32)
             else:
                 pr = p.to(tl.float16).to(tl.float32)
-            if OPEN_MODE == 1:  # fp32 V (or the interpreter): exact fp32 products
+            if OPEN_MODE == 3:  # fp32 V on a GPU: P̃ is exact in TF32, V = big + small
+                pv = tl.dot(pr, vo.to(tl.float32), input_precision="tf32x3")
+            elif OPEN_MODE == 1:  # the interpreter: exact fp32 products
                 pv = tl.dot(pr, vo.to(tl.float32), input_precision="ieee")
             elif OPEN_MODE == 2:  # fp16 P̃, bf16 V: P̃ = hi + lo, both exact in bf16 (11 bits)
                 hi = pr.to(tl.bfloat16)
@@ -242,8 +244,10 @@ def attention(q: torch.Tensor, layer: PagedLayer, recipe: KVRecipe, *, scale: fl
     lse = torch.empty((bsz, hq, n), **on)
     interpreted = interpreter_enabled()
     open_mode = 0  # how the open page's P̃·V stays exact: see the kernel
-    if interpreted or layer.v_open.dtype == torch.float32:
+    if interpreted:
         open_mode = 1
+    elif layer.v_open.dtype == torch.float32:
+        open_mode = 3  # an IEEE fp32 product (FMA loop) spills about 5 KB (ptxas, sm_90a, D=128)
     elif not pv_fp8 and layer.v_open.dtype == torch.bfloat16:
         open_mode = 2  # one fp32 FMA product there spills (ptxas, sm_90a, D=128)
     _decode_split_kernel[(bsz, hkv, num_splits)](
@@ -256,7 +260,7 @@ def attention(q: torch.Tensor, layer: PagedLayer, recipe: KVRecipe, *, scale: fl
         wml_strides=strides(wm, 4), qk_multiplier=scale * LOG2E, N=n, GROUP=group, D=d,
         pages_per_split=pages_per_split, PAGE=page, PV_FP8=pv_fp8, EXACT_FP8=exact_fp8(), OPEN_MODE=open_mode,
         EMU_FP32=interpreted, BLOCK_R=block_r, BLOCK_P=next_pow2(page, 32 if pv_fp8 else 16),
-        BLOCK_D=block_d,
+        BLOCK_D=block_d, num_warps=8 if open_mode == 3 else 4,
     )
     _decode_merge_kernel[(bsz, hkv)](
         Q=q, KM=layer.k_mean, WACC=wacc, WM=wm, WL=wl, O=out, LSE=lse,
