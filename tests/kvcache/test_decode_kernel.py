@@ -222,15 +222,17 @@ AOT_CASES = [  # recipe, cache dtype, n (D=128, 64-token pages, GQA 8)
 
 
 @pytest.mark.aot
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_89", "sm_120a"])
 @pytest.mark.parametrize("recipe, dtype, n", AOT_CASES)
-def test_the_kernels_compile_for_sm_90a_without_spills(monkeypatch, recipe, dtype, n):
+def test_the_kernels_compile_without_spills(monkeypatch, recipe, dtype, n, arch):
     """Compiled ahead of time from a recorded launch, with the GPU's flags (not the
-    interpreter's). Measured 2026-11-25 (Triton 3.6, 4 warps; rows ≤ 32, so mma.sync, not wgmma;
-    with Q's balancing): split kernel 190 (fp8, bf16, n=1), 211 (int8, bf16, n=1), 232 (fp8,
-    fp16, n=4), 240 (int8, fp16, n=4) registers; the merge kernel 64-96. An fp32 cache: the open
-    page's product in TF32x3 (P̃ is exact in TF32, V split in two: within 2^-22·|V| of fp32) over
-    8 warps, 228 (fp8, n=1) and 254 (int8, n=4) registers; as an IEEE fp32 product (an FMA loop)
-    it spilled about 5 KB, in TF32x3 over 4 warps 72-296 B."""
+    interpreter's). Measured 2026-11-25 on sm_90a (Triton 3.6, 4 warps; rows ≤ 32, so mma.sync,
+    not wgmma; with Q's balancing): split kernel 190 (fp8, bf16, n=1), 211 (int8, bf16, n=1), 232
+    (fp8, fp16, n=4), 240 (int8, fp16, n=4) registers; the merge kernel 64-96. An fp32 cache: the
+    open page's product in TF32x3 (P̃ is exact in TF32, V split in two: within 2^-22·|V| of fp32)
+    over 8 warps, 228 (fp8, n=1) and 254 (int8, n=4) registers; as an IEEE fp32 product (an FMA
+    loop) it spilled about 5 KB, in TF32x3 over 4 warps 72-296 B. sm_89: 128-247 registers,
+    sm_120a: 156-248, no spills."""
     from lowbit_attn.tools import aot
 
     launches = record_launches(monkeypatch)
@@ -243,6 +245,6 @@ def test_the_kernels_compile_for_sm_90a_without_spills(monkeypatch, recipe, dtyp
     kernel_decode.attention(torch.randn(2, 32, n, 128).to(dtype), cache.layers[0], cache.recipe,
                             scale=128 ** -0.5, pages_per_split=1)
     for launch in launches:
-        r = aot.compile_launch(launch, "sm_90a")
+        r = aot.compile_launch(launch, arch)
         assert r.error is None, r.error
         assert r.spill_stores == 0 and r.spill_loads == 0, (r.kernel, r.registers, r.spill_stores)
