@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import lowbit_attn
+from helpers import record_launches as recorded
 from lowbit_attn.kvcache import kernel_append
 
 PAGE = 16
@@ -197,21 +198,8 @@ def test_nan_in_a_padding_token_changes_nothing(device, monkeypatch, recipe):
 
 
 def record_launches(monkeypatch) -> list:
-    """The append kernel replaced by a recorder: each launch is appended, as an ``aot.Launch``,
-    to the list returned, and nothing runs."""
-    from lowbit_attn.tools.aot import Launch
-
-    launches = []
-
-    class Recorder:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append(Launch(self.kernel, args, kwargs, grid))
-
-    monkeypatch.setattr(kernel_append, "_append_kernel", Recorder(kernel_append._append_kernel))
-    return launches
+    """The append kernel replaced by a recorder (``helpers.record_launches``)."""
+    return recorded(monkeypatch, kernel_append, ("_append_kernel",))
 
 
 @pytest.mark.parametrize("backend, launched", [("triton", 1), ("reference", 0)])
