@@ -136,8 +136,8 @@ def test_padded_batches_store_the_twins_bytes(device, monkeypatch, recipe, dtype
         [[False, True, True, False]] * 2
     for step, mask in enumerate(steps):
         k, v, q = tokens(4, 2, 1, 64, dtype, device.name, g, q_heads=4 if with_q else None)
-        append_both(monkeypatch, caches, k, v, valid=torch.tensor(mask, device=device.name)[:, None],
-                    q=q)
+        step_valid = torch.tensor(mask, device=device.name)[:, None]
+        append_both(monkeypatch, caches, k, v, valid=step_valid, q=q)
         assert_same_bytes(caches, f"step {step}")
     k, v, q = tokens(4, 2, 12, 64, dtype, device.name, g)  # a right-padded chunk of unequal counts
     valid = torch.arange(12)[None, :] < torch.tensor([12, 3, 0, 7])[:, None]

@@ -2,7 +2,10 @@
 generation. Every argument of an append is checked before anything is written: a refused append
 leaves the cache as it was.
 
-Numerics of what is stored: ``quantize.py``. Layout of the pages: ``pages.py``.
+Numerics of what is stored: ``quantize.py``. Layout of the pages: ``pages.py``. An append's
+writes are one Triton launch (``kernel_append``) where ``core.arch.backend_for`` picks Triton, and
+the ``_write`` loop (its twin, the same bytes) elsewhere; the checks, the frozen statistics of a
+first append, the page allocation and the block table stay here, on the host.
 """
 
 from __future__ import annotations
@@ -134,7 +137,8 @@ class QuantizedKVCache:
         for b in range(self.batch):
             if lengths[b] == 0 and counts[b] > 0:  # the sequence's first tokens freeze its stats
                 idx = self._tokens(valid, b, n)
-                stats = frozen_stats(k[b : b + 1, :, idx], None if q is None else q[b : b + 1, :, idx])
+                stats = frozen_stats(k[b : b + 1, :, idx],
+                                     None if q is None else q[b : b + 1, :, idx])
                 for frozen, value in zip((store.k_mean, store.q_amax, store.k_amax), stats):
                     frozen[b] = value[0]
         if backend_for(self.device) == "triton":
@@ -145,7 +149,8 @@ class QuantizedKVCache:
         else:
             k8, k_scale = quantize_keys(k, store.k_mean, store.q_amax, store.k_amax)
             for b in range(self.batch):
-                self._write(store, b, lengths[b], self._tokens(valid, b, n), k8[b], k_scale[b], v[b])
+                self._write(store, b, lengths[b], self._tokens(valid, b, n), k8[b], k_scale[b],
+                            v[b])
         store.lengths += torch.tensor(counts, dtype=torch.int64).to(self.device, non_blocking=True)
         store.host_lengths = [length + c for length, c in zip(lengths, counts)]
 
