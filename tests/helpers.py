@@ -242,3 +242,22 @@ def mutant(jit, old: str, new: str):
     exec(compile("\n".join(lines), f"<{py.__name__}, mutated>", "exec",
                  flags=__future__.annotations.compiler_flag, dont_inherit=True), ns)
     return ns[py.__name__]
+
+
+def record_launches(monkeypatch, module, names) -> list:
+    """The kernels ``names`` of ``module`` replaced by recorders for the test: each launch is
+    appended, as an ``aot.Launch``, to the list returned, and nothing runs."""
+    from lowbit_attn.tools.aot import Launch
+
+    launches = []
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(Launch(self.kernel, args, kwargs, grid))
+
+    for name in names:
+        monkeypatch.setattr(module, name, Recorder(getattr(module, name)))
+    return launches

@@ -28,6 +28,7 @@ import torch
 
 import lowbit_attn
 from helpers import assert_close
+from helpers import record_launches as recorded
 from lowbit_attn.kvcache import kernel_decode
 from lowbit_attn.kvcache.naive import attention_with_kv_cache_naive
 
@@ -179,22 +180,8 @@ def test_a_sequence_gives_the_same_bits_alone_or_in_a_batch(device):
 
 
 def record_launches(monkeypatch) -> list:
-    """The decode kernels replaced by recorders for the test: each launch is appended, as an
-    ``aot.Launch``, to the list returned, and nothing runs."""
-    from lowbit_attn.tools.aot import Launch
-
-    launches = []
-
-    class Recorder:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append(Launch(self.kernel, args, kwargs, grid))
-
-    for name in ("_decode_split_kernel", "_decode_merge_kernel"):
-        monkeypatch.setattr(kernel_decode, name, Recorder(getattr(kernel_decode, name)))
-    return launches
+    """The decode kernels replaced by recorders (``helpers.record_launches``)."""
+    return recorded(monkeypatch, kernel_decode, ("_decode_split_kernel", "_decode_merge_kernel"))
 
 
 def test_the_launches_pass_keywords_only_and_few_of_them(monkeypatch):

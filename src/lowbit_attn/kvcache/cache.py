@@ -2,7 +2,10 @@
 generation. Every argument of an append is checked before anything is written: a refused append
 leaves the cache as it was.
 
-Numerics of what is stored: ``quantize.py``. Layout of the pages: ``pages.py``.
+Numerics of what is stored: ``quantize.py``. Layout of the pages: ``pages.py``. An append's
+writes are one Triton launch (``kernel_append``) where ``core.arch.backend_for`` picks Triton, and
+the ``_write`` loop (its twin, the same bytes) elsewhere; the checks, the frozen statistics of a
+first append, the page allocation and the block table stay here, on the host.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import numbers
 import torch
 
 from lowbit_attn.core import checks
+from lowbit_attn.core.arch import backend_for
 from lowbit_attn.kvcache.pages import PagedLayer, StoredSequence, stored_sequence
 from lowbit_attn.kvcache.quantize import frozen_stats, quantize_keys, quantize_v_page
 from lowbit_attn.kvcache.recipes import get_kv_recipe
@@ -128,19 +132,48 @@ class QuantizedKVCache:
         """
         store = self.layers[self.layer_index(layer)]
         counts = self._check_append(store, k, v, valid, q)
-        lengths = store.lengths.tolist()
-        tokens = [torch.arange(k.shape[2], device=self.device) if valid is None
-                  else valid[b].nonzero().flatten() for b in range(self.batch)]
+        lengths = list(store.host_lengths)
+        n = k.shape[2]
         for b in range(self.batch):
             if lengths[b] == 0 and counts[b] > 0:  # the sequence's first tokens freeze its stats
-                stats = frozen_stats(k[b : b + 1, :, tokens[b]],
-                                     None if q is None else q[b : b + 1, :, tokens[b]])
+                idx = self._tokens(valid, b, n)
+                stats = frozen_stats(k[b : b + 1, :, idx],
+                                     None if q is None else q[b : b + 1, :, idx])
                 for frozen, value in zip((store.k_mean, store.q_amax, store.k_amax), stats):
                     frozen[b] = value[0]
-        k8, k_scale = quantize_keys(k, store.k_mean, store.q_amax, store.k_amax)
+        if backend_for(self.device) == "triton":
+            from lowbit_attn.kvcache import kernel_append  # Triton only where it runs
+
+            self._take_pages(store, lengths, counts)
+            kernel_append.append(store, self.recipe, k, v, valid)
+        else:
+            k8, k_scale = quantize_keys(k, store.k_mean, store.q_amax, store.k_amax)
+            for b in range(self.batch):
+                self._write(store, b, lengths[b], self._tokens(valid, b, n), k8[b], k_scale[b],
+                            v[b])
+        store.lengths += torch.tensor(counts, dtype=torch.int64).to(self.device, non_blocking=True)
+        store.host_lengths = [length + c for length, c in zip(lengths, counts)]
+
+    def _tokens(self, valid: torch.Tensor | None, b: int, n: int) -> torch.Tensor:
+        """The indices of sequence ``b``'s stored tokens among the append's ``n``."""
+        if valid is None:
+            return torch.arange(n, device=self.device)
+        return valid[b].nonzero().flatten()
+
+    def _take_pages(self, store: PagedLayer, lengths: list[int], counts: list[int]) -> None:
+        """The pages an append opens, taken from the free list in the order of ``_write`` (by
+        sequence, then page) and written to the block table in one copy."""
+        size = self.page_size
+        rows, cols, ids = [], [], []
         for b in range(self.batch):
-            self._write(store, b, lengths[b], tokens[b], k8[b], k_scale[b], v[b])
-        store.lengths += torch.tensor(counts, dtype=torch.int64, device=self.device)
+            for page_no in range(-(-lengths[b] // size), -(-(lengths[b] + counts[b]) // size)):
+                rows.append(b)
+                cols.append(page_no)
+                ids.append(store.free.take())
+        if ids:
+            where = torch.tensor([rows, cols, ids], dtype=torch.int64).to(self.device,
+                                                                         non_blocking=True)
+            store.block_table[where[0], where[1]] = where[2].to(torch.int32)
 
     def _write(self, store: PagedLayer, b: int, start: int, tokens: torch.Tensor,
                k8: torch.Tensor, k_scale: torch.Tensor, v: torch.Tensor) -> None:
@@ -203,7 +236,7 @@ class QuantizedKVCache:
             if valid.device != self.device:
                 raise ValueError(f"valid must be on the cache's device {self.device}, got {valid.device}")
             counts = valid.sum(dim=1).tolist()
-        lengths = store.lengths.tolist()
+        lengths = store.host_lengths
         over = [b for b in range(self.batch) if lengths[b] + counts[b] > self.max_tokens]
         if over:
             b = over[0]

@@ -23,11 +23,11 @@ import triton.language as tl
 from lowbit_attn.core.arch import interpreter_enabled
 from lowbit_attn.core.operands import LOG2E
 from lowbit_attn.core.triton_helpers import (
-    LN2, exact_fp8, next_pow2, online_max, p_offset, strides, to_e4m3, to_int8,
+    LN2, exact_fp8, next_pow2, online_max, p_offset, strides, to_e4m3,
 )
 from lowbit_attn.kvcache.pages import PagedLayer
 from lowbit_attn.kvcache.recipes import KVRecipe
-from lowbit_attn.quant.tile import balance_multiplier
+from lowbit_attn.quant.tile import balance_multiplier, int8_lines
 
 # Keys per split (rounded down to whole pages, at least one): a split's pages depend only on its
 # own sequence's length, never on the batch around it, so a sequence's result is the same alone
@@ -40,10 +40,8 @@ def _quantize_rows(x, qk_multiplier):
     """Q rows fp32 → ``(int8, s_q)``: ``amax/127`` per row (1 for a zero row, NaN for a
     non-finite one), round half to even; ``s_q`` times ``scale·log2 e``. Twin:
     ``quant.int8_naive.quantize_int8(per_token, scale_multiplier=...)``."""
-    amax = tl.max(tl.abs(x), axis=1) + tl.sum(x * 0.0, axis=1)
-    scale = amax * (1.0 / 127.0)
-    scale = tl.where(scale == 0.0, 1.0, scale)
-    return to_int8(tl.div_rn(x, scale[:, None])), scale * qk_multiplier
+    q8, scale = int8_lines(x, 1)
+    return q8, scale * qk_multiplier
 
 
 @triton.jit

@@ -54,6 +54,8 @@ class PagedLayer:
         block_table: int32 ``[B, max_pages_per_seq]``: page ids in order, -1 where unused.
         lengths: int64 ``[B]``: tokens stored per sequence.
         free: the pool's free list.
+        host_lengths: ``lengths`` mirrored on the host (kept in sync by the cache's appends and
+            :meth:`reset`), so that an append need not read the device's back.
     """
 
     k: torch.Tensor
@@ -67,6 +69,7 @@ class PagedLayer:
     block_table: torch.Tensor
     lengths: torch.Tensor
     free: FreePages
+    host_lengths: list[int]
 
     @classmethod
     def allocate(cls, batch: int, kv_heads: int, head_dim: int, *, max_pages_per_seq: int,
@@ -86,6 +89,7 @@ class PagedLayer:
             block_table=torch.empty((batch, max_pages_per_seq), dtype=torch.int32, **on),
             lengths=torch.empty((batch,), dtype=torch.int64, **on),
             free=FreePages(num_pages),
+            host_lengths=[0] * batch,
         )
         layer.reset()
         return layer
@@ -102,6 +106,7 @@ class PagedLayer:
         self.q_amax.zero_()
         self.k_amax.zero_()
         self.lengths.zero_()
+        self.host_lengths = [0] * len(self.host_lengths)
         self.free.reset()
 
     def nbytes(self) -> int:

@@ -18,7 +18,7 @@ from lowbit_attn.core.triton_helpers import (
     batch_head, bhnd_strides, channel_vector_strides, exact_fp8, next_pow2, row_strides, seq_span,
     strides, to_e4m3,
 )
-from lowbit_attn.quant.tile import load_centered, quantize_int8_tile
+from lowbit_attn.quant.tile import e4m3_scale, load_centered, quantize_int8_tile
 
 CENTERS = {"none": 0, "mean": 1, "block_mean": 2}
 # Globals read inside @triton.jit functions must be constexpr.
@@ -228,8 +228,7 @@ def _convert_v_program(
         if SCALED:  # FP8 always, fp16 when asked
             amax = tl.load(AMAX + b * scb + h * sch + offs_d * scd, mask=offs_d < D, other=0.0)
             if FP8:
-                s = amax * (1.0 / 448.0)
-                s = tl.where(s == 0.0, 1.0, s)
+                s = e4m3_scale(amax)
             else:
                 s, inverse = _fp16_v_scale(amax)
             if pid_n == 0:

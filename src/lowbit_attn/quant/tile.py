@@ -43,6 +43,33 @@ def balance_multiplier(AQ, AK, b, h, offs_d, D, aq_strides, ak_strides, GROUP,
 
 
 @triton.jit
+def line_amax(x, AXIS: tl.constexpr):
+    """``max|x|`` of each row (``AXIS`` 1) or column (``AXIS`` 0) of a tile, NaN where the line
+    holds a NaN or an Inf (``+ Σ x·0``: a GPU max drops NaN). Twin: ``amax + nonfinite_guard``
+    in ``quant/int8_naive.py``."""
+    return tl.max(tl.abs(x), axis=AXIS) + tl.sum(x * 0.0, axis=AXIS)
+
+
+@triton.jit
+def int8_lines(x, AXIS: tl.constexpr):
+    """An fp32 tile → ``(int8 values, fp32 scales)`` with one scale per row (``AXIS`` 1) or per
+    column (``AXIS`` 0): ``amax/127`` (1 for an all-zero line, NaN for a non-finite one),
+    ``div_rn``, round half to even. Twin: ``quantize_int8(granularity="per_token")`` (of the
+    transposed tile for ``AXIS`` 0)."""
+    scale = line_amax(x, AXIS) * (1.0 / 127.0)
+    scale = tl.where(scale == 0.0, 1.0, scale)
+    return to_int8(tl.div_rn(x, tl.expand_dims(scale, AXIS))), scale
+
+
+@triton.jit
+def e4m3_scale(amax):
+    """V's per-channel scale for E4M3: ``amax/448`` (1 for an all-zero channel). Twin:
+    ``quant.int8_naive.convert_v(pv="fp8")``."""
+    s = amax * (1.0 / 448.0)
+    return tl.where(s == 0.0, 1.0, s)
+
+
+@triton.jit
 def load_centered(
     X, CENTER_PTR, b, h, start, pid_n, n, x_strides, c_strides, D,
     CENTER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -88,10 +115,7 @@ def quantize_int8_tile(
                                   BALANCE, BLOCK_D)
         x = x * mult[None, :]
     if PER_TOKEN:
-        amax = tl.max(tl.abs(x), axis=1) + tl.sum(x * 0.0, axis=1)
-        scale = amax * (1.0 / 127.0)
-        scale = tl.where(scale == 0.0, 1.0, scale)
-        q = to_int8(tl.div_rn(x, scale[:, None]))
+        q, scale = int8_lines(x, 1)
     else:
         amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0) + tl.sum(tl.sum(x * 0.0, axis=1), axis=0)
         scale = amax * (1.0 / 127.0)
