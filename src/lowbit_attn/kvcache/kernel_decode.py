@@ -229,7 +229,7 @@ def attention(q: torch.Tensor, layer: PagedLayer, recipe: KVRecipe, *, scale: fl
     page = layer.page_size
     if pages_per_split is None:
         pages_per_split = pages_per_split_for(page)
-    max_pages = -(-int(layer.lengths.max()) // page)  # one host read per call: the grid
+    max_pages = -(-max(layer.host_lengths) // page)  # the grid, from the host mirror: no sync
     num_splits = max(1, -(-max_pages // pages_per_split))
     block_r = next_pow2(group * n, 16)
     block_d = next_pow2(d, 32)  # INT8 MMA: k ≥ 32 (and FP8's over the page's slots, below)
