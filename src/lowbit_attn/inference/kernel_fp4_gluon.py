@@ -60,7 +60,7 @@ from lowbit_attn.quant.fp4 import (
 BLOCK_M = 128
 SOFTMAX_WARPS = 4  # the kernel's num_warps: the default partition, one query row per thread
 _WORKER_WARPS = gl.constexpr((1, 1))  # MMA, loader
-_WORKER_REGS = gl.constexpr((24, 24))
+_WORKER_REGS = gl.constexpr((48, 48))
 O_SLICE = gl.constexpr(32)  # columns of O per correction step (registers: 2·32 per thread)
 
 _LOG2_PEAK_NV = gl.constexpr(math.log2(P_TWO_LEVEL_PEAK["nvfp4"]))
