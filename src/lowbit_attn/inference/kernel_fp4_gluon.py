@@ -61,7 +61,7 @@ BLOCK_M = 128
 SOFTMAX_WARPS = 4  # the kernel's num_warps: the default partition, one query row per thread
 _WORKER_WARPS = gl.constexpr((1, 1))  # MMA, loader
 _WORKER_REGS = gl.constexpr((48, 48))
-O_SLICE = gl.constexpr(32)  # columns of O per correction step (registers: 2·32 per thread)
+O_SLICE = gl.constexpr(64)  # columns of O per correction step (registers: 2·64 per thread)
 
 _LOG2_PEAK_NV = gl.constexpr(math.log2(P_TWO_LEVEL_PEAK["nvfp4"]))
 _INV_PEAK_NV = gl.constexpr(1.0 / P_TWO_LEVEL_PEAK["nvfp4"])
@@ -260,23 +260,25 @@ def _softmax_step(j, s_tmem, p_smem, ps_tmem, pv_tmem, o_tmem, ks_tmem, s_ready,
     if j + 1 < n_blocks:  # K(j+1)'s scales, loaded in the previous step
         _publish_key_scales(ks, j + 1, ks_tmem, ks_ready)
         ks = _key_scales(KS, j + 2, nk, sksn, NV, GROUP, BLOCK_N, BLOCK_D)
-    s = s * mult
     if MASKED:
         cols = j * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_rl))
         s = gl.where((cols < nk)[None, :], s, float("-inf"))
-    block_max = gl.max(s, axis=1)
+    # The multiplier folded as in gluon_blocks.softmax_block: the max on the products, scaled
+    # once per row (exact: mult > 0), and the exp2's argument one FMA per score (kernel_fp4
+    # rounds s·mult first: one fp32 rounding apart).
+    block_max = gl.max(s, axis=1) * mult
     m_new, m_safe, alpha_new = online_max(m_i, block_max)
     if TWO_LEVEL:
         b_safe = gl.where(block_max == float("-inf"), 0.0, block_max)
         if NV:
-            p = gl.exp2(s - (b_safe - _LOG2_PEAK_NV)[:, None])
+            p = gl.exp2(gl.fma(s, mult, (_LOG2_PEAK_NV - b_safe)[:, None]))
             s1_new = gl.exp2(block_max - m_safe) * _INV_PEAK_NV
         else:
-            p = gl.exp2(s - (b_safe - _LOG2_PEAK_MX)[:, None])
+            p = gl.exp2(gl.fma(s, mult, (_LOG2_PEAK_MX - b_safe)[:, None]))
             s1_new = gl.exp2(block_max - m_safe) * _INV_PEAK_MX
         s1_new = gl.where(block_max == float("-inf"), 0.0, s1_new)  # never 0·inf
     else:
-        p = gl.exp2(s - m_safe[:, None])
+        p = gl.exp2(gl.fma(s, mult, -m_safe[:, None]))
         s1_new = gl.full([BLOCK_M], 1.0, gl.float32, gl.SliceLayout(1, s_rl))
     l_i = l_i * alpha_new + gl.sum(p, axis=1) * s1_new
     packed, codes = _quantize_p(p, NV, GROUP)
