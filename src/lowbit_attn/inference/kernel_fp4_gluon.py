@@ -211,7 +211,7 @@ def _key_scales(KS, j, nk, sksn, NV: gl.constexpr, GROUP: gl.constexpr, BLOCK_N:
 @gluon.jit
 def _publish_key_scales(ks, j, ks_tmem, ks_ready):
     """Block ``j``'s K scales to tensor memory buffer ``j % 2`` (free: S(j−2) is done, since
-    S(j−1) is), then tell the MMA warp."""
+    S(j−1) is, which the previous step waited for), then tell the MMA warp."""
     if j % 2 == 0:
         ks_tmem[0].store(ks)
     else:
@@ -254,12 +254,12 @@ def _softmax_step(j, s_tmem, p_smem, ps_tmem, pv_tmem, o_tmem, ks_tmem, s_ready,
     s_rl: gl.constexpr = get_tmem_reg_layout(gl.float32, [BLOCK_M, BLOCK_N], s_tl,
                                              gl.num_warps())
     stage = j % 2
+    if j + 1 < n_blocks:  # K(j+1)'s scales (loaded in the previous step): S(j+1) may start
+        _publish_key_scales(ks, j + 1, ks_tmem, ks_ready)
+        ks = _key_scales(KS, j + 2, nk, sksn, NV, GROUP, BLOCK_N, BLOCK_D)
     mbarrier.wait(s_ready.index(stage), (j // 2) & 1)
     s = s_tmem.index(stage).load(s_rl)
     mbarrier.arrive(s_free.index(stage), count=1)
-    if j + 1 < n_blocks:  # K(j+1)'s scales, loaded in the previous step
-        _publish_key_scales(ks, j + 1, ks_tmem, ks_ready)
-        ks = _key_scales(KS, j + 2, nk, sksn, NV, GROUP, BLOCK_N, BLOCK_D)
     if MASKED:
         cols = j * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_rl))
         s = gl.where((cols < nk)[None, :], s, float("-inf"))
@@ -510,7 +510,12 @@ __all__ = ["BLOCK_M", "KERNEL", "SOFTMAX_WARPS", "scale_smem_layout"]
 # ---------------------------------------------------------------------------------------------
 # launcher (opt-in: nothing dispatches here yet)
 
-BLOCK_NS = (64, 128)
+# 64-key blocks only: 128 would need 2×128 columns of S plus O and PV, the whole tensor memory,
+# before the scales (a later version can alias PV with S as the upstream tutorial aliases P).
+BLOCK_NS = (64,)
+# NVFP4 only: MXFP4's V scale tile of 64 keys, [D, 2] E8M0, cannot be copied by tcgen05.cp
+# ("Failed to find a valid layout"); it would have to be stored from registers, as K's are.
+FORMATS = ("nvfp4",)
 HEAD_DIMS = (128,)
 
 
@@ -579,8 +584,8 @@ def attention(
 
 def _check_scope(qz: QuantizedFP4, *, head_dim, block_q, block_k, causal_offset) -> None:
     """``ValueError`` naming what this first version does not cover."""
-    if qz.fmt not in FP4_GROUP:
-        raise ValueError(f"fmt must be one of {tuple(FP4_GROUP)} for the Gluon FP4 kernel, "
+    if qz.fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {FORMATS} for the Gluon FP4 kernel, "
                          f"got {qz.fmt!r}")
     if causal_offset is not None:
         raise ValueError("causal attention is not supported by the Gluon FP4 kernel yet")
@@ -610,4 +615,4 @@ def _check_scope(qz: QuantizedFP4, *, head_dim, block_q, block_k, causal_offset)
                              f"{tuple(x.stride())}")
 
 
-__all__ += ["BLOCK_NS", "HEAD_DIMS", "attention"]
+__all__ += ["BLOCK_NS", "FORMATS", "HEAD_DIMS", "attention"]
