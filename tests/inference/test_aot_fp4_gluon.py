@@ -2,14 +2,15 @@
 ahead of time for sm_100a (Triton 3.6.0, its bundled ptxas and cuobjdump). Compiled only: no
 GPU has run it and nothing checks its numbers (see the module's docstring).
 
-Measured 2026-11-25, NVFP4 (``qk_fp4_pv_fp4`` without ΔS), non-causal, D=128, BLOCK_M=128,
-BLOCK_N=64, with LSE:
+Measured 2026-11-25, NVFP4 (``qk_fp4_pv_fp4`` without ΔS), D=128, BLOCK_M=128, BLOCK_N=64, with
+LSE, non-causal (causal: the same but for the loop counts given):
 
 - registers: ``setmaxnreg`` gives the softmax partition (default, 4 warps) 256 and the loader
   and MMA warps 48 each (ptxas reports 255, the ceiling); no spills (24 per worker spilled
   116 B in the loader). Shared memory 35468 B; tensor memory: one 512-column allocation.
 - the softmax partition's key-block loop: **1033 instructions per tile**, 128×64 scores over 128
-  threads = 64 per thread: **16.1 per score** (its first version: 1110, 17.3). Today's Triton
+  threads = 64 per thread: **16.1 per score** (its first version: 1110, 17.3); causal 1034, and
+  1470 in the masked (diagonal) loop. Today's Triton
   kernel on sm_100a (8 warps, BLOCK_N=64, 32 scores per thread): 773 per tile, 24.2 per score.
   The loop holds the O correction of the previous block (``O·α + PV·s1`` over 128 columns: 128
   FMUL + 128 FFMA, 4 ``LDTM``/2 ``STTM``), which the Triton kernel does in registers.
@@ -45,10 +46,10 @@ LOOP_BOUND = 1060  # the softmax loop's instructions per tile (1033 measured)
 TRITON_LOOP = 773  # kernel_fp4 on sm_100a, 32 scores per thread (test_aot_fp4)
 
 
-@pytest.fixture(scope="module")
-def report() -> aot.KernelReport:
-    return aot.compile_launch(aot.record_fp4_gluon_launch(block_k=64, return_lse=True),
-                              "sm_100a")
+@pytest.fixture(scope="module", params=[False, True], ids=["full", "causal"])
+def report(request) -> aot.KernelReport:
+    launch = aot.record_fp4_gluon_launch(block_k=64, causal=request.param, return_lse=True)
+    return aot.compile_launch(launch, "sm_100a")  # cached per specialization
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +133,6 @@ def _operands(fmt="nvfp4", d=128, n=256, v_keys=256):
 
 
 @pytest.mark.parametrize("change,match", [
-    (dict(causal_offset=0), "causal"),
     (dict(block_k=128), "block_k"),
     (dict(block_q=64), "block_q"),
     (dict(head_dim=64), "head dim"),

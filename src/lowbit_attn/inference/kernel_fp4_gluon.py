@@ -9,7 +9,10 @@ without the two-level P̃): scores = block-scaled Q̂·K̂ᵀ × ``qk_multiplier
 scales of Q and K), online softmax in base 2, ``p = exp2(s − block_max + log2 peak)``, P̃
 quantized per row in groups of keys (E4M3 ``amax/6`` or E8M0 scales, ``quant.fp4`` helpers), then
 E2M1 by the hardware conversion (``quant.fp4.E2M1X2_PTX``), P̃·V block-scaled with V's group scales
-along keys, ``acc = acc·α + pv·s1``. Only the order of fp32 additions differs (the MMA's).
+along keys, ``acc = acc·α + pv·s1``, keys past the end and past the causal diagonal masked as
+there. Differences are fp32 roundings: the exp2's argument is one FMA (``s·mult − shift``, as
+``gluon_blocks.softmax_block`` folds it) where ``kernel_fp4`` rounds ``s·mult`` first, and the
+MMA's order of additions.
 
 One program computes ``BLOCK_M`` = 128 query rows of one (batch, query head); partitions:
 
@@ -29,9 +32,11 @@ S is double-buffered: Q·K(j+1)ᵀ is issued as soon as S(j) has been read, so t
 j+1 starts on scores that are already there. P̃·V goes to its own buffer (not accumulated in O):
 the two-level ``s1`` multiplies each block's product row by row, which an MMA cannot do.
 
-Left out (the launcher refuses them): causal masking, ΔS (``smooth_q``), the LSE shift
-(``smooth_k`` with LSE), packed sequences, head dims other than 128 (64 would need other scale
-tile shapes), ``block_q`` ≠ 128. Kept: V's channel mean (epilogue), the LSE.
+Left out (the launcher refuses them): MXFP4 (its 64-key V scale tile, ``[D, 2]``, has no
+``tcgen05.cp`` layout), 128-key blocks (tensor memory: 2·128 columns of S + O + PV fill the 512
+before the scales), ΔS (``smooth_q``), the LSE shift (``smooth_k`` with LSE), packed sequences,
+head dims other than 128, ``block_q`` ≠ 128. Kept: causal (bottom-right ``causal_offset``), V's
+channel mean (epilogue), the LSE, one-level P̃ (``two_level=False``).
 Known risks only a GPU can settle: the scale layouts in shared memory for ``tcgen05_copy`` (the
 cuBLAS atom, from the r18 research snippets), the 64-key scale tiles, and the barrier protocol.
 """
@@ -51,7 +56,9 @@ from triton.experimental.gluon.language.nvidia.blackwell import (
 )
 
 from lowbit_attn.core.operands import FP4_GROUP, P_TWO_LEVEL_PEAK, QuantizedFP4
-from lowbit_attn.core.triton_helpers import batch_head, online_max, strides
+from lowbit_attn.core.triton_helpers import (
+    batch_head, finish_scores, key_block_bounds, online_max, strides,
+)
 from lowbit_attn.inference.kernel_int8_gluon import check_version
 from lowbit_attn.quant.fp4 import (
     E2M1X2_CONSTRAINTS, E2M1X2_PTX, e4m3_group_scale, e8m0_group_scale,
@@ -244,8 +251,8 @@ def _quantize_p(p, NV: gl.constexpr, GROUP: gl.constexpr):
 @gluon.jit
 def _softmax_step(j, s_tmem, p_smem, ps_tmem, pv_tmem, o_tmem, ks_tmem, s_ready, s_free,
                   p_ready, pv_ready, pv_free, ks_ready, m_i, l_i, alpha, s1, ks, mult, nk,
-                  n_blocks, KS, sksn, BLOCK_D: gl.constexpr,
-                  MASKED: gl.constexpr, NV: gl.constexpr, TWO_LEVEL: gl.constexpr,
+                  n_blocks, KS, sksn, row0, causal_offset, BLOCK_D: gl.constexpr,
+                  MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, NV: gl.constexpr, TWO_LEVEL: gl.constexpr,
                   GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """Key block ``j``: its P̃ and scales handed to the MMA warp, then block ``j−1``'s correction
     (its P̃·V ran during this softmax; S(j+1) runs during this step). Returns
@@ -260,9 +267,11 @@ def _softmax_step(j, s_tmem, p_smem, ps_tmem, pv_tmem, o_tmem, ks_tmem, s_ready,
     mbarrier.wait(s_ready.index(stage), (j // 2) & 1)
     s = s_tmem.index(stage).load(s_rl)
     mbarrier.arrive(s_free.index(stage), count=1)
-    if MASKED:
+    if MASKED:  # keys past the end or past the causal diagonal: -inf
         cols = j * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_rl))
-        s = gl.where((cols < nk)[None, :], s, float("-inf"))
+        offs_m = row0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, s_rl))
+        s = finish_scores(s, cols, cols < nk, offs_m, causal_offset, None, 0, False, True,
+                          IS_CAUSAL)
     # The multiplier folded as in gluon_blocks.softmax_block: the max on the products, scaled
     # once per row (exact: mult > 0), and the exp2's argument one FMA per score (kernel_fp4
     # rounds s·mult first: one fp32 rounding apart).
@@ -322,10 +331,10 @@ def _correct(i, pv_tmem, o_tmem, pv_ready, pv_free, alpha, s1, BLOCK_M: gl.const
 @gluon.jit
 def _softmax(s_tmem, p_smem, ps_tmem, pv_tmem, o_tmem, ks_tmem, s_ready, s_free, p_ready,
              pv_ready, pv_free, ks_ready, KS, sksn, O, LSE, VG, VM, o_strides, lse_strides, vg_strides, vm_strides, b, h, hk,
-             pid_m, nq, nk, n_full, n_blocks, mult,
-             NV: gl.constexpr, TWO_LEVEL: gl.constexpr, HAS_VMEAN: gl.constexpr,
-             WRITE_LSE: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
-             BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr):
+             pid_m, nq, nk, n_full, n_blocks, mult, causal_offset,
+             IS_CAUSAL: gl.constexpr, NV: gl.constexpr, TWO_LEVEL: gl.constexpr,
+             HAS_VMEAN: gl.constexpr, WRITE_LSE: gl.constexpr, GROUP: gl.constexpr,
+             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr):
     """The default partition: the key-block loops (whole blocks, then the tail), the last
     correction and the epilogue."""
     s_tl: gl.constexpr = TensorMemoryLayout([BLOCK_M, BLOCK_N], col_stride=1)
@@ -349,12 +358,12 @@ def _softmax(s_tmem, p_smem, ps_tmem, pv_tmem, o_tmem, ks_tmem, s_ready, s_free,
         m_i, l_i, alpha, s1, ks = _softmax_step(
             j, s_tmem, p_smem, ps_tmem, pv_tmem, o_tmem, ks_tmem, s_ready, s_free, p_ready,
             pv_ready, pv_free, ks_ready, m_i, l_i, alpha, s1, ks, mult, nk, n_blocks, KS, sksn,
-            BLOCK_D, False, NV, TWO_LEVEL, GROUP, BLOCK_M, BLOCK_N)
+            pid_m * BLOCK_M, causal_offset, BLOCK_D, False, IS_CAUSAL, NV, TWO_LEVEL, GROUP, BLOCK_M, BLOCK_N)
     for j in range(n_full, n_blocks):
         m_i, l_i, alpha, s1, ks = _softmax_step(
             j, s_tmem, p_smem, ps_tmem, pv_tmem, o_tmem, ks_tmem, s_ready, s_free, p_ready,
             pv_ready, pv_free, ks_ready, m_i, l_i, alpha, s1, ks, mult, nk, n_blocks, KS, sksn,
-            BLOCK_D, True, NV, TWO_LEVEL, GROUP, BLOCK_M, BLOCK_N)
+            pid_m * BLOCK_M, causal_offset, BLOCK_D, True, IS_CAUSAL, NV, TWO_LEVEL, GROUP, BLOCK_M, BLOCK_N)
     if n_blocks > 0:
         _correct(n_blocks - 1, pv_tmem, o_tmem, pv_ready, pv_free, alpha, s1, BLOCK_M)
     _epilogue(o_tmem, l_i, m_i, O, LSE, VG, VM, o_strides, lse_strides, vg_strides, vm_strides,
@@ -399,8 +408,8 @@ def _attn_fwd_fp4_gluon_kernel(
     Q, QS, K, KS, V, VS, QG, KG, VG, VM, O, LSE,
     q_strides, qs_strides, k_strides, ks_strides, v_strides, vs_strides, qg_strides, kg_strides,
     vg_strides, vm_strides, o_strides, lse_strides,
-    NQ, NK, V_COLS, HQ, GROUP_HEADS, qk_multiplier,
-    NV: gl.constexpr, TWO_LEVEL: gl.constexpr, HAS_VMEAN: gl.constexpr,
+    NQ, NK, V_COLS, HQ, GROUP_HEADS, qk_multiplier, causal_offset,
+    IS_CAUSAL: gl.constexpr, NV: gl.constexpr, TWO_LEVEL: gl.constexpr, HAS_VMEAN: gl.constexpr,
     WRITE_LSE: gl.constexpr, GROUP: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
 ):
@@ -425,8 +434,9 @@ def _attn_fwd_fp4_gluon_kernel(
     hk = h // GROUP_HEADS
     if pid_m * BLOCK_M >= NQ:
         return
-    n_blocks = gl.cdiv(NK, BLOCK_N)
-    n_full = NK // BLOCK_N
+    full_hi, hi = key_block_bounds(NK, pid_m, causal_offset, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    n_blocks = gl.cdiv(hi, BLOCK_N)
+    n_full = full_hi // BLOCK_N
     mult = qk_multiplier
     if NV:
         mult = mult * (gl.load(QG + b * sgqb + h * sgqh) * gl.load(KG + b * sgkb + hk * sgkh))
@@ -490,8 +500,8 @@ def _attn_fwd_fp4_gluon_kernel(
     gl.warp_specialize([
         (_softmax, (s_tmem, p_smem, ps_tmem, pv_tmem, o_tmem, ks_tmem, s_ready, s_free,
                     p_ready, pv_ready, pv_free, ks_ready, KS + b * sksb + hk * sksh, sksn, O, LSE, VG, VM, o_strides, lse_strides, vg_strides, vm_strides,
-                    b, h, hk, pid_m, NQ, NK, n_full, n_blocks, mult,
-                    NV, TWO_LEVEL, HAS_VMEAN, WRITE_LSE, GROUP, BLOCK_M, BLOCK_N, BLOCK_D)),
+                    b, h, hk, pid_m, NQ, NK, n_full, n_blocks, mult, causal_offset,
+                    IS_CAUSAL, NV, TWO_LEVEL, HAS_VMEAN, WRITE_LSE, GROUP, BLOCK_M, BLOCK_N, BLOCK_D)),
         (_mma, (n_blocks, q_smem, k_smem, v_smem, p_smem, qs_smem, vs_smem, s_tmem,
                 pv_tmem, qs_tmem, ks_tmem, vs_tmem, ps_tmem, q_ready, kv_ready, kv_empty,
                 ks_ready, s_ready, s_free, p_ready, pv_ready, pv_free, FMT)),
@@ -572,6 +582,8 @@ def attention(
             o_strides=out.stride(), lse_strides=strides(lse, 3),
             NQ=nq, NK=nk, V_COLS=qz.v.shape[-1], HQ=hq, GROUP_HEADS=hq // hkv,
             qk_multiplier=float(qz.qk_multiplier),
+            causal_offset=0 if causal_offset is None else int(causal_offset),
+            IS_CAUSAL=causal_offset is not None,
             NV=nv, TWO_LEVEL=two_level, HAS_VMEAN=qz.v_mean is not None,
             WRITE_LSE=lse is not None, GROUP=FP4_GROUP[qz.fmt],
             BLOCK_M=BLOCK_M, BLOCK_N=block_k, BLOCK_D=qz.q.shape[-1] * 2,
@@ -587,8 +599,6 @@ def _check_scope(qz: QuantizedFP4, *, head_dim, block_q, block_k, causal_offset)
     if qz.fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {FORMATS} for the Gluon FP4 kernel, "
                          f"got {qz.fmt!r}")
-    if causal_offset is not None:
-        raise ValueError("causal attention is not supported by the Gluon FP4 kernel yet")
     if qz.delta_s is not None:
         raise ValueError("smooth_q (ΔS) is not supported by the Gluon FP4 kernel yet")
     if qz.lse_shift is not None:

@@ -674,8 +674,8 @@ def record_gluon_launch(*, head_dim: int = 128, causal: bool = False, block_k: i
 
 
 def record_fp4_gluon_launch(*, recipe: str = "qk_fp4_pv_fp4", head_dim: int = 128,
-                            block_k: int = 64, return_lse: bool = False, seq_len: int = 1024,
-                            dtype: torch.dtype = torch.float16) -> Launch:
+                            block_k: int = 64, causal: bool = False, return_lse: bool = False,
+                            seq_len: int = 1024, dtype: torch.dtype = torch.float16) -> Launch:
     """The launch of the Gluon Blackwell FP4 forward (``inference.kernel_fp4_gluon``) on the
     operands a dense ``[1, 2, seq_len, head_dim]`` call with the FP4 ``recipe`` (``block_k``
     keys) hands the Triton kernel: that call is recorded, then the Gluon launcher runs on its
@@ -696,7 +696,7 @@ def record_fp4_gluon_launch(*, recipe: str = "qk_fp4_pv_fp4", head_dim: int = 12
                       lse_shift=kw["LSH"])
     with _recording() as sink:
         kernel_fp4_gluon.attention(qz, out=kw["O"], head_dim=head_dim, block_q=128,
-                                   block_k=block_k, causal_offset=None,
+                                   block_k=block_k, causal_offset=0 if causal else None,
                                    two_level=kw["TWO_LEVEL"], return_lse=return_lse)
     (launch,) = sink
     return launch
