@@ -57,7 +57,7 @@ from triton.experimental.gluon.language.nvidia.blackwell import (
 
 from lowbit_attn.core.operands import FP4_GROUP, P_TWO_LEVEL_PEAK, QuantizedFP4
 from lowbit_attn.core.triton_helpers import (
-    batch_head, finish_scores, key_block_bounds, online_max, strides,
+    batch_head, finish_scores, key_block_bounds, online_max, store_lse, strides,
 )
 from lowbit_attn.inference.kernel_int8_gluon import check_version
 from lowbit_attn.quant.fp4 import (
@@ -375,7 +375,8 @@ def _epilogue(o_tmem, l_i, m_i, O, LSE, VG, VM, o_strides, lse_strides, vg_strid
               b, h, hk, pid_m, nq, sl_rl: gl.constexpr, NV: gl.constexpr,
               HAS_VMEAN: gl.constexpr, WRITE_LSE: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_D: gl.constexpr):
-    """``O / l`` (× V's tensor scale, + V's mean), rows that saw no key 0, and the LSE."""
+    """``O / l`` (× V's tensor scale, + V's mean), rows that saw no key 0, and the LSE, in
+    ``kernel_fp4``'s order (``normalize_rows``, then the scale)."""
     sob, soh, son, sod = o_strides
     seb, seh, sen = lse_strides
     sgvb, sgvh = vg_strides
@@ -386,21 +387,21 @@ def _epilogue(o_tmem, l_i, m_i, O, LSE, VG, VM, o_strides, lse_strides, vg_strid
     mmask = offs_m < nq
     l_o = gl.convert_layout(l_i, rows)
     empty = l_o == 0.0
-    inv = 1.0 / gl.where(empty, 1.0, l_o)
-    if NV:
-        inv = inv * gl.load(VG + b * sgvb + hk * sgvh)
+    l_o = gl.where(empty, 1.0, l_o)
     for k in gl.static_range(BLOCK_D // O_SLICE):
         offs_d = k * O_SLICE + gl.arange(0, O_SLICE, cols)
-        out = o_tmem.slice(k * O_SLICE, O_SLICE).load(sl_rl) * inv[:, None]
+        out = o_tmem.slice(k * O_SLICE, O_SLICE).load(sl_rl) / l_o[:, None]
+        if NV:
+            out = out * gl.load(VG + b * sgvb + hk * sgvh)
         if HAS_VMEAN:
             out = out + gl.load(VM + b * svmb + hk * svmh + offs_d)[None, :]
         out = gl.where(empty[:, None], 0.0, out)
         gl.store(O + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :] * sod,
                  out.to(O.dtype.element_ty), mask=mmask[:, None])
     if WRITE_LSE:
-        lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
         offs_ms = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, m_i.type.layout)
-        gl.store(LSE + b * seb + h * seh + offs_ms * sen, lse, mask=offs_ms < nq)
+        store_lse(LSE, b * seb + h * seh + offs_ms * sen, None, 0, m_i, l_i, 0.0, offs_ms < nq,
+                  False)
 
 
 @gluon.jit
