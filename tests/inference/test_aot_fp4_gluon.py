@@ -3,14 +3,15 @@ ahead of time for sm_100a (Triton 3.6.0, its bundled ptxas and cuobjdump). Compi
 GPU has run it and nothing checks its numbers (see the module's docstring).
 
 Measured 2026-11-25, NVFP4 (``qk_fp4_pv_fp4`` without ΔS), D=128, BLOCK_M=128, BLOCK_N=64, with
-LSE, non-causal (causal: the same but for the loop counts given):
+LSE, non-causal (causal and MXFP4: the same but for the loop counts given):
 
 - registers: ``setmaxnreg`` gives the softmax partition (default, 4 warps) 256 and the loader
   and MMA warps 48 each (ptxas reports 255, the ceiling); no spills (24 per worker spilled
   116 B in the loader). Shared memory 35468 B; tensor memory: one 512-column allocation.
 - the softmax partition's key-block loop: **1033 instructions per tile**, 128×64 scores over 128
   threads = 64 per thread: **16.1 per score** (its first version: 1110, 17.3); causal 1034, and
-  1470 in the masked (diagonal) loop. Today's Triton
+  1470 in the masked (diagonal) loop. MXFP4 (``qk_mxfp4_pv_mxfp4``, E8M0 scales: no E4M3
+  rounding, no ``div_rn`` by 6): 851 (13.3 per score), causal 853 / 1293; shared memory 33772 B. Today's Triton
   kernel on sm_100a (8 warps, BLOCK_N=64, 32 scores per thread): 773 per tile, 24.2 per score.
   The loop holds the O correction of the previous block (``O·α + PV·s1`` over 128 columns: 128
   FMUL + 128 FFMA, 4 ``LDTM``/2 ``STTM``), which the Triton kernel does in registers.
@@ -20,10 +21,10 @@ LSE, non-causal (causal: the same but for the loop counts given):
   S(j+1) = Q·K(j+1)ᵀ ~1056 (K(j+1)'s scales published at the step's start to the next step's
   wait); every exp2 of the step runs in both spans.
 
-Also measured: MXFP4 and BLOCK_N=128 do not compile with this design (a ``[128, 2]`` E8M0 V scale
-tile cannot be ``tcgen05_copy``'d: "Failed to find a valid layout"; 128-key blocks need 2×128
-columns of S plus O and PV, the whole tensor memory, before the scales); the launcher refuses
-them.
+Also measured: ``tcgen05_copy`` of a scale tile compiles for ``[128, 4|8|16]`` and fails ("Failed
+to find a valid layout") for ``[64, ·]`` and ``[128, 2]``: K's scales (64 keys) and MXFP4 V's
+(2 columns) are stored from registers by the softmax partition. BLOCK_N=128 is refused: 2×128
+columns of S plus O and PV fill the 512 columns of tensor memory before the scales.
 """
 
 from __future__ import annotations
@@ -40,15 +41,26 @@ from lowbit_attn.tools import aot, sass
 pytestmark = pytest.mark.aot
 
 KERNEL = "_attn_fwd_fp4_gluon_kernel"
-NVFP4_MMA = "tcgen05.mma.cta_group::1.kind::mxf4nvf4.block_scale.scale_vec::4X"
+MMA = {"qk_fp4_pv_fp4": "tcgen05.mma.cta_group::1.kind::mxf4nvf4.block_scale.scale_vec::4X",
+       "qk_mxfp4_pv_mxfp4": "tcgen05.mma.cta_group::1.kind::mxf4.block_scale.scale_vec::2X"}
 E2M1_CVT = "cvt.rn.satfinite.e2m1x2.f32"
-LOOP_BOUND = 1060  # the softmax loop's instructions per tile (1033 measured)
-TRITON_LOOP = 773  # kernel_fp4 on sm_100a, 32 scores per thread (test_aot_fp4)
+# the softmax loop's instructions per tile (measured 1033-1034 NVFP4, 851-853 MXFP4)
+LOOP_BOUND = {"qk_fp4_pv_fp4": 1060, "qk_mxfp4_pv_mxfp4": 880}
+TRITON_LOOP = 773  # kernel_fp4 on sm_100a NVFP4, 32 scores per thread (test_aot_fp4)
+VARIANTS = [(recipe, causal) for recipe in MMA for causal in (False, True)]
+IDS = [f"{recipe}-{'causal' if causal else 'full'}" for recipe, causal in VARIANTS]
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["full", "causal"])
-def report(request) -> aot.KernelReport:
-    launch = aot.record_fp4_gluon_launch(block_k=64, causal=request.param, return_lse=True)
+@pytest.fixture(scope="module", params=VARIANTS, ids=IDS)
+def variant(request) -> tuple[str, bool]:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def report(variant) -> aot.KernelReport:
+    recipe, causal = variant
+    launch = aot.record_fp4_gluon_launch(recipe=recipe, block_k=64, causal=causal,
+                                         return_lse=True)
     return aot.compile_launch(launch, "sm_100a")  # cached per specialization
 
 
@@ -75,8 +87,9 @@ def test_compiles_without_spills(report):
     assert regs == {48, 256}, regs  # workers down to 48, the softmax up to 256
 
 
-def test_both_products_are_block_scaled_fp4_tcgen05(report):
-    assert report.instructions.get(NVFP4_MMA, 0) >= 4, report.instructions  # 2 per product (K=64)
+def test_both_products_are_block_scaled_fp4_tcgen05(report, variant):
+    mma = MMA[variant[0]]
+    assert report.instructions.get(mma, 0) >= 4, report.instructions  # 2 per product (K=64)
     ops = sass.opcode_counts([t for _, t in sass.disassemble(report.cubin)])
     assert ops.get("UTCOMMA", 0) >= 4 and ops.get("UTCCP", 0) >= 1, ops
 
@@ -87,9 +100,9 @@ def test_p_is_rounded_by_the_hardware_conversion(report, softmax_loop):
     assert len(f2fp) == 32, len(f2fp)  # 64 scores per thread, two per instruction
 
 
-def test_softmax_loop_instruction_budget(softmax_loop):
+def test_softmax_loop_instruction_budget(softmax_loop, variant):
     """Per tile and per score against the Triton kernel (24.2 per score)."""
-    assert len(softmax_loop) <= LOOP_BOUND, len(softmax_loop)
+    assert len(softmax_loop) <= LOOP_BOUND[variant[0]], len(softmax_loop)
     assert len(softmax_loop) / 64 < TRITON_LOOP / 32
     assert sum(t.startswith("MUFU.EX2") for t in softmax_loop) == 66
     assert not any(t.startswith(("LDL", "STL")) for t in softmax_loop)
@@ -121,7 +134,7 @@ def test_products_run_under_a_whole_softmax_step(softmax_loop):
 
 
 def _operands(fmt="nvfp4", d=128, n=256, v_keys=256):
-    group = 16 if fmt == "nvfp4" else 32
+    group = 32 if fmt == "mxfp4" else 16
     u8 = dict(dtype=torch.uint8)
     g = torch.ones(1, 2) if fmt == "nvfp4" else None
     return QuantizedFP4(
@@ -136,7 +149,7 @@ def _operands(fmt="nvfp4", d=128, n=256, v_keys=256):
     (dict(block_k=128), "block_k"),
     (dict(block_q=64), "block_q"),
     (dict(head_dim=64), "head dim"),
-    (dict(qz=_operands("mxfp4")), "mxfp4"),
+    (dict(qz=_operands("bf16")), "fmt"),
     (dict(qz=_operands(d=64)), "head dim"),
 ])
 def test_launcher_refuses_what_it_does_not_cover(change, match):

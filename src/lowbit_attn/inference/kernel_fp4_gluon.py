@@ -16,11 +16,13 @@ MMA's order of additions.
 
 One program computes ``BLOCK_M`` = 128 query rows of one (batch, query head); partitions:
 
-- **loader** (1 warp): Q and its scales once; K, V and their scales per key block into two
+- **loader** (1 warp): Q and its scales once; K, V and (NVFP4) V's scales per key block into two
   stages (``kv_ready``/``kv_empty``). Packed operands by TMA; the group scales by plain loads into
   shared memory in the layout ``tcgen05.cp`` reads (the 32×4×4 atom: TMA cannot write it from
-  the project's row-major scales).
-- **MMA** (1 warp): copies the scales to tensor memory (``tcgen05_copy``), issues
+  the project's row-major scales). ``tcgen05.cp`` has no layout for a 64-row tile (K's scales)
+  nor for 2 scale columns (MXFP4 V's, 64 keys / 32): those the softmax partition loads and
+  stores to tensor memory from registers (K's one block ahead, ``ks_ready``).
+- **MMA** (1 warp): copies Q's (and NVFP4 V's) scales to tensor memory (``tcgen05_copy``), issues
   S(j) = Q·K(j)ᵀ into ``S[j % 2]`` and then P̃(j−1)·V(j−1) into ``PV``, each signalling an
   mbarrier when done; it never waits for its own products.
 - **softmax** (default partition, 4 warps, one query row per thread): S(j) from tensor memory,
@@ -32,8 +34,7 @@ S is double-buffered: Q·K(j+1)ᵀ is issued as soon as S(j) has been read, so t
 j+1 starts on scores that are already there. P̃·V goes to its own buffer (not accumulated in O):
 the two-level ``s1`` multiplies each block's product row by row, which an MMA cannot do.
 
-Left out (the launcher refuses them): MXFP4 (its 64-key V scale tile, ``[D, 2]``, has no
-``tcgen05.cp`` layout), 128-key blocks (tensor memory: 2·128 columns of S + O + PV fill the 512
+Left out (the launcher refuses them): 128-key blocks (tensor memory: 2·128 columns of S + O + PV fill the 512
 before the scales), ΔS (``smooth_q``), the LSE shift (``smooth_k`` with LSE), packed sequences,
 head dims other than 128, ``block_q`` ≠ 128. Kept: causal (bottom-right ``causal_offset``), V's
 channel mean (epilogue), the LSE, one-level P̃ (``two_level=False``).
@@ -95,6 +96,14 @@ def _scale_type(nv):
     return gl.float8e4nv if nv else gl.uint8
 
 
+@gluon.constexpr_function
+def v_scales_by_copy(block_n, group):
+    """Whether V's scale tile ``[D, block_n/group]`` goes to tensor memory by ``tcgen05.cp``
+    (from the loader's shared memory; needs 4 scale columns or more: "Failed to find a valid
+    layout" below) or is stored by the softmax partition from registers (MXFP4's 2 columns)."""
+    return block_n // group >= 4
+
+
 @gluon.jit
 def _scale_bits(bits, NV: gl.constexpr):
     """uint8 scale bits as the MMA takes them: E4M3 (NVFP4) or E8M0 bytes (MXFP4)."""
@@ -131,8 +140,9 @@ def _loader(q_desc, k_desc, v_desc, QS, VS, sqsn, svsd, pid_m, nq, n_blocks,
     for j in range(n_blocks):
         stage = j % 2
         mbarrier.wait(kv_empty.index(stage), ((j // 2) & 1) ^ 1)
-        _load_scales(VS + j * (BLOCK_N // GROUP), 0, BLOCK_D, svsd, vs_smem.index(stage),
-                     BLOCK_D, BLOCK_N // GROUP, NV)
+        if v_scales_by_copy(BLOCK_N, GROUP):
+            _load_scales(VS + j * (BLOCK_N // GROUP), 0, BLOCK_D, svsd, vs_smem.index(stage),
+                         BLOCK_D, BLOCK_N // GROUP, NV)
         fence_async_shared()
         mbarrier.expect(kv_ready.index(stage),
                         k_desc.block_type.nbytes + v_desc.block_type.nbytes)
@@ -144,7 +154,7 @@ def _loader(q_desc, k_desc, v_desc, QS, VS, sqsn, svsd, pid_m, nq, n_blocks,
 
 @gluon.jit
 def _issue_pv(i, p_smem, v_smem, vs_smem, ps_tmem, vs_tmem, pv_tmem, p_ready, pv_ready, pv_free,
-              kv_empty, FMT: gl.constexpr):
+              kv_empty, FMT: gl.constexpr, COPY_SCALES: gl.constexpr):
     """P̃(i)·V(i) into ``PV`` once P̃(i) is written and the softmax has read P̃(i−1)·V(i−1);
     its completion publishes ``PV`` and releases K/V stage ``i % 2``. Scale buffers in tensor
     memory are pairs of allocations (Gluon 3.6: "scales don't support multibuffering")."""
@@ -153,19 +163,20 @@ def _issue_pv(i, p_smem, v_smem, vs_smem, ps_tmem, vs_tmem, pv_tmem, p_ready, pv
     mbarrier.wait(pv_free, (i & 1) ^ 1)
     if stage == 0:
         _scaled_mma(p_smem.index(0), v_smem.index(0), vs_smem.index(0), pv_tmem, ps_tmem[0],
-                    vs_tmem[0], FMT, pv_ready, kv_empty.index(0))
+                    vs_tmem[0], FMT, pv_ready, kv_empty.index(0), COPY_SCALES)
     else:
         _scaled_mma(p_smem.index(1), v_smem.index(1), vs_smem.index(1), pv_tmem, ps_tmem[1],
-                    vs_tmem[1], FMT, pv_ready, kv_empty.index(1))
+                    vs_tmem[1], FMT, pv_ready, kv_empty.index(1), COPY_SCALES)
 
 
 @gluon.jit
 def _scaled_mma(a_smem, b_smem, b_scale_smem, acc_tmem, a_scale_tmem, b_scale_tmem,
-                FMT: gl.constexpr, bar0, bar1):
+                FMT: gl.constexpr, bar0, bar1, COPY_SCALES: gl.constexpr):
     """``acc = A·Bᵀ`` block-scaled (B ``[N, K/2]``), B's scales copied to tensor memory first
-    (ordered before the MMA: both are this thread's tcgen05 operations); ``bar0``/``bar1``
-    arrive when it is done."""
-    tcgen05_copy(b_scale_smem, b_scale_tmem)
+    when ``COPY_SCALES`` (:func:`v_scales_by_copy`; ordered before the MMA: both are this thread's tcgen05
+    operations); ``bar0``/``bar1`` arrive when it is done."""
+    if COPY_SCALES:
+        tcgen05_copy(b_scale_smem, b_scale_tmem)
     tcgen05_mma_scaled(a_smem, b_smem.permute((1, 0)), acc_tmem, a_scale_tmem, b_scale_tmem,
                        FMT, FMT, use_acc=False, mbarriers=[bar0, bar1])
 
@@ -173,7 +184,7 @@ def _scaled_mma(a_smem, b_smem, b_scale_smem, acc_tmem, a_scale_tmem, b_scale_tm
 @gluon.jit
 def _mma(n_blocks, q_smem, k_smem, v_smem, p_smem, qs_smem, vs_smem, s_tmem, pv_tmem,
          qs_tmem, ks_tmem, vs_tmem, ps_tmem, q_ready, kv_ready, kv_empty, ks_ready, s_ready,
-         s_free, p_ready, pv_ready, pv_free, FMT: gl.constexpr):
+         s_free, p_ready, pv_ready, pv_free, FMT: gl.constexpr, COPY_SCALES: gl.constexpr):
     """Issue order: S(0), then S(j) and P̃(j−1)·V(j−1) for j ≥ 1, then the last P̃·V. S(j) waits
     for K(j), its scales in tensor memory and for the softmax to have read ``S[j % 2]``
     (S(j−2))."""
@@ -195,10 +206,10 @@ def _mma(n_blocks, q_smem, k_smem, v_smem, p_smem, qs_smem, vs_smem, s_tmem, pv_
                                mbarriers=[s_ready.index(1)])
         if j > 0:
             _issue_pv(j - 1, p_smem, v_smem, vs_smem, ps_tmem, vs_tmem, pv_tmem, p_ready,
-                      pv_ready, pv_free, kv_empty, FMT)
+                      pv_ready, pv_free, kv_empty, FMT, COPY_SCALES)
     if n_blocks > 0:
         _issue_pv(n_blocks - 1, p_smem, v_smem, vs_smem, ps_tmem, vs_tmem, pv_tmem, p_ready,
-                  pv_ready, pv_free, kv_empty, FMT)
+                  pv_ready, pv_free, kv_empty, FMT, COPY_SCALES)
 
 
 @gluon.jit
@@ -213,6 +224,18 @@ def _key_scales(KS, j, nk, sksn, NV: gl.constexpr, GROUP: gl.constexpr, BLOCK_N:
     c = gl.arange(0, BLOCK_D // GROUP, gl.SliceLayout(0, rl))
     bits = gl.load(KS + r[:, None] * sksn + c[None, :], mask=(r < nk)[:, None], other=0)
     return _scale_bits(bits, NV)
+
+
+@gluon.jit
+def _value_scales(VS, j, svsd, NV: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
+                  BLOCK_D: gl.constexpr):
+    """V's scales of key block ``j`` (``[D, BLOCK_N/GROUP]``) in the tensor-memory store
+    layout, for the formats :func:`v_scales_by_copy` excludes (V is padded: no mask)."""
+    rl: gl.constexpr = get_tmem_reg_layout(_scale_type(NV), [BLOCK_D, BLOCK_N // GROUP],
+                                           TensorMemoryScalesLayout(), gl.num_warps())
+    r = gl.arange(0, BLOCK_D, gl.SliceLayout(1, rl))
+    c = j * (BLOCK_N // GROUP) + gl.arange(0, BLOCK_N // GROUP, gl.SliceLayout(0, rl))
+    return _scale_bits(gl.load(VS + r[:, None] * svsd + c[None, :]), NV)
 
 
 @gluon.jit
@@ -249,9 +272,9 @@ def _quantize_p(p, NV: gl.constexpr, GROUP: gl.constexpr):
 
 
 @gluon.jit
-def _softmax_step(j, s_tmem, p_smem, ps_tmem, pv_tmem, o_tmem, ks_tmem, s_ready, s_free,
-                  p_ready, pv_ready, pv_free, ks_ready, m_i, l_i, alpha, s1, ks, mult, nk,
-                  n_blocks, KS, sksn, row0, causal_offset, BLOCK_D: gl.constexpr,
+def _softmax_step(j, s_tmem, p_smem, ps_tmem, pv_tmem, o_tmem, ks_tmem, vs_tmem, s_ready,
+                  s_free, p_ready, pv_ready, pv_free, ks_ready, m_i, l_i, alpha, s1, ks, mult,
+                  nk, n_blocks, KS, sksn, VS, svsd, row0, causal_offset, BLOCK_D: gl.constexpr,
                   MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, NV: gl.constexpr, TWO_LEVEL: gl.constexpr,
                   GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """Key block ``j``: its P̃ and scales handed to the MMA warp, then block ``j−1``'s correction
@@ -264,6 +287,8 @@ def _softmax_step(j, s_tmem, p_smem, ps_tmem, pv_tmem, o_tmem, ks_tmem, s_ready,
     if j + 1 < n_blocks:  # K(j+1)'s scales (loaded in the previous step): S(j+1) may start
         _publish_key_scales(ks, j + 1, ks_tmem, ks_ready)
         ks = _key_scales(KS, j + 2, nk, sksn, NV, GROUP, BLOCK_N, BLOCK_D)
+    if not v_scales_by_copy(BLOCK_N, GROUP):
+        vs = _value_scales(VS, j, svsd, NV, GROUP, BLOCK_N, BLOCK_D)
     mbarrier.wait(s_ready.index(stage), (j // 2) & 1)
     s = s_tmem.index(stage).load(s_rl)
     mbarrier.arrive(s_free.index(stage), count=1)
@@ -299,8 +324,12 @@ def _softmax_step(j, s_tmem, p_smem, ps_tmem, pv_tmem, o_tmem, ks_tmem, s_ready,
     ps = gl.convert_layout(_scale_bits(codes, NV), ps_rl)
     if stage == 0:
         ps_tmem[0].store(ps)
+        if not v_scales_by_copy(BLOCK_N, GROUP):
+            vs_tmem[0].store(vs)
     else:
         ps_tmem[1].store(ps)
+        if not v_scales_by_copy(BLOCK_N, GROUP):
+            vs_tmem[1].store(vs)
     fence_async_shared()
     mbarrier.arrive(p_ready.index(stage), count=1)
     if j > 0:
@@ -329,8 +358,8 @@ def _correct(i, pv_tmem, o_tmem, pv_ready, pv_free, alpha, s1, BLOCK_M: gl.const
 
 
 @gluon.jit
-def _softmax(s_tmem, p_smem, ps_tmem, pv_tmem, o_tmem, ks_tmem, s_ready, s_free, p_ready,
-             pv_ready, pv_free, ks_ready, KS, sksn, O, LSE, VG, VM, o_strides, lse_strides, vg_strides, vm_strides, b, h, hk,
+def _softmax(s_tmem, p_smem, ps_tmem, pv_tmem, o_tmem, ks_tmem, vs_tmem, s_ready, s_free,
+             p_ready, pv_ready, pv_free, ks_ready, KS, sksn, VS, svsd, O, LSE, VG, VM, o_strides, lse_strides, vg_strides, vm_strides, b, h, hk,
              pid_m, nq, nk, n_full, n_blocks, mult, causal_offset,
              IS_CAUSAL: gl.constexpr, NV: gl.constexpr, TWO_LEVEL: gl.constexpr,
              HAS_VMEAN: gl.constexpr, WRITE_LSE: gl.constexpr, GROUP: gl.constexpr,
@@ -356,14 +385,14 @@ def _softmax(s_tmem, p_smem, ps_tmem, pv_tmem, o_tmem, ks_tmem, s_ready, s_free,
     ks = _key_scales(KS, 1, nk, sksn, NV, GROUP, BLOCK_N, BLOCK_D)
     for j in range(n_full):
         m_i, l_i, alpha, s1, ks = _softmax_step(
-            j, s_tmem, p_smem, ps_tmem, pv_tmem, o_tmem, ks_tmem, s_ready, s_free, p_ready,
-            pv_ready, pv_free, ks_ready, m_i, l_i, alpha, s1, ks, mult, nk, n_blocks, KS, sksn,
-            pid_m * BLOCK_M, causal_offset, BLOCK_D, False, IS_CAUSAL, NV, TWO_LEVEL, GROUP, BLOCK_M, BLOCK_N)
+            j, s_tmem, p_smem, ps_tmem, pv_tmem, o_tmem, ks_tmem, vs_tmem, s_ready, s_free,
+            p_ready, pv_ready, pv_free, ks_ready, m_i, l_i, alpha, s1, ks, mult, nk, n_blocks,
+            KS, sksn, VS, svsd, pid_m * BLOCK_M, causal_offset, BLOCK_D, False, IS_CAUSAL, NV, TWO_LEVEL, GROUP, BLOCK_M, BLOCK_N)
     for j in range(n_full, n_blocks):
         m_i, l_i, alpha, s1, ks = _softmax_step(
-            j, s_tmem, p_smem, ps_tmem, pv_tmem, o_tmem, ks_tmem, s_ready, s_free, p_ready,
-            pv_ready, pv_free, ks_ready, m_i, l_i, alpha, s1, ks, mult, nk, n_blocks, KS, sksn,
-            pid_m * BLOCK_M, causal_offset, BLOCK_D, True, IS_CAUSAL, NV, TWO_LEVEL, GROUP, BLOCK_M, BLOCK_N)
+            j, s_tmem, p_smem, ps_tmem, pv_tmem, o_tmem, ks_tmem, vs_tmem, s_ready, s_free,
+            p_ready, pv_ready, pv_free, ks_ready, m_i, l_i, alpha, s1, ks, mult, nk, n_blocks,
+            KS, sksn, VS, svsd, pid_m * BLOCK_M, causal_offset, BLOCK_D, True, IS_CAUSAL, NV, TWO_LEVEL, GROUP, BLOCK_M, BLOCK_N)
     if n_blocks > 0:
         _correct(n_blocks - 1, pv_tmem, o_tmem, pv_ready, pv_free, alpha, s1, BLOCK_M)
     _epilogue(o_tmem, l_i, m_i, O, LSE, VG, VM, o_strides, lse_strides, vg_strides, vm_strides,
@@ -499,13 +528,15 @@ def _attn_fwd_fp4_gluon_kernel(
                allocate_tensor_memory(SCALE, [BLOCK_M, BLOCK_N // GROUP], sc_tl))
 
     gl.warp_specialize([
-        (_softmax, (s_tmem, p_smem, ps_tmem, pv_tmem, o_tmem, ks_tmem, s_ready, s_free,
-                    p_ready, pv_ready, pv_free, ks_ready, KS + b * sksb + hk * sksh, sksn, O, LSE, VG, VM, o_strides, lse_strides, vg_strides, vm_strides,
+        (_softmax, (s_tmem, p_smem, ps_tmem, pv_tmem, o_tmem, ks_tmem, vs_tmem, s_ready,
+                    s_free, p_ready, pv_ready, pv_free, ks_ready, KS + b * sksb + hk * sksh,
+                    sksn, VS + b * svsb + hk * svsh, svsd, O, LSE, VG, VM, o_strides, lse_strides, vg_strides, vm_strides,
                     b, h, hk, pid_m, NQ, NK, n_full, n_blocks, mult, causal_offset,
                     IS_CAUSAL, NV, TWO_LEVEL, HAS_VMEAN, WRITE_LSE, GROUP, BLOCK_M, BLOCK_N, BLOCK_D)),
         (_mma, (n_blocks, q_smem, k_smem, v_smem, p_smem, qs_smem, vs_smem, s_tmem,
                 pv_tmem, qs_tmem, ks_tmem, vs_tmem, ps_tmem, q_ready, kv_ready, kv_empty,
-                ks_ready, s_ready, s_free, p_ready, pv_ready, pv_free, FMT)),
+                ks_ready, s_ready, s_free, p_ready, pv_ready, pv_free, FMT,
+                v_scales_by_copy(BLOCK_N, GROUP))),
         (_loader, (q_desc, k_desc, v_desc, QS + b * sqsb + h * sqsh,
                    VS + b * svsb + hk * svsh, sqsn, svsd, pid_m, NQ, n_blocks,
                    q_smem, k_smem, v_smem, qs_smem, vs_smem, q_ready, kv_ready,
@@ -524,9 +555,7 @@ __all__ = ["BLOCK_M", "KERNEL", "SOFTMAX_WARPS", "scale_smem_layout"]
 # 64-key blocks only: 128 would need 2×128 columns of S plus O and PV, the whole tensor memory,
 # before the scales (a later version can alias PV with S as the upstream tutorial aliases P).
 BLOCK_NS = (64,)
-# NVFP4 only: MXFP4's V scale tile of 64 keys, [D, 2] E8M0, cannot be copied by tcgen05.cp
-# ("Failed to find a valid layout"); it would have to be stored from registers, as K's are.
-FORMATS = ("nvfp4",)
+FORMATS = ("nvfp4", "mxfp4")
 HEAD_DIMS = (128,)
 
 
