@@ -58,71 +58,23 @@ from triton.experimental.gluon.language.nvidia.blackwell import (
 
 from lowbit_attn.core.operands import FP4_GROUP, P_TWO_LEVEL_PEAK, QuantizedFP4
 from lowbit_attn.core.triton_helpers import (
-    batch_head, finish_scores, key_block_bounds, online_max, store_lse, strides,
+    batch_head, finish_scores, key_block_bounds, online_max, strides,
 )
 from lowbit_attn.inference.kernel_int8_gluon import check_version
-from lowbit_attn.quant.fp4 import (
-    E2M1X2_CONSTRAINTS, E2M1X2_PTX, e4m3_group_scale, e8m0_group_scale,
+from lowbit_attn.inference.gluon_fp4_blocks import (
+    O_SLICE, correct, epilogue, key_scales, load_scales, publish_key_scales, quantize_p,
+    scale_bits, scale_smem_layout, scale_type, v_scales_by_copy, value_scales,
 )
 
 BLOCK_M = 128
 SOFTMAX_WARPS = 4  # the kernel's num_warps: the default partition, one query row per thread
 _WORKER_WARPS = gl.constexpr((1, 1))  # MMA, loader
 _WORKER_REGS = gl.constexpr((48, 48))
-O_SLICE = gl.constexpr(64)  # columns of O per correction step (registers: 2·64 per thread)
 
 _LOG2_PEAK_NV = gl.constexpr(math.log2(P_TWO_LEVEL_PEAK["nvfp4"]))
 _INV_PEAK_NV = gl.constexpr(1.0 / P_TWO_LEVEL_PEAK["nvfp4"])
 _LOG2_PEAK_MX = gl.constexpr(math.log2(P_TWO_LEVEL_PEAK["mxfp4"]))
 _INV_PEAK_MX = gl.constexpr(1.0 / P_TWO_LEVEL_PEAK["mxfp4"])
-
-
-@gluon.constexpr_function
-def scale_smem_layout(rows, cols):
-    """The shared layout ``tcgen05.cp`` reads scales from (``[rows, cols]``, one byte each): the
-    cuBLAS block-scale atom, 32 rows × 4 groups of 4 scale columns, rows ``r``, ``r + 32``,
-    ``r + 64``, ``r + 96`` adjacent (r18 Q1b)."""
-    bases = [[0, 1], [0, 2]][: min(2, (cols - 1).bit_length())]
-    bases += [[32 << i, 0] for i in range(max(0, (rows // 32).bit_length() - 1))]
-    bases += [[1 << i, 0] for i in range(5)]
-    bases += [[0, 4 << i] for i in range(max(0, (cols // 4).bit_length() - 1))]
-    return gl.SharedLinearLayout(offset_bases=bases, block_bases=[], alignment=128)
-
-
-@gluon.constexpr_function
-def _scale_type(nv):
-    """The scales' type in shared and tensor memory: it picks the MMA's format (NVFP4's E4M3
-    with groups of 16, or MXFP4's E8M0 bytes with groups of 32; r18 pitfall 1)."""
-    return gl.float8e4nv if nv else gl.uint8
-
-
-@gluon.constexpr_function
-def v_scales_by_copy(block_n, group):
-    """Whether V's scale tile ``[D, block_n/group]`` goes to tensor memory by ``tcgen05.cp``
-    (from the loader's shared memory; needs 4 scale columns or more: "Failed to find a valid
-    layout" below) or is stored by the softmax partition from registers (MXFP4's 2 columns)."""
-    return block_n // group >= 4
-
-
-@gluon.jit
-def _scale_bits(bits, NV: gl.constexpr):
-    """uint8 scale bits as the MMA takes them: E4M3 (NVFP4) or E8M0 bytes (MXFP4)."""
-    if NV:
-        return bits.to(gl.float8e4nv, bitcast=True)
-    else:
-        return bits
-
-
-@gluon.jit
-def _load_scales(ptr, row0, n_rows, stride, smem, ROWS: gl.constexpr, COLS: gl.constexpr,
-                 NV: gl.constexpr):
-    """``[ROWS, COLS]`` scale bytes (row ``row0 + r`` at ``ptr + (row0 + r)·stride``, contiguous
-    columns; rows from ``n_rows`` on read 0) → ``smem`` in :func:`scale_smem_layout`."""
-    lay: gl.constexpr = gl.BlockedLayout([1, COLS], [32, 1], [gl.num_warps(), 1], [1, 0])
-    r = row0 + gl.arange(0, ROWS, gl.SliceLayout(1, lay))
-    c = gl.arange(0, COLS, gl.SliceLayout(0, lay))
-    bits = gl.load(ptr + r[:, None] * stride + c[None, :], mask=(r < n_rows)[:, None], other=0)
-    smem.store(_scale_bits(bits, NV))
 
 
 @gluon.jit
@@ -131,9 +83,9 @@ def _loader(q_desc, k_desc, v_desc, QS, VS, sqsn, svsd, pid_m, nq, n_blocks,
             NV: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
             BLOCK_D: gl.constexpr):
     """Q and its scales, then K(j), V(j) and V's scales into stage ``j % 2`` once P̃·V(j−2)
-    has released it (K's scales: the softmax partition, see :func:`_key_scales`). Scales are stored (and fenced for the async proxy) before the barrier's
+    has released it (K's scales: the softmax partition, see :func:`key_scales`). Scales are stored (and fenced for the async proxy) before the barrier's
     ``expect`` arrives, so one arrival covers both."""
-    _load_scales(QS, pid_m * BLOCK_M, nq, sqsn, qs_smem, BLOCK_M, BLOCK_D // GROUP, NV)
+    load_scales(QS, pid_m * BLOCK_M, nq, sqsn, qs_smem, BLOCK_M, BLOCK_D // GROUP, NV)
     fence_async_shared()
     mbarrier.expect(q_ready, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [pid_m * BLOCK_M, 0], q_ready, q_smem)
@@ -141,7 +93,7 @@ def _loader(q_desc, k_desc, v_desc, QS, VS, sqsn, svsd, pid_m, nq, n_blocks,
         stage = j % 2
         mbarrier.wait(kv_empty.index(stage), ((j // 2) & 1) ^ 1)
         if v_scales_by_copy(BLOCK_N, GROUP):
-            _load_scales(VS + j * (BLOCK_N // GROUP), 0, BLOCK_D, svsd, vs_smem.index(stage),
+            load_scales(VS + j * (BLOCK_N // GROUP), 0, BLOCK_D, svsd, vs_smem.index(stage),
                          BLOCK_D, BLOCK_N // GROUP, NV)
         fence_async_shared()
         mbarrier.expect(kv_ready.index(stage),
@@ -213,65 +165,6 @@ def _mma(n_blocks, q_smem, k_smem, v_smem, p_smem, qs_smem, vs_smem, s_tmem, pv_
 
 
 @gluon.jit
-def _key_scales(KS, j, nk, sksn, NV: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
-                BLOCK_D: gl.constexpr):
-    """K's scales of key block ``j`` in the tensor-memory store layout (0 past the end).
-    ``tcgen05.cp`` cannot copy a 64-row scale tile (r18 layout: "failed to find a valid
-    layout"), so the softmax partition stores K's scales, one block ahead of the MMA."""
-    rl: gl.constexpr = get_tmem_reg_layout(_scale_type(NV), [BLOCK_N, BLOCK_D // GROUP],
-                                           TensorMemoryScalesLayout(), gl.num_warps())
-    r = j * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, rl))
-    c = gl.arange(0, BLOCK_D // GROUP, gl.SliceLayout(0, rl))
-    bits = gl.load(KS + r[:, None] * sksn + c[None, :], mask=(r < nk)[:, None], other=0)
-    return _scale_bits(bits, NV)
-
-
-@gluon.jit
-def _value_scales(VS, j, svsd, NV: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
-                  BLOCK_D: gl.constexpr):
-    """V's scales of key block ``j`` (``[D, BLOCK_N/GROUP]``) in the tensor-memory store
-    layout, for the formats :func:`v_scales_by_copy` excludes (V is padded: no mask)."""
-    rl: gl.constexpr = get_tmem_reg_layout(_scale_type(NV), [BLOCK_D, BLOCK_N // GROUP],
-                                           TensorMemoryScalesLayout(), gl.num_warps())
-    r = gl.arange(0, BLOCK_D, gl.SliceLayout(1, rl))
-    c = j * (BLOCK_N // GROUP) + gl.arange(0, BLOCK_N // GROUP, gl.SliceLayout(0, rl))
-    return _scale_bits(gl.load(VS + r[:, None] * svsd + c[None, :]), NV)
-
-
-@gluon.jit
-def _publish_key_scales(ks, j, ks_tmem, ks_ready):
-    """Block ``j``'s K scales to tensor memory buffer ``j % 2`` (free: S(j−2) is done, since
-    S(j−1) is, which the previous step waited for), then tell the MMA warp."""
-    if j % 2 == 0:
-        ks_tmem[0].store(ks)
-    else:
-        ks_tmem[1].store(ks)
-    mbarrier.arrive(ks_ready.index(j % 2), count=1)
-
-
-@gluon.jit
-def _quantize_p(p, NV: gl.constexpr, GROUP: gl.constexpr):
-    """P̃ ``[M, N]`` (≥ 0, one row per thread) → ``(E2M1 bytes [M, N/2], scale bits [M, N/GROUP]
-    uint8)``: ``kernel_fp4._quantize_p``'s group scales, then the hardware conversion of
-    ``P̃·(1/s)`` (element ``2i`` in the low nibble)."""
-    M: gl.constexpr = p.shape[0]
-    N: gl.constexpr = p.shape[1]
-    pg = gl.reshape(p, [M, N // GROUP, GROUP])
-    amax = gl.max(pg, axis=2) + gl.sum(pg * 0.0, axis=2)
-    if NV:
-        s, code = e4m3_group_scale(gl.div_rn(amax, 6.0), amax > 0.0)
-        denom = gl.where(code == 0, 1.0, s)
-    else:
-        code, denom = e8m0_group_scale(amax)
-    rcp = gl.div_rn(gl.full(denom.shape, 1.0, gl.float32, denom.type.layout), denom)
-    x = gl.reshape(pg * gl.expand_dims(rcp, 2), [M, N // 2, 2])
-    lo, hi = gl.split(x)
-    packed = gl.inline_asm_elementwise(E2M1X2_PTX, E2M1X2_CONSTRAINTS, [lo, hi], dtype=gl.uint8,
-                                       is_pure=True, pack=4)
-    return packed, code.to(gl.uint8)
-
-
-@gluon.jit
 def _softmax_step(j, s_tmem, p_smem, ps_tmem, pv_tmem, o_tmem, ks_tmem, vs_tmem, s_ready,
                   s_free, p_ready, pv_ready, pv_free, ks_ready, m_i, l_i, alpha, s1, ks, mult,
                   nk, n_blocks, KS, sksn, VS, svsd, row0, causal_offset, BLOCK_D: gl.constexpr,
@@ -285,10 +178,10 @@ def _softmax_step(j, s_tmem, p_smem, ps_tmem, pv_tmem, o_tmem, ks_tmem, vs_tmem,
                                              gl.num_warps())
     stage = j % 2
     if j + 1 < n_blocks:  # K(j+1)'s scales (loaded in the previous step): S(j+1) may start
-        _publish_key_scales(ks, j + 1, ks_tmem, ks_ready)
-        ks = _key_scales(KS, j + 2, nk, sksn, NV, GROUP, BLOCK_N, BLOCK_D)
+        publish_key_scales(ks, j + 1, ks_tmem, ks_ready)
+        ks = key_scales(KS, j + 2, nk, sksn, NV, GROUP, BLOCK_N, BLOCK_D)
     if not v_scales_by_copy(BLOCK_N, GROUP):
-        vs = _value_scales(VS, j, svsd, NV, GROUP, BLOCK_N, BLOCK_D)
+        vs = value_scales(VS, j, svsd, NV, GROUP, BLOCK_N, BLOCK_D)
     mbarrier.wait(s_ready.index(stage), (j // 2) & 1)
     s = s_tmem.index(stage).load(s_rl)
     mbarrier.arrive(s_free.index(stage), count=1)
@@ -315,13 +208,13 @@ def _softmax_step(j, s_tmem, p_smem, ps_tmem, pv_tmem, o_tmem, ks_tmem, vs_tmem,
         p = gl.exp2(gl.fma(s, mult, -m_safe[:, None]))
         s1_new = gl.full([BLOCK_M], 1.0, gl.float32, gl.SliceLayout(1, s_rl))
     l_i = l_i * alpha_new + gl.sum(p, axis=1) * s1_new
-    packed, codes = _quantize_p(p, NV, GROUP)
+    packed, codes = quantize_p(p, NV, GROUP)
     # P̃(j−2)·V(j−2) has completed (waited for in the previous step): its buffers are free.
     p_smem.index(stage).store(packed)
     ps_tl: gl.constexpr = TensorMemoryScalesLayout()
-    ps_rl: gl.constexpr = get_tmem_reg_layout(_scale_type(NV), [BLOCK_M, BLOCK_N // GROUP],
+    ps_rl: gl.constexpr = get_tmem_reg_layout(scale_type(NV), [BLOCK_M, BLOCK_N // GROUP],
                                               ps_tl, gl.num_warps())
-    ps = gl.convert_layout(_scale_bits(codes, NV), ps_rl)
+    ps = gl.convert_layout(scale_bits(codes, NV), ps_rl)
     if stage == 0:
         ps_tmem[0].store(ps)
         if not v_scales_by_copy(BLOCK_N, GROUP):
@@ -333,28 +226,8 @@ def _softmax_step(j, s_tmem, p_smem, ps_tmem, pv_tmem, o_tmem, ks_tmem, vs_tmem,
     fence_async_shared()
     mbarrier.arrive(p_ready.index(stage), count=1)
     if j > 0:
-        _correct(j - 1, pv_tmem, o_tmem, pv_ready, pv_free, alpha, s1, BLOCK_M)
+        correct(j - 1, pv_tmem, o_tmem, pv_ready, pv_free, alpha, s1, BLOCK_M)
     return m_new, l_i, alpha_new, s1_new, ks
-
-
-@gluon.jit
-def _correct(i, pv_tmem, o_tmem, pv_ready, pv_free, alpha, s1, BLOCK_M: gl.constexpr):
-    """``O = O·α(i) + PV·s1(i)`` once P̃(i)·V(i) is done, ``O_SLICE`` columns at a time; PV is
-    released after its last slice is read."""
-    D: gl.constexpr = o_tmem.shape[1]
-    sl_tl: gl.constexpr = TensorMemoryLayout([BLOCK_M, O_SLICE], col_stride=1)
-    sl_rl: gl.constexpr = get_tmem_reg_layout(gl.float32, [BLOCK_M, O_SLICE], sl_tl,
-                                              gl.num_warps())
-    rows: gl.constexpr = gl.SliceLayout(1, sl_rl)
-    a = gl.convert_layout(alpha, rows)[:, None]
-    c = gl.convert_layout(s1, rows)[:, None]
-    mbarrier.wait(pv_ready, i & 1)
-    for k in gl.static_range(D // O_SLICE):
-        pv = pv_tmem.slice(k * O_SLICE, O_SLICE).load(sl_rl)
-        if k == D // O_SLICE - 1:
-            mbarrier.arrive(pv_free, count=1)
-        o = o_tmem.slice(k * O_SLICE, O_SLICE)
-        o.store(o.load(sl_rl) * a + pv * c)
 
 
 @gluon.jit
@@ -380,9 +253,9 @@ def _softmax(s_tmem, p_smem, ps_tmem, pv_tmem, o_tmem, ks_tmem, vs_tmem, s_ready
     alpha = gl.zeros([BLOCK_M], gl.float32, rows_s)
     s1 = gl.zeros([BLOCK_M], gl.float32, rows_s)
     if n_blocks > 0:
-        _publish_key_scales(_key_scales(KS, 0, nk, sksn, NV, GROUP, BLOCK_N, BLOCK_D), 0,
+        publish_key_scales(key_scales(KS, 0, nk, sksn, NV, GROUP, BLOCK_N, BLOCK_D), 0,
                             ks_tmem, ks_ready)
-    ks = _key_scales(KS, 1, nk, sksn, NV, GROUP, BLOCK_N, BLOCK_D)
+    ks = key_scales(KS, 1, nk, sksn, NV, GROUP, BLOCK_N, BLOCK_D)
     for j in range(n_full):
         m_i, l_i, alpha, s1, ks = _softmax_step(
             j, s_tmem, p_smem, ps_tmem, pv_tmem, o_tmem, ks_tmem, vs_tmem, s_ready, s_free,
@@ -394,43 +267,9 @@ def _softmax(s_tmem, p_smem, ps_tmem, pv_tmem, o_tmem, ks_tmem, vs_tmem, s_ready
             p_ready, pv_ready, pv_free, ks_ready, m_i, l_i, alpha, s1, ks, mult, nk, n_blocks,
             KS, sksn, VS, svsd, pid_m * BLOCK_M, causal_offset, BLOCK_D, True, IS_CAUSAL, NV, TWO_LEVEL, GROUP, BLOCK_M, BLOCK_N)
     if n_blocks > 0:
-        _correct(n_blocks - 1, pv_tmem, o_tmem, pv_ready, pv_free, alpha, s1, BLOCK_M)
-    _epilogue(o_tmem, l_i, m_i, O, LSE, VG, VM, o_strides, lse_strides, vg_strides, vm_strides,
+        correct(n_blocks - 1, pv_tmem, o_tmem, pv_ready, pv_free, alpha, s1, BLOCK_M)
+    epilogue(o_tmem, l_i, m_i, O, LSE, VG, VM, o_strides, lse_strides, vg_strides, vm_strides,
               b, h, hk, pid_m, nq, sl_rl, NV, HAS_VMEAN, WRITE_LSE, BLOCK_M, BLOCK_D)
-
-
-@gluon.jit
-def _epilogue(o_tmem, l_i, m_i, O, LSE, VG, VM, o_strides, lse_strides, vg_strides, vm_strides,
-              b, h, hk, pid_m, nq, sl_rl: gl.constexpr, NV: gl.constexpr,
-              HAS_VMEAN: gl.constexpr, WRITE_LSE: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_D: gl.constexpr):
-    """``O / l`` (× V's tensor scale, + V's mean), rows that saw no key 0, and the LSE, in
-    ``kernel_fp4``'s order (``normalize_rows``, then the scale)."""
-    sob, soh, son, sod = o_strides
-    seb, seh, sen = lse_strides
-    sgvb, sgvh = vg_strides
-    svmb, svmh = vm_strides
-    rows: gl.constexpr = gl.SliceLayout(1, sl_rl)
-    cols: gl.constexpr = gl.SliceLayout(0, sl_rl)
-    offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, rows)
-    mmask = offs_m < nq
-    l_o = gl.convert_layout(l_i, rows)
-    empty = l_o == 0.0
-    l_o = gl.where(empty, 1.0, l_o)
-    for k in gl.static_range(BLOCK_D // O_SLICE):
-        offs_d = k * O_SLICE + gl.arange(0, O_SLICE, cols)
-        out = o_tmem.slice(k * O_SLICE, O_SLICE).load(sl_rl) / l_o[:, None]
-        if NV:
-            out = out * gl.load(VG + b * sgvb + hk * sgvh)
-        if HAS_VMEAN:
-            out = out + gl.load(VM + b * svmb + hk * svmh + offs_d)[None, :]
-        out = gl.where(empty[:, None], 0.0, out)
-        gl.store(O + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :] * sod,
-                 out.to(O.dtype.element_ty), mask=mmask[:, None])
-    if WRITE_LSE:
-        offs_ms = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, m_i.type.layout)
-        store_lse(LSE, b * seb + h * seh + offs_ms * sen, None, 0, m_i, l_i, 0.0, offs_ms < nq,
-                  False)
 
 
 @gluon.jit
@@ -457,7 +296,7 @@ def _attn_fwd_fp4_gluon_kernel(
     sgqb, sgqh = qg_strides
     sgkb, sgkh = kg_strides
     FMT: gl.constexpr = "e2m1"
-    SCALE: gl.constexpr = _scale_type(NV)
+    SCALE: gl.constexpr = scale_type(NV)
 
     pid_m = gl.program_id(0)
     b, h = batch_head(gl.program_id(1), HQ)
@@ -546,7 +385,7 @@ def _attn_fwd_fp4_gluon_kernel(
 
 KERNEL = _attn_fwd_fp4_gluon_kernel
 
-__all__ = ["BLOCK_M", "KERNEL", "SOFTMAX_WARPS", "scale_smem_layout"]
+__all__ = ["BLOCK_M", "KERNEL", "SOFTMAX_WARPS"]
 
 
 # ---------------------------------------------------------------------------------------------
