@@ -13,7 +13,7 @@ from triton.experimental.gluon.language.nvidia.blackwell import (
 
 from lowbit_attn.core.triton_helpers import store_lse
 from lowbit_attn.quant.fp4 import (
-    E2M1X2_CONSTRAINTS, E2M1X2_PTX, e4m3_group_scale, e8m0_group_scale,
+    E2M1X2_CONSTRAINTS, E2M1X2_PTX, e4m3_group_scale, e8m0_group_scale, scale_operand,
 )
 
 O_SLICE = gl.constexpr(64)  # columns of O per correction step (registers: 2·64 per thread)
@@ -31,13 +31,11 @@ def scale_smem_layout(rows, cols):
     return gl.SharedLinearLayout(offset_bases=bases, block_bases=[], alignment=128)
 
 
-
 @gluon.constexpr_function
 def scale_type(nv):
     """The scales' type in shared and tensor memory: it picks the MMA's format (NVFP4's E4M3
     with groups of 16, or MXFP4's E8M0 bytes with groups of 32; r18 pitfall 1)."""
     return gl.float8e4nv if nv else gl.uint8
-
 
 
 @gluon.constexpr_function
@@ -46,17 +44,6 @@ def v_scales_by_copy(block_n, group):
     (from the loader's shared memory; needs 4 scale columns or more: "Failed to find a valid
     layout" below) or is stored by the softmax partition from registers (MXFP4's 2 columns)."""
     return block_n // group >= 4
-
-
-
-@gluon.jit
-def scale_bits(bits, NV: gl.constexpr):
-    """uint8 scale bits as the MMA takes them: E4M3 (NVFP4) or E8M0 bytes (MXFP4)."""
-    if NV:
-        return bits.to(gl.float8e4nv, bitcast=True)
-    else:
-        return bits
-
 
 
 @gluon.jit
@@ -68,8 +55,7 @@ def load_scales(ptr, row0, n_rows, stride, smem, ROWS: gl.constexpr, COLS: gl.co
     r = row0 + gl.arange(0, ROWS, gl.SliceLayout(1, lay))
     c = gl.arange(0, COLS, gl.SliceLayout(0, lay))
     bits = gl.load(ptr + r[:, None] * stride + c[None, :], mask=(r < n_rows)[:, None], other=0)
-    smem.store(scale_bits(bits, NV))
-
+    smem.store(scale_operand(bits, NV))
 
 
 @gluon.jit
@@ -83,8 +69,7 @@ def key_scales(KS, j, nk, sksn, NV: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: 
     r = j * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, rl))
     c = gl.arange(0, BLOCK_D // GROUP, gl.SliceLayout(0, rl))
     bits = gl.load(KS + r[:, None] * sksn + c[None, :], mask=(r < nk)[:, None], other=0)
-    return scale_bits(bits, NV)
-
+    return scale_operand(bits, NV)
 
 
 @gluon.jit
@@ -96,8 +81,7 @@ def value_scales(VS, j, svsd, NV: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl
                                            TensorMemoryScalesLayout(), gl.num_warps())
     r = gl.arange(0, BLOCK_D, gl.SliceLayout(1, rl))
     c = j * (BLOCK_N // GROUP) + gl.arange(0, BLOCK_N // GROUP, gl.SliceLayout(0, rl))
-    return scale_bits(gl.load(VS + r[:, None] * svsd + c[None, :]), NV)
-
+    return scale_operand(gl.load(VS + r[:, None] * svsd + c[None, :]), NV)
 
 
 @gluon.jit
@@ -109,7 +93,6 @@ def publish_key_scales(ks, j, ks_tmem, ks_ready):
     else:
         ks_tmem[1].store(ks)
     mbarrier.arrive(ks_ready.index(j % 2), count=1)
-
 
 
 @gluon.jit
@@ -134,7 +117,6 @@ def quantize_p(p, NV: gl.constexpr, GROUP: gl.constexpr):
     return packed, code.to(gl.uint8)
 
 
-
 @gluon.jit
 def correct(i, pv_tmem, o_tmem, pv_ready, pv_free, alpha, s1, BLOCK_M: gl.constexpr):
     """``O = O·α(i) + PV·s1(i)`` once P̃(i)·V(i) is done, ``O_SLICE`` columns at a time; PV is
@@ -153,7 +135,6 @@ def correct(i, pv_tmem, o_tmem, pv_ready, pv_free, alpha, s1, BLOCK_M: gl.conste
             mbarrier.arrive(pv_free, count=1)
         o = o_tmem.slice(k * O_SLICE, O_SLICE)
         o.store(o.load(sl_rl) * a + pv * c)
-
 
 
 @gluon.jit
@@ -191,5 +172,5 @@ def epilogue(o_tmem, l_i, m_i, O, LSE, VG, VM, o_strides, lse_strides, vg_stride
 
 
 __all__ = ["O_SLICE", "correct", "epilogue", "key_scales", "load_scales", "publish_key_scales",
-           "quantize_p", "scale_bits", "scale_smem_layout", "scale_type", "v_scales_by_copy",
+           "quantize_p", "scale_smem_layout", "scale_type", "v_scales_by_copy",
            "value_scales"]

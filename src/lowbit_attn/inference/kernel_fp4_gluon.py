@@ -63,8 +63,9 @@ from lowbit_attn.core.triton_helpers import (
 from lowbit_attn.inference.kernel_int8_gluon import check_version
 from lowbit_attn.inference.gluon_fp4_blocks import (
     O_SLICE, correct, epilogue, key_scales, load_scales, publish_key_scales, quantize_p,
-    scale_bits, scale_smem_layout, scale_type, v_scales_by_copy, value_scales,
+    scale_smem_layout, scale_type, v_scales_by_copy, value_scales,
 )
+from lowbit_attn.quant.fp4 import scale_operand
 
 BLOCK_M = 128
 SOFTMAX_WARPS = 4  # the kernel's num_warps: the default partition, one query row per thread
@@ -214,7 +215,7 @@ def _softmax_step(j, s_tmem, p_smem, ps_tmem, pv_tmem, o_tmem, ks_tmem, vs_tmem,
     ps_tl: gl.constexpr = TensorMemoryScalesLayout()
     ps_rl: gl.constexpr = get_tmem_reg_layout(scale_type(NV), [BLOCK_M, BLOCK_N // GROUP],
                                               ps_tl, gl.num_warps())
-    ps = gl.convert_layout(scale_bits(codes, NV), ps_rl)
+    ps = gl.convert_layout(scale_operand(codes, NV), ps_rl)
     if stage == 0:
         ps_tmem[0].store(ps)
         if not v_scales_by_copy(BLOCK_N, GROUP):
