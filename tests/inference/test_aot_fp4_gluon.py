@@ -11,10 +11,12 @@ LSE, non-causal (causal and MXFP4: the same but for the loop counts given):
 - the softmax partition's key-block loop: **1033 instructions per tile**, 128×64 scores over 128
   threads = 64 per thread: **16.1 per score** (its first version: 1110, 17.3); causal 1034, and
   1470 in the masked (diagonal) loop. MXFP4 (``qk_mxfp4_pv_mxfp4``, E8M0 scales: no E4M3
-  rounding, no ``div_rn`` by 6): 851 (13.3 per score), causal 853 / 1293; shared memory 33772 B. Today's Triton
-  kernel on sm_100a (8 warps, BLOCK_N=64, 32 scores per thread): 773 per tile, 24.2 per score.
-  The loop holds the O correction of the previous block (``O·α + PV·s1`` over 128 columns: 128
-  FMUL + 128 FFMA, 4 ``LDTM``/2 ``STTM``), which the Triton kernel does in registers.
+  rounding, no ``div_rn`` by 6): 851 (13.3 per score), causal 853 / 1293; shared memory
+  33772 B. Today's Triton kernel on sm_100a (8 warps, BLOCK_N=64, 32 scores per thread): 773
+  per tile, 24.2 per score. The loop holds the O correction of the previous block (``O·α +
+  PV·s1`` over 128 columns: 128 FMUL + 128 FFMA and tensor-memory loads/stores in 64-column
+  slices), which the Triton kernel does in registers, and 12 partition barriers (``BAR.SYNC``,
+  one after each tensor-memory store and before each mbarrier arrive).
 - ``MUFU.EX2``: 66 per tile (64 scores, α, s1); ``F2FP.SATFINITE.E2M1`` 32 (one per 2 scores).
 - between an MMA's enabling arrive and the softmax's wait for it (in the loop, across one
   iteration): P̃(j)·V(j) ~1038 instructions (P̃'s arrive to the correction's wait a step later),
@@ -138,7 +140,8 @@ def _operands(fmt="nvfp4", d=128, n=256, v_keys=256):
     u8 = dict(dtype=torch.uint8)
     g = torch.ones(1, 2) if fmt == "nvfp4" else None
     return QuantizedFP4(
-        fmt=fmt, q=torch.zeros(1, 2, n, d // 2, **u8), q_scale=torch.zeros(1, 2, n, d // group, **u8),
+        fmt=fmt, q=torch.zeros(1, 2, n, d // 2, **u8),
+        q_scale=torch.zeros(1, 2, n, d // group, **u8),
         k=torch.zeros(1, 2, n, d // 2, **u8), k_scale=torch.zeros(1, 2, n, d // group, **u8),
         v=torch.zeros(1, 2, d, v_keys // 2, **u8),
         v_scale=torch.zeros(1, 2, d, v_keys // group, **u8), qk_multiplier=0.1,

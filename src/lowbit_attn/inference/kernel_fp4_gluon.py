@@ -34,10 +34,10 @@ S is double-buffered: Q·K(j+1)ᵀ is issued as soon as S(j) has been read, so t
 j+1 starts on scores that are already there. P̃·V goes to its own buffer (not accumulated in O):
 the two-level ``s1`` multiplies each block's product row by row, which an MMA cannot do.
 
-Left out (the launcher refuses them): 128-key blocks (tensor memory: 2·128 columns of S + O + PV fill the 512
-before the scales), ΔS (``smooth_q``), the LSE shift (``smooth_k`` with LSE), packed sequences,
-head dims other than 128, ``block_q`` ≠ 128. Kept: causal (bottom-right ``causal_offset``), V's
-channel mean (epilogue), the LSE, one-level P̃ (``two_level=False``).
+Left out (the launcher refuses them): 128-key blocks (tensor memory: 2·128 columns of S + O +
+PV fill the 512 before the scales), ΔS (``smooth_q``), the LSE shift (``smooth_k`` with LSE),
+packed sequences, head dims other than 128, ``block_q`` ≠ 128. Kept: causal (bottom-right
+``causal_offset``), V's channel mean (epilogue), the LSE, one-level P̃ (``two_level=False``).
 Known risks only a GPU can settle: the scale layouts in shared memory for ``tcgen05_copy`` (the
 cuBLAS atom, from the r18 research snippets), the 64-key scale tiles, and the barrier protocol.
 """
@@ -84,8 +84,9 @@ def _loader(q_desc, k_desc, v_desc, QS, VS, sqsn, svsd, pid_m, nq, n_blocks,
             NV: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
             BLOCK_D: gl.constexpr):
     """Q and its scales, then K(j), V(j) and V's scales into stage ``j % 2`` once P̃·V(j−2)
-    has released it (K's scales: the softmax partition, see :func:`key_scales`). Scales are stored (and fenced for the async proxy) before the barrier's
-    ``expect`` arrives, so one arrival covers both."""
+    has released it (K's scales: the softmax partition, see ``key_scales``). Scales are stored
+    (and fenced for the async proxy) before the barrier's ``expect`` arrives, so one arrival
+    covers both."""
     load_scales(QS, pid_m * BLOCK_M, nq, sqsn, qs_smem, BLOCK_M, BLOCK_D // GROUP, NV)
     fence_async_shared()
     mbarrier.expect(q_ready, q_desc.block_type.nbytes)
@@ -95,7 +96,7 @@ def _loader(q_desc, k_desc, v_desc, QS, VS, sqsn, svsd, pid_m, nq, n_blocks,
         mbarrier.wait(kv_empty.index(stage), ((j // 2) & 1) ^ 1)
         if v_scales_by_copy(BLOCK_N, GROUP):
             load_scales(VS + j * (BLOCK_N // GROUP), 0, BLOCK_D, svsd, vs_smem.index(stage),
-                         BLOCK_D, BLOCK_N // GROUP, NV)
+                        BLOCK_D, BLOCK_N // GROUP, NV)
         fence_async_shared()
         mbarrier.expect(kv_ready.index(stage),
                         k_desc.block_type.nbytes + v_desc.block_type.nbytes)
@@ -126,8 +127,8 @@ def _issue_pv(i, p_smem, v_smem, vs_smem, ps_tmem, vs_tmem, pv_tmem, p_ready, pv
 def _scaled_mma(a_smem, b_smem, b_scale_smem, acc_tmem, a_scale_tmem, b_scale_tmem,
                 FMT: gl.constexpr, bar0, bar1, COPY_SCALES: gl.constexpr):
     """``acc = A·Bᵀ`` block-scaled (B ``[N, K/2]``), B's scales copied to tensor memory first
-    when ``COPY_SCALES`` (:func:`v_scales_by_copy`; ordered before the MMA: both are this thread's tcgen05
-    operations); ``bar0``/``bar1`` arrive when it is done."""
+    when ``COPY_SCALES`` (``v_scales_by_copy``; ordered before the MMA: both are this thread's
+    tcgen05 operations); ``bar0``/``bar1`` arrive when it is done."""
     if COPY_SCALES:
         tcgen05_copy(b_scale_smem, b_scale_tmem)
     tcgen05_mma_scaled(a_smem, b_smem.permute((1, 0)), acc_tmem, a_scale_tmem, b_scale_tmem,
@@ -169,8 +170,9 @@ def _mma(n_blocks, q_smem, k_smem, v_smem, p_smem, qs_smem, vs_smem, s_tmem, pv_
 def _softmax_step(j, s_tmem, p_smem, ps_tmem, pv_tmem, o_tmem, ks_tmem, vs_tmem, s_ready,
                   s_free, p_ready, pv_ready, pv_free, ks_ready, m_i, l_i, alpha, s1, ks, mult,
                   nk, n_blocks, KS, sksn, VS, svsd, row0, causal_offset, BLOCK_D: gl.constexpr,
-                  MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, NV: gl.constexpr, TWO_LEVEL: gl.constexpr,
-                  GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+                  MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, NV: gl.constexpr,
+                  TWO_LEVEL: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr):
     """Key block ``j``: its P̃ and scales handed to the MMA warp, then block ``j−1``'s correction
     (its P̃·V ran during this softmax; S(j+1) runs during this step). Returns
     ``(m, l, α(j), s1(j), K scales of block j+2)``."""
@@ -233,8 +235,9 @@ def _softmax_step(j, s_tmem, p_smem, ps_tmem, pv_tmem, o_tmem, ks_tmem, vs_tmem,
 
 @gluon.jit
 def _softmax(s_tmem, p_smem, ps_tmem, pv_tmem, o_tmem, ks_tmem, vs_tmem, s_ready, s_free,
-             p_ready, pv_ready, pv_free, ks_ready, KS, sksn, VS, svsd, O, LSE, VG, VM, o_strides, lse_strides, vg_strides, vm_strides, b, h, hk,
-             pid_m, nq, nk, n_full, n_blocks, mult, causal_offset,
+             p_ready, pv_ready, pv_free, ks_ready, KS, sksn, VS, svsd, O, LSE, VG, VM, o_strides,
+             lse_strides, vg_strides, vm_strides, b, h, hk, pid_m, nq, nk, n_full, n_blocks, mult,
+             causal_offset,
              IS_CAUSAL: gl.constexpr, NV: gl.constexpr, TWO_LEVEL: gl.constexpr,
              HAS_VMEAN: gl.constexpr, WRITE_LSE: gl.constexpr, GROUP: gl.constexpr,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr):
@@ -255,22 +258,24 @@ def _softmax(s_tmem, p_smem, ps_tmem, pv_tmem, o_tmem, ks_tmem, vs_tmem, s_ready
     s1 = gl.zeros([BLOCK_M], gl.float32, rows_s)
     if n_blocks > 0:
         publish_key_scales(key_scales(KS, 0, nk, sksn, NV, GROUP, BLOCK_N, BLOCK_D), 0,
-                            ks_tmem, ks_ready)
+                           ks_tmem, ks_ready)
     ks = key_scales(KS, 1, nk, sksn, NV, GROUP, BLOCK_N, BLOCK_D)
     for j in range(n_full):
         m_i, l_i, alpha, s1, ks = _softmax_step(
             j, s_tmem, p_smem, ps_tmem, pv_tmem, o_tmem, ks_tmem, vs_tmem, s_ready, s_free,
             p_ready, pv_ready, pv_free, ks_ready, m_i, l_i, alpha, s1, ks, mult, nk, n_blocks,
-            KS, sksn, VS, svsd, pid_m * BLOCK_M, causal_offset, BLOCK_D, False, IS_CAUSAL, NV, TWO_LEVEL, GROUP, BLOCK_M, BLOCK_N)
+            KS, sksn, VS, svsd, pid_m * BLOCK_M, causal_offset, BLOCK_D, False, IS_CAUSAL, NV,
+            TWO_LEVEL, GROUP, BLOCK_M, BLOCK_N)
     for j in range(n_full, n_blocks):
         m_i, l_i, alpha, s1, ks = _softmax_step(
             j, s_tmem, p_smem, ps_tmem, pv_tmem, o_tmem, ks_tmem, vs_tmem, s_ready, s_free,
             p_ready, pv_ready, pv_free, ks_ready, m_i, l_i, alpha, s1, ks, mult, nk, n_blocks,
-            KS, sksn, VS, svsd, pid_m * BLOCK_M, causal_offset, BLOCK_D, True, IS_CAUSAL, NV, TWO_LEVEL, GROUP, BLOCK_M, BLOCK_N)
+            KS, sksn, VS, svsd, pid_m * BLOCK_M, causal_offset, BLOCK_D, True, IS_CAUSAL, NV,
+            TWO_LEVEL, GROUP, BLOCK_M, BLOCK_N)
     if n_blocks > 0:
         correct(n_blocks - 1, pv_tmem, o_tmem, pv_ready, pv_free, alpha, s1, BLOCK_M)
     epilogue(o_tmem, l_i, m_i, O, LSE, VG, VM, o_strides, lse_strides, vg_strides, vm_strides,
-              b, h, hk, pid_m, nq, sl_rl, NV, HAS_VMEAN, WRITE_LSE, BLOCK_M, BLOCK_D)
+             b, h, hk, pid_m, nq, sl_rl, NV, HAS_VMEAN, WRITE_LSE, BLOCK_M, BLOCK_D)
 
 
 @gluon.jit
@@ -370,9 +375,10 @@ def _attn_fwd_fp4_gluon_kernel(
     gl.warp_specialize([
         (_softmax, (s_tmem, p_smem, ps_tmem, pv_tmem, o_tmem, ks_tmem, vs_tmem, s_ready,
                     s_free, p_ready, pv_ready, pv_free, ks_ready, KS + b * sksb + hk * sksh,
-                    sksn, VS + b * svsb + hk * svsh, svsd, O, LSE, VG, VM, o_strides, lse_strides, vg_strides, vm_strides,
-                    b, h, hk, pid_m, NQ, NK, n_full, n_blocks, mult, causal_offset,
-                    IS_CAUSAL, NV, TWO_LEVEL, HAS_VMEAN, WRITE_LSE, GROUP, BLOCK_M, BLOCK_N, BLOCK_D)),
+                    sksn, VS + b * svsb + hk * svsh, svsd, O, LSE, VG, VM, o_strides,
+                    lse_strides, vg_strides, vm_strides, b, h, hk, pid_m, NQ, NK, n_full,
+                    n_blocks, mult, causal_offset, IS_CAUSAL, NV, TWO_LEVEL, HAS_VMEAN,
+                    WRITE_LSE, GROUP, BLOCK_M, BLOCK_N, BLOCK_D)),
         (_mma, (n_blocks, q_smem, k_smem, v_smem, p_smem, qs_smem, vs_smem, s_tmem,
                 pv_tmem, qs_tmem, ks_tmem, vs_tmem, ps_tmem, q_ready, kv_ready, kv_empty,
                 ks_ready, s_ready, s_free, p_ready, pv_ready, pv_free, FMT,
