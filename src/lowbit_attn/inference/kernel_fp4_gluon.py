@@ -389,6 +389,17 @@ def _attn_fwd_fp4_gluon_kernel(
                    kv_empty, NV, GROUP, BLOCK_M, BLOCK_N, BLOCK_D)),
     ], _WORKER_WARPS, _WORKER_REGS)
 
+    mbarrier.invalidate(q_ready)
+    mbarrier.invalidate(pv_ready)
+    mbarrier.invalidate(pv_free)
+    for i in gl.static_range(2):
+        mbarrier.invalidate(kv_ready.index(i))
+        mbarrier.invalidate(kv_empty.index(i))
+        mbarrier.invalidate(s_ready.index(i))
+        mbarrier.invalidate(s_free.index(i))
+        mbarrier.invalidate(p_ready.index(i))
+        mbarrier.invalidate(ks_ready.index(i))
+
 
 KERNEL = _attn_fwd_fp4_gluon_kernel
 
