@@ -18,8 +18,9 @@ LSE, non-causal (causal and MXFP4: the same but for the loop counts given):
   slices), which the Triton kernel does in registers, and 12 partition barriers (``BAR.SYNC``,
   one after each tensor-memory store and before each mbarrier arrive).
 - ``MUFU.EX2``: 66 per tile (64 scores, α, s1); ``F2FP.SATFINITE.E2M1`` 32 (one per 2 scores).
-- the MMA warp's loop: 88 instructions per key block (MXFP4 83), 3 ``UTCOMMA`` (2 for S, 128 channels;
-  1 for P̃·V, 64 keys), 1 ``UTCCP`` (V's scales; MXFP4: none), waits on mbarriers only.
+- the MMA warp's loop: 88 instructions per key block (MXFP4 83), 3 ``UTCOMMA`` (2 for S, 128
+  channels; 1 for P̃·V, 64 keys), 1 ``UTCCP`` (V's scales; MXFP4: none), waits on mbarriers
+  only.
 - between an MMA's enabling arrive and the softmax's wait for it (in the loop, across one
   iteration): P̃(j)·V(j) ~1038 instructions (P̃'s arrive to the correction's wait a step later),
   S(j+1) = Q·K(j+1)ᵀ ~1056 (K(j+1)'s scales published at the step's start to the next step's
