@@ -37,6 +37,7 @@ from lowbit_attn.core.triton_helpers import (
 )
 from lowbit_attn.quant.fp4 import (
     e2m1_code, e2m1_pack, e2m1_value, e4m3_group_scale, e4m3_value, e8m0_group_scale, e8m0_value,
+    scale_operand,
 )
 
 # the two-level target peak of P̃ rows, per format (twin: reference.quant_fp4.two_level_p)
@@ -52,15 +53,6 @@ CONFIGS = {
     "sm_89": [LaunchConfig(8, 2), LaunchConfig(4, 2)],
     "sm_90": [LaunchConfig(8, 2), LaunchConfig(8, 3), LaunchConfig(4, 2)],
 }
-
-
-@triton.jit
-def _scale_operand(bits, NV: tl.constexpr):
-    """Scale bits (uint8) as ``tl.dot_scaled`` takes them: E4M3 (group 16) or E8M0 (group 32)."""
-    if NV:
-        return bits.to(tl.float8e4nv, bitcast=True)
-    else:
-        return bits
 
 
 @triton.jit
@@ -111,7 +103,7 @@ def _attend_block(
     ks = tl.load(ks_base + cols[:, None] * sksn + grp_d[None, :], mask=nmask[:, None], other=0)
     if NATIVE_FP4:
         kt = tl.load(k_base + cols[None, :] * skn + half_d[:, None], mask=nmask[None, :], other=0)
-        s = tl.dot_scaled(q_op, qs_op, "e2m1", kt, _scale_operand(ks, NV), "e2m1",
+        s = tl.dot_scaled(q_op, qs_op, "e2m1", kt, scale_operand(ks, NV), "e2m1",
                           acc=tl.full([BLOCK_M, BLOCK_N], zero, tl.float32))
     else:
         k = tl.load(k_base + cols[:, None] * skn + half_d[None, :], mask=nmask[:, None], other=0)
@@ -147,8 +139,8 @@ def _attend_block(
         pk = e2m1_pack(x, BLOCK_M, BLOCK_N, True)  # the hardware conversion
         half_n = start_n // 2 + tl.arange(0, BLOCK_N // 2)
         vt = tl.load(v_base + half_n[:, None] + offs_d[None, :] * svd)
-        pv = tl.dot_scaled(pk, _scale_operand(pcode.to(tl.uint8), NV), "e2m1",
-                           vt, _scale_operand(vs, NV), "e2m1",
+        pv = tl.dot_scaled(pk, scale_operand(pcode.to(tl.uint8), NV), "e2m1",
+                           vt, scale_operand(vs, NV), "e2m1",
                            acc=tl.full([BLOCK_M, BLOCK_D], zero, tl.float32))
     else:
         pq = tl.reshape(e2m1_value(e2m1_code(x)) * pscale[:, :, None], [BLOCK_M, BLOCK_N])
@@ -211,7 +203,7 @@ def _attn_fwd_fp4_kernel(
                  mask=mmask[:, None], other=0)
     if NATIVE_FP4:
         q_op = q_blk
-        qs_op = _scale_operand(qs, NV)
+        qs_op = scale_operand(qs, NV)
     else:
         q_op = _dequant(q_blk, qs, BLOCK_M, BLOCK_D, GROUP, NV)
         if not EMU_FP32:

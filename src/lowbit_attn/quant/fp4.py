@@ -72,6 +72,16 @@ def e2m1_pack(y, R: tl.constexpr, C: tl.constexpr, HW_CVT: tl.constexpr):
 
 
 @triton.jit
+def scale_operand(bits, NV: tl.constexpr):
+    """Scale bits (uint8) as the block-scaled products take them (``tl.dot_scaled``, Gluon's
+    ``tcgen05_mma_scaled``): E4M3 (NVFP4, group 16) or E8M0 bytes (MXFP4, group 32)."""
+    if NV:
+        return bits.to(tl.float8e4nv, bitcast=True)
+    else:
+        return bits
+
+
+@triton.jit
 def e4m3_group_scale(s, nonzero):
     """Non-negative (or NaN) fp32 → ``(E4M3 value as fp32, E4M3 bits as int32)``: RNE, saturating
     at 448, NaN → 0x7F, at least 2^-9 (code 1) where ``nonzero``."""

@@ -673,6 +673,35 @@ def record_gluon_launch(*, head_dim: int = 128, causal: bool = False, block_k: i
     return launch
 
 
+def record_fp4_gluon_launch(*, recipe: str = "qk_fp4_pv_fp4", head_dim: int = 128,
+                            block_k: int = 64, causal: bool = False, return_lse: bool = False,
+                            seq_len: int = 1024, dtype: torch.dtype = torch.float16) -> Launch:
+    """The launch of the Gluon Blackwell FP4 forward (``inference.kernel_fp4_gluon``) on the
+    operands a dense ``[1, 2, seq_len, head_dim]`` call with the FP4 ``recipe`` (``block_k``
+    keys) hands the Triton kernel: that call is recorded, then the Gluon launcher runs on its
+    operands (nothing runs on a device). Without ``smooth_q`` (ΔS) and, with ``return_lse``,
+    without ``smooth_k`` (its LSE shift): what the kernel does not cover yet."""
+    from lowbit_attn.core.operands import QuantizedFP4
+    from lowbit_attn.core.recipes import get_recipe
+    from lowbit_attn.inference import kernel_fp4_gluon
+
+    r = get_recipe(recipe).replace(block_k=block_k, smooth_q=False,
+                                   smooth_k=get_recipe(recipe).smooth_k and not return_lse)
+    kw = record_launches(r, head_dim=head_dim, seq_len=seq_len, return_lse=return_lse,
+                         dtype=dtype)[-1].kwargs
+    (q, qs, qg, *_), (k, ks, kg, *_), (v, vs, vg, *_) = kw["q"], kw["k"], kw["v"]
+    qz = QuantizedFP4(fmt="nvfp4" if kw["NV"] else "mxfp4", q=q, q_scale=qs, k=k, k_scale=ks,
+                      v=v, v_scale=vs, qk_multiplier=kw["qk_multiplier"], q_global=qg,
+                      k_global=kg, v_global=vg, v_mean=kw["VM"], delta_s=kw["DS"],
+                      lse_shift=kw["LSH"])
+    with _recording() as sink:
+        kernel_fp4_gluon.attention(qz, out=kw["O"], head_dim=head_dim, block_q=128,
+                                   block_k=block_k, causal_offset=0 if causal else None,
+                                   two_level=kw["TWO_LEVEL"], return_lse=return_lse)
+    (launch,) = sink
+    return launch
+
+
 def compile_vsa(arch: str = "sm_90a", head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
                 config: int = 0, recipe: str = "exact") -> list[KernelReport]:
     """Compile, for ``arch``, the fine stage's kernels (see :func:`record_vsa_launches`) and
@@ -705,7 +734,7 @@ def ptxas_version(arch: str) -> str:
 
 __all__ = [
     "ARCHS", "GPU_CONSTEXPRS", "KernelReport", "Launch", "compile_recipe", "compile_launch",
-    "compile_train", "record_train_launches", "record_gluon_launch", "compile_vsa", "record_vsa_launches",
+    "compile_train", "record_train_launches", "record_gluon_launch", "record_fp4_gluon_launch", "compile_vsa", "record_vsa_launches",
     "record_launches", "normalize_arch", "config_family", "autotune_configs",
     "tensor_core_instructions",
     "parse_ptxas_log", "ptxas_warnings", "run_ptxas", "ptxas_path", "ptxas_version", "as_jit_function", "specialize",
