@@ -254,30 +254,25 @@ def _attn_fwd_fp4_kernel(
     # last unmasked block loads nothing (keys from full_hi on are masked off) and is discarded.
     # Native MXFP4 stays serial: pipelined at BLOCK_M=128 it spills on sm_120a (92 B, 255
     # registers; benchmarks/NOTES.md §7); the emulation takes either form.
-    if PIPELINE_QK and (NV or not NATIVE_FP4):
+    PIPELINED: tl.constexpr = PIPELINE_QK and (NV or not NATIVE_FP4)
+    if PIPELINED:
         s_next = _scores(q_op, qs_op, 0, offs_n, full_hi, zero, k_base, ks_base, skn, sksn,
                          NV, NATIVE_FP4, EMU_FP32, GROUP, BLOCK_M, BLOCK_N, BLOCK_D)
-        for start_n in range(0, full_hi, BLOCK_N):
+    for start_n in range(0, full_hi, BLOCK_N):
+        if PIPELINED:
             s = s_next
             s_next = _scores(q_op, qs_op, start_n + BLOCK_N, offs_n, full_hi, zero, k_base,
                              ks_base, skn, sksn, NV, NATIVE_FP4, EMU_FP32,
                              GROUP, BLOCK_M, BLOCK_N, BLOCK_D)
-            acc, m_i, l_i = _attend_block(
-                acc, m_i, l_i, s, start_n, offs_m, offs_n, NK, causal_offset, mult, zero,
-                v_base, vs_base, ds_base, svd, svsd, sdn,
-                False, IS_CAUSAL, HAS_DS, NV, NATIVE_FP4, EMU_FP32, TWO_LEVEL,
-                GROUP, BLOCK_M, BLOCK_N, BLOCK_D,
-            )
-    else:
-        for start_n in range(0, full_hi, BLOCK_N):
+        else:
             s = _scores(q_op, qs_op, start_n, offs_n, NK, zero, k_base, ks_base, skn, sksn,
                         NV, NATIVE_FP4, EMU_FP32, GROUP, BLOCK_M, BLOCK_N, BLOCK_D)
-            acc, m_i, l_i = _attend_block(
-                acc, m_i, l_i, s, start_n, offs_m, offs_n, NK, causal_offset, mult, zero,
-                v_base, vs_base, ds_base, svd, svsd, sdn,
-                False, IS_CAUSAL, HAS_DS, NV, NATIVE_FP4, EMU_FP32, TWO_LEVEL,
-                GROUP, BLOCK_M, BLOCK_N, BLOCK_D,
-            )
+        acc, m_i, l_i = _attend_block(
+            acc, m_i, l_i, s, start_n, offs_m, offs_n, NK, causal_offset, mult, zero,
+            v_base, vs_base, ds_base, svd, svsd, sdn,
+            False, IS_CAUSAL, HAS_DS, NV, NATIVE_FP4, EMU_FP32, TWO_LEVEL,
+            GROUP, BLOCK_M, BLOCK_N, BLOCK_D,
+        )
     for start_n in range(full_hi, hi, BLOCK_N):
         s = _scores(q_op, qs_op, start_n, offs_n, NK, zero, k_base, ks_base, skn, sksn,
                     NV, NATIVE_FP4, EMU_FP32, GROUP, BLOCK_M, BLOCK_N, BLOCK_D)
