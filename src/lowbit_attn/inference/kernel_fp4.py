@@ -15,6 +15,9 @@ accumulation: the same function. Triton 3.6 cannot compile NVFP4 ``dot_scaled`` 
 and its interpreter has no ``dot_scaled``. ``EMU_FP32`` multiplies fp32 instead of bf16 (the
 interpreter's bf16 dot is wrong).
 
+``PIPELINE_QK`` (native sm_120): the unmasked key loop issues the next block's Q·Kᵀ before this
+block's softmax, so that ``mma.sync`` runs under its ALU work; the same function.
+
 The ``dot_scaled`` products start from an accumulator filled with the run-time argument ``zero``
 (always 0.0) rather than from nothing: Triton 3.6 fails to compile a ``dot_scaled`` inside a loop
 for sm_100 otherwise (its accumulator-init pass leaves an invalid TMEM allocation behind), and a
@@ -250,20 +253,20 @@ def _attn_fwd_fp4_kernel(
 
     full_hi, hi = key_block_bounds(NK, pid_m, causal_offset, IS_CAUSAL, BLOCK_M, BLOCK_N)
     # Q·Kᵀ one block ahead: the next block's products are issued before this block's softmax,
-    # which does not depend on them (ptxas interleaves them with its exp2s). The product after the
-    # last unmasked block loads nothing (keys from full_hi on are masked off) and is discarded.
-    # Native MXFP4 stays serial: pipelined at BLOCK_M=128 it spills on sm_120a (92 B, 255
-    # registers; benchmarks/NOTES.md §7); the emulation takes either form.
-    PIPELINED: tl.constexpr = PIPELINE_QK and (NV or not NATIVE_FP4)
+    # which does not depend on them (ptxas interleaves them with its exp2s). After the last
+    # unmasked block the last one is loaded again (its product discarded): no masks in the loop.
+    # Native causal MXFP4 stays serial: pipelined it spills on sm_120a (16 B at 255 registers;
+    # benchmarks/NOTES.md §7); the emulation takes either form.
+    PIPELINED: tl.constexpr = PIPELINE_QK and (NV or not IS_CAUSAL or not NATIVE_FP4)
     if PIPELINED:
-        s_next = _scores(q_op, qs_op, 0, offs_n, full_hi, zero, k_base, ks_base, skn, sksn,
+        s_next = _scores(q_op, qs_op, 0, offs_n, NK, zero, k_base, ks_base, skn, sksn,
                          NV, NATIVE_FP4, EMU_FP32, GROUP, BLOCK_M, BLOCK_N, BLOCK_D)
     for start_n in range(0, full_hi, BLOCK_N):
         if PIPELINED:
             s = s_next
-            s_next = _scores(q_op, qs_op, start_n + BLOCK_N, offs_n, full_hi, zero, k_base,
-                             ks_base, skn, sksn, NV, NATIVE_FP4, EMU_FP32,
-                             GROUP, BLOCK_M, BLOCK_N, BLOCK_D)
+            s_next = _scores(q_op, qs_op, tl.minimum(start_n + BLOCK_N, full_hi - BLOCK_N),
+                             offs_n, NK, zero, k_base, ks_base, skn, sksn, NV, NATIVE_FP4,
+                             EMU_FP32, GROUP, BLOCK_M, BLOCK_N, BLOCK_D)
         else:
             s = _scores(q_op, qs_op, start_n, offs_n, NK, zero, k_base, ks_base, skn, sksn,
                         NV, NATIVE_FP4, EMU_FP32, GROUP, BLOCK_M, BLOCK_N, BLOCK_D)
