@@ -78,15 +78,16 @@ def test_sm120_runs_both_products_on_mma_sync_block_scaled_fp4(compiled, recipe)
 # The key-block loop of the native kernels (BLOCK_M=128, BLOCK_N=64, D=128, 8 warps: 32 scores per
 # thread per tile; non-causal), instructions per thread per tile, measured 2026-11-25 (Triton 3.6's
 # ptxas and cuobjdump) before and after P̃'s E2M1 rounding moved from fp32 arithmetic (~20 operations
-# per value) to the hardware conversion (``quant.fp4.e2m1_pack``: one F2FP per two values):
-#                       arithmetic   cvt.rn.satfinite.e2m1x2
-#   sm_100a  NVFP4         1225          773
-#            MXFP4         1074          644
-#   sm_120a  NVFP4         2196         1457
-#            MXFP4         1644          925
+# per value) to the hardware conversion (``quant.fp4.e2m1_pack``: one F2FP per two values), and
+# after sm_120a's loop issued Q·Kᵀ one key block ahead (``PIPELINE_QK``; sm_100a stays serial):
+#                       arithmetic   cvt.rn.satfinite.e2m1x2   Q·Kᵀ one block ahead
+#   sm_100a  NVFP4         1225          773                       (serial)
+#            MXFP4         1074          644                       (serial)
+#   sm_120a  NVFP4         2196         1457                       1531
+#            MXFP4         1644          925                       1009
 # The bars: the measured counts plus 5 %.
 KEY_LOOP_BUDGET = {("sm_100a", "qk_fp4_pv_fp4"): 812, ("sm_100a", "qk_mxfp4_pv_mxfp4"): 676,
-                   ("sm_120a", "qk_fp4_pv_fp4"): 1530, ("sm_120a", "qk_mxfp4_pv_mxfp4"): 971}
+                   ("sm_120a", "qk_fp4_pv_fp4"): 1608, ("sm_120a", "qk_mxfp4_pv_mxfp4"): 1060}
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -105,6 +106,56 @@ def test_native_kernels_round_p_to_e2m1_with_the_hardware_conversion(compiled, a
     conversions = [op for op in body if op.startswith("F2FP") and "E2M1" in op]
     assert len(conversions) == 16, conversions
     assert len(body) <= KEY_LOOP_BUDGET[arch, recipe], len(body)
+
+
+# sm_120a with Q·Kᵀ one key block ahead, measured 2026-11-25 (serial in brackets): the key loop's
+# instructions per thread per tile, and among the next block's 16 Q·Kᵀ OMMAs (first to last) this
+# block's MUFU.EX2 and all instructions; 255 registers, no spills. Causal MXFP4 stays serial (it
+# spills pipelined: 16 B).
+#                      instructions    MUFU.EX2   all between
+#   NVFP4   full       1531 (1457)     16 (0)     268 (136)
+#           causal     1529 (1431)     17 (0)     267 (134)
+#   MXFP4   full       1009 (925)      36 (0)     334 (83)
+# The bars: instructions plus 5 %, exp2s less a quarter.
+PIPELINED = [("qk_fp4_pv_fp4", False), ("qk_fp4_pv_fp4", True), ("qk_mxfp4_pv_mxfp4", False)]
+PIPELINED_LOOP_BUDGET = {PIPELINED[0]: 1608, PIPELINED[1]: 1606, PIPELINED[2]: 1060}
+PIPELINED_MIN_EXP2 = {PIPELINED[0]: 12, PIPELINED[1]: 12, PIPELINED[2]: 27}
+
+
+@pytest.mark.parametrize("recipe,causal", PIPELINED, ids=["nvfp4-full", "nvfp4-causal",
+                                                           "mxfp4-full"])
+def test_sm120_issues_the_next_qk_among_the_softmax(compiled, recipe, causal):
+    from lowbit_attn.tools import sass
+
+    r = attention_report(compiled(recipe, "sm_120a", causal))
+    assert r.ok and r.constexprs["PIPELINE_QK"] is True, describe(r)
+    assert r.spills == 0 and r.registers <= 255, describe(r)
+    body = sass.loops(sass.disassemble(r.cubin))[0]
+    assert len(body) <= PIPELINED_LOOP_BUDGET[recipe, causal], len(body)
+    placed = sass.qk_interleave(body)
+    assert (placed.qk, placed.pv) == (16, 16), placed
+    assert placed.exp2 >= PIPELINED_MIN_EXP2[recipe, causal], placed
+
+
+def test_serial_loops_issue_no_exp2_among_the_qk(compiled, monkeypatch):
+    """The comparison: sm_120a's serial loops (``PIPELINE_QK`` off; causal MXFP4 always) wait for
+    Q·Kᵀ before the first exp2. sm_100a keeps the serial loop (Triton 3.6 fails to compile the
+    pipelined one there: NVWS ``InsertTmemAref`` assertion)."""
+    from lowbit_attn.tools import sass
+
+    def first_loop(r):
+        assert r.ok and r.spills == 0, describe(r)
+        return sass.qk_interleave(sass.loops(sass.disassemble(r.cubin))[0])
+
+    placed = first_loop(attention_report(compiled("qk_mxfp4_pv_mxfp4", "sm_120a", True)))
+    assert (placed.qk, placed.pv, placed.exp2, placed.f2fp) == (16, 16, 0, 0), placed
+    monkeypatch.setitem(aot.GPU_CONSTEXPRS, "PIPELINE_QK", lambda capability: False)
+    for recipe in RECIPES:
+        placed = first_loop(attention_report(aot.compile_recipe(recipe, "sm_120a", head_dim=128,
+                                                                return_lse=True)))
+        assert (placed.qk, placed.pv, placed.exp2, placed.f2fp) == (16, 16, 0, 0), placed
+    monkeypatch.undo()
+    assert aot.GPU_CONSTEXPRS["PIPELINE_QK"]((10, 0)) is False
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -165,7 +165,7 @@ def test_two_level_rows_peak_where_the_format_holds_them_exactly(fmt):
 # --- the attention kernel against its twin ------------------------------------------------------
 
 
-def _kernel(qz, recipe, head_dim, causal_offset, dtype=torch.float32):
+def _kernel(qz, recipe, head_dim, causal_offset, dtype=torch.float32, pipeline_qk=None):
     from lowbit_attn.inference import kernel_fp4 as attn_fwd_fp4
 
     b, hq, nq, _ = qz.q.shape
@@ -173,6 +173,7 @@ def _kernel(qz, recipe, head_dim, causal_offset, dtype=torch.float32):
     lse = attn_fwd_fp4.attention(
         qz, out=out, head_dim=head_dim, block_q=recipe.block_q, block_k=recipe.block_k,
         causal_offset=causal_offset, two_level=recipe.two_level_p, return_lse=True,
+        pipeline_qk=pipeline_qk,
     )
     return out, lse
 
@@ -204,6 +205,22 @@ def test_kernel_matches_reference_on_the_same_quantized_inputs(b, hq, hkv, nq, n
     # an E2M1 rounding boundary (a step of 1/6 to 1/3 of its group's largest value).
     assert_within(got, want, device.bound("fp4 out", Bound(atol=5e-3, cos=0.99999)), name="out")
     assert_within(got_lse, want_lse, device.bound("lse", Bound(atol=1e-5, rtol=1e-5)), name="lse")
+
+
+@pytest.mark.parametrize("b,hq,hkv,nq,nk,d", KERNEL_CASES[:2])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_qk_one_block_ahead_gives_the_same_bits(b, hq, hkv, nq, nk, d, fmt, causal, device):
+    """``pipeline_qk`` (Q·Kᵀ of the next key block issued before this block's softmax, the native
+    sm_120 schedule) computes the serial loop's function exactly: the same bits."""
+    recipe = get_recipe(RECIPE_OF[fmt]).replace(block_q=32, block_k=32)  # several key blocks
+    q, k, v = channel_biased((b, hq, nq, d), (b, hkv, nk, d), seed=nq + nk, device=device.name)
+    qz = quantize_qkv_fp4(q, k, v, recipe, d**-0.5, need_lse_shift=True, backend="reference")
+    offset = nk - nq if causal else None
+    serial = _kernel(qz, recipe, d, offset, pipeline_qk=False)
+    pipelined = _kernel(qz, recipe, d, offset, pipeline_qk=True)
+    for got, want in zip(pipelined, serial):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

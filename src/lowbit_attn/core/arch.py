@@ -54,6 +54,13 @@ def native_fp4(capability: tuple[int, int] | None) -> bool:
     return capability is not None and capability >= (10, 0)
 
 
+def fp4_pipeline_qk(capability: tuple[int, int] | None) -> bool:
+    """Whether the native FP4 attention issues the next key block's Q·Kᵀ before this block's
+    softmax: on sm_120 (``mma.sync`` block-scaled products, which ptxas interleaves with the
+    softmax's ALU work). sm_100 keeps the serial loop (its products go through tensor memory)."""
+    return native_fp4(capability) and capability[0] >= 12
+
+
 def check_triton_series(series: str, message: str, version: str | None = None) -> None:
     """``RuntimeError(message)`` unless ``version`` (default: the installed Triton's) is of the
     release series ``series`` (``"3.6"``: 3.6.0, 3.6.1+git…); ``message`` may name ``{series}``

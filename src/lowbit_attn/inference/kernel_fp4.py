@@ -15,6 +15,9 @@ accumulation: the same function. Triton 3.6 cannot compile NVFP4 ``dot_scaled`` 
 and its interpreter has no ``dot_scaled``. ``EMU_FP32`` multiplies fp32 instead of bf16 (the
 interpreter's bf16 dot is wrong).
 
+``PIPELINE_QK`` (native sm_120): the unmasked key loop issues the next block's Q·Kᵀ before this
+block's softmax, so that ``mma.sync`` runs under its ALU work; the same function.
+
 The ``dot_scaled`` products start from an accumulator filled with the run-time argument ``zero``
 (always 0.0) rather than from nothing: Triton 3.6 fails to compile a ``dot_scaled`` inside a loop
 for sm_100 otherwise (its accumulator-init pass leaves an invalid TMEM allocation behind), and a
@@ -29,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit_attn.core.arch import fp4_mode, get_capability, interpreter_enabled
+from lowbit_attn.core.arch import fp4_mode, fp4_pipeline_qk, get_capability, interpreter_enabled
 from lowbit_attn.core.operands import FP4_GROUP, P_TWO_LEVEL_PEAK, QuantizedFP4
 from lowbit_attn.core.triton_helpers import (
     LaunchConfig, batch_head, finish_scores, key_block_bounds, normalize_rows, online_max,
@@ -88,15 +91,15 @@ def _quantize_p(p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.const
 
 
 @triton.jit
-def _attend_block(
-    acc, m_i, l_i, q_op, qs_op, start_n, offs_m, offs_n, nk, causal_offset, mult, zero,
-    k_base, ks_base, v_base, vs_base, ds_base, skn, sksn, svd, svsd, sdn,
-    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DS: tl.constexpr, NV: tl.constexpr,
-    NATIVE_FP4: tl.constexpr, EMU_FP32: tl.constexpr, TWO_LEVEL: tl.constexpr,
+def _scores(
+    q_op, qs_op, start_n, offs_n, limit, zero, k_base, ks_base, skn, sksn,
+    NV: tl.constexpr, NATIVE_FP4: tl.constexpr, EMU_FP32: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    """Q̂·K̂ᵀ of the key block at ``start_n`` (unscaled fp32 ``[BLOCK_M, BLOCK_N]``); keys from
+    ``limit`` on load as code 0 with scale 0 (their scores are 0: masked or discarded later)."""
     cols = start_n + offs_n
-    nmask = cols < nk
+    nmask = cols < limit
     half_d = tl.arange(0, BLOCK_D // 2)
     grp_d = tl.arange(0, BLOCK_D // GROUP)
     # keys past the end load as code 0 with scale 0: finite scores, masked below
@@ -112,6 +115,21 @@ def _attend_block(
             s = tl.dot(q_op, tl.trans(kd), out_dtype=tl.float32)
         else:
             s = tl.dot(q_op, tl.trans(kd).to(tl.bfloat16), out_dtype=tl.float32)
+    return s
+
+
+@triton.jit
+def _attend_block(
+    acc, m_i, l_i, s, start_n, offs_m, offs_n, nk, causal_offset, mult, zero,
+    v_base, vs_base, ds_base, svd, svsd, sdn,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DS: tl.constexpr, NV: tl.constexpr,
+    NATIVE_FP4: tl.constexpr, EMU_FP32: tl.constexpr, TWO_LEVEL: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One key block's online softmax, P̃ quantization and P̃·V from its scores ``s`` (those of
+    :func:`_scores`)."""
+    cols = start_n + offs_n
+    nmask = cols < nk
     s = s * mult
     s = finish_scores(s, cols, nmask, offs_m, causal_offset, ds_base, sdn, HAS_DS, MASKED,
                       IS_CAUSAL)
@@ -161,7 +179,7 @@ def _attn_fwd_fp4_kernel(
     NQ, NK, HQ, GROUP_HEADS, D, causal_offset, qk_multiplier, zero, N_BUCKET,
     IS_CAUSAL: tl.constexpr, NV: tl.constexpr, NATIVE_FP4: tl.constexpr, EMU_FP32: tl.constexpr,
     TWO_LEVEL: tl.constexpr, HAS_VMEAN: tl.constexpr, HAS_DS: tl.constexpr,
-    HAS_LSH: tl.constexpr, WRITE_LSE: tl.constexpr,
+    HAS_LSH: tl.constexpr, WRITE_LSE: tl.constexpr, PIPELINE_QK: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Operands ``q``, ``k``, ``v``: ``(packed codes, group scales, tensor scale or None, and the
@@ -226,17 +244,36 @@ def _attn_fwd_fp4_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     full_hi, hi = key_block_bounds(NK, pid_m, causal_offset, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    # Q·Kᵀ one block ahead: the next block's products are issued before this block's softmax,
+    # which does not depend on them (ptxas interleaves them with its exp2s). After the last
+    # unmasked block the last one is loaded again (its product discarded): no masks in the loop.
+    # Native causal MXFP4 stays serial: pipelined it spills on sm_120a (16 B at 255 registers;
+    # benchmarks/NOTES.md §7); the emulation takes either form.
+    PIPELINED: tl.constexpr = PIPELINE_QK and (NV or not IS_CAUSAL or not NATIVE_FP4)
+    if PIPELINED:
+        s_next = _scores(q_op, qs_op, 0, offs_n, NK, zero, k_base, ks_base, skn, sksn,
+                         NV, NATIVE_FP4, EMU_FP32, GROUP, BLOCK_M, BLOCK_N, BLOCK_D)
     for start_n in range(0, full_hi, BLOCK_N):
+        if PIPELINED:
+            s = s_next
+            s_next = _scores(q_op, qs_op, tl.minimum(start_n + BLOCK_N, full_hi - BLOCK_N),
+                             offs_n, NK, zero, k_base, ks_base, skn, sksn, NV, NATIVE_FP4,
+                             EMU_FP32, GROUP, BLOCK_M, BLOCK_N, BLOCK_D)
+        else:
+            s = _scores(q_op, qs_op, start_n, offs_n, NK, zero, k_base, ks_base, skn, sksn,
+                        NV, NATIVE_FP4, EMU_FP32, GROUP, BLOCK_M, BLOCK_N, BLOCK_D)
         acc, m_i, l_i = _attend_block(
-            acc, m_i, l_i, q_op, qs_op, start_n, offs_m, offs_n, NK, causal_offset, mult, zero,
-            k_base, ks_base, v_base, vs_base, ds_base, skn, sksn, svd, svsd, sdn,
+            acc, m_i, l_i, s, start_n, offs_m, offs_n, NK, causal_offset, mult, zero,
+            v_base, vs_base, ds_base, svd, svsd, sdn,
             False, IS_CAUSAL, HAS_DS, NV, NATIVE_FP4, EMU_FP32, TWO_LEVEL,
             GROUP, BLOCK_M, BLOCK_N, BLOCK_D,
         )
     for start_n in range(full_hi, hi, BLOCK_N):
+        s = _scores(q_op, qs_op, start_n, offs_n, NK, zero, k_base, ks_base, skn, sksn,
+                    NV, NATIVE_FP4, EMU_FP32, GROUP, BLOCK_M, BLOCK_N, BLOCK_D)
         acc, m_i, l_i = _attend_block(
-            acc, m_i, l_i, q_op, qs_op, start_n, offs_m, offs_n, NK, causal_offset, mult, zero,
-            k_base, ks_base, v_base, vs_base, ds_base, skn, sksn, svd, svsd, sdn,
+            acc, m_i, l_i, s, start_n, offs_m, offs_n, NK, causal_offset, mult, zero,
+            v_base, vs_base, ds_base, svd, svsd, sdn,
             True, IS_CAUSAL, HAS_DS, NV, NATIVE_FP4, EMU_FP32, TWO_LEVEL,
             GROUP, BLOCK_M, BLOCK_N, BLOCK_D,
         )
@@ -296,13 +333,18 @@ def attention(
     causal_offset: int | None,
     two_level: bool,
     return_lse: bool,
+    pipeline_qk: bool | None = None,
 ) -> torch.Tensor | None:
     """Run the kernel; writes ``out`` (a logical ``[B, Hq, Nq, D]`` view) and returns the LSE
-    ``[B, Hq, Nq]`` fp32 when asked."""
+    ``[B, Hq, Nq]`` fp32 when asked. ``pipeline_qk``: issue Q·Kᵀ one key block ahead (the same
+    results); by default on the native sm_120 path only."""
     b, hq, nq, _ = qz.q.shape
     hkv, nk = qz.k.shape[1], qz.k.shape[2]
     lse = torch.empty((b, hq, nq), device=out.device, dtype=torch.float32) if return_lse else None
     nv = qz.fmt == "nvfp4"
+    native = fp4_mode(out.device.type, "triton", get_capability()) == "native"
+    if pipeline_qk is None:
+        pipeline_qk = native and fp4_pipeline_qk(get_capability())
     grid = (triton.cdiv(nq, block_q), b * hq)
     _attn_fwd_fp4[grid](
         q=_operand(qz.q, qz.q_scale, qz.q_global), k=_operand(qz.k, qz.k_scale, qz.k_global),
@@ -315,8 +357,8 @@ def attention(
         qk_multiplier=float(qz.qk_multiplier), zero=0.0,
         N_BUCKET=min(triton.next_power_of_2(nk), 32768),
         IS_CAUSAL=causal_offset is not None, NV=nv,
-        NATIVE_FP4=fp4_mode(out.device.type, "triton", get_capability()) == "native",
-        EMU_FP32=interpreter_enabled(), TWO_LEVEL=two_level,
+        NATIVE_FP4=native, EMU_FP32=interpreter_enabled(), TWO_LEVEL=two_level,
+        PIPELINE_QK=pipeline_qk,
         GROUP=FP4_GROUP[qz.fmt], BLOCK_M=block_q, BLOCK_N=block_k, BLOCK_D=qz.q.shape[-1] * 2,
     )
     return lse

@@ -50,7 +50,9 @@ from triton.runtime.autotuner import Autotuner, Heuristics
 from triton.runtime.jit import JITFunction, KernelInterface
 
 from lowbit_attn.core import checks
-from lowbit_attn.core.arch import arch_name, native_fp4, parse_arch, tensor_memory
+from lowbit_attn.core.arch import (
+    arch_name, fp4_pipeline_qk, native_fp4, parse_arch, tensor_memory,
+)
 from lowbit_attn.core.recipes import Recipe, resolve
 from lowbit_attn.tools.triton_compat import as_jit_function, compiler_mode, pointer_type
 
@@ -62,11 +64,13 @@ ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a", "sm_120a")
 # conversion is inexact, so it builds the bits arithmetically (a GPU uses ``cvt``); FP4 emulation
 # multiplies in fp32 under the interpreter (its bf16 dot is wrong) and in bf16 on a GPU; FP4
 # tensor cores exist from sm_100 on; tensor-memory MMAs (sm_100 family) need the backward's
-# per-tile scales reduced as [1, 1] tiles.
+# per-tile scales reduced as [1, 1] tiles; the native FP4 attention runs Q·Kᵀ one key block
+# ahead on sm_120.
 GPU_CONSTEXPRS = {
     "EXACT_FP8": lambda capability: False,
     "EMU_FP32": lambda capability: False,
     "NATIVE_FP4": native_fp4,
+    "PIPELINE_QK": fp4_pipeline_qk,
     "TMEM": tensor_memory,
 }
 

@@ -164,3 +164,52 @@ def main_loop(cubin: bytes, *, block_m: int, block_n: int, num_warps: int) -> Ma
     if not bodies:
         raise ValueError("the kernel's SASS has no loop")
     return MainLoop(bodies[0], block_m * block_n // (32 * num_warps))
+
+
+_REGISTER = re.compile(r"\bR(\d+)\b")
+
+
+def _destination(text: str) -> int | None:
+    """The first general register an instruction names before its first comma (its destination
+    for ALU, load and MMA instructions; stores and branches name none there)."""
+    parts = text.split(None, 1)
+    if len(parts) < 2:
+        return None
+    found = _REGISTER.match(parts[1].split(",", 1)[0].strip())
+    return int(found.group(1)) if found else None
+
+
+@dataclass(frozen=True)
+class QKInterleave:
+    """What sits among a loop's Q·Kᵀ ``mma.sync`` instructions (``OMMA`` on sm_120): strictly
+    between the first and the last of them, ``exp2`` (``MUFU.EX2``), E2M1 conversions (``F2FP``
+    with ``E2M1``) and instructions of any kind other than ``OMMA`` (``other``). ``qk``/``pv``:
+    how many ``OMMA`` each product has."""
+
+    qk: int
+    pv: int
+    exp2: int
+    f2fp: int
+    other: int
+
+
+def qk_interleave(body: list[str], mma: str = "OMMA") -> QKInterleave:
+    """Tell a loop's ``mma`` instructions of Q·Kᵀ from those of P̃·V by their A operand: Q comes
+    straight from shared memory (its last writer in the body is an ``LDSM``) or is loop-invariant
+    (no writer in the body), P̃ is computed in the loop (converted, shuffled, permuted)."""
+    qk, pv = [], []
+    for i, text in enumerate(body):
+        if not text.startswith(mma):
+            continue
+        a = _REGISTER.findall(text)[1]  # destination, A, B, C, scales
+        writer = next((body[j] for j in range(i - 1, -1, -1)
+                       if _destination(body[j]) == int(a)), None)
+        (qk if writer is None or writer.startswith("LDSM") else pv).append(i)
+    if not qk:
+        return QKInterleave(0, len(pv), 0, 0, 0)
+    span = body[qk[0] + 1:qk[-1]]
+    return QKInterleave(
+        qk=len(qk), pv=len(pv), exp2=sum(t.startswith("MUFU.EX2") for t in span),
+        f2fp=sum(t.startswith("F2FP") and "E2M1" in t for t in span),
+        other=sum(not t.startswith(mma) for t in span),
+    )
