@@ -244,6 +244,65 @@ def mutant(jit, old: str, new: str):
     return ns[py.__name__]
 
 
+@pytest.fixture
+def one_torch_thread():
+    """For the CPU schedule checks (tiles of 128 rows): torch's second thread only waits on a
+    loaded machine (4x slower). A module imports it and marks its tests
+    ``pytest.mark.usefixtures("one_torch_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def assert_bits(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
+    """Equal bit for bit (NaN where NaN), for the CPU schedule checks of the Gluon kernels."""
+    same = (got == want) | (torch.isnan(got) & torch.isnan(want))
+    if not bool(same.all()):
+        i = tuple(int(x) for x in (~same).nonzero()[0])
+        raise AssertionError(f"{name}: {int((~same).sum())} of {got.numel()} differ; first at {i}: "
+                             f"{got[i].item()!r} against the twin's {want[i].item()!r}")
+
+
+def causal_offset_of(nq: int, nk: int, causal: bool, offset: int | None) -> int | None:
+    """A shape's causal offset: None when not causal, the bottom-right ``nk - nq`` unless given."""
+    if not causal:
+        return None
+    return nk - nq if offset is None else offset
+
+
+def schedule_outcome(runs) -> str:
+    """How ``tools.gluon_cpu`` answers a (mutated) kernel: ``runs`` yields, one run at a time,
+    ``[(got, want), ...]`` (a run may raise); the first failure's kind ("hang", "race", "error": any
+    other ``ScheduleError``, "wrong": a pair not equal bit for bit), or "passes"."""
+    from lowbit_attn.tools import gluon_cpu
+
+    try:
+        for pairs in runs:
+            if not all(bool(((g == w) | (g.isnan() & w.isnan())).all()) for g, w in pairs):
+                return "wrong"
+    except gluon_cpu.Hang:
+        return "hang"
+    except gluon_cpu.Race:
+        return "race"
+    except gluon_cpu.ScheduleError:  # e.g. an access outside a tensor
+        return "error"
+    return "passes"
+
+
+def mutation_params(mutations) -> list:
+    """``(id, jit, old, new, expected)`` rows as ``pytest.param(jit, old, new, expected, id=id)``
+    for ``parametrize("jit,old,new,expected", ...)``."""
+    return [pytest.param(*m[1:], id=m[0]) for m in mutations]
+
+
+def assert_caught(got: str, expected: str) -> None:
+    """A mutated kernel's :func:`schedule_outcome` ``got`` is a failure, of the ``expected`` kind
+    unless that is "any"."""
+    assert got != "passes", "the mutated kernel passes the CPU check"
+    assert expected == "any" or got == expected, got
+
+
 def record_launches(monkeypatch, module, names) -> list:
     """The kernels ``names`` of ``module`` replaced by recorders for the test: each launch is
     appended, as an ``aot.Launch``, to the list returned, and nothing runs."""

@@ -1,6 +1,6 @@
 """CPU gates of the Gluon FP4 forward for Blackwell (``inference/kernel_fp4_gluon.py``), compiled
-ahead of time for sm_100a (Triton 3.6.0, its bundled ptxas and cuobjdump). Compiled only: no
-GPU has run it and nothing checks its numbers (see the module's docstring).
+ahead of time for sm_100a (Triton 3.6.0, its bundled ptxas and cuobjdump). No GPU has run
+it; its numbers and barrier protocol are checked on the CPU (test_gluon_fp4_schedule.py).
 
 Measured 2026-11-25, NVFP4 (``qk_fp4_pv_fp4`` without ΔS), D=128, BLOCK_M=128, BLOCK_N=64, with
 LSE, non-causal (causal and MXFP4: the same but for the loop counts given):

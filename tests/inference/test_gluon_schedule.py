@@ -18,7 +18,10 @@ import itertools
 import pytest
 import torch
 
-from helpers import Bound, assert_within, mutant
+from helpers import (Bound, assert_bits, assert_caught, assert_within, mutant, mutation_params,
+                     one_torch_thread,
+                     schedule_outcome)
+from helpers import causal_offset_of as offset_of
 from lowbit_attn.core.recipes import get_recipe
 from lowbit_attn.inference import gluon_blocks as gb
 from lowbit_attn.inference import kernel_int8_gluon as kg
@@ -35,13 +38,7 @@ except RuntimeError as e:  # pragma: no cover - another Triton
 KERNEL = kg._attn_fwd_int8_gluon_kernel
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiles of 128 rows: torch's second thread only waits on a loaded machine (4x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures(one_torch_thread.__name__)
 
 # (B, Hq, Hkv, Nq, Nk, D, causal offset or None for "nk - nq" when causal): partial query and key
 # blocks, GQA and MQA, decode, rows that see no key (a whole query tile with none), offsets past
@@ -112,20 +109,6 @@ def gluon_on_cpu(qz, block_k, causal_offset, run="async", **options):
         lse = kg.attention(qz, out=out, pv="fp8", granularity="per_token", block_q=kg.BLOCK_M,
                            block_k=block_k, causal_offset=causal_offset, return_lse=True, **extra)
     return out, lse, cpu.trace
-
-
-def offset_of(nq, nk, causal, offset):
-    if not causal:
-        return None
-    return nk - nq if offset is None else offset
-
-
-def assert_bits(got, want, name):
-    same = (got == want) | (torch.isnan(got) & torch.isnan(want))
-    if not bool(same.all()):
-        i = tuple(int(x) for x in (~same).nonzero()[0])
-        raise AssertionError(f"{name}: {int((~same).sum())} of {got.numel()} differ; first at {i}: "
-                             f"{got[i].item()!r} against the twin's {want[i].item()!r}")
 
 
 @pytest.mark.parametrize("b,hq,hkv,nq,nk,d,offset", SHAPES)
@@ -222,29 +205,20 @@ MUTATION_CASES = [  # (shape, block_k, causal offset)
 def outcome(jit, old, new, runs=("async",)) -> str:
     """How the check answers the mutated kernel over ``MUTATION_CASES``, each run by each of
     ``runs``: the first failure's kind, or "passes"."""
-    for (shape, block_k, co), run in itertools.product(MUTATION_CASES, runs):
-        qz = operands(*shape, block_k)
-        want, want_lse = twin(qz, block_k, co)
-        broken = {jit.fn: mutant(jit, old, new)}
-        try:
+    def each():
+        for (shape, block_k, co), run in itertools.product(MUTATION_CASES, runs):
+            qz = operands(*shape, block_k)
+            want, want_lse = twin(qz, block_k, co)
+            broken = {jit.fn: mutant(jit, old, new)}
             got, got_lse, _ = gluon_on_cpu(qz, block_k, co, run, overrides=broken)
-        except gluon_cpu.Hang:
-            return "hang"
-        except gluon_cpu.Race:
-            return "race"
-        except gluon_cpu.ScheduleError:  # e.g. an access outside a tensor
-            return "error"
-        if not (torch.equal(got, want) and torch.equal(got_lse, want_lse)):
-            return "wrong"
-    return "passes"
+            yield [(got, want), (got_lse, want_lse)]
+
+    return schedule_outcome(each())
 
 
-@pytest.mark.parametrize("jit,old,new,expected", [m[1:] for m in MUTATIONS],
-                         ids=[m[0] for m in MUTATIONS])
+@pytest.mark.parametrize("jit,old,new,expected", mutation_params(MUTATIONS))
 def test_the_check_catches(jit, old, new, expected):
-    got = outcome(jit, old, new)
-    assert got != "passes", "the mutated kernel passes the CPU check"
-    assert expected == "any" or got == expected, got
+    assert_caught(outcome(jit, old, new), expected)
 
 
 def test_the_unmutated_kernel_passes_the_mutation_cases():
@@ -278,12 +252,9 @@ PINGPONG_MUTATIONS = [
 ]
 
 
-@pytest.mark.parametrize("jit,old,new,expected", [m[1:] for m in PINGPONG_MUTATIONS],
-                         ids=[m[0] for m in PINGPONG_MUTATIONS])
+@pytest.mark.parametrize("jit,old,new,expected", mutation_params(PINGPONG_MUTATIONS))
 def test_the_check_catches_pingpong_breaks(jit, old, new, expected):
-    got = outcome(jit, old, new, PINGPONG_RUNS)
-    assert got != "passes", "the mutated kernel passes the CPU check"
-    assert expected == "any" or got == expected, got
+    assert_caught(outcome(jit, old, new, PINGPONG_RUNS), expected)
 
 
 def test_the_unmutated_pingpong_kernel_passes_the_mutation_cases():

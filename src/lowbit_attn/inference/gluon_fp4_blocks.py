@@ -1,7 +1,7 @@
 """The ``@gluon.jit`` pieces of the Blackwell FP4 forward (``kernel_fp4_gluon``): group scales
 between global, shared and tensor memory, P̃'s group quantization with the hardware E2M1
-conversion, the correction of O in tensor memory and the epilogue. Compiled only, never run (see
-``kernel_fp4_gluon``)."""
+conversion, the correction of O in tensor memory and the epilogue. Compiled, never run on a GPU;
+run on the CPU by ``tools/gluon_cpu.py`` (see ``kernel_fp4_gluon``)."""
 
 from __future__ import annotations
 

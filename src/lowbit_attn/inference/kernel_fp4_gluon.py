@@ -1,8 +1,11 @@
 """FP4 attention forward for Blackwell (sm_100a) in Gluon: block-scaled ``tcgen05`` products with
-the accumulators in tensor memory, warp-specialized. First version, opt-in, **compiled only,
-never run**: no GPU able to run sm_100a code was available, Gluon has no interpreter, and the
-project's CPU model (``tools/gluon_cpu.py``) covers Hopper operations only. Nothing checks its
-numbers yet; it is not wired into the dispatch.
+the accumulators in tensor memory, warp-specialized. First version, opt-in, **compiled, never run on a GPU**: no GPU able to run
+sm_100a code was available and Gluon has no interpreter; it is not wired into the dispatch. Its
+own code runs on the CPU under the project's model of Gluon (``tools/gluon_cpu.py``: tensor
+memory, ``tcgen05_mma_scaled``/``tcgen05_copy``, TMA, mbarriers, the three partitions under three
+interleavings), bit-equal to the twin ``naive.fp4_attention`` with the model's FMA rounding twice
+(``tests/inference/test_gluon_fp4_schedule.py``, which also breaks its protocol in known ways):
+the barrier protocol and the numerics are checked; the layouts (scale atoms, swizzles) are not.
 
 The numerics are ``kernel_fp4``'s (NVFP4 ``qk_fp4_pv_fp4`` or MXFP4 ``qk_mxfp4_pv_mxfp4``, with or
 without the two-level P̃): scores = block-scaled Q̂·K̂ᵀ × ``qk_multiplier`` (× the NVFP4 tensor
@@ -39,7 +42,7 @@ PV fill the 512 before the scales), ΔS (``smooth_q``), the LSE shift (``smooth_
 packed sequences, head dims other than 128, ``block_q`` ≠ 128. Kept: causal (bottom-right
 ``causal_offset``), V's channel mean (epilogue), the LSE, one-level P̃ (``two_level=False``).
 Known risks only a GPU can settle: the scale layouts in shared memory for ``tcgen05_copy`` (the
-cuBLAS atom, from the r18 research snippets), the 64-key scale tiles, and the barrier protocol.
+cuBLAS atom, from the r18 research snippets), the 64-key scale tiles, timing.
 """
 
 from __future__ import annotations
@@ -141,9 +144,12 @@ def _mma(n_blocks, q_smem, k_smem, v_smem, p_smem, qs_smem, vs_smem, s_tmem, pv_
          s_free, p_ready, pv_ready, pv_free, FMT: gl.constexpr, COPY_SCALES: gl.constexpr):
     """Issue order: S(0), then S(j) and P̃(j−1)·V(j−1) for j ≥ 1, then the last P̃·V. S(j) waits
     for K(j), its scales in tensor memory and for the softmax to have read ``S[j % 2]``
-    (S(j−2))."""
+    (S(j−2)). Q's scales are copied only when a product follows: a ``tcgen05.cp`` completes
+    with the next product's barrier, and with no key block nothing would wait for it before the
+    program exits (found by the CPU model, ``tests/inference/test_gluon_fp4_schedule.py``)."""
     mbarrier.wait(q_ready, 0)
-    tcgen05_copy(qs_smem, qs_tmem)
+    if n_blocks > 0:
+        tcgen05_copy(qs_smem, qs_tmem)
     for j in range(n_blocks):
         stage = j % 2
         phase = (j // 2) & 1

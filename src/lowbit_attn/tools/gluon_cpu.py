@@ -1,5 +1,6 @@
 """Run a Gluon kernel's own code on CPU tensors, one program after another: a sequential model of
-the part of Gluon the Hopper forward (``inference/kernel_int8_gluon.py``) uses, and of
+the part of Gluon the Hopper forwards (``inference/kernel_int8_gluon.py``, its ping-pong variant)
+and the Blackwell FP4 forward (``inference/kernel_fp4_gluon.py``) use, and of
 ``gl.warp_specialize``.
 
 Triton 3.6 has no Gluon interpreter. This module executes the kernel's Python function itself
@@ -44,6 +45,46 @@ waits the phase) checks happens-before, not only the order the run took: a write
 and its stores; a read must follow the TMA phase that filled it and other partitions' stores into
 it.
 
+Blackwell (what ``kernel_fp4_gluon`` uses):
+
+- tensor memory (``allocate_tensor_memory``; descriptors' ``index``, ``slice`` of columns,
+  ``load``, ``store``) holds logical tiles, poisoned at allocation (NaN fp32 and E4M3, 255 = NaN
+  E8M0); scale tiles are ``[rows, K/group]``, whatever layout the kernel declares
+  (``TensorMemoryScalesLayout``, ``get_tmem_reg_layout`` and ``SharedLinearLayout`` are layouts:
+  ignored). A generic load or store of it is a :class:`Race` while a tcgen05 operation that
+  writes it (a store: or reads it) has not completed, and must follow other partitions' accesses
+  through barriers (generic loads of tensor memory count as reads for this check);
+- ``tcgen05_mma_scaled(a, b, acc, a_scale, b_scale, "e2m1", "e2m1", use_acc=, mbarriers=)``:
+  ``a`` ``[M, K/2]`` and ``b`` ``[K/2, N]`` (a permuted K-major tile) E2M1 bytes in shared
+  memory, element ``2i`` in the low nibble; scales in tensor memory, E4M3 in groups of 16 (NVFP4)
+  or E8M0 bytes in groups of 32 (MXFP4), picked by their type. The dequantized operands' product
+  is computed at issue in float64 and rounded once to fp32 (every product is exact; the sum is
+  exact while it spans less than float64's 53 bits, true of attention's operands) and written
+  to ``acc`` then; the operation stays *in flight* (its operands claimed: overwriting one, or
+  reading or writing ``acc`` from another partition, is a :class:`Race`) until it completes, the
+  latest it may: when a wait on one of its barriers needs it. It then arrives on each of them.
+  A partition's tcgen05 operations complete in issue order (completing one completes every
+  earlier one), as the hardware executes them; one without barriers is synchronous;
+- ``tcgen05_copy`` (shared → tensor memory) lands at issue and completes with the partition's
+  next completed operation; ``tcgen05_commit(bar)`` arrives once every earlier one completes. The
+  tensor core is an actor of the vector clocks (one per issuing partition): a partition that
+  writes a buffer a tcgen05 operation read, or reads one it wrote, must have waited (through
+  some barrier) for that completion; the issuing partition's own later operations are ordered
+  by the pipeline. A program ending with an operation never completed is an error;
+- ``gl.inline_asm_elementwise`` models only ``quant.fp4.E2M1X2_PTX`` (four
+  ``cvt.rn.satfinite.e2m1x2.f32``): the twin's ``e2m1_code`` of each pair, packed ``lo | hi << 4``
+  (equal to the instruction for every non-NaN input, tests/quant/test_fp4.py; the NaN code is
+  not modelled); ``gl.split``, ``reshape``, ``expand_dims``, ``div_rn`` (fp32 division, correctly
+  rounded as ``div.rn``); Blackwell's ``tma`` and ``mbarrier`` are Hopper's. During a launch torch
+  tensors answer ``x.to(dtype, bitcast=True)`` (a bit view) and ``x.type.layout`` (None).
+
+What the Blackwell part cannot show beyond the rest: the layouts (the 32×4×4 scale atom in shared
+memory that ``tcgen05.cp`` reads, the 64-row and 2-column scale tiles stored from registers, the
+swizzles), which only a GPU settles; tensor memory's own ordering rules (``tcgen05.wait::st``
+after a store, ``tcgen05.fence`` around thread barriers: the compiler's job, not modelled);
+``pred``/``mbarrier_preds`` of the MMA (not modelled: :class:`NotModeled`); operand kinds other
+than E2M1 pairs; and a fused FMA unless ``fused_fma``.
+
 So the multi-partition model shows the protocol: barrier counts and parities, that every wait
 is satisfied (no :class:`Hang`) under the interleavings tried, that buffers are reused only after
 their readers released them through barriers, results equal under each policy. What it cannot
@@ -83,7 +124,8 @@ import torch
 import triton.language as tl
 from torch.overrides import TorchFunctionMode
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia import hopper
+from triton.experimental.gluon.language.nvidia import blackwell, hopper
+from triton.experimental.gluon.language.nvidia.blackwell import tma as real_bw_tma
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier as real_mbarrier
 from triton.experimental.gluon.language.nvidia.hopper import tma as real_tma
 
@@ -211,7 +253,7 @@ def _addresses(ptr: Ptr, mask, like=None):
 def _poison_value(dtype):
     if dtype.is_floating_point:
         return float("nan")
-    return -128 if dtype == torch.int8 else -1
+    return {torch.int8: -128, torch.uint8: 255}.get(dtype, -1)
 
 
 def _load(ptr, mask=None, other=None, **_):
@@ -253,6 +295,7 @@ class _Barrier:
         self.tx = 0
         self.completed = 0  # phases completed; the current phase's parity is completed & 1
         self.loads = []  # (buffer view, data, bytes) issued, not landed
+        self.ops = []  # tcgen05 operations that arrive on it when they complete
         self.release = Counter()  # what the arrivals of the current phase had seen
         self.clock = Counter()  # what the last completed phase tells the partitions that wait it
 
@@ -284,6 +327,12 @@ class _Barrier:
             raise ScheduleError(f"program {pid}: {self.name} received {-self.tx} bytes more than "
                                 "its expect() announced (a load signals the wrong barrier)")
 
+    def complete_ops(self):
+        """The tcgen05 operations that signal this barrier complete (the latest they may: at a
+        wait on it), each with every operation issued before it by the same partition."""
+        while self.ops:
+            _complete(self.ops[0])
+
     def try_complete(self):
         if self.arrivals >= self.count and self.tx == 0 and not self.loads:
             self.completed += 1
@@ -295,13 +344,12 @@ class _Barrier:
         return f"{self.arrivals} of {self.count} arrivals, {self.tx} bytes outstanding"
 
 
-class _Shared:
-    """A shared-memory buffer or a view of one (``index``, ``permute``); hazards are tracked per
-    root buffer and index path."""
+class _View:
+    """A buffer (shared or tensor memory) or a view of one; hazards are tracked per root buffer
+    and index path (``key``)."""
 
-    def __init__(self, tensor, root=None, key=(), name="smem"):
-        self.tensor, self.key = tensor, key
-        self.root = root if root is not None else _Root(name)
+    def __init__(self, tensor, root, key=()):
+        self.tensor, self.root, self.key = tensor, root, key
 
     @property
     def shape(self):
@@ -315,13 +363,20 @@ class _Shared:
         i = int(i)
         if not 0 <= i < self.tensor.shape[0]:
             raise ScheduleError(f"{self.root.name}.index({i}) of {self.tensor.shape[0]}")
-        return _Shared(self.tensor[i], self.root, self.key + (i,))
-
-    def permute(self, order):
-        return _Shared(self.tensor.permute(*order), self.root, self.key)
+        return type(self)(self.tensor[i], self.root, self.key + (i,))
 
     def where(self):
         return f"{self.root.name}{list(self.key)}"
+
+
+class _Shared(_View):
+    """A shared-memory buffer or a view of one (``index``, ``permute``)."""
+
+    def __init__(self, tensor, root=None, key=(), name="smem"):
+        super().__init__(tensor, root if root is not None else _Root(name), key)
+
+    def permute(self, order):
+        return _Shared(self.tensor.permute(*order), self.root, self.key)
 
     def store(self, value):
         machine = _machine()
@@ -363,8 +418,18 @@ def _join(clock: Counter, other) -> Counter:
 
 
 def _overlap(a, b):
-    n = min(len(a), len(b))
-    return a[:n] == b[:n]
+    """Whether two index paths (from one root) share an element: equal along their common
+    prefix, where a tensor-memory column slice ``("cols", start, stop)`` meets another slice when
+    the ranges intersect."""
+    for x, y in zip(a, b):
+        if isinstance(x, tuple) and isinstance(y, tuple):
+            if x[2] <= y[1] or y[2] <= x[1]:
+                return False
+        elif isinstance(x, tuple) or isinstance(y, tuple):
+            return True  # an index against a slice: not made by the kernels modelled; be strict
+        elif x != y:
+            return False
+    return True
 
 
 @dataclasses.dataclass
@@ -412,12 +477,31 @@ class _Partition:
     def __init__(self, name, num_warps):
         self.name, self.num_warps = name, num_warps
         self.inflight: list[_Group] = []
+        self.tcgen05: list[_TcOp] = []  # its tcgen05 operations not completed, in issue order
+        self.unit = _Unit(self)  # the tensor core completing them (an actor of the clocks)
         self.waiting = None
         self.finished = False
         self.turn = threading.Semaphore(0)  # released to let this partition's thread run
         # a vector clock: for each partition (and each barrier, whose time is its number of
         # completed phases) the latest of its events known to have happened before now
         self.seen = Counter()
+
+    def tick(self) -> int:
+        self.seen[self] += 1
+        return self.seen[self]
+
+
+class _Unit:
+    """The tensor core as it completes one partition's tcgen05 operations (in issue order): an
+    actor of the vector clocks, whose time counts its completions."""
+
+    def __init__(self, partition):
+        self.partition = partition
+        self.seen = Counter()
+
+    @property
+    def name(self):
+        return f"the tcgen05 operations of {self.partition.name}"
 
     def tick(self) -> int:
         self.seen[self] += 1
@@ -451,12 +535,30 @@ class _Machine:
                         by = f" (issued by {p.name})" if len(self.every_partition) > 1 else ""
                         raise Race(f"{what} {view.where()} while a wgmma that reads it is in "
                                    f"flight{by}")
+        self._check_tcgen05(view, what, "reads")
+
+    def check_no_writer(self, view, what, skip=None):
+        """No tcgen05 operation (of a partition other than ``skip``) that writes ``view`` is still
+        to complete."""
+        self._check_tcgen05(view, what, "writes", skip)
+
+    def _check_tcgen05(self, view, what, access, skip=None):
+        for p in self.every_partition:
+            if p is skip:
+                continue
+            for op in p.tcgen05:
+                for r in getattr(op, access):
+                    if r.root is view.root and _overlap(r.key, view.key):
+                        raise Race(f"{what} {view.where()} while a {op.kind} issued by {p.name} "
+                                   f"that {access[:-1]}s it has not completed (no wait on its "
+                                   "barrier)")
 
     # happens-before between partitions (inside warp_specialize; one thread is in program order)
 
-    def check_ordered_read(self, view, what):
+    def check_ordered_read(self, view, what, also=None):
         """Reading ``view``: its TMA load's phase must have been waited for, and another
-        partition's store into it must reach this one through barriers."""
+        partition's store into it must reach this one through barriers (``also``: an actor that
+        counts as this one, the partition's own tensor core for its tcgen05 operations)."""
         if len(self.partitions) == 1:
             return
         p = self.current
@@ -464,9 +566,9 @@ class _Machine:
             if _overlap(key, view.key) and p.seen[bar] < phase:
                 raise Race(f"{what} {view.where()} by {p.name}: its TMA load completes phase "
                            f"{phase - 1} of {bar.name}, which {p.name} has not waited for")
-        self._check_stores(view, what)
+        self._check_stores(view, what, also)
 
-    def check_ordered_write(self, view, what):
+    def check_ordered_write(self, view, what, also=None):
         """Writing ``view`` (a TMA load issued, a store): every other partition's wgmma reading it
         must have retired, and its retirement reached this partition through barriers; so must
         its last TMA load and other partitions' stores."""
@@ -474,15 +576,18 @@ class _Machine:
             return
         p = self.current
         for (key, q), t in view.root.read_by.items():
-            if q is not p and _overlap(key, view.key) and p.seen[q] < t:
+            if q is not p and q is not also and _overlap(key, view.key) and p.seen[q] < t:
                 raise Race(f"{what} {view.where()} by {p.name} is not ordered after the "
-                           f"retirement of {q.name}'s wgmma that reads it (no barrier in between)")
-        self.check_ordered_read(view, what)
+                           f"retirement of {q.name}'s wgmma that reads it (no barrier in between)"
+                           if isinstance(q, _Partition) and view.root.name.startswith("smem") else
+                           f"{what} {view.where()} by {p.name} is not ordered after a read of it "
+                           f"by {q.name} (no barrier in between)")
+        self.check_ordered_read(view, what, also)
 
-    def _check_stores(self, view, what):
+    def _check_stores(self, view, what, also=None):
         p = self.current
         for (key, q), t in view.root.stored_by.items():
-            if q is not p and _overlap(key, view.key) and p.seen[q] < t:
+            if q is not p and q is not also and _overlap(key, view.key) and p.seen[q] < t:
                 raise Race(f"{what} {view.where()} by {p.name} is not ordered after {q.name}'s "
                            "store into it (no barrier in between)")
 
@@ -621,6 +726,10 @@ class _Machine:
                 of = f" of {p.name}" if len(self.every_partition) > 1 else ""
                 raise ScheduleError(f"program {self.pid} ends with {len(p.inflight)} wgmma "
                                     f"group(s){of} never waited for")
+            if p.tcgen05:
+                raise ScheduleError(f"program {self.pid} ends with {len(p.tcgen05)} tcgen05 "
+                                    f"operation(s) of {p.name} whose completion no wait observed "
+                                    f"(first: {p.tcgen05[0].kind})")
         for bar in self.barriers:
             if bar.loads or bar.tx:
                 raise ScheduleError(f"program {self.pid} ends with a TMA load on {bar.name} never "
@@ -759,6 +868,11 @@ def _make_lang(real_name, numerics):
         names.update(
             allocate_shared_memory=_allocate_shared_memory, NVMMADistributedLayout=_Layout,
             SliceLayout=_Layout, NVMMASharedLayout=_Layout, BlockedLayout=_Layout,
+            SharedLinearLayout=_Layout, split=_split,
+            inline_asm_elementwise=_inline_asm_elementwise,
+            reshape=lambda x, shape, can_reorder=False: x.reshape(list(shape)),
+            expand_dims=lambda x, axis: x.unsqueeze(axis),
+            div_rn=lambda a, b: torch.div(_t(a), _t(b)),
             warp_specialize=_warp_specialize, num_warps=lambda: _machine().current.num_warps,
         )
     return _Namespace(real_name, **names)
@@ -769,7 +883,7 @@ def _make_lang(real_name, numerics):
 
 def _mb_init(bar, count):
     b = _barrier(bar)
-    b.count, b.arrivals, b.tx, b.completed, b.loads = count, 0, 0, 0, []
+    b.count, b.arrivals, b.tx, b.completed, b.loads, b.ops = count, 0, 0, 0, [], []
 
 
 def _mb_expect(bar, bytes, pred=True):
@@ -806,6 +920,7 @@ def _mb_wait(bar, phase, pred=True, deps=()):
 
     def can_go():
         b.land(m.pid)
+        b.complete_ops()
         b.try_complete()
         return b.phase_done(parity)
 
@@ -817,9 +932,14 @@ def _mb_wait(bar, phase, pred=True, deps=()):
 
 def _mb_invalidate(bar):
     b = _barrier(bar)
-    if b.loads or b.tx or b.arrivals:
+    if b.loads or b.tx or b.arrivals or b.ops:
         raise ScheduleError(f"{b.name} invalidated with a load or an arrival pending")
     b.count = None
+
+
+@dataclasses.dataclass
+class _BlockType:
+    nbytes: int
 
 
 @dataclasses.dataclass
@@ -828,6 +948,13 @@ class _Descriptor:
     shape: list
     strides: list
     block_shape: list
+
+    @property
+    def block_type(self):
+        n = 1
+        for s in self.block_shape:
+            n *= s
+        return _BlockType(n * self.base.mem.element_size())
 
 
 def _make_tensor_descriptor(base, shape, strides, block_shape, layout, padding_option="zero"):
@@ -938,6 +1065,296 @@ def _warpgroup_mma_wait(num_outstanding=0, deps=None):
     return out[0] if len(out) == 1 else tuple(out)
 
 
+# --- Blackwell: tensor memory, tcgen05 ------------------------------------------------------
+
+
+class _TMem(_View):
+    """Tensor memory (an allocation or a view: ``index``, ``slice`` of columns): logical tiles,
+    scales as ``[rows, K/group]``. A generic ``load`` or ``store`` waits for nothing: a tcgen05
+    operation writing (or, for a store, reading) it must have completed, and another
+    partition's accesses must be ordered through barriers."""
+
+    def slice(self, start, length):
+        start, length = int(start), int(length)
+        if start < 0 or start + length > self.tensor.shape[-1]:
+            raise ScheduleError(f"{self.where()}.slice({start}, {length}) of "
+                                f"{self.tensor.shape[-1]} columns")
+        return _TMem(self.tensor[..., start:start + length], self.root,
+                     self.key + (("cols", start, start + length),))
+
+    def load(self, layout=None):
+        m = _machine()
+        m.check_no_writer(self, "a load from")
+        m.check_ordered_read(self, "a load from")
+        if len(m.partitions) > 1:  # a generic read: later writers must be ordered after it
+            self.root.read_by[(self.key, m.current)] = m.current.tick()
+        return self.tensor.clone()
+
+    def store(self, value, pred=True):
+        if not bool(pred):
+            return
+        m = _machine()
+        value = _t(value)
+        if list(value.shape) != self.shape or value.dtype != self.dtype:
+            raise ScheduleError(f"store of {value.dtype}{list(value.shape)} into "
+                                f"{self.where()}: {self.dtype}{self.shape}")
+        m.check_no_reader(self, "a store into")
+        m.check_no_writer(self, "a store into")
+        m.check_ordered_write(self, "a store into")
+        self.tensor.copy_(value)
+        self.root.stored_by[(self.key, m.current)] = m.current.tick()
+
+    def _reinterpret(self, *args, **kwargs):
+        raise NotModeled("tensor_memory_descriptor._reinterpret is not modelled")
+
+
+def _allocate_tensor_memory(element_ty, shape, layout, value=None):
+    """A fresh allocation, poisoned (NaN floats and E4M3, 255 = NaN E8M0 bytes)."""
+    m = _machine()
+    if element_ty == torch.float8_e4m3fn:
+        t = torch.full(list(shape), 0x7F, dtype=torch.uint8).view(element_ty)
+    elif element_ty == torch.uint8:
+        t = torch.full(list(shape), 255, dtype=torch.uint8)
+    else:
+        t = torch.full(list(shape), _poison_value(element_ty), dtype=element_ty)
+    root = _Root(f"tmem{len(m.roots)}")
+    m.roots.append(root)
+    view = _TMem(t, root)
+    if value is not None:
+        view.store(value)
+    return view
+
+
+@dataclasses.dataclass
+class _TcOp:
+    """A tcgen05 operation issued, not completed: its result is already in place (computed at
+    issue from the operands as they were), what it reads and writes stays claimed until it
+    completes, and then it arrives on ``barriers``."""
+
+    kind: str
+    issuer: _Partition
+    reads: list
+    writes: list
+    barriers: list
+    clock: Counter
+
+
+def _complete(op: _TcOp):
+    """``op`` completes, after every tcgen05 operation its partition issued before it."""
+    pending = op.issuer.tcgen05
+    unit = op.issuer.unit
+    while pending:
+        first = pending.pop(0)
+        _join(unit.seen, first.clock)
+        now = unit.tick()
+        for r in first.reads:
+            r.root.read_by[(r.key, unit)] = now
+        for w in first.writes:
+            w.root.stored_by[(w.key, unit)] = now
+        for b in first.barriers:
+            b.ops.remove(first)
+            b.arrive(unit, 1)
+        _machine().event(f"{first.kind} completed")
+        if first is op:
+            return
+
+
+def _issue(kind, reads, writes, barriers):
+    m = _machine()
+    p = m.current
+    p.tick()
+    op = _TcOp(kind, p, reads, writes, [_barrier(b) for b in barriers], Counter(p.seen))
+    p.tcgen05.append(op)
+    for b in op.barriers:
+        if b.count is None:
+            raise ScheduleError(f"a {kind} signals {b.name}, never initialised")
+        b.ops.append(op)
+    m.event(kind)
+    if not barriers and kind != "tcgen05_copy":  # synchronous
+        _complete(op)
+    m.sync()
+
+
+def _async_read(x, m, what):
+    """An operand the tensor core reads: shared memory filled (TMA waited for, stores fenced),
+    tensor memory not being written by another partition's operation; both ordered after other
+    partitions' stores."""
+    if isinstance(x, _Shared):
+        m.check_no_load(x, what)
+        m.check_ordered_read(x, what)
+        for p, key in x.root.unfenced:
+            if _overlap(key, x.key):
+                by = "" if p is m.current else f" by {p.name}"
+                raise Race(f"{what} {x.where()}, stored{by} without fence_async_shared")
+    elif isinstance(x, _TMem):
+        m.check_no_writer(x, what, skip=m.current)
+        m.check_ordered_read(x, what, also=m.current.unit)
+    else:
+        raise ScheduleError(f"{what} a {type(x).__name__}: tcgen05 operands are shared or tensor "
+                            "memory")
+    return x.tensor
+
+
+def _async_write(x, m, what):
+    """The tensor core's destination: no other partition's pending operation reads or writes it,
+    and every other partition's access to it is ordered before (through barriers)."""
+    if not isinstance(x, _TMem):
+        raise ScheduleError(f"{what} {type(x).__name__}: tcgen05 results go to tensor memory")
+    for p in m.every_partition:
+        if p is not m.current:
+            for op in p.tcgen05:
+                for r in op.reads + op.writes:
+                    if r.root is x.root and _overlap(r.key, x.key):
+                        raise Race(f"{what} {x.where()} while a {op.kind} of {p.name} that uses "
+                                   "it has not completed")
+    m.check_ordered_write(x, what, also=m.current.unit)
+
+
+_E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                             -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=torch.float64)
+
+
+def _e2m1_values(packed: torch.Tensor, dim: int) -> torch.Tensor:
+    """E2M1 bytes, K packed along ``dim`` (element ``2i`` in the low nibble) → float64 values."""
+    if packed.dtype != torch.uint8:
+        raise ScheduleError(f"an e2m1 operand of {packed.dtype}: E2M1 pairs are uint8")
+    lo = _E2M1_VALUES[(packed & 0xF).long()]
+    hi = _E2M1_VALUES[(packed >> 4).long()]
+    return torch.stack([lo, hi], dim=dim + 1).flatten(dim, dim + 1)
+
+
+def _scale_values(scale: torch.Tensor, k: int, rows: int, what: str) -> torch.Tensor:
+    """A scale tile ``[rows, K/group]`` → float64 factors ``[rows, K]``: E4M3 groups of 16
+    (NVFP4, ``mxf4nvf4`` with ``scale_vec::4X``) or E8M0 bytes groups of 32 (MXFP4, ``mxf4``,
+    ``scale_vec::2X``; 255 is NaN)."""
+    if scale.dtype == torch.float8_e4m3fn:
+        group, values = 16, scale.float().double()
+    elif scale.dtype == torch.uint8:
+        group = 32
+        values = torch.where(scale == 255, float("nan"),
+                             torch.exp2(scale.double() - 127.0))
+    else:
+        raise ScheduleError(f"{what} scales of {scale.dtype}: E4M3 or E8M0 (uint8) only")
+    if list(scale.shape) != [rows, k // group]:
+        raise ScheduleError(f"{what} scales {list(scale.shape)} for {rows} rows of K={k} in "
+                            f"groups of {group}")
+    return values.repeat_interleave(group, dim=1)
+
+
+def _tcgen05_mma_scaled(a, b, acc, a_scale, b_scale, a_type, b_type, *, use_acc=True, pred=True,
+                        mbarriers=None, mbarrier_preds=None):
+    """``acc = (A·a_scale)(B·b_scale) (+ acc)``: the dequantized operands' product in float64,
+    rounded once to fp32 (exact products; the sum is exact whenever it fits float64's 53 bits).
+    ``a`` ``[M, K/2]`` and ``b`` ``[K/2, N]`` (a permuted K-major tile) E2M1 bytes in shared
+    memory, scales ``[M, K/g]`` and ``[N, K/g]`` in tensor memory. Issued, not completed: it
+    arrives on each of ``mbarriers`` when a wait on one of them needs it."""
+    a_type, b_type = str(a_type), str(b_type)
+    if (a_type, b_type) != ("e2m1", "e2m1"):
+        raise NotModeled(f"tcgen05_mma_scaled of {a_type}·{b_type} (e2m1 only)")
+    if not (isinstance(pred, bool) and pred) or mbarrier_preds is not None:
+        raise NotModeled("tcgen05_mma_scaled with predicates")
+    m = _machine()
+    what = "a tcgen05_mma_scaled reading"
+    av, bv = _async_read(a, m, what), _async_read(b, m, what)
+    asv, bsv = _async_read(a_scale, m, what), _async_read(b_scale, m, what)
+    reads = [a, b, a_scale, b_scale]
+    if bool(use_acc):
+        cv = _async_read(acc, m, what)
+        reads.append(acc)
+    _async_write(acc, m, "a tcgen05_mma_scaled into")
+    x, y = _e2m1_values(av, 1), _e2m1_values(bv, 0)
+    if x.shape[1] != y.shape[0] or acc.shape != [x.shape[0], y.shape[1]]:
+        raise ScheduleError(f"tcgen05_mma_scaled of {list(x.shape)}·{list(y.shape)} into "
+                            f"{acc.shape}")
+    x = x * _scale_values(asv, x.shape[1], x.shape[0], "A's")
+    y = y * _scale_values(bsv, y.shape[0], y.shape[1], "B's").T
+    prod = x.contiguous() @ y.contiguous()
+    if bool(use_acc):
+        prod = prod + cv.double()
+    acc.tensor.copy_(prod.to(acc.dtype))
+    _issue("tcgen05_mma_scaled", reads, [acc], list(mbarriers or []))
+
+
+def _tcgen05_copy(src, dst):
+    """Shared → tensor memory, asynchronous; ordered before the partition's later tcgen05
+    operations (it completes with the next one that completes), its source claimed until then."""
+    m = _machine()
+    data = _async_read(src, m, "a tcgen05_copy from")
+    _async_write(dst, m, "a tcgen05_copy into")
+    if data.shape != dst.tensor.shape or data.dtype != dst.dtype:
+        raise ScheduleError(f"tcgen05_copy of {data.dtype}{list(data.shape)} into "
+                            f"{dst.where()}: {dst.dtype}{dst.shape}")
+    dst.tensor.copy_(data)
+    _issue("tcgen05_copy", [src], [dst], [])
+
+
+def _tcgen05_commit(barrier):
+    """An arrival on ``barrier`` once every tcgen05 operation issued before it has completed."""
+    _issue("tcgen05_commit", [], [], [barrier])
+
+
+def _inline_asm_elementwise(asm, constraints, args, dtype, is_pure, pack):
+    """Only the hardware E2M1 conversion (``quant.fp4.E2M1X2_PTX``, four
+    ``cvt.rn.satfinite.e2m1x2.f32``): byte ``i`` = ``code(lo_i) | code(hi_i) << 4`` with the
+    twin's ``quant.fp4_naive.e2m1_code`` (its RNE and saturation are the instruction's for every
+    non-NaN input: tests/quant/test_fp4.py; a NaN's code is the hardware's, not modelled)."""
+    from lowbit_attn.quant.fp4 import E2M1X2_CONSTRAINTS, E2M1X2_PTX
+    from lowbit_attn.quant.fp4_naive import e2m1_code
+
+    if (asm, constraints, int(pack), dtype) != (E2M1X2_PTX.value, E2M1X2_CONSTRAINTS.value, 4,
+                                                torch.uint8):
+        raise NotModeled(f"inline_asm_elementwise of {asm!r}: only the E2M1X2 conversion")
+    lo, hi = args
+    if lo.dtype != torch.float32 or hi.dtype != torch.float32:
+        raise ScheduleError("the E2M1X2 conversion takes fp32 pairs")
+    return (e2m1_code(lo) | (e2m1_code(hi) << 4)).to(torch.uint8)
+
+
+def _split(x):
+    if x.shape[-1] != 2:
+        raise ScheduleError(f"split of a last dimension of {x.shape[-1]}")
+    return x[..., 0], x[..., 1]
+
+
+def _tmem_reg_layout(*args, **kwargs):
+    return _Layout(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _tensor_dialect():
+    """For the launch, torch tensors answer the two tensor methods the kernels call that torch
+    lacks: ``x.to(dtype, bitcast=True)`` (a bit view) and ``x.type.layout`` (a layout: None);
+    ``x.to(...)`` and ``x.type(...)`` otherwise unchanged."""
+    to, type_ = torch.Tensor.to, torch.Tensor.type
+
+    def to_(self, *args, bitcast=False, **kwargs):
+        if not bitcast:
+            return to(self, *args, **kwargs)
+        (dtype,) = args
+        if dtype.itemsize != self.dtype.itemsize:
+            raise ScheduleError(f"bitcast of {self.dtype} to {dtype}")
+        return self.view(dtype)
+
+    class _TensorType:
+        layout = None
+
+        def __init__(self, t):
+            self.t = t
+
+        def __call__(self, *args, **kwargs):
+            return type_(self.t, *args, **kwargs)
+
+    class _TypeAttribute:
+        def __get__(self, obj, cls=None):
+            return type_ if obj is None else _TensorType(obj)
+
+    torch.Tensor.to, torch.Tensor.type = to_, _TypeAttribute()
+    try:
+        yield
+    finally:
+        torch.Tensor.to, torch.Tensor.type = to, type_
+
+
 def _warp_specialize(functions_and_args, worker_num_warps, worker_num_regs=()):
     """Runs the partitions as threads taking turns (see :class:`_Machine`); returns what the
     default partition (the first) returns. ``worker_num_regs`` is not modelled."""
@@ -963,6 +1380,16 @@ HOPPER_FUNCTIONS = {
     hopper.warpgroup_mma_wait: _warpgroup_mma_wait,
     hopper.fence_async_shared: _fence_async_shared,
 }
+BLACKWELL_FUNCTIONS = {
+    blackwell.fence_async_shared: _fence_async_shared,
+    blackwell.allocate_tensor_memory: _allocate_tensor_memory,
+    blackwell.tcgen05_mma_scaled: _tcgen05_mma_scaled,
+    blackwell.tcgen05_copy: _tcgen05_copy,
+    blackwell.tcgen05_commit: _tcgen05_commit,
+}
+FUNCTIONS = {**HOPPER_FUNCTIONS, **BLACKWELL_FUNCTIONS}
+# constexpr functions of Gluon that only compute layouts: their value is a layout (ignored)
+LAYOUT_FUNCTIONS = {blackwell.get_tmem_reg_layout: _tmem_reg_layout}
 
 
 # --- running a kernel ------------------------------------------------------------------------
@@ -971,6 +1398,12 @@ HOPPER_FUNCTIONS = {
 @dataclasses.dataclass(frozen=True)
 class Numerics:
     fused_fma: bool = False  # True: fma in float64, rounded once (double rounding aside)
+
+
+def _layout_function(v):
+    """The model of ``v`` if it is one of :data:`LAYOUT_FUNCTIONS` (by identity: hashing a Gluon
+    JIT object hashes its dependencies), else None."""
+    return next((f for k, f in LAYOUT_FUNCTIONS.items() if k is v), None)
 
 
 def _is_jit(v) -> bool:
@@ -995,14 +1428,16 @@ class _Rebinder:
             return self.langs["tl"]
         if v is real_mbarrier:
             return MBARRIER
-        if v is real_tma:
+        if v is real_tma or v is real_bw_tma:
             return TMA
         if isinstance(v, tl.constexpr):
             return v.value
+        if _layout_function(v) is not None:
+            return _layout_function(v)
         if _is_jit(v):
             return self.function(v)
         if isinstance(v, types.FunctionType) and v.__module__.startswith("triton"):
-            return HOPPER_FUNCTIONS.get(v) or _not_modeled(v.__qualname__)
+            return FUNCTIONS.get(v) or _not_modeled(v.__qualname__)
         return v
 
     def globals_for(self, g: dict) -> dict:
@@ -1077,15 +1512,16 @@ class CpuKernel:
             fn = self.rebinder.function(self.kernel)
             state = _Launch(self.trace, self.schedule, int(kwargs.get("num_warps", 4)))
             grid3 = tuple(grid) + (1,) * (3 - len(grid))
-            for pid in itertools.product(*(range(n) for n in grid3)):
-                m = _Machine((pid[0], pid[1], pid[2]), state)
-                _CURRENT.append(m)
-                try:
-                    fn(**kw)
-                    m.finish()
-                finally:
-                    _CURRENT.pop()
-                self.trace.events["programs"] += 1
+            with _tensor_dialect():
+                for pid in itertools.product(*(range(n) for n in grid3)):
+                    m = _Machine((pid[0], pid[1], pid[2]), state)
+                    _CURRENT.append(m)
+                    try:
+                        fn(**kw)
+                        m.finish()
+                    finally:
+                        _CURRENT.pop()
+                    self.trace.events["programs"] += 1
         return launch
 
 
@@ -1093,7 +1529,7 @@ def referenced_names(kernel) -> dict[str, set[str]]:
     """What the source of ``kernel`` and of every ``@jit`` function it reaches takes from Gluon and
     Triton: ``{"gl" | "tl" | "mbarrier" | "tma": attribute names used on that namespace,
     "functions": language functions imported by name}``."""
-    real = {"gl": gl, "tl": tl, "mbarrier": real_mbarrier, "tma": real_tma}
+    real = {"gl": [gl], "tl": [tl], "mbarrier": [real_mbarrier], "tma": [real_tma, real_bw_tma]}
     names: dict[str, set[str]] = {ns: set() for ns in (*real, "functions")}
     seen = set()
 
@@ -1106,12 +1542,14 @@ def referenced_names(kernel) -> dict[str, set[str]]:
         tree = ast.parse(textwrap.dedent(inspect.getsource(py)))
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
-                for ns, mod in real.items():
-                    if g.get(node.value.id) is mod:
+                for ns, mods in real.items():
+                    if any(g.get(node.value.id) is mod for mod in mods):
                         names[ns].add(node.attr)
             elif isinstance(node, ast.Name):
                 v = g.get(node.id)
-                if _is_jit(v):
+                if _layout_function(v) is not None:
+                    names["functions"].add(v.fn.__qualname__)
+                elif _is_jit(v):
                     visit(v)
                 elif isinstance(v, types.FunctionType) and v.__module__.startswith("triton"):
                     names["functions"].add(v.__qualname__)
@@ -1125,7 +1563,8 @@ def modeled_names() -> dict[str, set[str]]:
     n = Numerics()
     return {"gl": _make_lang("gl", n).modeled(), "tl": _make_lang("tl", n).modeled(),
             "mbarrier": MBARRIER.modeled(), "tma": TMA.modeled(),
-            "functions": {f.__qualname__ for f in HOPPER_FUNCTIONS}}
+            "functions": {f.__qualname__ for f in FUNCTIONS} |
+            {f.fn.__qualname__ for f in LAYOUT_FUNCTIONS}}
 
 
 @contextlib.contextmanager
