@@ -185,3 +185,19 @@ def test_inspect_cli_shows_the_native_instruction(capsys):
 
     assert main(["inspect", "--arch", "sm_120a", "--recipe", "qk_fp4_pv_fp4"]) == 0
     assert "kind::mxf4nvf4.block_scale" in capsys.readouterr().out
+
+
+def test_inspect_prints_the_fp4_gates(capsys):
+    """``inspect`` adds ``tools/fp4_gates.py``'s lines: the Triton kernel's key-block loop on
+    sm_100a, and with ``--kernel gluon`` the Gluon forward's softmax loop and products in flight."""
+    from lowbit_attn.tools.cli import main
+
+    assert main(["inspect", "--arch", "sm_100a", "--recipe", "qk_fp4_pv_fp4"]) == 0
+    out = capsys.readouterr().out
+    assert "key-block loop" in out and "16 E2M1 conversions" in out, out
+    assert main(["inspect", "--arch", "sm_100a", "--recipe", "qk_fp4_pv_fp4", "--kernel",
+                 "gluon"]) == 0
+    out = capsys.readouterr().out
+    assert "softmax partition" in out and "products in flight" in out and "UTCOMMA" in out, out
+    with pytest.raises(SystemExit):
+        main(["inspect", "--arch", "sm_120a", "--recipe", "qk_fp4_pv_fp4", "--kernel", "gluon"])

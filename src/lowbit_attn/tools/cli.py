@@ -79,8 +79,10 @@ def _add_inspect(sub) -> None:
                    help="triton (default): every kernel of one call; gluon: the Gluon forward "
                    "for sm_90a (qk_int8_pv_fp8, D 64 or 128) at both key blocks, with its gates "
                    "(spills, ptxas warnings, instructions per tile and per score of the main "
-                   "loop, exp2 under P·V); gluon-pingpong: its warp-specialized schedule, the "
-                   "same gates for each consumer warpgroup")
+                   "loop, exp2 under P·V), or with an FP4 recipe the Gluon FP4 forward for "
+                   "sm_100a (D 128) with its gates (the softmax partition's loop, how long each "
+                   "product runs under it, the MMA warp); gluon-pingpong: the INT8 forward's "
+                   "warp-specialized schedule, the same gates for each consumer warpgroup")
     p.add_argument("--json", action="store_true", help="print the reports as JSON")
     p.add_argument("--ptx-dir", metavar="DIR", help="also write each kernel's PTX into DIR")
     p.set_defaults(handler=functools.partial(_inspect, parser=p))
@@ -128,8 +130,12 @@ def _inspect(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> in
     from lowbit_attn.core.recipes import resolve
 
     from lowbit_attn.core.recipes import RECIPES, TRAIN_RECIPES
+    from lowbit_attn.tools import fp4_gates
 
     if args.kernel != "triton":
+        fp4 = _fp4_recipe(args)
+        if fp4 is not None:
+            return _inspect_gluon_fp4(args, parser, fp4)
         return _inspect_gluon(args, parser)
     try:
         if args.recipe in TRAIN_RECIPES and args.recipe not in RECIPES:  # "exact" is both
@@ -157,8 +163,61 @@ def _inspect(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> in
             print(f"recipe {recipe.name!r} launches no Triton kernel (PyTorch computes it)")
         for r in reports:
             print()
-            print("\n".join(_format_report(r)))
+            print("\n".join(_format_report(r) + fp4_gates.format_gates(r, fp4_gates.triton_gates(r))))
     return 1 if any(not r.ok for r in reports) else 0
+
+
+def _fp4_recipe(args: argparse.Namespace):
+    """The FP4 recipe ``--recipe`` names on ``--arch``, or ``None``."""
+    from lowbit_attn.core.arch import parse_arch
+    from lowbit_attn.core.recipes import RECIPES, resolve
+
+    if not (args.recipe == "auto" or args.recipe in RECIPES):
+        return None
+    recipe = resolve(args.recipe, parse_arch(args.arch))
+    return recipe if recipe.qk in ("nvfp4", "mxfp4") else None
+
+
+def _gluon_fp4_scope_error(args: argparse.Namespace) -> str | None:
+    """Why ``--kernel gluon`` cannot compile the Gluon FP4 forward as asked, or ``None``."""
+    if args.kernel != "gluon":
+        return f"--kernel {args.kernel}: the FP4 recipes have one Gluon forward, --kernel gluon"
+    if args.arch != "sm_100a":
+        return f"--kernel gluon: the Gluon FP4 forward is written for sm_100a only, got --arch {args.arch}"
+    if args.head_dim != 128:
+        return f"--kernel gluon: the Gluon FP4 forward takes head dim 128, got --head-dim {args.head_dim}"
+    if args.config != 0:
+        return f"--kernel gluon: the Gluon FP4 forward has one launch configuration, got --config {args.config}"
+    return None
+
+
+def _inspect_gluon_fp4(args: argparse.Namespace, parser: argparse.ArgumentParser, recipe) -> int:
+    """``inspect --kernel gluon`` with an FP4 recipe: the Blackwell Gluon forward (64-key
+    blocks) with its gates (``tools/fp4_gates.py``)."""
+    import torch
+    import triton
+
+    from lowbit_attn.tools import aot, fp4_gates
+
+    error = _gluon_fp4_scope_error(args)
+    if error is not None:
+        parser.error(error)
+    report = aot.compile_launch(aot.record_fp4_gluon_launch(
+        recipe=recipe.name, head_dim=args.head_dim, block_k=64, causal=args.causal,
+        return_lse=args.return_lse, dtype=getattr(torch, args.dtype)), args.arch)
+    gates = fp4_gates.gluon_gates(report)
+    if args.ptx_dir:
+        _write_ptx([report], args.ptx_dir)
+    if args.json:
+        print(json.dumps([{**report.as_dict(), "gates": gates}], indent=2, default=str))
+    else:
+        mode = "causal" if args.causal else "non-causal"
+        print(f"{recipe.name} for {args.arch}, Gluon FP4 forward (head dim {args.head_dim}, "
+              f"{mode}, {args.dtype}, 64-key blocks); Triton {triton.__version__}, ptxas "
+              f"{aot.ptxas_version(args.arch)}")
+        print()
+        print("\n".join(_format_report(report) + fp4_gates.format_gates(report, gates)))
+    return 0 if report.ok else 1
 
 
 def _gluon_scope_error(args: argparse.Namespace) -> str | None:
