@@ -12,7 +12,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "lowbit_attn"
 # Lower layers first; the families sit side by side and may use each other's public names.
 LAYERS = {"core": 0, "quant": 1, "inference": 2, "training": 2, "vsa": 2, "kvcache": 2,
-          "integrations": 3, "tools": 4}
+          "integrations": 3, "compat": 3, "tools": 4}
 ROOT_MODULES = {"__init__.py"}
 PUBLIC_PATHS = {"lowbit_attn.fp4": "lowbit_attn.quant.fp4_interface",
                 "lowbit_attn.parallel": "lowbit_attn.integrations.parallel",

@@ -1,0 +1,102 @@
+"""The import name ``sageattention`` for lowbit_attn's SageAttention-compatible functions, when the
+real package is absent: code that does ``from sageattention import sageattn`` then runs ours,
+unedited.
+
+Caveats: the alias is a plain module (no ``sageattention.core`` or other submodules, no
+``sageattention3``); it has no installed distribution, so checks that read package metadata
+(``importlib.metadata.version("sageattention")``, as diffusers' ``is_sageattention_available`` does)
+still report SageAttention as absent; and it is process-wide, from the next ``import sageattention``
+on (a module that already failed to import it keeps its fallback).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import threading
+import types
+
+NAME = "sageattention"
+_lock = threading.Lock()
+
+
+def _alias_module() -> types.ModuleType:
+    from lowbit_attn.compat import sageattention as ours
+
+    module = types.ModuleType(NAME, "lowbit_attn's SageAttention-compatible functions under the "
+                                    "name 'sageattention' (lowbit_attn.compat.install_sageattention_alias)")
+    for name in ours.__all__:
+        setattr(module, name, getattr(ours, name))
+    module.__all__ = list(ours.__all__)
+    module.__lowbit_attn_alias__ = True
+    return module
+
+
+class _Loader(importlib.abc.Loader):
+    def create_module(self, spec):
+        return _alias_module()
+
+    def exec_module(self, module):
+        pass
+
+
+class SageAttentionAliasFinder(importlib.abc.MetaPathFinder):
+    """Finds ``sageattention`` (only that name) as the alias. It sits last on ``sys.meta_path``, so
+    a package installed on ``sys.path`` later is still found first."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != NAME:
+            return None
+        return importlib.util.spec_from_loader(NAME, _Loader(), origin="lowbit_attn.compat")
+
+
+def _installed_finder():
+    return next((f for f in sys.meta_path if isinstance(f, SageAttentionAliasFinder)), None)
+
+
+def _is_alias(module) -> bool:
+    return getattr(module, "__lowbit_attn_alias__", False) is True
+
+
+def install_sageattention_alias() -> None:
+    """Make ``import sageattention`` give :mod:`lowbit_attn.compat.sageattention`'s functions.
+
+    Raises:
+        RuntimeError: a real ``sageattention`` is importable from ``sys.path`` or already imported
+            (it is never shadowed); the message names where it is.
+
+    Idempotent; undone by :func:`uninstall_sageattention_alias`.
+    """
+    with _lock:
+        loaded = sys.modules.get(NAME)
+        if loaded is not None and not _is_alias(loaded):
+            where = getattr(loaded, "__file__", None) or repr(loaded)
+            raise RuntimeError(f"a real 'sageattention' is already imported (from {where}); "
+                               "lowbit_attn does not shadow it: leave it, or uninstall it to use "
+                               "the alias")
+        real = importlib.machinery.PathFinder.find_spec(NAME)
+        if real is not None:
+            where = real.origin or ", ".join(real.submodule_search_locations or ()) or "sys.path"
+            raise RuntimeError(f"a real 'sageattention' package is installed at {where}; "
+                               "lowbit_attn does not shadow it: import lowbit_attn.compat."
+                               "sageattention explicitly, or uninstall it to use the alias")
+        if _installed_finder() is None:
+            sys.meta_path.append(SageAttentionAliasFinder())
+
+
+def uninstall_sageattention_alias() -> bool:
+    """Remove the alias (the finder and the ``sageattention`` module it made, if imported).
+    Returns whether anything was removed; a real ``sageattention`` is never touched."""
+    with _lock:
+        removed = False
+        finder = _installed_finder()
+        while finder is not None:
+            sys.meta_path.remove(finder)
+            removed = True
+            finder = _installed_finder()
+        if _is_alias(sys.modules.get(NAME)):
+            del sys.modules[NAME]
+            removed = True
+        return removed

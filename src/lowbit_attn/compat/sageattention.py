@@ -1,0 +1,399 @@
+"""SageAttention 2.x's public functions, with their signatures (names, order, defaults, ``**kwargs``),
+on lowbit_attn's recipes: change ``from sageattention import sageattn`` to
+``from lowbit_attn.compat.sageattention import sageattn`` (or see
+:func:`lowbit_attn.compat.install_sageattention_alias`) and the call sites stay as they are.
+
+What differs from SageAttention, for every function:
+
+* The caller's tensors are never modified (SageAttention3 subtracts K's mean from ``k`` in place).
+* CPU tensors work (the PyTorch reference with the same numerics); any strides; float32 too.
+* ``attn_mask`` (a parameter of some functions, or passed through ``**kwargs`` to the others) is
+  not ignored: the call warns and computes exact attention with the mask (PyTorch's
+  ``scaled_dot_product_attention``, not low-bit; see :func:`masked_exact`).
+* Other keyword arguments a function does not name are ignored, as SageAttention ignores them, with
+  one warning per function and name.
+* ``return_lse`` gives the natural-log log-sum-exp of each row of the true scores
+  ``q·kᵀ·sm_scale`` (before any smoothing), ``[B, Hq, Nq]`` fp32 in either layout: SageAttention 2.x
+  returns its kernels' base-2 LSE divided by log2(e) plus the K-smoothing correction
+  ``q·mean(k)·sm_scale``, which is this same quantity. Rows that see no key give ``-inf``.
+* ``is_causal`` with ``Nq != Nk`` aligns the mask bottom-right (query ``i`` sees key
+  ``j <= i + Nk - Nq``); SageAttention documents causal only for ``Nq == Nk``.
+* Q/K/V head dims: 1 to 256 (fast path 64 and 128); SageAttention pads to 64/128 and rejects > 128.
+* Our INT8 recipes also balance Q/K channels (``Recipe.balance_qk``, exact in real arithmetic);
+  P·V always accumulates in fp32 (SageAttention's fp16 / fp22 accumulators are not reproduced).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any, Optional
+
+import torch
+
+from lowbit_attn.core import checks
+from lowbit_attn.core.recipes import Recipe, get_recipe
+from lowbit_attn.inference import attention, attention_varlen
+from lowbit_attn.integrations.sdpa import TORCH_SDPA
+
+LAYOUTS = ("HND", "NHD")
+QK_QUANT_GRANS = ("per_warp", "per_thread")
+QUANTIZATION_BACKENDS = ("triton", "cuda")
+PV_ACCUM_FP16 = ("fp32", "fp16+fp32", "fp16")
+PV_ACCUM_FP8 = ("fp32", "fp32+fp32", "fp32+fp16")
+PV_ACCUM_FP8_SM90 = ("fp32", "fp32+fp32")
+# SageAttention's INT8 scale groups → ours: a per-thread group is a few rows (finer than a warp's);
+# one scale per token is the nearest (and finer still); a warp's 16-32 query rows → per block.
+GRANULARITY = {"per_thread": "per_token", "per_warp": "per_block"}
+
+_warned: set[tuple[str, str]] = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_once(function: str, key: str, message: str) -> None:
+    with _warned_lock:
+        if (function, key) in _warned:
+            return
+        _warned.add((function, key))
+    warnings.warn(f"{function}: {message}", stacklevel=4)
+
+
+def _mask_from(function: str, attn_mask, kwargs: dict):
+    """The mask (the parameter, or ``attn_mask=`` in ``**kwargs``); warn once for each other keyword
+    that is ignored."""
+    extra = dict(kwargs)
+    if "attn_mask" in extra:
+        passed = extra.pop("attn_mask")
+        attn_mask = passed if attn_mask is None else attn_mask
+    for name in sorted(extra):
+        _warn_once(function, name, f"keyword argument {name!r} is ignored (as SageAttention "
+                                   "ignores keywords it does not name)")
+    return attn_mask
+
+
+def _layout(tensor_layout) -> str:
+    return checks.choice("tensor_layout", tensor_layout, LAYOUTS)
+
+
+def masked_exact(function: str, q, k, v, attn_mask, *, layout: str = "HND", is_causal=False,
+                 scale=None, return_lse=False):
+    """Exact attention with a mask, for the calls SageAttention would have run without it: warns,
+    then PyTorch's ``scaled_dot_product_attention`` (the function as imported before any
+    :func:`lowbit_attn.patch_sdpa`) in the inputs' dtype.
+
+    Args:
+        attn_mask: bool (True = attend) or additive float, broadcastable to ``[B, Hq, Nq, Nk]`` (in
+            either layout), as PyTorch's SDPA takes it.
+        is_causal: combined with the mask, aligned bottom-right as :func:`lowbit_attn.attention`.
+    Returns:
+        as :func:`lowbit_attn.attention`: rows that see no key give 0 (and ``-inf`` LSE). The LSE
+        is computed from the dense fp32 scores (``Nq × Nk`` per head in memory).
+    """
+    warnings.warn(
+        f"{function}: attn_mask was given; SageAttention would ignore it. Computing exact "
+        "attention with the mask instead (PyTorch's scaled_dot_product_attention, not low-bit)",
+        stacklevel=3,
+    )
+    qh, kh, vh = checks.dense_qkv(q, k, v, layout)
+    is_causal = checks.flag("is_causal", is_causal)
+    return_lse = checks.flag("return_lse", return_lse)
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be a tensor or None, got {type(attn_mask).__name__}")
+    sm_scale = checks.softmax_scale(scale, q.shape[-1])
+    groups = qh.shape[1] // kh.shape[1]
+    if groups > 1:
+        kh, vh = (x.repeat_interleave(groups, dim=1) for x in (kh, vh))
+    nq, nk = qh.shape[2], kh.shape[2]
+    allowed = attn_mask.to(q.device)
+    if allowed.dtype != torch.bool:
+        allowed = allowed.to(qh.dtype)
+    if is_causal:
+        rows = torch.arange(nq, device=q.device)[:, None]
+        causal = torch.arange(nk, device=q.device)[None, :] <= rows + (nk - nq)
+        allowed = (allowed & causal if allowed.dtype == torch.bool
+                   else allowed.masked_fill(~causal, float("-inf")))
+    out = TORCH_SDPA(qh, kh, vh, attn_mask=allowed, scale=sm_scale)
+    visible = allowed if allowed.dtype == torch.bool else allowed != float("-inf")
+    dead = ~visible.any(dim=-1)
+    out = out.masked_fill(dead.unsqueeze(-1), 0.0)
+    out = out.transpose(1, 2) if layout == "NHD" else out
+    if not return_lse:
+        return out
+    scores = torch.matmul(qh.float(), kh.float().transpose(-1, -2)) * sm_scale
+    scores = (scores.masked_fill(~allowed, float("-inf")) if allowed.dtype == torch.bool
+              else scores + allowed.float())
+    return out, torch.logsumexp(scores, dim=-1)
+
+
+def _run(function: str, q, k, v, *, tensor_layout, is_causal, sm_scale, return_lse, recipe,
+         attn_mask):
+    layout = _layout(tensor_layout)
+    if attn_mask is not None:
+        return masked_exact(function, q, k, v, attn_mask, layout=layout, is_causal=is_causal,
+                            scale=sm_scale, return_lse=return_lse)
+    return attention(q, k, v, is_causal=is_causal, scale=sm_scale, layout=layout, recipe=recipe,
+                     return_lse=return_lse)
+
+
+def _int8_recipe(name: str, *, qk_quant_gran=None, smooth_k=True, smooth_v=False) -> Recipe:
+    changes = {"smooth_k": checks.flag("smooth_k", smooth_k),
+               "smooth_v": checks.flag("smooth_v", smooth_v)}
+    if qk_quant_gran is not None:
+        changes["granularity"] = GRANULARITY[checks.choice("qk_quant_gran", qk_quant_gran,
+                                                           QK_QUANT_GRANS)]
+    return get_recipe(name).replace(**changes)
+
+
+def _smooth_v_used(function: str, smooth_v, pv_accum_dtype: str, uses: str) -> bool:
+    """SageAttention applies ``smooth_v`` with one accumulation mode only and warns otherwise."""
+    smooth_v = checks.flag("smooth_v", smooth_v)
+    if smooth_v and pv_accum_dtype != uses:
+        warnings.warn(f"{function}: pv_accum_dtype is {pv_accum_dtype!r}, smooth_v will be "
+                      "ignored (as in SageAttention)", stacklevel=3)
+        return False
+    return smooth_v
+
+
+def sageattn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    tensor_layout: str = "HND",
+    is_causal: bool = False,
+    sm_scale: Optional[float] = None,
+    return_lse: bool = False,
+    **kwargs: Any,
+):
+    """SageAttention's automatic choice per GPU → ``lowbit_attn.attention(recipe="auto")``.
+
+    Args (theirs → ours):
+        q, k, v: ``[B, H, N, D]`` (``"HND"``) or ``[B, N, H, D]`` (``"NHD"``); ``Hq`` a multiple of
+            ``Hkv`` → the same.
+        tensor_layout: → ``layout``.
+        is_causal: → ``is_causal`` (bottom-right aligned when ``Nq != Nk``).
+        sm_scale: → ``scale`` (``D ** -0.5`` by default, as theirs).
+        return_lse: → ``return_lse`` (natural log, true scores; see the module notes).
+        **kwargs: ignored as in SageAttention (one warning per name), except ``attn_mask``: exact
+            attention with the mask and a warning (SageAttention ignores it).
+
+    The choice: SageAttention picks by GPU (sm80: INT8 Q·Kᵀ + FP16 P·V; sm86: the Triton FP16 P·V
+    kernel; sm89/sm120: FP8 P·V; sm90: FP8 P·V with its sm90 kernel; others raise). ``"auto"``
+    runs FP8 P·V (per-token INT8 scales) on sm_89 and newer, FP16 P·V (per-block scales) before
+    and on CPU, and never raises for the GPU generation.
+    """
+    mask = _mask_from("sageattn", None, kwargs)
+    return _run("sageattn", q, k, v, tensor_layout=tensor_layout, is_causal=is_causal,
+                sm_scale=sm_scale, return_lse=return_lse, recipe="auto", attn_mask=mask)
+
+
+def sageattn_qk_int8_pv_fp16_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    tensor_layout: str = "HND",
+    quantization_backend: str = "triton",
+    is_causal: bool = False,
+    attn_mask: Optional[torch.Tensor] = None,
+    sm_scale: Optional[float] = None,
+    smooth_k: bool = True,
+    return_lse: bool = False,
+    **kwargs: Any,
+):
+    """INT8 Q·Kᵀ with per-block scales, FP16 P·V → recipe ``"qk_int8_pv_fp16"``.
+
+    Args (theirs → ours):
+        tensor_layout, is_causal, sm_scale, return_lse: as :func:`sageattn`.
+        quantization_backend: ``"triton"`` or ``"cuda"`` (which of their quantization kernels
+            runs); checked, no effect: our quantization is one pass on the Triton path (the
+            reference on CPU). Other values raise ``ValueError`` as theirs does.
+        attn_mask: ``None``, or a mask: exact attention with the mask and a warning (see
+            :func:`masked_exact`); theirs ignores it.
+        smooth_k: → ``Recipe.smooth_k``.
+        **kwargs: as :func:`sageattn`.
+
+    Same scale groups as theirs (one per 128 query rows, per 64 key rows). Differences: P·V
+    accumulates in fp32 (theirs: fp16, added into an fp32 buffer after each key block); Q/K
+    channels are balanced.
+    """
+    checks.choice("quantization_backend", quantization_backend, QUANTIZATION_BACKENDS)
+    name = "sageattn_qk_int8_pv_fp16_triton"
+    mask = _mask_from(name, attn_mask, kwargs)
+    recipe = _int8_recipe("qk_int8_pv_fp16", smooth_k=smooth_k)
+    return _run(name, q, k, v, tensor_layout=tensor_layout, is_causal=is_causal, sm_scale=sm_scale,
+                return_lse=return_lse, recipe=recipe, attn_mask=mask)
+
+
+def sageattn_qk_int8_pv_fp16_cuda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    tensor_layout: str = "HND",
+    is_causal: bool = False,
+    qk_quant_gran: str = "per_thread",
+    sm_scale: Optional[float] = None,
+    pv_accum_dtype: str = "fp32",
+    smooth_k: bool = True,
+    smooth_v: bool = False,
+    return_lse: bool = False,
+    **kwargs: Any,
+):
+    """INT8 Q·Kᵀ, FP16 P·V (their CUDA kernels, sm80+) → recipe ``"qk_int8_pv_fp16"``.
+
+    Args (theirs → ours):
+        tensor_layout, is_causal, sm_scale, return_lse, **kwargs: as :func:`sageattn`.
+        qk_quant_gran: ``"per_thread"`` → ``granularity="per_token"`` (one scale per row, finer
+            than their per-thread groups); ``"per_warp"`` → ``granularity="per_block"`` (one scale
+            per 128 query rows and 64 key rows; their warp groups are 16-32 query rows, 64 keys).
+        pv_accum_dtype: ``"fp32"``, ``"fp16+fp32"`` or ``"fp16"``: checked; ours always
+            accumulates P·V in fp32 (equal to ``"fp32"``, more accurate than the others).
+        smooth_k: → ``Recipe.smooth_k``.
+        smooth_v: → ``Recipe.smooth_v`` with ``pv_accum_dtype="fp16"``; with the other modes it is
+            ignored with a warning, as theirs does.
+    """
+    name = "sageattn_qk_int8_pv_fp16_cuda"
+    checks.choice("pv_accum_dtype", pv_accum_dtype, PV_ACCUM_FP16)
+    mask = _mask_from(name, None, kwargs)
+    smooth_v = _smooth_v_used(name, smooth_v, pv_accum_dtype, "fp16")
+    recipe = _int8_recipe("qk_int8_pv_fp16", qk_quant_gran=qk_quant_gran, smooth_k=smooth_k,
+                          smooth_v=smooth_v)
+    return _run(name, q, k, v, tensor_layout=tensor_layout, is_causal=is_causal, sm_scale=sm_scale,
+                return_lse=return_lse, recipe=recipe, attn_mask=mask)
+
+
+def sageattn_qk_int8_pv_fp8_cuda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    tensor_layout: str = "HND",
+    is_causal: bool = False,
+    qk_quant_gran: str = "per_thread",
+    sm_scale: Optional[float] = None,
+    pv_accum_dtype: str = "fp32+fp16",
+    smooth_k: bool = True,
+    smooth_v: bool = False,
+    return_lse: bool = False,
+    **kwargs: Any,
+):
+    """INT8 Q·Kᵀ, FP8 (E4M3) P·V (their sm89 kernels) → recipe ``"qk_int8_pv_fp8"``.
+
+    Args (theirs → ours):
+        tensor_layout, is_causal, sm_scale, return_lse, **kwargs: as :func:`sageattn`.
+        qk_quant_gran: as :func:`sageattn_qk_int8_pv_fp16_cuda`.
+        pv_accum_dtype: ``"fp32"``, ``"fp32+fp32"`` or ``"fp32+fp16"``: checked; ours adds each
+            key block's FP8 product into an fp32 accumulator (as ``"fp32+fp32"``; their ``"fp32"``
+            accumulates in the MMA's 22-bit accumulator, ``"fp32+fp16"`` in fp16 with V's scale
+            capped at 2.25).
+        smooth_k: → ``Recipe.smooth_k``.
+        smooth_v: → ``Recipe.smooth_v`` with ``pv_accum_dtype="fp32"``; ignored with a warning
+            otherwise, as theirs does.
+    """
+    name = "sageattn_qk_int8_pv_fp8_cuda"
+    checks.choice("pv_accum_dtype", pv_accum_dtype, PV_ACCUM_FP8)
+    mask = _mask_from(name, None, kwargs)
+    smooth_v = _smooth_v_used(name, smooth_v, pv_accum_dtype, "fp32")
+    recipe = _int8_recipe("qk_int8_pv_fp8", qk_quant_gran=qk_quant_gran, smooth_k=smooth_k,
+                          smooth_v=smooth_v)
+    return _run(name, q, k, v, tensor_layout=tensor_layout, is_causal=is_causal, sm_scale=sm_scale,
+                return_lse=return_lse, recipe=recipe, attn_mask=mask)
+
+
+def sageattn_qk_int8_pv_fp8_cuda_sm90(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    tensor_layout: str = "HND",
+    is_causal: bool = False,
+    qk_quant_gran: str = "per_thread",
+    sm_scale: Optional[float] = None,
+    pv_accum_dtype: str = "fp32+fp32",
+    smooth_k: bool = True,
+    return_lse: bool = False,
+    **kwargs: Any,
+):
+    """INT8 Q·Kᵀ, FP8 P·V (their sm90 kernel) → recipe ``"qk_int8_pv_fp8"``, as
+    :func:`sageattn_qk_int8_pv_fp8_cuda` (runs on any device here, not only sm_90).
+
+    Args (theirs → ours):
+        qk_quant_gran: as :func:`sageattn_qk_int8_pv_fp16_cuda` (their sm90 groups: 64 query rows,
+            128 keys per block; ours 128 and 64).
+        pv_accum_dtype: ``"fp32+fp32"`` or ``"fp32"`` (theirs raises NotImplementedError for
+            ``"fp32"``; ours computes it as ``"fp32+fp32"``).
+        the others: as :func:`sageattn_qk_int8_pv_fp8_cuda`.
+    """
+    name = "sageattn_qk_int8_pv_fp8_cuda_sm90"
+    checks.choice("pv_accum_dtype", pv_accum_dtype, PV_ACCUM_FP8_SM90)
+    mask = _mask_from(name, None, kwargs)
+    recipe = _int8_recipe("qk_int8_pv_fp8", qk_quant_gran=qk_quant_gran, smooth_k=smooth_k)
+    return _run(name, q, k, v, tensor_layout=tensor_layout, is_causal=is_causal, sm_scale=sm_scale,
+                return_lse=return_lse, recipe=recipe, attn_mask=mask)
+
+
+def sageattn_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    is_causal: bool = False,
+    sm_scale: Optional[float] = None,
+    smooth_k: bool = True,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """Packed sequences (their Triton varlen kernel) → ``lowbit_attn.attention_varlen`` with recipe
+    ``"qk_int8_pv_fp16"`` (per-block scales, as theirs).
+
+    Args (theirs → ours): q ``[total_q, Hq, D]``, k, v ``[total_k, Hkv, D]``, ``cu_seqlens_*``
+    (int32 ``[B + 1]``; theirs also takes int64: cast to int32 here), ``max_seqlen_*``,
+    ``is_causal``, ``sm_scale`` (→ ``scale``) → the same; ``smooth_k`` → ``Recipe.smooth_k``
+    (ours subtracts each sequence's own mean; theirs one mean over all sequences packed together).
+    ``**kwargs``: ignored with a warning; an ``attn_mask`` raises ``ValueError`` (no mask over
+    packed sequences). Returns the output only, as theirs.
+    """
+    name = "sageattn_varlen"
+    if _mask_from(name, None, kwargs) is not None:
+        raise ValueError("sageattn_varlen: attn_mask is not supported over packed sequences "
+                         "(SageAttention ignores it); call sageattn on padded tensors with the mask")
+    cu = []
+    for arg, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(x, torch.Tensor) or x.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{arg} must be an int32 or int64 tensor, got "
+                            f"{getattr(x, 'dtype', type(x).__name__)}")
+        cu.append(x.to(torch.int32))
+    recipe = _int8_recipe("qk_int8_pv_fp16", smooth_k=smooth_k)
+    return attention_varlen(q, k, v, cu[0], cu[1], max_seqlen_q, max_seqlen_k,
+                            is_causal=is_causal, scale=sm_scale, recipe=recipe)
+
+
+def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal=False, per_block_mean=True, **kwargs):
+    """SageAttention3 (FP4 on Blackwell) → recipe ``"qk_fp4_pv_fp4"`` (NVFP4 Q·Kᵀ and P·V, K
+    smoothed, Q smoothed per block of 128 rows with the ΔS correction, two-level P̃). Runs on FP4
+    tensor cores on sm_100/sm_120 and as an exact emulation elsewhere (CPU included).
+
+    Args (theirs → ours):
+        q, k, v: ``[B, H, N, D]`` only (HND, as theirs); D a multiple of 32 for NVFP4 (theirs
+            falls back to SDPA for D >= 256; ours raises ``ValueError`` for a D it cannot run).
+        attn_mask: ``None``, or exact attention with the mask and a warning (theirs ignores it).
+        is_causal: → ``is_causal``.
+        per_block_mean: ``True`` (their default: Q's mean per 128-row block, the ΔS correction) →
+            ``Recipe.smooth_q=True`` with ``block_q=128``, the same; ``False`` (one Q mean per
+            head) has no per-head form here and also runs per-block smoothing (finer; checked to
+            be a bool).
+        **kwargs: ignored with a warning per name (theirs ignores them; ``sm_scale`` included:
+            the scale is ``D ** -0.5``, as theirs).
+
+    Unlike theirs, ``k`` is not modified (their preprocessing subtracts K's mean in place).
+    """
+    name = "sageattn3_blackwell"
+    checks.flag("per_block_mean", per_block_mean)
+    mask = _mask_from(name, attn_mask, kwargs)
+    return _run(name, q, k, v, tensor_layout="HND", is_causal=is_causal, sm_scale=None,
+                return_lse=False, recipe=get_recipe("qk_fp4_pv_fp4"), attn_mask=mask)
+
+
+__all__ = [
+    "sageattn", "sageattn_qk_int8_pv_fp16_triton", "sageattn_qk_int8_pv_fp16_cuda",
+    "sageattn_qk_int8_pv_fp8_cuda", "sageattn_qk_int8_pv_fp8_cuda_sm90", "sageattn_varlen",
+    "sageattn3_blackwell",
+]
