@@ -32,7 +32,7 @@ from typing import Any, Optional
 import torch
 
 from lowbit_attn.core import checks
-from lowbit_attn.core.recipes import Recipe, get_recipe
+from lowbit_attn.core.recipes import Recipe, get_recipe, resolve_for
 from lowbit_attn.inference import attention, attention_varlen
 from lowbit_attn.integrations.sdpa import TORCH_SDPA
 
@@ -174,16 +174,24 @@ def sageattn(
         sm_scale: → ``scale`` (``D ** -0.5`` by default, as theirs).
         return_lse: → ``return_lse`` (natural log, true scores; see the module notes).
         **kwargs: ignored as in SageAttention (one warning per name), except ``attn_mask``: exact
-            attention with the mask and a warning (SageAttention ignores it).
+            attention with the mask and a warning (SageAttention ignores it), and ``smooth_k``
+            (SageAttention 1.x's parameter in this position): → ``Recipe.smooth_k`` of the
+            automatic recipe.
 
     The choice: SageAttention picks by GPU (sm80: INT8 Q·Kᵀ + FP16 P·V; sm86: the Triton FP16 P·V
     kernel; sm89/sm120: FP8 P·V; sm90: FP8 P·V with its sm90 kernel; others raise). ``"auto"``
     runs FP8 P·V (per-token INT8 scales) on sm_89 and newer, FP16 P·V (per-block scales) before
     and on CPU, and never raises for the GPU generation.
     """
-    mask = _mask_from("sageattn", None, kwargs)
+    extra = dict(kwargs)
+    recipe = "auto"
+    if "smooth_k" in extra:  # SageAttention 1.x: sageattn(..., sm_scale=None, smooth_k=True)
+        smooth_k = checks.flag("smooth_k", extra.pop("smooth_k"))
+        if isinstance(q, torch.Tensor):  # (else the interface reports the bad q)
+            recipe = resolve_for("auto", q.device).replace(smooth_k=smooth_k)
+    mask = _mask_from("sageattn", None, extra)
     return _run("sageattn", q, k, v, tensor_layout=tensor_layout, is_causal=is_causal,
-                sm_scale=sm_scale, return_lse=return_lse, recipe="auto", attn_mask=mask)
+                sm_scale=sm_scale, return_lse=return_lse, recipe=recipe, attn_mask=mask)
 
 
 def sageattn_qk_int8_pv_fp16_triton(
