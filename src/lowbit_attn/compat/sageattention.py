@@ -92,7 +92,7 @@ def masked_exact(function: str, q, k, v, attn_mask, *, layout: str = "HND", is_c
     warnings.warn(
         f"{function}: attn_mask was given; SageAttention would ignore it. Computing exact "
         "attention with the mask instead (PyTorch's scaled_dot_product_attention, not low-bit)",
-        stacklevel=3,
+        stacklevel=4,  # the caller of the public function (masked_exact ← _run ← it)
     )
     qh, kh, vh = checks.dense_qkv(q, k, v, layout)
     is_causal = checks.flag("is_causal", is_causal)
