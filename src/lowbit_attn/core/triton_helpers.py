@@ -147,7 +147,7 @@ def to_int8(y):
     """fp32 → int8: round half to even, clamp to ±127, NaN → 0 (its scale carries the NaN)."""
     r = round_half_even(y)
     r = tl.minimum(tl.maximum(r, -127.0), 127.0)
-    r = tl.where(r == r, r, 0.0)
+    r = tl.where(y == y, r, 0.0)  # from y: a GPU's min/max turn NaN into the bound
     return r.to(tl.int8)
 
 
