@@ -40,7 +40,7 @@ import numbers
 import torch
 
 from lowbit_attn.core.checks import quant_groups, shown
-from lowbit_attn.quant.int8_naive import nonfinite_guard
+from lowbit_attn.quant.int8_naive import div_rn, nonfinite_guard
 
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
@@ -200,7 +200,7 @@ def nvfp4_quant_scale(x: torch.Tensor, global_scale) -> torch.Tensor:
 
 def global_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
     """``g = amax/2688``, at least 2^-126 (normal), 1 where ``amax == 0``, NaN where it is NaN."""
-    g = torch.clamp(amax / NVFP4_TENSOR_DIVISOR, min=FLT_MIN)
+    g = torch.clamp(div_rn(amax.float(), NVFP4_TENSOR_DIVISOR), min=FLT_MIN)
     return torch.where(amax == 0, torch.ones_like(g), g)
 
 
@@ -239,7 +239,7 @@ def nvfp4_group_codes(
     to ``[..., n_groups]``) → ``(E2M1 codes [..., n_groups, 16], E4M3 scale bits [..., n_groups])``,
     both uint8."""
     amax = xg.abs().amax(dim=-1) + nonfinite_guard(xg, -1)
-    code = e4m3_scale_code((amax / 6.0) / g, amax > 0)
+    code = e4m3_scale_code(div_rn(amax, 6.0) / g, amax > 0)
     s = code.view(torch.float8_e4m3fn).float()
     sg = torch.where(code == 0, torch.ones_like(s), s * g)  # all-zero group: no 0/0
     return e2m1_code(xg / sg.unsqueeze(-1)), code

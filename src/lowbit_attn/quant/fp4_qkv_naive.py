@@ -19,7 +19,7 @@ from lowbit_attn.quant.fp4_naive import (
     dequantize_groups, e2m1_code, e2m1_value, e4m3_scale_code, e8m0_value, global_scale_from_amax,
     mxfp4_group_codes, mxfp4_scale_code, nvfp4_group_codes, pack_fp4,
 )
-from lowbit_attn.quant.int8_naive import expand_blocks
+from lowbit_attn.quant.int8_naive import div_rn, expand_blocks
 
 
 def head_global_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -117,7 +117,7 @@ def quantize_p(p: torch.Tensor, fmt: str) -> torch.Tensor:
     pg = p.reshape(*p.shape[:-1], p.shape[-1] // group, group)
     amax = pg.amax(dim=-1) + (pg * 0.0).sum(dim=-1)
     if fmt == "nvfp4":
-        code = e4m3_scale_code(amax / 6.0, amax > 0)
+        code = e4m3_scale_code(div_rn(amax, 6.0), amax > 0)
         s = code.view(torch.float8_e4m3fn).float()
         denom = torch.where(code == 0, torch.ones_like(s), s)
     else:

@@ -80,6 +80,13 @@ def balance_factors(amax_q: torch.Tensor, amax_k: torch.Tensor) -> torch.Tensor:
     return torch.where(degenerate, torch.ones_like(alpha), alpha)
 
 
+def div_rn(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``x / divisor`` correctly rounded, as the kernels' ``tl.div_rn``: on a GPU, PyTorch divides
+    a tensor by a Python number as a multiplication by its reciprocal (one rounding more; seen on
+    an H100: 1 in 8 NVFP4 tensor scales one ulp off), by a tensor of the divisor it divides."""
+    return x / torch.full_like(x, divisor)
+
+
 def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
     """Correctly rounded fp32 square root (IEEE ``sqrt``, the kernels' ``tl.sqrt_rn``).
 
