@@ -65,6 +65,8 @@ class QuantizedKVCache:
                 f"dtype must be torch.float16, torch.bfloat16 or torch.float32, got {dtype!r}")
         self.dtype = dtype
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda" is cuda:<current>,
+            self.device = torch.device("cuda", torch.cuda.current_device())  # as tensors say
         self.max_pages_per_seq = -(-self.max_tokens // self.page_size)
         self.layers = [
             PagedLayer.allocate(self.batch, self.kv_heads, self.head_dim,
