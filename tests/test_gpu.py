@@ -177,7 +177,7 @@ def test_issue_accuracy_bars_on_the_gpu(name, cos, l1):
 def test_offsets_past_two_to_the_31_elements():
     """A batch stride over 2^31 elements (a view into a 4 GiB buffer): int32 offsets would wrap."""
     stride_b = 2**31 + 4096
-    storage = torch.randn(stride_b + 128 * 64, device="cuda", dtype=torch.float16)
+    storage = torch.randn(stride_b + 128 * 64 + 5000, device="cuda", dtype=torch.float16)
     q = torch.as_strided(storage, (2, 1, 128, 64), (stride_b, 128 * 64, 64, 1))
     k = torch.as_strided(storage[1000:], (2, 1, 128, 64), (stride_b, 128 * 64, 64, 1))
     v = torch.as_strided(storage[5000:], (2, 1, 128, 64), (stride_b, 128 * 64, 64, 1))
