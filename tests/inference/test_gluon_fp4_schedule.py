@@ -201,7 +201,8 @@ MUTATIONS = [
     ("MMA-ignores-ks_ready", kf._mma, "mbarrier.wait(ks_ready.index(stage), phase)",
      "mbarrier.wait(ks_ready.index(stage), phase, pred=False)", "race"),
     # ΔS and the LSE shift (the third case has both)
-    ("ΔS-dropped", kf._softmax_step, "ds_base, sdn, True,", "ds_base, sdn, False,", "wrong"),
+    ("ΔS-dropped", kf._softmax_step, "True, MASKED, IS_CAUSAL)", "False, MASKED, IS_CAUSAL)",
+     "wrong"),
     ("LSE-shift-dropped", fb.epilogue, "offs_ms < nq, HAS_LSH)", "offs_ms < nq, False)",
      "wrong"),
     ("P̃-nibbles-swapped", fb.quantize_p, "[lo, hi]", "[hi, lo]", "wrong"),
