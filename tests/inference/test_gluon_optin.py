@@ -6,6 +6,10 @@ interpreter; and, with the device condition faked and the Gluon launcher replace
 that raises, returns wrong values or returns the Triton kernel's, that the one-time check admits
 or drops it, warns once, and that every call still gets the Triton kernel's result. The real
 kernel against the Triton kernel and the twin: tests/test_gpu.py (``-k gluon``, sm_90 only).
+
+The same for the FP4 recipes (``inference/gluon_fp4_check.py``, capability 10.x, ``gluon`` only),
+and the real Gluon FP4 kernel, run by the CPU model, through its whole check; on a GPU:
+tests/test_gpu.py (``-k gluon_fp4``, sm_100 only).
 """
 
 from __future__ import annotations
@@ -245,3 +249,206 @@ def test_the_check_builds_packed_and_per_block_inputs(monkeypatch, case):
 
     monkeypatch.setattr(kernel_int8_gluon, "attention", wrong)
     assert "max |gluon - triton|" in gluon_check._compare(case, torch.device("cpu"), "async")
+
+
+# --- the FP4 recipes: the Gluon FP4 forward for sm_100a (inference/gluon_fp4_check.py) ----------
+
+from lowbit_attn.inference import gluon_fp4_check, kernel_fp4, kernel_fp4_gluon  # noqa: E402
+
+# One small FP4 check case (D=64: the stand-ins take it; the interpreter runs the Triton side).
+TINY_FP4 = (gluon_fp4_check.Case(1, 2, 1, 40, 70, "nvfp4", causal=True, lse=True, d=64),)
+
+
+def test_the_fp4_recipes_follow_gluon_but_not_gluon_pingpong(monkeypatch):
+    for value, expected in (("triton", False), ("gluon", True), ("gluon-pingpong", False)):
+        monkeypatch.setenv("LOWBIT_ATTN_KERNEL", value)
+        assert KernelOptions.from_env().gluon_fp4_forward is expected, value
+
+
+def test_the_fp4_forward_applies_only_to_compiled_kernels_on_capability_10(monkeypatch):
+    cuda = torch.device("cuda", 0)
+    assert not gluon_fp4_check.applies(torch.device("cpu"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not gluon_fp4_check.applies(cuda)  # decided before any CUDA query
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    for capability, expected in (((10, 0), True), ((10, 3), True), ((9, 0), False),
+                                 ((12, 0), False), ((8, 9), False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d, c=capability: c)
+        assert gluon_fp4_check.applies(cuda) is expected, capability
+
+
+def _call_fp4(q, k, v, recipe="qk_fp4_pv_fp4"):
+    return lowbit_attn.attention(q, k, v, recipe=recipe, is_causal=True, return_lse=True)
+
+
+@pytest.fixture
+def fresh_fp4(monkeypatch, triton_backend):
+    """As :func:`fresh` for the FP4 recipes: no verdict, the tiny FP4 case, the Triton FP4
+    kernel's result of a call (D=64) for comparison."""
+    monkeypatch.setattr(gluon_check, "_verdicts", {})
+    monkeypatch.setattr(gluon_fp4_check, "CASES", TINY_FP4)
+    monkeypatch.delenv("LOWBIT_ATTN_KERNEL", raising=False)
+    q, k, v = _inputs(d=64, nq=40, nk=70)
+    return (q, k, v), _call_fp4(q, k, v)
+
+
+def _counting_fp4(fn):
+    """``fn`` standing in for ``kernel_fp4_gluon.attention``; each call's head dim recorded."""
+    calls = []
+
+    def wrapper(qz, **kw):
+        calls.append(kw["head_dim"])
+        return fn(qz, **kw)
+
+    return wrapper, calls
+
+
+@pytest.mark.interpreter
+def test_on_cpu_the_fp4_recipes_run_the_triton_kernel_and_never_the_gluon_one(fresh_fp4,
+                                                                              monkeypatch):
+    inputs, want = fresh_fp4
+
+    def never(*args, **kwargs):
+        raise AssertionError("the Gluon FP4 forward was reached on CPU tensors")
+
+    monkeypatch.setattr(kernel_fp4_gluon, "attention", never)
+    monkeypatch.setattr(gluon_fp4_check, "self_check", never)
+    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "gluon")
+    with no_gluon_warning():
+        _same(_call_fp4(*inputs), want)
+    assert gluon_fp4_check.verdict(torch.device("cpu")) == "not checked"
+
+
+def _fp4_wrong_rows(qz, **kw):
+    lse = kernel_fp4.attention(qz, **kw)
+    kw["out"][:, :, -10:] *= -1  # rows that see keys in every case
+    return lse
+
+
+def _fp4_unwritten(qz, **kw):
+    return kernel_fp4.attention(qz, **{**kw, "out": torch.empty_like(kw["out"])})
+
+
+def _fp4_lse_off(qz, **kw):
+    lse = kernel_fp4.attention(qz, **kw)
+    return None if lse is None else lse + 0.01
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("stand_in,reason", [
+    (_raises, "RuntimeError: boom: no kernel image"),
+    (_fp4_wrong_rows, "cosine"),
+    (_fp4_unwritten, "outputs not finite or not written"),
+    (_fp4_lse_off, "max |LSE gluon - triton| = 0.01"),
+], ids=["raises", "wrong-rows", "unwritten", "wrong-lse"])
+def test_a_failed_fp4_check_warns_once_and_keeps_the_triton_kernel(fresh_fp4, monkeypatch,
+                                                                    stand_in, reason):
+    inputs, want = fresh_fp4
+    monkeypatch.setattr(gluon_fp4_check, "applies", lambda device: True)  # a "capability 10" GPU
+    fake, calls = _counting_fp4(stand_in)
+    monkeypatch.setattr(kernel_fp4_gluon, "attention", fake)
+    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "gluon")
+    with gluon_warnings() as messages:
+        _same(_call_fp4(*inputs), want)
+    (message,) = messages
+    assert reason in message and "Gluon FP4" in message
+    assert "the Triton kernel runs instead" in message
+    assert len(calls) == 1  # the check's one case; the call itself ran the Triton kernel
+    with no_gluon_warning():  # no second warning, no second check
+        _same(_call_fp4(*inputs), want)
+    assert len(calls) == 1
+    assert reason in gluon_fp4_check.verdict(torch.device("cpu"))
+    assert gluon_check.verdict(torch.device("cpu"), "async") == "not checked"  # INT8's own
+
+
+@pytest.mark.interpreter
+def test_another_triton_version_refuses_the_fp4_forward_with_the_pin_as_reason(fresh_fp4,
+                                                                               monkeypatch):
+    inputs, want = fresh_fp4
+    monkeypatch.setattr(gluon_fp4_check, "applies", lambda device: True)
+    monkeypatch.setattr(triton, "__version__", "3.7.0")  # the real launcher, refused before launch
+    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "gluon")
+    with gluon_warnings() as messages:
+        _same(_call_fp4(*inputs), want)
+    (message,) = messages
+    assert "written for Triton 3.6.x, found Triton 3.7.0" in message
+
+
+@pytest.mark.interpreter
+def test_a_passed_fp4_check_admits_the_gluon_forward_for_what_it_takes(fresh_fp4, monkeypatch):
+    """A stand-in with the Triton FP4 kernel's results passes; later FP4 calls go to it, what
+    it refuses (ValueError before launching, as the real launcher does for D ≠ 128) to the
+    Triton kernel; ``gluon-pingpong`` leaves the FP4 recipes on the Triton kernel."""
+    inputs, want = fresh_fp4
+
+    def in_scope(qz, **kw):
+        if kw["head_dim"] != 64:
+            raise ValueError("head dim must be one of (64,) for the stand-in")
+        return kernel_fp4.attention(qz, **kw)
+
+    monkeypatch.setattr(gluon_fp4_check, "applies", lambda device: True)
+    fake, calls = _counting_fp4(in_scope)
+    monkeypatch.setattr(kernel_fp4_gluon, "attention", fake)
+    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "gluon")
+    with no_gluon_warning():
+        _same(_call_fp4(*inputs), want)
+        assert gluon_fp4_check.verdict(torch.device("cpu")) is None
+        assert calls == [64, 64]  # the check, then the call
+        _same(_call_fp4(*inputs), want)
+        assert len(calls) == 3
+        q32, k32, v32 = _inputs(d=32, nq=40, nk=70)
+        got = _call_fp4(q32, k32, v32)
+        assert calls[3:] == [32]  # tried, refused
+        monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "gluon-pingpong")
+        _same(_call_fp4(*inputs), want)
+        assert len(calls) == 4  # not tried
+    monkeypatch.delenv("LOWBIT_ATTN_KERNEL")
+    _same(got, _call_fp4(q32, k32, v32))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("case", [
+    gluon_fp4_check.Case(1, 2, 1, 30, 45, "mxfp4", causal=False, lse=True, two_level=False,
+                         smooth_v=True, d=64),
+    gluon_fp4_check.Case(1, 2, 1, 40, 20, "nvfp4", causal=True, lse=True, offset=-25, d=64),
+], ids=str)
+def test_the_fp4_check_builds_its_inputs(monkeypatch, case):
+    """The FP4 check's cases run end to end on the interpreter, the Triton FP4 kernel standing
+    in for the Gluon one: agreement gives no reason, wrong rows give one."""
+    monkeypatch.setattr(kernel_fp4_gluon, "attention", kernel_fp4.attention)
+    assert gluon_fp4_check._compare(case, torch.device("cpu")) is None
+    monkeypatch.setattr(kernel_fp4_gluon, "attention", _fp4_wrong_rows)
+    assert "cosine" in gluon_fp4_check._compare(case, torch.device("cpu"))
+
+
+def test_the_fp4_check_cases_are_what_the_gluon_launcher_covers():
+    """Every check case reaches the Gluon kernel (D=128, the recipes' blocks), so the check tests
+    the kernel and not the fallback; both formats, both P̃ modes, causal and not, LSE and V's
+    mean are among them."""
+    cases = gluon_fp4_check.CASES
+    assert all(c.d == 128 for c in cases)
+    for recipe in gluon_fp4_check.RECIPES.values():
+        r = lowbit_attn.get_recipe(recipe)
+        assert (r.block_q, r.block_k, r.smooth_q, r.smooth_k) == (128, 64, True, True)
+    assert {c.fmt for c in cases} == {"nvfp4", "mxfp4"}
+    assert {c.two_level for c in cases} == {True, False}
+    assert {c.causal for c in cases} == {True, False}
+    assert any(c.lse for c in cases) and any(c.smooth_v for c in cases)
+    assert abs(gluon_fp4_check.CHECK_COSINE - 0.9996) < 1e-5
+
+
+@pytest.mark.interpreter
+def test_the_gluon_fp4_kernel_run_by_the_cpu_model_passes_its_check():
+    """The whole check (every case of ``gluon_fp4_check.CASES``) with the real Gluon FP4 kernel
+    run by the CPU model (``tools/gluon_cpu.py``, the GPU's fused FMA, the eager interleaving)
+    against the Triton FP4 kernel under the interpreter: the tolerances admit the kernel as far
+    as the model can tell (the GPU's own roundings are what it cannot see)."""
+    from lowbit_attn.tools import gluon_cpu
+
+    try:
+        kernel_fp4_gluon.check_version()
+    except RuntimeError as e:  # pragma: no cover - another Triton
+        pytest.skip(str(e))
+    with gluon_cpu.kernel_on_cpu(kernel_fp4_gluon, "_attn_fwd_fp4_gluon_kernel", schedule="eager",
+                                 numerics=gluon_cpu.Numerics(fused_fma=True)):
+        assert gluon_fp4_check.self_check(torch.device("cpu")) is None
