@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -23,10 +24,36 @@ import triton
 
 import lowbit_attn
 from lowbit_attn.core.options import KernelOptions
-from lowbit_attn.inference import gluon_check, kernel_int8, kernel_int8_gluon
+from lowbit_attn.inference import (
+    gluon_check, gluon_fp4_check, kernel_fp4, kernel_fp4_gluon, kernel_int8, kernel_int8_gluon,
+)
 
 # One small check case instead of gluon_check.CASES: the interpreter runs the Triton side.
 TINY = (gluon_check.Case(1, 2, 1, 40, 70, 64, 64, causal=True, lse=True),)
+# The same for the FP4 check (D=64: the stand-ins take it).
+TINY_FP4 = (gluon_fp4_check.Case(1, 2, 1, 40, 70, "nvfp4", causal=True, lse=True, d=64),)
+
+
+@dataclass(frozen=True)
+class Route:
+    """One opt-in route of ``LOWBIT_ATTN_KERNEL=gluon``: its check module, the Gluon launcher's
+    module, the Triton kernel's module, a recipe it routes, its tiny check cases, and the reason
+    a stand-in with wrong rows is refused with."""
+
+    check: object
+    launcher: object
+    triton: object
+    recipe: str
+    cases: tuple
+    wrong_rows: str
+
+
+ROUTES = {
+    "int8-sm90": Route(gluon_check, kernel_int8_gluon, kernel_int8, "qk_int8_pv_fp8", TINY,
+                       "max |gluon - triton|"),
+    "fp4-sm100": Route(gluon_fp4_check, kernel_fp4_gluon, kernel_fp4, "qk_fp4_pv_fp4", TINY_FP4,
+                       "cosine"),
+}
 
 
 def test_the_kernel_option_is_read_and_checked(monkeypatch):
@@ -52,16 +79,19 @@ def test_a_bad_kernel_value_is_refused_at_the_call(monkeypatch, triton_backend):
         lowbit_attn.attention(q, q, q, recipe="qk_int8_pv_fp8")
 
 
-def test_applies_only_to_compiled_kernels_on_capability_9_0(monkeypatch):
+@pytest.mark.parametrize("route,written_for", [("int8-sm90", {(9, 0)}),
+                                                ("fp4-sm100", {(10, 0), (10, 3)})])
+def test_applies_only_to_compiled_kernels_on_the_capability_it_is_written_for(monkeypatch, route,
+                                                                               written_for):
+    check = ROUTES[route].check
     cuda = torch.device("cuda", 0)
-    assert not gluon_check.applies(torch.device("cpu"))
+    assert not check.applies(torch.device("cpu"))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert not gluon_check.applies(cuda)  # decided before any CUDA query
+    assert not check.applies(cuda)  # decided before any CUDA query
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    for capability, expected in (((9, 0), True), ((8, 9), False), ((10, 0), False),
-                                 ((12, 0), False)):
+    for capability in ((9, 0), (8, 9), (10, 0), (10, 3), (12, 0)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d, c=capability: c)
-        assert gluon_check.applies(cuda) is expected, capability
+        assert check.applies(cuda) is (capability in written_for), capability
 
 
 def _inputs(d=64, nq=50, nk=90):
@@ -72,20 +102,31 @@ def _inputs(d=64, nq=50, nk=90):
     return q, k, v
 
 
-def _call(q, k, v):
-    return lowbit_attn.attention(q, k, v, recipe="qk_int8_pv_fp8", is_causal=True,
-                                 return_lse=True)
+def _call(q, k, v, recipe="qk_int8_pv_fp8"):
+    return lowbit_attn.attention(q, k, v, recipe=recipe, is_causal=True, return_lse=True)
+
+
+def _fresh(monkeypatch, route: Route):
+    """No verdict yet, the route's tiny check case, and the default (Triton kernel) result of a
+    call for comparison; the option itself is set by each test."""
+    monkeypatch.setattr(gluon_check, "_verdicts", {})
+    monkeypatch.setattr(route.check, "CASES", route.cases)
+    monkeypatch.delenv("LOWBIT_ATTN_KERNEL", raising=False)
+    q, k, v = _inputs()
+    return (q, k, v), _call(q, k, v, route.recipe)
 
 
 @pytest.fixture
 def fresh(monkeypatch, triton_backend):
-    """No verdict yet, the tiny check case, and the default (Triton kernel) result of a call for
-    comparison; the option itself is set by each test."""
-    monkeypatch.setattr(gluon_check, "_verdicts", {})
-    monkeypatch.setattr(gluon_check, "CASES", TINY)
-    monkeypatch.delenv("LOWBIT_ATTN_KERNEL", raising=False)
-    q, k, v = _inputs()
-    return (q, k, v), _call(q, k, v)
+    """:func:`_fresh` for the INT8 route."""
+    return _fresh(monkeypatch, ROUTES["int8-sm90"])
+
+
+@pytest.fixture(params=list(ROUTES))
+def routed(request, monkeypatch, triton_backend):
+    """``(route, inputs, want)``, :func:`_fresh` for each route."""
+    route = ROUTES[request.param]
+    return (route, *_fresh(monkeypatch, route))
 
 
 @contextlib.contextmanager
@@ -113,18 +154,18 @@ def _same(got, want):
 
 
 @pytest.mark.interpreter
-def test_on_cpu_the_option_runs_the_triton_kernel_and_never_the_gluon_one(fresh, monkeypatch):
-    inputs, want = fresh
+def test_on_cpu_the_option_runs_the_triton_kernel_and_never_the_gluon_one(routed, monkeypatch):
+    route, inputs, want = routed
 
     def never(*args, **kwargs):
         raise AssertionError("the Gluon forward was reached on CPU tensors")
 
-    monkeypatch.setattr(kernel_int8_gluon, "attention", never)
-    monkeypatch.setattr(gluon_check, "self_check", never)
+    monkeypatch.setattr(route.launcher, "attention", never)
+    monkeypatch.setattr(route.check, "self_check", never)
     monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "gluon")
     with no_gluon_warning():
-        _same(_call(*inputs), want)
-    assert gluon_check.verdict(torch.device("cpu")) == "not checked"
+        _same(_call(*inputs, route.recipe), want)
+    assert route.check.verdict(torch.device("cpu")) == "not checked"
 
 
 def _counting(fn):
@@ -139,58 +180,62 @@ def _counting(fn):
     return wrapper, calls
 
 
-def _raises(qz, **kw):
-    raise RuntimeError("boom: no kernel image")
+def _stand_in(kind: str, triton):
+    """A stand-in for a Gluon launcher built on the Triton kernel's ``attention``: ``raises``,
+    leaves ``out`` ``unwritten``, negates ``wrong-rows`` (the last 10, which see keys in every
+    case), or returns a ``wrong-lse``; each call's arguments are recorded."""
+    calls = []
 
+    def fake(qz, **kw):
+        calls.append(kw.pop("schedule", None))
+        if kind == "raises":
+            raise RuntimeError("boom: no kernel image")
+        if kind == "unwritten":
+            return triton.attention(qz, **{**kw, "out": torch.empty_like(kw["out"])})
+        lse = triton.attention(qz, **kw)
+        if kind == "wrong-rows":
+            kw["out"][:, :, -10:] *= -1
+        return lse + 0.01 if kind == "wrong-lse" else lse
 
-def _offset(qz, **kw):
-    lse = kernel_int8.attention(qz, **kw)
-    kw["out"].add_(0.05)
-    return lse
-
-
-def _unwritten(qz, **kw):
-    return kernel_int8.attention(qz, **{**kw, "out": torch.empty_like(kw["out"])})
-
-
-def _lse_off(qz, **kw):
-    lse = kernel_int8.attention(qz, **kw)
-    return None if lse is None else lse + 0.01
+    return fake, calls
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("stand_in,reason", [
-    (_raises, "RuntimeError: boom: no kernel image"),
-    (_offset, "max |gluon - triton| = 0.05"),
-    (_unwritten, "outputs not finite or not written"),
-    (_lse_off, "max |LSE gluon - triton| = 0.01"),
-], ids=["raises", "wrong-values", "unwritten", "wrong-lse"])
-def test_a_failed_check_warns_once_and_keeps_the_triton_kernel(fresh, monkeypatch, stand_in,
+@pytest.mark.parametrize("kind,reason", [
+    ("raises", "RuntimeError: boom: no kernel image"),
+    ("wrong-rows", None),
+    ("unwritten", "outputs not finite or not written"),
+    ("wrong-lse", "max |LSE gluon - triton| = 0.01"),
+])
+def test_a_failed_check_warns_once_and_keeps_the_triton_kernel(routed, monkeypatch, kind,
                                                                 reason):
-    inputs, want = fresh
-    monkeypatch.setattr(gluon_check, "applies", lambda device: True)  # a "capability 9.0" device
-    fake, calls = _counting(stand_in)
-    monkeypatch.setattr(kernel_int8_gluon, "attention", fake)
+    route, inputs, want = routed
+    reason = reason or route.wrong_rows
+    monkeypatch.setattr(route.check, "applies", lambda device: True)  # a device it is written for
+    fake, calls = _stand_in(kind, route.triton)
+    monkeypatch.setattr(route.launcher, "attention", fake)
     monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "gluon")
     with gluon_warnings() as messages:
-        _same(_call(*inputs), want)
+        _same(_call(*inputs, route.recipe), want)
     (message,) = messages
     assert reason in message and "the Triton kernel runs instead" in message
     assert len(calls) == 1  # the check's one case; the call itself ran the Triton kernel
     with no_gluon_warning():  # no second warning, no second check
-        _same(_call(*inputs), want)
+        _same(_call(*inputs, route.recipe), want)
     assert len(calls) == 1
-    assert reason in gluon_check.verdict(torch.device("cpu"))
+    assert reason in route.check.verdict(torch.device("cpu"))
+    other = ROUTES["fp4-sm100" if route.check is gluon_check else "int8-sm90"]
+    assert other.check.verdict(torch.device("cpu")) == "not checked"  # each route its own
 
 
 @pytest.mark.interpreter
-def test_another_triton_version_is_refused_with_the_pin_as_reason(fresh, monkeypatch):
-    inputs, want = fresh
-    monkeypatch.setattr(gluon_check, "applies", lambda device: True)
+def test_another_triton_version_is_refused_with_the_pin_as_reason(routed, monkeypatch):
+    route, inputs, want = routed
+    monkeypatch.setattr(route.check, "applies", lambda device: True)
     monkeypatch.setattr(triton, "__version__", "3.7.0")  # the real launcher, refused before launch
     monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "gluon")
     with gluon_warnings() as messages:
-        _same(_call(*inputs), want)
+        _same(_call(*inputs, route.recipe), want)
     (message,) = messages
     assert "written for Triton 3.6.x, found Triton 3.7.0" in message
 
@@ -253,43 +298,13 @@ def test_the_check_builds_packed_and_per_block_inputs(monkeypatch, case):
 
 # --- the FP4 recipes: the Gluon FP4 forward for sm_100a (inference/gluon_fp4_check.py) ----------
 
-from lowbit_attn.inference import gluon_fp4_check, kernel_fp4, kernel_fp4_gluon  # noqa: E402
-
-# One small FP4 check case (D=64: the stand-ins take it; the interpreter runs the Triton side).
-TINY_FP4 = (gluon_fp4_check.Case(1, 2, 1, 40, 70, "nvfp4", causal=True, lse=True, d=64),)
+FP4 = "qk_fp4_pv_fp4"
 
 
 def test_the_fp4_recipes_follow_gluon_but_not_gluon_pingpong(monkeypatch):
     for value, expected in (("triton", False), ("gluon", True), ("gluon-pingpong", False)):
         monkeypatch.setenv("LOWBIT_ATTN_KERNEL", value)
         assert KernelOptions.from_env().gluon_fp4_forward is expected, value
-
-
-def test_the_fp4_forward_applies_only_to_compiled_kernels_on_capability_10(monkeypatch):
-    cuda = torch.device("cuda", 0)
-    assert not gluon_fp4_check.applies(torch.device("cpu"))
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert not gluon_fp4_check.applies(cuda)  # decided before any CUDA query
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    for capability, expected in (((10, 0), True), ((10, 3), True), ((9, 0), False),
-                                 ((12, 0), False), ((8, 9), False)):
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d, c=capability: c)
-        assert gluon_fp4_check.applies(cuda) is expected, capability
-
-
-def _call_fp4(q, k, v, recipe="qk_fp4_pv_fp4"):
-    return lowbit_attn.attention(q, k, v, recipe=recipe, is_causal=True, return_lse=True)
-
-
-@pytest.fixture
-def fresh_fp4(monkeypatch, triton_backend):
-    """As :func:`fresh` for the FP4 recipes: no verdict, the tiny FP4 case, the Triton FP4
-    kernel's result of a call (D=64) for comparison."""
-    monkeypatch.setattr(gluon_check, "_verdicts", {})
-    monkeypatch.setattr(gluon_fp4_check, "CASES", TINY_FP4)
-    monkeypatch.delenv("LOWBIT_ATTN_KERNEL", raising=False)
-    q, k, v = _inputs(d=64, nq=40, nk=70)
-    return (q, k, v), _call_fp4(q, k, v)
 
 
 def _counting_fp4(fn):
@@ -304,82 +319,12 @@ def _counting_fp4(fn):
 
 
 @pytest.mark.interpreter
-def test_on_cpu_the_fp4_recipes_run_the_triton_kernel_and_never_the_gluon_one(fresh_fp4,
-                                                                              monkeypatch):
-    inputs, want = fresh_fp4
-
-    def never(*args, **kwargs):
-        raise AssertionError("the Gluon FP4 forward was reached on CPU tensors")
-
-    monkeypatch.setattr(kernel_fp4_gluon, "attention", never)
-    monkeypatch.setattr(gluon_fp4_check, "self_check", never)
-    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "gluon")
-    with no_gluon_warning():
-        _same(_call_fp4(*inputs), want)
-    assert gluon_fp4_check.verdict(torch.device("cpu")) == "not checked"
-
-
-def _fp4_wrong_rows(qz, **kw):
-    lse = kernel_fp4.attention(qz, **kw)
-    kw["out"][:, :, -10:] *= -1  # rows that see keys in every case
-    return lse
-
-
-def _fp4_unwritten(qz, **kw):
-    return kernel_fp4.attention(qz, **{**kw, "out": torch.empty_like(kw["out"])})
-
-
-def _fp4_lse_off(qz, **kw):
-    lse = kernel_fp4.attention(qz, **kw)
-    return None if lse is None else lse + 0.01
-
-
-@pytest.mark.interpreter
-@pytest.mark.parametrize("stand_in,reason", [
-    (_raises, "RuntimeError: boom: no kernel image"),
-    (_fp4_wrong_rows, "cosine"),
-    (_fp4_unwritten, "outputs not finite or not written"),
-    (_fp4_lse_off, "max |LSE gluon - triton| = 0.01"),
-], ids=["raises", "wrong-rows", "unwritten", "wrong-lse"])
-def test_a_failed_fp4_check_warns_once_and_keeps_the_triton_kernel(fresh_fp4, monkeypatch,
-                                                                    stand_in, reason):
-    inputs, want = fresh_fp4
-    monkeypatch.setattr(gluon_fp4_check, "applies", lambda device: True)  # a "capability 10" GPU
-    fake, calls = _counting_fp4(stand_in)
-    monkeypatch.setattr(kernel_fp4_gluon, "attention", fake)
-    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "gluon")
-    with gluon_warnings() as messages:
-        _same(_call_fp4(*inputs), want)
-    (message,) = messages
-    assert reason in message and "Gluon FP4" in message
-    assert "the Triton kernel runs instead" in message
-    assert len(calls) == 1  # the check's one case; the call itself ran the Triton kernel
-    with no_gluon_warning():  # no second warning, no second check
-        _same(_call_fp4(*inputs), want)
-    assert len(calls) == 1
-    assert reason in gluon_fp4_check.verdict(torch.device("cpu"))
-    assert gluon_check.verdict(torch.device("cpu"), "async") == "not checked"  # INT8's own
-
-
-@pytest.mark.interpreter
-def test_another_triton_version_refuses_the_fp4_forward_with_the_pin_as_reason(fresh_fp4,
-                                                                               monkeypatch):
-    inputs, want = fresh_fp4
-    monkeypatch.setattr(gluon_fp4_check, "applies", lambda device: True)
-    monkeypatch.setattr(triton, "__version__", "3.7.0")  # the real launcher, refused before launch
-    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "gluon")
-    with gluon_warnings() as messages:
-        _same(_call_fp4(*inputs), want)
-    (message,) = messages
-    assert "written for Triton 3.6.x, found Triton 3.7.0" in message
-
-
-@pytest.mark.interpreter
-def test_a_passed_fp4_check_admits_the_gluon_forward_for_what_it_takes(fresh_fp4, monkeypatch):
+def test_a_passed_fp4_check_admits_the_gluon_forward_for_what_it_takes(monkeypatch,
+                                                                        triton_backend):
     """A stand-in with the Triton FP4 kernel's results passes; later FP4 calls go to it, what
     it refuses (ValueError before launching, as the real launcher does for D ≠ 128) to the
     Triton kernel; ``gluon-pingpong`` leaves the FP4 recipes on the Triton kernel."""
-    inputs, want = fresh_fp4
+    inputs, want = _fresh(monkeypatch, ROUTES["fp4-sm100"])
 
     def in_scope(qz, **kw):
         if kw["head_dim"] != 64:
@@ -391,19 +336,19 @@ def test_a_passed_fp4_check_admits_the_gluon_forward_for_what_it_takes(fresh_fp4
     monkeypatch.setattr(kernel_fp4_gluon, "attention", fake)
     monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "gluon")
     with no_gluon_warning():
-        _same(_call_fp4(*inputs), want)
+        _same(_call(*inputs, FP4), want)
         assert gluon_fp4_check.verdict(torch.device("cpu")) is None
         assert calls == [64, 64]  # the check, then the call
-        _same(_call_fp4(*inputs), want)
+        _same(_call(*inputs, FP4), want)
         assert len(calls) == 3
-        q32, k32, v32 = _inputs(d=32, nq=40, nk=70)
-        got = _call_fp4(q32, k32, v32)
+        q32, k32, v32 = _inputs(d=32)
+        got = _call(q32, k32, v32, FP4)
         assert calls[3:] == [32]  # tried, refused
         monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "gluon-pingpong")
-        _same(_call_fp4(*inputs), want)
+        _same(_call(*inputs, FP4), want)
         assert len(calls) == 4  # not tried
     monkeypatch.delenv("LOWBIT_ATTN_KERNEL")
-    _same(got, _call_fp4(q32, k32, v32))
+    _same(got, _call(q32, k32, v32, FP4))
 
 
 @pytest.mark.interpreter
@@ -417,7 +362,7 @@ def test_the_fp4_check_builds_its_inputs(monkeypatch, case):
     in for the Gluon one: agreement gives no reason, wrong rows give one."""
     monkeypatch.setattr(kernel_fp4_gluon, "attention", kernel_fp4.attention)
     assert gluon_fp4_check._compare(case, torch.device("cpu")) is None
-    monkeypatch.setattr(kernel_fp4_gluon, "attention", _fp4_wrong_rows)
+    monkeypatch.setattr(kernel_fp4_gluon, "attention", _stand_in("wrong-rows", kernel_fp4)[0])
     assert "cosine" in gluon_fp4_check._compare(case, torch.device("cpu"))
 
 
