@@ -1,7 +1,8 @@
 """FP4 attention forward for Blackwell (sm_100a) in Gluon: block-scaled ``tcgen05`` products with
-the accumulators in tensor memory, warp-specialized. First version, opt-in, **compiled, never run on a GPU**: no GPU able to run
-sm_100a code was available and Gluon has no interpreter; it is not wired into the dispatch. Its
-own code runs on the CPU under the project's model of Gluon (``tools/gluon_cpu.py``: tensor
+the accumulators in tensor memory, warp-specialized. First version, opt-in, **compiled, never
+run on a GPU**: no GPU able to run sm_100a code was available and Gluon has no interpreter. The
+FP4 recipes reach it under ``LOWBIT_ATTN_KERNEL=gluon`` on capability 10.x devices only after a
+first-use check against ``kernel_fp4`` there (``inference/gluon_fp4_check.py``). Its own code runs on the CPU under the project's model of Gluon (``tools/gluon_cpu.py``: tensor
 memory, ``tcgen05_mma_scaled``/``tcgen05_copy``, TMA, mbarriers, the three partitions under three
 interleavings), bit-equal to the twin ``naive.fp4_attention`` with the model's FMA rounding twice
 (``tests/inference/test_gluon_fp4_schedule.py``, which also breaks its protocol in known ways):
@@ -431,7 +432,7 @@ __all__ = ["BLOCK_M", "KERNEL", "SOFTMAX_WARPS"]
 
 
 # ---------------------------------------------------------------------------------------------
-# launcher (opt-in: nothing dispatches here yet)
+# launcher (opt-in: LOWBIT_ATTN_KERNEL=gluon, through gluon_fp4_check)
 
 # 64-key blocks only: 128 would need 2×128 columns of S plus O and PV, the whole tensor memory,
 # before the scales (a later version can alias PV with S as the upstream tutorial aliases P).
