@@ -85,17 +85,21 @@ def test_every_autotuning_candidate_matches_the_reference(name, granularity, d, 
 # --- the Gluon sm_90a forward (LOWBIT_ATTN_KERNEL=gluon) ---------------------------------------
 
 
-def _needs_gluon():
-    """Skip unless the Gluon forward can run here: compute capability 9.0 and Triton 3.6."""
-    from lowbit_attn.inference import kernel_int8_gluon
+def _needs_gluon(fp4: bool = False):
+    """Skip unless the Gluon forward can run here: compute capability 9.0 (with ``fp4``: the FP4
+    forward, 10.x) and Triton 3.6; its module."""
+    from lowbit_attn.inference import kernel_fp4_gluon, kernel_int8_gluon
 
-    if torch.cuda.get_device_capability() != (9, 0):
+    capability = torch.cuda.get_device_capability()
+    if fp4 and capability[0] != 10:
+        pytest.skip("the Gluon FP4 forward is written for sm_100a (compute capability 10.x)")
+    if not fp4 and capability != (9, 0):
         pytest.skip("the Gluon forward is written for sm_90a (compute capability 9.0)")
     try:
-        kernel_int8_gluon.check_version()
+        kernel_int8_gluon.check_version()  # the FP4 forward's pin too
     except RuntimeError as exc:
         pytest.skip(str(exc))
-    return kernel_int8_gluon
+    return kernel_fp4_gluon if fp4 else kernel_int8_gluon
 
 
 @pytest.mark.parametrize("d,block_k", [pytest.param(d, n, id=f"D{d}-k{n}")
@@ -157,6 +161,69 @@ def test_gluon_opt_in_passes_its_check_and_runs_in_the_public_call(monkeypatch, 
     assert len(ran) == len(gluon_check.CASES) + 1 and ran[-1] == (q.shape, schedule)
     assert float((got.float() - want.float()).abs().max()) <= gluon_check.CHECK_ATOL
     assert lowbit_attn.errors(got, want).cosine >= gluon_check.CHECK_COSINE
+
+
+# --- the Gluon sm_100a FP4 forward (LOWBIT_ATTN_KERNEL=gluon, FP4 recipes) ----------------------
+
+
+@pytest.mark.parametrize("recipe", ["qk_fp4_pv_fp4", "qk_mxfp4_pv_mxfp4"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("two_level", [True, False], ids=["two-level", "one-level"])
+def test_gluon_fp4_forward_matches_the_reference(recipe, causal, two_level):
+    """The Gluon FP4 forward against the twin on the same quantized operands (the recipes'
+    defaults: ΔS, K smoothed with its LSE shift), GPU-sized: many query and key blocks, partial
+    ones at both ends, GQA 8:4, a causal diagonal off the block grid; within the compiled Triton
+    FP4 kernel's own bounds (tests/inference/test_fp4_attention.py's, widened by tests/helpers.py
+    ON_CUDA). Run on the CPU model only before (tests/inference/test_gluon_fp4_schedule.py)."""
+    from helpers import ON_CUDA, Bound, assert_within
+    from lowbit_attn.inference.naive import fp4_attention
+    from lowbit_attn.inference.prepare import quantize_qkv_fp4
+
+    kernel_fp4_gluon = _needs_gluon(fp4=True)
+    r = get_recipe(recipe).replace(two_level_p=two_level)
+    q, k, v = (x.cuda() for x in channel_biased((2, 8, 700, 128), (2, 4, 1100, 128), seed=5,
+                                                 dtype=torch.float16))
+    offset = 400 if causal else None
+    qz = quantize_qkv_fp4(q, k, v, r, 128**-0.5, need_lse_shift=True, backend="triton")
+    want, want_lse = fp4_attention(qz, head_dim=128, block_q=r.block_q, block_k=r.block_k,
+                                   causal_offset=offset, two_level=two_level)
+    got = torch.full(q.shape, float("nan"), device="cuda", dtype=torch.float32)
+    got_lse = kernel_fp4_gluon.attention(qz, out=got, head_dim=128, block_q=r.block_q,
+                                         block_k=r.block_k, causal_offset=offset,
+                                         two_level=two_level, return_lse=True)
+    assert_within(got, want, ON_CUDA["fp4 out"].widened(Bound(atol=5e-3, cos=0.99999)),
+                  name="out")
+    assert_within(got_lse, want_lse, ON_CUDA["lse"].widened(Bound(atol=1e-5, rtol=1e-5)),
+                  name="lse")
+
+
+def test_gluon_fp4_opt_in_passes_its_check_and_runs_in_the_public_call(monkeypatch):
+    """``LOWBIT_ATTN_KERNEL=gluon`` with an FP4 recipe: the first call checks the Gluon FP4
+    forward against the Triton FP4 kernel (no warning), later calls run it, within the check's
+    cosine of the default call's."""
+    import warnings
+
+    from lowbit_attn.inference import gluon_check, gluon_fp4_check
+
+    kernel_fp4_gluon = _needs_gluon(fp4=True)
+    monkeypatch.setattr(gluon_check, "_verdicts", {})
+    ran = []
+    launcher = kernel_fp4_gluon.attention
+    monkeypatch.setattr(kernel_fp4_gluon, "attention",
+                        lambda qz, **kw: ran.append(qz.q.shape) or launcher(qz, **kw))
+    q, k, v = (x.cuda() for x in channel_biased((2, 8, 2000, 128), (2, 4, 2000, 128), seed=3,
+                                                 dtype=torch.float16))
+    call = dict(recipe="qk_fp4_pv_fp4", is_causal=True, return_lse=True)
+    want, want_lse = lowbit_attn.attention(q, k, v, **call)
+    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "gluon")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="LOWBIT_ATTN_KERNEL")
+        got, got_lse = lowbit_attn.attention(q, k, v, **call)
+    assert gluon_fp4_check.verdict(q.device) is None
+    assert len(ran) == len(gluon_fp4_check.CASES) + 1
+    assert gluon_check.compare_outputs(
+        got, want, got_lse, want_lse, atol=None, cosine=gluon_fp4_check.CHECK_COSINE,
+        lse_atol=gluon_fp4_check.CHECK_LSE_ATOL, lse_rtol=gluon_fp4_check.CHECK_LSE_RTOL) is None
 
 
 @pytest.mark.parametrize("name,cos,l1", [

@@ -9,7 +9,8 @@ block-scaled product of the model dequantizes the E2M1 bytes and the E4M3/E8M0 g
 the MMA reads them, the E2M1 conversion of P̃ (inline PTX) is the twin's ``e2m1_code``, and the
 model's ``fma`` rounds twice: ``s·mult`` then ``+ (log2 peak − block max)``, the twin's order (it
 rounds ``s·mult`` and subtracts the rounded ``block max − log2 peak``: the same bits). On a GPU the
-FMA is fused (one rounding): that difference is the one this check cannot see.
+FMA is fused (one rounding): that difference is the one this check cannot see. With ΔS the kernel
+rounds ``s·mult``, adds ΔS and subtracts the shift, as the twin does (no FMA).
 ``test_the_check_catches`` breaks the kernel's protocol and numerics in known ways and expects each
 break to be caught."""
 
@@ -59,15 +60,17 @@ SHAPES = [
 ]
 
 
-def operands(b, hq, hkv, nq, nk, fmt, smooth_v=False):
-    """FP4 operands the kernel covers: no ΔS (``smooth_q``), no LSE shift; K smoothed."""
+def operands(b, hq, hkv, nq, nk, fmt, smooth_v=False, smooth_q=False, lse_shift=False):
+    """FP4 operands, K smoothed; with ``smooth_q`` ΔS (per 128-row query block, the kernel's
+    BLOCK_M), with ``lse_shift`` K's LSE shift (the recipes' defaults with ``return_lse``)."""
     g = torch.Generator().manual_seed(nq + 7 * nk + hq)
     q = torch.randn(b, hq, nq, D, generator=g)
     k = torch.randn(b, hkv, nk, D, generator=g) + 4 * torch.randn(b, hkv, 1, D, generator=g)
     v = torch.randn(b, hkv, nk, D, generator=g) + torch.randn(b, hkv, 1, D, generator=g)
-    recipe = get_recipe(RECIPE[fmt]).replace(block_k=BLOCK_K, smooth_q=False, smooth_k=True,
-                                             smooth_v=smooth_v)
-    return quantize_qkv_fp4(q, k, v, recipe, D**-0.5, need_lse_shift=False, backend="reference")
+    recipe = get_recipe(RECIPE[fmt]).replace(block_q=kf.BLOCK_M, block_k=BLOCK_K,
+                                             smooth_q=smooth_q, smooth_k=True, smooth_v=smooth_v)
+    return quantize_qkv_fp4(q, k, v, recipe, D**-0.5, need_lse_shift=lse_shift,
+                            backend="reference")
 
 
 def twin(qz, causal_offset, two_level):
@@ -96,6 +99,24 @@ def test_gluon_fp4_equals_the_twin_bit_for_bit_under_each_schedule(b, hq, hkv, n
                                                                    two_level):
     qz = operands(b, hq, hkv, nq, nk, fmt, smooth_v)
     co = offset_of(nq, nk, causal, offset)
+    want, want_lse = twin(qz, co, two_level)
+    for schedule in gluon_cpu.SCHEDULES:
+        got, got_lse, _ = gluon_on_cpu(qz, co, two_level, schedule)
+        assert_bits(got, want, f"out ({schedule})")
+        assert_bits(got_lse, want_lse, f"lse ({schedule})")
+
+
+@pytest.mark.parametrize("b,hq,hkv,nq,nk,offset,smooth_v", SHAPES)
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gluon_fp4_with_delta_s_and_lse_shift_equals_the_twin(b, hq, hkv, nq, nk, offset,
+                                                              smooth_v, fmt, causal):
+    """The recipes' defaults: ΔS added to each key block's scores (``s·mult + ΔS`` as
+    ``kernel_fp4``, no FMA folding) and K's LSE shift added to the LSE, under each schedule."""
+    qz = operands(b, hq, hkv, nq, nk, fmt, smooth_v, smooth_q=True, lse_shift=True)
+    assert qz.delta_s is not None and qz.lse_shift is not None
+    co = offset_of(nq, nk, causal, offset)
+    two_level = nq % 2 == 0  # both modes over the shapes
     want, want_lse = twin(qz, co, two_level)
     for schedule in gluon_cpu.SCHEDULES:
         got, got_lse, _ = gluon_on_cpu(qz, co, two_level, schedule)
@@ -179,13 +200,19 @@ MUTATIONS = [
      "fence_async_shared()\n    mbarrier.arrive(p_ready", "mbarrier.arrive(p_ready", "race"),
     ("MMA-ignores-ks_ready", kf._mma, "mbarrier.wait(ks_ready.index(stage), phase)",
      "mbarrier.wait(ks_ready.index(stage), phase, pred=False)", "race"),
+    # ΔS and the LSE shift (the third case has both)
+    ("ΔS-dropped", kf._softmax_step, "True, MASKED, IS_CAUSAL)", "False, MASKED, IS_CAUSAL)",
+     "wrong"),
+    ("LSE-shift-dropped", fb.epilogue, "offs_ms < nq, HAS_LSH)", "offs_ms < nq, False)",
+     "wrong"),
     ("P̃-nibbles-swapped", fb.quantize_p, "[lo, hi]", "[hi, lo]", "wrong"),
     # Q's scale tile in tensor memory stays poisoned (NaN E4M3, E8M0 255)
     ("Q-scales-never-copied", kf._mma, "tcgen05_copy(qs_smem, qs_tmem)", "pass", "wrong"),
 ]
-MUTATION_CASES = [  # (shape, format, causal offset, two_level)
-    ((1, 2, 1, 130, 300), "nvfp4", None, True),
-    ((1, 1, 1, 200, 190), "mxfp4", 0, False),
+MUTATION_CASES = [  # (shape, format, causal offset, two_level, ΔS and LSE shift)
+    ((1, 2, 1, 130, 300), "nvfp4", None, True, False),
+    ((1, 1, 1, 200, 190), "mxfp4", 0, False, False),
+    ((1, 1, 1, 150, 140), "nvfp4", 10, True, True),
 ]
 
 
@@ -195,8 +222,8 @@ def outcome(jit, old, new) -> str:
     broken = {jit.fn: mutant(jit, old, new)}
 
     def each():
-        for (shape, fmt, co, two_level) in MUTATION_CASES:
-            qz = operands(*shape, fmt)
+        for (shape, fmt, co, two_level, smooth) in MUTATION_CASES:
+            qz = operands(*shape, fmt, smooth_q=smooth, lse_shift=smooth)
             want, want_lse = twin(qz, co, two_level)
             for schedule in gluon_cpu.SCHEDULES:
                 got, got_lse, _ = gluon_on_cpu(qz, co, two_level, schedule, overrides=broken)

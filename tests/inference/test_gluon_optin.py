@@ -6,12 +6,17 @@ interpreter; and, with the device condition faked and the Gluon launcher replace
 that raises, returns wrong values or returns the Triton kernel's, that the one-time check admits
 or drops it, warns once, and that every call still gets the Triton kernel's result. The real
 kernel against the Triton kernel and the twin: tests/test_gpu.py (``-k gluon``, sm_90 only).
+
+The same for the FP4 recipes (``inference/gluon_fp4_check.py``, capability 10.x, ``gluon`` only),
+and the real Gluon FP4 kernel, run by the CPU model, through its whole check; on a GPU:
+tests/test_gpu.py (``-k gluon_fp4``, sm_100 only).
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -19,10 +24,36 @@ import triton
 
 import lowbit_attn
 from lowbit_attn.core.options import KernelOptions
-from lowbit_attn.inference import gluon_check, kernel_int8, kernel_int8_gluon
+from lowbit_attn.inference import (
+    gluon_check, gluon_fp4_check, kernel_fp4, kernel_fp4_gluon, kernel_int8, kernel_int8_gluon,
+)
 
 # One small check case instead of gluon_check.CASES: the interpreter runs the Triton side.
 TINY = (gluon_check.Case(1, 2, 1, 40, 70, 64, 64, causal=True, lse=True),)
+# The same for the FP4 check (D=64: the stand-ins take it).
+TINY_FP4 = (gluon_fp4_check.Case(1, 2, 1, 40, 70, "nvfp4", causal=True, lse=True, d=64),)
+
+
+@dataclass(frozen=True)
+class Route:
+    """One opt-in route of ``LOWBIT_ATTN_KERNEL=gluon``: its check module, the Gluon launcher's
+    module, the Triton kernel's module, a recipe it routes, its tiny check cases, and the reason
+    a stand-in with wrong rows is refused with."""
+
+    check: object
+    launcher: object
+    triton: object
+    recipe: str
+    cases: tuple
+    wrong_rows: str
+
+
+ROUTES = {
+    "int8-sm90": Route(gluon_check, kernel_int8_gluon, kernel_int8, "qk_int8_pv_fp8", TINY,
+                       "max |gluon - triton|"),
+    "fp4-sm100": Route(gluon_fp4_check, kernel_fp4_gluon, kernel_fp4, "qk_fp4_pv_fp4", TINY_FP4,
+                       "cosine"),
+}
 
 
 def test_the_kernel_option_is_read_and_checked(monkeypatch):
@@ -48,16 +79,19 @@ def test_a_bad_kernel_value_is_refused_at_the_call(monkeypatch, triton_backend):
         lowbit_attn.attention(q, q, q, recipe="qk_int8_pv_fp8")
 
 
-def test_applies_only_to_compiled_kernels_on_capability_9_0(monkeypatch):
+@pytest.mark.parametrize("route,written_for", [("int8-sm90", {(9, 0)}),
+                                                ("fp4-sm100", {(10, 0), (10, 3)})])
+def test_applies_only_to_compiled_kernels_on_the_capability_it_is_written_for(monkeypatch, route,
+                                                                               written_for):
+    check = ROUTES[route].check
     cuda = torch.device("cuda", 0)
-    assert not gluon_check.applies(torch.device("cpu"))
+    assert not check.applies(torch.device("cpu"))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert not gluon_check.applies(cuda)  # decided before any CUDA query
+    assert not check.applies(cuda)  # decided before any CUDA query
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    for capability, expected in (((9, 0), True), ((8, 9), False), ((10, 0), False),
-                                 ((12, 0), False)):
+    for capability in ((9, 0), (8, 9), (10, 0), (10, 3), (12, 0)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d, c=capability: c)
-        assert gluon_check.applies(cuda) is expected, capability
+        assert check.applies(cuda) is (capability in written_for), capability
 
 
 def _inputs(d=64, nq=50, nk=90):
@@ -68,20 +102,31 @@ def _inputs(d=64, nq=50, nk=90):
     return q, k, v
 
 
-def _call(q, k, v):
-    return lowbit_attn.attention(q, k, v, recipe="qk_int8_pv_fp8", is_causal=True,
-                                 return_lse=True)
+def _call(q, k, v, recipe="qk_int8_pv_fp8"):
+    return lowbit_attn.attention(q, k, v, recipe=recipe, is_causal=True, return_lse=True)
+
+
+def _fresh(monkeypatch, route: Route):
+    """No verdict yet, the route's tiny check case, and the default (Triton kernel) result of a
+    call for comparison; the option itself is set by each test."""
+    monkeypatch.setattr(gluon_check, "_verdicts", {})
+    monkeypatch.setattr(route.check, "CASES", route.cases)
+    monkeypatch.delenv("LOWBIT_ATTN_KERNEL", raising=False)
+    q, k, v = _inputs()
+    return (q, k, v), _call(q, k, v, route.recipe)
 
 
 @pytest.fixture
 def fresh(monkeypatch, triton_backend):
-    """No verdict yet, the tiny check case, and the default (Triton kernel) result of a call for
-    comparison; the option itself is set by each test."""
-    monkeypatch.setattr(gluon_check, "_verdicts", {})
-    monkeypatch.setattr(gluon_check, "CASES", TINY)
-    monkeypatch.delenv("LOWBIT_ATTN_KERNEL", raising=False)
-    q, k, v = _inputs()
-    return (q, k, v), _call(q, k, v)
+    """:func:`_fresh` for the INT8 route."""
+    return _fresh(monkeypatch, ROUTES["int8-sm90"])
+
+
+@pytest.fixture(params=list(ROUTES))
+def routed(request, monkeypatch, triton_backend):
+    """``(route, inputs, want)``, :func:`_fresh` for each route."""
+    route = ROUTES[request.param]
+    return (route, *_fresh(monkeypatch, route))
 
 
 @contextlib.contextmanager
@@ -109,18 +154,18 @@ def _same(got, want):
 
 
 @pytest.mark.interpreter
-def test_on_cpu_the_option_runs_the_triton_kernel_and_never_the_gluon_one(fresh, monkeypatch):
-    inputs, want = fresh
+def test_on_cpu_the_option_runs_the_triton_kernel_and_never_the_gluon_one(routed, monkeypatch):
+    route, inputs, want = routed
 
     def never(*args, **kwargs):
         raise AssertionError("the Gluon forward was reached on CPU tensors")
 
-    monkeypatch.setattr(kernel_int8_gluon, "attention", never)
-    monkeypatch.setattr(gluon_check, "self_check", never)
+    monkeypatch.setattr(route.launcher, "attention", never)
+    monkeypatch.setattr(route.check, "self_check", never)
     monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "gluon")
     with no_gluon_warning():
-        _same(_call(*inputs), want)
-    assert gluon_check.verdict(torch.device("cpu")) == "not checked"
+        _same(_call(*inputs, route.recipe), want)
+    assert route.check.verdict(torch.device("cpu")) == "not checked"
 
 
 def _counting(fn):
@@ -135,58 +180,62 @@ def _counting(fn):
     return wrapper, calls
 
 
-def _raises(qz, **kw):
-    raise RuntimeError("boom: no kernel image")
+def _stand_in(kind: str, triton):
+    """A stand-in for a Gluon launcher built on the Triton kernel's ``attention``: ``raises``,
+    leaves ``out`` ``unwritten``, negates ``wrong-rows`` (the last 10, which see keys in every
+    case), or returns a ``wrong-lse``; each call's arguments are recorded."""
+    calls = []
 
+    def fake(qz, **kw):
+        calls.append(kw.pop("schedule", None))
+        if kind == "raises":
+            raise RuntimeError("boom: no kernel image")
+        if kind == "unwritten":
+            return triton.attention(qz, **{**kw, "out": torch.empty_like(kw["out"])})
+        lse = triton.attention(qz, **kw)
+        if kind == "wrong-rows":
+            kw["out"][:, :, -10:] *= -1
+        return lse + 0.01 if kind == "wrong-lse" else lse
 
-def _offset(qz, **kw):
-    lse = kernel_int8.attention(qz, **kw)
-    kw["out"].add_(0.05)
-    return lse
-
-
-def _unwritten(qz, **kw):
-    return kernel_int8.attention(qz, **{**kw, "out": torch.empty_like(kw["out"])})
-
-
-def _lse_off(qz, **kw):
-    lse = kernel_int8.attention(qz, **kw)
-    return None if lse is None else lse + 0.01
+    return fake, calls
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("stand_in,reason", [
-    (_raises, "RuntimeError: boom: no kernel image"),
-    (_offset, "max |gluon - triton| = 0.05"),
-    (_unwritten, "outputs not finite or not written"),
-    (_lse_off, "max |LSE gluon - triton| = 0.01"),
-], ids=["raises", "wrong-values", "unwritten", "wrong-lse"])
-def test_a_failed_check_warns_once_and_keeps_the_triton_kernel(fresh, monkeypatch, stand_in,
+@pytest.mark.parametrize("kind,reason", [
+    ("raises", "RuntimeError: boom: no kernel image"),
+    ("wrong-rows", None),
+    ("unwritten", "outputs not finite or not written"),
+    ("wrong-lse", "max |LSE gluon - triton| = 0.01"),
+])
+def test_a_failed_check_warns_once_and_keeps_the_triton_kernel(routed, monkeypatch, kind,
                                                                 reason):
-    inputs, want = fresh
-    monkeypatch.setattr(gluon_check, "applies", lambda device: True)  # a "capability 9.0" device
-    fake, calls = _counting(stand_in)
-    monkeypatch.setattr(kernel_int8_gluon, "attention", fake)
+    route, inputs, want = routed
+    reason = reason or route.wrong_rows
+    monkeypatch.setattr(route.check, "applies", lambda device: True)  # a device it is written for
+    fake, calls = _stand_in(kind, route.triton)
+    monkeypatch.setattr(route.launcher, "attention", fake)
     monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "gluon")
     with gluon_warnings() as messages:
-        _same(_call(*inputs), want)
+        _same(_call(*inputs, route.recipe), want)
     (message,) = messages
     assert reason in message and "the Triton kernel runs instead" in message
     assert len(calls) == 1  # the check's one case; the call itself ran the Triton kernel
     with no_gluon_warning():  # no second warning, no second check
-        _same(_call(*inputs), want)
+        _same(_call(*inputs, route.recipe), want)
     assert len(calls) == 1
-    assert reason in gluon_check.verdict(torch.device("cpu"))
+    assert reason in route.check.verdict(torch.device("cpu"))
+    other = ROUTES["fp4-sm100" if route.check is gluon_check else "int8-sm90"]
+    assert other.check.verdict(torch.device("cpu")) == "not checked"  # each route its own
 
 
 @pytest.mark.interpreter
-def test_another_triton_version_is_refused_with_the_pin_as_reason(fresh, monkeypatch):
-    inputs, want = fresh
-    monkeypatch.setattr(gluon_check, "applies", lambda device: True)
+def test_another_triton_version_is_refused_with_the_pin_as_reason(routed, monkeypatch):
+    route, inputs, want = routed
+    monkeypatch.setattr(route.check, "applies", lambda device: True)
     monkeypatch.setattr(triton, "__version__", "3.7.0")  # the real launcher, refused before launch
     monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "gluon")
     with gluon_warnings() as messages:
-        _same(_call(*inputs), want)
+        _same(_call(*inputs, route.recipe), want)
     (message,) = messages
     assert "written for Triton 3.6.x, found Triton 3.7.0" in message
 
@@ -245,3 +294,106 @@ def test_the_check_builds_packed_and_per_block_inputs(monkeypatch, case):
 
     monkeypatch.setattr(kernel_int8_gluon, "attention", wrong)
     assert "max |gluon - triton|" in gluon_check._compare(case, torch.device("cpu"), "async")
+
+
+# --- the FP4 recipes: the Gluon FP4 forward for sm_100a (inference/gluon_fp4_check.py) ----------
+
+FP4 = "qk_fp4_pv_fp4"
+
+
+def test_the_fp4_recipes_follow_gluon_but_not_gluon_pingpong(monkeypatch):
+    for value, expected in (("triton", False), ("gluon", True), ("gluon-pingpong", False)):
+        monkeypatch.setenv("LOWBIT_ATTN_KERNEL", value)
+        assert KernelOptions.from_env().gluon_fp4_forward is expected, value
+
+
+def _counting_fp4(fn):
+    """``fn`` standing in for ``kernel_fp4_gluon.attention``; each call's head dim recorded."""
+    calls = []
+
+    def wrapper(qz, **kw):
+        calls.append(kw["head_dim"])
+        return fn(qz, **kw)
+
+    return wrapper, calls
+
+
+@pytest.mark.interpreter
+def test_a_passed_fp4_check_admits_the_gluon_forward_for_what_it_takes(monkeypatch,
+                                                                        triton_backend):
+    """A stand-in with the Triton FP4 kernel's results passes; later FP4 calls go to it, what
+    it refuses (ValueError before launching, as the real launcher does for D ≠ 128) to the
+    Triton kernel; ``gluon-pingpong`` leaves the FP4 recipes on the Triton kernel."""
+    inputs, want = _fresh(monkeypatch, ROUTES["fp4-sm100"])
+
+    def in_scope(qz, **kw):
+        if kw["head_dim"] != 64:
+            raise ValueError("head dim must be one of (64,) for the stand-in")
+        return kernel_fp4.attention(qz, **kw)
+
+    monkeypatch.setattr(gluon_fp4_check, "applies", lambda device: True)
+    fake, calls = _counting_fp4(in_scope)
+    monkeypatch.setattr(kernel_fp4_gluon, "attention", fake)
+    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "gluon")
+    with no_gluon_warning():
+        _same(_call(*inputs, FP4), want)
+        assert gluon_fp4_check.verdict(torch.device("cpu")) is None
+        assert calls == [64, 64]  # the check, then the call
+        _same(_call(*inputs, FP4), want)
+        assert len(calls) == 3
+        q32, k32, v32 = _inputs(d=32)
+        got = _call(q32, k32, v32, FP4)
+        assert calls[3:] == [32]  # tried, refused
+        monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "gluon-pingpong")
+        _same(_call(*inputs, FP4), want)
+        assert len(calls) == 4  # not tried
+    monkeypatch.delenv("LOWBIT_ATTN_KERNEL")
+    _same(got, _call(q32, k32, v32, FP4))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("case", [
+    gluon_fp4_check.Case(1, 2, 1, 30, 45, "mxfp4", causal=False, lse=True, two_level=False,
+                         smooth_v=True, d=64),
+    gluon_fp4_check.Case(1, 2, 1, 40, 20, "nvfp4", causal=True, lse=True, offset=-25, d=64),
+], ids=str)
+def test_the_fp4_check_builds_its_inputs(monkeypatch, case):
+    """The FP4 check's cases run end to end on the interpreter, the Triton FP4 kernel standing
+    in for the Gluon one: agreement gives no reason, wrong rows give one."""
+    monkeypatch.setattr(kernel_fp4_gluon, "attention", kernel_fp4.attention)
+    assert gluon_fp4_check._compare(case, torch.device("cpu")) is None
+    monkeypatch.setattr(kernel_fp4_gluon, "attention", _stand_in("wrong-rows", kernel_fp4)[0])
+    assert "cosine" in gluon_fp4_check._compare(case, torch.device("cpu"))
+
+
+def test_the_fp4_check_cases_are_what_the_gluon_launcher_covers():
+    """Every check case reaches the Gluon kernel (D=128, the recipes' blocks), so the check tests
+    the kernel and not the fallback; both formats, both P̃ modes, causal and not, LSE and V's
+    mean are among them."""
+    cases = gluon_fp4_check.CASES
+    assert all(c.d == 128 for c in cases)
+    for recipe in gluon_fp4_check.RECIPES.values():
+        r = lowbit_attn.get_recipe(recipe)
+        assert (r.block_q, r.block_k, r.smooth_q, r.smooth_k) == (128, 64, True, True)
+    assert {c.fmt for c in cases} == {"nvfp4", "mxfp4"}
+    assert {c.two_level for c in cases} == {True, False}
+    assert {c.causal for c in cases} == {True, False}
+    assert any(c.lse for c in cases) and any(c.smooth_v for c in cases)
+    assert abs(gluon_fp4_check.CHECK_COSINE - 0.9996) < 1e-5
+
+
+@pytest.mark.interpreter
+def test_the_gluon_fp4_kernel_run_by_the_cpu_model_passes_its_check():
+    """The whole check (every case of ``gluon_fp4_check.CASES``) with the real Gluon FP4 kernel
+    run by the CPU model (``tools/gluon_cpu.py``, the GPU's fused FMA, the eager interleaving)
+    against the Triton FP4 kernel under the interpreter: the tolerances admit the kernel as far
+    as the model can tell (the GPU's own roundings are what it cannot see)."""
+    from lowbit_attn.tools import gluon_cpu
+
+    try:
+        kernel_fp4_gluon.check_version()
+    except RuntimeError as e:  # pragma: no cover - another Triton
+        pytest.skip(str(e))
+    with gluon_cpu.kernel_on_cpu(kernel_fp4_gluon, "_attn_fwd_fp4_gluon_kernel", schedule="eager",
+                                 numerics=gluon_cpu.Numerics(fused_fma=True)):
+        assert gluon_fp4_check.self_check(torch.device("cpu")) is None

@@ -10,14 +10,18 @@ from the environment once per call by the custom op that needs it and passed dow
 - ``LOWBIT_ATTN_TRAIN_DQ``: ``recompute`` (default: a dQ kernel that recomputes S and dP per query
   block; deterministic) or ``atomic`` (the dK/dV kernel adds each tile's dS·K into an fp32
   buffer: two fewer matmuls per tile, summation order not fixed).
-- ``LOWBIT_ATTN_KERNEL``: ``triton`` (default: the Triton INT8 attention kernel), ``gluon`` (the
+- ``LOWBIT_ATTN_KERNEL``: ``triton`` (default: the Triton attention kernels), ``gluon`` (the
   Gluon forward for Hopper, ``inference/kernel_int8_gluon.py``, where it applies: a CUDA device of
-  capability 9.0, the INT8 recipes (FP8 or fp16 P·V), D = 64 or 128; the Triton kernel elsewhere) or
-  ``gluon-pingpong`` (its warp-specialized schedule, ``inference/kernel_int8_gluon_pingpong.py``,
-  where the same applies).
+  capability 9.0, the INT8 recipes (FP8 or fp16 P·V), D = 64 or 128; and the Gluon FP4 forward for
+  Blackwell, ``inference/kernel_fp4_gluon.py``, where it applies: a CUDA device of capability
+  10.x (sm_100a), the FP4 recipes (NVFP4, MXFP4), D = 128, the default 128-row query and 64-key
+  blocks; the Triton kernels elsewhere) or ``gluon-pingpong`` (the Hopper forward's
+  warp-specialized schedule, ``inference/kernel_int8_gluon_pingpong.py``, where the same applies;
+  FP4 recipes keep the Triton kernel under it).
   Admitted on a device only after a one-time check against the Triton kernel there
-  (``inference/gluon_check.py``). Not run on a GPU yet, hence never the default. On a CPU (the
-  interpreter) it is accepted and changes nothing: Triton has no Gluon interpreter.
+  (``inference/gluon_check.py``, ``inference/gluon_fp4_check.py``). Neither has run on a GPU yet
+  (the FP4 one runs on the CPU model ``tools/gluon_cpu.py`` only), hence never the default. On a
+  CPU (the interpreter) it is accepted and changes nothing: Triton has no Gluon interpreter.
 
 Why the defaults are what they are: ``benchmarks/NOTES.md``. Each option is used on the Triton
 backend only; the PyTorch twins take the object and compute the same values.
@@ -73,6 +77,11 @@ class KernelOptions:
     @property
     def gluon_forward(self) -> bool:
         return self.kernel in GLUON_SCHEDULES
+
+    @property
+    def gluon_fp4_forward(self) -> bool:
+        """Whether the FP4 recipes go to the Gluon FP4 forward where it applies (``gluon``)."""
+        return self.kernel == "gluon"
 
     @property
     def gluon_schedule(self) -> str | None:

@@ -33,6 +33,11 @@ the same. The fp16 P·V case is held to the same bounds (looser than that recipe
 there to catch layout and indexing mistakes, not last bits). Two kernels that both meet that bound differ by at most twice it (triangle inequality;
 for the cosine, angles add: ``arccos 0.99999 = 4.47e-3`` rad, twice that is cosine ``0.99996``). A
 layout or indexing mistake moves whole rows or tiles and lands far outside these bounds.
+
+The admit / refuse / warn-once / fall-back machinery is shared with the Gluon FP4 forward for
+sm_100a (:mod:`~lowbit_attn.inference.gluon_fp4_check`): :func:`admit` (one verdict per process,
+device and kernel, none during a capture), :func:`run_cases` (any exception is a reason),
+:func:`compare_outputs` and :func:`dispatch` (the launcher's ``ValueError`` → the Triton kernel).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import contextlib
 import os
 import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -105,7 +111,9 @@ CASES = (
 )
 
 _lock = threading.Lock()
-# (process id, device index, schedule) → None (admitted) or why not; a forked child checks again.
+# (process id, device index, kernel) → None (admitted) or why not; a forked child checks again.
+# The kernel: a schedule of the Hopper forward ("async", "pingpong") or another Gluon forward's
+# name ("fp4", gluon_fp4_check).
 _verdicts: dict[tuple[int, int | None, str], str | None] = {}
 
 
@@ -132,19 +140,28 @@ def admitted(device: torch.device, schedule: str = "async") -> bool:
     """Whether the Gluon forward with ``schedule`` (``kernel_int8_gluon.SCHEDULES``; each is
     checked on its own) has passed its check on ``device``, running the check (and warning once
     if it fails) at the first call in this process."""
-    key = _key(device, schedule)
+    return admit(device, schedule, lambda: self_check(device, schedule),
+                 f"LOWBIT_ATTN_KERNEL={_VARIABLE_VALUE[schedule]}: the Gluon attention forward "
+                 f"({schedule} schedule)", "the Triton kernel")
+
+
+def admit(device: torch.device, kernel: str, check: Callable[[], str | None], what: str,
+          triton: str) -> bool:
+    """Whether ``kernel`` (a key of the verdicts) is admitted on ``device``: ``check()`` (``None``
+    or why not) runs at the first call in this process outside a CUDA graph capture, and a
+    failure warns once (``what`` failed its check against ``triton``…)."""
+    key = _key(device, kernel)
     with _lock:
         if key not in _verdicts:
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 return False  # no check inside a capture; the next call outside one runs it
-            reason = self_check(device, schedule)
+            reason = check()
             _verdicts[key] = reason
             if reason is not None:
                 warnings.warn(
-                    f"LOWBIT_ATTN_KERNEL={_VARIABLE_VALUE[schedule]}: the Gluon attention forward "
-                    f"({schedule} schedule) failed its check against the Triton kernel on "
-                    f"{device} ({reason}); the Triton kernel runs instead for the rest of this "
-                    "process", RuntimeWarning, stacklevel=2)
+                    f"{what} failed its check against {triton} on {device} ({reason}); the "
+                    "Triton kernel runs instead for the rest of this process", RuntimeWarning,
+                    stacklevel=3)
         return _verdicts[key] is None
 
 
@@ -152,17 +169,62 @@ def self_check(device: torch.device, schedule: str = "async") -> str | None:
     """Run :data:`CASES` through both kernels on ``device``: ``None`` if every output (and LSE)
     agrees within the module's tolerances, else the first reason it does not (a mismatch, or the
     exception raised)."""
+    return run_cases(device, CASES, lambda case: _compare(case, device, schedule))
+
+
+def run_cases(device: torch.device, cases, compare: Callable[[object], str | None]) -> str | None:
+    """``compare(case)`` for each case on ``device`` (no grad): the first reason, naming its case,
+    or the exception one raised (any exception: a kernel that fails to import, compile or launch
+    is refused with its reason), else ``None``."""
     try:
         guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
         with torch.no_grad(), guard:
-            for case in CASES:
-                reason = _compare(case, device, schedule)
+            for case in cases:
+                reason = compare(case)
                 if reason is not None:
                     return f"{case}: {reason}"
     except Exception as exc:  # noqa: BLE001 - any failure keeps the Triton kernel, with its reason
         lines = str(exc).strip().splitlines()
         return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:500]
     return None
+
+
+def compare_outputs(got: torch.Tensor, want: torch.Tensor, got_lse, want_lse, *,
+                    atol: float | None, cosine: float, lse_atol: float,
+                    lse_rtol: float = 0.0) -> str | None:
+    """Why the Gluon output (and LSE, when ``want_lse`` is given) is not within the bounds of the
+    Triton kernel's, or ``None``: every output finite and written, ``max |got − want| ≤ atol``
+    (unless ``None``), cosine ``≥ cosine``, ``|LSE| ≤ lse_atol + lse_rtol·|want LSE|`` (equal
+    LSEs, -inf of rows that saw no key included, differ by 0)."""
+    if not bool(torch.isfinite(got).all()):
+        return f"{int((~torch.isfinite(got)).sum())} outputs not finite or not written"
+    err = float((got.float() - want.float()).abs().max()) if got.numel() else 0.0
+    if atol is not None and err > atol:
+        return f"max |gluon - triton| = {err:.3g} > {atol}"
+    cos = cosine_similarity(got, want)
+    if not cos >= cosine:
+        return f"cosine {cos:.6f} < {cosine}"
+    if want_lse is not None:  # rows that saw no key: -inf on both sides, no difference
+        diff = torch.where(got_lse == want_lse, 0.0, (got_lse - want_lse).abs())
+        excess = diff - lse_rtol * want_lse.abs()
+        lse_err = float(diff.max())
+        if not float(excess.max()) <= lse_atol:
+            return (f"max |LSE gluon - triton| = {lse_err:.3g} > {lse_atol}"
+                    + (f" + {lse_rtol}·|LSE|" if lse_rtol else ""))
+    return None
+
+
+def dispatch(device: torch.device, applies_here: Callable[[torch.device], bool],
+             admitted_here: Callable[[torch.device], bool], gluon: Callable[[], object],
+             triton: Callable[[], object]):
+    """``gluon()`` where it applies on ``device`` and is admitted there, unless it raises
+    ``ValueError`` (refused before launching: not a case it covers); ``triton()`` otherwise."""
+    if applies_here(device) and admitted_here(device):
+        try:
+            return gluon()
+        except ValueError:
+            pass
+    return triton()
 
 
 def _compare(case: Case, device: torch.device, schedule: str) -> str | None:
@@ -198,19 +260,8 @@ def _compare(case: Case, device: torch.device, schedule: str) -> str | None:
     want, got = torch.empty_like(q), torch.full_like(q, float("nan"))
     want_lse = kernel_int8.attention(qz, out=want, **kw)
     got_lse = kernel_int8_gluon.attention(qz, out=got, schedule=schedule, **kw)
-    if not bool(torch.isfinite(got).all()):
-        return f"{int((~torch.isfinite(got)).sum())} outputs not finite or not written"
-    err = float((got.float() - want.float()).abs().max())
-    if err > CHECK_ATOL:
-        return f"max |gluon - triton| = {err:.3g} > {CHECK_ATOL}"
-    cos = cosine_similarity(got, want)
-    if not cos >= CHECK_COSINE:
-        return f"cosine {cos:.6f} < {CHECK_COSINE}"
-    if case.lse:
-        lse_err = float((got_lse - want_lse).abs().max())
-        if not lse_err <= CHECK_LSE_ATOL:
-            return f"max |LSE gluon - triton| = {lse_err:.3g} > {CHECK_LSE_ATOL}"
-    return None
+    return compare_outputs(got, want, got_lse, want_lse if case.lse else None, atol=CHECK_ATOL,
+                           cosine=CHECK_COSINE, lse_atol=CHECK_LSE_ATOL)
 
 
 def attention(qz, *, out: torch.Tensor, pv: str, granularity: str, block_q: int, block_k: int,
@@ -221,14 +272,15 @@ def attention(qz, *, out: torch.Tensor, pv: str, granularity: str, block_q: int,
     the Triton kernel."""
     kw = dict(out=out, pv=pv, granularity=granularity, block_q=block_q, block_k=block_k,
               causal_offset=causal_offset, return_lse=return_lse, seqs_q=seqs_q, seqs_k=seqs_k)
-    if applies(out.device) and admitted(out.device, schedule):
+
+    def gluon():
         from lowbit_attn.inference import kernel_int8_gluon
 
-        try:
-            return kernel_int8_gluon.attention(qz, schedule=schedule, **kw)
-        except ValueError:  # refused before launching: not a case the Gluon forward covers
-            pass
-    return kernel_int8.attention(qz, **kw)
+        return kernel_int8_gluon.attention(qz, schedule=schedule, **kw)
+
+    return dispatch(out.device, applies, lambda device: admitted(device, schedule), gluon,
+                    lambda: kernel_int8.attention(qz, **kw))
 
 
-__all__ = ["CASES", "Case", "admitted", "applies", "attention", "self_check", "verdict"]
+__all__ = ["CASES", "Case", "admit", "admitted", "applies", "attention", "compare_outputs",
+           "dispatch", "run_cases", "self_check", "verdict"]

@@ -118,6 +118,18 @@ def quantize_p(p, NV: gl.constexpr, GROUP: gl.constexpr):
 
 
 @gluon.jit
+def exp2_shifted(s, mult, shift, SCALED: gl.constexpr):
+    """``exp2(s·mult + shift)`` per row (``shift`` ``[M]``): one FMA on the raw products, as
+    ``gluon_blocks.softmax_block`` folds the multiplier, or, when ``SCALED`` (the scores already
+    times ``mult`` plus ΔS, ``kernel_fp4``'s order), ``exp2(s + shift)``: the twin's
+    ``s − (max − log2 peak)`` (negating is exact)."""
+    if SCALED:
+        return gl.exp2(s + shift[:, None])
+    else:
+        return gl.exp2(gl.fma(s, mult, shift[:, None]))
+
+
+@gluon.jit
 def correct(i, pv_tmem, o_tmem, pv_ready, pv_free, alpha, s1, BLOCK_M: gl.constexpr):
     """``O = O·α(i) + PV·s1(i)`` once P̃(i)·V(i) is done, ``O_SLICE`` columns at a time; PV is
     released after its last slice is read."""
@@ -138,14 +150,16 @@ def correct(i, pv_tmem, o_tmem, pv_ready, pv_free, alpha, s1, BLOCK_M: gl.conste
 
 
 @gluon.jit
-def epilogue(o_tmem, l_i, m_i, O, LSE, VG, VM, o_strides, lse_strides, vg_strides, vm_strides,
-              b, h, hk, pid_m, nq, sl_rl: gl.constexpr, NV: gl.constexpr,
-              HAS_VMEAN: gl.constexpr, WRITE_LSE: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_D: gl.constexpr):
-    """``O / l`` (× V's tensor scale, + V's mean), rows that saw no key 0, and the LSE, in
-    ``kernel_fp4``'s order (``normalize_rows``, then the scale)."""
+def epilogue(o_tmem, l_i, m_i, O, LSE, LSH, VG, VM, o_strides, lse_strides, lsh_strides,
+              vg_strides, vm_strides, b, h, hk, pid_m, nq, sl_rl: gl.constexpr,
+              NV: gl.constexpr, HAS_VMEAN: gl.constexpr, HAS_LSH: gl.constexpr,
+              WRITE_LSE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr):
+    """``O / l`` (× V's tensor scale, + V's mean), rows that saw no key 0, and the LSE (+ the
+    K-smoothing shift ``LSH`` when ``HAS_LSH``), in ``kernel_fp4``'s order (``normalize_rows``,
+    then the scale; ``store_lse``)."""
     sob, soh, son, sod = o_strides
     seb, seh, sen = lse_strides
+    slb, slh, sln = lsh_strides
     sgvb, sgvh = vg_strides
     svmb, svmh = vm_strides
     rows: gl.constexpr = gl.SliceLayout(1, sl_rl)
@@ -167,10 +181,10 @@ def epilogue(o_tmem, l_i, m_i, O, LSE, VG, VM, o_strides, lse_strides, vg_stride
                  out.to(O.dtype.element_ty), mask=mmask[:, None])
     if WRITE_LSE:
         offs_ms = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, m_i.type.layout)
-        store_lse(LSE, b * seb + h * seh + offs_ms * sen, None, 0, m_i, l_i, 0.0, offs_ms < nq,
-                  False)
+        store_lse(LSE, b * seb + h * seh + offs_ms * sen, LSH, b * slb + h * slh + offs_ms * sln,
+                  m_i, l_i, 0.0, offs_ms < nq, HAS_LSH)
 
 
-__all__ = ["O_SLICE", "correct", "epilogue", "key_scales", "load_scales", "publish_key_scales",
+__all__ = ["O_SLICE", "correct", "epilogue", "exp2_shifted", "key_scales", "load_scales", "publish_key_scales",
            "quantize_p", "scale_smem_layout", "scale_type", "v_scales_by_copy",
            "value_scales"]

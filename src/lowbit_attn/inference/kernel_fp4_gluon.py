@@ -1,7 +1,8 @@
 """FP4 attention forward for Blackwell (sm_100a) in Gluon: block-scaled ``tcgen05`` products with
-the accumulators in tensor memory, warp-specialized. First version, opt-in, **compiled, never run on a GPU**: no GPU able to run
-sm_100a code was available and Gluon has no interpreter; it is not wired into the dispatch. Its
-own code runs on the CPU under the project's model of Gluon (``tools/gluon_cpu.py``: tensor
+the accumulators in tensor memory, warp-specialized. First version, opt-in, **compiled, never
+run on a GPU**: no GPU able to run sm_100a code was available and Gluon has no interpreter. The
+FP4 recipes reach it under ``LOWBIT_ATTN_KERNEL=gluon`` on capability 10.x devices only after a
+first-use check against ``kernel_fp4`` there (``inference/gluon_fp4_check.py``). Its own code runs on the CPU under the project's model of Gluon (``tools/gluon_cpu.py``: tensor
 memory, ``tcgen05_mma_scaled``/``tcgen05_copy``, TMA, mbarriers, the three partitions under three
 interleavings), bit-equal to the twin ``naive.fp4_attention`` with the model's FMA rounding twice
 (``tests/inference/test_gluon_fp4_schedule.py``, which also breaks its protocol in known ways):
@@ -13,9 +14,13 @@ scales of Q and K), online softmax in base 2, ``p = exp2(s − block_max + log2 
 quantized per row in groups of keys (E4M3 ``amax/6`` or E8M0 scales, ``quant.fp4`` helpers), then
 E2M1 by the hardware conversion (``quant.fp4.E2M1X2_PTX``), P̃·V block-scaled with V's group scales
 along keys, ``acc = acc·α + pv·s1``, keys past the end and past the causal diagonal masked as
-there. Differences are fp32 roundings: the exp2's argument is one FMA (``s·mult − shift``, as
-``gluon_blocks.softmax_block`` folds it) where ``kernel_fp4`` rounds ``s·mult`` first, and the
-MMA's order of additions.
+there; ΔS (``smooth_q``, ``DS [B, Hq, query block, key]``: the softmax partition loads its query
+tile's 64 values of each key block) added to the scores and K's LSE shift (``smooth_k`` with
+LSE, ``LSH [B, Hq, token]``) added to the LSE, in ``kernel_fp4``'s order (``finish_scores``,
+``store_lse``). Differences are fp32 roundings: without ΔS the exp2's argument is one FMA
+(``s·mult − shift``, as ``gluon_blocks.softmax_block`` folds it) where ``kernel_fp4`` rounds
+``s·mult`` first (with ΔS the scores are ``s·mult + ΔS`` as there, and the argument
+``s − shift``), and the MMA's order of additions.
 
 One program computes ``BLOCK_M`` = 128 query rows of one (batch, query head); partitions:
 
@@ -38,9 +43,11 @@ j+1 starts on scores that are already there. P̃·V goes to its own buffer (not 
 the two-level ``s1`` multiplies each block's product row by row, which an MMA cannot do.
 
 Left out (the launcher refuses them): 128-key blocks (tensor memory: 2·128 columns of S + O +
-PV fill the 512 before the scales), ΔS (``smooth_q``), the LSE shift (``smooth_k`` with LSE),
-packed sequences, head dims other than 128, ``block_q`` ≠ 128. Kept: causal (bottom-right
-``causal_offset``), V's channel mean (epilogue), the LSE, one-level P̃ (``two_level=False``).
+PV fill the 512 before the scales), packed sequences, head dims other than 128 (D=64: Q's
+MXFP4 scale tile has 2 columns and V's NVFP4 one 64 rows, neither copyable by ``tcgen05.cp``:
+both would move to the register path), ``block_q`` ≠ 128. Kept: causal (bottom-right
+``causal_offset``), ΔS, the LSE shift, V's channel mean (epilogue), the LSE, one-level P̃
+(``two_level=False``).
 Known risks only a GPU can settle: the scale layouts in shared memory for ``tcgen05_copy`` (the
 cuBLAS atom, from the r18 research snippets), the 64-key scale tiles, timing.
 """
@@ -65,7 +72,7 @@ from lowbit_attn.core.triton_helpers import (
 )
 from lowbit_attn.inference.kernel_int8_gluon import check_version
 from lowbit_attn.inference.gluon_fp4_blocks import (
-    O_SLICE, correct, epilogue, key_scales, load_scales, publish_key_scales, quantize_p,
+    O_SLICE, correct, epilogue, exp2_shifted, key_scales, load_scales, publish_key_scales, quantize_p,
     scale_smem_layout, scale_type, v_scales_by_copy, value_scales,
 )
 from lowbit_attn.quant.fp4 import scale_operand
@@ -175,8 +182,9 @@ def _mma(n_blocks, q_smem, k_smem, v_smem, p_smem, qs_smem, vs_smem, s_tmem, pv_
 @gluon.jit
 def _softmax_step(j, s_tmem, p_smem, ps_tmem, pv_tmem, o_tmem, ks_tmem, vs_tmem, s_ready,
                   s_free, p_ready, pv_ready, pv_free, ks_ready, m_i, l_i, alpha, s1, ks, mult,
-                  nk, n_blocks, KS, sksn, VS, svsd, row0, causal_offset, BLOCK_D: gl.constexpr,
-                  MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, NV: gl.constexpr,
+                  nk, n_blocks, KS, sksn, VS, svsd, DS, ds_off, sdn, row0, causal_offset,
+                  BLOCK_D: gl.constexpr, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                  HAS_DS: gl.constexpr, NV: gl.constexpr,
                   TWO_LEVEL: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr):
     """Key block ``j``: its P̃ and scales handed to the MMA warp, then block ``j−1``'s correction
@@ -194,27 +202,33 @@ def _softmax_step(j, s_tmem, p_smem, ps_tmem, pv_tmem, o_tmem, ks_tmem, vs_tmem,
     mbarrier.wait(s_ready.index(stage), (j // 2) & 1)
     s = s_tmem.index(stage).load(s_rl)
     mbarrier.arrive(s_free.index(stage), count=1)
-    if MASKED:  # keys past the end or past the causal diagonal: -inf
+    if HAS_DS or MASKED:
         cols = j * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_rl))
         offs_m = row0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, s_rl))
-        s = finish_scores(s, cols, cols < nk, offs_m, causal_offset, None, 0, False, True,
-                          IS_CAUSAL)
-    # The multiplier folded as in gluon_blocks.softmax_block: the max on the products, scaled
-    # once per row (exact: mult > 0), and the exp2's argument one FMA per score (kernel_fp4
-    # rounds s·mult first: one fp32 rounding apart).
-    block_max = gl.max(s, axis=1) * mult
+    if HAS_DS:  # kernel_fp4's order: s·mult, + ΔS of the block's keys, then the masks
+        s = finish_scores(s * mult, cols, cols < nk, offs_m, causal_offset, DS + ds_off, sdn,
+                          True, MASKED, IS_CAUSAL)
+        block_max = gl.max(s, axis=1)
+    else:
+        if MASKED:  # keys past the end or past the causal diagonal: -inf
+            s = finish_scores(s, cols, cols < nk, offs_m, causal_offset, None, 0, False, True,
+                              IS_CAUSAL)
+        # The multiplier folded as in gluon_blocks.softmax_block: the max on the products,
+        # scaled once per row (exact: mult > 0), and the exp2's argument one FMA per score
+        # (kernel_fp4 rounds s·mult first: one fp32 rounding apart).
+        block_max = gl.max(s, axis=1) * mult
     m_new, m_safe, alpha_new = online_max(m_i, block_max)
     if TWO_LEVEL:
         b_safe = gl.where(block_max == float("-inf"), 0.0, block_max)
         if NV:
-            p = gl.exp2(gl.fma(s, mult, (_LOG2_PEAK_NV - b_safe)[:, None]))
+            p = exp2_shifted(s, mult, _LOG2_PEAK_NV - b_safe, HAS_DS)
             s1_new = gl.exp2(block_max - m_safe) * _INV_PEAK_NV
         else:
-            p = gl.exp2(gl.fma(s, mult, (_LOG2_PEAK_MX - b_safe)[:, None]))
+            p = exp2_shifted(s, mult, _LOG2_PEAK_MX - b_safe, HAS_DS)
             s1_new = gl.exp2(block_max - m_safe) * _INV_PEAK_MX
         s1_new = gl.where(block_max == float("-inf"), 0.0, s1_new)  # never 0·inf
     else:
-        p = gl.exp2(gl.fma(s, mult, -m_safe[:, None]))
+        p = exp2_shifted(s, mult, -m_safe, HAS_DS)
         s1_new = gl.full([BLOCK_M], 1.0, gl.float32, gl.SliceLayout(1, s_rl))
     l_i = l_i * alpha_new + gl.sum(p, axis=1) * s1_new
     packed, codes = quantize_p(p, NV, GROUP)
@@ -241,11 +255,12 @@ def _softmax_step(j, s_tmem, p_smem, ps_tmem, pv_tmem, o_tmem, ks_tmem, vs_tmem,
 
 @gluon.jit
 def _softmax(s_tmem, p_smem, ps_tmem, pv_tmem, o_tmem, ks_tmem, vs_tmem, s_ready, s_free,
-             p_ready, pv_ready, pv_free, ks_ready, KS, sksn, VS, svsd, O, LSE, VG, VM, o_strides,
-             lse_strides, vg_strides, vm_strides, b, h, hk, pid_m, nq, nk, n_full, n_blocks, mult,
-             causal_offset,
+             p_ready, pv_ready, pv_free, ks_ready, KS, sksn, VS, svsd, DS, ds_off, sdn, O, LSE,
+             LSH, VG, VM, o_strides, lse_strides, lsh_strides, vg_strides, vm_strides, b, h, hk,
+             pid_m, nq, nk, n_full, n_blocks, mult, causal_offset,
              IS_CAUSAL: gl.constexpr, NV: gl.constexpr, TWO_LEVEL: gl.constexpr,
-             HAS_VMEAN: gl.constexpr, WRITE_LSE: gl.constexpr, GROUP: gl.constexpr,
+             HAS_VMEAN: gl.constexpr, HAS_DS: gl.constexpr, HAS_LSH: gl.constexpr,
+             WRITE_LSE: gl.constexpr, GROUP: gl.constexpr,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr):
     """The default partition: the key-block loops (whole blocks, then the tail), the last
     correction and the epilogue."""
@@ -270,35 +285,37 @@ def _softmax(s_tmem, p_smem, ps_tmem, pv_tmem, o_tmem, ks_tmem, vs_tmem, s_ready
         m_i, l_i, alpha, s1, ks = _softmax_step(
             j, s_tmem, p_smem, ps_tmem, pv_tmem, o_tmem, ks_tmem, vs_tmem, s_ready, s_free,
             p_ready, pv_ready, pv_free, ks_ready, m_i, l_i, alpha, s1, ks, mult, nk, n_blocks,
-            KS, sksn, VS, svsd, pid_m * BLOCK_M, causal_offset, BLOCK_D, False, IS_CAUSAL, NV,
-            TWO_LEVEL, GROUP, BLOCK_M, BLOCK_N)
+            KS, sksn, VS, svsd, DS, ds_off, sdn, pid_m * BLOCK_M, causal_offset, BLOCK_D, False,
+            IS_CAUSAL, HAS_DS, NV, TWO_LEVEL, GROUP, BLOCK_M, BLOCK_N)
     for j in range(n_full, n_blocks):
         m_i, l_i, alpha, s1, ks = _softmax_step(
             j, s_tmem, p_smem, ps_tmem, pv_tmem, o_tmem, ks_tmem, vs_tmem, s_ready, s_free,
             p_ready, pv_ready, pv_free, ks_ready, m_i, l_i, alpha, s1, ks, mult, nk, n_blocks,
-            KS, sksn, VS, svsd, pid_m * BLOCK_M, causal_offset, BLOCK_D, True, IS_CAUSAL, NV,
-            TWO_LEVEL, GROUP, BLOCK_M, BLOCK_N)
+            KS, sksn, VS, svsd, DS, ds_off, sdn, pid_m * BLOCK_M, causal_offset, BLOCK_D, True,
+            IS_CAUSAL, HAS_DS, NV, TWO_LEVEL, GROUP, BLOCK_M, BLOCK_N)
     if n_blocks > 0:
         correct(n_blocks - 1, pv_tmem, o_tmem, pv_ready, pv_free, alpha, s1, BLOCK_M)
-    epilogue(o_tmem, l_i, m_i, O, LSE, VG, VM, o_strides, lse_strides, vg_strides, vm_strides,
-             b, h, hk, pid_m, nq, sl_rl, NV, HAS_VMEAN, WRITE_LSE, BLOCK_M, BLOCK_D)
+    epilogue(o_tmem, l_i, m_i, O, LSE, LSH, VG, VM, o_strides, lse_strides, lsh_strides,
+             vg_strides, vm_strides, b, h, hk, pid_m, nq, sl_rl, NV, HAS_VMEAN, HAS_LSH,
+             WRITE_LSE, BLOCK_M, BLOCK_D)
 
 
 @gluon.jit
 def _attn_fwd_fp4_gluon_kernel(
-    Q, QS, K, KS, V, VS, QG, KG, VG, VM, O, LSE,
+    Q, QS, K, KS, V, VS, QG, KG, VG, VM, DS, LSH, O, LSE,
     q_strides, qs_strides, k_strides, ks_strides, v_strides, vs_strides, qg_strides, kg_strides,
-    vg_strides, vm_strides, o_strides, lse_strides,
+    vg_strides, vm_strides, ds_strides, lsh_strides, o_strides, lse_strides,
     NQ, NK, V_COLS, HQ, GROUP_HEADS, qk_multiplier, causal_offset,
     IS_CAUSAL: gl.constexpr, NV: gl.constexpr, TWO_LEVEL: gl.constexpr, HAS_VMEAN: gl.constexpr,
-    WRITE_LSE: gl.constexpr, GROUP: gl.constexpr,
+    HAS_DS: gl.constexpr, HAS_LSH: gl.constexpr, WRITE_LSE: gl.constexpr, GROUP: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
 ):
     """Packed E2M1 ``Q``/``K`` ``[B, H, N, D/2]``, V token-contiguous ``[B, H, D, N'/2]``; their
     group-scale bits (uint8) ``QS``/``KS`` ``[B, H, N, D/GROUP]``, ``VS`` ``[B, H, D, N'/GROUP]``;
     NVFP4 tensor scales ``QG``/``KG``/``VG`` ``[B, H]``; strides (batch, head, row) of each, the
     rows' elements contiguous (``O``: (batch, head, token, dim)); ``V_COLS``: V's bytes per
-    channel (``N'/2``)."""
+    channel (``N'/2``). ΔS ``DS`` ``[B, Hq, query block, key]`` (strides: those four) and the
+    LSE shift ``LSH`` ``[B, Hq, token]`` (three) as in ``kernel_fp4``; either may be None."""
     sqb, sqh, sqn = q_strides
     sqsb, sqsh, sqsn = qs_strides
     skb, skh, skn = k_strides
@@ -318,6 +335,8 @@ def _attn_fwd_fp4_gluon_kernel(
     full_hi, hi = key_block_bounds(NK, pid_m, causal_offset, IS_CAUSAL, BLOCK_M, BLOCK_N)
     n_blocks = gl.cdiv(hi, BLOCK_N)
     n_full = full_hi // BLOCK_N
+    sdb, sdh, sdq, sdn = ds_strides
+    ds_off = b * sdb + h * sdh + pid_m * sdq  # this query block's ΔS row (BLOCK_M rows each)
     mult = qk_multiplier
     if NV:
         mult = mult * (gl.load(QG + b * sgqb + h * sgqh) * gl.load(KG + b * sgkb + hk * sgkh))
@@ -381,10 +400,10 @@ def _attn_fwd_fp4_gluon_kernel(
     gl.warp_specialize([
         (_softmax, (s_tmem, p_smem, ps_tmem, pv_tmem, o_tmem, ks_tmem, vs_tmem, s_ready,
                     s_free, p_ready, pv_ready, pv_free, ks_ready, KS + b * sksb + hk * sksh,
-                    sksn, VS + b * svsb + hk * svsh, svsd, O, LSE, VG, VM, o_strides,
-                    lse_strides, vg_strides, vm_strides, b, h, hk, pid_m, NQ, NK, n_full,
-                    n_blocks, mult, causal_offset, IS_CAUSAL, NV, TWO_LEVEL, HAS_VMEAN,
-                    WRITE_LSE, GROUP, BLOCK_M, BLOCK_N, BLOCK_D)),
+                    sksn, VS + b * svsb + hk * svsh, svsd, DS, ds_off, sdn, O, LSE, LSH, VG, VM,
+                    o_strides, lse_strides, lsh_strides, vg_strides, vm_strides, b, h, hk, pid_m,
+                    NQ, NK, n_full, n_blocks, mult, causal_offset, IS_CAUSAL, NV, TWO_LEVEL,
+                    HAS_VMEAN, HAS_DS, HAS_LSH, WRITE_LSE, GROUP, BLOCK_M, BLOCK_N, BLOCK_D)),
         (_mma, (n_blocks, q_smem, k_smem, v_smem, p_smem, qs_smem, vs_smem, s_tmem,
                 pv_tmem, qs_tmem, ks_tmem, vs_tmem, ps_tmem, q_ready, kv_ready, kv_empty,
                 ks_ready, s_ready, s_free, p_ready, pv_ready, pv_free, FMT,
@@ -413,7 +432,7 @@ __all__ = ["BLOCK_M", "KERNEL", "SOFTMAX_WARPS"]
 
 
 # ---------------------------------------------------------------------------------------------
-# launcher (opt-in: nothing dispatches here yet)
+# launcher (opt-in: LOWBIT_ATTN_KERNEL=gluon, through gluon_fp4_check)
 
 # 64-key blocks only: 128 would need 2×128 columns of S plus O and PV, the whole tensor memory,
 # before the scales (a later version can alias PV with S as the upstream tutorial aliases P).
@@ -466,18 +485,20 @@ def attention(
         _attn_fwd_fp4_gluon_kernel[grid](
             Q=qz.q, QS=_bits(qz.q_scale), K=qz.k, KS=_bits(qz.k_scale), V=qz.v,
             VS=_bits(qz.v_scale), QG=qz.q_global, KG=qz.k_global, VG=qz.v_global, VM=qz.v_mean,
-            O=out, LSE=lse,
+            DS=qz.delta_s, LSH=qz.lse_shift, O=out, LSE=lse,
             q_strides=qz.q.stride()[:3], qs_strides=qz.q_scale.stride()[:3],
             k_strides=qz.k.stride()[:3], ks_strides=qz.k_scale.stride()[:3],
             v_strides=qz.v.stride()[:3], vs_strides=qz.v_scale.stride()[:3],
             qg_strides=_pair(qz.q_global), kg_strides=_pair(qz.k_global),
             vg_strides=_pair(qz.v_global), vm_strides=_pair(qz.v_mean),
+            ds_strides=strides(qz.delta_s, 4), lsh_strides=strides(qz.lse_shift, 3),
             o_strides=out.stride(), lse_strides=strides(lse, 3),
             NQ=nq, NK=nk, V_COLS=qz.v.shape[-1], HQ=hq, GROUP_HEADS=hq // hkv,
             qk_multiplier=float(qz.qk_multiplier),
             causal_offset=0 if causal_offset is None else int(causal_offset),
             IS_CAUSAL=causal_offset is not None,
             NV=nv, TWO_LEVEL=two_level, HAS_VMEAN=qz.v_mean is not None,
+            HAS_DS=qz.delta_s is not None, HAS_LSH=lse is not None and qz.lse_shift is not None,
             WRITE_LSE=lse is not None, GROUP=FP4_GROUP[qz.fmt],
             BLOCK_M=BLOCK_M, BLOCK_N=block_k, BLOCK_D=qz.q.shape[-1] * 2,
             num_warps=SOFTMAX_WARPS,
@@ -492,11 +513,6 @@ def _check_scope(qz: QuantizedFP4, *, head_dim, block_q, block_k, causal_offset)
     if qz.fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {FORMATS} for the Gluon FP4 kernel, "
                          f"got {qz.fmt!r}")
-    if qz.delta_s is not None:
-        raise ValueError("smooth_q (ΔS) is not supported by the Gluon FP4 kernel yet")
-    if qz.lse_shift is not None:
-        raise ValueError("the LSE shift (smooth_k with return_lse) is not supported by the "
-                         "Gluon FP4 kernel yet")
     if block_q != BLOCK_M or block_k not in BLOCK_NS:
         raise ValueError(f"block_q must be {BLOCK_M} and block_k one of {BLOCK_NS} for the "
                          f"Gluon FP4 kernel, got block_q={block_q}, block_k={block_k}")

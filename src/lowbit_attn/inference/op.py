@@ -28,7 +28,9 @@ def kernel(q, k, v, *, out: torch.Tensor, recipe: Recipe, scale: float, causal_o
     :func:`naive` for what has no kernel (the exact recipe). Arguments and result: :func:`run`.
     With ``options.kernel`` ``"gluon"`` or ``"gluon-pingpong"`` the INT8 attention goes through
     :func:`lowbit_attn.inference.gluon_check.attention` (the Gluon forward on sm_90 where it
-    applies and passed its check, the Triton kernel otherwise)."""
+    applies and passed its check, the Triton kernel otherwise); with ``"gluon"`` the FP4
+    attention goes through :func:`lowbit_attn.inference.gluon_fp4_check.attention` (the Gluon
+    FP4 forward on sm_100 likewise)."""
     if recipe.is_exact:
         return naive(q, k, v, out=out, recipe=recipe, scale=scale, causal_offset=causal_offset,
                      return_lse=return_lse, seqs=seqs, options=options)
@@ -40,7 +42,12 @@ def kernel(q, k, v, *, out: torch.Tensor, recipe: Recipe, scale: float, causal_o
         from lowbit_attn.inference import kernel_fp4
 
         qz = quantize_qkv_fp4(q, k, v, recipe, scale, need_lse_shift=return_lse, backend="triton")
-        return kernel_fp4.attention(
+        fp4_forward = kernel_fp4.attention
+        if options.gluon_fp4_forward:  # the Gluon FP4 forward where it applies and passed its check
+            from lowbit_attn.inference import gluon_fp4_check
+
+            fp4_forward = gluon_fp4_check.attention
+        return fp4_forward(
             qz, out=out, head_dim=q.shape[-1], block_q=recipe.block_q, block_k=recipe.block_k,
             causal_offset=causal_offset, two_level=recipe.two_level_p, return_lse=return_lse,
         )

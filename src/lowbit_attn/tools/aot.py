@@ -679,18 +679,23 @@ def record_gluon_launch(*, head_dim: int = 128, causal: bool = False, block_k: i
 
 def record_fp4_gluon_launch(*, recipe: str = "qk_fp4_pv_fp4", head_dim: int = 128,
                             block_k: int = 64, causal: bool = False, return_lse: bool = False,
-                            seq_len: int = 1024, dtype: torch.dtype = torch.float16) -> Launch:
+                            seq_len: int = 1024, dtype: torch.dtype = torch.float16,
+                            smooth_q: bool | None = None,
+                            smooth_k: bool | None = None) -> Launch:
     """The launch of the Gluon Blackwell FP4 forward (``inference.kernel_fp4_gluon``) on the
     operands a dense ``[1, 2, seq_len, head_dim]`` call with the FP4 ``recipe`` (``block_k``
     keys) hands the Triton kernel: that call is recorded, then the Gluon launcher runs on its
-    operands (nothing runs on a device). Without ``smooth_q`` (ΔS) and, with ``return_lse``,
-    without ``smooth_k`` (its LSE shift): what the kernel does not cover yet."""
+    operands (nothing runs on a device). ``smooth_q`` (ΔS) and ``smooth_k`` (with
+    ``return_lse``: the LSE shift): the recipe's defaults unless given (``False, False``: the
+    kernel's first version, without ΔS or the shift)."""
     from lowbit_attn.core.operands import QuantizedFP4
     from lowbit_attn.core.recipes import get_recipe
     from lowbit_attn.inference import kernel_fp4_gluon
 
-    r = get_recipe(recipe).replace(block_k=block_k, smooth_q=False,
-                                   smooth_k=get_recipe(recipe).smooth_k and not return_lse)
+    base = get_recipe(recipe)
+    r = base.replace(block_k=block_k,
+                     smooth_q=base.smooth_q if smooth_q is None else smooth_q,
+                     smooth_k=base.smooth_k if smooth_k is None else smooth_k)
     kw = record_launches(r, head_dim=head_dim, seq_len=seq_len, return_lse=return_lse,
                          dtype=dtype)[-1].kwargs
     (q, qs, qg, *_), (k, ks, kg, *_), (v, vs, vg, *_) = kw["q"], kw["k"], kw["v"]
