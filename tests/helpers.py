@@ -320,3 +320,24 @@ def record_launches(monkeypatch, module, names) -> list:
     for name in names:
         monkeypatch.setattr(module, name, Recorder(getattr(module, name)))
     return launches
+
+
+# Stand-in checks for gluon_check.isolated, run in a child process (which imports this module).
+def check_passes(device, *args):
+    return None
+
+
+def check_fails(device, *args):
+    return f"mismatch on {device} with {args}"
+
+
+def check_crashes(device, *args):
+    import os
+
+    os._exit(3)
+
+
+def check_hangs(device, *args):
+    import time
+
+    time.sleep(60)

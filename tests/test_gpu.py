@@ -158,7 +158,7 @@ def test_gluon_opt_in_passes_its_check_and_runs_in_the_public_call(monkeypatch, 
         warnings.filterwarnings("error", message="LOWBIT_ATTN_KERNEL")
         got = lowbit_attn.attention(q, k, v, recipe="qk_int8_pv_fp8", is_causal=True)
     assert gluon_check.verdict(q.device, schedule) is None
-    assert len(ran) == len(gluon_check.CASES) + 1 and ran[-1] == (q.shape, schedule)
+    assert ran == [(q.shape, schedule)]  # the check ran in a process of its own
     assert float((got.float() - want.float()).abs().max()) <= gluon_check.CHECK_ATOL
     assert lowbit_attn.errors(got, want).cosine >= gluon_check.CHECK_COSINE
 
@@ -220,7 +220,7 @@ def test_gluon_fp4_opt_in_passes_its_check_and_runs_in_the_public_call(monkeypat
         warnings.filterwarnings("error", message="LOWBIT_ATTN_KERNEL")
         got, got_lse = lowbit_attn.attention(q, k, v, **call)
     assert gluon_fp4_check.verdict(q.device) is None
-    assert len(ran) == len(gluon_fp4_check.CASES) + 1
+    assert len(ran) == 1  # the check ran in a process of its own
     assert gluon_check.compare_outputs(
         got, want, got_lse, want_lse, atol=None, cosine=gluon_fp4_check.CHECK_COSINE,
         lse_atol=gluon_fp4_check.CHECK_LSE_ATOL, lse_rtol=gluon_fp4_check.CHECK_LSE_RTOL) is None

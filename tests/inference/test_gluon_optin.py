@@ -397,3 +397,47 @@ def test_the_gluon_fp4_kernel_run_by_the_cpu_model_passes_its_check():
     with gluon_cpu.kernel_on_cpu(kernel_fp4_gluon, "_attn_fwd_fp4_gluon_kernel", schedule="eager",
                                  numerics=gluon_cpu.Numerics(fused_fma=True)):
         assert gluon_fp4_check.self_check(torch.device("cpu")) is None
+
+
+def test_a_cuda_check_runs_in_a_process_of_its_own(monkeypatch):
+    """On a CUDA device the check runs in a child process: its verdict comes back, and a child
+    that crashes (a faulting kernel kills its CUDA context) or hangs refuses the kernel with that
+    as the reason instead of taking the caller down. Stand-in checks from tests/helpers.py; the
+    child builds the device object only, so this runs on a CPU machine."""
+    import os
+
+    import helpers
+
+    monkeypatch.setenv("PYTHONPATH", os.path.dirname(helpers.__file__))
+    cuda = torch.device("cuda", 0)
+    assert gluon_check.isolated(cuda, helpers.check_passes, "async") is None
+    assert gluon_check.isolated(cuda, helpers.check_fails, "async") == (
+        "mismatch on cuda:0 with ('async',)")
+    crashed = gluon_check.isolated(cuda, helpers.check_crashes)
+    assert crashed.startswith("its check's process exited with code 3"), crashed
+    monkeypatch.setattr(gluon_check, "CHECK_TIMEOUT", 2)
+    assert gluon_check.isolated(cuda, helpers.check_hangs) == "its check did not finish in 2 s"
+    ran = []
+    assert gluon_check.checker(torch.device("cpu"), lambda d, s: ran.append((d, s)), "x")() is None
+    assert ran == [(torch.device("cpu"), "x")]  # elsewhere (the CPU stand-ins): in this process
+
+
+def test_packed_calls_run_the_triton_kernel(monkeypatch):
+    """Packed sequences never reach the Gluon forward (both schedules faulted on them on an
+    H100), whether or not it was admitted; the check has no packed case any more."""
+    from lowbit_attn.core.operands import Seqs
+
+    monkeypatch.setattr(gluon_check, "applies", lambda device: True)
+    monkeypatch.setattr(gluon_check, "admitted", lambda device, schedule="async": True)
+    def never(*args, **kwargs):
+        raise AssertionError("the Gluon forward ran a packed call")
+
+    monkeypatch.setattr(kernel_int8_gluon, "attention", never)
+    ran = []
+    monkeypatch.setattr(kernel_int8, "attention", lambda qz, **kw: ran.append(kw["seqs_q"]))
+    seqs = Seqs(1, 4, torch.tensor([0, 4], dtype=torch.int32))
+    gluon_check.attention(None, out=torch.empty(4, 2, 64), pv="fp8", granularity="per_token",
+                          block_q=128, block_k=64, causal_offset=None, return_lse=False,
+                          seqs_q=seqs, seqs_k=seqs)
+    assert ran == [seqs]
+    assert not any(case.lengths for case in gluon_check.CASES)

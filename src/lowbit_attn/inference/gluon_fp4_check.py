@@ -122,7 +122,7 @@ def verdict(device: torch.device) -> str | None:
 def admitted(device: torch.device) -> bool:
     """Whether the Gluon FP4 forward has passed its check on ``device``, running the check (and
     warning once if it fails) at the first call in this process."""
-    return gluon_check.admit(device, KERNEL, lambda: self_check(device),
+    return gluon_check.admit(device, KERNEL, gluon_check.checker(device, self_check),
                              "LOWBIT_ATTN_KERNEL=gluon: the Gluon FP4 attention forward (sm_100a)",
                              "the Triton FP4 kernel")
 
