@@ -7,5 +7,5 @@ import os
 
 def pytest_runtest_logreport(report):
     if report.failed:
-        with open(os.path.join(os.environ["OUT"], "failures.txt"), "a") as f:
+        with open(os.path.join(os.environ.get("OUT", "."), "failures.txt"), "a") as f:
             f.write(f"=== {report.nodeid} [{report.when}]\n{str(report.longrepr)[-2500:]}\n")
