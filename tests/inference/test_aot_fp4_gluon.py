@@ -50,7 +50,7 @@ import torch
 
 from lowbit_attn.core.operands import QuantizedFP4
 from lowbit_attn.inference import kernel_fp4_gluon
-from lowbit_attn.tools import aot, sass
+from lowbit_attn.tools import aot, fp4_gates, sass
 
 pytestmark = pytest.mark.aot
 
@@ -130,29 +130,18 @@ def test_softmax_loop_instruction_budget(softmax_loop, variant):
     assert not any(t.startswith(("LDL", "STL")) for t in softmax_loop)
 
 
-def _syncs(body: list[str]) -> tuple[list[int], list[int]]:
-    """Indices of the loop's mbarrier arrives and waits."""
-    arrives = [i for i, t in enumerate(body) if t.startswith("SYNCS.ARRIVE")]
-    waits = [i for i, t in enumerate(body) if t.startswith("SYNCS.PHASECHK")]
-    return arrives, waits
-
-
 def test_products_run_under_a_whole_softmax_step(softmax_loop):
     """Arrives in program order: K(j+1)'s scales (S(j+1) may be issued), S(j) read, P̃(j)
     written (P̃(j)·V(j) may be issued), PV(j−1) read; waits: S(j), PV(j−1). Each product is
     waited for one step after the arrive that lets it start, with every exp2 in between."""
     body = softmax_loop
-    arrives, waits = _syncs(body)
-    assert len(arrives) == 4 and len(waits) == 2, (arrives, waits)
-    ks_ready, _, p_ready, _ = arrives
-    s_wait, pv_wait = waits
-    assert ks_ready < s_wait < p_ready < pv_wait
+    spans = fp4_gates.product_spans(body)
+    assert spans is not None, [t for t in body if t.startswith("SYNCS")]
+    assert spans["ks_ready"] < spans["s_wait"] < spans["p_ready"] < spans["pv_wait"]
     n = len(body)
-    qk_span = n - ks_ready + s_wait
-    pv_span = n - p_ready + pv_wait
-    assert min(qk_span, pv_span) >= 0.95 * n, (qk_span, pv_span, n)
+    assert min(spans["qk_span"], spans["pv_span"]) >= 0.95 * n, (spans, n)
     ex2 = [i for i, t in enumerate(body) if t.startswith("MUFU.EX2")]
-    assert all(s_wait < i < p_ready for i in ex2)  # the step's exp2s, under both products
+    assert all(spans["s_wait"] < i < spans["p_ready"] for i in ex2)  # under both products
 
 
 def _operands(fmt="nvfp4", d=128, n=256, v_keys=256):

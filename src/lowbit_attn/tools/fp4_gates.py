@@ -52,11 +52,20 @@ def triton_gates(report) -> dict | None:
     return gates
 
 
-def _syncs(body: list[str]) -> tuple[list[int], list[int]]:
-    """Indices of a loop's mbarrier arrives and waits."""
+def product_spans(body: list[str]) -> dict | None:
+    """Where the Gluon softmax loop ``body`` lets each product start and waits for it (indices
+    into the loop) and how many of its instructions each product has to run, from the arrive
+    that enables it, around the loop, to the wait for its result one step later; ``None`` unless
+    the loop has the kernel's four arrives and two waits (:func:`gluon_gates`)."""
     arrives = [i for i, t in enumerate(body) if t.startswith("SYNCS.ARRIVE")]
     waits = [i for i, t in enumerate(body) if t.startswith("SYNCS.PHASECHK")]
-    return arrives, waits
+    if len(arrives) != 4 or len(waits) != 2:
+        return None
+    ks_ready, _, p_ready, _ = arrives
+    s_wait, pv_wait = waits
+    n = len(body)
+    return {"ks_ready": ks_ready, "s_wait": s_wait, "p_ready": p_ready, "pv_wait": pv_wait,
+            "qk_span": n - ks_ready + s_wait, "pv_span": n - p_ready + pv_wait}
 
 
 def gluon_gates(report) -> dict | None:
@@ -75,14 +84,11 @@ def gluon_gates(report) -> dict | None:
     scores = c["BLOCK_M"] * c["BLOCK_N"] // SOFTMAX_THREADS
     gates = {"per_tile": len(body), "scores_per_thread": scores,
              "per_score": round(len(body) / scores, 2), **_counts(body)}
-    arrives, waits = _syncs(body)
-    if len(arrives) == 4 and len(waits) == 2:
-        ks_ready, _, p_ready, _ = arrives
-        s_wait, pv_wait = waits
-        n = len(body)
-        gates["qk_span"] = n - ks_ready + s_wait
-        gates["pv_span"] = n - p_ready + pv_wait
-        gates["exp2_under_both"] = sum(t.startswith("MUFU.EX2") for t in body[s_wait:p_ready])
+    spans = product_spans(body)
+    if spans is not None:
+        gates["qk_span"], gates["pv_span"] = spans["qk_span"], spans["pv_span"]
+        gates["exp2_under_both"] = sum(t.startswith("MUFU.EX2")
+                                       for t in body[spans["s_wait"]:spans["p_ready"]])
     mma = sass.key_block_loops(instructions, mma="UTCOMMA")
     if mma:
         ops = sass.opcode_counts(mma[0])
