@@ -385,8 +385,12 @@ def test_decode_benchmark_runs_on_cpu(tmp_path, monkeypatch, backend):
     assert all(r["status"] == "ok" for r in rows.values())
     assert rows["kv_int8_fp8"]["bytes"] < 0.6 * rows["sdpa_fp16"]["bytes"]
     assert rows["sdpa_fp16"]["cosine"] > 0.99999 and rows["kv_int8_fp8"]["cosine"] > 0.999
-    assert "| 200 | 2 | 2:1 | kv_int8_fp8 |" in (tmp_path / result.name.replace(".json", ".md")
-                                                  ).read_text()
+    table = (tmp_path / result.name.replace(".json", ".md")).read_text()
+    assert "| 200 | 2 | 2:1 | kv_int8_fp8 |" in table
+    # the table names what produced it: the device, the date and the command
+    meta = json.loads(result.read_text())
+    assert table.startswith(f"decode on {meta['device_name']}, {meta['date_utc']}")
+    assert f"Command: `{meta['command']}`" in table
 
 
 def test_hopper_benchmark_runs_every_variant_on_the_interpreter(tmp_path, monkeypatch):

@@ -24,7 +24,17 @@ def save_script_results(outs: Iterable[str], kind: str, results: dict, table: st
         path.mkdir(parents=True, exist_ok=True)
         stem = f"{kind}-{slug(results['device_name'])}-{results['date']}"
         (path / f"{stem}.json").write_text(json.dumps(results, indent=1, default=str))
-        (path / f"{stem}.md").write_text(table + "\n")
+        (path / f"{stem}.md").write_text(provenance(results) + "\n\n" + table + "\n")
+
+
+def provenance(results: dict) -> str:
+    """The lines a saved table starts with: the device, the date and the command that produced
+    it, with the software's versions and the source's revision (from ``make_metadata``)."""
+    v = results.get("versions", {})
+    return (f"{results.get('mode', 'benchmark')} on {results.get('device_name', 'unknown')}, "
+            f"{results.get('date_utc', results.get('date', 'undated'))}\n\n"
+            f"Command: `{results.get('command', '?')}` (source {results.get('git') or 'unknown'}; "
+            f"torch {v.get('torch', '?')}, Triton {v.get('triton', '?')})")
 
 
 def slug(text: str) -> str:
