@@ -213,13 +213,13 @@ AOT_CASES = [  # recipe, cache dtype, n (D=128, 64-token pages, GQA 8)
 @pytest.mark.parametrize("recipe, dtype, n", AOT_CASES)
 def test_the_kernels_compile_without_spills(monkeypatch, recipe, dtype, n, arch):
     """Compiled ahead of time from a recorded launch, with the GPU's flags (not the
-    interpreter's). Measured 2026-11-25 on sm_90a (Triton 3.6, 4 warps; rows ≤ 32, so mma.sync,
-    not wgmma; with Q's balancing): split kernel 190 (fp8, bf16, n=1), 211 (int8, bf16, n=1), 232
-    (fp8, fp16, n=4), 240 (int8, fp16, n=4) registers; the merge kernel 64-96. An fp32 cache: the
-    open page's product in TF32x3 (P̃ is exact in TF32, V split in two: within 2^-22·|V| of fp32)
-    over 8 warps, 228 (fp8, n=1) and 254 (int8, n=4) registers; as an IEEE fp32 product (an FMA
-    loop) it spilled about 5 KB, in TF32x3 over 4 warps 72-296 B. sm_89: 128-247 registers,
-    sm_120a: 156-248, no spills."""
+    interpreter's). Measured 2026-11-25 (Triton 3.6; rows ≤ 32, so mma.sync, not wgmma; with Q's
+    balancing; the full pages pipelined over 5 stages): on sm_90a the split kernel takes 168
+    registers with 16 rows (its cap: ``kernel_decode.split_launch``; 205 uncapped), 242-245 with
+    32 rows (n=4), and with an fp32 cache (8 warps, the open page's product in TF32x3: P̃ is
+    exact in TF32, V split in two, within 2^-22·|V| of fp32) 173 (n=1) to 255 (n=4); the merge
+    kernel 40. As an IEEE fp32 product (an FMA loop) the open page spilled about 5 KB. sm_89:
+    128-255 registers, sm_120a: 128-252, no spills."""
     from lowbit_attn.tools import aot
 
     launches = record_launches(monkeypatch)
@@ -235,3 +235,53 @@ def test_the_kernels_compile_without_spills(monkeypatch, recipe, dtype, n, arch)
         r = aot.compile_launch(launch, arch)
         assert r.error is None, r.error
         assert r.spill_stores == 0 and r.spill_loads == 0, (r.kernel, r.registers, r.spill_stores)
+
+
+def compiled_split_kernel(monkeypatch, arch: str, head_dim: int, recipe: str = "kv_int8_fp8"):
+    """The split kernel's AOT report for a decode step (n = 1, GQA 8, fp16 cache, 64-token pages)."""
+    from lowbit_attn.tools import aot
+
+    launches = record_launches(monkeypatch)
+    monkeypatch.setattr(kernel_decode, "interpreter_enabled", lambda: False)
+    monkeypatch.setattr(kernel_decode, "exact_fp8", lambda: False)
+    cache = lowbit_attn.QuantizedKVCache(1, 2, 4, head_dim, max_tokens=1024, page_size=64,
+                                         recipe=recipe, dtype=torch.float16)
+    kv = torch.randn(2, 4, 700, head_dim).half()
+    cache.append(0, kv, kv)
+    kernel_decode.attention(torch.randn(2, 32, 1, head_dim).half(), cache.layers[0], cache.recipe,
+                            scale=head_dim ** -0.5)
+    report = aot.compile_launch(launches[0], arch)
+    assert report.error is None, report.error
+    return report
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_full_page_loop_keeps_pages_in_flight(monkeypatch, recipe):
+    """What makes the memory-bound loop fast, read in its SASS (sm_90a, D = 128): every byte of a
+    page's K and V arrives by ``cp.async`` (``LDGSTS``, K in 16-byte and V in 8-byte pieces: 8 KB
+    each over 128 threads), none by a load the loop waits on (``LDG``), and the loop's wait
+    (``DEPBAR.LE SB0, k``) leaves groups pending: the next pages are loading while this one is
+    multiplied. Measured 2026-11-25: 16 LDGSTS per thread (4 for K, 8 for V, 4 for the page id
+    and the scales) and ``DEPBAR.LE SB0, 0x5``; before the open page left the loop, V came by
+    ``LDG`` in a branch, waited for on every page (this test failed there)."""
+    from lowbit_attn.tools import sass
+
+    report = compiled_split_kernel(monkeypatch, "sm_90a", 128, recipe)
+    assert report.registers <= 168 and report.spill_stores == 0
+    (body,) = sass.key_block_loops(sass.disassemble(report.cubin), mma="IMMA")
+    ops = [line.split()[0] for line in body]
+    assert not any(op.startswith("LDG.") for op in ops), "a synchronous global load in the loop"
+    k_pieces = sum(op.startswith("LDGSTS.E.BYPASS.128") for op in ops)
+    v_pieces = sum(op == "LDGSTS.E.64" for op in ops)
+    assert k_pieces * 16 * 128 >= 64 * 128, k_pieces  # K: 64 slots × 128 channels, int8
+    assert v_pieces * 8 * 128 >= 64 * 128, v_pieces
+    waits = [line for line in body if line.startswith("DEPBAR.LE")]
+    assert waits and all(int(w.split(",")[-1].strip().rstrip(";"), 16) > 0 for w in waits), waits
+
+
+@pytest.mark.aot
+def test_head_dim_256_compiles_without_spills(monkeypatch):
+    """D = 256 runs on 8 warps (4 spill 80 B, measured 2026-11-25, sm_90a): 236 registers."""
+    report = compiled_split_kernel(monkeypatch, "sm_90a", 256)
+    assert report.num_warps == 8 and report.spill_stores == 0 and report.spill_loads == 0

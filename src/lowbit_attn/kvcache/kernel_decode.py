@@ -2,16 +2,24 @@
 
 ``_decode_split_kernel``: one program per (sequence, KV head, split). Its rows are the GQA group's
 query heads × the ``n`` query tokens (row ``r`` = head ``r // n`` of the group, token ``r % n``),
-padded to ``BLOCK_R ≥ 16`` for ``tl.dot``; the rows are multiplied by the sequence's balancing factors and
-quantized to INT8 per row. A split covers a contiguous range of the sequence's
-pages; each page is looked up in the block table, its INT8 K and per-token scales give
+padded to ``BLOCK_R ≥ 16`` for ``tl.dot``; the rows are multiplied by the sequence's balancing
+factors and quantized to INT8 per row. A split covers a contiguous range of the sequence's pages;
+each page is looked up in the block table, its INT8 K and per-token scales give
 ``S = ((Q̂·K̂ᵀ)·s_k)·s_q`` in fp32 (base 2), an online softmax runs over the split's pages, and
-each page's ``P̃·V̂`` is a fresh fp32 product times the page's per-channel V scale (the open page:
-``P̃·V`` with V exact in the cache's dtype). The split writes its unnormalised accumulator, row max
-and row sum to a workspace; ``_decode_merge_kernel`` (one program per (sequence, KV head)) merges
-the splits into the output and the LSE. Twin: ``lowbit_attn.kvcache.naive`` (its docstring is the
-numerics; it takes one row maximum over every key, this kernel a running one, so P̃ is rounded at
-other points: the two agree to that rounding, not bit for bit).
+each page's ``P̃·V̂`` is a fresh fp32 product times the page's per-channel V scale. The full pages
+are one loop with nothing conditional in it, so Triton's pipeliner streams their K and V into
+shared memory ``num_stages - 1`` pages ahead (the bytes in flight that a memory-bound loop needs);
+the open page (``P̃·V`` with V exact in the cache's dtype), in the split that holds it, comes after
+the loop. The split writes its unnormalised accumulator, row max and row sum to a workspace;
+``_decode_merge_kernel`` (one program per query row) merges the splits into the output and the
+LSE, reading ``BLOCK_S`` splits per step. Twin: ``lowbit_attn.kvcache.naive`` (its docstring is
+the numerics; it takes one row maximum over every key, this kernel a running one, so P̃ is rounded
+at other points: the two agree to that rounding, not bit for bit).
+
+The pools, the open pages, the statistics, the block table and the workspace are the cache's and
+this module's own contiguous tensors: the kernels compute their offsets from the shapes (``HKV``,
+``PAGE``, ``D``, ``MAX_PAGES``), so a launch passes q's strides only (a launch's host time grows
+with its arguments).
 """
 
 from __future__ import annotations
@@ -33,6 +41,12 @@ from lowbit_attn.quant.tile import balance_multiplier, int8_lines
 # own sequence's length, never on the batch around it, so a sequence's result is the same alone
 # or in any batch. 512 keys: at N = 32k, 64 splits per (sequence, KV head); at 1k, 2.
 TOKENS_PER_SPLIT = 512
+# Splits the merge reads per step. Fixed, not sized to the launch: its sums are then the same tree
+# whatever the number of splits of the batch (empty splits add exact zeros).
+MERGE_SPLITS = 32
+# Pages in flight per program: Triton's pipeliner keeps ``STAGES - 1`` pages of K and V loading
+# into shared memory while one is multiplied (NOTES §13).
+STAGES = 5
 
 
 @triton.jit
@@ -45,37 +59,43 @@ def _quantize_rows(x, qk_multiplier):
 
 
 @triton.jit
+def _page_scores(q8, qs, kt, ks, cols, seen, limit, m_i, l_i, offset):
+    """One page's scores ``S = ((Q̂·K̂ᵀ)·s_k)·s_q`` (the twin's order), masked where a key is not
+    stored (``seen``) or lies after a row's last key (``limit``), and the online softmax's step:
+    returns ``(P̃ unrounded, m_new, alpha, l_new)``."""
+    s_int = tl.dot(q8, kt, out_dtype=tl.int32)
+    s = (s_int.to(tl.float32) * ks[None, :]) * qs[:, None]
+    s = tl.where(seen[None, :] & (cols[None, :] <= limit[:, None]), s, float("-inf"))
+    m_new, m_safe, alpha = online_max(m_i, tl.max(s, axis=1))
+    p = tl.exp2(s - (m_safe - offset)[:, None])
+    return p, m_new, alpha, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
 def _decode_split_kernel(
     Q, AQ, AK, K, KS, V, VS, VO, BT, LEN, WACC, WM, WL,
-    q_strides, amax_strides, k_strides, ks_strides, v_strides, vs_strides, vo_strides, bt_strides,
-    wacc_strides, wml_strides, qk_multiplier, N, GROUP, D, pages_per_split,
-    PAGE: tl.constexpr, PV_FP8: tl.constexpr, EXACT_FP8: tl.constexpr,
-    OPEN_MODE: tl.constexpr, EMU_FP32: tl.constexpr,
+    q_strides, qk_multiplier, N, GROUP, HKV, MAX_PAGES, pages_per_split,
+    D: tl.constexpr, PAGE: tl.constexpr, PV_FP8: tl.constexpr, EXACT_FP8: tl.constexpr,
+    OPEN_MODE: tl.constexpr, EMU_FP32: tl.constexpr, STAGES: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Strides: ``Q`` (batch, head, token, dim); the frozen balancing statistics ``AQ``, ``AK``
-    (batch, head; unit stride over dim); the pools ``K``, ``V`` (page, head, slot, dim),
-    ``KS`` (page, head, slot), ``VS`` (page, head, dim); the open pages ``VO`` (batch, head, slot,
-    dim); ``BT`` (batch, page); the workspace ``WACC`` (batch, head, split, row, dim), ``WM`` and
-    ``WL`` (batch, head, split, row)."""
+    """``Q`` (batch, head, token, dim) with ``q_strides``; contiguous: the statistics ``AQ``,
+    ``AK`` ``[B, HKV, D]``; the pools ``K``, ``V`` ``[pages, HKV, PAGE, D]``, ``KS``
+    ``[pages, HKV, PAGE]``, ``VS`` ``[pages, HKV, D]``; the open pages ``VO`` ``[B, HKV, PAGE, D]``;
+    ``BT`` ``[B, MAX_PAGES]``; the workspace ``WACC`` ``[B, HKV, splits, GROUP·N, D]``, ``WM`` and
+    ``WL`` ``[B, HKV, splits, GROUP·N]``."""
     sqb, sqh, sqn, sqd = q_strides
-    skp, skh, skn, skd = k_strides
-    sksp, sksh, sksn = ks_strides
-    svp, svh, svn, svd = v_strides
-    svsp, svsh, svsd = vs_strides
-    sob, soh, son, sod = vo_strides
-    sbb, sbp = bt_strides
-    swb, swh, sws, swr, swd = wacc_strides
-    smb, smh, sms, smr = wml_strides
     b = tl.program_id(0).to(tl.int64)
     hk = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
+    rows = GROUP * N
 
     offs_r = tl.arange(0, BLOCK_R)
     offs_p = tl.arange(0, BLOCK_P)
     offs_d = tl.arange(0, BLOCK_D)
-    rmask = offs_r < GROUP * N
+    rmask = offs_r < rows
     dmask = offs_d < D
+    pmask = offs_p < PAGE
     token = offs_r % N
     head = hk * GROUP + offs_r // N
 
@@ -84,131 +104,147 @@ def _decode_split_kernel(
     first = split * pages_per_split  # past the sequence's pages: an empty split
     last = tl.minimum(first + pages_per_split, pages)
     full_pages = length // PAGE
-    # row r sees keys j <= length - N + token
-    limit = length - N + token
+    full_last = tl.minimum(last, full_pages)
+    limit = length - N + token  # row r sees keys j <= limit
 
     x = tl.load(Q + b * sqb + head[:, None] * sqh + token[:, None] * sqn + offs_d[None, :] * sqd,
                 mask=rmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-    balance = balance_multiplier(AQ, AK, b, hk, offs_d, D, amax_strides, amax_strides, 1,
-                               ROLE=1, BLOCK_D=BLOCK_D)  # statistics per KV head: a group of 1
+    balance = balance_multiplier(AQ, AK, b, hk, offs_d, D, (HKV * D, D), (HKV * D, D), 1,
+                                 ROLE=1, BLOCK_D=BLOCK_D)  # statistics per KV head: a group of 1
     q8, qs = _quantize_rows(x * balance[None, :], qk_multiplier)
     offset = p_offset(PV_FP8)
 
+    # [page, HKV, PAGE, D] pools: page p's head hk starts at (p·HKV + hk)·PAGE·D
+    tile = offs_p[:, None] * D + offs_d[None, :]
+    tile_mask = pmask[:, None] & dmask[None, :]
+    kv_head = hk * PAGE * D
+    bt_row = BT + b * MAX_PAGES
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-    for page_no in range(first, last):
-        page = tl.load(BT + b * sbb + page_no * sbp).to(tl.int64)
-        cols = page_no * PAGE + offs_p
-        smask = (offs_p < PAGE) & (cols < length)
-        kt = tl.load(K + page * skp + hk * skh + offs_p[None, :] * skn + offs_d[:, None] * skd,
-                     mask=smask[None, :] & dmask[:, None], other=0)
-        ks = tl.load(KS + page * sksp + hk * sksh + offs_p * sksn, mask=smask, other=0.0)
-        s_int = tl.dot(q8, kt, out_dtype=tl.int32)
-        s = (s_int.to(tl.float32) * ks[None, :]) * qs[:, None]  # the twin's order
-        s = tl.where(smask[None, :] & (cols[None, :] <= limit[:, None]), s, float("-inf"))
-        m_new, m_safe, alpha = online_max(m_i, tl.max(s, axis=1))
-        p = tl.exp2(s - (m_safe - offset)[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if page_no < full_pages:
-            vq = tl.load(V + page * svp + hk * svh + offs_p[:, None] * svn + offs_d[None, :] * svd,
-                        mask=(offs_p < PAGE)[:, None] & dmask[None, :], other=0.0)
-            vs = tl.load(VS + page * svsp + hk * svsh + offs_d * svsd, mask=dmask, other=0.0)
-            if PV_FP8:
-                p8 = to_e4m3(p, EXACT_FP8)
-                if EMU_FP32:
-                    pv = tl.dot(p8.to(tl.float32), vq.to(tl.float32), input_precision="ieee")
-                else:
-                    pv = tl.dot(p8, vq, out_dtype=tl.float32)
-            else:  # INT8 V is exact in fp16
-                if EMU_FP32:
-                    pv = tl.dot(p.to(tl.float16).to(tl.float32), vq.to(tl.float32),
-                                input_precision="ieee")
-                else:
-                    pv = tl.dot(p.to(tl.float16), vq.to(tl.float16), out_dtype=tl.float32)
-            pv = pv * vs[None, :]
-        else:  # the open page: V exact in the cache's dtype, P̃ rounded as on every page (the
-            # branches name their V apart: Triton types a name assigned in both alike)
-            vo = tl.load(VO + b * sob + hk * soh + offs_p[:, None] * son + offs_d[None, :] * sod,
-                        mask=smask[:, None] & dmask[None, :], other=0.0)
-            if PV_FP8:
-                pr = to_e4m3(p, EXACT_FP8).to(tl.float32)
+    for page_no in tl.range(first, full_last, num_stages=STAGES):  # full pages: K and V quantized
+        page = tl.load(bt_row + page_no).to(tl.int64)
+        kt = tl.load(K + page * (HKV * PAGE * D) + kv_head + tl.trans(tile), mask=tl.trans(tile_mask),
+                     other=0)
+        ks = tl.load(KS + (page * HKV + hk) * PAGE + offs_p, mask=pmask, other=0.0)
+        vq = tl.load(V + page * (HKV * PAGE * D) + kv_head + tile, mask=tile_mask, other=0.0)
+        vs = tl.load(VS + (page * HKV + hk) * D + offs_d, mask=dmask, other=0.0)
+        p, m_i, alpha, l_i = _page_scores(q8, qs, kt, ks, page_no * PAGE + offs_p, pmask, limit,
+                                          m_i, l_i, offset)
+        if PV_FP8:
+            p8 = to_e4m3(p, EXACT_FP8)
+            if EMU_FP32:
+                pv = tl.dot(p8.to(tl.float32), vq.to(tl.float32), input_precision="ieee")
             else:
-                pr = p.to(tl.float16).to(tl.float32)
-            if OPEN_MODE == 3:  # fp32 V on a GPU: P̃ is exact in TF32, V = big + small
-                pv = tl.dot(pr, vo.to(tl.float32), input_precision="tf32x3")
-            elif OPEN_MODE == 1:  # the interpreter: exact fp32 products
-                pv = tl.dot(pr, vo.to(tl.float32), input_precision="ieee")
-            elif OPEN_MODE == 2:  # fp16 P̃, bf16 V: P̃ = hi + lo, both exact in bf16 (11 bits)
-                hi = pr.to(tl.bfloat16)
-                lo = (pr - hi.to(tl.float32)).to(tl.bfloat16)
-                pv = tl.dot(hi, vo, out_dtype=tl.float32)
-                pv = tl.dot(lo, vo, acc=pv, out_dtype=tl.float32)
-            else:  # E4M3 P̃ is exact in V's 16-bit type, fp16 P̃ in fp16
-                pv = tl.dot(pr.to(vo.dtype), vo, out_dtype=tl.float32)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+                pv = tl.dot(p8, vq, out_dtype=tl.float32)
+        else:  # INT8 V is exact in fp16
+            if EMU_FP32:
+                pv = tl.dot(p.to(tl.float16).to(tl.float32), vq.to(tl.float32),
+                            input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(tl.float16), vq.to(tl.float16), out_dtype=tl.float32)
+        acc = acc * alpha[:, None] + pv * vs[None, :]
 
-    w = b * smb + hk * smh + split * sms + offs_r * smr
+    if (first <= full_pages) & (full_pages < last):  # this split holds the open page: V exact
+        page = tl.load(bt_row + full_pages).to(tl.int64)
+        cols = full_pages * PAGE + offs_p
+        seen = pmask & (cols < length)
+        kt = tl.load(K + page * (HKV * PAGE * D) + kv_head + tl.trans(tile),
+                     mask=tl.trans(seen[:, None] & dmask[None, :]), other=0)
+        ks = tl.load(KS + (page * HKV + hk) * PAGE + offs_p, mask=seen, other=0.0)
+        vo = tl.load(VO + (b * HKV + hk) * PAGE * D + tile, mask=seen[:, None] & dmask[None, :],
+                     other=0.0)
+        p, m_i, alpha, l_i = _page_scores(q8, qs, kt, ks, cols, seen, limit, m_i, l_i, offset)
+        if PV_FP8:  # P̃ rounded as on every page
+            pr = to_e4m3(p, EXACT_FP8).to(tl.float32)
+        else:
+            pr = p.to(tl.float16).to(tl.float32)
+        if OPEN_MODE == 3:  # fp32 V on a GPU: P̃ is exact in TF32, V = big + small
+            pv = tl.dot(pr, vo.to(tl.float32), input_precision="tf32x3")
+        elif OPEN_MODE == 1:  # the interpreter: exact fp32 products
+            pv = tl.dot(pr, vo.to(tl.float32), input_precision="ieee")
+        elif OPEN_MODE == 2:  # fp16 P̃, bf16 V: P̃ = hi + lo, both exact in bf16 (11 bits)
+            hi = pr.to(tl.bfloat16)
+            lo = (pr - hi.to(tl.float32)).to(tl.bfloat16)
+            pv = tl.dot(hi, vo, out_dtype=tl.float32)
+            pv = tl.dot(lo, vo, acc=pv, out_dtype=tl.float32)
+        else:  # E4M3 P̃ is exact in V's 16-bit type, fp16 P̃ in fp16
+            pv = tl.dot(pr.to(vo.dtype), vo, out_dtype=tl.float32)
+        acc = acc * alpha[:, None] + pv
+
+    w = ((b * HKV + hk) * tl.num_programs(2) + split) * rows + offs_r
     tl.store(WM + w, m_i, mask=rmask)
     tl.store(WL + w, l_i, mask=rmask)
-    tl.store(WACC + b * swb + hk * swh + split * sws + offs_r[:, None] * swr + offs_d[None, :] * swd,
-             acc, mask=rmask[:, None] & dmask[None, :])
+    tl.store(WACC + w[:, None] * D + offs_d[None, :], acc, mask=rmask[:, None] & dmask[None, :])
 
 
 @triton.jit
 def _decode_merge_kernel(
     Q, KM, WACC, WM, WL, O, LSE,
-    q_strides, km_strides, wacc_strides, wml_strides, o_strides, lse_strides,
-    softmax_scale, N, GROUP, D, SPLITS,
-    PV_FP8: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    q_strides, softmax_scale, N, GROUP, HKV, SPLITS,
+    D: tl.constexpr, PV_FP8: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Merges the splits of one (sequence, KV head): ``out = Σ acc_s·2^(m_s - M) / Σ l_s·2^(m_s -
-    M)``, ``LSE = (M + log2 l - offset)·ln 2 + scale·(q·μ)``; rows that saw no key give 0 and
-    ``-inf``. Strides: ``Q``, ``O`` (batch, head, token, dim); ``KM`` (batch, head, dim); ``LSE``
-    (batch, head, token); the workspace as in ``_decode_split_kernel``."""
+    """Merges the splits of one query row (program (sequence, KV head, row of the group)):
+    ``out = Σ acc_s·2^(m_s - M) / Σ l_s·2^(m_s - M)``, ``LSE = (M + log2 l - offset)·ln 2 +
+    scale·(q·μ)``; a row that saw no key gives 0 and ``-inf``. ``BLOCK_S`` splits per step, each
+    step's loads independent of the last. ``Q`` strided (``q_strides``); contiguous: ``KM``
+    ``[B, HKV, D]``, ``O`` ``[B, HKV·GROUP, N, D]``, ``LSE`` ``[B, HKV·GROUP, N]``, the workspace
+    as in ``_decode_split_kernel``."""
     sqb, sqh, sqn, sqd = q_strides
-    skb, skh, skd = km_strides
-    swb, swh, sws, swr, swd = wacc_strides
-    smb, smh, sms, smr = wml_strides
-    sob, soh, son, sod = o_strides
-    seb, seh, sen = lse_strides
     b = tl.program_id(0).to(tl.int64)
     hk = tl.program_id(1).to(tl.int64)
-    offs_r = tl.arange(0, BLOCK_R)
+    r = tl.program_id(2)
+    rows = GROUP * N
+    head = hk * GROUP + r // N
+    token = r % N
+    offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    rmask = offs_r < GROUP * N
     dmask = offs_d < D
-    token = offs_r % N
-    head = hk * GROUP + offs_r // N
     offset = p_offset(PV_FP8)
 
-    w = b * smb + hk * smh + offs_r * smr
-    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    for s in range(0, SPLITS):
-        m = tl.maximum(m, tl.load(WM + w + s * sms, mask=rmask, other=float("-inf")))
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    l_sum = tl.zeros([BLOCK_R], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-    wa = WACC + b * swb + hk * swh + offs_r[:, None] * swr + offs_d[None, :] * swd
-    for s in range(0, SPLITS):
-        factor = tl.exp2(tl.load(WM + w + s * sms, mask=rmask, other=float("-inf")) - m_safe)
-        l_sum += tl.load(WL + w + s * sms, mask=rmask, other=0.0) * factor
-        part = tl.load(wa + s * sws, mask=rmask[:, None] & dmask[None, :], other=0.0)
-        acc += part * factor[:, None]
+    first = (b * HKV + hk) * SPLITS * rows + r  # split s of this row: first + s·rows
+    m = tl.full([], float("-inf"), tl.float32)
+    l_sum = tl.zeros([], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, SPLITS, BLOCK_S):
+        smask = s0 + offs_s < SPLITS
+        w = first + (s0 + offs_s) * rows
+        ms = tl.load(WM + w, mask=smask, other=float("-inf"))
+        ls = tl.load(WL + w, mask=smask, other=0.0)
+        part = tl.load(WACC + w[:, None] * D + offs_d[None, :], mask=smask[:, None] & dmask[None, :],
+                       other=0.0)
+        m_new = tl.maximum(m, tl.max(ms, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        factor = tl.exp2(ms - m_safe)
+        l_sum = l_sum * alpha + tl.sum(ls * factor, axis=0)
+        acc = acc * alpha + tl.sum(part * factor[:, None], axis=0)
+        m = m_new
     empty = l_sum == 0.0
-    out = acc / tl.where(empty, 1.0, l_sum)[:, None]
-    out = tl.where(empty[:, None], 0.0, out)
-    tl.store(O + b * sob + head[:, None] * soh + token[:, None] * son + offs_d[None, :] * sod,
-             out.to(O.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
+    out = tl.where(empty, 0.0, acc / tl.where(empty, 1.0, l_sum))
+    o_row = (b * HKV * GROUP + head) * N + token
+    tl.store(O + o_row * D + offs_d, out.to(O.dtype.element_ty), mask=dmask)
 
-    x = tl.load(Q + b * sqb + head[:, None] * sqh + token[:, None] * sqn + offs_d[None, :] * sqd,
-                mask=rmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-    mu = tl.load(KM + b * skb + hk * skh + offs_d * skd, mask=dmask, other=0.0)
-    shift = tl.sum(x * mu[None, :], axis=1) * softmax_scale
+    x = tl.load(Q + b * sqb + head * sqh + token * sqn + offs_d * sqd, mask=dmask,
+                other=0.0).to(tl.float32)
+    mu = tl.load(KM + (b * HKV + hk) * D + offs_d, mask=dmask, other=0.0)
+    shift = tl.sum(x * mu, axis=0) * softmax_scale
     lse = (m + tl.log2(l_sum) - offset) * LN2 + shift
-    lse = tl.where(empty, float("-inf"), lse)  # μ is unset (unread garbage) for empty sequences
-    tl.store(LSE + b * seb + head * seh + token * sen, lse, mask=rmask)
+    tl.store(LSE + o_row, tl.where(empty, float("-inf"), lse))  # μ is unset for empty sequences
+
+
+def split_launch(block_r: int, block_d: int, open_mode: int) -> dict:
+    """The split kernel's warps and register cap. 4 warps; 8 for an fp32 cache (the open page's
+    TF32x3 product) and for D = 256 (4 warps spill there: 80-368 B, sm_90a). With 16 rows, D ≤ 128 and one product on the open page, at most 168
+    registers: three programs per SM instead of two (65536 registers, 128 threads each), so half
+    as many more pages in flight. ptxas fits those in 168 without spilling on sm_90a, sm_89 and
+    sm_120a (2026-11-25; 205 uncapped on sm_90a, D = 128); 32 rows, D = 256 or the bf16 open
+    page's two products spill under the cap."""
+    if open_mode == 3 or block_d > 128:
+        return {"num_warps": 8}
+    if block_r == 16 and block_d <= 128 and open_mode == 0:
+        return {"num_warps": 4, "maxnreg": 168}
+    return {"num_warps": 4}
 
 
 def pages_per_split_for(page_size: int) -> int:
@@ -226,20 +262,19 @@ def attention(q: torch.Tensor, layer: PagedLayer, recipe: KVRecipe, *, scale: fl
     bsz, hq, n, d = q.shape
     hkv = layer.k.shape[1]
     group = hq // hkv
+    rows = group * n
     page = layer.page_size
     if pages_per_split is None:
         pages_per_split = pages_per_split_for(page)
     max_pages = -(-max(layer.host_lengths) // page)  # the grid, from the host mirror: no sync
     num_splits = max(1, -(-max_pages // pages_per_split))
-    block_r = next_pow2(group * n, 16)
-    block_d = next_pow2(d, 32)  # INT8 MMA: k ≥ 32 (and FP8's over the page's slots, below)
     pv_fp8 = recipe.pv == "fp8"
-    on = {"device": q.device, "dtype": torch.float32}
-    wacc = torch.empty((bsz, hkv, num_splits, block_r, d), **on)
-    wm = torch.empty((bsz, hkv, num_splits, block_r), **on)
-    wl = torch.empty((bsz, hkv, num_splits, block_r), **on)
+    # one allocation for the workspace: the accumulators, then the row maxima, then the row sums
+    parts = bsz * hkv * num_splits * rows
+    work = torch.empty(parts * (d + 2), device=q.device, dtype=torch.float32)
+    wacc, wm, wl = work[: parts * d], work[parts * d : parts * (d + 1)], work[parts * (d + 1) :]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((bsz, hq, n), **on)
+    lse = torch.empty((bsz, hq, n), device=q.device, dtype=torch.float32)
     interpreted = interpreter_enabled()
     open_mode = 0  # how the open page's P̃·V stays exact: see the kernel
     if interpreted:
@@ -248,23 +283,21 @@ def attention(q: torch.Tensor, layer: PagedLayer, recipe: KVRecipe, *, scale: fl
         open_mode = 3  # an IEEE fp32 product (FMA loop) spills about 5 KB (ptxas, sm_90a, D=128)
     elif not pv_fp8 and layer.v_open.dtype == torch.bfloat16:
         open_mode = 2  # one fp32 FMA product there spills (ptxas, sm_90a, D=128)
+    q_strides = strides(q, 4)
+    block_r, block_d = next_pow2(rows, 16), next_pow2(d, 32)  # INT8 MMA: k ≥ 32
     _decode_split_kernel[(bsz, hkv, num_splits)](
-        Q=q, AQ=layer.q_amax, AK=layer.k_amax, K=layer.k, KS=layer.k_scale, V=layer.v, VS=layer.v_scale, VO=layer.v_open,
-        BT=layer.block_table, LEN=layer.lengths, WACC=wacc, WM=wm, WL=wl,
-        q_strides=strides(q, 4), amax_strides=layer.q_amax.stride()[:2],
-        k_strides=strides(layer.k, 4), ks_strides=strides(layer.k_scale, 3), v_strides=strides(layer.v, 4),
-        vs_strides=strides(layer.v_scale, 3), vo_strides=strides(layer.v_open, 4),
-        bt_strides=strides(layer.block_table, 2), wacc_strides=strides(wacc, 5),
-        wml_strides=strides(wm, 4), qk_multiplier=scale * LOG2E, N=n, GROUP=group, D=d,
-        pages_per_split=pages_per_split, PAGE=page, PV_FP8=pv_fp8, EXACT_FP8=exact_fp8(), OPEN_MODE=open_mode,
-        EMU_FP32=interpreted, BLOCK_R=block_r, BLOCK_P=next_pow2(page, 32 if pv_fp8 else 16),
-        BLOCK_D=block_d, num_warps=8 if open_mode == 3 else 4,
+        Q=q, AQ=layer.q_amax, AK=layer.k_amax, K=layer.k, KS=layer.k_scale, V=layer.v,
+        VS=layer.v_scale, VO=layer.v_open, BT=layer.block_table, LEN=layer.lengths, WACC=wacc,
+        WM=wm, WL=wl, q_strides=q_strides, qk_multiplier=scale * LOG2E, N=n, GROUP=group, D=d,
+        HKV=hkv, MAX_PAGES=layer.block_table.shape[1], pages_per_split=pages_per_split, PAGE=page,
+        PV_FP8=pv_fp8, EXACT_FP8=exact_fp8(), OPEN_MODE=open_mode, EMU_FP32=interpreted,
+        STAGES=STAGES, BLOCK_R=block_r, BLOCK_P=next_pow2(page, 32 if pv_fp8 else 16),
+        BLOCK_D=block_d,
+        **split_launch(block_r, block_d, open_mode),
     )
-    _decode_merge_kernel[(bsz, hkv)](
-        Q=q, KM=layer.k_mean, WACC=wacc, WM=wm, WL=wl, O=out, LSE=lse,
-        q_strides=strides(q, 4), km_strides=strides(layer.k_mean, 3),
-        wacc_strides=strides(wacc, 5), wml_strides=strides(wm, 4), o_strides=strides(out, 4),
-        lse_strides=strides(lse, 3), softmax_scale=scale, N=n, GROUP=group, D=d,
-        SPLITS=num_splits, PV_FP8=pv_fp8, BLOCK_R=block_r, BLOCK_D=block_d,
+    _decode_merge_kernel[(bsz, hkv, rows)](
+        Q=q, KM=layer.k_mean, WACC=wacc, WM=wm, WL=wl, O=out, LSE=lse, q_strides=q_strides,
+        softmax_scale=scale, N=n, GROUP=group, D=d, HKV=hkv, SPLITS=num_splits, PV_FP8=pv_fp8,
+        BLOCK_S=MERGE_SPLITS, BLOCK_D=block_d,
     )
     return out, lse
