@@ -35,7 +35,7 @@ import triton.language as tl
 from lowbit_attn.core.arch import fp4_mode, fp4_pipeline_qk, get_capability, interpreter_enabled
 from lowbit_attn.core.operands import FP4_GROUP, P_TWO_LEVEL_PEAK, QuantizedFP4
 from lowbit_attn.core.triton_helpers import (
-    LaunchConfig, batch_head, finish_scores, key_block_bounds, normalize_rows, online_max,
+    LaunchConfig, batch_head, finish_scores, key_block_bounds, next_power_of_2, normalize_rows, online_max,
     store_lse, strides, triton_configs,
 )
 from lowbit_attn.quant.fp4 import (
@@ -355,7 +355,7 @@ def attention(
         NQ=nq, NK=nk, HQ=hq, GROUP_HEADS=hq // hkv, D=head_dim,
         causal_offset=0 if causal_offset is None else int(causal_offset),
         qk_multiplier=float(qz.qk_multiplier), zero=0.0,
-        N_BUCKET=min(triton.next_power_of_2(nk), 32768),
+        N_BUCKET=min(next_power_of_2(nk), 32768),
         IS_CAUSAL=causal_offset is not None, NV=nv,
         NATIVE_FP4=native, EMU_FP32=interpreter_enabled(), TWO_LEVEL=two_level,
         PIPELINE_QK=pipeline_qk,

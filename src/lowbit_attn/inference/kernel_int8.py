@@ -17,7 +17,7 @@ from lowbit_attn.core.arch import get_capability
 from lowbit_attn.core.operands import QuantizedQKV, Seqs, dense_seqs
 from lowbit_attn.core.triton_helpers import (
     LaunchConfig, batch_head, bhnd_strides, channel_vector_strides, exact_fp8, finish_rows,
-    finish_scores, key_block_bounds, next_pow2, online_max, p_offset, row_strides, seq_span,
+    finish_scores, key_block_bounds, next_pow2, next_power_of_2, online_max, p_offset, row_strides, seq_span,
     store_lse, strides, to_e4m3, triton_configs,
 )
 from lowbit_attn.quant.tile import quantize_int8_tile
@@ -339,7 +339,7 @@ def attention(
         qk_multiplier=fused.multiplier if fused is not None else 1.0,
         NQ=seqs_q.max_len, NK=seqs_k.max_len, HQ=hq, GROUP=hq // hkv, D=d,
         causal_offset=0 if causal_offset is None else int(causal_offset),
-        N_BUCKET=min(triton.next_power_of_2(seqs_k.max_len), 32768),
+        N_BUCKET=min(next_power_of_2(seqs_k.max_len), 32768),
         IS_CAUSAL=causal_offset is not None, PER_TOKEN=per_token, PV_FP8=pv == "fp8",
         EXACT_FP8=exact_fp8(), VARLEN=packed,
         BLOCK_M=block_q, BLOCK_N=block_k, BLOCK_D=next_pow2(d, minimum=32),  # int8 MMA: k ≥ 32

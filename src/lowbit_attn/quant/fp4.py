@@ -19,7 +19,7 @@ import triton.language as tl
 from lowbit_attn.core.checks import quant_groups
 # the tensor scale (a host-side torch reduction, or the caller's checked), the same for both twins
 from lowbit_attn.quant.fp4_naive import nvfp4_global_scale, nvfp4_quant_scale
-from lowbit_attn.core.triton_helpers import e4m3_round, round_half_even
+from lowbit_attn.core.triton_helpers import e4m3_round, next_power_of_2, round_half_even
 
 NVFP4_GROUP = 16
 MXFP4_GROUP = 32
@@ -192,7 +192,7 @@ def _launch(x: torch.Tensor, group: int, scale_dtype: torch.dtype, gscale=None):
     scales = torch.empty((r, ng), device=x.device, dtype=scale_dtype)
     codes = scales.view(torch.uint8)  # store bits: no float8 conversion anywhere
     # up to 16 groups of a row per program, and rows enough for ~64 groups
-    block_g = min(16, triton.next_power_of_2(max(ng, 1)))
+    block_g = min(16, next_power_of_2(max(ng, 1)))
     block_r = 64 // block_g
     grid = (triton.cdiv(r, block_r), triton.cdiv(ng, block_g))
     if r > 0 and ng > 0:

@@ -17,7 +17,7 @@ import triton.language as tl
 from lowbit_attn.core.arch import get_capability, interpreter_enabled, tensor_memory
 from lowbit_attn.core.operands import TRAIN_BLOCK, GradOperands, TrainOperands
 from lowbit_attn.core.triton_helpers import (
-    LaunchConfig, batch_head, mm, next_pow2, operand, quantize_tile, strides, triton_configs,
+    LaunchConfig, batch_head, mm, next_pow2, next_power_of_2, operand, quantize_tile, strides, triton_configs,
 )
 
 CONFIGS = {
@@ -261,7 +261,7 @@ def launch_args(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, dq, d
         bal_strides=strides(ops.balance, 3), NQ=nq, NK=nk, GROUP=hq // hkv, D=d,
         causal_offset=0 if causal_offset is None else int(causal_offset),
         softmax_scale=float(softmax_scale),
-        N_BUCKET=min(triton.next_power_of_2(max(nq, nk)), 32768),
+        N_BUCKET=min(next_power_of_2(max(nq, nk)), 32768),
         IS_CAUSAL=causal_offset is not None, QK_INT8="qk" in ops.int8, DP_INT8="dp" in ops.int8,
         DQ_INT8="dq" in ops.int8, HAS_DS=ops.delta_s is not None, HAS_BAL=ops.balance is not None,
         EMU_FP32=interpreter_enabled(), TMEM=tensor_memory(get_capability()), BLOCK=TRAIN_BLOCK,

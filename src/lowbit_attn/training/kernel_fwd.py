@@ -14,7 +14,7 @@ import triton.language as tl
 from lowbit_attn.core.arch import get_capability, interpreter_enabled
 from lowbit_attn.core.operands import TRAIN_BLOCK, TrainOperands
 from lowbit_attn.core.triton_helpers import (
-    LaunchConfig, batch_head, finish_scores, key_block_bounds, mm, next_pow2, online_max,
+    LaunchConfig, batch_head, finish_scores, key_block_bounds, mm, next_pow2, next_power_of_2, online_max,
     normalize_rows, operand, round_half_even, strides, triton_configs,
 )
 
@@ -149,7 +149,7 @@ def launch_args(ops: TrainOperands, out: torch.Tensor, lse: torch.Tensor, causal
         ds_strides=strides(ops.delta_s, 4), o_strides=out.stride(), lse_strides=lse.stride(),
         NQ=nq, NK=nk, HQ=hq, GROUP=hq // hkv, D=d,
         causal_offset=0 if causal_offset is None else int(causal_offset),
-        N_BUCKET=min(triton.next_power_of_2(nk), 32768),
+        N_BUCKET=min(next_power_of_2(nk), 32768),
         IS_CAUSAL=causal_offset is not None, QK_INT8="qk" in ops.int8, PV_INT8="pv" in ops.int8,
         EMU_FP32=interpreter_enabled(), QUANT_BLOCK=TRAIN_BLOCK, BLOCK_M=block_m,
         BLOCK_N=TRAIN_BLOCK, BLOCK_D=next_pow2(d, minimum=32),
