@@ -7,8 +7,11 @@ of the same tokens, with the bytes each reads and the floor at 3.0 TB/s (benchma
     python benchmarks/bench_decode.py --seqlens 1k,8k --batches 1 --out DIR
 
 Per configuration (D = 128, Hkv = 8 KV heads, GQA 4:1 and 8:1, 64-token pages, fp16): the cache
-is filled once (not timed), then each method's step is timed; ``cosine`` compares each output with
-exact attention in float64 on the same fp16 tokens. Without CUDA it times the PyTorch reference on
+is filled once (not timed), then each method's step is timed: ``ms`` by ``do_bench`` (the GPU's
+time: up to ~90 µs of host time hides under its L2 flush), ``host µs`` the time to enqueue one
+call, ``loop ms`` the wall time per call of 100 back-to-back calls (a decode loop without CUDA
+graphs: the larger of host and GPU); ``cosine`` compares each output with exact attention in
+float64 on the same fp16 tokens. Without CUDA it times the PyTorch reference on
 a tiny size and says so.
 """
 
@@ -30,7 +33,7 @@ from lowbit_attn.tools.bench.command import parse_seqlens
 from lowbit_attn.tools.bench.metadata import make_metadata
 from lowbit_attn.tools.bench.save import save_script_results
 from lowbit_attn.tools.bench.tables import seqlen_label
-from lowbit_attn.tools.bench.timers import timer_for
+from lowbit_attn.tools.bench.timers import loop_timings, timer_for
 
 COPY_BANDWIDTH = 3.0e12  # bytes/s, the measured H100 copy bandwidth (NOTES §1)
 KV_HEADS, HEAD_DIM, PAGE = 8, 128, 64
@@ -105,10 +108,12 @@ def configuration(n, batch, group, kv_heads, d, page, device, timer) -> list[dic
         try:
             out = step()
             ms = timer(step)
+            host_us, loop_ms = loop_timings(step, device == "cuda",
+                                            calls=100 if device == "cuda" else 2)
             rows.append({**base, "method": method, "ms": ms, "bytes": nbytes,
                          "floor_ms": nbytes / COPY_BANDWIDTH * 1e3,
                          "tb_per_s": nbytes / ms * 1e-9, "cosine": cosine_similarity(out, want),
-                         "status": "ok"})
+                         "host_us": host_us, "loop_ms": loop_ms, "status": "ok"})
         except Exception as exc:  # noqa: BLE001 - a failing method is a row, not a crash
             rows.append({**base, "method": method,
                          "status": f"error: {type(exc).__name__}: {exc}"[:300]})
@@ -130,17 +135,20 @@ def render(rows: list[dict]) -> str:
     """Every row, with its speed against the same configuration's SDPA fp16 row."""
     sdpa = {(r["N"], r["batch"], r["gqa"]): r for r in rows
             if r["method"] == "sdpa_fp16" and r["status"] == "ok"}
-    lines = ["| N | batch | GQA | method | ms | floor ms | TB/s | × SDPA fp16 | cosine |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| N | batch | GQA | method | ms | floor ms | TB/s | × SDPA fp16 | host µs | loop ms "
+             "| × SDPA fp16 (loop) | cosine |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         head = f"| {seqlen_label(r['N'])} | {r['batch']} | {r['gqa']} | {r['method']} |"
         if r["status"] != "ok":
-            lines.append(f"{head} {r['status']} | | | | |")
+            lines.append(f"{head} {r['status']} | | | | | | | |")
             continue
         ref = sdpa.get((r["N"], r["batch"], r["gqa"]))
         speed = f"{ref['ms'] / r['ms']:.2f}" if ref else "—"
+        loop_speed = f"{ref['loop_ms'] / r['loop_ms']:.2f}" if ref and "loop_ms" in ref else "—"
+        loop = (f"{r['host_us']:.1f} | {r['loop_ms']:.4f}" if "loop_ms" in r else "— | —")
         lines.append(f"{head} {r['ms']:.4f} | {r['floor_ms']:.4f} | {r['tb_per_s']:.2f} | "
-                     f"{speed} | {r['cosine']:.5f} |")
+                     f"{speed} | {loop} | {loop_speed} | {r['cosine']:.5f} |")
     return "\n".join(lines)
 
 

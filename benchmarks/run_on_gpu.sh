@@ -24,7 +24,9 @@
 # sparsities 50–95 % against SDPA cuDNN dense, and the fine kernel's FLOP rate).
 # decode: the 8-bit paged KV cache (GPU tests -k "kvcache or kv_cache", then
 # benchmarks/bench_decode.py: one decode step against SDPA on fp16 K/V, N=1k..128k, batch 1 and 16,
-# GQA 4:1 and 8:1, D=128, with the bytes read and the 3.0 TB/s floor).
+# GQA 4:1 and 8:1, D=128, with the bytes read and the 3.0 TB/s floor, GPU time, host time and
+# loop time), then benchmarks/probes/decode_speed.py (host time by part; pages per split ×
+# pipeline stages × register cap) in the last RESERVE seconds (default 180).
 #
 # The wheels travel in wheels/ (ignored by git: pass it in the device tool's `carry`):
 # sageattention-1.0.6 (the SageAttention baseline) and pytest with its dependencies (installed only
@@ -142,7 +144,7 @@ tests_then_bench() {
     if "$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
         outs+=(--out benchmarks/results)  # kernel results only, never CPU timings
     fi
-    timeout $((TOTAL_BUDGET - SECONDS - 10)) "$PY" "$script" "${outs[@]}" "$@" \
+    timeout $((TOTAL_BUDGET - SECONDS - 10 - ${RESERVE:-0})) "$PY" "$script" "${outs[@]}" "$@" \
         >"$OUT/$tag-table.md" 2>"$OUT/$tag.log"
     rc_bench=$?
     tail -n 40 "$OUT/$tag.log"
@@ -153,8 +155,17 @@ tests_then_bench() {
 
 [[ "$STAGE" == train ]] && tests_then_bench "trainable attention" trainable benchmarks/bench_train.py
 [[ "$STAGE" == vsa ]] && tests_then_bench "video sparse attention" vsa benchmarks/bench_vsa.py
-[[ "$STAGE" == decode ]] && tests_then_bench "KV-cache decode" "kvcache or kv_cache" \
-    benchmarks/bench_decode.py
+if [[ "$STAGE" == decode ]]; then
+    # the benchmark leaves RESERVE seconds (default 180) to the probe of where the time goes
+    (RESERVE="${RESERVE:-180}" tests_then_bench "KV-cache decode" "kvcache or kv_cache" \
+        benchmarks/bench_decode.py)
+    rc=$?
+    log "KV-cache decode probe: benchmarks/probes/decode_speed.py (host time by part, launch sweep)"
+    timeout $((TOTAL_BUDGET - SECONDS - 5)) "$PY" benchmarks/probes/decode_speed.py \
+        >"$OUT/decode-probe.txt" 2>&1
+    tail -n 120 "$OUT/decode-probe.txt"
+    exit $rc
+fi
 # shellcheck disable=SC2086  # HOPPER_ARGS: options split on spaces
 [[ "$STAGE" == hopper ]] && tests_then_bench "Hopper speed" "not fp4 and not trainable and not vsa and not video" \
     benchmarks/bench_hopper.py \

@@ -1,56 +1,109 @@
-"""GPU probe (H100 run of 2026-11-25, benchmarks/results/h100-2026-11-25-gpu-run.md): the decode
-step of the 8-bit KV cache end to end, its launcher, and the split kernel alone over launch
-parameters, against SDPA fp16. Needs a CUDA GPU."""
+"""GPU probe for the KV-cache decode step (issue 17): where its time goes and which launch is
+best. Needs a CUDA GPU; `bash benchmarks/run_on_gpu.sh decode` runs it after bench_decode.py.
+
+Per (N, batch), D = 128, 8 KV heads, GQA 4:1, 64-token pages, fp16:
+- SDPA fp16 and our public call: ``do_bench`` (GPU time), host µs to enqueue one call, and the
+  wall time per call of a back-to-back loop (``tools.bench.timers.loop_timings``);
+- the host time of the parts: the public call's checks (the kernels replaced by a stub), the
+  launcher ``kernel_decode.attention``, one split launch, one merge launch;
+- the launcher's GPU time over pages per split × pipeline stages × the 168-register cap.
+
+The version of 2026-11-25 (results in benchmarks/results/h100-2026-11-25-gpu-run.md) timed the
+kernel before its full pages were pipelined; it is in git history (2c98832).
+"""
 import itertools
+import sys
 
 import torch
-import lowbit_attn
-from lowbit_attn.kvcache import kernel_decode as kd
 from triton.testing import do_bench
-from lowbit_attn.core.operands import LOG2E
-from lowbit_attn.core.triton_helpers import next_pow2, strides
+
+import lowbit_attn
+from lowbit_attn.kvcache import interface, kernel_decode as kd
+from lowbit_attn.tools.bench.timers import loop_timings
+
+CONFIGS = [(1024, 1), (8192, 1), (32768, 1), (131072, 1), (8192, 16), (32768, 16)]
+
 
 def setup(n, batch, hkv=8, group=4, d=128, page=64):
     g = torch.Generator(device="cuda").manual_seed(0)
     k = torch.randn(batch, hkv, n, d, device="cuda", generator=g).half()
     v = torch.randn(batch, hkv, n, d, device="cuda", generator=g).half()
     q = torch.randn(batch, hkv * group, 1, d, device="cuda", generator=g).half()
-    cache = lowbit_attn.QuantizedKVCache(1, batch, hkv, d, max_tokens=n, page_size=page, dtype=torch.float16, device="cuda")
+    cache = lowbit_attn.QuantizedKVCache(1, batch, hkv, d, max_tokens=n, page_size=page,
+                                         dtype=torch.float16, device="cuda")
     cache.append(0, k, v)
     return q, k, v, cache
 
-def split_only(q, layer, recipe, pps, warps, stages):
-    bsz, hq, n, d = q.shape; hkv = layer.k.shape[1]; group = hq // hkv; page = layer.page_size
-    max_pages = -(-max(layer.host_lengths) // page); ns = max(1, -(-max_pages // pps))
-    block_r = next_pow2(group * n, 16); block_d = next_pow2(d, 32)
-    on = {"device": q.device, "dtype": torch.float32}
-    wacc = torch.empty((bsz, hkv, ns, block_r, d), **on); wm = torch.empty((bsz, hkv, ns, block_r), **on); wl = torch.empty_like(wm)
-    def go():
-        kd._decode_split_kernel[(bsz, hkv, ns)](
-            Q=q, AQ=layer.q_amax, AK=layer.k_amax, K=layer.k, KS=layer.k_scale, V=layer.v, VS=layer.v_scale, VO=layer.v_open,
-            BT=layer.block_table, LEN=layer.lengths, WACC=wacc, WM=wm, WL=wl,
-            q_strides=strides(q, 4), amax_strides=layer.q_amax.stride()[:2], k_strides=strides(layer.k, 4),
-            ks_strides=strides(layer.k_scale, 3), v_strides=strides(layer.v, 4), vs_strides=strides(layer.v_scale, 3),
-            vo_strides=strides(layer.v_open, 4), bt_strides=strides(layer.block_table, 2), wacc_strides=strides(wacc, 5),
-            wml_strides=strides(wm, 4), qk_multiplier=d ** -0.5 * LOG2E, N=n, GROUP=group, D=d,
-            pages_per_split=pps, PAGE=page, PV_FP8=True, EXACT_FP8=False, OPEN_MODE=0, EMU_FP32=False,
-            BLOCK_R=block_r, BLOCK_P=next_pow2(page, 32), BLOCK_D=block_d, num_warps=warps, num_stages=stages)
-    return go
 
-for n, batch in [(1024, 1), (8192, 1), (32768, 1), (8192, 16), (32768, 16)]:
+def host_us(fn):
+    return loop_timings(fn, True)[0]
+
+
+def main():
+    with torch.no_grad():
+        for n, batch in CONFIGS:
+            probe(n, batch)
+            torch.cuda.empty_cache()
+    return 0
+
+
+def probe(n, batch):
     q, k, v, cache = setup(n, batch)
-    layer = cache.layers[0]
-    sdpa = do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True))
-    e2e = do_bench(lambda: lowbit_attn.attention_with_kv_cache(q, cache, 0))
-    kern = do_bench(lambda: kd.attention(q, layer, cache.recipe, scale=128 ** -0.5))
-    print(f"N={n} B={batch}: sdpa {sdpa*1e3:.1f} us, e2e {e2e*1e3:.1f} us, kd.attention {kern*1e3:.1f} us", flush=True)
+    layer, recipe, scale = cache.layers[0], cache.recipe, 128 ** -0.5
+    sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    ours = lambda: lowbit_attn.attention_with_kv_cache(q, cache, 0)
+    launcher = lambda: kd.attention(q, layer, recipe, scale=scale)
+    for name, fn in (("sdpa", sdpa), ("ours", ours)):
+        h, loop = loop_timings(fn, True)
+        print(f"N={n} B={batch} {name}: do_bench {do_bench(fn) * 1e3:.1f} us, host "
+              f"{h:.1f} us, loop {loop * 1e3:.1f} us", flush=True)
+    out = launcher()
+    real = kd.attention
+    interface_only = lambda: interface.attention_with_kv_cache(q, cache, 0)
+    kd.attention = lambda *a, **kw: out
+    checks = host_us(interface_only)
+    kd.attention = real
+    split, merge = kd._decode_split_kernel, kd._decode_merge_kernel
+    launches = {}
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(**kw):
+                launches[self.kernel] = (grid, kw)
+                return self.kernel[grid](**kw)
+            return launch
+
+    kd._decode_split_kernel, kd._decode_merge_kernel = Recorder(split), Recorder(merge)
+    launcher()
+    kd._decode_split_kernel, kd._decode_merge_kernel = split, merge
+    parts = {"checks (public call, kernels stubbed)": checks, "launcher": host_us(launcher)}
+    for kernel, (grid, kw) in launches.items():
+        parts[f"{kernel.fn.__name__} launch"] = host_us(lambda: kernel[grid](**kw))
+    print("  host µs: " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()), flush=True)
+
     best = None
-    for pps, warps, stages in itertools.product((2, 4, 8, 16), (4, 8), (1, 2, 3)):
+    stages0, launch0 = kd.STAGES, kd.split_launch
+    for pps, stages, cap in itertools.product((2, 4, 8, 16), (3, 5, 7), (True, False)):
+        kd.STAGES = stages
+        if not cap:
+            kd.split_launch = lambda r, d, o: {k: v for k, v in launch0(r, d, o).items()
+                                               if k != "maxnreg"}
         try:
-            t = do_bench(split_only(q, layer, cache.recipe, pps, warps, stages))
-        except Exception as e:
-            print("  fail", pps, warps, stages, type(e).__name__, str(e)[:100]); continue
-        if best is None or t < best[0]: best = (t, pps, warps, stages)
-        print(f"  split pps={pps} w={warps} s={stages}: {t*1e3:.1f} us", flush=True)
-    print(f"  BEST {best[0]*1e3:.1f} us pps={best[1]} w={best[2]} s={best[3]}", flush=True)
-    torch.cuda.empty_cache()
+            t = do_bench(lambda: kd.attention(q, layer, recipe, scale=scale,
+                                              pages_per_split=pps)) * 1e3
+        except Exception as exc:  # noqa: BLE001 - a failing launch is a line
+            print(f"  fail pps={pps} stages={stages} cap={cap}: {exc!r}"[:200])
+            continue
+        finally:
+            kd.STAGES, kd.split_launch = stages0, launch0
+        best = min(best or (t, pps, stages, cap), (t, pps, stages, cap))
+        print(f"  pps={pps} stages={stages} cap={cap}: {t:.1f} us", flush=True)
+    print(f"  BEST {best[0]:.1f} us: pps={best[1]} stages={best[2]} cap={best[3]}",
+          flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

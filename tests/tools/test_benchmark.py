@@ -385,6 +385,7 @@ def test_decode_benchmark_runs_on_cpu(tmp_path, monkeypatch, backend):
     assert all(r["status"] == "ok" for r in rows.values())
     assert rows["kv_int8_fp8"]["bytes"] < 0.6 * rows["sdpa_fp16"]["bytes"]
     assert rows["sdpa_fp16"]["cosine"] > 0.99999 and rows["kv_int8_fp8"]["cosine"] > 0.999
+    assert all(r["host_us"] > 0 and r["loop_ms"] > 0 for r in rows.values())
     table = (tmp_path / result.name.replace(".json", ".md")).read_text()
     assert "| 200 | 2 | 2:1 | kv_int8_fp8 |" in table
     # the table names what produced it: the device, the date and the command

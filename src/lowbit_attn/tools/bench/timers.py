@@ -32,6 +32,23 @@ def cpu_timer(reps: int = 5, warmup: int = 1) -> Callable:
     return timer
 
 
+def loop_timings(fn: Callable, cuda: bool, calls: int = 100) -> tuple[float, float]:
+    """``(host µs, loop ms)`` per call of ``calls`` back-to-back calls, after one warm-up: the host
+    time to enqueue one (the clock stopped before the synchronization), and the wall time per call
+    of the whole loop, synchronized at its end: what a decode loop without CUDA graphs takes per
+    step, the larger of the host's time and the GPU's. On a CPU both are the wall time."""
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    sync()
+    t2 = time.perf_counter()
+    return (t1 - t0) / calls * 1e6, (t2 - t0) / calls * 1e3
+
+
 def timer_for(cuda: bool, *, warmup_ms: float = 25, rep_ms: float = 100) -> Callable:
     """A timer ``fn → ms`` for the benchmark scripts: Triton's ``do_bench`` median on a GPU, one
     wall-clock run on a CPU (whose numbers only show that the script works)."""
