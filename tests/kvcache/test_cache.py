@@ -227,3 +227,34 @@ def test_a_refused_attention_names_its_argument(change, error, message):
     with pytest.raises(error, match=message):
         lowbit_attn.attention_with_kv_cache(args["q"], args["cache"], args["layer"],
                                             scale=args["scale"], return_lse=args["return_lse"])
+
+
+def test_a_cuda_graph_capture_is_refused_and_changes_nothing(monkeypatch):
+    """Under capture an append and a read are refused: a replay would not update the host's pages
+    and lengths. Shown on a CPU cache that believes it is on a GPU being captured."""
+    k, v = kv(5)
+    cache = lowbit_attn.QuantizedKVCache(1, 2, 2, 64, max_tokens=8, page_size=4)
+    cache.append(0, k, v)
+    before = state(cache)
+    cache.device = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="QuantizedKVCache.append cannot be captured in a CUDA graph"):
+        cache.append(0, k[:, :, :1], v[:, :, :1])
+    with pytest.raises(RuntimeError, match="attention_with_kv_cache cannot be captured"):
+        lowbit_attn.attention_with_kv_cache(torch.zeros(2, 4, 1, 64, dtype=torch.float16), cache, 0)
+    assert same_state(before, state(cache))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    with pytest.raises(ValueError, match="k must be on the cache's device cuda:0"):
+        cache.append(0, k[:, :, :1], v[:, :, :1])  # not capturing: the ordinary checks
+
+
+@pytest.mark.gpu
+def test_a_real_cuda_graph_capture_is_refused():
+    k, v = (x.cuda() for x in kv(5))
+    cache = lowbit_attn.QuantizedKVCache(1, 2, 2, 64, max_tokens=8, page_size=4, device="cuda")
+    cache.append(0, k, v)
+    q = torch.zeros(2, 4, 1, 64, dtype=torch.float16, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
+        with torch.cuda.graph(graph):
+            lowbit_attn.attention_with_kv_cache(q, cache, 0)

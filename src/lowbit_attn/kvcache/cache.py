@@ -81,6 +81,16 @@ class QuantizedKVCache:
                 f"page_size={self.page_size}, recipe={self.recipe.name!r}, dtype={self.dtype}, "
                 f"device={str(self.device)!r})")
 
+    def refuse_graph_capture(self, what: str) -> None:
+        """A CUDA graph would replay a call with the host's state at capture: the pages an append
+        takes, the lengths it adds, the splits a read launches. So a capture is refused (the
+        cache is left as it was), never replayed into silently wrong tokens."""
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"{what} cannot be captured in a CUDA graph: the cache keeps its page allocation "
+                "and lengths on the host, which a replay would not update; run the decode step "
+                "outside the graph (or capture only the layers around it)")
+
     # --- reading -----------------------------------------------------------------------------
 
     def layer_index(self, layer) -> int:
@@ -130,8 +140,10 @@ class QuantizedKVCache:
                 magnitude in ``1 - cosine``.
         Raises:
             TypeError / ValueError naming the argument, with nothing stored, for a layer out of
-            range, a wrong shape, dtype or device, or a sequence that would pass ``max_tokens``.
+            range, a wrong shape, dtype or device, or a sequence that would pass ``max_tokens``;
+            RuntimeError under CUDA graph capture (:meth:`refuse_graph_capture`).
         """
+        self.refuse_graph_capture("QuantizedKVCache.append")
         store = self.layers[self.layer_index(layer)]
         counts = self._check_append(store, k, v, valid, q)
         lengths = list(store.host_lengths)

@@ -32,12 +32,16 @@ def attention_with_kv_cache(q: torch.Tensor, cache: QuantizedKVCache, layer: int
         are its last ones, as they should be; in a right-padded prefill they are not, while decode
         steps, ``n = 1``, are aligned either way); a row that sees no key gives 0 and LSE ``-inf``.
 
+    Raises RuntimeError under CUDA graph capture: the grid follows the host's lengths
+    (:meth:`QuantizedKVCache.refuse_graph_capture`).
+
     Numerics: ``lowbit_attn/kvcache/naive.py`` (INT8 Q·Kᵀ per token with K smoothed by its frozen
     prompt mean and Q, K balanced by the factors frozen with it; P̃ in E4M3 or fp16; V per page
     per channel).
     """
     if not isinstance(cache, QuantizedKVCache):
         raise TypeError(f"cache must be a QuantizedKVCache, got {type(cache).__name__}")
+    cache.refuse_graph_capture("attention_with_kv_cache")
     index = cache.layer_index(layer)
     checks.tensor("q", q, 4)
     if q.dtype != cache.dtype:
