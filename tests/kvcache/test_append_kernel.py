@@ -230,11 +230,13 @@ AOT_CASES = [  # recipe, cache dtype (D=128, 64-token pages)
 
 
 @pytest.mark.aot
+@pytest.mark.parametrize("padded", [True, False], ids=["valid", "all"])
 @pytest.mark.parametrize("recipe, dtype", AOT_CASES)
-def test_the_append_kernel_compiles_for_sm_90a_without_spills(monkeypatch, recipe, dtype):
+def test_the_append_kernel_compiles_for_sm_90a_without_spills(monkeypatch, recipe, dtype, padded):
     """Compiled ahead of time from a recorded launch, with the GPU's flags (not the
-    interpreter's). Measured 2026-11-25 (Triton 3.6, 4 warps, D = 128, 64-token pages): 218
-    registers for each recipe with fp16 and bf16 caches, no spills (177 with 8 warps)."""
+    interpreter's), with ``valid`` (index tensors) and without (every token, no index tensors).
+    Measured 2026-11-25 (Triton 3.6, 4 warps, D = 128, 64-token pages): 218 registers for each
+    recipe with fp16 and bf16 caches, no spills (177 with 8 warps)."""
     from lowbit_attn.tools import aot
 
     launches = record_launches(monkeypatch)
@@ -243,8 +245,9 @@ def test_the_append_kernel_compiles_for_sm_90a_without_spills(monkeypatch, recip
     cache = lowbit_attn.QuantizedKVCache(1, 2, 4, 128, max_tokens=256, page_size=64,
                                          recipe=recipe, dtype=dtype)
     kv = torch.randn(2, 4, 100, 128).to(dtype)
-    cache.append(0, kv, kv, valid=torch.ones(2, 100, dtype=torch.bool))
+    cache.append(0, kv, kv, valid=torch.ones(2, 100, dtype=torch.bool) if padded else None)
     (launch,) = launches
+    assert (launch.kwargs["SRC"] is None) == (not padded)
     r = aot.compile_launch(launch, "sm_90a")
     assert r.error is None, r.error
     assert r.spill_stores == 0 and r.spill_loads == 0, (r.kernel, r.registers, r.spill_stores)

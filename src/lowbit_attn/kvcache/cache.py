@@ -165,7 +165,7 @@ class QuantizedKVCache:
             for b in range(self.batch):
                 self._write(store, b, lengths[b], self._tokens(valid, b, n), k8[b], k_scale[b],
                             v[b])
-        store.lengths += torch.tensor(counts, dtype=torch.int64).to(self.device, non_blocking=True)
+        store.lengths += n if valid is None else valid.sum(dim=1)  # no copy from the host
         store.host_lengths = [length + c for length, c in zip(lengths, counts)]
 
     def _tokens(self, valid: torch.Tensor | None, b: int, n: int) -> torch.Tensor:

@@ -34,13 +34,13 @@ from lowbit_attn.quant.tile import balance_multiplier, e4m3_scale, int8_lines, l
 def _append_kernel(
     KIN, VIN, SRC, CNT, K, KS, V, VS, VO, KM, AQ, AK, BT, LEN,
     kin_strides, vin_strides, src_strides, k_strides, ks_strides, v_strides, vs_strides,
-    vo_strides, km_strides, amax_strides, bt_strides, D,
+    vo_strides, km_strides, amax_strides, bt_strides, N, D,
     PAGE: tl.constexpr, V_FP8: tl.constexpr, EXACT_FP8: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Strides: the inputs ``KIN``, ``VIN`` (batch, head, token, dim); ``SRC`` (batch, token):
-    the indices of the stored tokens among the ``n``, valid ones first and in order, ``CNT[b]``
-    of them; the pools ``K``, ``V`` (page, head, slot, dim), ``KS`` (page, head, slot), ``VS``
+    the indices of the stored tokens among the ``N``, valid ones first and in order, ``CNT[b]``
+    of them (both None: every sequence stores all ``N`` tokens, in order); the pools ``K``, ``V`` (page, head, slot, dim), ``KS`` (page, head, slot), ``VS``
     (page, head, dim); the open pages ``VO`` (batch, head, slot, dim); μ ``KM`` (batch, head,
     dim); the balancing statistics ``AQ``, ``AK`` (batch, head; unit stride over dim); ``BT``
     (batch, page)."""
@@ -61,7 +61,10 @@ def _append_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     start = tl.load(LEN + b).to(tl.int32)
-    count = tl.load(CNT + b).to(tl.int32)
+    if CNT is None:
+        count = N
+    else:
+        count = tl.load(CNT + b).to(tl.int32)
     mu = tl.load(KM + b * smb + h * smh + offs_d * smd, mask=dmask, other=0.0)
     inv_alpha = balance_multiplier(AQ, AK, b, h, offs_d, D, amax_strides, amax_strides, 1,
                                    ROLE=2, BLOCK_D=BLOCK_D)  # statistics per KV head: a group of 1
@@ -72,7 +75,10 @@ def _append_kernel(
         t = page_no * PAGE + offs_p - start  # slot → the append's t-th stored token
         new = (offs_p < PAGE) & (t >= 0) & (t < count)
         tile = new[:, None] & dmask[None, :]
-        src = tl.load(SRC + b * ssb + t * ssn, mask=new, other=0).to(tl.int64)
+        if SRC is None:
+            src = t.to(tl.int64)
+        else:
+            src = tl.load(SRC + b * ssb + t * ssn, mask=new, other=0).to(tl.int64)
 
         # K: (K - μ)/α, INT8 per token (quantize.quantize_keys)
         x = tl.load(KIN + b * sib + h * sih + src[:, None] * sin + offs_d[None, :] * sid,
@@ -102,14 +108,13 @@ def _append_kernel(
             tl.store(vo, vn, mask=tile)
 
 
-def stored_tokens(valid: torch.Tensor | None, batch: int, n: int, device
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def stored_tokens(valid: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(src int32 [B, n], counts int32 [B])``, on the device without a host read: sequence
-    ``b`` stores tokens ``src[b, :counts[b]]`` of the ``n`` (its valid ones in order; all ``n``
-    without ``valid``)."""
+    ``b`` stores tokens ``src[b, :counts[b]]`` of the ``n`` (its valid ones in order). Without
+    ``valid``, ``(None, None)``: the kernel then stores every token, with no index tensors to
+    build (two launches fewer per decode step)."""
     if valid is None:
-        src = torch.arange(n, dtype=torch.int32, device=device).expand(batch, n)
-        return src, torch.full((batch,), n, dtype=torch.int32, device=device)
+        return None, None
     src = torch.argsort((~valid).to(torch.int8), dim=1, stable=True).to(torch.int32)
     return src, valid.sum(dim=1, dtype=torch.int32)
 
@@ -122,7 +127,7 @@ def append(layer: PagedLayer, recipe: KVRecipe, k: torch.Tensor, v: torch.Tensor
     the block table; it updates the lengths afterwards."""
     bsz, hkv, n, d = k.shape
     page = layer.page_size
-    src, counts = stored_tokens(valid, bsz, n, k.device)
+    src, counts = stored_tokens(valid)
     _append_kernel[(bsz, hkv)](
         KIN=k, VIN=v, SRC=src, CNT=counts, K=layer.k, KS=layer.k_scale, V=layer.v,
         VS=layer.v_scale, VO=layer.v_open, KM=layer.k_mean, AQ=layer.q_amax, AK=layer.k_amax,
@@ -131,7 +136,7 @@ def append(layer: PagedLayer, recipe: KVRecipe, k: torch.Tensor, v: torch.Tensor
         k_strides=strides(layer.k, 4), ks_strides=strides(layer.k_scale, 3),
         v_strides=strides(layer.v, 4), vs_strides=strides(layer.v_scale, 3),
         vo_strides=strides(layer.v_open, 4), km_strides=strides(layer.k_mean, 3),
-        amax_strides=layer.q_amax.stride()[:2], bt_strides=strides(layer.block_table, 2), D=d,
+        amax_strides=layer.q_amax.stride()[:2], bt_strides=strides(layer.block_table, 2), N=n, D=d,
         PAGE=page, V_FP8=recipe.v_dtype == torch.float8_e4m3fn, EXACT_FP8=exact_fp8(),
         BLOCK_P=next_pow2(page, 16), BLOCK_D=next_pow2(d, 16),
     )
