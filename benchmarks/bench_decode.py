@@ -11,7 +11,9 @@ is filled once (not timed), then each method's step is timed: ``ms`` by ``do_ben
 time: up to ~90 µs of host time hides under its L2 flush), ``host µs`` the time to enqueue one
 call, ``loop ms`` the wall time per call of 100 back-to-back calls (a decode loop without CUDA
 graphs: the larger of host and GPU); ``cosine`` compares each output with exact attention in
-float64 on the same fp16 tokens. Without CUDA it times the PyTorch reference on
+float64 on the same fp16 tokens. Two more rows per configuration time a whole decode step by the
+loop: ``sdpa_fp16+write`` (the new token written into a preallocated fp16 cache, then SDPA) and
+``kv_int8_fp8+append`` (the new token appended to the 8-bit cache, then our attention). Without CUDA it times the PyTorch reference on
 a tiny size and says so.
 """
 
@@ -37,6 +39,7 @@ from lowbit_attn.tools.bench.timers import loop_timings, timer_for
 
 COPY_BANDWIDTH = 3.0e12  # bytes/s, the measured H100 copy bandwidth (NOTES §1)
 KV_HEADS, HEAD_DIM, PAGE = 8, 128, 64
+STEP_CALLS = 100  # calls of a whole step's loop
 
 
 def fp16_bytes(batch: int, n: int, kv_heads: int, d: int) -> int:
@@ -119,6 +122,21 @@ def configuration(n, batch, group, kv_heads, d, page, device, timer) -> list[dic
                          "status": f"error: {type(exc).__name__}: {exc}"[:300]})
         print(rows[-1], file=sys.stderr, flush=True)
 
+    def record_step(method, step):
+        """A whole decode step, the new token stored then attended: timed by the loop alone (each
+        call of ours appends, so do_bench's thousands of calls would grow the cache); the first
+        call's output is checked."""
+        try:
+            out = step()
+            host_us, loop_ms = loop_timings(step, device == "cuda",
+                                            calls=STEP_CALLS if device == "cuda" else 2)
+            rows.append({**base, "method": method, "cosine": cosine_similarity(out, want),
+                         "host_us": host_us, "loop_ms": loop_ms, "status": "ok"})
+        except Exception as exc:  # noqa: BLE001 - a failing method is a row, not a crash
+            rows.append({**base, "method": method,
+                         "status": f"error: {type(exc).__name__}: {exc}"[:300]})
+        print(rows[-1], file=sys.stderr, flush=True)
+
     with torch.no_grad():
         record("sdpa_fp16", lambda: torch.nn.functional.scaled_dot_product_attention(
             q, k, v, enable_gqa=True), fp16_bytes(batch, n, kv_heads, d))
@@ -128,13 +146,39 @@ def configuration(n, batch, group, kv_heads, d, page, device, timer) -> list[dic
         record("kv_int8_fp8", lambda: lowbit_attn.attention_with_kv_cache(q, cache, 0),
                cache_bytes(batch, n, kv_heads, d, page))
         rows[-1]["cache_nbytes"] = cache.nbytes()
+        del cache
+        # whole steps: SDPA over a preallocated fp16 cache whose last slot is rewritten; ours
+        # from the first n - 1 tokens, appending the last one (again at every call: the cache
+        # grows by the loop's calls, ≤ STEP_CALLS + 2 tokens)
+        k_buf, v_buf = k.clone(), v.clone()
+        k_new, v_new = k[:, :, -1:].clone(), v[:, :, -1:].clone()
+
+        def sdpa_step():
+            k_buf[:, :, -1:].copy_(k_new)
+            v_buf[:, :, -1:].copy_(v_new)
+            return torch.nn.functional.scaled_dot_product_attention(q, k_buf, v_buf,
+                                                                    enable_gqa=True)
+
+        record_step("sdpa_fp16+write", sdpa_step)
+        k_buf = v_buf = None  # freed before the 8-bit cache is built
+        cache = lowbit_attn.QuantizedKVCache(1, batch, kv_heads, d, max_tokens=n + STEP_CALLS + 2,
+                                             page_size=page, dtype=torch.float16, device=device)
+        if n > 1:
+            cache.append(0, k[:, :, :-1], v[:, :, :-1])
+
+        def cache_step():
+            cache.append(0, k_new, v_new)
+            return lowbit_attn.attention_with_kv_cache(q, cache, 0)
+
+        record_step("kv_int8_fp8+append", cache_step)
     return rows
 
 
 def render(rows: list[dict]) -> str:
-    """Every row, with its speed against the same configuration's SDPA fp16 row."""
-    sdpa = {(r["N"], r["batch"], r["gqa"]): r for r in rows
-            if r["method"] == "sdpa_fp16" and r["status"] == "ok"}
+    """Every row, with its speed against the same configuration's SDPA fp16 row (a whole step's
+    row against SDPA's whole step)."""
+    sdpa = {(r["N"], r["batch"], r["gqa"], "+" in r["method"]): r for r in rows
+            if r["method"].startswith("sdpa_fp16") and r["status"] == "ok"}
     lines = ["| N | batch | GQA | method | ms | floor ms | TB/s | × SDPA fp16 | host µs | loop ms "
              "| × SDPA fp16 (loop) | cosine |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -143,12 +187,15 @@ def render(rows: list[dict]) -> str:
         if r["status"] != "ok":
             lines.append(f"{head} {r['status']} | | | | | | | |")
             continue
-        ref = sdpa.get((r["N"], r["batch"], r["gqa"]))
-        speed = f"{ref['ms'] / r['ms']:.2f}" if ref else "—"
+        ref = sdpa.get((r["N"], r["batch"], r["gqa"], "+" in r["method"]))
+        if "ms" in r:
+            speed = f"{ref['ms'] / r['ms']:.2f}" if ref else "—"
+            gpu = f"{r['ms']:.4f} | {r['floor_ms']:.4f} | {r['tb_per_s']:.2f} | {speed}"
+        else:
+            gpu = "— | — | — | —"
         loop_speed = f"{ref['loop_ms'] / r['loop_ms']:.2f}" if ref and "loop_ms" in ref else "—"
         loop = (f"{r['host_us']:.1f} | {r['loop_ms']:.4f}" if "loop_ms" in r else "— | —")
-        lines.append(f"{head} {r['ms']:.4f} | {r['floor_ms']:.4f} | {r['tb_per_s']:.2f} | "
-                     f"{speed} | {loop} | {loop_speed} | {r['cosine']:.5f} |")
+        lines.append(f"{head} {gpu} | {loop} | {loop_speed} | {r['cosine']:.5f} |")
     return "\n".join(lines)
 
 

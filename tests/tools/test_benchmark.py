@@ -381,8 +381,9 @@ def test_decode_benchmark_runs_on_cpu(tmp_path, monkeypatch, backend):
     assert bench.main(["--out", str(tmp_path)]) == 0
     (result,) = tmp_path.glob("decode-*.json")
     rows = {r["method"]: r for r in json.loads(result.read_text())["rows"]}
-    assert set(rows) == {"sdpa_fp16", "kv_int8_fp8"}
+    assert set(rows) == {"sdpa_fp16", "kv_int8_fp8", "sdpa_fp16+write", "kv_int8_fp8+append"}
     assert all(r["status"] == "ok" for r in rows.values())
+    assert rows["kv_int8_fp8+append"]["cosine"] > 0.999  # the step's first call: all n tokens
     assert rows["kv_int8_fp8"]["bytes"] < 0.6 * rows["sdpa_fp16"]["bytes"]
     assert rows["sdpa_fp16"]["cosine"] > 0.99999 and rows["kv_int8_fp8"]["cosine"] > 0.999
     assert all(r["host_us"] > 0 and r["loop_ms"] > 0 for r in rows.values())
