@@ -9,7 +9,7 @@ from lowbit_attn.vsa import tiles
 from lowbit_attn.core.metrics import Errors, errors
 from lowbit_attn.core.recipes import RECIPES, TRAIN_RECIPES, Recipe, TrainRecipe, get_recipe
 from lowbit_attn.inference import attention, attention_varlen
-from lowbit_attn.kvcache import QuantizedKVCache, attention_with_kv_cache
+from lowbit_attn.kvcache import DecodeStep, QuantizedKVCache, attention_with_kv_cache
 from lowbit_attn.integrations.sdpa import patch_sdpa, scaled_dot_product_attention, unpatch_sdpa
 from lowbit_attn.training import trainable_attention
 from lowbit_attn.vsa import video_sparse_attention
@@ -27,6 +27,7 @@ __all__ = [
     "attention_varlen",
     "QuantizedKVCache",
     "attention_with_kv_cache",
+    "DecodeStep",
     "scaled_dot_product_attention",
     "patch_sdpa",
     "unpatch_sdpa",

@@ -93,6 +93,42 @@ class QuantizedKVCache:
 
     # --- reading -----------------------------------------------------------------------------
 
+    def store(self, layer) -> PagedLayer:
+        """Layer ``layer``'s storage (``layer`` checked), its host mirror current: after replays
+        of a captured decode step (``kvcache/step.py``) the lengths are read back from the
+        device once. Raises RuntimeError, there and at every later use until :meth:`reset`, if a
+        replay found no page for its token (its rows were NaN)."""
+        store = self.layers[self.layer_index(layer)]
+        if store.host_stale:
+            lost = store.overflow.nonzero().flatten().tolist()
+            if lost:
+                raise RuntimeError(
+                    f"a replayed decode step of layer {layer} found no page for sequences {lost}: "
+                    "it ran past the tokens its DecodeStep reserved, and gave NaN from then on; "
+                    "reset() the cache (or reserve more steps)")
+            store.host_lengths = store.lengths.tolist()
+            store.host_stale = False
+        return store
+
+    def reserve(self, layer: int, tokens: int) -> None:
+        """Takes now, on the host, the pages that each sequence of ``layer`` needs for ``tokens``
+        more tokens, so that appending them takes none (what a captured decode step needs).
+        Raises ValueError, with nothing taken, past ``max_tokens`` or the pool."""
+        store = self.store(layer)
+        tokens = _positive("tokens", tokens)
+        lengths = store.host_lengths
+        over = [b for b in range(self.batch) if lengths[b] + tokens > self.max_tokens]
+        if over:
+            raise ValueError(f"tokens={tokens} more would pass max_tokens={self.max_tokens} for "
+                             f"sequence {over[0]} (it holds {lengths[over[0]]}); nothing was reserved")
+        size = self.page_size
+        pages = sum(max(0, -(-(lengths[b] + tokens) // size) - store.host_pages[b])
+                    for b in range(self.batch))
+        if pages > len(store.free):
+            raise ValueError(f"reserving {tokens} tokens needs {pages} pages, the layer's pool has "
+                             f"{len(store.free)} free; nothing was reserved")
+        self._take_pages(store, lengths, [tokens] * self.batch)
+
     def layer_index(self, layer) -> int:
         """``layer`` checked: an int in ``[0, num_layers)``."""
         if isinstance(layer, bool) or not isinstance(layer, numbers.Integral):
@@ -144,7 +180,7 @@ class QuantizedKVCache:
             RuntimeError under CUDA graph capture (:meth:`refuse_graph_capture`).
         """
         self.refuse_graph_capture("QuantizedKVCache.append")
-        store = self.layers[self.layer_index(layer)]
+        store = self.store(layer)
         counts = self._check_append(store, k, v, valid, q)
         lengths = list(store.host_lengths)
         n = k.shape[2]
@@ -175,15 +211,18 @@ class QuantizedKVCache:
         return valid[b].nonzero().flatten()
 
     def _take_pages(self, store: PagedLayer, lengths: list[int], counts: list[int]) -> None:
-        """The pages an append opens, taken from the free list in the order of ``_write`` (by
-        sequence, then page) and written to the block table in one copy."""
+        """The pages an append opens (those past the ones a sequence holds), taken from the free
+        list in the order of ``_write`` (by sequence, then page) and written to the block table
+        in one copy."""
         size = self.page_size
         rows, cols, ids = [], [], []
         for b in range(self.batch):
-            for page_no in range(-(-lengths[b] // size), -(-(lengths[b] + counts[b]) // size)):
+            need = -(-(lengths[b] + counts[b]) // size)
+            for page_no in range(store.host_pages[b], need):
                 rows.append(b)
                 cols.append(page_no)
                 ids.append(store.free.take())
+            store.host_pages[b] = max(store.host_pages[b], need)
         if ids:
             where = torch.tensor([rows, cols, ids], dtype=torch.int64).to(self.device,
                                                                          non_blocking=True)
@@ -197,8 +236,9 @@ class QuantizedKVCache:
         pos, done = start, 0
         while done < tokens.numel():
             page_no, slot = divmod(pos, size)
-            if slot == 0:
+            if page_no >= store.host_pages[b]:  # the sequence's next page: taken now
                 store.block_table[b, page_no] = store.free.take()
+                store.host_pages[b] = page_no + 1
             page = int(store.block_table[b, page_no])
             take = min(size - slot, tokens.numel() - done)
             idx = tokens[done : done + take]
@@ -258,7 +298,7 @@ class QuantizedKVCache:
                 f"k and v would pass max_tokens={self.max_tokens} for sequence {b} (it holds "
                 f"{lengths[b]} tokens, the append adds {counts[b]}); nothing was stored")
         size = self.page_size
-        pages = sum(-(-(lengths[b] + counts[b]) // size) - -(-lengths[b] // size)
+        pages = sum(max(0, -(-(lengths[b] + counts[b]) // size) - store.host_pages[b])
                     for b in range(self.batch))
         if pages > len(store.free):
             raise ValueError(f"the append needs {pages} pages, layer's pool has {len(store.free)} "

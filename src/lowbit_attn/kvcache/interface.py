@@ -42,7 +42,7 @@ def attention_with_kv_cache(q: torch.Tensor, cache: QuantizedKVCache, layer: int
     if not isinstance(cache, QuantizedKVCache):
         raise TypeError(f"cache must be a QuantizedKVCache, got {type(cache).__name__}")
     cache.refuse_graph_capture("attention_with_kv_cache")
-    index = cache.layer_index(layer)
+    store = cache.store(layer)
     checks.tensor("q", q, 4)
     if q.dtype != cache.dtype:
         raise TypeError(f"q must have the cache's dtype {cache.dtype}, got {q.dtype}")
@@ -67,6 +67,6 @@ def attention_with_kv_cache(q: torch.Tensor, cache: QuantizedKVCache, layer: int
         from lowbit_attn.kvcache import kernel_decode  # Triton only where it runs
 
         attend = kernel_decode.attention
-    out, lse = attend(q, cache.layers[index], cache.recipe, scale=sm_scale)
+    out, lse = attend(q, store, cache.recipe, scale=sm_scale)
     out = out.to(q.dtype)
     return (out, lse) if return_lse else out

@@ -32,9 +32,9 @@ from lowbit_attn.quant.tile import balance_multiplier, e4m3_scale, int8_lines, l
 
 @triton.jit
 def _append_kernel(
-    KIN, VIN, SRC, CNT, K, KS, V, VS, VO, KM, AQ, AK, BT, LEN,
+    KIN, VIN, SRC, CNT, K, KS, V, VS, VO, KM, AQ, AK, BT, LEN, ERR,
     kin_strides, vin_strides, src_strides, k_strides, ks_strides, v_strides, vs_strides,
-    vo_strides, km_strides, amax_strides, bt_strides, N, D,
+    vo_strides, km_strides, amax_strides, bt_strides, N, D, MAX_PAGES,
     PAGE: tl.constexpr, V_FP8: tl.constexpr, EXACT_FP8: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -43,7 +43,10 @@ def _append_kernel(
     of them (both None: every sequence stores all ``N`` tokens, in order); the pools ``K``, ``V`` (page, head, slot, dim), ``KS`` (page, head, slot), ``VS``
     (page, head, dim); the open pages ``VO`` (batch, head, slot, dim); μ ``KM`` (batch, head,
     dim); the balancing statistics ``AQ``, ``AK`` (batch, head; unit stride over dim); ``BT``
-    (batch, page)."""
+    (batch, page), ``MAX_PAGES`` columns. ``ERR``: None where the host took every page (an
+    eager append); for a captured decode step, int32 ``[B]`` set to 1 for a sequence whose
+    token finds no page (past its reserved pages or ``MAX_PAGES``), which then writes nothing
+    there."""
     sib, sih, sin, sid = kin_strides
     svib, svih, svin, svid = vin_strides
     ssb, ssn = src_strides
@@ -71,9 +74,16 @@ def _append_kernel(
 
     end = start + count
     for page_no in range(start // PAGE, tl.cdiv(end, PAGE)):
-        page = tl.load(BT + b * sbb + page_no * sbp).to(tl.int64)
+        if ERR is None:
+            page = tl.load(BT + b * sbb + page_no * sbp).to(tl.int64)
+        else:  # a replayed step: the pages were reserved by the host, maybe not enough of them
+            page = tl.load(BT + b * sbb + page_no * sbp, mask=page_no < MAX_PAGES,
+                           other=-1).to(tl.int64)
+            if page < 0:
+                tl.store(ERR + b, 1)
         t = page_no * PAGE + offs_p - start  # slot → the append's t-th stored token
-        new = (offs_p < PAGE) & (t >= 0) & (t < count)
+        slots = (offs_p < PAGE) & (page >= 0)  # no page (a replay's overflow): nothing written
+        new = slots & (t >= 0) & (t < count)
         tile = new[:, None] & dmask[None, :]
         if SRC is None:
             src = t.to(tl.int64)
@@ -102,8 +112,9 @@ def _append_kernel(
             else:
                 v8, v_scale = int8_lines(vp, 0)
             tl.store(V + page * svp + h * svh + offs_p[:, None] * svn + offs_d[None, :] * svd, v8,
-                     mask=(offs_p < PAGE)[:, None] & dmask[None, :])
-            tl.store(VS + page * svsp + h * svsh + offs_d * svsd, v_scale, mask=dmask)
+                     mask=slots[:, None] & dmask[None, :])
+            tl.store(VS + page * svsp + h * svsh + offs_d * svsd, v_scale,
+                     mask=dmask & (page >= 0))
         else:  # the page stays open: V kept exact (a full page's v_open slots are never read)
             tl.store(vo, vn, mask=tile)
 
@@ -120,23 +131,26 @@ def stored_tokens(valid: torch.Tensor | None) -> tuple[torch.Tensor | None, torc
 
 
 def append(layer: PagedLayer, recipe: KVRecipe, k: torch.Tensor, v: torch.Tensor,
-           valid: torch.Tensor | None) -> None:
+           valid: torch.Tensor | None, *, replayable: bool = False) -> None:
     """Writes ``k``, ``v [B, Hkv, n, D]`` (the cache's dtype, any strides; the tokens ``valid``
     marks, all without it) after each sequence's ``layer.lengths`` tokens. The caller has frozen
     the statistics of sequences appended to for the first time, taken their pages and written
-    the block table; it updates the lengths afterwards."""
+    the block table; it updates the lengths afterwards. ``replayable``: the pages were reserved
+    for a captured decode step, whose replays may run past them: a token without a page is not
+    written and sets ``layer.overflow``."""
     bsz, hkv, n, d = k.shape
     page = layer.page_size
     src, counts = stored_tokens(valid)
     _append_kernel[(bsz, hkv)](
         KIN=k, VIN=v, SRC=src, CNT=counts, K=layer.k, KS=layer.k_scale, V=layer.v,
         VS=layer.v_scale, VO=layer.v_open, KM=layer.k_mean, AQ=layer.q_amax, AK=layer.k_amax,
-        BT=layer.block_table, LEN=layer.lengths,
+        BT=layer.block_table, LEN=layer.lengths, ERR=layer.overflow if replayable else None,
         kin_strides=strides(k, 4), vin_strides=strides(v, 4), src_strides=strides(src, 2),
         k_strides=strides(layer.k, 4), ks_strides=strides(layer.k_scale, 3),
         v_strides=strides(layer.v, 4), vs_strides=strides(layer.v_scale, 3),
         vo_strides=strides(layer.v_open, 4), km_strides=strides(layer.k_mean, 3),
         amax_strides=layer.q_amax.stride()[:2], bt_strides=strides(layer.block_table, 2), N=n, D=d,
+        MAX_PAGES=layer.block_table.shape[1],
         PAGE=page, V_FP8=recipe.v_dtype == torch.float8_e4m3fn, EXACT_FP8=exact_fp8(),
         BLOCK_P=next_pow2(page, 16), BLOCK_D=next_pow2(d, 16),
     )

@@ -24,6 +24,8 @@ with its arguments).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -74,7 +76,7 @@ def _page_scores(q8, qs, kt, ks, cols, seen, limit, m_i, l_i, offset):
 @triton.jit
 def _decode_split_kernel(
     Q, AQ, AK, K, KS, V, VS, VO, BT, LEN, WACC, WM, WL,
-    q_strides, qk_multiplier, N, GROUP, HKV, MAX_PAGES, pages_per_split,
+    q_strides, qk_multiplier, N, GROUP, HKV, MAX_PAGES, pages_per_split, ADDED,
     D: tl.constexpr, PAGE: tl.constexpr, PV_FP8: tl.constexpr, EXACT_FP8: tl.constexpr,
     OPEN_MODE: tl.constexpr, EMU_FP32: tl.constexpr, STAGES: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -83,7 +85,8 @@ def _decode_split_kernel(
     ``AK`` ``[B, HKV, D]``; the pools ``K``, ``V`` ``[pages, HKV, PAGE, D]``, ``KS``
     ``[pages, HKV, PAGE]``, ``VS`` ``[pages, HKV, D]``; the open pages ``VO`` ``[B, HKV, PAGE, D]``;
     ``BT`` ``[B, MAX_PAGES]``; the workspace ``WACC`` ``[B, HKV, splits, GROUP·N, D]``, ``WM`` and
-    ``WL`` ``[B, HKV, splits, GROUP·N]``."""
+    ``WL`` ``[B, HKV, splits, GROUP·N]``. ``ADDED``: tokens stored since ``LEN`` was last
+    advanced (a decode step's, ``kvcache/step.py``; 0 otherwise)."""
     sqb, sqh, sqn, sqd = q_strides
     b = tl.program_id(0).to(tl.int64)
     hk = tl.program_id(1).to(tl.int64)
@@ -99,7 +102,8 @@ def _decode_split_kernel(
     token = offs_r % N
     head = hk * GROUP + offs_r // N
 
-    length = tl.load(LEN + b).to(tl.int32)
+    # a replayed step past its reserved pages reads within the block table (its output: NaN)
+    length = tl.minimum(tl.load(LEN + b).to(tl.int32) + ADDED, MAX_PAGES * PAGE)
     pages = tl.cdiv(length, PAGE)
     first = split * pages_per_split  # past the sequence's pages: an empty split
     last = tl.minimum(first + pages_per_split, pages)
@@ -123,7 +127,7 @@ def _decode_split_kernel(
     l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
     for page_no in tl.range(first, full_last, num_stages=STAGES):  # full pages: K and V quantized
-        page = tl.load(bt_row + page_no).to(tl.int64)
+        page = tl.maximum(tl.load(bt_row + page_no), 0).to(tl.int64)  # -1: no page (overflow)
         kt = tl.load(K + page * (HKV * PAGE * D) + kv_head + tl.trans(tile), mask=tl.trans(tile_mask),
                      other=0)
         ks = tl.load(KS + (page * HKV + hk) * PAGE + offs_p, mask=pmask, other=0.0)
@@ -146,7 +150,7 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + pv * vs[None, :]
 
     if (first <= full_pages) & (full_pages < last):  # this split holds the open page: V exact
-        page = tl.load(bt_row + full_pages).to(tl.int64)
+        page = tl.maximum(tl.load(bt_row + full_pages), 0).to(tl.int64)
         cols = full_pages * PAGE + offs_p
         seen = pmask & (cols < length)
         kt = tl.load(K + page * (HKV * PAGE * D) + kv_head + tl.trans(tile),
@@ -180,8 +184,8 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    Q, KM, WACC, WM, WL, O, LSE,
-    q_strides, softmax_scale, N, GROUP, HKV, SPLITS,
+    Q, KM, WACC, WM, WL, O, LSE, LEN, ERR,
+    q_strides, softmax_scale, N, GROUP, HKV, SPLITS, ADDED,
     D: tl.constexpr, PV_FP8: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Merges the splits of one query row (program (sequence, KV head, row of the group)):
@@ -189,7 +193,9 @@ def _decode_merge_kernel(
     scale·(q·μ)``; a row that saw no key gives 0 and ``-inf``. ``BLOCK_S`` splits per step, each
     step's loads independent of the last. ``Q`` strided (``q_strides``); contiguous: ``KM``
     ``[B, HKV, D]``, ``O`` ``[B, HKV·GROUP, N, D]``, ``LSE`` ``[B, HKV·GROUP, N]``, the workspace
-    as in ``_decode_split_kernel``."""
+    as in ``_decode_split_kernel``. A decode step (``ERR`` not None, ``kvcache/step.py``): the
+    rows of a sequence whose token found no page (``ERR[b]``) give NaN, and the others' lengths
+    advance by ``ADDED`` here, after every split has read them."""
     sqb, sqh, sqn, sqd = q_strides
     b = tl.program_id(0).to(tl.int64)
     hk = tl.program_id(1).to(tl.int64)
@@ -222,6 +228,9 @@ def _decode_merge_kernel(
         m = m_new
     empty = l_sum == 0.0
     out = tl.where(empty, 0.0, acc / tl.where(empty, 1.0, l_sum))
+    if ERR is not None:
+        err = tl.load(ERR + b)
+        out = tl.where(err != 0, float("nan"), out)
     o_row = (b * HKV * GROUP + head) * N + token
     tl.store(O + o_row * D + offs_d, out.to(O.dtype.element_ty), mask=dmask)
 
@@ -230,7 +239,12 @@ def _decode_merge_kernel(
     mu = tl.load(KM + (b * HKV + hk) * D + offs_d, mask=dmask, other=0.0)
     shift = tl.sum(x * mu, axis=0) * softmax_scale
     lse = (m + tl.log2(l_sum) - offset) * LN2 + shift
-    tl.store(LSE + o_row, tl.where(empty, float("-inf"), lse))  # μ is unset for empty sequences
+    lse = tl.where(empty, float("-inf"), lse)  # μ is unset for empty sequences
+    if ERR is not None:
+        lse = tl.where(err != 0, float("nan"), lse)
+        if (hk == 0) & (r == 0) & (err == 0):
+            tl.store(LEN + b, tl.load(LEN + b) + ADDED)
+    tl.store(LSE + o_row, lse)
 
 
 def split_launch(block_r: int, block_d: int, open_mode: int) -> dict:
@@ -252,6 +266,34 @@ def pages_per_split_for(page_size: int) -> int:
     return max(1, TOKENS_PER_SPLIT // page_size)
 
 
+class Buffers(NamedTuple):
+    """What one launch writes: the output and LSE, and the splits' workspace (the accumulators,
+    the row maxima, the row sums, views of one allocation), for ``splits`` splits."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    wacc: torch.Tensor
+    wm: torch.Tensor
+    wl: torch.Tensor
+    splits: int
+
+
+def buffers(q_shape, dtype, device, kv_heads: int, splits: int) -> Buffers:
+    """Fresh buffers for a launch of ``q_shape = (B, Hq, n, D)`` over ``splits`` splits."""
+    bsz, hq, n, d = q_shape
+    parts = bsz * kv_heads * splits * (hq // kv_heads) * n
+    work = torch.empty(parts * (d + 2), device=device, dtype=torch.float32)
+    return Buffers(torch.empty(q_shape, dtype=dtype, device=device),
+                   torch.empty((bsz, hq, n), device=device, dtype=torch.float32),
+                   work[: parts * d], work[parts * d : parts * (d + 1)], work[parts * (d + 1) :],
+                   splits)
+
+
+def splits_for(tokens: int, page_size: int, pages_per_split: int) -> int:
+    """Splits covering ``tokens`` keys (at least one)."""
+    return max(1, -(-(-(-tokens // page_size)) // pages_per_split))
+
+
 def attention(q: torch.Tensor, layer: PagedLayer, recipe: KVRecipe, *, scale: float,
               pages_per_split: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q [B, Hq, n, D]`` (``n ≥ 1``) against one layer of the cache, the twin's
@@ -259,22 +301,27 @@ def attention(q: torch.Tensor, layer: PagedLayer, recipe: KVRecipe, *, scale: fl
     (default: :func:`pages_per_split_for` the page size): split ``s`` of a sequence covers its
     pages ``s·pages_per_split`` onwards, so the result of a sequence does not depend on the
     batch. Returns ``(out [B, Hq, n, D] in q's dtype, lse fp32 [B, Hq, n])``."""
+    if pages_per_split is None:
+        pages_per_split = pages_per_split_for(layer.page_size)
+    # the grid, from the host mirror: no sync
+    splits = splits_for(max(layer.host_lengths), layer.page_size, pages_per_split)
+    found = buffers(q.shape, q.dtype, q.device, layer.k.shape[1], splits)
+    launch(q, layer, recipe, scale=scale, pages_per_split=pages_per_split, into=found)
+    return found.out, found.lse
+
+
+def launch(q: torch.Tensor, layer: PagedLayer, recipe: KVRecipe, *, scale: float,
+           pages_per_split: int, into: Buffers, added: int = 0, replayable: bool = False) -> None:
+    """The split and merge launches of :func:`attention`, writing ``into``'s tensors. A decode
+    step's (``replayable``, ``kvcache/step.py``): the last ``added`` tokens were just stored
+    and ``layer.lengths`` does not count them yet; the merge advances it, and a sequence whose
+    append overflowed (``layer.overflow``) gets NaN rows."""
     bsz, hq, n, d = q.shape
     hkv = layer.k.shape[1]
     group = hq // hkv
     rows = group * n
     page = layer.page_size
-    if pages_per_split is None:
-        pages_per_split = pages_per_split_for(page)
-    max_pages = -(-max(layer.host_lengths) // page)  # the grid, from the host mirror: no sync
-    num_splits = max(1, -(-max_pages // pages_per_split))
     pv_fp8 = recipe.pv == "fp8"
-    # one allocation for the workspace: the accumulators, then the row maxima, then the row sums
-    parts = bsz * hkv * num_splits * rows
-    work = torch.empty(parts * (d + 2), device=q.device, dtype=torch.float32)
-    wacc, wm, wl = work[: parts * d], work[parts * d : parts * (d + 1)], work[parts * (d + 1) :]
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((bsz, hq, n), device=q.device, dtype=torch.float32)
     interpreted = interpreter_enabled()
     open_mode = 0  # how the open page's P̃·V stays exact: see the kernel
     if interpreted:
@@ -285,19 +332,20 @@ def attention(q: torch.Tensor, layer: PagedLayer, recipe: KVRecipe, *, scale: fl
         open_mode = 2  # one fp32 FMA product there spills (ptxas, sm_90a, D=128)
     q_strides = strides(q, 4)
     block_r, block_d = next_pow2(rows, 16), next_pow2(d, 32)  # INT8 MMA: k ≥ 32
-    _decode_split_kernel[(bsz, hkv, num_splits)](
+    _decode_split_kernel[(bsz, hkv, into.splits)](
         Q=q, AQ=layer.q_amax, AK=layer.k_amax, K=layer.k, KS=layer.k_scale, V=layer.v,
-        VS=layer.v_scale, VO=layer.v_open, BT=layer.block_table, LEN=layer.lengths, WACC=wacc,
-        WM=wm, WL=wl, q_strides=q_strides, qk_multiplier=scale * LOG2E, N=n, GROUP=group, D=d,
-        HKV=hkv, MAX_PAGES=layer.block_table.shape[1], pages_per_split=pages_per_split, PAGE=page,
-        PV_FP8=pv_fp8, EXACT_FP8=exact_fp8(), OPEN_MODE=open_mode, EMU_FP32=interpreted,
-        STAGES=STAGES, BLOCK_R=block_r, BLOCK_P=next_pow2(page, 32 if pv_fp8 else 16),
-        BLOCK_D=block_d,
+        VS=layer.v_scale, VO=layer.v_open, BT=layer.block_table, LEN=layer.lengths,
+        WACC=into.wacc, WM=into.wm, WL=into.wl, q_strides=q_strides,
+        qk_multiplier=scale * LOG2E, N=n, GROUP=group, D=d, HKV=hkv,
+        MAX_PAGES=layer.block_table.shape[1], pages_per_split=pages_per_split, ADDED=added,
+        PAGE=page, PV_FP8=pv_fp8, EXACT_FP8=exact_fp8(), OPEN_MODE=open_mode,
+        EMU_FP32=interpreted, STAGES=STAGES, BLOCK_R=block_r,
+        BLOCK_P=next_pow2(page, 32 if pv_fp8 else 16), BLOCK_D=block_d,
         **split_launch(block_r, block_d, open_mode),
     )
     _decode_merge_kernel[(bsz, hkv, rows)](
-        Q=q, KM=layer.k_mean, WACC=wacc, WM=wm, WL=wl, O=out, LSE=lse, q_strides=q_strides,
-        softmax_scale=scale, N=n, GROUP=group, D=d, HKV=hkv, SPLITS=num_splits, PV_FP8=pv_fp8,
-        BLOCK_S=MERGE_SPLITS, BLOCK_D=block_d,
+        Q=q, KM=layer.k_mean, WACC=into.wacc, WM=into.wm, WL=into.wl, O=into.out, LSE=into.lse,
+        LEN=layer.lengths, ERR=layer.overflow if replayable else None, q_strides=q_strides,
+        softmax_scale=scale, N=n, GROUP=group, D=d, HKV=hkv, SPLITS=into.splits, ADDED=added,
+        PV_FP8=pv_fp8, BLOCK_S=MERGE_SPLITS, BLOCK_D=block_d,
     )
-    return out, lse

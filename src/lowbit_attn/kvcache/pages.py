@@ -53,9 +53,16 @@ class PagedLayer:
             balancing) and ``max|K - μ|`` over its keys (``quantize.py``).
         block_table: int32 ``[B, max_pages_per_seq]``: page ids in order, -1 where unused.
         lengths: int64 ``[B]``: tokens stored per sequence.
+        overflow: int32 ``[B]``: set by a captured decode step (``kvcache/step.py``) whose token
+            found no page, 0 otherwise.
         free: the pool's free list.
         host_lengths: ``lengths`` mirrored on the host (kept in sync by the cache's appends and
             :meth:`reset`), so that an append need not read the device's back.
+        host_pages: the pages each sequence holds in the block table (its first ones; more
+            than its tokens need where pages were reserved for a captured decode step).
+        host_stale: True once a decode step was captured in a CUDA graph: its replays advance
+            ``lengths`` on the device alone, so the host mirror must be read back before use
+            (``QuantizedKVCache.refresh``).
     """
 
     k: torch.Tensor
@@ -68,8 +75,11 @@ class PagedLayer:
     k_amax: torch.Tensor
     block_table: torch.Tensor
     lengths: torch.Tensor
+    overflow: torch.Tensor
     free: FreePages
     host_lengths: list[int]
+    host_pages: list[int]
+    host_stale: bool = False
 
     @classmethod
     def allocate(cls, batch: int, kv_heads: int, head_dim: int, *, max_pages_per_seq: int,
@@ -88,8 +98,10 @@ class PagedLayer:
             k_amax=torch.empty((batch, kv_heads, head_dim), dtype=torch.float32, **on),
             block_table=torch.empty((batch, max_pages_per_seq), dtype=torch.int32, **on),
             lengths=torch.empty((batch,), dtype=torch.int64, **on),
+            overflow=torch.empty((batch,), dtype=torch.int32, **on),
             free=FreePages(num_pages),
             host_lengths=[0] * batch,
+            host_pages=[0] * batch,
         )
         layer.reset()
         return layer
@@ -97,7 +109,7 @@ class PagedLayer:
     def tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in
                 ("k", "k_scale", "v", "v_scale", "v_open", "k_mean", "q_amax", "k_amax",
-                              "block_table", "lengths")}
+                              "block_table", "lengths", "overflow")}
 
     def reset(self) -> None:
         """Every sequence empty, every page free (page contents are left as they are: unread;
@@ -106,7 +118,10 @@ class PagedLayer:
         self.q_amax.zero_()
         self.k_amax.zero_()
         self.lengths.zero_()
+        self.overflow.zero_()
         self.host_lengths = [0] * len(self.host_lengths)
+        self.host_pages = [0] * len(self.host_pages)
+        self.host_stale = False
         self.free.reset()
 
     def nbytes(self) -> int:

@@ -1,0 +1,131 @@
+"""``DecodeStep``: one layer's decode step — store the step's new K and V, then attend — in a form
+that a CUDA graph can capture and replay.
+
+An eager step (``QuantizedKVCache.append`` then ``attention_with_kv_cache``) decides on the host
+which pages a token takes, how many splits to launch and how long each sequence is, so it cannot
+be replayed (and is refused under capture). A ``DecodeStep`` moves each of those decisions to
+where a replay still sees it:
+
+- the pages: taken when the step is built, for ``steps`` steps ahead (``QuantizedKVCache.reserve``);
+- the splits: enough for the longest sequence after ``steps`` steps (the splits past a sequence's
+  pages are empty and cost one early exit);
+- the lengths: read on the device by the append and the split kernel, and advanced there by the
+  merge kernel, after every split has read them;
+- the buffers (output, LSE, workspace): allocated once, with the step.
+
+``run`` is then three Triton launches and nothing else: the append, the split kernel, the merge.
+A replay whose token finds no page (past the pages reserved for ``steps`` steps: the last of
+them may have room for a few more) writes nothing, gives NaN rows for the sequences concerned
+and marks them (``PagedLayer.overflow``); the cache's next eager use raises. After a capture the
+cache reads its lengths back from the device before its next eager use.
+
+On a backend without Triton, ``run`` is the eager step into the same buffers (there is no graph
+to capture there). The numerics are the eager step's to the bit: the same kernels, with more
+(empty) splits, whose merge adds exact zeros in a fixed tree.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from lowbit_attn.core import checks
+from lowbit_attn.core.arch import backend_for
+from lowbit_attn.kvcache.cache import QuantizedKVCache
+from lowbit_attn.kvcache.naive import attention_with_kv_cache_naive
+
+
+class DecodeStep:
+    """A decode step of layer ``layer`` of ``cache``, for ``steps`` steps of ``tokens`` tokens
+    per sequence, that a CUDA graph can capture (``torch.cuda.graph``) and replay.
+
+    Args:
+        cache: the cache; every sequence must hold at least one token (its prompt: the frozen
+            statistics come from a sequence's first append, which is eager).
+        layer: which of its layers.
+        heads: query heads (a multiple of the cache's ``kv_heads``).
+        steps: how many times the step will run (eagerly or by replays) before a new one is
+            built; their pages are taken now.
+        tokens: tokens per sequence per step (1 for decoding; more for speculative verification).
+        scale: softmax scale, ``D ** -0.5`` by default.
+
+    ``run(q, k, v)`` stores ``k, v [B, kv_heads, tokens, D]`` and returns the attention of
+    ``q [B, heads, tokens, D]`` against every stored token (causal, bottom-right), in a buffer
+    reused by every run (``lse`` beside it); capture it after one eager run (Triton compiles
+    then), with ``q``, ``k``, ``v`` the graph's static inputs.
+    """
+
+    def __init__(self, cache: QuantizedKVCache, layer: int, *, heads: int, steps: int,
+                 tokens: int = 1, scale: float | None = None):
+        if not isinstance(cache, QuantizedKVCache):
+            raise TypeError(f"cache must be a QuantizedKVCache, got {type(cache).__name__}")
+        cache.refuse_graph_capture("building a DecodeStep")
+        for name, value in (("heads", heads), ("steps", steps), ("tokens", tokens)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {checks.shown(value)}")
+        if heads % cache.kv_heads:
+            raise ValueError(f"heads ({heads}) must be a multiple of the cache's kv_heads "
+                             f"({cache.kv_heads})")
+        store = cache.store(layer)
+        empty = [b for b, n in enumerate(store.host_lengths) if n == 0]
+        if empty:
+            raise ValueError(f"every sequence must hold tokens before a DecodeStep (its first "
+                             f"append freezes its statistics, eagerly): sequence {empty[0]} is empty")
+        self.cache, self.layer, self.heads, self.tokens = cache, int(layer), int(heads), int(tokens)
+        self.scale = checks.softmax_scale(scale, cache.head_dim)
+        cache.reserve(layer, steps * tokens)
+        self.capacity = [n + steps * tokens for n in store.host_lengths]  # tokens, per sequence
+        self.triton = backend_for(cache.device) == "triton"
+        shape = (cache.batch, self.heads, self.tokens, cache.head_dim)
+        if self.triton:
+            from lowbit_attn.kvcache import kernel_decode  # Triton only where it runs
+
+            self.pages_per_split = kernel_decode.pages_per_split_for(cache.page_size)
+            splits = kernel_decode.splits_for(max(self.capacity), cache.page_size,
+                                              self.pages_per_split)
+            self.buffers = kernel_decode.buffers(shape, cache.dtype, cache.device,
+                                                 cache.kv_heads, splits)
+            self.out, self.lse = self.buffers.out, self.buffers.lse
+        else:
+            self.out = torch.empty(shape, dtype=cache.dtype, device=cache.device)
+            self.lse = torch.empty(shape[:3], dtype=torch.float32, device=cache.device)
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """One step: ``k``, ``v`` stored, then ``q``'s attention, returned (``self.out``; its
+        LSE in ``self.lse``). Raises ValueError, with nothing stored, for inputs of another shape,
+        dtype or device than the step's, or (eagerly) past the steps it reserved."""
+        cache = self.cache
+        for name, x, heads in (("q", q, self.heads), ("k", k, cache.kv_heads),
+                               ("v", v, cache.kv_heads)):
+            checks.tensor(name, x, 4)
+            want = (cache.batch, heads, self.tokens, cache.head_dim)
+            if tuple(x.shape) != want or x.dtype != cache.dtype or x.device != cache.device:
+                raise ValueError(f"{name} must be {cache.dtype} of shape {list(want)} on "
+                                 f"{cache.device}, got {x.dtype} {list(x.shape)} on {x.device}")
+        checks.forward_only(q, k, v)
+        capturing = cache.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        store = cache.layers[self.layer] if capturing else cache.store(self.layer)
+        if not capturing:
+            past = [b for b, n in enumerate(store.host_lengths)
+                    if n + self.tokens > self.capacity[b]]
+            if past:
+                raise ValueError(f"sequence {past[0]} has used the steps this DecodeStep "
+                                 "reserved; build a new one")
+        if not self.triton:  # the eager step (no graph to capture here)
+            cache.append(self.layer, k, v)
+            out, lse = attention_with_kv_cache_naive(q, store, cache.recipe, scale=self.scale)
+            self.out.copy_(out)
+            self.lse.copy_(lse)
+            return self.out
+        from lowbit_attn.kvcache import kernel_append, kernel_decode
+
+        kernel_append.append(store, cache.recipe, k, v, None, replayable=True)
+        kernel_decode.launch(q, store, cache.recipe, scale=self.scale,
+                             pages_per_split=self.pages_per_split, into=self.buffers,
+                             added=self.tokens, replayable=True)
+        if capturing:  # replays will advance the lengths where the host does not see them
+            store.host_stale = True
+        else:
+            store.host_lengths = [n + self.tokens for n in store.host_lengths]
+        return self.out
