@@ -13,7 +13,8 @@ call, ``loop ms`` the wall time per call of 100 back-to-back calls (a decode loo
 graphs: the larger of host and GPU); ``cosine`` compares each output with exact attention in
 float64 on the same fp16 tokens. Two more rows per configuration time a whole decode step by the
 loop: ``sdpa_fp16+write`` (the new token written into a preallocated fp16 cache, then SDPA) and
-``kv_int8_fp8+append`` (the new token appended to the 8-bit cache, then our attention). Without CUDA it times the PyTorch reference on
+``kv_int8_fp8+append`` (the new token appended to the 8-bit cache, then our attention); on a
+GPU, the same two replayed by CUDA graphs (``… (graph)``: ``lowbit_attn.DecodeStep`` for ours). Without CUDA it times the PyTorch reference on
 a tiny size and says so.
 """
 
@@ -122,11 +123,13 @@ def configuration(n, batch, group, kv_heads, d, page, device, timer) -> list[dic
                          "status": f"error: {type(exc).__name__}: {exc}"[:300]})
         print(rows[-1], file=sys.stderr, flush=True)
 
-    def record_step(method, step):
+    def record_step(method, step, *, build=None):
         """A whole decode step, the new token stored then attended: timed by the loop alone (each
         call of ours appends, so do_bench's thousands of calls would grow the cache); the first
-        call's output is checked."""
+        call's output is checked. ``build``: the step is ``build(step)`` (a CUDA graph of it)."""
         try:
+            if build is not None:
+                step = build(step)
             out = step()
             host_us, loop_ms = loop_timings(step, device == "cuda",
                                             calls=STEP_CALLS if device == "cuda" else 2)
@@ -160,6 +163,9 @@ def configuration(n, batch, group, kv_heads, d, page, device, timer) -> list[dic
                                                                     enable_gqa=True)
 
         record_step("sdpa_fp16+write", sdpa_step)
+        if device == "cuda":  # the same step replayed by a CUDA graph: no host time per step
+            record_step("sdpa_fp16+write (graph)", sdpa_step,
+                        build=lambda step: graphed(step, lambda: None))
         k_buf = v_buf = None  # freed before the 8-bit cache is built
         cache = lowbit_attn.QuantizedKVCache(1, batch, kv_heads, d, max_tokens=n + STEP_CALLS + 2,
                                              page_size=page, dtype=torch.float16, device=device)
@@ -171,13 +177,51 @@ def configuration(n, batch, group, kv_heads, d, page, device, timer) -> list[dic
             return lowbit_attn.attention_with_kv_cache(q, cache, 0)
 
         record_step("kv_int8_fp8+append", cache_step)
+        if device == "cuda":  # ours replayed by a CUDA graph (lowbit_attn.DecodeStep)
+            del cache
+
+            def graphed_decode_step(_):
+                cache = lowbit_attn.QuantizedKVCache(
+                    1, batch, kv_heads, d, max_tokens=n + STEP_CALLS + 8, page_size=page,
+                    dtype=torch.float16, device=device)
+                if n > 1:
+                    cache.append(0, k[:, :, :-1], v[:, :, :-1])
+                step = lowbit_attn.DecodeStep(cache, 0, heads=q.shape[1], steps=STEP_CALLS + 6)
+                return graphed(lambda: step.run(q, k_new, v_new), lambda: step.out)
+
+            record_step("kv_int8_fp8+append (graph)", None, build=graphed_decode_step)
     return rows
 
 
+def graphed(step, output):
+    """``step`` run once eagerly on a side stream (its first output kept: the one checked), then
+    captured in a CUDA graph; returns a callable that replays it and gives the first output at
+    its first call, ``output()`` after."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        first = step().clone()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    calls = []
+
+    def replay():
+        graph.replay()
+        calls.append(None)
+        return first if len(calls) == 1 else output()
+
+    return replay
+
+
 def render(rows: list[dict]) -> str:
-    """Every row, with its speed against the same configuration's SDPA fp16 row (a whole step's
-    row against SDPA's whole step)."""
-    sdpa = {(r["N"], r["batch"], r["gqa"], "+" in r["method"]): r for r in rows
+    """Every row, with its speed against the same configuration's SDPA fp16 row of the same
+    kind (attention alone, a whole step, a whole step replayed by a CUDA graph)."""
+    def kind(method):  # the attention alone, a whole step, or a whole step in a CUDA graph
+        return "+" in method, "(graph)" in method
+
+    sdpa = {(r["N"], r["batch"], r["gqa"], kind(r["method"])): r for r in rows
             if r["method"].startswith("sdpa_fp16") and r["status"] == "ok"}
     lines = ["| N | batch | GQA | method | ms | floor ms | TB/s | × SDPA fp16 | host µs | loop ms "
              "| × SDPA fp16 (loop) | cosine |",
@@ -187,7 +231,7 @@ def render(rows: list[dict]) -> str:
         if r["status"] != "ok":
             lines.append(f"{head} {r['status']} | | | | | | | |")
             continue
-        ref = sdpa.get((r["N"], r["batch"], r["gqa"], "+" in r["method"]))
+        ref = sdpa.get((r["N"], r["batch"], r["gqa"], kind(r["method"])))
         if "ms" in r:
             speed = f"{ref['ms'] / r['ms']:.2f}" if ref else "—"
             gpu = f"{r['ms']:.4f} | {r['floor_ms']:.4f} | {r['tb_per_s']:.2f} | {speed}"
