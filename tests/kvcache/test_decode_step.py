@@ -17,6 +17,7 @@ import torch
 
 import lowbit_attn
 from lowbit_attn.kvcache import kernel_append, kernel_decode
+from lowbit_attn.kvcache import step as step_module
 
 PAGE = 16
 HKV, GROUP, D = 2, 4, 64
@@ -248,3 +249,42 @@ def test_the_step_kernels_compile_without_spills(monkeypatch, arch):
         r = aot.compile_launch(launch, arch)
         assert r.error is None, r.error
         assert r.spill_stores == 0 and r.spill_loads == 0, (r.kernel, r.registers, r.spill_stores)
+
+
+def test_a_captured_run_is_triton_launches_and_nothing_else(monkeypatch):
+    """Under capture, ``run``'s host code issues the three launches and no PyTorch operation at
+    all: no allocation, no copy, no read back (each of which a graph would either bake in or
+    refuse). Shown with the kernels recorded, not run, under a dispatch mode that sees every
+    operation on a tensor and with the tensor methods that read values to the host watched, on a
+    CPU cache told that it is being captured."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from helpers import record_launches
+
+    monkeypatch.setenv("LOWBIT_ATTN_BACKEND", "triton")
+    cache = prompt_cache("cpu")
+    step = lowbit_attn.DecodeStep(cache, 0, heads=HKV * GROUP, steps=4)
+    q, k, v = step_inputs(1, 2, "cpu")[0]
+    appends = record_launches(monkeypatch, kernel_append, ("_append_kernel",))
+    reads = record_launches(monkeypatch, kernel_decode,
+                            ("_decode_split_kernel", "_decode_merge_kernel"))
+    monkeypatch.setattr(step_module, "graph_capturing", lambda device: True)
+    seen = []
+    for name in ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy"):
+        def read_back(self, *args, _name=name, _real=getattr(torch.Tensor, name), **kwargs):
+            seen.append(f"Tensor.{_name}")
+            return _real(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, read_back)
+
+    class Operations(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Operations():
+        out = step.run(q, k, v)
+    assert out is step.out
+    assert seen == [], seen
+    assert [launch.name for launch in appends + reads] == [
+        "_append_kernel", "_decode_split_kernel", "_decode_merge_kernel"]
+    assert cache.layers[0].host_stale and cache.layers[0].host_lengths == [13, 30]

@@ -21,6 +21,11 @@ from lowbit_attn.kvcache.quantize import frozen_stats, quantize_keys, quantize_v
 from lowbit_attn.kvcache.recipes import get_kv_recipe
 
 
+def graph_capturing(device: torch.device) -> bool:
+    """Whether work on ``device`` is being captured in a CUDA graph now."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _positive(name: str, value, *, at_most: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {checks.shown(value)}")
@@ -85,7 +90,7 @@ class QuantizedKVCache:
         """A CUDA graph would replay a call with the host's state at capture: the pages an append
         takes, the lengths it adds, the splits a read launches. So a capture is refused (the
         cache is left as it was), never replayed into silently wrong tokens."""
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if graph_capturing(self.device):
             raise RuntimeError(
                 f"{what} cannot be captured in a CUDA graph: the cache keeps its page allocation "
                 "and lengths on the host, which a replay would not update; run the decode step "

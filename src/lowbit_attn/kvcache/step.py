@@ -32,7 +32,7 @@ import torch
 
 from lowbit_attn.core import checks
 from lowbit_attn.core.arch import backend_for
-from lowbit_attn.kvcache.cache import QuantizedKVCache
+from lowbit_attn.kvcache.cache import QuantizedKVCache, graph_capturing
 from lowbit_attn.kvcache.naive import attention_with_kv_cache_naive
 
 
@@ -104,7 +104,7 @@ class DecodeStep:
                 raise ValueError(f"{name} must be {cache.dtype} of shape {list(want)} on "
                                  f"{cache.device}, got {x.dtype} {list(x.shape)} on {x.device}")
         checks.forward_only(q, k, v)
-        capturing = cache.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        capturing = graph_capturing(cache.device)
         store = cache.layers[self.layer] if capturing else cache.store(self.layer)
         if not capturing:
             past = [b for b, n in enumerate(store.host_lengths)
