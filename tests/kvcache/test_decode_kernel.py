@@ -1,6 +1,6 @@
 """The split-KV decode kernel (``kvcache/kernel_decode.py``) against its twin on the same cache:
-page boundaries (lengths 1, page−1, page, page+1 with 16-token pages), GQA 1 and 4, head dims 64
-and 128, batches of unequal lengths (one empty), n = 1 and 3 query rows, 1 to 3 splits, both
+page boundaries (lengths 1, page−1, page, page+1 with 16-token pages), GQA 1, 4 and 8, head dims
+64, 128 and 256, batches of unequal lengths (one empty), n = 1 and 3 query rows, 1 to 3 splits, both
 recipes and the three cache dtypes; and the public function's routing.
 
 Why not bit for bit: the twin rounds ``P̃ = exp2(S - m + o)`` against each row's global maximum,
@@ -89,6 +89,7 @@ CASES = [  # lengths, kv heads, GQA group, head dim, n, dtype
     pytest.param((17, 0), 2, 4, 64, 1, torch.float32, id="L17,0-G4-D64-n1-fp32"),
     pytest.param((40, 2), 1, 1, 128, 3, torch.bfloat16, id="L40,2-G1-D128-n3-bf16"),
     pytest.param((33, 48), 1, 4, 64, 3, torch.float16, id="L33,48-G4-D64-n3-fp16"),
+    pytest.param((16, 1), 1, 8, 256, 1, torch.bfloat16, id="L16,1-G8-D256-n1-bf16"),
 ]
 
 
