@@ -189,6 +189,29 @@ def test_a_step_needs_every_sequence_to_hold_its_prompt():
         lowbit_attn.DecodeStep(cache, 0, heads=HKV * GROUP, steps=2)
 
 
+def test_a_step_refuses_to_run_after_the_cache_is_reset():
+    cache = prompt_cache("cpu")
+    step = lowbit_attn.DecodeStep(cache, 0, heads=HKV * GROUP, steps=2)
+    cache.reset()
+    with pytest.raises(ValueError, match="the cache was reset since this DecodeStep was built"):
+        step.run(*step_inputs(1, 2, "cpu")[0])
+    assert cache.length(0).tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_several_tokens_per_step_give_the_eager_steps_bits(device, monkeypatch, backend):
+    """Three tokens per step (speculative verification): each step's queries attend causally,
+    bottom-right, to the tokens stored with them."""
+    monkeypatch.setenv("LOWBIT_ATTN_BACKEND", backend)
+    inputs = step_inputs(4, 2, device.name, tokens=3)
+    want = eager_steps(prompt_cache(device.name), inputs)
+    cache = prompt_cache(device.name)
+    step = lowbit_attn.DecodeStep(cache, 0, heads=HKV * GROUP, steps=4, tokens=3)
+    for (q, k, v), (out, lse) in zip(inputs, want):
+        assert torch.equal(step.run(q, k, v), out) and torch.equal(step.lse, lse)
+    assert cache.length(0).tolist() == [25, 42]
+
+
 def test_run_refuses_inputs_of_another_shape():
     cache = prompt_cache("cpu")
     step = lowbit_attn.DecodeStep(cache, 0, heads=HKV * GROUP, steps=2)

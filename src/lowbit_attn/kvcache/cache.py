@@ -73,6 +73,7 @@ class QuantizedKVCache:
         if self.device.type == "cuda" and self.device.index is None:  # "cuda" is cuda:<current>,
             self.device = torch.device("cuda", torch.cuda.current_device())  # as tensors say
         self.max_pages_per_seq = -(-self.max_tokens // self.page_size)
+        self.resets = 0  # how many times reset() ran: what a DecodeStep was built against
         self.layers = [
             PagedLayer.allocate(self.batch, self.kv_heads, self.head_dim,
                                 max_pages_per_seq=self.max_pages_per_seq, page_size=self.page_size,
@@ -161,9 +162,11 @@ class QuantizedKVCache:
     # --- writing -----------------------------------------------------------------------------
 
     def reset(self) -> None:
-        """Every sequence of every layer empty (its μ is set afresh by its next append)."""
+        """Every sequence of every layer empty (its μ is set afresh by its next append); a
+        ``DecodeStep`` built before refuses to run (its pages went back to the pool)."""
         for layer in self.layers:
             layer.reset()
+        self.resets += 1
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, *,
                valid: torch.Tensor | None = None, q: torch.Tensor | None = None) -> None:

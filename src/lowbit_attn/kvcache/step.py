@@ -75,6 +75,7 @@ class DecodeStep:
         self.cache, self.layer, self.heads, self.tokens = cache, int(layer), int(heads), int(tokens)
         self.scale = checks.softmax_scale(scale, cache.head_dim)
         cache.reserve(layer, steps * tokens)
+        self.resets = cache.resets
         self.capacity = [n + steps * tokens for n in store.host_lengths]  # tokens, per sequence
         self.triton = backend_for(cache.device) == "triton"
         shape = (cache.batch, self.heads, self.tokens, cache.head_dim)
@@ -94,7 +95,8 @@ class DecodeStep:
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """One step: ``k``, ``v`` stored, then ``q``'s attention, returned (``self.out``; its
         LSE in ``self.lse``). Raises ValueError, with nothing stored, for inputs of another shape,
-        dtype or device than the step's, or (eagerly) past the steps it reserved."""
+        dtype or device than the step's, or (eagerly) past the steps it reserved or after the
+        cache's ``reset``."""
         cache = self.cache
         for name, x, heads in (("q", q, self.heads), ("k", k, cache.kv_heads),
                                ("v", v, cache.kv_heads)):
@@ -107,6 +109,9 @@ class DecodeStep:
         capturing = graph_capturing(cache.device)
         store = cache.layers[self.layer] if capturing else cache.store(self.layer)
         if not capturing:
+            if cache.resets != self.resets:
+                raise ValueError("the cache was reset since this DecodeStep was built (its pages "
+                                 "went back to the pool); build a new one")
             past = [b for b, n in enumerate(store.host_lengths)
                     if n + self.tokens > self.capacity[b]]
             if past:
