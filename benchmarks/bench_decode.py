@@ -82,16 +82,16 @@ def main(argv=None) -> int:
               "kernel benchmark)", file=sys.stderr)
         seqlens, batches, groups, kv_heads, d, page = [200], [2], [2], 2, 64, 16
     timer = timer_for(cuda)
+    meta = make_metadata(device=device, mode="decode",
+                         protocol={"kv_heads": kv_heads, "d": d, "page": page,
+                                   "bandwidth_floor": COPY_BANDWIDTH})
     rows = []
     for n in seqlens:
         for batch in batches:
             for group in groups:
                 rows += configuration(n, batch, group, kv_heads, d, page, device, timer)
-    meta = make_metadata(device=device, mode="decode",
-                         protocol={"kv_heads": kv_heads, "d": d, "page": page,
-                                   "bandwidth_floor": COPY_BANDWIDTH})
-    table = render(rows)
-    save_script_results(args.out, "decode", {**meta, "rows": rows}, table)
+                table = render(rows)  # saved after every configuration: a run cut short keeps them
+                save_script_results(args.out, "decode", {**meta, "rows": rows}, table)
     print(table)
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 
