@@ -169,8 +169,8 @@ def test_reserved_pages_are_not_taken_twice(monkeypatch):
 
 @pytest.mark.parametrize("kwargs, error, message", [
     (dict(heads=3), ValueError, "heads (3) must be a multiple of the cache's kv_heads (2)"),
-    (dict(steps=0), ValueError, "steps must be a positive int"),
-    (dict(tokens=True), ValueError, "tokens must be a positive int"),
+    (dict(steps=0), ValueError, "steps must be at least 1"),
+    (dict(tokens=True), TypeError, "tokens must be an int"),
     (dict(steps=40), ValueError, "would pass max_tokens=64 for sequence 1"),
     (dict(layer=1), ValueError, "layer must be in [0, 1)"),
 ])

@@ -61,6 +61,16 @@ def flag(name: str, value) -> bool:
     raise TypeError(f"{name} must be a bool, got {shown(value)}")
 
 
+def positive_int(name: str, value, *, at_most: int | None = None) -> int:
+    """A count argument: an int (not a bool) from 1 (to ``at_most``), returned as a Python int."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {shown(value)}")
+    if value < 1 or (at_most is not None and value > at_most):
+        bound = f"between 1 and {at_most}" if at_most is not None else "at least 1"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+    return int(value)
+
+
 def integer(name: str, value, allowed: tuple[int, ...]) -> int:
     """An int argument from ``allowed``: an ``int`` or NumPy integer (not a bool, not a float),
     returned as a Python ``int``."""

@@ -26,15 +26,6 @@ def graph_capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _positive(name: str, value, *, at_most: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {checks.shown(value)}")
-    if value < 1 or (at_most is not None and value > at_most):
-        bound = f"between 1 and {at_most}" if at_most is not None else "at least 1"
-        raise ValueError(f"{name} must be {bound}, got {value}")
-    return int(value)
-
-
 class QuantizedKVCache:
     """A paged, 8-bit KV cache for ``num_layers`` layers of ``batch`` sequences.
 
@@ -58,12 +49,12 @@ class QuantizedKVCache:
     def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, *,
                  max_tokens: int, page_size: int = 64, recipe: str = "kv_int8_fp8",
                  dtype: torch.dtype = torch.float16, device="cpu"):
-        self.num_layers = _positive("num_layers", num_layers)
-        self.batch = _positive("batch", batch)
-        self.kv_heads = _positive("kv_heads", kv_heads)
-        self.head_dim = _positive("head_dim", head_dim, at_most=checks.MAX_HEAD_DIM)
-        self.max_tokens = _positive("max_tokens", max_tokens)
-        self.page_size = _positive("page_size", page_size)
+        self.num_layers = checks.positive_int("num_layers", num_layers)
+        self.batch = checks.positive_int("batch", batch)
+        self.kv_heads = checks.positive_int("kv_heads", kv_heads)
+        self.head_dim = checks.positive_int("head_dim", head_dim, at_most=checks.MAX_HEAD_DIM)
+        self.max_tokens = checks.positive_int("max_tokens", max_tokens)
+        self.page_size = checks.positive_int("page_size", page_size)
         self.recipe = get_kv_recipe(recipe)
         if dtype not in checks.FLOAT_DTYPES:
             raise TypeError(
@@ -121,7 +112,7 @@ class QuantizedKVCache:
         more tokens, so that appending them takes none (what a captured decode step needs).
         Raises ValueError, with nothing taken, past ``max_tokens`` or the pool."""
         store = self.store(layer)
-        tokens = _positive("tokens", tokens)
+        tokens = checks.positive_int("tokens", tokens)
         lengths = store.host_lengths
         over = [b for b in range(self.batch) if lengths[b] + tokens > self.max_tokens]
         if over:

@@ -62,7 +62,7 @@ class PagedLayer:
             than its tokens need where pages were reserved for a captured decode step).
         host_stale: True once a decode step was captured in a CUDA graph: its replays advance
             ``lengths`` on the device alone, so the host mirror must be read back before use
-            (``QuantizedKVCache.refresh``).
+            (``QuantizedKVCache.store``).
     """
 
     k: torch.Tensor

@@ -26,8 +26,6 @@ to capture there). The numerics are the eager step's to the bit: the same kernel
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 
 from lowbit_attn.core import checks
@@ -61,9 +59,8 @@ class DecodeStep:
         if not isinstance(cache, QuantizedKVCache):
             raise TypeError(f"cache must be a QuantizedKVCache, got {type(cache).__name__}")
         cache.refuse_graph_capture("building a DecodeStep")
-        for name, value in (("heads", heads), ("steps", steps), ("tokens", tokens)):
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {checks.shown(value)}")
+        heads, steps, tokens = (checks.positive_int(name, value) for name, value in
+                                (("heads", heads), ("steps", steps), ("tokens", tokens)))
         if heads % cache.kv_heads:
             raise ValueError(f"heads ({heads}) must be a multiple of the cache's kv_heads "
                              f"({cache.kv_heads})")
@@ -72,7 +69,7 @@ class DecodeStep:
         if empty:
             raise ValueError(f"every sequence must hold tokens before a DecodeStep (its first "
                              f"append freezes its statistics, eagerly): sequence {empty[0]} is empty")
-        self.cache, self.layer, self.heads, self.tokens = cache, int(layer), int(heads), int(tokens)
+        self.cache, self.layer, self.heads, self.tokens = cache, int(layer), heads, tokens
         self.scale = checks.softmax_scale(scale, cache.head_dim)
         cache.reserve(layer, steps * tokens)
         self.resets = cache.resets
