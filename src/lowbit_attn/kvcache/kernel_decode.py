@@ -8,7 +8,7 @@ each page is looked up in the block table, its INT8 K and per-token scales give
 ``S = ((Q̂·K̂ᵀ)·s_k)·s_q`` in fp32 (base 2), an online softmax runs over the split's pages, and
 each page's ``P̃·V̂`` is a fresh fp32 product times the page's per-channel V scale. The full pages
 are one loop with nothing conditional in it, so Triton's pipeliner streams their K and V into
-shared memory ``num_stages - 1`` pages ahead (the bytes in flight that a memory-bound loop needs);
+shared memory pages ahead (the bytes in flight that a memory-bound loop needs: :data:`STAGES`);
 the open page (``P̃·V`` with V exact in the cache's dtype), in the split that holds it, comes after
 the loop. The split writes its unnormalised accumulator, row max and row sum to a workspace;
 ``_decode_merge_kernel`` (one program per query row) merges the splits into the output and the
@@ -46,8 +46,9 @@ TOKENS_PER_SPLIT = 512
 # Splits the merge reads per step. Fixed, not sized to the launch: its sums are then the same tree
 # whatever the number of splits of the batch (empty splits add exact zeros).
 MERGE_SPLITS = 32
-# Pages in flight per program: Triton's pipeliner keeps ``STAGES - 1`` pages of K and V loading
-# into shared memory while one is multiplied (NOTES §13).
+# Pipeline stages of the full-page loop. K and V are loaded through the page id, itself a load,
+# so the pipeliner splits the stages between the two: with 5, the page ids run four pages ahead
+# and K and V two (sm_90a SASS: ``DEPBAR.LE SB0, 0x5``; with 3 or 4, one page: NOTES §13b).
 STAGES = 5
 
 
