@@ -47,8 +47,8 @@ TOKENS_PER_SPLIT = 512
 # whatever the number of splits of the batch (empty splits add exact zeros).
 MERGE_SPLITS = 32
 # Pipeline stages of the full-page loop. K and V are loaded through the page id, itself a load,
-# so the pipeliner splits the stages between the two: with 5, the page ids run four pages ahead
-# and K and V two (sm_90a SASS: ``DEPBAR.LE SB0, 0x5``; with 3 or 4, one page: NOTES §13b).
+# so the pipeliner splits the stages between the two: with 5, the page ids run ahead of K and V,
+# which run two pages ahead (sm_90a SASS: ``DEPBAR.LE SB0, 0x5``; with 3 or 4, one: NOTES §13b).
 STAGES = 5
 
 
