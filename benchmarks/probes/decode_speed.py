@@ -89,8 +89,8 @@ def probe(n, batch):
     for pps, stages, cap in itertools.product((2, 4, 8, 16), (3, 5, 7), (True, False)):
         kd.STAGES = stages
         if not cap:
-            kd.split_launch = lambda r, d, o: {k: v for k, v in launch0(r, d, o).items()
-                                               if k != "maxnreg"}
+            kd.split_launch = lambda r, d, o: (launch0(r, d, o)[0], {
+                k: v for k, v in launch0(r, d, o)[1].items() if k != "maxnreg"})
         try:
             t = do_bench(lambda: kd.attention(q, layer, recipe, scale=scale,
                                               pages_per_split=pps)) * 1e3

@@ -90,6 +90,8 @@ CASES = [  # lengths, kv heads, GQA group, head dim, n, dtype
     pytest.param((40, 2), 1, 1, 128, 3, torch.bfloat16, id="L40,2-G1-D128-n3-bf16"),
     pytest.param((33, 48), 1, 4, 64, 3, torch.float16, id="L33,48-G4-D64-n3-fp16"),
     pytest.param((16, 1), 1, 8, 256, 1, torch.bfloat16, id="L16,1-G8-D256-n1-bf16"),
+    # a chunk of 40 queries: 160 rows in blocks of 32 (sequence 1's first three see no key)
+    pytest.param((40, 37), 1, 4, 64, 40, torch.float16, id="L40,37-G4-D64-n40-fp16"),
 ]
 
 
@@ -206,6 +208,7 @@ AOT_CASES = [  # recipe, cache dtype, n (D=128, 64-token pages, GQA 8)
     pytest.param("kv_int8_int8", torch.float16, 4, id="int8-fp16-n4"),
     pytest.param("kv_int8_fp8", torch.float32, 1, id="fp8-fp32-n1"),
     pytest.param("kv_int8_int8", torch.float32, 4, id="int8-fp32-n4"),
+    pytest.param("kv_int8_fp8", torch.float16, 64, id="fp8-fp16-n64"),  # 512 rows: 16 blocks
 ]
 
 
@@ -220,7 +223,9 @@ def test_the_kernels_compile_without_spills(monkeypatch, recipe, dtype, n, arch)
     32 rows (n=4), and with an fp32 cache (8 warps, the open page's product in TF32x3: P̃ is
     exact in TF32, V split in two, within 2^-22·|V| of fp32) 173 (n=1) to 255 (n=4); the merge
     kernel 40. As an IEEE fp32 product (an FMA loop) the open page spilled about 5 KB. sm_89:
-    128-255 registers, sm_120a: 128-252, sm_100a: 168-255, no spills."""
+    128-255 registers, sm_120a: 128-252, sm_100a: 168-255, no spills. A chunk of 64 queries
+    (512 rows) runs in blocks of 32 rows; as one tile it could not fit (78 KB of spills at 2048
+    rows)."""
     from lowbit_attn.tools import aot
 
     launches = record_launches(monkeypatch)
@@ -238,8 +243,9 @@ def test_the_kernels_compile_without_spills(monkeypatch, recipe, dtype, n, arch)
         assert r.spill_stores == 0 and r.spill_loads == 0, (r.kernel, r.registers, r.spill_stores)
 
 
-def compiled_split_kernel(monkeypatch, arch: str, head_dim: int, recipe: str = "kv_int8_fp8"):
-    """The split kernel's AOT report for a decode step (n = 1, GQA 8, fp16 cache, 64-token pages)."""
+def compiled_split_kernel(monkeypatch, arch: str, head_dim: int, recipe: str = "kv_int8_fp8",
+                          n: int = 1):
+    """The split kernel's AOT report for ``n`` queries (GQA 8, fp16 cache, 64-token pages)."""
     from lowbit_attn.tools import aot
 
     launches = record_launches(monkeypatch)
@@ -249,7 +255,7 @@ def compiled_split_kernel(monkeypatch, arch: str, head_dim: int, recipe: str = "
                                          recipe=recipe, dtype=torch.float16)
     kv = torch.randn(2, 4, 700, head_dim).half()
     cache.append(0, kv, kv)
-    kernel_decode.attention(torch.randn(2, 32, 1, head_dim).half(), cache.layers[0], cache.recipe,
+    kernel_decode.attention(torch.randn(2, 32, n, head_dim).half(), cache.layers[0], cache.recipe,
                             scale=head_dim ** -0.5)
     report = aot.compile_launch(launches[0], arch)
     assert report.error is None, report.error
@@ -282,7 +288,9 @@ def test_the_full_page_loop_keeps_pages_in_flight(monkeypatch, recipe):
 
 
 @pytest.mark.aot
-def test_head_dim_256_compiles_without_spills(monkeypatch):
-    """D = 256 runs on 8 warps (4 spill 80 B, measured 2026-11-25, sm_90a): 236 registers."""
-    report = compiled_split_kernel(monkeypatch, "sm_90a", 256)
+@pytest.mark.parametrize("n", [1, 64])
+def test_head_dim_256_compiles_without_spills(monkeypatch, n):
+    """D = 256 runs on 8 warps (4 spill 80 B, measured 2026-11-25, sm_90a): 236 registers for
+    one query; a chunk of 64 (512 rows) in blocks of 16 (blocks of 64 spilled 96 B)."""
+    report = compiled_split_kernel(monkeypatch, "sm_90a", 256, n=n)
     assert report.num_warps == 8 and report.spill_stores == 0 and report.spill_loads == 0

@@ -2,8 +2,9 @@
 
 ``_decode_split_kernel``: one program per (sequence, KV head, split). Its rows are the GQA group's
 query heads × the ``n`` query tokens (row ``r`` = head ``r // n`` of the group, token ``r % n``),
-padded to ``BLOCK_R ≥ 16`` for ``tl.dot``; the rows are multiplied by the sequence's balancing
-factors and quantized to INT8 per row. A split covers a contiguous range of the sequence's pages;
+in blocks of at most 32 (a program each: :func:`split_launch`), padded to ``BLOCK_R ≥ 16`` for
+``tl.dot``; the rows are multiplied by the sequence's balancing factors and quantized to INT8 per
+row. A split covers a contiguous range of the sequence's pages;
 each page is looked up in the block table, its INT8 K and per-token scales give
 ``S = ((Q̂·K̂ᵀ)·s_k)·s_q`` in fp32 (base 2), an online softmax runs over the split's pages, and
 each page's ``P̃·V̂`` is a fresh fp32 product times the page's per-channel V scale. The full pages
@@ -77,7 +78,7 @@ def _page_scores(q8, qs, kt, ks, cols, seen, limit, m_i, l_i, offset):
 @triton.jit
 def _decode_split_kernel(
     Q, AQ, AK, K, KS, V, VS, VO, BT, LEN, WACC, WM, WL,
-    q_strides, qk_multiplier, N, GROUP, HKV, MAX_PAGES, pages_per_split, ADDED,
+    q_strides, qk_multiplier, N, GROUP, HKV, MAX_PAGES, pages_per_split, ADDED, ROW_BLOCKS,
     D: tl.constexpr, PAGE: tl.constexpr, PV_FP8: tl.constexpr, EXACT_FP8: tl.constexpr,
     OPEN_MODE: tl.constexpr, EMU_FP32: tl.constexpr, STAGES: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -87,14 +88,16 @@ def _decode_split_kernel(
     ``[pages, HKV, PAGE]``, ``VS`` ``[pages, HKV, D]``; the open pages ``VO`` ``[B, HKV, PAGE, D]``;
     ``BT`` ``[B, MAX_PAGES]``; the workspace ``WACC`` ``[B, HKV, splits, GROUP·N, D]``, ``WM`` and
     ``WL`` ``[B, HKV, splits, GROUP·N]``. ``ADDED``: tokens stored since ``LEN`` was last
-    advanced (a decode step's, ``kvcache/step.py``; 0 otherwise)."""
+    advanced (a decode step's, ``kvcache/step.py``; 0 otherwise). Axis 0 of the grid: sequence
+    × ``ROW_BLOCKS`` blocks of ``BLOCK_R`` rows (more than one for long query chunks)."""
     sqb, sqh, sqn, sqd = q_strides
-    b = tl.program_id(0).to(tl.int64)
+    b = (tl.program_id(0) // ROW_BLOCKS).to(tl.int64)
+    row_block = tl.program_id(0) % ROW_BLOCKS
     hk = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     rows = GROUP * N
 
-    offs_r = tl.arange(0, BLOCK_R)
+    offs_r = row_block * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_p = tl.arange(0, BLOCK_P)
     offs_d = tl.arange(0, BLOCK_D)
     rmask = offs_r < rows
@@ -107,7 +110,10 @@ def _decode_split_kernel(
     length = tl.minimum(tl.load(LEN + b).to(tl.int32) + ADDED, MAX_PAGES * PAGE)
     pages = tl.cdiv(length, PAGE)
     first = split * pages_per_split  # past the sequence's pages: an empty split
-    last = tl.minimum(first + pages_per_split, pages)
+    # and no page past the block's last visible key (a long query chunk is causal): those would
+    # only add masked scores, exact zeros
+    seen_pages = tl.cdiv(length - N + tl.max(tl.where(rmask, token, 0), axis=0) + 1, PAGE)
+    last = tl.minimum(tl.minimum(first + pages_per_split, pages), seen_pages)
     full_pages = length // PAGE
     full_last = tl.minimum(last, full_pages)
     limit = length - N + token  # row r sees keys j <= limit
@@ -189,7 +195,7 @@ def _decode_merge_kernel(
     q_strides, softmax_scale, N, GROUP, HKV, SPLITS, ADDED,
     D: tl.constexpr, PV_FP8: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Merges the splits of one query row (program (sequence, KV head, row of the group)):
+    """Merges the splits of one query row (program (row of the group, KV head, sequence)):
     ``out = Σ acc_s·2^(m_s - M) / Σ l_s·2^(m_s - M)``, ``LSE = (M + log2 l - offset)·ln 2 +
     scale·(q·μ)``; a row that saw no key gives 0 and ``-inf``. ``BLOCK_S`` splits per step, each
     step's loads independent of the last. ``Q`` strided (``q_strides``); contiguous: ``KM``
@@ -198,9 +204,9 @@ def _decode_merge_kernel(
     rows of a sequence whose token found no page (``ERR[b]``) give NaN, and the others' lengths
     advance by ``ADDED`` here, after every split has read them."""
     sqb, sqh, sqn, sqd = q_strides
-    b = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(0)
     hk = tl.program_id(1).to(tl.int64)
-    r = tl.program_id(2)
+    b = tl.program_id(2).to(tl.int64)
     rows = GROUP * N
     head = hk * GROUP + r // N
     token = r % N
@@ -248,18 +254,27 @@ def _decode_merge_kernel(
     tl.store(LSE + o_row, lse)
 
 
-def split_launch(block_r: int, block_d: int, open_mode: int) -> dict:
-    """The split kernel's warps and register cap. 4 warps; 8 for an fp32 cache (the open page's
-    TF32x3 product) and for D = 256 (4 warps spill there: 80-368 B, sm_90a). With 16 rows, D ≤ 128 and one product on the open page, at most 168
-    registers: three programs per SM instead of two (65536 registers, 128 threads each), so half
-    as many more pages in flight. ptxas fits those in 168 without spilling on sm_90a, sm_89 and
-    sm_120a (2026-11-25; 205 uncapped on sm_90a, D = 128); 32 rows, D = 256 or the bf16 open
-    page's two products spill under the cap."""
+def split_launch(rows: int, block_d: int, open_mode: int) -> tuple[int, dict]:
+    """The split kernel's tile: ``(BLOCK_R, launch options)`` for ``rows`` query rows per
+    (sequence, KV head). Measured on sm_90a (2026-11-25, ptxas of Triton 3.6):
+
+    - rows per program at most 32 (16 for D = 256): a longer query chunk, a prefill through the
+      cache, is cut into blocks. One tile of all its rows spilled 1.9 KB at 256 rows and 78 KB at
+      2048 (D = 64); 64 rows spill on sm_89 (D = 128) and sm_120a (D = 64), 32 rows of D = 256
+      on sm_120a (bf16 cache, INT8 V); at the bounds, none on sm_90a, sm_89, sm_120a, sm_100a;
+    - 4 warps; 8 for an fp32 cache (the open page's TF32x3 product) and for D = 256 (4 warps
+      spill there: 80-368 B);
+    - with 16 rows, D ≤ 128 and one product on the open page, at most 168 registers: three
+      programs per SM instead of two (65536 registers, 128 threads each), so half as many more
+      pages in flight. ptxas fits those in 168 without spilling on sm_90a, sm_89, sm_120a and
+      sm_100a (205 uncapped on sm_90a, D = 128); 32 rows, D = 256 or the bf16 open page's two
+      products spill under the cap."""
+    block_r = min(next_pow2(rows, 16), 32 if block_d <= 128 else 16)
     if open_mode == 3 or block_d > 128:
-        return {"num_warps": 8}
-    if block_r == 16 and block_d <= 128 and open_mode == 0:
-        return {"num_warps": 4, "maxnreg": 168}
-    return {"num_warps": 4}
+        return block_r, {"num_warps": 8}
+    if block_r == 16 and open_mode == 0:
+        return block_r, {"num_warps": 4, "maxnreg": 168}
+    return block_r, {"num_warps": 4}
 
 
 def pages_per_split_for(page_size: int) -> int:
@@ -332,19 +347,21 @@ def launch(q: torch.Tensor, layer: PagedLayer, recipe: KVRecipe, *, scale: float
     elif not pv_fp8 and layer.v_open.dtype == torch.bfloat16:
         open_mode = 2  # one fp32 FMA product there spills (ptxas, sm_90a, D=128)
     q_strides = strides(q, 4)
-    block_r, block_d = next_pow2(rows, 16), next_pow2(d, 32)  # INT8 MMA: k ≥ 32
-    _decode_split_kernel[(bsz, hkv, into.splits)](
+    block_d = next_pow2(d, 32)  # INT8 MMA: k ≥ 32
+    block_r, options = split_launch(rows, block_d, open_mode)
+    row_blocks = -(-rows // block_r)
+    _decode_split_kernel[(bsz * row_blocks, hkv, into.splits)](
         Q=q, AQ=layer.q_amax, AK=layer.k_amax, K=layer.k, KS=layer.k_scale, V=layer.v,
         VS=layer.v_scale, VO=layer.v_open, BT=layer.block_table, LEN=layer.lengths,
         WACC=into.wacc, WM=into.wm, WL=into.wl, q_strides=q_strides,
         qk_multiplier=scale * LOG2E, N=n, GROUP=group, D=d, HKV=hkv,
         MAX_PAGES=layer.block_table.shape[1], pages_per_split=pages_per_split, ADDED=added,
-        PAGE=page, PV_FP8=pv_fp8, EXACT_FP8=exact_fp8(), OPEN_MODE=open_mode,
+        ROW_BLOCKS=row_blocks, PAGE=page, PV_FP8=pv_fp8, EXACT_FP8=exact_fp8(), OPEN_MODE=open_mode,
         EMU_FP32=interpreted, STAGES=STAGES, BLOCK_R=block_r,
         BLOCK_P=next_pow2(page, 32 if pv_fp8 else 16), BLOCK_D=block_d,
-        **split_launch(block_r, block_d, open_mode),
+        **options,
     )
-    _decode_merge_kernel[(bsz, hkv, rows)](
+    _decode_merge_kernel[(rows, hkv, bsz)](  # rows on axis 0: up to 2^31 (a long prefill)
         Q=q, KM=layer.k_mean, WACC=into.wacc, WM=into.wm, WL=into.wl, O=into.out, LSE=into.lse,
         LEN=layer.lengths, ERR=layer.overflow if replayable else None, q_strides=q_strides,
         softmax_scale=scale, N=n, GROUP=group, D=d, HKV=hkv, SPLITS=into.splits, ADDED=added,
