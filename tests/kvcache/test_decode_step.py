@@ -311,3 +311,33 @@ def test_a_captured_run_is_triton_launches_and_nothing_else(monkeypatch):
     assert [launch.name for launch in appends + reads] == [
         "_append_kernel", "_decode_split_kernel", "_decode_merge_kernel"]
     assert cache.layers[0].host_stale and cache.layers[0].host_lengths == [13, 30]
+
+
+def test_the_layers_steps_share_one_workspace_and_keep_their_bits(device, monkeypatch):
+    """Two layers' steps, run in turn as a model runs its layers: one workspace between them, and
+    each layer's outputs the eager steps' bits."""
+    monkeypatch.setenv("LOWBIT_ATTN_BACKEND", "triton")
+    g = torch.Generator().manual_seed(5)
+
+    def two_layers():
+        cache = lowbit_attn.QuantizedKVCache(2, 2, HKV, D, max_tokens=64, page_size=PAGE,
+                                             device=device.name)
+        for layer in (0, 1):
+            kv = torch.randn(2, HKV, 20 + layer, D, generator=torch.Generator().manual_seed(layer))
+            cache.append(layer, *(kv.half().to(device.name),) * 2)
+        return cache
+
+    inputs = [[tuple(torch.randn(2, h, 1, D, generator=g).half().to(device.name)
+                     for h in (HKV * GROUP, HKV, HKV)) for _ in (0, 1)] for _ in range(3)]
+    eager = two_layers()
+    want = []
+    for step_inputs_ in inputs:
+        for layer, (q, k, v) in enumerate(step_inputs_):
+            eager.append(layer, k, v)
+            want.append(lowbit_attn.attention_with_kv_cache(q, eager, layer))
+    cache = two_layers()
+    steps = [lowbit_attn.DecodeStep(cache, layer, heads=HKV * GROUP, steps=3) for layer in (0, 1)]
+    assert steps[0].buffers.wacc.data_ptr() == steps[1].buffers.wacc.data_ptr()
+    got = [steps[layer].run(q, k, v).clone() for step_inputs_ in inputs
+           for layer, (q, k, v) in enumerate(step_inputs_)]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -65,6 +65,7 @@ class QuantizedKVCache:
             self.device = torch.device("cuda", torch.cuda.current_device())  # as tensors say
         self.max_pages_per_seq = -(-self.max_tokens // self.page_size)
         self.resets = 0  # how many times reset() ran: what a DecodeStep was built against
+        self._workspaces: dict[int, torch.Tensor] = {}  # shared_workspace's, by size
         self.layers = [
             PagedLayer.allocate(self.batch, self.kv_heads, self.head_dim,
                                 max_pages_per_seq=self.max_pages_per_seq, page_size=self.page_size,
@@ -125,6 +126,15 @@ class QuantizedKVCache:
             raise ValueError(f"reserving {tokens} tokens needs {pages} pages, the layer's pool has "
                              f"{len(store.free)} free; nothing was reserved")
         self._take_pages(store, lengths, [tokens] * self.batch)
+
+    def shared_workspace(self, numel: int) -> torch.Tensor:
+        """An fp32 scratch tensor of ``numel`` elements on the cache's device, one per size for
+        the cache's lifetime: the DecodeSteps of its layers share it, since a model runs its
+        layers one after another on one stream (steps run concurrently on several streams must
+        not share a cache). Never reallocated: a captured graph keeps its address."""
+        if numel not in self._workspaces:
+            self._workspaces[numel] = torch.empty(numel, dtype=torch.float32, device=self.device)
+        return self._workspaces[numel]
 
     def layer_index(self, layer) -> int:
         """``layer`` checked: an int in ``[0, num_layers)``."""

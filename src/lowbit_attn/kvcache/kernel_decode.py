@@ -294,11 +294,21 @@ class Buffers(NamedTuple):
     splits: int
 
 
-def buffers(q_shape, dtype, device, kv_heads: int, splits: int) -> Buffers:
-    """Fresh buffers for a launch of ``q_shape = (B, Hq, n, D)`` over ``splits`` splits."""
+def workspace_size(q_shape, kv_heads: int, splits: int) -> int:
+    """fp32 elements of the splits' workspace for ``q_shape = (B, Hq, n, D)``."""
     bsz, hq, n, d = q_shape
-    parts = bsz * kv_heads * splits * (hq // kv_heads) * n
-    work = torch.empty(parts * (d + 2), device=device, dtype=torch.float32)
+    return bsz * kv_heads * splits * (hq // kv_heads) * n * (d + 2)
+
+
+def buffers(q_shape, dtype, device, kv_heads: int, splits: int,
+            work: torch.Tensor | None = None) -> Buffers:
+    """Buffers for a launch of ``q_shape = (B, Hq, n, D)`` over ``splits`` splits: a fresh
+    output and LSE, and the workspace in ``work`` (fp32, at least :func:`workspace_size`
+    elements) or a fresh one."""
+    bsz, hq, n, d = q_shape
+    parts = workspace_size(q_shape, kv_heads, splits) // (d + 2)
+    if work is None:
+        work = torch.empty(parts * (d + 2), device=device, dtype=torch.float32)
     return Buffers(torch.empty(q_shape, dtype=dtype, device=device),
                    torch.empty((bsz, hq, n), device=device, dtype=torch.float32),
                    work[: parts * d], work[parts * d : parts * (d + 1)], work[parts * (d + 1) :],

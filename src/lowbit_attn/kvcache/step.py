@@ -11,7 +11,9 @@ where a replay still sees it:
   pages are empty and cost one early exit);
 - the lengths: read on the device by the append and the split kernel, and advanced there by the
   merge kernel, after every split has read them;
-- the buffers (output, LSE, workspace): allocated once, with the step.
+- the buffers: the output and LSE allocated once, with the step; the splits' workspace shared
+  by the steps of every layer of the cache (``QuantizedKVCache.shared_workspace``: at 128k
+  reserved tokens, batch 16, 8 KV heads, GQA 4, 68 MB, once rather than per layer).
 
 ``run`` is then three Triton launches and nothing else: the append, the split kernel, the merge.
 A replay whose token finds no page (past the pages reserved for ``steps`` steps: the last of
@@ -82,8 +84,10 @@ class DecodeStep:
             self.pages_per_split = kernel_decode.pages_per_split_for(cache.page_size)
             splits = kernel_decode.splits_for(max(self.capacity), cache.page_size,
                                               self.pages_per_split)
+            work = cache.shared_workspace(kernel_decode.workspace_size(shape, cache.kv_heads,
+                                                                       splits))
             self.buffers = kernel_decode.buffers(shape, cache.dtype, cache.device,
-                                                 cache.kv_heads, splits)
+                                                 cache.kv_heads, splits, work)
             self.out, self.lse = self.buffers.out, self.buffers.lse
         else:
             self.out = torch.empty(shape, dtype=cache.dtype, device=cache.device)
