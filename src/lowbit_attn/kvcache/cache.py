@@ -119,9 +119,7 @@ class QuantizedKVCache:
         if over:
             raise ValueError(f"tokens={tokens} more would pass max_tokens={self.max_tokens} for "
                              f"sequence {over[0]} (it holds {lengths[over[0]]}); nothing was reserved")
-        size = self.page_size
-        pages = sum(max(0, -(-(lengths[b] + tokens) // size) - store.host_pages[b])
-                    for b in range(self.batch))
+        pages = sum(map(len, self._new_pages(store, lengths, [tokens] * self.batch)))
         if pages > len(store.free):
             raise ValueError(f"reserving {tokens} tokens needs {pages} pages, the layer's pool has "
                              f"{len(store.free)} free; nothing was reserved")
@@ -213,6 +211,13 @@ class QuantizedKVCache:
         store.lengths += n if valid is None else valid.sum(dim=1)  # no copy from the host
         store.host_lengths = [length + c for length, c in zip(lengths, counts)]
 
+    def _new_pages(self, store: PagedLayer, lengths: list[int], counts: list[int]) -> list[range]:
+        """Per sequence, the page numbers that ``counts[b]`` more tokens after ``lengths[b]``
+        need beyond the pages it holds (none where reserved pages cover them)."""
+        size = self.page_size
+        return [range(store.host_pages[b], -(-(lengths[b] + counts[b]) // size))
+                for b in range(self.batch)]
+
     def _tokens(self, valid: torch.Tensor | None, b: int, n: int) -> torch.Tensor:
         """The indices of sequence ``b``'s stored tokens among the append's ``n``."""
         if valid is None:
@@ -223,15 +228,13 @@ class QuantizedKVCache:
         """The pages an append opens (those past the ones a sequence holds), taken from the free
         list in the order of ``_write`` (by sequence, then page) and written to the block table
         in one copy."""
-        size = self.page_size
         rows, cols, ids = [], [], []
-        for b in range(self.batch):
-            need = -(-(lengths[b] + counts[b]) // size)
-            for page_no in range(store.host_pages[b], need):
+        for b, new in enumerate(self._new_pages(store, lengths, counts)):
+            for page_no in new:
                 rows.append(b)
                 cols.append(page_no)
                 ids.append(store.free.take())
-            store.host_pages[b] = max(store.host_pages[b], need)
+            store.host_pages[b] += len(new)
         if ids:
             where = torch.tensor([rows, cols, ids], dtype=torch.int64).to(self.device,
                                                                          non_blocking=True)
@@ -306,9 +309,7 @@ class QuantizedKVCache:
             raise ValueError(
                 f"k and v would pass max_tokens={self.max_tokens} for sequence {b} (it holds "
                 f"{lengths[b]} tokens, the append adds {counts[b]}); nothing was stored")
-        size = self.page_size
-        pages = sum(max(0, -(-(lengths[b] + counts[b]) // size) - store.host_pages[b])
-                    for b in range(self.batch))
+        pages = sum(map(len, self._new_pages(store, lengths, counts)))
         if pages > len(store.free):
             raise ValueError(f"the append needs {pages} pages, layer's pool has {len(store.free)} "
                              "free; nothing was stored")
