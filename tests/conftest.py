@@ -52,6 +52,12 @@ def device(request) -> Target:
 
 
 def pytest_collection_modifyitems(config, items):
+    from lowbit_attn.core import triton_support
+
+    pinned = triton_support.series() == triton_support.PINNED
+    skip_codegen = pytest.mark.skip(
+        reason=f"a schedule Triton {triton_support.PINNED}'s code generation gives (the GPU "
+        f"machines' Triton), not Triton {triton_support.installed_version()}'s")
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_interp = pytest.mark.skip(reason="needs TRITON_INTERPRET=1 (Triton on CPU tensors)")
     skip_sized = pytest.mark.skip(reason="a GPU-sized case: the cuda target's alone")
@@ -67,6 +73,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "interpreter" in item.keywords and not INTERPRET:
             item.add_marker(skip_interp)
+        if "pinned_codegen" in item.keywords and not pinned:
+            item.add_marker(skip_codegen)
 
 
 def _poison(t: torch.Tensor) -> torch.Tensor:

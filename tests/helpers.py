@@ -341,3 +341,24 @@ def check_hangs(device, *args):
     import time
 
     time.sleep(60)
+
+
+def needs_gluon(api: str):
+    """A mark that skips a test, with the one-line reason, unless the installed Triton has the
+    Gluon ``api`` (a key of ``core.triton_support.GLUON_SERIES``)."""
+    from lowbit_attn.core import triton_support
+
+    return pytest.mark.skipif(not triton_support.gluon_available(api),
+                              reason=triton_support.gluon_refusal(api, "the Gluon code"))
+
+
+def require_gluon(*apis: str) -> None:
+    """Skip the calling test module, with the one-line reason, unless the installed Triton has the
+    Gluon API of each of ``apis`` (keys of ``core.triton_support.GLUON_SERIES``) the module's
+    kernels are written for."""
+    from lowbit_attn.core import triton_support
+
+    for api in apis:
+        if not triton_support.gluon_available(api):
+            pytest.skip(triton_support.gluon_refusal(api, "this module's Gluon code"),
+                        allow_module_level=True)

@@ -108,8 +108,6 @@ def test_the_walk_of_q_from_attention_to_the_int8_kernel(monkeypatch):
     (statistics, its quantization) or its INT8 values (the attention kernel) are at most five,
     interface → op → prepare → quantizer | kernel. Validation (``core.checks``) is a side call
     that returns before the chain starts. Nothing runs: the launches are recorded."""
-    import importlib
-    import pkgutil
     import traceback
 
     import torch
@@ -117,7 +115,7 @@ def test_the_walk_of_q_from_attention_to_the_int8_kernel(monkeypatch):
 
     import lowbit_attn
     from lowbit_attn.inference import kernel_int8
-    from lowbit_attn.tools.aot import Launch
+    from lowbit_attn.tools.aot import Launch, kernel_modules
 
     int8_attention = kernel_int8._attn_fwd_int8
     launches: list[tuple[set[str], list[torch.Tensor], object]] = []
@@ -134,12 +132,8 @@ def test_the_walk_of_q_from_attention_to_the_int8_kernel(monkeypatch):
                                  self.kernel))
             return launch
 
-    modules = []  # every module imported before any is patched: a later import would bind a recorder
-    for family in ("core", "quant", "inference"):
-        package = importlib.import_module(f"lowbit_attn.{family}")
-        modules += [importlib.import_module(info.name)
-                    for info in pkgutil.walk_packages(package.__path__, package.__name__ + ".")]
-    for module in modules:
+    # every module imported before any is patched: a later import would bind a recorder
+    for module in kernel_modules(("core", "quant", "inference")):
         for name, obj in list(vars(module).items()):
             if isinstance(obj, KernelInterface):
                 monkeypatch.setattr(module, name, Recorder(obj))

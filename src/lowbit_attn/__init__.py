@@ -2,7 +2,12 @@
 
 import sys
 
-from lowbit_attn import vsa
+from lowbit_attn.core import arch as _arch, triton_support as _triton_support
+
+if _arch.interpreter_enabled():  # the kernels compute alike under each Triton's interpreter
+    _triton_support.patch_interpreter()
+
+from lowbit_attn import vsa  # noqa: E402
 from lowbit_attn.integrations import parallel
 from lowbit_attn.quant import fp4_interface as fp4
 from lowbit_attn.vsa import tiles

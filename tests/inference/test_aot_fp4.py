@@ -30,6 +30,13 @@ SM120 = {
                          ".scale_vec::2X.f32.e2m1.e2m1.f32.ue8m0",
 }
 BF16_WGMMA = "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16"
+
+
+def scale_vec_spelling(form: str) -> str:
+    """A block-scaled MMA as Triton 3.6 spells it: Triton 3.9 names the elements each scale
+    covers (``block16``, ``block32``) where 3.6 names the scales per 64-element K step
+    (``scale_vec::4X``, ``scale_vec::2X``): the same instruction."""
+    return form.replace(".block16", ".scale_vec::4X").replace(".block32", ".scale_vec::2X")
 RECIPES = list(SM100)
 
 
@@ -63,7 +70,7 @@ def test_sm100_runs_both_products_on_tcgen05_block_scaled_fp4(compiled, recipe, 
     r = attention_report(compiled(recipe, "sm_100a", causal))
     assert r.ok, describe(r)
     assert r.constexprs["NATIVE_FP4"] is True and r.constexprs["NV"] == (recipe == "qk_fp4_pv_fp4")
-    assert set(r.instructions) == {SM100[recipe]}, describe(r)
+    assert set(map(scale_vec_spelling, r.instructions)) == {SM100[recipe]}, describe(r)
     assert r.spills == 0, describe(r)
 
 
@@ -71,7 +78,7 @@ def test_sm100_runs_both_products_on_tcgen05_block_scaled_fp4(compiled, recipe, 
 def test_sm120_runs_both_products_on_mma_sync_block_scaled_fp4(compiled, recipe):
     r = attention_report(compiled(recipe, "sm_120a"))
     assert r.ok, describe(r)
-    assert set(r.instructions) == {SM120[recipe]}, describe(r)
+    assert set(map(scale_vec_spelling, r.instructions)) == {SM120[recipe]}, describe(r)
     assert r.spills == 0, describe(r)
 
 
@@ -122,6 +129,7 @@ PIPELINED_LOOP_BUDGET = {PIPELINED[0]: 1608, PIPELINED[1]: 1606, PIPELINED[2]: 1
 PIPELINED_MIN_EXP2 = {PIPELINED[0]: 12, PIPELINED[1]: 12, PIPELINED[2]: 27}
 
 
+@pytest.mark.pinned_codegen
 @pytest.mark.parametrize("recipe,causal", PIPELINED, ids=["nvfp4-full", "nvfp4-causal",
                                                            "mxfp4-full"])
 def test_sm120_issues_the_next_qk_among_the_softmax(compiled, recipe, causal):
@@ -190,11 +198,14 @@ def test_inspect_cli_shows_the_native_instruction(capsys):
 def test_inspect_prints_the_fp4_gates(capsys):
     """``inspect`` adds ``tools/fp4_gates.py``'s lines: the Triton kernel's key-block loop on
     sm_100a, and with ``--kernel gluon`` the Gluon forward's softmax loop and products in flight."""
+    from lowbit_attn.core import triton_support
     from lowbit_attn.tools.cli import main
 
     assert main(["inspect", "--arch", "sm_100a", "--recipe", "qk_fp4_pv_fp4"]) == 0
     out = capsys.readouterr().out
     assert "key-block loop" in out and "16 E2M1 conversions" in out, out
+    if not triton_support.gluon_available("blackwell"):
+        return  # --kernel gluon refuses in a line (tools/test_cli.py)
     assert main(["inspect", "--arch", "sm_100a", "--recipe", "qk_fp4_pv_fp4", "--kernel",
                  "gluon"]) == 0
     out = capsys.readouterr().out

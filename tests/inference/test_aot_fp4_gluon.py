@@ -49,6 +49,9 @@ import pytest
 import torch
 
 from lowbit_attn.core.operands import QuantizedFP4
+from helpers import require_gluon
+require_gluon("blackwell")  # before importing Gluon code
+
 from lowbit_attn.inference import kernel_fp4_gluon
 from lowbit_attn.tools import aot, fp4_gates, sass
 

@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import pytest
 
+from helpers import require_gluon
+require_gluon("hopper")  # before importing Gluon code
+
 from lowbit_attn.inference import kernel_int8_gluon
 from lowbit_attn.tools import aot, sass
 
@@ -126,10 +129,11 @@ def test_instructions_per_score_budget(compiled):
 
 def test_the_triton_version_is_pinned():
     kernel_int8_gluon.check_version()
-    kernel_int8_gluon.check_version("3.6.1+git1a2b3c")
+    for version in ("3.6.1+git1a2b3c", "3.8.0", "3.9.0"):
+        kernel_int8_gluon.check_version(version)
     for version in ("3.5.1", "3.7.0", "3.60.0"):
-        with pytest.raises(RuntimeError, match=rf"written for Triton 3\.6\.x, found Triton "
-                                               rf"{version}"):
+        with pytest.raises(RuntimeError, match=rf"Hopper API of Triton 3\.6\.x, 3\.8\.x, 3\.9\.x, "
+                                               rf"found Triton {version}"):
             kernel_int8_gluon.check_version(version)
 
 

@@ -25,17 +25,14 @@ from helpers import (Bound, assert_bits, assert_caught, assert_within, mutant, m
                      one_torch_thread, schedule_outcome)
 from helpers import causal_offset_of as offset_of
 from lowbit_attn.core.recipes import get_recipe
+import helpers
+helpers.require_gluon("blackwell", "cpu_model")  # before importing Gluon code
+
 from lowbit_attn.inference import gluon_fp4_blocks as fb
 from lowbit_attn.inference import kernel_fp4_gluon as kf
-from lowbit_attn.inference.kernel_int8_gluon import check_version
 from lowbit_attn.inference.naive import fp4_attention
 from lowbit_attn.inference.prepare import quantize_qkv_fp4
 from lowbit_attn.tools import gluon_cpu
-
-try:
-    check_version()
-except RuntimeError as e:  # pragma: no cover - another Triton
-    pytest.skip(str(e), allow_module_level=True)
 
 KERNEL = kf._attn_fwd_fp4_gluon_kernel
 RECIPE = {"nvfp4": "qk_fp4_pv_fp4", "mxfp4": "qk_mxfp4_pv_mxfp4"}

@@ -24,6 +24,9 @@ import triton
 
 import lowbit_attn
 from lowbit_attn.core.options import KernelOptions
+from helpers import require_gluon
+require_gluon("hopper", "blackwell")  # before importing Gluon code
+
 from lowbit_attn.inference import (
     gluon_check, gluon_fp4_check, kernel_fp4, kernel_fp4_gluon, kernel_int8, kernel_int8_gluon,
 )

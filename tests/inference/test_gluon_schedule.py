@@ -23,17 +23,15 @@ from helpers import (Bound, assert_bits, assert_caught, assert_within, mutant, m
                      schedule_outcome)
 from helpers import causal_offset_of as offset_of
 from lowbit_attn.core.recipes import get_recipe
+import helpers
+helpers.require_gluon("hopper", "cpu_model")  # before importing Gluon code
+
 from lowbit_attn.inference import gluon_blocks as gb
 from lowbit_attn.inference import kernel_int8_gluon as kg
 from lowbit_attn.inference import kernel_int8_gluon_pingpong as pp
 from lowbit_attn.inference.naive import quantized_attention
 from lowbit_attn.inference.prepare import quantize_qkv
 from lowbit_attn.tools import gluon_cpu
-
-try:
-    kg.check_version()
-except RuntimeError as e:  # pragma: no cover - another Triton
-    pytest.skip(str(e), allow_module_level=True)
 
 KERNEL = kg._attn_fwd_int8_gluon_kernel
 

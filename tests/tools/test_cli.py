@@ -12,6 +12,7 @@ import types
 import pytest
 import torch
 
+from helpers import needs_gluon
 from lowbit_attn.tools import cli
 from lowbit_attn.core.recipes import RECIPES, get_recipe
 
@@ -104,6 +105,23 @@ def test_inspect_failing_kernel_exits_1_and_says_why(capsys):
 
 
 @pytest.mark.aot
+@pytest.mark.parametrize("kernel,recipe,api", [("gluon", "qk_int8_pv_fp8", "hopper"),
+                                               ("gluon-pingpong", "qk_int8_pv_fp8", "hopper"),
+                                               ("gluon", "qk_fp4_pv_fp4", "blackwell")])
+def test_inspect_gluon_on_another_triton_refuses_in_one_line(capsys, monkeypatch, kernel, recipe,
+                                                             api):
+    from lowbit_attn.core import triton_support
+
+    monkeypatch.setitem(triton_support.GLUON_SERIES, api, ("3.99",))
+    with pytest.raises(SystemExit):
+        cli.main(["inspect", "--arch", "sm_100a" if api == "blackwell" else "sm_90a", "--recipe",
+                  recipe, "--kernel", kernel])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.search(rf"--kernel {kernel} is written for Gluon's \w+ API of Triton 3\.99\.x, "
+                     r"found Triton \d+\.\d+", err), err
+
+
+@needs_gluon("hopper")
 def test_inspect_gluon_prints_the_gates_of_both_key_blocks(capsys):
     code, out, _ = run(capsys, "inspect", "--arch", "sm_90", "--recipe", "qk_int8_pv_fp8",
                        "--kernel", "gluon", "--head-dim", "64", "--causal")
@@ -126,6 +144,7 @@ def test_inspect_gluon_prints_the_gates_of_both_key_blocks(capsys):
 
 
 @pytest.mark.aot
+@needs_gluon("hopper")
 def test_inspect_gluon_json_carries_the_gates(capsys):
     code, out, _ = run(capsys, "inspect", "--arch", "sm_90a", "--recipe", "auto", "--kernel",
                        "gluon", "--head-dim", "64", "--json")
@@ -142,6 +161,7 @@ def test_inspect_gluon_json_carries_the_gates(capsys):
 
 
 @pytest.mark.aot
+@needs_gluon("hopper")
 def test_inspect_gluon_pingpong_prints_each_consumers_gates(capsys):
     code, out, _ = run(capsys, "inspect", "--arch", "sm_90a", "--recipe", "qk_int8_pv_fp8",
                        "--kernel", "gluon-pingpong", "--head-dim", "64")

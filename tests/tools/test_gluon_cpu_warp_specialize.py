@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import require_gluon
+require_gluon("cpu_model")  # before importing Gluon code
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (

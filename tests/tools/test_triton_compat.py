@@ -11,14 +11,15 @@ def test_the_installed_triton_is_the_one_the_internals_were_written_for():
     triton_compat.check_version()
 
 
-@pytest.mark.parametrize("version", ["3.6.0", "3.6.1", "3.6.0+git1a2b3c"])
+@pytest.mark.parametrize("version", ["3.6.0", "3.6.1", "3.6.0+git1a2b3c", "3.8.0", "3.9.0"])
 def test_releases_of_the_series_are_accepted(version):
     triton_compat.check_version(version)
 
 
 @pytest.mark.parametrize("version", ["3.5.1", "3.7.0", "4.0.0", "3.60.0"])
 def test_other_releases_are_refused_by_name(version):
-    with pytest.raises(RuntimeError, match=rf"Triton 3\.6\.x internals, found Triton {version}"):
+    with pytest.raises(RuntimeError, match=rf"internals of Triton 3\.6\.x, 3\.8\.x, 3\.9\.x, "
+                                           rf"found Triton {version}"):
         triton_compat.check_version(version)
 
 

@@ -61,17 +61,6 @@ def fp4_pipeline_qk(capability: tuple[int, int] | None) -> bool:
     return native_fp4(capability) and capability[0] >= 12
 
 
-def check_triton_series(series: str, message: str, version: str | None = None) -> None:
-    """``RuntimeError(message)`` unless ``version`` (default: the installed Triton's) is of the
-    release series ``series`` (``"3.6"``: 3.6.0, 3.6.1+git…); ``message`` may name ``{series}``
-    and ``{version}``. For code that reads APIs which change between Triton releases."""
-    import triton
-
-    version = triton.__version__ if version is None else version
-    if version.split("+")[0].split(".")[:2] != series.split("."):
-        raise RuntimeError(message.format(series=series, version=version))
-
-
 def tensor_memory(capability: tuple[int, int] | None) -> bool:
     """Whether Triton's MMAs accumulate in tensor memory (``tcgen05``: sm_100 family). Triton 3.6
     cannot lower a tile's reduction to a scalar there when the tile comes from such MMAs (its

@@ -8,6 +8,12 @@ data movement differs."""
 
 from __future__ import annotations
 
+
+from lowbit_attn.core import triton_support
+
+# Gluon's API differs between Triton releases: refuse another one in a line, before importing it.
+triton_support.require_gluon("hopper", "lowbit_attn.inference.gluon_blocks")
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import tma

@@ -5,6 +5,12 @@ run on the CPU by ``tools/gluon_cpu.py`` (see ``kernel_fp4_gluon``)."""
 
 from __future__ import annotations
 
+
+from lowbit_attn.core import triton_support
+
+# Gluon's API differs between Triton releases: refuse another one in a line, before importing it.
+triton_support.require_gluon("blackwell", "lowbit_attn.inference.gluon_fp4_blocks")
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.blackwell import (

@@ -59,6 +59,11 @@ import math
 
 import torch
 import triton
+from lowbit_attn.core import triton_support
+
+# Gluon's API differs between Triton releases: refuse another one in a line, before importing it.
+triton_support.require_gluon("blackwell", "lowbit_attn.inference.kernel_fp4_gluon")
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.blackwell import (
@@ -70,7 +75,6 @@ from lowbit_attn.core.operands import FP4_GROUP, P_TWO_LEVEL_PEAK, QuantizedFP4
 from lowbit_attn.core.triton_helpers import (
     batch_head, finish_scores, key_block_bounds, online_max, strides,
 )
-from lowbit_attn.inference.kernel_int8_gluon import check_version
 from lowbit_attn.inference.gluon_fp4_blocks import (
     O_SLICE, correct, epilogue, exp2_shifted, key_scales, load_scales, publish_key_scales, quantize_p,
     scale_smem_layout, scale_type, v_scales_by_copy, value_scales,
@@ -456,6 +460,14 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.uint8 else x.view(torch.uint8)
 
 
+def check_version(version: str | None = None) -> None:
+    """:class:`~lowbit_attn.core.triton_support.GluonUnavailable` (a ``RuntimeError`` and an
+    ``ImportError``) unless ``version`` (default: the installed Triton's) is of a series whose
+    Gluon Blackwell API this module compiles against."""
+    triton_support.require_gluon("blackwell", "the Gluon FP4 attention kernel for sm_100a",
+                                 version)
+
+
 def attention(
     qz: QuantizedFP4,
     *,
@@ -469,7 +481,7 @@ def attention(
 ) -> torch.Tensor | None:
     """Run the kernel, as ``kernel_fp4.attention`` (same arguments): writes ``out`` (a logical
     ``[B, Hq, Nq, D]`` view) and returns the LSE ``[B, Hq, Nq]`` fp32 when asked. Raises
-    ``RuntimeError`` on a Triton other than 3.6, ``ValueError`` for what the kernel does not
+    ``RuntimeError`` on a Triton whose Gluon it was not written for, ``ValueError`` for what the kernel does not
     cover (see the module docstring)."""
     check_version()
     _check_scope(qz, head_dim=head_dim, block_q=block_q, block_k=block_k,
@@ -534,4 +546,4 @@ def _check_scope(qz: QuantizedFP4, *, head_dim, block_q, block_k, causal_offset)
                              f"{tuple(x.stride())}")
 
 
-__all__ += ["BLOCK_NS", "FORMATS", "HEAD_DIMS", "attention"]
+__all__ += ["BLOCK_NS", "FORMATS", "HEAD_DIMS", "attention", "check_version"]

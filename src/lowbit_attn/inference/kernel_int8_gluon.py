@@ -34,8 +34,9 @@ causal mask aligned bottom-right), per-token or per-block scales (``PER_TOKEN``)
 V stored ``[D, N']``: 8-bit wgmma operands must be K-major) or fp16 P·V (``PV_FP8=False``: fp16
 V ``[N, D]`` as it is), D = 64 or 128, causal or not, GQA, LSE (with the K-smoothing shift).
 Not covered (refused before launch, the Triton kernel runs): ΔS (``smooth_q``), Q quantized in
-the kernel. Twin: ``lowbit_attn.inference.naive.quantized_attention``. Written for Triton 3.6's
-Gluon (:data:`WRITTEN_FOR`); another version is refused at launch. Opt-in only: the op calls it
+the kernel. Twin: ``lowbit_attn.inference.naive.quantized_attention``. Written for the Gluon
+Hopper API of the Triton series ``core.triton_support.GLUON_SERIES["hopper"]`` names; another is
+refused at import and at launch. Opt-in only: the op calls it
 when ``LOWBIT_ATTN_KERNEL=gluon`` (this module's kernel) or ``gluon-pingpong``
 (:mod:`~lowbit_attn.inference.kernel_int8_gluon_pingpong`'s) and
 :mod:`lowbit_attn.inference.gluon_check` admits it.
@@ -47,13 +48,18 @@ import contextvars
 
 import torch
 import triton
+
+from lowbit_attn.core import triton_support
+
+# Gluon's API differs between Triton releases: refuse another one in a line, before importing it.
+triton_support.require_gluon("hopper", "lowbit_attn.inference.kernel_int8_gluon")
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
-from lowbit_attn.core.arch import check_triton_series
 from lowbit_attn.core.operands import QuantizedQKV, Seqs, dense_seqs
 from lowbit_attn.core.triton_helpers import (
     bhnd_strides, key_block_bounds, row_strides, seq_span, strides,
@@ -64,7 +70,6 @@ from lowbit_attn.inference.gluon_blocks import (
     write_rows,
 )
 
-WRITTEN_FOR = "3.6"  # the Triton release series whose Gluon API this module uses
 SCHEDULES = ("async", "pingpong")
 
 NUM_WARPS = 8  # two warpgroups of 64 query rows
@@ -293,12 +298,10 @@ def _step(j, acc, m_i, l_i, alpha, qs, offs_m, offs_n, nk, causal_offset, ks_ptr
 
 
 def check_version(version: str | None = None) -> None:
-    """``RuntimeError`` unless ``version`` (default: the installed Triton's) is of the
-    :data:`WRITTEN_FOR` series: Gluon's API changes between releases."""
-    check_triton_series(
-        WRITTEN_FOR, "the Gluon attention kernel is written for Triton {series}.x, found Triton "
-        "{version}: install triton=={series}.* or use the Triton kernel "
-        "(lowbit_attn.inference.kernel_int8)", version)
+    """:class:`~lowbit_attn.core.triton_support.GluonUnavailable` (a ``RuntimeError`` and an
+    ``ImportError``) unless ``version`` (default: the installed Triton's) is of a series whose
+    Gluon Hopper API this module compiles against."""
+    triton_support.require_gluon("hopper", "the Gluon attention kernel for sm_90a", version)
 
 
 def _scratch(size: int, alignment: int, stream):
@@ -415,4 +418,4 @@ def _check_scope(qz: QuantizedQKV, *, pv, granularity, block_q, block_k, seqs_q,
                              f"{tuple(x.stride())} of {size}-byte elements")
 
 
-__all__ = ["SCHEDULES", "WRITTEN_FOR", "attention", "check_version"]
+__all__ = ["SCHEDULES", "attention", "check_version"]

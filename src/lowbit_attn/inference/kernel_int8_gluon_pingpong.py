@@ -33,6 +33,12 @@ cooperatively scheduled threads); never run on a GPU.
 
 from __future__ import annotations
 
+
+from lowbit_attn.core import triton_support
+
+# Gluon's API differs between Triton releases: refuse another one in a line, before importing it.
+triton_support.require_gluon("hopper", "lowbit_attn.inference.kernel_int8_gluon_pingpong")
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (

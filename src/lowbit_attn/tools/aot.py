@@ -54,7 +54,10 @@ from lowbit_attn.core.arch import (
     arch_name, fp4_pipeline_qk, native_fp4, parse_arch, tensor_memory,
 )
 from lowbit_attn.core.recipes import Recipe, resolve
-from lowbit_attn.tools.triton_compat import as_jit_function, compiler_mode, pointer_type
+from lowbit_attn.core.triton_support import GluonUnavailable
+from lowbit_attn.tools.triton_compat import (
+    as_jit_function, compiler_mode, pointer_type, ptxas_tool,
+)
 
 # The targets this package is built for; ``sm_90`` and friends are accepted and mean ``sm_90a``.
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a", "sm_120a")
@@ -181,17 +184,11 @@ def _capability_int(arch: str) -> int:
 
 
 def ptxas_path(arch: str) -> str:
-    """Triton's bundled ``ptxas`` for ``arch`` (its ``ptxas-blackwell`` from ``sm_100`` on, as
-    Triton itself does; ``TRITON_PTXAS_PATH`` / ``TRITON_PTXAS_BLACKWELL_PATH`` override)."""
-    blackwell = parse_arch(arch) >= (10, 0)
-    try:
-        tool = triton.knobs.nvidia.ptxas_blackwell if blackwell else triton.knobs.nvidia.ptxas
-        if tool is not None and tool.path:
-            return tool.path
-    except Exception:  # noqa: BLE001 - older/newer Triton: fall back to the wheel's own copy
-        pass
-    name = "ptxas-blackwell" if blackwell else "ptxas"
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    """The ``ptxas`` Triton itself assembles ``arch`` with (``TRITON_PTXAS_PATH`` /
+    ``TRITON_PTXAS_BLACKWELL_PATH`` override): the wheel's ``ptxas-blackwell`` from ``sm_100`` on,
+    and on Triton 3.9 from ``sm_90`` on (the PTX 3.9 writes for Hopper is too new for its older
+    ``ptxas``); :func:`lowbit_attn.tools.triton_compat.ptxas_tool` asks Triton."""
+    return ptxas_tool(_capability_int(arch))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,14 +239,18 @@ class _Recorder:
 KERNEL_PACKAGES = ("core", "quant", "inference", "training", "vsa")
 
 
-def _kernel_modules() -> list[types.ModuleType]:
-    """Every module of the packages that hold kernels, imported now: one first imported during
-    the recorded call would launch for real."""
+def kernel_modules(packages: tuple[str, ...] = KERNEL_PACKAGES) -> list[types.ModuleType]:
+    """Every module of ``packages`` (of those that hold kernels), imported now: one first imported
+    during a recorded call would launch for real. A Gluon module written for another Triton is
+    left out (it cannot be imported, so no call launches it)."""
     modules = []
-    for name in KERNEL_PACKAGES:
+    for name in packages:
         package = importlib.import_module(f"lowbit_attn.{name}")
-        modules += [importlib.import_module(info.name)
-                    for info in pkgutil.walk_packages(package.__path__, package.__name__ + ".")]
+        for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+            try:
+                modules.append(importlib.import_module(info.name))
+            except GluonUnavailable:
+                pass
     return modules
 
 
@@ -261,7 +262,7 @@ def _recording():
     saved = []
     with _RECORD_LOCK:
         try:
-            for module in _kernel_modules():
+            for module in kernel_modules():
                 for name, obj in list(vars(module).items()):
                     if isinstance(obj, KernelInterface):
                         saved.append((module, name, obj))
@@ -743,6 +744,7 @@ def ptxas_version(arch: str) -> str:
 
 __all__ = [
     "ARCHS", "GPU_CONSTEXPRS", "KernelReport", "Launch", "compile_recipe", "compile_launch",
+    "kernel_modules",
     "compile_train", "record_train_launches", "record_gluon_launch", "record_fp4_gluon_launch", "compile_vsa", "record_vsa_launches",
     "record_launches", "normalize_arch", "config_family", "autotune_configs",
     "tensor_core_instructions",

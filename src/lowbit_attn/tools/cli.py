@@ -129,11 +129,15 @@ def _inspect(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> in
     from lowbit_attn.core.arch import parse_arch
     from lowbit_attn.core.recipes import resolve
 
+    from lowbit_attn.core import triton_support
     from lowbit_attn.core.recipes import RECIPES, TRAIN_RECIPES
     from lowbit_attn.tools import fp4_gates
 
     if args.kernel != "triton":
         fp4 = _fp4_recipe(args)
+        api = "hopper" if fp4 is None else "blackwell"
+        if not triton_support.gluon_available(api):
+            parser.error(triton_support.gluon_refusal(api, f"--kernel {args.kernel}"))
         if fp4 is not None:
             return _inspect_gluon_fp4(args, parser, fp4)
         return _inspect_gluon(args, parser)
@@ -407,7 +411,7 @@ def _doctor(args: argparse.Namespace) -> int:
     import triton
 
     from lowbit_attn import __version__
-    from lowbit_attn.core import arch as arch_mod
+    from lowbit_attn.core import arch as arch_mod, triton_support
     from lowbit_attn.core.recipes import RECIPES, auto_recipe
 
     rows = [("lowbit_attn", __version__), ("python", platform.python_version()),
@@ -426,6 +430,10 @@ def _doctor(args: argparse.Namespace) -> int:
     width = max(len(k) for k, _ in rows) + 2
     for key, value in rows:
         print(f"{key:<{width}}{value}")
+
+    print(f"\non Triton {triton.__version__}")
+    for part, status in triton_support.parts():
+        print(f"  {part:<38}{status}")
 
     print("\nrecipes (CUDA tensors / CPU tensors)")
     cuda_cap = target if physical is not None else None  # the target arch, on a real GPU only

@@ -123,6 +123,12 @@ from collections import Counter
 import torch
 import triton.language as tl
 from torch.overrides import TorchFunctionMode
+
+from lowbit_attn.core import triton_support
+
+# Gluon's API differs between Triton releases: refuse another one in a line, before importing it.
+triton_support.require_gluon("cpu_model", "lowbit_attn.tools.gluon_cpu")
+
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import blackwell, hopper
 from triton.experimental.gluon.language.nvidia.blackwell import tma as real_bw_tma

@@ -1,5 +1,5 @@
-"""What the ahead-of-time tooling needs from Triton's internals, in one place, for one Triton
-version (:data:`WRITTEN_FOR`).
+"""What the ahead-of-time tooling needs from Triton's internals, in one place, for the Triton
+series :data:`WRITTEN_FOR` names.
 
 Under ``TRITON_INTERPRET=1`` (the test suite sets it), ``triton.jit`` returns interpreter objects,
 and the interpreter patches ``triton.language`` while a kernel runs. Triton 3.6 undoes the patches
@@ -23,9 +23,10 @@ from typing import Any
 import torch
 from triton.runtime.jit import JITFunction
 
-from lowbit_attn.core.arch import check_triton_series, interpreter_enabled
+from lowbit_attn.core.arch import interpreter_enabled
+from lowbit_attn.core.triton_support import check_triton_series
 
-WRITTEN_FOR = "3.6"  # the Triton release series whose interpreter internals this module reads
+WRITTEN_FOR = ("3.6", "3.8", "3.9")  # the Triton series whose interpreter internals it reads
 _LANGUAGE_LOCK = threading.RLock()
 
 
@@ -33,8 +34,8 @@ def check_version(version: str | None = None) -> None:
     """``RuntimeError`` unless ``version`` (default: the installed Triton's) is of the
     :data:`WRITTEN_FOR` series."""
     check_triton_series(
-        WRITTEN_FOR, "ahead-of-time compilation under TRITON_INTERPRET=1 reads Triton {series}.x "
-        "internals, found Triton {version}: install triton=={series}.* or compile in a process "
+        WRITTEN_FOR, "ahead-of-time compilation under TRITON_INTERPRET=1 reads internals of Triton "
+        "{series}, found Triton {version}: install one of those or compile in a process "
         "without TRITON_INTERPRET=1", version)
 
 
@@ -43,6 +44,15 @@ def pointer_type(dtype: torch.dtype) -> str:
     from triton._utils import type_canonicalisation_dict
 
     return "*" + type_canonicalisation_dict[str(dtype).split(".")[-1]]
+
+
+def ptxas_tool(capability: int) -> str:
+    """The path of the ``ptxas`` Triton assembles for ``capability`` (``90`` for sm_90a) with: its
+    own choice between the wheel's ``ptxas`` and ``ptxas-blackwell``, which moved between
+    releases, with the ``TRITON_PTXAS*`` overrides."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    return get_ptxas(capability).path
 
 
 @contextlib.contextmanager

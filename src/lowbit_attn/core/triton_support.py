@@ -1,0 +1,150 @@
+"""Which Triton releases the package runs on, and what each enables: the runtime's one place for
+what differs between Triton versions.
+
+- The Triton kernels (``triton.language``) run on every series of :data:`TESTED` (CI runs the suite
+  on the pinned one and the newest).
+- The Gluon kernels use an API that changes with each release. Each Gluon module names the series
+  it compiles on (:data:`GLUON_SERIES`, by API: ``"hopper"`` or ``"blackwell"``) and calls
+  :func:`require_gluon` before it imports Gluon, so on another Triton importing it raises
+  :class:`GluonUnavailable` (an ``ImportError`` whose one line names both versions), never an
+  ``ImportError`` from deep in Triton. They run on a GPU only after the first-use check
+  (``inference.gluon_check``) has admitted them.
+- :func:`patch_interpreter` fixes what the Triton interpreter gets wrong on some releases, so the
+  kernels compute the same under ``TRITON_INTERPRET=1`` on each of them.
+
+:mod:`lowbit_attn.tools.triton_compat` keeps the ahead-of-time tooling's reads of Triton internals.
+"""
+
+from __future__ import annotations
+
+import functools
+
+TESTED = ("3.6", "3.8", "3.9")  # the series the suite runs on; the metadata admits 3.6 up to 3.9
+PINNED = "3.6"  # the series `make test` installs and the GPU machines run
+
+# Gluon's API by the modules that use it: the series whose API each compiles against
+# (kernel_int8_gluon, its ping-pong schedule and gluon_blocks use Hopper's wgmma, TMA and
+# mbarriers; the FP4 forward uses Blackwell's tensor memory, whose layout functions Triton 3.8
+# renamed and changed).
+GLUON_SERIES = {
+    "hopper": ("3.6",),
+    "blackwell": ("3.6",),
+    "cpu_model": ("3.6",),  # tools.gluon_cpu: runs Gluon kernels on a CPU through Gluon's internals
+}
+
+
+def series(version: str | None = None) -> str:
+    """``"3.6"`` for Triton 3.6.0, 3.6.1 or 3.6.0+git…; ``version`` defaults to the installed
+    Triton's."""
+    if version is None:
+        import triton
+
+        version = triton.__version__
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+def installed_version() -> str:
+    import triton
+
+    return triton.__version__
+
+
+def check_triton_series(accepted: str | tuple[str, ...], message: str,
+                        version: str | None = None) -> None:
+    """``RuntimeError(message)`` unless ``version`` (default: the installed Triton's) is of one of
+    the release series ``accepted`` (``"3.6"``: 3.6.0, 3.6.1+git…); ``message`` may name
+    ``{series}`` (the accepted ones: ``3.6.x``, or ``3.6.x, 3.9.x``) and ``{version}``. For code
+    that reads APIs which change between Triton releases."""
+    accepted = (accepted,) if isinstance(accepted, str) else tuple(accepted)
+    version = installed_version() if version is None else version
+    if series(version) not in accepted:
+        raise RuntimeError(message.format(series=_names(accepted), version=version))
+
+
+def _names(accepted: tuple[str, ...]) -> str:
+    return ", ".join(f"{s}.x" for s in accepted)
+
+
+class GluonUnavailable(ImportError, RuntimeError):
+    """A Gluon module imported, or a Gluon kernel launched, on a Triton whose Gluon API it was not
+    written for (an ``ImportError`` at import, a ``RuntimeError`` at launch)."""
+
+
+def gluon_available(api: str, version: str | None = None) -> bool:
+    """Whether Gluon modules of ``api`` (a key of :data:`GLUON_SERIES`) compile on ``version``
+    (default: the installed Triton)."""
+    return series(version) in GLUON_SERIES[api]
+
+
+def gluon_refusal(api: str, what: str, version: str | None = None) -> str:
+    """One line: ``what`` needs another Triton, naming the series it is written for and the one
+    installed."""
+    version = installed_version() if version is None else version
+    return (f"{what} is written for Gluon's {api.capitalize()} API of Triton "
+            f"{_names(GLUON_SERIES[api])}, found "
+            f"Triton {version}: install one of those to use it; the Triton kernels serve every "
+            "call meanwhile")
+
+
+def require_gluon(api: str, what: str, version: str | None = None) -> None:
+    """:class:`GluonUnavailable` with :func:`gluon_refusal`'s line unless :func:`gluon_available`.
+    A Gluon module calls it before importing Gluon."""
+    if not gluon_available(api, version):
+        raise GluonUnavailable(gluon_refusal(api, what, version))
+
+
+def parts(version: str | None = None) -> list[tuple[str, str]]:
+    """What the installed Triton (or ``version``) enables, as ``(part, status)`` rows for
+    ``lowbit-attn doctor``."""
+    version = installed_version() if version is None else version
+    tested = series(version) in TESTED
+    rows = [("Triton kernels", "tested on this series" if tested else
+             f"untested on Triton {version} (tested: {_names(TESTED)})")]
+    for api, label in (("hopper", "Gluon INT8 forward (sm_90a, opt-in)"),
+                       ("blackwell", "Gluon FP4 forward (sm_100a, opt-in)")):
+        rows.append((label, "available, admitted by its first-use check" if
+                     gluon_available(api, version) else
+                     "unavailable: needs Triton " + _names(GLUON_SERIES[api])))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# the interpreter
+
+
+def _boolean_mask(mask):
+    """The mask handle with boolean data: Triton's interpreter types a comparison of scalars by
+    its operands (``page >= 0`` on an int64 ``page`` gives int64 data), so such a comparison
+    splatted into a block and combined with ``&`` reaches ``load``/``store`` as integers, which
+    Triton 3.9's interpreter refuses (``mask has unsupported dtype``). Nonzero is true, as on a
+    GPU."""
+    import numpy as np
+    from triton.runtime.interpreter import TensorHandle
+
+    if mask.data.dtype == np.bool_:
+        return mask
+    return TensorHandle(mask.data.astype(np.bool_), mask.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def patch_interpreter() -> None:
+    """Make the interpreter's masked loads and stores take integer masks (see
+    :func:`_boolean_mask`); once per process, on every Triton (a no-op for boolean masks)."""
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    load, store = InterpreterBuilder.create_masked_load, InterpreterBuilder.create_masked_store
+
+    def create_masked_load(self, ptrs, mask, other, *args, **kwargs):
+        return load(self, ptrs, _boolean_mask(mask), other, *args, **kwargs)
+
+    def create_masked_store(self, ptrs, value, mask, *args, **kwargs):
+        return store(self, ptrs, value, _boolean_mask(mask), *args, **kwargs)
+
+    InterpreterBuilder.create_masked_load = create_masked_load
+    InterpreterBuilder.create_masked_store = create_masked_store
+
+
+__all__ = [
+    "GLUON_SERIES", "GluonUnavailable", "PINNED", "TESTED", "check_triton_series",
+    "gluon_available", "gluon_refusal", "parts", "patch_interpreter", "require_gluon", "series",
+]
