@@ -1,0 +1,100 @@
+"""What differs between Triton releases, kept in ``core.triton_support``: the series and their
+names, the one-line refusal of a Gluon module written for another Triton, what ``doctor`` reports,
+and the interpreter fix that lets the kernels run under each release's interpreter."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from lowbit_attn.core import triton_support
+
+
+@pytest.mark.parametrize("version,series", [("3.6.0", "3.6"), ("3.9.0+git1a2b3c", "3.9"),
+                                            ("3.10.1", "3.10"), ("4.0", "4.0")])
+def test_series_of_a_version(version, series):
+    assert triton_support.series(version) == series
+
+
+def test_the_installed_triton_is_one_the_suite_runs_on():
+    assert triton_support.series() in triton_support.TESTED, triton.__version__
+
+
+@pytest.mark.parametrize("version", ["3.5.1", "3.7.0", "3.60.0"])
+def test_a_series_check_names_what_it_accepts_and_what_it_found(version):
+    with pytest.raises(RuntimeError, match=rf"^needs 3\.6\.x, 3\.9\.x; found {version}$"):
+        triton_support.check_triton_series(("3.6", "3.9"), "needs {series}; found {version}",
+                                           version)
+    triton_support.check_triton_series("3.6", "", "3.6.1+git")  # accepted: no error
+
+
+def test_a_gluon_module_on_another_triton_raises_one_line_naming_both(monkeypatch):
+    monkeypatch.setitem(triton_support.GLUON_SERIES, "hopper", ("3.99",))
+    with pytest.raises(triton_support.GluonUnavailable) as caught:
+        triton_support.require_gluon("hopper", "the kernel", "3.9.0")
+    message = str(caught.value)
+    assert "\n" not in message
+    assert re.search(r"the kernel is written for Gluon's Hopper API of Triton 3\.99\.x, found "
+                     r"Triton 3\.9\.0", message), message
+    # an ImportError where a module is imported, a RuntimeError where a kernel is launched
+    assert isinstance(caught.value, ImportError) and isinstance(caught.value, RuntimeError)
+    triton_support.require_gluon("hopper", "the kernel", "3.99.2")  # accepted: no error
+
+
+def test_doctor_rows_follow_the_gluon_series(monkeypatch):
+    rows = dict(triton_support.parts("3.9.0"))
+    assert rows["Triton kernels"] == "tested on this series"
+    monkeypatch.setitem(triton_support.GLUON_SERIES, "hopper", ("3.9",))
+    monkeypatch.setitem(triton_support.GLUON_SERIES, "blackwell", ("3.6",))
+    rows = dict(triton_support.parts("3.9.0"))
+    assert rows["Gluon INT8 forward (sm_90a, opt-in)"].startswith("available")
+    assert rows["Gluon FP4 forward (sm_100a, opt-in)"] == "unavailable: needs Triton 3.6.x"
+    assert dict(triton_support.parts("3.7.0"))["Triton kernels"].startswith("untested")
+
+
+def test_importing_the_package_imports_no_gluon_module():
+    """Gluon code is imported only when asked for (an opt-in kernel, inspect --kernel gluon):
+    ``import lowbit_attn`` and a call work on any Triton."""
+    code = ("import sys, lowbit_attn; "
+            "print(sorted(m for m in sys.modules if 'gluon' in m and m.startswith('lowbit')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_the_aot_walk_leaves_out_a_gluon_module_that_cannot_be_imported(monkeypatch):
+    from lowbit_attn.tools import aot
+
+    monkeypatch.setitem(triton_support.GLUON_SERIES, "blackwell", ("3.99",))
+    for name in ("lowbit_attn.inference.kernel_fp4_gluon", "lowbit_attn.inference.gluon_fp4_blocks"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    names = {m.__name__ for m in aot.kernel_modules(("inference",))}
+    assert "lowbit_attn.inference.kernel_int8" in names
+    assert "lowbit_attn.inference.kernel_fp4_gluon" not in names
+    with pytest.raises(ImportError, match="Blackwell API of Triton 3.99.x"):
+        importlib.import_module("lowbit_attn.inference.kernel_fp4_gluon")
+
+
+@triton.jit
+def _scalar_condition_mask(X, LIM, O, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    limit = tl.load(LIM).to(tl.int64)
+    keep = (offs < BLOCK - 1) & (limit >= 0)  # a scalar comparison splatted into the mask
+    tl.store(O + offs, tl.load(X + offs, mask=keep, other=-1.0), mask=keep)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("limit,expected", [(3, [1.0, 2.0, 3.0, 0.0]), (-1, [0.0] * 4)])
+def test_a_mask_holding_a_scalar_comparison_runs_under_the_interpreter(limit, expected):
+    """The kernels' masks combine block and scalar comparisons (the KV cache's ``page >= 0``):
+    under Triton 3.9's interpreter such a mask arrived as integers and the load refused it."""
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    out = torch.zeros(4)
+    _scalar_condition_mask[(1,)](x, torch.tensor([limit]), out, BLOCK=4)
+    assert out.tolist() == expected
