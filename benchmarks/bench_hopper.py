@@ -278,7 +278,9 @@ def gluon_rows(base, q, k, v, causal, ref, cuda, triton_path, record, rows) -> N
     """The ``--gluon`` rows of one configuration after ``sdpa_cudnn_bf16`` (module docstring)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from lowbit_attn.inference import gluon_check, kernel_int8_gluon
+    from lowbit_attn.core import triton_support
+    from lowbit_attn.core.options import GLUON_SCHEDULES
+    from lowbit_attn.inference import gluon_check
 
     qb, kb, vb = (x.to(torch.bfloat16) for x in (q, k, v))
 
@@ -305,14 +307,21 @@ def gluon_rows(base, q, k, v, causal, ref, cuda, triton_path, record, rows) -> N
     with forced(None):
         _, attention = stage_fns(q, k, v, causal)
         record(base, "attention", attention, ref)
-    for schedule in kernel_int8_gluon.SCHEDULES:
-        launcher = functools.partial(kernel_int8_gluon.attention, schedule=schedule)
+    skip = None
+    if not triton_support.gluon_available("hopper"):
+        skip = triton_support.gluon_refusal("hopper", "the Gluon forward")
+    elif not (cuda and gluon_check.applies(q.device)):
+        skip = "needs a capability 9.0 GPU"
+    for schedule in GLUON_SCHEDULES.values():
         for name, recipe in ((f"attention gluon {schedule}", get_recipe(RECIPE)),
                              (f"attention gluon {schedule} k=128", wide)):
-            if not (cuda and gluon_check.applies(q.device)):
+            if skip is not None:
                 rows.append({**base, "method": name, "kind": "ours", "label": name,
-                             "status": "skipped", "reason": "needs a capability 9.0 GPU"})
+                             "status": "skipped", "reason": skip})
                 continue
+            from lowbit_attn.inference import kernel_int8_gluon
+
+            launcher = functools.partial(kernel_int8_gluon.attention, schedule=schedule)
             _, attention = stage_fns(q, k, v, causal, recipe, launcher)
             record(base, name, attention, ref)
 

@@ -94,9 +94,16 @@ if [[ "$STAGE" == all || "$STAGE" == tests ]]; then
         fi
     fi
     log "GPU tests: pytest -m gpu (at most ${TEST_TIMEOUT} s; full log in \$OUT/pytest-gpu.log)"
-    timeout "$TEST_TIMEOUT" "${PYTEST[@]}" -m gpu >"$OUT/pytest-gpu.log" 2>&1
+    started=$SECONDS
+    timeout "$TEST_TIMEOUT" "${PYTEST[@]}" -m gpu --durations=30 >"$OUT/pytest-gpu.log" 2>&1
     rc_tests=$?
-    tail -n 25 "$OUT/pytest-gpu.log"
+    log "GPU tests took $((SECONDS - started)) s (issue 31's bar: 240 s); the 30 slowest phases:"
+    grep -E '^[0-9.]+s (setup|call|teardown) ' "$OUT/pytest-gpu.log" | head -n 30
+    log "skipped, by reason (count, reason):"
+    grep '^SKIPPED' "$OUT/pytest-gpu.log" | sed -E 's/^SKIPPED \[([0-9]+)\] [^ ]+: /\1 /' \
+        | awk '{n = $1; $1 = ""; count[$0] += n} END {for (r in count) print count[r] r}' \
+        | sort -rn
+    tail -n 5 "$OUT/pytest-gpu.log"
     case $rc_tests in
         0) log "GPU tests passed" ;;
         5) log "no GPU tests were collected" ;;

@@ -24,7 +24,10 @@ import re
 
 import pytest
 
+from helpers import require_gluon
 from lowbit_attn.tools import aot, sass
+
+require_gluon("hopper")
 
 pytestmark = pytest.mark.aot
 
