@@ -13,7 +13,7 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from helpers import Target  # noqa: E402
+from helpers import Target, pinned_codegen  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -54,7 +54,7 @@ def device(request) -> Target:
 def pytest_collection_modifyitems(config, items):
     from lowbit_attn.core import triton_support
 
-    pinned = triton_support.series() == triton_support.PINNED
+    pinned = pinned_codegen()
     skip_codegen = pytest.mark.skip(
         reason=f"a schedule Triton {triton_support.PINNED}'s code generation gives (the GPU "
         f"machines' Triton), not Triton {triton_support.installed_version()}'s")

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import require_gluon
+from helpers import pinned_codegen, require_gluon
+
 require_gluon("hopper")  # before importing Gluon code
 
 from lowbit_attn.inference import kernel_int8_gluon
@@ -86,6 +87,7 @@ def test_compiles_with_both_products_on_wgmma_and_no_serialization(compiled, d, 
     assert r.registers is not None and r.registers <= 255, describe(r)
 
 
+@pytest.mark.pinned_codegen
 @pytest.mark.parametrize("d,block_k,causal", VARIANTS, ids=IDS)
 def test_no_spills(compiled, d, block_k, causal):
     # D=128, 128 keys, causal: 16 B spilled in the masked loop until the K-scale address was
@@ -113,6 +115,7 @@ def per_score(r: aot.KernelReport, block_k: int) -> float:
     return loop.per_score
 
 
+@pytest.mark.pinned_codegen
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_instructions_per_score_regression(compiled, causal):
     """D=128, 128-key blocks: 10.33 (661 per tile) and 10.28 (658) instructions per score
@@ -121,6 +124,7 @@ def test_instructions_per_score_regression(compiled, causal):
     assert per_score(compiled(128, 128, causal), 128) <= 10.5
 
 
+@pytest.mark.pinned_codegen
 def test_instructions_per_score_budget(compiled):
     """The issue's budget for the asynchronous design. 2026-11-25: 10.33 (661 per tile; 10.62,
     680, before the main loop was trimmed, NOTES §11)."""
@@ -129,10 +133,10 @@ def test_instructions_per_score_budget(compiled):
 
 def test_the_triton_version_is_pinned():
     kernel_int8_gluon.check_version()
-    for version in ("3.6.1+git1a2b3c", "3.8.0", "3.9.0"):
+    for version in ("3.6.1+git1a2b3c", "3.8.0"):
         kernel_int8_gluon.check_version(version)
-    for version in ("3.5.1", "3.7.0", "3.60.0"):
-        with pytest.raises(RuntimeError, match=rf"Hopper API of Triton 3\.6\.x, 3\.8\.x, 3\.9\.x, "
+    for version in ("3.5.1", "3.7.0", "3.9.0", "3.60.0"):
+        with pytest.raises(RuntimeError, match=rf"Hopper API of Triton 3\.6\.x, 3\.8\.x, "
                                                rf"found Triton {version}"):
             kernel_int8_gluon.check_version(version)
 
@@ -171,11 +175,12 @@ def test_varlen_variant_compiles_without_spills_and_keeps_the_schedule(compiled,
     # index, stored once before the loops and read between them and in the epilogue; none in the
     # main loop (0 B before that change, 10.28 per score; now 10.39).
     body = main_loop(r).body
-    if (d, block_k, causal) == (128, 128, True):
-        assert r.spill_stores <= 4 and r.spill_loads <= 8, describe(r)
-        assert not [i for i in body if i.startswith(("LDL", "STL"))], describe(r)
-    else:
-        assert r.spill_stores == 0 and r.spill_loads == 0, describe(r)
+    if pinned_codegen():  # spills are the pinned Triton's facts (3.8 spills 4-8 B more here)
+        if (d, block_k, causal) == (128, 128, True):
+            assert r.spill_stores <= 4 and r.spill_loads <= 8, describe(r)
+            assert not [i for i in body if i.startswith(("LDL", "STL"))], describe(r)
+        else:
+            assert r.spill_stores == 0 and r.spill_loads == 0, describe(r)
     pv = sass.exp2_under_mma(body, "QGMMA")
     assert pv.under >= MIN_EXP2_UNDER_PV[block_k] and pv.span >= MIN_SPAN[block_k], pv
 
@@ -196,6 +201,7 @@ def test_per_block_variant_compiles(compiled, d, block_k, causal):
     assert pv.under >= MIN_EXP2_UNDER_PV[block_k] and pv.span >= 200, pv
 
 
+@pytest.mark.pinned_codegen
 @pytest.mark.parametrize("seq_len", [1000, 683])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_lengths_not_a_multiple_of_16_do_not_spill(compiled, causal, seq_len):

@@ -24,7 +24,7 @@ import re
 
 import pytest
 
-from helpers import require_gluon
+from helpers import pinned_codegen, require_gluon
 from lowbit_attn.tools import aot, sass
 
 require_gluon("hopper")
@@ -98,6 +98,7 @@ def test_each_consumer_keeps_its_softmax_under_its_pv(d, block_k, causal):
         assert qk.under == 0, qk
 
 
+@pytest.mark.pinned_codegen
 @pytest.mark.parametrize("d,block_k,causal", VARIANTS, ids=IDS)
 def test_spills_only_where_measured(d, block_k, causal):
     r = report(d, block_k, causal)
@@ -109,6 +110,7 @@ def test_spills_only_where_measured(d, block_k, causal):
     assert max(local_memory(b) for b in consumers(r)) <= in_loop, describe(r)
 
 
+@pytest.mark.pinned_codegen
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_instructions_per_score(causal):
     """D=128, 128 keys: the asynchronous kernel's budget, 10.5 per score, in each consumer
@@ -125,7 +127,7 @@ def test_varlen_and_per_block_variants_compile(d, block_k):
               report(d, block_k, False, granularity="per_block")):
         assert r.ok and r.kernel == KERNEL and r.ptxas_warnings == (), describe(r)
         bound = VARLEN_SPILL_BOUND if (d, block_k) == (128, 128) and r.constexprs["VARLEN"] else 0
-        assert r.spill_stores <= bound, describe(r)
+        assert r.spill_stores <= bound or not pinned_codegen(), describe(r)
         for body in consumers(r):
             assert sass.exp2_under_mma(body, "QGMMA").under >= MIN_EXP2_UNDER_PV[block_k]
 

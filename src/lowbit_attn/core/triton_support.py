@@ -22,14 +22,16 @@ import functools
 TESTED = ("3.6", "3.8", "3.9")  # the series the suite runs on; the metadata admits 3.6 up to 3.9
 PINNED = "3.6"  # the series `make test` installs and the GPU machines run
 
-# Gluon's API by the modules that use it: the series whose API each compiles against
-# (kernel_int8_gluon, its ping-pong schedule and gluon_blocks use Hopper's wgmma, TMA and
-# mbarriers; the FP4 forward uses Blackwell's tensor memory, whose layout functions Triton 3.8
-# renamed and changed).
+# Gluon's API by the modules that use it: the series each compiles against. The Hopper forward
+# (kernel_int8_gluon, its ping-pong schedule, gluon_blocks: wgmma, TMA, mbarriers) compiles on 3.6
+# and 3.8; Triton 3.9 removed its TMA load (tma.async_copy_global_to_shared). The Blackwell FP4
+# forward needs 3.6's tensor-memory layout function (get_tmem_reg_layout), which 3.8 dropped. The
+# CPU model of Gluon kernels (tools.gluon_cpu, for the tests) reads Gluon's internals of 3.6 and
+# 3.8 (on 3.8 the Hopper kernels only).
 GLUON_SERIES = {
-    "hopper": ("3.6",),
+    "hopper": ("3.6", "3.8"),
     "blackwell": ("3.6",),
-    "cpu_model": ("3.6",),  # tools.gluon_cpu: runs Gluon kernels on a CPU through Gluon's internals
+    "cpu_model": ("3.6", "3.8"),
 }
 
 

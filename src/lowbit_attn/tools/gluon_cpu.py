@@ -1395,7 +1395,9 @@ BLACKWELL_FUNCTIONS = {
 }
 FUNCTIONS = {**HOPPER_FUNCTIONS, **BLACKWELL_FUNCTIONS}
 # constexpr functions of Gluon that only compute layouts: their value is a layout (ignored)
-LAYOUT_FUNCTIONS = {blackwell.get_tmem_reg_layout: _tmem_reg_layout}
+# (Triton 3.8 dropped get_tmem_reg_layout: there the model runs the Hopper kernels only)
+LAYOUT_FUNCTIONS = {f: _tmem_reg_layout for f in [getattr(blackwell, "get_tmem_reg_layout", None)]
+                    if f is not None}
 
 
 # --- running a kernel ------------------------------------------------------------------------
