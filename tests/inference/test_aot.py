@@ -9,6 +9,8 @@ What Triton 3.6 emits for the attention kernel (BLOCK_M=128, BLOCK_N=64, D=128):
 | sm_90a  | wgmma m64n64k32 s32.s8.s8                              | wgmma m64n128k16 f16 / m64n128k32 e4m3  |
 | sm_100a | mma.sync m16n8k32 s32.s8.s8 (no tcgen05 kind::i8)      | tcgen05.mma kind::f16 / kind::f8f6f4    |
 | sm_120a | mma.sync m16n8k32 s32.s8.s8                            | mma.sync m16n8k16 f16 / m16n8k32 e4m3   |
+
+Triton 3.8 and 3.9 put sm_100a's INT8 Q·Kᵀ on tcgen05.mma kind::i8 too (the rest as above).
 """
 
 from __future__ import annotations
@@ -203,7 +205,7 @@ def test_fp8_pv_is_refused_before_sm_89():
                                             ("qk_int8_pv_fp16", TCGEN05_F16)])
 def test_blackwell_datacenter_uses_tcgen05_for_pv(compiled, recipe, pv_form):
     """sm_100a: P·V on tcgen05; the INT8 Q·Kᵀ on tensor cores too: Triton 3.6 lowers it to
-    mma.sync (no kind::i8), Triton 3.9 to tcgen05 kind::i8."""
+    mma.sync (no kind::i8), Triton 3.8 and 3.9 to tcgen05 kind::i8."""
     r = attention_report(compiled(recipe, "sm_100a"))
     assert r.ok, describe(r)
     assert r.instructions.get(pv_form, 0) > 0, describe(r)
