@@ -54,7 +54,11 @@ log() { echo "== $*" >&2; }
 # (the whole `-m gpu` took 248 s so on an H100, 2026-11-25), each failure's report written to
 # $OUT/failures.txt as it happens (benchmarks/probes/faillog.py: a run cut by its limit keeps them).
 export PYTHONPATH="$PWD/benchmarks/probes:$PYTHONPATH"
-PYTEST=("$PY" -m pytest -q -p no:cacheprovider -p faillog)
+# The tests run each autotuned kernel's first candidate alone (LOWBIT_ATTN_AUTOTUNE=first: one
+# compile per new shape, not one per candidate; tests/test_gpu.py checks every INT8 candidate on
+# its own); TEST_AUTOTUNE=all restores the autotuner. The benchmarks always autotune.
+PYTEST=(env LOWBIT_ATTN_AUTOTUNE="${TEST_AUTOTUNE:-first}" "$PY" -m pytest -q -p no:cacheprovider
+        -p faillog)
 if "$PY" -c "import xdist" 2>/dev/null; then PYTEST+=(-n 16); fi
 
 # Pure-Python wheels: pip without the network; where pip cannot write (or refuses), unpack them

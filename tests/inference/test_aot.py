@@ -346,3 +346,23 @@ def test_exact_recipe_launches_no_kernel():
 def test_bundled_ptxas_exists():
     for arch in ("sm_90a", "sm_100a"):
         assert os.path.exists(aot.ptxas_path(arch))
+
+
+def test_autotune_first_gives_each_kernel_its_first_candidate_alone(monkeypatch):
+    """``LOWBIT_ATTN_AUTOTUNE=first`` (the GPU test runs): one candidate, the family's first, so a
+    new shape compiles one kernel; ``all`` (default) every candidate; anything else is refused by
+    name."""
+    from lowbit_attn.core.triton_helpers import triton_configs
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the GPU's lists, not the interpreter's
+    configs = attn_fwd_int8.CONFIGS
+    every = triton_configs(configs, (9, 0))
+    assert len(every) == len(configs["sm_90"]) > 1
+    monkeypatch.setenv("LOWBIT_ATTN_AUTOTUNE", "first")
+    (first,) = triton_configs(configs, (9, 0))
+    assert (first.num_warps, first.num_stages, first.kwargs) == (
+        every[0].num_warps, every[0].num_stages, every[0].kwargs)
+    monkeypatch.setenv("LOWBIT_ATTN_AUTOTUNE", "fastest")
+    with pytest.raises(ValueError, match=r"LOWBIT_ATTN_AUTOTUNE must be one of \('all', "
+                                         r"'first'\), got 'fastest'"):
+        triton_configs(configs, (9, 0))

@@ -3,6 +3,7 @@ and epilogue, launch configs and stride bookkeeping."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -42,9 +43,29 @@ def configs_for(configs: dict[str, list[LaunchConfig]], capability) -> list[Laun
     return configs["sm_80"]
 
 
+AUTOTUNE = ("all", "first")
+
+
+def autotune_mode() -> str:
+    """``LOWBIT_ATTN_AUTOTUNE``: ``all`` (default: the autotuner times every candidate of
+    :func:`configs_for`) or ``first`` (each autotuned kernel gets its family's first candidate
+    alone, so a new shape compiles one kernel, not all of them: for test runs, where
+    tests/test_gpu.py checks every candidate of the INT8 forward on its own). Read when a kernel
+    module is imported."""
+    mode = os.environ.get("LOWBIT_ATTN_AUTOTUNE", "all")
+    if mode not in AUTOTUNE:
+        raise ValueError(f"LOWBIT_ATTN_AUTOTUNE must be one of {AUTOTUNE}, got {mode!r}")
+    return mode
+
+
 def triton_configs(configs: dict[str, list[LaunchConfig]], capability) -> list:
+    """The ``triton.Config`` s an autotuned kernel gets: :func:`configs_for`'s, or only the first
+    under ``LOWBIT_ATTN_AUTOTUNE=first``."""
+    chosen = configs_for(configs, capability)
+    if autotune_mode() == "first":
+        chosen = chosen[:1]
     return [triton.Config(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
-            for c in configs_for(configs, capability)]
+            for c in chosen]
 
 
 @triton.jit
