@@ -38,10 +38,7 @@ GLUON_SERIES = {
 def series(version: str | None = None) -> str:
     """``"3.6"`` for Triton 3.6.0, 3.6.1 or 3.6.0+git…; ``version`` defaults to the installed
     Triton's."""
-    if version is None:
-        import triton
-
-        version = triton.__version__
+    version = installed_version() if version is None else version
     return ".".join(version.split("+")[0].split(".")[:2])
 
 
@@ -83,9 +80,7 @@ def gluon_refusal(api: str, what: str, version: str | None = None) -> str:
     installed."""
     version = installed_version() if version is None else version
     return (f"{what} is written for Gluon's {api.capitalize()} API of Triton "
-            f"{_names(GLUON_SERIES[api])}, found "
-            f"Triton {version}: install one of those to use it; the Triton kernels serve every "
-            "call meanwhile")
+            f"{_names(GLUON_SERIES[api])}, found Triton {version}: install one of those to use it")
 
 
 def require_gluon(api: str, what: str, version: str | None = None) -> None:
