@@ -312,6 +312,8 @@ def gluon_rows(base, q, k, v, causal, ref, cuda, triton_path, record, rows) -> N
         skip = triton_support.gluon_refusal("hopper", "the Gluon forward")
     elif not (cuda and gluon_check.applies(q.device)):
         skip = "needs a capability 9.0 GPU"
+    else:
+        from lowbit_attn.inference import kernel_int8_gluon
     for schedule in GLUON_SCHEDULES.values():
         for name, recipe in ((f"attention gluon {schedule}", get_recipe(RECIPE)),
                              (f"attention gluon {schedule} k=128", wide)):
@@ -319,8 +321,6 @@ def gluon_rows(base, q, k, v, causal, ref, cuda, triton_path, record, rows) -> N
                 rows.append({**base, "method": name, "kind": "ours", "label": name,
                              "status": "skipped", "reason": skip})
                 continue
-            from lowbit_attn.inference import kernel_int8_gluon
-
             launcher = functools.partial(kernel_int8_gluon.attention, schedule=schedule)
             _, attention = stage_fns(q, k, v, causal, recipe, launcher)
             record(base, name, attention, ref)

@@ -481,8 +481,8 @@ def attention(
 ) -> torch.Tensor | None:
     """Run the kernel, as ``kernel_fp4.attention`` (same arguments): writes ``out`` (a logical
     ``[B, Hq, Nq, D]`` view) and returns the LSE ``[B, Hq, Nq]`` fp32 when asked. Raises
-    ``RuntimeError`` on a Triton whose Gluon it was not written for, ``ValueError`` for what the kernel does not
-    cover (see the module docstring)."""
+    ``RuntimeError`` on a Triton whose Gluon it was not written for, ``ValueError`` for what the
+    kernel does not cover (see the module docstring)."""
     check_version()
     _check_scope(qz, head_dim=head_dim, block_q=block_q, block_k=block_k,
                  causal_offset=causal_offset)
