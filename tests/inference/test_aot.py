@@ -42,7 +42,7 @@ TCGEN05_I8 = "tcgen05.mma.cta_group::1.kind::i8"
 # Kernels one call launches, by where Q is quantized (LOWBIT_ATTN_Q_QUANT).
 LAUNCHES = {
     "kernel": ["_channel_stats_kernel", "_quantize_kernel", ATTENTION],
-    "pass": ["_channel_stats_kernel", "_quantize_kernel", "_quantize_kernel", ATTENTION],
+    "pass": ["_channel_stats_kernel", "_quantize_kernel", ATTENTION],  # Q with K and V
 }
 
 
@@ -93,28 +93,29 @@ def test_every_kernel_compiles_and_assembles(compiled, recipe, arch):
 
 @pytest.mark.parametrize("mode", [None, "pass", "kernel"], ids=["default", "pass", "kernel"])
 @pytest.mark.parametrize("recipe", ["qk_int8_pv_fp8", "qk_int8_pv_fp16"])
-def test_a_call_launches_four_kernels_or_three(recipe, mode, monkeypatch):
-    """Statistics of Q, K and V in one launch, K and V quantized in one more, Q quantized by a
-    pass of its own (the default, ``LOWBIT_ATTN_Q_QUANT=pass``) or by the attention kernel
-    (``kernel``)."""
+def test_a_call_launches_three_kernels(recipe, mode, monkeypatch):
+    """Statistics of Q, K and V in one launch; K and V quantized in one more, with Q (the
+    default, ``LOWBIT_ATTN_Q_QUANT=pass``) or without it (``kernel``: the attention kernel
+    quantizes Q); the attention."""
     if mode is not None:
         monkeypatch.setenv("LOWBIT_ATTN_Q_QUANT", mode)
     launches = LAUNCHES[mode or "pass"]
     recorded = aot.record_launches(get_recipe(recipe), head_dim=64, seq_len=1024)
     assert [launch.name for launch in recorded] == launches
-    # one program per token block of each part: 64-key blocks for K and V, 128-row ones for Q
-    assert recorded[1].grid == (1024 // 64, 2 * 2)
-    if launches == LAUNCHES["pass"]:
-        assert recorded[2].grid == (1024 // 128, 2)
+    # one program per 64-token block (K's and V's; Q's 128-row blocks take every other one) and
+    # per (batch, head) of K, then of Q when the launch quantizes it, then of V
+    heads = 2 * 3 if mode in (None, "pass") else 2 * 2
+    assert recorded[1].grid == (1024 // 64, heads)
 
 
 def test_kv_statistics_in_the_quantizing_launch(monkeypatch):
     """``LOWBIT_ATTN_KV_STATS=program``: the statistics launch reads Q only, one program per
-    (batch, head) and tensor computes K's and V's statistics then quantizes them; on sm_90a no
-    tensor cores and no spills."""
+    (batch, head) and tensor computes K's and V's statistics then quantizes them (Q, whose
+    balancing reads K's amax, in a pass of its own); on sm_90a no tensor cores and no spills."""
     monkeypatch.setenv("LOWBIT_ATTN_KV_STATS", "program")
     recorded = aot.record_launches(get_recipe("qk_int8_pv_fp8"), head_dim=128)
-    assert [launch.name for launch in recorded] == LAUNCHES["pass"]
+    assert [launch.name for launch in recorded] == [
+        "_channel_stats_kernel", "_quantize_kernel", "_quantize_kernel", ATTENTION]
     stats, quantize_kv = recorded[0], recorded[1]
     assert stats.kwargs["CENTER0"] == 0 and stats.kwargs["CENTER1"] == -1  # Q's amax only
     assert quantize_kv.kwargs["OWN_STATS"] is True

@@ -8,7 +8,8 @@ import pytest
 from lowbit_attn.core.recipes import RECIPES, get_recipe
 from lowbit_attn.tools import aot
 
-MAX_ARGUMENTS = 42  # top-level names, constexprs included; a stride tuple is one
+MAX_ARGUMENTS = 64  # top-level names, constexprs and num_warps included; a stride tuple is one (the
+# quantization launch with its three parts takes 61; a launch plan replays it without binding)
 
 
 def _launches():

@@ -1,8 +1,9 @@
 """Experimental kernel placements, until a GPU measurement decides them: one frozen object, read
 from the environment once per call by the custom op that needs it and passed down explicitly.
 
-- ``LOWBIT_ATTN_Q_QUANT``: ``pass`` (default: Q quantized by a pass of its own) or ``kernel`` (by
-  the INT8 attention kernel's prologue: one launch and 2 bytes per Q element fewer). Same bits.
+- ``LOWBIT_ATTN_Q_QUANT``: ``pass`` (default: Q quantized by the launch that quantizes K and
+  converts V) or ``kernel`` (by the INT8 attention kernel's prologue: 2 bytes per Q element
+  fewer). Same bits.
 - ``LOWBIT_ATTN_KV_STATS``: ``launch`` (default: K's and V's channel statistics in the statistics
   launch with Q's) or ``program`` (by the launch that quantizes them, one program per (batch,
   head) reading its tensor twice: 4 bytes per element fewer from HBM when the second read hits

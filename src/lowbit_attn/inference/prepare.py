@@ -2,8 +2,8 @@
 
 The same sequence of steps serves both backends; each step runs as a Triton kernel or as its
 PyTorch twin. On the Triton backend a call launches one statistics pass for the tensors that need
-statistics, and quantizes K and converts V in one more; Q is quantized in its own pass or by the
-attention kernel. The balancing factors and FP8 scales are computed inside the kernels that use
+statistics, and quantizes Q and K and converts V in one more (Q in a pass of its own when that
+launch computes K's statistics, or by the attention kernel). The balancing factors and FP8 scales are computed inside the kernels that use
 them.
 """
 
@@ -62,8 +62,8 @@ def quantize_qkv(
     """Q, K, V (logical ``[B, H, N, D]`` views, or packed ``[total, H, D]`` with ``seqs_*`` on the
     Triton backend) → :class:`QuantizedQKV`.
 
-    On the Triton backend the statistics of all three tensors take one launch and K's quantization
-    with V's conversion another. Options (Triton only; the same values either way):
+    On the Triton backend the statistics of all three tensors take one launch and the quantization
+    of Q and K with V's conversion another. Options (Triton only; the same values either way):
     ``q_in_kernel`` leaves Q unquantized, with what its quantization needs, for the attention
     kernel to quantize itself; ``kv_stats_in_program`` has the K/V launch compute K's and V's
     statistics itself, one program per (batch, head) reading its tensor twice, the second time from
@@ -95,29 +95,37 @@ def quantize_qkv(
     multiplier = softmax_scale * LOG2E
     k_args = dict(granularity=recipe.granularity, block=recipe.block_k, center=k_mean,
                   balance=(q_amax, k_amax) if recipe.balance_qk else None, balance_role="k")
-    if triton_backend:
-        own = kv_stats_in_program
-        (k8, k_scale, k_stats), (vq, v_scale, v_stats) = quant.quantize(
-            quant.Int8Request(k, **k_args, own_stats=k_center if own else None),
-            quant.VRequest(v, recipe.pv, v_mean, v_amax, own_stats=v_center if own else None,
-                           scaled=v_scaled),
-            seqs=seqs_k,
-        )
-        if own:  # what the launch computed
-            k_mean, k_amax = k_stats
-            v_mean, v_amax = v_stats
-            v_mean = v_mean if recipe.smooth_v else None
-    else:
-        k8, k_scale = quant.quantize_int8(k, **k_args)
-        vq, v_scale = quant.convert_v(v, pv=recipe.pv, center=v_mean, amax=v_amax)
-
     balance = (q_amax, k_amax) if recipe.balance_qk else None
     q_args = dict(granularity=recipe.granularity, block=recipe.block_q, center=q_mean,
                   center_per_block=True, balance=balance, balance_role="q",
                   scale_multiplier=multiplier)
+    q8 = q_scale = None
+    if triton_backend:
+        own = kv_stats_in_program
+        # Q joins K's and V's launch unless the attention kernel quantizes it, or the launch
+        # computes K's statistics (which Q's balancing reads)
+        q_request = None if q_in_kernel or own else quant.Int8Request(q, **q_args)
+        (k8, k_scale, k_stats), (vq, v_scale, v_stats), *q_part = quant.quantize(
+            quant.Int8Request(k, **k_args, own_stats=k_center if own else None),
+            quant.VRequest(v, recipe.pv, v_mean, v_amax, own_stats=v_center if own else None,
+                           scaled=v_scaled),
+            seqs=seqs_k, q=q_request, seqs_q=seqs_q,
+        )
+        if q_part:
+            q8, q_scale, _ = q_part[0]
+        if own:  # what the launch computed
+            k_mean, k_amax = k_stats
+            v_mean, v_amax = v_stats
+            v_mean = v_mean if recipe.smooth_v else None
+            balance = (q_amax, k_amax) if recipe.balance_qk else None
+            q_args["balance"] = balance
+    else:
+        k8, k_scale = quant.quantize_int8(k, **k_args)
+        vq, v_scale = quant.convert_v(v, pv=recipe.pv, center=v_mean, amax=v_amax)
+
     if q_in_kernel:
         q8, q_scale = q, None
-    else:
+    elif q8 is None:
         q8, q_scale = quant.quantize_int8(q, **q_args, **kw_q)
 
     delta = shift = None

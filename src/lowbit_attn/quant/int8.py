@@ -255,8 +255,34 @@ def _token_blocks(CU, b, N, OWN_STATS: tl.constexpr, BLOCK_N: tl.constexpr,
         return tl.program_id(0), tl.program_id(0) + 1
 
 
+@triton.jit
+def _int8_tensor(
+    X, OUT, SCALE, CENTER_PTR, AQ, AK, CU, b, h,
+    x_strides, out_strides, scale_strides, c_strides, aq_strides, ak_strides,
+    N, D, GROUP, scale_multiplier,
+    PER_TOKEN: tl.constexpr, CENTER: tl.constexpr, BALANCE: tl.constexpr,
+    BLOCK_N: tl.constexpr, OWN_STATS: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
+):
+    """One (batch, head) of an INT8 part of ``_quantize_kernel``: its statistics first with
+    ``OWN_STATS`` (then every token block), else token block ``program_id(0)``."""
+    if OWN_STATS:
+        scb, sch, _, scd = c_strides
+        sakb, sakh = ak_strides
+        _stats_program(X, CENTER_PTR, AK, CU, b, h, 0, x_strides, (scb, sch, 0, scd),
+                       (sakb, sakh, 1), N, D, CENTER, 64, BLOCK_D, VARLEN)
+        tl.debug_barrier()  # the statistics are read back by every thread
+    first, last = _token_blocks(CU, b, N, OWN_STATS, BLOCK_N, VARLEN)
+    for pid_n in range(first, last):
+        _int8_program(
+            X, OUT, SCALE, CENTER_PTR, AQ, AK, CU, pid_n, b, h, x_strides, out_strides,
+            scale_strides, c_strides, aq_strides, ak_strides, N, D, GROUP, scale_multiplier,
+            PER_TOKEN, CENTER, BALANCE, BLOCK_N, BLOCK_D, VARLEN,
+        )
+
+
 @triton.heuristics({
     "HAS_INT8": lambda args: args["X"] is not None,
+    "HAS_Q": lambda args: args["QX"] is not None,
     "HAS_V": lambda args: args["VX"] is not None,
 })
 @triton.jit
@@ -264,45 +290,56 @@ def _quantize_kernel(
     X, OUT, SCALE, CENTER_PTR, AQ, AK,
     x_strides, out_strides, scale_strides, c_strides, aq_strides, ak_strides,
     H, GROUP, scale_multiplier,
+    QX, QOUT, QSCALE, QCENTER, QAQ, QAK,
+    qx_strides, qout_strides, qscale_strides, qc_strides, qaq_strides, qak_strides,
+    HQ, QGROUP, q_scale_multiplier, CU_Q, N_Q,
     VX, VOUT, VCENTER, VAMAX, VSCALE, vx_strides, vout_strides, vc_strides, HV,
     CU, N, D,
     HAS_INT8: tl.constexpr, PER_TOKEN: tl.constexpr, CENTER: tl.constexpr,
     BALANCE: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_Q: tl.constexpr, Q_PER_TOKEN: tl.constexpr, Q_CENTER: tl.constexpr,
+    Q_BALANCE: tl.constexpr, Q_BLOCK_N: tl.constexpr,
     HAS_V: tl.constexpr, FP8: tl.constexpr, V_SCALED: tl.constexpr, V_CENTER: tl.constexpr,
     EXACT_FP8: tl.constexpr,
     V_BLOCK_N: tl.constexpr, OWN_STATS: tl.constexpr,
     BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    """INT8 quantization of one tensor (Q or K) and/or V's conversion, in one launch: programs
-    ``(pid_n, pid)`` of axis 1 run (batch, head) ``pid`` of the INT8 tensor, then of V.
+    """INT8 quantization of K (the first INT8 part) and/or Q (the second, ``Q…`` arguments, its
+    own sequences ``CU_Q``/``N_Q``) and/or V's conversion, in one launch: programs ``(pid_n,
+    pid)`` of axis 1 run (batch, head) ``pid`` of the first INT8 tensor, then of Q, then of V.
 
     ``OWN_STATS``: one program per (batch, head) and tensor (axis 0 has one program), which first
     computes the channel statistics its quantization needs (stored, for the later stages), then
-    quantizes the whole sequence, reading it a second time (from L2 when it still holds it).
+    quantizes the whole sequence, reading it a second time (from L2 when it still holds it). Q's
+    part never computes its statistics (it loops over its blocks alone).
     Strides: (batch, head, token, dim) of ``X``/``OUT``/``VX``/``VOUT``, (batch, head, row) of
     ``SCALE``, (batch, head, block, dim) of ``CENTER_PTR``, (batch, head) of ``AQ``/``AK``, (batch,
-    head, dim) of V's channel vectors."""
+    head, dim) of V's channel vectors; Q's likewise."""
     pid = tl.program_id(1)
+    batch = tl.num_programs(1) // (H + HQ + HV)
     n_int8 = 0
+    n_q = 0
     if HAS_INT8:
-        n_int8 = H * (tl.num_programs(1) // (H + HV))
+        n_int8 = H * batch
+    if HAS_Q:
+        n_q = HQ * batch
     if HAS_INT8 and pid < n_int8:
         b, h = batch_head(pid, H)
-        if OWN_STATS:
-            scb, sch, _, scd = c_strides
-            sakb, sakh = ak_strides
-            _stats_program(X, CENTER_PTR, AK, CU, b, h, 0, x_strides, (scb, sch, 0, scd),
-                           (sakb, sakh, 1), N, D, CENTER, 64, BLOCK_D, VARLEN)
-            tl.debug_barrier()  # the statistics are read back by every thread
-        first, last = _token_blocks(CU, b, N, OWN_STATS, BLOCK_N, VARLEN)
+        _int8_tensor(X, OUT, SCALE, CENTER_PTR, AQ, AK, CU, b, h, x_strides, out_strides,
+                     scale_strides, c_strides, aq_strides, ak_strides, N, D, GROUP,
+                     scale_multiplier, PER_TOKEN, CENTER, BALANCE, BLOCK_N, OWN_STATS, BLOCK_D,
+                     VARLEN)
+    elif HAS_Q and pid < n_int8 + n_q:
+        b, h = batch_head(pid - n_int8, HQ)
+        first, last = _token_blocks(CU_Q, b, N_Q, OWN_STATS, Q_BLOCK_N, VARLEN)
         for pid_n in range(first, last):
             _int8_program(
-                X, OUT, SCALE, CENTER_PTR, AQ, AK, CU, pid_n, b, h, x_strides, out_strides,
-                scale_strides, c_strides, aq_strides, ak_strides, N, D, GROUP, scale_multiplier,
-                PER_TOKEN, CENTER, BALANCE, BLOCK_N, BLOCK_D, VARLEN,
+                QX, QOUT, QSCALE, QCENTER, QAQ, QAK, CU_Q, pid_n, b, h, qx_strides, qout_strides,
+                qscale_strides, qc_strides, qaq_strides, qak_strides, N_Q, D, QGROUP,
+                q_scale_multiplier, Q_PER_TOKEN, Q_CENTER, Q_BALANCE, Q_BLOCK_N, BLOCK_D, VARLEN,
             )
     elif HAS_V:
-        b, h = batch_head(pid - n_int8, HV)
+        b, h = batch_head(pid - n_int8 - n_q, HV)
         if OWN_STATS and (V_SCALED or V_CENTER == 1):
             svcb, svch, svcd = vc_strides
             _stats_program(VX, VCENTER, VAMAX, CU, b, h, 0, vx_strides, (svcb, svch, 0, svcd),
@@ -464,38 +501,64 @@ def _v_part(req: VRequest | None, seqs: Seqs):
     return (out, scale, stats), args, constexprs
 
 
+# The names of the Q part's arguments in ``_quantize_kernel``, by the INT8 part's names.
+_Q_NAMES = {
+    "X": "QX", "OUT": "QOUT", "SCALE": "QSCALE", "CENTER_PTR": "QCENTER", "AQ": "QAQ", "AK": "QAK",
+    "x_strides": "qx_strides", "out_strides": "qout_strides", "scale_strides": "qscale_strides",
+    "c_strides": "qc_strides", "aq_strides": "qaq_strides", "ak_strides": "qak_strides",
+    "H": "HQ", "GROUP": "QGROUP", "scale_multiplier": "q_scale_multiplier",
+    "PER_TOKEN": "Q_PER_TOKEN", "CENTER": "Q_CENTER", "BALANCE": "Q_BALANCE",
+    "BLOCK_N": "Q_BLOCK_N",
+}
+
+
+def _q_part(req: Int8Request | None, seqs: Seqs):
+    """Outputs, keyword arguments and constexprs of the Q part of ``_quantize_kernel``."""
+    if req is not None and req.own_stats is not None:
+        raise ValueError("Q's part of a launch takes its statistics from an earlier launch")
+    outs, args, const = _int8_part(req, seqs)
+    args = {_Q_NAMES[k]: v for k, v in args.items()}
+    args.update(CU_Q=seqs.cu_seqlens, N_Q=seqs.max_len)
+    return outs, args, {_Q_NAMES[k]: v for k, v in const.items()}
+
+
 def quantize(
-    int8: Int8Request | None = None, v: VRequest | None = None, *, seqs: Seqs | None = None
+    int8: Int8Request | None = None, v: VRequest | None = None, *, seqs: Seqs | None = None,
+    q: Int8Request | None = None, seqs_q: Seqs | None = None,
 ) -> tuple:
-    """Quantize a tensor to INT8 and/or convert V, in one launch (``seqs``: both tensors' common
-    sequences). Returns ``(values, scale, stats)`` for each (``None`` when not asked); ``stats`` is
-    ``(mean, amax)`` when the request asked the launch to compute them (``own_stats``; then both
-    requests must), else ``None``."""
-    first = int8.x if int8 is not None else v.x
-    seqs = seqs or dense_seqs(first)
-    own = {r.own_stats is not None for r in (int8, v) if r is not None}
+    """Quantize a tensor to INT8 (K) and/or Q to INT8 and/or convert V, in one launch (``seqs``:
+    K's and V's sequences, ``seqs_q`` Q's). Returns ``(values, scale, stats)`` for ``int8`` and
+    ``v`` (``None`` when not asked), and with ``q`` also ``(values, scale, None)`` for it;
+    ``stats`` is ``(mean, amax)`` when the request asked the launch to compute them
+    (``own_stats``; then both ``int8`` and ``v`` must, and Q cannot be in the launch), else
+    ``None``."""
+    present = [r for r in (int8, q, v) if r is not None]
+    first = present[0].x
+    seqs = seqs or dense_seqs(int8.x if int8 is not None else first)
+    seqs_q = seqs_q or (dense_seqs(q.x) if q is not None else seqs)
+    own = {r.own_stats is not None for r in (int8, v) if r is not None} or {False}
     if len(own) != 1:
         raise ValueError("own_stats must be set on both requests of a launch or on neither")
     own_stats = own.pop()
     outs_i, args_i, const_i = _int8_part(int8, seqs)
+    outs_q, args_q, const_q = _q_part(q, seqs_q)
     outs_v, args_v, const_v = _v_part(v, seqs)
-    heads_i = int8.x.shape[1] if int8 is not None else 0
-    heads_v = v.x.shape[1] if v is not None else 0
-    block_rows = [c for c, present in ((const_i["BLOCK_N"], int8), (const_v["V_BLOCK_N"], v))
-                  if present is not None]
+    heads = sum(r.x.shape[1] for r in present)
+    block_rows = [c for c, given in ((const_i["BLOCK_N"], int8), (const_q["Q_BLOCK_N"], q),
+                                     (const_v["V_BLOCK_N"], v)) if given is not None]
     rows = max(block_rows)
     d = first.shape[-1]
     if own_stats:
         rows = max(rows, 64)  # the statistics loop's tile
         blocks = 1
     else:  # axis 0 covers the smaller blocks; programs past a part's own blocks do nothing
-        blocks = triton.cdiv(seqs.max_len, min(block_rows))
-    _quantize_kernel[(blocks, seqs.batch * (heads_i + heads_v))](
-        **args_i, **args_v, CU=seqs.cu_seqlens, N=seqs.max_len, D=d,
-        **const_i, **const_v, OWN_STATS=own_stats, EXACT_FP8=exact_fp8(), BLOCK_D=next_pow2(d),
-        VARLEN=seqs.packed, num_warps=_warps(rows, d),
+        blocks = triton.cdiv(max(seqs.max_len, seqs_q.max_len), min(block_rows))
+    _quantize_kernel[(blocks, seqs.batch * heads)](
+        **args_i, **args_q, **args_v, CU=seqs.cu_seqlens, N=seqs.max_len, D=d,
+        **const_i, **const_q, **const_v, OWN_STATS=own_stats, EXACT_FP8=exact_fp8(),
+        BLOCK_D=next_pow2(d), VARLEN=seqs.packed, num_warps=_warps(rows, d),
     )
-    return outs_i, outs_v
+    return (outs_i, outs_v) if q is None else (outs_i, outs_v, outs_q)
 
 
 def quantize_int8(
