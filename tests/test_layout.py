@@ -105,9 +105,10 @@ def test_no_import_loop():
 
 def test_the_walk_of_q_from_attention_to_the_int8_kernel(monkeypatch):
     """``q`` goes down one chain of calls: the files on the stack at each launch that reads ``q``
-    (statistics, its quantization) or its INT8 values (the attention kernel) are at most five,
-    interface → op → prepare → quantizer | kernel. Validation (``core.checks``) is a side call
-    that returns before the chain starts. Nothing runs: the launches are recorded."""
+    (statistics, its quantization) or its INT8 values (the attention kernel) are at most six,
+    interface → op → planned (an eager call's launch plans) → prepare → quantizer | kernel.
+    Validation (``core.checks``) is a side call that returns before the chain starts. Nothing
+    runs: the launches are recorded."""
     import traceback
 
     import torch
@@ -147,5 +148,5 @@ def test_the_walk_of_q_from_attention_to_the_int8_kernel(monkeypatch):
                if any(t.untyped_storage().data_ptr() == storage for t in tensors)]
     assert len(attention) == 1 and reads_q
     walk = set().union(*attention, *reads_q)
-    assert walk == {"inference/interface.py", "inference/op.py", "inference/prepare.py",
-                    "quant/int8.py", "inference/kernel_int8.py"}, sorted(walk)
+    assert walk == {"inference/interface.py", "inference/op.py", "inference/planned.py",
+                    "inference/prepare.py", "quant/int8.py", "inference/kernel_int8.py"}, sorted(walk)

@@ -17,6 +17,7 @@ from lowbit_attn.core.counters import count_call
 from lowbit_attn.core.operands import Seqs
 from lowbit_attn.core.options import KernelOptions
 from lowbit_attn.core.recipes import Recipe, recipe_from_key, recipe_key
+from lowbit_attn.inference import planned
 from lowbit_attn.inference.naive import exact_attention, fp4_attention, quantized_attention
 from lowbit_attn.inference.prepare import quantize_qkv, quantize_qkv_fp4
 
@@ -145,23 +146,31 @@ def run(q, k, v, *, out: torch.Tensor, recipe: Recipe, scale: float, causal_offs
                   return_lse=return_lse, seqs=seqs, options=options)
 
 
+def forward(q, k, v, recipe: Recipe, scale: float, is_causal: bool, causal_offset: int, nhd: bool,
+            return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of validated ``q, k, v`` in layout HND (``nhd`` False) or NHD; returns the output
+    in q's shape (contiguous) and the LSE ``[B, Hq, Nq]`` (an empty tensor unless
+    ``return_lse``): what :func:`attention_fwd` computes, called directly in eager mode."""
+    qh, kh, vh = (x.transpose(1, 2) if nhd else x for x in (q, k, v))
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = run(
+        qh, kh, vh, out=out.transpose(1, 2) if nhd else out, recipe=recipe,
+        scale=scale, causal_offset=causal_offset if is_causal else None, return_lse=return_lse,
+        backend=backend_for(q.device), options=KernelOptions.from_env(),
+    )
+    return out, _lse_or_empty(lse, q)
+
+
 @torch.library.custom_op("lowbit_attn::attention_fwd", mutates_args=())
 def attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: str, scale: float, is_causal: bool,
     causal_offset: int, nhd: bool, return_lse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of validated ``q, k, v`` in layout HND (``nhd`` False) or NHD with the recipe
-    :func:`~lowbit_attn.core.recipes.recipe_key` encodes; returns the output in q's shape
-    (contiguous) and the LSE ``[B, Hq, Nq]`` (an empty tensor unless ``return_lse``)."""
+    """:func:`forward` with the recipe :func:`~lowbit_attn.core.recipes.recipe_key` encodes, as an
+    op ``torch.compile`` and other tracers see whole."""
     count_call("attention")
-    qh, kh, vh = (x.transpose(1, 2) if nhd else x for x in (q, k, v))
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = run(
-        qh, kh, vh, out=out.transpose(1, 2) if nhd else out, recipe=recipe_from_key(recipe),
-        scale=scale, causal_offset=causal_offset if is_causal else None, return_lse=return_lse,
-        backend=backend_for(q.device), options=KernelOptions.from_env(),
-    )
-    return out, _lse_or_empty(lse, q)
+    return forward(q, k, v, recipe_from_key(recipe), scale, is_causal, causal_offset, nhd,
+                   return_lse)
 
 
 def _lse_or_empty(lse: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
@@ -204,10 +213,18 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, recipe, s
 
 
 def call(q, k, v, recipe: Recipe, *, scale: float, is_causal: bool, causal_offset: int,
-         nhd: bool, return_lse: bool):
-    """Run the dense op with a :class:`Recipe`."""
-    return attention_fwd(q, k, v, recipe_key(recipe), scale, is_causal, causal_offset, nhd,
-                         return_lse)
+         nhd: bool, return_lse: bool, plan_key: tuple | None = None):
+    """Run the dense op with a :class:`Recipe`: :func:`forward` directly with a ``plan_key``
+    (an eager call; see :mod:`lowbit_attn.inference.planned`), else the custom op."""
+    if plan_key is None:
+        return attention_fwd(q, k, v, recipe_key(recipe), scale, is_causal, causal_offset, nhd,
+                             return_lse)
+    count_call("attention")
+    return planned.call(
+        plan_key,
+        lambda: forward(q, k, v, recipe, scale, is_causal, causal_offset, nhd, return_lse),
+        (q, k, v), backend_for(q.device),
+    )
 
 
 def call_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, recipe: Recipe, *, scale: float,

@@ -32,7 +32,8 @@ EXTERNAL = {
     "bench": ("lowbit_attn.tools.bench", "speed of each recipe and the baselines"),
 }
 ENV_VARS = ("LOWBIT_ATTN_ARCH", "LOWBIT_ATTN_BACKEND", "LOWBIT_ATTN_Q_QUANT", "LOWBIT_ATTN_KV_STATS",
-            "LOWBIT_ATTN_TRAIN_DQ", "LOWBIT_ATTN_KERNEL", "LOWBIT_ATTN_AUTOTUNE", "TRITON_INTERPRET")
+            "LOWBIT_ATTN_TRAIN_DQ", "LOWBIT_ATTN_KERNEL", "LOWBIT_ATTN_AUTOTUNE", "LOWBIT_ATTN_LAUNCH",
+            "TRITON_INTERPRET")
 DTYPES = ("float16", "bfloat16", "float32")
 KERNELS = ("triton", "gluon", "gluon-pingpong")  # core.options.KERNELS, spelled out: --help imports nothing heavy
 # The targets of ``lowbit_attn.tools.aot.ARCHS``, spelled out so that ``--help`` imports nothing heavy.
