@@ -139,6 +139,15 @@ if [[ "$STAGE" == fp4 ]]; then
     exit $((rc_tests != 0 && rc_tests != 5 ? rc_tests : rc_bench))
 fi
 
+# The 8-bit forward's host path (issue 27): host µs per call and launches, real launches, with
+# the functions that take the time, in $OUT/host.txt (~30 s: 1400 calls per row).
+if [[ "$STAGE" == all || "$STAGE" == bench || "$STAGE" == quick || "$STAGE" == hopper ]]; then
+    log "host path: python -m lowbit_attn.tools.bench --host (in \$OUT/host.txt)"
+    timeout 120 "$PY" -m lowbit_attn.tools.bench --host --recipes qk_int8_pv_fp8,qk_int8_pv_fp16 \
+        --dims 64,128 --seqlens 1k,8k --host-profile >"$OUT/host.txt" 2>&1
+    grep -e host_us -e bars "$OUT/host.txt"
+fi
+
 # One feature's GPU tests (pytest -m gpu -k FILTER), then its benchmark script, in one stage.
 tests_then_bench() {
     local name="$1" filter="$2" script="$3"

@@ -88,6 +88,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "as skipped (results are saved after every configuration)")
     parser.add_argument("--seed", type=ranged(int, 0, 2**64 - 1), default=0, help="input seed")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--host", action="store_true",
+                        help="time the host path of one call (µs to enqueue it) and count its "
+                             "launches instead; without a GPU, Triton's launch path runs with "
+                             "the launches stubbed (default D=128, N=1k, non-causal)")
+    parser.add_argument("--host-arch", default="sm_90",
+                        help="--host without a GPU: the architecture the call is prepared for "
+                             "(default sm_90)")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="--host: also print the functions that take the host time")
     return parser
 
 
@@ -127,6 +136,8 @@ def cli_main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"lowbit-attn bench: error: {exc}", file=sys.stderr)
         return 2
+    if args.host:
+        return _cli_host(args, causal_values)
     plot = not args.no_plot
     if not torch.cuda.is_available():
         return _cli_cpu(args, methods, causal_values, plot)
@@ -156,6 +167,29 @@ def cli_main(args: argparse.Namespace) -> int:
     for p in written:
         print(f"wrote {p}", file=sys.stderr)
     return _finish(results)
+
+
+HOST_BARS = (25.0, 3)  # host µs and launches per call (issue 27)
+
+
+def _cli_host(args, causal_values) -> int:
+    from lowbit_attn.tools.bench import host
+
+    if not args.recipes:
+        print("lowbit-attn bench: error: --host times our recipes; none given", file=sys.stderr)
+        return 2
+    configs = [dict(recipe=r, b=args.batch, h=args.heads, n=n, d=d, causal=c)
+               for r in args.recipes for d in args.dims or [128]
+               for n in args.seqlens or [1024] for c in (causal_values if args.causal != "both"
+                                                         else [False])]
+    rows = host.measure(configs, arch=args.host_arch, profile=args.host_profile)
+    print(host.render(rows))
+    us, launches = HOST_BARS
+    for r in rows:
+        ok = r["host_us"] <= us and r["launches"] <= launches
+        print(f"{'meets' if ok else 'misses'} the bars (host_us <= {us:g}, launches <= "
+              f"{launches}): {r['recipe']} D={r['D']} N={r['N']} causal={r['causal']}")
+    return 0
 
 
 def _cli_cpu(args, methods, causal_values, plot) -> int:

@@ -1,0 +1,272 @@
+"""``lowbit-attn bench --host``: the host time of one public :func:`lowbit_attn.attention` call (the
+time to enqueue its GPU work) and the kernels it launches.
+
+On a GPU the real call is timed, the clock stopped before the synchronization. Without one the
+call runs Triton's own launch path (the argument binder, specialization, the kernel cache lookup)
+under a stand-in driver: each kernel is "compiled" to a stub once, and its launches do nothing. This
+runs in a child process that sees the GPU architecture ``--host-arch`` (``LOWBIT_ATTN_ARCH``: the
+kernels' launch configurations and the recipe ``auto`` are the GPU's), with glibc's allocator told
+to keep freed blocks (as CUDA's caching allocator does), so that ``torch.empty`` costs what it
+costs on a GPU rather than an ``mmap``. What it cannot include: the driver's own launch call
+(cuLaunchKernelEx, ~2 µs each, on top).
+
+``launches`` counts the Triton kernels of one call plus the ATen operations that would run a
+kernel on a GPU (all but allocations and views).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable
+
+import torch
+
+from lowbit_attn.core.plans import NO_KERNEL_OPS
+
+HOST_CALLS = 100  # calls per timed round
+HOST_ROUNDS = 7  # rounds; the median is reported
+
+
+# ---------------------------------------------------------------------------------------------
+# the stand-in driver (no GPU)
+
+_STUB_DEVICE = -1  # the device key of the stand-in's kernel caches; no real device has it
+
+
+class _StubKernel:
+    """What Triton's launch path gets in place of a compiled kernel: ``run`` notes the launch
+    (``(the stub, its arguments)``)."""
+
+    function = None
+    packed_metadata = None
+
+    def __init__(self, name: str, sink: list[str]) -> None:
+        self._name = name
+        self._sink = sink
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def run(self, *args):
+        self._sink.append((self, args))
+
+
+class _StubDriver:
+    """Triton's driver interface, as far as ``JITFunction.run`` uses it, for a GPU of ``target``."""
+
+    def __init__(self, target) -> None:
+        self._target = target
+
+    def get_current_device(self) -> int:
+        return _STUB_DEVICE
+
+    def get_current_stream(self, device=None) -> int:
+        return 0
+
+    def get_current_target(self):
+        return self._target
+
+    def is_active(self) -> bool:
+        return True
+
+
+@contextlib.contextmanager
+def stubbed_launches(capability: tuple[int, int]):
+    """Within the block, every Triton kernel launch goes through Triton's launch path to a stub
+    that does nothing but note ``(the stub, the launcher's arguments)`` in the yielded list (the
+    stub's ``name`` is the kernel's); autotuners time no
+    candidate (they take the first), and the inference op takes its Triton path on CPU tensors.
+    Everything is restored on exit."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import autotuner, jit
+
+    from lowbit_attn.inference import op
+
+    sink: list[tuple] = []
+    compiled: list = []
+
+    def stub_compile(self, key, signature, device, constexprs, options, attrs, warmup):
+        kernel = _StubKernel(self.fn.__name__, sink)
+        self.device_caches[device][0][key] = kernel
+        compiled.append(self)
+        return kernel
+
+    saved = (jit.JITFunction._do_compile, autotuner.Autotuner._bench, op.backend_for)
+    previous_driver = jit.driver._active  # None until a driver was asked for
+    jit.driver.set_active(_StubDriver(GPUTarget("cuda", capability[0] * 10 + capability[1], 32)))
+    jit.JITFunction._do_compile = stub_compile
+    autotuner.Autotuner._bench = lambda self, *args, config, **meta: [1.0, 1.0, 1.0]
+    op.backend_for = lambda device: "triton"
+    try:
+        yield sink
+    finally:
+        jit.JITFunction._do_compile, autotuner.Autotuner._bench, op.backend_for = saved
+        jit.driver.set_active(previous_driver)
+        for fn in compiled:
+            fn.device_caches.pop(_STUB_DEVICE, None)
+
+
+def count_kernel_ops(fn: Callable) -> dict[str, int]:
+    """``{aten op: count}`` of the operations of one ``fn()`` that would launch a GPU kernel: those
+    that neither only allocate or view nor run another such operation (a profile of the call, so
+    that it takes its usual path)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    found: dict[str, int] = {}
+
+    def launches(event) -> bool:
+        inner = [launches(c) for c in event.cpu_children]  # every subtree visited once
+        name = event.name.removeprefix("aten::")
+        if any(inner) or not event.name.startswith("aten::") or name in NO_KERNEL_OPS:
+            return any(inner)
+        found[name] = found.get(name, 0) + 1
+        return True
+
+    for event in prof.events():
+        if event.cpu_parent is None:
+            launches(event)
+    return found
+
+
+def gpu_kernels(fn: Callable) -> list[str]:
+    """The names of the GPU kernels one ``fn()`` runs (a CUDA profile)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def time_host(fn: Callable, sync: Callable = lambda: None) -> float:
+    """Median over rounds of the host µs per call of ``HOST_CALLS`` back-to-back calls (the clock
+    stopped before ``sync``)."""
+    fn()
+    sync()
+    rounds = []
+    for _ in range(HOST_ROUNDS):
+        t0 = time.perf_counter()
+        for _ in range(HOST_CALLS):
+            fn()
+        rounds.append((time.perf_counter() - t0) / HOST_CALLS * 1e6)
+        sync()
+    return statistics.median(rounds)
+
+
+def profile_lines(fn: Callable, top: int = 15) -> list[str]:
+    """The ``top`` functions by own time over ``HOST_CALLS`` calls of ``fn``, µs per call."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(HOST_CALLS):
+        fn()
+    prof.disable()
+    stats = pstats.Stats(prof, stream=io.StringIO())
+    rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    lines = []
+    for (path, line, name), (_, ncalls, own, cum, _) in rows:
+        where = f"{os.path.basename(path)}:{line}" if line else path
+        lines.append(f"  {own / HOST_CALLS * 1e6:7.2f} µs own {cum / HOST_CALLS * 1e6:8.2f} cum "
+                     f"{ncalls / HOST_CALLS:5.1f}×  {name} ({where})")
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# one configuration
+
+
+def _call(recipe: str, b: int, h: int, n: int, d: int, causal: bool, device: str) -> Callable:
+    import lowbit_attn
+
+    q, k, v = (torch.randn(b, h, n, d, dtype=torch.float16, device=device) for _ in range(3))
+    return lambda: lowbit_attn.attention(q, k, v, is_causal=causal, recipe=recipe)
+
+
+def measure_config(recipe: str, b: int, h: int, n: int, d: int, causal: bool, *,
+                   profile: bool = False) -> dict:
+    """One configuration's row: ``host_us``, ``launches`` (with the kernels and ops by name) and,
+    with ``profile``, the profile's lines. On a CPU it must run in a process that imported
+    nothing of :mod:`lowbit_attn` before the architecture was set (see :func:`run_child`)."""
+    cuda = torch.cuda.is_available()
+    row = dict(recipe=recipe, B=b, H=h, N=n, D=d, causal=causal,
+               mode="gpu" if cuda else "stubbed launches")
+    if cuda:
+        fn = _call(recipe, b, h, n, d, causal, "cuda")
+        host_us = time_host(fn, torch.cuda.synchronize)
+        kernels = gpu_kernels(fn)
+        ops: dict[str, int] = {}
+        lines = profile_lines(fn) if profile else []
+    else:
+        from lowbit_attn.core.arch import get_capability
+
+        with stubbed_launches(get_capability() or (9, 0)) as kernels:
+            fn = _call(recipe, b, h, n, d, causal, "cpu")
+            host_us = time_host(fn)
+            kernels.clear()
+            ops = count_kernel_ops(fn)
+            kernels = [stub.name for stub, _ in kernels]
+            lines = profile_lines(fn) if profile else []
+    row.update(host_us=round(host_us, 2), launches=len(kernels) + sum(ops.values()),
+               kernels=list(kernels), ops=ops, profile=lines)
+    return row
+
+
+def run_child(configs: list[dict], arch: str, profile: bool) -> list[dict]:
+    """:func:`measure_config` of each configuration in a fresh Python process that sees ``arch``
+    and no Triton interpreter (the CPU's way; see the module docstring)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(LOWBIT_ATTN_ARCH=arch, MALLOC_MMAP_THRESHOLD_=str(2**30),
+               MALLOC_TRIM_THRESHOLD_=str(2**31), MALLOC_TOP_PAD_=str(2**28))
+    payload = json.dumps({"configs": configs, "profile": profile})
+    done = subprocess.run([sys.executable, "-m", "lowbit_attn.tools.bench.host", payload],
+                          env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the host-path child process failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure(configs: list[dict], *, arch: str = "sm_90", profile: bool = False) -> list[dict]:
+    """The rows of ``configs`` (dicts of :func:`measure_config`'s arguments): in this process on a
+    GPU, in a child process without one."""
+    if torch.cuda.is_available():
+        return [measure_config(**c, profile=profile) for c in configs]
+    return run_child(configs, arch, profile)
+
+
+def render(rows: list[dict], *, max_us: float | None = None, max_launches: int | None = None) -> str:
+    """One line per row (``host_us=… launches=…``), the kernels and ops launched, and the
+    profile lines when there are any."""
+    lines = []
+    for r in rows:
+        lines.append(
+            f"{r['recipe']} B={r['B']} H={r['H']} N={r['N']} D={r['D']} causal={r['causal']} "
+            f"({r['mode']}): host_us={r['host_us']:.1f} launches={r['launches']}"
+        )
+        ops = ", ".join(f"{k}×{v}" for k, v in sorted(r["ops"].items()))
+        lines.append(f"  kernels: {', '.join(r['kernels']) or '—'}; torch ops: {ops or '—'}")
+        lines.extend(r["profile"])
+    return "\n".join(lines)
+
+
+def _child_main(payload: str) -> None:
+    job = json.loads(payload)
+    rows = [measure_config(**c, profile=job["profile"]) for c in job["configs"]]
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    _child_main(sys.argv[1])
