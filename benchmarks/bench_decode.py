@@ -1,10 +1,12 @@
 #!/usr/bin/env python
 """Decode benchmark: one generation step (one query token per sequence) against the 8-bit paged KV
 cache (``lowbit_attn.attention_with_kv_cache``, split-KV kernel) and against SDPA on an fp16 cache
-of the same tokens, with the bytes each reads and the floor at 3.0 TB/s (benchmarks/NOTES.md §13).
+of the same tokens, with the bytes each reads and the floor at the card's measured copy bandwidth
+(benchmarks/NOTES.md §13).
 
     python benchmarks/bench_decode.py                      # a GPU: N = 1k..128k, batch 1 and 16
     python benchmarks/bench_decode.py --seqlens 1k,8k --batches 1 --out DIR
+    python benchmarks/bench_decode.py --host               # host µs per eager call (any machine)
 
 Per configuration (D = 128, Hkv = 8 KV heads, GQA 4:1 and 8:1, 64-token pages, fp16): the cache
 is filled once (not timed), then each method's step is timed: ``ms`` by ``do_bench`` (the GPU's
@@ -38,7 +40,16 @@ from lowbit_attn.tools.bench.save import save_script_results
 from lowbit_attn.tools.bench.tables import seqlen_label
 from lowbit_attn.tools.bench.timers import loop_timings, timer_for
 
-COPY_BANDWIDTH = 3.0e12  # bytes/s, the measured H100 copy bandwidth (NOTES §1)
+COPY_BANDWIDTH = 3.0e12  # bytes/s, the measured H100 copy bandwidth (NOTES §1): the CPU's stand-in
+
+
+def copy_bandwidth(timer) -> float:
+    """Bytes per second of a 1 GiB device-to-device copy on this GPU (read and write counted):
+    the floor's bandwidth, the card's own (an H200 copies at ~4.3 TB/s, an H100 at ~3.0)."""
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = timer(lambda: dst.copy_(src))
+    return 2 * src.numel() / (ms * 1e-3)
 KV_HEADS, HEAD_DIM, PAGE = 8, 128, 64
 STEP_CALLS = 100  # calls of a whole step's loop
 
@@ -66,37 +77,71 @@ def exact(q, k, v) -> torch.Tensor:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seqlens", default="1k,8k,32k,128k")
-    ap.add_argument("--batches", default="1,16")
-    ap.add_argument("--groups", default="4,8", help="query heads per KV head")
+    ap.add_argument("--seqlens", help="default 1k,8k,32k,128k (--host: 8k)")
+    ap.add_argument("--batches", help="default 1,16 (--host: 16)")
+    ap.add_argument("--groups", help="query heads per KV head, default 4,8 (--host: 4)")
     ap.add_argument("--out", action="append", default=[])
+    ap.add_argument("--host", action="store_true",
+                    help="only the host path: µs per eager decode call and one-token append "
+                         "(N = 8k, batch 16, GQA 4:1 unless given; without a GPU, through "
+                         "Triton's launch path with the launches stubbed)")
+    ap.add_argument("--host-arch", default="sm_90", help="--host without a GPU: the architecture")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="--host: also print the functions that take the host time")
     args = ap.parse_args(argv)
+    defaults = ("8k", "16", "4") if args.host else ("1k,8k,32k,128k", "1,16", "4,8")
+    seqlens = parse_seqlens(args.seqlens or defaults[0])
+    batches = [int(b) for b in (args.batches or defaults[1]).split(",")]
+    groups = [int(g) for g in (args.groups or defaults[2]).split(",")]
+    if args.host:
+        return host_main(args, seqlens, batches, groups)
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
-    seqlens = parse_seqlens(args.seqlens)
-    batches = [int(b) for b in args.batches.split(",")]
-    groups = [int(g) for g in args.groups.split(",")]
     kv_heads, d, page = KV_HEADS, HEAD_DIM, PAGE
     if not cuda:
         print("NO CUDA: timing the PyTorch reference at N=200, batch 2, 2 KV heads, D=64 (not a "
               "kernel benchmark)", file=sys.stderr)
         seqlens, batches, groups, kv_heads, d, page = [200], [2], [2], 2, 64, 16
     timer = timer_for(cuda)
+    bandwidth = copy_bandwidth(timer) if cuda else COPY_BANDWIDTH
+    print(f"floor: the copy bandwidth, {bandwidth / 1e12:.2f} TB/s"
+          f"{' (measured)' if cuda else ' (the H100s, not measured here)'}", file=sys.stderr)
     meta = make_metadata(device=device, mode="decode",
                          protocol={"kv_heads": kv_heads, "d": d, "page": page,
-                                   "bandwidth_floor": COPY_BANDWIDTH})
+                                   "bandwidth_floor": bandwidth})
     rows = []
     for n in seqlens:
         for batch in batches:
             for group in groups:
-                rows += configuration(n, batch, group, kv_heads, d, page, device, timer)
+                rows += configuration(n, batch, group, kv_heads, d, page, device, timer,
+                                      bandwidth)
                 table = render(rows)  # saved after every configuration: a run cut short keeps them
                 save_script_results(args.out, "decode", {**meta, "rows": rows}, table)
     print(table)
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 
 
-def configuration(n, batch, group, kv_heads, d, page, device, timer) -> list[dict]:
+HOST_BARS = (30.0, 20.0)  # host µs of an eager read and of an eager one-token append (issue 29)
+
+
+def host_main(args, seqlens, batches, groups) -> int:
+    """``--host``: ``decode_host_us=`` and ``append_host_us=`` per configuration, against the
+    bars."""
+    from lowbit_attn.tools.bench import host
+
+    configs = [dict(n=n, batch=b, kv_heads=KV_HEADS, group=g, d=HEAD_DIM, page=PAGE)
+               for n in seqlens for b in batches for g in groups]
+    rows = host.measure_decode(configs, arch=args.host_arch, profile=args.host_profile)
+    print(host.render_decode(rows))
+    for r in rows:
+        ok = r["decode"]["host_us"] <= HOST_BARS[0] and r["append"]["host_us"] <= HOST_BARS[1]
+        print(f"{'meets' if ok else 'misses'} the bars (decode_host_us <= {HOST_BARS[0]:g}, "
+              f"append_host_us <= {HOST_BARS[1]:g}): N={r['N']} batch={r['batch']} "
+              f"GQA {r['group']}:1")
+    return 0
+
+
+def configuration(n, batch, group, kv_heads, d, page, device, timer, bandwidth) -> list[dict]:
     """The rows of one (N, batch, GQA) configuration: SDPA on fp16 K/V, then the 8-bit cache."""
     base = {"N": n, "batch": batch, "gqa": f"{group}:1"}
     g = torch.Generator(device=device).manual_seed(n + batch + group)
@@ -115,7 +160,7 @@ def configuration(n, batch, group, kv_heads, d, page, device, timer) -> list[dic
             host_us, loop_ms = loop_timings(step, device == "cuda",
                                             calls=100 if device == "cuda" else 2)
             rows.append({**base, "method": method, "ms": ms, "bytes": nbytes,
-                         "floor_ms": nbytes / COPY_BANDWIDTH * 1e3,
+                         "floor_ms": nbytes / bandwidth * 1e3,
                          "tb_per_s": nbytes / ms * 1e-9, "cosine": cosine_similarity(out, want),
                          "host_us": host_us, "loop_ms": loop_ms, "status": "ok"})
         except Exception as exc:  # noqa: BLE001 - a failing method is a row, not a crash

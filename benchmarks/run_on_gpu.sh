@@ -22,11 +22,12 @@
 # N=1k,8k,16k,32k, causal and not (JSON, markdown, PNG), in the time left.
 # vsa: video sparse attention (GPU tests -k vsa, then benchmarks/bench_vsa.py: T=16, H=W=48, D=128,
 # sparsities 50–95 % against SDPA cuDNN dense, and the fine kernel's FLOP rate).
-# decode: the 8-bit paged KV cache (GPU tests -k "kvcache or kv_cache", then
-# benchmarks/bench_decode.py: one decode step against SDPA on fp16 K/V, N=1k..128k, batch 1 and 16,
-# GQA 4:1 and 8:1, D=128, with the bytes read and the 3.0 TB/s floor, GPU time, host time and
-# loop time), then benchmarks/probes/decode_speed.py (host time by part; pages per split ×
-# pipeline stages × register cap) in the last RESERVE seconds (default 180).
+# decode: the 8-bit paged KV cache: bench_decode.py --host (µs per eager read and one-token append,
+# N=8k, batch 16), the GPU tests -k "kvcache or kv_cache", benchmarks/bench_decode.py (one decode
+# step against SDPA on fp16 K/V, N=1k..128k, batch 1 and 16, GQA 4:1 and 8:1, D=128, with the bytes
+# read and the card's measured copy bandwidth as the floor, GPU time, host time and loop time),
+# then benchmarks/probes/decode_speed.py (host time by part; pages per split x pipeline stages x
+# register cap) in the last RESERVE seconds (default 180).
 #
 # The wheels travel in wheels/ (ignored by git: pass it in the device tool's `carry`):
 # sageattention-1.0.6 (the SageAttention baseline) and pytest with its dependencies (installed only
@@ -176,6 +177,10 @@ tests_then_bench() {
 [[ "$STAGE" == train ]] && tests_then_bench "trainable attention" trainable benchmarks/bench_train.py
 [[ "$STAGE" == vsa ]] && tests_then_bench "video sparse attention" vsa benchmarks/bench_vsa.py
 if [[ "$STAGE" == decode ]]; then
+    # the host path first (~20 s): µs per eager read and one-token append, N = 8k, batch 16
+    log "decode host path: bench_decode.py --host (issue 29's bars: 30 and 20 us; in \$OUT/decode-host.txt)"
+    timeout 90 "$PY" benchmarks/bench_decode.py --host --host-profile >"$OUT/decode-host.txt" 2>&1
+    grep -e host_us -e bars "$OUT/decode-host.txt"
     # the benchmark leaves RESERVE seconds (default 180) to the probe of where the time goes
     (RESERVE="${RESERVE:-180}" tests_then_bench "KV-cache decode" "kvcache or kv_cache" \
         benchmarks/bench_decode.py)

@@ -322,6 +322,34 @@ def record_launches(monkeypatch, module, names) -> list:
     return launches
 
 
+def check_replayed_args(normal, replayed, inputs, out2, out3, slots: dict) -> None:
+    """One launch's launcher arguments, Triton's path (``normal``, the call that returned
+    ``out2``) against a plan's replay (``replayed``, which returned ``out3``): the same grid and
+    values; each pointer at the same input, at the same place in the matching output, or (an
+    intermediate) at one workspace buffer per intermediate (``slots``: storage → (base, bytes),
+    filled across the launches of a call)."""
+    assert len(normal) == len(replayed), (len(normal), len(replayed))
+    assert normal[:3] == replayed[:3], "grid"
+    owners_in = [t.untyped_storage().data_ptr() for t in inputs]
+    owners_out = [t.untyped_storage().data_ptr() for t in out2]
+    for a, b in zip(normal[9:], replayed[9:]):
+        pairs = zip(a, b) if isinstance(a, tuple) else [(a, b)]
+        for x, y in pairs:
+            if not isinstance(x, torch.Tensor):
+                assert x == y and type(x) is type(y), (x, y)
+                continue
+            assert isinstance(y, int)
+            owner = x.untyped_storage().data_ptr()
+            if owner in owners_in:
+                assert y == x.data_ptr()
+            elif owner in owners_out:
+                i = owners_out.index(owner)
+                assert y - out3[i].data_ptr() == x.data_ptr() - out2[i].data_ptr()
+            else:  # an intermediate: one place in the workspace per buffer
+                base = y - (x.data_ptr() - owner)
+                assert slots.setdefault(owner, (base, x.untyped_storage().nbytes()))[0] == base
+
+
 # Stand-in checks for gluon_check.isolated, run in a child process (which imports this module).
 def check_passes(device, *args):
     return None

@@ -105,8 +105,9 @@ def test_no_import_loop():
 
 def test_the_walk_of_q_from_attention_to_the_int8_kernel(monkeypatch):
     """``q`` goes down one chain of calls: the files on the stack at each launch that reads ``q``
-    (statistics, its quantization) or its INT8 values (the attention kernel) are at most six,
-    interface → op → planned (an eager call's launch plans) → prepare → quantizer | kernel.
+    (statistics, its quantization) or its INT8 values (the attention kernel) are at most seven,
+    interface → op → planned (an eager call's launch plans) → core.plans (their table) → prepare
+    → quantizer | kernel.
     Validation (``core.checks``) is a side call that returns before the chain starts. Nothing
     runs: the launches are recorded."""
     import traceback
@@ -149,4 +150,4 @@ def test_the_walk_of_q_from_attention_to_the_int8_kernel(monkeypatch):
     assert len(attention) == 1 and reads_q
     walk = set().union(*attention, *reads_q)
     assert walk == {"inference/interface.py", "inference/op.py", "inference/planned.py",
-                    "inference/prepare.py", "quant/int8.py", "inference/kernel_int8.py"}, sorted(walk)
+                    "core/plans.py", "inference/prepare.py", "quant/int8.py", "inference/kernel_int8.py"}, sorted(walk)

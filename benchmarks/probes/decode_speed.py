@@ -4,21 +4,23 @@ best. Needs a CUDA GPU; `bash benchmarks/run_on_gpu.sh decode` runs it after ben
 Per (N, batch), D = 128, 8 KV heads, GQA 4:1, 64-token pages, fp16:
 - SDPA fp16 and our public call: ``do_bench`` (GPU time), host µs to enqueue one call, and the
   wall time per call of a back-to-back loop (``tools.bench.timers.loop_timings``);
-- the host time of the parts: the public call's checks (the kernels replaced by a stub), the
-  launcher ``kernel_decode.attention``, one split launch, one merge launch;
+- the host time of the parts: the public call by its launch plan and by Triton's launch path
+  (``LOWBIT_ATTN_LAUNCH=triton``), the launcher ``kernel_decode.attention``, one split launch,
+  one merge launch;
 - the launcher's GPU time over pages per split × pipeline stages × the 168-register cap.
 
 The version of 2026-11-25 (results in benchmarks/results/h100-2026-11-25-gpu-run.md) timed the
 kernel before its full pages were pipelined; it is in git history (2c98832).
 """
 import itertools
+import os
 import sys
 
 import torch
 from triton.testing import do_bench
 
 import lowbit_attn
-from lowbit_attn.kvcache import interface, kernel_decode as kd
+from lowbit_attn.kvcache import kernel_decode as kd
 from lowbit_attn.tools.bench.timers import loop_timings
 
 CONFIGS = [(1024, 1), (8192, 1), (32768, 1), (131072, 1), (8192, 16), (32768, 16)]
@@ -57,12 +59,9 @@ def probe(n, batch):
         h, loop = loop_timings(fn, True)
         print(f"N={n} B={batch} {name}: do_bench {do_bench(fn) * 1e3:.1f} us, host "
               f"{h:.1f} us, loop {loop * 1e3:.1f} us", flush=True)
-    out = launcher()
-    real = kd.attention
-    interface_only = lambda: interface.attention_with_kv_cache(q, cache, 0)
-    kd.attention = lambda *a, **kw: out
-    checks = host_us(interface_only)
-    kd.attention = real
+    os.environ["LOWBIT_ATTN_LAUNCH"] = "triton"  # the public call without its launch plan
+    triton_path = host_us(ours)
+    del os.environ["LOWBIT_ATTN_LAUNCH"]
     split, merge = kd._decode_split_kernel, kd._decode_merge_kernel
     launches = {}
 
@@ -79,14 +78,15 @@ def probe(n, batch):
     kd._decode_split_kernel, kd._decode_merge_kernel = Recorder(split), Recorder(merge)
     launcher()
     kd._decode_split_kernel, kd._decode_merge_kernel = split, merge
-    parts = {"checks (public call, kernels stubbed)": checks, "launcher": host_us(launcher)}
+    parts = {"public call (plan)": host_us(ours), "public call (Triton's launch path)": triton_path,
+             "launcher": host_us(launcher)}
     for kernel, (grid, kw) in launches.items():
         parts[f"{kernel.fn.__name__} launch"] = host_us(lambda: kernel[grid](**kw))
     print("  host µs: " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()), flush=True)
 
     best = None
     stages0, launch0 = kd.STAGES, kd.split_launch
-    for pps, stages, cap in itertools.product((2, 4, 8, 16), (3, 5, 7), (True, False)):
+    for pps, stages, cap in itertools.product((1, 2, 4, 8, 16), (3, 5, 7), (True, False)):
         kd.STAGES = stages
         if not cap:
             kd.split_launch = lambda r, d, o: (launch0(r, d, o)[0], {

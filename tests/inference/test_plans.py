@@ -16,6 +16,7 @@ import sys
 
 import pytest
 
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # helpers.py
 CHILD = r'''
 import json, os, sys
 import torch
@@ -23,27 +24,8 @@ import lowbit_attn
 from lowbit_attn.core import plans
 from lowbit_attn.inference import planned
 from lowbit_attn.tools.bench.host import stubbed_launches
-
-def check_args(normal, replayed, inputs, out2, out3, slots):
-    """Triton's launcher arguments (normal) against a replay's, one launch."""
-    assert len(normal) == len(replayed), (len(normal), len(replayed))
-    assert normal[:3] == replayed[:3], "grid"
-    for a, b in zip(normal[9:], replayed[9:]):
-        pairs = zip(a, b) if isinstance(a, tuple) else [(a, b)]
-        for x, y in pairs:
-            if not isinstance(x, torch.Tensor):
-                assert x == y and type(x) is type(y), (x, y)
-                continue
-            assert isinstance(y, int)
-            owner = x.untyped_storage().data_ptr()
-            if owner in [t.untyped_storage().data_ptr() for t in inputs]:
-                assert y == x.data_ptr()
-            elif owner in [t.untyped_storage().data_ptr() for t in out2]:
-                i = [t.untyped_storage().data_ptr() for t in out2].index(owner)
-                assert y - out3[i].data_ptr() == x.data_ptr() - out2[i].data_ptr()
-            else:  # an intermediate: one place in the workspace per buffer
-                base = y - (x.data_ptr() - owner)
-                assert slots.setdefault(owner, (base, x.untyped_storage().nbytes()))[0] == base
+sys.path.insert(0, os.environ["LOWBIT_ATTN_TESTS"])
+from helpers import check_replayed_args as check_args
 
 def run(case):
     torch.manual_seed(0)
@@ -93,7 +75,7 @@ print(json.dumps([run(c) for c in json.loads(sys.argv[1])]))
 
 def _child(cases: list[dict], **env) -> list[dict]:
     base = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    base.update(LOWBIT_ATTN_ARCH="sm_90", **env)
+    base.update(LOWBIT_ATTN_ARCH="sm_90", LOWBIT_ATTN_TESTS=TESTS, **env)
     done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(cases)], env=base,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -83,6 +83,11 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def graph_capturing(device: torch.device) -> bool:
+    """Whether work on ``device`` is being captured in a CUDA graph now."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def backend_for(device: torch.device) -> str:
     """``"triton"`` or ``"reference"`` for tensors on ``device``."""
     choice = os.environ.get("LOWBIT_ATTN_BACKEND", "auto")

@@ -13,6 +13,13 @@ a plan replays the same launches of the same compiled kernels directly:
   launches each kernel with pointers as integers (Triton's launchers take them so): no binder,
   no per-call PyTorch operation but the allocations.
 
+A :class:`Table` holds the plans of one kind of call by key: a key's first call runs normally
+(compiling and autotuning what it needs), its second is captured, and from the third on the
+caller replays the plan before any check, since the key holds everything they looked at.
+``LOWBIT_ATTN_LAUNCH``: ``plan`` (default) or ``triton`` (every launch through Triton's own
+path). Plans apply to the Triton backend outside the interpreter, when no Triton launch hook is
+set.
+
 Only the arguments differ from what Triton's path passes (integers for tensors); the kernels,
 grids and every other value are the recorded ones. ``tests/core/test_plans.py`` checks this
 launch by launch with Triton's path under stand-in launches; the first replay on each device is
@@ -21,7 +28,9 @@ compared bit for bit with the normal call (:func:`first_use_ok`).
 
 from __future__ import annotations
 
+import os
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -94,7 +103,7 @@ def _recorded_runs(records: list):
 
 def capture(fn: Callable, inputs: tuple[torch.Tensor, ...]) -> tuple[object, Plan | str]:
     """``(fn(), its plan)``, or ``(fn(), why not)`` when the call cannot be replayed. ``fn``
-    returns a tensor or a tuple of tensors (the outputs) and reads no tensor but ``inputs`` and
+    returns a tensor, a tuple of tensors (the outputs) or None (no output) and reads no tensor but ``inputs`` and
     buffers it allocates. Inputs that share memory are addressed from the first of them: the
     caller's key must hold their distances (:func:`shared_memory`)."""
     from triton.runtime import jit
@@ -113,7 +122,7 @@ def capture(fn: Callable, inputs: tuple[torch.Tensor, ...]) -> tuple[object, Pla
         return result, f"the call runs PyTorch operations {sorted(set(ops))}"
     if not records:
         return result, "the call launches no Triton kernel"
-    outputs = result if isinstance(result, tuple) else (result,)
+    outputs = result if isinstance(result, tuple) else () if result is None else (result,)
     bases = [x.data_ptr() for x in inputs] + [x.data_ptr() for x in outputs]
     owners = [x.untyped_storage().data_ptr() for x in (*inputs, *outputs)]
     slots: dict[int, int] = {}  # an intermediate's storage → its offset in the workspace
@@ -168,7 +177,8 @@ def capture(fn: Callable, inputs: tuple[torch.Tensor, ...]) -> tuple[object, Pla
 
 def replay(plan: Plan, inputs: tuple[torch.Tensor, ...], device: torch.device, stream: int):
     """The outputs of ``plan`` run on ``inputs`` (the same configuration as when captured), its
-    launches enqueued on ``stream``: a tensor, or a tuple when the captured call returned one."""
+    launches enqueued on ``stream``: a tensor, or a tuple when the captured call returned one, or
+    None when it returned None."""
     outputs = tuple(torch.empty(shape, dtype=dtype, device=device)
                     for shape, dtype in plan.outputs)
     bases = [x.data_ptr() for x in inputs] + [x.data_ptr() for x in outputs]
@@ -187,7 +197,7 @@ def replay(plan: Plan, inputs: tuple[torch.Tensor, ...], device: torch.device, s
         launch.launcher(gx, gy, gz, stream, launch.function, launch.metadata, None, None, None,
                         *args)
     del workspace  # freed after the launches are enqueued (stream-ordered, as any tensor)
-    return outputs if len(outputs) > 1 else outputs[0]
+    return outputs if len(outputs) > 1 else outputs[0] if outputs else None
 
 
 def shared_memory(inputs: tuple[torch.Tensor, ...]) -> tuple:
@@ -215,3 +225,117 @@ def first_use_ok(normal, replayed) -> bool:
                and torch.equal(a.view(torch.uint8) if a.numel() else a,
                                b.view(torch.uint8) if b.numel() else b)
                for a, b in zip(normal, replayed))
+
+
+# ---------------------------------------------------------------------------------------------
+# tables of plans, by key
+
+LAUNCH_MODES = ("plan", "triton")
+# What else a call's checks and launches read: the environment.
+ENV_KEY = ("LOWBIT_ATTN_LAUNCH", "LOWBIT_ATTN_BACKEND", "LOWBIT_ATTN_ARCH", "LOWBIT_ATTN_Q_QUANT",
+           "LOWBIT_ATTN_KV_STATS", "LOWBIT_ATTN_KERNEL", "TRITON_INTERPRET")
+MAX_PLANS = 256  # keys a table remembers; it starts over past them
+MISSING = object()  # what Table.replay gives for a key without a plan
+
+# os.environ's own table, read directly: os.environ.get costs ~1 µs a name (it encodes the name)
+_ENV = os.environ._data
+_ENV_NAMES = tuple(map(os.environ.encodekey, ENV_KEY))
+_SEEN = "seen"  # a key's state after its first call
+_verified: set = set()  # devices whose first replay matched the normal call
+_off: list[str] = []  # why plans are off in this process, if they are
+
+
+def eager(*tensors) -> bool:
+    """Whether a call on ``tensors`` runs eagerly on plain tensors (nothing traces or wraps it)."""
+    return (not torch.compiler.is_compiling()
+            and torch._C._len_torch_dispatch_stack() == 0
+            and not torch._C._is_torch_function_mode_enabled()
+            and not torch._C._are_functorch_transforms_active()
+            and all(x.__class__ is torch.Tensor for x in tensors))
+
+
+def tensor_key(x: torch.Tensor) -> tuple:
+    """What a call's checks and launches read of a tensor argument (its address modulo 16
+    included: Triton specializes on it)."""
+    return (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16, x.requires_grad)
+
+
+def env_key() -> tuple:
+    """The environment variables of :data:`ENV_KEY`, as they are now."""
+    return tuple(map(_ENV.get, _ENV_NAMES))
+
+
+def _stream() -> int:
+    from triton.runtime import jit
+
+    driver = jit.driver.active
+    return driver.get_current_stream(driver.get_current_device())
+
+
+def plannable(backend: str) -> bool:
+    """Whether a call on ``backend`` may be captured now."""
+    from lowbit_attn.core.arch import interpreter_enabled
+
+    mode = os.environ.get("LOWBIT_ATTN_LAUNCH", LAUNCH_MODES[0])
+    if mode not in LAUNCH_MODES:
+        raise ValueError(f"LOWBIT_ATTN_LAUNCH must be one of {LAUNCH_MODES}, got {mode!r}")
+    return (mode == "plan" and not _off and backend == "triton"
+            and not interpreter_enabled() and not launch_hooks_set())
+
+
+class Table:
+    """The plans of one kind of call, by key (a key holds everything the call's checks and
+    launches read). On each device the first replay is compared bit for bit with the normal
+    call (:func:`first_use_ok`), and a mismatch turns plans off for the process with a warning.
+    A call without outputs is compared by nothing: the caller's first replay on a device must
+    come after another kind's, or be checked by its tests."""
+
+    def __init__(self) -> None:
+        self._table: dict = {}
+
+    def replay(self, key, inputs: tuple[torch.Tensor, ...]):
+        """The outputs of the plan of ``key`` run on ``inputs``, or :data:`MISSING`."""
+        plan = self._table.get(key)
+        if plan.__class__ is not Plan:
+            return MISSING
+        return replay(plan, inputs, inputs[0].device, _stream())
+
+    def call(self, key, fn: Callable, inputs: tuple[torch.Tensor, ...], backend: str):
+        """``fn()`` (the call of ``key`` on ``inputs``, on ``backend``), captured into a plan on
+        the key's second call."""
+        state = self._table.get(key)
+        if state is None:
+            if len(self._table) >= MAX_PLANS:
+                self._table.clear()
+            self._table[key] = _SEEN
+            return fn()
+        if state != _SEEN or not plannable(backend):
+            return fn()
+        result, plan = capture(fn, inputs)
+        if isinstance(plan, str):
+            self._table[key] = plan
+            return result
+        device = inputs[0].device
+        if device.type == "cuda" and device not in _verified and result is not None:
+            if not first_use_ok(result, replay(plan, inputs, device, _stream())):
+                _off.append(f"the first replay on {device} differed from the normal call")
+                warnings.warn(f"lowbit_attn: launch plans are off in this process: {_off[0]}",
+                              RuntimeWarning, stacklevel=3)
+                self._table[key] = _off[0]
+                return result
+            _verified.add(device)
+        self._table[key] = plan
+        return result
+
+    def state(self, key) -> object:
+        """``None``, ``"seen"``, a :class:`Plan`, or the reason the key gets none."""
+        return self._table.get(key)
+
+    def clear(self) -> None:
+        self._table.clear()
+
+
+def reset() -> None:
+    """Forget which devices were verified, and a mismatch that turned plans off (tests)."""
+    _verified.clear()
+    _off.clear()

@@ -60,7 +60,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lowbit_attn.core.arch import interpreter_enabled
+from lowbit_attn.core.arch import graph_capturing, interpreter_enabled
 from lowbit_attn.core.metrics import cosine_similarity
 from lowbit_attn.core.operands import Seqs
 from lowbit_attn.core.options import GLUON_SCHEDULES
@@ -160,7 +160,7 @@ def admit(device: torch.device, kernel: str, check: Callable[[], str | None], wh
     key = _key(device, kernel)
     with _lock:
         if key not in _verdicts:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            if graph_capturing(device):
                 return False  # no check inside a capture; the next call outside one runs it
             reason = check()
             _verdicts[key] = reason

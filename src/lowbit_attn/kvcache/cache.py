@@ -14,16 +14,12 @@ import numbers
 
 import torch
 
-from lowbit_attn.core import checks
-from lowbit_attn.core.arch import backend_for
+from lowbit_attn.core import checks, plans
+from lowbit_attn.core.arch import backend_for, graph_capturing
+from lowbit_attn.kvcache import planned
 from lowbit_attn.kvcache.pages import PagedLayer, StoredSequence, stored_sequence
 from lowbit_attn.kvcache.quantize import frozen_stats, quantize_keys, quantize_v_page
 from lowbit_attn.kvcache.recipes import get_kv_recipe
-
-
-def graph_capturing(device: torch.device) -> bool:
-    """Whether work on ``device`` is being captured in a CUDA graph now."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 class QuantizedKVCache:
@@ -66,6 +62,7 @@ class QuantizedKVCache:
         self.max_pages_per_seq = -(-self.max_tokens // self.page_size)
         self.resets = 0  # how many times reset() ran: what a DecodeStep was built against
         self._workspaces: dict[int, torch.Tensor] = {}  # shared_workspace's, by size
+        self.plans = plans.Table()  # the launch plans of eager reads and appends (planned.py)
         self.layers = [
             PagedLayer.allocate(self.batch, self.kv_heads, self.head_dim,
                                 max_pages_per_seq=self.max_pages_per_seq, page_size=self.page_size,
@@ -186,6 +183,9 @@ class QuantizedKVCache:
             range, a wrong shape, dtype or device, or a sequence that would pass ``max_tokens``;
             RuntimeError under CUDA graph capture (:meth:`refuse_graph_capture`).
         """
+        plan_key = planned.append_key(self, layer, k, v, valid, q)
+        if plan_key is not None and self._append_planned(plan_key, layer, k, v):
+            return
         self.refuse_graph_capture("QuantizedKVCache.append")
         store = self.store(layer)
         counts = self._check_append(store, k, v, valid, q)
@@ -202,14 +202,44 @@ class QuantizedKVCache:
             from lowbit_attn.kvcache import kernel_append  # Triton only where it runs
 
             self._take_pages(store, lengths, counts)
-            kernel_append.append(store, self.recipe, k, v, valid)
+
+            def launch():  # it advances store.lengths too
+                kernel_append.append(store, self.recipe, k, v, valid)
+
+            if plan_key is None:
+                launch()
+            else:
+                self.plans.call(plan_key, launch, (k, v, *store.launch_inputs), "triton")
         else:
             k8, k_scale = quantize_keys(k, store.k_mean, store.q_amax, store.k_amax)
             for b in range(self.batch):
                 self._write(store, b, lengths[b], self._tokens(valid, b, n), k8[b], k_scale[b],
                             v[b])
-        store.lengths += n if valid is None else valid.sum(dim=1)  # no copy from the host
+            store.lengths += n if valid is None else valid.sum(dim=1)  # no copy from the host
         store.host_lengths = [length + c for length, c in zip(lengths, counts)]
+
+    def _append_planned(self, plan_key: tuple, layer: int, k: torch.Tensor,
+                        v: torch.Tensor) -> bool:
+        """An append of every token of ``k``, ``v`` by the plan of ``plan_key``
+        (``kvcache/planned.py``), if there is one and the append needs no more than it checks
+        here: no sequence's first tokens, none past ``max_tokens``, pages the pool has. Returns
+        whether it ran; when it did not, nothing changed."""
+        if self.plans.state(plan_key).__class__ is not plans.Plan:
+            return False
+        store = self.layers[layer]
+        n = k.shape[2]
+        lengths = store.host_lengths
+        after = [length + n for length in lengths]
+        if min(lengths) == 0 or max(after) > self.max_tokens:
+            return False
+        if any(a > p * self.page_size for a, p in zip(after, store.host_pages)):
+            counts = [n] * self.batch
+            if sum(map(len, self._new_pages(store, lengths, counts))) > len(store.free):
+                return False
+            self._take_pages(store, lengths, counts)
+        self.plans.replay(plan_key, (k, v, *store.launch_inputs))
+        store.host_lengths = after
+        return True
 
     def _new_pages(self, store: PagedLayer, lengths: list[int], counts: list[int]) -> list[range]:
         """Per sequence, the page numbers that ``counts[b]`` more tokens after ``lengths[b]``

@@ -1,14 +1,16 @@
 """The public functions of the KV cache: argument checks, then the split-KV Triton kernel
 (``kernel_decode``; on CUDA tensors, or on CPU tensors under ``LOWBIT_ATTN_BACKEND=triton`` with
 the interpreter) or its twin (``naive``), chosen here by ``core.arch.backend_for``, with the same
-arguments."""
+arguments. An eager call whose configuration was seen twice replays its launches
+(``kvcache/planned.py``)."""
 
 from __future__ import annotations
 
 import torch
 
-from lowbit_attn.core import checks
+from lowbit_attn.core import checks, plans
 from lowbit_attn.core.arch import backend_for
+from lowbit_attn.kvcache import planned
 from lowbit_attn.kvcache.cache import QuantizedKVCache
 from lowbit_attn.kvcache.naive import attention_with_kv_cache_naive
 
@@ -41,6 +43,11 @@ def attention_with_kv_cache(q: torch.Tensor, cache: QuantizedKVCache, layer: int
     """
     if not isinstance(cache, QuantizedKVCache):
         raise TypeError(f"cache must be a QuantizedKVCache, got {type(cache).__name__}")
+    plan_key = planned.read_key(q, cache, layer, scale, return_lse)
+    if plan_key is not None:
+        found = cache.plans.replay(plan_key, (q, *cache.layers[layer].launch_inputs))
+        if found is not plans.MISSING:
+            return found
     cache.refuse_graph_capture("attention_with_kv_cache")
     store = cache.store(layer)
     checks.tensor("q", q, 4)
@@ -62,11 +69,17 @@ def attention_with_kv_cache(q: torch.Tensor, cache: QuantizedKVCache, layer: int
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty((b, hq, 0), dtype=torch.float32, device=q.device)
         return (out, lse) if return_lse else out
-    attend = attention_with_kv_cache_naive
-    if backend_for(q.device) == "triton":
-        from lowbit_attn.kvcache import kernel_decode  # Triton only where it runs
+    backend = backend_for(q.device)
+    if backend != "triton":
+        out, lse = attention_with_kv_cache_naive(q, store, cache.recipe, scale=sm_scale)
+        out = out.to(q.dtype)
+        return (out, lse) if return_lse else out
+    from lowbit_attn.kvcache import kernel_decode  # Triton only where it runs
 
-        attend = kernel_decode.attention
-    out, lse = attend(q, store, cache.recipe, scale=sm_scale)
-    out = out.to(q.dtype)
-    return (out, lse) if return_lse else out
+    def read():
+        out, lse = kernel_decode.attention(q, store, cache.recipe, scale=sm_scale)
+        return (out, lse) if return_lse else out
+
+    if plan_key is None:
+        return read()
+    return cache.plans.call(plan_key, read, (q, *store.launch_inputs), backend)

@@ -13,9 +13,9 @@ program owns ``v_open[b, head]``), and all the pages of one (sequence, head) are
 single program in order: nothing races on an open page.
 
 The host (``cache.py``) checks the append, freezes a sequence's first statistics, takes the
-pages from the free list and writes the block table before the launch, and adds the counts to
-the lengths after it; the kernel reads each sequence's start (its length before the append) from
-``lengths`` and the page ids from the block table.
+pages from the free list and writes the block table before the launch; the kernel reads each
+sequence's start (its length before the append) from ``lengths`` and the page ids from the block
+table, and advances ``lengths`` once every program of the sequence has read it.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from lowbit_attn.quant.tile import balance_multiplier, e4m3_scale, int8_lines, l
 
 @triton.jit
 def _append_kernel(
-    KIN, VIN, SRC, CNT, K, KS, V, VS, VO, KM, AQ, AK, BT, LEN, ERR,
+    KIN, VIN, SRC, CNT, K, KS, V, VS, VO, KM, AQ, AK, BT, LEN, ERR, TICKET,
     kin_strides, vin_strides, src_strides, k_strides, ks_strides, v_strides, vs_strides,
     vo_strides, km_strides, amax_strides, bt_strides, N, D, MAX_PAGES,
     PAGE: tl.constexpr, V_FP8: tl.constexpr, EXACT_FP8: tl.constexpr,
@@ -46,7 +46,10 @@ def _append_kernel(
     (batch, page), ``MAX_PAGES`` columns. ``ERR``: None where the host took every page (an
     eager append); for a captured decode step, int32 ``[B]`` set to 1 for a sequence whose
     token finds no page (past its reserved pages or ``MAX_PAGES``), which then writes nothing
-    there."""
+    there. ``TICKET``: int32 ``[B]`` of zeros, with which an eager append advances ``LEN``
+    itself: each program of a sequence takes a ticket after its last read of ``LEN`` (an
+    acquire-release atomic), and the last to take one stores the new length and zeroes the
+    ticket (None for a decode step, whose merge advances ``LEN``)."""
     sib, sih, sin, sid = kin_strides
     svib, svih, svin, svid = vin_strides
     ssb, ssn = src_strides
@@ -118,6 +121,11 @@ def _append_kernel(
         else:  # the page stays open: V kept exact (a full page's v_open slots are never read)
             tl.store(vo, vn, mask=tile)
 
+    if TICKET is not None:  # every program of the sequence has read LEN before its ticket
+        if tl.atomic_add(TICKET + b, 1, sem="acq_rel") == tl.num_programs(1) - 1:
+            tl.store(LEN + b, end.to(tl.int64))
+            tl.store(TICKET + b, 0)
+
 
 def stored_tokens(valid: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(src int32 [B, n], counts int32 [B])``, on the device without a host read: sequence
@@ -135,9 +143,10 @@ def append(layer: PagedLayer, recipe: KVRecipe, k: torch.Tensor, v: torch.Tensor
     """Writes ``k``, ``v [B, Hkv, n, D]`` (the cache's dtype, any strides; the tokens ``valid``
     marks, all without it) after each sequence's ``layer.lengths`` tokens. The caller has frozen
     the statistics of sequences appended to for the first time, taken their pages and written
-    the block table; it updates the lengths afterwards. ``replayable``: the pages were reserved
-    for a captured decode step, whose replays may run past them: a token without a page is not
-    written and sets ``layer.overflow``."""
+    the block table; the launch advances ``layer.lengths`` (the host mirror is the caller's).
+    ``replayable``: the pages were reserved for a captured decode step, whose replays may run
+    past them: a token without a page is not written and sets ``layer.overflow``, and the
+    lengths are left to the step's merge."""
     bsz, hkv, n, d = k.shape
     page = layer.page_size
     src, counts = stored_tokens(valid)
@@ -145,7 +154,7 @@ def append(layer: PagedLayer, recipe: KVRecipe, k: torch.Tensor, v: torch.Tensor
         KIN=k, VIN=v, SRC=src, CNT=counts, K=layer.k, KS=layer.k_scale, V=layer.v,
         VS=layer.v_scale, VO=layer.v_open, KM=layer.k_mean, AQ=layer.q_amax, AK=layer.k_amax,
         BT=layer.block_table, LEN=layer.lengths, ERR=layer.overflow if replayable else None,
-        kin_strides=strides(k, 4), vin_strides=strides(v, 4), src_strides=strides(src, 2),
+        TICKET=None if replayable else layer.tickets, kin_strides=strides(k, 4), vin_strides=strides(v, 4), src_strides=strides(src, 2),
         k_strides=strides(layer.k, 4), ks_strides=strides(layer.k_scale, 3),
         v_strides=strides(layer.v, 4), vs_strides=strides(layer.v_scale, 3),
         vo_strides=strides(layer.v_open, 4), km_strides=strides(layer.k_mean, 3),

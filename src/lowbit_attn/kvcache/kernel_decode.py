@@ -320,6 +320,13 @@ def splits_for(tokens: int, page_size: int, pages_per_split: int) -> int:
     return max(1, -(-(-(-tokens // page_size)) // pages_per_split))
 
 
+def splits_of(layer: PagedLayer, pages_per_split: int | None = None) -> int:
+    """Splits of a read of ``layer`` now: enough for its longest sequence (the host mirror)."""
+    if pages_per_split is None:
+        pages_per_split = pages_per_split_for(layer.page_size)
+    return splits_for(max(layer.host_lengths), layer.page_size, pages_per_split)
+
+
 def attention(q: torch.Tensor, layer: PagedLayer, recipe: KVRecipe, *, scale: float,
               pages_per_split: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q [B, Hq, n, D]`` (``n ≥ 1``) against one layer of the cache, the twin's
@@ -329,8 +336,7 @@ def attention(q: torch.Tensor, layer: PagedLayer, recipe: KVRecipe, *, scale: fl
     batch. Returns ``(out [B, Hq, n, D] in q's dtype, lse fp32 [B, Hq, n])``."""
     if pages_per_split is None:
         pages_per_split = pages_per_split_for(layer.page_size)
-    # the grid, from the host mirror: no sync
-    splits = splits_for(max(layer.host_lengths), layer.page_size, pages_per_split)
+    splits = splits_of(layer, pages_per_split)  # the grid, from the host mirror: no sync
     found = buffers(q.shape, q.dtype, q.device, layer.k.shape[1], splits)
     launch(q, layer, recipe, scale=scale, pages_per_split=pages_per_split, into=found)
     return found.out, found.lse

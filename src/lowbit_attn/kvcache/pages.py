@@ -9,6 +9,7 @@ page, so an engine that owns the allocator later only needs to hand out page ids
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple
 
 import torch
@@ -55,6 +56,8 @@ class PagedLayer:
         lengths: int64 ``[B]``: tokens stored per sequence.
         overflow: int32 ``[B]``: set by a captured decode step (``kvcache/step.py``) whose token
             found no page, 0 otherwise.
+        tickets: int32 ``[B]``, zeros between appends: the append kernel's count of the programs
+            of a sequence that are done with its length (``kernel_append``).
         free: the pool's free list.
         host_lengths: ``lengths`` mirrored on the host (kept in sync by the cache's appends and
             :meth:`reset`), so that an append need not read the device's back.
@@ -76,6 +79,7 @@ class PagedLayer:
     block_table: torch.Tensor
     lengths: torch.Tensor
     overflow: torch.Tensor
+    tickets: torch.Tensor
     free: FreePages
     host_lengths: list[int]
     host_pages: list[int]
@@ -99,6 +103,7 @@ class PagedLayer:
             block_table=torch.empty((batch, max_pages_per_seq), dtype=torch.int32, **on),
             lengths=torch.empty((batch,), dtype=torch.int64, **on),
             overflow=torch.empty((batch,), dtype=torch.int32, **on),
+            tickets=torch.zeros((batch,), dtype=torch.int32, **on),
             free=FreePages(num_pages),
             host_lengths=[0] * batch,
             host_pages=[0] * batch,
@@ -106,10 +111,16 @@ class PagedLayer:
         layer.reset()
         return layer
 
+    @cached_property
+    def launch_inputs(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor of the layer, in :meth:`tensors`' order: what a launch plan of a read or
+        an append addresses besides the call's own tensors (``kvcache/planned.py``)."""
+        return tuple(self.tensors().values())
+
     def tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in
                 ("k", "k_scale", "v", "v_scale", "v_open", "k_mean", "q_amax", "k_amax",
-                              "block_table", "lengths", "overflow")}
+                 "block_table", "lengths", "overflow", "tickets")}
 
     def reset(self) -> None:
         """Every sequence empty, every page free (page contents are left as they are: unread;

@@ -31,8 +31,8 @@ from __future__ import annotations
 import torch
 
 from lowbit_attn.core import checks
-from lowbit_attn.core.arch import backend_for
-from lowbit_attn.kvcache.cache import QuantizedKVCache, graph_capturing
+from lowbit_attn.core.arch import backend_for, graph_capturing
+from lowbit_attn.kvcache.cache import QuantizedKVCache
 from lowbit_attn.kvcache.naive import attention_with_kv_cache_naive
 
 

@@ -87,14 +87,16 @@ class _StubDriver:
 def stubbed_launches(capability: tuple[int, int]):
     """Within the block, every Triton kernel launch goes through Triton's launch path to a stub
     that does nothing but note ``(the stub, the launcher's arguments)`` in the yielded list (the
-    stub's ``name`` is the kernel's); autotuners time no
-    candidate (they take the first), and the inference op takes its Triton path on CPU tensors.
-    Everything is restored on exit."""
+    stub's ``name`` is the kernel's); autotuners time no candidate (they take the first), and
+    the inference op and the KV cache take their Triton paths on CPU tensors. Everything is
+    restored on exit."""
     from triton.backends.compiler import GPUTarget
     from triton.runtime import autotuner, jit
 
     from lowbit_attn.inference import op
+    from lowbit_attn.kvcache import cache, interface
 
+    chosen = (op, interface, cache)  # the modules that choose a backend per call
     sink: list[tuple] = []
     compiled: list = []
 
@@ -104,16 +106,20 @@ def stubbed_launches(capability: tuple[int, int]):
         compiled.append(self)
         return kernel
 
-    saved = (jit.JITFunction._do_compile, autotuner.Autotuner._bench, op.backend_for)
+    saved = (jit.JITFunction._do_compile, autotuner.Autotuner._bench)
+    saved_backends = [m.backend_for for m in chosen]
     previous_driver = jit.driver._active  # None until a driver was asked for
     jit.driver.set_active(_StubDriver(GPUTarget("cuda", capability[0] * 10 + capability[1], 32)))
     jit.JITFunction._do_compile = stub_compile
     autotuner.Autotuner._bench = lambda self, *args, config, **meta: [1.0, 1.0, 1.0]
-    op.backend_for = lambda device: "triton"
+    for module in chosen:
+        module.backend_for = lambda device: "triton"
     try:
         yield sink
     finally:
-        jit.JITFunction._do_compile, autotuner.Autotuner._bench, op.backend_for = saved
+        jit.JITFunction._do_compile, autotuner.Autotuner._bench = saved
+        for module, backend_for in zip(chosen, saved_backends):
+            module.backend_for = backend_for
         jit.driver.set_active(previous_driver)
         for fn in compiled:
             fn.device_caches.pop(_STUB_DEVICE, None)
@@ -225,13 +231,108 @@ def measure_config(recipe: str, b: int, h: int, n: int, d: int, causal: bool, *,
     return row
 
 
-def run_child(configs: list[dict], arch: str, profile: bool) -> list[dict]:
-    """:func:`measure_config` of each configuration in a fresh Python process that sees ``arch``
-    and no Triton interpreter (the CPU's way; see the module docstring)."""
+# ---------------------------------------------------------------------------------------------
+# a decode step against the 8-bit KV cache
+
+
+def _stubbed_or_gpu(fn: Callable, cuda: bool, profile: bool) -> dict:
+    """``host_us``, ``launches``, ``kernels``, ``ops`` and ``profile`` of ``fn`` (already run once),
+    on a GPU or under the stand-in driver that is active."""
+    if cuda:
+        host_us = time_host(fn, torch.cuda.synchronize)
+        kernels, ops = gpu_kernels(fn), {}
+    else:
+        sink = _SINK[0]
+        host_us = time_host(fn)
+        sink.clear()
+        ops = count_kernel_ops(fn)
+        kernels = [stub.name for stub, _ in sink]
+    return dict(host_us=round(host_us, 2), launches=len(kernels) + sum(ops.values()),
+                kernels=kernels, ops=ops, profile=profile_lines(fn) if profile else [])
+
+
+_SINK: list = [None]  # the stand-in driver's launches, while measure_decode_config runs
+
+
+def measure_decode_config(n: int, batch: int, kv_heads: int, group: int, d: int, page: int, *,
+                          profile: bool = False) -> dict:
+    """The host path of a decode step on a cache of ``n`` tokens per sequence: an eager
+    :func:`lowbit_attn.attention_with_kv_cache` of one query token (``decode``), and an eager
+    one-token :meth:`~lowbit_attn.QuantizedKVCache.append` (``append``; the timed appends grow the
+    cache by ~700 tokens, taking a page every ``page`` of them). The cache's contents are not
+    read on the host: without a GPU they are never written (the launches are stubs)."""
+    import lowbit_attn
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    row = dict(N=n, batch=batch, kv_heads=kv_heads, group=group, D=d, page=page,
+               mode="gpu" if cuda else "stubbed launches")
+    calls = HOST_CALLS * (HOST_ROUNDS + 3)  # the appends of the timing, warm-ups and profile
+    with contextlib.ExitStack() as stack:
+        if not cuda:
+            from lowbit_attn.core.arch import get_capability
+
+            _SINK[0] = stack.enter_context(stubbed_launches(get_capability() or (9, 0)))
+        cache = lowbit_attn.QuantizedKVCache(1, batch, kv_heads, d, max_tokens=n + calls,
+                                             page_size=page, device=device)
+        prompt = torch.zeros(batch, kv_heads, n, d, dtype=torch.float16, device=device)
+        cache.append(0, prompt, prompt)
+        del prompt
+        q = torch.randn(batch, kv_heads * group, 1, d, dtype=torch.float16, device=device)
+        k, v = (torch.randn(batch, kv_heads, 1, d, dtype=torch.float16, device=device)
+                for _ in range(2))
+
+        def decode():
+            return lowbit_attn.attention_with_kv_cache(q, cache, 0)
+
+        def append():
+            cache.append(0, k, v)
+
+        decode()
+        row["decode"] = _stubbed_or_gpu(decode, cuda, profile)
+        append()
+        row["append"] = _stubbed_or_gpu(append, cuda, profile)
+        _SINK[0] = None
+    return row
+
+
+def measure_decode(configs: list[dict], *, arch: str = "sm_90", profile: bool = False) -> list[dict]:
+    """The rows of ``configs`` (dicts of :func:`measure_decode_config`'s arguments), as
+    :func:`measure`."""
+    if torch.cuda.is_available():
+        return [measure_decode_config(**c, profile=profile) for c in configs]
+    return run_child(configs, arch, profile, job="decode")
+
+
+def render_decode(rows: list[dict]) -> str:
+    """``decode_host_us=… append_host_us=…`` per row, the launches, and the profiles."""
+    lines = []
+    for r in rows:
+        de, ap = r["decode"], r["append"]
+        lines.append(f"N={r['N']} batch={r['batch']} kv_heads={r['kv_heads']} GQA {r['group']}:1 "
+                     f"D={r['D']} page={r['page']} ({r['mode']}): decode_host_us={de['host_us']:.1f} "
+                     f"append_host_us={ap['host_us']:.1f} decode_launches={de['launches']} "
+                     f"append_launches={ap['launches']}")
+        for what, m in (("decode", de), ("append", ap)):
+            ops = ", ".join(f"{k}×{v}" for k, v in sorted(m["ops"].items()))
+            lines.append(f"  {what}: kernels {', '.join(m['kernels']) or '—'}; torch ops "
+                         f"{ops or '—'}")
+            lines.extend(m["profile"])
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# the child process
+
+
+def run_child(configs: list[dict], arch: str, profile: bool, job: str = "attention") -> list[dict]:
+    """:func:`measure_config` (``job="attention"``) or :func:`measure_decode_config`
+    (``"decode"``) of each configuration in a fresh Python process that sees ``arch`` and no
+    Triton interpreter (the CPU's way; see the module docstring)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(LOWBIT_ATTN_ARCH=arch, MALLOC_MMAP_THRESHOLD_=str(2**30),
                MALLOC_TRIM_THRESHOLD_=str(2**31), MALLOC_TOP_PAD_=str(2**28))
-    payload = json.dumps({"configs": configs, "profile": profile})
+    payload = json.dumps({"job": job, "configs": configs, "profile": profile})
     done = subprocess.run([sys.executable, "-m", "lowbit_attn.tools.bench.host", payload],
                           env=env, capture_output=True, text=True)
     if done.returncode != 0:
@@ -264,7 +365,8 @@ def render(rows: list[dict], *, max_us: float | None = None, max_launches: int |
 
 def _child_main(payload: str) -> None:
     job = json.loads(payload)
-    rows = [measure_config(**c, profile=job["profile"]) for c in job["configs"]]
+    measure_one = measure_decode_config if job["job"] == "decode" else measure_config
+    rows = [measure_one(**c, profile=job["profile"]) for c in job["configs"]]
     print(json.dumps(rows))
 
 
