@@ -98,6 +98,50 @@ def test_inspect_json(capsys):
 
 
 @pytest.mark.aot
+def test_inspect_vsa_prints_every_kernel_with_the_wide_wgmma_gate(capsys):
+    """``--recipe vsa``: the fine stage's kernels (tiling, 16-bit forward, dQ, dK/dV, the 8-bit
+    forward with its quantizers), each with the gate of issues 28 and 30, and a count; at D = 64
+    every one passes (Triton 3.6: 4 warps, 64-token tiles, no spills)."""
+    code, out, _ = run(capsys, "inspect", "--arch", "sm_90a", "--recipe", "vsa", "--head-dim",
+                       "64", "--dtype", "bfloat16")
+    assert code == 0, out
+    assert "vsa for sm_90a (head dim 64, non-causal, bfloat16)" in out
+    for kernel in ("_tile_kernel", "_untile_kernel", "_vsa_fwd_kernel", "_vsa_dq_kernel",
+                   "_vsa_dkdv_kernel", "_quantize_kernel"):
+        assert kernel in out, kernel
+    assert "INT8_QK=True" in out and "INT8_QK=False" in out  # both forwards
+    kernels = out.count("\n  launch ")
+    assert out.count("\n  gate          ") == kernels
+    assert f"gate: {kernels} of {kernels} kernels pass" in out, out
+
+
+def test_inspect_vsa_refuses_causal_and_fp32(capsys):
+    for extra in (["--causal"], ["--dtype", "float32"]):
+        with pytest.raises(SystemExit):
+            cli.main(["inspect", "--arch", "sm_90a", "--recipe", "vsa", *extra])
+        assert ("not causal" if extra == ["--causal"] else "float16 or bfloat16") in \
+            capsys.readouterr().err
+
+
+def test_the_gate_names_narrow_products_and_spills():
+    """``KernelReport.narrow_products``: ``mma.sync`` and wgmma narrower than N = 64 fail the
+    gate; N ≥ 64 passes; the gate line says which, and the spills."""
+    from lowbit_attn.tools.aot import KernelReport
+
+    wide = "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8"
+    narrow = "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16"
+    sync = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
+    r = KernelReport("k", "sm_90a", {}, 8, 2, instructions={wide: 4, narrow: 8, sync: 2},
+                     registers=255, spill_stores=4, spill_loads=4)
+    assert r.narrow_products() == [narrow, sync]
+    line = cli._gate_line(r)
+    assert "misses" in line and "spills 8 B" in line and "8 x m64n32k16" in line
+    ok = KernelReport("k", "sm_90a", {}, 4, 2, instructions={wide: 4}, registers=200,
+                      spill_stores=0, spill_loads=0)
+    assert ok.narrow_products() == [] and "passes" in cli._gate_line(ok)
+
+
+@pytest.mark.aot
 def test_inspect_failing_kernel_exits_1_and_says_why(capsys):
     code, out, _ = run(capsys, "inspect", "--arch", "sm_80", "--recipe", "qk_int8_pv_fp8")
     assert code == 1

@@ -84,6 +84,7 @@ _TC_OPCODE = re.compile(
 _OPTION_KEYS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 _RECORD_LOCK = threading.Lock()
 _COMPILED: dict[tuple, "KernelReport"] = {}
+_WGMMA_SHAPE = re.compile(r"\.m64n(\d+)k\d+\.")
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,17 @@ class KernelReport:
         if self.spill_stores is None or self.spill_loads is None:
             return None
         return self.spill_stores + self.spill_loads
+
+    def narrow_products(self, min_n: int = 64) -> list[str]:
+        """The tensor-core forms that are not a wgmma at least ``min_n`` wide (``mma.sync``, or
+        ``wgmma…m64nNk…`` with ``N < min_n``): what a Hopper kernel should not run in its main
+        loops (issues 28 and 30 gate the training and VSA kernels on none, with no spills)."""
+        narrow = []
+        for form in self.instructions:
+            shape = _WGMMA_SHAPE.search(form)
+            if not form.startswith("wgmma") or (shape and int(shape.group(1)) < min_n):
+                narrow.append(form)
+        return narrow
 
     @property
     def variant(self) -> str:

@@ -65,10 +65,12 @@ def _add_inspect(sub) -> None:
     )
     p.add_argument("--arch", required=True, type=_arch_arg, metavar="ARCH",
                    help=f"GPU target: {ARCH_HELP}")
-    names = [*RECIPES, SAGEBWD_INT8.name]
+    names = [*RECIPES, SAGEBWD_INT8.name, VSA]
     p.add_argument("--recipe", default="auto", choices=["auto", *names], metavar="NAME",
-                   help=f"one of {', '.join(names)} (the trainable attention's forward and "
-                   "backward), or 'auto' (what ARCH gets by default)")
+                   help=f"one of {', '.join(names)} ({SAGEBWD_INT8.name}: the trainable "
+                   f"attention's forward and backward; {VSA}: video sparse attention's fine stage, "
+                   "its tiling, 16-bit forward and backward and 8-bit forward), or 'auto' (what "
+                   "ARCH gets by default)")
     p.add_argument("--head-dim", type=head_dim_arg, default=128,
                    help=f"head dim D, 1 to {MAX_HEAD_DIM} (default 128)")
     p.add_argument("--causal", action="store_true", help="the causal variant")
@@ -87,6 +89,26 @@ def _add_inspect(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the reports as JSON")
     p.add_argument("--ptx-dir", metavar="DIR", help="also write each kernel's PTX into DIR")
     p.set_defaults(handler=functools.partial(_inspect, parser=p))
+
+
+VSA = "vsa"  # inspect's name for the video sparse attention kernels
+WIDE_N = 64  # the gate of the training and VSA kernels: no spills, every product a wgmma this wide
+
+
+def _gate_line(report) -> str:
+    """The training/VSA gate of one kernel: no spills, every tensor-core product a wgmma of
+    N ≥ :data:`WIDE_N` (issues 28 and 30)."""
+    narrow = report.narrow_products(WIDE_N)
+    misses = []
+    if report.spills:
+        misses.append(f"spills {report.spills} B")
+    if narrow:
+        misses.append("narrower products: " + ", ".join(
+            f"{report.instructions[f]} x {f.removeprefix('wgmma.mma_async.sync.aligned.')}"
+            for f in narrow))
+    verdict = "passes" if report.ok and not misses else "misses"
+    return (f"  gate          {verdict} (no spills, every product a wgmma of N >= {WIDE_N})"
+            + (f": {'; '.join(misses)}" if misses else ""))
 
 
 def _format_report(report) -> list[str]:
@@ -142,14 +164,20 @@ def _inspect(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> in
         if fp4 is not None:
             return _inspect_gluon_fp4(args, parser, fp4)
         return _inspect_gluon(args, parser)
+    gated = False  # the training and VSA kernels get the wide-wgmma gate's line
     try:
-        if args.recipe in TRAIN_RECIPES and args.recipe not in RECIPES:  # "exact" is both
+        if args.recipe == VSA:
+            name, reports = VSA, _compile_vsa(args, parser)
+            gated = True
+        elif args.recipe in TRAIN_RECIPES and args.recipe not in RECIPES:  # "exact" is both
             recipe = TRAIN_RECIPES[args.recipe]
+            name, gated = recipe.name, True
             reports = aot.compile_train(recipe, args.arch, head_dim=args.head_dim,
                                         causal=args.causal, dtype=getattr(torch, args.dtype),
                                         config=args.config)
         else:
             recipe = resolve(args.recipe, parse_arch(args.arch))
+            name = recipe.name
             reports = aot.compile_recipe(
                 recipe, args.arch, head_dim=args.head_dim, causal=args.causal,
                 dtype=getattr(torch, args.dtype), return_lse=args.return_lse, config=args.config,
@@ -162,14 +190,41 @@ def _inspect(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> in
         print(json.dumps([r.as_dict() for r in reports], indent=2, default=str))
     else:
         mode = "causal" if args.causal else "non-causal"
-        print(f"{recipe.name} for {args.arch} (head dim {args.head_dim}, {mode}, {args.dtype}); "
+        print(f"{name} for {args.arch} (head dim {args.head_dim}, {mode}, {args.dtype}); "
               f"Triton {triton.__version__}, ptxas {aot.ptxas_version(args.arch)}")
         if not reports:
-            print(f"recipe {recipe.name!r} launches no Triton kernel (PyTorch computes it)")
+            print(f"recipe {name!r} launches no Triton kernel (PyTorch computes it)")
         for r in reports:
             print()
-            print("\n".join(_format_report(r) + fp4_gates.format_gates(r, fp4_gates.triton_gates(r))))
+            print("\n".join(_format_report(r) + ([_gate_line(r)] if gated else [])
+                            + fp4_gates.format_gates(r, fp4_gates.triton_gates(r))))
+        if gated:
+            passed = sum(_gate_line(r).startswith("  gate          passes") for r in reports)
+            print(f"\ngate: {passed} of {len(reports)} kernels pass (no spills, every product a "
+                  f"wgmma of N >= {WIDE_N})")
     return 1 if any(not r.ok for r in reports) else 0
+
+
+def _compile_vsa(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list:
+    """``inspect --recipe vsa``: the fine stage's kernels, 16-bit forward and backward with the
+    tiling, then the 8-bit forward (``qk_int8_pv_fp8``) with its own; each specialization once."""
+    import torch
+
+    from lowbit_attn.tools import aot
+
+    if args.causal:
+        parser.error("--causal: video sparse attention is not causal")
+    if args.dtype not in ("float16", "bfloat16"):
+        parser.error(f"--dtype {args.dtype}: the video sparse attention kernels take float16 or "
+                     "bfloat16")
+    dtype = getattr(torch, args.dtype)
+    reports, seen = [], set()
+    for recipe in ("exact", "qk_int8_pv_fp8"):
+        for r in aot.compile_vsa(args.arch, args.head_dim, dtype, args.config, recipe=recipe):
+            if (r.kernel, r.variant) not in seen:
+                seen.add((r.kernel, r.variant))
+                reports.append(r)
+    return reports
 
 
 def _fp4_recipe(args: argparse.Namespace):
