@@ -9,7 +9,10 @@
 # quick benchmark of qk_fp4_pv_fp4 and qk_mxfp4_pv_mxfp4 against SDPA cuDNN, with the default
 # kernels and with LOWBIT_ATTN_KERNEL=gluon): emulated on Hopper, native on Blackwell.
 # train: the trainable attention (GPU tests -k trainable, then benchmarks/bench_train.py: forward +
-# backward against SDPA flash and cuDNN, with peak memory and gradient cosines).
+# backward against SDPA flash and cuDNN, with peak memory and gradient cosines), then
+# benchmarks/probes/train_speed.py in the last RESERVE seconds (default 200): each launch of a
+# forward + backward alone against its floor over the card's measured INT8/bf16 ceilings, every
+# autotuning candidate forced, and each compiled variant's registers, spills and wgmma forms.
 # hopper: the INT8/FP8 forward's speed work (the 8-bit forward's GPU tests, then bench_hopper.py:
 # every autotuning candidate, Q quantized in the kernel or in a pass, the two stages apart, against
 # SDPA cuDNN bf16 at D=64,128, N=1k,8k,16k, causal and not; HOPPER_ARGS adds options, e.g. --quick).
@@ -174,7 +177,17 @@ tests_then_bench() {
     exit $((rc_tests != 0 && rc_tests != 5 ? rc_tests : rc_bench))
 }
 
-[[ "$STAGE" == train ]] && tests_then_bench "trainable attention" trainable benchmarks/bench_train.py
+if [[ "$STAGE" == train ]]; then
+    # the benchmark leaves RESERVE seconds (default 200) to the probe of where the time goes
+    (RESERVE="${RESERVE:-200}" tests_then_bench "trainable attention" trainable \
+        benchmarks/bench_train.py)
+    rc=$?
+    log "trainable attention probe: benchmarks/probes/train_speed.py (each launch vs its floor, candidates, compiled facts)"
+    timeout $((TOTAL_BUDGET - SECONDS - 5)) "$PY" benchmarks/probes/train_speed.py \
+        >"$OUT/train-probe.txt" 2>&1
+    tail -n 120 "$OUT/train-probe.txt"
+    exit $rc
+fi
 [[ "$STAGE" == vsa ]] && tests_then_bench "video sparse attention" vsa benchmarks/bench_vsa.py
 if [[ "$STAGE" == decode ]]; then
     # the host path first (~20 s): µs per eager read and one-token append, N = 8k, batch 16

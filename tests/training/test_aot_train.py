@@ -2,13 +2,18 @@
 SageBwd (forward Q·Kᵀ and P̃·V; backward Q·Kᵀ recompute, Pᵀ·dO, dSᵀ·Q, dS·K) is a
 ``wgmma … s32.s8.s8`` and dP = dO·Vᵀ a bf16 ``wgmma``.
 
-What Triton 3.6 emits (bf16 inputs, first sm_90 config, ptxas -v):
+What Triton 3.6 emits (bf16 inputs, first sm_90 config, ptxas -v; 2026-11-28):
 
 | kernel | D=64 | D=128 |
 |---|---|---|
-| _train_fwd_kernel (8 warps) | 128 registers | 235 registers |
-| _train_dkdv_kernel (8 warps) | 220 registers | 255 registers, 32 B spilled |
-| _train_dq_kernel (8 warps) | 148 registers | 184 registers |
+| _train_fwd_kernel (8 warps) | 128 registers | 251 registers |
+| _train_dkdv_kernel | 4 warps, 255 registers | 8 warps, 255 registers, 4 B spilled, S and dP on m64n32 |
+| _train_dq_kernel (4 warps) | 168 registers (Δ pass 92) | 226 registers (Δ pass 103) |
+
+Issue 28's gate (no spills, every product a wgmma of N ≥ 64; ``inspect``'s ``gate`` line): every
+kernel passes at D = 64, causal or not; at D = 128 all but the dK/dV kernel, which spills 408 B
+at 4 warps (two 64×128 fp32 accumulators and each INT8 product's int32 result) and splits the
+score tile at 8 warps.
 
 The dQ kernel runs twice: first with ``DELTA_PASS`` (Δ = rowsum(P ∘ dP); named ``…/delta`` below),
 then for dQ.
@@ -71,6 +76,18 @@ def test_sagebwd_matmuls_are_int8_wgmma_on_hopper(reports, d, causal):
     for name in ("_train_fwd_kernel", "_train_dq_kernel", "_train_dq_kernel/delta"):
         assert rs[name].spill_stores == 0, (name, rs[name].spill_stores)
     assert rs["_train_dkdv_kernel"].spill_stores <= (0 if d == 64 else 64)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_the_wide_wgmma_gate(reports, d, causal):
+    """No spills and every product a wgmma of N >= 64: every kernel at D = 64; at D = 128 all but
+    the dK/dV kernel (the docstring says why)."""
+    rs = reports("sagebwd_int8", d, causal)
+    for name, r in rs.items():
+        if d == 128 and name == "_train_dkdv_kernel":
+            continue
+        assert r.ok and not r.spills and not r.narrow_products(), describe(r)
 
 
 def test_dp_in_int8_makes_every_backward_product_int8(reports):

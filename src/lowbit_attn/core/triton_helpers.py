@@ -68,6 +68,21 @@ def triton_configs(configs: dict[str, list[LaunchConfig]], capability) -> list:
             for c in chosen]
 
 
+def autotuned(configs: dict[str, list[LaunchConfig]], **options):
+    """``triton.autotune`` over :func:`triton_configs` of ``configs`` (``options``: its other
+    arguments), for a kernel whose candidates are not its module's ``CONFIGS``: the autotuner
+    keeps ``configs`` as ``family_configs``, where the AOT compiler (``tools/aot.py``) reads
+    them."""
+    from lowbit_attn.core.arch import get_capability
+
+    def wrap(fn):
+        tuner = triton.autotune(configs=triton_configs(configs, get_capability()), **options)(fn)
+        tuner.family_configs = configs
+        return tuner
+
+    return wrap
+
+
 @triton.jit
 def key_block_bounds(nk, pid_m, causal_offset, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr):

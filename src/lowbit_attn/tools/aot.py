@@ -317,10 +317,13 @@ def record_launches(
 
 
 def autotune_configs(jit: JITFunction, family: str, autotuner: Autotuner) -> list:
-    """The launch configs an autotuned kernel would try on ``family``: its module's
-    ``CONFIGS[family]`` (the autotuner itself was built for the machine that imported it), else the
+    """The launch configs an autotuned kernel would try on ``family``: the autotuner's own
+    ``family_configs`` (``core.triton_helpers.autotuned``) or its module's ``CONFIGS``, at
+    ``family`` (the autotuner itself was built for the machine that imported it), else the
     autotuner's own list."""
-    configs = getattr(sys.modules.get(jit.__module__), "CONFIGS", None)
+    configs = getattr(autotuner, "family_configs", None)
+    if configs is None:
+        configs = getattr(sys.modules.get(jit.__module__), "CONFIGS", None)
     if isinstance(configs, dict) and configs.get(family):
         return list(configs[family])
     return list(autotuner.configs)

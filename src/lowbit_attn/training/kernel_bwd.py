@@ -17,16 +17,26 @@ import triton.language as tl
 from lowbit_attn.core.arch import get_capability, interpreter_enabled, tensor_memory
 from lowbit_attn.core.operands import TRAIN_BLOCK, GradOperands, TrainOperands
 from lowbit_attn.core.triton_helpers import (
-    LaunchConfig, batch_head, mm, next_pow2, next_power_of_2, operand, quantize_tile, strides, triton_configs,
+    LaunchConfig, autotuned, batch_head, mm, next_pow2, next_power_of_2, operand, quantize_tile,
+    strides,
 )
 
+# The dK/dV kernel at D = 128. It holds two 64×D fp32 accumulators and the int32 result of each
+# INT8 product before its scales: at 4 warps that spills 408 bytes (ptxas -v, sm_90a, Triton
+# 3.6), at 8 warps 8 bytes, but two warpgroups then split the 64×64 score tile along its keys
+# (S and dP on wgmma m64n32). 8 warps first.
 CONFIGS = {
     "interpreter": [LaunchConfig(4, 1)],
-    # The dK/dV kernel holds two 64×D fp32 accumulators: with D=128 it spills 440 bytes at 4 warps
-    # and 32 at 8 (ptxas -v, sm_90a); 8 warps first.
     "sm_80": [LaunchConfig(8, 2), LaunchConfig(4, 2)],
     "sm_89": [LaunchConfig(8, 2), LaunchConfig(4, 2)],
     "sm_90": [LaunchConfig(8, 2), LaunchConfig(4, 2), LaunchConfig(8, 3)],
+}
+# The dQ kernel, and the dK/dV kernel at D <= 64: one warpgroup holds a 64-row tile whole, so
+# every product is a wgmma of N >= 64, with no spills (sm_90a: dQ 226 registers at D = 128,
+# dK/dV 255 at D = 64); 4 warps first on Hopper.
+ONE_WARPGROUP = {
+    **CONFIGS,
+    "sm_90": [LaunchConfig(4, 2), LaunchConfig(8, 2), LaunchConfig(4, 3)],
 }
 
 
@@ -236,11 +246,11 @@ def _dq_finish_kernel(ACC, DQ, BAL, acc_strides, dq_strides, bal_strides,
 
 
 _KEY = ["N_BUCKET", "BLOCK_D", "IS_CAUSAL", "QK_INT8", "DP_INT8", "HAS_DS", "HAS_BAL"]
-_dkdv = triton.autotune(configs=triton_configs(CONFIGS, get_capability()),
-                        key=_KEY + ["DV_INT8", "DK_INT8", "DQ_INT8", "ATOMIC_DQ"],
-                        reset_to_zero=["DQ_ACC"])(_train_dkdv_kernel)
-_dq = triton.autotune(configs=triton_configs(CONFIGS, get_capability()),
-                      key=_KEY + ["DQ_INT8", "DELTA_PASS"])(_train_dq_kernel)
+_DKDV_KEY = _KEY + ["DV_INT8", "DK_INT8", "DQ_INT8", "ATOMIC_DQ"]
+_dkdv = autotuned(CONFIGS, key=_DKDV_KEY, reset_to_zero=["DQ_ACC"])(_train_dkdv_kernel)
+_dkdv_small_d = autotuned(ONE_WARPGROUP, key=_DKDV_KEY,  # D <= 64
+                          reset_to_zero=["DQ_ACC"])(_train_dkdv_kernel)
+_dq = autotuned(ONE_WARPGROUP, key=_KEY + ["DQ_INT8", "DELTA_PASS"])(_train_dq_kernel)
 
 
 def launch_args(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, dq, dk, dv, *,
@@ -272,8 +282,9 @@ def launch_args(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, dq, d
                       dtype=torch.float32)
     rows_grid = (triton.cdiv(nq, TRAIN_BLOCK), b * hq)
     rows_pass = dict(common, DQ=dq, dq_strides=dq.stride(), HQ=hq)
+    dkdv = _dkdv_small_d if common["BLOCK_D"] <= 64 else _dkdv
     launches = [(_dq, rows_grid, dict(rows_pass, DELTA_PASS=True)), (
-        _dkdv, (triton.cdiv(nk, TRAIN_BLOCK), b * hkv),
+        dkdv, (triton.cdiv(nk, TRAIN_BLOCK), b * hkv),
         dict(common, do_dv=operand(grad.do_dv, grad.do_dv_scale),
              q_dk=operand(ops.q_dk, ops.q_dk_scale), QM=ops.q_mean, dk_out=(dk, dk.stride()),
              dv_out=(dv, dv.stride()), DQ_ACC=acc, qm_strides=strides(ops.q_mean, 4),
