@@ -177,32 +177,30 @@ tests_then_bench() {
     exit $((rc_tests != 0 && rc_tests != 5 ? rc_tests : rc_bench))
 }
 
-if [[ "$STAGE" == train ]]; then
-    # the benchmark leaves RESERVE seconds (default 200) to the probe of where the time goes
-    (RESERVE="${RESERVE:-200}" tests_then_bench "trainable attention" trainable \
-        benchmarks/bench_train.py)
-    rc=$?
-    log "trainable attention probe: benchmarks/probes/train_speed.py (each launch vs its floor, candidates, compiled facts)"
-    timeout $((TOTAL_BUDGET - SECONDS - 5)) "$PY" benchmarks/probes/train_speed.py \
-        >"$OUT/train-probe.txt" 2>&1
-    tail -n 120 "$OUT/train-probe.txt"
+# tests_then_bench, leaving the last RESERVE seconds to a probe of where the time goes (its
+# output in $OUT/TAG-probe.txt); exits with the tests' or benchmark's status.
+with_probe() {
+    local name="$1" filter="$2" script="$3" probe="$4" tag="$5" reserve="$6"
+    (RESERVE="${RESERVE:-$reserve}" tests_then_bench "$name" "$filter" "$script")
+    local rc=$?
+    log "$name probe: $probe"
+    timeout $((TOTAL_BUDGET - SECONDS - 5)) "$PY" "$probe" >"$OUT/$tag-probe.txt" 2>&1
+    tail -n 120 "$OUT/$tag-probe.txt"
     exit $rc
-fi
+}
+
+# train: the probe times each launch against its floor, every candidate, with compiled facts
+[[ "$STAGE" == train ]] && with_probe "trainable attention" trainable benchmarks/bench_train.py \
+    benchmarks/probes/train_speed.py train 200
 [[ "$STAGE" == vsa ]] && tests_then_bench "video sparse attention" vsa benchmarks/bench_vsa.py
 if [[ "$STAGE" == decode ]]; then
     # the host path first (~20 s): µs per eager read and one-token append, N = 8k, batch 16
     log "decode host path: bench_decode.py --host (issue 29's bars: 30 and 20 us; in \$OUT/decode-host.txt)"
     timeout 90 "$PY" benchmarks/bench_decode.py --host --host-profile >"$OUT/decode-host.txt" 2>&1
     grep -e host_us -e bars "$OUT/decode-host.txt"
-    # the benchmark leaves RESERVE seconds (default 180) to the probe of where the time goes
-    (RESERVE="${RESERVE:-180}" tests_then_bench "KV-cache decode" "kvcache or kv_cache" \
-        benchmarks/bench_decode.py)
-    rc=$?
-    log "KV-cache decode probe: benchmarks/probes/decode_speed.py (host time by part, launch sweep)"
-    timeout $((TOTAL_BUDGET - SECONDS - 5)) "$PY" benchmarks/probes/decode_speed.py \
-        >"$OUT/decode-probe.txt" 2>&1
-    tail -n 120 "$OUT/decode-probe.txt"
-    exit $rc
+    # the probe: host time by part, the launch sweep
+    with_probe "KV-cache decode" "kvcache or kv_cache" benchmarks/bench_decode.py \
+        benchmarks/probes/decode_speed.py decode 180
 fi
 # shellcheck disable=SC2086  # HOPPER_ARGS: options split on spaces
 [[ "$STAGE" == hopper ]] && tests_then_bench "Hopper speed" "not fp4 and not trainable and not vsa and not video" \
