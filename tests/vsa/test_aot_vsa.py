@@ -43,3 +43,22 @@ def test_8bit_fine_forward_uses_int8_and_fp8_wgmma(d):
              if f.startswith("wgmma")}
     assert wgmma == {"s32.s8.s8", "f32.e4m3.e4m3"}, r.instructions
     assert all(x.ok for x in rs.values()) and r.spill_stores == 0
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_8bit_fine_forward_loads_its_tiles_ahead(d):
+    """The 8-bit fine forward's key-tile loop brings K, V and K's scales by ``cp.async``
+    (``LDGSTS``); its only synchronous global loads (``LDG``) are the tile's index and count.
+    (2026-11-28: with V's loads masked by the key tile's count, along V's slot-contiguous E4M3
+    layout, they were single bytes through registers: 66 ``LDG`` and 4 ``STS`` per iteration at
+    D = 128, 1055 instructions per thread; 2 and 670 without that mask.)"""
+    from lowbit_attn.tools import sass
+
+    (r,) = [r for r in aot.compile_vsa("sm_90a", d, recipe="qk_int8_pv_fp8")
+            if r.kernel == "_vsa_fwd_kernel"]
+    assert r.ok and r.spill_stores == 0, (r.error, r.spill_stores)
+    body = sass.loops(sass.disassemble(r.cubin))[0]
+    ops = [line.split()[0] for line in body]
+    assert sum(op.startswith("LDG.") for op in ops) <= 2, sorted(set(ops))
+    assert sum(op.startswith("LDGSTS") for op in ops) >= 16
+    assert not any(op.startswith(("STS", "LDL", "STL")) for op in ops), sorted(set(ops))

@@ -115,7 +115,10 @@ def _vsa_fwd_kernel(
         m_new, m_safe, alpha = online_max(m_i, tl.max(sc, axis=1))
         p = tl.exp2(sc - (m_safe - offset)[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = _tile(V, b, hk, j, offs_s, offs_d, kmask, v_strides, False)
+        # E4M3 V comes slot-contiguous (FP8 MMAs read it so): a mask along the slots would cut
+        # its loads to single bytes; the tiles' empty slots hold zeros, which P̃'s zeros multiply
+        vmask = kmask if not PV_FP8 else (offs_s < TS)[:, None] & dmask[None, :]
+        v = _tile(V, b, hk, j, offs_s, offs_d, vmask, v_strides, False)
         if PV_FP8:
             pv = tl.dot(to_e4m3(p, EXACT_FP8), v, out_dtype=tl.float32)
         else:
