@@ -6,12 +6,12 @@ What Triton 3.6 emits (bf16 inputs, first sm_90 config, ptxas -v; 2026-11-28):
 
 | kernel | D=64 | D=128 |
 |---|---|---|
-| _train_fwd_kernel (8 warps) | 128 registers | 251 registers |
-| _train_dkdv_kernel | 4 warps, 255 registers | 8 warps, 255 registers, 4 B spilled, S and dP on m64n32 |
-| _train_dq_kernel (4 warps) | 168 registers (Δ pass 92) | 226 registers (Δ pass 103) |
+| _train_fwd_kernel (8 warps) | 163 registers | 236 registers |
+| _train_dkdv_kernel | 4 warps, 228 registers | 8 warps, 255 registers, S and dP on m64n32 |
+| _train_dq_kernel (4 warps) | 159 registers (Δ pass 92) | 236 registers (Δ pass 103) |
 
 Issue 28's gate (no spills, every product a wgmma of N ≥ 64; ``inspect``'s ``gate`` line): every
-kernel passes at D = 64, causal or not; at D = 128 all but the dK/dV kernel, which spills 408 B
+kernel passes at D = 64, causal or not; at D = 128 all but the dK/dV kernel, which spills 344 B
 at 4 warps (two 64×128 fp32 accumulators and each INT8 product's int32 result) and splits the
 score tile at 8 warps.
 
@@ -88,6 +88,27 @@ def test_the_wide_wgmma_gate(reports, d, causal):
         if d == 128 and name == "_train_dkdv_kernel":
             continue
         assert r.ok and not r.spills and not r.narrow_products(), describe(r)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_backward_loops_keep_their_operands_out_of_shared_memory_stores(reports, d):
+    """The main loops of the dK/dV and dQ kernels (and the forward's): no transposed 8-bit
+    operand written to shared memory a byte at a time, no per-element IEEE division (a called
+    slow path), and an instruction count per tile well under what it was (2026-11-28, D = 128:
+    dK/dV 2585 with 104 ``STS`` and 64 calls, now 1681 with 8 and 2; dQ 1577 with 68 ``STS``,
+    now 1037 with 4; forward 759 with 32 ``STS``, now 707 with none)."""
+    from lowbit_attn.tools import sass
+
+    rs = reports("sagebwd_int8", d)
+    limits = {"_train_dkdv_kernel": (16, 4, 1900), "_train_dq_kernel": (8, 2, 1200),
+              "_train_fwd_kernel": (0, 0, 760)}
+    for name, (max_sts, max_calls, max_len) in limits.items():
+        body = sass.loops(sass.disassemble(rs[name].cubin))[0]
+        ops = [line.split()[0] for line in body]
+        sts = sum(op.startswith("STS") for op in ops)
+        calls = sum(op.startswith("CALL") for op in ops)
+        assert sts <= max_sts and calls <= max_calls and len(body) <= max_len, (
+            name, sts, calls, len(body))
 
 
 def test_dp_in_int8_makes_every_backward_product_int8(reports):

@@ -151,6 +151,10 @@ class QuantizedFP4:
 # backward quantizes P and dS in tiles of TRAIN_BLOCK × TRAIN_BLOCK (queries × keys). Every kernel
 # tile is aligned to these groups, so a scale never varies along a product's reduction axis.
 TRAIN_BLOCK = 64
+# The least amax a trainable backward's P or dS tile is quantized against (smaller ones quantize
+# with this step): its INT8 step is then a normal fp32 number whose reciprocal is finite, so each
+# element is multiplied by the tile's one reciprocal rather than divided by its scale.
+TILE_AMAX_FLOOR = 2.0 ** -100
 # The seven matmuls of an attention forward and backward: the forward's Q·Kᵀ (recomputed in the
 # backward with the same operands), P·V, and the backward's dP = dO·Vᵀ, dV = Pᵀ·dO, dQ = dS·K and
 # dK = dSᵀ·Q.

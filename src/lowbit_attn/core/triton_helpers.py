@@ -11,10 +11,11 @@ import triton
 import triton.language as tl
 
 from lowbit_attn.core.arch import interpreter_enabled
-from lowbit_attn.core.operands import LOG2_FP8_MAX
+from lowbit_attn.core.operands import LOG2_FP8_MAX, TILE_AMAX_FLOOR
 
 LN2 = tl.constexpr(0.6931471805599453)
 _LOG2_FP8_MAX = tl.constexpr(LOG2_FP8_MAX)
+_TILE_AMAX_FLOOR = tl.constexpr(TILE_AMAX_FLOOR)
 
 
 @dataclass(frozen=True)
@@ -266,6 +267,14 @@ def operand(values: torch.Tensor, scales: torch.Tensor) -> tuple:
     return (values, scales, tuple(values.stride()), tuple(scales.stride()))
 
 
+def token_major(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., N, D]`` with its tokens contiguous (a copy; the same logical tensor): the layout
+    in which it is the B operand of a product over tokens (P̃·V, dV = Pᵀ·dO, dK = dSᵀ·Q,
+    dQ = dS·K) as an 8-bit wgmma takes it, K-major; in the other layout Triton transposes the
+    tile through shared memory a byte at a time."""
+    return x.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
 def bhnd_strides(x: torch.Tensor | None, packed: bool) -> tuple[int, int, int, int]:
     """Strides ``(batch, head, token, dim)`` of a logical ``[B, H, N, D]`` tensor, or of a packed
     ``[total, H, D]`` one (batch stride 0: a sequence's first token comes from ``cu_seqlens``)."""
@@ -318,10 +327,11 @@ def mm(a, b, INT8: tl.constexpr, EMU_FP32: tl.constexpr):
 
 @triton.jit
 def quantize_tile(x, INT8: tl.constexpr, LIKE, KEEP_DIMS: tl.constexpr = False):
-    """A tile as a matmul operand: INT8 with one scale ``amax/127`` (NaN/Inf poison it), or
-    ``x`` in the element type of the pointer ``LIKE`` with scale 1. ``KEEP_DIMS``: the scale as a
-    ``[1, 1]`` tile instead of a scalar (the same value; see :func:`~lowbit_attn.core.arch.
-    tensor_memory`)."""
+    """A tile as a matmul operand: INT8 with one scale ``max(amax, 2^-100)/127`` (NaN/Inf poison
+    it), each element times the scale's reciprocal (one division per tile, not one per element),
+    or ``x`` in the element type of the pointer ``LIKE`` with scale 1. ``KEEP_DIMS``: the scale as
+    a ``[1, 1]`` tile instead of a scalar (the same value; see :func:`~lowbit_attn.core.arch.
+    tensor_memory`). Twin: ``training.naive.quantize_tiles``."""
     if INT8:
         if KEEP_DIMS:
             amax = (tl.max(tl.max(tl.abs(x), axis=1, keep_dims=True), axis=0, keep_dims=True)
@@ -329,8 +339,8 @@ def quantize_tile(x, INT8: tl.constexpr, LIKE, KEEP_DIMS: tl.constexpr = False):
         else:
             amax = (tl.max(tl.max(tl.abs(x), axis=1), axis=0)
                     + tl.sum(tl.sum(x * 0.0, axis=1), axis=0))
+        amax = tl.where(amax < _TILE_AMAX_FLOOR, _TILE_AMAX_FLOOR, amax)  # NaN stays NaN
         scale = amax * (1.0 / 127.0)
-        scale = tl.where(scale == 0.0, 1.0, scale)
-        return to_int8(tl.div_rn(x, scale)), scale
+        return to_int8(x * tl.div_rn(1.0, scale)), scale
     else:
         return x.to(LIKE.dtype.element_ty), 1.0

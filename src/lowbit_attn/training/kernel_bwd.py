@@ -1,8 +1,10 @@
 """Trainable attention backward (SageBwd numerics), FlashAttention-2 style: S and P recomputed from
 the saved base-2 LSE in 64×64 tiles; ``dP = dO·Vᵀ`` (16-bit by default); ``dS = P ∘ (dP - Δ)``;
 P and dS quantized per tile for ``dV = Pᵀ·dO``, ``dK = dSᵀ·Q`` (one program per key block, looping
-over the query heads of its K/V head and their query blocks) and ``dQ = dS·K`` (one program per
-query block). ``Δ_i = Σ_j P_ij·dP_ij`` comes from a first pass of the dQ kernel over the same
+over the query heads of its K/V head and their query blocks; it computes the tile transposed,
+``Sᵀ = K·Qᵀ``, so that Pᵀ and dSᵀ are the products' A operands in registers) and ``dQ = dS·K``
+(one program per query block). The 8-bit B operands of products over tokens (dO and Q for dV and
+dK, K for dQ) come token-contiguous (``token_major``), as an 8-bit wgmma reads them. ``Δ_i = Σ_j P_ij·dP_ij`` comes from a first pass of the dQ kernel over the same
 tiles, so that each row of dS sums to zero up to fp32 rounding (``rowsum(dO ∘ O)`` would take the
 forward's INT8 P̃·V, not the P and dP that dS uses). No N×N tensor is written.
 Twin: ``lowbit_attn.training.naive.backward``.
@@ -18,7 +20,7 @@ from lowbit_attn.core.arch import get_capability, interpreter_enabled, tensor_me
 from lowbit_attn.core.operands import TRAIN_BLOCK, GradOperands, TrainOperands
 from lowbit_attn.core.triton_helpers import (
     LaunchConfig, autotuned, batch_head, mm, next_pow2, next_power_of_2, operand, quantize_tile,
-    strides,
+    strides, token_major,
 )
 
 # The dK/dV kernel at D = 128. It holds two 64×D fp32 accumulators and the int32 result of each
@@ -109,8 +111,8 @@ def _train_dkdv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     nd_mask = (cols < NK)[:, None] & dmask[None, :]
-    kt, ks = _operand(k, b, hk, pid_n, cols, offs_d, nd_mask, True)
-    v_dpt, vdps = _operand(v_dp, b, hk, pid_n, cols, offs_d, nd_mask, True)
+    k_blk, ks = _operand(k, b, hk, pid_n, cols, offs_d, nd_mask, False)
+    v_blk, vdps = _operand(v_dp, b, hk, pid_n, cols, offs_d, nd_mask, False)
     if ATOMIC_DQ:  # this key block's share of dQ = dS·K, added into an fp32 buffer
         k_dq_blk, kdqs = _operand(k_dq, b, hk, pid_n, cols, offs_d, nd_mask, False)
     dk = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
@@ -124,33 +126,39 @@ def _train_dkdv_kernel(
             rows = start_m + offs_m
             md_mask = (rows < NQ)[:, None] & dmask[None, :]
             qb = start_m // BLOCK
-            q_blk, qs = _operand(q, b, h, qb, rows, offs_d, md_mask, False)
-            do_dp_blk, dos = _operand(do_dp, b, h, qb, rows, offs_d, md_mask, False)
+            # the tile transposed (keys × queries): Pᵀ and dSᵀ are then the products' A operands
+            # as they are, in registers; dO and Q (for dV, dK) come token-contiguous
+            q_t, qs = _operand(q, b, h, qb, rows, offs_d, md_mask, True)
+            do_t, dos = _operand(do_dp, b, h, qb, rows, offs_d, md_mask, True)
             lse = tl.load(LSE + b * slb + h * slh + rows * sln, mask=rows < NQ, other=0.0)
             delta = tl.load(DELTA + b * slb + h * slh + rows * sln, mask=rows < NQ, other=0.0)
-            ds_ptrs = DS
+            st = mm(k_blk, q_t, QK_INT8, EMU_FP32) * (qs * ks)
             if HAS_DS:
-                ds_ptrs = DS + b * sdsb + h * sdsh + qb * sdsq + cols[None, :] * sdsn
-            p, dp = _tile_p_dp(q_blk, qs, kt, ks, do_dp_blk, dos, v_dpt, vdps, lse, rows, cols, NQ,
-                               NK, causal_offset, ds_ptrs, IS_CAUSAL, HAS_DS, QK_INT8, DP_INT8,
-                               EMU_FP32)
-            ds = p * (dp - delta[:, None])
+                st = st + tl.load(DS + b * sdsb + h * sdsh + qb * sdsq + cols[:, None] * sdsn,
+                                  mask=cols[:, None] < NK, other=0.0)
+            valid = (rows[None, :] < NQ) & (cols[:, None] < NK)
+            if IS_CAUSAL:
+                valid = valid & (cols[:, None] <= rows[None, :] + causal_offset)
+            st = tl.where(valid, st, float("-inf"))
+            pt = tl.exp2(st - tl.where(lse == float("-inf"), 0.0, lse)[None, :])
+            dpt = mm(v_blk, do_t, DP_INT8, EMU_FP32) * (dos * vdps)
+            dst = pt * (dpt - delta[None, :])
             do_dv_blk, dovs = _operand(do_dv, b, h, qb, rows, offs_d, md_mask, False)
-            pq, ps = quantize_tile(p, DV_INT8, do_dv[0])
-            dv += mm(tl.trans(pq), do_dv_blk, DV_INT8, EMU_FP32) * (ps * dovs)
+            pq, ps = quantize_tile(pt, DV_INT8, do_dv[0])
+            dv += mm(pq, do_dv_blk, DV_INT8, EMU_FP32) * (ps * dovs)
             q_dk_blk, qdks = _operand(q_dk, b, h, qb, rows, offs_d, md_mask, False)
-            dsq, dss = quantize_tile(ds, DK_INT8, q_dk[0], TMEM)
-            dk += mm(tl.trans(dsq), q_dk_blk, DK_INT8, EMU_FP32) * (dss * qdks)
+            dsq, dss = quantize_tile(dst, DK_INT8, q_dk[0], TMEM)
+            dk += mm(dsq, q_dk_blk, DK_INT8, EMU_FP32) * (dss * qdks)
             if ATOMIC_DQ:
                 if DQ_INT8 != DK_INT8:
-                    dsq, dss = quantize_tile(ds, DQ_INT8, k_dq[0], TMEM)
+                    dsq, dss = quantize_tile(dst, DQ_INT8, k_dq[0], TMEM)
                 tl.atomic_add(DQ_ACC + b * sab + h * sah + rows[:, None] * san + offs_d[None, :] * sad,
-                              mm(dsq, k_dq_blk, DQ_INT8, EMU_FP32) * (dss * kdqs), mask=md_mask,
-                              sem="relaxed")
+                              mm(tl.trans(dsq), k_dq_blk, DQ_INT8, EMU_FP32) * (dss * kdqs),
+                              mask=md_mask, sem="relaxed")
             if HAS_DS:  # Q smoothing: dK also gets Σ_i dS_ij·mean(Q_block)
                 qm = tl.load(QM + b * sqmb + h * sqmh + qb * sqmk + offs_d * sqmd, mask=dmask,
                              other=0.0)
-                dk += tl.sum(ds, axis=0)[:, None] * qm[None, :]
+                dk += tl.sum(dst, axis=1)[:, None] * qm[None, :]
     dk = dk * softmax_scale
     if HAS_BAL:  # K entered as K/α
         dk = dk / tl.load(BAL + b * sbb + hk * sbh + offs_d * sbd, mask=dmask, other=1.0)[None, :]
@@ -266,7 +274,7 @@ def launch_args(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, dq, d
     common = dict(
         q=operand(ops.q, ops.q_scale * ops.qk_multiplier), k=operand(ops.k, ops.k_scale),
         do_dp=operand(grad.do_dp, grad.do_dp_scale), v_dp=operand(ops.v_dp, ops.v_dp_scale),
-        k_dq=operand(ops.k_dq, ops.k_dq_scale), DS=ops.delta_s, LSE=lse, DELTA=delta,
+        k_dq=operand(token_major(ops.k_dq), ops.k_dq_scale), DS=ops.delta_s, LSE=lse, DELTA=delta,
         BAL=ops.balance, ds_strides=strides(ops.delta_s, 4), lse_strides=lse.stride(),
         bal_strides=strides(ops.balance, 3), NQ=nq, NK=nk, GROUP=hq // hkv, D=d,
         causal_offset=0 if causal_offset is None else int(causal_offset),
@@ -285,8 +293,8 @@ def launch_args(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, dq, d
     dkdv = _dkdv_small_d if common["BLOCK_D"] <= 64 else _dkdv
     launches = [(_dq, rows_grid, dict(rows_pass, DELTA_PASS=True)), (
         dkdv, (triton.cdiv(nk, TRAIN_BLOCK), b * hkv),
-        dict(common, do_dv=operand(grad.do_dv, grad.do_dv_scale),
-             q_dk=operand(ops.q_dk, ops.q_dk_scale), QM=ops.q_mean, dk_out=(dk, dk.stride()),
+        dict(common, do_dv=operand(token_major(grad.do_dv), grad.do_dv_scale),
+             q_dk=operand(token_major(ops.q_dk), ops.q_dk_scale), QM=ops.q_mean, dk_out=(dk, dk.stride()),
              dv_out=(dv, dv.stride()), DQ_ACC=acc, qm_strides=strides(ops.q_mean, 4),
              acc_strides=acc.stride(), HKV=hkv, DV_INT8="dv" in ops.int8,
              DK_INT8="dk" in ops.int8, ATOMIC_DQ=atomic),

@@ -15,7 +15,7 @@ from lowbit_attn.core.arch import get_capability, interpreter_enabled
 from lowbit_attn.core.operands import TRAIN_BLOCK, TrainOperands
 from lowbit_attn.core.triton_helpers import (
     LaunchConfig, batch_head, finish_scores, key_block_bounds, mm, next_pow2, next_power_of_2, online_max,
-    normalize_rows, operand, round_half_even, strides, triton_configs,
+    normalize_rows, operand, round_half_even, strides, token_major, triton_configs,
 )
 
 CONFIGS = {
@@ -145,7 +145,8 @@ def launch_args(ops: TrainOperands, out: torch.Tensor, lse: torch.Tensor, causal
     block_m = TRAIN_BLOCK if ops.delta_s is not None else 2 * TRAIN_BLOCK
     kwargs = dict(
         q=operand(ops.q, ops.q_scale * ops.qk_multiplier), k=operand(ops.k, ops.k_scale),
-        v=operand(ops.v, ops.v_scale), DS=ops.delta_s, O=out, LSE=lse,
+        v=operand(token_major(ops.v) if "pv" in ops.int8 else ops.v, ops.v_scale),
+        DS=ops.delta_s, O=out, LSE=lse,
         ds_strides=strides(ops.delta_s, 4), o_strides=out.stride(), lse_strides=lse.stride(),
         NQ=nq, NK=nk, HQ=hq, GROUP=hq // hkv, D=d,
         causal_offset=0 if causal_offset is None else int(causal_offset),

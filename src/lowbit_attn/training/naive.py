@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from lowbit_attn.core.operands import INT8_MAX, TRAIN_BLOCK, GradOperands, TrainOperands
+from lowbit_attn.core.operands import (
+    INT8_MAX, TILE_AMAX_FLOOR, TRAIN_BLOCK, GradOperands, TrainOperands,
+)
 from lowbit_attn.inference.naive import expand_heads, visible
 from lowbit_attn.quant.int8_naive import nonfinite_guard
 
@@ -96,7 +98,8 @@ def forward(ops: TrainOperands, *, causal_offset: int | None) -> tuple[torch.Ten
 
 def quantize_tiles(x: torch.Tensor, int8: bool, dtype: torch.dtype) -> torch.Tensor:
     """``[..., Nq, Nk]`` → the same values as a matmul operand, dequantized: INT8 with one scale
-    ``amax/127`` per 64×64 tile (NaN/Inf poison their tile's scale), or rounded to ``dtype``."""
+    ``max(amax, 2^-100)/127`` per 64×64 tile (NaN/Inf poison their tile's scale), each value
+    times the scale's reciprocal, or rounded to ``dtype``."""
     if not int8:
         return x.to(dtype).to(x.dtype)
     *lead, nq, nk = x.shape
@@ -106,9 +109,9 @@ def quantize_tiles(x: torch.Tensor, int8: bool, dtype: torch.dtype) -> torch.Ten
     tiles = padded.reshape(*lead, nbq, t, nbk, t)
     guard = nonfinite_guard(tiles, (-3, -1)).unsqueeze(-1).unsqueeze(-3)
     amax = tiles.abs().amax(dim=(-3, -1), keepdim=True) + guard
+    amax = torch.where(amax < TILE_AMAX_FLOOR, TILE_AMAX_FLOOR, amax)  # NaN stays NaN
     scale = amax * (1.0 / INT8_MAX)
-    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    values = torch.clamp(torch.round(tiles / scale), -INT8_MAX, INT8_MAX)
+    values = torch.clamp(torch.round(tiles * (1.0 / scale)), -INT8_MAX, INT8_MAX)
     values = torch.nan_to_num(values, nan=0.0)
     deq = (values * scale).reshape(*lead, nbq * t, nbk * t)
     return deq[..., :nq, :nk]
