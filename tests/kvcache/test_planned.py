@@ -88,14 +88,24 @@ def steps(case, mode, sink):
         assert host_state(cache) == before
     cache.reset()  # a first append again (statistics frozen): the normal way
     cache.append(0, kn, vn)
+    state = host_state(cache)
+    off = None
+    if mode == "plan":  # plans turned off (a failed first-use check): appends go Triton's way
+        plans._off.append("turned off by the test")
+        try:
+            sink.clear()
+            cache.append(0, kn, vn)
+            off = [type(sink[0][1][9]).__name__, store.host_lengths]
+        finally:
+            plans._off.clear()
     lowbit_attn.attention_with_kv_cache(q, cache, 0, return_lse=lse)
-    return {"calls": calls, "state": host_state(cache), "replays": replays, "past": past}
+    return {"calls": calls, "state": state, "replays": replays, "past": past, "off": off}
 
 def run(case):
     with stubbed_launches((9, 0)) as sink:
         runs = {mode: steps(case, mode, sink) for mode in ("plan", "triton")}
     plan, triton = runs["plan"], runs["triton"]
-    return {"same_launches": plan["calls"] == triton["calls"],
+    return {"same_launches": plan["calls"] == triton["calls"], "off": plan["off"],
             "same_state": plan["state"] == triton["state"],
             "replays": plan["replays"], "replays_off": triton["replays"],
             "past": plan["past"], "past_off": triton["past"]}
@@ -125,14 +135,17 @@ CASES = [
 @pytest.mark.slow
 def test_replays_launch_what_triton_would_and_keep_the_host_state():
     """Every replayed append and read matches the last normal call of its key launch by launch;
-    the kernels and grids of every call, and the host's lengths, pages, block table and free
-    list, are the same as with plans off; an append past ``max_tokens`` is refused either way."""
+    the kernels and grids of every call are the same as with plans off; an append past
+    ``max_tokens`` is refused either way; once plans are turned off, an append whose key has a
+    plan goes Triton's way."""
     for case, row in zip(CASES, _child(CASES)):
         assert row["same_launches"] and row["same_state"], (case, row)
         # two normal calls per key: the append's one key, the reads' two (1 split, then 2)
         assert row["replays"] == {"append": case["steps"] - 2, "read": case["steps"] - 4}, row
         assert row["replays_off"] == {"append": 0, "read": 0}, row
         assert "max_tokens" in row["past"] and row["past"] == row["past_off"], row
+        # with plans off, a key that has one takes Triton's path (tensors, not addresses)
+        assert row["off"] == ["Tensor", [2] * case["batch"]], row
 
 
 def test_no_key_outside_eager_use():

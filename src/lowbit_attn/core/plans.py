@@ -285,18 +285,23 @@ def plannable(backend: str) -> bool:
 
 class Table:
     """The plans of one kind of call, by key (a key holds everything the call's checks and
-    launches read). On each device the first replay is compared bit for bit with the normal
-    call (:func:`first_use_ok`), and a mismatch turns plans off for the process with a warning.
-    A call without outputs is compared by nothing: the caller's first replay on a device must
-    come after another kind's, or be checked by its tests."""
+    launches read). On each device the first replay of a call with outputs is compared bit for
+    bit with the normal call (:func:`first_use_ok`); a mismatch turns plans off for the process,
+    in every table, with a warning. A call without outputs (a KV-cache append) cannot be
+    replayed twice to compare: its launches are checked against Triton's path by the tests, and
+    the replay mechanism by the first comparison on the device."""
 
     def __init__(self) -> None:
         self._table: dict = {}
 
+    def has_plan(self, key) -> bool:
+        """Whether :meth:`replay` would replay ``key`` now (a plan, and plans not turned off)."""
+        return self._table.get(key).__class__ is Plan and not _off
+
     def replay(self, key, inputs: tuple[torch.Tensor, ...]):
         """The outputs of the plan of ``key`` run on ``inputs``, or :data:`MISSING`."""
         plan = self._table.get(key)
-        if plan.__class__ is not Plan:
+        if plan.__class__ is not Plan or _off:
             return MISSING
         return replay(plan, inputs, inputs[0].device, _stream())
 

@@ -224,7 +224,7 @@ class QuantizedKVCache:
         (``kvcache/planned.py``), if there is one and the append needs no more than it checks
         here: no sequence's first tokens, none past ``max_tokens``, pages the pool has. Returns
         whether it ran; when it did not, nothing changed."""
-        if self.plans.state(plan_key).__class__ is not plans.Plan:
+        if not self.plans.has_plan(plan_key):
             return False
         store = self.layers[layer]
         n = k.shape[2]
