@@ -122,6 +122,7 @@ def _append_kernel(
             tl.store(vo, vn, mask=tile)
 
     if TICKET is not None:  # every program of the sequence has read LEN before its ticket
+        tl.debug_barrier()  # every warp of this program too: the ticket is one thread's atomic
         if tl.atomic_add(TICKET + b, 1, sem="acq_rel") == tl.num_programs(1) - 1:
             tl.store(LEN + b, end.to(tl.int64))
             tl.store(TICKET + b, 0)
