@@ -13,6 +13,7 @@ import torch
 
 from lowbit_attn.core.operands import LOG2E, TRAIN_BLOCK, GradOperands, TrainOperands
 from lowbit_attn.core.recipes import TrainRecipe
+from lowbit_attn.core.triton_helpers import token_major
 from lowbit_attn.inference import naive as ref_attn
 from lowbit_attn.quant import int8_naive as ref_quant
 
@@ -128,6 +129,8 @@ def prepare_grad(do: torch.Tensor, recipe: TrainRecipe, backend: str) -> GradOpe
         quant, _ = _quantizers(backend)
         do8, do_scale = quant.quantize_int8(do, granularity="per_block", block=TRAIN_BLOCK)
     ones = _ones(do)
-    do_dv = (do8, do_scale) if "dv" in int8 else (do, ones)
+    # dO's only INT8 use but dP is dV = Pᵀ·dO, whose 8-bit wgmma reads it token-major: the copy
+    # replaces the original (no second INT8 dO lives through the backward)
+    do_dv = (token_major(do8), do_scale) if "dv" in int8 else (do, ones)
     do_dp = (do8, do_scale) if "dp" in int8 else (do, ones)
     return GradOperands(do_dv=do_dv[0], do_dv_scale=do_dv[1], do_dp=do_dp[0], do_dp_scale=do_dp[1])
