@@ -110,7 +110,8 @@ def main() -> int:
         print("train_speed.py needs a CUDA GPU", file=sys.stderr)
         return 2
     int8_peak, bf16_peak = ceilings()
-    print(f"ceilings: INT8 {int8_peak:.0f} TOP/s, bf16 {bf16_peak:.0f} TFLOP/s (8192^3)", flush=True)
+    print(f"ceilings: INT8 {int8_peak:.0f} TOP/s, bf16 {bf16_peak:.0f} TFLOP/s (8192^3)",
+          flush=True)
     for n, causal in CONFIGS:
         probe(n, causal, int8_peak, bf16_peak)
         torch.cuda.empty_cache()

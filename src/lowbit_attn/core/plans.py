@@ -21,7 +21,7 @@ path). Plans apply to the Triton backend outside the interpreter, when no Triton
 set.
 
 Only the arguments differ from what Triton's path passes (integers for tensors); the kernels,
-grids and every other value are the recorded ones. ``tests/core/test_plans.py`` checks this
+grids and every other value are the recorded ones. ``tests/inference/test_plans.py`` checks this
 launch by launch with Triton's path under stand-in launches; the first replay on each device is
 compared bit for bit with the normal call (:func:`first_use_ok`).
 """
@@ -103,9 +103,9 @@ def _recorded_runs(records: list):
 
 def capture(fn: Callable, inputs: tuple[torch.Tensor, ...]) -> tuple[object, Plan | str]:
     """``(fn(), its plan)``, or ``(fn(), why not)`` when the call cannot be replayed. ``fn``
-    returns a tensor, a tuple of tensors (the outputs) or None (no output) and reads no tensor but ``inputs`` and
-    buffers it allocates. Inputs that share memory are addressed from the first of them: the
-    caller's key must hold their distances (:func:`shared_memory`)."""
+    returns a tensor, a tuple of tensors (the outputs) or None (no output), and reads no tensor
+    but ``inputs`` and buffers it allocates. Inputs that share memory are addressed from the
+    first of them: the caller's key must hold their distances (:func:`shared_memory`)."""
     from triton.runtime import jit
 
     records: list = []

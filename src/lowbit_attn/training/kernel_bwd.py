@@ -4,7 +4,8 @@ P and dS quantized per tile for ``dV = Pᵀ·dO``, ``dK = dSᵀ·Q`` (one progra
 over the query heads of its K/V head and their query blocks; it computes the tile transposed,
 ``Sᵀ = K·Qᵀ``, so that Pᵀ and dSᵀ are the products' A operands in registers) and ``dQ = dS·K``
 (one program per query block). The 8-bit B operands of products over tokens (dO and Q for dV and
-dK, K for dQ) come token-contiguous (``token_major``), as an 8-bit wgmma reads them. ``Δ_i = Σ_j P_ij·dP_ij`` comes from a first pass of the dQ kernel over the same
+dK, K for dQ) come token-contiguous (``token_major``), as an 8-bit wgmma reads them.
+``Δ_i = Σ_j P_ij·dP_ij`` comes from a first pass of the dQ kernel over the same
 tiles, so that each row of dS sums to zero up to fp32 rounding (``rowsum(dO ∘ O)`` would take the
 forward's INT8 P̃·V, not the P and dP that dS uses). No N×N tensor is written.
 Twin: ``lowbit_attn.training.naive.backward``.
@@ -61,21 +62,31 @@ def _operand(op, b, h, blk, rows, offs_d, mask, TRANS: tl.constexpr):
 
 @triton.jit
 def _tile_p_dp(
-    q, qs, kt, ks, do_dp, dos, v_dpt, vdps, lse, rows, cols, NQ, NK, causal_offset,
+    a_s, qs, b_s, ks, a_dp, dos, b_dp, vdps, lse, rows, cols, NQ, NK, causal_offset,
     ds_ptrs, IS_CAUSAL: tl.constexpr, HAS_DS: tl.constexpr, QK_INT8: tl.constexpr,
-    DP_INT8: tl.constexpr, EMU_FP32: tl.constexpr,
+    DP_INT8: tl.constexpr, EMU_FP32: tl.constexpr, TRANS: tl.constexpr,
 ):
     """P and dP of one 64×64 tile, S recomputed as the forward computed it (dS is
-    ``P ∘ (dP - Δ)``)."""
-    s = mm(q, kt, QK_INT8, EMU_FP32) * (qs * ks)
+    ``P ∘ (dP - Δ)``): queries × keys from ``S = Q·Kᵀ`` (``a_s = Q``, ``b_s = Kᵀ``) and ``dP =
+    dO·Vᵀ`` (``a_dp = dO``, ``b_dp = Vᵀ``), or with ``TRANS`` keys × queries, Pᵀ and dPᵀ from
+    ``K·Qᵀ`` and ``V·dOᵀ``. ``ds_ptrs``: ΔS's pointers in the tile's orientation."""
+    s = mm(a_s, b_s, QK_INT8, EMU_FP32) * (qs * ks)
+    if TRANS:
+        r, c, bias_mask = rows[None, :], cols[:, None], cols[:, None] < NK
+    else:
+        r, c, bias_mask = rows[:, None], cols[None, :], cols[None, :] < NK
     if HAS_DS:
-        s = s + tl.load(ds_ptrs, mask=cols[None, :] < NK, other=0.0)
-    valid = (rows[:, None] < NQ) & (cols[None, :] < NK)
+        s = s + tl.load(ds_ptrs, mask=bias_mask, other=0.0)
+    valid = (r < NQ) & (c < NK)
     if IS_CAUSAL:
-        valid = valid & (cols[None, :] <= rows[:, None] + causal_offset)
+        valid = valid & (c <= r + causal_offset)
     s = tl.where(valid, s, float("-inf"))
-    p = tl.exp2(s - tl.where(lse == float("-inf"), 0.0, lse)[:, None])
-    dp = mm(do_dp, v_dpt, DP_INT8, EMU_FP32) * (dos * vdps)
+    lse = tl.where(lse == float("-inf"), 0.0, lse)
+    if TRANS:
+        p = tl.exp2(s - lse[None, :])
+    else:
+        p = tl.exp2(s - lse[:, None])
+    dp = mm(a_dp, b_dp, DP_INT8, EMU_FP32) * (dos * vdps)
     return p, dp
 
 
@@ -132,16 +143,12 @@ def _train_dkdv_kernel(
             do_t, dos = _operand(do_dp, b, h, qb, rows, offs_d, md_mask, True)
             lse = tl.load(LSE + b * slb + h * slh + rows * sln, mask=rows < NQ, other=0.0)
             delta = tl.load(DELTA + b * slb + h * slh + rows * sln, mask=rows < NQ, other=0.0)
-            st = mm(k_blk, q_t, QK_INT8, EMU_FP32) * (qs * ks)
+            ds_ptrs = DS
             if HAS_DS:
-                st = st + tl.load(DS + b * sdsb + h * sdsh + qb * sdsq + cols[:, None] * sdsn,
-                                  mask=cols[:, None] < NK, other=0.0)
-            valid = (rows[None, :] < NQ) & (cols[:, None] < NK)
-            if IS_CAUSAL:
-                valid = valid & (cols[:, None] <= rows[None, :] + causal_offset)
-            st = tl.where(valid, st, float("-inf"))
-            pt = tl.exp2(st - tl.where(lse == float("-inf"), 0.0, lse)[None, :])
-            dpt = mm(v_blk, do_t, DP_INT8, EMU_FP32) * (dos * vdps)
+                ds_ptrs = DS + b * sdsb + h * sdsh + qb * sdsq + cols[:, None] * sdsn
+            pt, dpt = _tile_p_dp(k_blk, qs, q_t, ks, v_blk, dos, do_t, vdps, lse, rows, cols, NQ,
+                                 NK, causal_offset, ds_ptrs, IS_CAUSAL, HAS_DS, QK_INT8, DP_INT8,
+                                 EMU_FP32, TRANS=True)
             dst = pt * (dpt - delta[None, :])
             do_dv_blk, dovs = _operand(do_dv, b, h, qb, rows, offs_d, md_mask, False)
             pq, ps = quantize_tile(pt, DV_INT8, do_dv[0])
@@ -213,7 +220,8 @@ def _train_dq_kernel(
         if HAS_DS:
             ds_ptrs = DS + b * sdsb + h * sdsh + pid_m * sdsq + cols[None, :] * sdsn
         p, dp = _tile_p_dp(q_blk, qs, kt, ks, do_dp_blk, dos, v_dpt, vdps, lse, rows, cols, NQ, NK,
-                           causal_offset, ds_ptrs, IS_CAUSAL, HAS_DS, QK_INT8, DP_INT8, EMU_FP32)
+                           causal_offset, ds_ptrs, IS_CAUSAL, HAS_DS, QK_INT8, DP_INT8, EMU_FP32,
+                           TRANS=False)
         if DELTA_PASS:
             delta += tl.sum(p * dp, axis=1)
         else:
@@ -274,7 +282,8 @@ def launch_args(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, dq, d
     common = dict(
         q=operand(ops.q, ops.q_scale * ops.qk_multiplier), k=operand(ops.k, ops.k_scale),
         do_dp=operand(grad.do_dp, grad.do_dp_scale), v_dp=operand(ops.v_dp, ops.v_dp_scale),
-        k_dq=operand(token_major(ops.k_dq), ops.k_dq_scale), DS=ops.delta_s, LSE=lse, DELTA=delta,
+        k_dq=operand(token_major(ops.k_dq), ops.k_dq_scale), DS=ops.delta_s, LSE=lse,
+        DELTA=delta,
         BAL=ops.balance, ds_strides=strides(ops.delta_s, 4), lse_strides=lse.stride(),
         bal_strides=strides(ops.balance, 3), NQ=nq, NK=nk, GROUP=hq // hkv, D=d,
         causal_offset=0 if causal_offset is None else int(causal_offset),
@@ -293,8 +302,9 @@ def launch_args(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, dq, d
     dkdv = _dkdv_small_d if common["BLOCK_D"] <= 64 else _dkdv
     launches = [(_dq, rows_grid, dict(rows_pass, DELTA_PASS=True)), (
         dkdv, (triton.cdiv(nk, TRAIN_BLOCK), b * hkv),
-        dict(common, do_dv=operand(token_major(grad.do_dv), grad.do_dv_scale),
-             q_dk=operand(token_major(ops.q_dk), ops.q_dk_scale), QM=ops.q_mean, dk_out=(dk, dk.stride()),
+        dict(common, do_dv=operand(grad.do_dv, grad.do_dv_scale),  # token-major: prepare_grad
+             q_dk=operand(token_major(ops.q_dk), ops.q_dk_scale), QM=ops.q_mean,
+             dk_out=(dk, dk.stride()),
              dv_out=(dv, dv.stride()), DQ_ACC=acc, qm_strides=strides(ops.q_mean, 4),
              acc_strides=acc.stride(), HKV=hkv, DV_INT8="dv" in ops.int8,
              DK_INT8="dk" in ops.int8, ATOMIC_DQ=atomic),

@@ -129,8 +129,8 @@ def prepare_grad(do: torch.Tensor, recipe: TrainRecipe, backend: str) -> GradOpe
         quant, _ = _quantizers(backend)
         do8, do_scale = quant.quantize_int8(do, granularity="per_block", block=TRAIN_BLOCK)
     ones = _ones(do)
-    # dO's only INT8 use but dP is dV = Pᵀ·dO, whose 8-bit wgmma reads it token-major: the copy
-    # replaces the original (no second INT8 dO lives through the backward)
+    # dV = Pᵀ·dO's 8-bit wgmma reads dO token-major: made so here, once (unless dP is INT8 too,
+    # the original is then no longer held)
     do_dv = (token_major(do8), do_scale) if "dv" in int8 else (do, ones)
     do_dp = (do8, do_scale) if "dp" in int8 else (do, ones)
     return GradOperands(do_dv=do_dv[0], do_dv_scale=do_dv[1], do_dp=do_dp[0], do_dp_scale=do_dp[1])

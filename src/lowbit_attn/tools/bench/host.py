@@ -235,23 +235,19 @@ def measure_config(recipe: str, b: int, h: int, n: int, d: int, causal: bool, *,
 # a decode step against the 8-bit KV cache
 
 
-def _stubbed_or_gpu(fn: Callable, cuda: bool, profile: bool) -> dict:
+def _stubbed_or_gpu(fn: Callable, sink: list | None, profile: bool) -> dict:
     """``host_us``, ``launches``, ``kernels``, ``ops`` and ``profile`` of ``fn`` (already run once),
-    on a GPU or under the stand-in driver that is active."""
-    if cuda:
+    on a GPU (``sink`` None) or under the stand-in driver whose launches go to ``sink``."""
+    if sink is None:
         host_us = time_host(fn, torch.cuda.synchronize)
         kernels, ops = gpu_kernels(fn), {}
     else:
-        sink = _SINK[0]
         host_us = time_host(fn)
         sink.clear()
         ops = count_kernel_ops(fn)
         kernels = [stub.name for stub, _ in sink]
     return dict(host_us=round(host_us, 2), launches=len(kernels) + sum(ops.values()),
                 kernels=kernels, ops=ops, profile=profile_lines(fn) if profile else [])
-
-
-_SINK: list = [None]  # the stand-in driver's launches, while measure_decode_config runs
 
 
 def measure_decode_config(n: int, batch: int, kv_heads: int, group: int, d: int, page: int, *,
@@ -268,11 +264,12 @@ def measure_decode_config(n: int, batch: int, kv_heads: int, group: int, d: int,
     row = dict(N=n, batch=batch, kv_heads=kv_heads, group=group, D=d, page=page,
                mode="gpu" if cuda else "stubbed launches")
     calls = HOST_CALLS * (HOST_ROUNDS + 3)  # the appends of the timing, warm-ups and profile
+    sink = None  # the stand-in driver's launches, without a GPU
     with contextlib.ExitStack() as stack:
         if not cuda:
             from lowbit_attn.core.arch import get_capability
 
-            _SINK[0] = stack.enter_context(stubbed_launches(get_capability() or (9, 0)))
+            sink = stack.enter_context(stubbed_launches(get_capability() or (9, 0)))
         cache = lowbit_attn.QuantizedKVCache(1, batch, kv_heads, d, max_tokens=n + calls,
                                              page_size=page, device=device)
         prompt = torch.zeros(batch, kv_heads, n, d, dtype=torch.float16, device=device)
@@ -289,14 +286,14 @@ def measure_decode_config(n: int, batch: int, kv_heads: int, group: int, d: int,
             cache.append(0, k, v)
 
         decode()
-        row["decode"] = _stubbed_or_gpu(decode, cuda, profile)
+        row["decode"] = _stubbed_or_gpu(decode, sink, profile)
         append()
-        row["append"] = _stubbed_or_gpu(append, cuda, profile)
-        _SINK[0] = None
+        row["append"] = _stubbed_or_gpu(append, sink, profile)
     return row
 
 
-def measure_decode(configs: list[dict], *, arch: str = "sm_90", profile: bool = False) -> list[dict]:
+def measure_decode(configs: list[dict], *, arch: str = "sm_90",
+                   profile: bool = False) -> list[dict]:
     """The rows of ``configs`` (dicts of :func:`measure_decode_config`'s arguments), as
     :func:`measure`."""
     if torch.cuda.is_available():
