@@ -43,7 +43,7 @@ def _kernel_attention(qz, recipe, causal_offset, return_lse=True):
 
 @pytest.mark.parametrize("b,hq,hkv,nq,nk,d", CASES + GPU_CASES)
 @pytest.mark.parametrize("name", RECIPES)
-@pytest.mark.parametrize("granularity", ["per_block", "per_token"])
+@pytest.mark.parametrize("granularity", ["per_block", "per_token", "per_thread"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_kernel_matches_reference_on_the_same_quantized_inputs(b, hq, hkv, nq, nk, d, name,
                                                                 granularity, causal, device):
@@ -72,6 +72,9 @@ def test_kernel_matches_reference_on_the_same_quantized_inputs(b, hq, hkv, nq, n
         pytest.param({"smooth_k": False, "balance_qk": False}, id="no_smoothing"),
         pytest.param({"block_q": 64, "block_k": 32, "granularity": "per_block"}, id="blocks64x32"),
         pytest.param({"block_k": 128}, id="block_k128"),
+        pytest.param({"granularity": "per_thread", "block_q": 64, "block_k": 128},
+                     id="per_thread"),
+        pytest.param({"granularity": "per_thread", "smooth_q": True}, id="per_thread_smooth_q"),
     ],
 )
 def test_public_call_triton_equals_reference(name, options, monkeypatch, device):

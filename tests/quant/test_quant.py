@@ -29,14 +29,14 @@ SHAPES = [
 
 @pytest.mark.parametrize("shape", SHAPES + [
     pytest.param((2, 8, 1000, 128), id="gpu-B2-H8-N1000-D128", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("granularity", ["per_block", "per_token"])
+@pytest.mark.parametrize("granularity", ["per_block", "per_token", "per_thread"])
 @pytest.mark.parametrize("center", ["none", "mean", "block_mean"])
 @pytest.mark.parametrize("role", ["q", "k"])
 def test_int8_kernel_matches_twin_bit_for_bit(shape, granularity, center, role, device):
     g = torch.Generator().manual_seed(1)
     x = (torch.randn(shape, generator=g) * 3 + torch.randn(shape[-1], generator=g)).half()
     b, h, n, d = shape
-    block = 64
+    block = 128 if (granularity, role) == ("per_thread", "k") else 64  # K's per-thread tile
     # GQA statistics: x is Q with h heads sharing one KV head, or K whose heads each serve 2 Q heads
     hq, hkv = (h, 1) if role == "q" else (2 * h, h)
     amax_q = torch.rand(b, hq, d, generator=g) * 3
@@ -49,7 +49,7 @@ def test_int8_kernel_matches_twin_bit_for_bit(shape, granularity, center, role, 
         c = torch.randn(b, h, -(-n // block), d, generator=g)
     x, amax_q, amax_k, c = (t if t is None else t.to(device.name) for t in (x, amax_q, amax_k, c))
     kw = dict(granularity=granularity, block=block, center=c, center_per_block=center == "block_mean",
-              balance=(amax_q, amax_k), balance_role=role, scale_multiplier=0.18)
+              balance=(amax_q, amax_k), role=role, scale_multiplier=0.18)
     v_ref, s_ref = ref.quantize_int8(x, **kw)
     v_k, s_k = kq().quantize_int8(x, **kw)
     assert_same(v_k, v_ref, device, "int8 codes", name="values")
@@ -103,6 +103,57 @@ def test_int8_zero_group_and_non_finite(impl_name):
     x[0, 0, 20, 3] = float("inf")
     _, scale = impl.quantize_int8(x, granularity="per_token", block=16)
     assert torch.isnan(scale[0, 0, 20]) and torch.isfinite(scale[0, 0, 21])
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("impl_name", ["reference", "triton"])
+@pytest.mark.parametrize("n", [1, 150, 300])
+def test_per_thread_groups_are_the_wgmma_fragments(impl_name, n):
+    """Q: rows r and r + 8 of each 16-row slice share a scale; K: in each 128-key block, keys
+    2c and 2c + 1 (mod 8) do. Each row gets a distinct magnitude, so a scale is its group's
+    largest row's magnitude / 127 and nothing else."""
+    impl = ref if impl_name == "reference" else kq()
+    rows = torch.arange(1, n + 1, dtype=torch.float32)
+    x = torch.ones(1, 1, n, 16) * rows[:, None]
+    x[..., 1] = -x[..., 1]
+    q_values, q_scale = impl.quantize_int8(x, granularity="per_thread", block=64, role="q")
+    k_values, k_scale = impl.quantize_int8(x, granularity="per_thread", block=128, role="k")
+    i = torch.arange(n)
+    q_groups = {}
+    k_groups = {}
+    for r in range(n):
+        q_groups.setdefault((r // 16, r % 8), []).append(r + 1)
+        k_groups.setdefault((r // 128, (r % 8) // 2), []).append(r + 1)
+    want_q = torch.ones(-(-n // 16) * 8)  # a group past the last row: scale 1
+    for (s, r), members in q_groups.items():
+        want_q[s * 8 + r] = max(members) / 127.0
+    want_k = torch.ones(-(-n // 128) * 4)
+    for (blk, c), members in k_groups.items():
+        want_k[blk * 4 + c] = max(members) / 127.0
+    # amax·(1/127): an ulp from amax/127
+    assert torch.allclose(q_scale[0, 0], want_q, rtol=1e-6, atol=0)
+    assert torch.allclose(k_scale[0, 0], want_k, rtol=1e-6, atol=0)
+    assert torch.equal(ref.thread_groups(n, "q"), (i // 16) * 8 + i % 8)
+    # the largest row of each group is ±127
+    for values, groups in ((q_values, q_groups), (k_values, k_groups)):
+        for members in groups.values():
+            top = max(members) - 1
+            assert values[0, 0, top, 0] == 127 and values[0, 0, top, 1] == -127
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("impl_name", ["reference", "triton"])
+@pytest.mark.parametrize("role", ["q", "k"])
+def test_per_thread_nan_poisons_its_group_only(impl_name, role):
+    impl = ref if impl_name == "reference" else kq()
+    x = torch.randn(1, 1, 140, 32, generator=torch.Generator().manual_seed(3))
+    x[0, 0, 19, 5] = float("inf")  # Q: slice 1, group 1·8 + 3; K: block 0, group (19 % 8) // 2 = 1
+    _, scale = impl.quantize_int8(x, granularity="per_thread", block=64 if role == "q" else 128,
+                                  role=role)
+    bad = 11 if role == "q" else 1
+    assert torch.isnan(scale[0, 0, bad])
+    others = torch.cat([scale[0, 0, :bad], scale[0, 0, bad + 1:]])
+    assert torch.isfinite(others).all()
 
 
 @pytest.mark.interpreter
@@ -246,14 +297,16 @@ def test_balance_factors_equalize_ranges_and_keep_degenerate_channels():
 @given(
     n=st.integers(1, 70),
     d=st.sampled_from([16, 24, 40, 64]),
-    per_token=st.booleans(),
+    granularity=st.sampled_from(["per_block", "per_token", "per_thread"]),
+    role=st.sampled_from(["q", "k"]),
     scale_exp=st.integers(-8, 8),
     seed=st.integers(0, 2**16),
 )
-def test_int8_twins_agree_on_random_shapes_and_ranges(n, d, per_token, scale_exp, seed):
+def test_int8_twins_agree_on_random_shapes_and_ranges(n, d, granularity, role, scale_exp, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(1, 2, n, d, generator=g) * (2.0**scale_exp)
-    kw = dict(granularity="per_token" if per_token else "per_block", block=32)
+    block = 128 if (granularity, role) == ("per_thread", "k") else 32
+    kw = dict(granularity=granularity, block=block, role=role)
     v_ref, s_ref = ref.quantize_int8(x, **kw)
     v_k, s_k = kq().quantize_int8(x, **kw)
     assert torch.equal(v_k, v_ref) and torch.equal(s_k, s_ref)

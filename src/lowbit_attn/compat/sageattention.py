@@ -42,9 +42,11 @@ QUANTIZATION_BACKENDS = ("triton", "cuda")
 PV_ACCUM_FP16 = ("fp32", "fp16+fp32", "fp16")
 PV_ACCUM_FP8 = ("fp32", "fp32+fp32", "fp32+fp16")
 PV_ACCUM_FP8_SM90 = ("fp32", "fp32+fp32")
-# SageAttention's INT8 scale groups → ours: a per-thread group is a few rows (finer than a warp's);
-# one scale per token is the nearest (and finer still); a warp's 16-32 query rows → per block.
-GRANULARITY = {"per_thread": "per_token", "per_warp": "per_block"}
+# SageAttention's INT8 scale groups → ours: per thread → our per-thread groups, their sm90 layout
+# (Q's rows r, r + 8 of 16-row slices; K's keys 2c, 2c + 1 mod 8 of 128-key blocks), with its
+# 64-row and 128-key blocks; a warp's 16-32 query rows → per block.
+GRANULARITY = {"per_thread": {"granularity": "per_thread", "block_q": 64, "block_k": 128},
+               "per_warp": {"granularity": "per_block"}}
 
 _warned: set[tuple[str, str]] = set()
 _warned_lock = threading.Lock()
@@ -139,8 +141,8 @@ def _int8_recipe(name: str, *, qk_quant_gran=None, smooth_k=True, smooth_v=False
     changes = {"smooth_k": checks.flag("smooth_k", smooth_k),
                "smooth_v": checks.flag("smooth_v", smooth_v)}
     if qk_quant_gran is not None:
-        changes["granularity"] = GRANULARITY[checks.choice("qk_quant_gran", qk_quant_gran,
-                                                           QK_QUANT_GRANS)]
+        changes.update(GRANULARITY[checks.choice("qk_quant_gran", qk_quant_gran,
+                                                 QK_QUANT_GRANS)])
     return get_recipe(name).replace(**changes)
 
 
@@ -249,9 +251,10 @@ def sageattn_qk_int8_pv_fp16_cuda(
 
     Args (theirs → ours):
         tensor_layout, is_causal, sm_scale, return_lse, **kwargs: as :func:`sageattn`.
-        qk_quant_gran: ``"per_thread"`` → ``granularity="per_token"`` (one scale per row, finer
-            than their per-thread groups); ``"per_warp"`` → ``granularity="per_block"`` (one scale
-            per 128 query rows and 64 key rows; their warp groups are 16-32 query rows, 64 keys).
+        qk_quant_gran: ``"per_thread"`` → ``granularity="per_thread"`` with 64-row and 128-key
+            blocks (their sm90 groups; on sm80/sm89 theirs are 4 query rows and 16 keys);
+            ``"per_warp"`` → ``granularity="per_block"`` (one scale per 128 query rows and 64 key
+            rows; their warp groups are 16-32 query rows, 64 keys).
         pv_accum_dtype: ``"fp32"``, ``"fp16+fp32"`` or ``"fp16"``: checked; ours always
             accumulates P·V in fp32 (equal to ``"fp32"``, more accurate than the others).
         smooth_k: → ``Recipe.smooth_k``.
@@ -322,8 +325,8 @@ def sageattn_qk_int8_pv_fp8_cuda_sm90(
     :func:`sageattn_qk_int8_pv_fp8_cuda` (runs on any device here, not only sm_90).
 
     Args (theirs → ours):
-        qk_quant_gran: as :func:`sageattn_qk_int8_pv_fp16_cuda` (their sm90 groups: 64 query rows,
-            128 keys per block; ours 128 and 64).
+        qk_quant_gran: as :func:`sageattn_qk_int8_pv_fp16_cuda` (``"per_thread"`` is this
+            kernel's own layout: the same groups and blocks).
         pv_accum_dtype: ``"fp32+fp32"`` or ``"fp32"`` (theirs raises NotImplementedError for
             ``"fp32"``; ours computes it as ``"fp32+fp32"``).
         the others: as :func:`sageattn_qk_int8_pv_fp8_cuda`.

@@ -97,6 +97,12 @@ def dense_seqs(x: torch.Tensor) -> Seqs:
     return Seqs(batch=x.shape[0], max_len=x.shape[2])
 
 
+# Per-thread INT8 scale groups (``granularity="per_thread"``, SageAttention2's sm90 layout; see
+# ``quant.int8_naive.thread_groups``): Q's rows pair up within slices of 16 rows, K's keys form 4
+# groups in each block of 128.
+THREAD_Q_SLICE = 16
+THREAD_K_BLOCK = 128
+
 FP4_GROUP = {"nvfp4": 16, "mxfp4": 32}  # elements per scale
 # Where a two-level P̃ row's block maximum is put before the FP4 group quantization: NVFP4 at 448·6,
 # the top of its range (group scale 448, E4M3's largest); MXFP4 at 6, a value its power-of-two

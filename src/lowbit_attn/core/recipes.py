@@ -17,9 +17,9 @@ from typing import Literal
 from lowbit_attn.core import checks
 from lowbit_attn.core.arch import get_capability
 
-Granularity = Literal["per_block", "per_token"]
+Granularity = Literal["per_block", "per_token", "per_thread"]
 
-GRANULARITIES = ("per_block", "per_token")
+GRANULARITIES = ("per_block", "per_token", "per_thread")
 QK_FORMATS = ("int8", "nvfp4", "mxfp4", "none")
 PV_FORMATS = ("fp16", "fp8", "nvfp4", "mxfp4", "none")
 FP4_FORMATS = ("nvfp4", "mxfp4")
@@ -63,8 +63,12 @@ class Recipe:
             accumulator), ``"nvfp4"`` / ``"mxfp4"`` (P̃ in groups of keys, V in groups of tokens;
             the same format as ``qk``) or ``"none"``.
         granularity: INT8 scale groups for Q and K: ``"per_block"`` (one scale per ``block_q`` query
-            rows and per ``block_k`` key rows) or ``"per_token"`` (one scale per row). FP4 recipes'
-            groups are fixed by their format and keep ``"per_block"``.
+            rows and per ``block_k`` key rows), ``"per_token"`` (one scale per row) or
+            ``"per_thread"`` (SageAttention2's sm90 groups, the rows and keys one thread of a
+            Hopper wgmma holds: Q's rows ``r`` and ``r + 8`` of each 16-row slice, and in each
+            128-key block the keys ``2c, 2c + 1`` (mod 8), for c = 0..3; a kernel then
+            dequantizes all of a thread's scores with one scalar). FP4 recipes' groups are fixed
+            by their format and keep ``"per_block"``.
         smooth_k: subtract the per-(batch, head, channel) mean of K over tokens. Exact: softmax ignores
             the constant it adds to each row of scores.
         smooth_q: subtract the mean of each block of ``block_q`` query rows and add the correction

@@ -20,7 +20,10 @@ from lowbit_attn.core.triton_helpers import (
     finish_scores, key_block_bounds, next_pow2, next_power_of_2, online_max, p_offset, row_strides, seq_span,
     store_lse, strides, to_e4m3, triton_configs,
 )
-from lowbit_attn.quant.tile import quantize_int8_tile
+from lowbit_attn.quant.tile import quantize_int8_tile, thread_group
+
+# The kernel's ``GRAN`` of each granularity (the quantization kernels' codes for Q).
+GRANULARITY_CODES = {"per_block": 0, "per_token": 1, "per_thread": 2}
 
 
 # Named per architecture; BLOCK_M and BLOCK_N come from the recipe (they are also the per-block
@@ -56,12 +59,15 @@ def _scores(q, start_n, offs_n, offs_d, dmask, nk, k_base, skn, skd, MASKED: tl.
 
 
 @triton.jit
-def _key_scales(ks_base, start_n, offs_n, nk, sksn, PER_TOKEN: tl.constexpr,
+def _key_scales(ks_base, start_n, offs_n, nk, sksn, GRAN: tl.constexpr,
                 BLOCK_N: tl.constexpr):
-    """K's scales for one key block: one per key, or the block's one."""
-    if PER_TOKEN:
-        cols = start_n + offs_n
+    """K's scales for one key block: one per key (``GRAN`` 1: its own; 2: its per-thread
+    group's), or the block's one (0)."""
+    cols = start_n + offs_n
+    if GRAN == 1:
         return tl.load(ks_base + cols * sksn, mask=cols < nk, other=0.0)
+    elif GRAN == 2:  # 1 past the end: the scores there are -inf, and -inf·1 stays -inf
+        return tl.load(ks_base + thread_group(cols, 3) * sksn, mask=cols < nk, other=1.0)
     else:
         return tl.load(ks_base + (start_n // BLOCK_N) * sksn)
 
@@ -70,7 +76,7 @@ def _key_scales(ks_base, start_n, offs_n, nk, sksn, PER_TOKEN: tl.constexpr,
 def _softmax_pv(
     acc, m_i, l_i, s_int, ks, qs, start_n, offs_m, offs_n, offs_d, dmask, nk, causal_offset,
     v_base, ds_base, svn, svd, sdn, offset,
-    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PER_TOKEN: tl.constexpr, PV_FP8: tl.constexpr,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, GRAN: tl.constexpr, PV_FP8: tl.constexpr,
     HAS_DS: tl.constexpr, EXACT_FP8: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """The online-softmax step of one key block's integer scores, then its P̃·V.
@@ -79,20 +85,30 @@ def _softmax_pv(
     ``s_int`` (per block, ``c = s_q·s_k``), the row max taken on ``t`` and scaled once per row
     (``max(t)·c = max(t·c)``: scales are positive and rounding is monotone), and
     ``exp2(fma(t, c, -(m - offset)))``: one multiply per score fewer than scaling every score
-    first. Twin: ``reference.attention.quantized_attention`` (same products, same row max)."""
+    first. Per thread (``GRAN`` 2), ``c = s_q·s_k`` of each score's groups, one value per thread
+    in a wgmma's fragments: ``max(t·c)`` and ``exp2(fma(t, c, -(m - offset)))``. Twin:
+    ``reference.attention.quantized_attention`` (same products, same row max)."""
     cols = start_n + offs_n
     nmask = cols < nk
     if HAS_DS:
-        if PER_TOKEN:
+        if GRAN == 1:
             s = (s_int.to(tl.float32) * ks[None, :]) * qs[:, None]
+        elif GRAN == 2:
+            s = s_int.to(tl.float32) * (qs[:, None] * ks[None, :])
         else:
             s = s_int.to(tl.float32) * (qs * ks)
         s = finish_scores(s, cols, nmask, offs_m, causal_offset, ds_base, sdn, HAS_DS, MASKED,
                           IS_CAUSAL)
         m_new, m_safe, alpha = online_max(m_i, tl.max(s, axis=1))
         p = tl.exp2(s - (m_safe - offset)[:, None])
+    elif GRAN == 2:
+        t = finish_scores(s_int.to(tl.float32), cols, nmask, offs_m, causal_offset, ds_base, sdn,
+                          HAS_DS, MASKED, IS_CAUSAL)
+        c = qs[:, None] * ks[None, :]
+        m_new, m_safe, alpha = online_max(m_i, tl.max(t * c, axis=1))
+        p = tl.exp2(tl.fma(t, c, -(m_safe - offset)[:, None]))
     else:
-        if PER_TOKEN:
+        if GRAN == 1:
             t = s_int.to(tl.float32) * ks[None, :]
             c = qs
         else:
@@ -124,7 +140,7 @@ def _attn_fwd_int8_kernel(
     aq_strides, ak_strides, qk_multiplier,
     NQ, NK, HQ, GROUP, D, causal_offset, N_BUCKET,
     Q_IN_KERNEL: tl.constexpr, Q_CENTER: tl.constexpr, Q_BALANCE: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, PER_TOKEN: tl.constexpr, PV_FP8: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, GRAN: tl.constexpr, PV_FP8: tl.constexpr,
     HAS_VSCALE: tl.constexpr, HAS_VMEAN: tl.constexpr, HAS_DS: tl.constexpr,
     HAS_LSH: tl.constexpr, WRITE_LSE: tl.constexpr,
     EXACT_FP8: tl.constexpr, VARLEN: tl.constexpr, PIPELINE: tl.constexpr,
@@ -169,7 +185,7 @@ def _attn_fwd_int8_kernel(
     if Q_IN_KERNEL:  # the quantization pass's own tile function: the same bits
         q_blk, qs, _, _, _ = quantize_int8_tile(
             Q, QM, AQ, AK, b, h, q_start, pid_m, nq, q_strides, qm_strides, aq_strides, ak_strides,
-            D, GROUP, PER_TOKEN, Q_CENTER, Q_BALANCE, BLOCK_M, BLOCK_D,
+            D, GROUP, GRAN, Q_CENTER, Q_BALANCE, BLOCK_M, BLOCK_D,
         )
         qs = qs * qk_multiplier
     else:
@@ -177,8 +193,11 @@ def _attn_fwd_int8_kernel(
             Q + b * sqb + h * sqh + (q_start + offs_m)[:, None] * sqn + offs_d[None, :] * sqd,
             mask=mmask[:, None] & dmask[None, :], other=0,
         )
-        if PER_TOKEN:
+        if GRAN == 1:
             qs = tl.load(QS + b * sqsb + h * sqsh + (q_start + offs_m) * sqsn, mask=mmask,
+                         other=1.0)
+        elif GRAN == 2:
+            qs = tl.load(QS + b * sqsb + h * sqsh + thread_group(offs_m, 2) * sqsn, mask=mmask,
                          other=1.0)
         else:
             qs = tl.load(QS + b * sqsb + h * sqsh + pid_m * sqsn)
@@ -186,7 +205,7 @@ def _attn_fwd_int8_kernel(
     # Loop-invariant bases (int64 arithmetic once; the loop adds int32 offsets within a head).
     k_base = K + b * skb + hk * skh + k_start * skn
     v_base = V + b * svb + hk * svh + k_start * svn
-    if PER_TOKEN:
+    if GRAN == 1:
         ks_base = KS + b * sksb + hk * sksh + k_start * sksn
     else:
         ks_base = KS + b * sksb + hk * sksh
@@ -207,40 +226,40 @@ def _attn_fwd_int8_kernel(
         # registers.
         if full_hi > 0:
             s_cur = _scores(q_blk, 0, offs_n, offs_d, dmask, nk, k_base, skn, skd, False)
-            ks_cur = _key_scales(ks_base, 0, offs_n, nk, sksn, PER_TOKEN, BLOCK_N)
+            ks_cur = _key_scales(ks_base, 0, offs_n, nk, sksn, GRAN, BLOCK_N)
             for start_n in range(0, full_hi - BLOCK_N, BLOCK_N):
                 s_next = _scores(q_blk, start_n + BLOCK_N, offs_n, offs_d, dmask, nk, k_base, skn,
                                  skd, False)
-                ks_next = _key_scales(ks_base, start_n + BLOCK_N, offs_n, nk, sksn, PER_TOKEN,
+                ks_next = _key_scales(ks_base, start_n + BLOCK_N, offs_n, nk, sksn, GRAN,
                                       BLOCK_N)
                 acc, m_i, l_i = _softmax_pv(
                     acc, m_i, l_i, s_cur, ks_cur, qs, start_n, offs_m, offs_n, offs_d, dmask, nk,
                     causal_offset, v_base, ds_base, svn, svd, sdn, offset,
-                    False, IS_CAUSAL, PER_TOKEN, PV_FP8, HAS_DS, EXACT_FP8, BLOCK_N,
+                    False, IS_CAUSAL, GRAN, PV_FP8, HAS_DS, EXACT_FP8, BLOCK_N,
                 )
                 s_cur = s_next
                 ks_cur = ks_next
             acc, m_i, l_i = _softmax_pv(
                 acc, m_i, l_i, s_cur, ks_cur, qs, full_hi - BLOCK_N, offs_m, offs_n, offs_d, dmask,
                 nk, causal_offset, v_base, ds_base, svn, svd, sdn, offset,
-                False, IS_CAUSAL, PER_TOKEN, PV_FP8, HAS_DS, EXACT_FP8, BLOCK_N,
+                False, IS_CAUSAL, GRAN, PV_FP8, HAS_DS, EXACT_FP8, BLOCK_N,
             )
     else:
         for start_n in range(0, full_hi, BLOCK_N):
             s_int = _scores(q_blk, start_n, offs_n, offs_d, dmask, nk, k_base, skn, skd, False)
-            ks = _key_scales(ks_base, start_n, offs_n, nk, sksn, PER_TOKEN, BLOCK_N)
+            ks = _key_scales(ks_base, start_n, offs_n, nk, sksn, GRAN, BLOCK_N)
             acc, m_i, l_i = _softmax_pv(
                 acc, m_i, l_i, s_int, ks, qs, start_n, offs_m, offs_n, offs_d, dmask, nk,
                 causal_offset, v_base, ds_base, svn, svd, sdn, offset,
-                False, IS_CAUSAL, PER_TOKEN, PV_FP8, HAS_DS, EXACT_FP8, BLOCK_N,
+                False, IS_CAUSAL, GRAN, PV_FP8, HAS_DS, EXACT_FP8, BLOCK_N,
             )
     for start_n in range(full_hi, hi, BLOCK_N):
         s_int = _scores(q_blk, start_n, offs_n, offs_d, dmask, nk, k_base, skn, skd, True)
-        ks = _key_scales(ks_base, start_n, offs_n, nk, sksn, PER_TOKEN, BLOCK_N)
+        ks = _key_scales(ks_base, start_n, offs_n, nk, sksn, GRAN, BLOCK_N)
         acc, m_i, l_i = _softmax_pv(
             acc, m_i, l_i, s_int, ks, qs, start_n, offs_m, offs_n, offs_d, dmask, nk,
             causal_offset, v_base, ds_base, svn, svd, sdn, offset,
-            True, IS_CAUSAL, PER_TOKEN, PV_FP8, HAS_DS, EXACT_FP8, BLOCK_N,
+            True, IS_CAUSAL, GRAN, PV_FP8, HAS_DS, EXACT_FP8, BLOCK_N,
         )
 
     out = finish_rows(acc, l_i, VS, VM, b * svsb + hk * svsh, offs_d, dmask, svsd, HAS_VSCALE,
@@ -274,7 +293,7 @@ _attn_fwd_int8 = triton.autotune(
     configs=triton_configs(CONFIGS, get_capability()),
     prune_configs_by={"early_config_prune": _prune},
     # N_BUCKET (a power of two of the key length, unused by the kernel): tune per length range.
-    key=["N_BUCKET", "BLOCK_D", "IS_CAUSAL", "PER_TOKEN", "PV_FP8", "VARLEN", "BLOCK_M", "BLOCK_N",
+    key=["N_BUCKET", "BLOCK_D", "IS_CAUSAL", "GRAN", "PV_FP8", "VARLEN", "BLOCK_M", "BLOCK_N",
          "Q_IN_KERNEL"],
 )(
     triton.heuristics(
@@ -340,7 +359,8 @@ def attention(
         NQ=seqs_q.max_len, NK=seqs_k.max_len, HQ=hq, GROUP=hq // hkv, D=d,
         causal_offset=0 if causal_offset is None else int(causal_offset),
         N_BUCKET=min(next_power_of_2(seqs_k.max_len), 32768),
-        IS_CAUSAL=causal_offset is not None, PER_TOKEN=per_token, PV_FP8=pv == "fp8",
+        IS_CAUSAL=causal_offset is not None, GRAN=GRANULARITY_CODES[granularity],
+        PV_FP8=pv == "fp8",
         EXACT_FP8=exact_fp8(), VARLEN=packed,
         BLOCK_M=block_q, BLOCK_N=block_k, BLOCK_D=next_pow2(d, minimum=32),  # int8 MMA: k ≥ 32
     )

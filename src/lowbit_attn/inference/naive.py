@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from lowbit_attn.core.operands import LN2, LOG2_FP8_MAX, QuantizedFP4, QuantizedQKV
-from lowbit_attn.quant.int8_naive import to_e4m3
+from lowbit_attn.quant.int8_naive import thread_groups, to_e4m3
 from lowbit_attn.quant.fp4_qkv_naive import dequantize_fp4, quantize_p, two_level_p
 
 
@@ -94,6 +94,9 @@ def quantized_attention(
     if granularity == "per_block":
         q_scale = qz.q_scale.repeat_interleave(block_q, dim=-1)[..., :nq]
         k_scale = expand_heads(qz.k_scale, hq).repeat_interleave(block_k, dim=-1)[..., :nk]
+    elif granularity == "per_thread":
+        q_scale = qz.q_scale[..., thread_groups(nq, "q", dev)]
+        k_scale = expand_heads(qz.k_scale, hq)[..., thread_groups(nk, "k", dev)]
     else:
         q_scale = qz.q_scale
         k_scale = expand_heads(qz.k_scale, hq)
@@ -110,7 +113,7 @@ def quantized_attention(
         stop = min(start + block_k, nk)
         # int8 products summed in fp32 are exact: |sum| <= 127² · D < 2^24.
         s_int = torch.matmul(qf, kf[:, :, start:stop].transpose(-1, -2))
-        if granularity == "per_block":
+        if granularity != "per_token":  # one product of the two scales, as the kernels fold it
             s = s_int * (q_scale.unsqueeze(-1) * k_scale[:, :, None, start:stop])
         else:  # the kernels' order: the key scale first, then the query row's (see there)
             s = (s_int * k_scale[:, :, None, start:stop]) * q_scale.unsqueeze(-1)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from lowbit_attn.core.operands import LOG2E, QuantizedFP4, QuantizedQKV, QuantizeInKernel
+from lowbit_attn.core.operands import (
+    LOG2E, THREAD_K_BLOCK, QuantizedFP4, QuantizedQKV, QuantizeInKernel,
+)
 from lowbit_attn.core.recipes import Recipe
 from lowbit_attn.inference import naive as ref_attn
 from lowbit_attn.quant import int8_naive as ref_quant
@@ -93,11 +95,13 @@ def quantize_qkv(
     v_mean, v_amax = stats.get("v", (None, None))
 
     multiplier = softmax_scale * LOG2E
-    k_args = dict(granularity=recipe.granularity, block=recipe.block_k, center=k_mean,
-                  balance=(q_amax, k_amax) if recipe.balance_qk else None, balance_role="k")
+    # K's per-thread groups lie in 128-key blocks: its quantization tiles are those blocks
+    k_block = THREAD_K_BLOCK if recipe.granularity == "per_thread" else recipe.block_k
+    k_args = dict(granularity=recipe.granularity, block=k_block, center=k_mean,
+                  balance=(q_amax, k_amax) if recipe.balance_qk else None, role="k")
     balance = (q_amax, k_amax) if recipe.balance_qk else None
     q_args = dict(granularity=recipe.granularity, block=recipe.block_q, center=q_mean,
-                  center_per_block=True, balance=balance, balance_role="q",
+                  center_per_block=True, balance=balance, role="q",
                   scale_multiplier=multiplier)
     q8 = q_scale = None
     if triton_backend:

@@ -50,7 +50,7 @@ def quantize_keys(k: torch.Tensor, mean: torch.Tensor, q_amax: torch.Tensor,
     one scale per token, ``α`` from the frozen ``q_amax``, ``k_amax [B, H, D]``. Each token's row
     is quantized on its own: the same row gives the same bits whatever else is in the batch."""
     return quantize_int8(k, granularity="per_token", block=1, center=mean,
-                         balance=(q_amax, k_amax), balance_role="k")
+                         balance=(q_amax, k_amax), role="k")
 
 
 def quantize_queries(q: torch.Tensor, q_amax: torch.Tensor, k_amax: torch.Tensor,
@@ -58,7 +58,7 @@ def quantize_queries(q: torch.Tensor, q_amax: torch.Tensor, k_amax: torch.Tensor
     """``q [B, Hq, n, D]`` times ``α`` (from the frozen ``[B, Hkv, D]`` statistics) → ``(int8,
     scales fp32 [B, Hq, n])``, per token (row), the scales times ``multiplier``."""
     return quantize_int8(q, granularity="per_token", block=1, balance=(q_amax, k_amax),
-                         balance_role="q", scale_multiplier=multiplier)
+                         role="q", scale_multiplier=multiplier)
 
 
 def quantize_v_page(v: torch.Tensor, recipe: KVRecipe) -> tuple[torch.Tensor, torch.Tensor]:

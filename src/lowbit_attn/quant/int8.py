@@ -13,12 +13,14 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit_attn.core.operands import FP16_V_KEEP_HI, FP16_V_KEEP_LO, Seqs, dense_seqs
+from lowbit_attn.core.operands import (
+    FP16_V_KEEP_HI, FP16_V_KEEP_LO, THREAD_K_BLOCK, THREAD_Q_SLICE, Seqs, dense_seqs,
+)
 from lowbit_attn.core.triton_helpers import (
     batch_head, bhnd_strides, channel_vector_strides, exact_fp8, next_pow2, row_strides, seq_span,
     strides, to_e4m3,
 )
-from lowbit_attn.quant.tile import e4m3_scale, load_centered, quantize_int8_tile
+from lowbit_attn.quant.tile import e4m3_scale, load_centered, quantize_int8_tile, thread_group
 
 CENTERS = {"none": 0, "mean": 1, "block_mean": 2}
 # Globals read inside @triton.jit functions must be constexpr.
@@ -177,20 +179,28 @@ def _int8_program(
     X, OUT, SCALE, CENTER_PTR, AQ, AK, CU, pid_n, b, h,
     x_strides, out_strides, scale_strides, c_strides, aq_strides, ak_strides,
     N, D, GROUP, scale_multiplier,
-    PER_TOKEN: tl.constexpr, CENTER: tl.constexpr, BALANCE: tl.constexpr,
+    GRAN: tl.constexpr, CENTER: tl.constexpr, BALANCE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
 ):
+    """Token block ``pid_n`` of one (batch, head) quantized, its scales stored (``GRAN``: see
+    ``quant.tile.quantize_int8_tile``)."""
     sob, soh, son, sod = out_strides
     ssb, ssh, ssn = scale_strides
     start, n = seq_span(CU, b, N, VARLEN)
     if pid_n * BLOCK_N < n:
         q, scale, rows, offs_d, mask = quantize_int8_tile(
             X, CENTER_PTR, AQ, AK, b, h, start, pid_n, n, x_strides, c_strides, aq_strides,
-            ak_strides, D, GROUP, PER_TOKEN, CENTER, BALANCE, BLOCK_N, BLOCK_D,
+            ak_strides, D, GROUP, GRAN, CENTER, BALANCE, BLOCK_N, BLOCK_D,
         )
-        if PER_TOKEN:
+        if GRAN == 1:
             tl.store(SCALE + b * ssb + h * ssh + (start + rows) * ssn, scale * scale_multiplier,
                      mask=rows < n)
+        elif GRAN >= 2:
+            # Each row stores its group's scale (a group's rows store alike), up to the end of
+            # the last 16-row slice or 128-key block, so that every group has one.
+            span = 16 if GRAN == 2 else 128
+            tl.store(SCALE + b * ssb + h * ssh + thread_group(rows, GRAN) * ssn,
+                     scale * scale_multiplier, mask=rows < tl.cdiv(n, span) * span)
         else:
             tl.store(SCALE + b * ssb + h * ssh + pid_n * ssn, scale * scale_multiplier)
         tl.store(OUT + b * sob + h * soh + (start + rows)[:, None] * son + offs_d[None, :] * sod,
@@ -260,7 +270,7 @@ def _int8_tensor(
     X, OUT, SCALE, CENTER_PTR, AQ, AK, CU, b, h,
     x_strides, out_strides, scale_strides, c_strides, aq_strides, ak_strides,
     N, D, GROUP, scale_multiplier,
-    PER_TOKEN: tl.constexpr, CENTER: tl.constexpr, BALANCE: tl.constexpr,
+    GRAN: tl.constexpr, CENTER: tl.constexpr, BALANCE: tl.constexpr,
     BLOCK_N: tl.constexpr, OWN_STATS: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """One (batch, head) of an INT8 part of ``_quantize_kernel``: its statistics first with
@@ -276,7 +286,7 @@ def _int8_tensor(
         _int8_program(
             X, OUT, SCALE, CENTER_PTR, AQ, AK, CU, pid_n, b, h, x_strides, out_strides,
             scale_strides, c_strides, aq_strides, ak_strides, N, D, GROUP, scale_multiplier,
-            PER_TOKEN, CENTER, BALANCE, BLOCK_N, BLOCK_D, VARLEN,
+            GRAN, CENTER, BALANCE, BLOCK_N, BLOCK_D, VARLEN,
         )
 
 
@@ -295,9 +305,9 @@ def _quantize_kernel(
     HQ, QGROUP, q_scale_multiplier, CU_Q, N_Q,
     VX, VOUT, VCENTER, VAMAX, VSCALE, vx_strides, vout_strides, vc_strides, HV,
     CU, N, D,
-    HAS_INT8: tl.constexpr, PER_TOKEN: tl.constexpr, CENTER: tl.constexpr,
+    HAS_INT8: tl.constexpr, GRAN: tl.constexpr, CENTER: tl.constexpr,
     BALANCE: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_Q: tl.constexpr, Q_PER_TOKEN: tl.constexpr, Q_CENTER: tl.constexpr,
+    HAS_Q: tl.constexpr, Q_GRAN: tl.constexpr, Q_CENTER: tl.constexpr,
     Q_BALANCE: tl.constexpr, Q_BLOCK_N: tl.constexpr,
     HAS_V: tl.constexpr, FP8: tl.constexpr, V_SCALED: tl.constexpr, V_CENTER: tl.constexpr,
     EXACT_FP8: tl.constexpr,
@@ -327,7 +337,7 @@ def _quantize_kernel(
         b, h = batch_head(pid, H)
         _int8_tensor(X, OUT, SCALE, CENTER_PTR, AQ, AK, CU, b, h, x_strides, out_strides,
                      scale_strides, c_strides, aq_strides, ak_strides, N, D, GROUP,
-                     scale_multiplier, PER_TOKEN, CENTER, BALANCE, BLOCK_N, OWN_STATS, BLOCK_D,
+                     scale_multiplier, GRAN, CENTER, BALANCE, BLOCK_N, OWN_STATS, BLOCK_D,
                      VARLEN)
     elif HAS_Q and pid < n_int8 + n_q:
         b, h = batch_head(pid - n_int8, HQ)
@@ -336,7 +346,7 @@ def _quantize_kernel(
             _int8_program(
                 QX, QOUT, QSCALE, QCENTER, QAQ, QAK, CU_Q, pid_n, b, h, qx_strides, qout_strides,
                 qscale_strides, qc_strides, qaq_strides, qak_strides, N_Q, D, QGROUP,
-                q_scale_multiplier, Q_PER_TOKEN, Q_CENTER, Q_BALANCE, Q_BLOCK_N, BLOCK_D, VARLEN,
+                q_scale_multiplier, Q_GRAN, Q_CENTER, Q_BALANCE, Q_BLOCK_N, BLOCK_D, VARLEN,
             )
     elif HAS_V:
         b, h = batch_head(pid - n_int8 - n_q, HV)
@@ -390,7 +400,7 @@ class Int8Request(NamedTuple):
     center: torch.Tensor | None = None
     center_per_block: bool = False
     balance: tuple[torch.Tensor, torch.Tensor | None] | None = None
-    balance_role: str = "q"
+    role: str = "q"
     scale_multiplier: float = 1.0
     own_stats: str | None = None
 
@@ -416,6 +426,24 @@ def _stats_buffers(x: torch.Tensor, seqs: Seqs, center: str):
     return mean, torch.empty(shape, device=x.device, dtype=torch.float32)
 
 
+def granularity_code(granularity: str, role: str, block: int) -> int:
+    """The quantization kernels' ``GRAN`` for a request: 0 per block, 1 per token, 2 and 3 per
+    thread for Q and K (``ValueError`` for a tile those groups do not divide: Q's tiles hold
+    whole 16-row slices, K's are one 128-key block)."""
+    if granularity == "per_thread":
+        if role == "k" and block != THREAD_K_BLOCK:
+            raise ValueError(f"per-thread K scales are quantized in tiles of {THREAD_K_BLOCK} "
+                             f"keys, got block={block}")
+        if role == "q" and block % THREAD_Q_SLICE:
+            raise ValueError(f"per-thread Q scales need tiles of whole {THREAD_Q_SLICE}-row "
+                             f"slices, got block={block}")
+        return 2 if role == "q" else 3
+    if granularity not in ("per_block", "per_token"):
+        raise ValueError(f"granularity must be 'per_block', 'per_token' or 'per_thread', got "
+                         f"{granularity!r}")
+    return int(granularity == "per_token")
+
+
 def _int8_part(req: Int8Request | None, seqs: Seqs):
     """Outputs, keyword arguments and constexprs of the INT8 part of ``_quantize_kernel``."""
     if req is None:
@@ -423,7 +451,7 @@ def _int8_part(req: Int8Request | None, seqs: Seqs):
                       x_strides=(0,) * 4, out_strides=(0,) * 4, scale_strides=(0,) * 3,
                       c_strides=(0,) * 4, aq_strides=(0,) * 2, ak_strides=(0,) * 2,
                       H=0, GROUP=1, scale_multiplier=1.0)
-        return None, absent, dict(PER_TOKEN=False, CENTER=0, BALANCE=0, BLOCK_N=64)
+        return None, absent, dict(GRAN=0, CENTER=0, BALANCE=0, BLOCK_N=64)
     stats = None
     if req.own_stats is not None:
         if req.center_per_block:
@@ -433,11 +461,13 @@ def _int8_part(req: Int8Request | None, seqs: Seqs):
         req = req._replace(center=mean, balance=balance)
     x, h = req.x, req.x.shape[1]
     out = _new_like_layout(x, seqs, torch.int8)
-    per_token = req.granularity == "per_token"
+    gran = granularity_code(req.granularity, req.role, req.block)
+    per_token = gran == 1
     if per_token:
         scale = _per_token_vector(x, seqs)
-    else:  # blocks past a short sequence's end stay unwritten; the attention never reads them
-        scale = torch.empty((seqs.batch, h, triton.cdiv(seqs.max_len, req.block)),
+    else:  # groups past a short sequence's end stay unwritten; the attention never reads them
+        groups = {0: (req.block, 1), 2: (THREAD_Q_SLICE, 8), 3: (THREAD_K_BLOCK, 4)}[gran]
+        scale = torch.empty((seqs.batch, h, triton.cdiv(seqs.max_len, groups[0]) * groups[1]),
                             device=x.device)
     mode = 0 if req.center is None else (2 if req.center_per_block else 1)
     amax_q, amax_k = req.balance if req.balance is not None else (None, None)
@@ -453,8 +483,8 @@ def _int8_part(req: Int8Request | None, seqs: Seqs):
         H=h, GROUP=group, scale_multiplier=float(req.scale_multiplier),
     )
     constexprs = dict(
-        PER_TOKEN=per_token, CENTER=mode,
-        BALANCE=0 if req.balance is None else (1 if req.balance_role == "q" else 2),
+        GRAN=gran, CENTER=mode,
+        BALANCE=0 if req.balance is None else (1 if req.role == "q" else 2),
         BLOCK_N=req.block,
     )
     return (out, scale, stats), args, constexprs
@@ -507,7 +537,7 @@ _Q_NAMES = {
     "x_strides": "qx_strides", "out_strides": "qout_strides", "scale_strides": "qscale_strides",
     "c_strides": "qc_strides", "aq_strides": "qaq_strides", "ak_strides": "qak_strides",
     "H": "HQ", "GROUP": "QGROUP", "scale_multiplier": "q_scale_multiplier",
-    "PER_TOKEN": "Q_PER_TOKEN", "CENTER": "Q_CENTER", "BALANCE": "Q_BALANCE",
+    "GRAN": "Q_GRAN", "CENTER": "Q_CENTER", "BALANCE": "Q_BALANCE",
     "BLOCK_N": "Q_BLOCK_N",
 }
 
@@ -569,12 +599,12 @@ def quantize_int8(
     center: torch.Tensor | None = None,
     center_per_block: bool = False,
     balance: tuple[torch.Tensor, torch.Tensor] | None = None,
-    balance_role: str = "q",
+    role: str = "q",
     scale_multiplier: float = 1.0,
     seqs: Seqs | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of :func:`lowbit_attn.quant.int8_naive.quantize_int8` (bit-identical)."""
-    req = Int8Request(x, granularity, block, center, center_per_block, balance, balance_role,
+    req = Int8Request(x, granularity, block, center, center_per_block, balance, role,
                       scale_multiplier)
     return quantize(req, seqs=seqs)[0][:2]
 

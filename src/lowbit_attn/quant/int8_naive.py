@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from lowbit_attn.core.operands import FP8_MAX, FP16_V_KEEP_HI, FP16_V_KEEP_LO, INT8_MAX
+from lowbit_attn.core.operands import (
+    FP8_MAX, FP16_V_KEEP_HI, FP16_V_KEEP_LO, INT8_MAX, THREAD_K_BLOCK, THREAD_Q_SLICE,
+)
 
 
 def nonfinite_guard(y: torch.Tensor, dims) -> torch.Tensor:
@@ -117,7 +119,7 @@ def quantize_int8(
     center: torch.Tensor | None = None,
     center_per_block: bool = False,
     balance: tuple[torch.Tensor, torch.Tensor] | None = None,
-    balance_role: str = "q",
+    role: str = "q",
     scale_multiplier: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric INT8: ``s = amax(|y|)/127`` per group, ``round_half_even(y/s)`` in ``[-127, 127]``,
@@ -125,13 +127,16 @@ def quantize_int8(
 
     Args:
         x: ``[B, H, N, D]`` (any float dtype).
-        granularity: ``"per_block"`` (one scale per ``block`` tokens) or ``"per_token"``.
+        granularity: ``"per_block"`` (one scale per ``block`` tokens), ``"per_token"`` or
+            ``"per_thread"`` (the groups of :func:`thread_groups` for ``role``).
         center: ``[B, H, D]``, or ``[B, H, nb, D]`` with ``center_per_block``; ``None`` for no shift.
         balance: ``(amax_q [B, Hq, D], amax_k [B, Hkv, D])`` to multiply Q's channels by
-            ``α`` (``balance_role="q"``) or K's by ``1/α`` (``"k"``), see :func:`balance_factors`.
+            ``α`` (``role="q"``) or K's by ``1/α`` (``"k"``), see :func:`balance_factors`.
+        role: ``"q"`` or ``"k"``: which operand ``x`` is (the balancing direction, and the
+            per-thread groups).
         scale_multiplier: folded into the returned scales (``softmax_scale·log2 e`` for Q).
     Returns:
-        ``(values int8 [B, H, N, D], scales fp32 [B, H, nb] or [B, H, N])``.
+        ``(values int8 [B, H, N, D], scales fp32 [B, H, nb], [B, H, N] or [B, H, groups])``.
     """
     b, h, n, d = x.shape
     y = x.float()
@@ -139,7 +144,7 @@ def quantize_int8(
         y = y - (expand_blocks(center, block, n) if center_per_block else center.unsqueeze(-2))
     if balance is not None:
         alpha = balance_factors(*balance)
-        if balance_role == "q":
+        if role == "q":
             multiplier = alpha.repeat_interleave(h // alpha.shape[1], dim=1)
         else:
             multiplier = 1.0 / alpha
@@ -154,12 +159,43 @@ def quantize_int8(
         amax = padded.abs().amax(dim=-1) + nonfinite_guard(padded, -1)
         scale = _int8_scale(amax)
         per_row = scale.repeat_interleave(block, dim=-1)[..., :n]
+    elif granularity == "per_thread":
+        rows = y.abs().amax(dim=-1) + nonfinite_guard(y, -1)
+        scale = _int8_scale(thread_group_amax(rows, role))
+        per_row = scale[..., thread_groups(n, role, y.device)]
     else:
-        raise ValueError(f"granularity must be 'per_block' or 'per_token', got {granularity!r}")
+        raise ValueError(
+            f"granularity must be 'per_block', 'per_token' or 'per_thread', got {granularity!r}")
     values = round_half_even_int8(y / per_row.unsqueeze(-1))
     if scale_multiplier != 1.0:
         scale = scale * scale_multiplier
     return values, scale
+
+
+def thread_groups(n: int, role: str, device=None) -> torch.Tensor:
+    """The per-thread scale group of each of ``n`` rows (int64 ``[n]``), SageAttention2's sm90
+    layout: the groups a Hopper wgmma accumulator gives one thread. Q (``role="q"``): rows ``r``
+    and ``r + 8`` of each 16-row slice share a scale, 8 per slice (group ``(i // 16)·8 + i % 8``).
+    K (``"k"``): in each block of :data:`~lowbit_attn.core.operands.THREAD_K_BLOCK` keys, those
+    in columns ``2c, 2c + 1`` (mod 8) share one, 4 per block (group ``(j // 128)·4 + (j % 8) // 2``).
+    """
+    i = torch.arange(n, device=device)
+    if role == "q":
+        return (i // THREAD_Q_SLICE) * 8 + i % 8
+    return (i // THREAD_K_BLOCK) * 4 + (i % 8) // 2
+
+
+def thread_group_amax(rows: torch.Tensor, role: str) -> torch.Tensor:
+    """``[B, H, N]`` amax of each row → ``[B, H, groups]`` amax of each :func:`thread_groups`
+    group (rows past ``N`` count as 0; NaN stays NaN)."""
+    b, h, n = rows.shape
+    span = THREAD_Q_SLICE if role == "q" else THREAD_K_BLOCK
+    blocks = -(-n // span)
+    padded = torch.nn.functional.pad(rows, (0, blocks * span - n))
+    if role == "q":  # [slice, r + 8·half] → max over the halves
+        return padded.view(b, h, blocks, 2, 8).amax(dim=3).reshape(b, h, blocks * 8)
+    # [block, 8·g + 2·c + p] → max over g and p
+    return padded.view(b, h, blocks, span // 8, 4, 2).amax(dim=(3, 5)).reshape(b, h, blocks * 4)
 
 
 def _int8_scale(amax: torch.Tensor) -> torch.Tensor:

@@ -99,13 +99,42 @@ def load_centered(
 
 
 @triton.jit
+def thread_group(rows, GRAN: tl.constexpr):
+    """The per-thread scale group of each row index (``GRAN`` 2: of Q, 3: of K). Twin:
+    ``quant.int8_naive.thread_groups``."""
+    if GRAN == 2:
+        return (rows // 16) * 8 + rows % 8
+    else:
+        return (rows // 128) * 4 + (rows % 8) // 2
+
+
+@triton.jit
+def thread_group_scales(x, GRAN: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Each row's per-thread INT8 scale, ``[BLOCK_N]`` (``GRAN`` 2: Q, rows ``r`` and ``r + 8``
+    of each 16-row slice share one; 3: K in a 128-key tile, keys ``2c, 2c + 1`` (mod 8) share
+    one), NaN where its group holds a NaN or an Inf. Twin: ``quant.int8_naive.thread_group_amax``."""
+    rows = line_amax(x, 1)
+    if GRAN == 2:  # row 16·s + 8·half + r: the maximum over the halves
+        g = tl.reshape(rows, [BLOCK_N // 16, 2, 8])
+        amax = tl.expand_dims(tl.max(g, axis=1) + tl.sum(g * 0.0, axis=1), 1)
+    else:  # key 8·g + 2·c + p: the maximum over g and p
+        g = tl.reshape(rows, [BLOCK_N // 8, 4, 2])
+        amax = tl.max(tl.max(g, axis=2), axis=0) + tl.sum(tl.sum(g * 0.0, axis=2), axis=0)
+        amax = tl.expand_dims(tl.expand_dims(amax, 0), 2)
+    scale = amax * (1.0 / 127.0)
+    scale = tl.where(scale == 0.0, 1.0, scale)
+    return tl.reshape(tl.broadcast_to(scale, g.shape), [BLOCK_N])
+
+
+@triton.jit
 def quantize_int8_tile(
     X, CENTER_PTR, AQ, AK, b, h, start, pid_n, n, x_strides, c_strides, aq_strides, ak_strides,
-    D, GROUP, PER_TOKEN: tl.constexpr, CENTER: tl.constexpr, BALANCE: tl.constexpr,
+    D, GROUP, GRAN: tl.constexpr, CENTER: tl.constexpr, BALANCE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """``(q, scale, rows, offs_d, mask)``: the tile's INT8 values and its dequantization scale
-    (one per row ``PER_TOKEN``, else one for the tile; NaN/Inf in a row or tile poison it).
+    """``(q, scale, rows, offs_d, mask)``: the tile's INT8 values and its dequantization scale:
+    ``GRAN`` 0, one for the tile; 1, one per row; 2 and 3, each row's per-thread group scale of
+    Q or K (:func:`thread_group_scales`). NaN/Inf in a group poison its scale.
     ``BALANCE``: 0 none, 1 Q's factors, 2 K's."""
     x, rows, offs_d, mask = load_centered(
         X, CENTER_PTR, b, h, start, pid_n, n, x_strides, c_strides, D, CENTER, BLOCK_N, BLOCK_D,
@@ -114,8 +143,11 @@ def quantize_int8_tile(
         mult = balance_multiplier(AQ, AK, b, h, offs_d, D, aq_strides, ak_strides, GROUP,
                                   BALANCE, BLOCK_D)
         x = x * mult[None, :]
-    if PER_TOKEN:
+    if GRAN == 1:
         q, scale = int8_lines(x, 1)
+    elif GRAN >= 2:
+        scale = thread_group_scales(x, GRAN, BLOCK_N)
+        q = to_int8(tl.div_rn(x, scale[:, None]))
     else:
         amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0) + tl.sum(tl.sum(x * 0.0, axis=1), axis=0)
         scale = amax * (1.0 / 127.0)

@@ -72,7 +72,7 @@ class _Formats:
                 amaxes, role, _ = self.balance or (None, "q", None)
                 self.made[int8] = self.quant.quantize_int8(
                     self.x, granularity="per_block", block=TRAIN_BLOCK, center=self.center,
-                    center_per_block=self.per_block, balance=amaxes, balance_role=role,
+                    center_per_block=self.per_block, balance=amaxes, role=role,
                 )
             else:
                 _, role, alpha = self.balance or (None, "q", None)
