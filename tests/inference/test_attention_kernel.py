@@ -64,6 +64,33 @@ def test_kernel_matches_reference_on_the_same_quantized_inputs(b, hq, hkv, nq, n
     assert_within(got_lse, want_lse, device.bound("lse", Bound(atol=1e-5, rtol=1e-5)), name="lse")
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("b,hq,hkv,nq,nk,d", CASES)
+@pytest.mark.parametrize("granularity", ["per_token", "per_thread"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_permuted_v_changes_no_bit(b, hq, hkv, nq, nk, d, granularity, causal):
+    """E4M3 V with its keys in the register-operand order (``QuantizedQKV.v_permuted``): the
+    quantizers store it, the twin and the Triton kernel read it back, the same bits as V in
+    order."""
+    recipe = get_recipe("qk_int8_pv_fp8").replace(granularity=granularity, block_k=128)
+    q, k, v = channel_biased((b, hq, nq, d), (b, hkv, nk, d), seed=nq + nk)
+    offset = nk - nq if causal else None
+    results = []
+    for backend in ("reference", "triton"):
+        plain, permuted = (quantize_qkv(q, k, v, recipe, d**-0.5, need_lse_shift=True,
+                                        backend=backend, permute_v=p) for p in (False, True))
+        assert permuted.v_permuted and permuted.v.shape[2] == -(-nk // 16) * 16
+        for qz in (plain, permuted):
+            if backend == "reference":
+                results.append(quantized_attention(
+                    qz, pv="fp8", granularity=granularity, block_q=recipe.block_q,
+                    block_k=recipe.block_k, causal_offset=offset))
+            else:
+                results.append(_kernel_attention(qz, recipe, offset))
+    for (out, lse), (want, want_lse) in zip(results[1::2], results[0::2]):
+        assert torch.equal(out, want) and torch.equal(lse, want_lse)
+
+
 @pytest.mark.parametrize("name", RECIPES)
 @pytest.mark.parametrize(
     "options",

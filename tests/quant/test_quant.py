@@ -198,7 +198,7 @@ def test_e4m3_saturates_and_keeps_nan():
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("center", ["none", "mean"])
-@pytest.mark.parametrize("pv", ["fp16", "fp8", "fp16-unscaled"])
+@pytest.mark.parametrize("pv", ["fp16", "fp8", "fp16-unscaled", "fp8-permuted"])
 def test_convert_v_matches_twin(center, pv):
     g = torch.Generator().manual_seed(3)
     # channels from 2^-60 to 2^60: fp16 V is scaled by a power of two where fp16 cannot hold it
@@ -209,15 +209,33 @@ def test_convert_v_matches_twin(center, pv):
     if pv != "fp16-unscaled":
         amax = torch.rand(2, 3, 48, generator=g) * 5 * spread
         amax[0, 0, 0] = 0.0  # an all-zero channel gets scale 1
-    pv = pv[:4]
-    got, got_scale = kq().convert_v(x, pv=pv, center=c, amax=amax)
-    want, want_scale = ref.convert_v(x, pv=pv, center=c, amax=amax)
+    permuted = pv.endswith("permuted")
+    pv = pv.split("-")[0]
+    got, got_scale = kq().convert_v(x, pv=pv, center=c, amax=amax, permuted=permuted)
+    want, want_scale = ref.convert_v(x, pv=pv, center=c, amax=amax, permuted=permuted)
     assert got.shape == want.shape
     assert torch.equal(got.float().nan_to_num(nan=7.0), want.float().nan_to_num(nan=7.0))
     if amax is not None:
         assert torch.equal(got_scale, want_scale) and want_scale[0, 0, 0] == 1
     else:
         assert got_scale is None and want_scale is None
+
+
+def test_permuted_keys_are_the_fp8_a_fragment_order():
+    """Storage position 16g + 4c + 2h + p holds key 16g + 8h + 2c + p (so a thread's score
+    columns 2c, 2c+1, 2c+8, 2c+9 sit at positions 4c..4c+3); padding to 16 keys is zeros, and
+    unpermute_keys inverts it."""
+    v = torch.arange(1, 35, dtype=torch.float32)[:, None].expand(34, 3).reshape(1, 1, 34, 3)
+    stored = ref.permute_keys(v)
+    assert stored.shape == (1, 1, 48, 3)
+    for g in range(3):
+        for h in range(2):
+            for c in range(4):
+                for p in range(2):
+                    key = 16 * g + 8 * h + 2 * c + p
+                    want = key + 1 if key < 34 else 0
+                    assert stored[0, 0, 16 * g + 4 * c + 2 * h + p, 0] == want
+    assert torch.equal(ref.unpermute_keys(stored, 34), v)
 
 
 @pytest.mark.interpreter

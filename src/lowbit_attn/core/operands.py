@@ -60,6 +60,9 @@ class QuantizedQKV:
             fp16: a power of two, see ``reference.quant.fp16_v_scale``; None for fp16 V that is
             neither converted from another dtype nor centered, which fp16 holds exactly).
         v_mean: fp32 per-channel mean of V that was subtracted ``[B, Hkv, D]`` (``smooth_v`` only).
+        v_permuted: E4M3 ``v`` holds its keys permuted in groups of 16 (:data:`V_KEY_ORDER`) and
+            padded with zeros to a multiple of 16: ``v`` is then ``[B, H, N', D]`` in stored
+            order (a transposed view of ``[B, H, D, N']``). Dense calls only.
         delta_s: fp32 Q-smoothing correction in base-2 score units ``[B, Hq, ceil(Nq/block_q), Nk]``.
         lse_shift: fp32 ``softmax_scale·(q·mean(K))`` per query row, added to the natural-log LSE so
             that it is the LSE of the unsmoothed scores (``smooth_k`` with ``return_lse`` only).
@@ -76,6 +79,7 @@ class QuantizedQKV:
     delta_s: torch.Tensor | None = None
     lse_shift: torch.Tensor | None = None
     q_raw: QuantizeInKernel | None = None
+    v_permuted: bool = False
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,12 @@ def dense_seqs(x: torch.Tensor) -> Seqs:
 # groups in each block of 128.
 THREAD_Q_SLICE = 16
 THREAD_K_BLOCK = 128
+
+# E4M3 V for a kernel that feeds P̃ to the FP8 wgmma as its register operand
+# (``QuantizedQKV.v_permuted``): in each group of 16 keys, storage position ``i`` holds key
+# ``V_KEY_ORDER[i]``. A thread's score columns 2c, 2c+1, 2c+8, 2c+9 (the wgmma accumulator's
+# fragment) are then positions 4c..4c+3, which its FP8 A fragment holds: no data moves.
+V_KEY_ORDER = (0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15)
 
 FP4_GROUP = {"nvfp4": 16, "mxfp4": 32}  # elements per scale
 # Where a two-level P̃ row's block maximum is put before the FP4 group quantization: NVFP4 at 448·6,

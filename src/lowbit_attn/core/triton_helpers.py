@@ -226,6 +226,13 @@ def to_e4m3(x, EXACT: tl.constexpr):
 
 
 @triton.jit
+def key_position(k):
+    """Where key ``k`` is stored in E4M3 V whose keys are permuted in groups of 16
+    (``core.operands.V_KEY_ORDER``: key ``16g + 8h + 2c + p`` at ``16g + 4c + 2h + p``)."""
+    return (k // 16) * 16 + ((k % 8) // 2) * 4 + ((k // 8) % 2) * 2 + k % 2
+
+
+@triton.jit
 def seq_span(CU, b, N, VARLEN: tl.constexpr):
     """First token (int64, so that token offsets never overflow) and length of sequence ``b``."""
     if VARLEN:

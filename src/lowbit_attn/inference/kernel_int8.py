@@ -17,8 +17,8 @@ from lowbit_attn.core.arch import get_capability
 from lowbit_attn.core.operands import QuantizedQKV, Seqs, dense_seqs
 from lowbit_attn.core.triton_helpers import (
     LaunchConfig, batch_head, bhnd_strides, channel_vector_strides, exact_fp8, finish_rows,
-    finish_scores, key_block_bounds, next_pow2, next_power_of_2, online_max, p_offset, row_strides, seq_span,
-    store_lse, strides, to_e4m3, triton_configs,
+    finish_scores, key_block_bounds, key_position, next_pow2, next_power_of_2, online_max,
+    p_offset, row_strides, seq_span, store_lse, strides, to_e4m3, triton_configs,
 )
 from lowbit_attn.quant.tile import quantize_int8_tile, thread_group
 
@@ -78,6 +78,7 @@ def _softmax_pv(
     v_base, ds_base, svn, svd, sdn, offset,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, GRAN: tl.constexpr, PV_FP8: tl.constexpr,
     HAS_DS: tl.constexpr, EXACT_FP8: tl.constexpr, BLOCK_N: tl.constexpr,
+    V_PERMUTED: tl.constexpr,
 ):
     """The online-softmax step of one key block's integer scores, then its P̃·V.
 
@@ -119,11 +120,15 @@ def _softmax_pv(
         m_new, m_safe, alpha = online_max(m_i, tl.max(t, axis=1) * c)
         p = tl.exp2(tl.fma(t, c[:, None], -(m_safe - offset)[:, None]))
     l_i = l_i * alpha + tl.sum(p, axis=1)
+    if V_PERMUTED:
+        v_rows = key_position(cols)
+    else:
+        v_rows = cols
     if MASKED:
-        v = tl.load(v_base + cols[:, None] * svn + offs_d[None, :] * svd,
+        v = tl.load(v_base + v_rows[:, None] * svn + offs_d[None, :] * svd,
                     mask=nmask[:, None] & dmask[None, :], other=0.0)
     else:
-        v = tl.load(v_base + cols[:, None] * svn + offs_d[None, :] * svd,
+        v = tl.load(v_base + v_rows[:, None] * svn + offs_d[None, :] * svd,
                     mask=dmask[None, :], other=0.0)
     if PV_FP8:
         pv = tl.dot(to_e4m3(p, EXACT_FP8), v, out_dtype=tl.float32)
@@ -144,6 +149,7 @@ def _attn_fwd_int8_kernel(
     HAS_VSCALE: tl.constexpr, HAS_VMEAN: tl.constexpr, HAS_DS: tl.constexpr,
     HAS_LSH: tl.constexpr, WRITE_LSE: tl.constexpr,
     EXACT_FP8: tl.constexpr, VARLEN: tl.constexpr, PIPELINE: tl.constexpr,
+    V_PERMUTED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Operands ``q`` and ``k``: ``(INT8 values, scales, values' strides, scales' strides)``; ``q``
@@ -235,14 +241,14 @@ def _attn_fwd_int8_kernel(
                 acc, m_i, l_i = _softmax_pv(
                     acc, m_i, l_i, s_cur, ks_cur, qs, start_n, offs_m, offs_n, offs_d, dmask, nk,
                     causal_offset, v_base, ds_base, svn, svd, sdn, offset,
-                    False, IS_CAUSAL, GRAN, PV_FP8, HAS_DS, EXACT_FP8, BLOCK_N,
+                    False, IS_CAUSAL, GRAN, PV_FP8, HAS_DS, EXACT_FP8, BLOCK_N, V_PERMUTED,
                 )
                 s_cur = s_next
                 ks_cur = ks_next
             acc, m_i, l_i = _softmax_pv(
                 acc, m_i, l_i, s_cur, ks_cur, qs, full_hi - BLOCK_N, offs_m, offs_n, offs_d, dmask,
                 nk, causal_offset, v_base, ds_base, svn, svd, sdn, offset,
-                False, IS_CAUSAL, GRAN, PV_FP8, HAS_DS, EXACT_FP8, BLOCK_N,
+                False, IS_CAUSAL, GRAN, PV_FP8, HAS_DS, EXACT_FP8, BLOCK_N, V_PERMUTED,
             )
     else:
         for start_n in range(0, full_hi, BLOCK_N):
@@ -251,7 +257,7 @@ def _attn_fwd_int8_kernel(
             acc, m_i, l_i = _softmax_pv(
                 acc, m_i, l_i, s_int, ks, qs, start_n, offs_m, offs_n, offs_d, dmask, nk,
                 causal_offset, v_base, ds_base, svn, svd, sdn, offset,
-                False, IS_CAUSAL, GRAN, PV_FP8, HAS_DS, EXACT_FP8, BLOCK_N,
+                False, IS_CAUSAL, GRAN, PV_FP8, HAS_DS, EXACT_FP8, BLOCK_N, V_PERMUTED,
             )
     for start_n in range(full_hi, hi, BLOCK_N):
         s_int = _scores(q_blk, start_n, offs_n, offs_d, dmask, nk, k_base, skn, skd, True)
@@ -259,7 +265,7 @@ def _attn_fwd_int8_kernel(
         acc, m_i, l_i = _softmax_pv(
             acc, m_i, l_i, s_int, ks, qs, start_n, offs_m, offs_n, offs_d, dmask, nk,
             causal_offset, v_base, ds_base, svn, svd, sdn, offset,
-            True, IS_CAUSAL, GRAN, PV_FP8, HAS_DS, EXACT_FP8, BLOCK_N,
+            True, IS_CAUSAL, GRAN, PV_FP8, HAS_DS, EXACT_FP8, BLOCK_N, V_PERMUTED,
         )
 
     out = finish_rows(acc, l_i, VS, VM, b * svsb + hk * svsh, offs_d, dmask, svsd, HAS_VSCALE,
@@ -294,7 +300,7 @@ _attn_fwd_int8 = triton.autotune(
     prune_configs_by={"early_config_prune": _prune},
     # N_BUCKET (a power of two of the key length, unused by the kernel): tune per length range.
     key=["N_BUCKET", "BLOCK_D", "IS_CAUSAL", "GRAN", "PV_FP8", "VARLEN", "BLOCK_M", "BLOCK_N",
-         "Q_IN_KERNEL"],
+         "Q_IN_KERNEL", "V_PERMUTED"],
 )(
     triton.heuristics(
         {
@@ -361,7 +367,7 @@ def attention(
         N_BUCKET=min(next_power_of_2(seqs_k.max_len), 32768),
         IS_CAUSAL=causal_offset is not None, GRAN=GRANULARITY_CODES[granularity],
         PV_FP8=pv == "fp8",
-        EXACT_FP8=exact_fp8(), VARLEN=packed,
+        EXACT_FP8=exact_fp8(), VARLEN=packed, V_PERMUTED=qz.v_permuted,
         BLOCK_M=block_q, BLOCK_N=block_k, BLOCK_D=next_pow2(d, minimum=32),  # int8 MMA: k ≥ 32
     )
     return lse

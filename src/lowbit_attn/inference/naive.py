@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from lowbit_attn.core.operands import LN2, LOG2_FP8_MAX, QuantizedFP4, QuantizedQKV
-from lowbit_attn.quant.int8_naive import thread_groups, to_e4m3
+from lowbit_attn.quant.int8_naive import thread_groups, to_e4m3, unpermute_keys
 from lowbit_attn.quant.fp4_qkv_naive import dequantize_fp4, quantize_p, two_level_p
 
 
@@ -90,7 +90,7 @@ def quantized_attention(
     dev = qz.q.device
     qf = qz.q.float()
     kf = expand_heads(qz.k, hq).float()
-    vf = expand_heads(qz.v, hq).float()
+    vf = expand_heads(unpermute_keys(qz.v, nk) if qz.v_permuted else qz.v, hq).float()
     if granularity == "per_block":
         q_scale = qz.q_scale.repeat_interleave(block_q, dim=-1)[..., :nq]
         k_scale = expand_heads(qz.k_scale, hq).repeat_interleave(block_k, dim=-1)[..., :nk]

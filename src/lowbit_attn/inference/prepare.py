@@ -60,6 +60,7 @@ def quantize_qkv(
     seqs_k=None,
     q_in_kernel: bool = False,
     kv_stats_in_program: bool = False,
+    permute_v: bool = False,
 ) -> QuantizedQKV:
     """Q, K, V (logical ``[B, H, N, D]`` views, or packed ``[total, H, D]`` with ``seqs_*`` on the
     Triton backend) → :class:`QuantizedQKV`.
@@ -69,7 +70,8 @@ def quantize_qkv(
     ``q_in_kernel`` leaves Q unquantized, with what its quantization needs, for the attention
     kernel to quantize itself; ``kv_stats_in_program`` has the K/V launch compute K's and V's
     statistics itself, one program per (batch, head) reading its tensor twice, the second time from
-    L2 when it still holds it (the statistics launch then reads Q only)."""
+    L2 when it still holds it (the statistics launch then reads Q only). ``permute_v`` (FP8 P·V,
+    dense; both backends): V's keys stored as ``QuantizedQKV.v_permuted`` says."""
     quant, extra, _ = _quantizers(backend)
     triton_backend = backend == "triton"
     if (q_in_kernel or kv_stats_in_program) and not triton_backend:
@@ -112,7 +114,7 @@ def quantize_qkv(
         (k8, k_scale, k_stats), (vq, v_scale, v_stats), *q_part = quant.quantize(
             quant.Int8Request(k, **k_args, own_stats=k_center if own else None),
             quant.VRequest(v, recipe.pv, v_mean, v_amax, own_stats=v_center if own else None,
-                           scaled=v_scaled),
+                           scaled=v_scaled, permuted=permute_v),
             seqs=seqs_k, q=q_request, seqs_q=seqs_q,
         )
         if q_part:
@@ -125,7 +127,8 @@ def quantize_qkv(
             q_args["balance"] = balance
     else:
         k8, k_scale = quant.quantize_int8(k, **k_args)
-        vq, v_scale = quant.convert_v(v, pv=recipe.pv, center=v_mean, amax=v_amax)
+        vq, v_scale = quant.convert_v(v, pv=recipe.pv, center=v_mean, amax=v_amax,
+                                      permuted=permute_v)
 
     if q_in_kernel:
         q8, q_scale = q, None
@@ -142,6 +145,7 @@ def quantize_qkv(
         q=q8, q_scale=q_scale, k=k8, k_scale=k_scale, v=vq, v_scale=v_scale, v_mean=v_mean,
         delta_s=delta, lse_shift=shift,
         q_raw=QuantizeInKernel(q_mean, balance, multiplier) if q_in_kernel else None,
+        v_permuted=permute_v,
     )
 
 

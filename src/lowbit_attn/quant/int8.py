@@ -17,8 +17,8 @@ from lowbit_attn.core.operands import (
     FP16_V_KEEP_HI, FP16_V_KEEP_LO, THREAD_K_BLOCK, THREAD_Q_SLICE, Seqs, dense_seqs,
 )
 from lowbit_attn.core.triton_helpers import (
-    batch_head, bhnd_strides, channel_vector_strides, exact_fp8, next_pow2, row_strides, seq_span,
-    strides, to_e4m3,
+    batch_head, bhnd_strides, channel_vector_strides, exact_fp8, key_position, next_pow2,
+    row_strides, seq_span, strides, to_e4m3,
 )
 from lowbit_attn.quant.tile import e4m3_scale, load_centered, quantize_int8_tile, thread_group
 
@@ -224,9 +224,11 @@ def _convert_v_program(
     X, OUT, CENTER_PTR, AMAX, SCALE, CU, pid_n, b, h, x_strides, out_strides, c_strides, N, D,
     FP8: tl.constexpr, SCALED: tl.constexpr, CENTER: tl.constexpr, EXACT_FP8: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
+    PERMUTED: tl.constexpr = False,
 ):
     """``c_strides``: (batch, head, dim) of the ``[B, H, D]`` channel vectors (center, amax,
-    scale)."""
+    scale). ``PERMUTED`` (E4M3, dense): key ``k`` stored at ``key_position(k)``, and the keys up to
+    the next multiple of 16 written too, as zeros."""
     sob, soh, son, sod = out_strides
     scb, sch, scd = c_strides
     start, n = seq_span(CU, b, N, VARLEN)
@@ -249,8 +251,13 @@ def _convert_v_program(
             y = (x * inverse[None, :]).to(tl.float16)
         else:
             y = x.to(tl.float16)
-        tl.store(OUT + b * sob + h * soh + (start + rows)[:, None] * son + offs_d[None, :] * sod,
-                 y, mask=mask)
+        if PERMUTED:  # load_centered gave 0 past the end
+            dest = key_position(rows)
+            mask = (rows < tl.cdiv(n, 16) * 16)[:, None] & (offs_d < D)[None, :]
+        else:
+            dest = start + rows
+        tl.store(OUT + b * sob + h * soh + dest[:, None] * son + offs_d[None, :] * sod, y,
+                 mask=mask)
 
 
 @triton.jit
@@ -311,7 +318,7 @@ def _quantize_kernel(
     Q_BALANCE: tl.constexpr, Q_BLOCK_N: tl.constexpr,
     HAS_V: tl.constexpr, FP8: tl.constexpr, V_SCALED: tl.constexpr, V_CENTER: tl.constexpr,
     EXACT_FP8: tl.constexpr,
-    V_BLOCK_N: tl.constexpr, OWN_STATS: tl.constexpr,
+    V_BLOCK_N: tl.constexpr, V_PERMUTED: tl.constexpr, OWN_STATS: tl.constexpr,
     BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """INT8 quantization of K (the first INT8 part) and/or Q (the second, ``Q…`` arguments, its
@@ -360,6 +367,7 @@ def _quantize_kernel(
             _convert_v_program(
                 VX, VOUT, VCENTER, VAMAX, VSCALE, CU, pid_n, b, h, vx_strides, vout_strides,
                 vc_strides, N, D, FP8, V_SCALED, V_CENTER, EXACT_FP8, V_BLOCK_N, BLOCK_D, VARLEN,
+                V_PERMUTED,
             )
 
 
@@ -409,7 +417,8 @@ class VRequest(NamedTuple):
     """V to convert for P·V (see :func:`convert_v`). ``own_stats`` (``"mean"`` or ``"none"``): the
     launch computes V's statistics itself; ``center`` and ``amax`` are then ignored. ``scaled``
     (fp16 only; FP8 always is): a power-of-two scale per channel from ``amax`` (given, or computed
-    with ``own_stats``)."""
+    with ``own_stats``). ``permuted`` (E4M3, dense): the keys in the stored order of
+    ``QuantizedQKV.v_permuted``."""
 
     x: torch.Tensor
     pv: str
@@ -417,6 +426,7 @@ class VRequest(NamedTuple):
     amax: torch.Tensor | None = None
     own_stats: str | None = None
     scaled: bool = True
+    permuted: bool = False
 
 
 def _stats_buffers(x: torch.Tensor, seqs: Seqs, center: str):
@@ -495,7 +505,8 @@ def _v_part(req: VRequest | None, seqs: Seqs):
     if req is None:
         absent = dict(VX=None, VOUT=None, VCENTER=None, VAMAX=None, VSCALE=None,
                       vx_strides=(0,) * 4, vout_strides=(0,) * 4, vc_strides=(0,) * 3, HV=0)
-        return None, absent, dict(FP8=False, V_SCALED=False, V_CENTER=0, V_BLOCK_N=64)
+        return None, absent, dict(FP8=False, V_SCALED=False, V_CENTER=0, V_BLOCK_N=64,
+                                  V_PERMUTED=False)
     stats = None
     if req.own_stats is not None:
         mean, amax = stats = _stats_buffers(req.x, seqs, req.own_stats)
@@ -504,8 +515,15 @@ def _v_part(req: VRequest | None, seqs: Seqs):
     scaled = req.pv == "fp8" or req.scaled
     if scaled and req.amax is None:
         raise ValueError("a scaled V needs its amax (or own_stats)")
+    if req.permuted and (req.pv != "fp8" or seqs.packed):
+        raise ValueError("permuted V is E4M3 and dense only")
     if req.pv == "fp8":
-        if seqs.packed:
+        if req.permuted:  # every stored key, the padding too (zeros)
+            n_pad = triton.cdiv(x.shape[2], 16) * 16
+            buf = torch.empty((x.shape[0], h, d, n_pad), device=x.device,
+                              dtype=torch.float8_e4m3fn)
+            out = buf.transpose(-1, -2)
+        elif seqs.packed:
             total = x.shape[0]
             buf = torch.empty((h, d, triton.cdiv(total, 16) * 16), device=x.device,
                               dtype=torch.float8_e4m3fn)
@@ -527,7 +545,8 @@ def _v_part(req: VRequest | None, seqs: Seqs):
                 vout_strides=bhnd_strides(out, seqs.packed),
                 vc_strides=(h * d, d, 1), HV=h)
     constexprs = dict(FP8=req.pv == "fp8", V_SCALED=scaled,
-                      V_CENTER=0 if req.center is None else 1, V_BLOCK_N=64)
+                      V_CENTER=0 if req.center is None else 1, V_BLOCK_N=64,
+                      V_PERMUTED=req.permuted)
     return (out, scale, stats), args, constexprs
 
 
@@ -616,11 +635,13 @@ def convert_v(
     center: torch.Tensor | None = None,
     amax: torch.Tensor | None = None,
     seqs: Seqs | None = None,
+    permuted: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Triton twin of :func:`lowbit_attn.quant.int8_naive.convert_v` (bit-identical). The E4M3
     values are stored token-contiguous (``[B, H, D, N']``, returned as a transposed view), the
     operand order FP8 tensor cores need."""
-    return quantize(v=VRequest(x, pv, center, amax, scaled=amax is not None), seqs=seqs)[1][:2]
+    request = VRequest(x, pv, center, amax, scaled=amax is not None, permuted=permuted)
+    return quantize(v=request, seqs=seqs)[1][:2]
 
 
 @triton.heuristics({"HAS_KMEAN": lambda args: args["KMEAN"] is not None})

@@ -10,6 +10,7 @@ import torch
 
 from lowbit_attn.core.operands import (
     FP8_MAX, FP16_V_KEEP_HI, FP16_V_KEEP_LO, INT8_MAX, THREAD_K_BLOCK, THREAD_Q_SLICE,
+    V_KEY_ORDER,
 )
 
 
@@ -215,6 +216,7 @@ def convert_v(
     pv: str,
     center: torch.Tensor | None = None,
     amax: torch.Tensor | None = None,
+    permuted: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """V for the P·V product: ``y = x - center`` (fp32) divided by a per-channel scale ``s`` and
     rounded to E4M3 with ``s = amax/448`` (``pv="fp8"``), or to fp16 with ``s`` the power of two of
@@ -222,8 +224,10 @@ def convert_v(
 
     Args:
         amax: ``max |y|`` per channel ``[B, H, D]`` fp32 (NaN if V is not finite).
+        permuted: E4M3 only: the keys in the stored order of :func:`permute_keys`.
     Returns:
-        ``(values [B, H, N, D], s [B, H, D] fp32 or None)``: V ≈ ``values·s``.
+        ``(values [B, H, N, D] (permuted: [B, H, N', D]), s [B, H, D] fp32 or None)``: V ≈
+        ``values·s``.
     """
     y = x.float()
     if center is not None:
@@ -235,7 +239,32 @@ def convert_v(
         return (y * inverse.unsqueeze(-2)).to(torch.float16), scale
     scale = amax * (1.0 / FP8_MAX)
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    return to_e4m3(y / scale.unsqueeze(-2)), scale
+    values = to_e4m3(y / scale.unsqueeze(-2))
+    return (permute_keys(values) if permuted else values), scale
+
+
+def permute_keys(v: torch.Tensor) -> torch.Tensor:
+    """``[..., N, D]`` → ``[..., N', D]`` in the stored order of ``QuantizedQKV.v_permuted``: keys
+    padded with zeros to ``N'``, a multiple of 16, then position ``16g + i`` holding key ``16g +
+    V_KEY_ORDER[i]``."""
+    n = v.shape[-2]
+    padded = torch.zeros(v.shape[:-2] + (-(-n // 16) * 16, v.shape[-1]), dtype=v.dtype,
+                         device=v.device)
+    padded[..., :n, :] = v
+    return padded[..., key_order(padded.shape[-2], v.device), :]
+
+
+def unpermute_keys(v: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of :func:`permute_keys`: the first ``n`` keys in their own order."""
+    natural = torch.empty_like(v)
+    natural[..., key_order(v.shape[-2], v.device), :] = v
+    return natural[..., :n, :]
+
+
+def key_order(n: int, device=None) -> torch.Tensor:
+    """The key stored at each of ``n`` positions (``n`` a multiple of 16)."""
+    order = torch.tensor(V_KEY_ORDER, device=device)
+    return (torch.arange(0, n, 16, device=device)[:, None] + order[None, :]).reshape(-1)
 
 
 def fp16_v_scale(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
