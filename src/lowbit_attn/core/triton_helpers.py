@@ -128,11 +128,15 @@ def p_offset(PV_FP8: tl.constexpr):
 
 
 @triton.jit
-def online_max(m_i, block_max):
+def online_max(m_i, block_max, MASKED: tl.constexpr = True):
     """``(m_new, m_safe, alpha)`` of the online softmax: the running row max, the same with 0 for
-    rows that have seen no key yet (subtracting -inf would give NaN), the rescale factor."""
+    rows that have seen no key yet (subtracting -inf would give NaN), the rescale factor. Without
+    ``MASKED`` every row of the block sees a key (a finite score), so ``m_new`` is ``m_safe``."""
     m_new = tl.maximum(m_i, block_max)
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    if MASKED:
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_safe = m_new
     return m_new, m_safe, tl.exp2(m_i - m_safe)
 
 

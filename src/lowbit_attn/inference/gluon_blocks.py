@@ -8,6 +8,7 @@ data movement differs."""
 
 from __future__ import annotations
 
+import torch
 
 from lowbit_attn.core import triton_support
 
@@ -22,6 +23,37 @@ from lowbit_attn.core.triton_helpers import (
     batch_head, finish_rows, finish_scores, online_max, p_offset, seq_span, store_lse, to_e4m3,
 )
 
+
+
+def tma_scratch(size: int, alignment: int, stream):
+    """Triton's allocator hook: global memory for the TMA descriptors a kernel builds (128 bytes
+    per program)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def check_tma_operands(*operands: tuple[str, torch.Tensor, int]) -> None:
+    """``ValueError`` unless each ``(name, tensor, inner dim)`` can be read by TMA: a 16-byte
+    aligned base, a unit stride along its inner dimension, every other stride a multiple of 16
+    bytes."""
+    for name, x, inner in operands:
+        size = x.element_size()
+        outer = [s * size for i, s in enumerate(x.stride()) if i != inner]
+        if x.stride(inner) != 1 or any(s % 16 for s in outer) or x.data_ptr() % 16:
+            raise ValueError(f"{name} must be 16-byte aligned with a unit stride along dim {inner} "
+                             f"and the others multiples of 16 bytes (TMA), got strides "
+                             f"{tuple(x.stride())} of {size}-byte elements")
+
+
+@gluon.jit
+def tile_offsets(pid_m, nq, D, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 BLOCK_D: gl.constexpr, rows_s: gl.constexpr, cols_s: gl.constexpr,
+                 cols_o: gl.constexpr):
+    """``(offs_m, offs_n, offs_d, mmask, dmask)``: a query tile's rows and a key block's columns
+    in the score layout, the channels in the output's, and which rows and channels exist."""
+    offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=rows_s)
+    offs_n = gl.arange(0, BLOCK_N, layout=cols_s)
+    offs_d = gl.arange(0, BLOCK_D, layout=cols_o)
+    return offs_m, offs_n, offs_d, offs_m < nq, offs_d < D
 
 
 @gluon.jit
@@ -69,16 +101,22 @@ def scales_of_rows(QS, KS, b, h, hk, pid_m, q_start, k_start, offs_m, mmask, sqs
 @gluon.jit
 def softmax_block(s_int, ks, qs, m_i, l_i, start_n, offs_m, offs_n, nk, causal_offset,
                   MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, PER_TOKEN: gl.constexpr = True,
-                  PV_FP8: gl.constexpr = True):
+                  PV_FP8: gl.constexpr = True, PER_THREAD: gl.constexpr = False,
+                  RAW_P: gl.constexpr = False):
     """One key block's online-softmax step on its integer scores: ``(P̃, m, l, α)``, P̃ as E4M3
     (``PV_FP8``) or fp16.
 
     The fold of ``kernel_int8._softmax_pv`` (``t = s_int·s_k``, the row max on ``t`` scaled once
     per row, ``exp2(fma(t, s_q, -(m - offset)))``, ``offset`` = log2 448 for E4M3 P̃, 0 for fp16)
     with the same shared helpers, so both kernels round alike. ``finish_scores`` without ΔS only
-    masks."""
+    masks. ``PER_THREAD`` (one warpgroup's 64 rows by 128 keys): ``qs`` the rows' and ``ks`` the
+    block's four per-thread scales, in the slices of :func:`thread_view`'s layout; see
+    :func:`_thread_exp2`. ``RAW_P``: P̃ in fp32, for the caller to convert."""
     cols = start_n + offs_n
-    if PER_TOKEN:
+    if PER_THREAD:
+        t = s_int.to(gl.float32)
+        c = qs
+    elif PER_TOKEN:
         t = s_int.to(gl.float32) * ks[None, :]
         c = qs
     else:  # one scale per query block and per key block (``kernel_int8``'s per-block fold)
@@ -93,14 +131,80 @@ def softmax_block(s_int, ks, qs, m_i, l_i, start_n, offs_m, offs_n, nk, causal_o
     else:
         t = finish_scores(t, cols, cols < nk, offs_m, causal_offset, None, 0, False, MASKED,
                           IS_CAUSAL)
-    m_new, m_safe, alpha = online_max(m_i, gl.max(t, axis=1) * c)
-    p = gl.exp2(gl.fma(t, c[:, None], -(m_safe - p_offset(PV_FP8))[:, None]))
+    if PER_THREAD:
+        p, m_new, alpha = _thread_exp2(t, ks, qs, m_i, MASKED, PV_FP8)
+    else:
+        m_new, m_safe, alpha = online_max(m_i, gl.max(t, axis=1) * c, MASKED)
+        p = gl.exp2(gl.fma(t, c[:, None], -(m_safe - p_offset(PV_FP8))[:, None]))
     l_i = l_i * alpha + gl.sum(p, axis=1)
-    if PV_FP8:
+    if RAW_P:
+        pass
+    elif PV_FP8:
         p = to_e4m3(p, False)
     else:
         p = p.to(gl.float16)
     return p, m_new, l_i, alpha
+
+
+@gluon.jit
+def thread_view(t):
+    """A ``[M, N]`` wgmma accumulator fragment (4 warps, N a multiple of 8) as ``[M, N/8, 4, 2]``:
+    column ``8g + 2c + p`` at ``[g, c, p]``. A thread holds one ``c`` (its lane mod 4) and every
+    ``g`` and ``p`` of its rows, so a value per ``c`` is a value per thread."""
+    return gl.reshape(t, [t.shape[0], t.shape[1] // 8, 4, 2])
+
+
+@gluon.jit
+def _thread_exp2(t, ks, qs, m_i, MASKED: gl.constexpr, PV_FP8: gl.constexpr):
+    """The exp2 of a score tile ``t`` (fp32 integer products, ``-inf`` where masked) with
+    per-thread scales: ``c = s_q·s_k`` of each row and key group (:func:`thread_view`'s ``c``),
+    the block's row max ``max_c(c·max_{g,p} t)`` (= ``max(t·c)``: scales are positive and rounding
+    is monotone), and ``exp2(fma(t, c, -(m - offset)))``: one FFMA per score, ``c`` and ``m`` held
+    per thread. Returns ``(P̃ in t's layout, m, α)``."""
+    t4 = thread_view(t)
+    c = gl.expand_dims(qs, 1) * gl.expand_dims(ks, 0)  # [M, 4]
+    top = gl.max(gl.max(t4, axis=3), axis=1) * c
+    m_new, m_safe, alpha = online_max(m_i, gl.convert_layout(gl.max(top, axis=1),
+                                                             m_i.type.layout), MASKED)
+    bias = gl.convert_layout(p_offset(PV_FP8) - m_safe, qs.type.layout)
+    c4 = gl.expand_dims(gl.expand_dims(c, 1), 3)
+    bias4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(bias, 1), 1), 3)
+    c4, bias4 = gl.broadcast(c4, bias4)
+    t4, c4 = gl.broadcast(t4, c4)
+    t4, bias4 = gl.broadcast(t4, bias4)
+    p = gl.exp2(gl.fma(t4, c4, bias4))
+    return gl.convert_layout(gl.reshape(p, [t.shape[0], t.shape[1]]), t.type.layout), m_new, alpha
+
+
+# Four fp32 → four E4M3 (round to nearest even, saturating; NaN stays NaN) in one 32-bit
+# register, the first in the low byte. ptxas merges the second pair into the first's register
+# (F2FP ... MERGE_C); the packing Triton emits for a converted tensor costs a PRMT more.
+E4M3X4_PTX = gl.constexpr(
+    "{ .reg .b16 lo, hi;\n"
+    "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
+    "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
+    "mov.b32 $0, {lo, hi}; }")
+E4M3X4_CONSTRAINTS = gl.constexpr("=r,r,r,r,r")
+
+
+@gluon.jit
+def register_operand(p, a_layout: gl.constexpr, PV_FP8: gl.constexpr):
+    """fp32 P̃ ``[64, N]`` in the wgmma accumulator's layout (4 warps) → the P̃·V wgmma's register
+    A operand in ``a_layout``, E4M3 or fp16. E4M3: column ``16G + 8h + 2c + p`` (a thread holds
+    its ``c``) moves to ``16G + 4c + 2h + p``, the position of that key in permuted V
+    (``core.operands.V_KEY_ORDER``) and a slot of the thread's own A fragment, whose four
+    consecutive keys then convert into one register: no data moves between threads. fp16: the
+    fragments already agree."""
+    if PV_FP8:
+        m: gl.constexpr = p.shape[0]
+        n: gl.constexpr = p.shape[1]
+        p = gl.reshape(gl.permute(gl.reshape(p, [m, n // 16, 2, 4, 2]), (0, 1, 3, 2, 4)), [m, n])
+        p = gl.convert_layout(p, a_layout)
+        bits = gl.inline_asm_elementwise(E4M3X4_PTX, E4M3X4_CONSTRAINTS, [p], dtype=gl.int8,
+                                         is_pure=True, pack=4)
+        return bits.to(gl.float8e4nv, bitcast=True)
+    else:
+        return gl.convert_layout(p.to(gl.float16), a_layout)
 
 
 @gluon.jit
@@ -151,12 +255,15 @@ def key_scales(ks_ptr, start_n, offs_n, nk, KEYS: gl.constexpr, MASKED: gl.const
 def descriptors(Q, K, V, b, h, hk, q_start, nq, k_start, nk, D, sqb, sqh, sqn, skb, skh, skn, svb,
                 svh, svn, svd, VARLEN: gl.constexpr, Q_ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
                 BLOCK_D: gl.constexpr, q_layout: gl.constexpr, k_layout: gl.constexpr,
-                v_layout: gl.constexpr, PV_FP8: gl.constexpr = True):
+                v_layout: gl.constexpr, PV_FP8: gl.constexpr = True,
+                V_PERMUTED: gl.constexpr = False):
     """TMA descriptors over one (batch, head)'s tokens of Q (boxes of ``Q_ROWS`` rows), K and V
     (E4M3 stored ``[D, N']``, boxes ``[BLOCK_D, BLOCK_N]``; fp16 ``[N, D]``, boxes
     ``[BLOCK_N, BLOCK_D]``), rows past the sequence reading as 0, and ``v_col``, the column of
     E4M3 V's descriptor where the sequence's first key sits (0 for fp16).
     ``nq``/``nk``: the sequence's lengths; ``q_start``/``k_start`` its first tokens when packed.
+    ``V_PERMUTED`` (dense E4M3 V whose keys are permuted in groups of 16): V's descriptor spans
+    the keys padded to 16, where the last keys are stored.
 
     Packed (``VARLEN``): Q's and K's token strides are multiples of 16 bytes, so their sequence's
     first token is a TMA base; V's token stride is 1 byte: its descriptor starts at the 16-byte
@@ -182,7 +289,10 @@ def descriptors(Q, K, V, b, h, hk, q_start, nq, k_start, nk, D, sqb, sqh, sqn, s
         k_desc = tma.make_tensor_descriptor(K + b * skb + hk * skh, [nk, D], [skn, 1],
                                             [BLOCK_N, BLOCK_D], k_layout)
         if PV_FP8:
-            v_desc = tma.make_tensor_descriptor(V + b * svb + hk * svh, [D, nk], [svd, 1],
+            v_keys = nk
+            if V_PERMUTED:
+                v_keys = gl.cdiv(nk, 16) * 16
+            v_desc = tma.make_tensor_descriptor(V + b * svb + hk * svh, [D, v_keys], [svd, 1],
                                                 [BLOCK_D, BLOCK_N], v_layout)
         else:
             v_desc = tma.make_tensor_descriptor(V + b * svb + hk * svh, [nk, D], [svn, 1],
@@ -221,5 +331,6 @@ def write_rows(acc, m_i, l_i, O, LSE, LSH, VS, VM, CUQ, b, h, hk, nq, NQ, offs_m
                       offs_m < nq, HAS_LSH)
 
 
-__all__ = ["descriptors", "key_scales", "program_sequence",
-           "scales_of_rows", "softmax_block", "v_box", "v_operand", "write_rows"]
+__all__ = ["E4M3X4_CONSTRAINTS", "E4M3X4_PTX", "check_tma_operands", "descriptors", "key_scales", "program_sequence",
+           "register_operand", "scales_of_rows", "softmax_block", "thread_view", "tma_scratch",
+           "tile_offsets", "v_box", "v_operand", "write_rows"]

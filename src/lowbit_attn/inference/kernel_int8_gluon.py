@@ -66,8 +66,8 @@ from lowbit_attn.core.triton_helpers import (
 )
 from lowbit_attn.inference import kernel_int8_gluon_pingpong as pingpong
 from lowbit_attn.inference.gluon_blocks import (
-    descriptors, key_scales, program_sequence, scales_of_rows, softmax_block, v_box, v_operand,
-    write_rows,
+    check_tma_operands, descriptors, key_scales, program_sequence, scales_of_rows, softmax_block,
+    tile_offsets, v_box, v_operand, write_rows,
 )
 
 SCHEDULES = ("async", "pingpong")
@@ -131,11 +131,8 @@ def _attn_fwd_int8_gluon_kernel(
     if pid_m * BLOCK_M >= nq:
         return
 
-    offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=rows_s)
-    offs_n = gl.arange(0, BLOCK_N, layout=cols_s)
-    offs_d = gl.arange(0, BLOCK_D, layout=cols_o)
-    mmask = offs_m < nq
-    dmask = offs_d < D
+    offs_m, offs_n, offs_d, mmask, dmask = tile_offsets(pid_m, nq, D, BLOCK_M, BLOCK_N, BLOCK_D,
+                                                        rows_s, cols_s, cols_o)
 
     q_desc, k_desc, v_desc, v_col = descriptors(
         Q, K, V, b, h, hk, q_start, nq, k_start, nk, D, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn,
@@ -409,13 +406,7 @@ def _check_scope(qz: QuantizedQKV, *, pv, granularity, block_q, block_k, seqs_q,
     # (Packed V: its descriptor starts at the 16-byte boundary before each sequence.)
     inner_qk = 2 if packed else 3
     inner_v = token if pv == "fp8" else inner_qk
-    for name, x, inner in (("q", qz.q, inner_qk), ("k", qz.k, inner_qk), ("v", qz.v, inner_v)):
-        size = x.element_size()
-        outer = [s * size for i, s in enumerate(x.stride()) if i != inner]
-        if x.stride(inner) != 1 or any(s % 16 for s in outer) or x.data_ptr() % 16:
-            raise ValueError(f"{name} must be 16-byte aligned with a unit stride along dim {inner} "
-                             f"and the others multiples of 16 bytes (TMA), got strides "
-                             f"{tuple(x.stride())} of {size}-byte elements")
+    check_tma_operands(("q", qz.q, inner_qk), ("k", qz.k, inner_qk), ("v", qz.v, inner_v))
 
 
 __all__ = ["SCHEDULES", "attention", "check_version"]

@@ -874,9 +874,12 @@ def _make_lang(real_name, numerics):
         names.update(
             allocate_shared_memory=_allocate_shared_memory, NVMMADistributedLayout=_Layout,
             SliceLayout=_Layout, NVMMASharedLayout=_Layout, BlockedLayout=_Layout,
-            SharedLinearLayout=_Layout, split=_split,
+            SharedLinearLayout=_Layout, DotOperandLayout=_Layout,
+            DistributedLinearLayout=_Layout, split=_split,
             inline_asm_elementwise=_inline_asm_elementwise,
             reshape=lambda x, shape, can_reorder=False: x.reshape(list(shape)),
+            permute=lambda x, dims: x.permute(*dims),
+            broadcast=lambda a, b: torch.broadcast_tensors(_t(a), _t(b)),
             expand_dims=lambda x, axis: x.unsqueeze(axis),
             div_rn=lambda a, b: torch.div(_t(a), _t(b)),
             warp_specialize=_warp_specialize, num_warps=lambda: _machine().current.num_warps,
@@ -1300,20 +1303,40 @@ def _tcgen05_commit(barrier):
 
 
 def _inline_asm_elementwise(asm, constraints, args, dtype, is_pure, pack):
-    """Only the hardware E2M1 conversion (``quant.fp4.E2M1X2_PTX``, four
+    """Two conversions only. The hardware E2M1 conversion (``quant.fp4.E2M1X2_PTX``, four
     ``cvt.rn.satfinite.e2m1x2.f32``): byte ``i`` = ``code(lo_i) | code(hi_i) << 4`` with the
     twin's ``quant.fp4_naive.e2m1_code`` (its RNE and saturation are the instruction's for every
-    non-NaN input: tests/quant/test_fp4.py; a NaN's code is the hardware's, not modelled)."""
+    non-NaN input: tests/quant/test_fp4.py; a NaN's code is the hardware's, not modelled). And the
+    E4M3 one (``inference.gluon_blocks.E4M3X4_PTX``, ``cvt.rn.satfinite.e4m3x2.f32``): each
+    element's E4M3 bits by the twin's ``quant.int8_naive.to_e4m3`` (round to nearest even,
+    saturating to ±448, NaN kept), as int8."""
     from lowbit_attn.quant.fp4 import E2M1X2_CONSTRAINTS, E2M1X2_PTX
     from lowbit_attn.quant.fp4_naive import e2m1_code
 
-    if (asm, constraints, int(pack), dtype) != (E2M1X2_PTX.value, E2M1X2_CONSTRAINTS.value, 4,
-                                                torch.uint8):
-        raise NotModeled(f"inline_asm_elementwise of {asm!r}: only the E2M1X2 conversion")
+    form = (asm, constraints, int(pack), dtype)
+    if form == _e4m3x4_form():
+        (x,) = args
+        if x.dtype != torch.float32:
+            raise ScheduleError("the E4M3 conversion takes fp32 values")
+        from lowbit_attn.quant.int8_naive import to_e4m3
+
+        return to_e4m3(x).view(torch.int8)
+    if form != (E2M1X2_PTX.value, E2M1X2_CONSTRAINTS.value, 4, torch.uint8):
+        raise NotModeled(f"inline_asm_elementwise of {asm!r}: only the E2M1X2 and E4M3X4 "
+                         "conversions")
     lo, hi = args
     if lo.dtype != torch.float32 or hi.dtype != torch.float32:
         raise ScheduleError("the E2M1X2 conversion takes fp32 pairs")
     return (e2m1_code(lo) | (e2m1_code(hi) << 4)).to(torch.uint8)
+
+
+def _e4m3x4_form() -> tuple:
+    """``inference.gluon_blocks``' E4M3 conversion as :func:`_inline_asm_elementwise` compares
+    it (imported when first needed: that module needs Gluon's Hopper API, which the Blackwell
+    kernels' model does not)."""
+    from lowbit_attn.inference.gluon_blocks import E4M3X4_CONSTRAINTS, E4M3X4_PTX
+
+    return E4M3X4_PTX.value, E4M3X4_CONSTRAINTS.value, 4, torch.int8
 
 
 def _split(x):

@@ -1,0 +1,212 @@
+"""The one-warpgroup Hopper forward (``inference/kernel_int8_sm90.py``) executed on the CPU by
+``lowbit_attn.tools.gluon_cpu``: the kernel's own code, launched by its own launcher, with shared
+memory, TMA, mbarriers and wgmma modelled sequentially, against the twin
+``inference.naive.quantized_attention`` bit for bit.
+
+Both sides take fp32 products and row sums in float64 rounded once (``canonical_reductions``), and
+the model's ``fma`` rounds twice as the twin's ``s - m`` does; everything else (per-thread and
+per-token scales, masks, offsets, the permuted V and P̃'s register operand, E4M3 rounding, the
+epilogue and LSE) is compared exactly. ``test_the_check_catches`` breaks the kernel's source in
+known ways and expects each break to be caught."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from helpers import (Bound, assert_bits, assert_caught, assert_within, mutant, mutation_params,
+                     one_torch_thread, schedule_outcome)
+from helpers import causal_offset_of as offset_of
+from lowbit_attn.core.recipes import get_recipe
+import helpers
+helpers.require_gluon("hopper", "cpu_model")  # before importing Gluon code
+
+from lowbit_attn.inference import gluon_blocks as gb
+from lowbit_attn.inference import kernel_int8_sm90 as k90
+from lowbit_attn.inference.naive import quantized_attention
+from lowbit_attn.inference.prepare import quantize_qkv
+from lowbit_attn.tools import gluon_cpu
+
+KERNEL = k90._attn_fwd_sm90_kernel
+
+pytestmark = pytest.mark.usefixtures(one_torch_thread.__name__)
+
+# (B, Hq, Hkv, Nq, Nk, D, causal offset or None for "nk - nq" when causal): partial query and key
+# blocks (key counts not a multiple of 16: the permuted V's last group), GQA and MQA, decode,
+# rows that see no key, offsets past the diagonal, enough key blocks to reuse each buffer.
+SHAPES = [
+    pytest.param(1, 2, 2, 130, 130, 64, None, id="B1-H2-N130-D64"),
+    pytest.param(2, 4, 2, 77, 200, 64, None, id="B2-GQA4:2-Nq77-Nk200-D64"),
+    pytest.param(1, 3, 1, 200, 90, 128, None, id="B1-MQA3:1-Nq200-Nk90-D128"),
+    pytest.param(1, 1, 1, 1, 257, 128, None, id="B1-decode-Nq1-Nk257-D128"),
+    pytest.param(1, 2, 1, 150, 523, 64, None, id="B1-GQA2:1-Nq150-Nk523-D64"),
+    pytest.param(1, 1, 1, 200, 40, 64, None, id="B1-Nq200-Nk40-D64-keyless-tiles"),
+    pytest.param(1, 2, 2, 150, 100, 128, 0, id="B1-Nq150-Nk100-D128-offset0"),
+    pytest.param(1, 1, 1, 130, 300, 64, 150, id="B1-Nq130-Nk300-D64-offset150"),
+]
+CASES = [pytest.param(g, pv, id=f"{g}-{pv}")
+         for g, pv in (("per_thread", "fp8"), ("per_token", "fp8"), ("per_thread", "fp16"),
+                       ("per_token", "fp16"))]
+
+
+def operands(b, hq, hkv, nq, nk, d, granularity="per_thread", pv="fp8", dtype=torch.float32):
+    g = torch.Generator().manual_seed(nq + 7 * nk + d)
+    q = torch.randn(b, hq, nq, d, generator=g)
+    k = torch.randn(b, hkv, nk, d, generator=g) + 4 * torch.randn(b, hkv, 1, d, generator=g)
+    v = torch.randn(b, hkv, nk, d, generator=g)
+    recipe = get_recipe(f"qk_int8_pv_{pv}").replace(granularity=granularity, block_k=k90.BLOCK_N)
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    qz = quantize_qkv(q, k, v, recipe, d**-0.5, need_lse_shift=True, backend="reference",
+                      permute_v=pv == "fp8")
+    if pv == "fp8":  # stored [B, H, D, N'] as the quantization kernel stores it
+        qz.v = qz.v.transpose(-1, -2).contiguous().transpose(-1, -2)
+    return recipe, qz
+
+
+def twin(recipe, qz, causal_offset):
+    with gluon_cpu.canonical_reductions():
+        return quantized_attention(qz, pv=recipe.pv, granularity=recipe.granularity,
+                                   block_q=recipe.block_q, block_k=recipe.block_k,
+                                   causal_offset=causal_offset)
+
+
+def on_cpu(recipe, qz, causal_offset, k_stages=k90.K_STAGES, **options):
+    """``kernel_int8_sm90.attention`` (launcher and kernel) with the kernel run by the model:
+    ``(out, lse, trace)``."""
+    out = torch.empty(qz.q.shape, dtype=torch.float32)  # NaN-poisoned (conftest)
+    with gluon_cpu.kernel_on_cpu(k90, "_attn_fwd_sm90_kernel", **options) as cpu:
+        lse = k90.attention(qz, out=out, pv=recipe.pv, granularity=recipe.granularity,
+                            block_q=recipe.block_q, block_k=recipe.block_k,
+                            causal_offset=causal_offset, return_lse=True, k_stages=k_stages)
+    return out, lse, cpu.trace
+
+
+@pytest.mark.parametrize("b,hq,hkv,nq,nk,d,offset", SHAPES)
+@pytest.mark.parametrize("granularity,pv", CASES)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("k_stages", [1, 2], ids=["k1", "k2"])
+def test_sm90_kernel_equals_the_twin_bit_for_bit(b, hq, hkv, nq, nk, d, offset, granularity, pv,
+                                                 causal, k_stages):
+    recipe, qz = operands(b, hq, hkv, nq, nk, d, granularity, pv)
+    co = offset_of(nq, nk, causal, offset)
+    want, want_lse = twin(recipe, qz, co)
+    got, got_lse, _ = on_cpu(recipe, qz, co, k_stages)
+    assert_bits(got, want, "out")
+    assert_bits(got_lse, want_lse, "lse")
+
+
+@pytest.mark.parametrize("b,hq,hkv,nq,nk,d,offset", SHAPES[:5])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fused_fma_stays_within_the_triton_kernels_bound(b, hq, hkv, nq, nk, d, offset, causal):
+    """With the GPU's fused ``fma`` (one rounding) the exp2 argument moves by an ulp now and then:
+    the same bound as the Triton kernel against the twin (test_attention_kernel.py)."""
+    recipe, qz = operands(b, hq, hkv, nq, nk, d)
+    co = offset_of(nq, nk, causal, offset)
+    want, want_lse = twin(recipe, qz, co)
+    got, got_lse, _ = on_cpu(recipe, qz, co, numerics=gluon_cpu.Numerics(fused_fma=True))
+    assert_within(got, want, Bound(atol=4e-3, cos=0.999999), name="out")
+    assert_within(got_lse, want_lse, Bound(atol=1e-5, rtol=1e-5), name="lse")
+
+
+def test_the_shapes_cover_the_schedule():
+    """Over three of the shapes above, every branch of the schedule runs: both loops in both mask
+    modes, each barrier in both phases, predicated-off loads, zero fill past the end."""
+    events, calls = {}, set()
+    for i in (3, 4, 5):  # decode, GQA over five key blocks, keyless tiles
+        b, hq, hkv, nq, nk, d, offset = SHAPES[i].values
+        for causal in (False, True):
+            recipe, qz = operands(b, hq, hkv, nq, nk, d)
+            *_, trace = on_cpu(recipe, qz, offset_of(nq, nk, causal, offset))
+            for k, n in trace.events.items():
+                events[k] = events.get(k, 0) + n
+            calls |= {(name, dict(flags).get("MASKED"), dict(flags).get("IS_CAUSAL"))
+                      for name, flags in trace.calls}
+    for masked in (False, True):
+        for causal in (False, True):
+            assert ("_step", masked, causal) in calls, (masked, causal)
+    assert events["wait phase 0"] and events["wait phase 1"], events
+    assert events["tma skipped"] and events["tma zero-filled elements"], events
+
+
+def test_every_gluon_name_the_kernel_uses_is_modelled():
+    used, modeled = gluon_cpu.referenced_names(KERNEL), gluon_cpu.modeled_names()
+    missing = {ns: sorted(names - modeled[ns]) for ns, names in used.items() if names - modeled[ns]}
+    assert not missing, f"used by the kernel, not modelled by tools/gluon_cpu.py: {missing}"
+    assert {"warpgroup_mma", "warpgroup_mma_wait"} <= used["functions"]
+    assert {"wait", "expect"} <= used["mbarrier"] and "async_copy_global_to_shared" in used["tma"]
+
+
+# (id, function, old, new, what must happen: "hang", "race", "error" (another ScheduleError),
+# "wrong" numbers, or "any" of these)
+MUTATIONS = [
+    ("K(j+1)-never-loaded", k90._step, "more_k = j + 1 < n_blocks", "more_k = False", "hang"),
+    ("K(j+1)-before-QK-retires", k90._step,
+     "s_int = warpgroup_mma_wait(0, deps=[s_tok])\n    if K_STAGES == 1:",
+     "if K_STAGES == 1:", "any"),
+    ("V-phase-off", k90._step, "mbarrier.wait(v_bar, j & 1)", "mbarrier.wait(v_bar, 0)", "any"),
+    ("V(j+1)-one-block-late", k90._step, "v_box(j + 1, v_col", "v_box(j + 2, v_col", "wrong"),
+    ("P̃-not-permuted", gb.register_operand, "(0, 1, 3, 2, 4)", "(0, 1, 2, 3, 4)", "wrong"),
+    ("per-thread-K-group-of-the-next-block", k90._step, "ks = gl.load(ks_ptr)",
+     "ks = gl.load(ks_ptr + 4)", "any"),
+    ("per-thread-Q-group-r+8", KERNEL, "thread_group(rows_t, 2)", "thread_group(rows_t + 8, 2)",
+     "any"),
+    ("causal-limit-off-by-one", gb.softmax_block, "nk - 1) - causal_offset",
+     "nk) - causal_offset", "wrong"),
+    ("unmasked-loop-one-too-far", KERNEL, "range(0, n_full)", "range(0, n_full + 1)", "any"),
+    ("V-descriptor-unpadded", gb.descriptors, "v_keys = gl.cdiv(nk, 16) * 16", "v_keys = nk",
+     "wrong"),
+    ("Q-box-at-64-rows-of-the-next-tile", KERNEL, "[pid_m * BM, 0], q_bar",
+     "[pid_m * BM + BM, 0], q_bar", "wrong"),
+]
+MUTATION_CASES = [  # (shape, granularity, causal offset)
+    ((1, 2, 1, 150, 523, 64), "per_thread", 373),
+    ((2, 4, 2, 77, 200, 64), "per_thread", None),
+    ((1, 2, 2, 150, 100, 128), "per_thread", 0),
+]
+
+
+def outcome(jit, old, new) -> str:
+    """How the check answers the mutated kernel over ``MUTATION_CASES``: the first failure's
+    kind, or "passes"."""
+    def each():
+        for shape, granularity, co in MUTATION_CASES:
+            recipe, qz = operands(*shape, granularity)
+            want, want_lse = twin(recipe, qz, co)
+            got, got_lse, _ = on_cpu(recipe, qz, co, overrides={jit.fn: mutant(jit, old, new)})
+            yield [(got, want), (got_lse, want_lse)]
+
+    return schedule_outcome(each())
+
+
+@pytest.mark.parametrize("jit,old,new,expected", mutation_params(MUTATIONS))
+def test_the_check_catches(jit, old, new, expected):
+    assert_caught(outcome(jit, old, new), expected)
+
+
+def test_the_unmutated_kernel_passes_the_mutation_cases():
+    assert outcome(k90._step, "more_v = j + 1", "more_v = j + 1") == "passes"
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(block_k=64), "block_k must be 128"),
+    (dict(granularity="per_block"), "granularity must be one of"),
+    (dict(k_stages=3), "k_stages must be 1 or 2"),
+])
+def test_out_of_scope_calls_are_refused_before_launch(change, message):
+    recipe, qz = operands(1, 2, 2, 70, 70, 64)
+    kw = dict(out=torch.empty(qz.q.shape), pv="fp8", granularity="per_thread", block_q=64,
+              block_k=128, causal_offset=None, return_lse=False)
+    kw.update(change)
+    with pytest.raises(ValueError, match=message):
+        k90.attention(qz, **kw)
+
+
+def test_unpermuted_fp8_v_is_refused():
+    recipe = get_recipe("qk_int8_pv_fp8").replace(granularity="per_thread", block_k=128)
+    q, k, v = (torch.randn(1, 2, 64, 64) for _ in range(3))
+    qz = quantize_qkv(q, k, v, recipe, 0.125, need_lse_shift=False, backend="reference")
+    with pytest.raises(ValueError, match="permuted"):
+        k90.attention(qz, out=torch.empty(q.shape), pv="fp8", granularity="per_thread",
+                      block_q=64, block_k=128, causal_offset=None, return_lse=False)
