@@ -28,12 +28,18 @@ from lowbit_attn.core.options import KernelOptions
 from helpers import require_gluon
 require_gluon("hopper", "blackwell")  # before importing Gluon code
 
+from lowbit_attn.core.recipes import get_recipe
 from lowbit_attn.inference import (
     gluon_check, gluon_fp4_check, kernel_fp4, kernel_fp4_gluon, kernel_int8, kernel_int8_gluon,
+    kernel_int8_sm90, sm90_check,
 )
 
 # One small check case instead of gluon_check.CASES: the interpreter runs the Triton side.
 TINY = (gluon_check.Case(1, 2, 1, 40, 70, 64, 64, causal=True, lse=True),)
+# The same for the one-warpgroup forward (128-key blocks, per-thread scales, permuted V).
+TINY_SM90 = (gluon_check.Case(1, 2, 1, 40, 70, 64, 128, causal=True, lse=True,
+                              granularity="per_thread"),)
+SM90_RECIPE = get_recipe("qk_int8_pv_fp8").replace(granularity="per_thread", block_k=128)
 # The same for the FP4 check (D=64: the stand-ins take it).
 TINY_FP4 = (gluon_fp4_check.Case(1, 2, 1, 40, 70, "nvfp4", causal=True, lse=True, d=64),)
 
@@ -47,9 +53,10 @@ class Route:
     check: object
     launcher: object
     triton: object
-    recipe: str
+    recipe: object
     cases: tuple
     wrong_rows: str
+    value: str = "gluon"  # LOWBIT_ATTN_KERNEL
 
 
 ROUTES = {
@@ -57,6 +64,8 @@ ROUTES = {
                        "max |gluon - triton|"),
     "fp4-sm100": Route(gluon_fp4_check, kernel_fp4_gluon, kernel_fp4, "qk_fp4_pv_fp4", TINY_FP4,
                        "cosine"),
+    "int8-sm90-warpgroup": Route(sm90_check, kernel_int8_sm90, kernel_int8, SM90_RECIPE,
+                                 TINY_SM90, "max |gluon - triton|", "sm90"),
 }
 
 
@@ -69,9 +78,12 @@ def test_the_kernel_option_is_read_and_checked(monkeypatch):
         monkeypatch.setenv("LOWBIT_ATTN_KERNEL", value)
         assert KernelOptions.from_env().gluon_forward
         assert KernelOptions.from_env().gluon_schedule == schedule
+        assert not KernelOptions.from_env().sm90_forward
+    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "sm90")
+    assert KernelOptions.from_env().sm90_forward and not KernelOptions.from_env().gluon_forward
     monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "cudnn")
     with pytest.raises(ValueError, match=r"LOWBIT_ATTN_KERNEL must be one of \('triton', "
-                                         r"'gluon', 'gluon-pingpong'\), got 'cudnn'"):
+                                         r"'gluon', 'gluon-pingpong', 'sm90'\), got 'cudnn'"):
         KernelOptions.from_env()
 
 
@@ -84,7 +96,8 @@ def test_a_bad_kernel_value_is_refused_at_the_call(monkeypatch, triton_backend):
 
 
 @pytest.mark.parametrize("route,written_for", [("int8-sm90", {(9, 0)}),
-                                                ("fp4-sm100", {(10, 0), (10, 3)})])
+                                                ("fp4-sm100", {(10, 0), (10, 3)}),
+                                                ("int8-sm90-warpgroup", {(9, 0)})])
 def test_applies_only_to_compiled_kernels_on_the_capability_it_is_written_for(monkeypatch, route,
                                                                                written_for):
     check = ROUTES[route].check
@@ -166,7 +179,7 @@ def test_on_cpu_the_option_runs_the_triton_kernel_and_never_the_gluon_one(routed
 
     monkeypatch.setattr(route.launcher, "attention", never)
     monkeypatch.setattr(route.check, "self_check", never)
-    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "gluon")
+    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", route.value)
     with no_gluon_warning():
         _same(_call(*inputs, route.recipe), want)
     assert route.check.verdict(torch.device("cpu")) == "not checked"
@@ -218,7 +231,7 @@ def test_a_failed_check_warns_once_and_keeps_the_triton_kernel(routed, monkeypat
     monkeypatch.setattr(route.check, "applies", lambda device: True)  # a device it is written for
     fake, calls = _stand_in(kind, route.triton)
     monkeypatch.setattr(route.launcher, "attention", fake)
-    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "gluon")
+    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", route.value)
     with gluon_warnings() as messages:
         _same(_call(*inputs, route.recipe), want)
     (message,) = messages
@@ -228,8 +241,9 @@ def test_a_failed_check_warns_once_and_keeps_the_triton_kernel(routed, monkeypat
         _same(_call(*inputs, route.recipe), want)
     assert len(calls) == 1
     assert reason in route.check.verdict(torch.device("cpu"))
-    other = ROUTES["fp4-sm100" if route.check is gluon_check else "int8-sm90"]
-    assert other.check.verdict(torch.device("cpu")) == "not checked"  # each route its own
+    for other in ROUTES.values():  # each route its own verdict
+        if other.check is not route.check:
+            assert other.check.verdict(torch.device("cpu")) == "not checked"
 
 
 @pytest.mark.interpreter
@@ -237,7 +251,7 @@ def test_another_triton_version_is_refused_with_the_pin_as_reason(routed, monkey
     route, inputs, want = routed
     monkeypatch.setattr(route.check, "applies", lambda device: True)
     monkeypatch.setattr(triton, "__version__", "3.7.0")  # the real launcher, refused before launch
-    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "gluon")
+    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", route.value)
     with gluon_warnings() as messages:
         _same(_call(*inputs, route.recipe), want)
     (message,) = messages
@@ -276,6 +290,52 @@ def test_a_passed_check_admits_the_gluon_forward_for_what_it_takes(fresh, monkey
     assert len(calls) == 4  # tried, refused
     monkeypatch.delenv("LOWBIT_ATTN_KERNEL")
     _same(got, _call(q32, k32, v32))
+
+
+@pytest.mark.interpreter
+def test_a_passed_check_admits_the_sm90_forward_with_permuted_v(monkeypatch, triton_backend):
+    """``LOWBIT_ATTN_KERNEL=sm90``: a stand-in with the Triton kernel's results passes the check;
+    calls it covers then quantize V permuted and reach it (the same bits as the default path);
+    calls it does not cover (D=32, 64-key blocks) never quantize for it or reach it."""
+    route = ROUTES["int8-sm90-warpgroup"]
+    inputs, want = _fresh(monkeypatch, route)
+    seen = []
+
+    def stand_in(qz, **kw):
+        seen.append(qz.v_permuted)
+        return kernel_int8.attention(qz, **kw)
+
+    monkeypatch.setattr(sm90_check, "applies", lambda device: True)
+    monkeypatch.setattr(kernel_int8_sm90, "attention", stand_in)
+    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "sm90")
+    with no_gluon_warning():
+        _same(_call(*inputs, SM90_RECIPE), want)
+        assert sm90_check.verdict(torch.device("cpu")) is None
+        assert seen == [True, True]  # the check, then the call
+        q32, k32, v32 = _inputs(d=32)
+        got32 = _call(q32, k32, v32, SM90_RECIPE)
+        got64 = _call(*inputs, SM90_RECIPE.replace(block_k=64))
+    assert seen == [True, True]
+    monkeypatch.delenv("LOWBIT_ATTN_KERNEL")
+    _same(got32, _call(q32, k32, v32, SM90_RECIPE))
+    _same(got64, _call(*inputs, SM90_RECIPE.replace(block_k=64)))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("case", [sm90_check.CASES[0], sm90_check.CASES[5]], ids=str)
+def test_the_sm90_check_builds_its_inputs(monkeypatch, case):
+    """Two of the sm90 check's cases end to end on the interpreter (the Triton kernel standing in
+    for the Gluon one, on the same permuted V): agreement gives no reason, a wrong row one."""
+    monkeypatch.setattr(kernel_int8_sm90, "attention", kernel_int8.attention)
+    assert sm90_check._compare(case, torch.device("cpu")) is None
+
+    def wrong(qz, *, out, **kw):
+        lse = kernel_int8.attention(qz, out=out, **kw)
+        out[0, 0, 3] += 0.5
+        return lse
+
+    monkeypatch.setattr(kernel_int8_sm90, "attention", wrong)
+    assert "max |gluon - triton|" in sm90_check._compare(case, torch.device("cpu"))
 
 
 @pytest.mark.interpreter

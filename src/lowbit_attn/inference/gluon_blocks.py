@@ -189,8 +189,8 @@ E4M3X4_CONSTRAINTS = gl.constexpr("=r,r,r,r,r")
 
 @gluon.jit
 def register_operand(p, a_layout: gl.constexpr, PV_FP8: gl.constexpr):
-    """fp32 P̃ ``[64, N]`` in the wgmma accumulator's layout (4 warps) → the P̃·V wgmma's register
-    A operand in ``a_layout``, E4M3 or fp16. E4M3: column ``16G + 8h + 2c + p`` (a thread holds
+    """fp32 P̃ ``[64, N]`` in the wgmma accumulator's layout (4 warps) → the P̃·V wgmma's
+    register A operand in ``a_layout``, E4M3 or fp16. E4M3: column ``16G + 8h + 2c + p`` (a thread holds
     its ``c``) moves to ``16G + 4c + 2h + p``, the position of that key in permuted V
     (``core.operands.V_KEY_ORDER``) and a slot of the thread's own A fragment, whose four
     consecutive keys then convert into one register: no data moves between threads. fp16: the
@@ -331,6 +331,6 @@ def write_rows(acc, m_i, l_i, O, LSE, LSH, VS, VM, CUQ, b, h, hk, nq, NQ, offs_m
                       offs_m < nq, HAS_LSH)
 
 
-__all__ = ["E4M3X4_CONSTRAINTS", "E4M3X4_PTX", "check_tma_operands", "descriptors", "key_scales", "program_sequence",
-           "register_operand", "scales_of_rows", "softmax_block", "thread_view", "tma_scratch",
-           "tile_offsets", "v_box", "v_operand", "write_rows"]
+__all__ = ["E4M3X4_CONSTRAINTS", "E4M3X4_PTX", "check_tma_operands", "descriptors", "key_scales",
+           "program_sequence", "register_operand", "scales_of_rows", "softmax_block",
+           "thread_view", "tile_offsets", "tma_scratch", "v_box", "v_operand", "write_rows"]

@@ -276,7 +276,10 @@ def dispatch(device: torch.device, applies_here: Callable[[torch.device], bool],
     return triton()
 
 
-def _compare(case: Case, device: torch.device, schedule: str) -> str | None:
+def case_inputs(case: Case, device: torch.device) -> tuple:
+    """``(q, k, v, seqs, causal_offset)`` of a :class:`Case`: fp16 inputs with channel-biased K
+    (dense ``[B, H, N, D]``, or packed ``[total, H, D]`` with ``seqs`` holding ``seqs_q`` and
+    ``seqs_k``), seeded by the case's sizes."""
     g = torch.Generator(device=device).manual_seed(case.b * 10**6 + case.nq * 1000 + case.nk)
     rows = ([(1, nq, nk) for nq, nk in case.lengths] if case.lengths
             else [(case.b, case.nq, case.nk)])
@@ -287,8 +290,6 @@ def _compare(case: Case, device: torch.device, schedule: str) -> str | None:
         k += 4 * torch.randn(b, case.hkv, 1, case.d, generator=g, device=device)  # channel bias
         v = torch.randn(b, case.hkv, nk, case.d, generator=g, device=device)
         parts.append(tuple(x.to(torch.float16) for x in (q, k, v)))
-    recipe = get_recipe(f"qk_int8_pv_{case.pv}").replace(block_k=case.block_k,
-                                                         granularity=case.granularity)
     seqs = {}
     if case.lengths:  # packed [total, H, D]; each sequence causal bottom-right
         q, k, v = (torch.cat([p[i][0].transpose(0, 1) for p in parts]) for i in range(3))
@@ -300,6 +301,13 @@ def _compare(case: Case, device: torch.device, schedule: str) -> str | None:
     else:
         q, k, v = parts[0]
         offset = case.nk - case.nq if case.causal else None
+    return q, k, v, seqs, offset
+
+
+def _compare(case: Case, device: torch.device, schedule: str) -> str | None:
+    q, k, v, seqs, offset = case_inputs(case, device)
+    recipe = get_recipe(f"qk_int8_pv_{case.pv}").replace(block_k=case.block_k,
+                                                         granularity=case.granularity)
     qz = quantize_qkv(q, k, v, recipe, case.d**-0.5, need_lse_shift=case.lse, backend="triton",
                       **seqs)
     kw = dict(pv=recipe.pv, granularity=recipe.granularity, block_q=recipe.block_q,
@@ -333,5 +341,5 @@ def attention(qz, *, out: torch.Tensor, pv: str, granularity: str, block_q: int,
                     lambda: kernel_int8.attention(qz, **kw))
 
 
-__all__ = ["CASES", "Case", "admit", "admitted", "applies", "attention", "compare_outputs",
-           "dispatch", "run_cases", "self_check", "verdict"]
+__all__ = ["CASES", "Case", "admit", "admitted", "applies", "attention", "case_inputs",
+           "compare_outputs", "dispatch", "run_cases", "self_check", "verdict"]

@@ -145,7 +145,8 @@ def _attn_fwd_sm90_kernel(
     if PER_THREAD:
         # The rows' and each key block's four scales in the slices of the score tile's
         # [64, 16, 4, 2] view (gluon_blocks.thread_view): one q and one k scale per thread.
-        view: gl.constexpr = thread_view(gl.zeros([BM, BN], gl.float32, layout=s_layout)).type.layout
+        view: gl.constexpr = thread_view(
+            gl.zeros([BM, BN], gl.float32, layout=s_layout)).type.layout
         pair: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, view))
         rows_t = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, pair))
         qs = gl.load(QS + b * sqsb + h * sqsh + thread_group(rows_t, 2) * sqsn, mask=rows_t < nq,
@@ -274,12 +275,14 @@ def attention(
     seqs_q: Seqs | None = None,
     seqs_k: Seqs | None = None,
     k_stages: int = K_STAGES,
+    maxnreg: int | None = None,
 ) -> torch.Tensor | None:
     """Run the kernel, as ``kernel_int8.attention`` (same arguments; ``block_q`` is not used:
     the kernel's tiles are 64 rows, which changes no value); writes ``out`` (a logical
     ``[B, Hq, Nq, D]`` view) and returns the LSE (``[B, Hq, Nq]`` fp32) when asked.
     ``k_stages``: K's buffers (1: K(j+1) requested as soon as Q·K(j)ᵀ retires; 2: K(j+2) with
-    V(j+1)). Raises ``RuntimeError`` on a Triton whose Gluon it was not written for,
+    V(j+1)); ``maxnreg``: a cap on registers per thread (168 lets 3 programs share an SM).
+    Raises ``RuntimeError`` on a Triton whose Gluon it was not written for,
     ``ValueError`` for what it does not cover (before launching anything)."""
     check_version()
     if k_stages not in (1, 2):
@@ -293,6 +296,7 @@ def attention(
         lse = torch.empty((b, hq, nq), device=out.device, dtype=torch.float32)
     vec = qz.v_scale if qz.v_scale is not None else qz.v_mean
     grid = (triton.cdiv(nq, BLOCK_M), b * hq)
+    options = {} if maxnreg is None else {"maxnreg": int(maxnreg)}
 
     def launch():
         triton.set_allocator(tma_scratch)  # in a copy of the caller's context: theirs is kept
@@ -308,7 +312,7 @@ def attention(
             IS_CAUSAL=causal_offset is not None, HAS_VSCALE=qz.v_scale is not None,
             HAS_VMEAN=qz.v_mean is not None, HAS_LSH=qz.lse_shift is not None,
             WRITE_LSE=lse is not None, PER_THREAD=granularity == "per_thread",
-            PV_FP8=pv == "fp8", BLOCK_D=d, K_STAGES=k_stages, num_warps=NUM_WARPS,
+            PV_FP8=pv == "fp8", BLOCK_D=d, K_STAGES=k_stages, num_warps=NUM_WARPS, **options,
         )
 
     contextvars.copy_context().run(launch)

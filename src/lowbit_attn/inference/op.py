@@ -29,7 +29,8 @@ def kernel(q, k, v, *, out: torch.Tensor, recipe: Recipe, scale: float, causal_o
     :func:`naive` for what has no kernel (the exact recipe). Arguments and result: :func:`run`.
     With ``options.kernel`` ``"gluon"`` or ``"gluon-pingpong"`` the INT8 attention goes through
     :func:`lowbit_attn.inference.gluon_check.attention` (the Gluon forward on sm_90 where it
-    applies and passed its check, the Triton kernel otherwise); with ``"gluon"`` the FP4
+    applies and passed its check, the Triton kernel otherwise), with ``"sm90"`` through
+    :func:`lowbit_attn.inference.sm90_check.attention` (likewise); with ``"gluon"`` the FP4
     attention goes through :func:`lowbit_attn.inference.gluon_fp4_check.attention` (the Gluon
     FP4 forward on sm_100 likewise)."""
     if recipe.is_exact:
@@ -52,16 +53,25 @@ def kernel(q, k, v, *, out: torch.Tensor, recipe: Recipe, scale: float, causal_o
             qz, out=out, head_dim=q.shape[-1], block_q=recipe.block_q, block_k=recipe.block_k,
             causal_offset=causal_offset, two_level=recipe.two_level_p, return_lse=return_lse,
         )
-    from lowbit_attn.inference import kernel_int8
+    from lowbit_attn.inference import kernel_int8, sm90_check
 
     seqs_q, seqs_k = seqs if seqs is not None else (None, None)
+    # The one-warpgroup Hopper forward where it covers the call and is admitted on this device:
+    # decided before quantizing, because it takes V's keys permuted.
+    sm90 = (options.sm90_forward and sm90_check.applies(q.device)
+            and sm90_check.wanted(recipe, q.shape[-1], packed=seqs is not None,
+                                  q_in_kernel=options.q_in_kernel)
+            and sm90_check.admitted(q.device))
     qz = quantize_qkv(
         q, k, v, recipe, scale, need_lse_shift=return_lse, backend="triton", seqs_q=seqs_q,
         seqs_k=seqs_k, q_in_kernel=options.q_in_kernel,
         kv_stats_in_program=options.kv_stats_in_program,
+        permute_v=sm90 and recipe.pv == "fp8",
     )
     forward = kernel_int8.attention
-    if options.gluon_forward:  # the Gluon forward where it applies and passed its check here
+    if sm90:
+        forward = sm90_check.attention
+    elif options.gluon_forward:  # the Gluon forward where it applies and passed its check here
         from lowbit_attn.inference import gluon_check
 
         forward = functools.partial(gluon_check.attention, schedule=options.gluon_schedule)

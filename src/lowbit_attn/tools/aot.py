@@ -695,11 +695,12 @@ def record_gluon_launch(*, head_dim: int = 128, causal: bool = False, block_k: i
 
 def record_sm90_launch(*, head_dim: int = 128, causal: bool = False, return_lse: bool = False,
                        seq_len: int = 1024, dtype: torch.dtype = torch.float16,
-                       granularity: str = "per_thread", pv: str = "fp8") -> Launch:
+                       granularity: str = "per_thread", pv: str = "fp8", **launcher) -> Launch:
     """The launch of the one-warpgroup Hopper forward (``inference.kernel_int8_sm90``) on the
     operands of a dense ``[1, 2, seq_len, head_dim]`` ``qk_int8_pv_{pv}`` call with 128-key
     blocks and ``granularity`` scales (E4M3 V permuted), as the quantization launch allocates
-    them (nothing runs on a device)."""
+    them (nothing runs on a device). ``launcher``: the launcher's candidate options
+    (``k_stages``, ``maxnreg``)."""
     from lowbit_attn.core.recipes import get_recipe
     from lowbit_attn.inference import kernel_int8_sm90
     from lowbit_attn.inference.prepare import quantize_qkv
@@ -714,7 +715,7 @@ def record_sm90_launch(*, head_dim: int = 128, causal: bool = False, return_lse:
         kernel_int8_sm90.attention(
             qz, out=torch.zeros_like(q), pv=recipe.pv, granularity=recipe.granularity,
             block_q=recipe.block_q, block_k=recipe.block_k, causal_offset=0 if causal else None,
-            return_lse=return_lse,
+            return_lse=return_lse, **launcher,
         )
     (launch,) = sink
     return launch

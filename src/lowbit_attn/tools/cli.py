@@ -35,7 +35,8 @@ ENV_VARS = ("LOWBIT_ATTN_ARCH", "LOWBIT_ATTN_BACKEND", "LOWBIT_ATTN_Q_QUANT", "L
             "LOWBIT_ATTN_TRAIN_DQ", "LOWBIT_ATTN_KERNEL", "LOWBIT_ATTN_AUTOTUNE", "LOWBIT_ATTN_LAUNCH",
             "TRITON_INTERPRET")
 DTYPES = ("float16", "bfloat16", "float32")
-KERNELS = ("triton", "gluon", "gluon-pingpong")  # core.options.KERNELS, spelled out: --help imports nothing heavy
+# core.options.KERNELS, spelled out: --help imports nothing heavy
+KERNELS = ("triton", "gluon", "gluon-pingpong", "sm90")
 # The targets of ``lowbit_attn.tools.aot.ARCHS``, spelled out so that ``--help`` imports nothing heavy.
 ARCH_HELP = "sm_80, sm_86, sm_89, sm_90a, sm_100a or sm_120a"
 
@@ -85,7 +86,12 @@ def _add_inspect(sub) -> None:
                    "loop, exp2 under P·V), or with an FP4 recipe the Gluon FP4 forward for "
                    "sm_100a (D 128) with its gates (the softmax partition's loop, how long each "
                    "product runs under it, the MMA warp); gluon-pingpong: the INT8 forward's "
-                   "warp-specialized schedule, the same gates for each consumer warpgroup")
+                   "warp-specialized schedule, the same gates for each consumer warpgroup; "
+                   "sm90: the one-warpgroup forward for sm_90a (qk_int8_pv_fp8 or "
+                   "qk_int8_pv_fp16, D 64 or 128, 128-key blocks) with per-thread and per-token "
+                   "scales, each with its gate (P̃·V from registers, no shared-memory store in "
+                   "the loop, no spills, at most 8.0 instructions per score, at least 2 CTAs "
+                   "per SM)")
     p.add_argument("--json", action="store_true", help="print the reports as JSON")
     p.add_argument("--ptx-dir", metavar="DIR", help="also write each kernel's PTX into DIR")
     p.set_defaults(handler=functools.partial(_inspect, parser=p))
@@ -163,6 +169,8 @@ def _inspect(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> in
             parser.error(triton_support.gluon_refusal(api, f"--kernel {args.kernel}"))
         if fp4 is not None:
             return _inspect_gluon_fp4(args, parser, fp4)
+        if args.kernel == "sm90":
+            return _inspect_sm90(args, parser)
         return _inspect_gluon(args, parser)
     gated = False  # the training and VSA kernels get the wide-wgmma gate's line
     try:
@@ -357,11 +365,32 @@ def _format_gluon_gates(report, gates: dict | None) -> list[str]:
     return lines
 
 
+def _show_gated(args: argparse.Namespace, heading: str, reports: list, gates: list, titles: list,
+                format_gates) -> int:
+    """Print compiled reports with their gates (``--json``, ``--ptx-dir`` as asked): ``heading``
+    (followed by Triton's and ptxas's versions), then each report under its title (``""``: none)
+    with ``format_gates(report, gates)``'s lines; exit code 1 if one did not compile."""
+    import triton
+
+    from lowbit_attn.tools import aot
+
+    if args.ptx_dir:
+        _write_ptx(reports, args.ptx_dir)
+    if args.json:
+        print(json.dumps([{**r.as_dict(), "gates": g} for r, g in zip(reports, gates)], indent=2,
+                         default=str))
+    else:
+        print(f"{heading}; Triton {triton.__version__}, ptxas {aot.ptxas_version(args.arch)}")
+        for title, r, g in zip(titles, reports, gates):
+            print(f"\n{title}" if title else "")
+            print("\n".join(_format_report(r) + format_gates(r, g)))
+    return 1 if any(not r.ok for r in reports) else 0
+
+
 def _inspect_gluon(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``inspect --kernel gluon[-pingpong]``: the Gluon forward (the asynchronous or the
     ping-pong schedule) at each key block, with its gates."""
     import torch
-    import triton
 
     from lowbit_attn.core.arch import parse_arch
     from lowbit_attn.core.recipes import resolve
@@ -377,21 +406,36 @@ def _inspect_gluon(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         head_dim=args.head_dim, causal=args.causal, block_k=block_k, return_lse=args.return_lse,
         dtype=getattr(torch, args.dtype), schedule=schedule, pv=recipe.pv,
         granularity=recipe.granularity), args.arch) for block_k in BLOCK_NS]
-    gates = [gluon_gates(r) for r in reports]
-    if args.ptx_dir:
-        _write_ptx(reports, args.ptx_dir)
-    if args.json:
-        print(json.dumps([{**r.as_dict(), "gates": g} for r, g in zip(reports, gates)], indent=2,
-                         default=str))
-    else:
-        mode = "causal" if args.causal else "non-causal"
-        print(f"{recipe.name} for {args.arch}, Gluon forward, {schedule} schedule (head dim "
-              f"{args.head_dim}, {mode}, {args.dtype}); Triton {triton.__version__}, ptxas "
-              f"{aot.ptxas_version(args.arch)}")
-        for r, g in zip(reports, gates):
-            print()
-            print("\n".join(_format_report(r) + _format_gluon_gates(r, g)))
-    return 1 if any(not r.ok for r in reports) else 0
+    mode = "causal" if args.causal else "non-causal"
+    heading = (f"{recipe.name} for {args.arch}, Gluon forward, {schedule} schedule (head dim "
+               f"{args.head_dim}, {mode}, {args.dtype})")
+    return _show_gated(args, heading, reports, [gluon_gates(r) for r in reports],
+                       [""] * len(reports), _format_gluon_gates)
+
+
+def _inspect_sm90(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``inspect --kernel sm90``: the one-warpgroup Hopper forward with per-thread and per-token
+    scales, each with its gate (``tools/sm90_gates.py``)."""
+    import torch
+
+    from lowbit_attn.core.arch import parse_arch
+    from lowbit_attn.core.recipes import resolve
+    from lowbit_attn.inference.kernel_int8_sm90 import GRANULARITIES
+    from lowbit_attn.tools import aot, sm90_gates
+
+    error = _gluon_scope_error(args)
+    if error is not None:
+        parser.error(error)
+    recipe = resolve(args.recipe, parse_arch(args.arch))
+    reports = [aot.compile_launch(aot.record_sm90_launch(
+        head_dim=args.head_dim, causal=args.causal, return_lse=args.return_lse,
+        dtype=getattr(torch, args.dtype), pv=recipe.pv, granularity=granularity), args.arch)
+        for granularity in GRANULARITIES]
+    mode = "causal" if args.causal else "non-causal"
+    heading = (f"{recipe.name} for {args.arch}, one-warpgroup Gluon forward (head dim "
+               f"{args.head_dim}, 128-key blocks, {mode}, {args.dtype})")
+    return _show_gated(args, heading, reports, [sm90_gates.gates(r) for r in reports],
+                       [f"{g} scales" for g in GRANULARITIES], sm90_gates.format_gates)
 
 
 # ---------------------------------------------------------------------------------------------

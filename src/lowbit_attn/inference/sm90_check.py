@@ -1,0 +1,127 @@
+"""The INT8 attention forward a call on the Triton path runs under ``LOWBIT_ATTN_KERNEL=sm90``: the
+one-warpgroup Hopper forward (:mod:`~lowbit_attn.inference.kernel_int8_sm90`) where it applies and
+has passed a check on this device, the Triton kernel (:mod:`~lowbit_attn.inference.kernel_int8`,
+which reads the same permuted V) everywhere else, without error. The admit / refuse / warn-once /
+fall-back logic is :mod:`~lowbit_attn.inference.gluon_check`'s (its :func:`admit`,
+:func:`run_cases`, :func:`compare_outputs`, :func:`dispatch`); this module holds what is this
+kernel's.
+
+No GPU has run this kernel yet (it is compiled ahead of time and run on the CPU model,
+``tools/gluon_cpu.py``, only), so it is opt-in and earns its place on each machine. A call uses
+it only where
+
+1. :func:`wanted`: the call is one the kernel covers, decided before quantization (V's keys are
+   then stored permuted for it): dense, INT8 Q·Kᵀ with per-token or per-thread scales, FP8 or
+   fp16 P·V, 128-key blocks, no ΔS, Q quantized by its pass, D = 64 or 128;
+2. :func:`applies`: CUDA tensors on a device of capability 9.0, compiled kernels (on a CPU the
+   option changes nothing: Triton has no Gluon interpreter);
+3. it has passed, in this process and on this device, the one-time check :func:`self_check`
+   against the Triton kernel on :data:`CASES` (partial blocks, key counts not a multiple of 16,
+   causal, GQA, LSE, per-thread and per-token scales, FP8 and fp16 P·V, both head dims), in a
+   process of its own; a mismatch, a crash or any exception warns once, naming the reason, and
+   the Triton kernel runs for the rest of the process on that device; no check during a CUDA
+   graph capture;
+4. the launcher takes the call (it raises ``ValueError`` before launching anything otherwise;
+   the Triton kernel then runs).
+
+Tolerances: :mod:`~lowbit_attn.inference.gluon_check`'s (twice the Triton kernel's bound against
+the twin on a GPU).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lowbit_attn.core.recipes import Recipe, get_recipe
+from lowbit_attn.inference import gluon_check, kernel_int8
+from lowbit_attn.inference.gluon_check import Case
+from lowbit_attn.inference.prepare import quantize_qkv
+
+KERNEL = "sm90"  # its key among gluon_check's verdicts
+BLOCK_N = 128  # kernel_int8_sm90.BLOCK_N (that module imports Gluon: not imported here)
+HEAD_DIMS = (64, 128)
+GRANULARITIES = ("per_token", "per_thread")
+
+# Key counts off the 16-key groups of permuted V; D 64 and 128; GQA; causal with a diagonal off
+# the block grid; LSE with K's shift; both granularities; fp16 P·V.
+CASES = (
+    Case(1, 2, 2, 200, 200, 64, BLOCK_N, causal=False, lse=False, granularity="per_thread"),
+    Case(1, 4, 2, 300, 333, 128, BLOCK_N, causal=True, lse=True, granularity="per_thread"),
+    Case(2, 2, 1, 130, 257, 128, BLOCK_N, causal=True, lse=False),
+    Case(1, 2, 1, 129, 301, 64, BLOCK_N, causal=False, lse=True),
+    Case(1, 4, 2, 200, 260, 128, BLOCK_N, causal=True, lse=True, granularity="per_thread",
+         pv="fp16"),
+    Case(1, 2, 2, 70, 90, 128, BLOCK_N, causal=False, lse=True, pv="fp16"),
+)
+
+
+def wanted(recipe: Recipe, head_dim: int, *, packed: bool, q_in_kernel: bool) -> bool:
+    """Whether the kernel covers a call with ``recipe`` (module docstring, 1)."""
+    return (recipe.qk == "int8" and recipe.pv in ("fp8", "fp16")
+            and recipe.granularity in GRANULARITIES and recipe.block_k == BLOCK_N
+            and not recipe.smooth_q and head_dim in HEAD_DIMS and not packed
+            and not q_in_kernel)
+
+
+def applies(device: torch.device) -> bool:
+    """Whether the kernel can run on ``device`` at all (module docstring, 2)."""
+    return gluon_check.applies(device)
+
+
+def verdict(device: torch.device) -> str | None:
+    """``None`` if the kernel was admitted on ``device`` in this process, else why not
+    (``"not checked"`` before the first check)."""
+    return gluon_check.verdict(device, KERNEL)
+
+
+def admitted(device: torch.device) -> bool:
+    """Whether the kernel has passed its check on ``device``, running the check (and warning once
+    if it fails) at the first call in this process."""
+    return gluon_check.admit(device, KERNEL, gluon_check.checker(device, self_check),
+                             "LOWBIT_ATTN_KERNEL=sm90: the one-warpgroup Hopper attention "
+                             "forward", "the Triton kernel")
+
+
+def self_check(device: torch.device) -> str | None:
+    """Run :data:`CASES` through both kernels on ``device``: ``None`` if every output (and LSE)
+    agrees within the tolerances, else the first reason it does not."""
+    return gluon_check.run_cases(device, CASES, lambda case: _compare(case, device))
+
+
+def _compare(case: Case, device: torch.device) -> str | None:
+    q, k, v, _, offset = gluon_check.case_inputs(case, device)
+    recipe = get_recipe(f"qk_int8_pv_{case.pv}").replace(block_k=case.block_k,
+                                                         granularity=case.granularity)
+    qz = quantize_qkv(q, k, v, recipe, case.d**-0.5, need_lse_shift=case.lse, backend="triton",
+                      permute_v=case.pv == "fp8")
+    kw = dict(pv=recipe.pv, granularity=recipe.granularity, block_q=recipe.block_q,
+              block_k=case.block_k, causal_offset=offset, return_lse=case.lse)
+    from lowbit_attn.inference import kernel_int8_sm90  # an import failure is a reason too
+
+    want, got = torch.empty_like(q), torch.full_like(q, float("nan"))
+    want_lse = kernel_int8.attention(qz, out=want, **kw)
+    got_lse = kernel_int8_sm90.attention(qz, out=got, **kw)
+    return gluon_check.compare_outputs(
+        got, want, got_lse, want_lse if case.lse else None, atol=gluon_check.CHECK_ATOL,
+        cosine=gluon_check.CHECK_COSINE, lse_atol=gluon_check.CHECK_LSE_ATOL)
+
+
+def attention(qz, *, out: torch.Tensor, pv: str, granularity: str, block_q: int, block_k: int,
+              causal_offset: int | None, return_lse: bool, seqs_q=None,
+              seqs_k=None) -> torch.Tensor | None:
+    """``kernel_int8.attention``'s arguments and result, run by the one-warpgroup forward where it
+    applies, is admitted on ``out``'s device and takes the call, else by the Triton kernel."""
+    kw = dict(out=out, pv=pv, granularity=granularity, block_q=block_q, block_k=block_k,
+              causal_offset=causal_offset, return_lse=return_lse)
+
+    def gluon():
+        from lowbit_attn.inference import kernel_int8_sm90
+
+        return kernel_int8_sm90.attention(qz, seqs_q=seqs_q, seqs_k=seqs_k, **kw)
+
+    return gluon_check.dispatch(out.device, applies, admitted, gluon,
+                                lambda: kernel_int8.attention(qz, seqs_q=seqs_q, seqs_k=seqs_k,
+                                                              **kw))
+
+
+__all__ = ["CASES", "admitted", "applies", "attention", "self_check", "verdict", "wanted"]

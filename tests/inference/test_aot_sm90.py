@@ -1,0 +1,128 @@
+"""CPU gates of the one-warpgroup Hopper forward (``inference/kernel_int8_sm90.py``), compiled
+ahead of time for sm_90a: ``tools/sm90_gates.py``'s gate (P̃·V a wgmma whose A operand comes from
+registers, no shared-memory store in the main loop, no spills, at most 8.0 instructions per score,
+at least 2 CTAs per SM) for the per-thread FP8 kernel, and what every variant compiles to.
+Numbers measured 2026-11-28 (Triton 3.6.0, its bundled ptxas 12.8), 64×128 tiles, 4 warps, with
+LSE, K single-buffered (``k_stages=1``):
+
+| D   | scales | P·V  | regs (full/causal) | shared (B) | main loop per tile (per score) | CTAs |
+|-----|--------|------|--------------------|------------|--------------------------------|------|
+| 128 | thread | FP8  | 174 / 207          | 41000      | 506 / 504 (7.91 / 7.88)        | 2    |
+| 128 | token  | FP8  | 231 / 245          | 41512      | 577 / 577 (9.02)               | 2    |
+| 64  | thread | FP8  | 144 / 167          | 20520      | 472 / 471 (7.38 / 7.36)        | 3    |
+| 64  | token  | FP8  | 168 / 168          | 21032      | 544 / 546 (8.50 / 8.53)        | 3    |
+| 128 | thread | fp16 | 190                | 57384      | 509 (7.95)                     | 2    |
+
+Two K buffers (``k_stages=2``, K(j+2) requested with V(j+1)): +16 to +18 instructions per tile,
++16 KB (D=128). ``maxnreg=168`` (3 CTAs per SM at D=128) spills 16 to 24 B per thread per
+thread-scale variant, 216 to 328 B per token.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import pinned_codegen, require_gluon
+
+require_gluon("hopper")  # before importing Gluon code
+
+from lowbit_attn.inference import kernel_int8_sm90
+from lowbit_attn.tools import aot, sm90_gates
+
+pytestmark = pytest.mark.aot
+
+INT8_WGMMA = "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8"
+PV_WGMMA = {"fp8": "wgmma.mma_async.sync.aligned.m64n{d}k32.f32.e4m3.e4m3",
+            "fp16": "wgmma.mma_async.sync.aligned.m64n{d}k16.f32.f16.f16"}
+
+VARIANTS = [(d, granularity, pv, causal) for d in (64, 128)
+            for granularity in kernel_int8_sm90.GRANULARITIES for pv in ("fp8", "fp16")
+            for causal in (False, True)]
+IDS = [f"D{d}-{g}-{pv}-{'causal' if c else 'full'}" for d, g, pv, c in VARIANTS]
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    cache: dict[tuple, aot.KernelReport] = {}
+
+    def get(d: int, granularity: str = "per_thread", pv: str = "fp8", causal: bool = False,
+            seq_len: int = 1024, **launcher) -> aot.KernelReport:
+        key = (d, granularity, pv, causal, seq_len, tuple(sorted(launcher.items())))
+        if key not in cache:
+            launch = aot.record_sm90_launch(head_dim=d, causal=causal, return_lse=True,
+                                            seq_len=seq_len, granularity=granularity, pv=pv,
+                                            **launcher)
+            cache[key] = aot.compile_launch(launch, "sm_90a")
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_the_per_thread_fp8_kernel_passes_its_gate(compiled, causal):
+    r = compiled(128, causal=causal)
+    gates = sm90_gates.gates(r)
+    failed = [name for name, ok in gates["checks"].items() if not ok]
+    assert gates["passes"], f"{failed}: {gates}"
+    assert gates["pv_from_registers"] is True and gates["shared_stores"] == 0
+    assert gates["exp2"] == 66  # 64 scores and 2 rescale factors per thread and tile
+
+
+@pytest.mark.parametrize("d,granularity,pv,causal", VARIANTS, ids=IDS)
+def test_every_variant_compiles_with_pv_from_registers_and_no_spills(compiled, d, granularity,
+                                                                     pv, causal):
+    r = compiled(d, granularity, pv, causal)
+    assert r.ok, r.error
+    assert r.instructions.get(INT8_WGMMA) and r.instructions.get(PV_WGMMA[pv].format(d=d)), \
+        r.instructions
+    assert sm90_gates.pv_from_registers(r.ptx) is True
+    assert not r.ptxas_warnings, r.ptxas_warnings
+    if pinned_codegen():
+        assert r.spills == 0
+        assert sm90_gates.gates(r)["ctas_per_sm"] >= 2
+
+
+@pytest.mark.pinned_codegen
+@pytest.mark.parametrize("d,limit", [(128, 7.95), (64, 7.40)])
+def test_instructions_per_score_regression(compiled, d, limit):
+    """The per-thread FP8 main loop at its measured count (module docstring), a rounding's
+    margin above."""
+    assert sm90_gates.gates(compiled(d))["per_score"] <= limit
+
+
+@pytest.mark.pinned_codegen
+def test_two_k_buffers_and_the_register_cap_are_candidates_that_compile(compiled):
+    """The GPU sweep's other candidates: two K buffers (no spills), and ``maxnreg=168`` for 3
+    CTAs per SM at D=128 (small spills: a trade only a GPU can judge)."""
+    two = compiled(128, k_stages=2)
+    assert two.spills == 0 and two.shared_memory > compiled(128).shared_memory
+    capped = compiled(128, maxnreg=168)
+    assert capped.registers <= 168 and sm90_gates.gates(capped)["ctas_per_sm"] == 3
+    assert capped.spills <= 64
+
+
+@pytest.mark.pinned_codegen
+@pytest.mark.parametrize("seq_len", [1000, 683])
+def test_lengths_not_a_multiple_of_16_keep_the_gate(compiled, seq_len):
+    assert sm90_gates.gates(compiled(128, seq_len=seq_len))["passes"]
+
+
+@pytest.mark.parametrize("registers,shared,want", [
+    (174, 41000, 2), (168, 41000, 3), (128, 20520, 4), (255, 41000, 2), (64, 20520, 8),
+    (168, 80000, 2), (32, 1000, 16),
+])
+def test_ctas_per_sm(registers, shared, want):
+    """Registers (per warp in units of 256 of 64 Ki), shared memory (228 KiB, 1 KiB reserved per
+    CTA) and threads (2048) each bound the count."""
+    assert sm90_gates.ctas_per_sm(registers, shared) == want
+
+
+def test_pv_from_registers_reads_the_a_operand():
+    pv = "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
+    pv += ",".join(f"%f{i}" for i in range(64)) + "}, "
+    regs = pv + "{%r1,%r2,%r3,%r4}, %rd5, p, 1, 1, 1;"
+    smem = pv + "%rd4, %rd5, p, 1, 1, 0, 1;"
+    qk = "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 {%r9}, %rd4, %rd5, p;"
+    assert sm90_gates.pv_from_registers(regs + "\n" + qk) is True
+    assert sm90_gates.pv_from_registers(regs + "\n" + smem) is False
+    assert sm90_gates.pv_from_registers(qk) is None
