@@ -3,7 +3,16 @@
 # environment report, GPU correctness tests (pytest -m gpu), then the full benchmark of
 # DESIGN.md ("Benchmark protocol"), its short table printed last.
 #
-#   bash benchmarks/run_on_gpu.sh [all|tests|bench|quick|fp4|train|vsa|hopper|gluon|decode]  (default: all)
+#   bash benchmarks/run_on_gpu.sh [all|tests|bench|quick|fp4|train|vsa|hopper|gluon|decode|forward]
+#   (default: all)
+#
+# forward: the 8-bit forward's candidates (issue 36): the one-warpgroup kernel's GPU tests
+# (pytest -m gpu -k sm90, at most FORWARD_TEST_TIMEOUT, default 100 s: against the twin, every
+# option, its opt-in check), then benchmarks/bench_forward.py (the sm90 kernel per thread and per
+# token, K buffers, register cap, fp16 P.V; the Triton kernel; the Gluon async and ping-pong
+# kernels; kernel alone and end to end; SDPA cuDNN and flash, SageAttention 1.0.6; D=128,64 x
+# N=16k,1k,4k x causal, most decisive first), then, in the last NCU_RESERVE seconds (default 45),
+# ncu's stall reasons for one launch (benchmarks/probes/forward_ncu.py; --clock-control none).
 #
 # fp4: the FP4 recipes alone (GPU tests -k fp4, the Gluon sm_100a forward's among them, then a
 # quick benchmark of qk_fp4_pv_fp4 and qk_mxfp4_pv_mxfp4 against SDPA cuDNN, with the default
@@ -44,7 +53,9 @@ cd "$(dirname "$0")/.."
 STAGE="${1:-all}"
 PY="${PYTHON:-python}"
 export OUT="${OUT:-$PWD/out}"
-TOTAL_BUDGET="${TOTAL_BUDGET:-540}"
+# forward: 450 s by default, so that the call stays within 8 minutes with the machine's start
+if [[ "$STAGE" == forward ]]; then DEFAULT_BUDGET=450; else DEFAULT_BUDGET=540; fi
+TOTAL_BUDGET="${TOTAL_BUDGET:-$DEFAULT_BUDGET}"
 TEST_TIMEOUT="${TEST_TIMEOUT:-300}"
 mkdir -p "$OUT" benchmarks/results
 SITE="$(mktemp -d)/site"
@@ -243,6 +254,40 @@ if [[ "$STAGE" == gluon ]]; then
         if ((rc != 0 && rc != 5)); then exit "$rc"; fi
     done
     exit "$rc_bench"
+fi
+
+if [[ "$STAGE" == forward ]]; then
+    log "one-warpgroup forward GPU tests: pytest -m gpu -k sm90 (at most ${FORWARD_TEST_TIMEOUT:-100} s)"
+    timeout "${FORWARD_TEST_TIMEOUT:-100}" "${PYTEST[@]}" -m gpu -k sm90 \
+        >"$OUT/pytest-gpu-sm90.log" 2>&1
+    rc_tests=$?
+    tail -n 25 "$OUT/pytest-gpu-sm90.log"
+    outs=(--out "$OUT")
+    if "$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+        outs+=(--out benchmarks/results)  # kernel results only, never CPU timings
+    fi
+    limit=$((TOTAL_BUDGET - SECONDS - ${NCU_RESERVE:-45}))
+    if ((limit < 60)); then limit=60; fi
+    log "benchmark: bench_forward.py (log in \$OUT/bench_forward.log; configurations stop starting 60 s before ${limit} s)"
+    timeout "$limit" "$PY" benchmarks/bench_forward.py "${outs[@]}" --time-budget $((limit - 60)) \
+        >"$OUT/bench_forward-table.md" 2>"$OUT/bench_forward.log"
+    rc_bench=$?
+    tail -n 15 "$OUT/bench_forward.log"
+    limit=$((TOTAL_BUDGET - SECONDS - 5))
+    if command -v ncu >/dev/null && ((limit >= 20)); then
+        log "ncu stall reasons of one sm90 launch (at most ${limit} s; in \$OUT/ncu-sm90.txt)"
+        timeout "$limit" ncu --clock-control none -k regex:_attn_fwd_sm90 -s 1 -c 1 \
+            --section WarpStateStats --section SchedulerStats --section Occupancy \
+            --section ComputeWorkloadAnalysis "$PY" benchmarks/probes/forward_ncu.py \
+            >"$OUT/ncu-sm90.txt" 2>&1 || log "ncu failed (exit $?): see \$OUT/ncu-sm90.txt"
+        grep -E "Stall|Issued|Eligible|Occupancy|Block Limit|Registers|No Eligible" \
+            "$OUT/ncu-sm90.txt" | head -40
+    else
+        log "no ncu run (ncu missing or no time left)"
+    fi
+    log "summary: sm90 GPU tests exit $rc_tests, benchmark exit $rc_bench, ${SECONDS} s"
+    cat "$OUT/bench_forward-table.md"
+    exit $((rc_tests != 0 && rc_tests != 5 ? rc_tests : rc_bench))
 fi
 
 rc_bench=0

@@ -164,6 +164,103 @@ def test_gluon_opt_in_passes_its_check_and_runs_in_the_public_call(monkeypatch, 
     assert lowbit_attn.errors(got, want).cosine >= gluon_check.CHECK_COSINE
 
 
+# --- the one-warpgroup sm_90a forward (LOWBIT_ATTN_KERNEL=sm90) -----------------------------------
+
+
+def _needs_sm90():
+    """Skip unless the one-warpgroup forward can run here (compute capability 9.0, a Triton whose
+    Gluon it is written for); its module."""
+    import importlib
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the one-warpgroup forward is written for sm_90a (compute capability 9.0)")
+    try:
+        return importlib.import_module("lowbit_attn.inference.kernel_int8_sm90")
+    except RuntimeError as exc:  # triton_support.GluonUnavailable: another Triton
+        pytest.skip(str(exc))
+
+
+@pytest.mark.parametrize("d", [64, 128], ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("granularity", ["per_thread", "per_token"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("pv,k_stages", [("fp8", 1), ("fp8", 2), ("fp16", 1)],
+                         ids=["fp8-k1", "fp8-k2", "fp16-k1"])
+def test_sm90_forward_matches_the_reference(d, granularity, causal, pv, k_stages):
+    """The one-warpgroup forward against the twin on the same quantized operands (the Triton
+    pass's, E4M3 V permuted), GPU-sized: many query and key blocks, key counts off the 16-key
+    groups, GQA 8:4, a causal diagonal off the block grid; within the compiled Triton kernel's
+    own bounds (tests/helpers.py ON_CUDA)."""
+    from helpers import ON_CUDA, Bound, assert_within
+
+    kernel_int8_sm90 = _needs_sm90()
+    recipe = get_recipe(f"qk_int8_pv_{pv}").replace(granularity=granularity, block_k=128)
+    q, k, v = (x.cuda() for x in channel_biased((2, 8, 700, d), (2, 4, 1101, d), seed=d + 7,
+                                                 dtype=torch.float16))
+    offset = 401 if causal else None
+    qz = quantize_qkv(q, k, v, recipe, d**-0.5, need_lse_shift=True, backend="triton",
+                      permute_v=pv == "fp8")
+    want, want_lse = quantized_attention(qz, pv=recipe.pv, granularity=granularity,
+                                         block_q=recipe.block_q, block_k=128,
+                                         causal_offset=offset)
+    got = torch.full(q.shape, float("nan"), device="cuda", dtype=torch.float32)
+    got_lse = kernel_int8_sm90.attention(qz, out=got, pv=recipe.pv, granularity=granularity,
+                                         block_q=recipe.block_q, block_k=128,
+                                         causal_offset=offset, return_lse=True,
+                                         k_stages=k_stages)
+    out_bound = ON_CUDA[f"int8 out {pv}"].widened(Bound(atol=4e-3, cos=0.999999))
+    assert_within(got, want.float(), out_bound, name="out")
+    assert_within(got_lse, want_lse.float(), ON_CUDA["lse"], name="lse")
+
+
+def test_sm90_forward_with_three_programs_per_sm_matches_the_reference():
+    """``maxnreg=168`` (3 programs per SM at D=128, a few bytes spilled): the same values."""
+    kernel_int8_sm90 = _needs_sm90()
+    recipe = get_recipe("qk_int8_pv_fp8").replace(granularity="per_thread", block_k=128)
+    q, k, v = (x.cuda() for x in channel_biased((2, 8, 700, 128), (2, 4, 1101, 128), seed=5,
+                                                 dtype=torch.float16))
+    qz = quantize_qkv(q, k, v, recipe, 128**-0.5, need_lse_shift=False, backend="triton",
+                      permute_v=True)
+    kw = dict(pv="fp8", granularity="per_thread", block_q=64, block_k=128, causal_offset=None,
+              return_lse=False)
+    want, got = (torch.empty(q.shape, device="cuda") for _ in range(2))
+    kernel_int8_sm90.attention(qz, out=want, **kw)
+    kernel_int8_sm90.attention(qz, out=got, maxnreg=168, **kw)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("granularity", ["per_thread", "per_token"])
+def test_sm90_opt_in_passes_its_check_and_runs_in_the_public_call(monkeypatch, granularity):
+    """``LOWBIT_ATTN_KERNEL=sm90``: the first call checks the kernel against the Triton kernel
+    (no warning), later calls run it, with E4M3 V permuted, within the check's bounds of the
+    default call's; the eager call's launch plans replay it (third and later calls)."""
+    import warnings
+
+    from lowbit_attn.inference import gluon_check, sm90_check
+
+    kernel_int8_sm90 = _needs_sm90()
+    monkeypatch.setattr(gluon_check, "_verdicts", {})
+    ran = []
+    launcher = kernel_int8_sm90.attention
+    monkeypatch.setattr(kernel_int8_sm90, "attention",
+                        lambda qz, **kw: ran.append(qz.v_permuted) or launcher(qz, **kw))
+    recipe = get_recipe("qk_int8_pv_fp8").replace(granularity=granularity, block_k=128)
+    q, k, v = (x.cuda() for x in channel_biased((2, 8, 2000, 128), (2, 4, 2000, 128), seed=3,
+                                                 dtype=torch.float16))
+    want = lowbit_attn.attention(q, k, v, recipe=recipe, is_causal=True)
+    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "sm90")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="LOWBIT_ATTN_KERNEL")
+        outs = [lowbit_attn.attention(q, k, v, recipe=recipe, is_causal=True) for _ in range(4)]
+    assert sm90_check.verdict(q.device) is None
+    # the check ran in a process of its own; the first two calls through the launcher, later ones
+    # may replay its launches (core/plans.py)
+    assert len(ran) >= 2 and all(ran)
+    for got in outs:
+        assert float((got.float() - want.float()).abs().max()) <= gluon_check.CHECK_ATOL
+        assert lowbit_attn.errors(got, want).cosine >= gluon_check.CHECK_COSINE
+        assert torch.equal(got, outs[0])
+
+
 # --- the Gluon sm_100a FP4 forward (LOWBIT_ATTN_KERNEL=gluon, FP4 recipes) ----------------------
 
 

@@ -452,3 +452,39 @@ def test_hopper_gluon_benchmark_runs_on_the_interpreter_without_the_gluon_kernel
     assert all(rows[name]["status"] == "skipped" for name in alone)
     table = (tmp_path / result.name.replace(".json", ".md")).read_text()
     assert "| 64 | 160 | no | ours kernel=gluon |" in table
+
+
+def test_forward_benchmark_runs_on_the_interpreter_without_the_gluon_kernels(tmp_path,
+                                                                            monkeypatch):
+    """``benchmarks/bench_forward.py`` (issue 36's sweep) on the interpreter (tiny size): the SDPA
+    and Triton rows run and pass their check against exact attention; ``LOWBIT_ATTN_KERNEL=sm90``
+    runs the Triton kernel (the one-warpgroup kernel never checked on a CPU); the Gluon
+    kernel-alone rows are skipped with the reason; JSON and markdown are written."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    monkeypatch.setenv("LOWBIT_ATTN_BACKEND", "triton")
+    folder = Path(__file__).resolve().parents[2] / "benchmarks"
+    monkeypatch.syspath_prepend(str(folder))  # it imports bench_hopper's helpers
+    spec = importlib.util.spec_from_file_location("bench_forward", folder / "bench_forward.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--out", str(tmp_path)]) == 0
+    (result,) = tmp_path.glob("forward-*.json")
+    data = json.loads(result.read_text())
+    assert data["complete"] is True
+    rows = {r["method"]: r for r in data["rows"] if not r["causal"]}
+    for name in ("sdpa cudnn", "sdpa flash", "e2e triton token", "e2e sm90 thread",
+                 "e2e sm90 token", "kernel triton token", "kernel triton thread",
+                 "e2e triton thread", "prepare permuted"):
+        assert rows[name]["status"] == "ok", (name, rows[name])
+    for name in ("e2e sm90 thread", "e2e sm90 token"):
+        assert rows[name]["note"] == "not checked" and rows[name]["check"] == "pass"
+    skipped = [r for r in rows.values() if r["method"].startswith(("kernel sm90", "kernel gluon"))]
+    assert len(skipped) == 8 and all(r["status"] == "skipped" for r in skipped)
+    table = (tmp_path / result.name.replace(".json", ".md")).read_text()
+    assert "| 64 | 160 | no | 1×2 | e2e sm90 thread |" in table
+    assert "| D | N | causal | best sm90 e2e | × cuDNN | bar | met | × SageAttention |" in table
+    sys.modules.pop("bench_hopper", None)

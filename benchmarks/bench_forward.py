@@ -1,0 +1,310 @@
+#!/usr/bin/env python
+"""The 8-bit forward's candidates on Hopper in one sweep (issue 36): the one-warpgroup Gluon
+kernel (``LOWBIT_ATTN_KERNEL=sm90``) at each of its options, the Triton kernel, the Gluon
+asynchronous and ping-pong kernels, against SDPA cuDNN and flash and SageAttention 1.0.6; kernel
+alone and end to end; per-token and per-thread scales.
+
+    python benchmarks/bench_forward.py --out DIR --time-budget 330      # a GPU
+    python benchmarks/bench_forward.py --quick                           # D=128, N=1k,16k
+
+Without CUDA it runs the same rows at a tiny size (D=64, N=160, B×H=1×2) on the backend the
+environment selects (the Triton interpreter in the tests), SDPA on its math backend, the Gluon
+kernels' rows skipped, and says so: a check of the script, not a benchmark.
+
+Configurations, most decisive first (each saved as soon as it is measured, so a run cut short
+keeps what it measured): D ∈ {128, 64} × N ∈ {16k, 1k, 4k} × causal or not, with B×H = 2×32 at
+16k, 8×32 at 4k, 16×32 at 1k (issue 36's table). Inputs: fp16 q, k, v ~ N(0, 1), k += 4·N(0, 1)
+per channel (bf16 copies for SDPA). TOP/s = 4·B·H·N²·D / t, halved when causal.
+
+Rows (``e2e``: the public call, quantization included; ``kernel``: the attention launch alone on
+operands quantized once):
+
+- ``sdpa cudnn``, ``sdpa flash`` (bf16), ``sage 1.0.6`` (fp16, its Triton kernels);
+- ``e2e triton token``: ``qk_int8_pv_fp8`` as users call it (the Triton kernel, autotuned);
+- ``e2e sm90 token`` / ``e2e sm90 thread``: ``LOWBIT_ATTN_KERNEL=sm90`` with the recipe's
+  per-token or per-thread scales and 128-key blocks (the row's ``note``: ``admitted`` or why
+  not); ``e2e triton thread``: per-thread scales on the Triton kernel (the SageAttention shim's
+  default);
+- ``kernel triton token`` (default blocks), ``kernel triton thread`` (64×128 tiles);
+- ``kernel sm90 thread``, ``… k2`` (two K buffers), ``… r168`` (``maxnreg=168``: 3 programs
+  per SM), ``kernel sm90 token``, ``kernel sm90 token r168``, and ``kernel sm90 fp16 thread``
+  (``qk_int8_pv_fp16``);
+- ``kernel gluon async`` / ``kernel gluon pingpong`` (128-key blocks, per token);
+- ``prepare permuted``: the quantization stage that the sm90 rows take.
+
+Every output is checked against exact attention in float64 on batch 0, heads 0–1 (cosine,
+relative L1); a row under cosine 0.998 fails. Writes ``forward-<gpu>-<date>.json`` and ``.md``
+into each ``--out``; the markdown ends with the bars of issue 36 against the best sm90 row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+try:
+    import lowbit_attn
+except ImportError:  # a source checkout that is not installed
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    import lowbit_attn
+from bench_hopper import env, stage_fns
+from lowbit_attn.core.recipes import get_recipe
+from lowbit_attn.inference.naive import exact_attention
+from lowbit_attn.integrations.sdpa import TORCH_SDPA
+from lowbit_attn.tools.bench.calls import autotune_choice
+from lowbit_attn.tools.bench.flops import tops
+from lowbit_attn.tools.bench.measure import compare
+from lowbit_attn.tools.bench.metadata import make_metadata
+from lowbit_attn.tools.bench.protocol import make_inputs
+from lowbit_attn.tools.bench.save import save_script_results
+from lowbit_attn.tools.bench.tables import seqlen_label
+from lowbit_attn.tools.bench.timers import timer_for
+
+MIN_COSINE = 0.998  # a broken kernel, not the recipe's error (~0.9993 on these inputs)
+BATCH_HEADS = {1024: (16, 32), 4096: (8, 32), 16384: (2, 32)}
+CONFIGS = [(128, 16384, False), (128, 1024, False), (64, 16384, False), (64, 1024, False),
+           (128, 16384, True), (128, 4096, False), (64, 4096, False), (128, 1024, True),
+           (64, 16384, True), (128, 4096, True), (64, 4096, True), (64, 1024, True)]
+TOKEN = get_recipe("qk_int8_pv_fp8").replace(block_k=128)
+THREAD = get_recipe("qk_int8_pv_fp8").replace(granularity="per_thread", block_q=64, block_k=128)
+THREAD_FP16 = get_recipe("qk_int8_pv_fp16").replace(granularity="per_thread", block_q=64,
+                                                    block_k=128)
+# Issue 36's GPU bars: (D, N range, causal) → × SDPA cuDNN end to end.
+BARS = [(128, (8192, None), False, 1.15), (64, (8192, None), False, 1.0),
+        (64, (1024, 1024), False, 0.9)]
+
+
+def sm90_launcher(**options):
+    from lowbit_attn.inference import kernel_int8_sm90
+
+    return functools.partial(kernel_int8_sm90.attention, **options)
+
+
+def permuted_stages(q, k, v, causal, recipe, launcher):
+    """``(prepare, attention)`` of a call whose V is quantized permuted (the sm90 kernel's
+    operands), as ``inference.op.kernel`` runs them under ``LOWBIT_ATTN_KERNEL=sm90``."""
+    from lowbit_attn.inference.prepare import quantize_qkv
+
+    scale = q.shape[-1] ** -0.5
+
+    def prepare():
+        return quantize_qkv(q, k, v, recipe, scale, need_lse_shift=False, backend="triton",
+                            permute_v=recipe.pv == "fp8")
+
+    qz = prepare()
+    out = torch.empty_like(q)
+
+    def attention():
+        launcher(qz, out=out, pv=recipe.pv, granularity=recipe.granularity,
+                 block_q=recipe.block_q, block_k=recipe.block_k,
+                 causal_offset=0 if causal else None, return_lse=False)
+        return out
+
+    return prepare, attention
+
+
+def rows_of_config(base, q, k, v, causal, record, gluon_ok: str | None) -> None:
+    """Every row of one configuration (module docstring), most decisive first; ``gluon_ok``:
+    ``None`` where the Gluon kernels can run, else why their kernel-alone rows are skipped."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from lowbit_attn.inference import sm90_check
+
+    cuda = q.device.type == "cuda"
+    qb, kb, vb = (x.to(torch.bfloat16) for x in (q, k, v))
+
+    def sdpa(backend):
+        def fn():
+            with sdpa_kernel(backend if cuda else SDPBackend.MATH):
+                return TORCH_SDPA(qb, kb, vb, is_causal=causal)
+        return fn
+
+    def sm90_rows(rows):
+        for name, recipe, options in rows:
+            if gluon_ok is not None:
+                record(base, name, None, skip=gluon_ok)
+                continue
+            launcher = sm90_launcher(**options)
+            record(base, name, permuted_stages(q, k, v, causal, recipe, launcher)[1])
+
+    def ours(recipe, kernel=None):
+        def fn():
+            with env("LOWBIT_ATTN_KERNEL", kernel):
+                return lowbit_attn.attention(q, k, v, recipe=recipe, is_causal=causal)
+        return fn
+
+    record(base, "sdpa cudnn", sdpa(SDPBackend.CUDNN_ATTENTION))
+    for name, recipe in (("e2e sm90 thread", THREAD), ("e2e sm90 token", TOKEN)):
+        record(base, name, ours(recipe, "sm90"),
+               note=sm90_check.verdict(q.device) or "admitted")
+    record(base, "e2e triton token", ours("qk_int8_pv_fp8"), note=autotune_choice)
+    record(base, "sdpa flash", sdpa(SDPBackend.FLASH_ATTENTION))
+    record(base, "sage 1.0.6", sage(q, k, v, causal))
+    sm90_rows([("kernel sm90 thread", THREAD, {}),
+               ("kernel sm90 thread k2", THREAD, {"k_stages": 2}),
+               ("kernel sm90 thread r168", THREAD, {"maxnreg": 168}),
+               ("kernel sm90 token", TOKEN, {}),
+               ("kernel sm90 token r168", TOKEN, {"maxnreg": 168}),
+               ("kernel sm90 fp16 thread", THREAD_FP16, {})])
+    record(base, "kernel triton token", stage_fns(q, k, v, causal)[1], note=autotune_choice)
+    record(base, "kernel triton thread", stage_fns(q, k, v, causal, THREAD)[1],
+           note=autotune_choice)
+    record(base, "e2e triton thread", ours(THREAD))
+    for schedule in ("async", "pingpong"):
+        name = f"kernel gluon {schedule}"
+        if gluon_ok is not None:
+            record(base, name, None, skip=gluon_ok)
+            continue
+        from lowbit_attn.inference import kernel_int8_gluon
+
+        launcher = functools.partial(kernel_int8_gluon.attention, schedule=schedule)
+        record(base, name, stage_fns(q, k, v, causal, TOKEN, launcher)[1])
+    record(base, "prepare permuted", permuted_stages(q, k, v, causal, THREAD, sm90_launcher())[0],
+           check=False)
+
+
+def sage(q, k, v, causal):
+    """SageAttention 1.0.6's call (``None`` when it is not installed: the row says so)."""
+    try:
+        from sageattention import sageattn
+    except ImportError:
+        return None
+    k_own = k.clone()  # it smooths K in place
+
+    def fn():
+        return sageattn(q, k_own, v, tensor_layout="HND", is_causal=causal)
+
+    return fn
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="D=128, N=1k and 16k, not causal")
+    ap.add_argument("--time-budget", type=float, default=None,
+                    help="seconds; configurations not started by then are recorded as skipped")
+    ap.add_argument("--out", action="append", default=[])
+    args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    configs = [c for c in CONFIGS if not args.quick or (c[0] == 128 and not c[2] and c[1] != 4096)]
+    batch_heads = BATCH_HEADS
+    if not cuda:
+        print("NO CUDA: tiny sizes on the CPU (not a kernel benchmark)", file=sys.stderr)
+        configs, batch_heads = [(64, 160, False), (64, 160, True)], {160: (1, 2)}
+    timer = timer_for(cuda)
+    start = time.monotonic()
+    rows: list[dict] = []
+    gluon_ok = gluon_available()
+
+    def record(base: dict, name: str, fn, *, note=None, skip: str | None = None, check=True):
+        row = {**base, "method": name}
+        exact = row.pop("exact")
+        if fn is None or skip is not None:
+            row.update(status="skipped", reason=skip or "not installed")
+            rows.append(row)
+            return
+        try:
+            out = fn()
+            if check:
+                row.update(compare(out[:1, :2], exact))
+                row["check"] = "pass" if row["cosine"] >= MIN_COSINE else "FAIL"
+            del out
+            row["ms"] = float(timer(fn))
+            row["tops"] = tops(base["B"], base["H"], base["N"], base["D"], base["causal"],
+                               row["ms"])
+            row["status"] = "ok"
+        except Exception as exc:  # noqa: BLE001 - a failing method is a row, not a crash
+            row["status"] = f"error: {type(exc).__name__}: {exc}"[:300]
+        if note is not None:
+            row["note"] = note() if callable(note) else note
+        rows.append(row)
+        print({k: v for k, v in row.items() if k != "max_abs_err"}, file=sys.stderr, flush=True)
+
+    meta = make_metadata(device=device, mode="forward", protocol={
+        "configs": configs, "batch_heads": batch_heads,
+        "inputs": "fp16 q, k, v ~ N(0,1); k += 4·N(0,1) per channel (bf16 copies for SDPA)",
+        "check": "cosine against float64 exact attention, batch 0, heads 0-1",
+    })
+
+    def save(complete: bool) -> str:
+        table = render(rows)
+        save_script_results(args.out, "forward", {**meta, "rows": rows, "complete": complete},
+                            table)
+        return table
+
+    for d, n, causal in configs:
+        b, h = batch_heads[n]
+        base = {"B": b, "H": h, "N": n, "D": d, "causal": causal}
+        if args.time_budget is not None and time.monotonic() - start > args.time_budget:
+            rows.append({**base, "method": "*", "status": "skipped", "reason": "time budget"})
+            continue
+        q, k, v = make_inputs(b, h, n, d, device=device)
+        exact, _ = exact_attention(q[:1, :2], k[:1, :2], v[:1, :2], scale=d ** -0.5,
+                                   causal_offset=0 if causal else None)
+        rows_of_config({**base, "exact": exact}, q, k, v, causal, record, gluon_ok)
+        del q, k, v, exact
+        if cuda:
+            torch.cuda.empty_cache()
+        save(complete=False)
+    print(save(complete=True))
+    return 0 if all(r["status"] in ("ok", "skipped") and r.get("check", "pass") == "pass"
+                    for r in rows) else 1
+
+
+def gluon_available() -> str | None:
+    """``None`` if the Gluon asynchronous and ping-pong kernels can run here, else why not."""
+    from lowbit_attn.core import triton_support
+    from lowbit_attn.inference import gluon_check
+
+    if not triton_support.gluon_available("hopper"):
+        return triton_support.gluon_refusal("hopper", "the Gluon forward")
+    if not (torch.cuda.is_available() and gluon_check.applies(torch.device("cuda"))):
+        return "needs a capability 9.0 GPU"
+    return None
+
+
+def render(rows: list[dict]) -> str:
+    """Every row with × cuDNN, then issue 36's bars against the fastest end-to-end sm90 row."""
+    cudnn = {(r["D"], r["N"], r["causal"]): r for r in rows
+             if r["method"] == "sdpa cudnn" and r["status"] == "ok"}
+    lines = ["| D | N | causal | B×H | method | ms | TOP/s | × cuDNN | cosine | rel L1 | note |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        head = (f"| {r['D']} | {seqlen_label(r['N'])} | {'yes' if r['causal'] else 'no'} | "
+                f"{r['B']}×{r['H']} | {r['method']} |")
+        if r["status"] != "ok":
+            lines.append(f"{head} {r['status']} {r.get('reason', '')} | | | | | |")
+            continue
+        base = cudnn.get((r["D"], r["N"], r["causal"]))
+        speed = f"{base['ms'] / r['ms']:.2f}" if base else "—"
+        cos = f"{r['cosine']:.5f}" if "cosine" in r else ""
+        rel = f"{r['rel_l1']:.4f}" if "rel_l1" in r else ""
+        lines.append(f"{head} {r['ms']:.3f} | {r['tops']:.0f} | {speed} | {cos} | {rel} | "
+                     f"{r.get('note') or ''} |")
+    lines += ["", "| D | N | causal | best sm90 e2e | × cuDNN | bar | met | × SageAttention |",
+              "|---|---|---|---|---|---|---|---|"]
+    for (d, n, causal), base in cudnn.items():
+        ours = [r for r in rows if (r["D"], r["N"], r["causal"]) == (d, n, causal)
+                and r["method"].startswith("e2e sm90") and r["status"] == "ok"]
+        sage_row = next((r for r in rows if (r["D"], r["N"], r["causal"]) == (d, n, causal)
+                         and r["method"] == "sage 1.0.6" and r["status"] == "ok"), None)
+        if not ours:
+            continue
+        best = min(ours, key=lambda r: r["ms"])
+        bar = next((x for dd, (lo, hi), c, x in BARS
+                    if dd == d and c == causal and n >= lo and (hi is None or n <= hi)), None)
+        speed = base["ms"] / best["ms"]
+        met = "—" if bar is None else ("yes" if speed >= bar else "no")
+        vs_sage = f"{sage_row['ms'] / best['ms']:.2f}" if sage_row else "—"
+        lines.append(f"| {d} | {seqlen_label(n)} | {'yes' if causal else 'no'} | "
+                     f"{best['method']} | {speed:.2f} | {bar or '—'} | {met} | {vs_sage} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
