@@ -133,12 +133,21 @@ def test_instructions_per_score_budget(compiled):
 
 def test_the_triton_version_is_pinned():
     kernel_int8_gluon.check_version()
-    for version in ("3.6.1+git1a2b3c", "3.8.0"):
+    for version in ("3.6.1+git1a2b3c", "3.8.0", "3.9.0"):
         kernel_int8_gluon.check_version(version)
-    for version in ("3.5.1", "3.7.0", "3.9.0", "3.60.0"):
+    for version in ("3.5.1", "3.7.0", "3.10.0", "3.60.0"):
         with pytest.raises(RuntimeError, match=rf"Hopper API of Triton 3\.6\.x, 3\.8\.x, "
-                                               rf"found Triton {version}"):
+                                               rf"3\.9\.x, found Triton {version}"):
             kernel_int8_gluon.check_version(version)
+
+
+def test_the_tma_load_is_the_installed_tritons():
+    """Triton 3.9 renamed Gluon's TMA load (``async_load``; ``async_copy_global_to_shared``
+    before, which 3.9 keeps only to raise): ``gluon_blocks.tma_load`` calls the installed one."""
+    from lowbit_attn.core import triton_support
+
+    assert [triton_support.tma_load_renamed(v) for v in ("3.6.0", "3.8.1", "3.9.0", "3.10.0")] \
+        == [False, False, True, True]
 
 
 def test_retiring_wait_counts_groups_committed_since():

@@ -58,13 +58,22 @@ def compiled():
     return get
 
 
+@pytest.mark.pinned_codegen
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_the_per_thread_fp8_kernel_passes_its_gate(compiled, causal):
     r = compiled(128, causal=causal)
     gates = sm90_gates.gates(r)
     failed = [name for name, ok in gates["checks"].items() if not ok]
     assert gates["passes"], f"{failed}: {gates}"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_the_per_thread_fp8_loop_keeps_p_in_registers(compiled, causal):
+    """What holds on every Triton the kernel compiles on (3.9's code generation spends 38 more
+    instructions per tile: 8.50 per score, over the pinned Triton's gate)."""
+    gates = sm90_gates.gates(compiled(128, causal=causal))
     assert gates["pv_from_registers"] is True and gates["shared_stores"] == 0
+    assert gates["local_memory"] == 0
     assert gates["exp2"] == 66  # 64 scores and 2 rescale factors per thread and tile
 
 

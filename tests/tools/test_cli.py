@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from helpers import needs_gluon
+from helpers import pinned_codegen, needs_gluon
 from lowbit_attn.tools import cli
 from lowbit_attn.core.recipes import RECIPES, get_recipe
 
@@ -195,7 +195,8 @@ def test_inspect_sm90_prints_a_gate_per_granularity(capsys):
     assert code == 0, out
     assert "one-warpgroup Gluon forward (head dim 128, 128-key blocks, non-causal" in out
     token, thread = out.split("\nper_token scales\n")[1].split("\nper_thread scales\n")
-    assert "  gate          passes (P̃·V from registers" in thread, thread
+    if pinned_codegen():  # 3.9's code generation: 8.50 per score, over the gate
+        assert "  gate          passes (P̃·V from registers" in thread, thread
     assert "PER_THREAD=True" in thread and "PER_THREAD=False" in token
     for report in (token, thread):
         assert "_attn_fwd_sm90_kernel" in report and "P̃·V A operand  registers" in report
@@ -205,7 +206,8 @@ def test_inspect_sm90_prints_a_gate_per_granularity(capsys):
                        "--kernel", "sm90", "--json")
     assert code == 0
     reports = json.loads(out)
-    assert [r["gates"]["passes"] for r in reports] == [False, True]  # per token: 9 per score
+    assert reports[0]["gates"]["passes"] is False  # per token: 9 per score
+    assert reports[1]["gates"]["passes"] is pinned_codegen()
 
 
 @pytest.mark.aot

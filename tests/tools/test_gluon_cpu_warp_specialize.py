@@ -26,6 +26,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from helpers import mutant
+from lowbit_attn.inference.gluon_blocks import tma_load  # the installed Triton's TMA load
 from lowbit_attn.tools import gluon_cpu
 from lowbit_attn.tools.triton_compat import compiler_mode
 
@@ -43,8 +44,7 @@ def _load_tiles(x_desc, x_smem, ready, empty, n_tiles):
         # parity 1 of a fresh barrier: it returns at once)
         mbarrier.wait(empty.index(stage), ((t // 2) & 1) ^ 1)
         mbarrier.expect(ready.index(stage), TILE_BYTES)
-        tma.async_copy_global_to_shared(x_desc, [t * K, 0], ready.index(stage),
-                                        x_smem.index(stage))
+        tma_load(x_desc, [t * K, 0], ready.index(stage), x_smem.index(stage))
 
 
 @gluon.jit
@@ -105,8 +105,8 @@ def toy_kernel(A, X, OUT, n_tiles):
         mbarrier.init(empty.index(i), count=2)
         mbarrier.init(turns.index(i), count=1)
     mbarrier.expect(a_bar, 2 * BM * K * 2)
-    tma.async_copy_global_to_shared(a_desc, [0, 0], a_bar, a_smem.index(0))
-    tma.async_copy_global_to_shared(a_desc, [BM, 0], a_bar, a_smem.index(1))
+    tma_load(a_desc, [0, 0], a_bar, a_smem.index(0))
+    tma_load(a_desc, [BM, 0], a_bar, a_smem.index(1))
     mbarrier.wait(a_bar, 0)
     results = gl.warp_specialize([
         (_consumer_a, (a_smem.index(0), x_smem, ready, empty, turns, n_tiles)),
@@ -336,7 +336,7 @@ def staged_kernel(A, X, OUT):
     mbarrier.init(a_bar, count=1)
     mbarrier.init(p_bar, count=1)
     mbarrier.expect(a_bar, BM * K * 2)
-    tma.async_copy_global_to_shared(a_desc, [0, 0], a_bar, a_smem)
+    tma_load(a_desc, [0, 0], a_bar, a_smem)
     mbarrier.wait(a_bar, 0)
     results = gl.warp_specialize([
         (_multiply_staged, (a_smem, p_smem, p_bar)),

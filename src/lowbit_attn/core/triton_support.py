@@ -22,17 +22,24 @@ import functools
 TESTED = ("3.6", "3.8", "3.9")  # the series the suite runs on; the metadata admits 3.6 up to 3.9
 PINNED = "3.6"  # the series `make test` installs and the GPU machines run
 
-# Gluon's API by the modules that use it: the series each compiles against. The Hopper forward
-# (kernel_int8_gluon, its ping-pong schedule, gluon_blocks: wgmma, TMA, mbarriers) compiles on 3.6
-# and 3.8; Triton 3.9 removed its TMA load (tma.async_copy_global_to_shared). The Blackwell FP4
-# forward needs 3.6's tensor-memory layout function (get_tmem_reg_layout), which 3.8 dropped. The
-# CPU model of Gluon kernels (tools.gluon_cpu, for the tests) reads Gluon's internals of 3.6 and
-# 3.8 (on 3.8 the Hopper kernels only).
+# Gluon's API by the modules that use it: the series each compiles against. The Hopper forwards
+# (kernel_int8_gluon, its ping-pong schedule, kernel_int8_sm90, gluon_blocks: wgmma, TMA,
+# mbarriers) compile on 3.6, 3.8 and 3.9 (3.9 renamed the TMA load: gluon_blocks.tma_load calls
+# the installed one). The Blackwell FP4 forward needs 3.6's tensor-memory layout function
+# (get_tmem_reg_layout), which 3.8 dropped. The CPU model of Gluon kernels (tools.gluon_cpu, for
+# the tests) reads Gluon's internals of 3.6, 3.8 and 3.9 (on 3.8 and 3.9 the Hopper kernels only).
 GLUON_SERIES = {
-    "hopper": ("3.6", "3.8"),
+    "hopper": ("3.6", "3.8", "3.9"),
     "blackwell": ("3.6",),
-    "cpu_model": ("3.6", "3.8"),
+    "cpu_model": ("3.6", "3.8", "3.9"),
 }
+
+
+def tma_load_renamed(version: str | None = None) -> bool:
+    """Whether Gluon's TMA load is ``tma.async_load`` (Triton 3.9 on) rather than
+    ``tma.async_copy_global_to_shared``."""
+    major, minor = (int(x) for x in series(version).split("."))
+    return (major, minor) >= (3, 9)
 
 
 def series(version: str | None = None) -> str:

@@ -25,6 +25,20 @@ from lowbit_attn.core.triton_helpers import (
 
 
 
+# A TMA load of ``desc``'s box at ``coord`` into shared memory ``result``, its bytes counted on
+# ``barrier`` (only where ``pred``): Gluon's ``tma.async_load`` from Triton 3.9 on,
+# ``tma.async_copy_global_to_shared`` before. One definition per Triton: the JIT resolves every
+# attribute a function names, in branches it does not compile too.
+if triton_support.tma_load_renamed():
+    @gluon.jit
+    def tma_load(desc, coord, barrier, result, pred=True):
+        tma.async_load(desc, coord, barrier, result, pred=pred)
+else:
+    @gluon.jit
+    def tma_load(desc, coord, barrier, result, pred=True):
+        tma.async_copy_global_to_shared(desc, coord, barrier, result, pred=pred)
+
+
 def tma_scratch(size: int, alignment: int, stream):
     """Triton's allocator hook: global memory for the TMA descriptors a kernel builds (128 bytes
     per program)."""
@@ -333,4 +347,5 @@ def write_rows(acc, m_i, l_i, O, LSE, LSH, VS, VM, CUQ, b, h, hk, nq, NQ, offs_m
 
 __all__ = ["E4M3X4_CONSTRAINTS", "E4M3X4_PTX", "check_tma_operands", "descriptors", "key_scales",
            "program_sequence", "register_operand", "scales_of_rows", "softmax_block",
-           "thread_view", "tile_offsets", "tma_scratch", "v_box", "v_operand", "write_rows"]
+           "thread_view", "tile_offsets", "tma_load", "tma_scratch", "v_box", "v_operand",
+           "write_rows"]

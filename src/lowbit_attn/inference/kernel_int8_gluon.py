@@ -57,7 +57,7 @@ triton_support.require_gluon("hopper", "lowbit_attn.inference.kernel_int8_gluon"
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+    fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait,
 )
 
 from lowbit_attn.core.operands import QuantizedQKV, Seqs, dense_seqs
@@ -67,7 +67,7 @@ from lowbit_attn.core.triton_helpers import (
 from lowbit_attn.inference import kernel_int8_gluon_pingpong as pingpong
 from lowbit_attn.inference.gluon_blocks import (
     check_tma_operands, descriptors, key_scales, program_sequence, scales_of_rows, softmax_block,
-    tile_offsets, v_box, v_operand, write_rows,
+    tile_offsets, tma_load, v_box, v_operand, write_rows,
 )
 
 SCHEDULES = ("async", "pingpong")
@@ -166,17 +166,15 @@ def _attn_fwd_int8_gluon_kernel(
     v_bytes: gl.constexpr = BLOCK_D * BLOCK_N if PV_FP8 else 2 * BLOCK_D * BLOCK_N
     if n_blocks > 0:
         mbarrier.expect(q_bar, BLOCK_M * BLOCK_D)
-        tma.async_copy_global_to_shared(q_desc, [pid_m * BLOCK_M, 0], q_bar, q_smem)
+        tma_load(q_desc, [pid_m * BLOCK_M, 0], q_bar, q_smem)
         # Stage 0 holds block 0; stage 1 block 1 (when there is one).
         for i in gl.static_range(2):
             more = i < n_blocks
             mbarrier.expect(k_bars.index(i), k_bytes, pred=more)
-            tma.async_copy_global_to_shared(k_desc, [i * BLOCK_N, 0], k_bars.index(i),
-                                            k_smem.index(i), pred=more)
+            tma_load(k_desc, [i * BLOCK_N, 0], k_bars.index(i), k_smem.index(i), pred=more)
             mbarrier.expect(v_bars.index(i), v_bytes, pred=more)
             v0, v1 = v_box(i, v_col, BLOCK_N, PV_FP8)
-            tma.async_copy_global_to_shared(v_desc, [v0, v1], v_bars.index(i), v_smem.index(i),
-                                            pred=more)
+            tma_load(v_desc, [v0, v1], v_bars.index(i), v_smem.index(i), pred=more)
 
         # Block 0: its softmax waits for its Q·Kᵀ (nothing is in flight yet). Masked: a whole
         # block's masks are all true, so this costs nothing in numerics.
@@ -189,8 +187,7 @@ def _attn_fwd_int8_gluon_kernel(
         # K(0) is read: its stage takes K(2) (each later step j loads K(j+2)).
         more = 2 < n_blocks
         mbarrier.expect(k_bars.index(0), k_bytes, pred=more)
-        tma.async_copy_global_to_shared(k_desc, [2 * BLOCK_N, 0], k_bars.index(0),
-                                        k_smem.index(0), pred=more)
+        tma_load(k_desc, [2 * BLOCK_N, 0], k_bars.index(0), k_smem.index(0), pred=more)
         p, m_i, l_i, alpha = softmax_block(s_int, ks, qs, m_i, l_i, 0, offs_m, offs_n, nk,
                                            causal_offset, True, IS_CAUSAL, PER_TOKEN, PV_FP8)
         p_smem.index(0).store(p)
@@ -281,11 +278,10 @@ def _step(j, acc, m_i, l_i, alpha, qs, offs_m, offs_n, nk, causal_offset, ks_ptr
     mbarrier.expect(k_bars.index(stage), BLOCK_N * BLOCK_D, pred=more_k)
     mbarrier.expect(v_bars.index(prev), BLOCK_D * BLOCK_N if PV_FP8 else 2 * BLOCK_D * BLOCK_N,
                     pred=more_v)
-    tma.async_copy_global_to_shared(k_desc, [(j + 2) * BLOCK_N, 0], k_bars.index(stage),
-                                    k_smem.index(stage), pred=more_k)
+    tma_load(k_desc, [(j + 2) * BLOCK_N, 0], k_bars.index(stage), k_smem.index(stage),
+             pred=more_k)
     v0, v1 = v_box(j + 1, v_col, BLOCK_N, PV_FP8)
-    tma.async_copy_global_to_shared(v_desc, [v0, v1], v_bars.index(prev), v_smem.index(prev),
-                                    pred=more_v)
+    tma_load(v_desc, [v0, v1], v_bars.index(prev), v_smem.index(prev), pred=more_v)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None] + pv
     if PER_TOKEN:
         ks_ptr += BLOCK_N * sksn

@@ -42,13 +42,13 @@ triton_support.require_gluon("hopper", "lowbit_attn.inference.kernel_int8_gluon_
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+    fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait,
 )
 
 from lowbit_attn.core.triton_helpers import key_block_bounds
 from lowbit_attn.inference.gluon_blocks import (
-    descriptors, key_scales, program_sequence, scales_of_rows, softmax_block, v_box, v_operand,
-    write_rows,
+    descriptors, key_scales, program_sequence, scales_of_rows, softmax_block, tma_load, v_box,
+    v_operand, write_rows,
 )
 
 CONSUMER_WARPS = 4  # the kernel's num_warps: the default partition is consumer 0
@@ -155,21 +155,18 @@ def _loader(q_desc, k_desc, v_desc, v_col, pid_m, n_blocks, q_smem, k_smem, v_sm
     if n_blocks > 0:
         for i in gl.static_range(2):
             mbarrier.expect(q_bars.index(i), HALF * BLOCK_D)
-            tma.async_copy_global_to_shared(q_desc, [pid_m * BLOCK_M + i * HALF, 0],
-                                            q_bars.index(i), q_smem.index(i))
+            tma_load(q_desc, [pid_m * BLOCK_M + i * HALF, 0], q_bars.index(i), q_smem.index(i))
     for j in range(n_blocks):
         stage = j % 2
         phase = (j // 2) & 1
         mbarrier.wait(k_empty.index(stage), phase ^ 1)
         mbarrier.expect(k_ready.index(stage), BLOCK_N * BLOCK_D)
-        tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, 0], k_ready.index(stage),
-                                        k_smem.index(stage))
+        tma_load(k_desc, [j * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
         mbarrier.wait(v_empty.index(stage), phase ^ 1)
         mbarrier.expect(v_ready.index(stage),
                         BLOCK_D * BLOCK_N if PV_FP8 else 2 * BLOCK_D * BLOCK_N)
         v0, v1 = v_box(j, v_col, BLOCK_N, PV_FP8)
-        tma.async_copy_global_to_shared(v_desc, [v0, v1], v_ready.index(stage),
-                                        v_smem.index(stage))
+        tma_load(v_desc, [v0, v1], v_ready.index(stage), v_smem.index(stage))
 
 
 @gluon.jit

@@ -52,15 +52,14 @@ triton_support.require_gluon("hopper", "lowbit_attn.inference.kernel_int8_sm90")
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+    mbarrier, warpgroup_mma, warpgroup_mma_wait,
 )
 
 from lowbit_attn.core.operands import QuantizedQKV, Seqs
 from lowbit_attn.core.triton_helpers import bhnd_strides, key_block_bounds, row_strides, strides
 from lowbit_attn.inference.gluon_blocks import (
-    check_tma_operands, descriptors, key_scales, program_sequence, register_operand,
-    scales_of_rows, softmax_block, thread_view, tile_offsets, tma_scratch, v_box, v_operand,
-    write_rows,
+    check_tma_operands, descriptors, key_scales, program_sequence, register_operand, scales_of_rows,
+    softmax_block, thread_view, tile_offsets, tma_load, tma_scratch, v_box, v_operand, write_rows,
 )
 from lowbit_attn.quant.tile import thread_group
 
@@ -171,15 +170,14 @@ def _attn_fwd_sm90_kernel(
     v_bytes: gl.constexpr = BLOCK_D * BN if PV_FP8 else 2 * BLOCK_D * BN
     if n_blocks > 0:
         mbarrier.expect(q_bar, BM * BLOCK_D)
-        tma.async_copy_global_to_shared(q_desc, [pid_m * BM, 0], q_bar, q_smem)
+        tma_load(q_desc, [pid_m * BM, 0], q_bar, q_smem)
         for i in gl.static_range(K_STAGES):
             more = i < n_blocks
             mbarrier.expect(k_bars.index(i), k_bytes, pred=more)
-            tma.async_copy_global_to_shared(k_desc, [i * BN, 0], k_bars.index(i),
-                                            k_smem.index(i), pred=more)
+            tma_load(k_desc, [i * BN, 0], k_bars.index(i), k_smem.index(i), pred=more)
         mbarrier.expect(v_bar, v_bytes)
         v0, v1 = v_box(0, v_col, BN, PV_FP8)
-        tma.async_copy_global_to_shared(v_desc, [v0, v1], v_bar, v_smem)
+        tma_load(v_desc, [v0, v1], v_bar, v_smem)
         mbarrier.wait(q_bar, 0)
         for j in range(0, n_full):
             acc, m_i, l_i, ks_ptr = _step(
@@ -231,8 +229,7 @@ def _step(j, acc, m_i, l_i, qs, ks_ptr, ks_step, offs_m, offs_n, nk, causal_offs
     if K_STAGES == 1:  # K(j+1) into the buffer Q·K(j)ᵀ has read
         more_k = j + 1 < n_blocks
         mbarrier.expect(k_bar, BN * BLOCK_D, pred=more_k)
-        tma.async_copy_global_to_shared(k_desc, [(j + 1) * BN, 0], k_bar, k_smem.index(0),
-                                        pred=more_k)
+        tma_load(k_desc, [(j + 1) * BN, 0], k_bar, k_smem.index(0), pred=more_k)
     p, m_i, l_i, alpha = softmax_block(s_int, ks, qs, m_i, l_i, j * BN, offs_m, offs_n, nk,
                                        causal_offset, MASKED, IS_CAUSAL, not PER_THREAD, PV_FP8,
                                        PER_THREAD, True)
@@ -246,10 +243,9 @@ def _step(j, acc, m_i, l_i, qs, ks_ptr, ks_step, offs_m, offs_n, nk, causal_offs
         mbarrier.expect(k_bar, BN * BLOCK_D, pred=more_k)
     mbarrier.expect(v_bar, BLOCK_D * BN if PV_FP8 else 2 * BLOCK_D * BN, pred=more_v)
     if K_STAGES == 2:
-        tma.async_copy_global_to_shared(k_desc, [(j + 2) * BN, 0], k_bar, k_smem.index(stage),
-                                        pred=more_k)
+        tma_load(k_desc, [(j + 2) * BN, 0], k_bar, k_smem.index(stage), pred=more_k)
     v0, v1 = v_box(j + 1, v_col, BN, PV_FP8)
-    tma.async_copy_global_to_shared(v_desc, [v0, v1], v_bar, v_smem, pred=more_v)
+    tma_load(v_desc, [v0, v1], v_bar, v_smem, pred=more_v)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, zero_o.type.layout))[:, None] + pv
     return acc, m_i, l_i, ks_ptr + ks_step
 

@@ -1403,7 +1403,8 @@ def _not_modeled(name):
 MBARRIER = _Namespace("mbarrier", init=_mb_init, expect=_mb_expect, arrive=_mb_arrive,
                       wait=_mb_wait, invalidate=_mb_invalidate, MBarrierLayout=_BarrierLayout)
 TMA = _Namespace("tma", make_tensor_descriptor=_make_tensor_descriptor,
-                 async_copy_global_to_shared=_async_copy_global_to_shared)
+                 async_copy_global_to_shared=_async_copy_global_to_shared,
+                 async_load=_async_copy_global_to_shared)  # its name from Triton 3.9 on
 HOPPER_FUNCTIONS = {
     hopper.warpgroup_mma: _warpgroup_mma,
     hopper.warpgroup_mma_wait: _warpgroup_mma_wait,
