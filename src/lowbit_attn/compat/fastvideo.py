@@ -97,14 +97,19 @@ def video_sparse_attn(
     without a weight, on :func:`lowbit_attn.video_sparse_attention` (16-bit ``"exact"`` fine stage,
     trainable).
 
-    Args (theirs → ours):
-        q, k, v: ``[B, H, S, D]``, ``S = n_tiles · block_elements``, tokens in tile order with each
+    Other differences from FastVideo: the coarse stage runs in fp32 (theirs rounds the tile means
+    to q's dtype); the scale is ``D ** -0.5`` in both.
+
+    Args:
+        q: ``[B, Hq, S, D]``, ``S = n_tiles · block_elements``, tokens in tile order with each
             tile padded (its valid tokens first) → the valid tokens, ``token_order="tiled"``,
-            ``layout="HND"``. ``Hq`` may be a multiple of ``Hkv`` here (GQA); theirs needs equal
+            ``layout="HND"``.
+        k: ``[B, Hkv, S, D]``; ``Hq`` may be a multiple of ``Hkv`` here (GQA); theirs needs equal
             heads.
+        v: the same shape as k.
         variable_block_sizes: ``[n_tiles]`` valid tokens per key tile → the tiles of the
             ``video_shape`` that gives these counts (:func:`video_grid`; a host read of the
-            counts). Counts no video grid gives (arbitrary per-tile counts) raise ``ValueError``.
+            counts).
         q_variable_block_sizes: ``[n_tiles]`` valid tokens per query tile: must equal
             ``variable_block_sizes`` (self-attention over one grid; theirs also takes cross
             attention between two grids).
@@ -115,12 +120,20 @@ def video_sparse_attn(
         compress_attn_weight: ``None`` → ``gate_coarse`` = 1 (the sum of both branches); a tensor
             broadcastable to q (its token axis, if not 1, over the padded ``S`` slots) →
             ``gate_coarse`` on the valid tokens.
+
     Returns:
         ``[B, Hq, S, D]`` in q's dtype; the padding slots of partial tiles are 0 (theirs leaves
         values there that callers drop).
 
-    Other differences: the coarse stage runs in fp32 (theirs rounds the tile means to q's dtype);
-    the scale is ``D ** -0.5`` in both.
+    Raises:
+        TypeError: as :func:`lowbit_attn.video_sparse_attention`; a block-size count that is not
+            an integer tensor; a ``block_size`` that is neither an int nor three ints; a
+            ``compress_attn_weight`` that is not a tensor.
+        ValueError: as :func:`lowbit_attn.video_sparse_attention`; an int ``block_size`` that
+            is not a cube; q, k, v with different slot counts or a count that is not a multiple
+            of the tile; block sizes that are not one count per tile in ``[1, block_elements]``,
+            that differ between q and k, or that no video grid gives; a ``compress_attn_weight``
+            whose token axis is neither 1 nor ``S``.
     """
     tile = tile_shape(block_size)
     per_tile = math.prod(tile)

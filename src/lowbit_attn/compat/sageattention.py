@@ -168,22 +168,36 @@ def sageattn(
 ):
     """SageAttention's automatic choice per GPU → ``lowbit_attn.attention(recipe="auto")``.
 
-    Args (theirs → ours):
-        q, k, v: ``[B, H, N, D]`` (``"HND"``) or ``[B, N, H, D]`` (``"NHD"``); ``Hq`` a multiple of
-            ``Hkv`` → the same.
-        tensor_layout: → ``layout``.
-        is_causal: → ``is_causal`` (bottom-right aligned when ``Nq != Nk``).
+    The choice: SageAttention picks by GPU (sm80: INT8 Q·Kᵀ + FP16 P·V; sm86: the Triton FP16 P·V
+    kernel; sm89/sm120: FP8 P·V; sm90: FP8 P·V with its sm90 kernel; others raise). ``"auto"``
+    runs FP8 P·V (per-token INT8 scales) on sm_89 and newer, FP16 P·V (per-block scales) before
+    and on CPU, and never raises for the GPU generation.
+
+    Args:
+        q: ``[B, Hq, Nq, D]`` (``tensor_layout="HND"``) or ``[B, Nq, Hq, D]`` (``"NHD"``);
+            float16, bfloat16 or float32, on a GPU or a CPU.
+        k: ``[B, Hkv, Nk, D]`` or ``[B, Nk, Hkv, D]``, q's dtype and device; ``Hq`` a multiple of
+            ``Hkv``.
+        v: the same shape as k.
+        tensor_layout: ``"HND"`` or ``"NHD"`` (→ ``layout``).
+        is_causal: → ``is_causal`` (aligned bottom-right when ``Nq != Nk``).
         sm_scale: → ``scale`` (``D ** -0.5`` by default, as theirs).
-        return_lse: → ``return_lse`` (natural log, true scores; see the module notes).
+        return_lse: → ``return_lse`` (natural log of the true scores, ``[B, Hq, Nq]`` fp32; see
+            the module notes).
         **kwargs: ignored as in SageAttention (one warning per name), except ``attn_mask``: exact
             attention with the mask and a warning (SageAttention ignores it), and ``smooth_k``
             (SageAttention 1.x's parameter in this position): → ``Recipe.smooth_k`` of the
             automatic recipe.
 
-    The choice: SageAttention picks by GPU (sm80: INT8 Q·Kᵀ + FP16 P·V; sm86: the Triton FP16 P·V
-    kernel; sm89/sm120: FP8 P·V; sm90: FP8 P·V with its sm90 kernel; others raise). ``"auto"``
-    runs FP8 P·V (per-token INT8 scales) on sm_89 and newer, FP16 P·V (per-block scales) before
-    and on CPU, and never raises for the GPU generation.
+    Returns:
+        The output in q's dtype, shape and layout, or with ``return_lse`` a tuple of the output
+        and the LSE.
+
+    Raises:
+        TypeError: as :func:`lowbit_attn.attention`; a flag such as ``smooth_k`` that is not a
+            bool; an ``attn_mask`` that is not a tensor.
+        ValueError: as :func:`lowbit_attn.attention`; a ``tensor_layout`` other than ``"HND"`` or
+            ``"NHD"``.
     """
     extra = dict(kwargs)
     recipe = "auto"
@@ -211,19 +225,33 @@ def sageattn_qk_int8_pv_fp16_triton(
 ):
     """INT8 Q·Kᵀ with per-block scales, FP16 P·V → recipe ``"qk_int8_pv_fp16"``.
 
-    Args (theirs → ours):
-        tensor_layout, is_causal, sm_scale, return_lse: as :func:`sageattn`.
-        quantization_backend: ``"triton"`` or ``"cuda"`` (which of their quantization kernels
-            runs); checked, no effect: our quantization is one pass on the Triton path (the
-            reference on CPU). Other values raise ``ValueError`` as theirs does.
-        attn_mask: ``None``, or a mask: exact attention with the mask and a warning (see
-            :func:`masked_exact`); theirs ignores it.
-        smooth_k: → ``Recipe.smooth_k``.
-        **kwargs: as :func:`sageattn`.
-
     Same scale groups as theirs (one per 128 query rows, per 64 key rows). Differences: P·V
     accumulates in fp32 (theirs: fp16, added into an fp32 buffer after each key block); Q/K
     channels are balanced.
+
+    Args:
+        q: as for :func:`sageattn`.
+        k: as for :func:`sageattn`.
+        v: as for :func:`sageattn`.
+        tensor_layout: as for :func:`sageattn`.
+        quantization_backend: ``"triton"`` or ``"cuda"`` (which of their quantization kernels
+            runs); checked, no effect: our quantization is one pass on the Triton path (the
+            reference on CPU).
+        is_causal: as for :func:`sageattn`.
+        attn_mask: ``None``, or a mask: exact attention with the mask and a warning (see
+            :func:`masked_exact`); theirs ignores it.
+        sm_scale: as for :func:`sageattn`.
+        smooth_k: → ``Recipe.smooth_k``.
+        return_lse: as for :func:`sageattn`.
+        **kwargs: ignored with a warning per name, except ``attn_mask``, as for :func:`sageattn`.
+
+    Returns:
+        As :func:`sageattn`.
+
+    Raises:
+        TypeError: as :func:`sageattn`.
+        ValueError: as :func:`sageattn`; a ``quantization_backend`` other than ``"triton"`` or
+            ``"cuda"`` (as theirs).
     """
     checks.choice("quantization_backend", quantization_backend, QUANTIZATION_BACKENDS)
     name = "sageattn_qk_int8_pv_fp16_triton"
@@ -249,17 +277,32 @@ def sageattn_qk_int8_pv_fp16_cuda(
 ):
     """INT8 Q·Kᵀ, FP16 P·V (their CUDA kernels, sm80+) → recipe ``"qk_int8_pv_fp16"``.
 
-    Args (theirs → ours):
-        tensor_layout, is_causal, sm_scale, return_lse, **kwargs: as :func:`sageattn`.
+    Args:
+        q: as for :func:`sageattn`.
+        k: as for :func:`sageattn`.
+        v: as for :func:`sageattn`.
+        tensor_layout: as for :func:`sageattn`.
+        is_causal: as for :func:`sageattn`.
         qk_quant_gran: ``"per_thread"`` → ``granularity="per_thread"`` with 64-row and 128-key
             blocks (their sm90 groups; on sm80/sm89 theirs are 4 query rows and 16 keys);
             ``"per_warp"`` → ``granularity="per_block"`` (one scale per 128 query rows and 64 key
             rows; their warp groups are 16-32 query rows, 64 keys).
+        sm_scale: as for :func:`sageattn`.
         pv_accum_dtype: ``"fp32"``, ``"fp16+fp32"`` or ``"fp16"``: checked; ours always
             accumulates P·V in fp32 (equal to ``"fp32"``, more accurate than the others).
         smooth_k: → ``Recipe.smooth_k``.
         smooth_v: → ``Recipe.smooth_v`` with ``pv_accum_dtype="fp16"``; with the other modes it is
             ignored with a warning, as theirs does.
+        return_lse: as for :func:`sageattn`.
+        **kwargs: ignored with a warning per name, except ``attn_mask``, as for :func:`sageattn`.
+
+    Returns:
+        As :func:`sageattn`.
+
+    Raises:
+        TypeError: as :func:`sageattn`.
+        ValueError: as :func:`sageattn`; a ``qk_quant_gran`` or ``pv_accum_dtype`` outside
+            its choices.
     """
     name = "sageattn_qk_int8_pv_fp16_cuda"
     checks.choice("pv_accum_dtype", pv_accum_dtype, PV_ACCUM_FP16)
@@ -287,9 +330,16 @@ def sageattn_qk_int8_pv_fp8_cuda(
 ):
     """INT8 Q·Kᵀ, FP8 (E4M3) P·V (their sm89 kernels) → recipe ``"qk_int8_pv_fp8"``.
 
-    Args (theirs → ours):
-        tensor_layout, is_causal, sm_scale, return_lse, **kwargs: as :func:`sageattn`.
-        qk_quant_gran: as :func:`sageattn_qk_int8_pv_fp16_cuda`.
+    Args:
+        q: as for :func:`sageattn`.
+        k: as for :func:`sageattn`.
+        v: as for :func:`sageattn`.
+        tensor_layout: as for :func:`sageattn`.
+        is_causal: as for :func:`sageattn`.
+        qk_quant_gran: ``"per_thread"`` → ``granularity="per_token"`` (one scale per row, finer
+            than their per-thread groups); ``"per_warp"`` → ``granularity="per_block"`` (one scale
+            per 128 query rows and 64 key rows; their warp groups are 16-32 query rows, 64 keys).
+        sm_scale: as for :func:`sageattn`.
         pv_accum_dtype: ``"fp32"``, ``"fp32+fp32"`` or ``"fp32+fp16"``: checked; ours adds each
             key block's FP8 product into an fp32 accumulator (as ``"fp32+fp32"``; their ``"fp32"``
             accumulates in the MMA's 22-bit accumulator, ``"fp32+fp16"`` in fp16 with V's scale
@@ -297,6 +347,16 @@ def sageattn_qk_int8_pv_fp8_cuda(
         smooth_k: → ``Recipe.smooth_k``.
         smooth_v: → ``Recipe.smooth_v`` with ``pv_accum_dtype="fp32"``; ignored with a warning
             otherwise, as theirs does.
+        return_lse: as for :func:`sageattn`.
+        **kwargs: ignored with a warning per name, except ``attn_mask``, as for :func:`sageattn`.
+
+    Returns:
+        As :func:`sageattn`.
+
+    Raises:
+        TypeError: as :func:`sageattn`.
+        ValueError: as :func:`sageattn`; a ``qk_quant_gran`` or ``pv_accum_dtype`` outside
+            its choices; a GPU without FP8 tensor cores (compute capability below 8.9).
     """
     name = "sageattn_qk_int8_pv_fp8_cuda"
     checks.choice("pv_accum_dtype", pv_accum_dtype, PV_ACCUM_FP8)
@@ -324,12 +384,28 @@ def sageattn_qk_int8_pv_fp8_cuda_sm90(
     """INT8 Q·Kᵀ, FP8 P·V (their sm90 kernel) → recipe ``"qk_int8_pv_fp8"``, as
     :func:`sageattn_qk_int8_pv_fp8_cuda` (runs on any device here, not only sm_90).
 
-    Args (theirs → ours):
+    Args:
+        q: as for :func:`sageattn`.
+        k: as for :func:`sageattn`.
+        v: as for :func:`sageattn`.
+        tensor_layout: as for :func:`sageattn`.
+        is_causal: as for :func:`sageattn`.
         qk_quant_gran: as :func:`sageattn_qk_int8_pv_fp16_cuda` (``"per_thread"`` is this
             kernel's own layout: the same groups and blocks).
+        sm_scale: as for :func:`sageattn`.
         pv_accum_dtype: ``"fp32+fp32"`` or ``"fp32"`` (theirs raises NotImplementedError for
             ``"fp32"``; ours computes it as ``"fp32+fp32"``).
-        the others: as :func:`sageattn_qk_int8_pv_fp8_cuda`.
+        smooth_k: → ``Recipe.smooth_k``.
+        return_lse: as for :func:`sageattn`.
+        **kwargs: ignored with a warning per name, except ``attn_mask``, as for :func:`sageattn`.
+
+    Returns:
+        As :func:`sageattn`.
+
+    Raises:
+        TypeError: as :func:`sageattn`.
+        ValueError: as :func:`sageattn`; a ``qk_quant_gran`` or ``pv_accum_dtype`` outside
+            its choices; a GPU without FP8 tensor cores (compute capability below 8.9).
     """
     name = "sageattn_qk_int8_pv_fp8_cuda_sm90"
     checks.choice("pv_accum_dtype", pv_accum_dtype, PV_ACCUM_FP8_SM90)
@@ -355,12 +431,29 @@ def sageattn_varlen(
     """Packed sequences (their Triton varlen kernel) → ``lowbit_attn.attention_varlen`` with recipe
     ``"qk_int8_pv_fp16"`` (per-block scales, as theirs).
 
-    Args (theirs → ours): q ``[total_q, Hq, D]``, k, v ``[total_k, Hkv, D]``, ``cu_seqlens_*``
-    (int32 ``[B + 1]``; theirs also takes int64: cast to int32 here), ``max_seqlen_*``,
-    ``is_causal``, ``sm_scale`` (→ ``scale``) → the same; ``smooth_k`` → ``Recipe.smooth_k``
-    (ours subtracts each sequence's own mean; theirs one mean over all sequences packed together).
-    ``**kwargs``: ignored with a warning; an ``attn_mask`` raises ``ValueError`` (no mask over
-    packed sequences). Returns the output only, as theirs.
+    Args:
+        q: ``[total_q, Hq, D]``.
+        k: ``[total_k, Hkv, D]``.
+        v: the same shape as k.
+        cu_seqlens_q: int32 ``[B + 1]`` offsets (theirs also takes int64: cast to int32 here).
+        cu_seqlens_k: likewise for k and v.
+        max_seqlen_q: at least the longest query sequence.
+        max_seqlen_k: at least the longest key sequence.
+        is_causal: → ``is_causal`` (per sequence, aligned bottom-right).
+        sm_scale: → ``scale``.
+        smooth_k: → ``Recipe.smooth_k`` (ours subtracts each sequence's own mean; theirs one mean
+            over all sequences packed together).
+        **kwargs: ignored with a warning per name; an ``attn_mask`` raises (no mask over packed
+            sequences).
+
+    Returns:
+        The output ``[total_q, Hq, D]`` only, as theirs.
+
+    Raises:
+        TypeError: a ``cu_seqlens`` that is not an int32 or int64 tensor; the type checks of
+            :func:`lowbit_attn.attention_varlen`.
+        ValueError: an ``attn_mask`` in ``**kwargs``; the checks of
+            :func:`lowbit_attn.attention_varlen`.
     """
     name = "sageattn_varlen"
     if _mask_from(name, None, kwargs) is not None:
@@ -380,21 +473,30 @@ def sageattn_varlen(
 def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal=False, per_block_mean=True, **kwargs):
     """SageAttention3 (FP4 on Blackwell) → recipe ``"qk_fp4_pv_fp4"`` (NVFP4 Q·Kᵀ and P·V, K
     smoothed, Q smoothed per block of 128 rows with the ΔS correction, two-level P̃). Runs on FP4
-    tensor cores on sm_100/sm_120 and as an exact emulation elsewhere (CPU included).
+    tensor cores on sm_100/sm_120 and as an exact emulation elsewhere (CPU included). Unlike
+    theirs, ``k`` is not modified (their preprocessing subtracts K's mean in place).
 
-    Args (theirs → ours):
-        q, k, v: ``[B, H, N, D]`` only (HND, as theirs); D a multiple of 32 for NVFP4 (theirs
-            falls back to SDPA for D >= 256; ours raises ``ValueError`` for a D it cannot run).
+    Args:
+        q: ``[B, Hq, N, D]`` only (HND, as theirs); D a multiple of 32 for NVFP4 (theirs falls
+            back to SDPA for D >= 256).
+        k: ``[B, Hkv, N, D]``, q's dtype and device.
+        v: the same shape as k.
         attn_mask: ``None``, or exact attention with the mask and a warning (theirs ignores it).
         is_causal: → ``is_causal``.
         per_block_mean: ``True`` (their default: Q's mean per 128-row block, the ΔS correction) →
             ``Recipe.smooth_q=True`` with ``block_q=128``, the same; ``False`` (one Q mean per
-            head) has no per-head form here and also runs per-block smoothing (finer; checked to
-            be a bool).
+            head) has no per-head form here and also runs per-block smoothing (finer).
         **kwargs: ignored with a warning per name (theirs ignores them; ``sm_scale`` included:
             the scale is ``D ** -0.5``, as theirs).
 
-    Unlike theirs, ``k`` is not modified (their preprocessing subtracts K's mean in place).
+    Returns:
+        The output, q's dtype and shape.
+
+    Raises:
+        TypeError: as :func:`lowbit_attn.attention`; ``per_block_mean`` not a bool; an
+            ``attn_mask`` that is not a tensor.
+        ValueError: as :func:`lowbit_attn.attention`, including a head dim that is not a multiple
+            of 32.
     """
     name = "sageattn3_blackwell"
     checks.flag("per_block_mean", per_block_mean)

@@ -20,9 +20,20 @@ def count_call(family: str) -> None:
 
 
 def kernel_calls(family: str = "attention") -> int:
-    """Runs so far of ``family``'s ops, on either backend: ``"attention"`` (dense and packed
-    inference forwards), ``"trainable"`` (trainable forwards), ``"video_sparse"`` (fine stages).
-    Tools take the difference around the code they watch."""
+    """Runs so far in this process of ``family``'s custom ops, on either backend and inside
+    compiled graphs. Tools take the difference around the code they watch (how many of a model's
+    attention calls reached the low-bit ops rather than a fallback).
+
+    Args:
+        family: ``"attention"`` (dense and packed inference forwards), ``"trainable"``
+            (trainable forwards) or ``"video_sparse"`` (fine stages).
+
+    Returns:
+        The count, an int.
+
+    Raises:
+        ValueError: an unknown ``family``.
+    """
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
     with _lock:

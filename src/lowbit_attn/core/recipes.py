@@ -80,7 +80,20 @@ class Recipe:
         two_level_p: FP4 only: scale each row of P̃ in a key block so its maximum maps to
             ``448·6`` before the group quantization, and fold the factor back after P·V
             (SageAttention3's two-level quantization); ``False`` quantizes ``P̃ ∈ [0, 1]`` directly.
-        block_q, block_k: query and key rows per tile (and per scale group with ``per_block``).
+        block_q: query rows per tile (and per scale group with ``per_block``): 16, 32, 64 or 128.
+        block_k: key rows per tile (and per scale group with ``per_block``): 16, 32, 64 or 128;
+            at least 32 for FP4 recipes.
+
+    Fields are checked when a recipe is built or changed with :meth:`replace`: options are
+    ``bool`` (or ``numpy.bool_``, stored as ``bool``), block sizes ints, the name a Python
+    identifier.
+
+    Raises:
+        TypeError: a field of the wrong type (the message names ``Recipe.<field>``).
+        ValueError: a name that is not a Python identifier; a value outside a field's choices;
+            ``qk`` and ``pv`` not both ``"none"`` or both quantized, or an FP4 format paired with
+            another; an FP4 recipe with ``granularity="per_token"``, ``balance_qk`` or
+            ``block_k`` below 32.
     """
 
     name: str
@@ -127,7 +140,18 @@ class Recipe:
         return self.qk in FP4_FORMATS
 
     def replace(self, **changes) -> "Recipe":
-        """A copy with some options changed (validated)."""
+        """A copy with some options changed, validated as a new recipe.
+
+        Args:
+            **changes: fields and their new values, e.g. ``granularity="per_token"``.
+
+        Returns:
+            The new :class:`Recipe`.
+
+        Raises:
+            TypeError: an unknown field, or a value of the wrong type.
+            ValueError: a value the recipe does not allow (see :class:`Recipe`).
+        """
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
         if unknown:
             raise TypeError(f"Recipe.replace got unknown option(s) {sorted(unknown)}")
@@ -153,11 +177,26 @@ RECIPES: dict[str, Recipe] = {
     r.name: r
     for r in (EXACT, QK_INT8_PV_FP16, QK_INT8_PV_FP8, QK_FP4_PV_FP4, QK_MXFP4_PV_MXFP4)
 }
+"""The named inference recipes with their default options, by name: ``"exact"``,
+``"qk_int8_pv_fp16"`` (SageAttention), ``"qk_int8_pv_fp8"`` (SageAttention2),
+``"qk_fp4_pv_fp4"`` (SageAttention3, NVFP4) and ``"qk_mxfp4_pv_mxfp4"``. ``"auto"`` is not among
+them: it is resolved per device."""
 
 
 def get_recipe(name: str) -> Recipe:
-    """The named recipe with its default options (``"auto"`` is resolved per device by
-    :func:`resolve`)."""
+    """The named recipe with its default options.
+
+    Args:
+        name: a key of :data:`RECIPES` (``"auto"`` is not one: it is resolved per device when a
+            call runs).
+
+    Returns:
+        The frozen :class:`Recipe`; change options with :meth:`Recipe.replace`.
+
+    Raises:
+        TypeError: ``name`` is not a str.
+        ValueError: an unknown name.
+    """
     if not isinstance(name, str):
         raise TypeError(f"recipe name must be a str, got {type(name).__name__}")
     try:
@@ -211,6 +250,11 @@ class TrainRecipe:
             by it before quantizing (after smoothing), as the inference recipes do; scores are
             unchanged and the gradients come back as ``dQ∘α``, ``dK/α`` (exact). Not part of
             SageBwd: an option for models whose Q or K has outlier channels.
+
+    Raises:
+        TypeError: a field of the wrong type (the message names ``TrainRecipe.<field>``).
+        ValueError: a name that is not a Python identifier; ``int8`` not a frozenset of the
+            matmul names above.
     """
 
     name: str
@@ -233,6 +277,18 @@ class TrainRecipe:
         return not self.int8
 
     def replace(self, **changes) -> "TrainRecipe":
+        """A copy with some options changed, validated as a new recipe.
+
+        Args:
+            **changes: fields and their new values, e.g. ``smooth_q=True``.
+
+        Returns:
+            The new :class:`TrainRecipe`.
+
+        Raises:
+            TypeError: an unknown field, or a value of the wrong type.
+            ValueError: a value the recipe does not allow.
+        """
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
         if unknown:
             raise TypeError(f"TrainRecipe.replace got unknown option(s) {sorted(unknown)}")
@@ -244,6 +300,8 @@ class TrainRecipe:
 SAGEBWD_INT8 = TrainRecipe(name="sagebwd_int8", int8=frozenset({"qk", "pv", "dv", "dq", "dk"}))
 TRAIN_EXACT = TrainRecipe(name="exact", int8=frozenset(), smooth_k=False)
 TRAIN_RECIPES: dict[str, TrainRecipe] = {r.name: r for r in (SAGEBWD_INT8, TRAIN_EXACT)}
+"""The named training recipes, by name: ``"sagebwd_int8"`` (INT8 in six of the seven matmuls,
+``dP = dO·Vᵀ`` in 16-bit, K smoothed) and ``"exact"`` (no quantization)."""
 
 
 def resolve_train(recipe, *, smooth_k=None, smooth_q=None, keep_16bit=None,

@@ -21,28 +21,47 @@ def attention(
 ):
     """Low-bit attention ``softmax(q·kᵀ·scale)·v``.
 
+    On a CUDA GPU the Triton kernels run; on a CPU the PyTorch reference with the same numerics.
+    In eager mode a call whose configuration was seen twice replays its launches
+    (:mod:`lowbit_attn.inference.planned`). The caller's tensors are never modified. NaN or Inf
+    in an input reaches the outputs that depend on it.
+
     Args:
         q: ``[B, Hq, Nq, D]`` (layout ``"HND"``) or ``[B, Nq, Hq, D]`` (``"NHD"``); float16, bfloat16
-            or float32; any strides.
-        k, v: ``[B, Hkv, Nk, D]`` or ``[B, Nk, Hkv, D]``, same dtype and device as q; ``Hq`` must be a
+            or float32; any strides and storage offset.
+        k: ``[B, Hkv, Nk, D]`` or ``[B, Nk, Hkv, D]``, same dtype and device as q; ``Hq`` must be a
             multiple of ``Hkv`` (GQA/MQA). Head dims 64 and 128 are the fast path; 1 to 256 work.
+        v: the same shape, dtype and device as k.
         is_causal: query ``i`` sees key ``j`` iff ``j <= i + Nk - Nq`` (aligned bottom-right, as in
-            FlashAttention; rows that see no key give 0).
-        scale: softmax scale, ``D ** -0.5`` by default.
+            FlashAttention; rows that see no key give 0). ``bool`` or ``numpy.bool_``.
+        scale: softmax scale, ``D ** -0.5`` by default; any positive finite real number.
         layout: ``"HND"`` or ``"NHD"``; the output has the same layout.
         recipe: ``"auto"`` (FP8 P·V on sm_89 and newer, FP16 P·V before and on CPU),
             ``"qk_int8_pv_fp8"``, ``"qk_int8_pv_fp16"``, ``"qk_fp4_pv_fp4"`` (NVFP4; head dim a
             multiple of 32), ``"qk_mxfp4_pv_mxfp4"``, ``"exact"``, or a :class:`Recipe`. FP4
             recipes run on FP4 tensor cores on Blackwell (sm_100, sm_120) and as an exact
             emulation elsewhere (see ``lowbit-attn doctor``).
-        return_lse: also return the natural-log log-sum-exp of each row's scores.
-    Returns:
-        the output (q's dtype, shape and layout), and with ``return_lse`` the LSE ``[B, Hq, Nq]``
-        fp32 (``-inf`` for rows that see no key).
+        return_lse: also return the natural-log log-sum-exp of each row's true scores (what K
+            smoothing removed is added back, so outputs over different key ranges merge as
+            FlashAttention's do).
 
-    On a CUDA GPU the Triton kernels run; on a CPU the PyTorch reference with the same numerics.
-    In eager mode a call whose configuration was seen twice replays its launches
-    (:mod:`lowbit_attn.inference.planned`).
+    Returns:
+        The output (q's dtype, shape and layout), or with ``return_lse`` a tuple of the output and
+        the LSE ``[B, Hq, Nq]`` fp32 (``-inf`` for rows that see no key).
+
+    Raises:
+        TypeError: q, k or v is not a tensor, or not float16, bfloat16 or float32, or their dtypes
+            differ; ``is_causal`` or ``return_lse`` is not a bool; ``scale`` is not a real number;
+            ``recipe`` is neither a str nor a :class:`Recipe`.
+        ValueError: a tensor is not 4-D; an unknown ``layout`` or recipe name; q, k, v on
+            different devices; k and v of different shapes; batch sizes or head dims that differ,
+            a head dim outside 1 to 256, ``Hq`` not a multiple of ``Hkv``, or no key tokens;
+            ``scale`` not positive and finite; an input that requires grad while autograd is on
+            (the kernels are forward-only); a recipe this GPU cannot run (INT8 needs compute
+            capability 8.0, FP8 P·V 8.9) or an FP4 recipe with a head dim that is not a multiple
+            of 32; a ``LOWBIT_ATTN_*`` variable set to a value outside its choices.
+        RuntimeError: ``LOWBIT_ATTN_BACKEND=triton`` for CPU tensors without
+            ``TRITON_INTERPRET=1``.
     """
     plan_key = planned.key(q, k, v, is_causal, scale, layout, recipe, return_lse)
     if plan_key is not None:
@@ -86,19 +105,39 @@ def attention_varlen(
 ):
     """Attention over packed sequences, as FlashAttention's ``flash_attn_varlen_func``.
 
+    Smoothing and quantization statistics are per sequence, never across sequences.
+
     Args:
-        q: ``[total_q, Hq, D]``; k, v: ``[total_k, Hkv, D]``; sequence ``b`` holds rows
-            ``cu_seqlens[b]:cu_seqlens[b+1]``.
-        cu_seqlens_q, cu_seqlens_k: int32 ``[B + 1]`` offsets on q's device, starting at 0.
-        max_seqlen_q, max_seqlen_k: at least the longest sequence.
+        q: ``[total_q, Hq, D]``; sequence ``b`` holds rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``.
+            float16, bfloat16 or float32.
+        k: ``[total_k, Hkv, D]``, q's dtype and device; ``Hq`` a multiple of ``Hkv``.
+        v: the same shape, dtype and device as k.
+        cu_seqlens_q: int32 (or int64) ``[B + 1]`` offsets into q on q's device, from 0 to
+            ``total_q``, non-decreasing.
+        cu_seqlens_k: the same for k and v, for the same ``B`` sequences.
+        max_seqlen_q: an int at least the longest query sequence.
+        max_seqlen_k: an int at least the longest key sequence.
         is_causal: per sequence, aligned bottom-right.
+        scale: softmax scale, ``D ** -0.5`` by default.
+        recipe: as for :func:`attention`.
+        return_lse: also return the natural-log LSE of each row.
         check_seqlens: verify the offsets and maxima (reads ``cu_seqlens`` on the host: a GPU
             synchronisation and, under ``torch.compile``, a graph break). ``False`` for offsets
             known good, inside CUDA graphs or compiled code.
-    Returns:
-        the output ``[total_q, Hq, D]`` (q's dtype), and with ``return_lse`` the LSE ``[Hq, total_q]``.
 
-    Smoothing and quantization statistics are per sequence, never across sequences.
+    Returns:
+        The output ``[total_q, Hq, D]`` (q's dtype), or with ``return_lse`` a tuple of the output
+        and the LSE ``[Hq, total_q]`` fp32.
+
+    Raises:
+        TypeError: as :func:`attention` for q, k, v, the flags, ``scale`` and ``recipe``; a
+            ``cu_seqlens`` that is not a tensor.
+        ValueError: as :func:`attention` (tensors here are 3-D); a ``cu_seqlens`` that is not a
+            1-D integer tensor of at least two offsets on q's device, or (with ``check_seqlens``)
+            does not run from 0 to the packed length without decreasing; ``cu_seqlens_q`` and
+            ``cu_seqlens_k`` of different lengths; a maximum that is not an int at least the
+            longest sequence.
+        RuntimeError: as :func:`attention`.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         checks.tensor(name, x, 3)

@@ -22,6 +22,7 @@ from lowbit_attn.integrations.sdpa import routed
 from lowbit_attn.core.recipes import Recipe, resolve
 
 DENOISERS = ("transformer", "transformer_2", "unet", "prior", "decoder")
+"""The pipeline components :func:`enable` hooks when ``components`` is not given."""
 _HOOKS = "_lowbit_attn_hooks"
 
 
@@ -45,9 +46,30 @@ def _modules(target, components) -> list[tuple[str, torch.nn.Module]]:
 
 
 def enable(target, recipe: "str | Recipe" = "auto", *, components=None) -> list[str]:
-    """Route the attention of ``target`` (a pipeline: its denoisers, or the ``components`` named;
-    or one ``torch.nn.Module``) to ``recipe`` during each forward. Enabling again replaces the
-    recipe. Returns the names of the models hooked."""
+    """Route the attention of ``target``'s denoiser to ``recipe`` during each of its forwards.
+
+    While a hooked model runs its forward, its ``torch.nn.functional.scaled_dot_product_attention``
+    calls (in that thread or task only) run the recipe, and calls the kernels cannot take (masks,
+    dropout, gradients) run PyTorch's exact SDPA, with one warning per reason. Keep diffusers'
+    default ``native`` attention backend. With ``torch.compile``, wrap the pipeline call in
+    :func:`lowbit_attn.patch_sdpa` instead (the per-thread routing is a graph break).
+
+    Args:
+        target: a diffusers pipeline (its models in ``target.components``) or one
+            ``torch.nn.Module``.
+        recipe: the inference recipe, a name or a :class:`~lowbit_attn.Recipe`. Enabling again
+            replaces it.
+        components: names of the pipeline's models to hook; ``None`` hooks those of
+            :data:`DENOISERS` that it has. Not for a module.
+
+    Returns:
+        The names of the models hooked.
+
+    Raises:
+        TypeError: ``target`` is neither a pipeline nor a module; ``recipe`` of the wrong type.
+        ValueError: an unknown recipe name; ``components`` given with a module, naming a model
+            the pipeline lacks, or a pipeline without any of :data:`DENOISERS`.
+    """
     resolve(recipe, None)
     chosen = _modules(target, components)
     for _, module in chosen:
@@ -80,7 +102,19 @@ def _unhook(module: torch.nn.Module) -> bool:
 
 
 def disable(target, *, components=None) -> list[str]:
-    """Undo :func:`enable`; returns the names of the models that were hooked."""
+    """Undo :func:`enable`.
+
+    Args:
+        target: the pipeline or module given to :func:`enable`.
+        components: as for :func:`enable`.
+
+    Returns:
+        The names of the models that were hooked.
+
+    Raises:
+        TypeError: ``target`` is neither a pipeline nor a module.
+        ValueError: ``components`` given with a module, or naming a model the pipeline lacks.
+    """
     return [name for name, module in _modules(target, components) if _unhook(module)]
 
 

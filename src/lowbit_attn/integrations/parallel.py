@@ -68,23 +68,37 @@ def ulysses_attention(
 ) -> torch.Tensor:
     """Sequence-parallel attention by head resharding (DeepSpeed-Ulysses).
 
+    One all-to-all turns the sequence-sharded inputs into head-sharded whole sequences, each rank
+    runs :func:`lowbit_attn.attention` for its heads, and one all-to-all turns the output back.
+
     Args:
         q: this rank's query tokens, ``[B, Hq, n, D]`` (``"HND"``) or ``[B, n, Hq, D]`` (``"NHD"``);
             the same shape, dtype and arguments on every rank of ``group``. ``Hq`` must be a
             multiple of the group size ``P``.
-        k, v: this rank's key/value tokens, ``[B, Hkv, n_k, D]`` (or NHD); ``Hq`` a multiple of
-            ``Hkv``. When ``Hkv`` is not a multiple of ``P`` each K/V head is replicated
+        k: this rank's key tokens, ``[B, Hkv, n_k, D]`` (or NHD); ``Hq`` a multiple of ``Hkv``.
+            When ``Hkv`` is not a multiple of ``P`` each K/V head is replicated
             ``P / gcd(Hkv, P)`` times before the exchange (query head ``h`` still reads K/V head
             ``h // (Hq / Hkv)``), which costs that factor in K/V traffic.
+        v: this rank's value tokens, k's shape.
         group: the process group the sequence is sharded over; ``None`` for the default group.
-        is_causal, scale, layout, recipe: as in :func:`lowbit_attn.attention`, applied to the whole
-            sequences (causal aligned bottom-right over ``P·n`` queries and ``P·n_k`` keys).
-    Returns:
-        this rank's ``n`` query tokens of the output, q's dtype, shape and layout.
+        is_causal: as in :func:`lowbit_attn.attention`, over the whole sequences (aligned
+            bottom-right over ``P·n`` queries and ``P·n_k`` keys).
+        scale: softmax scale, ``D ** -0.5`` by default.
+        layout: ``"HND"`` or ``"NHD"``.
+        recipe: as in :func:`lowbit_attn.attention`.
 
-    Raises on every rank alike (``ValueError``/``TypeError``) when any rank's inputs are invalid or
-    differ from the others'; ``RuntimeError`` when ``torch.distributed`` is not initialized, and on
-    the other ranks when one rank's checks raised another exception (which that rank re-raises).
+    Returns:
+        This rank's ``n`` query tokens of the output, q's dtype, shape and layout.
+
+    Raises:
+        TypeError: on every rank alike, when any rank's inputs fail a type check of
+            :func:`lowbit_attn.attention`.
+        ValueError: on every rank alike, when any rank's inputs are invalid (as
+            :func:`lowbit_attn.attention` checks them, or ``Hq`` not a multiple of ``P``) or
+            differ from the other ranks' (shapes, dtype, layout, ``is_causal``, recipe or scale);
+            a ``group`` that does not contain this process.
+        RuntimeError: ``torch.distributed`` is not initialized; on the other ranks, when one
+            rank's checks raised another exception (which that rank re-raises).
     """
     group, _, world = _group_info(group)
     qh, kh, vh, r, sm_scale, is_causal = _agreed_inputs(
@@ -115,26 +129,30 @@ def ring_attention(
 ) -> torch.Tensor:
     """Sequence-parallel attention by passing K/V chunks around a ring of ranks.
 
-    Args:
-        q: this rank's query tokens, ``[B, Hq, n, D]`` (``"HND"``) or ``[B, n, Hq, D]`` (``"NHD"``);
-            the same shape, dtype and arguments on every rank of ``group``.
-        k, v: this rank's key/value tokens, ``[B, Hkv, n_k, D]`` (or NHD), ``Hq`` a multiple of
-            ``Hkv``; with ``is_causal``, ``n_k`` must equal ``n``.
-        group: the process group the sequence is sharded over; ``None`` for the default group.
-        is_causal, scale, layout, recipe: as in :func:`lowbit_attn.attention`, applied to the whole
-            sequences. Causal: the queries of chunk ``i`` attend fully to K/V chunks ``j < i``,
-            causally to chunk ``i`` and not at all to ``j > i`` (those steps only forward the
-            chunk).
-    Returns:
-        this rank's ``n`` query tokens of the output, q's dtype, shape and layout.
-
     Each of the ``P`` steps computes ``attention(..., return_lse=True)`` of the local queries
     against one K/V chunk while the chunk is sent on to the next rank (``dist.batch_isend_irecv``,
     double-buffered); the partial outputs are merged in fp32 with their log-sum-exp.
 
-    Raises on every rank alike (``ValueError``/``TypeError``) when any rank's inputs are invalid or
-    differ from the others'; ``RuntimeError`` when ``torch.distributed`` is not initialized, and on
-    the other ranks when one rank's checks raised another exception (which that rank re-raises).
+    Args:
+        q: as for :func:`ulysses_attention`, with any head count.
+        k: as for :func:`ulysses_attention`; with ``is_causal``, ``n_k`` must equal ``n``.
+        v: this rank's value tokens, k's shape.
+        group: the process group the sequence is sharded over; ``None`` for the default group.
+        is_causal: over the whole sequences: the queries of chunk ``i`` attend fully to K/V
+            chunks ``j < i``, causally to chunk ``i`` and not at all to ``j > i`` (those steps only
+            forward the chunk).
+        scale: as for :func:`ulysses_attention`.
+        layout: likewise.
+        recipe: likewise.
+
+    Returns:
+        This rank's ``n`` query tokens of the output, q's dtype, shape and layout.
+
+    Raises:
+        TypeError: as :func:`ulysses_attention`.
+        ValueError: as :func:`ulysses_attention`, with a causal call whose ``n_k`` is not ``n``
+            in place of the head count.
+        RuntimeError: as :func:`ulysses_attention`.
     """
     group, rank, world = _group_info(group)
     qh, kh, vh, r, sm_scale, is_causal = _agreed_inputs(

@@ -124,11 +124,34 @@ def scaled_dot_product_attention(
 ):
     """Drop-in for :func:`torch.nn.functional.scaled_dot_product_attention` with the same
     signature and semantics (causal masks aligned top-left, as PyTorch does), computed with the
-    ``"auto"`` recipe (another recipe: :func:`lowbit_attn.patch_sdpa`). Calls the kernels cannot
-    serve (an ``attn_mask``, dropout, autograd, a scale that is not a positive finite real number,
-    an ``is_causal`` or ``enable_gqa`` that is not a bool, empty or unsupported shapes or dtypes)
-    go to PyTorch's own function, with one warning per reason, so it raises only where PyTorch
-    does, and as PyTorch does.
+    ``"auto"`` recipe (another recipe: :func:`lowbit_attn.patch_sdpa`).
+
+    Calls the kernels cannot serve go to PyTorch's own function, with one warning per reason
+    (:func:`~lowbit_attn.integrations.sdpa.reset_fallback_warnings` makes each warn again): an
+    ``attn_mask``, dropout, inputs that require grad (the kernels are forward-only), dtypes other
+    than float16/bfloat16/float32, head dims over 256 or differing between query and value,
+    inputs that are not 3-D or 4-D, shapes that need broadcasting or hold no heads or tokens, a
+    scale that is not a positive finite real number, an ``is_causal`` or ``enable_gqa`` that is
+    not a ``bool``, and a recipe this GPU cannot run. So apart from the environment errors below
+    it raises only where PyTorch's function does, and as it does.
+
+    Args:
+        query: ``[B, Hq, L, D]`` or ``[B·Hq, L, D]`` (3-D).
+        key: ``[B, Hkv, S, D]`` (or 3-D); ``Hkv`` differs from ``Hq`` only with ``enable_gqa``.
+        value: the same shape as key.
+        attn_mask: a mask or bias; given, the call goes to PyTorch.
+        dropout_p: dropout probability; above 0, the call goes to PyTorch.
+        is_causal: a causal mask aligned top-left (as PyTorch's).
+        scale: softmax scale, ``D ** -0.5`` by default.
+        enable_gqa: allow fewer key/value heads than query heads.
+
+    Returns:
+        The attention output, query's shape and dtype (PyTorch's result for the calls it serves).
+
+    Raises:
+        ValueError: a ``LOWBIT_ATTN_*`` variable set to a value outside its choices.
+        RuntimeError: ``LOWBIT_ATTN_BACKEND=triton`` for CPU tensors without
+            ``TRITON_INTERPRET=1``.
     """
     return sdpa_or_fallback(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                             recipe="auto", fallback=TORCH_SDPA)
@@ -288,9 +311,27 @@ def patch_sdpa(recipe: "str | Recipe" = "auto", *, train_recipe=None) -> SDPAPat
         lowbit_attn.patch_sdpa()        # or for the rest of the program ...
         lowbit_attn.unpatch_sdpa()      # ... until this
 
-    Calls that need gradients run PyTorch's exact attention, or, with ``train_recipe`` (e.g.
-    ``"sagebwd_int8"``, see :func:`lowbit_attn.trainable_attention`), the trainable 8-bit
-    attention (fp16/bf16 on a GPU; causal only with as many queries as keys).
+    Patches nest (the innermost recipe runs); the bookkeeping is thread-safe, and the original
+    function object comes back when the last patch goes. Calls the kernels cannot take go to the
+    function that was there, as :func:`scaled_dot_product_attention` describes.
+    ``torch.compile(fullgraph=True)`` traces through the patched function. Code that bound the
+    function at import (``from torch.nn.functional import scaled_dot_product_attention``) is not
+    affected.
+
+    Args:
+        recipe: the inference recipe, a name or a :class:`~lowbit_attn.Recipe`, as for
+            :func:`lowbit_attn.attention`.
+        train_recipe: ``None`` (calls that need gradients run the function that was there), or a
+            training recipe (e.g. ``"sagebwd_int8"``, see :func:`lowbit_attn.trainable_attention`)
+            for those calls (fp16/bf16 on a GPU; causal only with as many queries as keys).
+
+    Returns:
+        The patch: a context manager that removes itself on exit, or an argument for
+        :func:`unpatch_sdpa`.
+
+    Raises:
+        TypeError: ``recipe`` or ``train_recipe`` of the wrong type.
+        ValueError: an unknown recipe name (checked here, not in the middle of a model).
     """
     resolve(recipe, None)  # an unknown recipe fails here, not in the middle of a model
     if train_recipe is not None:
@@ -305,8 +346,15 @@ def patch_sdpa(recipe: "str | Recipe" = "auto", *, train_recipe=None) -> SDPAPat
 
 
 def unpatch_sdpa(patch: SDPAPatch | None = None) -> bool:
-    """Remove ``patch`` (by default the most recent one); when none is left, restore the original
-    function object. Returns whether a patch was removed."""
+    """Remove a patch of :func:`patch_sdpa`; when none is left, restore the original function
+    object.
+
+    Args:
+        patch: the patch to remove; ``None`` removes the most recent one.
+
+    Returns:
+        Whether a patch was removed (``False`` when it was not active, or none was).
+    """
     with _lock:
         if patch is None and _active:
             patch = _active[-1]

@@ -47,9 +47,27 @@ def _transformers():
 
 
 def attention_function(recipe: "str | Recipe" = "auto"):
-    """The function transformers calls for each attention layer (the ``AttentionInterface``
-    contract: ``(module, query [B, H, N, D], key, value, attention_mask, dropout, scaling,
-    is_causal, **kwargs) → (output [B, N, H, D], None)``)."""
+    """The function transformers calls for each attention layer, running ``recipe``.
+
+    Masks are built as for ``"sdpa"`` (left out when purely causal or all ones, so those calls
+    reach the kernels). A mask that hides padded keys only runs as packed sequences through
+    :func:`lowbit_attn.attention_varlen`; other masks (causal with padding, sliding windows),
+    dropout, gradients, ``softcap`` and attention weights run transformers' SDPA function with one
+    warning per reason.
+
+    Args:
+        recipe: the inference recipe, a name or a :class:`~lowbit_attn.Recipe`.
+
+    Returns:
+        A function of the ``AttentionInterface`` contract: ``(module, query [B, H, N, D], key,
+        value, attention_mask, dropout, scaling, is_causal, **kwargs) → (output [B, N, H, D],
+        None)``.
+
+    Raises:
+        ImportError: transformers is not installed.
+        TypeError: ``recipe`` is neither a str nor a :class:`~lowbit_attn.Recipe`.
+        ValueError: an unknown recipe name.
+    """
     resolve(recipe, None)
     _transformers()
     # transformers' own SDPA function, taken from its module rather than from the registry by
@@ -116,8 +134,24 @@ def _key_padded(query, key, value, keys, scaling, recipe):
 
 
 def register(name: str = "lowbit", recipe: "str | Recipe" = "auto") -> str:
-    """Register ``name`` as an ``attn_implementation`` running ``recipe`` (its masks built as for
-    ``"sdpa"``); registering again replaces it. Returns ``name``."""
+    """Register ``name`` as an ``attn_implementation`` running ``recipe``, its masks built as for
+    ``"sdpa"``. Then ``from_pretrained(..., attn_implementation=name)`` or
+    ``model.set_attn_implementation(name)``. Registering again replaces it; registering as
+    ``"sdpa"`` is safe (fallbacks call transformers' own SDPA function, not the name).
+
+    Args:
+        name: the implementation's name, a non-empty str.
+        recipe: the inference recipe, a name or a :class:`~lowbit_attn.Recipe`.
+
+    Returns:
+        ``name``.
+
+    Raises:
+        ImportError: transformers is not installed.
+        TypeError: ``name`` is not a non-empty str; ``recipe`` is neither a str nor a
+            :class:`~lowbit_attn.Recipe`.
+        ValueError: an unknown recipe name.
+    """
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty string, got {name!r}")
     tf = _transformers()

@@ -185,17 +185,32 @@ class QuantizedCache(Cache):
     ``attn_implementation="lowbit"``.
     (Not transformers' own ``QuantizedCache``, which dequantizes for the attention.)
 
+    Each layer's ``update`` returns markers, not tensors, and the ``lowbit`` attention function
+    appends the step's real tokens with their queries (padding read from the mask) and attends
+    against the 8-bit pages, never dequantized. ``store`` is the :class:`QuantizedKVCache`;
+    ``store.length(layer)`` its stored tokens. Refused with an error during generation: right
+    padding, attention weights, dropout, beam search and cropping; another attention
+    implementation that receives a marker raises.
+
     Args:
         config: the model's config (``num_hidden_layers``, ``num_key_value_heads``,
             ``head_dim``), or ``None`` with ``num_layers``, ``kv_heads`` and ``head_dim`` given.
         batch: the batch ``generate`` runs (times ``num_return_sequences``).
         max_tokens: the most tokens one sequence stores (prompt without padding + new tokens).
-        page_size, recipe: as :class:`QuantizedKVCache` (``"kv_int8_fp8"`` or ``"kv_int8_int8"``).
-        dtype, device: the model's dtype and device (the K and V it produces).
-    Raises:
-        ValueError: a config with sliding-window layers (naming them), or missing dimensions.
+        num_layers: layers, when no config gives them (or to override it).
+        kv_heads: key/value heads per layer, likewise.
+        head_dim: the head dim, likewise.
+        page_size: tokens per page, as for :class:`QuantizedKVCache`.
+        recipe: ``"kv_int8_fp8"`` or ``"kv_int8_int8"``, as for :class:`QuantizedKVCache`.
+        dtype: the model's dtype (that of the K and V it produces).
+        device: the model's device.
 
-    ``store`` is the :class:`QuantizedKVCache`; ``store.length(layer)`` its stored tokens.
+    Raises:
+        ImportError: transformers is not installed.
+        TypeError: as :class:`QuantizedKVCache` for ``batch``, ``max_tokens``, ``page_size``,
+            ``recipe`` and ``dtype``.
+        ValueError: a config with sliding-window layers (naming them); neither a config nor all
+            three dimensions; a size that is not a positive int; an unknown recipe.
     """
 
     def __init__(self, config=None, *, batch: int, max_tokens: int, num_layers: int | None = None,
@@ -227,7 +242,7 @@ class QuantizedCache(Cache):
         return f"QuantizedCache(seen={self.get_seq_length()}, store={self.store!r})"
 
     def reset(self) -> None:
-        """Every layer empty: the store's pages freed, no position seen."""
+        """Empty every layer: the store's pages freed, no position seen."""
         self.store.reset()
         super().reset()
 

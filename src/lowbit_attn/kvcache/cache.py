@@ -25,21 +25,28 @@ from lowbit_attn.kvcache.recipes import get_kv_recipe
 class QuantizedKVCache:
     """A paged, 8-bit KV cache for ``num_layers`` layers of ``batch`` sequences.
 
+    Storage per layer (``pages.PagedLayer``): K int8 ``[num_pages, Hkv, page_size, D]`` and its
+    per-token scales; V ``[num_pages, Hkv, page_size, D]`` and its per-page channel scales; each
+    sequence's open page of V in ``dtype``; μ and the balancing statistics per (sequence, head);
+    the block table int32 ``[B, max_pages_per_seq]`` (-1 unused); the lengths.
+
     Args:
-        num_layers, batch, kv_heads, head_dim: the cache's shape (head dim 1 to 256).
+        num_layers: layers of the model, a positive int.
+        batch: sequences, a positive int.
+        kv_heads: key/value heads per layer, a positive int.
+        head_dim: the head dim D, 1 to 256.
         max_tokens: the most tokens one sequence may hold; each layer's pool has
             ``batch·ceil(max_tokens/page_size)`` pages.
         page_size: tokens per page (64 by default).
         recipe: ``"kv_int8_fp8"`` (K INT8, V E4M3; the default) or ``"kv_int8_int8"`` (V INT8).
         dtype: the dtype of the K and V given to :meth:`append` (float16, bfloat16 or float32),
             which the open page keeps V in.
-        device: where every tensor of the cache lives.
+        device: where every tensor of the cache lives (a ``torch.device`` or its name).
 
-    Storage per layer (``pages.PagedLayer``): K int8 ``[num_pages, Hkv, page_size, D]`` and its
-    per-token scales; V ``[num_pages, Hkv, page_size, D]`` and its per-page channel scales; each
-    sequence's open page of V in ``dtype``; μ and the balancing statistics per (sequence, head);
-    the block table int32
-    ``[B, max_pages_per_seq]`` (-1 unused); the lengths.
+    Raises:
+        TypeError: a size that is not an int; ``recipe`` not a str; ``dtype`` not float16,
+            bfloat16 or float32.
+        ValueError: a size below 1 or a head dim above 256; an unknown recipe name.
     """
 
     def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, *,
@@ -106,9 +113,20 @@ class QuantizedKVCache:
         return store
 
     def reserve(self, layer: int, tokens: int) -> None:
-        """Takes now, on the host, the pages that each sequence of ``layer`` needs for ``tokens``
+        """Take now, on the host, the pages that each sequence of ``layer`` needs for ``tokens``
         more tokens, so that appending them takes none (what a captured decode step needs).
-        Raises ValueError, with nothing taken, past ``max_tokens`` or the pool."""
+
+        Args:
+            layer: the layer, an int in ``[0, num_layers)``.
+            tokens: tokens per sequence to make room for, a positive int.
+
+        Raises:
+            TypeError: ``layer`` or ``tokens`` is not an int.
+            ValueError: ``layer`` out of range, ``tokens`` below 1, or more tokens than
+                ``max_tokens`` or the pool allow (nothing is taken then).
+            RuntimeError: after a replayed :class:`DecodeStep` ran past the pages it reserved,
+                until :meth:`reset`.
+        """
         store = self.store(layer)
         tokens = checks.positive_int("tokens", tokens)
         lengths = store.host_lengths
@@ -140,7 +158,18 @@ class QuantizedKVCache:
         return int(layer)
 
     def length(self, layer: int) -> torch.Tensor:
-        """Tokens stored per sequence in ``layer``: int64 ``[B]`` (a copy)."""
+        """Tokens stored per sequence in ``layer``.
+
+        Args:
+            layer: the layer, an int in ``[0, num_layers)``.
+
+        Returns:
+            An int64 ``[B]`` tensor on the cache's device (a copy).
+
+        Raises:
+            TypeError: ``layer`` is not an int.
+            ValueError: ``layer`` is out of range.
+        """
         return self.layers[self.layer_index(layer)].lengths.clone()
 
     def sequence(self, layer: int, b: int) -> StoredSequence:
@@ -150,16 +179,19 @@ class QuantizedKVCache:
         return stored_sequence(self.layers[self.layer_index(layer)], int(b))
 
     def nbytes(self) -> int:
-        """Bytes of every tensor the cache allocated, all layers: the page pools of K and V, their
-        scales, the open pages of V, μ, the block tables and the lengths (the host-side free
-        lists are not counted)."""
+        """Bytes of every tensor the cache allocated, all layers.
+
+        Returns:
+            The bytes of the page pools of K and V, their scales, the open pages of V, μ, the block
+            tables and the lengths (the host-side free lists are not counted).
+        """
         return sum(layer.nbytes() for layer in self.layers)
 
     # --- writing -----------------------------------------------------------------------------
 
     def reset(self) -> None:
-        """Every sequence of every layer empty (its μ is set afresh by its next append); a
-        ``DecodeStep`` built before refuses to run (its pages went back to the pool)."""
+        """Empty every sequence of every layer (its μ is set afresh by its next append); a
+        :class:`DecodeStep` built before refuses to run (its pages went back to the pool)."""
         for layer in self.layers:
             layer.reset()
         self.resets += 1
@@ -169,8 +201,10 @@ class QuantizedKVCache:
         """Store ``n`` new tokens per sequence at the end of each sequence of ``layer``.
 
         Args:
-            k, v: ``[B, Hkv, n, D]`` (``n ≥ 1``: a prompt or one decode step), in the cache's
-                dtype and on its device; neither is modified.
+            layer: the layer, an int in ``[0, num_layers)``.
+            k: ``[B, Hkv, n, D]`` (``n ≥ 1``: a prompt or one decode step), in the cache's
+                dtype and on its device; not modified.
+            v: the same shape, dtype and device as k; not modified.
             valid: optional bool ``[B, n]``: tokens marked False are not stored (the padding of a
                 left- or right-padded batch); each sequence stores its valid tokens in order.
             q: optional ``[B, Hq, n, D]``, the same tokens' queries (``Hq`` a multiple of
@@ -178,10 +212,15 @@ class QuantizedKVCache:
                 (``μ``, and with ``q`` the Q/K channel balancing: ``quantize.py``). Give the
                 prompt's queries: on inputs with outlier channels they are worth an order of
                 magnitude in ``1 - cosine``.
+
         Raises:
-            TypeError / ValueError naming the argument, with nothing stored, for a layer out of
-            range, a wrong shape, dtype or device, or a sequence that would pass ``max_tokens``;
-            RuntimeError under CUDA graph capture (:meth:`refuse_graph_capture`).
+            TypeError: ``layer`` not an int; k, v (or q) not tensors in the cache's dtype;
+                ``valid`` neither a tensor nor None.
+            ValueError: ``layer`` out of range; a wrong shape or device; a ``valid`` that is not
+                a bool ``[B, n]`` tensor on the cache's device; a sequence that would pass
+                ``max_tokens`` or a pool without the pages. Nothing is stored then.
+            RuntimeError: under CUDA graph capture (use :class:`DecodeStep`); after a replayed
+                :class:`DecodeStep` ran past the pages it reserved, until :meth:`reset`.
         """
         plan_key = planned.append_key(self, layer, k, v, valid, q)
         if plan_key is not None and self._append_planned(plan_key, layer, k, v):

@@ -20,26 +20,37 @@ def attention_with_kv_cache(q: torch.Tensor, cache: QuantizedKVCache, layer: int
     """Attention of new queries against the tokens stored in one layer of a
     :class:`QuantizedKVCache` (append the step's K and V first: a query sees its own token).
 
+    Causal, aligned bottom-right: row ``i`` of sequence ``b`` sees its first
+    ``length[b] - n + i + 1`` tokens (in a left-padded batch the valid rows of each sequence are
+    its last ones, as they should be; in a right-padded prefill they are not, while decode steps,
+    ``n = 1``, are aligned either way); a row that sees no key gives 0 and LSE ``-inf``.
+    Numerics: ``lowbit_attn/kvcache/naive.py`` (INT8 Q·Kᵀ per token with K smoothed by its frozen
+    prompt mean and Q, K balanced by the factors frozen with it; P̃ in E4M3 or fp16; V per page
+    per channel).
+
     Args:
         q: ``[B, Hq, n, D]`` in the cache's dtype and on its device; ``Hq`` a multiple of the
             cache's ``kv_heads`` (GQA/MQA). ``n`` rows per sequence: 1 for a decode step, the
             prompt for a prefill.
-        cache: the cache; layer: which of its layers.
+        cache: the cache.
+        layer: which of its layers, an int in ``[0, num_layers)``.
         scale: softmax scale, ``D ** -0.5`` by default.
         return_lse: also return the natural-log log-sum-exp of each row's scores.
+
     Returns:
-        the output ``[B, Hq, n, D]`` in q's dtype and, with ``return_lse``, the LSE fp32
-        ``[B, Hq, n]``. Causal, aligned bottom-right: row ``i`` of sequence ``b`` sees its first
-        ``length[b] - n + i + 1`` tokens (in a left-padded batch the valid rows of each sequence
-        are its last ones, as they should be; in a right-padded prefill they are not, while decode
-        steps, ``n = 1``, are aligned either way); a row that sees no key gives 0 and LSE ``-inf``.
+        The output ``[B, Hq, n, D]`` in q's dtype, or with ``return_lse`` a tuple of the output
+        and the LSE ``[B, Hq, n]`` fp32.
 
-    Raises RuntimeError under CUDA graph capture: the grid follows the host's lengths
-    (:meth:`QuantizedKVCache.refuse_graph_capture`).
-
-    Numerics: ``lowbit_attn/kvcache/naive.py`` (INT8 Q·Kᵀ per token with K smoothed by its frozen
-    prompt mean and Q, K balanced by the factors frozen with it; P̃ in E4M3 or fp16; V per page
-    per channel).
+    Raises:
+        TypeError: ``cache`` is not a :class:`QuantizedKVCache`; ``layer`` is not an int; q is not
+            a 4-D float tensor in the cache's dtype; ``return_lse`` is not a bool; ``scale`` is
+            not a real number.
+        ValueError: ``layer`` out of range; q on another device, of another batch size or head
+            dim, or with a head count that is not a multiple of ``kv_heads``; ``scale`` not
+            positive and finite; q requires grad while autograd is on.
+        RuntimeError: under CUDA graph capture (the grid follows the host's lengths; use
+            :class:`DecodeStep`); after a replayed :class:`DecodeStep` ran past the pages it
+            reserved, until :meth:`QuantizedKVCache.reset`.
     """
     if not isinstance(cache, QuantizedKVCache):
         raise TypeError(f"cache must be a QuantizedKVCache, got {type(cache).__name__}")

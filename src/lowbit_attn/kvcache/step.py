@@ -40,6 +40,12 @@ class DecodeStep:
     """A decode step of layer ``layer`` of ``cache``, for ``steps`` steps of ``tokens`` tokens
     per sequence, that a CUDA graph can capture (``torch.cuda.graph``) and replay.
 
+    :meth:`run` stores the step's K and V and returns the attention of its queries against every
+    stored token (causal, bottom-right), in a buffer reused by every run (``lse`` beside it);
+    capture it after one eager run (Triton compiles then), with ``q``, ``k``, ``v`` the graph's
+    static inputs. Building the step reserves the pages of all its steps
+    (:meth:`QuantizedKVCache.reserve`).
+
     Args:
         cache: the cache; every sequence must hold at least one token (its prompt: the frozen
             statistics come from a sequence's first append, which is eager).
@@ -50,10 +56,13 @@ class DecodeStep:
         tokens: tokens per sequence per step (1 for decoding; more for speculative verification).
         scale: softmax scale, ``D ** -0.5`` by default.
 
-    ``run(q, k, v)`` stores ``k, v [B, kv_heads, tokens, D]`` and returns the attention of
-    ``q [B, heads, tokens, D]`` against every stored token (causal, bottom-right), in a buffer
-    reused by every run (``lse`` beside it); capture it after one eager run (Triton compiles
-    then), with ``q``, ``k``, ``v`` the graph's static inputs.
+    Raises:
+        TypeError: ``cache`` is not a :class:`QuantizedKVCache`; ``layer``, ``heads``, ``steps``
+            or ``tokens`` is not an int; ``scale`` is not a real number.
+        ValueError: ``layer`` out of range; a count below 1; ``heads`` not a multiple of
+            ``kv_heads``; a sequence that holds no token yet; ``scale`` not positive and finite;
+            more tokens than ``max_tokens`` or the pool allow.
+        RuntimeError: built under CUDA graph capture.
     """
 
     def __init__(self, cache: QuantizedKVCache, layer: int, *, heads: int, steps: int,
@@ -94,10 +103,24 @@ class DecodeStep:
             self.lse = torch.empty(shape[:3], dtype=torch.float32, device=cache.device)
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """One step: ``k``, ``v`` stored, then ``q``'s attention, returned (``self.out``; its
-        LSE in ``self.lse``). Raises ValueError, with nothing stored, for inputs of another shape,
-        dtype or device than the step's, or (eagerly) past the steps it reserved or after the
-        cache's ``reset``."""
+        """One step: ``k``, ``v`` stored, then ``q``'s attention.
+
+        Args:
+            q: ``[B, heads, tokens, D]`` in the cache's dtype and on its device.
+            k: ``[B, kv_heads, tokens, D]``, likewise.
+            v: the same shape as k.
+
+        Returns:
+            ``self.out`` ``[B, heads, tokens, D]``, the same tensor every run (the LSE
+            ``[B, heads, tokens]`` fp32 in ``self.lse``).
+
+        Raises:
+            TypeError: q, k or v is not a 4-D float tensor.
+            ValueError: an input of another shape, dtype or device than the step's, or that
+                requires grad; (eagerly) a run past the steps it reserved, or after the cache's
+                ``reset``. Nothing is stored then.
+            RuntimeError: eagerly, after a replay ran past the reserved pages.
+        """
         cache = self.cache
         for name, x, heads in (("q", q, self.heads), ("k", k, cache.kv_heads),
                                ("v", v, cache.kv_heads)):

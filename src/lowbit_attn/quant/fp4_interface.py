@@ -26,15 +26,46 @@ def _impl(x: torch.Tensor):
 def quantize_nvfp4(
     x: torch.Tensor, *, global_scale: torch.Tensor | float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """NVFP4: ``(packed uint8 [..., K/2], E4M3 scales [..., K/16], fp32 tensor scale)``; two values a
-    byte, low nibble first. ``global_scale`` defaults to ``amax/(448·6)``; a caller's (a number or
-    one-element tensor) must be from that default to 448/2^-9 = 229376 times it, so that every group
-    scale fits E4M3 without saturating, and is read on the host."""
+    """NVFP4: E2M1 values in groups of 16 along the last dimension, one E4M3 scale per group and
+    one fp32 tensor scale; Triton on a GPU, the bit-identical PyTorch twin on a CPU.
+
+    Args:
+        x: ``[..., K]``, any floating dtype, ``K`` a multiple of 16 (an empty tensor gives empty
+            outputs). NaN or Inf marks its own group (NaN scale), not the whole tensor.
+        global_scale: the tensor scale ``g``: ``None`` for ``amax/(448·6)`` (amax over the finite
+            elements), or a number or one-element tensor whose fp32 value lies in
+            ``[2^-126, FLT_MAX/2688]`` and from that default up to 448/2^-9 = 229376 times it, so
+            that every group scale fits E4M3 without saturating or flushing to zero. Read on the
+            host (a GPU synchronisation).
+
+    Returns:
+        ``(packed, scales, global_scale)``: uint8 ``[..., K/2]`` (two values a byte, low nibble
+        first), float8_e4m3fn ``[..., K/16]``, and the fp32 0-dim tensor scale.
+
+    Raises:
+        TypeError: ``x`` is not a floating-point tensor; ``global_scale`` is neither a real
+            number nor a real tensor.
+        ValueError: ``x`` is 0-dim or its last dimension is not a multiple of 16;
+            ``global_scale`` holds more than one number or lies outside the range above.
+    """
     return _impl(x).quantize_nvfp4(x, global_scale=global_scale)
 
 
 def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """MXFP4 (OCP MX): ``(packed uint8 [..., K/2], E8M0 scale bits uint8 [..., K/32])``."""
+    """MXFP4 (OCP MX): E2M1 values in groups of 32 along the last dimension, one E8M0
+    (power-of-two) scale per group; Triton on a GPU, the bit-identical PyTorch twin on a CPU.
+
+    Args:
+        x: ``[..., K]``, any floating dtype, ``K`` a multiple of 32.
+
+    Returns:
+        ``(packed, scales)``: uint8 ``[..., K/2]`` (two values a byte, low nibble first) and the
+        E8M0 scale bits, uint8 ``[..., K/32]`` (127 is 2^0, 255 NaN).
+
+    Raises:
+        TypeError: ``x`` is not a floating-point tensor.
+        ValueError: ``x`` is 0-dim or its last dimension is not a multiple of 32.
+    """
     return _impl(x).quantize_mxfp4(x)
 
 

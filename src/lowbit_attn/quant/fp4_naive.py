@@ -278,11 +278,23 @@ def dequantize_groups(packed: torch.Tensor, factor: torch.Tensor, group: int) ->
 
 
 def dequantize_nvfp4(packed: torch.Tensor, scales: torch.Tensor, global_scale) -> torch.Tensor:
-    """``value · (s · g)`` in fp32, ``[..., K]``. A group with a NaN scale is all NaN.
+    """NVFP4 back to fp32: ``value · (s · g)``. A group with a NaN scale is all NaN.
 
     Args:
-        packed: uint8 ``[..., K/2]``; scales: float8_e4m3fn ``[..., K/16]``; global_scale: as for
-            :func:`quantize_nvfp4` (a number or one-element tensor).
+        packed: uint8 ``[..., K/2]``, as :func:`quantize_nvfp4` returns it.
+        scales: float8_e4m3fn ``[..., K/16]``, on packed's device (no broadcasting).
+        global_scale: the tensor scale, a number or one-element tensor, as for
+            :func:`quantize_nvfp4` (read on the host).
+
+    Returns:
+        fp32 ``[..., K]``.
+
+    Raises:
+        TypeError: ``packed`` or ``scales`` not a tensor of its dtype; ``global_scale`` neither
+            a real number nor a real tensor.
+        ValueError: a ``packed`` whose last dimension is not a multiple of 8, ``scales`` of
+            another shape or device, a ``global_scale`` of more than one number or outside
+            ``[2^-126, FLT_MAX/2688]``.
     """
     fp4_operands(packed, scales, NVFP4_GROUP, torch.float8_e4m3fn)
     g = nvfp4_tensor_scale(global_scale, packed.device)
@@ -327,8 +339,20 @@ def mxfp4_group_codes(xg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``value · 2^e`` in fp32, ``[..., K]``: ``packed`` uint8 ``[..., K/2]``, ``scales`` uint8
-    E8M0 ``[..., K/32]``. A group with scale code 255 is all NaN."""
+    """MXFP4 back to fp32: ``value · 2^e``. A group with scale code 255 is all NaN.
+
+    Args:
+        packed: uint8 ``[..., K/2]``, as :func:`quantize_mxfp4` returns it.
+        scales: the E8M0 scale bits, uint8 ``[..., K/32]``, on packed's device (no broadcasting).
+
+    Returns:
+        fp32 ``[..., K]``.
+
+    Raises:
+        TypeError: ``packed`` or ``scales`` is not a uint8 tensor.
+        ValueError: a ``packed`` whose last dimension is not a multiple of 16, or ``scales`` of
+            another shape or device.
+    """
     fp4_operands(packed, scales, MXFP4_GROUP, torch.uint8)
     return dequantize_groups(packed, e8m0_value(scales), MXFP4_GROUP)
 

@@ -28,11 +28,16 @@ def trainable_attention(
 ) -> torch.Tensor:
     """Differentiable 8-bit attention ``softmax(q·kᵀ·scale)·v`` for training (SageBwd).
 
+    The backward recomputes the scores from the saved LSE (no ``N×N`` tensor on the GPU path) and
+    takes Δ from the same P and dP that dS uses, so every row of dS sums to zero up to rounding.
+    Inputs that do not require grad get none.
+
     Args:
         q: ``[B, Hq, Nq, D]`` (``"HND"``) or ``[B, Nq, Hq, D]`` (``"NHD"``). float16 or bfloat16 on a
             GPU; the CPU reference also takes float32 and float64.
-        k, v: ``[B, Hkv, Nk, D]`` or ``[B, Nk, Hkv, D]``, q's dtype and device; ``Hq`` a multiple
+        k: ``[B, Hkv, Nk, D]`` or ``[B, Nk, Hkv, D]``, q's dtype and device; ``Hq`` a multiple
             of ``Hkv`` (GQA). Head dims 64 and 128 are the fast path; 1 to 256 work.
+        v: the same shape, dtype and device as k.
         is_causal: query ``i`` sees key ``j`` iff ``j <= i + Nk - Nq`` (bottom-right, as
             FlashAttention).
         scale: softmax scale, ``D ** -0.5`` by default.
@@ -51,11 +56,21 @@ def trainable_attention(
         balance_qk: rescale Q's and K's channels by ``α``/``1/α`` before quantizing (exact; the
             gradients are scaled back): for models with outlier channels in Q or K. Not part of
             SageBwd; ``None``: the recipe's setting (off).
-    Returns:
-        the output, q's shape, dtype and layout. Rows that see no key give 0 (and zero gradients).
 
-    The backward recomputes the scores from the saved LSE (no ``N×N`` tensor on the GPU path).
-    Double backward is not supported (a clear ``RuntimeError``).
+    Returns:
+        The output, q's shape, dtype and layout. Rows that see no key give 0 (and zero
+        gradients).
+
+    Raises:
+        TypeError: q, k or v is not a tensor, has another dtype than float16, bfloat16, float32
+            or float64, or their dtypes differ; a flag that is not a bool; ``scale`` not a real
+            number; ``recipe`` neither a str nor a :class:`TrainRecipe`; ``keep_16bit`` not a
+            tuple of names; inputs other than float16/bfloat16 where the Triton kernels run.
+        ValueError: the shape and device checks of :func:`attention`; an unknown ``layout``,
+            recipe name or matmul name in ``keep_16bit``; ``scale`` not positive and finite; a
+            ``LOWBIT_ATTN_*`` variable set to a value outside its choices.
+        RuntimeError: a double backward (gradients of the gradients);
+            ``LOWBIT_ATTN_BACKEND=triton`` for CPU tensors without ``TRITON_INTERPRET=1``.
     """
     qh, kh, vh = checks.dense_qkv(q, k, v, layout, dtypes=checks.FLOAT_DTYPES + (torch.float64,))
     is_causal = checks.flag("is_causal", is_causal)

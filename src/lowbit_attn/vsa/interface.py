@@ -25,7 +25,9 @@ from lowbit_attn.vsa import naive as ref
 from lowbit_attn.vsa.tiles import TileLayout, check_video, tile_layout
 
 TOKEN_ORDERS = ("thw", "tiled")
+"""The ``token_order`` values: ``"thw"`` (row-major T, H, W) and ``"tiled"`` (tile order)."""
 VSA_RECIPES = ("exact", "qk_int8_pv_fp8", "qk_int8_pv_fp16")
+"""The recipe names the fine stage takes: ``"exact"`` (trainable) and two 8-bit inference ones."""
 
 
 def _hnd(x: torch.Tensor, layout: str) -> torch.Tensor:
@@ -44,8 +46,20 @@ def _check_qkv(q, k, v, layout: str):
 
 
 def resolve_topk(topk, n_tiles: int) -> int:
-    """``topk`` as a count of key tiles: an int in ``[1, n_tiles]``, or a fraction in ``(0, 1]`` of
-    the tiles (rounded up)."""
+    """``topk`` as a count of key tiles.
+
+    Args:
+        topk: an int in ``[1, n_tiles]``, or a float fraction in ``(0, 1]`` of the tiles (rounded
+            up, at least one tile).
+        n_tiles: the number of key tiles.
+
+    Returns:
+        The count, an int in ``[1, n_tiles]``.
+
+    Raises:
+        TypeError: ``topk`` is neither an int nor a float (a bool is neither).
+        ValueError: a fraction outside ``(0, 1]`` or a count outside ``[1, n_tiles]``.
+    """
     if isinstance(topk, bool) or not isinstance(topk, (int, float)):
         raise TypeError(f"topk must be an int (tiles) or a float (fraction of tiles), got {topk!r}")
     if isinstance(topk, float):
@@ -125,13 +139,26 @@ def coarse(q, k, v, *, video_shape, tile=(4, 4, 4), topk, scale=None, layout="HN
            token_order="thw"):
     """The coarse stage alone: dense attention between mean-pooled tiles.
 
-    Args: as :func:`video_sparse_attention`.
+    Args:
+        q: as for :func:`video_sparse_attention`.
+        k: likewise.
+        v: likewise.
+        video_shape: likewise.
+        tile: likewise.
+        topk: key tiles per query tile: a count, or a fraction of the tiles in ``(0, 1]``.
+        scale: as for :func:`video_sparse_attention`.
+        layout: likewise.
+        token_order: likewise.
+
     Returns:
         ``(out, tile_indices, scores)``: ``out`` in q's shape, layout and dtype (each token gets its
         query tile's coarse output); ``tile_indices [B, Hq, n_tiles, topk]`` int64, the chosen key
-        tiles of each query tile in increasing order (tiles numbered row-major over the tile grid,
-        see :func:`lowbit_attn.vsa.tiles.tile_layout`); ``scores [B, Hq, n_tiles, n_tiles]`` fp32, the
-        pooled ``q·kᵀ·scale``.
+        tiles of each query tile in increasing order (tiles numbered row-major over the tile
+        grid); ``scores [B, Hq, n_tiles, n_tiles]`` fp32, the pooled ``q·kᵀ·scale``.
+
+    Raises:
+        TypeError: as :func:`video_sparse_attention` for these arguments.
+        ValueError: as :func:`video_sparse_attention` for these arguments.
     """
     qh, kh, vh, grid, sm = _prepare(q, k, v, video_shape=video_shape, tile=tile, layout=layout,
                                     scale=scale, token_order=token_order)
@@ -146,14 +173,32 @@ def fine(q, k, v, *, video_shape, tile=(4, 4, 4), tile_indices, scale=None, layo
     """The fine stage alone: each query tile attends exactly to the tokens of its key tiles.
 
     Args:
-        tile_indices: ``[B, Hq, n_tiles, k]`` integer tensor, distinct key tiles per query tile
-            (as :func:`coarse` returns them, or built by the caller, like a FlexAttention block
-            mask); the others as :func:`video_sparse_attention`.
+        q: as for :func:`video_sparse_attention`.
+        k: likewise.
+        v: likewise.
+        video_shape: likewise.
+        tile: likewise.
+        tile_indices: ``[B, Hq, n_tiles, k]`` int32 or int64 tensor, distinct key tiles per query
+            tile (as :func:`coarse` returns them, or built by the caller, like a FlexAttention
+            block mask).
+        scale: as for :func:`video_sparse_attention`.
+        layout: likewise.
+        token_order: likewise.
+        recipe: as for :func:`video_sparse_attention`.
         check_indices: verify that the indices are in range and distinct (reads them on the
             host: a GPU synchronisation). ``False`` inside CUDA graphs, for indices known good
             (out-of-range indices then read out of bounds).
+
     Returns:
-        the output, q's shape, layout and dtype.
+        The output, q's shape, layout and dtype.
+
+    Raises:
+        TypeError: as :func:`video_sparse_attention` for these arguments; ``tile_indices`` not
+            an int32/int64 tensor; ``check_indices`` not a bool.
+        ValueError: as :func:`video_sparse_attention` for these arguments; ``tile_indices`` of
+            the wrong shape or device, or (with ``check_indices``) out of range or repeating a
+            tile.
+        RuntimeError: a double backward.
     """
     qh, kh, vh, grid, sm = _prepare(q, k, v, video_shape=video_shape, tile=tile, layout=layout,
                                     scale=scale, token_order=token_order)
@@ -167,10 +212,24 @@ def fine(q, k, v, *, video_shape, tile=(4, 4, 4), tile_indices, scale=None, layo
 
 
 def resolve_recipe(recipe, *inputs: torch.Tensor) -> Recipe:
-    """The fine stage's recipe: ``"exact"`` (16-bit, trainable), or, for inference, an INT8-Q·Kᵀ
-    recipe by name (``"qk_int8_pv_fp8"``, ``"qk_int8_pv_fp16"``) or as a :class:`Recipe` with
-    per-token scales and no Q smoothing (tiles are not runs of consecutive tokens, so scale
-    groups and Q-smoothing blocks follow tokens)."""
+    """The fine stage's recipe.
+
+    Args:
+        recipe: ``"exact"`` (16-bit, trainable), or, for inference, an INT8-Q·Kᵀ recipe by name
+            (``"qk_int8_pv_fp8"``, ``"qk_int8_pv_fp16"``; per-token scales) or as a
+            :class:`~lowbit_attn.Recipe` with per-token scales and no Q smoothing (tiles are not
+            runs of consecutive tokens, so scale groups and Q-smoothing blocks follow tokens).
+        *inputs: the call's tensors; a quantized recipe refuses any that requires grad.
+
+    Returns:
+        The :class:`~lowbit_attn.Recipe` the fine stage runs.
+
+    Raises:
+        TypeError: ``recipe`` is neither a str nor a :class:`~lowbit_attn.Recipe`.
+        ValueError: a name outside :data:`VSA_RECIPES`; a recipe whose Q·Kᵀ is not INT8, whose
+            granularity is not ``"per_token"`` or that smooths Q; a quantized recipe with an input
+            that requires grad while autograd is on.
+    """
     if isinstance(recipe, str):
         if recipe not in VSA_RECIPES:
             raise ValueError(f"recipe must be one of {VSA_RECIPES} (or a Recipe) for video sparse "
@@ -236,12 +295,19 @@ def video_sparse_attention(q, k, v, *, video_shape, tile=(4, 4, 4), topk, gate_c
                            token_order="thw"):
     """Video sparse attention ``gate_coarse ∘ O_coarse + gate_fine ∘ O_fine``.
 
+    A coarse stage over mean-pooled tiles picks the ``topk`` key tiles of each query tile; a fine
+    stage attends exactly inside them. Gradients flow through both stages (not through the choice
+    of tiles). With ``gate_coarse=None`` the coarse output is left out (FastVideo's
+    ``video_sparse_attn`` adds it unweighted: :mod:`lowbit_attn.compat.fastvideo`).
+
     Args:
-        q, k, v: ``[B, Hq, N, D]`` / ``[B, Hkv, N, D]`` (``"HND"``) or ``[B, N, H, D]``
-            (``"NHD"``), one dtype (fp16, bf16, fp32, fp64) and device; ``Hq`` a multiple of
-            ``Hkv``; ``N = T·H·W``.
+        q: ``[B, Hq, N, D]`` (``"HND"``) or ``[B, N, Hq, D]`` (``"NHD"``); float16, bfloat16,
+            float32 or float64; ``N = T·H·W``.
+        k: ``[B, Hkv, N, D]`` or ``[B, N, Hkv, D]``, q's dtype and device; ``Hq`` a multiple of
+            ``Hkv``.
+        v: the same shape, dtype and device as k.
         video_shape: ``(T, H, W)``: the token grid, tokens in row-major T, H, W order (or in tile
-            order with ``token_order="tiled"``, see :func:`lowbit_attn.vsa.tiles.to_tile_order`).
+            order with ``token_order="tiled"``, see :func:`lowbit_attn.tiles.to_tile_order`).
         tile: ``(tt, th, tw)`` tokens per tile along T, H, W (at most 256 tokens); edge tiles may
             be partial and are handled exactly.
         topk: key tiles per query tile: a count, or a fraction of the tiles in ``(0, 1]``.
@@ -249,14 +315,32 @@ def video_sparse_attention(q, k, v, *, video_shape, tile=(4, 4, 4), topk, gate_c
             output that multiplies it.
         gate_fine: ``None`` takes the fine output as it is; else its multiplier.
         scale: softmax scale, ``D ** -0.5`` by default (both stages).
+        layout: ``"HND"`` or ``"NHD"``; the output keeps it.
+        token_order: ``"thw"`` (row-major tokens) or ``"tiled"`` (tokens already in tile order,
+            as :func:`lowbit_attn.tiles.to_tile_order` gives them; the output is in tile order
+            too).
         recipe: the fine stage's numerics: ``"exact"`` (16-bit, trainable) or, for inference
             only, ``"qk_int8_pv_fp8"`` (INT8 Q·Kᵀ with per-token scales, K smoothed, Q/K
             channels balanced; P̃ and V in E4M3) or ``"qk_int8_pv_fp16"``, or such a
             :class:`~lowbit_attn.Recipe` (see :func:`resolve_recipe`). The coarse stage is
             always computed in fp32.
+
     Returns:
-        the output, q's shape, layout and dtype. With both gates ``None`` and ``topk`` = all tiles
+        The output, q's shape, layout and dtype. With both gates ``None`` and ``topk`` = all tiles
         it is exact attention.
+
+    Raises:
+        TypeError: q, k or v not a tensor of a listed dtype, or of different dtypes;
+            ``video_shape`` or ``tile`` not three ints; ``scale`` not a real number; ``topk``
+            neither an int nor a float; a gate that is not a tensor; ``recipe`` neither a name
+            nor a :class:`~lowbit_attn.Recipe`.
+        ValueError: the shape and device checks of :func:`lowbit_attn.attention`; q and k with
+            different token counts; ``video_shape`` or ``tile`` not positive, a tile of more than
+            256 tokens or a grid that does not hold N tokens; an unknown ``layout`` or
+            ``token_order``; ``scale`` not positive and finite; ``topk`` out of range; a gate
+            that does not broadcast to the output or is on another device; a recipe other than
+            those :func:`resolve_recipe` takes, or an 8-bit recipe with inputs that require grad.
+        RuntimeError: a double backward.
     """
     qh, kh, vh, grid, sm = _prepare(q, k, v, video_shape=video_shape, tile=tile, layout=layout,
                                     scale=scale, token_order=token_order)
@@ -276,10 +360,27 @@ def video_sparse_attention(q, k, v, *, video_shape, tile=(4, 4, 4), topk, gate_c
 
 def topk_schedule(step: int, *, n_tiles: int, target, dense_steps: int = 0,
                   anneal_steps: int = 0) -> int:
-    """Key tiles per query tile at training ``step`` when retrofitting a dense model: all tiles for
-    ``dense_steps``, then a linear decrease to ``target`` (a count or a fraction) over
-    ``anneal_steps``, then ``target``. (Start the coarse gate at zero, too: the pretrained model
-    then computes what it did before.)"""
+    """Key tiles per query tile at training ``step`` when retrofitting a dense model.
+
+    All tiles for ``dense_steps``, then a linear decrease to ``target`` over ``anneal_steps``,
+    then ``target``. (Start the coarse gate at zero, too: the pretrained model then computes
+    what it did before.)
+
+    Args:
+        step: the training step, from 0.
+        n_tiles: the number of key tiles.
+        target: the final ``topk``: a count or a fraction of the tiles in ``(0, 1]``.
+        dense_steps: steps at all tiles first.
+        anneal_steps: steps of the linear decrease after them (0: straight to ``target``).
+
+    Returns:
+        The ``topk`` count for ``step``, an int in ``[1, n_tiles]``.
+
+    Raises:
+        TypeError: ``target`` is neither an int nor a float.
+        ValueError: ``step``, ``dense_steps`` or ``anneal_steps`` not a non-negative int,
+            ``n_tiles`` not a positive int, or ``target`` out of range (:func:`resolve_topk`).
+    """
     for name, value in (("step", step), ("n_tiles", n_tiles), ("dense_steps", dense_steps),
                         ("anneal_steps", anneal_steps)):
         if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "n_tiles" else 0):

@@ -121,7 +121,22 @@ def to_tile_order(x: torch.Tensor, video_shape, tile=(4, 4, 4), *, dim: int = -2
     grid and tile: tokens can stay in tile order through the MLPs and norms (they act per token),
     and only position embeddings (computed from coordinates, also permuted once) and the final
     unpatchify need the row-major order. Then pass ``token_order="tiled"`` to
-    :func:`video_sparse_attention`, which otherwise gathers and scatters every call.
+    :func:`~lowbit_attn.video_sparse_attention`, which otherwise gathers and scatters every call.
+
+    Args:
+        x: any tensor whose dimension ``dim`` holds the ``T·H·W`` tokens.
+        video_shape: ``(T, H, W)``, three positive ints.
+        tile: ``(tt, th, tw)`` tokens per tile (at most 256 in all); edge tiles may be partial.
+        dim: the token dimension (``-2`` for ``[B, H, N, D]``; ``1`` for ``[B, N, H, D]``).
+
+    Returns:
+        A new tensor, ``x`` with its tokens in tile order.
+
+    Raises:
+        TypeError: ``video_shape`` or ``tile`` is not three ints.
+        ValueError: ``video_shape`` or ``tile`` not positive, a tile of more than 256 tokens, or
+            ``x`` without ``T·H·W`` tokens along ``dim``.
+        IndexError: ``dim`` is not a dimension of ``x``.
     """
     layout = tile_layout(video_shape, tile, x.device)
     if x.shape[dim] != layout.n_tokens:
@@ -131,7 +146,22 @@ def to_tile_order(x: torch.Tensor, video_shape, tile=(4, 4, 4), *, dim: int = -2
 
 
 def from_tile_order(x: torch.Tensor, video_shape, tile=(4, 4, 4), *, dim: int = -2) -> torch.Tensor:
-    """Inverse of :func:`to_tile_order`."""
+    """Inverse of :func:`to_tile_order`: tile order back to row-major ``(T, H, W)``.
+
+    Args:
+        x: as for :func:`to_tile_order`, its tokens in tile order.
+        video_shape: as for :func:`to_tile_order`.
+        tile: likewise.
+        dim: likewise.
+
+    Returns:
+        A new tensor, ``x`` with its tokens in row-major order.
+
+    Raises:
+        TypeError: as :func:`to_tile_order`.
+        ValueError: likewise.
+        IndexError: likewise.
+    """
     layout = tile_layout(video_shape, tile, x.device)
     if x.shape[dim] != layout.n_tokens:
         raise ValueError(f"x has {x.shape[dim]} tokens along dim {dim}; video_shape {video_shape} "
