@@ -324,12 +324,14 @@ def record_launches(monkeypatch, module, names) -> list:
 
 def check_replayed_args(normal, replayed, inputs, out2, out3, slots: dict) -> None:
     """One launch's launcher arguments, Triton's path (``normal``, the call that returned
-    ``out2``) against a plan's replay (``replayed``, which returned ``out3``): the same grid and
-    values; each pointer at the same input, at the same place in the matching output, or (an
+    ``out2``) against a plan's replay (``replayed``, which returned ``out3``): the same grid,
+    stream, compiled function and metadata, and values; each pointer at the same input, at the same place in the matching output, or (an
     intermediate) at one workspace buffer per intermediate (``slots``: storage → (base, bytes),
     filled across the launches of a call)."""
     assert len(normal) == len(replayed), (len(normal), len(replayed))
     assert normal[:3] == replayed[:3], "grid"
+    assert normal[3] == replayed[3], "stream"
+    assert normal[4:6] == replayed[4:6], "compiled function and metadata"
     owners_in = [t.untyped_storage().data_ptr() for t in inputs]
     owners_out = [t.untyped_storage().data_ptr() for t in out2]
     for a, b in zip(normal[9:], replayed[9:]):
