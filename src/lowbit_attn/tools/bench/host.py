@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from lowbit_attn.core.plans import NO_KERNEL_OPS
+from lowbit_attn.core.plan_launches import NO_KERNEL_OPS
 
 HOST_CALLS = 100  # calls per timed round
 HOST_ROUNDS = 7  # rounds; the median is reported
