@@ -185,8 +185,11 @@ def gpu_kernels(fn: Callable) -> list[str]:
 
 def time_host(fn: Callable, sync: Callable = lambda: None) -> float:
     """Median over rounds of the host µs per call of ``HOST_CALLS`` back-to-back calls (the clock
-    stopped before ``sync``)."""
-    fn()
+    stopped before ``sync``), after one untimed round: the steady state, past a launch plan's
+    capture and first-use check (whose copies leave the stand-in's host heap unsettled for a
+    few hundred calls: a few calls of 1–4 ms)."""
+    for _ in range(HOST_CALLS):
+        fn()
     sync()
     rounds = []
     for _ in range(HOST_ROUNDS):
@@ -279,7 +282,7 @@ def measure_decode_config(n: int, batch: int, kv_heads: int, group: int, d: int,
     """The host path of a decode step on a cache of ``n`` tokens per sequence: an eager
     :func:`lowbit_attn.attention_with_kv_cache` of one query token (``decode``), and an eager
     one-token :meth:`~lowbit_attn.QuantizedKVCache.append` (``append``; the timed appends grow the
-    cache by ~700 tokens, taking a page every ``page`` of them). The cache's contents are not
+    cache by ~800 tokens, taking a page every ``page`` of them). The cache's contents are not
     read on the host: without a GPU they are never written (the launches are stubs)."""
     import lowbit_attn
 
