@@ -324,12 +324,15 @@ def record_launches(monkeypatch, module, names) -> list:
 
 def check_replayed_args(normal, replayed, inputs, out2, out3, slots: dict) -> None:
     """One launch's launcher arguments, Triton's path (``normal``, the call that returned
-    ``out2``) against a plan's replay (``replayed``, which returned ``out3``): the same grid and
-    values; each pointer at the same input, at the same place in the matching output, or (an
-    intermediate) at one workspace buffer per intermediate (``slots``: storage → (base, bytes),
-    filled across the launches of a call)."""
+    ``out2``) against another call's (``replayed``, which returned ``out3``: a plan's replay,
+    pointers as integers, or Triton's path again): the same grid, stream, compiled function and
+    metadata, and values; each pointer at the same input, at the same place in the matching
+    output, or (an intermediate) at one workspace buffer per intermediate (``slots``: storage →
+    (base, bytes), filled across the launches of a call)."""
     assert len(normal) == len(replayed), (len(normal), len(replayed))
     assert normal[:3] == replayed[:3], "grid"
+    assert normal[3] == replayed[3], "stream"
+    assert normal[4:6] == replayed[4:6], "compiled function and metadata"
     owners_in = [t.untyped_storage().data_ptr() for t in inputs]
     owners_out = [t.untyped_storage().data_ptr() for t in out2]
     for a, b in zip(normal[9:], replayed[9:]):
@@ -338,6 +341,7 @@ def check_replayed_args(normal, replayed, inputs, out2, out3, slots: dict) -> No
             if not isinstance(x, torch.Tensor):
                 assert x == y and type(x) is type(y), (x, y)
                 continue
+            y = y.data_ptr() if isinstance(y, torch.Tensor) else y
             assert isinstance(y, int)
             owner = x.untyped_storage().data_ptr()
             if owner in owners_in:
@@ -348,6 +352,22 @@ def check_replayed_args(normal, replayed, inputs, out2, out3, slots: dict) -> No
             else:  # an intermediate: one place in the workspace per buffer
                 base = y - (x.data_ptr() - owner)
                 assert slots.setdefault(owner, (base, x.untyped_storage().nbytes()))[0] == base
+
+
+def print_scenarios(scenarios: dict, names: list[str], sink: list, reset) -> None:
+    """In a child process: ``scenarios[name](sink)`` for each of ``names``, each after
+    ``reset()``, printed as one JSON line of ``{name: its result, or {"raised": the exception
+    it raised}}``."""
+    import json
+
+    results = {}
+    for name in names:
+        reset()
+        try:
+            results[name] = scenarios[name](sink)
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            results[name] = {"raised": f"{type(exc).__name__}: {exc}"}
+    print(json.dumps(results))
 
 
 # Stand-in checks for gluon_check.isolated, run in a child process (which imports this module).

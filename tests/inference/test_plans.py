@@ -16,6 +16,8 @@ import sys
 
 import pytest
 
+from helpers import needs_gluon
+
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # helpers.py
 CHILD = r'''
 import json, os, sys
@@ -50,12 +52,14 @@ def run(case):
         sink.clear()
         out2 = lowbit_attn.attention(q, k, v, **kw)  # captured
         normal = list(sink)
+        if isinstance(planned.state(key), plans.Unchecked):
+            lowbit_attn.attention(q, k, v, **kw)  # its kernels' first-use check
         sink.clear()
         out3 = lowbit_attn.attention(q, k, v, **kw)  # replayed
         replayed = list(sink)
         state = planned.state(key)
         if not isinstance(state, plans.Plan):
-            return {"state": state, "launches": len(replayed)}
+            return {"state": str(state), "launches": len(replayed)}
         out2 = out2 if isinstance(out2, tuple) else (out2,)
         out3 = out3 if isinstance(out3, tuple) else (out3,)
         assert [s for s, _ in normal] == [s for s, _ in replayed], "kernels"
@@ -73,10 +77,122 @@ print(json.dumps([run(c) for c in json.loads(sys.argv[1])]))
 '''
 
 
-def _child(cases: list[dict], **env) -> list[dict]:
+CONTEXT_CHILD = r"""
+import json, os, sys
+import torch
+import lowbit_attn
+from lowbit_attn.core import arch, plans
+from lowbit_attn.inference import planned
+from lowbit_attn.tools.bench.host import stubbed_launches
+sys.path.insert(0, os.environ["LOWBIT_ATTN_TESTS"])
+from helpers import check_replayed_args, print_scenarios
+
+KW = dict(recipe="qk_int8_pv_fp8")
+
+
+def launches(sink, q, k, v, mode, kw=KW):
+    os.environ["LOWBIT_ATTN_LAUNCH"] = mode
+    sink.clear()
+    out = lowbit_attn.attention(q, k, v, **kw)
+    return list(sink), (out,)
+
+
+def way(got):
+    # "plan" when no launch was given a tensor (a replay passes addresses), else "triton"
+    flat = [y for _, r in got for x in r[9:] for y in (x if isinstance(x, tuple) else (x,))]
+    return "triton" if any(isinstance(x, torch.Tensor) for x in flat) else "plan"
+
+
+def like_triton(sink, q, k, v, kw=KW):
+    # a call with plans, launch by launch against Triton's own path on the same tensors ("plan",
+    # "triton", or "check": Triton's launches, then the check's replay on copies, not compared)
+    ref, out2 = launches(sink, q, k, v, "triton", kw)
+    os.environ["LOWBIT_ATTN_LAUNCH"] = "plan"
+    key = planned.key(q, k, v, False, None, "HND", kw["recipe"], False)
+    checking = isinstance(planned.state(key), plans.Unchecked)
+    got, out3 = launches(sink, q, k, v, "plan", kw)
+    got = got[:len(ref)] if checking else got
+    try:
+        assert [s for s, _ in ref] == [s for s, _ in got], "kernels"
+        slots = {}
+        for (_, a), (_, r) in zip(ref, got):
+            check_replayed_args(a, r, (q, k, v), out2, out3, slots)
+    except AssertionError as exc:
+        return f"differs: {exc}"
+    return "check" if checking else way(got)
+
+
+def sharing(sharer):
+    # v a view of the same storage as q (or k), at the same distance either way
+    torch.manual_seed(0)
+    pair = torch.randn(2, 1, 2, 128, 64, dtype=torch.float16)
+    other = torch.randn(1, 2, 128, 64, dtype=torch.float16)
+    first, v = pair.unbind(0)
+    return (first, other, v) if sharer == "q" else (other, first, v)
+
+
+def shared_storage(sink):
+    # a plan of "v shares q's storage" applied to "v shares k's": the same kernels and
+    # arguments as Triton's path, v's pointers at v
+    rows = [like_triton(sink, *sharing("q")) for _ in range(4)]
+    return rows + [like_triton(sink, *sharing("k")) for _ in range(4)]
+
+
+def graph_capture(sink):
+    # a warm-up call, then calls as if a CUDA graph were being captured: no key, no plan, no
+    # check (a replay or a check's synchronization would break the capture)
+    q, k, v = sharing("q")[0], *sharing("k")[:2]
+    seen_key = planned.key(q, k, v, False, None, "HND", KW["recipe"], False)
+    launches(sink, q, k, v, "plan")
+    capturing, arch.graph_capturing = arch.graph_capturing, lambda device: True
+    try:
+        keys = [planned.key(q, k, v, False, None, "HND", KW["recipe"], False)]
+        ways = []
+        for _ in range(3):
+            ways.append(way(launches(sink, q, k, v, "plan")[0]))
+    finally:
+        arch.graph_capturing = capturing
+    return {"keys": [str(k) for k in keys], "ways": ways, "state": str(planned.state(seen_key))}
+
+
+def gluon(sink, kernel):
+    # the Gluon forwards as if they applied here and were admitted (their TMA descriptors take
+    # Triton's scratch, here from the CPU): every call launches what Triton's path launches,
+    # each attention launch with scratch from the Gluon launcher's allocator
+    from lowbit_attn.inference import (gluon_check, gluon_fp4_check, kernel_fp4_gluon,
+                                       kernel_int8_gluon)
+
+    gluon_check.applies = gluon_fp4_check.applies = lambda device: True
+    gluon_check.admitted = lambda device, schedule="async": True
+    gluon_fp4_check.admitted = lambda device: True
+    kernel_int8_gluon._scratch = kernel_fp4_gluon._scratch = (
+        lambda size, alignment, stream: torch.empty(size, dtype=torch.int8))
+    os.environ["LOWBIT_ATTN_KERNEL"] = "gluon" if kernel == "fp4" else kernel
+    kw = dict(recipe="qk_fp4_pv_fp4" if kernel == "fp4" else "qk_int8_pv_fp8")
+    q, k, v = (torch.randn(1, 2, 200, 128, dtype=torch.float16) for _ in range(3))
+    rows = [like_triton(sink, q, k, v, kw) for _ in range(3)]
+    stubs = {s for s, _ in sink}
+    before = sum(s.scratch_calls for s in stubs)
+    rows.append(like_triton(sink, q, k, v, kw))  # the last call's launches stay in sink
+    names = [s.name for s, _ in sink]
+    scratch = sum(s.scratch_calls for s in stubs) - before
+    return {"rows": rows, "names": names, "scratch": scratch}
+
+
+SCENARIOS = {"shared_storage": shared_storage, "graph_capture": graph_capture}
+SCENARIOS.update({f"gluon-{k}": lambda sink, k=k: gluon(sink, k)
+                  for k in ("gluon", "gluon-pingpong", "fp4")})
+SCRATCH = {"_attn_fwd_int8_gluon_kernel": 128, "_attn_fwd_int8_pingpong_kernel": 128,
+           "_attn_fwd_fp4_gluon_kernel": 128}
+with stubbed_launches(arch.get_capability(), SCRATCH) as sink:
+    print_scenarios(SCENARIOS, json.loads(sys.argv[1]), sink, planned.clear)
+"""
+
+
+def _child(cases: list, code: str = CHILD, **env):
     base = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    base.update(LOWBIT_ATTN_ARCH="sm_90", LOWBIT_ATTN_TESTS=TESTS, **env)
-    done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(cases)], env=base,
+    base.update({"LOWBIT_ATTN_ARCH": "sm_90", "LOWBIT_ATTN_TESTS": TESTS, **env})
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(cases)], env=base,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -128,6 +244,92 @@ def test_the_key_holds_how_inputs_share_memory():
     args = (False, None, "NHD", "auto", False)
     assert planned.key(q, k, v, *args) != planned.key(q2, k2, v2, *args)
     assert planned.key(q, k, v, *args) == planned.key(*torch.randn_like(qkv).unbind(2), *args)
+
+
+def test_the_key_says_which_input_shares_storage_with_which():
+    """Issue 37 (3): "v shares q's storage" and "v shares k's storage", at the same distance,
+    get different keys (a plan addresses v from the input it shared with when captured)."""
+    import torch
+
+    from lowbit_attn.inference import planned
+
+    pair, other = torch.randn(2, 1, 2, 16, 8), torch.randn(1, 2, 16, 8)
+    first, v = pair.unbind(0)
+    args = (False, None, "HND", "auto", False)
+    assert planned.key(first, other, v, *args) != planned.key(other, first, v, *args)
+
+
+@pytest.fixture(scope="module")
+def context_rows() -> dict:
+    return _child(["shared_storage", "graph_capture"], CONTEXT_CHILD)
+
+
+@pytest.mark.slow
+def test_calls_sharing_storage_otherwise_launch_what_triton_would(context_rows):
+    """Issue 37 (3): a plan captured with v sharing q's storage is not replayed for v sharing
+    k's at the same distance; every call launches Triton's kernels, grids, streams and
+    arguments, v's pointers at v."""
+    rows = context_rows["shared_storage"]
+    assert "raised" not in rows, rows
+    assert all(row in ("plan", "triton", "check") for row in rows), rows
+    assert rows[3] == "plan" and rows[7] == "plan", rows  # each configuration gets its plan
+
+
+PLANNED = ["triton", "triton", "check", "plan"]
+GLUON_FORWARDS = [
+    pytest.param("gluon-gluon", "sm_90", PLANNED, marks=needs_gluon("hopper"), id="int8-async"),
+    pytest.param("gluon-gluon-pingpong", "sm_90", PLANNED, marks=needs_gluon("hopper"),
+                 id="int8-pingpong"),
+    # FP4 calls get no plan (their quantization zeroes a buffer): Triton's way every time
+    pytest.param("gluon-fp4", "sm_100", ["triton"] * 4, marks=needs_gluon("blackwell"), id="fp4"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario,arch,ways", GLUON_FORWARDS)
+def test_gluon_forwards_replay_under_their_scratch_allocator(scenario, arch, ways):
+    """Issue 37 (1): with ``LOWBIT_ATTN_KERNEL=gluon`` (or ``gluon-pingpong``) the attention
+    launch needs global scratch (TMA descriptors made on the device): every call, its check's
+    replay and later replays too, launches what Triton's path launches and takes the scratch
+    from the Gluon launcher's allocator (without it: "no allocator was set")."""
+    [row] = _child([scenario], CONTEXT_CHILD, LOWBIT_ATTN_ARCH=arch).values()
+    assert "raised" not in row, row
+    assert row["rows"] == ways, row
+    gluon = [name for name in row["names"] if "gluon" in name or "pingpong" in name]
+    # the last call: Triton's path, then the plan's (the sink holds the latter's launches)
+    assert gluon and row["scratch"] == 2 * len(gluon), row
+
+
+@pytest.mark.slow
+def test_no_plan_and_no_check_while_a_graph_is_captured(context_rows):
+    """Issue 37 (2): after one eager call, calls made while a CUDA graph is being captured (as
+    ``core.arch.graph_capturing`` says) get no key: Triton's launches, nothing captured."""
+    row = context_rows["graph_capture"]
+    assert "raised" not in row, row
+    assert row["keys"] == ["None"] and row["ways"] == ["triton"] * 3, row
+    assert row["state"] == "seen", row
+
+
+def test_jit_trace_records_the_custom_op():
+    """Issue 37 (5): under ``torch.jit.trace`` a call is not eager: the trace holds the custom
+    op (not what one eager run did), and the traced function computes on new inputs what the
+    public call computes."""
+    import torch
+
+    import lowbit_attn
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 64, 32) for _ in range(3))
+
+    def f(q, k, v):
+        return lowbit_attn.attention(q, k, v, recipe="qk_int8_pv_fp16")
+
+    for _ in range(3):  # a key seen, captured and checked before the trace
+        f(q, k, v)
+    traced = torch.jit.trace(f, (q, k, v), check_trace=False)
+    assert "lowbit_attn::attention_fwd" in str(traced.graph), traced.graph
+    q2, k2, v2 = (torch.randn(1, 2, 64, 32) for _ in range(3))
+    assert torch.equal(traced(q2, k2, v2), f(q2, k2, v2))
 
 
 def test_no_key_outside_eager_mode():

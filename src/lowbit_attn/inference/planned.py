@@ -1,10 +1,12 @@
 """The eager path of :func:`lowbit_attn.attention`: launch plans per configuration
 (:mod:`lowbit_attn.core.plans`).
 
-A call in eager mode (not traced or compiled, plain tensors, no dispatch or function mode, no
-functorch transform) gets a key: everything its checks and its launches depend on. The first call
-of a key runs normally; the second is captured; from the third on, ``attention()`` replays the
-plan before any check. Calls that are not eager go through the custom op, as before.
+A call in eager mode (not traced, compiled or captured in a CUDA graph, plain tensors, no
+dispatch or function mode, no functorch transform: ``plans.eager``) gets a key: everything its
+checks and its launches depend on. The first call of a key runs normally; the second is
+captured; from the third on, ``attention()`` replays the plan before any check (from the fourth
+when the third checks the plan's kernels: once per kernel signature). Calls that are not eager
+go through the custom op, as before.
 """
 
 from __future__ import annotations
@@ -48,12 +50,14 @@ def call(key: tuple, fn: Callable, inputs: tuple[torch.Tensor, ...], backend: st
 
 
 def state(key: tuple) -> object:
-    """What the table holds for ``key``: ``None``, ``"seen"``, a :class:`~lowbit_attn.core.plans.
-    Plan`, or the reason the key gets none (for tests and ``bench --host``)."""
+    """What the table holds for ``key``: ``None``, ``"seen"``, a plan awaiting its first-use check
+    (:class:`~lowbit_attn.core.plans.Unchecked`), a :class:`~lowbit_attn.core.plans.Plan`, or the
+    reason the key gets none (for tests and ``bench --host``)."""
     return _table.state(key)
 
 
 def clear() -> None:
-    """Forget every plan (and a mismatch that turned them off)."""
+    """Forget every plan and checked kernel signature (and a failed check that turned plans
+    off)."""
     _table.clear()
     plans.reset()

@@ -262,8 +262,10 @@ class QuantizedKVCache:
         """An append of every token of ``k``, ``v`` by the plan of ``plan_key``
         (``kvcache/planned.py``), if there is one and the append needs no more than it checks
         here: no sequence's first tokens, none past ``max_tokens``, pages the pool has. Returns
-        whether it ran; when it did not, nothing changed."""
-        if not self.plans.has_plan(plan_key):
+        whether it ran; when it did not, nothing changed. The plan is taken once: plans turned
+        off meanwhile (by another thread) do not stop this append halfway."""
+        plan = self.plans.ready(plan_key)
+        if plan is None:
             return False
         store = self.layers[layer]
         n = k.shape[2]
@@ -276,7 +278,7 @@ class QuantizedKVCache:
             if sum(map(len, self._new_pages(store, lengths, counts))) > len(store.free):
                 return False
             self._take_pages(store, lengths, counts)
-        self.plans.replay(plan_key, (k, v, *store.launch_inputs))
+        plans.replay(plan, (k, v, *store.launch_inputs))
         store.host_lengths = after
         return True
 

@@ -8,7 +8,8 @@ mode and the environment; for a read also the number of splits, which follows th
 sequence. What a call checks of the lengths is checked again on every call, before a replay:
 an append past ``max_tokens``, a sequence's first append (which freezes its statistics), a page
 pool run dry, or a cache read after a captured decode step (its host mirror is stale) goes the
-normal way. A call under CUDA graph capture gets no key (the normal way refuses it).
+normal way. A call under CUDA graph capture gets no key (``plans.eager``; the normal way refuses
+it).
 """
 
 from __future__ import annotations
@@ -16,15 +17,12 @@ from __future__ import annotations
 import torch
 
 from lowbit_attn.core import plans
-from lowbit_attn.core.arch import graph_capturing
 
 
 def _layer(cache, layer):
     """The storage of layer ``layer`` of ``cache`` (a ``QuantizedKVCache``) when a plan may apply
-    to it: an int layer in range, a host mirror that is current, no CUDA graph capture; else
-    None."""
-    if (layer.__class__ is not int or not 0 <= layer < cache.num_layers
-            or graph_capturing(cache.device)):
+    to it: an int layer in range, a host mirror that is current; else None."""
+    if layer.__class__ is not int or not 0 <= layer < cache.num_layers:
         return None
     store = cache.layers[layer]
     return None if store.host_stale else store

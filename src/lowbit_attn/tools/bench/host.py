@@ -26,11 +26,12 @@ import statistics
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
 
-from lowbit_attn.core.plans import NO_KERNEL_OPS
+from lowbit_attn.core.plan_launches import NO_KERNEL_OPS
 
 HOST_CALLS = 100  # calls per timed round
 HOST_ROUNDS = 7  # rounds; the median is reported
@@ -40,18 +41,24 @@ HOST_ROUNDS = 7  # rounds; the median is reported
 # the stand-in driver (no GPU)
 
 _STUB_DEVICE = -1  # the device key of the stand-in's kernel caches; no real device has it
+_STUB_STREAM = 7  # the stand-in's stream handle (any int a launcher takes)
 
 
 class _StubKernel:
-    """What Triton's launch path gets in place of a compiled kernel: ``run`` notes the launch
-    (``(the stub, its arguments)``)."""
+    """What Triton's launch path gets in place of a kernel compiled for one device: a handle of
+    its own (``function``) and packed metadata naming it. ``run`` does what Triton's launcher
+    does around the launch itself (it asks Triton's allocator for the global scratch the kernel
+    needs, ``metadata.global_scratch_size`` bytes a program, and calls the launch hooks it is
+    given) and notes the launch: ``(the stub, the launcher's arguments)``."""
 
-    function = None
-    packed_metadata = None
-
-    def __init__(self, name: str, sink: list[str]) -> None:
+    def __init__(self, name: str, sink: list, device: int, scratch: int) -> None:
         self._name = name
         self._sink = sink
+        self.function = id(self)  # a handle no other stub has
+        self.packed_metadata = (name, device)
+        self.metadata = SimpleNamespace(global_scratch_size=scratch, global_scratch_align=128,
+                                        profile_scratch_size=0, profile_scratch_align=1)
+        self.scratch_calls = 0  # how many launches took scratch from Triton's allocator
 
     def launch_metadata(self, grid, stream, *args):
         return None
@@ -61,20 +68,35 @@ class _StubKernel:
         return self._name
 
     def run(self, *args):
+        from triton.runtime import _allocation
+
+        gx, gy, gz, stream, _, _, metadata, enter, leave = args[:9]
+        if self.metadata.global_scratch_size:
+            size = gx * gy * gz * self.metadata.global_scratch_size
+            _allocation._allocator.get()(size, self.metadata.global_scratch_align, stream)
+            self.scratch_calls += 1
+        if enter is not None:
+            enter(metadata)
         self._sink.append((self, args))
+        if leave is not None:
+            leave(metadata)
 
 
 class _StubDriver:
-    """Triton's driver interface, as far as ``JITFunction.run`` uses it, for a GPU of ``target``."""
+    """Triton's driver interface, as far as ``JITFunction.run`` uses it, for a GPU of ``target``;
+    ``device`` and ``stream`` are the current device and its current stream (a test may set
+    them: each device gets kernels of its own)."""
 
     def __init__(self, target) -> None:
         self._target = target
+        self.device = _STUB_DEVICE
+        self.stream = _STUB_STREAM
 
     def get_current_device(self) -> int:
-        return _STUB_DEVICE
+        return self.device
 
     def get_current_stream(self, device=None) -> int:
-        return 0
+        return self.stream
 
     def get_current_target(self):
         return self._target
@@ -84,12 +106,13 @@ class _StubDriver:
 
 
 @contextlib.contextmanager
-def stubbed_launches(capability: tuple[int, int]):
+def stubbed_launches(capability: tuple[int, int], scratch: dict[str, int] | None = None):
     """Within the block, every Triton kernel launch goes through Triton's launch path to a stub
     that does nothing but note ``(the stub, the launcher's arguments)`` in the yielded list (the
-    stub's ``name`` is the kernel's); autotuners time no candidate (they take the first), and
-    the inference op and the KV cache take their Triton paths on CPU tensors. Everything is
-    restored on exit."""
+    stub's ``name`` is the kernel's; ``scratch``: the kernels, by name, that need global scratch,
+    and how many bytes a program); autotuners time no candidate (they take the first), and the
+    inference op and the KV cache take their Triton paths on CPU tensors. The stand-in driver
+    is ``triton.runtime.driver.active`` meanwhile. Everything is restored on exit."""
     from triton.backends.compiler import GPUTarget
     from triton.runtime import autotuner, jit
 
@@ -101,9 +124,10 @@ def stubbed_launches(capability: tuple[int, int]):
     compiled: list = []
 
     def stub_compile(self, key, signature, device, constexprs, options, attrs, warmup):
-        kernel = _StubKernel(self.fn.__name__, sink)
+        name = self.fn.__name__
+        kernel = _StubKernel(name, sink, device, (scratch or {}).get(name, 0))
         self.device_caches[device][0][key] = kernel
-        compiled.append(self)
+        compiled.append((self, device))
         return kernel
 
     saved = (jit.JITFunction._do_compile, autotuner.Autotuner._bench)
@@ -121,8 +145,8 @@ def stubbed_launches(capability: tuple[int, int]):
         for module, backend_for in zip(chosen, saved_backends):
             module.backend_for = backend_for
         jit.driver.set_active(previous_driver)
-        for fn in compiled:
-            fn.device_caches.pop(_STUB_DEVICE, None)
+        for fn, device in compiled:
+            fn.device_caches.pop(device, None)
 
 
 def count_kernel_ops(fn: Callable) -> dict[str, int]:
@@ -161,8 +185,11 @@ def gpu_kernels(fn: Callable) -> list[str]:
 
 def time_host(fn: Callable, sync: Callable = lambda: None) -> float:
     """Median over rounds of the host µs per call of ``HOST_CALLS`` back-to-back calls (the clock
-    stopped before ``sync``)."""
-    fn()
+    stopped before ``sync``), after one untimed round: the steady state, past a launch plan's
+    capture and first-use check (whose copies leave the stand-in's host heap unsettled for a
+    few hundred calls: a few calls of 1–4 ms)."""
+    for _ in range(HOST_CALLS):
+        fn()
     sync()
     rounds = []
     for _ in range(HOST_ROUNDS):
@@ -255,7 +282,7 @@ def measure_decode_config(n: int, batch: int, kv_heads: int, group: int, d: int,
     """The host path of a decode step on a cache of ``n`` tokens per sequence: an eager
     :func:`lowbit_attn.attention_with_kv_cache` of one query token (``decode``), and an eager
     one-token :meth:`~lowbit_attn.QuantizedKVCache.append` (``append``; the timed appends grow the
-    cache by ~700 tokens, taking a page every ``page`` of them). The cache's contents are not
+    cache by ~800 tokens, taking a page every ``page`` of them). The cache's contents are not
     read on the host: without a GPU they are never written (the launches are stubs)."""
     import lowbit_attn
 
