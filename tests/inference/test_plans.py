@@ -159,16 +159,19 @@ def gluon(sink, kernel):
     # the Gluon forwards as if they applied here and were admitted (their TMA descriptors take
     # Triton's scratch, here from the CPU): every call launches what Triton's path launches,
     # each attention launch with scratch from the Gluon launcher's allocator
+    from lowbit_attn.core.recipes import get_recipe
     from lowbit_attn.inference import (gluon_check, gluon_fp4_check, kernel_fp4_gluon,
-                                       kernel_int8_gluon)
+                                       kernel_int8_gluon, kernel_int8_sm90, sm90_check)
 
-    gluon_check.applies = gluon_fp4_check.applies = lambda device: True
+    gluon_check.applies = gluon_fp4_check.applies = sm90_check.applies = lambda device: True
     gluon_check.admitted = lambda device, schedule="async": True
-    gluon_fp4_check.admitted = lambda device: True
-    kernel_int8_gluon._scratch = kernel_fp4_gluon._scratch = (
+    gluon_fp4_check.admitted = sm90_check.admitted = lambda device: True
+    kernel_int8_gluon.tma_scratch = kernel_int8_sm90.tma_scratch = kernel_fp4_gluon._scratch = (
         lambda size, alignment, stream: torch.empty(size, dtype=torch.int8))
     os.environ["LOWBIT_ATTN_KERNEL"] = "gluon" if kernel == "fp4" else kernel
-    kw = dict(recipe="qk_fp4_pv_fp4" if kernel == "fp4" else "qk_int8_pv_fp8")
+    recipes = {"fp4": "qk_fp4_pv_fp4", "sm90": get_recipe("qk_int8_pv_fp8").replace(
+        granularity="per_thread", block_k=128)}
+    kw = dict(recipe=recipes.get(kernel, "qk_int8_pv_fp8"))
     q, k, v = (torch.randn(1, 2, 200, 128, dtype=torch.float16) for _ in range(3))
     rows = [like_triton(sink, q, k, v, kw) for _ in range(3)]
     stubs = {s for s, _ in sink}
@@ -181,9 +184,9 @@ def gluon(sink, kernel):
 
 SCENARIOS = {"shared_storage": shared_storage, "graph_capture": graph_capture}
 SCENARIOS.update({f"gluon-{k}": lambda sink, k=k: gluon(sink, k)
-                  for k in ("gluon", "gluon-pingpong", "fp4")})
+                  for k in ("gluon", "gluon-pingpong", "fp4", "sm90")})
 SCRATCH = {"_attn_fwd_int8_gluon_kernel": 128, "_attn_fwd_int8_pingpong_kernel": 128,
-           "_attn_fwd_fp4_gluon_kernel": 128}
+           "_attn_fwd_fp4_gluon_kernel": 128, "_attn_fwd_sm90_kernel": 128}
 with stubbed_launches(arch.get_capability(), SCRATCH) as sink:
     print_scenarios(SCENARIOS, json.loads(sys.argv[1]), sink, planned.clear)
 """
@@ -280,6 +283,7 @@ GLUON_FORWARDS = [
     pytest.param("gluon-gluon", "sm_90", PLANNED, marks=needs_gluon("hopper"), id="int8-async"),
     pytest.param("gluon-gluon-pingpong", "sm_90", PLANNED, marks=needs_gluon("hopper"),
                  id="int8-pingpong"),
+    pytest.param("gluon-sm90", "sm_90", PLANNED, marks=needs_gluon("hopper"), id="int8-sm90"),
     # FP4 calls get no plan (their quantization zeroes a buffer): Triton's way every time
     pytest.param("gluon-fp4", "sm_100", ["triton"] * 4, marks=needs_gluon("blackwell"), id="fp4"),
 ]
@@ -295,7 +299,8 @@ def test_gluon_forwards_replay_under_their_scratch_allocator(scenario, arch, way
     [row] = _child([scenario], CONTEXT_CHILD, LOWBIT_ATTN_ARCH=arch).values()
     assert "raised" not in row, row
     assert row["rows"] == ways, row
-    gluon = [name for name in row["names"] if "gluon" in name or "pingpong" in name]
+    gluon = [name for name in row["names"]
+             if any(k in name for k in ("gluon", "pingpong", "sm90"))]
     # the last call: Triton's path, then the plan's (the sink holds the latter's launches)
     assert gluon and row["scratch"] == 2 * len(gluon), row
 

@@ -67,7 +67,7 @@ from lowbit_attn.core.triton_helpers import (
 from lowbit_attn.inference import kernel_int8_gluon_pingpong as pingpong
 from lowbit_attn.inference.gluon_blocks import (
     check_tma_operands, descriptors, key_scales, program_sequence, scales_of_rows, softmax_block,
-    tile_offsets, tma_load, v_box, v_operand, write_rows,
+    tile_offsets, tma_load, tma_scratch, v_box, v_operand, write_rows,
 )
 
 SCHEDULES = ("async", "pingpong")
@@ -297,11 +297,6 @@ def check_version(version: str | None = None) -> None:
     triton_support.require_gluon("hopper", "the Gluon attention kernel for sm_90a", version)
 
 
-def _scratch(size: int, alignment: int, stream):
-    """Global memory for the TMA descriptors the kernel builds (128 bytes per program)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
 def attention(
     qz: QuantizedQKV,
     *,
@@ -347,7 +342,7 @@ def attention(
         options = dict(num_warps=pingpong.CONSUMER_WARPS, maxnreg=pingpong.MAXNREG)
 
     def launch():
-        triton.set_allocator(_scratch)  # in a copy of the caller's context: theirs is kept
+        triton.set_allocator(tma_scratch)  # in a copy of the caller's context: theirs is kept
         kernel[grid](
             q=(qz.q, qz.q_scale, bhnd_strides(qz.q, packed),
                row_strides(qz.q_scale, packed and per_token)),
