@@ -168,6 +168,38 @@ def rows_of_config(base, q, k, v, causal, record, gluon_ok: str | None) -> None:
            check=False)
 
 
+def compiled_facts() -> list[dict]:
+    """What the GPU's own compiles of the one-warpgroup kernel came to: per variant its constexprs
+    and launch options (the JIT's cache key, abridged), registers, spilled bytes and shared
+    memory, as the driver loaded them."""
+    try:
+        from lowbit_attn.inference import kernel_int8_sm90
+    except ImportError:
+        return []
+    facts = []
+    try:
+        kernels = [item for caches in kernel_int8_sm90._attn_fwd_sm90_kernel.device_caches.values()
+                   for item in caches[0].items()]
+    except Exception as exc:  # noqa: BLE001 - Triton's JIT cache is internal: a diagnostic only
+        return [{"constexprs": f"JIT cache unread: {type(exc).__name__}: {exc}"[:200],
+                 "maxnreg": None, "registers": None, "spills": None, "shared": None}]
+    for key, kernel in kernels:
+        try:
+            kernel._init_handles()
+            names = kernel.src.fn.arg_names
+            constants = {names[k[0]]: v for k, v in kernel.src.constants.items()
+                         if len(k) == 1 and names[k[0]].isupper()}
+            facts.append({"constexprs": constants,
+                          "maxnreg": getattr(kernel.metadata, "maxnreg", None),
+                          "registers": kernel.n_regs, "spills": kernel.n_spills,
+                          "shared": kernel.metadata.shared})
+        except Exception as exc:  # noqa: BLE001 - a diagnostic: never stops the sweep
+            facts.append({"constexprs": str(key)[-200:], "maxnreg": None,
+                          "registers": f"unread: {type(exc).__name__}", "spills": None,
+                          "shared": None})
+    return facts
+
+
 def sage(q, k, v, causal):
     """SageAttention 1.0.6's call (``None`` when it is not installed: the row says so)."""
     try:
@@ -232,9 +264,10 @@ def main(argv=None) -> int:
     })
 
     def save(complete: bool) -> str:
-        table = render(rows)
-        save_script_results(args.out, "forward", {**meta, "rows": rows, "complete": complete},
-                            table)
+        facts = compiled_facts() if cuda else []
+        table = render(rows) + render_facts(facts)
+        save_script_results(args.out, "forward", {**meta, "rows": rows, "compiled": facts,
+                                                   "complete": complete}, table)
         return table
 
     for d, n, causal in configs:
@@ -266,6 +299,18 @@ def gluon_available() -> str | None:
     if not (torch.cuda.is_available() and gluon_check.applies(torch.device("cuda"))):
         return "needs a capability 9.0 GPU"
     return None
+
+
+def render_facts(facts: list[dict]) -> str:
+    """The compiled variants' registers, spills and shared memory, after the tables."""
+    if not facts:
+        return ""
+    lines = ["", "| sm90 variant (GPU's compile) | maxnreg | registers | spills (B) | shared (B) |",
+             "|---|---|---|---|---|"]
+    for f in facts:
+        lines.append(f"| {f['constexprs']} | {f['maxnreg']} | {f['registers']} | {f['spills']} | "
+                     f"{f['shared']} |")
+    return "\n".join(lines)
 
 
 def render(rows: list[dict]) -> str:
