@@ -373,6 +373,11 @@ def _arg_kind(param, value) -> tuple[str, bool]:
     """(signature type, 16-divisible) of one argument, as Triton's launcher specializes it."""
     if param.is_constexpr or value is None:
         return "constexpr", False
+    if type(value).__name__ == "TensorDescriptor":  # a host TMA descriptor (Gluon's)
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import BaseBackend
+
+        return native_specialize_impl(BaseBackend, value, False, True, True)[0], False
     align = not (param.do_not_specialize or param.do_not_specialize_on_alignment)
     if isinstance(value, torch.Tensor):
         return pointer_type(value.dtype), align and value.data_ptr() % 16 == 0
@@ -586,12 +591,13 @@ def _compile_all(launches: list[Launch], arch: str, config: int) -> list[KernelR
 
 def record_train_launches(
     recipe, *, head_dim: int = 128, causal: bool = False, dtype: torch.dtype = torch.bfloat16,
-    seq_len: int = 1024, dq_mode: str = "recompute",
+    seq_len: int = 1024, dq_mode: str = "recompute", bwd_kernel: str = "triton",
 ) -> list[Launch]:
     """The kernel launches of one trainable attention forward and backward (``[1, 2, seq_len,
     head_dim]``, a :class:`~lowbit_attn.core.recipes.TrainRecipe` or its name) on the Triton backend;
-    ``dq_mode``: ``"recompute"`` or ``"atomic"``, as ``LOWBIT_ATTN_TRAIN_DQ`` chooses
-    (:mod:`lowbit_attn.core.options`)."""
+    ``dq_mode``: ``"recompute"`` or ``"atomic"``, as ``LOWBIT_ATTN_TRAIN_DQ`` chooses, and
+    ``bwd_kernel``: ``"triton"`` or ``"sm90"`` (where it applies), as ``LOWBIT_ATTN_BWD_KERNEL``
+    does on an sm_90 device (:mod:`lowbit_attn.core.options`)."""
     from lowbit_attn.training.prepare import prepare, prepare_grad
     from lowbit_attn.core.recipes import resolve_train
     from lowbit_attn.training import kernel_bwd, kernel_fwd
@@ -607,7 +613,7 @@ def record_train_launches(
         grad = prepare_grad(do, r, "triton")
         kernel_bwd.backward(ops, grad, lse, torch.zeros_like(q), torch.zeros_like(k),
                             torch.zeros_like(v), causal_offset=offset, softmax_scale=scale,
-                            mode=dq_mode)
+                            mode=dq_mode, kernel=bwd_kernel)
     return list(sink)
 
 
@@ -765,12 +771,13 @@ def compile_vsa(arch: str = "sm_90a", head_dim: int = 128, dtype: torch.dtype = 
 
 def compile_train(recipe="sagebwd_int8", arch: str = "sm_90a", head_dim: int = 128,
                   causal: bool = False, dtype: torch.dtype = torch.bfloat16,
-                  config: int = 0, dq_mode: str = "recompute") -> list[KernelReport]:
+                  config: int = 0, dq_mode: str = "recompute",
+                  bwd_kernel: str = "triton") -> list[KernelReport]:
     """Compile, for ``arch``, every kernel of one trainable attention forward and backward and
-    report each (see :func:`compile_recipe`)."""
+    report each (see :func:`compile_recipe`; ``bwd_kernel`` as :func:`record_train_launches`)."""
     arch = normalize_arch(arch)
     launches = record_train_launches(recipe, head_dim=head_dim, causal=causal, dtype=dtype,
-                                     dq_mode=dq_mode)
+                                     dq_mode=dq_mode, bwd_kernel=bwd_kernel)
     return _compile_all(launches, arch, config)
 
 

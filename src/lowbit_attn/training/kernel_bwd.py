@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lowbit_attn.core import triton_support
 from lowbit_attn.core.arch import get_capability, interpreter_enabled, tensor_memory
 from lowbit_attn.core.operands import TRAIN_BLOCK, GradOperands, TrainOperands
 from lowbit_attn.core.triton_helpers import (
@@ -326,8 +327,17 @@ def launch_args(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, dq, d
 
 def backward(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, dq: torch.Tensor,
              dk: torch.Tensor, dv: torch.Tensor, *, causal_offset: int | None,
-             softmax_scale: float, mode: str) -> None:
-    """Writes ``dq [B, Hq, Nq, D]``, ``dk, dv [B, Hkv, Nk, D]`` (views in any layout)."""
+             softmax_scale: float, mode: str, kernel: str = "triton") -> None:
+    """Writes ``dq [B, Hq, Nq, D]``, ``dk, dv [B, Hkv, Nk, D]`` (views in any layout); with
+    ``kernel="sm90"`` on the Gluon loops of :mod:`~lowbit_attn.training.kernel_bwd_sm90` where
+    they apply (:func:`~lowbit_attn.training.kernel_bwd_sm90.refusal`), else on these."""
+    if kernel == "sm90" and triton_support.gluon_available("hopper"):
+        from lowbit_attn.training import kernel_bwd_sm90
+
+        if kernel_bwd_sm90.refusal(ops, grad, mode) is None:
+            kernel_bwd_sm90.backward(ops, grad, lse, dq, dk, dv, causal_offset=causal_offset,
+                                     softmax_scale=softmax_scale)
+            return
     for kernel, grid, kwargs in launch_args(
         ops, grad, lse, dq, dk, dv, causal_offset=causal_offset, softmax_scale=softmax_scale,
         mode=mode,
