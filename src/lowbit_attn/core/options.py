@@ -15,8 +15,10 @@ from the environment once per call by the custom op that needs it and passed dow
   Gluon backward loops for Hopper, ``training/kernel_bwd_sm90.py``: 128 keys per program on two
   warpgroups, the score tile transposed, INT8 P and dS from registers; where it applies: a CUDA
   device of capability 9.0, the trainable attention with ``backward_granularity="per_row"``,
-  INT8 Q·Kᵀ, dV, dK and dQ, 16-bit dP, no Q smoothing, D = 64 or 128, dQ by ``recompute``; the
-  Triton kernels elsewhere). No GPU has run it: not the default; on a CPU it changes nothing.
+  INT8 Q·Kᵀ, dV, dK and dQ, 16-bit dP, no Q smoothing, D = 64 or 128, dQ by ``recompute``; and
+  video sparse attention's 16-bit fine stage, 64-token tiles, D = 64 or 128, the same loops
+  over its tile lists; the Triton kernels elsewhere). No GPU has run it: not the default; on a
+  CPU it changes nothing.
 - ``LOWBIT_ATTN_KERNEL``: ``triton`` (default: the Triton attention kernels), ``gluon`` (the
   Gluon forward for Hopper, ``inference/kernel_int8_gluon.py``, where it applies: a CUDA device of
   capability 9.0, the INT8 recipes (FP8 or fp16 P·V), D = 64 or 128; and the Gluon FP4 forward for

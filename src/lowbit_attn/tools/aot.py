@@ -618,10 +618,12 @@ def record_train_launches(
 
 
 def record_vsa_launches(*, head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
-                        recipe: str = "exact", topk: int = 4) -> list[Launch]:
+                        recipe: str = "exact", topk: int = 4,
+                        bwd_kernel: str = "triton") -> list[Launch]:
     """The kernel launches of the video sparse attention fine stage on a 4×16×16 grid of 4×4×4
     tiles (16 tiles of 64 tokens): tokens to tiles (with tile means) and back, forward and
-    backward (``recipe="exact"``), or the 8-bit inference forward with its quantization and
+    backward (``recipe="exact"``; the backward on ``bwd_kernel``, as
+    :func:`record_train_launches`), or the 8-bit inference forward with its quantization and
     tiling (``"qk_int8_pv_fp8"``, ``"qk_int8_pv_fp16"``)."""
     from lowbit_attn.vsa import op as vsa_ops
     from lowbit_attn.vsa import kernel_fine as vsa_fine, kernel_tiles as vsa_tiles
@@ -640,7 +642,8 @@ def record_vsa_launches(*, head_dim: int = 128, dtype: torch.dtype = torch.bfloa
             kt, vt, dot = (torch.zeros_like(qt) for _ in range(3))
             lse = torch.zeros(1, 2, nt, ts)
             vsa_fine.forward(qt, kt, vt, idx, counts, scale=scale)
-            vsa_fine.backward(qt, kt, vt, torch.zeros_like(qt), lse, dot, idx, counts, scale=scale)
+            vsa_fine.backward(qt, kt, vt, torch.zeros_like(qt), lse, dot, idx, counts, scale=scale,
+                              kernel=bwd_kernel)
             vsa_tiles.untile(qt, torch.zeros(1, 2, nt, head_dim), layout.index, layout.counts,
                              n_tokens=layout.n_tokens, dtype=dtype)
         else:
@@ -762,10 +765,12 @@ def record_fp4_gluon_launch(*, recipe: str = "qk_fp4_pv_fp4", head_dim: int = 12
 
 
 def compile_vsa(arch: str = "sm_90a", head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
-                config: int = 0, recipe: str = "exact") -> list[KernelReport]:
+                config: int = 0, recipe: str = "exact",
+                bwd_kernel: str = "triton") -> list[KernelReport]:
     """Compile, for ``arch``, the fine stage's kernels (see :func:`record_vsa_launches`) and
     report each."""
-    return _compile_all(record_vsa_launches(head_dim=head_dim, dtype=dtype, recipe=recipe),
+    return _compile_all(record_vsa_launches(head_dim=head_dim, dtype=dtype, recipe=recipe,
+                                            bwd_kernel=bwd_kernel),
                         normalize_arch(arch), config)
 
 

@@ -219,9 +219,11 @@ def _inspect(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> in
     return 1 if any(not r.ok for r in reports) else 0
 
 
-def _compile_vsa(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list:
-    """``inspect --recipe vsa``: the fine stage's kernels, 16-bit forward and backward with the
-    tiling, then the 8-bit forward (``qk_int8_pv_fp8``) with its own; each specialization once."""
+def _compile_vsa(args: argparse.Namespace, parser: argparse.ArgumentParser,
+                 bwd_kernel: str = "triton") -> list:
+    """``inspect --recipe vsa``: the fine stage's kernels, 16-bit forward and backward (on
+    ``bwd_kernel``) with the tiling, then the 8-bit forward (``qk_int8_pv_fp8``) with its own;
+    each specialization once."""
     import torch
 
     from lowbit_attn.tools import aot
@@ -234,7 +236,8 @@ def _compile_vsa(args: argparse.Namespace, parser: argparse.ArgumentParser) -> l
     dtype = getattr(torch, args.dtype)
     reports, seen = [], set()
     for recipe in ("exact", "qk_int8_pv_fp8"):
-        for r in aot.compile_vsa(args.arch, args.head_dim, dtype, args.config, recipe=recipe):
+        for r in aot.compile_vsa(args.arch, args.head_dim, dtype, args.config, recipe=recipe,
+                                 bwd_kernel=bwd_kernel):
             if (r.kernel, r.variant) not in seen:
                 seen.add((r.kernel, r.variant))
                 reports.append(r)
@@ -464,10 +467,7 @@ def _inspect_bwd_sm90(args: argparse.Namespace, parser: argparse.ArgumentParser)
     mode = "causal" if args.causal else "non-causal"
     dtype = getattr(torch, args.dtype)
     if args.recipe == VSA:
-        if args.causal:
-            parser.error("--causal: video sparse attention is not causal")
-        reports = aot.compile_vsa(args.arch, args.head_dim, dtype, args.config,
-                                  bwd_kernel="sm90")
+        reports = _compile_vsa(args, parser, bwd_kernel="sm90")
         heading = f"{VSA} fine stage for {args.arch}, Gluon backward (head dim {args.head_dim}, "
     else:
         recipe = TRAIN_RECIPES[args.recipe].replace(backward_granularity="per_row")

@@ -522,7 +522,9 @@ def _dq_sm90_kernel(
     bufs = (q_smem, do_smem, k_smem, v_smem, kt_smem, ld_bars)
     zeros = (zero_s, zero_p, zero_o)
     rows = (qrows, c_rows, lse, delta)
-    scales = (KS + b * sksb + hk * sksh, KDQS + b * sksb + hk * sksh, ks_strides)
+    scales = (KS, KDQS, ks_strides)
+    if INT8:  # the K/V head's
+        scales = (KS + b * sksb + hk * sksh, KDQS + b * sksb + hk * sksh, ks_strides)
     k_row = ((b * (HQ // GROUP) + hk) * NK).to(gl.int32)
     descs = (k_desc, v_desc, kt_desc, k_row, ((b * (HQ // GROUP) + hk) * BLOCK_D).to(gl.int32))
     WITH_KT: gl.constexpr = INT8 and not DELTA_PASS
@@ -768,6 +770,62 @@ def backward(ops, grad, lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, d
     train_dq(*dq_args, **common, delta_pass=False)
 
 
+def vsa_refusal(qt: torch.Tensor, d: int) -> str | None:
+    """Why video sparse attention's 16-bit fine backward on tiles ``qt [B, H, nt, TS, D]`` does
+    not run on these kernels, or ``None`` when it does."""
+    if qt.shape[3] != BQ:
+        return f"tiles of {qt.shape[3]} slots: these kernels take {BQ}"
+    if d not in HEAD_DIMS:
+        return f"head dim {d}: these kernels take {HEAD_DIMS}"
+    if qt.dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {qt.dtype}: these kernels take float16 or bfloat16"
+    return None
+
+
+def vsa_backward(qt, kt, vt, dot, lse, delta, idx, counts, dq, dk, dv, *, scale: float) -> None:
+    """Video sparse attention's 16-bit fine backward on these loops (one warpgroup per 64-token
+    tile; where :func:`vsa_refusal` is None): ``dq, dk, dv`` (tiles as ``qt``, ``kt``, zeros
+    past each tile's count) for padded tiles ``qt, dot [B, Hq, nt, 64, D]``, ``kt, vt [B, Hkv,
+    nt, 64, D]`` (contiguous, zeros in the empty slots), the forward's base-2 ``lse`` and
+    ``delta`` ``[B, Hq, nt, 64]``, index lists ``idx [B, Hq, nt, k]``, ``counts [nt]``. Twin:
+    ``vsa.naive.fine_backward_tiles``."""
+    from lowbit_attn.vsa.kernel_fine import reverse_lists
+
+    check_version()
+    b, hq, nt, ts, d = qt.shape
+    hkv = kt.shape[1]
+    n = nt * ts
+    qk_scale = float(torch.tensor(scale, dtype=torch.float32) * torch.tensor(
+        1.4426950408889634, dtype=torch.float32))
+    valid = (torch.arange(ts, device=qt.device) < counts[:, None].to(qt.device)).reshape(n)
+    ld, _ = bwd_rows(lse.reshape(b, hq, n), valid=valid)
+    ld[1, :, :, :n] = torch.where(valid, delta.reshape(b, hq, n), 0.0)
+    ridx, rcount = reverse_lists(idx, nt)
+    rows = lambda x: x.reshape(x.shape[0], x.shape[1], n, d)  # noqa: E731
+    q, k, v, do = (rows(x) for x in (qt, kt, vt, dot))
+    flat = dict(SPARSE=True, INT8=False, HAS_BAL=False, BLOCK_D=d, NUM_WG=1, num_warps=4,
+                causal_offset=0, softmax_scale=float(scale), qk_scale=qk_scale,
+                IS_CAUSAL=False, BAL=None, bal_strides=(0, 0, 0), CNT=counts)
+    _dkdv_sm90_kernel[(nt, b * hkv)](
+        k_desc=_descriptor(k, d, [BQ, d], "k"), v_desc=_descriptor(v, d, [BQ, d], "v"),
+        q_desc=_descriptor(q, d, [BQ, d], "q"), do_desc=_descriptor(do, d, [BQ, d], "do"),
+        qt_desc=None, dot_desc=None, ld_desc=_descriptor(ld, 1, [BQ], "lse"),
+        KS=None, LD=ld, DK=rows(dk), DV=rows(dv), RIDX=ridx, RCNT=rcount,
+        ks_strides=(0, 0, 0), dk_strides=rows(dk).stride(), dv_strides=rows(dv).stride(),
+        ridx_strides=ridx.stride(), rcnt_strides=rcount.stride(), NQ=n, NK=n, HKV=hkv,
+        GROUP=hq // hkv, LD_N=ld.shape[-1], LD_PLANE=ld[0].numel(), **flat)
+    _dq_sm90_kernel[(nt, b * hq)](
+        q_desc=_descriptor(q, d, [BQ, d], "q"), do_desc=_descriptor(do, d, [BQ, d], "do"),
+        k_desc=_descriptor(k, d, [BQ, d], "k"), v_desc=_descriptor(v, d, [BQ, d], "v"),
+        kt_desc=None, QS=None, KS=None, KDQS=None, LSE=lse.reshape(b, hq, n),
+        DELTA=ld[1, :, :, :n], DQ=rows(dq), IDX=idx, qs_strides=(0, 0, 0),
+        ks_strides=(0, 0, 0), lse_strides=lse.reshape(b, hq, n).stride(),
+        delta_strides=ld[1, :, :, :n].stride(), dq_strides=rows(dq).stride(),
+        idx_strides=idx.stride(), NQ=n, NK=n, HQ=hq, GROUP=hq // hkv, KK=idx.shape[-1],
+        DELTA_PASS=False, **flat)
+
+
 __all__ = ["BQ", "HEAD_DIMS", "RNE_S8X4_CONSTRAINTS", "RNE_S8X4_PTX", "WG_KEYS", "backward",
            "check_version", "refusal",
-           "bwd_rows", "permuted_token_major", "quantize_rows", "train_dkdv", "train_dq"]
+           "bwd_rows", "permuted_token_major", "quantize_rows", "train_dkdv", "train_dq", "vsa_backward",
+           "vsa_refusal"]
