@@ -750,13 +750,15 @@ def refusal(ops, grad, mode: str) -> str | None:
     return None
 
 
-def backward(ops, grad, lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-             *, causal_offset: int | None, softmax_scale: float) -> None:
-    """The trainable attention's backward on these kernels (where :func:`refusal` is None):
-    Δ (:func:`train_dq`'s pass), dK and dV (:func:`train_dkdv`), dQ; writes ``dq [B, Hq, Nq,
-    D]``, ``dk, dv [B, Hkv, Nk, D]`` (views with a unit stride along D). The 8-bit B operands
-    (Q and dO for dK and dV, K for dQ) are copied token-major and permuted here; the 16-bit
-    ones (V and dO for dP) made contiguous where they are not."""
+def launches(ops, grad, lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+             *, causal_offset: int | None, softmax_scale: float) -> list:
+    """The trainable attention's backward on these kernels (where :func:`refusal` is None), as
+    ``[(name, launch), ...]`` in order: Δ (:func:`train_dq`'s pass), dK and dV
+    (:func:`train_dkdv`), dQ; each ``launch()`` writes its outputs, ``dq [B, Hq, Nq, D]``,
+    ``dk, dv [B, Hkv, Nk, D]`` (views with a unit stride along D). The 8-bit B operands (Q and
+    dO for dK and dV, K for dQ) are copied token-major and permuted here, the 16-bit ones (V and
+    dO for dP) made contiguous where they are not, the LSE, Δ and scales laid out
+    (:func:`bwd_rows`)."""
     qs = ops.q_scale * ops.qk_multiplier
     q, k = ops.q.contiguous(), ops.k.contiguous()
     v, do = ops.v_dp.contiguous(), grad.do_dp.contiguous()
@@ -764,10 +766,19 @@ def backward(ops, grad, lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, d
     common = dict(balance=ops.balance, causal_offset=causal_offset, softmax_scale=softmax_scale)
     dq_args = (q, k, v, do, permuted_token_major(ops.k_dq), qs, ops.k_scale, ops.k_dq_scale, lse,
                delta, dq)
-    train_dq(*dq_args, **common, delta_pass=True)
-    train_dkdv(q, k, v, do, permuted_token_major(ops.q_dk), permuted_token_major(grad.do_dv),
-               ops.k_scale, ld, dk, dv, **common)
-    train_dq(*dq_args, **common, delta_pass=False)
+    dkdv_args = (q, k, v, do, permuted_token_major(ops.q_dk), permuted_token_major(grad.do_dv),
+                 ops.k_scale, ld, dk, dv)
+    return [("_dq_sm90_kernel/delta", lambda: train_dq(*dq_args, **common, delta_pass=True)),
+            ("_dkdv_sm90_kernel", lambda: train_dkdv(*dkdv_args, **common)),
+            ("_dq_sm90_kernel", lambda: train_dq(*dq_args, **common, delta_pass=False))]
+
+
+def backward(ops, grad, lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+             *, causal_offset: int | None, softmax_scale: float) -> None:
+    """Runs :func:`launches`."""
+    for _, launch in launches(ops, grad, lse, dq, dk, dv, causal_offset=causal_offset,
+                              softmax_scale=softmax_scale):
+        launch()
 
 
 def vsa_refusal(qt: torch.Tensor, d: int) -> str | None:
@@ -826,6 +837,6 @@ def vsa_backward(qt, kt, vt, dot, lse, delta, idx, counts, dq, dk, dv, *, scale:
 
 
 __all__ = ["BQ", "HEAD_DIMS", "RNE_S8X4_CONSTRAINTS", "RNE_S8X4_PTX", "WG_KEYS", "backward",
-           "check_version", "refusal",
+           "check_version", "launches", "refusal",
            "bwd_rows", "permuted_token_major", "quantize_rows", "train_dkdv", "train_dq", "vsa_backward",
            "vsa_refusal"]
