@@ -80,10 +80,11 @@ METHODS = {
     "sdpa_flash": sdpa("FLASH_ATTENTION"),
     "sdpa_cudnn": sdpa("CUDNN_ATTENTION"),
     "sagebwd_int8": ours(),
-    # P and dS per row (TrainRecipe.backward_granularity): the Triton backward, then the Gluon
-    # loops for Hopper (LOWBIT_ATTN_BWD_KERNEL=sm90, the Triton kernels elsewhere)
+    # the Gluon loops for Hopper (LOWBIT_ATTN_BWD_KERNEL=sm90, the Triton kernels elsewhere), and
+    # P and dS per row (TrainRecipe.backward_granularity) on either backward
+    "sagebwd_int8_sm90": ours(),
     "sagebwd_int8_per_row": ours(recipe=PER_ROW),
-    "sagebwd_int8_sm90": ours(recipe=PER_ROW),
+    "sagebwd_int8_per_row_sm90": ours(recipe=PER_ROW),
     "sagebwd_int8_atomic_dq": ours(),
     "sagebwd_dp_int8": ours(keep_16bit=()),
     "ours_exact_16bit": ours(recipe="exact"),
@@ -92,7 +93,8 @@ METHODS = {
 
 # dQ added by the dK/dV kernel instead of its own kernel (LOWBIT_ATTN_TRAIN_DQ, lowbit_attn.core.options)
 ENVIRONMENT = {"sagebwd_int8_atomic_dq": {"LOWBIT_ATTN_TRAIN_DQ": "atomic"},
-               "sagebwd_int8_sm90": {"LOWBIT_ATTN_BWD_KERNEL": "sm90"}}
+               "sagebwd_int8_sm90": {"LOWBIT_ATTN_BWD_KERNEL": "sm90"},
+               "sagebwd_int8_per_row_sm90": {"LOWBIT_ATTN_BWD_KERNEL": "sm90"}}
 
 
 def train_ops(batch, heads, n, d, causal) -> float:

@@ -20,13 +20,12 @@
 # train: the trainable attention in one call of at most 450 s (TOTAL_BUDGET): GPU tests -k trainable
 # (at most TEST_TIMEOUT_TRAIN, default 120 s; the sm90 backward loops' among them), then
 # benchmarks/bench_train.py (TRAIN_ARGS, default --quick --dims 128,64 and the methods SDPA flash,
-# SDPA cuDNN, sagebwd_int8, sagebwd_int8_per_row and sagebwd_int8_sm90: the Triton backward with
-# per-tile and per-row P and dS, and the Gluon loops LOWBIT_ATTN_BWD_KERNEL=sm90; forward +
-# backward, peak memory, gradient cosines), then benchmarks/probes/train_speed.py in the last
-# RESERVE seconds (default 150): each launch of a forward + backward alone against its floor over
-# the card's measured INT8/bf16 ceilings, every autotuning candidate forced, each compiled
-# variant's registers, spills and wgmma forms, and the per-row backward on the Triton kernels
-# against the sm90 loops, launch by launch.
+# SDPA cuDNN, sagebwd_int8 and sagebwd_int8_per_row on the Triton backward and on the Gluon loops
+# LOWBIT_ATTN_BWD_KERNEL=sm90 (…_sm90); forward + backward, peak memory, gradient cosines), then
+# benchmarks/probes/train_speed.py in the last RESERVE seconds (default 150): each launch of a
+# forward + backward alone against its floor over the card's measured INT8/bf16 ceilings, every
+# autotuning candidate forced, each compiled variant's registers, spills and wgmma forms, and the
+# backward on the sm90 loops, whole and launch by launch.
 # hopper: the INT8/FP8 forward's speed work (the 8-bit forward's GPU tests, then bench_hopper.py:
 # every autotuning candidate, Q quantized in the kernel or in a pass, the two stages apart, against
 # SDPA cuDNN bf16 at D=64,128, N=1k,8k,16k, causal and not; HOPPER_ARGS adds options, e.g. --quick).
@@ -217,7 +216,7 @@ with_probe() {
 # shellcheck disable=SC2086  # TRAIN_ARGS, VSA_ARGS: options split on spaces
 [[ "$STAGE" == train ]] && TEST_TIMEOUT="${TEST_TIMEOUT_TRAIN:-120}" with_probe \
     "trainable attention" trainable benchmarks/bench_train.py benchmarks/probes/train_speed.py \
-    train 150 ${TRAIN_ARGS:---quick --dims 128,64 --methods sdpa_flash,sdpa_cudnn,sagebwd_int8,sagebwd_int8_per_row,sagebwd_int8_sm90}
+    train 150 ${TRAIN_ARGS:---quick --dims 128,64 --methods sdpa_flash,sdpa_cudnn,sagebwd_int8,sagebwd_int8_sm90,sagebwd_int8_per_row,sagebwd_int8_per_row_sm90}
 # shellcheck disable=SC2086
 [[ "$STAGE" == vsa ]] && TEST_TIMEOUT="${TEST_TIMEOUT_VSA:-120}" tests_then_bench \
     "video sparse attention" "vsa or video" benchmarks/bench_vsa.py ${VSA_ARGS:---sparsities 0.875,0.5}

@@ -400,9 +400,10 @@ def _needs_sm90():
                                            ((2, 8, 4, 700, 900, 64), False),
                                            ((1, 4, 4, 4096, 4096, 128), False)],
                          ids=["D128-causal-GQA", "D64-full-GQA", "D128-N4k"])
-def test_trainable_sm90_backward_matches_the_twin(monkeypatch, shape, causal):
+@pytest.mark.parametrize("granularity", ["per_tile", "per_row"])
+def test_trainable_sm90_backward_matches_the_twin(monkeypatch, shape, causal, granularity):
     """The sm90 loops (Δ, dK/dV, dQ) on the GPU against the twin computed on the same operands
-    (per-row P and dS); the CPU model checks the same code bit for bit."""
+    (P and dS per tile and per row); the CPU model checks the same code bit for bit."""
     from lowbit_attn.core.recipes import resolve_train
     from lowbit_attn.training import kernel_bwd, kernel_bwd_sm90, naive as ref
     from lowbit_attn.training.prepare import prepare, prepare_grad
@@ -413,7 +414,7 @@ def test_trainable_sm90_backward_matches_the_twin(monkeypatch, shape, causal):
     q, k, v = channel_biased((b, hq, nq, d), (b, hkv, nk, d), seed=6, dtype=torch.bfloat16,
                              device="cuda")
     do = torch.randn_like(q)
-    r = resolve_train("sagebwd_int8").replace(backward_granularity="per_row")
+    r = resolve_train("sagebwd_int8").replace(backward_granularity=granularity)
     offset = nk - nq if causal else None
     ops = prepare(q, k, v, r, d ** -0.5, "triton")
     grad = prepare_grad(do, r, "triton")
@@ -437,9 +438,8 @@ def test_trainable_sm90_public_call_meets_the_bars(monkeypatch):
     q, k, v = (x.cuda() for x in FAMILIES["channel_bias_k"](g, 1, 4, 4, 4096, 4096, 128,
                                                              torch.bfloat16))
     do = torch.randn_like(q)
-    recipe = lowbit_attn.TRAIN_RECIPES["sagebwd_int8"].replace(backward_granularity="per_row")
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-    out = lowbit_attn.trainable_attention(*leaves, recipe=recipe, is_causal=True)
+    out = lowbit_attn.trainable_attention(*leaves, is_causal=True)
     got = (out, *torch.autograd.grad(out, leaves, do))
     exact = [x.double().requires_grad_() for x in (q, k, v)]
     ref = torch.nn.functional.scaled_dot_product_attention(*exact, is_causal=True)

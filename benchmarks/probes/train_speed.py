@@ -9,9 +9,10 @@ Per (N, causal), B = 2, H = 16, D = 128, bf16, ``sagebwd_int8``:
   candidate forced (warps × stages);
 - each compiled variant's facts from the GPU's own compile: registers, spills, and its wgmma
   forms (N < 64 marked);
-- the backward again with P and dS per row (``backward_granularity="per_row"``): on the Triton
-  kernels, then on the Gluon loops for Hopper (``LOWBIT_ATTN_BWD_KERNEL=sm90``,
-  ``training/kernel_bwd_sm90.py``) whole and launch by launch against the same floors.
+- the backward on the Gluon loops for Hopper (``LOWBIT_ATTN_BWD_KERNEL=sm90``,
+  ``training/kernel_bwd_sm90.py``) whole and launch by launch against the same floors, with P
+  and dS per tile (the recipe's) and per row (``backward_granularity="per_row"``, whole: on the
+  Triton kernels and on the sm90 loops).
 """
 import re
 import sys
@@ -116,17 +117,18 @@ def floor_of(name: str, u: float, int8_peak: float, bf16_peak: float) -> float:
 
 def sm90(ops, grad, lse, dq, dk, dv, offset, scale, recipe, q, k, v, do, u, int8_peak,
          bf16_peak) -> None:
-    """The backward with per-row P and dS: the Triton kernels, then the sm90 loops."""
+    """The backward on the sm90 loops, whole (per tile and per row, beside the Triton kernels)
+    and launch by launch (the recipe's granularity)."""
     from lowbit_attn.core import triton_support
 
-    per_row = recipe.replace(backward_granularity="per_row")
-    ops = prepare(q, k, v, per_row, scale, "triton")
-    grad = prepare_grad(do, per_row, "triton")
-    for kernel in ("triton", "sm90"):
-        t = do_bench(lambda: kernel_bwd.backward(ops, grad, lse, dq, dk, dv, causal_offset=offset,
-                                                 softmax_scale=scale, mode="recompute",
-                                                 kernel=kernel)) * 1e3
-        print(f"  per-row backward, {kernel} kernels: {t:.1f} us", flush=True)
+    for granularity in ("per_tile", "per_row"):
+        r = recipe.replace(backward_granularity=granularity)
+        ops_g, grad_g = prepare(q, k, v, r, scale, "triton"), prepare_grad(do, r, "triton")
+        for kernel in ("triton", "sm90"):
+            t = do_bench(lambda: kernel_bwd.backward(
+                ops_g, grad_g, lse, dq, dk, dv, causal_offset=offset, softmax_scale=scale,
+                mode="recompute", kernel=kernel)) * 1e3
+            print(f"  backward, P and dS {granularity}, {kernel} kernels: {t:.1f} us", flush=True)
     if torch.cuda.get_device_capability() != (9, 0) or not triton_support.gluon_available("hopper"):
         print("  (the sm90 loops need sm_90 and Gluon's Hopper API: the Triton kernels ran)")
         return

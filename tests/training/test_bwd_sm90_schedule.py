@@ -48,16 +48,21 @@ SHAPES = [
 
 
 def operands(b, hq, hkv, nq, nk, d, *, causal_offset=None, balance=False,
-             dtype=torch.bfloat16):
-    """``(ops, grad, lse, scale)`` for a per-row SageBwd backward, prepared by the twin."""
+             dtype=torch.bfloat16, granularity="per_row", negative=False):
+    """``(ops, grad, lse, scale)`` for a SageBwd backward with P and dS per ``granularity``,
+    prepared by the twin; ``negative``: scores below 0 (Q against K's channel bias, K not
+    smoothed), so that a key past the end (its score 0) would have the tile's largest P."""
     g = torch.Generator().manual_seed(nq + 7 * nk + d)
-    q = torch.randn(b, hq, nq, d, generator=g).to(dtype)
-    k = (torch.randn(b, hkv, nk, d, generator=g)
-         + 3 * torch.randn(b, hkv, 1, d, generator=g)).to(dtype)
+    bias = 3 * torch.randn(b, hkv, 1, d, generator=g)
+    q = torch.randn(b, hq, nq, d, generator=g)
+    if negative:
+        q = q - bias.repeat_interleave(hq // hkv, 1)
+    q = q.to(dtype)
+    k = (torch.randn(b, hkv, nk, d, generator=g) + bias).to(dtype)
     v = torch.randn(b, hkv, nk, d, generator=g).to(dtype)
     do = torch.randn(b, hq, nq, d, generator=g).to(dtype)
-    recipe = resolve_train("sagebwd_int8", balance_qk=balance).replace(
-        backward_granularity="per_row")
+    recipe = resolve_train("sagebwd_int8", balance_qk=balance, smooth_k=not negative).replace(
+        backward_granularity=granularity)
     scale = d ** -0.5
     ops = prepare(q, k, v, recipe, scale, "reference")
     grad = prepare_grad(do, recipe, "reference")
@@ -93,8 +98,11 @@ def check_bits(shape, causal_offset, **kw):
 
 @pytest.mark.parametrize("b,hq,hkv,nq,nk,d,offset", SHAPES)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_backward_equals_the_twin_bit_for_bit(b, hq, hkv, nq, nk, d, offset, causal):
-    check_bits((b, hq, hkv, nq, nk, d), offset_of(nq, nk, causal, offset))
+@pytest.mark.parametrize("granularity", ["per_row", "per_tile"])
+def test_backward_equals_the_twin_bit_for_bit(b, hq, hkv, nq, nk, d, offset, causal,
+                                              granularity):
+    check_bits((b, hq, hkv, nq, nk, d), offset_of(nq, nk, causal, offset),
+               granularity=granularity)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -145,9 +153,8 @@ MUTATIONS = [
      "gl.max(x, 1)", "any"),
     ("dV-scale-of-dK", k90._dkdv_step, "ps * gl.load(scales + 1)", "ps * gl.load(scales + 2)",
      "wrong"),
-    ("causal-diagonal-off-by-one", k90._dkdv_step,
-     "<= gl.expand_dims(queries, 0) + causal_offset",
-     "< gl.expand_dims(queries, 0) + causal_offset", "wrong"),
+    ("causal-diagonal-off-by-one", k90._dkdv_step, "<= gl.expand_dims(queries, 0) + shift",
+     "< gl.expand_dims(queries, 0) + shift", "wrong"),
     ("first-unmasked-tile-one-early", k90._dkdv_sm90_kernel,
      "gl.cdiv(gl.maximum(last_key - causal_offset, 0), _BQ)",
      "gl.maximum(last_key - causal_offset, 0) // _BQ", "wrong"),
@@ -160,10 +167,15 @@ MUTATIONS = [
      "qrows * sdn, delta_acc * 0.0, mask=valid", "wrong"),
     ("parked-channels-not-stored-back", k90._dkdv_step, "            more_k.store(",
      "            more_k.load(", "any"),
+    ("per-tile-keys-past-the-end-seen", k90._dkdv_step, "layout=c_rows.type.layout) < n_keys",
+     "layout=c_rows.type.layout) >= 0", "any"),
+    ("per-tile-dQ-rows-past-the-end-seen", k90._dq_sm90_kernel,
+     'mask=valid, other=float("inf"))', "mask=valid, other=0.0)", "wrong"),
 ]
-MUTATION_CASES = [  # (shape, causal offset)
-    ((1, 2, 1, 150, 300, 128), 150),
-    ((2, 4, 2, 77, 200, 64), None),
+MUTATION_CASES = [  # (shape, causal offset, options)
+    ((1, 2, 1, 150, 300, 128), 150, {}),
+    ((2, 4, 2, 77, 200, 64), None, {}),
+    ((1, 2, 1, 150, 300, 64), None, dict(granularity="per_tile", negative=True)),
 ]
 
 
@@ -171,8 +183,8 @@ def outcome(jit, old, new) -> str:
     """How the check answers the mutated kernel over ``MUTATION_CASES``: the first failure's
     kind, or "passes"."""
     def each():
-        for shape, co in MUTATION_CASES:
-            ops, grad, lse, scale = operands(*shape, causal_offset=co)
+        for shape, co, kw in MUTATION_CASES:
+            ops, grad, lse, scale = operands(*shape, causal_offset=co, **kw)
             want = twin(ops, grad, lse, scale, co)
             got, _ = on_cpu(ops, grad, lse, scale, co, overrides={jit.fn: mutant(jit, old, new)})
             yield list(zip(got, want))
@@ -191,7 +203,6 @@ def test_the_unmutated_kernels_pass_the_mutation_cases():
 
 @pytest.mark.parametrize("change, reason", [
     (dict(mode="atomic"), "dQ by 'atomic'"),
-    (dict(granularity="per_tile"), "per tile"),
     (dict(int8=("dp",)), "INT8 matmuls"),
     (dict(smooth_q=True), "Q smoothing"),
     (dict(d=32), "head dim 32"),

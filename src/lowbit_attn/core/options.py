@@ -14,7 +14,7 @@ from the environment once per call by the custom op that needs it and passed dow
 - ``LOWBIT_ATTN_BWD_KERNEL``: ``triton`` (default: the Triton backward kernels) or ``sm90`` (the
   Gluon backward loops for Hopper, ``training/kernel_bwd_sm90.py``: 128 keys per program on two
   warpgroups, the score tile transposed, INT8 P and dS from registers; where it applies: a CUDA
-  device of capability 9.0, the trainable attention with ``backward_granularity="per_row"``,
+  device of capability 9.0, the trainable attention (P and dS per tile or per row),
   INT8 Q·Kᵀ, dV, dK and dQ, 16-bit dP, no Q smoothing, D = 64 or 128, dQ by ``recompute``; and
   video sparse attention's 16-bit fine stage, 64-token tiles, D = 64 or 128, the same loops
   over its tile lists; the Triton kernels elsewhere). No GPU has run it: not the default; on a

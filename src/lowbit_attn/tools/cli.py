@@ -91,7 +91,7 @@ def _add_inspect(sub) -> None:
                    "qk_int8_pv_fp16, D 64 or 128, 128-key blocks) with per-thread and per-token "
                    "scales, each with its gate (P̃·V from registers, no shared-memory store in "
                    "the loop, no spills, at most 8.0 instructions per score, at least 2 CTAs "
-                   "per SM); with --recipe sagebwd_int8 (per-row P and dS) or vsa, sm90 also "
+                   "per SM); with --recipe sagebwd_int8 or vsa, sm90 also "
                    "means the Gluon backward loops for sm_90a (LOWBIT_ATTN_BWD_KERNEL=sm90), "
                    "each with its issue and tensor cycles per tile")
     p.add_argument("--json", action="store_true", help="print the reports as JSON")
@@ -448,8 +448,8 @@ def _inspect_sm90(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 
 
 def _inspect_bwd_sm90(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """``inspect --kernel sm90`` with ``--recipe sagebwd_int8`` (with ``backward_granularity=
-    "per_row"``, the one these kernels take) or ``--recipe vsa``: every kernel of one call with
+    """``inspect --kernel sm90`` with ``--recipe sagebwd_int8`` or ``--recipe vsa``: every kernel
+    of one call with
     the Gluon backward loops for Hopper (``LOWBIT_ATTN_BWD_KERNEL=sm90``), each with the
     training/VSA gate, and the loops' issue and tensor cycles per tile (``tools/bwd_gates.py``)."""
     import torch
@@ -470,10 +470,11 @@ def _inspect_bwd_sm90(args: argparse.Namespace, parser: argparse.ArgumentParser)
         reports = _compile_vsa(args, parser, bwd_kernel="sm90")
         heading = f"{VSA} fine stage for {args.arch}, Gluon backward (head dim {args.head_dim}, "
     else:
-        recipe = TRAIN_RECIPES[args.recipe].replace(backward_granularity="per_row")
+        recipe = TRAIN_RECIPES[args.recipe]
         reports = aot.compile_train(recipe, args.arch, head_dim=args.head_dim, causal=args.causal,
                                     dtype=dtype, config=args.config, bwd_kernel="sm90")
-        heading = (f"{recipe.name} (backward_granularity=per_row) for {args.arch}, Gluon backward "
+        heading = (f"{recipe.name} (P and dS {recipe.backward_granularity.replace('_', ' ')}) for "
+                   f"{args.arch}, Gluon backward "
                    f"(head dim {args.head_dim}, {mode}, ")
     gates = [bwd_gates.gates(r) if r.kernel in bwd_gates.KERNELS else None for r in reports]
     code = _show_gated(args, heading + f"{args.dtype})", reports, gates, [""] * len(reports),

@@ -1333,7 +1333,7 @@ def _tcgen05_commit(barrier):
 
 
 def _inline_asm_elementwise(asm, constraints, args, dtype, is_pure, pack):
-    """Three conversions only. The hardware E2M1 conversion (``quant.fp4.E2M1X2_PTX``, four
+    """Three conversions and a read of the grid index only. The hardware E2M1 conversion (``quant.fp4.E2M1X2_PTX``, four
     ``cvt.rn.satfinite.e2m1x2.f32``): byte ``i`` = ``code(lo_i) | code(hi_i) << 4`` with the
     twin's ``quant.fp4_naive.e2m1_code`` (its RNE and saturation are the instruction's for every
     non-NaN input: tests/quant/test_fp4.py; a NaN's code is the hardware's, not modelled). And the
@@ -1343,7 +1343,9 @@ def _inline_asm_elementwise(asm, constraints, args, dtype, is_pure, pack):
     (``training.kernel_bwd_sm90.RNE_S8X4_PTX``, ``fma.rn`` with 1.5·2^23 and the low bytes): the
     exact product ``x·r`` rounded half to even, as int8 (two's complement of the integer); NaN
     gives -1 and ±Inf 0 (the low bytes of 0x7FFFFFFF and 0x7F800000); a finite product of 2^22
-    or more is not modelled."""
+    or more gives the low byte of ``x·r + 1.5·2^23`` rounded to fp32 through float64 (the
+    kernel sends it only to rows whose products nothing reads). And ``CTAID_Y_PTX`` of the same
+    module: the program's index along the grid's second axis."""
     from lowbit_attn.quant.fp4 import E2M1X2_CONSTRAINTS, E2M1X2_PTX
     from lowbit_attn.quant.fp4_naive import e2m1_code
 
@@ -1355,15 +1357,18 @@ def _inline_asm_elementwise(asm, constraints, args, dtype, is_pure, pack):
         from lowbit_attn.quant.int8_naive import to_e4m3
 
         return to_e4m3(x).view(torch.int8)
+    if form == _ctaid_y_form():
+        return torch.tensor(_machine().pid[1], dtype=torch.int32)
     if form == _rne_s8x4_form():
         x, r = (_t(a) for a in args)
         if x.dtype != torch.float32 or r.dtype != torch.float32:
             raise ScheduleError("the INT8 conversion takes fp32 values and reciprocals")
         y = torch.round(x.double() * r.double())
         finite = torch.isfinite(y)
-        if bool((finite & (y.abs() >= 2 ** 22)).any()):
-            raise NotModeled("the INT8 conversion of a product of 2^22 or more")
-        low = torch.where(finite, y, 0.0).to(torch.int64) & 0xFF
+        big = finite & (y.abs() >= 2 ** 22)
+        wide = (x.double() * r.double() + 12582912.0).float().view(torch.int32).to(torch.int64)
+        low = torch.where(finite & ~big, y, 0.0).to(torch.int64) & 0xFF
+        low = torch.where(big, wide & 0xFF, low)
         low = torch.where(torch.isnan(y), 0xFF, low)
         return ((low ^ 0x80) - 0x80).to(torch.int8)
     if form != (E2M1X2_PTX.value, E2M1X2_CONSTRAINTS.value, 4, torch.uint8):
@@ -1382,6 +1387,14 @@ def _e4m3x4_form() -> tuple:
     from lowbit_attn.inference.gluon_blocks import E4M3X4_CONSTRAINTS, E4M3X4_PTX
 
     return E4M3X4_PTX.value, E4M3X4_CONSTRAINTS.value, 4, torch.int8
+
+
+def _ctaid_y_form() -> tuple:
+    """``training.kernel_bwd_sm90``'s read of the grid's second index (``CTAID_Y_PTX``): the
+    program id along axis 1."""
+    from lowbit_attn.training.kernel_bwd_sm90 import CTAID_Y_PTX
+
+    return CTAID_Y_PTX.value, "=r", 1, torch.int32
 
 
 def _rne_s8x4_form() -> tuple:

@@ -1,5 +1,5 @@
 """The attention backward's dK/dV loop for Hopper (sm_90a), in Gluon: one loop for the trainable
-INT8 attention (SageBwd, ``TrainRecipe.backward_granularity="per_row"``) and for video sparse
+INT8 attention (SageBwd, P and dS per tile or per row: ``TrainRecipe.backward_granularity``) and for video sparse
 attention's 16-bit fine stage (the same loop over a block-sparse list of query tiles).
 
 One program holds a block of keys, 64 per consumer warpgroup (``NUM_WG`` warpgroups: 2, 128 keys,
@@ -12,7 +12,7 @@ tile transposed, keys × queries, so that Pᵀ and dSᵀ are the A operands of `
    ``Sᵀ = K·Qᵀ`` (INT8, or 16-bit) and ``dPᵀ = V·dOᵀ`` (16-bit), both asynchronous;
 2. ``P = exp2(Sᵀ·s_q·s_k - LSE)`` while dPᵀ runs, then ``dS = P ∘ (dP - Δ)``;
 3. INT8: P and dS quantized per row (per key: the rows of the products' outputs; a row's amax is
-   its quad's, two shuffles), each value the exact product with the row's reciprocal scale
+   its quad's, two shuffles) or per 64×64 tile (the warpgroup's, across its warps), each value the exact product with the row's reciprocal scale
    rounded half to even and four packed to a register by one inline-PTX sequence
    (:data:`RNE_S8X4_PTX`: no conversion instruction), in the A fragment's order
    (``gluon_blocks.a_fragment_order``); the B operands, dO and Q, come token-major with their
@@ -22,13 +22,13 @@ tile transposed, keys × queries, so that Pᵀ and dSᵀ are the A operands of `
    accumulators times the row's scale and the operand's (``r·(s_row·s_b)``); 16-bit products
    accumulate in the wgmma.
 
-Masks: keys past the end are rows of their own (their dK and dV are not stored, and per-row
-scales keep them out of every other row); queries past the end, or past a VSA tile's count, get
+Masks: keys past the end are rows of their own (their dK and dV are not stored, and they are
+kept out of every other row's scale); queries past the end, or past a VSA tile's count, get
 ``LSE = +inf`` (P = 0 there: their Q and dO read as zeros); the causal diagonal is masked in the
 query tiles that cross it.
 
 Numerics: those of the twins, bit for bit on the CPU model (``tools/gluon_cpu.py``):
-``training.naive.backward`` with ``backward_granularity="per_row"`` (given its Δ) and
+``training.naive.backward`` (either granularity) and
 ``vsa.naive.fine_backward_tiles``. Written for the Gluon Hopper API of the Triton series
 ``core.triton_support.GLUON_SERIES["hopper"]`` names. Opt-in (``LOWBIT_ATTN_BWD_KERNEL=sm90``):
 no GPU has run it yet.
@@ -58,7 +58,7 @@ from lowbit_attn.inference.gluon_blocks import (
     a_fragment_order, check_tma_operands, cta_barrier, tma_load,
 )
 
-BQ = 64  # queries per tile (the per-row scales' group along the contracted dimension)
+BQ = 64  # queries per tile (the scales' group along the contracted dimension)
 WG_KEYS = 64  # keys per consumer warpgroup
 HEAD_DIMS = (64, 128)
 _BQ = gl.constexpr(BQ)
@@ -85,6 +85,8 @@ RNE_S8X4_PTX = gl.constexpr(
     "prmt.b32 t2, t2, t3, 0x0040;\n"
     "prmt.b32 $0, t0, t2, 0x5410; }")
 RNE_S8X4_CONSTRAINTS = gl.constexpr("=r,r,r,r,r,r,r,r,r")
+# The program's second grid index (``gl.program_id(1)``), read again where it is needed
+CTAID_Y_PTX = gl.constexpr("mov.u32 $0, %ctaid.y;")
 
 
 @gluon.jit
@@ -93,12 +95,24 @@ def _max_nan(a, b):
 
 
 @gluon.jit
-def quantize_rows(x, a_layout: gl.constexpr):
+def quantize_rows(x, a_layout: gl.constexpr, PER_TILE: gl.constexpr, rows_in_tile):
     """fp32 ``x [M, 64]`` in a wgmma accumulator's layout → ``(A operand, scales [M])``: INT8 with
-    one scale ``max(amax, 2^-100)/127`` per row (NaN propagates), each value ``x·(1/scale)``
-    rounded half to even, in ``a_layout`` and :func:`~lowbit_attn.inference.gluon_blocks.
-    a_fragment_order`. Twin: ``training.naive.quantize_tiles(granularity="per_row")``."""
+    one scale ``max(amax, 2^-100)/127`` per row (NaN propagates), or with ``PER_TILE`` one per
+    64×64 tile (each warpgroup's rows); each value the exact product ``x·(1/scale)`` rounded
+    half to even, in ``a_layout`` and :func:`~lowbit_attn.inference.gluon_blocks.
+    a_fragment_order`. Twin: ``training.naive.quantize_tiles`` (an Inf in a tile gives its scale
+    Inf here, NaN there: the tile's products are not finite either way). ``rows_in_tile``
+    (``PER_TILE``; None: all): the rows that set the tile's scale (the others, rows of their own
+    whose products nothing reads, take it too)."""
     amax = gl.reduce(gl.abs(x), 1, _max_nan)
+    if PER_TILE:  # the warpgroup's largest: through shared memory, across its four warps
+        if rows_in_tile is not None:
+            amax = gl.where(rows_in_tile, amax, 0.0)
+        rows: gl.constexpr = amax.type.layout
+        m: gl.constexpr = x.shape[0]
+        per_wg = gl.reshape(amax, [m // 64, 64])
+        tile = gl.expand_dims(gl.reduce(per_wg, 1, _max_nan), 1)
+        amax = gl.convert_layout(gl.reshape(gl.broadcast(tile, per_wg)[0], [m]), rows)
     amax = gl.where(amax < _FLOOR, _FLOOR, amax)  # NaN stays NaN
     scale = amax * (1.0 / 127.0)
     inverse = gl.convert_layout(gl.div_rn(1.0, scale), gl.SliceLayout(1, a_layout))
@@ -167,9 +181,9 @@ def _int8_product(a, b, acc, scale, zero):
 
 
 @gluon.jit
-def _dkdv_step(i, t, nxt, more, acc, rows, causal_offset, bufs, descs, LD, zeros,
+def _dkdv_step(i, t, nxt, more, acc, rows, bufs, descs, LD, zeros,
                a_layout: gl.constexpr, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr,
-               INT8: gl.constexpr, BLOCK_D: gl.constexpr):
+               INT8: gl.constexpr, BLOCK_D: gl.constexpr, PER_TILE: gl.constexpr):
     """Query tile ``t`` (the ``i``-th of the program: stage ``i % 2``): ``acc = (dV, dK)`` with
     its share added (INT8 at D = 128: their first 64 channels; the other 64 are in ``park``, in
     shared memory); the operands of tile ``nxt`` requested where ``more``. ``rows``: ``(key
@@ -177,7 +191,7 @@ def _dkdv_step(i, t, nxt, more, acc, rows, causal_offset, bufs, descs, LD, zeros
     k_smem, v_smem, q_smem, do_smem, qt_smem, dot_smem, ld_smem, ld_bars, park = bufs
     ld_row, ld_plane = descs[7], descs[8]
     zero_s, zero_p, zero_o = zeros
-    krows, c_rows = rows
+    c_rows, n_keys, shift = rows
     dv, dk = acc
     stage = i & 1
     s_tok, dp_tok = _scores_and_dp(i, ld_bars, k_smem, q_smem.index(stage), v_smem,
@@ -196,11 +210,11 @@ def _dkdv_step(i, t, nxt, more, acc, rows, causal_offset, bufs, descs, LD, zeros
         c = c_rows * gl.load(scales)
     s = gl.convert_layout(warpgroup_mma_wait(1, deps=[s_tok]).to(gl.float32), p_layout)
     x = gl.fma(s, gl.expand_dims(c, 1), -gl.expand_dims(lse, 0))
-    if MASKED:
-        if IS_CAUSAL:
-            queries = t * _BQ + gl.arange(0, _BQ, layout=cols)
-            seen = gl.expand_dims(krows, 1) <= gl.expand_dims(queries, 0) + causal_offset
-            x = gl.where(seen, x, float("-inf"))
+    if MASKED and IS_CAUSAL:
+        queries = t * _BQ + gl.arange(0, _BQ, layout=cols)
+        krows = gl.arange(0, c_rows.shape[0], layout=c_rows.type.layout)  # from the first key
+        seen = gl.expand_dims(krows, 1) <= gl.expand_dims(queries, 0) + shift
+        x = gl.where(seen, x, float("-inf"))
     p = gl.exp2(x)
     dp = warpgroup_mma_wait(0, deps=[dp_tok])
     ds = p * (dp - gl.expand_dims(ld_smem.index(2 * stage + 1).load(cols), 0))
@@ -208,8 +222,10 @@ def _dkdv_step(i, t, nxt, more, acc, rows, causal_offset, bufs, descs, LD, zeros
         W: gl.constexpr = zero_o.shape[1]
         o_layout: gl.constexpr = zero_o.type.layout
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-        p8, ps = quantize_rows(p, a_layout)
-        ds8, dss = quantize_rows(ds, a_layout)
+        # keys past the end: rows of their own, outside the tile's scale
+        keys = gl.arange(0, c_rows.shape[0], layout=c_rows.type.layout) < n_keys
+        p8, ps = quantize_rows(p, a_layout, PER_TILE, keys)
+        ds8, dss = quantize_rows(ds, a_layout, PER_TILE, keys)
         sv = gl.convert_layout(ps * gl.load(scales + 1), o_rows)
         sk = gl.convert_layout(dss * gl.load(scales + 2), o_rows)
         dot = dot_smem.index(stage)
@@ -241,7 +257,7 @@ def _dkdv_sm90_kernel(
     ks_strides, dk_strides, dv_strides, bal_strides, ridx_strides, rcnt_strides,
     NQ, NK, HKV, GROUP, LD_N, LD_PLANE, causal_offset, softmax_scale, qk_scale,
     IS_CAUSAL: gl.constexpr, INT8: gl.constexpr, SPARSE: gl.constexpr, HAS_BAL: gl.constexpr,
-    BLOCK_D: gl.constexpr, NUM_WG: gl.constexpr,
+    BLOCK_D: gl.constexpr, NUM_WG: gl.constexpr, PER_TILE: gl.constexpr,
 ):
     """dK and dV of one block of ``64·NUM_WG`` keys of one (batch, K/V head). TMA descriptors
     (:func:`descriptors`) over contiguous ``[B, H, N, D]`` tensors seen as ``[B·H·N, D]`` rows
@@ -309,7 +325,7 @@ def _dkdv_sm90_kernel(
         park.index(1).store(dv)
     bufs = (k_smem, v_smem, q_smem, do_smem, qt_smem, dot_smem, ld_smem, ld_bars, park)
     zeros = (zero_s, zero_p, zero_o)
-    rows = (krows, c_rows)
+    rows = (c_rows, NK - k0, causal_offset - k0)
 
     nqb = gl.cdiv(NQ, _BQ)
     lo = 0
@@ -340,17 +356,20 @@ def _dkdv_sm90_kernel(
             for s in range(0, n):
                 t = gl.load(tiles + s * srk)
                 nxt = gl.load(tiles + (s + 1) * srk, mask=s + 1 < n, other=0)
-                acc = _dkdv_step(i, t, nxt, s + 1 < n, acc, rows, causal_offset, bufs, descs,
-                                 LD, zeros, a_layout, False, False, INT8, BLOCK_D)
+                acc = _dkdv_step(i, t, nxt, s + 1 < n, acc, rows, bufs, descs,
+                                 LD, zeros, a_layout, False, False, INT8, BLOCK_D,
+                                 PER_TILE)
                 i += 1
         else:
             for t in range(lo, first_full):
-                acc = _dkdv_step(i, t, t + 1, t + 1 < n, acc, rows, causal_offset, bufs, descs,
-                                 LD, zeros, a_layout, True, IS_CAUSAL, INT8, BLOCK_D)
+                acc = _dkdv_step(i, t, t + 1, t + 1 < n, acc, rows, bufs, descs,
+                                 LD, zeros, a_layout, True, IS_CAUSAL, INT8, BLOCK_D,
+                                 PER_TILE)
                 i += 1
             for t in range(first_full, n):
-                acc = _dkdv_step(i, t, t + 1, t + 1 < n, acc, rows, causal_offset, bufs, descs,
-                                 LD, zeros, a_layout, False, IS_CAUSAL, INT8, BLOCK_D)
+                acc = _dkdv_step(i, t, t + 1, t + 1 < n, acc, rows, bufs, descs,
+                                 LD, zeros, a_layout, False, IS_CAUSAL, INT8, BLOCK_D,
+                                 PER_TILE)
                 i += 1
 
     mbarrier.invalidate(kv_bar)
@@ -373,7 +392,7 @@ def _dkdv_sm90_kernel(
 def _dq_step(j, kt, nxt, more, acc, rows, causal_offset, nk, bufs, descs, scales, zeros,
              a_layout: gl.constexpr, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr,
              INT8: gl.constexpr, SPARSE: gl.constexpr, DELTA_PASS: gl.constexpr,
-             BLOCK_D: gl.constexpr):
+             BLOCK_D: gl.constexpr, PER_TILE: gl.constexpr):
     """Key tile ``kt`` (the ``j``-th of the program: stage ``j % 2``) of the program's queries:
     ``acc = (dQ, dQ', Δ)`` with its share added (``DELTA_PASS``: Δ only; INT8 at D = 128: dQ's
     two chunks of 64 channels, else the second is the first, untouched); the operands of tile
@@ -417,7 +436,7 @@ def _dq_step(j, kt, nxt, more, acc, rows, causal_offset, nk, bufs, descs, scales
         if INT8:
             W: gl.constexpr = zero_o.shape[1]
             o_rows: gl.constexpr = gl.SliceLayout(1, zero_o.type.layout)
-            ds8, dss = quantize_rows(ds, a_layout)
+            ds8, dss = quantize_rows(ds, a_layout, PER_TILE, None)
             sq = gl.convert_layout(dss * gl.load(KDQS + kt * sksn), o_rows)
             kt_tile = kt_smem.index(stage)
             dq0 = _int8_product(ds8, kt_tile.slice(0, W).permute((1, 0)), dq0, sq, zero_o)
@@ -456,6 +475,7 @@ def _dq_sm90_kernel(
     NQ, NK, HQ, GROUP, KK, causal_offset, softmax_scale, qk_scale,
     IS_CAUSAL: gl.constexpr, INT8: gl.constexpr, SPARSE: gl.constexpr, HAS_BAL: gl.constexpr,
     DELTA_PASS: gl.constexpr, BLOCK_D: gl.constexpr, NUM_WG: gl.constexpr,
+    PER_TILE: gl.constexpr,
 ):
     """dQ of ``64·NUM_WG`` query rows of one (batch, query head) over key tiles of 64, or with
     ``DELTA_PASS`` their ``Δ_i = Σ_j P_ij·dP_ij`` (into ``DELTA``). Descriptors as in
@@ -505,7 +525,8 @@ def _dq_sm90_kernel(
         valid = slots < gl.load(CNT + pid_m)
     else:
         valid = qrows < NQ
-    lse = gl.load(LSE + b * slb + h * slh + qrows * sln, mask=valid, other=0.0)
+    # rows past the end: LSE +inf, P = 0 (the tile's scale, per tile, is the valid rows')
+    lse = gl.load(LSE + b * slb + h * slh + qrows * sln, mask=valid, other=float("inf"))
     lse = gl.where(lse == float("-inf"), 0.0, lse)  # a row that sees no key: P = exp2(-inf) = 0
     delta = gl.zeros([BM], gl.float32, layout=rows_p)
     if not DELTA_PASS:
@@ -538,7 +559,7 @@ def _dq_sm90_kernel(
             nxt = gl.load(tiles + (j + 1) * sik, mask=j + 1 < KK, other=0)
             acc = _dq_step(j, kt, nxt, j + 1 < KK, acc, rows, causal_offset, gl.load(CNT + kt),
                            bufs, descs, scales, zeros, a_layout, True, False, INT8, True,
-                           DELTA_PASS, BLOCK_D)
+                           DELTA_PASS, BLOCK_D, PER_TILE)
     else:
         full_hi, hi = key_block_bounds(NK, pid_m, causal_offset, IS_CAUSAL, BM, _BQ)
         n_full = full_hi // _BQ
@@ -548,11 +569,11 @@ def _dq_sm90_kernel(
         for j in range(0, n_full):
             acc = _dq_step(j, j, j + 1, j + 1 < n, acc, rows, causal_offset, NK, bufs, descs,
                            scales, zeros, a_layout, False, IS_CAUSAL, INT8, False, DELTA_PASS,
-                           BLOCK_D)
+                           BLOCK_D, PER_TILE)
         for j in range(n_full, n):
             acc = _dq_step(j, j, j + 1, j + 1 < n, acc, rows, causal_offset, NK, bufs, descs,
                            scales, zeros, a_layout, True, IS_CAUSAL, INT8, False, DELTA_PASS,
-                           BLOCK_D)
+                           BLOCK_D, PER_TILE)
 
     mbarrier.invalidate(q_bar)
     for j in gl.static_range(2):
@@ -583,10 +604,12 @@ def _store_rows(X, x_strides, H, GROUP, N, CNT, acc, BAL, bal_strides, d0, facto
     # than kept from the prologue through the loop (the loop needs every register)
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     acc = gl.convert_layout(acc * factor, layout)
-    # the program's rows and (batch, head) worked out again here, from other expressions than
-    # the prologue's: kept from there, they would be live (and spilled) through the loop
+    # the program's rows and (batch, head) worked out again here (the grid's second index read
+    # again by inline PTX, which the compiler does not merge with the prologue's read): kept from
+    # there, they would be live (and spilled) through the loop
     pid = gl.program_id(0)
-    pid_bh = gl.program_id(1)
+    pid_bh = gl.inline_asm_elementwise(CTAID_Y_PTX, "=r", [], dtype=gl.int32, is_pure=False,
+                                       pack=1)
     h = pid_bh % H
     b = ((pid_bh - h) // H).to(gl.int64)
     h = h.to(gl.int64)
@@ -674,9 +697,9 @@ def bwd_rows(lse: torch.Tensor, *, valid: torch.Tensor | None = None,
 
 
 def train_dkdv(q, k, v_dp, do_dp, q_dk, do_dv, k_scale, ld, dk, dv, *, balance, causal_offset,
-               softmax_scale) -> None:
+               softmax_scale, per_tile: bool = False) -> None:
     """The trainable attention's dK and dV (``dk``, ``dv`` ``[B, Hkv, Nk, D]``, any layout with a
-    unit stride along D), P and dS per row: INT8 ``q`` (for the scores) ``[B, Hq, Nq, D]`` and
+    unit stride along D), P and dS per row (or ``per_tile``): INT8 ``q`` (for the scores) ``[B, Hq, Nq, D]`` and
     ``k`` ``[B, Hkv, Nk, D]``, 16-bit ``v_dp`` and ``do_dp`` for dP (all contiguous), INT8
     ``q_dk`` and ``do_dv`` as :func:`permuted_token_major` made them, K's per-block scales
     ``k_scale``, ``ld`` the LSE, Δ and the other operands' per-block scales (:func:`bwd_rows`),
@@ -699,14 +722,14 @@ def train_dkdv(q, k, v_dp, do_dp, q_dk, do_dv, k_scale, ld, dk, dv, *, balance, 
         causal_offset=0 if causal_offset is None else int(causal_offset),
         softmax_scale=float(softmax_scale), qk_scale=1.0,
         IS_CAUSAL=causal_offset is not None, INT8=True, SPARSE=False,
-        HAS_BAL=balance is not None, BLOCK_D=d,
+        HAS_BAL=balance is not None, BLOCK_D=d, PER_TILE=per_tile,
     )
 
 
 def train_dq(q, k, v_dp, do_dp, k_dq, q_scale, k_scale, k_dq_scale, lse, delta, dq, *, balance,
-             causal_offset, softmax_scale, delta_pass: bool) -> None:
+             causal_offset, softmax_scale, delta_pass: bool, per_tile: bool = False) -> None:
     """The trainable attention's dQ (``dq [B, Hq, Nq, D]``, any layout with a unit stride along
-    D), dS per row, or with ``delta_pass`` its ``Δ`` into ``delta`` ``[B, Hq, Nq]`` (a view:
+    D), dS per row (or ``per_tile``), or with ``delta_pass`` its ``Δ`` into ``delta`` ``[B, Hq, Nq]`` (a view:
     :func:`bwd_rows`' second plane): INT8 ``q`` (for the scores) and ``k``, 16-bit ``v_dp`` and
     ``do_dp`` for dP (all contiguous), INT8 ``k_dq`` as :func:`permuted_token_major` made it,
     per-block scales of Q (times ``softmax_scale·log2 e``), K (scores) and K (dQ), the forward's
@@ -728,7 +751,7 @@ def train_dq(q, k, v_dp, do_dp, k_dq, q_scale, k_scale, k_dq_scale, lse, delta, 
         causal_offset=0 if causal_offset is None else int(causal_offset),
         softmax_scale=float(softmax_scale), qk_scale=1.0, IS_CAUSAL=causal_offset is not None,
         INT8=True, SPARSE=False, HAS_BAL=balance is not None, DELTA_PASS=delta_pass,
-        BLOCK_D=d, NUM_WG=2, num_warps=8,
+        BLOCK_D=d, NUM_WG=2, num_warps=8, PER_TILE=per_tile,
     )
 
 
@@ -737,8 +760,6 @@ def refusal(ops, grad, mode: str) -> str | None:
     ``GradOperands``) and dQ ``mode`` does not run on these kernels, or ``None`` when it does."""
     if mode != "recompute":
         return f"dQ by {mode!r}: these kernels recompute it (LOWBIT_ATTN_TRAIN_DQ=recompute)"
-    if ops.backward_granularity != "per_row":
-        return "P and dS per tile: these kernels quantize them per row (backward_granularity)"
     if not {"qk", "dv", "dk", "dq"} <= ops.int8 or "dp" in ops.int8:
         return f"INT8 matmuls {sorted(ops.int8)}: these kernels take Q·Kᵀ, dV, dK and dQ in INT8, dP in 16-bit"
     if ops.delta_s is not None or ops.q_mean is not None:
@@ -763,7 +784,8 @@ def launches(ops, grad, lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, d
     q, k = ops.q.contiguous(), ops.k.contiguous()
     v, do = ops.v_dp.contiguous(), grad.do_dp.contiguous()
     ld, delta = bwd_rows(lse, scales=(qs, grad.do_dv_scale, ops.q_dk_scale))
-    common = dict(balance=ops.balance, causal_offset=causal_offset, softmax_scale=softmax_scale)
+    common = dict(balance=ops.balance, causal_offset=causal_offset, softmax_scale=softmax_scale,
+                  per_tile=ops.backward_granularity == "per_tile")
     dq_args = (q, k, v, do, permuted_token_major(ops.k_dq), qs, ops.k_scale, ops.k_dq_scale, lse,
                delta, dq)
     dkdv_args = (q, k, v, do, permuted_token_major(ops.q_dk), permuted_token_major(grad.do_dv),
@@ -815,6 +837,7 @@ def vsa_backward(qt, kt, vt, dot, lse, delta, idx, counts, dq, dk, dv, *, scale:
     rows = lambda x: x.reshape(x.shape[0], x.shape[1], n, d)  # noqa: E731
     q, k, v, do = (rows(x) for x in (qt, kt, vt, dot))
     flat = dict(SPARSE=True, INT8=False, HAS_BAL=False, BLOCK_D=d, NUM_WG=1, num_warps=4,
+                PER_TILE=False,
                 causal_offset=0, softmax_scale=float(scale), qk_scale=qk_scale,
                 IS_CAUSAL=False, BAL=None, bal_strides=(0, 0, 0), CNT=counts)
     _dkdv_sm90_kernel[(nt, b * hkv)](

@@ -107,10 +107,10 @@ def quantize_tiles(x: torch.Tensor, int8: bool, dtype: torch.dtype, granularity:
     ``"query"``, ``[..., Nq, Nk/64]`` (per query, for each key block) for ``"key"``; ``x``'s tile
     is ``values·scale`` (partial tiles: the first rows and columns of one). INT8: ``granularity``
     ``"per_tile"``, one scale ``max(amax, 2^-100)/127`` per tile (NaN/Inf poison it; the same for
-    every row), each value ``x·(1/scale)`` rounded to an integer (the fp32 product first); or
-    ``"per_row"``, one scale per row of the output (the amax over the contracted dimension, NaN
-    propagating), each value the exact product ``x·(1/scale)`` rounded half to even (as one fused
-    multiply-add rounds it). 16-bit: ``x`` rounded to ``dtype``, scales of 1."""
+    every row), or ``"per_row"``, one scale per row of the output (the amax over the contracted
+    dimension, NaN propagating); each value the exact product ``x·(1/scale)`` rounded half to
+    even (as one fused multiply-add rounds it). 16-bit: ``x`` rounded to ``dtype``, scales of
+    1."""
     t = TRAIN_BLOCK
     *lead, nq, nk = x.shape
     nbq, nbk = -(-nq // t), -(-nk // t)
@@ -127,10 +127,7 @@ def quantize_tiles(x: torch.Tensor, int8: bool, dtype: torch.dtype, granularity:
     amax = torch.where(amax < TILE_AMAX_FLOOR, TILE_AMAX_FLOOR, amax)  # NaN stays NaN
     scale = amax * (1.0 / INT8_MAX)
     inverse = 1.0 / scale
-    if granularity == "per_tile":
-        values = torch.round(tiles * inverse)
-    else:
-        values = torch.round(tiles.double() * inverse.double()).to(x.dtype)
+    values = torch.round(tiles.double() * inverse.double()).to(x.dtype)
     values = torch.nan_to_num(torch.clamp(values, -INT8_MAX, INT8_MAX), nan=0.0)
     values = values.reshape(*lead, nbq * t, nbk * t)[..., :nq, :nk]
     scale = scale.expand(*lead, nbq, t, nbk, t)
