@@ -206,6 +206,7 @@ def test_the_unmutated_kernels_pass_the_mutation_cases():
     (dict(int8=("dp",)), "INT8 matmuls"),
     (dict(smooth_q=True), "Q smoothing"),
     (dict(d=32), "head dim 32"),
+    (dict(n=0), "no queries"),
 ])
 def test_what_the_kernels_do_not_cover_goes_to_the_triton_ones(change, reason):
     recipe = resolve_train("sagebwd_int8", smooth_q=change.get("smooth_q")).replace(
@@ -213,7 +214,7 @@ def test_what_the_kernels_do_not_cover_goes_to_the_triton_ones(change, reason):
     if "int8" in change:
         recipe = recipe.replace(int8=recipe.int8 | set(change["int8"]))
     d = change.get("d", 64)
-    x = torch.randn(1, 2, 70, d).to(torch.float16)
+    x = torch.randn(1, 2, change.get("n", 70), d).to(torch.float16)
     ops = prepare(x, x, x, recipe, d ** -0.5, "reference")
     grad = prepare_grad(x, recipe, "reference")
     assert reason in k90.refusal(ops, grad, change.get("mode", DQ_MODES[0]))

@@ -768,6 +768,8 @@ def refusal(ops, grad, mode: str) -> str | None:
         return f"head dim {ops.q.shape[-1]}: these kernels take {HEAD_DIMS}"
     if ops.dtype not in (torch.float16, torch.bfloat16):
         return f"dtype {ops.dtype}: these kernels take float16 or bfloat16"
+    if 0 in (ops.q.shape[2], ops.k.shape[2]) or ops.q.numel() == 0:
+        return "no queries or no keys (TMA descriptors need a non-empty tensor)"
     return None
 
 
