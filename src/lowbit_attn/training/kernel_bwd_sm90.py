@@ -1,26 +1,32 @@
-"""The attention backward's dK/dV loop for Hopper (sm_90a), in Gluon: one loop for the trainable
-INT8 attention (SageBwd, P and dS per tile or per row: ``TrainRecipe.backward_granularity``) and for video sparse
-attention's 16-bit fine stage (the same loop over a block-sparse list of query tiles).
+"""The attention backward's loops for Hopper (sm_90a), in Gluon: dK/dV, dQ and the Δ pass, one set
+for the trainable INT8 attention (SageBwd, P and dS per tile or per row:
+``TrainRecipe.backward_granularity``) and for video sparse attention's 16-bit fine stage (the same
+loops over its block-sparse lists of tiles).
 
-One program holds a block of keys, 64 per consumer warpgroup (``NUM_WG`` warpgroups: 2, 128 keys,
-for the trainable attention; 1, one 64-token key tile, for VSA), with K and V in shared memory,
-and walks the query tiles of 64 that see them (for each query head of its K/V head): the score
-tile transposed, keys × queries, so that Pᵀ and dSᵀ are the A operands of ``dV = Pᵀ·dO`` and
-``dK = dSᵀ·Q`` straight from registers. Per query tile, per warpgroup (64 keys × 64 queries):
+dK/dV: one program holds a block of keys, 64 per consumer warpgroup (``NUM_WG`` warpgroups: 2,
+128 keys, for the trainable attention; 1, one 64-token key tile, for VSA), with K and V in shared
+memory, and walks the query tiles of 64 that see them (for each query head of its K/V head): the
+score tile transposed, keys × queries, so that Pᵀ and dSᵀ are the A operands of ``dV = Pᵀ·dO``
+and ``dK = dSᵀ·Q`` straight from registers. Per query tile, per warpgroup (64 keys × 64 queries):
 
 1. wait for the tile's operands (TMA, two stages: the next tile's are requested here);
-   ``Sᵀ = K·Qᵀ`` (INT8, or 16-bit) and ``dPᵀ = V·dOᵀ`` (16-bit), both asynchronous;
-2. ``P = exp2(Sᵀ·s_q·s_k - LSE)`` while dPᵀ runs, then ``dS = P ∘ (dP - Δ)``;
+   ``Sᵀ = K·Qᵀ`` (INT8, or 16-bit) and ``dPᵀ = V·dOᵀ`` (16-bit), issued together;
+2. ``P = exp2(Sᵀ·s_q·s_k - LSE)``, then ``dS = P ∘ (dP - Δ)``;
 3. INT8: P and dS quantized per row (per key: the rows of the products' outputs; a row's amax is
-   its quad's, two shuffles) or per 64×64 tile (the warpgroup's, across its warps), each value the exact product with the row's reciprocal scale
-   rounded half to even and four packed to a register by one inline-PTX sequence
-   (:data:`RNE_S8X4_PTX`: no conversion instruction), in the A fragment's order
-   (``gluon_blocks.a_fragment_order``); the B operands, dO and Q, come token-major with their
-   tokens permuted in groups of 16 (:func:`permuted_token_major`) to match. 16-bit: P and dS
-   rounded to the inputs' dtype;
+   its quad's, two shuffles) or per 64×64 tile (the warpgroup's, across its warps), each value
+   the exact product with the reciprocal scale rounded half to even and four packed to a
+   register by one inline-PTX sequence (:data:`RNE_S8X4_PTX`: no conversion instruction), in the
+   A fragment's order (``gluon_blocks.a_fragment_order``); the B operands, dO and Q, come
+   token-major with their tokens permuted in groups of 16 (:func:`permuted_token_major`) to
+   match. 16-bit: P and dS rounded to the inputs' dtype;
 4. ``dV += Pᵀ·dO`` and ``dK += dSᵀ·Q``: INT8 products into a fresh int32 tile, added into the fp32
    accumulators times the row's scale and the operand's (``r·(s_row·s_b)``); 16-bit products
-   accumulate in the wgmma.
+   accumulate in the wgmma. At D = 128 (INT8) dV's and dK's channels 64-127 live in shared
+   memory (registers: ``benchmarks/NOTES.md`` §8).
+
+dQ (and Δ): one program holds 64 queries per warpgroup and walks key tiles of 64 the same way
+(S and dP not transposed, dS quantized per row of queries or per tile, K token-major permuted as
+dQ's B operand); the Δ pass sums ``P ∘ dP`` per row instead.
 
 Masks: keys past the end are rows of their own (their dK and dV are not stored, and they are
 kept out of every other row's scale); queries past the end, or past a VSA tile's count, get
@@ -186,8 +192,8 @@ def _dkdv_step(i, t, nxt, more, acc, rows, bufs, descs, LD, zeros,
                INT8: gl.constexpr, BLOCK_D: gl.constexpr, PER_TILE: gl.constexpr):
     """Query tile ``t`` (the ``i``-th of the program: stage ``i % 2``): ``acc = (dV, dK)`` with
     its share added (INT8 at D = 128: their first 64 channels; the other 64 are in ``park``, in
-    shared memory); the operands of tile ``nxt`` requested where ``more``. ``rows``: ``(key
-    index, the rows' score scale)``."""
+    shared memory); the operands of tile ``nxt`` requested where ``more``. ``rows``: ``(the
+    rows' score scale, how many of them are keys, the causal offset from the first key)``."""
     k_smem, v_smem, q_smem, do_smem, qt_smem, dot_smem, ld_smem, ld_bars, park = bufs
     ld_row, ld_plane = descs[7], descs[8]
     zero_s, zero_p, zero_o = zeros
