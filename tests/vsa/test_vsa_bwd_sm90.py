@@ -77,8 +77,9 @@ def test_vsa_backward_equals_the_tile_twin_bit_for_bit(grid, hq, hkv, d, topk, d
     got = tuple(torch.zeros(t.shape) for t in (kw["qt"], kw["kt"], kw["vt"]))
     with gluon_cpu.kernel_on_cpu(k90, "_dkdv_sm90_kernel"), \
             gluon_cpu.kernel_on_cpu(k90, "_dq_sm90_kernel"):
+        reverse = kernel_fine.reverse_lists(kw["idx"], kw["qt"].shape[2])
         k90.vsa_backward(kw["qt"], kw["kt"], kw["vt"], kw["dot"], kw["lse"], kw["delta"],
-                         kw["idx"], kw["counts"], *got, scale=kw["scale"])
+                         kw["idx"], reverse, kw["counts"], *got, scale=kw["scale"])
     for name, g, w in zip(("dq", "dk", "dv"), got, want):
         assert_bits(g, w, name)
 

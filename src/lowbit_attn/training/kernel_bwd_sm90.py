@@ -823,15 +823,15 @@ def vsa_refusal(qt: torch.Tensor, d: int) -> str | None:
     return None
 
 
-def vsa_backward(qt, kt, vt, dot, lse, delta, idx, counts, dq, dk, dv, *, scale: float) -> None:
+def vsa_backward(qt, kt, vt, dot, lse, delta, idx, reverse, counts, dq, dk, dv, *,
+                 scale: float) -> None:
     """Video sparse attention's 16-bit fine backward on these loops (one warpgroup per 64-token
     tile; where :func:`vsa_refusal` is None): ``dq, dk, dv`` (tiles as ``qt``, ``kt``, zeros
     past each tile's count) for padded tiles ``qt, dot [B, Hq, nt, 64, D]``, ``kt, vt [B, Hkv,
     nt, 64, D]`` (contiguous, zeros in the empty slots), the forward's base-2 ``lse`` and
-    ``delta`` ``[B, Hq, nt, 64]``, index lists ``idx [B, Hq, nt, k]``, ``counts [nt]``. Twin:
+    ``delta`` ``[B, Hq, nt, 64]``, index lists ``idx [B, Hq, nt, k]`` and the reversed ones
+    ``reverse = (ridx, rcount)`` (``vsa.kernel_fine.reverse_lists``), ``counts [nt]``. Twin:
     ``vsa.naive.fine_backward_tiles``."""
-    from lowbit_attn.vsa.kernel_fine import reverse_lists
-
     check_version()
     b, hq, nt, ts, d = qt.shape
     hkv = kt.shape[1]
@@ -841,7 +841,7 @@ def vsa_backward(qt, kt, vt, dot, lse, delta, idx, counts, dq, dk, dv, *, scale:
     valid = (torch.arange(ts, device=qt.device) < counts[:, None].to(qt.device)).reshape(n)
     ld, _ = bwd_rows(lse.reshape(b, hq, n), valid=valid)
     ld[1, :, :, :n] = torch.where(valid, delta.reshape(b, hq, n), 0.0)
-    ridx, rcount = reverse_lists(idx, nt)
+    ridx, rcount = reverse
     rows = lambda x: x.reshape(x.shape[0], x.shape[1], n, d)  # noqa: E731
     q, k, v, do = (rows(x) for x in (qt, kt, vt, dot))
     flat = dict(SPARSE=True, INT8=False, HAS_BAL=False, BLOCK_D=d, NUM_WG=1, num_warps=4,

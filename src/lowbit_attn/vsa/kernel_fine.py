@@ -296,12 +296,13 @@ def backward(qt, kt, vt, ot, lse, dot, idx, counts, *, scale: float, kernel: str
         dot = dot.contiguous()
     delta = (dot.float() * ot.float()).sum(-1).contiguous()
     dq, dk, dv = torch.zeros_like(qt), torch.zeros_like(kt), torch.zeros_like(vt)
+    ridx, rcount = reverse_lists(idx, nt)
     if kernel == "sm90" and triton_support.gluon_available("hopper"):
         from lowbit_attn.training import kernel_bwd_sm90
 
         if kernel_bwd_sm90.vsa_refusal(qt, d) is None:
-            kernel_bwd_sm90.vsa_backward(qt, kt, vt, dot, lse, delta, idx, counts, dq, dk, dv,
-                                         scale=scale)
+            kernel_bwd_sm90.vsa_backward(qt, kt, vt, dot, lse, delta, idx, (ridx, rcount),
+                                         counts, dq, dk, dv, scale=scale)
             return dq, dk, dv
     _dq[(nt, b * hq)](
         Q=qt, K=kt, V=vt, DO=dot, IDX=idx, CNT=counts, LSE=lse, DELTA=delta, DQ=dq,
@@ -309,7 +310,6 @@ def backward(qt, kt, vt, ot, lse, dot, idx, counts, *, scale: float, kernel: str
         lse_strides=lse.stride(), HQ=hq, GROUP=hq // hkv, D=d, KK=idx.shape[-1],
         scale=float(scale), TS=ts, **_consts(d),
     )
-    ridx, rcount = reverse_lists(idx, nt)
     _dkdv[(nt, b * hkv)](
         Q=qt, K=kt, V=vt, DO=dot, RIDX=ridx, RCNT=rcount, CNT=counts, LSE=lse, DELTA=delta,
         DK=dk, DV=dv, q_strides=qt.stride(), k_strides=kt.stride(), ridx_strides=ridx.stride(),
