@@ -366,6 +366,6 @@ def write_rows(acc, m_i, l_i, O, LSE, LSH, VS, VM, CUQ, b, h, hk, nq, NQ, offs_m
 
 
 __all__ = ["E4M3X4_CONSTRAINTS", "E4M3X4_PTX", "a_fragment_order", "check_tma_operands",
-           "cta_barrier", "descriptors", "key_scales", "program_sequence", "register_operand", "scales_of_rows", "softmax_block",
-           "thread_view", "tile_offsets", "tma_load", "tma_scratch", "v_box", "v_operand",
+           "cta_barrier", "descriptors", "key_scales", "program_sequence", "register_operand",
+           "scales_of_rows", "softmax_block", "thread_view", "tile_offsets", "tma_load", "tma_scratch", "v_box", "v_operand",
            "write_rows"]

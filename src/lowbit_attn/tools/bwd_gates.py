@@ -88,8 +88,8 @@ def format_gates(report, found: dict | None) -> list[str]:
         f"{found['conversion_cycles']} cycles; {found['shared_loads']} LDS, "
         f"{found['shared_stores']} STS, {found['barriers']} BAR, {found['local_memory']} "
         "local-memory accesses",
-        f"  gate          {sm90_gates.verdict(found, 'misses')} (0 spills, every product a wgmma of N >= {WIDE_N}, issue <= "
-        f"{MAX_ISSUE_RATIO}x tensor cycles per tile)",
+        f"  gate          {sm90_gates.verdict(found, 'misses')} (0 spills, every product a wgmma "
+        f"of N >= {WIDE_N}, issue <= {MAX_ISSUE_RATIO}x tensor cycles per tile)",
     ]
 
 

@@ -1333,8 +1333,8 @@ def _tcgen05_commit(barrier):
 
 
 def _inline_asm_elementwise(asm, constraints, args, dtype, is_pure, pack):
-    """Three conversions and a read of the grid index only. The hardware E2M1 conversion (``quant.fp4.E2M1X2_PTX``, four
-    ``cvt.rn.satfinite.e2m1x2.f32``): byte ``i`` = ``code(lo_i) | code(hi_i) << 4`` with the
+    """Three conversions and a read of the grid index only. The hardware E2M1 conversion
+    (``quant.fp4.E2M1X2_PTX``, four ``cvt.rn.satfinite.e2m1x2.f32``): byte ``i`` = ``code(lo_i) | code(hi_i) << 4`` with the
     twin's ``quant.fp4_naive.e2m1_code`` (its RNE and saturation are the instruction's for every
     non-NaN input: tests/quant/test_fp4.py; a NaN's code is the hardware's, not modelled). And the
     E4M3 one (``inference.gluon_blocks.E4M3X4_PTX``, ``cvt.rn.satfinite.e4m3x2.f32``): each

@@ -1,7 +1,7 @@
 """Trainable attention backward (SageBwd numerics), FlashAttention-2 style: S and P recomputed from
 the saved base-2 LSE in 64×64 tiles; ``dP = dO·Vᵀ`` (16-bit by default); ``dS = P ∘ (dP - Δ)``;
-P and dS quantized per tile (or per row of the product's output) for ``dV = Pᵀ·dO``, ``dK = dSᵀ·Q`` (one program per key block, looping
-over the query heads of its K/V head and their query blocks; it computes the tile transposed,
+P and dS quantized per tile (or per row of the product's output) for ``dV = Pᵀ·dO``,
+``dK = dSᵀ·Q`` (one program per key block, looping over the query heads of its K/V head and their query blocks; it computes the tile transposed,
 ``Sᵀ = K·Qᵀ``, so that Pᵀ and dSᵀ are the products' A operands in registers) and ``dQ = dS·K``
 (one program per query block). The 8-bit B operands of products over tokens (dO and Q for dV and
 dK, K for dQ) come token-contiguous (``token_major``), as an 8-bit wgmma reads them.

@@ -489,7 +489,8 @@ def _dq_sm90_kernel(
     rows; K and V by key tiles; (INT8) K token-major ``[B·Hkv·D, N']`` with tokens permuted in
     groups of 16 (boxes ``[D, 64]``). ``QS`` ``[B, Hq, N/64]`` Q's per-block scales (times
     ``softmax_scale·log2 e``), ``KS``, ``KDQS`` ``[B, Hkv, N/64]`` K's for the scores and for
-    dQ; ``LSE``, ``DELTA`` ``[B, Hq, N]`` base-2 LSE and Δ (strides of their own); ``BAL`` ``[B, Hkv, D]`` (dQ times it).
+    dQ; ``LSE``, ``DELTA`` ``[B, Hq, N]`` base-2 LSE and Δ (strides of their own); ``BAL``
+    ``[B, Hkv, D]`` (dQ times it).
     VSA (``SPARSE``): query tile ``i``'s ``KK`` key tiles in ``IDX [B, Hq, nt, KK]``, the tiles'
     token counts in ``CNT [nt]``; ``qk_scale`` the 16-bit scores' scale."""
     BM: gl.constexpr = 64 * NUM_WG
@@ -705,7 +706,8 @@ def bwd_rows(lse: torch.Tensor, *, valid: torch.Tensor | None = None,
 def train_dkdv(q, k, v_dp, do_dp, q_dk, do_dv, k_scale, ld, dk, dv, *, balance, causal_offset,
                softmax_scale, per_tile: bool = False) -> None:
     """The trainable attention's dK and dV (``dk``, ``dv`` ``[B, Hkv, Nk, D]``, any layout with a
-    unit stride along D), P and dS per row (or ``per_tile``): INT8 ``q`` (for the scores) ``[B, Hq, Nq, D]`` and
+    unit stride along D), P and dS per row (or ``per_tile``): INT8 ``q`` (for the scores)
+    ``[B, Hq, Nq, D]`` and
     ``k`` ``[B, Hkv, Nk, D]``, 16-bit ``v_dp`` and ``do_dp`` for dP (all contiguous), INT8
     ``q_dk`` and ``do_dv`` as :func:`permuted_token_major` made them, K's per-block scales
     ``k_scale``, ``ld`` the LSE, Δ and the other operands' per-block scales (:func:`bwd_rows`),
@@ -735,7 +737,8 @@ def train_dkdv(q, k, v_dp, do_dp, q_dk, do_dv, k_scale, ld, dk, dv, *, balance, 
 def train_dq(q, k, v_dp, do_dp, k_dq, q_scale, k_scale, k_dq_scale, lse, delta, dq, *, balance,
              causal_offset, softmax_scale, delta_pass: bool, per_tile: bool = False) -> None:
     """The trainable attention's dQ (``dq [B, Hq, Nq, D]``, any layout with a unit stride along
-    D), dS per row (or ``per_tile``), or with ``delta_pass`` its ``Δ`` into ``delta`` ``[B, Hq, Nq]`` (a view:
+    D), dS per row (or ``per_tile``), or with ``delta_pass`` its ``Δ`` into ``delta``
+    ``[B, Hq, Nq]`` (a view:
     :func:`bwd_rows`' second plane): INT8 ``q`` (for the scores) and ``k``, 16-bit ``v_dp`` and
     ``do_dp`` for dP (all contiguous), INT8 ``k_dq`` as :func:`permuted_token_major` made it,
     per-block scales of Q (times ``softmax_scale·log2 e``), K (scores) and K (dQ), the forward's
@@ -767,7 +770,8 @@ def refusal(ops, grad, mode: str) -> str | None:
     if mode != "recompute":
         return f"dQ by {mode!r}: these kernels recompute it (LOWBIT_ATTN_TRAIN_DQ=recompute)"
     if not {"qk", "dv", "dk", "dq"} <= ops.int8 or "dp" in ops.int8:
-        return f"INT8 matmuls {sorted(ops.int8)}: these kernels take Q·Kᵀ, dV, dK and dQ in INT8, dP in 16-bit"
+        return (f"INT8 matmuls {sorted(ops.int8)}: these kernels take Q·Kᵀ, dV, dK and dQ in "
+                "INT8, dP in 16-bit")
     if ops.delta_s is not None or ops.q_mean is not None:
         return "Q smoothing (ΔS): not in these kernels"
     if ops.q.shape[-1] not in HEAD_DIMS:
