@@ -39,6 +39,7 @@ from lowbit_attn.core.metrics import errors
 
 TOKENS = 16384
 WIDTH = 2048
+PER_ROW = lowbit_attn.TRAIN_RECIPES["sagebwd_int8"].replace(backward_granularity="per_row")
 
 
 def sdpa(backend_name):
@@ -79,6 +80,11 @@ METHODS = {
     "sdpa_flash": sdpa("FLASH_ATTENTION"),
     "sdpa_cudnn": sdpa("CUDNN_ATTENTION"),
     "sagebwd_int8": ours(),
+    # the Gluon loops for Hopper (LOWBIT_ATTN_BWD_KERNEL=sm90, the Triton kernels elsewhere), and
+    # P and dS per row (TrainRecipe.backward_granularity) on either backward
+    "sagebwd_int8_sm90": ours(),
+    "sagebwd_int8_per_row": ours(recipe=PER_ROW),
+    "sagebwd_int8_per_row_sm90": ours(recipe=PER_ROW),
     "sagebwd_int8_atomic_dq": ours(),
     "sagebwd_dp_int8": ours(keep_16bit=()),
     "ours_exact_16bit": ours(recipe="exact"),
@@ -86,7 +92,9 @@ METHODS = {
 
 
 # dQ added by the dK/dV kernel instead of its own kernel (LOWBIT_ATTN_TRAIN_DQ, lowbit_attn.core.options)
-ENVIRONMENT = {"sagebwd_int8_atomic_dq": {"LOWBIT_ATTN_TRAIN_DQ": "atomic"}}
+ENVIRONMENT = {"sagebwd_int8_atomic_dq": {"LOWBIT_ATTN_TRAIN_DQ": "atomic"},
+               "sagebwd_int8_sm90": {"LOWBIT_ATTN_BWD_KERNEL": "sm90"},
+               "sagebwd_int8_per_row_sm90": {"LOWBIT_ATTN_BWD_KERNEL": "sm90"}}
 
 
 def train_ops(batch, heads, n, d, causal) -> float:
@@ -175,7 +183,8 @@ def _line(r) -> str:
 def markdown(rows) -> str:
     """One line per (D, causal, N): TOP/s per method and our speedups over flash and cuDNN."""
     methods = list(dict.fromkeys(r["method"] for r in rows))
-    head = ["D", "causal", "N"] + methods + ["sagebwd / flash", "sagebwd / cuDNN", "dQ cos (sagebwd)"]
+    head = ["D", "causal", "N"] + methods + ["sagebwd / flash", "sagebwd / cuDNN", "dQ cos (sagebwd)",
+                                            "sm90 / flash", "sm90 / cuDNN"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     keys = list(dict.fromkeys((r["d"], r["causal"], r["n"]) for r in rows))
     for key in keys:
@@ -188,6 +197,11 @@ def markdown(rows) -> str:
             ok = s.get("status") == "ok" and b.get("status") == "ok"
             cells.append(f"{b['ms'] / s['ms']:.2f}×" if ok else "—")
         cells.append(f"{s['cosine']['dq']:.4f}" if s.get("status") == "ok" else "—")
+        s = by.get("sagebwd_int8_sm90", {})
+        for base in ("sdpa_flash", "sdpa_cudnn"):
+            b = by.get(base, {})
+            ok = s.get("status") == "ok" and b.get("status") == "ok"
+            cells.append(f"{b['ms'] / s['ms']:.2f}×" if ok else "—")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -2,7 +2,9 @@
 """Video sparse attention benchmark: forward + backward of ``lowbit_attn.video_sparse_attention``
 at several sparsities against SDPA cuDNN dense attention, and the fine kernel's FLOP rate (counting
 only the tiles it computes), bf16, with peak memory; forward only (inference) for the 16-bit and
-the 8-bit (``qk_int8_pv_fp8``) fine stage against the dense cuDNN forward.
+the 8-bit (``qk_int8_pv_fp8``) fine stage against the dense cuDNN forward. Rows ``…[sm90]``:
+the backward on the Gluon loops for Hopper (``LOWBIT_ATTN_BWD_KERNEL=sm90``; the Triton kernels
+elsewhere).
 
     python benchmarks/bench_vsa.py                  # T=16, H=W=48 (36,864 tokens), D=128, a GPU
     python benchmarks/bench_vsa.py --video 8,32,32 --out DIR
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -96,13 +99,17 @@ def main(argv=None) -> int:
             return vsa.video_sparse_attention(a, b, c, video_shape=video, topk=topk,
                                               gate_coarse=torch.ones((), device=device))
 
-        record("vsa", fwd_bwd(full, leaves, do), fine_ops * 3.5, sparsity=s, topk=topk)
         _, idx, _ = vsa.coarse(q, k, v, video_shape=video, topk=topk)
 
         def fine(a, b, c, idx=idx):
             return vsa.fine(a, b, c, video_shape=video, tile_indices=idx)
 
-        record("vsa_fine_only", fwd_bwd(fine, leaves, do), fine_ops * 3.5, sparsity=s, topk=topk)
+        for kernel, tag in (("triton", ""), ("sm90", "[sm90]")):
+            os.environ["LOWBIT_ATTN_BWD_KERNEL"] = kernel
+            record(f"vsa{tag}", fwd_bwd(full, leaves, do), fine_ops * 3.5, sparsity=s, topk=topk)
+            record(f"vsa_fine_only{tag}", fwd_bwd(fine, leaves, do), fine_ops * 3.5, sparsity=s,
+                   topk=topk)
+        os.environ.pop("LOWBIT_ATTN_BWD_KERNEL")
         with torch.no_grad():
             for recipe in ("exact", "qk_int8_pv_fp8"):
                 record(f"vsa_fine_only[{recipe}]",

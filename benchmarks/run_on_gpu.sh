@@ -17,11 +17,15 @@
 # fp4: the FP4 recipes alone (GPU tests -k fp4, the Gluon sm_100a forward's among them, then a
 # quick benchmark of qk_fp4_pv_fp4 and qk_mxfp4_pv_mxfp4 against SDPA cuDNN, with the default
 # kernels and with LOWBIT_ATTN_KERNEL=gluon): emulated on Hopper, native on Blackwell.
-# train: the trainable attention (GPU tests -k trainable, then benchmarks/bench_train.py: forward +
-# backward against SDPA flash and cuDNN, with peak memory and gradient cosines), then
-# benchmarks/probes/train_speed.py in the last RESERVE seconds (default 200): each launch of a
+# train: the trainable attention in one call of at most 450 s (TOTAL_BUDGET): GPU tests -k trainable
+# (at most TEST_TIMEOUT_TRAIN, default 120 s; the sm90 backward loops' among them), then
+# benchmarks/bench_train.py (TRAIN_ARGS, default --quick --dims 128,64 and the methods SDPA flash,
+# SDPA cuDNN, sagebwd_int8 and sagebwd_int8_per_row on the Triton backward and on the Gluon loops
+# LOWBIT_ATTN_BWD_KERNEL=sm90 (…_sm90); forward + backward, peak memory, gradient cosines), then
+# benchmarks/probes/train_speed.py in the last RESERVE seconds (default 150): each launch of a
 # forward + backward alone against its floor over the card's measured INT8/bf16 ceilings, every
-# autotuning candidate forced, and each compiled variant's registers, spills and wgmma forms.
+# autotuning candidate forced, each compiled variant's registers, spills and wgmma forms, and the
+# backward on the sm90 loops, whole and launch by launch.
 # hopper: the INT8/FP8 forward's speed work (the 8-bit forward's GPU tests, then bench_hopper.py:
 # every autotuning candidate, Q quantized in the kernel or in a pass, the two stages apart, against
 # SDPA cuDNN bf16 at D=64,128, N=1k,8k,16k, causal and not; HOPPER_ARGS adds options, e.g. --quick).
@@ -32,8 +36,10 @@
 # autotuning) vs Gluon async vs Gluon ping-pong (end to end and kernel alone, 64- and 128-key
 # blocks) vs SDPA cuDNN and flash bf16 at D=128,64,
 # N=1k,8k,16k,32k, causal and not (JSON, markdown, PNG), in the time left.
-# vsa: video sparse attention (GPU tests -k vsa, then benchmarks/bench_vsa.py: T=16, H=W=48, D=128,
-# sparsities 50–95 % against SDPA cuDNN dense, and the fine kernel's FLOP rate).
+# vsa: video sparse attention in at most 450 s (GPU tests -k "vsa or video", at most
+# TEST_TIMEOUT_VSA, default 120 s, then benchmarks/bench_vsa.py: T=16, H=W=48, D=128, VSA_ARGS
+# (default --sparsities 0.875,0.5) against SDPA cuDNN dense, the fine kernel's FLOP rate, the
+# backward on the Triton kernels and on the sm90 loops, rows [sm90]).
 # decode: the 8-bit paged KV cache: bench_decode.py --host (µs per eager read and one-token append,
 # N=8k, batch 16), the GPU tests -k "kvcache or kv_cache", benchmarks/bench_decode.py (one decode
 # step against SDPA on fp16 K/V, N=1k..128k, batch 1 and 16, GQA 4:1 and 8:1, D=128, with the bytes
@@ -53,8 +59,10 @@ cd "$(dirname "$0")/.."
 STAGE="${1:-all}"
 PY="${PYTHON:-python}"
 export OUT="${OUT:-$PWD/out}"
-# forward: 450 s by default, so that the call stays within 8 minutes with the machine's start
-if [[ "$STAGE" == forward ]]; then DEFAULT_BUDGET=450; else DEFAULT_BUDGET=540; fi
+# forward, train, vsa: 450 s by default, so that the call stays within 8 minutes with the
+# machine's start
+if [[ "$STAGE" == forward || "$STAGE" == train || "$STAGE" == vsa ]]; then DEFAULT_BUDGET=450
+else DEFAULT_BUDGET=540; fi
 TOTAL_BUDGET="${TOTAL_BUDGET:-$DEFAULT_BUDGET}"
 TEST_TIMEOUT="${TEST_TIMEOUT:-300}"
 mkdir -p "$OUT" benchmarks/results
@@ -193,7 +201,8 @@ tests_then_bench() {
 # output in $OUT/TAG-probe.txt); exits with the tests' or benchmark's status.
 with_probe() {
     local name="$1" filter="$2" script="$3" probe="$4" tag="$5" reserve="$6"
-    (RESERVE="${RESERVE:-$reserve}" tests_then_bench "$name" "$filter" "$script")
+    shift 6  # the rest: options for the script
+    (RESERVE="${RESERVE:-$reserve}" tests_then_bench "$name" "$filter" "$script" "$@")
     local rc=$?
     log "$name probe: $probe"
     local limit=$((TOTAL_BUDGET - SECONDS - 5))
@@ -204,9 +213,13 @@ with_probe() {
 }
 
 # train: the probe times each launch against its floor, every candidate, with compiled facts
-[[ "$STAGE" == train ]] && with_probe "trainable attention" trainable benchmarks/bench_train.py \
-    benchmarks/probes/train_speed.py train 200
-[[ "$STAGE" == vsa ]] && tests_then_bench "video sparse attention" vsa benchmarks/bench_vsa.py
+# shellcheck disable=SC2086  # TRAIN_ARGS, VSA_ARGS: options split on spaces
+[[ "$STAGE" == train ]] && TEST_TIMEOUT="${TEST_TIMEOUT_TRAIN:-120}" with_probe \
+    "trainable attention" trainable benchmarks/bench_train.py benchmarks/probes/train_speed.py \
+    train 150 ${TRAIN_ARGS:---quick --dims 128,64 --methods sdpa_flash,sdpa_cudnn,sagebwd_int8,sagebwd_int8_sm90,sagebwd_int8_per_row,sagebwd_int8_per_row_sm90}
+# shellcheck disable=SC2086
+[[ "$STAGE" == vsa ]] && TEST_TIMEOUT="${TEST_TIMEOUT_VSA:-120}" tests_then_bench \
+    "video sparse attention" "vsa or video" benchmarks/bench_vsa.py ${VSA_ARGS:---sparsities 0.875,0.5}
 if [[ "$STAGE" == decode ]]; then
     # the host path first (~20 s): µs per eager read and one-token append, N = 8k, batch 16
     log "decode host path: bench_decode.py --host (issue 29's bars: 30 and 20 us; in \$OUT/decode-host.txt)"

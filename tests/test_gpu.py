@@ -384,6 +384,87 @@ def test_trainable_public_call_meets_the_bars_on_the_gpu():
     assert cos[0] >= 0.999 and cos[3] >= 0.995 and min(cos[1], cos[2]) >= 0.9977, cos
 
 
+# --- the Gluon backward loops for Hopper (LOWBIT_ATTN_BWD_KERNEL=sm90) ----------------------------
+
+
+def _needs_sm90():
+    from lowbit_attn.core import triton_support
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon backward loops run on sm_90 only")
+    if not triton_support.gluon_available("hopper"):
+        pytest.skip(triton_support.gluon_refusal("hopper", "the Gluon backward"))
+
+
+@pytest.mark.parametrize("shape, causal", [((2, 8, 4, 700, 900, 128), True),
+                                           ((2, 8, 4, 700, 900, 64), False),
+                                           ((1, 4, 4, 4096, 4096, 128), False)],
+                         ids=["D128-causal-GQA", "D64-full-GQA", "D128-N4k"])
+@pytest.mark.parametrize("granularity", ["per_tile", "per_row"])
+def test_trainable_sm90_backward_matches_the_twin(monkeypatch, shape, causal, granularity):
+    """The sm90 loops (Δ, dK/dV, dQ) on the GPU against the twin computed on the same operands
+    (P and dS per tile and per row); the CPU model checks the same code bit for bit."""
+    from lowbit_attn.core.recipes import resolve_train
+    from lowbit_attn.training import kernel_bwd, kernel_bwd_sm90, naive as ref
+    from lowbit_attn.training.prepare import prepare, prepare_grad
+    from helpers import Bound, assert_within
+
+    _needs_sm90()
+    b, hq, hkv, nq, nk, d = shape
+    q, k, v = channel_biased((b, hq, nq, d), (b, hkv, nk, d), seed=6, dtype=torch.bfloat16,
+                             device="cuda")
+    do = torch.randn_like(q)
+    r = resolve_train("sagebwd_int8").replace(backward_granularity=granularity)
+    offset = nk - nq if causal else None
+    ops = prepare(q, k, v, r, d ** -0.5, "triton")
+    grad = prepare_grad(do, r, "triton")
+    assert kernel_bwd_sm90.refusal(ops, grad, "recompute") is None
+    _, lse = ref.forward(ops, causal_offset=offset)
+    want = ref.backward(ops, grad, lse, causal_offset=offset, softmax_scale=d ** -0.5)
+    got = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+    kernel_bwd.backward(ops, grad, lse, *got, causal_offset=offset, softmax_scale=d ** -0.5,
+                        mode="recompute", kernel="sm90")
+    for name, a, e in zip(("dq", "dk", "dv"), got, want):
+        assert_within(a.float(), e, Bound(rel_l2=5e-3, cos=0.99999), name=name)
+
+
+def test_trainable_sm90_public_call_meets_the_bars(monkeypatch):
+    from lowbit_attn.core.metrics import errors
+    from lowbit_attn.tools.inputs import FAMILIES
+
+    _needs_sm90()
+    monkeypatch.setenv("LOWBIT_ATTN_BWD_KERNEL", "sm90")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (x.cuda() for x in FAMILIES["channel_bias_k"](g, 1, 4, 4, 4096, 4096, 128,
+                                                             torch.bfloat16))
+    do = torch.randn_like(q)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    out = lowbit_attn.trainable_attention(*leaves, is_causal=True)
+    got = (out, *torch.autograd.grad(out, leaves, do))
+    exact = [x.double().requires_grad_() for x in (q, k, v)]
+    ref = torch.nn.functional.scaled_dot_product_attention(*exact, is_causal=True)
+    want = (ref, *torch.autograd.grad(ref, exact, do.double()))
+    cos = [errors(a, b).cosine for a, b in zip(got, want)]
+    assert cos[0] >= 0.999 and cos[3] >= 0.995 and min(cos[1], cos[2]) >= 0.9977, cos
+
+
+def test_video_sparse_sm90_backward_matches_the_triton_one(monkeypatch):
+    _needs_sm90()
+    q, k, v = (torch.randn(1, 4, 8 * 16 * 16, 128, device="cuda", dtype=torch.bfloat16)
+               for _ in range(3))
+    do = torch.randn_like(q)
+    grads = []
+    for kernel in ("triton", "sm90"):
+        monkeypatch.setenv("LOWBIT_ATTN_BWD_KERNEL", kernel)
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        out = lowbit_attn.video_sparse_attention(*leaves, video_shape=(8, 16, 16), topk=0.25)
+        grads.append(torch.autograd.grad(out, leaves, do))
+    from lowbit_attn.core.metrics import errors
+
+    for name, a, b in zip(("dq", "dk", "dv"), *grads):
+        assert errors(a.float(), b.float()).cosine > 0.9999, name
+
+
 # --- video sparse attention -------------------------------------------------------------------
 
 

@@ -8,7 +8,11 @@ Per (N, causal), B = 2, H = 16, D = 128, bf16, ``sagebwd_int8``:
   over the measured ceilings: NOTES §8's count) and, for the kernels with candidates, every
   candidate forced (warps × stages);
 - each compiled variant's facts from the GPU's own compile: registers, spills, and its wgmma
-  forms (N < 64 marked).
+  forms (N < 64 marked);
+- the backward on the Gluon loops for Hopper (``LOWBIT_ATTN_BWD_KERNEL=sm90``,
+  ``training/kernel_bwd_sm90.py``) whole and launch by launch against the same floors, with P
+  and dS per tile (the recipe's) and per row (``backward_granularity="per_row"``, whole: on the
+  Triton kernels and on the sm90 loops).
 """
 import re
 import sys
@@ -24,7 +28,8 @@ CONFIGS = [(4096, False), (16384, False), (4096, True)]
 B, H, D = 2, 16, 128
 # matmuls per launch, in units u = 2·N²·D per head: (INT8, 16-bit) (NOTES §8)
 WORK = {"_train_fwd_kernel": (2, 0), "_train_dq_kernel/delta": (1, 1), "_train_dkdv_kernel": (3, 1),
-        "_train_dq_kernel": (2, 1)}
+        "_train_dq_kernel": (2, 1), "_dq_sm90_kernel/delta": (1, 1), "_dkdv_sm90_kernel": (3, 1),
+        "_dq_sm90_kernel": (2, 1)}
 WGMMA = re.compile(r"wgmma\.mma_async\.sync\.aligned\.(m64n(\d+)k\d+\.\w+\.\w+\.\w+)")
 
 
@@ -90,8 +95,7 @@ def probe(n: int, causal: bool, int8_peak: float, bf16_peak: float) -> None:
     for kernel, grid, kwargs in launches:
         name = name_of(kernel, kwargs)
         t = do_bench(lambda: kernel[grid](**kwargs)) * 1e-3
-        i8, b16 = WORK.get(name, (0, 0))
-        floor = (i8 * u / (int8_peak * 1e12) + b16 * u / (bf16_peak * 1e12)) if i8 + b16 else 0
+        floor = floor_of(name, u, int8_peak, bf16_peak)
         best = getattr(kernel, "best_config", None)
         print(f"  {name}: {t * 1e6:.1f} us, floor {floor * 1e6:.1f} us "
               f"({floor / t:.0%} of the tensor-core floor); autotuner: {best}", flush=True)
@@ -102,6 +106,41 @@ def probe(n: int, causal: bool, int8_peak: float, bf16_peak: float) -> None:
                 print(f"    forced {config}: {ct * 1e3:.1f} us", flush=True)
             except Exception as exc:  # noqa: BLE001 - a failing candidate is a line
                 print(f"    forced {config}: failed {exc!r}"[:200], flush=True)
+        print("\n".join(compiled_facts(kernel)), flush=True)
+    sm90(ops, grad, lse, dq, dk, dv, offset, scale, recipe, q, k, v, do, u, int8_peak, bf16_peak)
+
+
+def floor_of(name: str, u: float, int8_peak: float, bf16_peak: float) -> float:
+    i8, b16 = WORK.get(name, (0, 0))
+    return i8 * u / (int8_peak * 1e12) + b16 * u / (bf16_peak * 1e12)
+
+
+def sm90(ops, grad, lse, dq, dk, dv, offset, scale, recipe, q, k, v, do, u, int8_peak,
+         bf16_peak) -> None:
+    """The backward on the sm90 loops, whole (per tile and per row, beside the Triton kernels)
+    and launch by launch (the recipe's granularity)."""
+    from lowbit_attn.core import triton_support
+
+    for granularity in ("per_tile", "per_row"):
+        r = recipe.replace(backward_granularity=granularity)
+        ops_g, grad_g = prepare(q, k, v, r, scale, "triton"), prepare_grad(do, r, "triton")
+        for kernel in ("triton", "sm90"):
+            t = do_bench(lambda: kernel_bwd.backward(
+                ops_g, grad_g, lse, dq, dk, dv, causal_offset=offset, softmax_scale=scale,
+                mode="recompute", kernel=kernel)) * 1e3
+            print(f"  backward, P and dS {granularity}, {kernel} kernels: {t:.1f} us", flush=True)
+    if torch.cuda.get_device_capability() != (9, 0) or not triton_support.gluon_available("hopper"):
+        print("  (the sm90 loops need sm_90 and Gluon's Hopper API: the Triton kernels ran)")
+        return
+    from lowbit_attn.training import kernel_bwd_sm90
+
+    for name, launch in kernel_bwd_sm90.launches(ops, grad, lse, dq, dk, dv,
+                                                 causal_offset=offset, softmax_scale=scale):
+        t = do_bench(launch) * 1e-3
+        floor = floor_of(name, u, int8_peak, bf16_peak)
+        print(f"  {name}: {t * 1e6:.1f} us, floor {floor * 1e6:.1f} us "
+              f"({floor / t:.0%} of the tensor-core floor)", flush=True)
+    for kernel in (kernel_bwd_sm90._dkdv_sm90_kernel, kernel_bwd_sm90._dq_sm90_kernel):
         print("\n".join(compiled_facts(kernel)), flush=True)
 
 

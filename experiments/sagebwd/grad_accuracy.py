@@ -20,6 +20,8 @@ from lowbit_attn.core.metrics import errors
 
 VARIANTS = {
     "sagebwd_int8": {},
+    "per_row": {"recipe": lowbit_attn.TRAIN_RECIPES["sagebwd_int8"].replace(
+        backward_granularity="per_row")},
     "dp_int8": {"keep_16bit": ()},
     "no_smooth_k": {"smooth_k": False},
     "smooth_q": {"smooth_q": True},
@@ -40,13 +42,14 @@ def exact(q, k, v, *, is_causal):
                                                             enable_gqa=True)
 
 
-def measure(family, n, d, heads, dtype, causal, seed):
+def measure(family, n, d, heads, dtype, causal, seed, variants=tuple(VARIANTS)):
     g = torch.Generator().manual_seed(seed)
     q, k, v = FAMILIES[family](g, 1, heads, heads, n, n, d, dtype)
     do = torch.randn(q.shape, generator=g).to(dtype)
     ref = gradients(*(x.double() for x in (q, k, v, do)), causal, exact)
     rows = {}
-    for name, kw in VARIANTS.items():
+    for name in variants:
+        kw = VARIANTS[name]
         got = gradients(q, k, v, do, causal, lowbit_attn.trainable_attention, **kw)
         rows[name] = {
             t: vars(errors(a, b)) for t, a, b in zip(("out", "dq", "dk", "dv"), got, ref)
@@ -62,13 +65,15 @@ def main() -> None:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--families", default="channel_bias_k,normal,outliers,peaked,flat")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--json")
     args = ap.parse_args()
     results = {"config": vars(args), "date": time.strftime("%Y-%m-%d"), "rows": []}
     print(f"{'family':15} {'causal':6} {'variant':13} " + " ".join(f"{t:>16}" for t in ("out", "dq", "dk", "dv")))
     for family in args.families.split(","):
         for causal in (False, True):
-            rows = measure(family, args.n, args.d, args.heads, DTYPES[args.dtype], causal, args.seed)
+            rows = measure(family, args.n, args.d, args.heads, DTYPES[args.dtype], causal, args.seed,
+                           args.variants.split(","))
             for name, r in rows.items():
                 results["rows"].append({"family": family, "causal": causal, "variant": name, **r})
                 cells = " ".join(f"{r[t]['cosine']:.5f}/{r[t]['rel_l1']:.4f}" for t in ("out", "dq", "dk", "dv"))

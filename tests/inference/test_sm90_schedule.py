@@ -148,7 +148,7 @@ MUTATIONS = [
      "if K_STAGES == 1:", "any"),
     ("V-phase-off", k90._step, "mbarrier.wait(v_bar, j & 1)", "mbarrier.wait(v_bar, 0)", "any"),
     ("V(j+1)-one-block-late", k90._step, "v_box(j + 1, v_col", "v_box(j + 2, v_col", "wrong"),
-    ("P̃-not-permuted", gb.register_operand, "(0, 1, 3, 2, 4)", "(0, 1, 2, 3, 4)", "wrong"),
+    ("P̃-not-permuted", gb.a_fragment_order, "(0, 1, 3, 2, 4)", "(0, 1, 2, 3, 4)", "wrong"),
     ("per-thread-K-group-of-the-next-block", k90._step, "ks = gl.load(ks_ptr)",
      "ks = gl.load(ks_ptr + 4)", "any"),
     ("per-thread-Q-group-r+8", KERNEL, "thread_group(rows_t, 2)", "thread_group(rows_t + 8, 2)",

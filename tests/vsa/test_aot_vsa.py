@@ -64,3 +64,28 @@ def test_8bit_fine_forward_loads_its_tiles_ahead(d):
     copied = sum(width.get(op.rsplit(".", 1)[-1], 4) for op in ops if op.startswith("LDGSTS"))
     assert copied >= 2 * 64 * d // (32 * r.num_warps), (copied, sorted(set(ops)))  # K and V tiles
     assert not any(op.startswith(("STS", "LDL", "STL")) for op in ops), sorted(set(ops))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_the_backward_on_the_sm90_loops_passes_the_gate(d):
+    """``LOWBIT_ATTN_BWD_KERNEL=sm90``: the fine stage's backward on the trainable attention's
+    Gluon loops (``training/kernel_bwd_sm90.py``, one warpgroup per 64-token tile, 16-bit),
+    through the launch path: no spills (D = 128: 247 registers, where the Triton dK/dV kernel
+    spills 44 B), every product m64n64, issue at most 1.5x the tensor cycles per tile (D = 128:
+    dK/dV 403 instructions, 0.32x; dQ 338, 0.35x)."""
+    pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from helpers import pinned_codegen
+    from lowbit_attn.core import triton_support
+    from lowbit_attn.tools import bwd_gates
+
+    if not triton_support.gluon_available("hopper"):
+        pytest.skip(triton_support.gluon_refusal("hopper", "the Gluon backward"))
+    rs = {r.kernel: r for r in aot.compile_vsa("sm_90a", d, bwd_kernel="sm90")}
+    assert {"_dkdv_sm90_kernel", "_dq_sm90_kernel"} <= set(rs)
+    assert "_vsa_dkdv_kernel" not in rs and "_vsa_dq_kernel" not in rs
+    for name in bwd_gates.KERNELS:
+        r = rs[name]
+        g = bwd_gates.gates(r)
+        assert r.ok and r.spills == 0 and not g["narrow"], (name, r.error, g)
+        assert r.num_warps == 4 and r.constexprs["SPARSE"] and not r.constexprs["INT8"]
+        assert g["passes"] or not pinned_codegen(), (name, g)

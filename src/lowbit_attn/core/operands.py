@@ -198,6 +198,8 @@ class TrainOperands:
             scores (``smooth_q``).
         int8: the matmuls computed in INT8 (names from :data:`TRAIN_MATMULS`).
         dtype: the inputs' dtype: 16-bit operands (and P, dS of 16-bit matmuls) are rounded to it.
+        backward_granularity: the INT8 scale groups of P and dS in the backward
+            (``TrainRecipe.backward_granularity``): ``"per_tile"`` or ``"per_row"``.
     """
 
     q: torch.Tensor
@@ -218,6 +220,7 @@ class TrainOperands:
     q_mean: torch.Tensor | None = None
     delta_s: torch.Tensor | None = None
     balance: torch.Tensor | None = None
+    backward_granularity: str = "per_tile"
 
 
 @dataclass

@@ -11,6 +11,14 @@ from the environment once per call by the custom op that needs it and passed dow
 - ``LOWBIT_ATTN_TRAIN_DQ``: ``recompute`` (default: a dQ kernel that recomputes S and dP per query
   block; deterministic) or ``atomic`` (the dK/dV kernel adds each tile's dS·K into an fp32
   buffer: two fewer matmuls per tile, summation order not fixed).
+- ``LOWBIT_ATTN_BWD_KERNEL``: ``triton`` (default: the Triton backward kernels) or ``sm90`` (the
+  Gluon backward loops for Hopper, ``training/kernel_bwd_sm90.py``: 128 keys per program on two
+  warpgroups, the score tile transposed, INT8 P and dS from registers; where it applies: a CUDA
+  device of capability 9.0, the trainable attention (P and dS per tile or per row),
+  INT8 Q·Kᵀ, dV, dK and dQ, 16-bit dP, no Q smoothing, D = 64 or 128, dQ by ``recompute``; and
+  video sparse attention's 16-bit fine stage, 64-token tiles, D = 64 or 128, the same loops
+  over its tile lists; the Triton kernels elsewhere). No GPU has run it: not the default; on a
+  CPU it changes nothing.
 - ``LOWBIT_ATTN_KERNEL``: ``triton`` (default: the Triton attention kernels), ``gluon`` (the
   Gluon forward for Hopper, ``inference/kernel_int8_gluon.py``, where it applies: a CUDA device of
   capability 9.0, the INT8 recipes (FP8 or fp16 P·V), D = 64 or 128; and the Gluon FP4 forward for
@@ -40,11 +48,13 @@ from dataclasses import dataclass
 Q_QUANT_MODES = ("pass", "kernel")
 KV_STATS_MODES = ("launch", "program")
 DQ_MODES = ("recompute", "atomic")
+BWD_KERNELS = ("triton", "sm90")
 KERNELS = ("triton", "gluon", "gluon-pingpong", "sm90")
 GLUON_SCHEDULES = {"gluon": "async", "gluon-pingpong": "pingpong"}  # kernel_int8_gluon.SCHEDULES
 _VARIABLES = {"q_quant": ("LOWBIT_ATTN_Q_QUANT", Q_QUANT_MODES),
               "kv_stats": ("LOWBIT_ATTN_KV_STATS", KV_STATS_MODES),
               "train_dq": ("LOWBIT_ATTN_TRAIN_DQ", DQ_MODES),
+              "bwd_kernel": ("LOWBIT_ATTN_BWD_KERNEL", BWD_KERNELS),
               "kernel": ("LOWBIT_ATTN_KERNEL", KERNELS)}
 
 
@@ -56,6 +66,7 @@ class KernelOptions:
     q_quant: str = Q_QUANT_MODES[0]
     kv_stats: str = KV_STATS_MODES[0]
     train_dq: str = DQ_MODES[0]
+    bwd_kernel: str = BWD_KERNELS[0]
     kernel: str = KERNELS[0]
 
     def __post_init__(self) -> None:

@@ -24,9 +24,12 @@ QK_FORMATS = ("int8", "nvfp4", "mxfp4", "none")
 PV_FORMATS = ("fp16", "fp8", "nvfp4", "mxfp4", "none")
 FP4_FORMATS = ("nvfp4", "mxfp4")
 BLOCK_SIZES = (16, 32, 64, 128)
+# The trainable backward's INT8 scale groups of P and dS (TrainRecipe.backward_granularity).
+BACKWARD_GRANULARITIES = ("per_tile", "per_row")
 # The values a str or int field may take (the other fields: ``name``, bools, TrainRecipe.int8).
 FIELD_CHOICES = {"qk": QK_FORMATS, "pv": PV_FORMATS, "granularity": GRANULARITIES,
-                 "block_q": BLOCK_SIZES, "block_k": BLOCK_SIZES}
+                 "block_q": BLOCK_SIZES, "block_k": BLOCK_SIZES,
+                 "backward_granularity": BACKWARD_GRANULARITIES}
 
 
 def _check_fields(recipe) -> None:
@@ -250,6 +253,11 @@ class TrainRecipe:
             by it before quantizing (after smoothing), as the inference recipes do; scores are
             unchanged and the gradients come back as ``dQ∘α``, ``dK/α`` (exact). Not part of
             SageBwd: an option for models whose Q or K has outlier channels.
+        backward_granularity: the INT8 scale groups of P and dS in the backward's products
+            (``dV = Pᵀ·dO``, ``dK = dSᵀ·Q``, ``dQ = dS·K``), each a 64×64 tile (64 queries by 64
+            keys): ``"per_tile"``, one scale per tile; or ``"per_row"``, one scale per row of the
+            product's output, the dimension it does not contract (per key for dV and dK, per
+            query for dQ), which factors out of the product as a tile's scale does and is finer.
 
     Raises:
         TypeError: a field of the wrong type (the message names ``TrainRecipe.<field>``).
@@ -262,6 +270,7 @@ class TrainRecipe:
     smooth_k: bool = True
     smooth_q: bool = False
     balance_qk: bool = False
+    backward_granularity: Literal["per_tile", "per_row"] = "per_tile"
 
     def __post_init__(self) -> None:
         from lowbit_attn.core.operands import TRAIN_MATMULS

@@ -337,14 +337,25 @@ def mm(a, b, INT8: tl.constexpr, EMU_FP32: tl.constexpr):
 
 
 @triton.jit
-def quantize_tile(x, INT8: tl.constexpr, LIKE, KEEP_DIMS: tl.constexpr = False):
-    """A tile as a matmul operand: INT8 with one scale ``max(amax, 2^-100)/127`` (NaN/Inf poison
-    it), each element times the scale's reciprocal (one division per tile, not one per element),
-    or ``x`` in the element type of the pointer ``LIKE`` with scale 1. ``KEEP_DIMS``: the scale as
-    a ``[1, 1]`` tile instead of a scalar (the same value; see :func:`~lowbit_attn.core.arch.
-    tensor_memory`). Twin: ``training.naive.quantize_tiles``."""
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def quantize_tile(x, INT8: tl.constexpr, LIKE, KEEP_DIMS: tl.constexpr = False,
+                  PER_ROW: tl.constexpr = False, AXIS: tl.constexpr = 1):
+    """A tile as a matmul operand: INT8 with one scale ``max(amax, 2^-100)/127`` per tile (NaN/Inf
+    poison it), or with ``PER_ROW`` one such scale per row of the product's output, the amax taken
+    along ``AXIS`` (the dimension the product contracts; NaN propagates), returned ``[n, 1]``;
+    each element the exact product with the scale's reciprocal (one division per scale, not one
+    per element) rounded half to even (one fused multiply-add); or ``x`` in the element type of
+    the pointer ``LIKE`` with scale 1. ``KEEP_DIMS``: the tile's scale as a ``[1, 1]`` tile instead
+    of a scalar (the same value; see :func:`~lowbit_attn.core.arch.tensor_memory`). Twin:
+    ``training.naive.quantize_tiles``."""
     if INT8:
-        if KEEP_DIMS:
+        if PER_ROW:
+            amax = tl.reduce(tl.abs(x), AXIS, _max_nan, keep_dims=True)
+        elif KEEP_DIMS:
             amax = (tl.max(tl.max(tl.abs(x), axis=1, keep_dims=True), axis=0, keep_dims=True)
                     + tl.sum(tl.sum(x * 0.0, axis=1, keep_dims=True), axis=0, keep_dims=True))
         else:
@@ -352,6 +363,11 @@ def quantize_tile(x, INT8: tl.constexpr, LIKE, KEEP_DIMS: tl.constexpr = False):
                     + tl.sum(tl.sum(x * 0.0, axis=1), axis=0))
         amax = tl.where(amax < _TILE_AMAX_FLOOR, _TILE_AMAX_FLOOR, amax)  # NaN stays NaN
         scale = amax * (1.0 / 127.0)
-        return to_int8(x * tl.div_rn(1.0, scale)), scale
+        r = tl.fma(x, tl.div_rn(1.0, scale), RNE_MAGIC) - RNE_MAGIC  # rounded once
+        nan = r != r
+        r = tl.where(nan, 0.0, tl.minimum(tl.maximum(r, -127.0), 127.0))
+        if PER_ROW and AXIS == 0:
+            scale = tl.trans(scale)
+        return r.to(tl.int8), scale
     else:
         return x.to(LIKE.dtype.element_ty), 1.0

@@ -39,6 +39,18 @@ else:
         tma.async_copy_global_to_shared(desc, coord, barrier, result, pred=pred)
 
 
+# A barrier of every thread of the program: Gluon's ``thread_barrier``, ``barrier`` from Triton
+# 3.9 on (as for ``tma_load``, one definition per Triton).
+if hasattr(gl, "thread_barrier"):
+    @gluon.jit
+    def cta_barrier():
+        gl.thread_barrier()
+else:
+    @gluon.jit
+    def cta_barrier():
+        gl.barrier()
+
+
 def tma_scratch(size: int, alignment: int, stream):
     """Triton's allocator hook: global memory for the TMA descriptors a kernel builds (128 bytes
     per program)."""
@@ -202,18 +214,26 @@ E4M3X4_CONSTRAINTS = gl.constexpr("=r,r,r,r,r")
 
 
 @gluon.jit
+def a_fragment_order(p, a_layout: gl.constexpr):
+    """An fp32 tile ``[M, N]`` in a wgmma accumulator's layout as the values of an 8-bit register
+    A operand in ``a_layout``: column ``16G + 8h + 2c + p`` (a thread holds its ``c``) moves to
+    ``16G + 4c + 2h + p``, a slot of the thread's own A fragment (``core.operands.V_KEY_ORDER``
+    is where the B operand must store that column's row). No data moves between threads: four
+    consecutive slots of a thread then convert into one register."""
+    m: gl.constexpr = p.shape[0]
+    n: gl.constexpr = p.shape[1]
+    p = gl.reshape(gl.permute(gl.reshape(p, [m, n // 16, 2, 4, 2]), (0, 1, 3, 2, 4)), [m, n])
+    return gl.convert_layout(p, a_layout)
+
+
+@gluon.jit
 def register_operand(p, a_layout: gl.constexpr, PV_FP8: gl.constexpr):
     """fp32 P̃ ``[64, N]`` in the wgmma accumulator's layout (4 warps) → the P̃·V wgmma's
-    register A operand in ``a_layout``, E4M3 or fp16. E4M3: column ``16G + 8h + 2c + p`` (a thread holds
-    its ``c``) moves to ``16G + 4c + 2h + p``, the position of that key in permuted V
-    (``core.operands.V_KEY_ORDER``) and a slot of the thread's own A fragment, whose four
-    consecutive keys then convert into one register: no data moves between threads. fp16: the
-    fragments already agree."""
+    register A operand in ``a_layout``, E4M3 or fp16. E4M3: the columns in
+    :func:`a_fragment_order` (the keys' order in permuted V), four to a register by one
+    conversion. fp16: the fragments already agree."""
     if PV_FP8:
-        m: gl.constexpr = p.shape[0]
-        n: gl.constexpr = p.shape[1]
-        p = gl.reshape(gl.permute(gl.reshape(p, [m, n // 16, 2, 4, 2]), (0, 1, 3, 2, 4)), [m, n])
-        p = gl.convert_layout(p, a_layout)
+        p = a_fragment_order(p, a_layout)
         bits = gl.inline_asm_elementwise(E4M3X4_PTX, E4M3X4_CONSTRAINTS, [p], dtype=gl.int8,
                                          is_pure=True, pack=4)
         return bits.to(gl.float8e4nv, bitcast=True)
@@ -345,7 +365,7 @@ def write_rows(acc, m_i, l_i, O, LSE, LSH, VS, VM, CUQ, b, h, hk, nq, NQ, offs_m
                       offs_m < nq, HAS_LSH)
 
 
-__all__ = ["E4M3X4_CONSTRAINTS", "E4M3X4_PTX", "check_tma_operands", "descriptors", "key_scales",
-           "program_sequence", "register_operand", "scales_of_rows", "softmax_block",
-           "thread_view", "tile_offsets", "tma_load", "tma_scratch", "v_box", "v_operand",
+__all__ = ["E4M3X4_CONSTRAINTS", "E4M3X4_PTX", "a_fragment_order", "check_tma_operands",
+           "cta_barrier", "descriptors", "key_scales", "program_sequence", "register_operand",
+           "scales_of_rows", "softmax_block", "thread_view", "tile_offsets", "tma_load", "tma_scratch", "v_box", "v_operand",
            "write_rows"]

@@ -373,6 +373,11 @@ def _arg_kind(param, value) -> tuple[str, bool]:
     """(signature type, 16-divisible) of one argument, as Triton's launcher specializes it."""
     if param.is_constexpr or value is None:
         return "constexpr", False
+    if type(value).__name__ == "TensorDescriptor":  # a host TMA descriptor (Gluon's)
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import BaseBackend
+
+        return native_specialize_impl(BaseBackend, value, False, True, True)[0], False
     align = not (param.do_not_specialize or param.do_not_specialize_on_alignment)
     if isinstance(value, torch.Tensor):
         return pointer_type(value.dtype), align and value.data_ptr() % 16 == 0
@@ -586,12 +591,13 @@ def _compile_all(launches: list[Launch], arch: str, config: int) -> list[KernelR
 
 def record_train_launches(
     recipe, *, head_dim: int = 128, causal: bool = False, dtype: torch.dtype = torch.bfloat16,
-    seq_len: int = 1024, dq_mode: str = "recompute",
+    seq_len: int = 1024, dq_mode: str = "recompute", bwd_kernel: str = "triton",
 ) -> list[Launch]:
     """The kernel launches of one trainable attention forward and backward (``[1, 2, seq_len,
     head_dim]``, a :class:`~lowbit_attn.core.recipes.TrainRecipe` or its name) on the Triton backend;
-    ``dq_mode``: ``"recompute"`` or ``"atomic"``, as ``LOWBIT_ATTN_TRAIN_DQ`` chooses
-    (:mod:`lowbit_attn.core.options`)."""
+    ``dq_mode``: ``"recompute"`` or ``"atomic"``, as ``LOWBIT_ATTN_TRAIN_DQ`` chooses, and
+    ``bwd_kernel``: ``"triton"`` or ``"sm90"`` (where it applies), as ``LOWBIT_ATTN_BWD_KERNEL``
+    does on an sm_90 device (:mod:`lowbit_attn.core.options`)."""
     from lowbit_attn.training.prepare import prepare, prepare_grad
     from lowbit_attn.core.recipes import resolve_train
     from lowbit_attn.training import kernel_bwd, kernel_fwd
@@ -607,15 +613,17 @@ def record_train_launches(
         grad = prepare_grad(do, r, "triton")
         kernel_bwd.backward(ops, grad, lse, torch.zeros_like(q), torch.zeros_like(k),
                             torch.zeros_like(v), causal_offset=offset, softmax_scale=scale,
-                            mode=dq_mode)
+                            mode=dq_mode, kernel=bwd_kernel)
     return list(sink)
 
 
 def record_vsa_launches(*, head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
-                        recipe: str = "exact", topk: int = 4) -> list[Launch]:
+                        recipe: str = "exact", topk: int = 4,
+                        bwd_kernel: str = "triton") -> list[Launch]:
     """The kernel launches of the video sparse attention fine stage on a 4×16×16 grid of 4×4×4
     tiles (16 tiles of 64 tokens): tokens to tiles (with tile means) and back, forward and
-    backward (``recipe="exact"``), or the 8-bit inference forward with its quantization and
+    backward (``recipe="exact"``; the backward on ``bwd_kernel``, as
+    :func:`record_train_launches`), or the 8-bit inference forward with its quantization and
     tiling (``"qk_int8_pv_fp8"``, ``"qk_int8_pv_fp16"``)."""
     from lowbit_attn.vsa import op as vsa_ops
     from lowbit_attn.vsa import kernel_fine as vsa_fine, kernel_tiles as vsa_tiles
@@ -634,7 +642,8 @@ def record_vsa_launches(*, head_dim: int = 128, dtype: torch.dtype = torch.bfloa
             kt, vt, dot = (torch.zeros_like(qt) for _ in range(3))
             lse = torch.zeros(1, 2, nt, ts)
             vsa_fine.forward(qt, kt, vt, idx, counts, scale=scale)
-            vsa_fine.backward(qt, kt, vt, torch.zeros_like(qt), lse, dot, idx, counts, scale=scale)
+            vsa_fine.backward(qt, kt, vt, torch.zeros_like(qt), lse, dot, idx, counts, scale=scale,
+                              kernel=bwd_kernel)
             vsa_tiles.untile(qt, torch.zeros(1, 2, nt, head_dim), layout.index, layout.counts,
                              n_tokens=layout.n_tokens, dtype=dtype)
         else:
@@ -756,21 +765,24 @@ def record_fp4_gluon_launch(*, recipe: str = "qk_fp4_pv_fp4", head_dim: int = 12
 
 
 def compile_vsa(arch: str = "sm_90a", head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
-                config: int = 0, recipe: str = "exact") -> list[KernelReport]:
+                config: int = 0, recipe: str = "exact",
+                bwd_kernel: str = "triton") -> list[KernelReport]:
     """Compile, for ``arch``, the fine stage's kernels (see :func:`record_vsa_launches`) and
     report each."""
-    return _compile_all(record_vsa_launches(head_dim=head_dim, dtype=dtype, recipe=recipe),
+    return _compile_all(record_vsa_launches(head_dim=head_dim, dtype=dtype, recipe=recipe,
+                                            bwd_kernel=bwd_kernel),
                         normalize_arch(arch), config)
 
 
 def compile_train(recipe="sagebwd_int8", arch: str = "sm_90a", head_dim: int = 128,
                   causal: bool = False, dtype: torch.dtype = torch.bfloat16,
-                  config: int = 0, dq_mode: str = "recompute") -> list[KernelReport]:
+                  config: int = 0, dq_mode: str = "recompute",
+                  bwd_kernel: str = "triton") -> list[KernelReport]:
     """Compile, for ``arch``, every kernel of one trainable attention forward and backward and
-    report each (see :func:`compile_recipe`)."""
+    report each (see :func:`compile_recipe`; ``bwd_kernel`` as :func:`record_train_launches`)."""
     arch = normalize_arch(arch)
     launches = record_train_launches(recipe, head_dim=head_dim, causal=causal, dtype=dtype,
-                                     dq_mode=dq_mode)
+                                     dq_mode=dq_mode, bwd_kernel=bwd_kernel)
     return _compile_all(launches, arch, config)
 
 

@@ -91,7 +91,9 @@ def _add_inspect(sub) -> None:
                    "qk_int8_pv_fp16, D 64 or 128, 128-key blocks) with per-thread and per-token "
                    "scales, each with its gate (P̃·V from registers, no shared-memory store in "
                    "the loop, no spills, at most 8.0 instructions per score, at least 2 CTAs "
-                   "per SM)")
+                   "per SM); with --recipe sagebwd_int8 or vsa, sm90 also "
+                   "means the Gluon backward loops for sm_90a (LOWBIT_ATTN_BWD_KERNEL=sm90), "
+                   "each with its issue and tensor cycles per tile")
     p.add_argument("--json", action="store_true", help="print the reports as JSON")
     p.add_argument("--ptx-dir", metavar="DIR", help="also write each kernel's PTX into DIR")
     p.set_defaults(handler=functools.partial(_inspect, parser=p))
@@ -162,6 +164,10 @@ def _inspect(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> in
     from lowbit_attn.core.recipes import RECIPES, TRAIN_RECIPES
     from lowbit_attn.tools import fp4_gates
 
+    if args.kernel == "sm90" and args.recipe in (VSA, *TRAIN_RECIPES):
+        if not triton_support.gluon_available("hopper"):
+            parser.error(triton_support.gluon_refusal("hopper", "--kernel sm90"))
+        return _inspect_bwd_sm90(args, parser)
     if args.kernel != "triton":
         fp4 = _fp4_recipe(args)
         api = "hopper" if fp4 is None else "blackwell"
@@ -213,9 +219,11 @@ def _inspect(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> in
     return 1 if any(not r.ok for r in reports) else 0
 
 
-def _compile_vsa(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list:
-    """``inspect --recipe vsa``: the fine stage's kernels, 16-bit forward and backward with the
-    tiling, then the 8-bit forward (``qk_int8_pv_fp8``) with its own; each specialization once."""
+def _compile_vsa(args: argparse.Namespace, parser: argparse.ArgumentParser,
+                 bwd_kernel: str = "triton") -> list:
+    """``inspect --recipe vsa``: the fine stage's kernels, 16-bit forward and backward (on
+    ``bwd_kernel``) with the tiling, then the 8-bit forward (``qk_int8_pv_fp8``) with its own;
+    each specialization once."""
     import torch
 
     from lowbit_attn.tools import aot
@@ -228,7 +236,8 @@ def _compile_vsa(args: argparse.Namespace, parser: argparse.ArgumentParser) -> l
     dtype = getattr(torch, args.dtype)
     reports, seen = [], set()
     for recipe in ("exact", "qk_int8_pv_fp8"):
-        for r in aot.compile_vsa(args.arch, args.head_dim, dtype, args.config, recipe=recipe):
+        for r in aot.compile_vsa(args.arch, args.head_dim, dtype, args.config, recipe=recipe,
+                                 bwd_kernel=bwd_kernel):
             if (r.kernel, r.variant) not in seen:
                 seen.add((r.kernel, r.variant))
                 reports.append(r)
@@ -436,6 +445,47 @@ def _inspect_sm90(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
                f"{args.head_dim}, 128-key blocks, {mode}, {args.dtype})")
     return _show_gated(args, heading, reports, [sm90_gates.gates(r) for r in reports],
                        [f"{g} scales" for g in GRANULARITIES], sm90_gates.format_gates)
+
+
+def _inspect_bwd_sm90(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``inspect --kernel sm90`` with ``--recipe sagebwd_int8`` or ``--recipe vsa``: every kernel
+    of one call with
+    the Gluon backward loops for Hopper (``LOWBIT_ATTN_BWD_KERNEL=sm90``), each with the
+    training/VSA gate, and the loops' issue and tensor cycles per tile (``tools/bwd_gates.py``)."""
+    import torch
+
+    from lowbit_attn.core.recipes import TRAIN_RECIPES
+    from lowbit_attn.tools import aot, bwd_gates
+
+    if args.arch != "sm_90a":
+        parser.error(f"--kernel sm90: the Gluon backward is written for sm_90a, got --arch {args.arch}")
+    if args.head_dim not in (64, 128):
+        parser.error(f"--kernel sm90: the Gluon backward takes head dim 64 or 128, got "
+                     f"--head-dim {args.head_dim}")
+    if args.dtype not in ("float16", "bfloat16"):
+        parser.error(f"--dtype {args.dtype}: the backward kernels take float16 or bfloat16")
+    mode = "causal" if args.causal else "non-causal"
+    dtype = getattr(torch, args.dtype)
+    if args.recipe == VSA:
+        reports = _compile_vsa(args, parser, bwd_kernel="sm90")
+        heading = f"{VSA} fine stage for {args.arch}, Gluon backward (head dim {args.head_dim}, "
+    else:
+        recipe = TRAIN_RECIPES[args.recipe]
+        reports = aot.compile_train(recipe, args.arch, head_dim=args.head_dim, causal=args.causal,
+                                    dtype=dtype, config=args.config, bwd_kernel="sm90")
+        heading = (f"{recipe.name} (P and dS {recipe.backward_granularity.replace('_', ' ')}) for "
+                   f"{args.arch}, Gluon backward "
+                   f"(head dim {args.head_dim}, {mode}, ")
+    gates = [bwd_gates.gates(r) if r.kernel in bwd_gates.KERNELS else None for r in reports]
+    code = _show_gated(args, heading + f"{args.dtype})", reports, gates, [""] * len(reports),
+                       lambda r, g: [_gate_line(r)] + bwd_gates.format_gates(r, g))
+    if not args.json:
+        passed = sum(_gate_line(r).startswith("  gate          passes")
+                     and (g is None or g["passes"]) for r, g in zip(reports, gates))
+        print(f"\ngate: {passed} of {len(reports)} kernels pass (no spills, every product a "
+              f"wgmma of N >= {WIDE_N}; the backward loops: issue <= "
+              f"{bwd_gates.MAX_ISSUE_RATIO}x tensor cycles per tile)")
+    return code
 
 
 # ---------------------------------------------------------------------------------------------

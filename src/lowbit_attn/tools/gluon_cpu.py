@@ -29,6 +29,13 @@ copy. What stands in for the hardware:
   buffer an unretired wgmma reads or a load is still filling; a result read before its group
   retired.
 
+Also modelled, for the Hopper backward (``training/kernel_bwd_sm90.py``): host TMA descriptors
+passed as kernel arguments (Gluon's ``TensorDescriptor``, read as the in-kernel ones are; their
+``dtype`` and ``layout`` answer), shared-memory ``slice`` views, ``gl.reduce`` (the combine
+function folded along the axis in index order), a CTA barrier (``thread_barrier``, 3.9's
+``barrier``: a no-op for one sequential thread) and its INT8 conversion (see
+:func:`_inline_asm_elementwise`).
+
 ``gl.warp_specialize`` runs each partition's function (its args tuple; the default partition's
 return value, a tuple as Gluon requires, is returned) in a thread of its own, the threads taking
 turns: exactly one runs, and it hands over only at a synchronisation point (mbarrier ``wait`` /
@@ -384,6 +391,14 @@ class _Shared(_View):
     def permute(self, order):
         return _Shared(self.tensor.permute(*order), self.root, self.key)
 
+    def slice(self, start, length, dim=0):
+        start, length, dim = int(start), int(length), int(dim)
+        if start < 0 or start + length > self.tensor.shape[dim]:
+            raise ScheduleError(f"{self.where()}.slice({start}, {length}, dim={dim}) of "
+                                f"{self.tensor.shape[dim]}")
+        return _Shared(self.tensor.narrow(dim, start, length), self.root,
+                       self.key + ((f"dim{dim}", start, start + length),))
+
     def store(self, value):
         machine = _machine()
         machine.check_no_reader(self, "a store into")
@@ -425,11 +440,11 @@ def _join(clock: Counter, other) -> Counter:
 
 def _overlap(a, b):
     """Whether two index paths (from one root) share an element: equal along their common
-    prefix, where a tensor-memory column slice ``("cols", start, stop)`` meets another slice when
-    the ranges intersect."""
+    prefix, where a slice ``(kind, start, stop)`` (tensor memory's columns ``"cols"``, shared
+    memory's dimension ``d`` ``"dim<d>"``) meets another of its kind when the ranges intersect."""
     for x, y in zip(a, b):
         if isinstance(x, tuple) and isinstance(y, tuple):
-            if x[2] <= y[1] or y[2] <= x[1]:
+            if x[0] == y[0] and (x[2] <= y[1] or y[2] <= x[1]):
                 return False
         elif isinstance(x, tuple) or isinstance(y, tuple):
             return True  # an index against a slice: not made by the kernels modelled; be strict
@@ -856,15 +871,23 @@ def _make_lang(real_name, numerics):
     def max_(x, axis):
         return torch.amax(x, dim=axis)
 
+    def reduce(x, axis, combine_fn, keep_dims=False):
+        """Any reduction, folding ``combine_fn`` along ``axis`` in index order."""
+        x = _t(x)
+        out = x.select(axis, 0)
+        for j in range(1, x.shape[axis]):
+            out = combine_fn(out, x.select(axis, j))
+        return out.unsqueeze(axis) if keep_dims else out
+
     def sum_(x, axis):
         return row_sum(x, axis)
 
     names = dict(
         program_id=program_id, arange=arange, full=full, zeros=zeros, load=_load, store=_store,
         exp2=exp2, log2=log2, abs=torch.abs, fma=fma, where=where,
-        maximum=lambda a, b: torch.maximum(_t(a), _t(b)),
-        minimum=lambda a, b: torch.minimum(_t(a), _t(b)),
-        max=max_, sum=sum_, cdiv=_cdiv, static_range=range, constexpr=lambda v: v,
+        maximum=lambda a, b, propagate_nan=None: torch.maximum(_t(a), _t(b)),
+        minimum=lambda a, b, propagate_nan=None: torch.minimum(_t(a), _t(b)),
+        max=max_, sum=sum_, reduce=reduce, cdiv=_cdiv, static_range=range, constexpr=lambda v: v,
         convert_layout=lambda x, layout, assert_trivial=False: x,
         float32=torch.float32, int8=torch.int8, int32=torch.int32, int64=torch.int64,
         uint8=torch.uint8, float8e4nv=torch.float8_e4m3fn, float16=torch.float16,
@@ -883,6 +906,7 @@ def _make_lang(real_name, numerics):
             expand_dims=lambda x, axis: x.unsqueeze(axis),
             div_rn=lambda a, b: torch.div(_t(a), _t(b)),
             warp_specialize=_warp_specialize, num_warps=lambda: _machine().current.num_warps,
+            thread_barrier=lambda: None, barrier=lambda cluster=False: None,
         )
     return _Namespace(real_name, **names)
 
@@ -957,6 +981,11 @@ class _Descriptor:
     shape: list
     strides: list
     block_shape: list
+    layout: object = None
+
+    @property
+    def dtype(self):
+        return self.base.mem.dtype
 
     @property
     def block_type(self):
@@ -975,7 +1004,8 @@ def _make_tensor_descriptor(base, shape, strides, block_shape, layout, padding_o
     if address % 16 or any(s * size % 16 for s in strides[:-1]):
         raise ScheduleError(f"TMA descriptor over {base.name}: global address {address:#x} and "
                             f"strides {strides} (elements of {size} B) must be 16-byte aligned")
-    return _Descriptor(base, [int(s) for s in shape], strides, [int(s) for s in block_shape])
+    return _Descriptor(base, [int(s) for s in shape], strides, [int(s) for s in block_shape],
+                       layout)
 
 
 def _async_copy_global_to_shared(desc, coord, barrier, result, pred=True):
@@ -1303,13 +1333,19 @@ def _tcgen05_commit(barrier):
 
 
 def _inline_asm_elementwise(asm, constraints, args, dtype, is_pure, pack):
-    """Two conversions only. The hardware E2M1 conversion (``quant.fp4.E2M1X2_PTX``, four
-    ``cvt.rn.satfinite.e2m1x2.f32``): byte ``i`` = ``code(lo_i) | code(hi_i) << 4`` with the
+    """Three conversions and a read of the grid index only. The hardware E2M1 conversion
+    (``quant.fp4.E2M1X2_PTX``, four ``cvt.rn.satfinite.e2m1x2.f32``): byte ``i`` = ``code(lo_i) | code(hi_i) << 4`` with the
     twin's ``quant.fp4_naive.e2m1_code`` (its RNE and saturation are the instruction's for every
     non-NaN input: tests/quant/test_fp4.py; a NaN's code is the hardware's, not modelled). And the
     E4M3 one (``inference.gluon_blocks.E4M3X4_PTX``, ``cvt.rn.satfinite.e4m3x2.f32``): each
     element's E4M3 bits by the twin's ``quant.int8_naive.to_e4m3`` (round to nearest even,
-    saturating to ±448, NaN kept), as int8."""
+    saturating to ±448, NaN kept), as int8. And the INT8 one
+    (``training.kernel_bwd_sm90.RNE_S8X4_PTX``, ``fma.rn`` with 1.5·2^23 and the low bytes): the
+    exact product ``x·r`` rounded half to even, as int8 (two's complement of the integer); NaN
+    gives -1 and ±Inf 0 (the low bytes of 0x7FFFFFFF and 0x7F800000); a finite product of 2^22
+    or more gives the low byte of ``x·r + 1.5·2^23`` rounded to fp32 through float64 (the
+    kernel sends it only to rows whose products nothing reads). And ``CTAID_Y_PTX`` of the same
+    module: the program's index along the grid's second axis."""
     from lowbit_attn.quant.fp4 import E2M1X2_CONSTRAINTS, E2M1X2_PTX
     from lowbit_attn.quant.fp4_naive import e2m1_code
 
@@ -1321,6 +1357,20 @@ def _inline_asm_elementwise(asm, constraints, args, dtype, is_pure, pack):
         from lowbit_attn.quant.int8_naive import to_e4m3
 
         return to_e4m3(x).view(torch.int8)
+    if form == _ctaid_y_form():
+        return torch.tensor(_machine().pid[1], dtype=torch.int32)
+    if form == _rne_s8x4_form():
+        x, r = (_t(a) for a in args)
+        if x.dtype != torch.float32 or r.dtype != torch.float32:
+            raise ScheduleError("the INT8 conversion takes fp32 values and reciprocals")
+        y = torch.round(x.double() * r.double())
+        finite = torch.isfinite(y)
+        big = finite & (y.abs() >= 2 ** 22)
+        wide = (x.double() * r.double() + 12582912.0).float().view(torch.int32).to(torch.int64)
+        low = torch.where(finite & ~big, y, 0.0).to(torch.int64) & 0xFF
+        low = torch.where(big, wide & 0xFF, low)
+        low = torch.where(torch.isnan(y), 0xFF, low)
+        return ((low ^ 0x80) - 0x80).to(torch.int8)
     if form != (E2M1X2_PTX.value, E2M1X2_CONSTRAINTS.value, 4, torch.uint8):
         raise NotModeled(f"inline_asm_elementwise of {asm!r}: only the E2M1X2 and E4M3X4 "
                          "conversions")
@@ -1337,6 +1387,21 @@ def _e4m3x4_form() -> tuple:
     from lowbit_attn.inference.gluon_blocks import E4M3X4_CONSTRAINTS, E4M3X4_PTX
 
     return E4M3X4_PTX.value, E4M3X4_CONSTRAINTS.value, 4, torch.int8
+
+
+def _ctaid_y_form() -> tuple:
+    """``training.kernel_bwd_sm90``'s read of the grid's second index (``CTAID_Y_PTX``): the
+    program id along axis 1."""
+    from lowbit_attn.training.kernel_bwd_sm90 import CTAID_Y_PTX
+
+    return CTAID_Y_PTX.value, "=r", 1, torch.int32
+
+
+def _rne_s8x4_form() -> tuple:
+    """``training.kernel_bwd_sm90``'s INT8 conversion, as :func:`_e4m3x4_form`."""
+    from lowbit_attn.training.kernel_bwd_sm90 import RNE_S8X4_CONSTRAINTS, RNE_S8X4_PTX
+
+    return RNE_S8X4_PTX.value, RNE_S8X4_CONSTRAINTS.value, 4, torch.int8
 
 
 def _split(x):
@@ -1508,6 +1573,9 @@ class _Rebinder:
 def _arguments(v, name):
     if isinstance(v, torch.Tensor):
         return Ptr.of(v, name)
+    if type(v).__name__ == "TensorDescriptor":  # a host TMA descriptor (Gluon's)
+        return _make_tensor_descriptor(Ptr.of(v.base, name), v.shape, v.strides, v.block_shape,
+                                       v.layout)
     if isinstance(v, tuple):
         return tuple(_arguments(x, f"{name}[{i}]") for i, x in enumerate(v))
     return v

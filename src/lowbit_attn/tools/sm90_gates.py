@@ -84,12 +84,17 @@ def gates(report) -> dict | None:
     return found
 
 
+def verdict(found: dict, failing: str = "fails") -> str:
+    """``"passes"``, or ``failing`` and the checks of ``found["checks"]`` that failed."""
+    failed = [name for name, ok in found["checks"].items() if not ok]
+    return "passes" if not failed else f"{failing}: " + "; ".join(failed)
+
+
 def format_gates(report, found: dict | None) -> list[str]:
     """Lines for ``inspect``."""
     if found is None:
         return []
-    failed = [name for name, ok in found["checks"].items() if not ok]
-    verdict = "passes" if not failed else "fails: " + "; ".join(failed)
+    verdict_ = verdict(found)
     return [
         f"  main loop     {found['per_tile']} instructions per tile, {found['per_score']:.2f} per "
         f"score ({found['scores_per_thread']} scores per thread), {found['exp2']} exp2, "
@@ -98,6 +103,6 @@ def format_gates(report, found: dict | None) -> list[str]:
         f"  P̃·V A operand  {'registers' if found['pv_from_registers'] else 'shared memory'}; "
         f"{found['ctas_per_sm']} CTAs per SM ({report.registers} registers, "
         f"{report.shared_memory} B shared memory, {THREADS} threads)",
-        f"  gate          {verdict} (P̃·V from registers, no STS in the loop, 0 spills, <= "
+        f"  gate          {verdict_} (P̃·V from registers, no STS in the loop, 0 spills, <= "
         f"{MAX_PER_SCORE} per score, >= {MIN_CTAS} CTAs per SM)",
     ]

@@ -1,7 +1,7 @@
 """Trainable attention backward (SageBwd numerics), FlashAttention-2 style: S and P recomputed from
 the saved base-2 LSE in 64×64 tiles; ``dP = dO·Vᵀ`` (16-bit by default); ``dS = P ∘ (dP - Δ)``;
-P and dS quantized per tile for ``dV = Pᵀ·dO``, ``dK = dSᵀ·Q`` (one program per key block, looping
-over the query heads of its K/V head and their query blocks; it computes the tile transposed,
+P and dS quantized per tile (or per row of the product's output) for ``dV = Pᵀ·dO``,
+``dK = dSᵀ·Q`` (one program per key block, looping over the query heads of its K/V head and their query blocks; it computes the tile transposed,
 ``Sᵀ = K·Qᵀ``, so that Pᵀ and dSᵀ are the products' A operands in registers) and ``dQ = dS·K``
 (one program per query block). The 8-bit B operands of products over tokens (dO and Q for dV and
 dK, K for dQ) come token-contiguous (``token_major``), as an 8-bit wgmma reads them.
@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lowbit_attn.core import triton_support
 from lowbit_attn.core.arch import get_capability, interpreter_enabled, tensor_memory
 from lowbit_attn.core.operands import TRAIN_BLOCK, GradOperands, TrainOperands
 from lowbit_attn.core.triton_helpers import (
@@ -99,7 +100,7 @@ def _train_dkdv_kernel(
     IS_CAUSAL: tl.constexpr, QK_INT8: tl.constexpr, DP_INT8: tl.constexpr,
     DV_INT8: tl.constexpr, DK_INT8: tl.constexpr, DQ_INT8: tl.constexpr, HAS_DS: tl.constexpr,
     HAS_BAL: tl.constexpr, ATOMIC_DQ: tl.constexpr, EMU_FP32: tl.constexpr, TMEM: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+    PER_ROW: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """dK and dV of one key block. Operands (see :func:`_operand`): Q and K for the scores, dO and
     V for dP, dO for dV, Q for dK, K for dQ (``ATOMIC_DQ``). Strides: (batch, head, query block,
@@ -151,14 +152,15 @@ def _train_dkdv_kernel(
                                  EMU_FP32, TRANS=True)
             dst = pt * (dpt - delta[None, :])
             do_dv_blk, dovs = _operand(do_dv, b, h, qb, rows, offs_d, md_mask, False)
-            pq, ps = quantize_tile(pt, DV_INT8, do_dv[0])
+            # per row: the scales of keys (Pᵀ's and dSᵀ's rows), and of queries for dQ = dS·K
+            pq, ps = quantize_tile(pt, DV_INT8, do_dv[0], PER_ROW=PER_ROW)
             dv += mm(pq, do_dv_blk, DV_INT8, EMU_FP32) * (ps * dovs)
             q_dk_blk, qdks = _operand(q_dk, b, h, qb, rows, offs_d, md_mask, False)
-            dsq, dss = quantize_tile(dst, DK_INT8, q_dk[0], TMEM)
+            dsq, dss = quantize_tile(dst, DK_INT8, q_dk[0], TMEM, PER_ROW)
             dk += mm(dsq, q_dk_blk, DK_INT8, EMU_FP32) * (dss * qdks)
             if ATOMIC_DQ:
-                if DQ_INT8 != DK_INT8:
-                    dsq, dss = quantize_tile(dst, DQ_INT8, k_dq[0], TMEM)
+                if DQ_INT8 != DK_INT8 or PER_ROW:
+                    dsq, dss = quantize_tile(dst, DQ_INT8, k_dq[0], TMEM, PER_ROW, AXIS=0)
                 tl.atomic_add(DQ_ACC + b * sab + h * sah + rows[:, None] * san + offs_d[None, :] * sad,
                               mm(tl.trans(dsq), k_dq_blk, DQ_INT8, EMU_FP32) * (dss * kdqs),
                               mask=md_mask, sem="relaxed")
@@ -182,7 +184,8 @@ def _train_dq_kernel(
     NQ, NK, HQ, GROUP, D, causal_offset, softmax_scale, N_BUCKET,
     IS_CAUSAL: tl.constexpr, QK_INT8: tl.constexpr, DP_INT8: tl.constexpr,
     DQ_INT8: tl.constexpr, HAS_DS: tl.constexpr, HAS_BAL: tl.constexpr, EMU_FP32: tl.constexpr,
-    TMEM: tl.constexpr, DELTA_PASS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+    TMEM: tl.constexpr, DELTA_PASS: tl.constexpr, PER_ROW: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """One query block's dQ, for the Δ in DELTA; with ``DELTA_PASS``, instead, the block's
     ``Δ_i = Σ_j P_ij·dP_ij`` into DELTA (the first launch of the backward). Operands and strides
@@ -227,7 +230,7 @@ def _train_dq_kernel(
         else:
             ds = p * (dp - delta[:, None])
             k_dq_blk, kdqs = _operand(k_dq, b, hk, kb, cols, offs_d, nd_mask, False)
-            dsq, dss = quantize_tile(ds, DQ_INT8, k_dq[0], TMEM)
+            dsq, dss = quantize_tile(ds, DQ_INT8, k_dq[0], TMEM, PER_ROW)
             dq += mm(dsq, k_dq_blk, DQ_INT8, EMU_FP32) * (dss * kdqs)
     if DELTA_PASS:
         tl.store(DELTA + b * slb + h * slh + rows * sln, delta, mask=rows < NQ)
@@ -261,7 +264,7 @@ def _dq_finish_kernel(ACC, DQ, BAL, acc_strides, dq_strides, bal_strides,
              dq.to(DQ.dtype.element_ty), mask=mask)
 
 
-_KEY = ["N_BUCKET", "BLOCK_D", "IS_CAUSAL", "QK_INT8", "DP_INT8", "HAS_DS", "HAS_BAL"]
+_KEY = ["N_BUCKET", "BLOCK_D", "IS_CAUSAL", "QK_INT8", "DP_INT8", "HAS_DS", "HAS_BAL", "PER_ROW"]
 _DKDV_KEY = _KEY + ["DV_INT8", "DK_INT8", "DQ_INT8", "ATOMIC_DQ"]
 _dkdv = autotuned(CONFIGS, key=_DKDV_KEY, reset_to_zero=["DQ_ACC"])(_train_dkdv_kernel)
 _dkdv_small_d = autotuned(ONE_WARPGROUP, key=_DKDV_KEY,  # D <= 64
@@ -291,7 +294,8 @@ def launch_args(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, dq, d
         N_BUCKET=min(next_power_of_2(max(nq, nk)), 32768),
         IS_CAUSAL=causal_offset is not None, QK_INT8="qk" in ops.int8, DP_INT8="dp" in ops.int8,
         DQ_INT8="dq" in ops.int8, HAS_DS=ops.delta_s is not None, HAS_BAL=ops.balance is not None,
-        EMU_FP32=interpreter_enabled(), TMEM=tensor_memory(get_capability()), BLOCK=TRAIN_BLOCK,
+        EMU_FP32=interpreter_enabled(), TMEM=tensor_memory(get_capability()),
+        PER_ROW=ops.backward_granularity == "per_row", BLOCK=TRAIN_BLOCK,
         BLOCK_D=next_pow2(d, minimum=32),
     )
     # the autotuner zeroes DQ_ACC before each timed run, so it must be a tensor in both modes
@@ -323,8 +327,17 @@ def launch_args(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, dq, d
 
 def backward(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, dq: torch.Tensor,
              dk: torch.Tensor, dv: torch.Tensor, *, causal_offset: int | None,
-             softmax_scale: float, mode: str) -> None:
-    """Writes ``dq [B, Hq, Nq, D]``, ``dk, dv [B, Hkv, Nk, D]`` (views in any layout)."""
+             softmax_scale: float, mode: str, kernel: str = "triton") -> None:
+    """Writes ``dq [B, Hq, Nq, D]``, ``dk, dv [B, Hkv, Nk, D]`` (views in any layout); with
+    ``kernel="sm90"`` on the Gluon loops of :mod:`~lowbit_attn.training.kernel_bwd_sm90` where
+    they apply (:func:`~lowbit_attn.training.kernel_bwd_sm90.refusal`), else on these."""
+    if kernel == "sm90" and triton_support.gluon_available("hopper"):
+        from lowbit_attn.training import kernel_bwd_sm90
+
+        if kernel_bwd_sm90.refusal(ops, grad, mode) is None:
+            kernel_bwd_sm90.backward(ops, grad, lse, dq, dk, dv, causal_offset=causal_offset,
+                                     softmax_scale=softmax_scale)
+            return
     for kernel, grid, kwargs in launch_args(
         ops, grad, lse, dq, dk, dv, causal_offset=causal_offset, softmax_scale=softmax_scale,
         mode=mode,

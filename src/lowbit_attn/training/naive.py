@@ -8,8 +8,9 @@ each block quantized per query row as ``round(127·exp2(S - rowmax_block))`` wit
 Backward: S and P recomputed from the LSE; ``dP = dO·Vᵀ``; ``dS = P ∘ (dP - Δ)`` with
 ``Δ_i = Σ_j P_ij·dP_ij`` from the same P and dP, so each row of dS sums to zero up to fp32 rounding
 (``rowsum(dO ∘ O)`` would take the forward's INT8 P̃·V: on nearly one-hot rows a bias the size of
-the gradient); P and dS quantized per 64×64 tile for ``dV = Pᵀ·dO``, ``dQ = dS·K`` and
-``dK = dSᵀ·Q``. K smoothing needs no correction (the rows of dS sum to zero); Q smoothing adds
+the gradient); P and dS quantized to INT8 per 64×64 tile, or per row of each product's output in
+the tile, for ``dV = Pᵀ·dO``, ``dQ = dS·K`` and ``dK = dSᵀ·Q``, each product summed tile by tile
+in the kernels' order. K smoothing needs no correction (the rows of dS sum to zero); Q smoothing adds
 ``Σ_i dS_ij·mean(Q_block(i))`` to dK.
 """
 
@@ -96,38 +97,63 @@ def forward(ops: TrainOperands, *, causal_offset: int | None) -> tuple[torch.Ten
     return out, lse
 
 
-def quantize_tiles(x: torch.Tensor, int8: bool, dtype: torch.dtype) -> torch.Tensor:
-    """``[..., Nq, Nk]`` → the same values as a matmul operand, dequantized: INT8 with one scale
-    ``max(amax, 2^-100)/127`` per 64×64 tile (NaN/Inf poison their tile's scale), each value
-    times the scale's reciprocal, or rounded to ``dtype``."""
-    if not int8:
-        return x.to(dtype).to(x.dtype)
-    *lead, nq, nk = x.shape
+def quantize_tiles(x: torch.Tensor, int8: bool, dtype: torch.dtype, granularity: str = "per_tile",
+                   contract: str = "query") -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., Nq, Nk]`` (P or dS) as the operand of a product over queries (``contract="query"``:
+    ``dV = Pᵀ·dO``, ``dK = dSᵀ·Q``) or over keys (``"key"``: ``dQ = dS·K``), in 64×64 tiles.
+
+    Returns ``(values, scales)``: ``values [..., Nq, Nk]`` and the scale of each row of the
+    product's output in each tile, ``[..., Nq/64, Nk]`` (per key, for each query block) for
+    ``"query"``, ``[..., Nq, Nk/64]`` (per query, for each key block) for ``"key"``; ``x``'s tile
+    is ``values·scale`` (partial tiles: the first rows and columns of one). INT8: ``granularity``
+    ``"per_tile"``, one scale ``max(amax, 2^-100)/127`` per tile (NaN/Inf poison it; the same for
+    every row), or ``"per_row"``, one scale per row of the output (the amax over the contracted
+    dimension, NaN propagating); each value the exact product ``x·(1/scale)`` rounded half to
+    even (as one fused multiply-add rounds it). 16-bit: ``x`` rounded to ``dtype``, scales of
+    1."""
     t = TRAIN_BLOCK
+    *lead, nq, nk = x.shape
     nbq, nbk = -(-nq // t), -(-nk // t)
+    if not int8:
+        shape = (*lead, nbq, nk) if contract == "query" else (*lead, nq, nbk)
+        return x.to(dtype).to(x.dtype), torch.ones(shape, dtype=x.dtype, device=x.device)
     padded = torch.nn.functional.pad(x, (0, nbk * t - nk, 0, nbq * t - nq))
     tiles = padded.reshape(*lead, nbq, t, nbk, t)
-    guard = nonfinite_guard(tiles, (-3, -1)).unsqueeze(-1).unsqueeze(-3)
-    amax = tiles.abs().amax(dim=(-3, -1), keepdim=True) + guard
+    if granularity == "per_tile":
+        guard = nonfinite_guard(tiles, (-3, -1)).unsqueeze(-1).unsqueeze(-3)
+        amax = tiles.abs().amax(dim=(-3, -1), keepdim=True) + guard
+    else:  # the output's rows: keys (reduced over a block's queries) or queries (over keys)
+        amax = tiles.abs().amax(dim=-3 if contract == "query" else -1, keepdim=True)
     amax = torch.where(amax < TILE_AMAX_FLOOR, TILE_AMAX_FLOOR, amax)  # NaN stays NaN
     scale = amax * (1.0 / INT8_MAX)
-    values = torch.clamp(torch.round(tiles * (1.0 / scale)), -INT8_MAX, INT8_MAX)
-    values = torch.nan_to_num(values, nan=0.0)
-    deq = (values * scale).reshape(*lead, nbq * t, nbk * t)
-    return deq[..., :nq, :nk]
+    inverse = 1.0 / scale
+    values = torch.round(tiles.double() * inverse.double()).to(x.dtype)
+    values = torch.nan_to_num(torch.clamp(values, -INT8_MAX, INT8_MAX), nan=0.0)
+    values = values.reshape(*lead, nbq * t, nbk * t)[..., :nq, :nk]
+    scale = scale.expand(*lead, nbq, t, nbk, t)
+    if contract == "query":  # [..., nbq, Nk]: one query of each block
+        scales = scale[..., 0, :, :].reshape(*lead, nbq, nbk * t)[..., :nk]
+    else:  # [..., Nq, nbk]: one key of each block
+        scales = scale[..., 0].reshape(*lead, nbq * t, nbk)[..., :nq, :]
+    return values, scales.contiguous()
 
 
-def _sum_groups(x: torch.Tensor, hkv: int) -> torch.Tensor:
-    """``[B, Hq, N, D]`` → ``[B, Hkv, N, D]``: the query heads that share a K/V head, summed."""
-    b, hq, n, d = x.shape
-    return x.view(b, hkv, hq // hkv, n, d).sum(dim=2)
+def _delta(p: torch.Tensor, dp: torch.Tensor) -> torch.Tensor:
+    """``Δ_i = Σ_j P_ij·dP_ij`` as the kernels sum it: each block of 64 keys' row sum, added in key
+    order."""
+    delta = torch.zeros(p.shape[:-1], dtype=p.dtype, device=p.device)
+    for start in range(0, p.shape[-1], TRAIN_BLOCK):
+        cols = slice(start, start + TRAIN_BLOCK)
+        delta = delta + (p[..., cols] * dp[..., cols]).sum(dim=-1)
+    return delta
 
 
 def probabilities(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, *,
                   causal_offset: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(P, dP, dS)`` ``[B, Hq, Nq, Nk]`` in the compute dtype, before any tile quantization: P
     from the recomputed scores and the forward's base-2 LSE, ``dP = dO·Vᵀ``, ``dS = P ∘ (dP - Δ)``
-    with ``Δ_i = Σ_j P_ij·dP_ij`` (so ``Σ_j dS_ij = Δ_i·(1 - Σ_j P_ij)``: zero up to rounding)."""
+    with ``Δ_i = Σ_j P_ij·dP_ij`` (:func:`_delta`; so ``Σ_j dS_ij = Δ_i·(1 - Σ_j P_ij)``: zero up
+    to rounding)."""
     cdt = compute_dtype(ops)
     s = scores(ops, causal_offset)
     lse_safe = torch.where(torch.isneginf(lse), 0.0, lse).to(cdt)
@@ -135,7 +161,50 @@ def probabilities(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, *,
     do_dp = dequantize(grad.do_dp, grad.do_dp_scale, cdt)
     v_dp = expand_heads(dequantize(ops.v_dp, ops.v_dp_scale, cdt), ops.q.shape[1])
     dp = torch.matmul(do_dp, v_dp.transpose(-1, -2))
-    return p, dp, p * (dp - (p * dp).sum(dim=-1, keepdim=True))
+    return p, dp, p * (dp - _delta(p, dp).unsqueeze(-1))
+
+
+def _by_group(x: torch.Tensor, hkv: int) -> torch.Tensor:
+    """``[B, Hq, ...]`` → ``[B, Hkv, G, ...]``: query head ``hk·G + g`` at ``[:, hk, g]``."""
+    return x.view(x.shape[0], hkv, x.shape[1] // hkv, *x.shape[2:])
+
+
+def _over_queries(values: torch.Tensor, scales: torch.Tensor, b: torch.Tensor,
+                  b_scale: torch.Tensor, hkv: int, extra=None) -> torch.Tensor:
+    """``Σ_i Xᵀ_ji·B_i`` ``[B, Hkv, Nk, D]`` for X = P or dS (:func:`quantize_tiles`' ``values``
+    and ``scales`` with ``contract="query"``, ``[B, Hq, Nq, Nk]``) and ``b`` dO or Q
+    (``[B, Hq, Nq, D]`` values, ``b_scale`` ``[B, Hq, Nq/64]``), summed as the dK/dV kernels sum it:
+    for each query head of the K/V head, then each block of 64 queries, the block's product times
+    its scales added into fp32. ``extra(g, rows)``: a term added after each block's product."""
+    t = TRAIN_BLOCK
+    xs, ss, bs, bss = (_by_group(y, hkv) for y in (values, scales, b.to(values.dtype),
+                                                 b_scale.to(values.dtype)))
+    out = torch.zeros((values.shape[0], hkv, values.shape[-1], b.shape[-1]), dtype=values.dtype,
+                      device=values.device)
+    for g in range(xs.shape[2]):
+        for j, start in enumerate(range(0, values.shape[-2], t)):
+            rows = slice(start, start + t)
+            r = torch.matmul(xs[:, :, g, rows].transpose(-1, -2), bs[:, :, g, rows])
+            out = out + r * (ss[:, :, g, j, :, None] * bss[:, :, g, j, None, None])
+            if extra is not None:
+                out = out + extra(g, j, rows)
+    return out
+
+
+def _over_keys(values: torch.Tensor, scales: torch.Tensor, b: torch.Tensor,
+               b_scale: torch.Tensor) -> torch.Tensor:
+    """``Σ_j X_ij·B_j`` ``[B, Hq, Nq, D]`` for X = dS (``contract="key"``, ``[B, Hq, Nq, Nk]``)
+    and ``b`` K expanded to the query heads (``[B, Hq, Nk, D]``, ``b_scale`` ``[B, Hq, Nk/64]``),
+    summed as the dQ kernel sums it: each block of 64 keys' product times its scales added into
+    fp32, in key order."""
+    t = TRAIN_BLOCK
+    b, b_scale = b.to(values.dtype), b_scale.to(values.dtype)
+    out = torch.zeros((*values.shape[:-1], b.shape[-1]), dtype=values.dtype, device=values.device)
+    for j, start in enumerate(range(0, values.shape[-1], t)):
+        cols = slice(start, start + t)
+        r = torch.matmul(values[..., cols], b[..., cols, :])
+        out = out + r * (scales[..., j, None] * b_scale[..., j, None, None])
+    return out
 
 
 def backward(
@@ -147,25 +216,30 @@ def backward(
     softmax_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq [B, Hq, Nq, D], dk, dv [B, Hkv, Nk, D])`` in the compute dtype, for the
-    forward's base-2 LSE ``lse``."""
+    forward's base-2 LSE ``lse``; P and dS quantized per tile or per row
+    (``ops.backward_granularity``, :func:`quantize_tiles`). Each product is summed tile by tile
+    in the kernels' order."""
     cdt = compute_dtype(ops)
+    granularity = ops.backward_granularity
     hq, hkv = ops.q.shape[1], ops.k.shape[1]
     p, _, ds = probabilities(ops, grad, lse, causal_offset=causal_offset)
 
-    do_dv = dequantize(grad.do_dv, grad.do_dv_scale, cdt)
-    p_op = quantize_tiles(p, "dv" in ops.int8, ops.dtype)
-    dv = _sum_groups(torch.matmul(p_op.transpose(-1, -2), do_dv), hkv)
+    p_vals, p_scales = quantize_tiles(p, "dv" in ops.int8, ops.dtype, granularity, "query")
+    dv = _over_queries(p_vals, p_scales, grad.do_dv, grad.do_dv_scale, hkv)
 
-    k_dq = expand_heads(dequantize(ops.k_dq, ops.k_dq_scale, cdt), hq)
-    dq = torch.matmul(quantize_tiles(ds, "dq" in ops.int8, ops.dtype), k_dq) * softmax_scale
+    ds_vals, ds_scales = quantize_tiles(ds, "dq" in ops.int8, ops.dtype, granularity, "key")
+    dq = _over_keys(ds_vals, ds_scales, expand_heads(ops.k_dq, hq),
+                    expand_heads(ops.k_dq_scale, hq)) * softmax_scale
 
-    q_dk = dequantize(ops.q_dk, ops.q_dk_scale, cdt)
-    ds_t = quantize_tiles(ds, "dk" in ops.int8, ops.dtype).transpose(-1, -2)
-    dk = torch.matmul(ds_t, q_dk)
-    if ops.q_mean is not None:
-        qm = _per_row(ops.q_mean.transpose(-1, -2), ops.q.shape[2]).transpose(-1, -2).to(cdt)
-        dk = dk + torch.matmul(ds.transpose(-1, -2), qm)
-    dk = _sum_groups(dk, hkv) * softmax_scale
+    extra = None
+    if ops.q_mean is not None:  # dK's Q-smoothing correction, Σ_i dS_ij·mean(Q_block(i))
+        ds_g, qm_g = _by_group(ds, hkv), _by_group(ops.q_mean.to(cdt), hkv)
+
+        def extra(g, j, rows):
+            return ds_g[:, :, g, rows].sum(dim=-2)[..., :, None] * qm_g[:, :, g, j, None, :]
+
+    ds_vals, ds_scales = quantize_tiles(ds, "dk" in ops.int8, ops.dtype, granularity, "query")
+    dk = _over_queries(ds_vals, ds_scales, ops.q_dk, ops.q_dk_scale, hkv, extra) * softmax_scale
     if ops.balance is not None:  # Q entered as Q∘α and K as K/α
         alpha = ops.balance.to(cdt).unsqueeze(-2)
         dq = dq * expand_heads(alpha, hq)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from lowbit_attn.core.arch import backend_for
+from lowbit_attn.core.arch import backend_for, get_capability
 from lowbit_attn.core.counters import count_call
 from lowbit_attn.core.operands import GradOperands, TrainOperands
 from lowbit_attn.core.options import KernelOptions
@@ -41,11 +41,13 @@ def kernel_backward(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, d
                     dk: torch.Tensor, dv: torch.Tensor, *, causal_offset: int | None,
                     softmax_scale: float, options: KernelOptions) -> None:
     """Writes ``dq [B, Hq, Nq, D]``, ``dk, dv [B, Hkv, Nk, D]`` (views); dQ as
-    ``options.train_dq`` says."""
+    ``options.train_dq`` says, on the kernels ``options.bwd_kernel`` names where they apply (the
+    sm90 ones on a CUDA device of capability 9.0)."""
     from lowbit_attn.training import kernel_bwd
 
+    kernel = options.bwd_kernel if dq.is_cuda and get_capability() == (9, 0) else "triton"
     kernel_bwd.backward(ops, grad, lse, dq, dk, dv, causal_offset=causal_offset,
-                        softmax_scale=softmax_scale, mode=options.train_dq)
+                        softmax_scale=softmax_scale, mode=options.train_dq, kernel=kernel)
 
 
 def naive_backward(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, dq: torch.Tensor,

@@ -118,6 +118,7 @@ def prepare(q, k, v, recipe: TrainRecipe, softmax_scale: float, backend: str) ->
         q=q_qk, q_scale=qs, k=k_qk, k_scale=ks, v=v_pv, v_scale=vs, k_dq=k_dq, k_dq_scale=kdqs,
         q_dk=q_dk, q_dk_scale=qdks, v_dp=v_dp, v_dp_scale=vdps, qk_multiplier=multiplier,
         int8=int8, dtype=q.dtype, q_mean=q_mean, delta_s=delta, balance=alpha,
+        backward_granularity=recipe.backward_granularity,
     )
 
 

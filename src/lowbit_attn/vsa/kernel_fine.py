@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lowbit_attn.core import triton_support
 from lowbit_attn.core.arch import get_capability, interpreter_enabled
 from lowbit_attn.core.operands import QuantizedQKV
 from lowbit_attn.core.triton_helpers import (
@@ -285,21 +286,30 @@ def reverse_lists(idx: torch.Tensor, n_tiles: int) -> tuple[torch.Tensor, torch.
     return order.to(torch.int32).contiguous(), by_key.sum(-1).to(torch.int32)
 
 
-def backward(qt, kt, vt, ot, lse, dot, idx, counts, *, scale: float):
-    """``(dq, dk, dv)`` padded tiles for the fine stage's forward ``ot, lse``."""
+def backward(qt, kt, vt, ot, lse, dot, idx, counts, *, scale: float, kernel: str = "triton"):
+    """``(dq, dk, dv)`` padded tiles for the fine stage's forward ``ot, lse``; with
+    ``kernel="sm90"``, on the Gluon backward loops for Hopper
+    (``training.kernel_bwd_sm90.vsa_backward``) where they apply."""
     b, hq, nt, ts, d = qt.shape
     hkv = kt.shape[1]
     if dot.stride() != qt.stride():
         dot = dot.contiguous()
     delta = (dot.float() * ot.float()).sum(-1).contiguous()
     dq, dk, dv = torch.zeros_like(qt), torch.zeros_like(kt), torch.zeros_like(vt)
+    ridx, rcount = reverse_lists(idx, nt)
+    if kernel == "sm90" and triton_support.gluon_available("hopper"):
+        from lowbit_attn.training import kernel_bwd_sm90
+
+        if kernel_bwd_sm90.vsa_refusal(qt, d) is None:
+            kernel_bwd_sm90.vsa_backward(qt, kt, vt, dot, lse, delta, idx, (ridx, rcount),
+                                         counts, dq, dk, dv, scale=scale)
+            return dq, dk, dv
     _dq[(nt, b * hq)](
         Q=qt, K=kt, V=vt, DO=dot, IDX=idx, CNT=counts, LSE=lse, DELTA=delta, DQ=dq,
         q_strides=qt.stride(), k_strides=kt.stride(), idx_strides=idx.stride(),
         lse_strides=lse.stride(), HQ=hq, GROUP=hq // hkv, D=d, KK=idx.shape[-1],
         scale=float(scale), TS=ts, **_consts(d),
     )
-    ridx, rcount = reverse_lists(idx, nt)
     _dkdv[(nt, b * hkv)](
         Q=qt, K=kt, V=vt, DO=dot, RIDX=ridx, RCNT=rcount, CNT=counts, LSE=lse, DELTA=delta,
         DK=dk, DV=dv, q_strides=qt.stride(), k_strides=kt.stride(), ridx_strides=ridx.stride(),

@@ -133,3 +133,76 @@ def masked_attention(q, k, v, mask: torch.Tensor, *, scale: float) -> torch.Tens
     s = torch.matmul(q, expand_heads(k, hq).transpose(-1, -2)) * scale
     p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
     return torch.matmul(p, expand_heads(v, hq))
+
+
+def _pick(x: torch.Tensor, heads: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
+    """``x [B, H, nt, ...]`` at head ``heads`` and tile ``tiles`` (``[B, n]`` each) → ``[B, n, ...]``."""
+    b = torch.arange(x.shape[0], device=x.device)[:, None]
+    return x[b, heads, tiles.long()]
+
+
+def fine_backward_tiles(qt, kt, vt, dot, lse, delta, idx, counts, *, scale: float):
+    """The 16-bit fine stage's backward on padded tiles, tile by tile in the order the Gluon
+    backward (``training/kernel_bwd_sm90.py``) walks them: ``(dq, dk, dv)`` fp32 tiles for
+    ``qt, dot [B, Hq, nt, TS, D]``, ``kt, vt [B, Hkv, nt, TS, D]``, the forward's base-2 ``lse``
+    and ``delta = rowsum(dO ∘ O)`` ``[B, Hq, nt, TS]``, ``idx [B, Hq, nt, k]`` and ``counts [nt]``.
+    Per pair of tiles: ``S = Q·Kᵀ``, scaled by ``scale·log2 e`` (rounded to fp32), ``P = exp2(S
+    - LSE)`` (-inf past the key tile's count, an LSE of -inf taken as 0), ``dP = dO·Vᵀ``, ``dS =
+    P ∘ (dP - Δ)``; P and dS rounded to the inputs' dtype, their products added into fp32 with
+    one rounding (as a 16-bit wgmma accumulates): dQ over each query tile's key tiles in ``idx``
+    order, dK and dV over each key tile's query tiles (:func:`~lowbit_attn.vsa.kernel_fine.
+    reverse_lists`' order, each query head of the K/V head in turn); dQ and dK times ``scale``.
+    Rows past a tile's count are 0."""
+    from lowbit_attn.vsa.kernel_fine import reverse_lists
+
+    b, hq, nt, ts, d = qt.shape
+    hkv = kt.shape[1]
+    dtype = qt.dtype
+    c = torch.tensor(scale, dtype=torch.float32) * torch.tensor(1.4426950408889634,
+                                                                dtype=torch.float32)
+    f = {name: x.float() for name, x in (("q", qt), ("k", kt), ("v", vt), ("do", dot))}
+    lse_safe = torch.where(torch.isneginf(lse), 0.0, lse)
+    slots = torch.arange(ts, device=qt.device)
+
+    def tile_grads(qi, ki, vi, doi, lse_i, delta_i, cnt_k):
+        s = torch.matmul(qi.double(), ki.double().transpose(-1, -2)).float() * c
+        s = s.masked_fill(~(slots < cnt_k[..., None])[..., None, :], float("-inf"))
+        p = torch.exp2(s - lse_i[..., :, None])
+        dp = torch.matmul(doi.double(), vi.double().transpose(-1, -2)).float()
+        return p.to(dtype).float(), (p * (dp - delta_i[..., :, None])).to(dtype).float()
+
+    def add(acc, a, b_, valid):  # acc + a·b_ with one rounding, where valid
+        new = (acc.double() + torch.matmul(a.double(), b_.double())).float()
+        return torch.where(valid[..., None, None], new, acc)
+
+    heads = torch.arange(hq, device=qt.device)[None, :, None].expand(b, hq, nt)
+    tiles = torch.arange(nt, device=qt.device)[None, None, :].expand(b, hq, nt)
+    flat = lambda x: x.reshape(b, hq * nt)  # noqa: E731
+    dq = torch.zeros(b, hq * nt, ts, d)
+    for s_ in range(idx.shape[-1]):
+        j = flat(idx[..., s_])
+        hk = flat(heads) // (hq // hkv)
+        p, ds = tile_grads(_pick(f["q"], flat(heads), flat(tiles)), _pick(f["k"], hk, j),
+                           _pick(f["v"], hk, j), _pick(f["do"], flat(heads), flat(tiles)),
+                           _pick(lse_safe, flat(heads), flat(tiles)),
+                           _pick(delta, flat(heads), flat(tiles)), counts[j.long()])
+        dq = add(dq, ds, _pick(f["k"], hk, j), torch.ones_like(j, dtype=torch.bool))
+    ridx, rcount = reverse_lists(idx, nt)
+    group = hq // hkv
+    kh = torch.arange(hkv, device=qt.device)[None, :, None].expand(b, hkv, nt).reshape(b, -1)
+    kj = torch.arange(nt, device=qt.device)[None, None, :].expand(b, hkv, nt).reshape(b, -1)
+    dk = torch.zeros(b, hkv * nt, ts, d)
+    dv = torch.zeros(b, hkv * nt, ts, d)
+    for g in range(group):
+        h = kh * group + g
+        n = _pick(rcount.unsqueeze(-1), h, kj).squeeze(-1)
+        for s_ in range(nt):
+            i = _pick(ridx[..., s_].unsqueeze(-1), h, kj).squeeze(-1)
+            p, ds = tile_grads(_pick(f["q"], h, i), _pick(f["k"], kh, kj), _pick(f["v"], kh, kj),
+                               _pick(f["do"], h, i), _pick(lse_safe, h, i), _pick(delta, h, i),
+                               counts[kj.long()])
+            dv = add(dv, p.transpose(-1, -2), _pick(f["do"], h, i), s_ < n)
+            dk = add(dk, ds.transpose(-1, -2), _pick(f["q"], h, i), s_ < n)
+    rows = (slots < counts[:, None])[None, None, :, :, None]
+    out = [x.reshape(b, -1, nt, ts, d) for x in (dq * scale, dk * scale, dv)]
+    return tuple(torch.where(rows, x, 0.0) for x in out)

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from lowbit_attn.core.arch import backend_for
+from lowbit_attn.core.arch import backend_for, get_capability
 from lowbit_attn.core.counters import count_call
+from lowbit_attn.core.options import KernelOptions
 from lowbit_attn.core.operands import QuantizedQKV
 from lowbit_attn.core.recipes import Recipe, recipe_from_key, recipe_key
 from lowbit_attn.inference.prepare import quantize_qkv
@@ -56,10 +57,13 @@ def _(qt, kt, vt, idx, counts, scale):
 def fine_bwd(dot: torch.Tensor, qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor,
              ot: torch.Tensor, lse: torch.Tensor, idx: torch.Tensor, counts: torch.Tensor,
              scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` padded tiles."""
+    """``(dq, dk, dv)`` padded tiles (on the kernels ``LOWBIT_ATTN_BWD_KERNEL`` names where they
+    apply: the sm90 ones on a CUDA device of capability 9.0)."""
     from lowbit_attn.vsa import kernel_fine as vsa_fine
 
-    return vsa_fine.backward(qt, kt, vt, ot, lse, dot, idx, counts, scale=scale)
+    options = KernelOptions.from_env()
+    kernel = options.bwd_kernel if qt.is_cuda and get_capability() == (9, 0) else "triton"
+    return vsa_fine.backward(qt, kt, vt, ot, lse, dot, idx, counts, scale=scale, kernel=kernel)
 
 
 @fine_bwd.register_fake
