@@ -2,7 +2,7 @@
 ahead of time for sm_90a through the trainable attention's own launch path
 (``LOWBIT_ATTN_BWD_KERNEL=sm90``, P and dS per tile and per row): ``tools/bwd_gates.py``'s
 gate (no spills, every product a wgmma of N >= 64, issue cycles at most 1.5x the tensor cycles
-per tile of the main loop). Measured 2026-11-29 (Triton 3.6.0, ptxas 12.8), bf16, non-causal,
+per tile of the main loop). Measured 2026-11-28 (Triton 3.6.0, ptxas 12.8), bf16, non-causal,
 registers, main loop instructions per thread per tile, issue / tensor cycles:
 
 | kernel (tile)            | D=64 per tile   | D=64 per row    | D=128 per tile   | D=128 per row    |
