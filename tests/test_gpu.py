@@ -228,6 +228,32 @@ def test_sm90_forward_with_three_programs_per_sm_matches_the_reference():
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("d,share,causal", [(64, 16, False), (64, 16, True), (128, 2, False)],
+                         ids=["D64-16-full", "D64-16-causal", "D128-2-full"])
+def test_sm90_polynomial_exp2_matches_its_twin(d, share, causal):
+    """``poly_exp2``: against the twin with the same groups on the polynomial
+    (``quantized_attention(poly_share=)``), within the bounds of the plain kernel's test (three
+    compiles: the sweep's time is short)."""
+    from helpers import ON_CUDA, Bound, assert_within
+
+    kernel_int8_sm90 = _needs_sm90()
+    recipe = get_recipe("qk_int8_pv_fp8").replace(granularity="per_thread", block_k=128)
+    q, k, v = (x.cuda() for x in channel_biased((2, 8, 700, d), (2, 4, 1101, d), seed=d + 3,
+                                                 dtype=torch.float16))
+    offset = 401 if causal else None
+    qz = quantize_qkv(q, k, v, recipe, d**-0.5, need_lse_shift=True, backend="triton",
+                      permute_v=True)
+    want, want_lse = quantized_attention(qz, pv="fp8", granularity="per_thread", block_q=64,
+                                         block_k=128, causal_offset=offset, poly_share=share)
+    got = torch.full(q.shape, float("nan"), device="cuda", dtype=torch.float32)
+    got_lse = kernel_int8_sm90.attention(qz, out=got, pv="fp8", granularity="per_thread",
+                                         block_q=64, block_k=128, causal_offset=offset,
+                                         return_lse=True, poly_exp2=share)
+    out_bound = ON_CUDA["int8 out fp8"].widened(Bound(atol=4e-3, cos=0.999999))
+    assert_within(got, want.float(), out_bound, name="out")
+    assert_within(got_lse, want_lse.float(), ON_CUDA["lse"], name="lse")
+
+
 @pytest.mark.parametrize("granularity", ["per_thread", "per_token"])
 def test_sm90_opt_in_passes_its_check_and_runs_in_the_public_call(monkeypatch, granularity):
     """``LOWBIT_ATTN_KERNEL=sm90``: the first call checks the kernel against the Triton kernel

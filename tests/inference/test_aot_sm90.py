@@ -13,6 +13,17 @@ LSE, K single-buffered (``k_stages=1``):
 | 64  | token  | FP8  | 168 / 168          | 21032      | 544 / 546 (8.50 / 8.53)        | 3    |
 | 128 | thread | fp16 | 190                | 57384      | 509 (7.95)                     | 2    |
 
+``poly_exp2`` (per thread, FP8; one group of 8 key columns in ``share`` takes a polynomial exp2
+on the FMA pipe, about 8.2 instructions each in place of one MUFU):
+
+| D   | share | regs | main loop per tile (per score) | MUFU.EX2 per tile | CTAs |
+|-----|-------|------|--------------------------------|-------------------|------|
+| 64  | 16    | 147  | 505 (7.89)                     | 62                | 3    |
+| 64  | 8     | 148  | 537 (8.39)                     | 58                | 3    |
+| 64  | 2     | 128  | 729 (11.39)                    | 34                | 4    |
+| 128 | 16    | 179  | 538 (8.41)                     | 62                | 2    |
+| 128 | 8     | 175  | 571 (8.92)                     | 58                | 2    |
+
 Two K buffers (``k_stages=2``, K(j+2) requested with V(j+1)): +16 to +18 instructions per tile,
 +16 KB (D=128). ``maxnreg=168`` (3 CTAs per SM at D=128) spills 16 to 24 B per thread per
 thread-scale variant, 216 to 328 B per token.
@@ -108,6 +119,28 @@ def test_two_k_buffers_and_the_register_cap_are_candidates_that_compile(compiled
     capped = compiled(128, maxnreg=168)
     assert capped.registers <= 168 and sm90_gates.gates(capped)["ctas_per_sm"] == 3
     assert capped.spills <= 64
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("share", [16, 8, 2])
+def test_the_polynomial_exp2_moves_exp2s_off_the_mufu_and_nothing_else(compiled, d, share):
+    """``poly_exp2``: 64/share fewer ``MUFU.EX2`` per thread and tile, P̃ still from registers,
+    no shared-memory store and no local memory (the groups are split and merged in registers)."""
+    gates = sm90_gates.gates(compiled(d, poly_exp2=share))
+    assert gates["exp2"] == 66 - 64 // share
+    assert gates["pv_from_registers"] is True and gates["shared_stores"] == 0
+    assert gates["local_memory"] == 0
+
+
+@pytest.mark.pinned_codegen
+@pytest.mark.parametrize("d,share,limit", [(64, 16, 7.90), (64, 8, 8.40), (128, 16, 8.42)])
+def test_the_polynomial_exp2s_cost(compiled, d, share, limit):
+    """About 8 instructions per exp2 moved (module docstring); the occupancy of the plain kernel
+    kept."""
+    r = compiled(d, poly_exp2=share)
+    gates = sm90_gates.gates(r)
+    assert gates["per_score"] <= limit and r.spills == 0
+    assert gates["ctas_per_sm"] == sm90_gates.gates(compiled(d))["ctas_per_sm"]
 
 
 @pytest.mark.pinned_codegen

@@ -65,21 +65,22 @@ def operands(b, hq, hkv, nq, nk, d, granularity="per_thread", pv="fp8", dtype=to
     return recipe, qz
 
 
-def twin(recipe, qz, causal_offset):
+def twin(recipe, qz, causal_offset, poly=0):
     with gluon_cpu.canonical_reductions():
         return quantized_attention(qz, pv=recipe.pv, granularity=recipe.granularity,
                                    block_q=recipe.block_q, block_k=recipe.block_k,
-                                   causal_offset=causal_offset)
+                                   causal_offset=causal_offset, poly_share=poly)
 
 
-def on_cpu(recipe, qz, causal_offset, k_stages=k90.K_STAGES, **options):
+def on_cpu(recipe, qz, causal_offset, k_stages=k90.K_STAGES, poly=0, **options):
     """``kernel_int8_sm90.attention`` (launcher and kernel) with the kernel run by the model:
     ``(out, lse, trace)``."""
     out = torch.empty(qz.q.shape, dtype=torch.float32)  # NaN-poisoned (conftest)
     with gluon_cpu.kernel_on_cpu(k90, "_attn_fwd_sm90_kernel", **options) as cpu:
         lse = k90.attention(qz, out=out, pv=recipe.pv, granularity=recipe.granularity,
                             block_q=recipe.block_q, block_k=recipe.block_k,
-                            causal_offset=causal_offset, return_lse=True, k_stages=k_stages)
+                            causal_offset=causal_offset, return_lse=True, k_stages=k_stages,
+                            poly_exp2=poly)
     return out, lse, cpu.trace
 
 
@@ -95,6 +96,26 @@ def test_sm90_kernel_equals_the_twin_bit_for_bit(b, hq, hkv, nq, nk, d, offset, 
     got, got_lse, _ = on_cpu(recipe, qz, co, k_stages)
     assert_bits(got, want, "out")
     assert_bits(got_lse, want_lse, "lse")
+
+
+@pytest.mark.parametrize("b,hq,hkv,nq,nk,d,offset", [SHAPES[i] for i in (1, 2, 4, 5, 7)])
+@pytest.mark.parametrize("pv", ["fp8", "fp16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("poly", [2, 16])
+def test_the_polynomial_exp2_equals_the_twin_bit_for_bit(b, hq, hkv, nq, nk, d, offset, pv, causal,
+                                                         poly):
+    """``poly_exp2``: the key groups the twin gives the polynomial (``naive.poly_columns``) are
+    the kernel's, and it computes them as the twin does; and it changes the result where a key
+    takes it."""
+    recipe, qz = operands(b, hq, hkv, nq, nk, d, "per_thread", pv)
+    co = offset_of(nq, nk, causal, offset)
+    want, want_lse = twin(recipe, qz, co, poly)
+    got, got_lse, _ = on_cpu(recipe, qz, co, poly=poly)
+    assert_bits(got, want, "out")
+    assert_bits(got_lse, want_lse, "lse")
+    if nk > 8 * (poly - 1):  # some key takes the polynomial
+        plain, _ = twin(recipe, qz, co)
+        assert not torch.equal(got, plain)
 
 
 @pytest.mark.parametrize("b,hq,hkv,nq,nk,d,offset", SHAPES[:5])
@@ -168,14 +189,15 @@ MUTATION_CASES = [  # (shape, granularity, causal offset)
 ]
 
 
-def outcome(jit, old, new) -> str:
-    """How the check answers the mutated kernel over ``MUTATION_CASES``: the first failure's
-    kind, or "passes"."""
+def outcome(jit, old, new, poly=0) -> str:
+    """How the check answers the mutated kernel over ``MUTATION_CASES`` (with ``poly_exp2=poly``):
+    the first failure's kind, or "passes"."""
     def each():
         for shape, granularity, co in MUTATION_CASES:
             recipe, qz = operands(*shape, granularity)
-            want, want_lse = twin(recipe, qz, co)
-            got, got_lse, _ = on_cpu(recipe, qz, co, overrides={jit.fn: mutant(jit, old, new)})
+            want, want_lse = twin(recipe, qz, co, poly)
+            got, got_lse, _ = on_cpu(recipe, qz, co, poly=poly,
+                                     overrides={jit.fn: mutant(jit, old, new)})
             yield [(got, want), (got_lse, want_lse)]
 
     return schedule_outcome(each())
@@ -186,6 +208,22 @@ def test_the_check_catches(jit, old, new, expected):
     assert_caught(outcome(jit, old, new), expected)
 
 
+# The polynomial exp2's pieces, checked with one group in two on it (same outcomes as above)
+POLY_MUTATIONS = [
+    ("poly-on-the-even-groups", gb._mixed_exp2, "return _merge(gl.exp2(e1), o1)",
+     "return _merge(o1, gl.exp2(e1))", "wrong"),
+    ("poly-unclamped", gb.poly_exp2, "x = gl.maximum(x, -127.0, propagate_nan=_NAN_ALL)",
+     "x = x", "wrong"),
+    ("poly-rounding-constant-off-by-one", gb.poly_exp2, "f = x - (r - _EXP2_ROUND)",
+     "f = x - (r - _EXP2_ROUND + 1.0)", "wrong"),
+]
+
+
+@pytest.mark.parametrize("jit,old,new,expected", mutation_params(POLY_MUTATIONS))
+def test_the_check_catches_in_the_polynomial(jit, old, new, expected):
+    assert_caught(outcome(jit, old, new, poly=2), expected)
+
+
 def test_the_unmutated_kernel_passes_the_mutation_cases():
     assert outcome(k90._step, "more_v = j + 1", "more_v = j + 1") == "passes"
 
@@ -194,6 +232,8 @@ def test_the_unmutated_kernel_passes_the_mutation_cases():
     (dict(block_k=64), "block_k must be 128"),
     (dict(granularity="per_block"), "granularity must be one of"),
     (dict(k_stages=3), "k_stages must be 1 or 2"),
+    (dict(poly_exp2=3), "poly_exp2 must be 0 or one of"),
+    (dict(poly_exp2=8, granularity="per_token"), "poly_exp2 needs granularity 'per_thread'"),
 ])
 def test_out_of_scope_calls_are_refused_before_launch(change, message):
     recipe, qz = operands(1, 2, 2, 70, 70, 64)

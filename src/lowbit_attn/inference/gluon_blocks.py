@@ -19,9 +19,16 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import tma
 
+from triton.language.core import PropagateNan
+
 from lowbit_attn.core.triton_helpers import (
     batch_head, finish_rows, finish_scores, online_max, p_offset, seq_span, store_lse, to_e4m3,
 )
+from lowbit_attn.inference.naive import EXP2_ROUND, POLY_EXP2
+
+_NAN_ALL = gl.constexpr(PropagateNan.ALL)
+_EXP2_ROUND = gl.constexpr(EXP2_ROUND)
+_C0, _C1, _C2, _C3 = (gl.constexpr(c) for c in POLY_EXP2)
 
 
 
@@ -128,7 +135,7 @@ def scales_of_rows(QS, KS, b, h, hk, pid_m, q_start, k_start, offs_m, mmask, sqs
 def softmax_block(s_int, ks, qs, m_i, l_i, start_n, offs_m, offs_n, nk, causal_offset,
                   MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, PER_TOKEN: gl.constexpr = True,
                   PV_FP8: gl.constexpr = True, PER_THREAD: gl.constexpr = False,
-                  RAW_P: gl.constexpr = False):
+                  RAW_P: gl.constexpr = False, POLY: gl.constexpr = 0):
     """One key block's online-softmax step on its integer scores: ``(P̃, m, l, α)``, P̃ as E4M3
     (``PV_FP8``) or fp16.
 
@@ -137,7 +144,7 @@ def softmax_block(s_int, ks, qs, m_i, l_i, start_n, offs_m, offs_n, nk, causal_o
     with the same shared helpers, so both kernels round alike. ``finish_scores`` without ΔS only
     masks. ``PER_THREAD`` (one warpgroup's 64 rows by 128 keys): ``qs`` the rows' and ``ks`` the
     block's four per-thread scales, in the slices of :func:`thread_view`'s layout; see
-    :func:`_thread_exp2`. ``RAW_P``: P̃ in fp32, for the caller to convert."""
+    :func:`_thread_exp2` (and its ``POLY``). ``RAW_P``: P̃ in fp32, for the caller to convert."""
     cols = start_n + offs_n
     if PER_THREAD:
         t = s_int.to(gl.float32)
@@ -158,7 +165,7 @@ def softmax_block(s_int, ks, qs, m_i, l_i, start_n, offs_m, offs_n, nk, causal_o
         t = finish_scores(t, cols, cols < nk, offs_m, causal_offset, None, 0, False, MASKED,
                           IS_CAUSAL)
     if PER_THREAD:
-        p, m_new, alpha = _thread_exp2(t, ks, qs, m_i, MASKED, PV_FP8)
+        p, m_new, alpha = _thread_exp2(t, ks, qs, m_i, MASKED, PV_FP8, POLY)
     else:
         m_new, m_safe, alpha = online_max(m_i, gl.max(t, axis=1) * c, MASKED)
         p = gl.exp2(gl.fma(t, c[:, None], -(m_safe - p_offset(PV_FP8))[:, None]))
@@ -181,12 +188,64 @@ def thread_view(t):
 
 
 @gluon.jit
-def _thread_exp2(t, ks, qs, m_i, MASKED: gl.constexpr, PV_FP8: gl.constexpr):
+def poly_exp2(x):
+    """``2^x`` on the FMA pipe (no MUFU): ``naive.poly_exp2``, step for step. 9 instructions:
+    ``FMNMX.NAN``, 3 ``FADD``, 3 ``FFMA``, a shift, an ``FMUL``."""
+    x = gl.maximum(x, -127.0, propagate_nan=_NAN_ALL)
+    r = x + _EXP2_ROUND
+    f = x - (r - _EXP2_ROUND)
+    p = gl.fma(gl.fma(gl.fma(f, _C3, _C2), f, _C1), f, _C0)
+    return p * (r.to(gl.int32, bitcast=True) << 23).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _halves(x):
+    """A ``[M, G, 4, 2]`` view (:func:`thread_view`) split into its even and odd ``g``: two
+    ``[M, G/2, 4, 2]`` tensors. Every ``g`` of a row is in one thread: no data moves."""
+    return gl.split(gl.permute(gl.reshape(x, [x.shape[0], x.shape[1] // 2, 2, 4, 2]),
+                               (0, 1, 3, 4, 2)))
+
+
+@gluon.jit
+def _merge(even, odd):
+    """The inverse of :func:`_halves` (``odd`` taken into ``even``'s layout: the same
+    registers, named by another kind of layout when it comes from a merge)."""
+    both = gl.permute(gl.join(even, gl.convert_layout(odd, even.type.layout)), (0, 1, 4, 2, 3))
+    return gl.reshape(both, [even.shape[0], 2 * even.shape[1], 4, 2])
+
+
+@gluon.jit
+def _mixed_exp2(x, SHARE: gl.constexpr):
+    """``exp2`` of a :func:`thread_view` tile, the groups ``g ≡ SHARE - 1 (mod SHARE)`` by
+    :func:`poly_exp2` (``naive.poly_columns``), the rest on the MUFU."""
+    e1, o1 = _halves(x)
+    if SHARE == 2:
+        o1 = poly_exp2(o1)
+    else:
+        e2, o2 = _halves(o1)
+        if SHARE == 4:
+            o2 = poly_exp2(o2)
+        else:
+            e3, o3 = _halves(o2)
+            if SHARE == 8:
+                o3 = poly_exp2(o3)
+            else:
+                e4, o4 = _halves(o3)
+                o3 = _merge(gl.exp2(e4), poly_exp2(o4))
+            o2 = _merge(gl.exp2(e3), o3)
+        o1 = _merge(gl.exp2(e2), o2)
+    return _merge(gl.exp2(e1), o1)
+
+
+@gluon.jit
+def _thread_exp2(t, ks, qs, m_i, MASKED: gl.constexpr, PV_FP8: gl.constexpr,
+                 POLY: gl.constexpr = 0):
     """The exp2 of a score tile ``t`` (fp32 integer products, ``-inf`` where masked) with
     per-thread scales: ``c = s_q·s_k`` of each row and key group (:func:`thread_view`'s ``c``),
     the block's row max ``max_c(c·max_{g,p} t)`` (= ``max(t·c)``: scales are positive and rounding
     is monotone), and ``exp2(fma(t, c, -(m - offset)))``: one FFMA per score, ``c`` and ``m`` held
-    per thread. Returns ``(P̃ in t's layout, m, α)``."""
+    per thread. ``POLY``: one group of 8 columns in ``POLY`` takes :func:`poly_exp2` (0: none).
+    Returns ``(P̃ in t's layout, m, α)``."""
     t4 = thread_view(t)
     c = gl.expand_dims(qs, 1) * gl.expand_dims(ks, 0)  # [M, 4]
     top = gl.max(gl.max(t4, axis=3), axis=1) * c
@@ -198,7 +257,11 @@ def _thread_exp2(t, ks, qs, m_i, MASKED: gl.constexpr, PV_FP8: gl.constexpr):
     c4, bias4 = gl.broadcast(c4, bias4)
     t4, c4 = gl.broadcast(t4, c4)
     t4, bias4 = gl.broadcast(t4, bias4)
-    p = gl.exp2(gl.fma(t4, c4, bias4))
+    x = gl.fma(t4, c4, bias4)
+    if POLY == 0:
+        p = gl.exp2(x)
+    else:
+        p = _mixed_exp2(x, POLY)
     return gl.convert_layout(gl.reshape(p, [t.shape[0], t.shape[1]]), t.type.layout), m_new, alpha
 
 
@@ -366,6 +429,6 @@ def write_rows(acc, m_i, l_i, O, LSE, LSH, VS, VM, CUQ, b, h, hk, nq, NQ, offs_m
 
 
 __all__ = ["E4M3X4_CONSTRAINTS", "E4M3X4_PTX", "a_fragment_order", "check_tma_operands",
-           "cta_barrier", "descriptors", "key_scales", "program_sequence", "register_operand",
-           "scales_of_rows", "softmax_block", "thread_view", "tile_offsets", "tma_load", "tma_scratch", "v_box", "v_operand",
-           "write_rows"]
+           "cta_barrier", "descriptors", "key_scales", "poly_exp2", "program_sequence",
+           "register_operand", "scales_of_rows", "softmax_block", "thread_view", "tile_offsets",
+           "tma_load", "tma_scratch", "v_box", "v_operand", "write_rows"]

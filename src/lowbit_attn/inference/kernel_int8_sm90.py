@@ -61,6 +61,7 @@ from lowbit_attn.inference.gluon_blocks import (
     check_tma_operands, descriptors, key_scales, program_sequence, register_operand, scales_of_rows,
     softmax_block, thread_view, tile_offsets, tma_load, tma_scratch, v_box, v_operand, write_rows,
 )
+from lowbit_attn.inference.naive import POLY_SHARES
 from lowbit_attn.quant.tile import thread_group
 
 NUM_WARPS = 4  # one warpgroup
@@ -81,7 +82,7 @@ def _attn_fwd_sm90_kernel(
     NQ, NK, HQ, GROUP, D, causal_offset,
     IS_CAUSAL: gl.constexpr, HAS_VSCALE: gl.constexpr, HAS_VMEAN: gl.constexpr,
     HAS_LSH: gl.constexpr, WRITE_LSE: gl.constexpr, PER_THREAD: gl.constexpr,
-    PV_FP8: gl.constexpr, BLOCK_D: gl.constexpr, K_STAGES: gl.constexpr,
+    PV_FP8: gl.constexpr, BLOCK_D: gl.constexpr, K_STAGES: gl.constexpr, POLY: gl.constexpr,
 ):
     """Operands ``q`` and ``k``: ``(INT8 values, scales, values' strides, scales' strides)`` as
     in ``kernel_int8`` (scales per token ``[B, H, N]`` or per thread ``[B, H, groups]``).
@@ -184,13 +185,13 @@ def _attn_fwd_sm90_kernel(
                 j, acc, m_i, l_i, qs, ks_ptr, ks_step, offs_m, offs_n, nk, causal_offset,
                 n_blocks, q_smem, k_smem, v_smem, k_bars, v_bar, k_desc, v_desc, v_col, zero_s,
                 zero_o, a_layout, False, IS_CAUSAL, PER_THREAD, PV_FP8, BN, BLOCK_D, cols_s,
-                K_STAGES)
+                K_STAGES, POLY)
         for j in range(n_full, n_blocks):
             acc, m_i, l_i, ks_ptr = _step(
                 j, acc, m_i, l_i, qs, ks_ptr, ks_step, offs_m, offs_n, nk, causal_offset,
                 n_blocks, q_smem, k_smem, v_smem, k_bars, v_bar, k_desc, v_desc, v_col, zero_s,
                 zero_o, a_layout, True, IS_CAUSAL, PER_THREAD, PV_FP8, BN, BLOCK_D, cols_s,
-                K_STAGES)
+                K_STAGES, POLY)
 
     mbarrier.invalidate(q_bar)
     for i in gl.static_range(K_STAGES):
@@ -208,7 +209,8 @@ def _step(j, acc, m_i, l_i, qs, ks_ptr, ks_step, offs_m, offs_n, nk, causal_offs
           q_smem, k_smem, v_smem, k_bars, v_bar, k_desc, v_desc, v_col, zero_s, zero_o,
           a_layout: gl.constexpr, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr,
           PER_THREAD: gl.constexpr, PV_FP8: gl.constexpr, BN: gl.constexpr,
-          BLOCK_D: gl.constexpr, cols_s: gl.constexpr, K_STAGES: gl.constexpr):
+          BLOCK_D: gl.constexpr, cols_s: gl.constexpr, K_STAGES: gl.constexpr,
+          POLY: gl.constexpr):
     """Key block ``j``: Q·Kᵀ, the softmax, P̃·V(j) from registers, K(j+2) and V(j+1) requested,
     ``acc·α + pv``. Returns ``(acc, m, l)`` and ``ks_ptr`` moved to the next block's K scales."""
     if K_STAGES == 1:
@@ -232,7 +234,7 @@ def _step(j, acc, m_i, l_i, qs, ks_ptr, ks_step, offs_m, offs_n, nk, causal_offs
         tma_load(k_desc, [(j + 1) * BN, 0], k_bar, k_smem.index(0), pred=more_k)
     p, m_i, l_i, alpha = softmax_block(s_int, ks, qs, m_i, l_i, j * BN, offs_m, offs_n, nk,
                                        causal_offset, MASKED, IS_CAUSAL, not PER_THREAD, PV_FP8,
-                                       PER_THREAD, True)
+                                       PER_THREAD, True, POLY)
     a = register_operand(p, a_layout, PV_FP8)
     mbarrier.wait(v_bar, j & 1)
     pv_tok = warpgroup_mma(a, v_operand(v_smem, PV_FP8), zero_o, use_acc=False, is_async=True)
@@ -272,17 +274,25 @@ def attention(
     seqs_k: Seqs | None = None,
     k_stages: int = K_STAGES,
     maxnreg: int | None = None,
+    poly_exp2: int = 0,
 ) -> torch.Tensor | None:
     """Run the kernel, as ``kernel_int8.attention`` (same arguments; ``block_q`` is not used:
     the kernel's tiles are 64 rows, which changes no value); writes ``out`` (a logical
     ``[B, Hq, Nq, D]`` view) and returns the LSE (``[B, Hq, Nq]`` fp32) when asked.
     ``k_stages``: K's buffers (1: K(j+1) requested as soon as Q·K(j)ᵀ retires; 2: K(j+2) with
-    V(j+1)); ``maxnreg``: a cap on registers per thread (168 lets 3 programs share an SM).
+    V(j+1)); ``maxnreg``: a cap on registers per thread (168 lets 3 programs share an SM);
+    ``poly_exp2``: per-thread scales only, one group of 8 key columns in 2, 4, 8 or 16 takes its
+    exp2 on the FMA pipe (``gluon_blocks.poly_exp2``; twin: ``quantized_attention(poly_share=)``),
+    0 (the default) none.
     Raises ``RuntimeError`` on a Triton whose Gluon it was not written for,
     ``ValueError`` for what it does not cover (before launching anything)."""
     check_version()
     if k_stages not in (1, 2):
         raise ValueError(f"k_stages must be 1 or 2, got {k_stages!r}")
+    if poly_exp2 not in (0, *POLY_SHARES):
+        raise ValueError(f"poly_exp2 must be 0 or one of {POLY_SHARES}, got {poly_exp2!r}")
+    if poly_exp2 and granularity != "per_thread":
+        raise ValueError(f"poly_exp2 needs granularity 'per_thread', got {granularity!r}")
     _check_scope(qz, pv=pv, granularity=granularity, block_k=block_k, seqs_q=seqs_q,
                  seqs_k=seqs_k)
     b, hq, nq, d = qz.q.shape
@@ -308,7 +318,8 @@ def attention(
             IS_CAUSAL=causal_offset is not None, HAS_VSCALE=qz.v_scale is not None,
             HAS_VMEAN=qz.v_mean is not None, HAS_LSH=qz.lse_shift is not None,
             WRITE_LSE=lse is not None, PER_THREAD=granularity == "per_thread",
-            PV_FP8=pv == "fp8", BLOCK_D=d, K_STAGES=k_stages, num_warps=NUM_WARPS, **options,
+            PV_FP8=pv == "fp8", BLOCK_D=d, K_STAGES=k_stages, POLY=int(poly_exp2),
+            num_warps=NUM_WARPS, **options,
         )
 
     contextvars.copy_context().run(launch)

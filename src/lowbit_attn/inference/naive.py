@@ -78,8 +78,11 @@ def quantized_attention(
     block_q: int,
     block_k: int,
     causal_offset: int | None,
+    poly_share: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The INT8-Q·Kᵀ attention forward of the recipes, dense HND tensors.
+    """The INT8-Q·Kᵀ attention forward of the recipes, dense HND tensors. ``poly_share``: one
+    group of 8 key columns in that many takes :func:`poly_exp2` (:func:`softmax_step`; the sm90
+    kernel's ``poly_exp2`` option), key blocks starting at multiples of 128.
 
     Returns:
         ``(out fp32 [B, Hq, Nq, D], lse fp32 [B, Hq, Nq])`` with the LSE in natural log of the
@@ -121,24 +124,68 @@ def quantized_attention(
             s = s + delta[..., start:stop]
         mask = visible(nq, nk, causal_offset, dev, rows=rows, cols=torch.arange(start, stop, device=dev))
         s = s.masked_fill(~mask, float("-inf"))
-        acc, m, l_sum = softmax_step(s, vf[:, :, start:stop], acc, m, l_sum, pv=pv)
+        acc, m, l_sum = softmax_step(s, vf[:, :, start:stop], acc, m, l_sum, pv=pv,
+                                     poly_share=poly_share)
     v_scale = None if qz.v_scale is None else expand_heads(qz.v_scale, hq).unsqueeze(-2)
     return finish(acc, l_sum, m, offset, v_scale, qz.v_mean, qz.lse_shift)
 
 
-def softmax_step(s, v_block, acc, m, l_sum, *, pv: str):
+def softmax_step(s, v_block, acc, m, l_sum, *, pv: str, poly_share: int = 0):
     """One key block of the quantized recipes' online softmax in base 2: scores ``s`` (``-inf``
     where masked) against ``v_block`` (dequantized to fp32 up to its scale); P̃ rounded to E4M3
-    with the static offset ``log2 448`` (``pv="fp8"``) or to fp16. Returns ``(acc, m, l_sum)``."""
+    with the static offset ``log2 448`` (``pv="fp8"``) or to fp16. ``poly_share``: the key
+    columns of one group of 8 in every ``poly_share`` (:func:`poly_columns`) take
+    :func:`poly_exp2`, the rest ``exp2``. Returns ``(acc, m, l_sum)``."""
     offset = LOG2_FP8_MAX if pv == "fp8" else 0.0
     m_new = torch.maximum(m, s.amax(dim=-1))
     m_safe = torch.where(torch.isneginf(m_new), 0.0, m_new)
     alpha = torch.exp2(m - m_safe)
-    p = torch.exp2(s - (m_safe - offset).unsqueeze(-1))
+    x = s - (m_safe - offset).unsqueeze(-1)
+    p = torch.exp2(x)
+    if poly_share:
+        cols = poly_columns(s.shape[-1], poly_share, s.device)
+        p[..., cols] = poly_exp2(x[..., cols])
     l_sum = l_sum * alpha + p.sum(dim=-1)
     p_q = to_e4m3(p) if pv == "fp8" else p.to(torch.float16)
     acc = acc * alpha.unsqueeze(-1) + torch.matmul(p_q.float(), v_block)
     return acc, m_new, l_sum
+
+
+# 2^f for f in [-1/2, 1/2]: a cubic fitted to equal relative ripple (7.5e-5 at most, evaluated
+# as below; E4M3 P̃ keeps 3 bits), its coefficients rounded to fp32, constant term first.
+POLY_EXP2 = (0.9999280571937561, 0.6932609677314758, 0.24261096119880676, 0.05517150089144707)
+# x + EXP2_ROUND (fp32, round to nearest) is EXP2_ROUND + round(x) for |x| < 2^22: its bits' low
+# byte holds round(x) + 127, the biased exponent of 2^round(x).
+EXP2_ROUND = 1.5 * 2**23 + 127
+POLY_SHARES = (2, 4, 8, 16)  # one group of 8 key columns in 2, 4, 8 or 16 (see poly_columns)
+
+
+def poly_exp2(x: torch.Tensor) -> torch.Tensor:
+    """``2^x`` of fp32 ``x`` in fp32 arithmetic alone (FlashAttention-4's exponential on the FMA
+    pipe; ``gluon_blocks.poly_exp2``, bit for bit): ``x`` raised to at least -127 (NaN kept),
+    ``n = round(x)`` by adding and subtracting :data:`EXP2_ROUND`, ``f = x - n`` (exact), the
+    cubic :data:`POLY_EXP2` at ``f`` by Horner, times ``2^n`` made from the rounded sum's bits
+    shifted into the exponent field. 0 for ``x ≤ -126.5`` (``2^n``'s bits are 0: no subnormal
+    results, as the MUFU's ``ex2.approx.ftz``) and for ``-inf``; NaN for NaN. Relative error at
+    most 7.5e-5 elsewhere up to 2^127. Each Horner step rounds its product and its sum apart, as
+    the CPU model's ``fma`` does (the GPU's FFMA rounds once)."""
+    x = torch.maximum(x.float(), torch.tensor(-127.0, device=x.device))
+    r = x + EXP2_ROUND
+    f = x - (r - EXP2_ROUND)
+    c0, c1, c2, c3 = POLY_EXP2
+    p = (f * c3 + c2) * f + c1
+    p = p * f + c0
+    return p * (r.view(torch.int32) << 23).view(torch.float32)
+
+
+def poly_columns(n: int, share: int, device=None) -> torch.Tensor:
+    """Which of a key block's ``n`` columns take :func:`poly_exp2` when one group in ``share``
+    does: the columns ``8g .. 8g + 7`` with ``g ≡ share - 1 (mod share)`` (the sm90 kernel's
+    ``_mixed_exp2`` halves the groups ``g`` and keeps the odd half, ``log2 share`` times)."""
+    if share not in POLY_SHARES:
+        raise ValueError(f"poly_share must be one of {POLY_SHARES}, got {share!r}")
+    cols = torch.arange(n, device=device)
+    return cols[(cols // 8) % share == share - 1]
 
 
 def finish(acc, l_sum, m, offset, v_scale, v_mean, lse_shift):

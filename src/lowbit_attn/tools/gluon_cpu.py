@@ -81,9 +81,10 @@ Blackwell (what ``kernel_fp4_gluon`` uses):
 - ``gl.inline_asm_elementwise`` models only ``quant.fp4.E2M1X2_PTX`` (four
   ``cvt.rn.satfinite.e2m1x2.f32``): the twin's ``e2m1_code`` of each pair, packed ``lo | hi << 4``
   (equal to the instruction for every non-NaN input, tests/quant/test_fp4.py; the NaN code is
-  not modelled); ``gl.split``, ``reshape``, ``expand_dims``, ``div_rn`` (fp32 division, correctly
-  rounded as ``div.rn``); Blackwell's ``tma`` and ``mbarrier`` are Hopper's. During a launch torch
-  tensors answer ``x.to(dtype, bitcast=True)`` (a bit view) and ``x.type.layout`` (None).
+  not modelled); ``gl.split``, ``join``, ``reshape``, ``expand_dims``, ``div_rn`` (fp32
+  division, correctly rounded as ``div.rn``); Blackwell's ``tma`` and ``mbarrier`` are
+  Hopper's. During a launch torch tensors answer ``x.to(dtype, bitcast=True)`` (a bit view)
+  and ``x.type.layout`` (None).
 
 What the Blackwell part cannot show beyond the rest: the layouts (the 32×4×4 scale atom in shared
 memory that ``tcgen05.cp`` reads, the 64-row and 2-column scale tiles stored from registers, the
@@ -899,6 +900,7 @@ def _make_lang(real_name, numerics):
             SliceLayout=_Layout, NVMMASharedLayout=_Layout, BlockedLayout=_Layout,
             SharedLinearLayout=_Layout, DotOperandLayout=_Layout,
             DistributedLinearLayout=_Layout, split=_split,
+            join=lambda a, b: torch.stack(torch.broadcast_tensors(_t(a), _t(b)), -1),
             inline_asm_elementwise=_inline_asm_elementwise,
             reshape=lambda x, shape, can_reorder=False: x.reshape(list(shape)),
             permute=lambda x, dims: x.permute(*dims),
