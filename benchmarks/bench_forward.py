@@ -30,7 +30,9 @@ operands quantized once):
   per SM), ``kernel sm90 token``, ``kernel sm90 token r168``, and ``kernel sm90 fp16 thread``
   (``qk_int8_pv_fp16``);
 - ``kernel gluon async`` / ``kernel gluon pingpong`` (128-key blocks, per token);
-- ``prepare permuted``: the quantization stage that the sm90 rows take.
+- ``prepare permuted``: the quantization stage that the sm90 rows take;
+- at D = 64 only, last: ``kernel sm90 thread poly16`` / ``poly8`` (one key group in 16 or 8
+  takes its exp2 on the FMA pipe: ``poly_exp2``).
 
 Every output is checked against exact attention in float64 on batch 0, heads 0–1 (cosine,
 relative L1); a row under cosine 0.998 fails. Writes ``forward-<gpu>-<date>.json`` and ``.md``
@@ -166,6 +168,9 @@ def rows_of_config(base, q, k, v, causal, record, gluon_ok: str | None) -> None:
         record(base, name, stage_fns(q, k, v, causal, TOKEN, launcher)[1])
     record(base, "prepare permuted", permuted_stages(q, k, v, causal, THREAD, sm90_launcher())[0],
            check=False)
+    if q.shape[-1] == 64:  # where the MUFU binds (NOTES §17); last, the least likely to decide
+        sm90_rows([("kernel sm90 thread poly16", THREAD, {"poly_exp2": 16}),
+                   ("kernel sm90 thread poly8", THREAD, {"poly_exp2": 8})])
 
 
 def compiled_facts() -> list[dict]:
