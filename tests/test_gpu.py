@@ -228,27 +228,33 @@ def test_sm90_forward_with_three_programs_per_sm_matches_the_reference():
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("d,share,causal", [(64, 16, False), (64, 16, True), (128, 2, False)],
-                         ids=["D64-16-full", "D64-16-causal", "D128-2-full"])
-def test_sm90_polynomial_exp2_matches_its_twin(d, share, causal):
-    """``poly_exp2``: against the twin with the same groups on the polynomial
-    (``quantized_attention(poly_share=)``), within the bounds of the plain kernel's test (three
-    compiles: the sweep's time is short)."""
+@pytest.mark.parametrize("d,granularity,causal,options", [
+    (64, "per_thread", False, dict(poly_share=16)), (64, "per_thread", True, dict(poly_share=16)),
+    (128, "per_thread", False, dict(poly_share=2)), (128, "per_thread", True, dict(magic=True)),
+    (64, "per_token", False, dict(magic=True)), (128, "per_token", True, dict(magic=True)),
+], ids=["D64-poly16-full", "D64-poly16-causal", "D128-poly2-full", "D128-magic-thread-causal",
+        "D64-magic-token-full", "D128-magic-token-causal"])
+def test_sm90_numerical_options_match_their_twin(d, granularity, causal, options):
+    """``poly_exp2`` and ``magic``: against the twin with the same option
+    (``quantized_attention(poly_share=, magic=)``), within the bounds of the plain kernel's test
+    (six compiles: the sweep's time is short)."""
     from helpers import ON_CUDA, Bound, assert_within
 
     kernel_int8_sm90 = _needs_sm90()
-    recipe = get_recipe("qk_int8_pv_fp8").replace(granularity="per_thread", block_k=128)
+    recipe = get_recipe("qk_int8_pv_fp8").replace(granularity=granularity, block_k=128)
     q, k, v = (x.cuda() for x in channel_biased((2, 8, 700, d), (2, 4, 1101, d), seed=d + 3,
                                                  dtype=torch.float16))
     offset = 401 if causal else None
     qz = quantize_qkv(q, k, v, recipe, d**-0.5, need_lse_shift=True, backend="triton",
                       permute_v=True)
-    want, want_lse = quantized_attention(qz, pv="fp8", granularity="per_thread", block_q=64,
-                                         block_k=128, causal_offset=offset, poly_share=share)
+    want, want_lse = quantized_attention(qz, pv="fp8", granularity=granularity, block_q=64,
+                                         block_k=128, causal_offset=offset, **options)
     got = torch.full(q.shape, float("nan"), device="cuda", dtype=torch.float32)
-    got_lse = kernel_int8_sm90.attention(qz, out=got, pv="fp8", granularity="per_thread",
+    got_lse = kernel_int8_sm90.attention(qz, out=got, pv="fp8", granularity=granularity,
                                          block_q=64, block_k=128, causal_offset=offset,
-                                         return_lse=True, poly_exp2=share)
+                                         return_lse=True,
+                                         poly_exp2=options.get("poly_share", 0),
+                                         magic=options.get("magic", False))
     out_bound = ON_CUDA["int8 out fp8"].widened(Bound(atol=4e-3, cos=0.999999))
     assert_within(got, want.float(), out_bound, name="out")
     assert_within(got_lse, want_lse.float(), ON_CUDA["lse"], name="lse")

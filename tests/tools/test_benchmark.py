@@ -483,7 +483,7 @@ def test_forward_benchmark_runs_on_the_interpreter_without_the_gluon_kernels(tmp
     for name in ("e2e sm90 thread", "e2e sm90 token"):
         assert rows[name]["note"] == "not checked" and rows[name]["check"] == "pass"
     skipped = [r for r in rows.values() if r["method"].startswith(("kernel sm90", "kernel gluon"))]
-    assert len(skipped) == 10 and all(r["status"] == "skipped" for r in skipped)
+    assert len(skipped) == 12 and all(r["status"] == "skipped" for r in skipped)
     table = (tmp_path / result.name.replace(".json", ".md")).read_text()
     assert "| 64 | 160 | no | 1×2 | e2e sm90 thread |" in table
     assert "| D | N | causal | best sm90 e2e | × cuDNN | bar | met | × SageAttention |" in table

@@ -83,6 +83,7 @@ def _attn_fwd_sm90_kernel(
     IS_CAUSAL: gl.constexpr, HAS_VSCALE: gl.constexpr, HAS_VMEAN: gl.constexpr,
     HAS_LSH: gl.constexpr, WRITE_LSE: gl.constexpr, PER_THREAD: gl.constexpr,
     PV_FP8: gl.constexpr, BLOCK_D: gl.constexpr, K_STAGES: gl.constexpr, POLY: gl.constexpr,
+    MAGIC: gl.constexpr,
 ):
     """Operands ``q`` and ``k``: ``(INT8 values, scales, values' strides, scales' strides)`` as
     in ``kernel_int8`` (scales per token ``[B, H, N]`` or per thread ``[B, H, groups]``).
@@ -185,13 +186,13 @@ def _attn_fwd_sm90_kernel(
                 j, acc, m_i, l_i, qs, ks_ptr, ks_step, offs_m, offs_n, nk, causal_offset,
                 n_blocks, q_smem, k_smem, v_smem, k_bars, v_bar, k_desc, v_desc, v_col, zero_s,
                 zero_o, a_layout, False, IS_CAUSAL, PER_THREAD, PV_FP8, BN, BLOCK_D, cols_s,
-                K_STAGES, POLY)
+                K_STAGES, POLY, MAGIC)
         for j in range(n_full, n_blocks):
             acc, m_i, l_i, ks_ptr = _step(
                 j, acc, m_i, l_i, qs, ks_ptr, ks_step, offs_m, offs_n, nk, causal_offset,
                 n_blocks, q_smem, k_smem, v_smem, k_bars, v_bar, k_desc, v_desc, v_col, zero_s,
                 zero_o, a_layout, True, IS_CAUSAL, PER_THREAD, PV_FP8, BN, BLOCK_D, cols_s,
-                K_STAGES, POLY)
+                K_STAGES, POLY, MAGIC)
 
     mbarrier.invalidate(q_bar)
     for i in gl.static_range(K_STAGES):
@@ -210,7 +211,7 @@ def _step(j, acc, m_i, l_i, qs, ks_ptr, ks_step, offs_m, offs_n, nk, causal_offs
           a_layout: gl.constexpr, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr,
           PER_THREAD: gl.constexpr, PV_FP8: gl.constexpr, BN: gl.constexpr,
           BLOCK_D: gl.constexpr, cols_s: gl.constexpr, K_STAGES: gl.constexpr,
-          POLY: gl.constexpr):
+          POLY: gl.constexpr, MAGIC: gl.constexpr):
     """Key block ``j``: Q·Kᵀ, the softmax, P̃·V(j) from registers, K(j+2) and V(j+1) requested,
     ``acc·α + pv``. Returns ``(acc, m, l)`` and ``ks_ptr`` moved to the next block's K scales."""
     if K_STAGES == 1:
@@ -234,7 +235,7 @@ def _step(j, acc, m_i, l_i, qs, ks_ptr, ks_step, offs_m, offs_n, nk, causal_offs
         tma_load(k_desc, [(j + 1) * BN, 0], k_bar, k_smem.index(0), pred=more_k)
     p, m_i, l_i, alpha = softmax_block(s_int, ks, qs, m_i, l_i, j * BN, offs_m, offs_n, nk,
                                        causal_offset, MASKED, IS_CAUSAL, not PER_THREAD, PV_FP8,
-                                       PER_THREAD, True, POLY)
+                                       PER_THREAD, True, POLY, MAGIC)
     a = register_operand(p, a_layout, PV_FP8)
     mbarrier.wait(v_bar, j & 1)
     pv_tok = warpgroup_mma(a, v_operand(v_smem, PV_FP8), zero_o, use_acc=False, is_async=True)
@@ -275,6 +276,7 @@ def attention(
     k_stages: int = K_STAGES,
     maxnreg: int | None = None,
     poly_exp2: int = 0,
+    magic: bool = False,
 ) -> torch.Tensor | None:
     """Run the kernel, as ``kernel_int8.attention`` (same arguments; ``block_q`` is not used:
     the kernel's tiles are 64 rows, which changes no value); writes ``out`` (a logical
@@ -283,7 +285,9 @@ def attention(
     V(j+1)); ``maxnreg``: a cap on registers per thread (168 lets 3 programs share an SM);
     ``poly_exp2``: per-thread scales only, one group of 8 key columns in 2, 4, 8 or 16 takes its
     exp2 on the FMA pipe (``gluon_blocks.poly_exp2``; twin: ``quantized_attention(poly_share=)``),
-    0 (the default) none.
+    0 (the default) none; ``magic``: the integer scores become floats by an integer add into the
+    bits of 1.5·2^23 instead of a conversion (``gluon_blocks.magic_float``; twin:
+    ``quantized_attention(magic=True)``), off by default.
     Raises ``RuntimeError`` on a Triton whose Gluon it was not written for,
     ``ValueError`` for what it does not cover (before launching anything)."""
     check_version()
@@ -319,7 +323,7 @@ def attention(
             HAS_VMEAN=qz.v_mean is not None, HAS_LSH=qz.lse_shift is not None,
             WRITE_LSE=lse is not None, PER_THREAD=granularity == "per_thread",
             PV_FP8=pv == "fp8", BLOCK_D=d, K_STAGES=k_stages, POLY=int(poly_exp2),
-            num_warps=NUM_WARPS, **options,
+            MAGIC=bool(magic), num_warps=NUM_WARPS, **options,
         )
 
     contextvars.copy_context().run(launch)

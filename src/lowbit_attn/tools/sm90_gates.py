@@ -69,6 +69,7 @@ def gates(report) -> dict | None:
     found = {
         "per_tile": len(body), "per_score": round(per_score, 2),
         "scores_per_thread": SCORES_PER_THREAD, "exp2": sum(t.startswith("MUFU.EX2") for t in body),
+        "i2f": sum(t.startswith(("I2F", "I2FP")) for t in body),
         "shared_stores": ops.get("STS", 0), "local_memory": ops.get("LDL", 0) + ops.get("STL", 0),
         "pv_from_registers": pv_from_registers(report.ptx), "ctas_per_sm": ctas,
         "spills": report.spills,
