@@ -7,7 +7,7 @@
 #   (default: all)
 #
 # forward: the 8-bit forward's candidates (issue 36): the one-warpgroup kernel's GPU tests
-# (pytest -m gpu -k sm90, at most FORWARD_TEST_TIMEOUT, default 100 s: against the twin, every
+# (pytest -m gpu -k sm90, at most FORWARD_TEST_TIMEOUT, default 120 s: against the twin, every
 # option, its opt-in check), then benchmarks/bench_forward.py (the sm90 kernel per thread and per
 # token, K buffers, register cap, fp16 P.V; the Triton kernel; the Gluon async and ping-pong
 # kernels; kernel alone and end to end; SDPA cuDNN and flash, SageAttention 1.0.6; D=128,64 x
@@ -270,8 +270,8 @@ if [[ "$STAGE" == gluon ]]; then
 fi
 
 if [[ "$STAGE" == forward ]]; then
-    log "one-warpgroup forward GPU tests: pytest -m gpu -k sm90 (at most ${FORWARD_TEST_TIMEOUT:-100} s)"
-    timeout "${FORWARD_TEST_TIMEOUT:-100}" "${PYTEST[@]}" -m gpu -k sm90 \
+    log "one-warpgroup forward GPU tests: pytest -m gpu -k sm90 (at most ${FORWARD_TEST_TIMEOUT:-120} s)"
+    timeout "${FORWARD_TEST_TIMEOUT:-120}" "${PYTEST[@]}" -m gpu -k sm90 \
         >"$OUT/pytest-gpu-sm90.log" 2>&1
     rc_tests=$?
     tail -n 25 "$OUT/pytest-gpu-sm90.log"
@@ -293,7 +293,7 @@ if [[ "$STAGE" == forward ]]; then
             --section WarpStateStats --section SchedulerStats --section Occupancy \
             --section ComputeWorkloadAnalysis "$PY" benchmarks/probes/forward_ncu.py \
             >"$OUT/ncu-sm90.txt" 2>&1 || log "ncu failed (exit $?): see \$OUT/ncu-sm90.txt"
-        grep -E "Stall|Issued|Eligible|Occupancy|Block Limit|Registers|No Eligible" \
+        grep -E "Stall|Issued|Eligible|Occupancy|Block Limit|Registers|No Eligible|Pipe|XU" \
             "$OUT/ncu-sm90.txt" | head -40
     else
         log "no ncu run (ncu missing or no time left)"
