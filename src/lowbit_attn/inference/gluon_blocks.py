@@ -201,6 +201,12 @@ def thread_view(t):
 
 
 @gluon.jit
+def max_nan(a, b):
+    """``max(a, b)``, NaN if either is (``FMNMX.NAN``; a plain maximum drops a NaN operand)."""
+    return gl.maximum(a, b, propagate_nan=_NAN_ALL)
+
+
+@gluon.jit
 def magic_float(s_int):
     """INT32 scores ``S`` (``|S| < 2^22``: INT8 products over at most 256 channels) as the fp32
     ``S + 1.5·2^23``, exactly: an integer add into the bits of ``1.5·2^23`` (one ``IADD`` on the
@@ -212,7 +218,7 @@ def magic_float(s_int):
 def poly_exp2(x):
     """``2^x`` on the FMA pipe (no MUFU): ``naive.poly_exp2``, step for step. 9 instructions:
     ``FMNMX.NAN``, 3 ``FADD``, 3 ``FFMA``, a shift, an ``FMUL``."""
-    x = gl.maximum(x, -127.0, propagate_nan=_NAN_ALL)
+    x = max_nan(x, -127.0)
     r = x + _EXP2_ROUND
     f = x - (r - _EXP2_ROUND)
     p = gl.fma(gl.fma(gl.fma(f, _C3, _C2), f, _C1), f, _C0)
@@ -457,7 +463,7 @@ def write_rows(acc, m_i, l_i, O, LSE, LSH, VS, VM, CUQ, b, h, hk, nq, NQ, offs_m
 
 
 __all__ = ["E4M3X4_CONSTRAINTS", "E4M3X4_PTX", "a_fragment_order", "check_tma_operands",
-           "cta_barrier", "descriptors", "key_scales", "magic_float", "poly_exp2",
+           "cta_barrier", "descriptors", "key_scales", "magic_float", "max_nan", "poly_exp2",
            "program_sequence", "register_operand", "scales_of_rows", "softmax_block",
            "thread_view", "tile_offsets", "tma_load", "tma_scratch", "v_box", "v_operand",
            "write_rows"]

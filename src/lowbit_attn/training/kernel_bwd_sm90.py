@@ -56,12 +56,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier, warpgroup_mma, warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from triton.language.core import PropagateNan
 
 from lowbit_attn.core.operands import TILE_AMAX_FLOOR, TRAIN_BLOCK, V_KEY_ORDER
 from lowbit_attn.core.triton_helpers import batch_head, key_block_bounds, strides
 from lowbit_attn.inference.gluon_blocks import (
-    a_fragment_order, check_tma_operands, cta_barrier, tma_load,
+    a_fragment_order, check_tma_operands, cta_barrier, max_nan, tma_load,
 )
 
 BQ = 64  # queries per tile (the scales' group along the contracted dimension)
@@ -71,7 +70,6 @@ _BQ = gl.constexpr(BQ)
 _WG_KEYS = gl.constexpr(WG_KEYS)
 _BLOCK = gl.constexpr(TRAIN_BLOCK)
 _FLOOR = gl.constexpr(TILE_AMAX_FLOOR)
-_NAN_MAX = gl.constexpr(PropagateNan.ALL)
 # The LSE and Δ rows' layout in shared memory (TMA boxes of 64 fp32, read back in any layout)
 _LD_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
 
@@ -96,11 +94,6 @@ CTAID_Y_PTX = gl.constexpr("mov.u32 $0, %ctaid.y;")
 
 
 @gluon.jit
-def _max_nan(a, b):
-    return gl.maximum(a, b, propagate_nan=_NAN_MAX)
-
-
-@gluon.jit
 def quantize_rows(x, a_layout: gl.constexpr, PER_TILE: gl.constexpr, rows_in_tile):
     """fp32 ``x [M, 64]`` in a wgmma accumulator's layout → ``(A operand, scales [M])``: INT8 with
     one scale ``max(amax, 2^-100)/127`` per row (NaN propagates), or with ``PER_TILE`` one per
@@ -110,14 +103,14 @@ def quantize_rows(x, a_layout: gl.constexpr, PER_TILE: gl.constexpr, rows_in_til
     Inf here, NaN there: the tile's products are not finite either way). ``rows_in_tile``
     (``PER_TILE``; None: all): the rows that set the tile's scale (the others, rows of their own
     whose products nothing reads, take it too)."""
-    amax = gl.reduce(gl.abs(x), 1, _max_nan)
+    amax = gl.reduce(gl.abs(x), 1, max_nan)
     if PER_TILE:  # the warpgroup's largest: through shared memory, across its four warps
         if rows_in_tile is not None:
             amax = gl.where(rows_in_tile, amax, 0.0)
         rows: gl.constexpr = amax.type.layout
         m: gl.constexpr = x.shape[0]
         per_wg = gl.reshape(amax, [m // 64, 64])
-        tile = gl.expand_dims(gl.reduce(per_wg, 1, _max_nan), 1)
+        tile = gl.expand_dims(gl.reduce(per_wg, 1, max_nan), 1)
         amax = gl.convert_layout(gl.reshape(gl.broadcast(tile, per_wg)[0], [m]), rows)
     amax = gl.where(amax < _FLOOR, _FLOOR, amax)  # NaN stays NaN
     scale = amax * (1.0 / 127.0)
