@@ -22,9 +22,9 @@ def attention(
     """Low-bit attention ``softmax(q·kᵀ·scale)·v``.
 
     On a CUDA GPU the Triton kernels run; on a CPU the PyTorch reference with the same numerics.
-    In eager mode a call whose configuration was seen twice replays its launches
-    (:mod:`lowbit_attn.inference.planned`). The caller's tensors are never modified. NaN or Inf
-    in an input reaches the outputs that depend on it.
+    With ``LOWBIT_ATTN_LAUNCH=plan`` (opt-in), an eager call whose configuration was seen twice
+    replays its launches (:mod:`lowbit_attn.inference.planned`). The caller's tensors are never
+    modified. NaN or Inf in an input reaches the outputs that depend on it.
 
     Args:
         q: ``[B, Hq, Nq, D]`` (layout ``"HND"``) or ``[B, Nq, Hq, D]`` (``"NHD"``); float16, bfloat16
