@@ -110,7 +110,8 @@ def uninstall_sageattention_alias() -> bool:
     Examples:
         >>> import sys
         >>> from lowbit_attn import compat
-        >>> compat.uninstall_sageattention_alias()      # none installed: nothing to remove
+        >>> # none installed: nothing to remove
+        >>> compat.uninstall_sageattention_alias()
         False
         >>> "sageattention" in sys.modules
         False

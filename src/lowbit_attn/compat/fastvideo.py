@@ -138,7 +138,8 @@ def video_sparse_attn(
     Examples:
         >>> import torch
         >>> from lowbit_attn.compat.fastvideo import video_sparse_attn
-        >>> q, k, v = (torch.randn(1, 2, 256, 32) for _ in range(3))   # 4 tiles of 64 tokens, tile order
+        >>> # 4 tiles of 64 tokens, tile order
+        >>> q, k, v = (torch.randn(1, 2, 256, 32) for _ in range(3))
         >>> sizes = torch.full((4,), 64)
         >>> video_sparse_attn(q, k, v, sizes, sizes, topk=2).shape
         torch.Size([1, 2, 256, 32])

@@ -262,9 +262,12 @@ def sageattn_qk_int8_pv_fp16_triton(
 
     Examples:
         >>> import torch
-        >>> from lowbit_attn.compat.sageattention import sageattn_qk_int8_pv_fp16_triton
-        >>> q, k, v = (torch.randn(1, 64, 2, 64) for _ in range(3))      # [B, N, H, D]
-        >>> sageattn_qk_int8_pv_fp16_triton(q, k, v, tensor_layout="NHD", smooth_k=False).shape
+        >>> from lowbit_attn.compat import sageattention
+        >>> # [B, N, H, D]
+        >>> q, k, v = (torch.randn(1, 64, 2, 64) for _ in range(3))
+        >>> fn = sageattention.sageattn_qk_int8_pv_fp16_triton
+        >>> out = fn(q, k, v, tensor_layout="NHD", smooth_k=False)
+        >>> out.shape
         torch.Size([1, 64, 2, 64])
     """
     checks.choice("quantization_backend", quantization_backend, QUANTIZATION_BACKENDS)
@@ -443,7 +446,8 @@ def sageattn_qk_int8_pv_fp8_cuda_sm90(
         >>> from lowbit_attn.compat import sageattention
         >>> q = torch.randn(1, 4, 64, 128)
         >>> k = v = torch.randn(1, 2, 64, 128)                     # GQA 2:1
-        >>> sageattention.sageattn_qk_int8_pv_fp8_cuda_sm90(q, k, v, sm_scale=0.1).shape
+        >>> out = sageattention.sageattn_qk_int8_pv_fp8_cuda_sm90(q, k, v, sm_scale=0.1)
+        >>> out.shape
         torch.Size([1, 4, 64, 128])
     """
     name = "sageattn_qk_int8_pv_fp8_cuda_sm90"
@@ -499,7 +503,8 @@ def sageattn_varlen(
         >>> from lowbit_attn.compat import sageattention
         >>> cu = torch.tensor([0, 37, 101], dtype=torch.int32)
         >>> q, k, v = (torch.randn(101, 2, 64) for _ in range(3))
-        >>> sageattention.sageattn_varlen(q, k, v, cu, cu, 64, 64, is_causal=True).shape
+        >>> out = sageattention.sageattn_varlen(q, k, v, cu, cu, 64, 64, is_causal=True)
+        >>> out.shape
         torch.Size([101, 2, 64])
     """
     name = "sageattn_varlen"

@@ -100,7 +100,8 @@ class Recipe:
 
     Examples:
         >>> import lowbit_attn
-        >>> recipe = lowbit_attn.get_recipe("qk_int8_pv_fp8").replace(granularity="per_block")
+        >>> recipe = lowbit_attn.get_recipe("qk_int8_pv_fp8")
+        >>> recipe = recipe.replace(granularity="per_block")
         >>> recipe.qk, recipe.pv, recipe.granularity
         ('int8', 'fp8', 'per_block')
     """
@@ -280,7 +281,8 @@ class TrainRecipe:
     Examples:
         >>> import lowbit_attn
         >>> recipe = lowbit_attn.TRAIN_RECIPES["sagebwd_int8"]
-        >>> sorted(recipe.int8)                         # the products computed in INT8
+        >>> # the products computed in INT8
+        >>> sorted(recipe.int8)
         ['dk', 'dq', 'dv', 'pv', 'qk']
         >>> recipe.replace(backward_granularity="per_row").backward_granularity
         'per_row'

@@ -65,14 +65,17 @@ def attention(
 
     Examples:
         >>> import torch, lowbit_attn
-        >>> q, k, v = (torch.randn(1, 2, 64, 32) for _ in range(3))  # [B, H, N, D], on the CPU here
+        >>> # [B, H, N, D], on the CPU here
+        >>> q, k, v = (torch.randn(1, 2, 64, 32) for _ in range(3))
         >>> out = lowbit_attn.attention(q, k, v, is_causal=True)
         >>> out.shape
         torch.Size([1, 2, 64, 32])
-        >>> exact = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        >>> sdpa = torch.nn.functional.scaled_dot_product_attention
+        >>> exact = sdpa(q, k, v, is_causal=True)
         >>> lowbit_attn.errors(out, exact).cosine > 0.999
         True
-        >>> out, lse = lowbit_attn.attention(q, k, v, recipe="qk_int8_pv_fp8", return_lse=True)
+        >>> out, lse = lowbit_attn.attention(q, k, v, recipe="qk_int8_pv_fp8",
+        ...                                  return_lse=True)
         >>> lse.shape, lse.dtype
         (torch.Size([1, 2, 64]), torch.float32)
     """
@@ -154,10 +157,13 @@ def attention_varlen(
 
     Examples:
         >>> import torch, lowbit_attn
-        >>> lengths = [37, 64]                                  # two sequences, packed
+        >>> # two sequences, packed
+        >>> lengths = [37, 64]
         >>> cu = torch.tensor([0, 37, 101], dtype=torch.int32)  # cumulative lengths
-        >>> q, k, v = (torch.randn(sum(lengths), 2, 32) for _ in range(3))  # [total, H, D]
-        >>> out = lowbit_attn.attention_varlen(q, k, v, cu, cu, max(lengths), max(lengths), is_causal=True)
+        >>> # [total, H, D]
+        >>> q, k, v = (torch.randn(sum(lengths), 2, 32) for _ in range(3))
+        >>> n = max(lengths)
+        >>> out = lowbit_attn.attention_varlen(q, k, v, cu, cu, n, n, is_causal=True)
         >>> out.shape
         torch.Size([101, 2, 32])
     """

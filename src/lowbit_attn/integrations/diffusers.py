@@ -73,7 +73,8 @@ def enable(target, recipe: str | Recipe = "auto", *, components=None) -> list[st
     Examples:
         >>> import torch
         >>> from lowbit_attn.integrations import diffusers as lowbit_diffusers
-        >>> model = torch.nn.Linear(8, 8)                     # a pipeline's transformer, say
+        >>> # a pipeline's transformer, say
+        >>> model = torch.nn.Linear(8, 8)
         >>> names = lowbit_diffusers.enable(model, "qk_int8_pv_fp16")
         >>> lowbit_diffusers.disable(model) == names
         True
@@ -126,7 +127,8 @@ def disable(target, *, components=None) -> list[str]:
     Examples:
         >>> import torch
         >>> from lowbit_attn.integrations.diffusers import disable
-        >>> disable(torch.nn.Linear(8, 8))                    # never enabled: nothing unhooked
+        >>> # never enabled: nothing unhooked
+        >>> disable(torch.nn.Linear(8, 8))
         []
     """
     return [name for name, module in _modules(target, components) if _unhook(module)]

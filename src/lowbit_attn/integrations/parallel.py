@@ -103,9 +103,12 @@ def ulysses_attention(
     Examples:
         >>> import tempfile, torch, torch.distributed as dist
         >>> from lowbit_attn import parallel
-        >>> store = tempfile.mkdtemp() + "/store"    # a group of one process here; torchrun's otherwise
-        >>> dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-        >>> q = torch.randn(1, 64, 4, 32)                  # NHD: this rank's tokens, all heads
+        >>> # a group of one process here; torchrun's otherwise
+        >>> store = tempfile.mkdtemp() + "/store"
+        >>> dist.init_process_group("gloo", init_method=f"file://{store}", rank=0,
+        ...                         world_size=1)
+        >>> # NHD: this rank's tokens, all heads
+        >>> q = torch.randn(1, 64, 4, 32)
         >>> k = v = torch.randn(1, 64, 2, 32)              # GQA 2:1
         >>> parallel.ulysses_attention(q, k, v, layout="NHD").shape
         torch.Size([1, 64, 4, 32])
@@ -168,9 +171,12 @@ def ring_attention(
     Examples:
         >>> import tempfile, torch, torch.distributed as dist
         >>> from lowbit_attn import parallel
-        >>> store = tempfile.mkdtemp() + "/store"    # a group of one process here; torchrun's otherwise
-        >>> dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-        >>> q, k, v = (torch.randn(1, 2, 64, 32) for _ in range(3))   # this rank's slice of the tokens
+        >>> # a group of one process here; torchrun's otherwise
+        >>> store = tempfile.mkdtemp() + "/store"
+        >>> dist.init_process_group("gloo", init_method=f"file://{store}", rank=0,
+        ...                         world_size=1)
+        >>> # this rank's slice of the tokens
+        >>> q, k, v = (torch.randn(1, 2, 64, 32) for _ in range(3))
         >>> parallel.ring_attention(q, k, v, is_causal=True).shape
         torch.Size([1, 2, 64, 32])
         >>> dist.destroy_process_group()

@@ -164,8 +164,11 @@ def scaled_dot_product_attention(
         >>> k = v = torch.randn(1, 2, 64, 32)               # GQA, as SDPA takes it
         >>> lowbit_attn.scaled_dot_product_attention(q, k, v, enable_gqa=True).shape
         torch.Size([1, 4, 64, 32])
-        >>> mask = torch.ones(64, 64, dtype=torch.bool)     # a mask: PyTorch's exact SDPA runs
-        >>> lowbit_attn.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).shape
+        >>> # a mask: PyTorch's exact SDPA runs
+        >>> mask = torch.ones(64, 64, dtype=torch.bool)
+        >>> out = lowbit_attn.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+        ...                                                enable_gqa=True)
+        >>> out.shape
         torch.Size([1, 4, 64, 32])
     """
     return sdpa_or_fallback(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
@@ -350,7 +353,8 @@ def patch_sdpa(recipe: str | Recipe = "auto", *, train_recipe=None) -> SDPAPatch
 
     Examples:
         >>> import torch, lowbit_attn
-        >>> q, k, v = (torch.randn(1, 2, 64, 32) for _ in range(3))  # [B, H, N, D], on the CPU here
+        >>> # [B, H, N, D], on the CPU here
+        >>> q, k, v = (torch.randn(1, 2, 64, 32) for _ in range(3))
         >>> with lowbit_attn.patch_sdpa("qk_int8_pv_fp16"):
         ...     out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
         >>> out.shape

@@ -215,8 +215,8 @@ class QuantizedCache(Cache):
     Examples:
         >>> import torch
         >>> from lowbit_attn.integrations.transformers import QuantizedCache
-        >>> cache = QuantizedCache(batch=1, max_tokens=128, num_layers=2, kv_heads=2, head_dim=32,
-        ...                        dtype=torch.float32)
+        >>> cache = QuantizedCache(batch=1, max_tokens=128, num_layers=2, kv_heads=2,
+        ...                        head_dim=32, dtype=torch.float32)
         >>> cache.get_seq_length()
         0
 

@@ -50,10 +50,13 @@ class QuantizedKVCache:
 
     Examples:
         >>> import torch, lowbit_attn
-        >>> cache = lowbit_attn.QuantizedKVCache(1, 1, 2, 32, max_tokens=128, dtype=torch.float32)
-        >>> k, v = torch.randn(1, 2, 10, 32), torch.randn(1, 2, 10, 32)  # [B, Hkv, tokens, D]
+        >>> cache = lowbit_attn.QuantizedKVCache(1, 1, 2, 32, max_tokens=128,
+        ...                                    dtype=torch.float32)
+        >>> # [B, Hkv, tokens, D]
+        >>> k, v = torch.randn(1, 2, 10, 32), torch.randn(1, 2, 10, 32)
         >>> cache.append(0, k, v)
-        >>> q = torch.randn(1, 4, 1, 32)                                   # one query token, GQA 2:1
+        >>> # one query token, GQA 2:1
+        >>> q = torch.randn(1, 4, 1, 32)
         >>> lowbit_attn.attention_with_kv_cache(q, cache, 0).shape
         torch.Size([1, 4, 1, 32])
     """

@@ -54,10 +54,14 @@ def attention_with_kv_cache(q: torch.Tensor, cache: QuantizedKVCache, layer: int
 
     Examples:
         >>> import torch, lowbit_attn
-        >>> cache = lowbit_attn.QuantizedKVCache(2, 1, 1, 32, max_tokens=64, dtype=torch.float32)
-        >>> for layer in range(2):                          # the prompt, 5 tokens, one KV head
-        ...     cache.append(layer, torch.randn(1, 1, 5, 32), torch.randn(1, 1, 5, 32))
-        >>> out, lse = lowbit_attn.attention_with_kv_cache(torch.randn(1, 2, 1, 32), cache, 1,
+        >>> cache = lowbit_attn.QuantizedKVCache(2, 1, 1, 32, max_tokens=64,
+        ...                                    dtype=torch.float32)
+        >>> # the prompt, 5 tokens, one KV head
+        >>> for layer in range(2):
+        ...     k, v = torch.randn(1, 1, 5, 32), torch.randn(1, 1, 5, 32)
+        ...     cache.append(layer, k, v)
+        >>> q = torch.randn(1, 2, 1, 32)
+        >>> out, lse = lowbit_attn.attention_with_kv_cache(q, cache, 1,
         ...                                                return_lse=True)
         >>> out.shape, lse.shape
         (torch.Size([1, 2, 1, 32]), torch.Size([1, 2, 1]))

@@ -66,11 +66,14 @@ class DecodeStep:
 
     Examples:
         >>> import torch, lowbit_attn
-        >>> cache = lowbit_attn.QuantizedKVCache(1, 1, 2, 32, max_tokens=128, dtype=torch.float32)
+        >>> cache = lowbit_attn.QuantizedKVCache(1, 1, 2, 32, max_tokens=128,
+        ...                                    dtype=torch.float32)
         >>> cache.append(0, torch.randn(1, 2, 10, 32), torch.randn(1, 2, 10, 32))
         >>> step = lowbit_attn.DecodeStep(cache, 0, heads=4, steps=8)
-        >>> q, k, v = torch.randn(1, 4, 1, 32), torch.randn(1, 2, 1, 32), torch.randn(1, 2, 1, 32)
-        >>> step.run(q, k, v).shape       # appends k, v, then attends; capture it in a CUDA graph on a GPU
+        >>> q = torch.randn(1, 4, 1, 32)
+        >>> k, v = torch.randn(1, 2, 1, 32), torch.randn(1, 2, 1, 32)
+        >>> # appends k, v, then attends; capture it in a CUDA graph on a GPU
+        >>> step.run(q, k, v).shape
         torch.Size([1, 4, 1, 32])
     """
 

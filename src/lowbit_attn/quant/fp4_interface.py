@@ -52,7 +52,8 @@ def quantize_nvfp4(
         >>> import torch
         >>> from lowbit_attn import fp4
         >>> x = torch.randn(4, 32)
-        >>> packed, scales, global_scale = fp4.quantize_nvfp4(x)   # two E2M1 values a byte, groups of 16
+        >>> # two E2M1 values a byte, groups of 16
+        >>> packed, scales, global_scale = fp4.quantize_nvfp4(x)
         >>> packed.shape, scales.shape
         (torch.Size([4, 16]), torch.Size([4, 2]))
         >>> (fp4.dequantize_nvfp4(packed, scales, global_scale) - x).abs().max() < 0.5
@@ -80,7 +81,8 @@ def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         >>> import torch
         >>> from lowbit_attn import fp4
         >>> x = torch.randn(4, 32)
-        >>> packed, scales = fp4.quantize_mxfp4(x)             # groups of 32, power-of-two scales
+        >>> # groups of 32, power-of-two scales
+        >>> packed, scales = fp4.quantize_mxfp4(x)
         >>> packed.shape, scales.shape
         (torch.Size([4, 16]), torch.Size([4, 1]))
         >>> fp4.dequantize_mxfp4(packed, scales).shape

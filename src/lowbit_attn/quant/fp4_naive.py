@@ -299,7 +299,8 @@ def dequantize_nvfp4(packed: torch.Tensor, scales: torch.Tensor, global_scale) -
     Examples:
         >>> import torch
         >>> from lowbit_attn import fp4
-        >>> x = torch.tensor([[0.5, -1.0, 3.0, 6.0] * 4])      # values E2M1 holds exactly
+        >>> # values E2M1 holds exactly
+        >>> x = torch.tensor([[0.5, -1.0, 3.0, 6.0] * 4])
         >>> torch.equal(fp4.dequantize_nvfp4(*fp4.quantize_nvfp4(x)), x)
         True
     """
@@ -364,7 +365,8 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
         >>> import torch
         >>> from lowbit_attn import fp4
         >>> x = torch.linspace(-6, 6, 32).reshape(1, 32)
-        >>> y = fp4.dequantize_mxfp4(*fp4.quantize_mxfp4(x))   # the nearest of E2M1's 15 values
+        >>> # the nearest of E2M1's 15 values
+        >>> y = fp4.dequantize_mxfp4(*fp4.quantize_mxfp4(x))
         >>> y.shape, sorted(set(y.abs().flatten().tolist()))
         (torch.Size([1, 32]), [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
     """

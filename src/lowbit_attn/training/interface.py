@@ -74,7 +74,7 @@ def trainable_attention(
 
     Examples:
         >>> import torch, lowbit_attn
-        >>> q, k, v = (torch.randn(1, 2, 64, 32, requires_grad=True) for _ in range(3))
+        >>> q, k, v = (torch.randn(1, 2, 64, 32).requires_grad_() for _ in range(3))
         >>> out = lowbit_attn.trainable_attention(q, k, v, is_causal=True)
         >>> out.sum().backward()
         >>> q.grad.shape

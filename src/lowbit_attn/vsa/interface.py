@@ -168,8 +168,10 @@ def coarse(q, k, v, *, video_shape, tile=(4, 4, 4), topk, scale=None, layout="HN
     Examples:
         >>> import torch
         >>> from lowbit_attn import vsa
-        >>> q, k, v = (torch.randn(1, 2, 256, 32) for _ in range(3))   # video_shape (4, 8, 8)
-        >>> out, tile_indices, scores = vsa.coarse(q, k, v, video_shape=(4, 8, 8), topk=2)
+        >>> # video_shape (4, 8, 8)
+        >>> q, k, v = (torch.randn(1, 2, 256, 32) for _ in range(3))
+        >>> out, tile_indices, scores = vsa.coarse(q, k, v, video_shape=(4, 8, 8),
+        ...                                         topk=2)
         >>> out.shape, tile_indices.shape, scores.shape
         (torch.Size([1, 2, 256, 32]), torch.Size([1, 2, 4, 2]), torch.Size([1, 2, 4, 4]))
     """
@@ -216,7 +218,8 @@ def fine(q, k, v, *, video_shape, tile=(4, 4, 4), tile_indices, scale=None, layo
     Examples:
         >>> import torch
         >>> from lowbit_attn import vsa
-        >>> q, k, v = (torch.randn(1, 2, 256, 32) for _ in range(3))   # video_shape (4, 8, 8)
+        >>> # video_shape (4, 8, 8)
+        >>> q, k, v = (torch.randn(1, 2, 256, 32) for _ in range(3))
         >>> _, tile_indices, _ = vsa.coarse(q, k, v, video_shape=(4, 8, 8), topk=2)
         >>> vsa.fine(q, k, v, video_shape=(4, 8, 8), tile_indices=tile_indices).shape
         torch.Size([1, 2, 256, 32])
@@ -365,9 +368,11 @@ def video_sparse_attention(q, k, v, *, video_shape, tile=(4, 4, 4), topk, gate_c
 
     Examples:
         >>> import torch, lowbit_attn
-        >>> video_shape = (4, 8, 8)                     # T, H, W: 256 tokens, 4 tiles of 4×4×4
+        >>> # T, H, W: 256 tokens, 4 tiles of 4×4×4
+        >>> video_shape = (4, 8, 8)
         >>> q, k, v = (torch.randn(1, 2, 256, 32) for _ in range(3))
-        >>> out = lowbit_attn.video_sparse_attention(q, k, v, video_shape=video_shape, topk=2)
+        >>> out = lowbit_attn.video_sparse_attention(q, k, v, video_shape=video_shape,
+        ...                                          topk=2)
         >>> out.shape
         torch.Size([1, 2, 256, 32])
     """
@@ -412,7 +417,8 @@ def topk_schedule(step: int, *, n_tiles: int, target, dense_steps: int = 0,
 
     Examples:
         >>> from lowbit_attn import vsa
-        >>> [vsa.topk_schedule(s, n_tiles=16, target=4, dense_steps=2, anneal_steps=4) for s in range(0, 8, 2)]
+        >>> [vsa.topk_schedule(s, n_tiles=16, target=4, dense_steps=2, anneal_steps=4)
+        ...  for s in range(0, 8, 2)]
         [16, 16, 10, 4]
     """
     for name, value in (("step", step), ("n_tiles", n_tiles), ("dense_steps", dense_steps),

@@ -141,9 +141,11 @@ def to_tile_order(x: torch.Tensor, video_shape, tile=(4, 4, 4), *, dim: int = -2
     Examples:
         >>> import torch
         >>> from lowbit_attn import tiles
-        >>> x = torch.arange(32).reshape(1, 32, 1)      # [B, N, C]: token ids, video_shape (2, 4, 4)
+        >>> # [B, N, C]: token ids, video_shape (2, 4, 4)
+        >>> x = torch.arange(32).reshape(1, 32, 1)
         >>> tiled = tiles.to_tile_order(x, (2, 4, 4), (2, 2, 2), dim=1)
-        >>> tiled[0, :8, 0].tolist()                    # the first 2×2×2 tile's tokens, together
+        >>> # the first 2×2×2 tile's tokens, together
+        >>> tiled[0, :8, 0].tolist()
         [0, 1, 4, 5, 16, 17, 20, 21]
     """
     layout = tile_layout(video_shape, tile, x.device)
@@ -173,8 +175,10 @@ def from_tile_order(x: torch.Tensor, video_shape, tile=(4, 4, 4), *, dim: int = 
     Examples:
         >>> import torch
         >>> from lowbit_attn import tiles
-        >>> x = torch.randn(1, 2, 4 * 8 * 8, 32)        # [B, H, N, D], tokens in (t, h, w) order
-        >>> y = tiles.to_tile_order(x, (4, 8, 8))       # 4×4×4 tiles, as VSA's kernels read them
+        >>> # [B, H, N, D], tokens in (t, h, w) order
+        >>> x = torch.randn(1, 2, 4 * 8 * 8, 32)
+        >>> # 4×4×4 tiles, as VSA's kernels read them
+        >>> y = tiles.to_tile_order(x, (4, 8, 8))
         >>> torch.equal(tiles.from_tile_order(y, (4, 8, 8)), x)
         True
     """
