@@ -1,8 +1,12 @@
 """Checks that fail ``mkdocs build`` (and ``tests/test_docs.py``) when the documentation falls
 behind the code: a public name without an API entry or a docstring, a public function whose
-docstring leaves out an argument, its return value or its errors, an environment variable read
-in ``src/`` that ``environment.md`` does not list. The names come from the source, statically
-(griffe, as mkdocstrings reads it): nothing is imported.
+docstring leaves out an argument, its return value or its errors, or whose Returns section reads
+as several entries (continuation lines not indented), a public function or class without an
+``Examples:`` section (``tests/test_docstring_examples.py`` runs them), an environment variable
+read in ``src/`` that ``environment.md`` does not list, and a built page with a multi-row Returns
+table. The names come from the source, statically (griffe, as mkdocstrings reads it): nothing is
+imported. The hooks also put the package's version in the header and take the repository's
+address from ``[project.urls]``.
 """
 
 from __future__ import annotations
