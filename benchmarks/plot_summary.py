@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Draw one markdown table of a results summary as grouped bars (TOP/s per configuration).
 
-    python benchmarks/plot_summary.py benchmarks/results/h200-2026-11-27-summary.md \\
-        --section "Dense forward" -o benchmarks/results/h200-2026-11-27-summary.png
+    python benchmarks/plot_summary.py benchmarks/results/h200-2026-11-27/summary.md \\
+        --section "Dense forward" -o benchmarks/results/h200-2026-11-27/summary.png
 
 The table is the first one under the ``## `` heading that contains ``--section``: its first column
 names the configurations, every other column is one method, each cell a number. The chart's title
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     ax.invert_yaxis()
     ax.set_xlabel("TOP/s (higher is better)")
     ax.grid(axis="x", alpha=0.3)
-    ax.set_title(f"{text.splitlines()[0]}\n{heading}", fontsize="medium")
+    ax.set_title(f"{text.splitlines()[0].lstrip('# ')}\n{heading}", fontsize="medium")
     ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3)
     fig.tight_layout()
     args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -1,13 +1,18 @@
 """Checks that fail ``mkdocs build`` (and ``tests/test_docs.py``) when the documentation falls
 behind the code: a public name without an API entry or a docstring, a public function whose
-docstring leaves out an argument, its return value or its errors, an environment variable read
-in ``src/`` that ``environment.md`` does not list. The names come from the source, statically
-(griffe, as mkdocstrings reads it): nothing is imported.
+docstring leaves out an argument, its return value or its errors, or whose Returns section reads
+as several entries (continuation lines not indented), a public function or class without an
+``Examples:`` section (``tests/test_docstring_examples.py`` runs them), an environment variable
+read in ``src/`` that ``environment.md`` does not list, and a built page with a multi-row Returns
+table. The names come from the source, statically (griffe, as mkdocstrings reads it): nothing is
+imported. The hooks also put the package's version in the header and take the repository's
+address from ``[project.urls]``.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import logging
 import re
 import textwrap
@@ -159,7 +164,23 @@ def docstring_problems(obj, name: str) -> list[str]:
         problems.append(f"{name}: no Returns section")
     if params and "raises" not in kinds and name not in NO_RAISES:
         problems.append(f"{name}: no Raises section")
+    for kind in ("returns", "yields"):
+        for section in kinds.get(kind, []):
+            if len(section.value) > 1:
+                problems.append(f"{name}: its {kind.title()} section reads as {len(section.value)} "
+                                "entries: indent its continuation lines")
     return problems
+
+
+def example_problems(obj, name: str) -> list[str]:
+    """A public function or class without an ``Examples:`` section of ``>>>`` lines
+    (``tests/test_docstring_examples.py`` runs them)."""
+    if not (obj.is_function or obj.is_class) or not obj.docstring:
+        return []
+    kinds, _ = _parse(obj)
+    if not any(">>>" in str(section.value) for section in kinds.get("examples", [])):
+        return [f"{name}: no Examples section"]
+    return []
 
 
 def all_docstring_problems(pkg: griffe.Module, documented: dict[str, dict]) -> list[str]:
@@ -167,7 +188,7 @@ def all_docstring_problems(pkg: griffe.Module, documented: dict[str, dict]) -> l
     problems = []
     for name in public_names(pkg):
         obj = lookup(pkg, name)
-        problems += docstring_problems(obj, name)
+        problems += docstring_problems(obj, name) + example_problems(obj, name)
     for path, options in documented.items():
         obj = lookup(pkg, path)
         for member in options.get("members") or ():
@@ -193,12 +214,42 @@ def problems() -> list[str]:
             + [f"environment.md does not list {v}" for v in missing_env_vars()])
 
 
+@functools.cache
+def linkable() -> frozenset[str]:
+    """The paths the API pages render: public names, directives and their public members."""
+    pkg = load()
+    documented = directives()
+    paths = set(public_names(pkg)) | set(documented)
+    for path in documented:
+        obj = lookup(pkg, path)
+        paths |= {f"{path}.{m}" for m in obj.members if not m.startswith("_")}
+    return frozenset(paths)
+
+
+def _role(match: re.Match) -> str:
+    """One role as Markdown: a link (mkdocs-autorefs) to a name the API pages render, code
+    otherwise."""
+    tilde, path = match.groups()
+    shown = path.rsplit(".", 1)[-1] if tilde else path
+    return f"[`{shown}`][{path}]" if path in linkable() else f"`{shown}`"
+
+
 def plain_markdown(text: str) -> str:
-    """A docstring's reStructuredText habits in Markdown: ``:func:`~a.b``` → ```b```, a literal
-    block's ``::`` → ``:``."""
-    text = ROLE.sub(lambda m: f"`{m.group(2).rsplit('.', 1)[-1] if m.group(1) else m.group(2)}`",
-                    text)
-    return re.sub(r"::$", ":", text, flags=re.MULTILINE)
+    """A docstring's reStructuredText habits in Markdown: ``:func:`~lowbit_attn.a``` → a link to
+    ``lowbit_attn.a`` shown as ```a```, a role naming something else → code, a literal block's
+    ``::`` → ``:``."""
+    return re.sub(r"::$", ":", ROLE.sub(_role, text), flags=re.MULTILINE)
+
+
+RETURNS_TABLE = re.compile(r'doc-section-title">(Returns|Yields):</span></p>\s*<table>.*?<tbody>(.*?)'
+                           r"</tbody>", re.DOTALL)
+
+
+def split_returns(html: str) -> list[str]:
+    """The Returns/Yields tables of a built page that have more than one row: a docstring whose
+    continuation lines were read as entries of their own."""
+    return [f"{m.group(1)} table with {n} rows" for m in RETURNS_TABLE.finditer(html)
+            if (n := m.group(2).count('class="doc-section-item"')) > 1]
 
 
 class SphinxRoles(griffe.Extension):
@@ -214,10 +265,49 @@ def on_files(files, config, **kwargs):  # mkdocs hook
     them without a copy in ``docs/``."""
     from mkdocs.structure.files import File
 
-    for png in sorted((ROOT / "benchmarks" / "results").glob("*.png")):
-        files.append(File(f"results/{png.name}", str(ROOT / "benchmarks"), config["site_dir"],
-                          config["use_directory_urls"]))
+    results = ROOT / "benchmarks" / "results"
+    for png in sorted(results.rglob("*.png")):
+        files.append(File(f"results/{png.relative_to(results).as_posix()}", str(ROOT / "benchmarks"),
+                          config["site_dir"], config["use_directory_urls"]))
     return files
+
+
+def version(src: Path = SRC) -> str:
+    """``lowbit_attn.__version__``, read from the source without importing torch."""
+    text = (src / PACKAGE / "__init__.py").read_text()
+    match = re.search(r"^__version__\s*=\s*[\"']([^\"']+)[\"']", text, re.MULTILINE)
+    return match.group(1) if match else "unknown"
+
+
+def project_urls(root: Path = ROOT) -> dict[str, str]:
+    """``[project.urls]`` of ``pyproject.toml``."""
+    import tomllib
+
+    return tomllib.loads((root / "pyproject.toml").read_text())["project"].get("urls", {})
+
+
+def on_config(config, **kwargs):  # mkdocs hook
+    """The version in the header and the footer; the repository and the site's address from
+    ``[project.urls]`` (``Repository``/``Source``, ``Documentation``) when the package names them."""
+    v = version()
+    config["site_name"] = f"{config['site_name']} {v}"
+    config["copyright"] = f"lowbit_attn {v} · Apache-2.0"
+    urls = {k.lower(): u for k, u in project_urls().items()}
+    repo = urls.get("repository") or urls.get("source")
+    if repo and not config.get("repo_url"):
+        config["repo_url"] = repo
+    if urls.get("documentation") and not config.get("site_url"):
+        config["site_url"] = urls["documentation"]
+    return config
+
+
+def on_page_content(html, page, **kwargs):  # mkdocs hook
+    from mkdocs.exceptions import PluginError
+
+    found = split_returns(html)
+    if found:
+        raise PluginError(f"{page.file.src_path}: " + "; ".join(found))
+    return html
 
 
 def on_pre_build(config, **kwargs) -> None:  # mkdocs hook

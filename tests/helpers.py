@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -420,3 +422,12 @@ def require_gluon(*apis: str) -> None:
         if not triton_support.gluon_available(api):
             pytest.skip(triton_support.gluon_refusal(api, "this module's Gluon code"),
                         allow_module_level=True)
+
+
+def docs_hooks():
+    """``docs/hooks.py``, the checks ``make docs`` runs, as a module (it is not a package)."""
+    path = Path(__file__).resolve().parents[1] / "docs" / "hooks.py"
+    spec = importlib.util.spec_from_file_location("docs_hooks", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -5,7 +5,7 @@ in ``src/`` is on the environment page."""
 
 from __future__ import annotations
 
-import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -13,18 +13,10 @@ import pytest
 pytest.importorskip("griffe", reason="needs griffelib: pip install 'lowbit-attention[test]'")
 
 import lowbit_attn  # noqa: E402
+from helpers import docs_hooks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _hooks():
-    spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "docs" / "hooks.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-hooks = _hooks()
+hooks = docs_hooks()
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +81,67 @@ def test_an_environment_variable_missing_from_its_page_is_found(tmp_path):
     assert hooks.missing_env_vars(docs, src) == ["LOWBIT_ATTN_NEW_SWITCH"]
 
 
-def test_roles_become_code():
-    text = "See :func:`~lowbit_attn.attention` and :class:`lowbit_attn.Recipe`::\n"
-    assert hooks.plain_markdown(text) == "See `attention` and `lowbit_attn.Recipe`:\n"
+def test_roles_become_links_or_code():
+    text = ("See :func:`~lowbit_attn.attention`, :class:`lowbit_attn.Recipe` and "
+            ":func:`torch.compile`::\n")
+    assert hooks.plain_markdown(text) == ("See [`attention`][lowbit_attn.attention], "
+                                          "[`lowbit_attn.Recipe`][lowbit_attn.Recipe] and "
+                                          "`torch.compile`:\n")
+
+
+def test_a_returns_section_split_into_entries_is_found():
+    import griffe
+
+    with griffe.temporary_visited_module('''
+def f(x):
+    """Do.
+
+    Args:
+        x: a tensor.
+
+    Returns:
+        The output, or with a flag a tuple of the output and
+        the LSE.
+
+    Raises:
+        ValueError: never.
+    """
+    return x
+''') as module:
+        problems = hooks.docstring_problems(module["f"], "m.f")
+    assert any("Returns section reads as 2 entries" in p for p in problems)
+
+
+def test_a_built_page_with_a_split_returns_table_is_found():
+    row = '<tr class="doc-section-item"><td></td><td>x</td></tr>'
+    html = ('<p><span class="doc-section-title">Returns:</span></p>\n<table><thead></thead>'
+            f"<tbody>{row}{row}</tbody></table>")
+    assert hooks.split_returns(html) == ["Returns table with 2 rows"]
+    assert hooks.split_returns(html.replace(row + row, row)) == []
+
+
+def test_a_public_function_without_examples_is_found():
+    import griffe
+
+    with griffe.temporary_visited_module('''
+def f():
+    """Do nothing."""
+''') as module:
+        assert hooks.example_problems(module["f"], "m.f") == ["m.f: no Examples section"]
+
+
+def test_the_api_index_links_every_entry():
+    index = (ROOT / "docs" / "api" / "index.md").read_text()
+    assert [p for p in hooks.directives() if f"][{p}]" not in index] == []
+
+
+def test_the_site_shows_the_version():
+    assert hooks.version() == lowbit_attn.__version__
+
+
+def test_the_home_pages_snippet_runs():
+    text = (ROOT / "docs" / "index.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.DOTALL)
+    assert blocks, "docs/index.md has a python block"
+    for block in blocks:
+        exec(compile(block, "docs/index.md", "exec"), {})

@@ -1,16 +1,24 @@
-"""The README stays short, its links resolve, and every figure it gives comes from a results file
-it names.
+"""The README stays short, its links resolve, and every figure it or a page of ``docs/`` gives
+comes from a results file it names.
 
-A *measured block* of the README (a paragraph or a table, fenced code left out) is one that speaks
-of speed or accuracy: TOP/s, µs, ms, TB/s, ×, %, cosine or relative L1. Such a block must name at
-least one existing file under ``benchmarks/`` or ``experiments/`` (a table may name them in a row,
-or in the paragraph just before or after it), and every number in it (outside code spans and link
-targets, and not part of a name such as ``fp16`` or ``H200``) must be in one of those files: the
-same text, or a number there that rounds to it at the precision the README shows.
+A *measured block* of a page (a paragraph, a list item run or a table, fenced code left out) is one
+that speaks of speed or accuracy: TOP/s, µs, ms, TB/s, a ratio (``1.07×``, not ``2×32``), cosine
+or relative L1. Such a block
+must name at least one existing results file, under ``benchmarks/results/`` or ``experiments/`` (a
+table may name them in a row, or in the paragraph just before or after it), and every number in it
+(outside code spans, link targets and section signs, and not part of a name such as ``fp16`` or
+``H200``) must be in one of those files: the same text, or a number there that rounds to it at the
+precision the page shows. ``benchmarks/NOTES.md`` is a notebook, not a results file. On the pages
+of ``docs/`` the check is for speed figures (TOP/s, µs, ms, TB/s, ratios); a block that defines a
+unit or a threshold instead carries ``<!-- no figures -->``.
+
+The H200 summary those pages cite is written by ``benchmarks/summarize_h200.py`` from the raw files
+beside it; a test checks that it is what the script writes.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 from decimal import Decimal
@@ -20,12 +28,22 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-MAX_LINES = 200
+DOCS = ROOT / "docs"
+MAX_LINES = 120
 
-MEASURED = re.compile(r"TOP/s|µs|\bms\b|TB/s|×|%|cosine|rel(?:ative)? L1", re.IGNORECASE)
+SPEED = r"TOP/s|µs|\bms\b|TB/s|\d\s?×(?!\s?\d)"
+MEASURED = re.compile(SPEED + r"|cosine|rel(?:ative)? L1", re.IGNORECASE)
+# The docs pages: speed figures (their accuracy tables cite tests and experiments of their own).
+MEASURED_SPEED = re.compile(SPEED)
+# A block that defines a unit or a threshold rather than reporting a measurement says so.
+NO_FIGURES = "<!-- no figures -->"
+# The changelog records what each change's notes said on its day; it is not checked.
+UNCHECKED_PAGES = {"changelog.md"}
 NUMBER = re.compile(r"(?<![A-Za-z_\d.])\d+(?:\.\d+)?")
-SOURCE = re.compile(r"`((?:benchmarks|experiments)/[^`\s]+)`")
+SOURCE = re.compile(r"`((?:benchmarks/results|experiments)/[^`\s]+)`")
 CODE_SPAN = re.compile(r"`[^`]*`")
+SECTION = re.compile(r"§\s*\d+[a-z]?")
+DATE = re.compile(r"\b\d{4}-\d{2}-\d{2}\b")
 LINK_TARGET = re.compile(r"\]\(([^)]*)\)")
 
 
@@ -57,8 +75,9 @@ def sources(text: str) -> list[Path]:
 
 
 def figures(text: str) -> list[str]:
-    """The numbers of ``text`` outside code spans and link targets."""
-    return NUMBER.findall(LINK_TARGET.sub("]", CODE_SPAN.sub(" ", text)))
+    """The numbers of ``text`` outside code spans, link targets, section signs and dates."""
+    text = LINK_TARGET.sub("]", CODE_SPAN.sub(" ", text))
+    return NUMBER.findall(DATE.sub(" ", SECTION.sub(" ", text)))
 
 
 def _file_numbers(path: Path) -> tuple[str, list[Decimal]]:
@@ -95,13 +114,13 @@ def found_in(figure: str, files: list[Path], cache: dict) -> bool:
     return False
 
 
-def unsourced_figures(readme: str) -> list[str]:
-    """What a measured block of ``readme`` says without a named file that holds it."""
+def unsourced_figures(page: str, measured: re.Pattern = MEASURED) -> list[str]:
+    """What a measured block of ``page`` says without a named file that holds it."""
     problems, cache = [], {}
-    parts = blocks(readme)
+    parts = blocks(page)
     for i, block in enumerate(parts):
         text = "\n".join(block)
-        if not MEASURED.search(text):
+        if not measured.search(text) or NO_FIGURES in text:
             continue
         block_sources = sources(text)
         if is_table(block):
@@ -126,12 +145,26 @@ def unsourced_figures(readme: str) -> list[str]:
     return problems
 
 
-def test_the_readme_fits_two_hundred_lines():
+def test_the_readme_fits_its_line_budget():
     assert len(README.read_text().splitlines()) <= MAX_LINES
 
 
 def test_every_figure_of_the_readme_is_in_the_results_file_it_names():
     assert unsourced_figures(README.read_text()) == []
+
+
+@pytest.mark.parametrize("page", sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md")
+                                        if p.name not in UNCHECKED_PAGES))
+def test_every_speed_figure_of_a_docs_page_is_in_the_results_file_it_names(page):
+    assert unsourced_figures((DOCS / page).read_text(), MEASURED_SPEED) == []
+
+
+def test_the_h200_summary_is_what_its_script_writes():
+    spec = importlib.util.spec_from_file_location("summarize_h200",
+                                                  ROOT / "benchmarks" / "summarize_h200.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--check"]) == 0, "run python benchmarks/summarize_h200.py"
 
 
 def test_the_readme_links_resolve():
@@ -144,10 +177,12 @@ def test_the_readme_links_resolve():
 @pytest.mark.parametrize("text, problem", [
     pytest.param("| a | b |\n|---|---|\n| x | 512 TOP/s |\n", "without a named file",
                  id="no-source"),
-    pytest.param("It runs at 513 TOP/s (`benchmarks/results/h200-2026-11-27-summary.md`).\n",
+    pytest.param("It runs at 513 TOP/s (`benchmarks/results/h200-2026-11-27/summary.md`).\n",
                  "513 is not in", id="figure-not-in-file"),
     pytest.param("Cosine 0.999 (`benchmarks/results/missing.md`).\n", "no such file",
                  id="missing-file"),
+    pytest.param("17.0 µs per call (`benchmarks/NOTES.md` §16b).\n", "without a named file",
+                 id="notebook-is-no-source"),
 ])
 def test_the_check_catches_a_figure_without_its_source(text, problem):
     found = unsourced_figures(text)

@@ -72,6 +72,16 @@ def install_sageattention_alias() -> None:
     Raises:
         RuntimeError: a real ``sageattention`` is importable from ``sys.path`` or already imported
             (it is never shadowed); the message names where it is.
+
+    Examples:
+        >>> import sys
+        >>> from lowbit_attn import compat
+        >>> compat.install_sageattention_alias()
+        >>> from sageattention import sageattn                 # this package's shim
+        >>> sageattn.__module__
+        'lowbit_attn.compat.sageattention'
+        >>> compat.uninstall_sageattention_alias()
+        True
     """
     with _lock:
         loaded = sys.modules.get(NAME)
@@ -96,6 +106,15 @@ def uninstall_sageattention_alias() -> bool:
 
     Returns:
         Whether anything was removed.
+
+    Examples:
+        >>> import sys
+        >>> from lowbit_attn import compat
+        >>> # none installed: nothing to remove
+        >>> compat.uninstall_sageattention_alias()
+        False
+        >>> "sageattention" in sys.modules
+        False
     """
     with _lock:
         removed = False

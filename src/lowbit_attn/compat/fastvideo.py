@@ -123,7 +123,7 @@ def video_sparse_attn(
 
     Returns:
         ``[B, Hq, S, D]`` in q's dtype; the padding slots of partial tiles are 0 (theirs leaves
-        values there that callers drop).
+            values there that callers drop).
 
     Raises:
         TypeError: as :func:`lowbit_attn.video_sparse_attention`; a block-size count that is not
@@ -134,6 +134,15 @@ def video_sparse_attn(
             of the tile; block sizes that are not one count per tile in ``[1, block_elements]``,
             that differ between q and k, or that no video grid gives; a ``compress_attn_weight``
             whose token axis is neither 1 nor ``S``.
+
+    Examples:
+        >>> import torch
+        >>> from lowbit_attn.compat.fastvideo import video_sparse_attn
+        >>> # 4 tiles of 64 tokens, tile order
+        >>> q, k, v = (torch.randn(1, 2, 256, 32) for _ in range(3))
+        >>> sizes = torch.full((4,), 64)
+        >>> video_sparse_attn(q, k, v, sizes, sizes, topk=2).shape
+        torch.Size([1, 2, 256, 32])
     """
     tile = tile_shape(block_size)
     per_tile = math.prod(tile)

@@ -89,7 +89,7 @@ def masked_exact(function: str, q, k, v, attn_mask, *, layout: str = "HND", is_c
         is_causal: combined with the mask, aligned bottom-right as :func:`lowbit_attn.attention`.
     Returns:
         as :func:`lowbit_attn.attention`: rows that see no key give 0 (and ``-inf`` LSE). The LSE
-        is computed from the dense fp32 scores (``Nq × Nk`` per head in memory).
+            is computed from the dense fp32 scores (``Nq × Nk`` per head in memory).
     """
     warnings.warn(
         f"{function}: attn_mask was given; SageAttention would ignore it. Computing exact "
@@ -191,13 +191,20 @@ def sageattn(
 
     Returns:
         The output in q's dtype, shape and layout, or with ``return_lse`` a tuple of the output
-        and the LSE.
+            and the LSE.
 
     Raises:
         TypeError: as :func:`lowbit_attn.attention`; a flag such as ``smooth_k`` that is not a
             bool; an ``attn_mask`` that is not a tensor.
         ValueError: as :func:`lowbit_attn.attention`; a ``tensor_layout`` other than ``"HND"`` or
             ``"NHD"``.
+
+    Examples:
+        >>> import torch
+        >>> from lowbit_attn.compat import sageattention
+        >>> q, k, v = (torch.randn(1, 2, 64, 64) for _ in range(3))
+        >>> sageattention.sageattn(q, k, v, tensor_layout="HND", is_causal=True).shape
+        torch.Size([1, 2, 64, 64])
     """
     extra = dict(kwargs)
     recipe = "auto"
@@ -252,6 +259,16 @@ def sageattn_qk_int8_pv_fp16_triton(
         TypeError: as :func:`sageattn`.
         ValueError: as :func:`sageattn`; a ``quantization_backend`` other than ``"triton"`` or
             ``"cuda"`` (as theirs).
+
+    Examples:
+        >>> import torch
+        >>> from lowbit_attn.compat import sageattention
+        >>> # [B, N, H, D]
+        >>> q, k, v = (torch.randn(1, 64, 2, 64) for _ in range(3))
+        >>> fn = sageattention.sageattn_qk_int8_pv_fp16_triton
+        >>> out = fn(q, k, v, tensor_layout="NHD", smooth_k=False)
+        >>> out.shape
+        torch.Size([1, 64, 2, 64])
     """
     checks.choice("quantization_backend", quantization_backend, QUANTIZATION_BACKENDS)
     name = "sageattn_qk_int8_pv_fp16_triton"
@@ -303,6 +320,15 @@ def sageattn_qk_int8_pv_fp16_cuda(
         TypeError: as :func:`sageattn`.
         ValueError: as :func:`sageattn`; a ``qk_quant_gran`` or ``pv_accum_dtype`` outside
             its choices.
+
+    Examples:
+        >>> import torch
+        >>> from lowbit_attn.compat.sageattention import sageattn_qk_int8_pv_fp16_cuda
+        >>> q, k, v = (torch.randn(1, 2, 64, 64) for _ in range(3))
+        >>> out, lse = sageattn_qk_int8_pv_fp16_cuda(q, k, v, qk_quant_gran="per_warp",
+        ...                                          return_lse=True)
+        >>> lse.shape
+        torch.Size([1, 2, 64])
     """
     name = "sageattn_qk_int8_pv_fp16_cuda"
     checks.choice("pv_accum_dtype", pv_accum_dtype, PV_ACCUM_FP16)
@@ -357,6 +383,14 @@ def sageattn_qk_int8_pv_fp8_cuda(
         TypeError: as :func:`sageattn`.
         ValueError: as :func:`sageattn`; a ``qk_quant_gran`` or ``pv_accum_dtype`` outside
             its choices; a GPU without FP8 tensor cores (compute capability below 8.9).
+
+    Examples:
+        >>> import torch
+        >>> from lowbit_attn.compat.sageattention import sageattn_qk_int8_pv_fp8_cuda
+        >>> q, k, v = (torch.randn(1, 2, 64, 64) for _ in range(3))
+        >>> out = sageattn_qk_int8_pv_fp8_cuda(q, k, v, is_causal=True, smooth_v=True)
+        >>> out.shape
+        torch.Size([1, 2, 64, 64])
     """
     name = "sageattn_qk_int8_pv_fp8_cuda"
     checks.choice("pv_accum_dtype", pv_accum_dtype, PV_ACCUM_FP8)
@@ -406,6 +440,15 @@ def sageattn_qk_int8_pv_fp8_cuda_sm90(
         TypeError: as :func:`sageattn`.
         ValueError: as :func:`sageattn`; a ``qk_quant_gran`` or ``pv_accum_dtype`` outside
             its choices; a GPU without FP8 tensor cores (compute capability below 8.9).
+
+    Examples:
+        >>> import torch
+        >>> from lowbit_attn.compat import sageattention
+        >>> q = torch.randn(1, 4, 64, 128)
+        >>> k = v = torch.randn(1, 2, 64, 128)                     # GQA 2:1
+        >>> out = sageattention.sageattn_qk_int8_pv_fp8_cuda_sm90(q, k, v, sm_scale=0.1)
+        >>> out.shape
+        torch.Size([1, 4, 64, 128])
     """
     name = "sageattn_qk_int8_pv_fp8_cuda_sm90"
     checks.choice("pv_accum_dtype", pv_accum_dtype, PV_ACCUM_FP8_SM90)
@@ -454,6 +497,15 @@ def sageattn_varlen(
             :func:`lowbit_attn.attention_varlen`.
         ValueError: an ``attn_mask`` in ``**kwargs``; the checks of
             :func:`lowbit_attn.attention_varlen`.
+
+    Examples:
+        >>> import torch
+        >>> from lowbit_attn.compat import sageattention
+        >>> cu = torch.tensor([0, 37, 101], dtype=torch.int32)
+        >>> q, k, v = (torch.randn(101, 2, 64) for _ in range(3))
+        >>> out = sageattention.sageattn_varlen(q, k, v, cu, cu, 64, 64, is_causal=True)
+        >>> out.shape
+        torch.Size([101, 2, 64])
     """
     name = "sageattn_varlen"
     if _mask_from(name, None, kwargs) is not None:
@@ -497,6 +549,13 @@ def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal=False, per_block_mean
             ``attn_mask`` that is not a tensor.
         ValueError: as :func:`lowbit_attn.attention`, including a head dim that is not a multiple
             of 32.
+
+    Examples:
+        >>> import torch
+        >>> from lowbit_attn.compat import sageattention
+        >>> q, k, v = (torch.randn(1, 2, 64, 64) for _ in range(3))   # [B, H, N, D]
+        >>> sageattention.sageattn3_blackwell(q, k, v, is_causal=True).shape
+        torch.Size([1, 2, 64, 64])
     """
     name = "sageattn3_blackwell"
     checks.flag("per_block_mean", per_block_mean)

@@ -33,6 +33,15 @@ def kernel_calls(family: str = "attention") -> int:
 
     Raises:
         ValueError: an unknown ``family``.
+
+    Examples:
+        >>> import torch, lowbit_attn
+        >>> from lowbit_attn.core.counters import kernel_calls
+        >>> before = kernel_calls("attention")
+        >>> q = k = v = torch.randn(1, 2, 64, 32)
+        >>> _ = lowbit_attn.attention(q, k, v)
+        >>> kernel_calls("attention") - before
+        1
     """
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")

@@ -97,6 +97,13 @@ class Recipe:
             ``qk`` and ``pv`` not both ``"none"`` or both quantized, or an FP4 format paired with
             another; an FP4 recipe with ``granularity="per_token"``, ``balance_qk`` or
             ``block_k`` below 32.
+
+    Examples:
+        >>> import lowbit_attn
+        >>> recipe = lowbit_attn.get_recipe("qk_int8_pv_fp8")
+        >>> recipe = recipe.replace(granularity="per_block")
+        >>> recipe.qk, recipe.pv, recipe.granularity
+        ('int8', 'fp8', 'per_block')
     """
 
     name: str
@@ -142,7 +149,7 @@ class Recipe:
     def is_fp4(self) -> bool:
         return self.qk in FP4_FORMATS
 
-    def replace(self, **changes) -> "Recipe":
+    def replace(self, **changes) -> Recipe:
         """A copy with some options changed, validated as a new recipe.
 
         Args:
@@ -199,6 +206,13 @@ def get_recipe(name: str) -> Recipe:
     Raises:
         TypeError: ``name`` is not a str.
         ValueError: an unknown name.
+
+    Examples:
+        >>> import lowbit_attn
+        >>> lowbit_attn.get_recipe("qk_int8_pv_fp16").pv
+        'fp16'
+        >>> sorted(lowbit_attn.RECIPES)
+        ['exact', 'qk_fp4_pv_fp4', 'qk_int8_pv_fp16', 'qk_int8_pv_fp8', 'qk_mxfp4_pv_mxfp4']
     """
     if not isinstance(name, str):
         raise TypeError(f"recipe name must be a str, got {type(name).__name__}")
@@ -217,7 +231,7 @@ def auto_recipe(capability: tuple[int, int] | None) -> Recipe:
     return QK_INT8_PV_FP16
 
 
-def resolve(recipe: "str | Recipe", capability: tuple[int, int] | None) -> Recipe:
+def resolve(recipe: str | Recipe, capability: tuple[int, int] | None) -> Recipe:
     """Turn the ``recipe`` argument of the public functions into a :class:`Recipe`."""
     if isinstance(recipe, Recipe):
         return recipe
@@ -228,7 +242,7 @@ def resolve(recipe: "str | Recipe", capability: tuple[int, int] | None) -> Recip
     raise TypeError(f"recipe must be a str or lowbit_attn.Recipe, got {type(recipe).__name__}")
 
 
-def resolve_for(recipe: "str | Recipe", device) -> Recipe:
+def resolve_for(recipe: str | Recipe, device) -> Recipe:
     """:func:`resolve` for a call on ``device`` (a :class:`torch.device`): ``"auto"`` picks by the
     GPU's capability, and a recipe this GPU cannot run raises ``ValueError``."""
     capability = get_capability() if device.type == "cuda" else None
@@ -263,6 +277,15 @@ class TrainRecipe:
         TypeError: a field of the wrong type (the message names ``TrainRecipe.<field>``).
         ValueError: a name that is not a Python identifier; ``int8`` not a frozenset of the
             matmul names above.
+
+    Examples:
+        >>> import lowbit_attn
+        >>> recipe = lowbit_attn.TRAIN_RECIPES["sagebwd_int8"]
+        >>> # the products computed in INT8
+        >>> sorted(recipe.int8)
+        ['dk', 'dq', 'dv', 'pv', 'qk']
+        >>> recipe.replace(backward_granularity="per_row").backward_granularity
+        'per_row'
     """
 
     name: str
@@ -285,7 +308,7 @@ class TrainRecipe:
     def is_exact(self) -> bool:
         return not self.int8
 
-    def replace(self, **changes) -> "TrainRecipe":
+    def replace(self, **changes) -> TrainRecipe:
         """A copy with some options changed, validated as a new recipe.
 
         Args:
@@ -367,7 +390,7 @@ def _text(value) -> str:
     return ",".join(sorted(value)) if isinstance(value, frozenset) else f"{value}"
 
 
-def recipe_key(recipe: "Recipe | TrainRecipe") -> str:
+def recipe_key(recipe: Recipe | TrainRecipe) -> str:
     """A :class:`Recipe` or :class:`TrainRecipe` as every custom op takes it: ``name=value`` of
     each field in field order, joined by ``;`` (a plain string argument, so the ops' schemas stay
     fixed as recipes gain options; built with operations torch.compile traces). A set of matmul
@@ -378,7 +401,7 @@ def recipe_key(recipe: "Recipe | TrainRecipe") -> str:
     return ";".join(f"{f.name}={_text(getattr(recipe, f.name))}" for f in fields)
 
 
-def recipe_from_key(key: str, kind: type = Recipe) -> "Recipe | TrainRecipe":
+def recipe_from_key(key: str, kind: type = Recipe) -> Recipe | TrainRecipe:
     """The ``kind`` (:class:`Recipe` or :class:`TrainRecipe`) that :func:`recipe_key` wrote;
     ``ValueError`` for any other text (a missing, unknown or repeated field, a value that is not a
     bool or int literal where one is due, or the recipe's own validation error)."""

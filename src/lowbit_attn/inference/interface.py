@@ -16,15 +16,15 @@ def attention(
     is_causal: bool = False,
     scale: float | None = None,
     layout: str = "HND",
-    recipe: "str | Recipe" = "auto",
+    recipe: str | Recipe = "auto",
     return_lse: bool = False,
 ):
     """Low-bit attention ``softmax(q·kᵀ·scale)·v``.
 
     On a CUDA GPU the Triton kernels run; on a CPU the PyTorch reference with the same numerics.
-    In eager mode a call whose configuration was seen twice replays its launches
-    (:mod:`lowbit_attn.inference.planned`). The caller's tensors are never modified. NaN or Inf
-    in an input reaches the outputs that depend on it.
+    With ``LOWBIT_ATTN_LAUNCH=plan`` (opt-in), an eager call whose configuration was seen twice
+    replays its launches (:mod:`lowbit_attn.inference.planned`). The caller's tensors are never
+    modified. NaN or Inf in an input reaches the outputs that depend on it.
 
     Args:
         q: ``[B, Hq, Nq, D]`` (layout ``"HND"``) or ``[B, Nq, Hq, D]`` (``"NHD"``); float16, bfloat16
@@ -47,7 +47,7 @@ def attention(
 
     Returns:
         The output (q's dtype, shape and layout), or with ``return_lse`` a tuple of the output and
-        the LSE ``[B, Hq, Nq]`` fp32 (``-inf`` for rows that see no key).
+            the LSE ``[B, Hq, Nq]`` fp32 (``-inf`` for rows that see no key).
 
     Raises:
         TypeError: q, k or v is not a tensor, or not float16, bfloat16 or float32, or their dtypes
@@ -62,6 +62,22 @@ def attention(
             of 32; a ``LOWBIT_ATTN_*`` variable set to a value outside its choices.
         RuntimeError: ``LOWBIT_ATTN_BACKEND=triton`` for CPU tensors without
             ``TRITON_INTERPRET=1``.
+
+    Examples:
+        >>> import torch, lowbit_attn
+        >>> # [B, H, N, D], on the CPU here
+        >>> q, k, v = (torch.randn(1, 2, 64, 32) for _ in range(3))
+        >>> out = lowbit_attn.attention(q, k, v, is_causal=True)
+        >>> out.shape
+        torch.Size([1, 2, 64, 32])
+        >>> sdpa = torch.nn.functional.scaled_dot_product_attention
+        >>> exact = sdpa(q, k, v, is_causal=True)
+        >>> lowbit_attn.errors(out, exact).cosine > 0.999
+        True
+        >>> out, lse = lowbit_attn.attention(q, k, v, recipe="qk_int8_pv_fp8",
+        ...                                  return_lse=True)
+        >>> lse.shape, lse.dtype
+        (torch.Size([1, 2, 64]), torch.float32)
     """
     plan_key = planned.key(q, k, v, is_causal, scale, layout, recipe, return_lse)
     if plan_key is not None:
@@ -99,7 +115,7 @@ def attention_varlen(
     *,
     is_causal: bool = False,
     scale: float | None = None,
-    recipe: "str | Recipe" = "auto",
+    recipe: str | Recipe = "auto",
     return_lse: bool = False,
     check_seqlens: bool = True,
 ):
@@ -127,7 +143,7 @@ def attention_varlen(
 
     Returns:
         The output ``[total_q, Hq, D]`` (q's dtype), or with ``return_lse`` a tuple of the output
-        and the LSE ``[Hq, total_q]`` fp32.
+            and the LSE ``[Hq, total_q]`` fp32.
 
     Raises:
         TypeError: as :func:`attention` for q, k, v, the flags, ``scale`` and ``recipe``; a
@@ -138,6 +154,18 @@ def attention_varlen(
             ``cu_seqlens_k`` of different lengths; a maximum that is not an int at least the
             longest sequence.
         RuntimeError: as :func:`attention`.
+
+    Examples:
+        >>> import torch, lowbit_attn
+        >>> # two sequences, packed
+        >>> lengths = [37, 64]
+        >>> cu = torch.tensor([0, 37, 101], dtype=torch.int32)  # cumulative lengths
+        >>> # [total, H, D]
+        >>> q, k, v = (torch.randn(sum(lengths), 2, 32) for _ in range(3))
+        >>> n = max(lengths)
+        >>> out = lowbit_attn.attention_varlen(q, k, v, cu, cu, n, n, is_causal=True)
+        >>> out.shape
+        torch.Size([101, 2, 32])
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         checks.tensor(name, x, 3)

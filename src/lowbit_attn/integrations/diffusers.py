@@ -45,7 +45,7 @@ def _modules(target, components) -> list[tuple[str, torch.nn.Module]]:
     return chosen
 
 
-def enable(target, recipe: "str | Recipe" = "auto", *, components=None) -> list[str]:
+def enable(target, recipe: str | Recipe = "auto", *, components=None) -> list[str]:
     """Route the attention of ``target``'s denoiser to ``recipe`` during each of its forwards.
 
     While a hooked model runs its forward, its ``torch.nn.functional.scaled_dot_product_attention``
@@ -69,6 +69,15 @@ def enable(target, recipe: "str | Recipe" = "auto", *, components=None) -> list[
         TypeError: ``target`` is neither a pipeline nor a module; ``recipe`` of the wrong type.
         ValueError: an unknown recipe name; ``components`` given with a module, naming a model
             the pipeline lacks, or a pipeline without any of :data:`DENOISERS`.
+
+    Examples:
+        >>> import torch
+        >>> from lowbit_attn.integrations import diffusers as lowbit_diffusers
+        >>> # a pipeline's transformer, say
+        >>> model = torch.nn.Linear(8, 8)
+        >>> names = lowbit_diffusers.enable(model, "qk_int8_pv_fp16")
+        >>> lowbit_diffusers.disable(model) == names
+        True
     """
     resolve(recipe, None)
     chosen = _modules(target, components)
@@ -114,6 +123,13 @@ def disable(target, *, components=None) -> list[str]:
     Raises:
         TypeError: ``target`` is neither a pipeline nor a module.
         ValueError: ``components`` given with a module, or naming a model the pipeline lacks.
+
+    Examples:
+        >>> import torch
+        >>> from lowbit_attn.integrations.diffusers import disable
+        >>> # never enabled: nothing unhooked
+        >>> disable(torch.nn.Linear(8, 8))
+        []
     """
     return [name for name, module in _modules(target, components) if _unhook(module)]
 

@@ -64,7 +64,7 @@ def ulysses_attention(
     is_causal: bool = False,
     scale: float | None = None,
     layout: str = "HND",
-    recipe: "str | Recipe" = "auto",
+    recipe: str | Recipe = "auto",
 ) -> torch.Tensor:
     """Sequence-parallel attention by head resharding (DeepSpeed-Ulysses).
 
@@ -99,6 +99,20 @@ def ulysses_attention(
             a ``group`` that does not contain this process.
         RuntimeError: ``torch.distributed`` is not initialized; on the other ranks, when one
             rank's checks raised another exception (which that rank re-raises).
+
+    Examples:
+        >>> import tempfile, torch, torch.distributed as dist
+        >>> from lowbit_attn import parallel
+        >>> # a group of one process here; torchrun's otherwise
+        >>> store = tempfile.mkdtemp() + "/store"
+        >>> dist.init_process_group("gloo", init_method=f"file://{store}", rank=0,
+        ...                         world_size=1)
+        >>> # NHD: this rank's tokens, all heads
+        >>> q = torch.randn(1, 64, 4, 32)
+        >>> k = v = torch.randn(1, 64, 2, 32)              # GQA 2:1
+        >>> parallel.ulysses_attention(q, k, v, layout="NHD").shape
+        torch.Size([1, 64, 4, 32])
+        >>> dist.destroy_process_group()
     """
     group, _, world = _group_info(group)
     qh, kh, vh, r, sm_scale, is_causal = _agreed_inputs(
@@ -125,7 +139,7 @@ def ring_attention(
     is_causal: bool = False,
     scale: float | None = None,
     layout: str = "HND",
-    recipe: "str | Recipe" = "auto",
+    recipe: str | Recipe = "auto",
 ) -> torch.Tensor:
     """Sequence-parallel attention by passing K/V chunks around a ring of ranks.
 
@@ -153,6 +167,19 @@ def ring_attention(
         ValueError: as :func:`ulysses_attention`, with a causal call whose ``n_k`` is not ``n``
             in place of the head count.
         RuntimeError: as :func:`ulysses_attention`.
+
+    Examples:
+        >>> import tempfile, torch, torch.distributed as dist
+        >>> from lowbit_attn import parallel
+        >>> # a group of one process here; torchrun's otherwise
+        >>> store = tempfile.mkdtemp() + "/store"
+        >>> dist.init_process_group("gloo", init_method=f"file://{store}", rank=0,
+        ...                         world_size=1)
+        >>> # this rank's slice of the tokens
+        >>> q, k, v = (torch.randn(1, 2, 64, 32) for _ in range(3))
+        >>> parallel.ring_attention(q, k, v, is_causal=True).shape
+        torch.Size([1, 2, 64, 32])
+        >>> dist.destroy_process_group()
     """
     group, rank, world = _group_info(group)
     qh, kh, vh, r, sm_scale, is_causal = _agreed_inputs(

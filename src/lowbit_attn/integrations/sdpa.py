@@ -55,7 +55,12 @@ def warn_fallback(reason: str) -> None:
 
 def reset_fallback_warnings() -> None:
     """Forget which fallback reasons were warned about, so each warns again on its next call (for
-    tools and tests that record the warnings of a run)."""
+    tools and tests that record the warnings of a run).
+
+    Examples:
+        >>> from lowbit_attn.integrations.sdpa import reset_fallback_warnings
+        >>> reset_fallback_warnings()   # the next fallback of each reason warns again
+    """
     with _warned_lock:
         _warned.clear()
 
@@ -152,6 +157,19 @@ def scaled_dot_product_attention(
         ValueError: a ``LOWBIT_ATTN_*`` variable set to a value outside its choices.
         RuntimeError: ``LOWBIT_ATTN_BACKEND=triton`` for CPU tensors without
             ``TRITON_INTERPRET=1``.
+
+    Examples:
+        >>> import torch, lowbit_attn
+        >>> q = torch.randn(1, 4, 64, 32)
+        >>> k = v = torch.randn(1, 2, 64, 32)               # GQA, as SDPA takes it
+        >>> lowbit_attn.scaled_dot_product_attention(q, k, v, enable_gqa=True).shape
+        torch.Size([1, 4, 64, 32])
+        >>> # a mask: PyTorch's exact SDPA runs
+        >>> mask = torch.ones(64, 64, dtype=torch.bool)
+        >>> out = lowbit_attn.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+        ...                                                enable_gqa=True)
+        >>> out.shape
+        torch.Size([1, 4, 64, 32])
     """
     return sdpa_or_fallback(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                             recipe="auto", fallback=TORCH_SDPA)
@@ -217,11 +235,11 @@ class SDPAPatch:
     """One active patch (returned by :func:`patch_sdpa`); a context manager that removes itself
     on exit."""
 
-    def __init__(self, recipe: "str | Recipe", train_recipe=None):
+    def __init__(self, recipe: str | Recipe, train_recipe=None):
         self.recipe = recipe
         self.train_recipe = train_recipe
 
-    def __enter__(self) -> "SDPAPatch":
+    def __enter__(self) -> SDPAPatch:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -282,7 +300,7 @@ def _release() -> None:
 
 
 @contextlib.contextmanager
-def routed(recipe: "str | Recipe" = "auto"):
+def routed(recipe: str | Recipe = "auto"):
     """Within the block, ``F.scaled_dot_product_attention`` calls made in this context (thread,
     asyncio task) run ``recipe``; other threads' calls are untouched."""
     resolve(recipe, None)
@@ -301,7 +319,7 @@ def routed(recipe: "str | Recipe" = "auto"):
             _release()
 
 
-def patch_sdpa(recipe: "str | Recipe" = "auto", *, train_recipe=None) -> SDPAPatch:
+def patch_sdpa(recipe: str | Recipe = "auto", *, train_recipe=None) -> SDPAPatch:
     """Make ``torch.nn.functional.scaled_dot_product_attention`` run ``recipe`` (see
     :func:`lowbit_attn.attention`) until the returned patch is removed::
 
@@ -327,11 +345,20 @@ def patch_sdpa(recipe: "str | Recipe" = "auto", *, train_recipe=None) -> SDPAPat
 
     Returns:
         The patch: a context manager that removes itself on exit, or an argument for
-        :func:`unpatch_sdpa`.
+            :func:`unpatch_sdpa`.
 
     Raises:
         TypeError: ``recipe`` or ``train_recipe`` of the wrong type.
         ValueError: an unknown recipe name (checked here, not in the middle of a model).
+
+    Examples:
+        >>> import torch, lowbit_attn
+        >>> # [B, H, N, D], on the CPU here
+        >>> q, k, v = (torch.randn(1, 2, 64, 32) for _ in range(3))
+        >>> with lowbit_attn.patch_sdpa("qk_int8_pv_fp16"):
+        ...     out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        >>> out.shape
+        torch.Size([1, 2, 64, 32])
     """
     resolve(recipe, None)  # an unknown recipe fails here, not in the middle of a model
     if train_recipe is not None:
@@ -354,6 +381,14 @@ def unpatch_sdpa(patch: SDPAPatch | None = None) -> bool:
 
     Returns:
         Whether a patch was removed (``False`` when it was not active, or none was).
+
+    Examples:
+        >>> import lowbit_attn
+        >>> patch = lowbit_attn.patch_sdpa().__enter__()   # as `with` does on entry
+        >>> lowbit_attn.unpatch_sdpa(patch)
+        True
+        >>> lowbit_attn.unpatch_sdpa(patch)                # no longer active
+        False
     """
     with _lock:
         if patch is None and _active:

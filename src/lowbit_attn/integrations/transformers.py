@@ -46,7 +46,7 @@ def _transformers():
     return transformers
 
 
-def attention_function(recipe: "str | Recipe" = "auto"):
+def attention_function(recipe: str | Recipe = "auto"):
     """The function transformers calls for each attention layer, running ``recipe``.
 
     Masks are built as for ``"sdpa"`` (left out when purely causal or all ones, so those calls
@@ -60,13 +60,22 @@ def attention_function(recipe: "str | Recipe" = "auto"):
 
     Returns:
         A function of the ``AttentionInterface`` contract: ``(module, query [B, H, N, D], key,
-        value, attention_mask, dropout, scaling, is_causal, **kwargs) → (output [B, N, H, D],
-        None)``.
+            value, attention_mask, dropout, scaling, is_causal, **kwargs) → (output [B, N, H, D],
+            None)``.
 
     Raises:
         ImportError: transformers is not installed.
         TypeError: ``recipe`` is neither a str nor a :class:`~lowbit_attn.Recipe`.
         ValueError: an unknown recipe name.
+
+    Examples:
+        >>> import torch
+        >>> from lowbit_attn.integrations import transformers as lowbit_transformers
+        >>> fn = lowbit_transformers.attention_function("qk_int8_pv_fp16")
+        >>> q, k, v = (torch.randn(1, 2, 64, 32) for _ in range(3))
+        >>> out, weights = fn(torch.nn.Module(), q, k, v, None)
+        >>> out.shape, weights                              # [B, N, H, D]
+        (torch.Size([1, 64, 2, 32]), None)
     """
     resolve(recipe, None)
     _transformers()
@@ -133,7 +142,7 @@ def _key_padded(query, key, value, keys, scaling, recipe):
     return out.reshape(b, n_q, h, d), None
 
 
-def register(name: str = "lowbit", recipe: "str | Recipe" = "auto") -> str:
+def register(name: str = "lowbit", recipe: str | Recipe = "auto") -> str:
     """Register ``name`` as an ``attn_implementation`` running ``recipe``, its masks built as for
     ``"sdpa"``. Then ``from_pretrained(..., attn_implementation=name)`` or
     ``model.set_attn_implementation(name)``. Registering again replaces it; registering as
@@ -151,6 +160,13 @@ def register(name: str = "lowbit", recipe: "str | Recipe" = "auto") -> str:
         TypeError: ``name`` is not a non-empty str; ``recipe`` is neither a str nor a
             :class:`~lowbit_attn.Recipe`.
         ValueError: an unknown recipe name.
+
+    Examples:
+        >>> from lowbit_attn.integrations import transformers as lowbit_transformers
+        >>> lowbit_transformers.register("lowbit", recipe="qk_int8_pv_fp16")
+        'lowbit'
+
+        Then load a model with ``attn_implementation="lowbit"``.
     """
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty string, got {name!r}")

@@ -50,7 +50,7 @@ class PendingKV:
 
     __slots__ = ("layer", "role")
 
-    def __init__(self, layer: "QuantizedCacheLayer", role: str):
+    def __init__(self, layer: QuantizedCacheLayer, role: str):
         object.__setattr__(self, "layer", layer)
         object.__setattr__(self, "role", role)
 
@@ -211,6 +211,16 @@ class QuantizedCache(Cache):
             ``recipe`` and ``dtype``.
         ValueError: a config with sliding-window layers (naming them); neither a config nor all
             three dimensions; a size that is not a positive int; an unknown recipe.
+
+    Examples:
+        >>> import torch
+        >>> from lowbit_attn.integrations.transformers import QuantizedCache
+        >>> cache = QuantizedCache(batch=1, max_tokens=128, num_layers=2, kv_heads=2,
+        ...                        head_dim=32, dtype=torch.float32)
+        >>> cache.get_seq_length()
+        0
+
+        Pass it to ``model.generate(..., past_key_values=cache)``.
     """
 
     def __init__(self, config=None, *, batch: int, max_tokens: int, num_layers: int | None = None,

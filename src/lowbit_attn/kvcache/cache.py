@@ -47,6 +47,18 @@ class QuantizedKVCache:
         TypeError: a size that is not an int; ``recipe`` not a str; ``dtype`` not float16,
             bfloat16 or float32.
         ValueError: a size below 1 or a head dim above 256; an unknown recipe name.
+
+    Examples:
+        >>> import torch, lowbit_attn
+        >>> cache = lowbit_attn.QuantizedKVCache(1, 1, 2, 32, max_tokens=128,
+        ...                                    dtype=torch.float32)
+        >>> # [B, Hkv, tokens, D]
+        >>> k, v = torch.randn(1, 2, 10, 32), torch.randn(1, 2, 10, 32)
+        >>> cache.append(0, k, v)
+        >>> # one query token, GQA 2:1
+        >>> q = torch.randn(1, 4, 1, 32)
+        >>> lowbit_attn.attention_with_kv_cache(q, cache, 0).shape
+        torch.Size([1, 4, 1, 32])
     """
 
     def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, *,
@@ -183,7 +195,7 @@ class QuantizedKVCache:
 
         Returns:
             The bytes of the page pools of K and V, their scales, the open pages of V, μ, the block
-            tables and the lengths (the host-side free lists are not counted).
+                tables and the lengths (the host-side free lists are not counted).
         """
         return sum(layer.nbytes() for layer in self.layers)
 

@@ -1,8 +1,8 @@
 """The public functions of the KV cache: argument checks, then the split-KV Triton kernel
 (``kernel_decode``; on CUDA tensors, or on CPU tensors under ``LOWBIT_ATTN_BACKEND=triton`` with
 the interpreter) or its twin (``naive``), chosen here by ``core.arch.backend_for``, with the same
-arguments. An eager call whose configuration was seen twice replays its launches
-(``kvcache/planned.py``)."""
+arguments. With ``LOWBIT_ATTN_LAUNCH=plan`` (opt-in), an eager call whose configuration was seen
+twice replays its launches (``kvcache/planned.py``)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def attention_with_kv_cache(q: torch.Tensor, cache: QuantizedKVCache, layer: int
 
     Returns:
         The output ``[B, Hq, n, D]`` in q's dtype, or with ``return_lse`` a tuple of the output
-        and the LSE ``[B, Hq, n]`` fp32.
+            and the LSE ``[B, Hq, n]`` fp32.
 
     Raises:
         TypeError: ``cache`` is not a :class:`QuantizedKVCache`; ``layer`` is not an int; q is not
@@ -51,6 +51,20 @@ def attention_with_kv_cache(q: torch.Tensor, cache: QuantizedKVCache, layer: int
         RuntimeError: under CUDA graph capture (the grid follows the host's lengths; use
             :class:`DecodeStep`); after a replayed :class:`DecodeStep` ran past the pages it
             reserved, until :meth:`QuantizedKVCache.reset`.
+
+    Examples:
+        >>> import torch, lowbit_attn
+        >>> cache = lowbit_attn.QuantizedKVCache(2, 1, 1, 32, max_tokens=64,
+        ...                                    dtype=torch.float32)
+        >>> # the prompt, 5 tokens, one KV head
+        >>> for layer in range(2):
+        ...     k, v = torch.randn(1, 1, 5, 32), torch.randn(1, 1, 5, 32)
+        ...     cache.append(layer, k, v)
+        >>> q = torch.randn(1, 2, 1, 32)
+        >>> out, lse = lowbit_attn.attention_with_kv_cache(q, cache, 1,
+        ...                                                return_lse=True)
+        >>> out.shape, lse.shape
+        (torch.Size([1, 2, 1, 32]), torch.Size([1, 2, 1]))
     """
     if not isinstance(cache, QuantizedKVCache):
         raise TypeError(f"cache must be a QuantizedKVCache, got {type(cache).__name__}")

@@ -87,7 +87,7 @@ class PagedLayer:
 
     @classmethod
     def allocate(cls, batch: int, kv_heads: int, head_dim: int, *, max_pages_per_seq: int,
-                 page_size: int, v_dtype: torch.dtype, dtype: torch.dtype, device) -> "PagedLayer":
+                 page_size: int, v_dtype: torch.dtype, dtype: torch.dtype, device) -> PagedLayer:
         num_pages = batch * max_pages_per_seq
         pool = (num_pages, kv_heads, page_size, head_dim)
         on = {"device": device}

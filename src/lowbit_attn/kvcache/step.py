@@ -63,6 +63,18 @@ class DecodeStep:
             ``kv_heads``; a sequence that holds no token yet; ``scale`` not positive and finite;
             more tokens than ``max_tokens`` or the pool allow.
         RuntimeError: built under CUDA graph capture.
+
+    Examples:
+        >>> import torch, lowbit_attn
+        >>> cache = lowbit_attn.QuantizedKVCache(1, 1, 2, 32, max_tokens=128,
+        ...                                    dtype=torch.float32)
+        >>> cache.append(0, torch.randn(1, 2, 10, 32), torch.randn(1, 2, 10, 32))
+        >>> step = lowbit_attn.DecodeStep(cache, 0, heads=4, steps=8)
+        >>> q = torch.randn(1, 4, 1, 32)
+        >>> k, v = torch.randn(1, 2, 1, 32), torch.randn(1, 2, 1, 32)
+        >>> # appends k, v, then attends; capture it in a CUDA graph on a GPU
+        >>> step.run(q, k, v).shape
+        torch.Size([1, 4, 1, 32])
     """
 
     def __init__(self, cache: QuantizedKVCache, layer: int, *, heads: int, steps: int,
@@ -112,7 +124,7 @@ class DecodeStep:
 
         Returns:
             ``self.out`` ``[B, heads, tokens, D]``, the same tensor every run (the LSE
-            ``[B, heads, tokens]`` fp32 in ``self.lse``).
+                ``[B, heads, tokens]`` fp32 in ``self.lse``).
 
         Raises:
             TypeError: q, k or v is not a 4-D float tensor.

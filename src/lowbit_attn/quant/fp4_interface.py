@@ -40,13 +40,24 @@ def quantize_nvfp4(
 
     Returns:
         ``(packed, scales, global_scale)``: uint8 ``[..., K/2]`` (two values a byte, low nibble
-        first), float8_e4m3fn ``[..., K/16]``, and the fp32 0-dim tensor scale.
+            first), float8_e4m3fn ``[..., K/16]``, and the fp32 0-dim tensor scale.
 
     Raises:
         TypeError: ``x`` is not a floating-point tensor; ``global_scale`` is neither a real
             number nor a real tensor.
         ValueError: ``x`` is 0-dim or its last dimension is not a multiple of 16;
             ``global_scale`` holds more than one number or lies outside the range above.
+
+    Examples:
+        >>> import torch
+        >>> from lowbit_attn import fp4
+        >>> x = torch.randn(4, 32)
+        >>> # two E2M1 values a byte, groups of 16
+        >>> packed, scales, global_scale = fp4.quantize_nvfp4(x)
+        >>> packed.shape, scales.shape
+        (torch.Size([4, 16]), torch.Size([4, 2]))
+        >>> (fp4.dequantize_nvfp4(packed, scales, global_scale) - x).abs().max() < 0.5
+        tensor(True)
     """
     return _impl(x).quantize_nvfp4(x, global_scale=global_scale)
 
@@ -60,11 +71,22 @@ def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Returns:
         ``(packed, scales)``: uint8 ``[..., K/2]`` (two values a byte, low nibble first) and the
-        E8M0 scale bits, uint8 ``[..., K/32]`` (127 is 2^0, 255 NaN).
+            E8M0 scale bits, uint8 ``[..., K/32]`` (127 is 2^0, 255 NaN).
 
     Raises:
         TypeError: ``x`` is not a floating-point tensor.
         ValueError: ``x`` is 0-dim or its last dimension is not a multiple of 32.
+
+    Examples:
+        >>> import torch
+        >>> from lowbit_attn import fp4
+        >>> x = torch.randn(4, 32)
+        >>> # groups of 32, power-of-two scales
+        >>> packed, scales = fp4.quantize_mxfp4(x)
+        >>> packed.shape, scales.shape
+        (torch.Size([4, 16]), torch.Size([4, 1]))
+        >>> fp4.dequantize_mxfp4(packed, scales).shape
+        torch.Size([4, 32])
     """
     return _impl(x).quantize_mxfp4(x)
 

@@ -295,6 +295,14 @@ def dequantize_nvfp4(packed: torch.Tensor, scales: torch.Tensor, global_scale) -
         ValueError: a ``packed`` whose last dimension is not a multiple of 8, ``scales`` of
             another shape or device, a ``global_scale`` of more than one number or outside
             ``[2^-126, FLT_MAX/2688]``.
+
+    Examples:
+        >>> import torch
+        >>> from lowbit_attn import fp4
+        >>> # values E2M1 holds exactly
+        >>> x = torch.tensor([[0.5, -1.0, 3.0, 6.0] * 4])
+        >>> torch.equal(fp4.dequantize_nvfp4(*fp4.quantize_nvfp4(x)), x)
+        True
     """
     fp4_operands(packed, scales, NVFP4_GROUP, torch.float8_e4m3fn)
     g = nvfp4_tensor_scale(global_scale, packed.device)
@@ -352,6 +360,15 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
         TypeError: ``packed`` or ``scales`` is not a uint8 tensor.
         ValueError: a ``packed`` whose last dimension is not a multiple of 16, or ``scales`` of
             another shape or device.
+
+    Examples:
+        >>> import torch
+        >>> from lowbit_attn import fp4
+        >>> x = torch.linspace(-6, 6, 32).reshape(1, 32)
+        >>> # the nearest of E2M1's 15 values
+        >>> y = fp4.dequantize_mxfp4(*fp4.quantize_mxfp4(x))
+        >>> y.shape, sorted(set(y.abs().flatten().tolist()))
+        (torch.Size([1, 32]), [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
     """
     fp4_operands(packed, scales, MXFP4_GROUP, torch.uint8)
     return dequantize_groups(packed, e8m0_value(scales), MXFP4_GROUP)

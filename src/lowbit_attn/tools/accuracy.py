@@ -135,7 +135,7 @@ def evaluate(
     heads_kv: int,
     causal: bool,
     seed: int,
-    device: "str | torch.device" = "cpu",
+    device: str | torch.device = "cpu",
     n_k: int | None = None,
     batch: int = 1,
     dtype: torch.dtype = torch.float16,

@@ -536,7 +536,7 @@ def compile_launch(launch: Launch, arch: str, config: int = 0) -> KernelReport:
 
 
 def compile_recipe(
-    recipe: "str | Recipe",
+    recipe: str | Recipe,
     arch: str,
     head_dim: int = 128,
     causal: bool = False,

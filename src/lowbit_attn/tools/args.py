@@ -70,7 +70,7 @@ def output_file(text: str) -> str:
     return text
 
 
-def parse_recipe(spec: "str | Recipe") -> Recipe:
+def parse_recipe(spec: str | Recipe) -> Recipe:
     """``"qk_int8_pv_fp8"`` or ``"qk_int8_pv_fp8:granularity=per_token,smooth_q=1"`` → Recipe."""
     if isinstance(spec, Recipe):
         return spec

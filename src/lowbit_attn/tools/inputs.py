@@ -169,7 +169,7 @@ def make(
     n_k: int,
     head_dim: int,
     dtype: torch.dtype = torch.float16,
-    device: "str | torch.device" = "cpu",
+    device: str | torch.device = "cpu",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The family's tensors for ``seed``, drawn on the CPU (so every device sees the same numbers)
     and moved to ``device``."""

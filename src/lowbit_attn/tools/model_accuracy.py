@@ -277,7 +277,7 @@ TASKS = {
 
 
 def evaluate(model_name: str, recipes: Sequence[str] = DEFAULT_RECIPES, *,
-             dtype: torch.dtype = torch.float32, device: "str | torch.device" = "cpu",
+             dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
              loaded=None) -> list[dict]:
     """The exact (sdpa) run of ``model_name`` and one row per recipe spec compared with it.
 

@@ -20,11 +20,11 @@ def trainable_attention(
     is_causal: bool = False,
     scale: float | None = None,
     layout: str = "HND",
-    recipe: "str | TrainRecipe" = "sagebwd_int8",
-    smooth_k: "bool | None" = None,
-    smooth_q: "bool | None" = None,
-    keep_16bit: "tuple[str, ...] | None" = None,
-    balance_qk: "bool | None" = None,
+    recipe: str | TrainRecipe = "sagebwd_int8",
+    smooth_k: bool | None = None,
+    smooth_q: bool | None = None,
+    keep_16bit: tuple[str, ...] | None = None,
+    balance_qk: bool | None = None,
 ) -> torch.Tensor:
     """Differentiable 8-bit attention ``softmax(q·kᵀ·scale)·v`` for training (SageBwd).
 
@@ -59,7 +59,7 @@ def trainable_attention(
 
     Returns:
         The output, q's shape, dtype and layout. Rows that see no key give 0 (and zero
-        gradients).
+            gradients).
 
     Raises:
         TypeError: q, k or v is not a tensor, has another dtype than float16, bfloat16, float32
@@ -71,6 +71,14 @@ def trainable_attention(
             ``LOWBIT_ATTN_*`` variable set to a value outside its choices.
         RuntimeError: a double backward (gradients of the gradients);
             ``LOWBIT_ATTN_BACKEND=triton`` for CPU tensors without ``TRITON_INTERPRET=1``.
+
+    Examples:
+        >>> import torch, lowbit_attn
+        >>> q, k, v = (torch.randn(1, 2, 64, 32).requires_grad_() for _ in range(3))
+        >>> out = lowbit_attn.trainable_attention(q, k, v, is_causal=True)
+        >>> out.sum().backward()
+        >>> q.grad.shape
+        torch.Size([1, 2, 64, 32])
     """
     qh, kh, vh = checks.dense_qkv(q, k, v, layout, dtypes=checks.FLOAT_DTYPES + (torch.float64,))
     is_causal = checks.flag("is_causal", is_causal)

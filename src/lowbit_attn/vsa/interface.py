@@ -59,6 +59,11 @@ def resolve_topk(topk, n_tiles: int) -> int:
     Raises:
         TypeError: ``topk`` is neither an int nor a float (a bool is neither).
         ValueError: a fraction outside ``(0, 1]`` or a count outside ``[1, n_tiles]``.
+
+    Examples:
+        >>> from lowbit_attn import vsa
+        >>> vsa.resolve_topk(0.25, 16), vsa.resolve_topk(3, 16)
+        (4, 3)
     """
     if isinstance(topk, bool) or not isinstance(topk, (int, float)):
         raise TypeError(f"topk must be an int (tiles) or a float (fraction of tiles), got {topk!r}")
@@ -152,13 +157,23 @@ def coarse(q, k, v, *, video_shape, tile=(4, 4, 4), topk, scale=None, layout="HN
 
     Returns:
         ``(out, tile_indices, scores)``: ``out`` in q's shape, layout and dtype (each token gets its
-        query tile's coarse output); ``tile_indices [B, Hq, n_tiles, topk]`` int64, the chosen key
-        tiles of each query tile in increasing order (tiles numbered row-major over the tile
-        grid); ``scores [B, Hq, n_tiles, n_tiles]`` fp32, the pooled ``q·kᵀ·scale``.
+            query tile's coarse output); ``tile_indices [B, Hq, n_tiles, topk]`` int64, the chosen key
+            tiles of each query tile in increasing order (tiles numbered row-major over the tile
+            grid); ``scores [B, Hq, n_tiles, n_tiles]`` fp32, the pooled ``q·kᵀ·scale``.
 
     Raises:
         TypeError: as :func:`video_sparse_attention` for these arguments.
         ValueError: as :func:`video_sparse_attention` for these arguments.
+
+    Examples:
+        >>> import torch
+        >>> from lowbit_attn import vsa
+        >>> # video_shape (4, 8, 8)
+        >>> q, k, v = (torch.randn(1, 2, 256, 32) for _ in range(3))
+        >>> out, tile_indices, scores = vsa.coarse(q, k, v, video_shape=(4, 8, 8),
+        ...                                         topk=2)
+        >>> out.shape, tile_indices.shape, scores.shape
+        (torch.Size([1, 2, 256, 32]), torch.Size([1, 2, 4, 2]), torch.Size([1, 2, 4, 4]))
     """
     qh, kh, vh, grid, sm = _prepare(q, k, v, video_shape=video_shape, tile=tile, layout=layout,
                                     scale=scale, token_order=token_order)
@@ -199,6 +214,15 @@ def fine(q, k, v, *, video_shape, tile=(4, 4, 4), tile_indices, scale=None, layo
             the wrong shape or device, or (with ``check_indices``) out of range or repeating a
             tile.
         RuntimeError: a double backward.
+
+    Examples:
+        >>> import torch
+        >>> from lowbit_attn import vsa
+        >>> # video_shape (4, 8, 8)
+        >>> q, k, v = (torch.randn(1, 2, 256, 32) for _ in range(3))
+        >>> _, tile_indices, _ = vsa.coarse(q, k, v, video_shape=(4, 8, 8), topk=2)
+        >>> vsa.fine(q, k, v, video_shape=(4, 8, 8), tile_indices=tile_indices).shape
+        torch.Size([1, 2, 256, 32])
     """
     qh, kh, vh, grid, sm = _prepare(q, k, v, video_shape=video_shape, tile=tile, layout=layout,
                                     scale=scale, token_order=token_order)
@@ -327,7 +351,7 @@ def video_sparse_attention(q, k, v, *, video_shape, tile=(4, 4, 4), topk, gate_c
 
     Returns:
         The output, q's shape, layout and dtype. With both gates ``None`` and ``topk`` = all tiles
-        it is exact attention.
+            it is exact attention.
 
     Raises:
         TypeError: q, k or v not a tensor of a listed dtype, or of different dtypes;
@@ -341,6 +365,16 @@ def video_sparse_attention(q, k, v, *, video_shape, tile=(4, 4, 4), topk, gate_c
             that does not broadcast to the output or is on another device; a recipe other than
             those :func:`resolve_recipe` takes, or an 8-bit recipe with inputs that require grad.
         RuntimeError: a double backward.
+
+    Examples:
+        >>> import torch, lowbit_attn
+        >>> # T, H, W: 256 tokens, 4 tiles of 4×4×4
+        >>> video_shape = (4, 8, 8)
+        >>> q, k, v = (torch.randn(1, 2, 256, 32) for _ in range(3))
+        >>> out = lowbit_attn.video_sparse_attention(q, k, v, video_shape=video_shape,
+        ...                                          topk=2)
+        >>> out.shape
+        torch.Size([1, 2, 256, 32])
     """
     qh, kh, vh, grid, sm = _prepare(q, k, v, video_shape=video_shape, tile=tile, layout=layout,
                                     scale=scale, token_order=token_order)
@@ -380,6 +414,12 @@ def topk_schedule(step: int, *, n_tiles: int, target, dense_steps: int = 0,
         TypeError: ``target`` is neither an int nor a float.
         ValueError: ``step``, ``dense_steps`` or ``anneal_steps`` not a non-negative int,
             ``n_tiles`` not a positive int, or ``target`` out of range (:func:`resolve_topk`).
+
+    Examples:
+        >>> from lowbit_attn import vsa
+        >>> [vsa.topk_schedule(s, n_tiles=16, target=4, dense_steps=2, anneal_steps=4)
+        ...  for s in range(0, 8, 2)]
+        [16, 16, 10, 4]
     """
     for name, value in (("step", step), ("n_tiles", n_tiles), ("dense_steps", dense_steps),
                         ("anneal_steps", anneal_steps)):

@@ -55,7 +55,7 @@ class TileLayout:
     def n_tokens(self) -> int:
         return math.prod(self.video_shape)
 
-    def to(self, device) -> "TileLayout":
+    def to(self, device) -> TileLayout:
         return _layout_on(self.video_shape, self.tile, str(torch.device(device)))
 
 
@@ -137,6 +137,16 @@ def to_tile_order(x: torch.Tensor, video_shape, tile=(4, 4, 4), *, dim: int = -2
         ValueError: ``video_shape`` or ``tile`` not positive, a tile of more than 256 tokens, or
             ``x`` without ``T·H·W`` tokens along ``dim``.
         IndexError: ``dim`` is not a dimension of ``x``.
+
+    Examples:
+        >>> import torch
+        >>> from lowbit_attn import tiles
+        >>> # [B, N, C]: token ids, video_shape (2, 4, 4)
+        >>> x = torch.arange(32).reshape(1, 32, 1)
+        >>> tiled = tiles.to_tile_order(x, (2, 4, 4), (2, 2, 2), dim=1)
+        >>> # the first 2×2×2 tile's tokens, together
+        >>> tiled[0, :8, 0].tolist()
+        [0, 1, 4, 5, 16, 17, 20, 21]
     """
     layout = tile_layout(video_shape, tile, x.device)
     if x.shape[dim] != layout.n_tokens:
@@ -161,6 +171,16 @@ def from_tile_order(x: torch.Tensor, video_shape, tile=(4, 4, 4), *, dim: int = 
         TypeError: as :func:`to_tile_order`.
         ValueError: likewise.
         IndexError: likewise.
+
+    Examples:
+        >>> import torch
+        >>> from lowbit_attn import tiles
+        >>> # [B, H, N, D], tokens in (t, h, w) order
+        >>> x = torch.randn(1, 2, 4 * 8 * 8, 32)
+        >>> # 4×4×4 tiles, as VSA's kernels read them
+        >>> y = tiles.to_tile_order(x, (4, 8, 8))
+        >>> torch.equal(tiles.from_tile_order(y, (4, 8, 8)), x)
+        True
     """
     layout = tile_layout(video_shape, tile, x.device)
     if x.shape[dim] != layout.n_tokens:
