@@ -6,6 +6,7 @@ alone and end to end; per-token and per-thread scales.
 
     python benchmarks/bench_forward.py --out DIR --time-budget 330      # a GPU
     python benchmarks/bench_forward.py --quick                           # D=128, N=1k,16k
+    python benchmarks/bench_forward.py --decide --out DIR --time-budget 150   # run_on_gpu.sh decide
 
 Without CUDA it runs the same rows at a tiny size (D=64, N=160, B×H=1×2) on the backend the
 environment selects (the Triton interpreter in the tests), SDPA on its math backend, the Gluon
@@ -35,8 +36,18 @@ operands quantized once):
 - at D = 64 only, last: ``kernel sm90 thread poly16`` / ``poly8`` (one key group in 16 or 8
   takes its exp2 on the FMA pipe: ``poly_exp2``).
 
+``--decide`` (issue 43): D=128 N=16k, 8k, D=64 N=16k, 8k, N=1k at B×H=16×32 (both D), then
+causal D=128, 64 at 16k (B×H=4×32 at 8k), and only the rows that decide: SDPA cuDNN, e2e sm90
+thread and token, kernel sm90 thread and token, e2e Triton, SageAttention, and last ``e2e sm90
+thread plan`` (with ``LOWBIT_ATTN_LAUNCH=plan``: the host path launch plans would save; not
+counted in the bars, which are the default launch path's).
+
 Every output is checked against exact attention in float64 on batch 0, heads 0–1 (cosine,
-relative L1); a row under cosine 0.998 fails. Writes ``forward-<gpu>-<date>.json`` and ``.md``
+relative L1); a row under cosine 0.998 fails. Each row records ``first_call_s``: the wall time
+of its method's first call of that shape (compiles, autotuning and, for the first sm90 row of the
+process, its admission check included). The table and the JSON (``bars``) end with issue 43's
+bars beside the values: the sm90 kernel alone ≥ 850 TOP/s at D=128 N=16k, end to end ≥ 1.15×
+SDPA cuDNN at D=128 N ≥ 8k, ≥ 1.0× at D=64, ≥ 0.9× at N=1k, cosine ≥ 0.9992, first call ≤ 2 s. Writes ``forward-<gpu>-<date>.json`` and ``.md``
 into each ``--out``; the markdown ends with the bars of issue 36 against the best sm90 row.
 """
 
@@ -69,7 +80,7 @@ from lowbit_attn.tools.bench.tables import seqlen_label
 from lowbit_attn.tools.bench.timers import timer_for
 
 MIN_COSINE = 0.998  # a broken kernel, not the recipe's error (~0.9993 on these inputs)
-BATCH_HEADS = {1024: (16, 32), 4096: (8, 32), 16384: (2, 32)}
+BATCH_HEADS = {1024: (16, 32), 4096: (8, 32), 8192: (4, 32), 16384: (2, 32)}
 CONFIGS = [(128, 16384, False), (128, 1024, False), (64, 16384, False), (64, 1024, False),
            (128, 16384, True), (128, 4096, False), (64, 4096, False), (128, 1024, True),
            (64, 16384, True), (128, 4096, True), (64, 4096, True), (64, 1024, True)]
@@ -77,9 +88,19 @@ TOKEN = get_recipe("qk_int8_pv_fp8").replace(block_k=128)
 THREAD = get_recipe("qk_int8_pv_fp8").replace(granularity="per_thread", block_q=64, block_k=128)
 THREAD_FP16 = get_recipe("qk_int8_pv_fp16").replace(granularity="per_thread", block_q=64,
                                                     block_k=128)
-# Issue 36's GPU bars: (D, N range, causal) → × SDPA cuDNN end to end.
+# --decide (run_on_gpu.sh decide, issue 43): the configurations that decide, most decisive first
+# (D=128 N=16k, N >= 8k at D=128 then D=64, N=1k at B×H=512), and only the rows that decide.
+DECIDE_CONFIGS = [(128, 16384, False), (128, 8192, False), (64, 16384, False), (64, 8192, False),
+                  (128, 1024, False), (64, 1024, False), (128, 16384, True), (64, 16384, True)]
+DECIDE_ROWS = ("sdpa cudnn", "e2e sm90 thread", "e2e sm90 token", "kernel sm90 thread",
+               "kernel sm90 token", "e2e triton token", "sage 1.0.6", "e2e sm90 thread plan")
+# Issues 36 and 43's GPU bars: (D, N range, causal) → × SDPA cuDNN end to end.
 BARS = [(128, (8192, None), False, 1.15), (64, (8192, None), False, 1.0),
-        (64, (1024, 1024), False, 0.9)]
+        (64, (1024, 1024), False, 0.9), (128, (1024, 1024), False, 0.9)]
+SM90_E2E = ("e2e sm90 thread", "e2e sm90 token")  # the bars' rows: Triton's launch path (default)
+KERNEL_BAR = 850.0  # TOP/s of the sm90 kernel alone at D=128, N=16k, not causal (issue 43)
+COSINE_BAR = 0.9992  # end to end against exact attention (issue 43)
+FIRST_CALL_BAR = 2.0  # seconds: the first call of a new shape, compiles included (issue 43)
 
 
 def sm90_launcher(**options):
@@ -111,9 +132,11 @@ def permuted_stages(q, k, v, causal, recipe, launcher):
     return prepare, attention
 
 
-def rows_of_config(base, q, k, v, causal, record, gluon_ok: str | None) -> None:
+def rows_of_config(base, q, k, v, causal, record, gluon_ok: str | None,
+                   decide: bool = False) -> None:
     """Every row of one configuration (module docstring), most decisive first; ``gluon_ok``:
-    ``None`` where the Gluon kernels can run, else why their kernel-alone rows are skipped."""
+    ``None`` where the Gluon kernels can run, else why their kernel-alone rows are skipped;
+    ``decide``: only :data:`DECIDE_ROWS`."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from lowbit_attn.inference import sm90_check
@@ -135,16 +158,22 @@ def rows_of_config(base, q, k, v, causal, record, gluon_ok: str | None) -> None:
             launcher = sm90_launcher(**options)
             record(base, name, permuted_stages(q, k, v, causal, recipe, launcher)[1])
 
-    def ours(recipe, kernel=None):
+    def ours(recipe, kernel=None, launch=None):
         def fn():
-            with env("LOWBIT_ATTN_KERNEL", kernel):
+            with env("LOWBIT_ATTN_KERNEL", kernel), env("LOWBIT_ATTN_LAUNCH", launch):
                 return lowbit_attn.attention(q, k, v, recipe=recipe, is_causal=causal)
         return fn
 
     record(base, "sdpa cudnn", sdpa(SDPBackend.CUDNN_ATTENTION))
     for name, recipe in (("e2e sm90 thread", THREAD), ("e2e sm90 token", TOKEN)):
         record(base, name, ours(recipe, "sm90"),
-               note=sm90_check.verdict(q.device) or "admitted")
+               note=lambda: sm90_check.verdict(q.device) or "admitted")
+    if decide:
+        sm90_rows([("kernel sm90 thread", THREAD, {}), ("kernel sm90 token", TOKEN, {})])
+        record(base, "e2e triton token", ours("qk_int8_pv_fp8"), note=autotune_choice)
+        record(base, "sage 1.0.6", sage(q, k, v, causal))
+        record(base, "e2e sm90 thread plan", ours(THREAD, "sm90", "plan"))
+        return
     record(base, "e2e triton token", ours("qk_int8_pv_fp8"), note=autotune_choice)
     record(base, "sdpa flash", sdpa(SDPBackend.FLASH_ATTENTION))
     record(base, "sage 1.0.6", sage(q, k, v, causal))
@@ -227,11 +256,15 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="D=128, N=1k and 16k, not causal")
     ap.add_argument("--time-budget", type=float, default=None,
                     help="seconds; configurations not started by then are recorded as skipped")
+    ap.add_argument("--decide", action="store_true",
+                    help="the decisive configurations and rows only (run_on_gpu.sh decide)")
     ap.add_argument("--out", action="append", default=[])
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     configs = [c for c in CONFIGS if not args.quick or (c[0] == 128 and not c[2] and c[1] != 4096)]
+    if args.decide:
+        configs = DECIDE_CONFIGS
     batch_heads = BATCH_HEADS
     if not cuda:
         print("NO CUDA: tiny sizes on the CPU (not a kernel benchmark)", file=sys.stderr)
@@ -249,7 +282,13 @@ def main(argv=None) -> int:
             rows.append(row)
             return
         try:
-            out = fn()
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = fn()  # this method's first call of this shape: compiles and autotuning included
+            if cuda:
+                torch.cuda.synchronize()
+            row["first_call_s"] = time.perf_counter() - t0
             if check:
                 row.update(compare(out[:1, :2], exact))
                 row["check"] = "pass" if row["cosine"] >= MIN_COSINE else "FAIL"
@@ -273,9 +312,10 @@ def main(argv=None) -> int:
 
     def save(complete: bool) -> str:
         facts = compiled_facts() if cuda else []
-        table = render(rows) + render_facts(facts)
+        table = render(rows) + render_bars(bars(rows)) + render_facts(facts)
         save_script_results(args.out, "forward", {**meta, "rows": rows, "compiled": facts,
-                                                   "complete": complete}, table)
+                                                   "bars": bars(rows), "complete": complete},
+                            table)
         return table
 
     for d, n, causal in configs:
@@ -287,7 +327,8 @@ def main(argv=None) -> int:
         q, k, v = make_inputs(b, h, n, d, device=device)
         exact, _ = exact_attention(q[:1, :2], k[:1, :2], v[:1, :2], scale=d ** -0.5,
                                    causal_offset=0 if causal else None)
-        rows_of_config({**base, "exact": exact}, q, k, v, causal, record, gluon_ok)
+        rows_of_config({**base, "exact": exact}, q, k, v, causal, record, gluon_ok,
+                       decide=args.decide)
         del q, k, v, exact
         if cuda:
             torch.cuda.empty_cache()
@@ -321,29 +362,72 @@ def render_facts(facts: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def bars(rows: list[dict]) -> list[dict]:
+    """Issue 43's forward bars beside the measured values (``met``: True, False, or None where the
+    rows are missing): the sm90 kernel alone at D=128 N=16k, each end-to-end × cuDNN bar (the
+    fastest ``e2e sm90`` row), the worst end-to-end sm90 cosine, the slowest first call of an
+    end-to-end row of ours (a new shape: compiles, autotuning and the sm90 check included where
+    that row's call was the process's first)."""
+    ok = [r for r in rows if r["status"] == "ok"]
+
+    def bar(name, value, target, higher=True):
+        met = None if value is None else (value >= target if higher else value <= target)
+        return {"bar": name, "value": value, "target": target, "met": met}
+
+    kernel = [r["tops"] for r in ok if r["method"].startswith("kernel sm90")
+              and (r["D"], r["N"], r["causal"]) == (128, 16384, False)]
+    out = [bar("kernel alone TOP/s, D=128 N=16k", max(kernel, default=None), KERNEL_BAR)]
+    cudnn = {(r["D"], r["N"], r["causal"]): r["ms"] for r in ok if r["method"] == "sdpa cudnn"}
+    for d, (lo, hi), causal, target in BARS:
+        speeds = [cudnn[(r["D"], r["N"], r["causal"])] / r["ms"] for r in ok
+                  if r["method"] in SM90_E2E and r["D"] == d and r["causal"] == causal
+                  and r["N"] >= lo and (hi is None or r["N"] <= hi)
+                  and (r["D"], r["N"], r["causal"]) in cudnn]
+        span = f"N>={seqlen_label(lo)}" if hi is None else f"N={seqlen_label(lo)}"
+        out.append(bar(f"e2e x SDPA cuDNN, D={d} {span}{' causal' if causal else ''} (worst N)",
+                       min(speeds, default=None), target))
+    cosines = [r["cosine"] for r in ok if r["method"] in SM90_E2E and "cosine" in r]
+    out.append(bar("e2e sm90 cosine (worst)", min(cosines, default=None), COSINE_BAR))
+    first = [r["first_call_s"] for r in ok
+             if r["method"].startswith("e2e") and "first_call_s" in r]
+    out.append(bar("first call of a new shape, s (slowest e2e row)", max(first, default=None),
+                   FIRST_CALL_BAR, higher=False))
+    return out
+
+
+def render_bars(found: list[dict]) -> str:
+    lines = ["", "| bar (issue 43) | value | target | met |", "|---|---|---|---|"]
+    for b in found:
+        value = "—" if b["value"] is None else f"{b['value']:.4g}"
+        met = {True: "yes", False: "no", None: "—"}[b["met"]]
+        lines.append(f"| {b['bar']} | {value} | {b['target']} | {met} |")
+    return "\n".join(lines)
+
+
 def render(rows: list[dict]) -> str:
     """Every row with × cuDNN, then issue 36's bars against the fastest end-to-end sm90 row."""
     cudnn = {(r["D"], r["N"], r["causal"]): r for r in rows
              if r["method"] == "sdpa cudnn" and r["status"] == "ok"}
-    lines = ["| D | N | causal | B×H | method | ms | TOP/s | × cuDNN | cosine | rel L1 | note |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| D | N | causal | B×H | method | ms | TOP/s | × cuDNN | cosine | rel L1 | first call s "
+             "| note |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         head = (f"| {r['D']} | {seqlen_label(r['N'])} | {'yes' if r['causal'] else 'no'} | "
                 f"{r['B']}×{r['H']} | {r['method']} |")
         if r["status"] != "ok":
-            lines.append(f"{head} {r['status']} {r.get('reason', '')} | | | | | |")
+            lines.append(f"{head} {r['status']} {r.get('reason', '')} | | | | | | |")
             continue
         base = cudnn.get((r["D"], r["N"], r["causal"]))
         speed = f"{base['ms'] / r['ms']:.2f}" if base else "—"
         cos = f"{r['cosine']:.5f}" if "cosine" in r else ""
         rel = f"{r['rel_l1']:.4f}" if "rel_l1" in r else ""
+        first = f"{r['first_call_s']:.2f}" if "first_call_s" in r else ""
         lines.append(f"{head} {r['ms']:.3f} | {r['tops']:.0f} | {speed} | {cos} | {rel} | "
-                     f"{r.get('note') or ''} |")
+                     f"{first} | {r.get('note') or ''} |")
     lines += ["", "| D | N | causal | best sm90 e2e | × cuDNN | bar | met | × SageAttention |",
               "|---|---|---|---|---|---|---|---|"]
     for (d, n, causal), base in cudnn.items():
         ours = [r for r in rows if (r["D"], r["N"], r["causal"]) == (d, n, causal)
-                and r["method"].startswith("e2e sm90") and r["status"] == "ok"]
+                and r["method"] in SM90_E2E and r["status"] == "ok"]
         sage_row = next((r for r in rows if (r["D"], r["N"], r["causal"]) == (d, n, causal)
                          and r["method"] == "sage 1.0.6" and r["status"] == "ok"), None)
         if not ours:

@@ -22,6 +22,7 @@ import contextlib
 import gc
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -138,13 +139,20 @@ def _ref_backends():
     return [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def run(dims, ns, causals, methods, *, device, timer):
+def run(dims, ns, causals, methods, *, device, timer, deadline=None, after=None):
+    """The rows of every (D, causal, N) configuration in that order; ``deadline``: a
+    ``time.monotonic()`` past which configurations are recorded as skipped instead of started;
+    ``after(rows)`` runs after each configuration (the partial save)."""
     cuda = device == "cuda"
     rows = []
     for d in dims:
         for causal in causals:
             for n in ns:
                 batch, heads = max(1, TOKENS // n), WIDTH // d
+                if deadline is not None and time.monotonic() > deadline:
+                    rows.append(dict(method="*", status="skipped: time budget", d=d, n=n,
+                                     causal=causal, batch=batch, heads=heads))
+                    continue
                 if not cuda:
                     batch, heads = 1, 2
                 q, k, v = make_inputs(batch, heads, n, d, device=device, dtype=torch.bfloat16)
@@ -168,6 +176,8 @@ def run(dims, ns, causals, methods, *, device, timer):
                 gc.collect()
                 if cuda:
                     torch.cuda.empty_cache()
+                if after is not None:
+                    after(rows)
     return rows
 
 
@@ -182,7 +192,7 @@ def _line(r) -> str:
 
 def markdown(rows) -> str:
     """One line per (D, causal, N): TOP/s per method and our speedups over flash and cuDNN."""
-    methods = list(dict.fromkeys(r["method"] for r in rows))
+    methods = [m for m in dict.fromkeys(r["method"] for r in rows) if m != "*"]  # *: skipped
     head = ["D", "causal", "N"] + methods + ["sagebwd / flash", "sagebwd / cuDNN", "dQ cos (sagebwd)",
                                             "sm90 / flash", "sm90 / cuDNN"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -212,8 +222,13 @@ def main(argv=None) -> int:
     ap.add_argument("--dims", default="64,128")
     ap.add_argument("--ns", default="1024,2048,4096,8192,16384")
     ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--causal", choices=("both", "no", "yes"), default="both",
+                    help="not causal, then causal (both); or one of them")
+    ap.add_argument("--time-budget", type=float, default=None,
+                    help="seconds; configurations not started by then are recorded as skipped")
     ap.add_argument("--out", action="append", default=[])
     args = ap.parse_args(argv)
+    start = time.monotonic()
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     dims = [128] if args.quick else [int(x) for x in args.dims.split(",")]
@@ -227,12 +242,20 @@ def main(argv=None) -> int:
         ap.error(f"unknown methods {sorted(unknown)}; choose from {sorted(METHODS)}")
     timer = timer_for(cuda)
     meta = make_metadata(device=device, mode="train", protocol={"tokens": TOKENS, "width": WIDTH})
-    rows = run(dims, ns, (False, True), methods, device=device, timer=timer)
-    results = {**meta, "rows": rows}
-    table = markdown(rows)
-    save_script_results(args.out, "train", results, table)
-    print(table)
-    return 0 if all(r["status"] == "ok" for r in rows if not r["method"].startswith("sdpa")) else 1
+    causals = {"both": (False, True), "no": (False,), "yes": (True,)}[args.causal]
+
+    def save(rows, complete=False):  # after every configuration: a run cut short keeps them
+        table = markdown(rows)
+        save_script_results(args.out, "train", {**meta, "rows": rows, "complete": complete},
+                            table)
+        return table
+
+    deadline = None if args.time_budget is None else start + args.time_budget
+    rows = run(dims, ns, causals, methods, device=device, timer=timer, deadline=deadline,
+               after=save)
+    print(save(rows, complete=True))
+    return 0 if all(r["status"] in ("ok", "skipped: time budget") for r in rows
+                    if not r["method"].startswith("sdpa")) else 1
 
 
 if __name__ == "__main__":

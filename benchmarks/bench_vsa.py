@@ -70,6 +70,13 @@ def main(argv=None) -> int:
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
     dense_ops = 4.0 * heads * n * n * d
     rows = []
+    meta = make_metadata(device=device, mode="vsa",
+                         protocol={"video": video, "heads": heads, "d": d, "tile": (4, 4, 4)})
+
+    def save(complete=False):  # after every row: a run cut short keeps what it measured
+        table = render(rows)
+        save_script_results(args.out, "vsa", {**meta, "rows": rows, "complete": complete}, table)
+        return table
 
     def record(name, step, ops, *, passes="fwd+bwd", **extra):
         try:
@@ -81,6 +88,7 @@ def main(argv=None) -> int:
             rows.append({"method": name, "passes": passes,
                          "status": f"error: {type(exc).__name__}: {exc}"[:300], **extra})
         print(rows[-1], file=sys.stderr, flush=True)
+        save()
 
     def cudnn(a, b, c):
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -116,8 +124,12 @@ def main(argv=None) -> int:
                        lambda recipe=recipe: vsa.fine(q, k, v, video_shape=video, tile_indices=idx,
                                                       recipe=recipe),
                        fine_ops, passes="fwd", sparsity=s, topk=topk)
-    meta = make_metadata(device=device, mode="vsa",
-                         protocol={"video": video, "heads": heads, "d": d, "tile": (4, 4, 4)})
+    print(save(complete=True))
+    return 0 if all(r["status"] == "ok" for r in rows if r["method"].startswith("vsa")) else 1
+
+
+def render(rows: list[dict]) -> str:
+    """One line per row, with × SDPA cuDNN dense for the same passes."""
     dense = {r["passes"]: r for r in rows if r["method"] == "sdpa_cudnn_dense" and r["status"] == "ok"}
     lines = ["| method | passes | sparsity | topk | ms | TOP/s (computed tiles) | × cuDNN dense | peak MiB |",
              "|---|---|---|---|---|---|---|---|"]
@@ -130,10 +142,7 @@ def main(argv=None) -> int:
         speed = f"{base['ms'] / r['ms']:.2f}" if base else "—"
         mem = "" if r["peak_extra_mib"] is None else f"{r['peak_extra_mib']:.0f}"
         lines.append(f"{head} {r['ms']:.3f} | {r['tops']:.0f} | {speed} | {mem} |")
-    table = "\n".join(lines)
-    save_script_results(args.out, "vsa", {**meta, "rows": rows}, table)
-    print(table)
-    return 0 if all(r["status"] == "ok" for r in rows if r["method"].startswith("vsa")) else 1
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

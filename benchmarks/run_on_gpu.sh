@@ -3,8 +3,28 @@
 # environment report, GPU correctness tests (pytest -m gpu), then the full benchmark of
 # DESIGN.md ("Benchmark protocol"), its short table printed last.
 #
-#   bash benchmarks/run_on_gpu.sh [all|tests|bench|quick|fp4|train|vsa|hopper|gluon|decode|forward]
-#   (default: all)
+#   bash benchmarks/run_on_gpu.sh [all|tests|bench|quick|fp4|train|vsa|hopper|gluon|decode|forward|
+#                                  decide|decide2]   (default: all)
+#
+# decide (issue 43; TOTAL_BUDGET 470 s by default, one call of <= 9 minutes with the machine's
+# start): the launch plans' GPU tests with LOWBIT_ATTN_LAUNCH=plan (tests/test_gpu_plans.py, at
+# most 60 s), the one-warpgroup forward's GPU tests with its admission check (-k sm90, forward
+# only, at most 150 s), the admission check timed as a first call runs it, with a cold and a warm
+# Triton cache (benchmarks/probes/admission_time.py, at most 90 s), then bench_forward.py --decide
+# (D=128 N=16k, D=128 N=8k, D=64 N=16k, 8k, N=1k at B×H=512, causal last; SDPA cuDNN, the sm90
+# rows, SageAttention 1.0.6; each row's first call timed) in the time left.
+# decide2 (470 s): the sm90 backward's GPU tests with its admission check (at most 120 s), the
+# check timed cold and warm (90 s), bench_train.py (D=128, N=8k,4k,16k, SDPA flash against
+# sagebwd_int8 on the Triton backward and on the sm90 loops; 130 s), bench_vsa.py (0.875; 75 s),
+# bench_decode.py (N=8k,32k x batch 1,16, GQA 4:1) in the time left (~40 s).
+# Each step runs under `timeout` with the smaller of its cap and what TOTAL_BUDGET leaves after
+# the time kept for the later steps (skipped, and recorded so, when under 20 s are left). After
+# every step, benchmarks/probes/stage_summary.py rewrites $OUT/STAGE.json and STAGE.md (device,
+# date, command, each step's limit, time and exit, issue 43's bars beside the values, the
+# admission timings, the benchmarks' own JSON embedded and tables appended), so a run cut short
+# still leaves them; the benchmarks save after every configuration. $OUT gets at most 7 files:
+# pytest-STAGE.log, STAGE.log, STAGE.json, STAGE.md, failures.txt (if a test failed), and for
+# decide forward-*.json and .md.
 #
 # forward: the 8-bit forward's candidates (issue 36): the one-warpgroup kernel's GPU tests
 # (pytest -m gpu -k sm90, at most FORWARD_TEST_TIMEOUT, default 120 s: against the twin, every
@@ -62,6 +82,7 @@ export OUT="${OUT:-$PWD/out}"
 # forward, train, vsa: 450 s by default, so that the call stays within 8 minutes with the
 # machine's start
 if [[ "$STAGE" == forward || "$STAGE" == train || "$STAGE" == vsa ]]; then DEFAULT_BUDGET=450
+elif [[ "$STAGE" == decide || "$STAGE" == decide2 ]]; then DEFAULT_BUDGET=470
 else DEFAULT_BUDGET=540; fi
 TOTAL_BUDGET="${TOTAL_BUDGET:-$DEFAULT_BUDGET}"
 TEST_TIMEOUT="${TEST_TIMEOUT:-300}"
@@ -166,7 +187,8 @@ fi
 # the functions that take the time, in $OUT/host.txt (~30 s: 1400 calls per row).
 if [[ "$STAGE" == all || "$STAGE" == bench || "$STAGE" == quick || "$STAGE" == hopper ]]; then
     log "host path: python -m lowbit_attn.tools.bench --host (in \$OUT/host.txt)"
-    timeout 120 "$PY" -m lowbit_attn.tools.bench --host --recipes qk_int8_pv_fp8,qk_int8_pv_fp16 \
+    # with launch plans (opt-in since issue 43: the bars of issue 27 are theirs)
+    LOWBIT_ATTN_LAUNCH=plan timeout 120 "$PY" -m lowbit_attn.tools.bench --host --recipes qk_int8_pv_fp8,qk_int8_pv_fp16 \
         --dims 64,128 --seqlens 1k,8k --host-profile >"$OUT/host.txt" 2>&1
     grep -e host_us -e bars "$OUT/host.txt"
 fi
@@ -223,7 +245,7 @@ with_probe() {
 if [[ "$STAGE" == decode ]]; then
     # the host path first (~20 s): µs per eager read and one-token append, N = 8k, batch 16
     log "decode host path: bench_decode.py --host (issue 29's bars: 30 and 20 us; in \$OUT/decode-host.txt)"
-    timeout 90 "$PY" benchmarks/bench_decode.py --host --host-profile >"$OUT/decode-host.txt" 2>&1
+    LOWBIT_ATTN_LAUNCH=plan timeout 90 "$PY" benchmarks/bench_decode.py --host --host-profile >"$OUT/decode-host.txt" 2>&1
     grep -e host_us -e bars "$OUT/decode-host.txt"
     # the probe: host time by part, the launch sweep
     with_probe "KV-cache decode" "kvcache or kv_cache" benchmarks/bench_decode.py \
@@ -300,6 +322,92 @@ if [[ "$STAGE" == forward ]]; then
     fi
     log "summary: sm90 GPU tests exit $rc_tests, benchmark exit $rc_bench, ${SECONDS} s"
     cat "$OUT/bench_forward-table.md"
+    exit $((rc_tests != 0 && rc_tests != 5 ? rc_tests : rc_bench))
+fi
+
+if [[ "$STAGE" == decide || "$STAGE" == decide2 ]]; then
+    WORK="$(mktemp -d)"  # admission timings, and decide2's benchmark files (summarized into $OUT)
+    STEPS="$WORK/steps.tsv"
+    : >"$STEPS"
+    COMMAND="bash benchmarks/run_on_gpu.sh $STAGE (TOTAL_BUDGET=$TOTAL_BUDGET)"
+    MIN_STEP=20
+    RESULTS=()
+    if "$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+        RESULTS=(--out benchmarks/results)  # kernel results only, never CPU timings
+    fi
+    summary() {
+        "$PY" benchmarks/probes/stage_summary.py "$STAGE" "$OUT" "$STEPS" "$COMMAND" "$WORK" \
+            "$OUT" >/dev/null 2>>"$OUT/$STAGE.log" || log "the summary failed (see \$OUT/$STAGE.log)"
+    }
+    # limit CAP RESERVE: LIMIT = the smaller of CAP and what the budget leaves after RESERVE s
+    # kept for the later steps
+    limit() {
+        local left=$((TOTAL_BUDGET - SECONDS - $2))
+        LIMIT=$(($1 < left ? $1 : left))
+    }
+    # step NAME LOGFILE CMD...: CMD under `timeout $LIMIT` (skipped under MIN_STEP s), its output
+    # appended to LOGFILE, the step recorded and the summary rewritten
+    step() {
+        local name="$1" logfile="$2" started=$SECONDS rc
+        shift 2
+        if ((LIMIT < MIN_STEP)); then
+            log "step $name: skipped (${LIMIT} s left for it)"
+            printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$LIMIT" "$started" 0 skipped >>"$STEPS"
+            summary
+            return 0
+        fi
+        log "step $name: at most $LIMIT s (at $started s of $TOTAL_BUDGET)"
+        echo "== step $name: $*" >>"$logfile"
+        timeout "$LIMIT" "$@" >>"$logfile" 2>&1
+        rc=$?
+        printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$LIMIT" "$started" "$((SECONDS - started))" "$rc" \
+            >>"$STEPS"
+        log "step $name: exit $rc after $((SECONDS - started)) s"
+        summary
+        return $rc
+    }
+    TESTLOG="$OUT/pytest-$STAGE.log"
+    BENCHLOG="$OUT/$STAGE.log"
+    summary
+    rc_tests=0
+    rc_bench=0
+    if [[ "$STAGE" == decide ]]; then
+        limit 60 330
+        step plan-tests "$TESTLOG" env LOWBIT_ATTN_LAUNCH=plan "${PYTEST[@]}" -m gpu \
+            tests/test_gpu_plans.py || rc_tests=$?
+        limit 150 210
+        step sm90-forward-tests "$TESTLOG" "${PYTEST[@]}" -m gpu tests/test_gpu.py \
+            -k "sm90 and not trainable and not video and not backward" --durations=10 \
+            || rc_tests=$((rc_tests && rc_tests != 5 ? rc_tests : $?))
+        limit 90 150
+        step sm90-forward-admission "$BENCHLOG" "$PY" benchmarks/probes/admission_time.py fwd \
+            "$WORK/admission-fwd.json" || rc_bench=$?
+        limit 600 10
+        step forward-sweep "$BENCHLOG" "$PY" benchmarks/bench_forward.py --decide --out "$OUT" \
+            --out "$WORK" "${RESULTS[@]}" --time-budget $((LIMIT - 60)) || rc_bench=$?
+    else
+        limit 120 340
+        step sm90-backward-tests "$TESTLOG" "${PYTEST[@]}" -m gpu tests/test_gpu.py \
+            -k "trainable_sm90 or video_sparse_sm90 or sm90_backward" --durations=10 \
+            || rc_tests=$?
+        limit 90 250
+        step sm90-backward-admission "$BENCHLOG" "$PY" benchmarks/probes/admission_time.py bwd \
+            "$WORK/admission-bwd.json" || rc_bench=$?
+        limit 130 120
+        step train "$BENCHLOG" "$PY" benchmarks/bench_train.py --dims 128 --ns 8192,4096,16384 \
+            --methods sdpa_flash,sagebwd_int8,sagebwd_int8_sm90 --out "$WORK" "${RESULTS[@]}" \
+            --time-budget $((LIMIT - 40)) || rc_bench=$?
+        limit 75 45
+        step vsa "$BENCHLOG" "$PY" benchmarks/bench_vsa.py --sparsities 0.875 --out "$WORK" \
+            "${RESULTS[@]}" || rc_bench=$?
+        limit 600 5
+        step decode "$BENCHLOG" "$PY" benchmarks/bench_decode.py --seqlens 8k,32k --batches 1,16 \
+            --groups 4 --out "$WORK" "${RESULTS[@]}" || rc_bench=$?
+    fi
+    log "summary: tests exit $rc_tests, benchmarks exit $rc_bench, ${SECONDS} s; files in \$OUT:"
+    ls "$OUT"
+    tail -n 20 "$TESTLOG" 2>/dev/null
+    cat "$OUT/$STAGE.md"
     exit $((rc_tests != 0 && rc_tests != 5 ? rc_tests : rc_bench))
 fi
 

@@ -293,6 +293,22 @@ def test_sm90_opt_in_passes_its_check_and_runs_in_the_public_call(monkeypatch, g
         assert torch.equal(got, outs[0])
 
 
+def test_sm90_forward_admission_check_passes():
+    """The admission check in this process, every case of ``sm90_check.CASES`` (issue 43's: counts
+    that are multiples of 128 and of 16, one query, one key, grids of 512 programs, both head
+    dims, causal and not, GQA): the kernel agrees with the Triton kernel. Its time is printed
+    (``benchmarks/probes/admission_time.py`` times it as a call runs it)."""
+    import time
+
+    from lowbit_attn.inference import sm90_check
+
+    _needs_sm90()
+    t0 = time.perf_counter()
+    reason = sm90_check.self_check(torch.device("cuda", torch.cuda.current_device()))
+    print(f"sm90 forward admission check: {time.perf_counter() - t0:.2f} s in this process")
+    assert reason is None, reason
+
+
 # --- the Gluon sm_100a FP4 forward (LOWBIT_ATTN_KERNEL=gluon, FP4 recipes) ----------------------
 
 
@@ -419,7 +435,9 @@ def test_trainable_public_call_meets_the_bars_on_the_gpu():
 # --- the Gluon backward loops for Hopper (LOWBIT_ATTN_BWD_KERNEL=sm90) ----------------------------
 
 
-def _needs_sm90():
+def _needs_sm90_loops():
+    """Skip unless the Gluon backward loops can run here (the forward's :func:`_needs_sm90` is
+    another function: one name for both made every forward test get this one's ``None``)."""
     from lowbit_attn.core import triton_support
 
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
@@ -441,7 +459,7 @@ def test_trainable_sm90_backward_matches_the_twin(monkeypatch, shape, causal, gr
     from lowbit_attn.training.prepare import prepare, prepare_grad
     from helpers import Bound, assert_within
 
-    _needs_sm90()
+    _needs_sm90_loops()
     b, hq, hkv, nq, nk, d = shape
     q, k, v = channel_biased((b, hq, nq, d), (b, hkv, nk, d), seed=6, dtype=torch.bfloat16,
                              device="cuda")
@@ -464,7 +482,7 @@ def test_trainable_sm90_public_call_meets_the_bars(monkeypatch):
     from lowbit_attn.core.metrics import errors
     from lowbit_attn.tools.inputs import FAMILIES
 
-    _needs_sm90()
+    _needs_sm90_loops()
     monkeypatch.setenv("LOWBIT_ATTN_BWD_KERNEL", "sm90")
     g = torch.Generator().manual_seed(0)
     q, k, v = (x.cuda() for x in FAMILIES["channel_bias_k"](g, 1, 4, 4, 4096, 4096, 128,
@@ -480,8 +498,48 @@ def test_trainable_sm90_public_call_meets_the_bars(monkeypatch):
     assert cos[0] >= 0.999 and cos[3] >= 0.995 and min(cos[1], cos[2]) >= 0.9977, cos
 
 
+def test_sm90_backward_admission_check_passes():
+    """The backward's admission check in this process (``training/sm90_check.py``: dQ, dK, dV of
+    every case against the Triton backward, the video sparse case among them); its time is
+    printed."""
+    import time
+
+    from lowbit_attn.training import sm90_check
+
+    _needs_sm90_loops()
+    t0 = time.perf_counter()
+    reason = sm90_check.self_check(torch.device("cuda", torch.cuda.current_device()))
+    print(f"sm90 backward admission check: {time.perf_counter() - t0:.2f} s in this process")
+    assert reason is None, reason
+
+
+def test_sm90_backward_opt_in_passes_its_check_in_the_public_call(monkeypatch):
+    """``LOWBIT_ATTN_BWD_KERNEL=sm90``: the first backward runs the check in a process of its
+    own (no warning) and takes the loops from then on."""
+    import warnings
+
+    from lowbit_attn.inference import gluon_check
+    from lowbit_attn.training import kernel_bwd_sm90, sm90_check
+
+    _needs_sm90_loops()
+    monkeypatch.setattr(gluon_check, "_verdicts", {})
+    ran = []
+    loops = kernel_bwd_sm90.backward
+    monkeypatch.setattr(kernel_bwd_sm90, "backward",
+                        lambda *a, **kw: ran.append(1) or loops(*a, **kw))
+    monkeypatch.setenv("LOWBIT_ATTN_BWD_KERNEL", "sm90")
+    q, k, v = channel_biased((1, 8, 1024, 128), (1, 4, 1024, 128), seed=9, dtype=torch.bfloat16,
+                             device="cuda")
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="LOWBIT_ATTN_BWD_KERNEL")
+        out = lowbit_attn.trainable_attention(*leaves, is_causal=True)
+        torch.autograd.grad(out, leaves, torch.randn_like(out))
+    assert sm90_check.verdict(q.device) is None and ran == [1]
+
+
 def test_video_sparse_sm90_backward_matches_the_triton_one(monkeypatch):
-    _needs_sm90()
+    _needs_sm90_loops()
     q, k, v = (torch.randn(1, 4, 8 * 16 * 16, 128, device="cuda", dtype=torch.bfloat16)
                for _ in range(3))
     do = torch.randn_like(q)

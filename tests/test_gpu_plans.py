@@ -28,9 +28,9 @@ CALLS = 4  # seen, captured, checked (a kernel signature's first plan), replayed
 
 @pytest.fixture(autouse=True)
 def plans_on(monkeypatch):
-    """Every test starts with no plans, plans not turned off, and fails on a warning that they
-    were turned off."""
-    monkeypatch.delenv("LOWBIT_ATTN_LAUNCH", raising=False)
+    """Every test starts with plans asked for (``LOWBIT_ATTN_LAUNCH=plan``: not the default), no
+    plans, plans not turned off, and fails on a warning that they were turned off."""
+    monkeypatch.setenv("LOWBIT_ATTN_LAUNCH", "plan")
     planned.clear()
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*launch plans are off.*")

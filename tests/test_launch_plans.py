@@ -167,6 +167,28 @@ def scratch(sink):
             "last_replayed": isinstance(sink[-1][1][9], int)}
 
 
+def default_off(sink):
+    """Without ``LOWBIT_ATTN_LAUNCH`` (plans are opt-in), a key is never captured: every call
+    takes Triton's launch path; ``plan`` turns them on, a value that is no mode raises."""
+    from lowbit_attn.core.options import KernelOptions
+
+    os.environ.pop("LOWBIT_ATTN_LAUNCH")
+    try:
+        table = plans.Table()
+        rows = calls(table, "k", two_steps, sink)
+        off = {"rows": rows, "state": str(table.state("k")),
+               "default": KernelOptions.from_env().launch, "plannable": plans.plannable("triton")}
+        os.environ["LOWBIT_ATTN_LAUNCH"] = "Plan"
+        try:
+            plans.plannable("triton")
+        except ValueError as exc:
+            off["bad"] = str(exc)
+    finally:
+        os.environ["LOWBIT_ATTN_LAUNCH"] = "plan"
+    off["on"] = plans.plannable("triton")
+    return off
+
+
 def check_policy(sink):
     """Launches per call: the first use of a kernel signature in a table is checked (a normal
     call and a replay), once per table and signature, not per key or per process."""
@@ -359,7 +381,7 @@ def lock(sink):
 
 
 SCENARIOS = {f.__name__: f for f in (scratch, check_policy, stale_address, raising, unseen_launch,
-                                     poisoned, launch_context, refused, lock)}
+                                     poisoned, launch_context, refused, lock, default_off)}
 with host.stubbed_launches((9, 0), scratch={"scratchy": 128}) as sink:
     print_scenarios(SCENARIOS, json.loads(sys.argv[1]), sink, plans.reset)
 '''
@@ -371,10 +393,10 @@ def scenarios(tmp_path_factory) -> dict:
     where = tmp_path_factory.mktemp("plan_kernels")
     (where / "plan_kernels.py").write_text(KERNELS)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(LOWBIT_ATTN_ARCH="sm_90", PLAN_KERNELS=str(where),
+    env.update(LOWBIT_ATTN_ARCH="sm_90", PLAN_KERNELS=str(where), LOWBIT_ATTN_LAUNCH="plan",
                LOWBIT_ATTN_TESTS=os.path.dirname(os.path.abspath(__file__)))
     names = ["scratch", "check_policy", "stale_address", "raising", "unseen_launch", "poisoned",
-             "launch_context", "refused", "lock"]
+             "launch_context", "refused", "lock", "default_off"]
     done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(names)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -452,3 +474,13 @@ def test_a_waiting_capture_holds_up_no_other_thread(scenarios):
     row = scenarios["lock"]
     assert "raised" not in row, row
     assert row["seconds"] < 5, row
+
+
+def test_plans_are_off_unless_asked_for(scenarios):
+    """Issue 43 (4): no GPU has replayed a plan, so the default is Triton's launch path; a key's
+    every call launches normally (two launches, the right result), none is captured."""
+    row = scenarios["default_off"]
+    assert "raised" not in row, row
+    assert row["default"] == "triton" and row["plannable"] is False and row["on"] is True, row
+    assert row["rows"] == [[2, True]] * 5 and row["state"] == "seen", row
+    assert "LOWBIT_ATTN_LAUNCH must be one of ('triton', 'plan'), got 'Plan'" in row["bad"], row

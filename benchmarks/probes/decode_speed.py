@@ -55,13 +55,14 @@ def probe(n, batch):
     sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     ours = lambda: lowbit_attn.attention_with_kv_cache(q, cache, 0)
     launcher = lambda: kd.attention(q, layer, recipe, scale=scale)
+    os.environ["LOWBIT_ATTN_LAUNCH"] = "plan"  # plans are opt-in (issue 43)
     for name, fn in (("sdpa", sdpa), ("ours", ours)):
         h, loop = loop_timings(fn, True)
         print(f"N={n} B={batch} {name}: do_bench {do_bench(fn) * 1e3:.1f} us, host "
               f"{h:.1f} us, loop {loop * 1e3:.1f} us", flush=True)
     os.environ["LOWBIT_ATTN_LAUNCH"] = "triton"  # the public call without its launch plan
     triton_path = host_us(ours)
-    del os.environ["LOWBIT_ATTN_LAUNCH"]
+    os.environ["LOWBIT_ATTN_LAUNCH"] = "plan"
     split, merge = kd._decode_split_kernel, kd._decode_merge_kernel
     launches = {}
 

@@ -194,7 +194,8 @@ with stubbed_launches(arch.get_capability(), SCRATCH) as sink:
 
 def _child(cases: list, code: str = CHILD, **env):
     base = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    base.update({"LOWBIT_ATTN_ARCH": "sm_90", "LOWBIT_ATTN_TESTS": TESTS, **env})
+    base.update({"LOWBIT_ATTN_ARCH": "sm_90", "LOWBIT_ATTN_TESTS": TESTS,
+                 "LOWBIT_ATTN_LAUNCH": "plan", **env})  # plans are opt-in
     done = subprocess.run([sys.executable, "-c", code, json.dumps(cases)], env=base,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

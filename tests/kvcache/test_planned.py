@@ -155,7 +155,8 @@ print(json.dumps([run(c) for c in json.loads(sys.argv[1])]))
 
 def _child(cases: list) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(LOWBIT_ATTN_ARCH="sm_90", LOWBIT_ATTN_TESTS=TESTS)
+    env.update(LOWBIT_ATTN_ARCH="sm_90", LOWBIT_ATTN_TESTS=TESTS,
+               LOWBIT_ATTN_LAUNCH="plan")  # plans are opt-in
     done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(cases)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -346,6 +346,26 @@ def test_training_benchmark_runs_on_cpu(tmp_path):
         assert r["status"] == "ok" and r["cosine"]["dq"] > 0.998, r
 
 
+def test_training_benchmark_keeps_to_its_time_budget(tmp_path):
+    """``--time-budget``: configurations not started by then are rows ``skipped: time budget``,
+    saved like the rest (the file is rewritten after every configuration)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_train.py"
+    spec = importlib.util.spec_from_file_location("bench_train", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--quick", "--causal", "no", "--methods", "sagebwd_int8",
+                       "--time-budget", "0", "--out", str(tmp_path)]) == 0
+    (result,) = tmp_path.glob("train-*.json")
+    data = json.loads(result.read_text())
+    assert data["complete"] is True
+    assert [(r["method"], r["status"], r["causal"]) for r in data["rows"]] == [
+        ("*", "skipped: time budget", False)]
+
+
 def test_vsa_benchmark_runs_on_cpu(tmp_path):
     """benchmarks/bench_vsa.py end to end on the PyTorch path (tiny grid): JSON and table."""
     import importlib.util
@@ -487,4 +507,38 @@ def test_forward_benchmark_runs_on_the_interpreter_without_the_gluon_kernels(tmp
     table = (tmp_path / result.name.replace(".json", ".md")).read_text()
     assert "| 64 | 160 | no | 1×2 | e2e sm90 thread |" in table
     assert "| D | N | causal | best sm90 e2e | × cuDNN | bar | met | × SageAttention |" in table
+    sys.modules.pop("bench_hopper", None)
+
+
+def test_forward_benchmark_decide_runs_the_decisive_rows_with_the_bars(tmp_path, monkeypatch):
+    """``bench_forward.py --decide`` (run_on_gpu.sh decide) on the interpreter: only the rows that
+    decide, each with its first call's time; issue 43's bars in the JSON and the table."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    monkeypatch.setenv("LOWBIT_ATTN_BACKEND", "triton")
+    folder = Path(__file__).resolve().parents[2] / "benchmarks"
+    monkeypatch.syspath_prepend(str(folder))
+    spec = importlib.util.spec_from_file_location("bench_forward", folder / "bench_forward.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.DECIDE_CONFIGS[:2] == [(128, 16384, False), (128, 8192, False)]
+    assert (128, 1024, False) in bench.DECIDE_CONFIGS and bench.BATCH_HEADS[1024] == (16, 32)
+    assert bench.main(["--decide", "--out", str(tmp_path)]) == 0
+    (result,) = tmp_path.glob("forward-*.json")
+    data = json.loads(result.read_text())
+    methods = list(dict.fromkeys(r["method"] for r in data["rows"]))
+    assert methods == list(bench.DECIDE_ROWS)
+    assert methods[-1] == "e2e sm90 thread plan"  # with launch plans: not in the bars
+    ran = [r for r in data["rows"] if r["status"] == "ok"]
+    assert ran and all(r["first_call_s"] > 0 for r in ran)
+    bars = {b["bar"]: b for b in data["bars"]}
+    assert bars["kernel alone TOP/s, D=128 N=16k"]["target"] == 850.0
+    assert bars["e2e sm90 cosine (worst)"]["target"] == 0.9992
+    first = bars["first call of a new shape, s (slowest e2e row)"]
+    assert first["target"] == 2.0 and first["value"] > 0
+    table = (tmp_path / result.name.replace(".json", ".md")).read_text()
+    assert "| bar (issue 43) | value | target | met |" in table and "first call s" in table
     sys.modules.pop("bench_hopper", None)

@@ -17,8 +17,10 @@ from the environment once per call by the custom op that needs it and passed dow
   device of capability 9.0, the trainable attention (P and dS per tile or per row),
   INT8 Q·Kᵀ, dV, dK and dQ, 16-bit dP, no Q smoothing, D = 64 or 128, dQ by ``recompute``; and
   video sparse attention's 16-bit fine stage, 64-token tiles, D = 64 or 128, the same loops
-  over its tile lists; the Triton kernels elsewhere). No GPU has run it: not the default; on a
-  CPU it changes nothing.
+  over its tile lists; the Triton kernels elsewhere). Admitted on a device only after a
+  one-time check of dQ, dK and dV against the Triton backward there
+  (``training/sm90_check.py``). No GPU has run it: not the default; on a CPU it changes
+  nothing.
 - ``LOWBIT_ATTN_KERNEL``: ``triton`` (default: the Triton attention kernels), ``gluon`` (the
   Gluon forward for Hopper, ``inference/kernel_int8_gluon.py``, where it applies: a CUDA device of
   capability 9.0, the INT8 recipes (FP8 or fp16 P·V), D = 64 or 128; and the Gluon FP4 forward for
@@ -36,6 +38,10 @@ from the environment once per call by the custom op that needs it and passed dow
   the CPU model ``tools/gluon_cpu.py`` only: none is the default. On a CPU (the interpreter) each
   is accepted and changes nothing: Triton has no Gluon interpreter.
 
+- ``LOWBIT_ATTN_LAUNCH``: ``triton`` (default: every launch through Triton's own launch path) or
+  ``plan`` (an eager call replays its configuration's recorded launches from the third call on:
+  ``core/plans.py``). No GPU has replayed a plan yet: not the default.
+
 Why the defaults are what they are: ``benchmarks/NOTES.md``. Each option is used on the Triton
 backend only; the PyTorch twins take the object and compute the same values.
 """
@@ -51,11 +57,13 @@ DQ_MODES = ("recompute", "atomic")
 BWD_KERNELS = ("triton", "sm90")
 KERNELS = ("triton", "gluon", "gluon-pingpong", "sm90")
 GLUON_SCHEDULES = {"gluon": "async", "gluon-pingpong": "pingpong"}  # kernel_int8_gluon.SCHEDULES
+LAUNCH_MODES = ("triton", "plan")
 _VARIABLES = {"q_quant": ("LOWBIT_ATTN_Q_QUANT", Q_QUANT_MODES),
               "kv_stats": ("LOWBIT_ATTN_KV_STATS", KV_STATS_MODES),
               "train_dq": ("LOWBIT_ATTN_TRAIN_DQ", DQ_MODES),
               "bwd_kernel": ("LOWBIT_ATTN_BWD_KERNEL", BWD_KERNELS),
-              "kernel": ("LOWBIT_ATTN_KERNEL", KERNELS)}
+              "kernel": ("LOWBIT_ATTN_KERNEL", KERNELS),
+              "launch": ("LOWBIT_ATTN_LAUNCH", LAUNCH_MODES)}
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,7 @@ class KernelOptions:
     train_dq: str = DQ_MODES[0]
     bwd_kernel: str = BWD_KERNELS[0]
     kernel: str = KERNELS[0]
+    launch: str = LAUNCH_MODES[0]
 
     def __post_init__(self) -> None:
         for field, (variable, choices) in _VARIABLES.items():
@@ -89,6 +98,11 @@ class KernelOptions:
     @property
     def kv_stats_in_program(self) -> bool:
         return self.kv_stats == "program"
+
+    @property
+    def launch_plans(self) -> bool:
+        """Whether eager calls record and replay launch plans (``plan``)."""
+        return self.launch == "plan"
 
     @property
     def gluon_forward(self) -> bool:

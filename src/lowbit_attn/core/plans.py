@@ -12,8 +12,10 @@ A :class:`Table` holds the plans of one kind of call by key: a key's first call 
 caller replays the plan before any check, since the key holds everything they looked at. The
 first plan of each kernel signature in a table is checked once before it is replayed (its
 key's third call: :mod:`lowbit_attn.core.plan_check`); a failed check, or an exception in it,
-turns plans off in the process, with one warning. ``LOWBIT_ATTN_LAUNCH``: ``plan`` (default)
-or ``triton`` (every launch through Triton's own path). Plans apply to eager calls (see
+turns plans off in the process, with one warning. ``LOWBIT_ATTN_LAUNCH``
+(:class:`~lowbit_attn.core.options.KernelOptions`' ``launch``): ``triton`` (default: every
+launch through Triton's own path) or ``plan``; no GPU has replayed a plan yet, so plans are
+opt-in. Plans apply to eager calls (see
 :func:`eager`) on the Triton backend outside the interpreter, while no Triton launch hook is
 set.
 
@@ -33,10 +35,10 @@ from typing import Callable
 import torch
 
 from lowbit_attn.core import arch
+from lowbit_attn.core.options import KernelOptions
 from lowbit_attn.core.plan_check import check
 from lowbit_attn.core.plan_launches import Plan, capture, launch_state, replay
 
-LAUNCH_MODES = ("plan", "triton")
 # What else a call's checks and launches read: the environment (Triton's launch path reads
 # TRITON_FPSAN_HOMOMORPHIC_CASTS, from 3.9, at every launch).
 ENV_KEY = ("LOWBIT_ATTN_LAUNCH", "LOWBIT_ATTN_BACKEND", "LOWBIT_ATTN_ARCH", "LOWBIT_ATTN_Q_QUANT",
@@ -94,11 +96,9 @@ def env_key() -> tuple:
 
 
 def plannable(backend: str) -> bool:
-    """Whether a call on ``backend`` may be captured (or checked) now."""
-    mode = os.environ.get("LOWBIT_ATTN_LAUNCH", LAUNCH_MODES[0])
-    if mode not in LAUNCH_MODES:
-        raise ValueError(f"LOWBIT_ATTN_LAUNCH must be one of {LAUNCH_MODES}, got {mode!r}")
-    return (mode == "plan" and not _off and backend == "triton"
+    """Whether a call on ``backend`` may be captured (or checked) now: ``LOWBIT_ATTN_LAUNCH=plan``
+    (read with the other options: ``ValueError`` naming a variable set to no mode of its own)."""
+    return (KernelOptions.from_env().launch_plans and not _off and backend == "triton"
             and not arch.interpreter_enabled() and launch_state() is not None)
 
 

@@ -41,7 +41,9 @@ for the cosine, angles add: ``arccos 0.99999 = 4.47e-3`` rad, twice that is cosi
 layout or indexing mistake moves whole rows or tiles and lands far outside these bounds.
 
 The admit / refuse / warn-once / fall-back machinery is shared with the Gluon FP4 forward for
-sm_100a (:mod:`~lowbit_attn.inference.gluon_fp4_check`): :func:`admit` (one verdict per process,
+sm_100a (:mod:`~lowbit_attn.inference.gluon_fp4_check`), the one-warpgroup Hopper forward
+(:mod:`~lowbit_attn.inference.sm90_check`) and the Hopper backward loops
+(:mod:`~lowbit_attn.training.sm90_check`): :func:`admit` (one verdict per process,
 device and kernel, none during a capture), :func:`run_cases` (any exception is a reason),
 :func:`compare_outputs` and :func:`dispatch` (the launcher's ``ValueError`` → the Triton kernel).
 """
@@ -196,7 +198,9 @@ def isolated(device: torch.device, check: Callable[..., str | None], *args: str)
     encountered" inside the check, and every later CUDA call of that process failed). A child
     that crashes, hangs past :data:`CHECK_TIMEOUT` or prints no verdict refuses the kernel with
     that as the reason. The child finds this package where the caller did; its compiles land in
-    Triton's cache, so the caller's own first launch compiles nothing new."""
+    Triton's cache, so the caller's own first launch of the checked kernel compiles nothing new.
+    The child gives each autotuned Triton kernel (the reference side) its first candidate alone
+    (``LOWBIT_ATTN_AUTOTUNE=first``): one compile per case, not one per candidate."""
     index = _key(device, "")[1]
     code = (f"import json, torch\nfrom {check.__module__} import {check.__name__} as check\n"
             f"print('VERDICT ' + json.dumps(check(torch.device('cuda', {index}), *{args!r})))")
@@ -204,7 +208,9 @@ def isolated(device: torch.device, check: Callable[..., str | None], *args: str)
     path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
     try:
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              timeout=CHECK_TIMEOUT, env={**os.environ, "PYTHONPATH": path})
+                              timeout=CHECK_TIMEOUT,
+                              env={**os.environ, "PYTHONPATH": path,
+                                   "LOWBIT_ATTN_AUTOTUNE": "first"})
     except subprocess.TimeoutExpired:
         return f"its check did not finish in {CHECK_TIMEOUT} s"
     for line in reversed(proc.stdout.splitlines()):

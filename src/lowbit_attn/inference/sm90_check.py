@@ -17,8 +17,9 @@ it only where
    option changes nothing: Triton has no Gluon interpreter);
 3. it has passed, in this process and on this device, the one-time check :func:`self_check`
    against the Triton kernel on :data:`CASES` (partial blocks, key counts not a multiple of 16,
-   causal, GQA, LSE, per-thread and per-token scales, FP8 and fp16 P·V, both head dims), in a
-   process of its own; a mismatch, a crash or any exception warns once, naming the reason, and
+   query and key counts that are multiples of 128 and of 16, one query, one key, grids of 512
+   programs, causal, GQA, LSE, per-thread and per-token scales, FP8 and fp16 P·V, both head
+   dims), in a process of its own (:mod:`~lowbit_attn.inference.gluon_check`'s ``isolated``); a mismatch, a crash or any exception warns once, naming the reason, and
    the Triton kernel runs for the rest of the process on that device; no check during a CUDA
    graph capture;
 4. the launcher takes the call (it raises ``ValueError`` before launching anything otherwise;
@@ -43,7 +44,11 @@ HEAD_DIMS = (64, 128)
 GRANULARITIES = ("per_token", "per_thread")
 
 # Key counts off the 16-key groups of permuted V; D 64 and 128; GQA; causal with a diagonal off
-# the block grid; LSE with K's shift; both granularities; fp16 P·V.
+# the block grid; LSE with K's shift; both granularities; fp16 P·V. Then what users run (issue 43):
+# query and key counts multiples of 128 and of 16 only (Triton's divisibility-16 specialization,
+# the unmasked tiles), one query (decode), one key, and grids of 512 programs (B·Hq = 32 at
+# N = 1024, 16 query tiles each: ≥ 3 programs per SM of an H100's 132, so programs share SMs
+# at the occupancy each head dim has), causal and not, both head dims, GQA.
 CASES = (
     Case(1, 2, 2, 200, 200, 64, BLOCK_N, causal=False, lse=False, granularity="per_thread"),
     Case(1, 4, 2, 300, 333, 128, BLOCK_N, causal=True, lse=True, granularity="per_thread"),
@@ -52,6 +57,12 @@ CASES = (
     Case(1, 4, 2, 200, 260, 128, BLOCK_N, causal=True, lse=True, granularity="per_thread",
          pv="fp16"),
     Case(1, 2, 2, 70, 90, 128, BLOCK_N, causal=False, lse=True, pv="fp16"),
+    Case(4, 8, 2, 1024, 1024, 64, BLOCK_N, causal=False, lse=False, granularity="per_thread"),
+    Case(2, 16, 4, 1024, 1024, 128, BLOCK_N, causal=True, lse=True),
+    Case(1, 4, 1, 256, 512, 128, BLOCK_N, causal=False, lse=False, granularity="per_thread"),
+    Case(1, 4, 2, 144, 208, 64, BLOCK_N, causal=True, lse=True),
+    Case(2, 4, 1, 1, 384, 128, BLOCK_N, causal=True, lse=True, granularity="per_thread"),
+    Case(1, 4, 2, 96, 1, 64, BLOCK_N, causal=False, lse=True, granularity="per_thread"),
 )
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from lowbit_attn.core.arch import backend_for, get_capability
+from lowbit_attn.core.arch import backend_for
 from lowbit_attn.core.counters import count_call
 from lowbit_attn.core.operands import GradOperands, TrainOperands
 from lowbit_attn.core.options import KernelOptions
@@ -42,10 +42,11 @@ def kernel_backward(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, d
                     softmax_scale: float, options: KernelOptions) -> None:
     """Writes ``dq [B, Hq, Nq, D]``, ``dk, dv [B, Hkv, Nk, D]`` (views); dQ as
     ``options.train_dq`` says, on the kernels ``options.bwd_kernel`` names where they apply (the
-    sm90 ones on a CUDA device of capability 9.0)."""
-    from lowbit_attn.training import kernel_bwd
+    sm90 ones on a CUDA device of capability 9.0, once they passed their check there:
+    :mod:`~lowbit_attn.training.sm90_check`)."""
+    from lowbit_attn.training import kernel_bwd, sm90_check
 
-    kernel = options.bwd_kernel if dq.is_cuda and get_capability() == (9, 0) else "triton"
+    kernel = sm90_check.kernel_for(dq.device, options.bwd_kernel)
     kernel_bwd.backward(ops, grad, lse, dq, dk, dv, causal_offset=causal_offset,
                         softmax_scale=softmax_scale, mode=options.train_dq, kernel=kernel)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from lowbit_attn.core.arch import backend_for, get_capability
+from lowbit_attn.core.arch import backend_for
 from lowbit_attn.core.counters import count_call
 from lowbit_attn.core.options import KernelOptions
 from lowbit_attn.core.operands import QuantizedQKV
@@ -58,11 +58,12 @@ def fine_bwd(dot: torch.Tensor, qt: torch.Tensor, kt: torch.Tensor, vt: torch.Te
              ot: torch.Tensor, lse: torch.Tensor, idx: torch.Tensor, counts: torch.Tensor,
              scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` padded tiles (on the kernels ``LOWBIT_ATTN_BWD_KERNEL`` names where they
-    apply: the sm90 ones on a CUDA device of capability 9.0)."""
+    apply: the sm90 ones on a CUDA device of capability 9.0, once they passed their check there:
+    :mod:`~lowbit_attn.training.sm90_check`)."""
+    from lowbit_attn.training import sm90_check
     from lowbit_attn.vsa import kernel_fine as vsa_fine
 
-    options = KernelOptions.from_env()
-    kernel = options.bwd_kernel if qt.is_cuda and get_capability() == (9, 0) else "triton"
+    kernel = sm90_check.kernel_for(qt.device, KernelOptions.from_env().bwd_kernel)
     return vsa_fine.backward(qt, kt, vt, ot, lse, dot, idx, counts, scale=scale, kernel=kernel)
 
 

@@ -1,0 +1,138 @@
+"""The summary of a ``run_on_gpu.sh decide`` / ``decide2`` run (issue 43): one JSON and one
+markdown file in OUTDIR, ``<stage>.json`` and ``<stage>.md``, with the device, the date, the
+command, each step's limit, time and exit status, issue 43's bars beside the measured values,
+the admission checks' timings, and the benchmark scripts' own results (their JSON embedded,
+their tables appended: the files that come back from the device machine are few). Rewritten
+after every step, so a run cut short still leaves it. No torch import: it runs in a second.
+
+    python benchmarks/probes/stage_summary.py STAGE OUTDIR STEPS.tsv COMMAND [RESULT_DIR ...]
+
+STEPS.tsv: one line per step, ``name<TAB>limit s<TAB>started at s<TAB>took s<TAB>exit status``
+(``skipped`` for a step with no time left); ``admission-*.json`` (benchmarks/probes/
+admission_time.py) and ``{forward,train,vsa,decode}-*.json`` / ``.md`` are read from the
+RESULT_DIRs, the newest of each kind.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import sys
+from pathlib import Path
+
+FIRST_CALL_BAR = 2.0  # s: a first call's admission check (issue 43)
+TRAIN_BAR = 1.0  # × SDPA flash, forward + backward, D=128, N ≥ 4k
+DECODE_BAR = 1.0  # × SDPA (fp16 K/V), one decode step, batch 1, N = 8k and 32k
+KINDS = ("forward", "train", "vsa", "decode")
+
+
+def _bar(name, value, target, higher=True) -> dict:
+    met = None if value is None else (value >= target if higher else value <= target)
+    return {"bar": name, "value": value, "target": target, "met": met}
+
+
+def train_bars(data: dict) -> list[dict]:
+    """Each of our methods' worst ``SDPA flash ms / ours ms`` over D=128, N ≥ 4k, causal or not."""
+    ok = [r for r in data.get("rows", []) if r.get("status") == "ok"]
+    flash = {(r["n"], r["causal"]): r["ms"] for r in ok
+             if r["method"] == "sdpa_flash" and r["d"] == 128}
+    ours = sorted({r["method"] for r in ok if not r["method"].startswith("sdpa")})
+    out = []
+    for method in ours:
+        speeds = [flash[(r["n"], r["causal"])] / r["ms"] for r in ok if r["method"] == method
+                  and r["d"] == 128 and r["n"] >= 4096 and (r["n"], r["causal"]) in flash]
+        out.append(_bar(f"training {method} x SDPA flash, D=128 N>=4k (worst)",
+                        min(speeds, default=None), TRAIN_BAR))
+    return out
+
+
+def decode_bars(data: dict) -> list[dict]:
+    """Per N of 8k and 32k at batch 1: the worst (over GQA) ``SDPA ms / ours ms`` of our fastest
+    method."""
+    ok = [r for r in data.get("rows", []) if r.get("status") == "ok"]
+    out = []
+    for n in (8192, 32768):
+        speeds = []
+        for gqa in sorted({r["gqa"] for r in ok if r["N"] == n and r["batch"] == 1}):
+            same = [r for r in ok if (r["N"], r["batch"], r["gqa"]) == (n, 1, gqa)]
+            sdpa = [r["ms"] for r in same if r["method"].startswith("sdpa")]
+            ours = [r["ms"] for r in same if not r["method"].startswith("sdpa")]
+            if sdpa and ours:
+                speeds.append(min(sdpa) / min(ours))
+        out.append(_bar(f"decode batch 1 N={n // 1024}k x SDPA (worst GQA)",
+                        min(speeds, default=None), DECODE_BAR))
+    return out
+
+
+def admission_bars(data: dict) -> list[dict]:
+    out = []
+    for when in ("cold", "warm"):
+        got = data.get(when)
+        verdict = "not run" if got is None else (got["verdict"] or "admitted")
+        out.append(_bar(f"{data.get('kernel')} admission check, {when} Triton cache, s "
+                        f"({verdict})", None if got is None else got["s"], FIRST_CALL_BAR,
+                        higher=False))
+    return out
+
+
+def newest(dirs: list[Path], pattern: str) -> Path | None:
+    found = [p for d in dirs for p in d.glob(pattern)]
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+
+def summarize(stage: str, outdir: Path, steps_file: Path, command: str,
+              dirs: list[Path]) -> dict:
+    steps = []
+    if steps_file.exists():
+        for line in steps_file.read_text().splitlines():
+            name, limit, started, took, rc = (line.split("\t") + [""] * 5)[:5]
+            steps.append({"step": name, "limit_s": limit, "started_s": started, "took_s": took,
+                          "exit": rc})
+    summary = {"stage": stage, "command": command,
+               "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+               "device": None, "steps": steps, "bars": [], "admission": [], "results": {}}
+    tables = []
+    for path in sorted({p for d in dirs for p in d.glob("admission-*.json")}):
+        data = json.loads(path.read_text())
+        summary["admission"].append(data)
+        summary["bars"] += admission_bars(data)
+        summary["device"] = summary["device"] or data.get("device")
+    for kind in KINDS:
+        path = newest(dirs, f"{kind}-*.json")
+        if path is None:
+            continue
+        data = json.loads(path.read_text())
+        summary["results"][kind] = data
+        summary["device"] = summary["device"] or data.get("device_name")
+        summary["bars"] += {"forward": lambda x: x.get("bars", []), "train": train_bars,
+                            "decode": decode_bars, "vsa": lambda x: []}[kind](data)
+        table = path.with_suffix(".md")
+        if table.exists():
+            tables.append(f"## {kind} ({path.name}{'' if data.get('complete', True) else ', partial'})"
+                          f"\n\n{table.read_text()}")
+    outdir.mkdir(parents=True, exist_ok=True)
+    (outdir / f"{stage}.json").write_text(json.dumps(summary, indent=1, default=str))
+    lines = [f"# run_on_gpu.sh {stage}", "",
+             f"Device: {summary['device'] or 'unknown'}; {summary['date_utc']}; command: "
+             f"`{command}`", "", "| step | limit s | started at s | took s | exit |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {s['step']} | {s['limit_s']} | {s['started_s']} | {s['took_s']} | {s['exit']} |"
+              for s in steps]
+    lines += ["", "| bar (issue 43) | value | target | met |", "|---|---|---|---|"]
+    for b in summary["bars"]:
+        value = "—" if b["value"] is None else f"{b['value']:.4g}"
+        met = {True: "yes", False: "no", None: "—"}[b["met"]]
+        lines.append(f"| {b['bar']} | {value} | {b['target']} | {met} |")
+    (outdir / f"{stage}.md").write_text("\n".join(lines + [""] + tables) + "\n")
+    return summary
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    stage, outdir, steps, command, *dirs = argv
+    summarize(stage, Path(outdir), Path(steps), command, [Path(d) for d in dirs])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""``benchmarks/run_on_gpu.sh``'s ``decide`` and ``decide2`` stages on a CPU (issue 43), with a
+stand-in for Python (``PYTHON=``): every command the stage runs is recorded instead of run (the
+benchmarks write a stand-in result into each ``--out``), except the stage's own summary, which
+runs for real. What is checked: the order of the steps (the launch plans' tests first, with
+``LOWBIT_ATTN_LAUNCH=plan``; the decisive rows first), that every step ends within the stage's
+budget, that ``$OUT`` gets at most 8 files, that the summary names the device, date and command,
+records each step and carries issue 43's bars, and that a budget too small for the later steps
+skips them and still leaves the files."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "run_on_gpu.sh"
+
+STUB = f"""#!{sys.executable}
+import json, os, runpy, sys
+from pathlib import Path
+
+args = sys.argv[1:]
+with open(os.environ["STUB_LOG"], "a") as log:
+    log.write(json.dumps({{"args": args, "launch": os.environ.get("LOWBIT_ATTN_LAUNCH")}}) + "\\n")
+if args and args[0].endswith("stage_summary.py"):
+    sys.argv = args
+    runpy.run_path(args[0], run_name="__main__")
+    sys.exit(0)
+if args[:1] == ["-c"] or args[:1] == ["-"]:
+    sys.exit(1)  # no CUDA, no xdist, no sageattention
+kinds = {{"bench_forward.py": "forward", "bench_train.py": "train", "bench_vsa.py": "vsa",
+         "bench_decode.py": "decode"}}
+kind = kinds.get(Path(args[0]).name) if args else None
+if kind:
+    outs = [args[i + 1] for i, a in enumerate(args) if a == "--out"]
+    rows = {{"forward": [], "train": [
+        {{"method": "sdpa_flash", "d": 128, "n": 8192, "causal": False, "status": "ok", "ms": 2.0}},
+        {{"method": "sagebwd_int8", "d": 128, "n": 8192, "causal": False, "status": "ok",
+         "ms": 2.5}}],
+        "vsa": [], "decode": [
+        {{"N": 8192, "batch": 1, "gqa": "4:1", "method": "sdpa_fp16", "status": "ok", "ms": 1.0}},
+        {{"N": 8192, "batch": 1, "gqa": "4:1", "method": "kv_int8_fp8", "status": "ok",
+         "ms": 0.5}}]}}[kind]
+    bars = [{{"bar": "kernel alone TOP/s, D=128 N=16k", "value": None, "target": 850.0,
+             "met": None}}] if kind == "forward" else []
+    for out in outs:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        data = {{"device_name": "stub GPU", "rows": rows, "bars": bars, "complete": True}}
+        (Path(out) / f"{{kind}}-stub-gpu-2026-11-28.json").write_text(json.dumps(data))
+        (Path(out) / f"{{kind}}-stub-gpu-2026-11-28.md").write_text(f"{{kind}} table\\n")
+"""
+
+
+def run_stage(tmp_path: Path, stage: str, budget: int | None = None) -> tuple[int, Path, list]:
+    stub = tmp_path / "python"
+    stub.write_text(STUB)
+    stub.chmod(0o755)
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOWBIT_ATTN_", "TOTAL_"))}
+    env.update(PYTHON=str(stub), OUT=str(out), STUB_LOG=str(tmp_path / "calls.jsonl"))
+    if budget is not None:
+        env["TOTAL_BUDGET"] = str(budget)
+    done = subprocess.run(["bash", str(SCRIPT), stage], env=env, capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    return done.returncode, out, calls, done
+
+
+def _commands(calls) -> list[dict]:
+    """The stage's steps as the stand-in saw them (not its probes of the environment or the
+    summary)."""
+    return [c for c in calls if c["args"][:1] not in (["-c"], ["-"])
+            and not c["args"][0].endswith("stage_summary.py")]
+
+
+def test_the_script_parses():
+    subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+
+
+@pytest.mark.parametrize("stage,budget", [("decide", 470), ("decide2", 470)])
+def test_a_stage_runs_its_steps_in_order_within_its_budget(tmp_path, stage, budget):
+    rc, out, calls, done = run_stage(tmp_path, stage)
+    assert rc == 0, done.stderr[-3000:]
+    files = sorted(p.name for p in out.iterdir())
+    assert len(files) <= 8, files
+    summary = json.loads((out / f"{stage}.json").read_text())
+    assert summary["command"].startswith(f"bash benchmarks/run_on_gpu.sh {stage}")
+    assert summary["date_utc"] and summary["device"] == "stub GPU"
+    steps = summary["steps"]
+    for s in steps:  # every step ends within the budget
+        assert s["exit"] == "0", s
+        assert int(s["started_s"]) + int(s["limit_s"]) <= budget, s
+    commands = _commands(calls)
+    text = [shlex.join(c["args"]) for c in commands]
+    if stage == "decide":
+        assert [s["step"] for s in steps] == ["plan-tests", "sm90-forward-tests",
+                                             "sm90-forward-admission", "forward-sweep"]
+        assert "tests/test_gpu_plans.py" in text[0] and commands[0]["launch"] == "plan"
+        assert "-k" in commands[1]["args"] and "sm90" in text[1]
+        assert "admission_time.py fwd" in text[2]
+        assert "bench_forward.py --decide" in text[3] and "--time-budget" in text[3]
+        assert any(name.startswith("forward-") for name in files)
+        assert any(b["bar"].startswith("kernel alone") for b in summary["bars"])
+    else:
+        assert [s["step"] for s in steps] == ["sm90-backward-tests", "sm90-backward-admission",
+                                             "train", "vsa", "decode"]
+        assert "sm90_backward" in text[0] and "admission_time.py bwd" in text[1]
+        assert "bench_train.py --dims 128" in text[2] and "sdpa_flash" in text[2]
+        assert "bench_decode.py --seqlens 8k,32k --batches 1,16" in text[4]
+        bars = {b["bar"]: b for b in summary["bars"]}
+        train = bars["training sagebwd_int8 x SDPA flash, D=128 N>=4k (worst)"]
+        assert train["value"] == pytest.approx(0.8) and train["met"] is False
+        decode = bars["decode batch 1 N=8k x SDPA (worst GQA)"]
+        assert decode["value"] == pytest.approx(2.0) and decode["met"] is True
+        assert set(summary["results"]) == {"train", "vsa", "decode"}  # embedded: not in $OUT
+    table = (out / f"{stage}.md").read_text()
+    assert "| bar (issue 43) | value | target | met |" in table and "stub GPU" in table
+    assert not any(p.name.startswith("stub") for p in (ROOT / "benchmarks" / "results").iterdir())
+
+
+def test_a_budget_too_small_skips_the_later_steps_and_still_leaves_the_files(tmp_path):
+    rc, out, calls, done = run_stage(tmp_path, "decide", budget=300)
+    assert rc == 0, done.stderr[-3000:]
+    steps = json.loads((out / "decide.json").read_text())["steps"]
+    assert steps[0]["exit"] == "skipped"  # 60 s cap, 330 s kept for the rest: nothing left
+    assert all(int(s["started_s"]) + int(s["limit_s"]) <= 300 for s in steps)
+    assert steps[-1]["step"] == "forward-sweep" and steps[-1]["exit"] == "0"
+    assert (out / "decide.md").exists() and len(list(out.iterdir())) <= 8
