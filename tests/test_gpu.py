@@ -43,7 +43,10 @@ def _gpu_candidates():
 CANDIDATE_CASES = [
     pytest.param(name, granularity, 128, id=f"{name}-{granularity}-D128")
     for name in RECIPES for granularity in ("per_block", "per_token")
-] + [pytest.param("qk_int8_pv_fp8", "per_token", 64, id="qk_int8_pv_fp8-per_token-D64")]
+] + [pytest.param("qk_int8_pv_fp8", "per_token", 64, id="qk_int8_pv_fp8-per_token-D64")] + [
+    pytest.param(name, granularity, 256, id=f"{name}-{granularity}-D256")  # halves of a block
+    for name, granularity in (("qk_int8_pv_fp8", "per_token"), ("qk_int8_pv_fp16", "per_block"))
+]
 
 
 @pytest.mark.parametrize("name,granularity,d", CANDIDATE_CASES)
@@ -68,7 +71,8 @@ def test_every_autotuning_candidate_matches_the_reference(name, granularity, d, 
     try:
         for config in _gpu_candidates():
             if not attn_fwd_int8.fits(config.num_warps, d, recipe.block_k,
-                                      bool(config.kwargs.get("PIPELINE"))):
+                                      bool(config.kwargs.get("PIPELINE")),
+                                      config.kwargs.get("M_SPLIT", 1)):
                 continue
             tuner.configs = triton_configs({"interpreter": [config]}, None)
             tuner.cache.clear()

@@ -439,3 +439,44 @@ def test_pipelined_loop_gives_the_same_bits(name, granularity, nq, nk, causal, t
                                              return_lse=True))
     for plain, pipelined in zip(*results):
         assert torch.equal(plain, pipelined)
+
+
+D256_CASES = [  # recipe, granularity, smooth_q (ΔS: read per query block)
+    pytest.param("qk_int8_pv_fp8", "per_token", False, id="fp8-per_token"),
+    pytest.param("qk_int8_pv_fp16", "per_block", True, id="fp16-per_block-smooth_q"),
+    pytest.param("qk_int8_pv_fp8", "per_thread", False, id="fp8-per_thread"),
+]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("name,granularity,smooth_q", D256_CASES)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_head_dim_256_in_half_blocks_gives_the_same_bits(name, granularity, smooth_q, causal,
+                                                         monkeypatch):
+    """At D = 256 a GPU runs halves of each 128-row query block (``M_SPLIT`` 2 in
+    ``kernel_int8.CONFIGS``; whole blocks spill): rows are independent and per-block scales and
+    ΔS are read by query block, so the same bits as whole blocks (the interpreter's config), and
+    both the twin's to rounding. Nq = 150: two query blocks, three programs of 64 rows."""
+    from lowbit_attn.inference import kernel_int8 as attn_fwd_int8
+
+    recipe = get_recipe(name).replace(granularity=granularity, smooth_q=smooth_q)
+    q, k, v = channel_biased((1, 2, 150, 256), (1, 1, 100, 256), seed=256)
+    offset = -20 if causal else None  # the first 20 rows see no key
+    qz = quantize_qkv(q, k, v, recipe, 256**-0.5, need_lse_shift=True, backend="reference")
+    assert (qz.delta_s is not None) == smooth_q
+    want, want_lse = quantized_attention(
+        qz, pv=recipe.pv, granularity=granularity, block_q=recipe.block_q,
+        block_k=recipe.block_k, causal_offset=offset,
+    )
+    tuner = attn_fwd_int8._attn_fwd_int8
+    results = []
+    for m_split in (1, 2):
+        config = attn_fwd_int8.LaunchConfig(4, 1, (("PIPELINE", False), ("M_SPLIT", m_split)))
+        monkeypatch.setattr(tuner, "configs", attn_fwd_int8.triton_configs(
+            {"interpreter": [config]}, None))
+        results.append(_kernel_attention(qz, recipe, offset))
+    (whole, whole_lse), (halves, halves_lse) = results
+    assert torch.equal(whole, halves) and torch.equal(whole_lse, halves_lse)
+    out_bound = Bound(atol=3e-4 if recipe.pv == "fp16" else 4e-3, cos=0.999999)
+    assert_within(halves, want, out_bound, name="out")
+    assert_within(halves_lse, want_lse, Bound(atol=1e-5, rtol=1e-5), name="lse")

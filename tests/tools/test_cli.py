@@ -115,6 +115,32 @@ def test_inspect_vsa_prints_every_kernel_with_the_wide_wgmma_gate(capsys):
     assert f"gate: {kernels} of {kernels} kernels pass" in out, out
 
 
+@pytest.mark.aot
+def test_inspect_head_dim_256_varlen_and_the_kv_cache_read(capsys):
+    """Issue 44 item 6: ``--varlen`` compiles the packed-sequence call, the KV-cache recipes the
+    cache's read; at D = 256 the forward takes halves of a query block, and nothing spills."""
+    code, out, _ = run(capsys, "inspect", "--arch", "sm_90a", "--recipe", "qk_int8_pv_fp16",
+                       "--head-dim", "256", "--varlen")
+    assert code == 0, out
+    assert "(head dim 256, non-causal, varlen, float16)" in out
+    assert "VARLEN=True" in out and "BLOCK_M=64" in out and "M_SPLIT=2" in out
+    assert out.count("spills 0 B stored, 0 B loaded") == out.count("\n  registers "), out
+    code, out, _ = run(capsys, "inspect", "--arch", "sm_89", "--recipe", "kv_int8_int8",
+                       "--head-dim", "256")
+    assert code == 0, out
+    assert "_decode_split_kernel" in out and "_decode_merge_kernel" in out
+    assert out.count("spills 0 B stored, 0 B loaded") == 2, out
+
+
+def test_inspect_refuses_varlen_and_kv_cache_variants_it_has_not(capsys):
+    for args, says in ((["--recipe", "vsa", "--varlen"], "--varlen"),
+                       (["--recipe", "kv_int8_fp8", "--causal"], "--causal"),
+                       (["--recipe", "kv_int8_fp8", "--config", "1"], "one launch configuration")):
+        with pytest.raises(SystemExit):
+            cli.main(["inspect", "--arch", "sm_90a", *args])
+        assert says in capsys.readouterr().err
+
+
 def test_inspect_vsa_refuses_causal_and_fp32(capsys):
     for extra in (["--causal"], ["--dtype", "float32"]):
         with pytest.raises(SystemExit):

@@ -59,14 +59,23 @@ def autotune_mode() -> str:
     return mode
 
 
-def triton_configs(configs: dict[str, list[LaunchConfig]], capability) -> list:
+def triton_configs(configs: dict[str, list[LaunchConfig]], capability, *,
+                   pruned: bool = False) -> list:
     """The ``triton.Config`` s an autotuned kernel gets: :func:`configs_for`'s, or only the first
-    under ``LOWBIT_ATTN_AUTOTUNE=first``."""
+    under ``LOWBIT_ATTN_AUTOTUNE=first``; with ``pruned`` (a kernel whose prune filter ends in
+    :func:`first_kept`) all of them, the filter keeping the first of those it tries."""
     chosen = configs_for(configs, capability)
-    if autotune_mode() == "first":
+    if autotune_mode() == "first" and not pruned:
         chosen = chosen[:1]
     return [triton.Config(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
             for c in chosen]
+
+
+def first_kept(kept: list) -> list:
+    """What a prune filter returns of the candidates it keeps, ``kept``: all of them, or only the
+    first under ``LOWBIT_ATTN_AUTOTUNE=first`` (a head dim whose candidates are not the family's
+    first, D = 256 in ``inference/kernel_int8.py``, gets its own first)."""
+    return kept[:1] if autotune_mode() == "first" else kept
 
 
 def autotuned(configs: dict[str, list[LaunchConfig]], **options):

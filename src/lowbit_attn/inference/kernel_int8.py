@@ -17,8 +17,8 @@ from lowbit_attn.core.arch import get_capability
 from lowbit_attn.core.operands import QuantizedQKV, Seqs, dense_seqs
 from lowbit_attn.core.triton_helpers import (
     LaunchConfig, batch_head, bhnd_strides, channel_vector_strides, exact_fp8, finish_rows,
-    finish_scores, key_block_bounds, key_position, next_pow2, next_power_of_2, online_max,
-    p_offset, row_strides, seq_span, store_lse, strides, to_e4m3, triton_configs,
+    finish_scores, first_kept, key_block_bounds, key_position, next_pow2, next_power_of_2,
+    online_max, p_offset, row_strides, seq_span, store_lse, strides, to_e4m3, triton_configs,
 )
 from lowbit_attn.quant.tile import quantize_int8_tile, thread_group
 
@@ -26,22 +26,30 @@ from lowbit_attn.quant.tile import quantize_int8_tile, thread_group
 GRANULARITY_CODES = {"per_block": 0, "per_token": 1, "per_thread": 2}
 
 
-# Named per architecture; BLOCK_M and BLOCK_N come from the recipe (they are also the per-block
-# quantization groups), so only warps and pipeline depth are tuned.
+# Named per architecture; BLOCK_N comes from the recipe (it is also the per-block quantization
+# group of K), and so does BLOCK_Q, Q's group: a program takes BLOCK_M = BLOCK_Q / M_SPLIT of its
+# rows. Warps, pipeline depth and M_SPLIT are tuned; ``fits`` (the prune filter, keyed by head dim)
+# says which candidates the autotuner tries for a launch.
 # ``PIPELINE`` (see the kernel) is a candidate only on Hopper, where Q·Kᵀ is an asynchronous wgmma;
-# the autotuner keeps it where it pays.
+# the autotuner keeps it where it pays. ``M_SPLIT`` 2 is for D = 256 alone (BLOCK_D 256).
 _PLAIN = (("PIPELINE", False),)
 _PIPELINED = (("PIPELINE", True),)
+_PLAIN_HALVES = (("PIPELINE", False), ("M_SPLIT", 2))
+_PIPELINED_HALVES = (("PIPELINE", True), ("M_SPLIT", 2))
 CONFIGS = {
     "interpreter": [LaunchConfig(4, 1, _PLAIN)],
     # 4 warps spill at 128-row tiles with D=128 on sm_80/sm_89 (ptxas -v): 8 warps first.
-    "sm_80": [LaunchConfig(8, 2, _PLAIN), LaunchConfig(8, 3, _PLAIN), LaunchConfig(4, 2, _PLAIN)],
-    "sm_89": [LaunchConfig(8, 2, _PLAIN), LaunchConfig(8, 3, _PLAIN), LaunchConfig(4, 2, _PLAIN)],
+    "sm_80": [LaunchConfig(8, 2, _PLAIN), LaunchConfig(8, 3, _PLAIN), LaunchConfig(4, 2, _PLAIN),
+              LaunchConfig(8, 2, _PLAIN_HALVES), LaunchConfig(8, 3, _PLAIN_HALVES)],
+    "sm_89": [LaunchConfig(8, 2, _PLAIN), LaunchConfig(8, 3, _PLAIN), LaunchConfig(4, 2, _PLAIN),
+              LaunchConfig(8, 2, _PLAIN_HALVES), LaunchConfig(8, 3, _PLAIN_HALVES)],
     # 4 warps (one warpgroup for 128 rows) spill on sm_90a at D=64 too (ptxas -v: 8 to 44 bytes,
     # causal or per-block scales): two warpgroups only.
     "sm_90": [LaunchConfig(8, 2, _PLAIN), LaunchConfig(8, 2, _PIPELINED),
               LaunchConfig(8, 3, _PLAIN), LaunchConfig(8, 3, _PIPELINED),
-              LaunchConfig(8, 4, _PLAIN)],
+              LaunchConfig(8, 4, _PLAIN),
+              LaunchConfig(8, 2, _PLAIN_HALVES), LaunchConfig(8, 2, _PIPELINED_HALVES),
+              LaunchConfig(8, 3, _PLAIN_HALVES), LaunchConfig(8, 3, _PIPELINED_HALVES)],
 }
 
 
@@ -150,14 +158,16 @@ def _attn_fwd_int8_kernel(
     HAS_LSH: tl.constexpr, WRITE_LSE: tl.constexpr,
     EXACT_FP8: tl.constexpr, VARLEN: tl.constexpr, PIPELINE: tl.constexpr,
     V_PERMUTED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
+    M_SPLIT: tl.constexpr = 1,
 ):
     """Operands ``q`` and ``k``: ``(INT8 values, scales, values' strides, scales' strides)``; ``q``
     may instead hold Q itself with no scales (``Q_IN_KERNEL``: the kernel quantizes it). Strides:
     (batch, head, token, dim) of Q, K, ``V``, ``O``; (batch, head, row) of the scales (a row is a
     token or a block), of ``LSH`` and ``LSE``; (batch, head, dim) of V's channel vectors
     ``VS``/``VM``; (batch, head, query block, key) of ``DS``; (batch, head, block, dim) of Q's
-    block means ``QM``; (batch, head) of the balancing amax ``AQ``/``AK``."""
+    block means ``QM``; (batch, head) of the balancing amax ``AQ``/``AK``. A program computes
+    ``BLOCK_M`` rows, ``1 / M_SPLIT`` of a query block of ``BLOCK_Q`` (per-block scales, ΔS)."""
     Q, QS, q_strides, qs_strides = q
     K, KS, k_strides, ks_strides = k
     sqb, sqh, sqn, sqd = q_strides
@@ -206,7 +216,7 @@ def _attn_fwd_int8_kernel(
             qs = tl.load(QS + b * sqsb + h * sqsh + thread_group(offs_m, 2) * sqsn, mask=mmask,
                          other=1.0)
         else:
-            qs = tl.load(QS + b * sqsb + h * sqsh + pid_m * sqsn)
+            qs = tl.load(QS + b * sqsb + h * sqsh + (pid_m // M_SPLIT) * sqsn)
 
     # Loop-invariant bases (int64 arithmetic once; the loop adds int32 offsets within a head).
     k_base = K + b * skb + hk * skh + k_start * skn
@@ -217,7 +227,7 @@ def _attn_fwd_int8_kernel(
         ks_base = KS + b * sksb + hk * sksh
     ds_base = DS
     if HAS_DS:
-        ds_base = DS + b * sdb + h * sdh + pid_m * sdq
+        ds_base = DS + b * sdb + h * sdh + (pid_m // M_SPLIT) * sdq
     offset = p_offset(PV_FP8)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -280,26 +290,49 @@ def _attn_fwd_int8_kernel(
                   m_i, l_i, offset, mmask, HAS_LSH)
 
 
-def fits(num_warps: int, block_d: int, block_n: int = 64, pipeline: bool = False) -> bool:
-    """Whether a candidate keeps its tiles in registers (ptxas -v, sm_80 to sm_90a): 4 warps at
-    D > 64 spill about 1 KB per thread, and the pipelined loop's second score tile spills from
-    128×128 keys × channels (304 bytes at D=128, block_k=128). The autotuner does not try them."""
-    return (num_warps >= 8 or block_d <= 64) and not (pipeline and block_n * block_d > 8192)
+def fits(num_warps: int, block_d: int, block_n: int = 64, pipeline: bool = False,
+         m_split: int = 1, block_q: int = 128) -> bool:
+    """Whether a candidate keeps its tiles in registers (ptxas -v, sm_80 to sm_90a). Up to
+    D = 128, whole query blocks (``m_split`` 1; their code is unchanged since measured): 4 warps
+    at D > 64 spill about 1 KB per thread, and the pipelined loop's second score tile spills
+    from 128×128 keys × channels (304 bytes at D=128, block_k=128). At D = 256 (``block_d``
+    256) a 128-row program spills on 8 warps and on 16 (708 and 880 B stored, sm_90a; 360 B on
+    sm_89): programs of at most 64 rows (``block_q / m_split``) on 8 warps, whose 256
+    accumulator columns the two warpgroups share, the pipelined one with 64-key blocks at most.
+    The autotuner does not try the others."""
+    if block_d > 128:
+        return (num_warps >= 8 and block_q // m_split <= 64
+                and not (pipeline and block_n * block_d > 16384))
+    return (m_split == 1 and (num_warps >= 8 or block_d <= 64)
+            and not (pipeline and block_n * block_d > 8192))
+
+
+def can_split(block_q: int, m_split: int, whole_block_q: bool) -> bool:
+    """Whether a program may take ``1 / m_split`` of a query block of ``block_q`` rows and give
+    the same bits: 64 rows at least (two warpgroups' wgmma rows), and not when the kernel
+    quantizes Q itself per block or centres it per block (``whole_block_q``: its scale and mean
+    come from the whole block's rows)."""
+    return m_split == 1 or (block_q % m_split == 0 and block_q // m_split >= 64
+                            and not whole_block_q)
 
 
 def _prune(configs, named_args, **kwargs):
-    block_d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
-    block_n = kwargs.get("BLOCK_N", named_args.get("BLOCK_N"))
-    kept = [c for c in configs
-            if fits(c.num_warps, block_d, block_n, bool(c.kwargs.get("PIPELINE")))]
-    return kept or configs
+    args = {**named_args, **kwargs}
+    block_d, block_n, block_q = args["BLOCK_D"], args["BLOCK_N"], args["BLOCK_Q"]
+    whole_block_q = args["q"][1] is None and (args["GRAN"] == 0 or args["QM"] is not None)
+    valid = [c for c in configs
+             if can_split(block_q, c.kwargs.get("M_SPLIT", 1), whole_block_q)]
+    kept = [c for c in valid
+            if fits(c.num_warps, block_d, block_n, bool(c.kwargs.get("PIPELINE")),
+                    c.kwargs.get("M_SPLIT", 1), block_q)]
+    return first_kept(kept or valid)
 
 
 _attn_fwd_int8 = triton.autotune(
-    configs=triton_configs(CONFIGS, get_capability()),
+    configs=triton_configs(CONFIGS, get_capability(), pruned=True),
     prune_configs_by={"early_config_prune": _prune},
     # N_BUCKET (a power of two of the key length, unused by the kernel): tune per length range.
-    key=["N_BUCKET", "BLOCK_D", "IS_CAUSAL", "GRAN", "PV_FP8", "VARLEN", "BLOCK_M", "BLOCK_N",
+    key=["N_BUCKET", "BLOCK_D", "IS_CAUSAL", "GRAN", "PV_FP8", "VARLEN", "BLOCK_Q", "BLOCK_N",
          "Q_IN_KERNEL", "V_PERMUTED"],
 )(
     triton.heuristics(
@@ -312,6 +345,7 @@ _attn_fwd_int8 = triton.autotune(
             "Q_IN_KERNEL": lambda a: a["q"][1] is None,
             "Q_CENTER": lambda a: 0 if a["QM"] is None else 2,
             "Q_BALANCE": lambda a: 0 if a["AQ"] is None else 1,
+            "BLOCK_M": lambda a: a["BLOCK_Q"] // a.get("M_SPLIT", 1),
         }
     )(_attn_fwd_int8_kernel)
 )
@@ -348,7 +382,7 @@ def attention(
     fused = qz.q_raw
     q_center = fused.center if fused is not None else None
     amax_q, amax_k = fused.balance if fused is not None and fused.balance else (None, None)
-    grid = (triton.cdiv(seqs_q.max_len, block_q), seqs_q.batch * hq)
+    grid = lambda meta: (triton.cdiv(seqs_q.max_len, meta["BLOCK_M"]), seqs_q.batch * hq)
     _attn_fwd_int8[grid](
         q=(qz.q, qz.q_scale, bhnd_strides(qz.q, packed),
            row_strides(qz.q_scale, packed and per_token)),
@@ -368,6 +402,6 @@ def attention(
         IS_CAUSAL=causal_offset is not None, GRAN=GRANULARITY_CODES[granularity],
         PV_FP8=pv == "fp8",
         EXACT_FP8=exact_fp8(), VARLEN=packed, V_PERMUTED=qz.v_permuted,
-        BLOCK_M=block_q, BLOCK_N=block_k, BLOCK_D=next_pow2(d, minimum=32),  # int8 MMA: k ≥ 32
+        BLOCK_Q=block_q, BLOCK_N=block_k, BLOCK_D=next_pow2(d, minimum=32),  # int8 MMA: k ≥ 32
     )
     return lse

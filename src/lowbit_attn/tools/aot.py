@@ -14,8 +14,9 @@ on small CPU tensors while every kernel object of the kernel packages is replace
 recorder, so AOT sees exactly the launches, pointer dtypes, ``None`` inputs and strides a GPU call
 makes, and specializes them as Triton's launcher does (``None`` and integers equal to 1 become
 constexprs, pointers and multiples of 16 get ``tt.divisibility = 16``). Launch options: an
-autotuned kernel gets the first entry of its module's ``CONFIGS`` for the target's family (or the
-entry asked for); other kernels what their launcher passes, or Triton's defaults.
+autotuned kernel gets the first entry of its module's ``CONFIGS`` for the target's family that
+its prune filter keeps for the launch (or the entry asked for); other kernels what their launcher
+passes, or Triton's defaults.
 
 Works under ``TRITON_INTERPRET=1`` too (the test suite sets it): ``triton.jit`` then returns
 interpreter objects, so each kernel is rebuilt as a real ``JITFunction`` from its Python function,
@@ -267,14 +268,14 @@ def kernel_modules(packages: tuple[str, ...] = KERNEL_PACKAGES) -> list[types.Mo
 
 
 @contextlib.contextmanager
-def _recording():
+def _recording(packages: tuple[str, ...] = KERNEL_PACKAGES):
     """Replace every kernel object of the kernel packages' modules by a recorder for
     the duration (under a lock: recordings do not overlap; the originals are always restored)."""
     sink: list[Launch] = []
     saved = []
     with _RECORD_LOCK:
         try:
-            for module in kernel_modules():
+            for module in kernel_modules(packages):
                 for name, obj in list(vars(module).items()):
                     if isinstance(obj, KernelInterface):
                         saved.append((module, name, obj))
@@ -293,21 +294,31 @@ def record_launches(
     dtype: torch.dtype = torch.float16,
     seq_len: int = 1024,
     return_lse: bool = False,
+    varlen: bool = False,
 ) -> list[Launch]:
     """The kernel launches, in order, of one dense ``[1, 2, seq_len, head_dim]`` attention call with
-    ``recipe`` on the Triton backend (nothing runs: see the module docstring)."""
+    ``recipe`` on the Triton backend (nothing runs: see the module docstring); ``varlen``: the same
+    tokens as two packed sequences (``[seq_len, 2, head_dim]``, ``cu_seqlens`` ``[0, seq_len // 3,
+    seq_len]``), as ``attention_varlen`` launches them."""
+    from lowbit_attn.core.operands import Seqs
     from lowbit_attn.core.options import KernelOptions
     from lowbit_attn.inference import op
 
     if not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be a lowbit_attn.Recipe, got {type(recipe).__name__}")
-    q, k, v = (torch.zeros(1, 2, seq_len, head_dim, dtype=dtype) for _ in range(3))
+    shape = (seq_len, 2, head_dim) if varlen else (1, 2, seq_len, head_dim)
+    q, k, v = (torch.zeros(shape, dtype=dtype) for _ in range(3))
     out = torch.zeros_like(q)
+    seqs = None
+    if varlen:
+        cu = torch.tensor([0, seq_len // 3, seq_len], dtype=torch.int32)
+        seq = Seqs(batch=2, max_len=seq_len - seq_len // 3, cu_seqlens=cu)
+        seqs = (seq, seq)
     with _recording() as sink:
         op.run(
             q, k, v, out=out, recipe=recipe, scale=head_dim ** -0.5,
             causal_offset=0 if causal else None, return_lse=return_lse, backend="triton",
-            options=KernelOptions.from_env(),  # as the op reads them
+            seqs=seqs, options=KernelOptions.from_env(),  # as the op reads them
         )
     return list(sink)
 
@@ -335,8 +346,31 @@ def _innermost(obj):
     return obj
 
 
-def _chosen_config(jit: JITFunction, family: str, autotuner: Autotuner, config: int):
+def candidates(jit: JITFunction, family: str, autotuner: Autotuner, named_args: dict) -> list:
+    """The launch configs the autotuner may pick on ``family`` for a launch with ``named_args``:
+    :func:`autotune_configs`, through the autotuner's ``early_config_prune`` if it has one (as
+    its own run prunes them: ``inference/kernel_int8.py`` keys its candidates by head dim)."""
     configs = autotune_configs(jit, family, autotuner)
+    prune = getattr(autotuner, "early_config_prune", None)
+    return list(prune(configs, named_args)) if prune else configs
+
+
+def launch_candidates(launch: Launch, arch: str) -> list:
+    """The configs the autotuner may pick for ``launch`` on ``arch``, in order (:func:`candidates`;
+    ``[]`` for a kernel that is not autotuned): ``compile_launch``'s ``config`` indexes them."""
+    obj, args, kwargs = launch.kernel, launch.args, dict(launch.kwargs)
+    while isinstance(obj, Heuristics):
+        obj = obj.fn
+    if not isinstance(obj, Autotuner):
+        return []
+    named = {**dict(zip(obj.arg_names, args)), **kwargs}
+    return candidates(as_jit_function(_innermost(obj)), config_family(normalize_arch(arch)), obj,
+                      named)
+
+
+def _chosen_config(jit: JITFunction, family: str, autotuner: Autotuner, config: int,
+                   named_args: dict):
+    configs = candidates(jit, family, autotuner, named_args)
     if config >= len(configs):
         raise ValueError(
             f"config must be < {len(configs)} for {jit.__name__} on {family}, got {config}"
@@ -348,8 +382,8 @@ def _unwrap(
     launch: Launch, family: str, config: int = 0
 ) -> tuple[JITFunction, dict[str, Any], dict[str, int]]:
     """(jit function, every argument by name, compile options) of a launch, as the wrappers would
-    pass them on: the autotuner's ``config``-th config for ``family`` (its options and meta-
-    parameters), then the heuristics."""
+    pass them on: the ``config``-th of the autotuner's :func:`candidates` for ``family`` (its
+    options and meta-parameters), then the heuristics."""
     jit = as_jit_function(_innermost(launch.kernel))
     obj, args, kwargs = launch.kernel, launch.args, dict(launch.kwargs)
     options: dict[str, int] = {}
@@ -359,7 +393,8 @@ def _unwrap(
             for name, rule in obj.values.items():
                 kwargs[name] = rule(named)
         else:
-            chosen = _chosen_config(jit, family, obj, config)
+            named = {**dict(zip(obj.arg_names, args)), **kwargs}
+            chosen = _chosen_config(jit, family, obj, config, named)
             kwargs.update(getattr(chosen, "kwargs", None) or {})
             options = {"num_warps": chosen.num_warps, "num_stages": chosen.num_stages}
         obj = obj.fn
@@ -545,6 +580,7 @@ def compile_recipe(
     return_lse: bool = False,
     seq_len: int = 1024,
     config: int = 0,
+    varlen: bool = False,
 ) -> list[KernelReport]:
     """Compile, for ``arch``, every kernel one attention call with ``recipe`` launches (quantizers
     first, attention last; identical launches once) and report each (see :class:`KernelReport`).
@@ -558,8 +594,10 @@ def compile_recipe(
         return_lse: include what ``return_lse=True`` adds (LSE output, LSE shift kernel).
         seq_len: tokens of the representative call; only strides (their divisibility by 16)
             depend on it.
-        config: which entry of an autotuned kernel's configs for the target's family to compile
-            (0, the first, by default).
+        config: which entry of an autotuned kernel's configs for the target's family, of those
+            its prune filter keeps for this launch, to compile (0, the first, by default).
+        varlen: the call of ``attention_varlen`` on the same tokens as two packed sequences
+            (see :func:`record_launches`).
     Returns:
         one report per distinct kernel specialization; ``[]`` for ``"exact"`` (no Triton kernel).
     """
@@ -576,7 +614,7 @@ def compile_recipe(
     r = resolve(recipe, parse_arch(arch))
     checks.recipe_fits(r, head_dim)  # what the public functions refuse is not compiled either
     launches = record_launches(r, head_dim=head_dim, causal=causal, dtype=dtype, seq_len=seq_len,
-                               return_lse=return_lse)
+                               return_lse=return_lse, varlen=varlen)
     return _compile_all(launches, arch, config)
 
 
@@ -650,6 +688,42 @@ def record_vsa_launches(*, head_dim: int = 128, dtype: torch.dtype = torch.bfloa
             q, k, v = (torch.zeros(1, 2, layout.n_tokens, head_dim, dtype=dtype) for _ in range(3))
             vsa_ops.kernel_int8(q, k, v, idx, layout, scale, resolve_recipe(recipe))
     return list(sink)
+
+
+def record_decode_launches(recipe: str = "kv_int8_fp8", *, head_dim: int = 128, n: int = 1,
+                           dtype: torch.dtype = torch.float16, page_size: int = 64,
+                           tokens: int = 700) -> list[Launch]:
+    """The launches of one read of the quantized KV cache (``kvcache/kernel_decode.py``: the split
+    kernel, then the merge) by ``n`` queries of 32 heads, GQA 8, against ``tokens`` tokens of two
+    sequences in ``page_size``-token pages of a ``dtype`` cache, as a GPU makes them: the launcher
+    believes it is not interpreted (the open page's product, the split's warps). The cache's
+    appends are recorded too and dropped (nothing runs)."""
+    from lowbit_attn.kvcache import kernel_decode
+    from lowbit_attn.kvcache.cache import QuantizedKVCache
+
+    cache = QuantizedKVCache(1, 2, 4, head_dim, max_tokens=-(-tokens // page_size) * page_size,
+                             page_size=page_size, recipe=recipe, dtype=dtype)
+    kv = torch.zeros(2, 4, tokens, head_dim, dtype=dtype)
+    packages = (*KERNEL_PACKAGES, "kvcache")
+    with _recording(packages):
+        cache.append(0, kv, kv)
+    interpreted = kernel_decode.interpreter_enabled
+    with _recording(packages) as sink:
+        try:
+            kernel_decode.interpreter_enabled = lambda: False
+            kernel_decode.attention(torch.zeros(2, 32, n, head_dim, dtype=dtype), cache.layers[0],
+                                    cache.recipe, scale=head_dim ** -0.5)
+        finally:
+            kernel_decode.interpreter_enabled = interpreted
+    return list(sink)
+
+
+def compile_decode(recipe: str = "kv_int8_fp8", arch: str = "sm_90a", head_dim: int = 128,
+                   n: int = 1, dtype: torch.dtype = torch.float16) -> list[KernelReport]:
+    """Compile, for ``arch``, the kernels of one read of the quantized KV cache
+    (:func:`record_decode_launches`) and report each."""
+    return _compile_all(record_decode_launches(recipe, head_dim=head_dim, n=n, dtype=dtype),
+                        normalize_arch(arch), 0)
 
 
 def record_gluon_launch(*, head_dim: int = 128, causal: bool = False, block_k: int = 64,
@@ -801,7 +875,8 @@ __all__ = [
     "ARCHS", "GPU_CONSTEXPRS", "KernelReport", "Launch", "compile_recipe", "compile_launch",
     "kernel_modules",
     "compile_train", "record_train_launches", "record_gluon_launch", "record_fp4_gluon_launch", "compile_vsa", "record_vsa_launches",
-    "record_launches", "normalize_arch", "config_family", "autotune_configs",
+    "record_launches", "normalize_arch", "config_family", "autotune_configs", "candidates",
+    "launch_candidates", "record_decode_launches", "compile_decode",
     "tensor_core_instructions",
     "parse_ptxas_log", "ptxas_warnings", "run_ptxas", "ptxas_path", "ptxas_version", "as_jit_function", "specialize",
 ]

@@ -66,19 +66,24 @@ def _add_inspect(sub) -> None:
     )
     p.add_argument("--arch", required=True, type=_arch_arg, metavar="ARCH",
                    help=f"GPU target: {ARCH_HELP}")
-    names = [*RECIPES, SAGEBWD_INT8.name, VSA]
+    names = [*RECIPES, SAGEBWD_INT8.name, VSA, *KV_RECIPES]
     p.add_argument("--recipe", default="auto", choices=["auto", *names], metavar="NAME",
                    help=f"one of {', '.join(names)} ({SAGEBWD_INT8.name}: the trainable "
                    f"attention's forward and backward; {VSA}: video sparse attention's fine stage, "
-                   "its tiling, 16-bit forward and backward and 8-bit forward), or 'auto' (what "
-                   "ARCH gets by default)")
+                   "its tiling, 16-bit forward and backward and 8-bit forward; "
+                   f"{' and '.join(KV_RECIPES)}: one query's read of the quantized KV cache, the "
+                   "split and merge kernels), or 'auto' (what ARCH gets by default)")
     p.add_argument("--head-dim", type=head_dim_arg, default=128,
                    help=f"head dim D, 1 to {MAX_HEAD_DIM} (default 128)")
     p.add_argument("--causal", action="store_true", help="the causal variant")
+    p.add_argument("--varlen", action="store_true",
+                   help="the packed-sequence call (attention_varlen) of an inference recipe")
     p.add_argument("--dtype", choices=DTYPES, default="float16", help="input dtype")
     p.add_argument("--return-lse", action="store_true", help="include what return_lse=True adds")
     p.add_argument("--config", type=ranged(int, 0), default=0,
-                   help="which autotuning config of ARCH's family to compile (default 0)")
+                   help="which autotuning config of ARCH's family to compile, of those the "
+                   "autotuner may pick for the call (its prune filter, keyed by head dim; "
+                   "default 0)")
     p.add_argument("--kernel", choices=KERNELS, default="triton",
                    help="triton (default): every kernel of one call; gluon: the Gluon forward "
                    "for sm_90a (qk_int8_pv_fp8, D 64 or 128) at both key blocks, with its gates "
@@ -100,6 +105,7 @@ def _add_inspect(sub) -> None:
 
 
 VSA = "vsa"  # inspect's name for the video sparse attention kernels
+KV_RECIPES = ("kv_int8_fp8", "kv_int8_int8")  # kvcache.recipes.KV_RECIPES, spelled out
 WIDE_N = 64  # the gate of the training and VSA kernels: no spills, every product a wgmma this wide
 
 
@@ -164,6 +170,12 @@ def _inspect(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> in
     from lowbit_attn.core.recipes import RECIPES, TRAIN_RECIPES
     from lowbit_attn.tools import fp4_gates
 
+    if args.recipe in KV_RECIPES:
+        return _inspect_decode(args, parser)
+    if args.varlen and (args.kernel != "triton" or args.recipe == VSA
+                        or args.recipe in TRAIN_RECIPES and args.recipe not in RECIPES):
+        parser.error(f"--varlen: the Triton kernels of an inference recipe only, got --recipe "
+                     f"{args.recipe} --kernel {args.kernel}")
     if args.kernel == "sm90" and args.recipe in (VSA, *TRAIN_RECIPES):
         if not triton_support.gluon_available("hopper"):
             parser.error(triton_support.gluon_refusal("hopper", "--kernel sm90"))
@@ -195,6 +207,7 @@ def _inspect(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> in
             reports = aot.compile_recipe(
                 recipe, args.arch, head_dim=args.head_dim, causal=args.causal,
                 dtype=getattr(torch, args.dtype), return_lse=args.return_lse, config=args.config,
+                varlen=args.varlen,
             )
     except ValueError as exc:
         parser.error(str(exc))
@@ -203,7 +216,7 @@ def _inspect(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> in
     if args.json:
         print(json.dumps([r.as_dict() for r in reports], indent=2, default=str))
     else:
-        mode = "causal" if args.causal else "non-causal"
+        mode = ("causal" if args.causal else "non-causal") + (", varlen" if args.varlen else "")
         print(f"{name} for {args.arch} (head dim {args.head_dim}, {mode}, {args.dtype}); "
               f"Triton {triton.__version__}, ptxas {aot.ptxas_version(args.arch)}")
         if not reports:
@@ -217,6 +230,27 @@ def _inspect(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> in
             print(f"\ngate: {passed} of {len(reports)} kernels pass (no spills, every product a "
                   f"wgmma of N >= {WIDE_N})")
     return 1 if any(not r.ok for r in reports) else 0
+
+
+def _inspect_decode(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``inspect --recipe kv_int8_fp8|kv_int8_int8``: the kernels of one query's read of the
+    quantized KV cache (``kvcache/kernel_decode.py``: split, merge), GQA 8, 64-token pages, a
+    ``--dtype`` cache."""
+    import torch
+
+    from lowbit_attn.tools import aot
+
+    for flag in ("causal", "varlen", "return_lse"):
+        if getattr(args, flag):
+            parser.error(f"--{flag.replace('_', '-')}: the KV cache's read has no such variant")
+    if args.kernel != "triton" or args.config != 0:
+        parser.error(f"--recipe {args.recipe}: the Triton kernels, one launch configuration each")
+    reports = aot.compile_decode(args.recipe, args.arch, head_dim=args.head_dim,
+                                 dtype=getattr(torch, args.dtype))
+    heading = (f"{args.recipe} for {args.arch}, the KV cache's read (head dim {args.head_dim}, "
+               f"one query, GQA 8, {args.dtype} cache)")
+    return _show_gated(args, heading, reports, [None] * len(reports), [""] * len(reports),
+                       lambda report, gates: [])
 
 
 def _compile_vsa(args: argparse.Namespace, parser: argparse.ArgumentParser,
