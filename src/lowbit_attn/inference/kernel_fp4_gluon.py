@@ -340,7 +340,7 @@ def _attn_fwd_fp4_gluon_kernel(
     n_blocks = gl.cdiv(hi, BLOCK_N)
     n_full = full_hi // BLOCK_N
     sdb, sdh, sdq, sdn = ds_strides
-    ds_off = b * sdb + h * sdh + pid_m * sdq  # this query block's ΔS row (BLOCK_M rows each)
+    ds_off = b * sdb + h * sdh + pid_m.to(gl.int64) * sdq  # this query block's ΔS row
     mult = qk_multiplier
     if NV:
         mult = mult * (gl.load(QG + b * sgqb + h * sgqh) * gl.load(KG + b * sgkb + hk * sgkh))
