@@ -260,3 +260,14 @@ def test_output_rows_past_2_31_elements():
     _, lse, _ = gluon_on_cpu(qz, None, True, out=out)
     assert_bits(out.float(), want.half().float(), "out")
     assert_bits(lse, want_lse, "lse")
+
+
+def test_key_scales_spanning_2_31_bytes_are_refused():
+    """``gluon_fp4_blocks.key_scales`` addresses K's scales in int32 (int64 there spills):
+    the launcher refuses scales whose tokens span 2^31 bytes or more, before launching."""
+    import dataclasses
+
+    qz = operands(1, 1, 1, 130, 130, "nvfp4")
+    wide = helpers.wide_rows(tuple(qz.k_scale.shape), qz.k_scale.dtype)
+    with pytest.raises(ValueError, match="k_scale's tokens must span fewer than 2"):
+        gluon_on_cpu(dataclasses.replace(qz, k_scale=wide), None, True)

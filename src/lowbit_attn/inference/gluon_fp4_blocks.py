@@ -73,10 +73,11 @@ def key_scales(KS, j, nk, sksn, NV: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: 
     layout"), so the softmax partition stores K's scales, one block ahead of the MMA."""
     rl: gl.constexpr = get_tmem_reg_layout(scale_type(NV), [BLOCK_N, BLOCK_D // GROUP],
                                            TensorMemoryScalesLayout(), gl.num_warps())
+    # r·sksn in int32: the launcher checks that K's scales of one (batch, head) span fewer than
+    # 2^31 bytes (int64 addresses here spill 288 B at D = 128 in this partition)
     r = j * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, rl))
     c = gl.arange(0, BLOCK_D // GROUP, gl.SliceLayout(0, rl))
-    bits = gl.load(KS + r.to(gl.int64)[:, None] * sksn + c[None, :], mask=(r < nk)[:, None],
-                   other=0)
+    bits = gl.load(KS + r[:, None] * sksn + c[None, :], mask=(r < nk)[:, None], other=0)
     return scale_operand(bits, NV)
 
 
