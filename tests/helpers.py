@@ -257,6 +257,24 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
+# A token stride that puts row 128 of a view past 2^31 elements (rows 121 on): an output of
+# H·D = 4096 channels per token at N >= 524288 tokens in 130 rows.
+WIDE_ROW_STRIDE = 2**24 + 2**20
+
+
+def wide_rows(shape: tuple[int, ...], dtype: torch.dtype, *,
+              row_stride: int = WIDE_ROW_STRIDE) -> torch.Tensor:
+    """A ``[B, H, N, D]`` view whose tokens are ``row_stride`` elements apart, over storage
+    allocated and never written (the kernel writes a few of its 2^31 and more elements; the
+    pages it does not touch are never committed): for the checks that a kernel's row offsets
+    are computed in 64 bits on the CPU model (``gluon_cpu.Overflow``)."""
+    b, h, n, d = shape
+    strides = (h * d, d, row_stride, 1)  # batch and head inside one token's row (NHD-like)
+    size = sum((x - 1) * s for x, s in zip(shape, strides)) + 1
+    storage = torch.UntypedStorage(size * torch.tensor([], dtype=dtype).element_size())
+    return torch.tensor([], dtype=dtype).set_(storage, 0, shape, strides)
+
+
 def assert_bits(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
     """Equal bit for bit (NaN where NaN), for the CPU schedule checks of the Gluon kernels."""
     same = (got == want) | (torch.isnan(got) & torch.isnan(want))

@@ -76,10 +76,11 @@ def twin(qz, causal_offset, two_level):
                              causal_offset=causal_offset, two_level=two_level)
 
 
-def gluon_on_cpu(qz, causal_offset, two_level, schedule="lazy", **options):
+def gluon_on_cpu(qz, causal_offset, two_level, schedule="lazy", out=None, **options):
     """``kernel_fp4_gluon.attention`` (launcher and kernel) with the kernel run by the model:
     ``(out, lse, trace)``."""
-    out = torch.empty(qz.q.shape[:3] + (D,), dtype=torch.float32)  # NaN-poisoned (conftest)
+    if out is None:
+        out = torch.empty(qz.q.shape[:3] + (D,), dtype=torch.float32)  # NaN-poisoned (conftest)
     with gluon_cpu.kernel_on_cpu(kf, "_attn_fwd_fp4_gluon_kernel", schedule=schedule,
                                  **options) as cpu:
         lse = kf.attention(qz, out=out, head_dim=D, block_q=kf.BLOCK_M, block_k=BLOCK_K,
@@ -247,3 +248,26 @@ def test_a_program_without_key_blocks_leaves_no_tcgen05_copy_in_flight():
                                  "    if True:\n        tcgen05_copy")}
     with pytest.raises(gluon_cpu.ScheduleError, match="tcgen05_copy"):
         gluon_on_cpu(qz, 40 - 300, True, overrides=broken)
+
+
+def test_output_rows_past_2_31_elements():
+    """An output view whose rows 121 on start past 2^31 elements (``helpers.wide_rows``): its
+    row offsets must be computed in 64 bits (the model raises ``gluon_cpu.Overflow`` on an int32
+    one), and the rows land where the view says."""
+    qz = operands(1, 1, 1, 130, 130, "nvfp4")
+    want, want_lse = twin(qz, None, True)
+    out = helpers.wide_rows((1, 1, 130, D), torch.float16)
+    _, lse, _ = gluon_on_cpu(qz, None, True, out=out)
+    assert_bits(out.float(), want.half().float(), "out")
+    assert_bits(lse, want_lse, "lse")
+
+
+def test_key_scales_spanning_2_31_bytes_are_refused():
+    """``gluon_fp4_blocks.key_scales`` addresses K's scales in int32 (int64 there spills):
+    the launcher refuses scales whose tokens span 2^31 bytes or more, before launching."""
+    import dataclasses
+
+    qz = operands(1, 1, 1, 130, 130, "nvfp4")
+    wide = helpers.wide_rows(tuple(qz.k_scale.shape), qz.k_scale.dtype)
+    with pytest.raises(ValueError, match="k_scale's tokens must span fewer than 2"):
+        gluon_on_cpu(dataclasses.replace(qz, k_scale=wide), None, True)

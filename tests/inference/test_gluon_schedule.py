@@ -99,14 +99,28 @@ def on_cpu(run: str = "async", **options):
         yield extra, cpu
 
 
-def gluon_on_cpu(qz, block_k, causal_offset, run="async", **options):
+def gluon_on_cpu(qz, block_k, causal_offset, run="async", out=None, **options):
     """``kernel_int8_gluon.attention`` (launcher and kernel) with the kernel run by the model:
     ``(out, lse, trace)``."""
-    out = torch.empty(qz.q.shape, dtype=torch.float32)  # NaN-poisoned (conftest)
+    if out is None:
+        out = torch.empty(qz.q.shape, dtype=torch.float32)  # NaN-poisoned (conftest)
     with on_cpu(run, **options) as (extra, cpu):
         lse = kg.attention(qz, out=out, pv="fp8", granularity="per_token", block_q=kg.BLOCK_M,
                            block_k=block_k, causal_offset=causal_offset, return_lse=True, **extra)
     return out, lse, cpu.trace
+
+
+@pytest.mark.parametrize("run", ["async", "pingpong-lazy"])
+def test_output_rows_past_2_31_elements(run):
+    """An output view whose rows 121 on start past 2^31 elements (``helpers.wide_rows``): its
+    row offsets must be computed in 64 bits (the model raises ``gluon_cpu.Overflow`` on an int32
+    one), and the rows land where the view says."""
+    qz = operands(1, 2, 2, 130, 130, 64, 128)
+    want, want_lse = twin(qz, 128, None)
+    out = helpers.wide_rows((1, 2, 130, 64), torch.float16)
+    _, lse, _ = gluon_on_cpu(qz, 128, None, run, out=out)
+    assert_bits(out.float(), want.half().float(), "out")
+    assert_bits(lse, want_lse, "lse")
 
 
 @pytest.mark.parametrize("b,hq,hkv,nq,nk,d,offset", SHAPES)

@@ -288,3 +288,19 @@ def test_unpermuted_fp8_v_is_refused():
     with pytest.raises(ValueError, match="permuted"):
         k90.attention(qz, out=torch.empty(q.shape), pv="fp8", granularity="per_thread",
                       block_q=64, block_k=128, causal_offset=None, return_lse=False)
+
+
+@pytest.mark.parametrize("granularity,pv", CASES[:2])
+def test_output_rows_past_2_31_elements(granularity, pv):
+    """An output view whose rows 121 on start past 2^31 elements (an NHD output of H·D = 4096 at
+    N >= 524288 tokens): its row offsets must be computed in 64 bits (the model raises
+    ``gluon_cpu.Overflow`` on an int32 one), and the rows land where the view says."""
+    recipe, qz = operands(1, 2, 2, 130, 130, 64, granularity, pv)
+    want, want_lse = twin(recipe, qz, None)
+    out = helpers.wide_rows((1, 2, 130, 64), torch.float16)
+    with gluon_cpu.kernel_on_cpu(k90, "_attn_fwd_sm90_kernel"):
+        lse = k90.attention(qz, out=out, pv=recipe.pv, granularity=recipe.granularity,
+                            block_q=recipe.block_q, block_k=recipe.block_k, causal_offset=None,
+                            return_lse=True)
+    assert_bits(out.float(), want.half().float(), "out")
+    assert_bits(lse, want_lse, "lse")

@@ -226,6 +226,7 @@ def test_inspect_sm90_prints_a_gate_per_granularity(capsys):
     assert "PER_THREAD=True" in thread and "PER_THREAD=False" in token
     for report in (token, thread):
         assert "_attn_fwd_sm90_kernel" in report and "P̃·V A operand  registers" in report
+        assert "A-register hazard: none (8 wgmma with register A checked)" in report
         assert re.search(r"\d CTAs per SM \(\d+ registers, \d+ B shared memory, 128 threads\)",
                          report)
     code, out, _ = run(capsys, "inspect", "--arch", "sm_90", "--recipe", "qk_int8_pv_fp8",

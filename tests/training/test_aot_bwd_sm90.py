@@ -80,6 +80,20 @@ def test_every_loop_passes_its_gate(reports, d, causal, granularity):
 
 
 @pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_no_kernel_writes_an_a_register_in_flight(reports, d, causal, granularity):
+    """Pᵀ, dSᵀ (dK/dV) and dS (dQ), the register A operands, are not overwritten under the
+    tensor cores (``sass.a_register_hazards``, the whole kernel; on every Triton)."""
+    wgmma = {}
+    for name in NAMES:
+        a = bwd_gates.gates(reports(d, causal, granularity)[name])["a_register"]
+        assert not a["hazards"], (name, a)
+        wgmma[name] = a["wgmma"]
+    assert wgmma["_dkdv_sm90_kernel"] > 0 and wgmma["_dq_sm90_kernel"] > 0, wgmma
+
+
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 def test_no_spills_and_no_local_memory_on_any_triton(reports, d, granularity):
     """What holds on every Triton the kernels compile on (the instruction counts are the pinned
@@ -124,3 +138,4 @@ def test_inspect_prints_the_gates(capsys):
     assert code == 0 and "P and dS per tile" in text
     assert "_dkdv_sm90_kernel" in text and "issue" in text and "tensor" in text
     assert "gate: 7 of 7 kernels pass" in text or not pinned_codegen(), text[-400:]
+    assert "A-register hazard: none (" in text

@@ -75,12 +75,12 @@ def twin(ops, grad, lse, scale, causal_offset):
         return ref.backward(ops, grad, lse, causal_offset=causal_offset, softmax_scale=scale)
 
 
-def on_cpu(ops, grad, lse, scale, causal_offset, overrides=None):
+def on_cpu(ops, grad, lse, scale, causal_offset, overrides=None, empty=torch.empty):
     """``kernel_bwd.backward(kernel="sm90")`` with both kernels run by the model:
-    ``(dq, dk, dv), traces``."""
+    ``(dq, dk, dv), traces``; ``empty(shape)`` allocates the gradients."""
     b, hq, nq, d = ops.q.shape
     hkv, nk = ops.k.shape[1], ops.k.shape[2]
-    got = (torch.empty(b, hq, nq, d), torch.empty(b, hkv, nk, d), torch.empty(b, hkv, nk, d))
+    got = (empty((b, hq, nq, d)), empty((b, hkv, nk, d)), empty((b, hkv, nk, d)))
     with gluon_cpu.kernel_on_cpu(k90, KERNELS[0], overrides=overrides) as dkdv, \
             gluon_cpu.kernel_on_cpu(k90, KERNELS[1], overrides=overrides) as dq:
         kernel_bwd.backward(ops, grad, lse, *got, causal_offset=causal_offset,
@@ -163,8 +163,8 @@ MUTATIONS = [
      "wrong"),
     ("dQ-key-scale-of-the-next-tile", k90._dq_step, "gl.load(KDQS + kt * sksn)",
      "gl.load(KDQS + (kt + 1) * sksn)", "any"),
-    ("delta-not-written", k90._dq_sm90_kernel, "qrows * sdn, delta_acc, mask=valid",
-     "qrows * sdn, delta_acc * 0.0, mask=valid", "wrong"),
+    ("delta-not-written", k90._dq_sm90_kernel, "* sdn, delta_acc, mask=valid",
+     "* sdn, delta_acc * 0.0, mask=valid", "wrong"),
     ("parked-channels-not-stored-back", k90._dkdv_step, "            more_k.store(",
      "            more_k.load(", "any"),
     ("per-tile-keys-past-the-end-seen", k90._dkdv_step, "layout=c_rows.type.layout) < n_keys",
@@ -230,3 +230,15 @@ def test_permuted_token_major_is_v_key_order_per_group_of_16():
         token = pos // 16 * 16 + V_KEY_ORDER[pos % 16]
         want = x[0, :, token] if token < 37 else torch.zeros(2, 3, dtype=torch.int32)
         assert torch.equal(t[0, :, :, pos], want), pos
+
+
+def test_gradient_rows_past_2_31_elements():
+    """dQ, dK and dV views whose rows 121 on start past 2^31 elements (``helpers.wide_rows``):
+    their row offsets must be computed in 64 bits (the model raises ``gluon_cpu.Overflow`` on an
+    int32 one), and the rows land where the views say."""
+    ops, grad, lse, scale = operands(1, 2, 2, 130, 130, 64)
+    want = twin(ops, grad, lse, scale, None)
+    got, _ = on_cpu(ops, grad, lse, scale, None,
+                    empty=lambda shape: helpers.wide_rows(shape, torch.float16))
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert_bits(g.float(), w.half().float(), name)

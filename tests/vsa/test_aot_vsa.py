@@ -87,5 +87,6 @@ def test_the_backward_on_the_sm90_loops_passes_the_gate(d):
         r = rs[name]
         g = bwd_gates.gates(r)
         assert r.ok and r.spills == 0 and not g["narrow"], (name, r.error, g)
+        assert not g["a_register"]["hazards"], (name, g["a_register"])
         assert r.num_warps == 4 and r.constexprs["SPARSE"] and not r.constexprs["INT8"]
         assert g["passes"] or not pinned_codegen(), (name, g)

@@ -127,7 +127,8 @@ def scales_of_rows(QS, KS, b, h, hk, pid_m, q_start, k_start, offs_m, mmask, sqs
         qs = gl.load(QS + h * sqsh + (q_start + offs_m) * sqsn, mask=mmask, other=1.0)
         ks_base = KS + hk * sksh + k_start * sksn
     else:
-        qs = gl.load(QS + b * sqsb + h * sqsh + offs_m * sqsn, mask=mmask, other=1.0)
+        qs = gl.load(QS + b * sqsb + h * sqsh + offs_m.to(gl.int64) * sqsn, mask=mmask,
+                     other=1.0)
         ks_base = KS + b * sksb + hk * sksh
     if PER_TOKEN:  # each thread's key's address (see key_scales)
         ks_base = ks_base + gl.arange(0, BLOCK_N, layout=KEYS) * sksn
@@ -439,7 +440,8 @@ def write_rows(acc, m_i, l_i, O, LSE, LSH, VS, VM, CUQ, b, h, hk, nq, NQ, offs_m
                PV_FP8: gl.constexpr = True):
     """The epilogue of a tile's rows: ``acc / l`` (V's scale and mean applied, ``finish_rows``)
     stored to ``O`` and, with ``WRITE_LSE``, the natural-log LSE; ``offs_m``/``offs_mo`` the
-    rows in the score and output layouts."""
+    rows in the score and output layouts. Row offsets are int64 (``row·stride`` of a large output,
+    or of a strided view of one, passes 2^31), as the Triton kernels' are."""
     out = finish_rows(acc, gl.convert_layout(l_i, rows_o), VS, VM, b * svsb + hk * svsh, offs_d,
                       dmask, svsd, HAS_VSCALE, HAS_VMEAN)
     if VARLEN:
@@ -454,12 +456,13 @@ def write_rows(acc, m_i, l_i, O, LSE, LSH, VS, VM, CUQ, b, h, hk, nq, NQ, offs_m
             store_lse(LSE, h * seh + rows * sen, LSH, h * slh + rows * sln, m_i, l_i,
                       p_offset(PV_FP8), offs_m < nq, HAS_LSH)
     else:
-        gl.store(O + b * sob + h * soh + offs_mo[:, None] * son + offs_d[None, :] * sod,
+        o_rows = offs_mo.to(gl.int64)
+        gl.store(O + b * sob + h * soh + o_rows[:, None] * son + offs_d[None, :] * sod,
                  out.to(O.dtype.element_ty), mask=(offs_mo < nq)[:, None] & dmask[None, :])
         if WRITE_LSE:
-            store_lse(LSE, b * seb + h * seh + offs_m * sen, LSH,
-                      b * slb + h * slh + offs_m * sln, m_i, l_i, p_offset(PV_FP8),
-                      offs_m < nq, HAS_LSH)
+            rows = offs_m.to(gl.int64)
+            store_lse(LSE, b * seb + h * seh + rows * sen, LSH, b * slb + h * slh + rows * sln,
+                      m_i, l_i, p_offset(PV_FP8), offs_m < nq, HAS_LSH)
 
 
 __all__ = ["E4M3X4_CONSTRAINTS", "E4M3X4_PTX", "a_fragment_order", "check_tma_operands",

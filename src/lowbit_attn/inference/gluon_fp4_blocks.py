@@ -60,7 +60,8 @@ def load_scales(ptr, row0, n_rows, stride, smem, ROWS: gl.constexpr, COLS: gl.co
     lay: gl.constexpr = gl.BlockedLayout([1, COLS], [32, 1], [gl.num_warps(), 1], [1, 0])
     r = row0 + gl.arange(0, ROWS, gl.SliceLayout(1, lay))
     c = gl.arange(0, COLS, gl.SliceLayout(0, lay))
-    bits = gl.load(ptr + r[:, None] * stride + c[None, :], mask=(r < n_rows)[:, None], other=0)
+    rows = r.to(gl.int64)  # int64 row offsets, as in gluon_blocks.write_rows
+    bits = gl.load(ptr + rows[:, None] * stride + c[None, :], mask=(r < n_rows)[:, None], other=0)
     smem.store(scale_operand(bits, NV))
 
 
@@ -72,6 +73,8 @@ def key_scales(KS, j, nk, sksn, NV: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: 
     layout"), so the softmax partition stores K's scales, one block ahead of the MMA."""
     rl: gl.constexpr = get_tmem_reg_layout(scale_type(NV), [BLOCK_N, BLOCK_D // GROUP],
                                            TensorMemoryScalesLayout(), gl.num_warps())
+    # r·sksn in int32: the launcher checks that K's scales of one (batch, head) span fewer than
+    # 2^31 bytes (int64 addresses here spill 288 B at D = 128 in this partition)
     r = j * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, rl))
     c = gl.arange(0, BLOCK_D // GROUP, gl.SliceLayout(0, rl))
     bits = gl.load(KS + r[:, None] * sksn + c[None, :], mask=(r < nk)[:, None], other=0)
@@ -172,6 +175,7 @@ def epilogue(o_tmem, l_i, m_i, O, LSE, LSH, VG, VM, o_strides, lse_strides, lsh_
     cols: gl.constexpr = gl.SliceLayout(0, sl_rl)
     offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, rows)
     mmask = offs_m < nq
+    o_rows = offs_m.to(gl.int64)  # int64 row offsets, as in gluon_blocks.write_rows
     l_o = gl.convert_layout(l_i, rows)
     empty = l_o == 0.0
     l_o = gl.where(empty, 1.0, l_o)
@@ -183,11 +187,13 @@ def epilogue(o_tmem, l_i, m_i, O, LSE, LSH, VG, VM, o_strides, lse_strides, lsh_
         if HAS_VMEAN:
             out = out + gl.load(VM + b * svmb + hk * svmh + offs_d)[None, :]
         out = gl.where(empty[:, None], 0.0, out)
-        gl.store(O + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :] * sod,
+        gl.store(O + b * sob + h * soh + o_rows[:, None] * son + offs_d[None, :] * sod,
                  out.to(O.dtype.element_ty), mask=mmask[:, None])
     if WRITE_LSE:
         offs_ms = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, m_i.type.layout)
-        store_lse(LSE, b * seb + h * seh + offs_ms * sen, LSH, b * slb + h * slh + offs_ms * sln,
+        lse_rows = offs_ms.to(gl.int64)
+        store_lse(LSE, b * seb + h * seh + lse_rows * sen, LSH,
+                  b * slb + h * slh + lse_rows * sln,
                   m_i, l_i, 0.0, offs_ms < nq, HAS_LSH)
 
 

@@ -340,7 +340,7 @@ def _attn_fwd_fp4_gluon_kernel(
     n_blocks = gl.cdiv(hi, BLOCK_N)
     n_full = full_hi // BLOCK_N
     sdb, sdh, sdq, sdn = ds_strides
-    ds_off = b * sdb + h * sdh + pid_m * sdq  # this query block's ΔS row (BLOCK_M rows each)
+    ds_off = b * sdb + h * sdh + pid_m.to(gl.int64) * sdq  # this query block's ΔS row
     mult = qk_multiplier
     if NV:
         mult = mult * (gl.load(QG + b * sgqb + h * sgqh) * gl.load(KG + b * sgkb + hk * sgkh))
@@ -544,6 +544,10 @@ def _check_scope(qz: QuantizedFP4, *, head_dim, block_q, block_k, causal_offset)
         if x.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous along its last dim, got strides "
                              f"{tuple(x.stride())}")
+    span = qz.k_scale.shape[2] * qz.k_scale.stride(2)  # gluon_fp4_blocks.key_scales: int32
+    if span >= 2**31:
+        raise ValueError(f"k_scale's tokens must span fewer than 2^31 bytes per head, got "
+                         f"{qz.k_scale.shape[2]} tokens at stride {qz.k_scale.stride(2)}")
 
 
 __all__ += ["BLOCK_NS", "FORMATS", "HEAD_DIMS", "attention", "check_version"]

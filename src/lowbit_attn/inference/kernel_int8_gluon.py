@@ -209,7 +209,7 @@ def _attn_fwd_int8_gluon_kernel(
         if VARLEN:  # read again: not kept live through the main loop (see the epilogue)
             _, nk = seq_span(CUK, b, NK, True)
         if PER_TOKEN:
-            ks_ptr = ks_base + j0 * BLOCK_N * sksn
+            ks_ptr = ks_base + (j0 * BLOCK_N).to(gl.int64) * sksn
         else:
             ks_ptr = ks_base + j0 * sksn
         for j in range(j0, n_blocks):

@@ -253,7 +253,7 @@ def _consumer(state, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_VSCALE: gl.c
                 WG, False, IS_CAUSAL, BLOCK_N, BLOCK_D, s_layout, o_layout, PER_TOKEN, PV_FP8)
         j0 = gl.maximum(n_full, 1)
         if PER_TOKEN:
-            ks_ptr = ks_base + j0 * BLOCK_N * sksn
+            ks_ptr = ks_base + (j0 * BLOCK_N).to(gl.int64) * sksn
         else:
             ks_ptr = ks_base + j0 * sksn
         for j in range(j0, n_blocks):

@@ -150,8 +150,8 @@ def _attn_fwd_sm90_kernel(
             gl.zeros([BM, BN], gl.float32, layout=s_layout)).type.layout
         pair: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, view))
         rows_t = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, pair))
-        qs = gl.load(QS + b * sqsb + h * sqsh + thread_group(rows_t, 2) * sqsn, mask=rows_t < nq,
-                     other=1.0)
+        qs = gl.load(QS + b * sqsb + h * sqsh + thread_group(rows_t, 2).to(gl.int64) * sqsn,
+                     mask=rows_t < nq, other=1.0)
         ks_ptr = KS + b * sksb + hk * sksh + gl.arange(0, 4, layout=gl.SliceLayout(0, pair)) * sksn
         ks_step = 4 * sksn
     else:

@@ -12,8 +12,9 @@ Per tile of the main loop (``64·NUM_WG`` keys by 64 queries for dK/dV, ``64·NU
 - **issue cycles**: the loop's instructions per thread (per warp) times the program's warps over
   the SM's four schedulers (one program per SM: these kernels take more than half its
   registers or shared memory);
-- the gate: no spills, every product a wgmma of N >= 64, and issue cycles at most
-  :data:`MAX_ISSUE_RATIO` times the tensor cycles.
+- the gate: no spills, every product a wgmma of N >= 64, no instruction writing a register an
+  in-flight wgmma reads as its A operand (``sm90_gates.a_register_gate``, the whole kernel), and
+  issue cycles at most :data:`MAX_ISSUE_RATIO` times the tensor cycles.
 
 The main loop is the shortest of the kernel's key-block (or query-tile) loops: the masked one
 (causal diagonal, a sequence's last tile) holds the same work and the masks. Also shown, for
@@ -52,7 +53,8 @@ def gates(report) -> dict | None:
     if not report.ok or not report.cubin:
         return None
     mma = "IGMMA" if report.constexprs["INT8"] else "HGMMA"
-    loops = sass.key_block_loops(sass.disassemble(report.cubin), mma=mma)
+    listing = sass.listing(report.cubin)
+    loops = sass.key_block_loops([(a, t) for a, _, t in listing], mma=mma)
     body = min(loops, key=len)
     ops = sass.opcode_counts(body)
     tensor = sum(m / (INT8_MACS if i8 else BF16_MACS) for _, i8, m in products(report))
@@ -67,10 +69,12 @@ def gates(report) -> dict | None:
         "shared_loads": ops.get("LDS", 0), "shared_stores": ops.get("STS", 0),
         "local_memory": ops.get("LDL", 0) + ops.get("STL", 0), "barriers": ops.get("BAR", 0),
         "spills": report.spills, "narrow": report.narrow_products(WIDE_N),
+        "a_register": sm90_gates.a_register_gate(listing),
     }
     found["checks"] = {
         "0 spills": report.spills == 0,
         f"every product a wgmma of N >= {WIDE_N}": not found["narrow"],
+        "no A-register hazard": not found["a_register"]["hazards"],
         f"issue <= {MAX_ISSUE_RATIO}x tensor cycles per tile": issue <= MAX_ISSUE_RATIO * tensor,
     }
     found["passes"] = all(found["checks"].values())
@@ -88,8 +92,10 @@ def format_gates(report, found: dict | None) -> list[str]:
         f"{found['conversion_cycles']} cycles; {found['shared_loads']} LDS, "
         f"{found['shared_stores']} STS, {found['barriers']} BAR, {found['local_memory']} "
         "local-memory accesses",
+        sm90_gates.a_register_line(found),
         f"  gate          {sm90_gates.verdict(found, 'misses')} (0 spills, every product a wgmma "
-        f"of N >= {WIDE_N}, issue <= {MAX_ISSUE_RATIO}x tensor cycles per tile)",
+        f"of N >= {WIDE_N}, no A-register hazard, issue <= {MAX_ISSUE_RATIO}x tensor cycles per "
+        "tile)",
     ]
 
 

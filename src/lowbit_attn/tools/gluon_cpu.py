@@ -108,7 +108,11 @@ Products and row sums are computed in float64 and rounded once to fp32 (``canoni
 makes the reference do the same); INT8 products are exact either way, and FP8 P̃·V is exact in
 float64. ``fma`` is a multiply then an add (two fp32 roundings, the reference's order) unless
 ``fused_fma``. Integer ``//`` and ``%`` follow Python (Triton truncates toward zero: the same for
-the non-negative values the kernel divides); int32 overflow is not modelled.
+the non-negative values the kernel divides). Integer ``+``, ``-`` and ``*`` follow Triton's types
+(a kernel's integer arguments are int32 values, or int64 past 2^31, except 1, a constant; a
+constant takes the other operand's type; two values the wider one) and an int32 result that does
+not hold the exact value raises :class:`Overflow` (on the GPU it wraps: an address offset so
+computed points elsewhere).
 
 What it cannot show: anything about time. Asynchrony, barriers as the hardware executes them,
 races between warps or warpgroups (one sequential thread stands for the CTA outside
@@ -158,6 +162,11 @@ class Race(ScheduleError):
 
 class NotModeled(ScheduleError):
     """The kernel uses a Gluon or Triton name this model does not implement."""
+
+
+class Overflow(ScheduleError):
+    """An int32 sum, difference or product whose exact value does not fit in 32 bits: on the GPU
+    it wraps (an address offset so computed points elsewhere)."""
 
 
 # --- numerics --------------------------------------------------------------------------------
@@ -211,6 +220,90 @@ def canonical_reductions():
     not on indices: torch's fp32 sum order depends on the row length (a kernel's partial key block
     has zero-filled columns the twin's slice does not), its ``exp2`` on where an element sits."""
     return _Canonical()
+
+
+# --- integers --------------------------------------------------------------------------------
+
+# Triton's integer arithmetic, which torch's differs from: a Python int (a constexpr) takes the
+# other operand's type, two typed values (tensors, 0-d ones too: kernel arguments, program ids)
+# the wider of the two (torch instead lets a 0-d int64 take an int32 tensor's type), and an int32
+# result wraps. The model computes in int64 and raises Overflow where an int32 result would not
+# hold its exact value.
+_INTEGER_OPS = {
+    torch.Tensor.add: ("+", lambda a, b: a + b), torch.add: ("+", lambda a, b: a + b),
+    torch.Tensor.sub: ("-", lambda a, b: a - b), torch.sub: ("-", lambda a, b: a - b),
+    torch.Tensor.__rsub__: ("-", lambda a, b: b - a),
+    torch.Tensor.mul: ("*", lambda a, b: a * b), torch.mul: ("*", lambda a, b: a * b),
+}
+_IN_PLACE = {torch.Tensor.add_: torch.Tensor.add, torch.Tensor.sub_: torch.Tensor.sub,
+             torch.Tensor.mul_: torch.Tensor.mul}
+_INT32_RANGE = (-2**31, 2**31 - 1)
+
+
+def _typed_integer(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.dtype in (torch.int32, torch.int64)
+
+
+def _python_integer(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _integer_op(func, args, kwargs):
+    """The Triton result of an integer ``+``, ``-`` or ``*`` (None: not one)."""
+    if func not in _INTEGER_OPS or kwargs or len(args) != 2:
+        return None
+    a, b = args
+    if not all(_typed_integer(x) or _python_integer(x) for x in (a, b)):
+        return None
+    symbol, op = _INTEGER_OPS[func]
+    typed = [x.dtype for x in (a, b) if isinstance(x, torch.Tensor)]
+    dtype = torch.int64 if torch.int64 in typed else torch.int32
+    exact = op(*(x.to(torch.int64) if isinstance(x, torch.Tensor) else x for x in (a, b)))
+    if dtype == torch.int32:
+        lo, hi = _INT32_RANGE
+        bad = (exact < lo) | (exact > hi)
+        if bool(bad.any()):
+            first = tuple(int(i) for i in bad.nonzero()[0]) if bad.dim() else ()
+
+            def at(x):
+                if not isinstance(x, torch.Tensor) or x.dim() == 0:
+                    return int(x)
+                return int(x.expand(bad.shape)[first])
+
+            value = int(exact.expand(bad.shape)[first]) if bad.dim() else int(exact)
+            where = f" at index {first}" if first else ""
+            raise Overflow(f"int32 overflow{where}: {at(args[0])} {symbol} {at(args[1])} = "
+                           f"{value} (operands {', '.join(_describe(x) for x in (a, b))}); "
+                           "an offset that may pass 2^31 needs int64")
+    return exact.to(dtype)
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"{str(x.dtype).removeprefix('torch.')}{list(x.shape)}"
+    return "constant"
+
+
+class _Integers(TorchFunctionMode):
+    """Triton's integer arithmetic for the kernel's code (see :func:`_integer_op`)."""
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        found = _integer_op(_IN_PLACE.get(func, func), args, kwargs)
+        if found is None:
+            return func(*args, **(kwargs or {}))
+        if func in _IN_PLACE and found.dtype == args[0].dtype:
+            return args[0].copy_(found)
+        return found
+
+
+def _kernel_scalar(v):
+    """A kernel's integer argument as Triton types it: 1 is specialized into a constant, others
+    are int32 when they fit, else int64 (0-d tensors, so that the arithmetic on them is
+    Triton's)."""
+    if not _python_integer(v) or v == 1:
+        return v
+    lo, hi = _INT32_RANGE
+    return torch.tensor(v, dtype=torch.int32 if lo <= v <= hi else torch.int64)
 
 
 # --- memory ----------------------------------------------------------------------------------
@@ -288,13 +381,15 @@ def _store(ptr, value, mask=None, **_):
     value = torch.as_tensor(value)
     off, m = _addresses(ptr, mask, like=value)
     value = value.expand(off.shape).to(ptr.mem.dtype)
-    written = _machine().launch.written.setdefault(
-        id(ptr.mem), torch.zeros(ptr.mem.numel(), dtype=torch.int32))
     hit = off[m]
-    written.index_put_((hit,), torch.ones_like(hit, dtype=torch.int32), accumulate=True)
-    if bool((written[hit] > 1).any()):
-        o = int(hit[written[hit] > 1][0])
-        raise Race(f"element {o} of {ptr.name} is stored twice in one launch")
+    # the offsets stored so far (not a flag per element: an output may be a view over a storage
+    # of 2^31 elements and more, of which a launch writes a few)
+    written = _machine().launch.written.get(id(ptr.mem), torch.zeros(0, dtype=torch.int64))
+    unique, counts = torch.unique(hit, return_counts=True)
+    twice = unique[(counts > 1) | torch.isin(unique, written)]
+    if len(twice):
+        raise Race(f"element {int(twice[0])} of {ptr.name} is stored twice in one launch")
+    _machine().launch.written[id(ptr.mem)] = torch.cat([written, unique])
     ptr.mem[hit] = value[m]
 
 
@@ -715,7 +810,8 @@ class _Machine:
         try:
             if self.failure is not None:
                 return
-            value = fn(*args)
+            with _Integers():  # a mode is per thread
+                value = fn(*args)
             if p is self.main:
                 results["default"] = value
             p.finished = True
@@ -1572,15 +1668,15 @@ class _Rebinder:
         return recorded
 
 
-def _arguments(v, name):
+def _arguments(v, name, constexpr=False):
     if isinstance(v, torch.Tensor):
         return Ptr.of(v, name)
     if type(v).__name__ == "TensorDescriptor":  # a host TMA descriptor (Gluon's)
         return _make_tensor_descriptor(Ptr.of(v.base, name), v.shape, v.strides, v.block_shape,
                                        v.layout)
     if isinstance(v, tuple):
-        return tuple(_arguments(x, f"{name}[{i}]") for i, x in enumerate(v))
-    return v
+        return tuple(_arguments(x, f"{name}[{i}]", constexpr) for i, x in enumerate(v))
+    return v if constexpr else _kernel_scalar(v)
 
 
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
@@ -1610,11 +1706,14 @@ class CpuKernel:
         def launch(*args, **kwargs):
             if args:
                 raise TypeError("launch the kernel with keyword arguments")
-            kw = {k: _arguments(v, k) for k, v in kwargs.items() if k not in LAUNCH_OPTIONS}
+            params = inspect.signature(getattr(self.kernel, "fn", self.kernel)).parameters
+            constexprs = {n for n, p in params.items() if "constexpr" in str(p.annotation)}
+            kw = {k: _arguments(v, k, k in constexprs) for k, v in kwargs.items()
+                  if k not in LAUNCH_OPTIONS}
             fn = self.rebinder.function(self.kernel)
             state = _Launch(self.trace, self.schedule, int(kwargs.get("num_warps", 4)))
             grid3 = tuple(grid) + (1,) * (3 - len(grid))
-            with _tensor_dialect():
+            with _tensor_dialect(), _Integers():
                 for pid in itertools.product(*(range(n) for n in grid3)):
                     m = _Machine((pid[0], pid[1], pid[2]), state)
                     _CURRENT.append(m)
@@ -1683,5 +1782,5 @@ def kernel_on_cpu(module, name: str, **options):
         setattr(module, name, real)
 
 
-__all__ = ["SCHEDULES", "CpuKernel", "Hang", "NotModeled", "Numerics", "Race", "ScheduleError",
-           "Trace", "canonical_reductions", "kernel_on_cpu", "modeled_names", "referenced_names"]
+__all__ = ["SCHEDULES", "CpuKernel", "Hang", "NotModeled", "Numerics", "Overflow", "Race",
+           "ScheduleError", "Trace", "canonical_reductions", "kernel_on_cpu", "modeled_names", "referenced_names"]

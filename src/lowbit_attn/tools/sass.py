@@ -3,7 +3,8 @@
 softmax sit against the asynchronous tensor-core products.
 
 On Hopper a ``wgmma`` is issued (``IGMMA``/``QGMMA``/``HGMMA`` in SASS) and waited for later
-(``WARPGROUP.DEPBAR``); instructions between the two run while the tensor cores work. ::
+(``WARPGROUP.DEPBAR``); instructions between the two run while the tensor cores work, and must
+not write the registers a wgmma reads as its A operand (:func:`a_register_hazards`). ::
 
     from lowbit_attn.tools import aot, sass
     report = aot.compile_launch(launch, "sm_90a", config=1)
@@ -29,8 +30,19 @@ def cuobjdump_path() -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
-def disassemble(cubin: bytes) -> list[tuple[int, str]]:
-    """``(address, instruction)`` of every SASS instruction (predicates stripped)."""
+def parse(text: str) -> list[tuple[int, str, str]]:
+    """``(address, guard predicate or "", instruction)`` of each line ``/*0040*/ @P0 BRA 0x80 ;``
+    of ``cuobjdump -sass`` output (or of SASS written in that form)."""
+    found = []
+    for a, line in _LINE.findall(text):
+        guard = _PREDICATE.match(line)
+        found.append((int(a, 16), guard.group(0).strip() if guard else "",
+                      line[guard.end():] if guard else line))
+    return found
+
+
+def listing(cubin: bytes) -> list[tuple[int, str, str]]:
+    """:func:`parse` of the cubin's SASS."""
     if not cubin:
         raise ValueError("cubin is empty: the kernel did not compile")
     with tempfile.TemporaryDirectory() as tmp:
@@ -41,7 +53,12 @@ def disassemble(cubin: bytes) -> list[tuple[int, str]]:
                               timeout=120)
     if done.returncode != 0:
         raise RuntimeError(f"cuobjdump failed: {done.stderr.strip()[:300]}")
-    return [(int(a, 16), _PREDICATE.sub("", text)) for a, text in _LINE.findall(done.stdout)]
+    return parse(done.stdout)
+
+
+def disassemble(cubin: bytes) -> list[tuple[int, str]]:
+    """``(address, instruction)`` of every SASS instruction (predicates stripped)."""
+    return [(a, text) for a, _, text in listing(cubin)]
 
 
 def loops(instructions: list[tuple[int, str]]) -> list[list[str]]:
@@ -177,6 +194,170 @@ def _destination(text: str) -> int | None:
         return None
     found = _REGISTER.match(parts[1].split(",", 1)[0].strip())
     return int(found.group(1)) if found else None
+
+
+# --- wgmma register A operands ---------------------------------------------------------------
+#
+# A wgmma whose A operand sits in registers (``QGMMA.64x128x32.F32.E4M3.E4M3 R24, R104, gdesc[UR4],
+# R24``: destination, A, B's descriptor, accumulator) reads them while it is in flight: from its
+# issue until a ``WARPGROUP.DEPBAR.LE gsb0, N`` retires its group (each group's last wgmma carries
+# ``gsb0``; the wait leaves at most the N newest committed groups in flight). An instruction that
+# writes one of those registers in between changes what the tensor cores multiply.
+
+_GMMA = re.compile(r"([HIQ]GMMA)\.64x(\d+)x(\d+)\b")
+_A_REGISTERS = 4  # m64 by 32 bytes of K over the 128 threads: 16 bytes per thread
+_K_OF = {"IGMMA": (32,), "QGMMA": (32,), "HGMMA": (16, 8)}  # 32 bytes of 8/16/32-bit elements
+_GUARD = re.compile(r"!?U?P(\d+|T)$")
+_NO_REGISTER_WRITE = ("BRA", "EXIT", "BSSY", "BSYNC", "BREAK", "WARPSYNC", "BAR", "NOP",
+                      "DEPBAR", "WARPGROUP", "MEMBAR", "FENCE", "ERRBAR", "CCTL", "BPT", "YIELD",
+                      "CALL", "RET")
+_UNANALYSED = ("BRX", "JMX", "JMP")  # indirect or absolute jumps: not in the kernels
+_K_CAP = 16  # commits counted past the largest N a wait can name
+
+
+def _operands(text: str) -> list[str]:
+    parts = text.split(None, 1)
+    return [o.strip() for o in parts[1].split(",")] if len(parts) > 1 else []
+
+
+def _written(text: str) -> set[int]:
+    """The general registers an instruction may write (more rather than fewer): its first operand
+    that is not a predicate, when a register, with the registers a wide result takes."""
+    opcode = text.split(None, 1)[0]
+    if opcode.split(".")[0] in _NO_REGISTER_WRITE:
+        return set()
+    dest = next((o for o in _operands(text) if not _GUARD.match(o)), None)
+    found = _REGISTER.match(dest or "")
+    if not found:
+        return set()
+    gmma = _GMMA.match(opcode)
+    if gmma:
+        width = int(gmma.group(2)) // 2  # the accumulator: N/2 fp32 or s32 per thread
+    elif opcode.startswith(("HMMA", "IMMA", "QMMA", "OMMA")) or re.search(r"\.128\b|88\.4\b",
+                                                                          opcode):
+        width = 4
+    elif (re.search(r"\.64\b|WIDE|F64|88\.2\b", opcode) or opcode in ("CS2R", "CS2R.64")
+          or opcode.split(".")[0] in ("DADD", "DMUL", "DFMA")):
+        width = 2
+    else:
+        width = 1
+    return set(range(int(found.group(1)), int(found.group(1)) + width))
+
+
+def _register_a(text: str) -> tuple[int, ...] | None:
+    """The registers of a wgmma's A operand (``None``: not a wgmma, or A in shared memory)."""
+    found = _GMMA.match(text)
+    if not found:
+        return None
+    if int(found.group(3)) not in _K_OF[found.group(1)]:
+        raise ValueError(f"a wgmma of K = {found.group(3)} is not one this check knows: {text}")
+    a = _REGISTER.match(_operands(text)[1])  # (R104 or R104.reuse; B is gdesc[...])
+    return tuple(range(int(a.group(1)), int(a.group(1)) + _A_REGISTERS)) if a else None
+
+
+def _successors(i: int, listing: list[tuple[int, str, str]], index: dict[int, int],
+                returns: list[int]) -> list[int]:
+    """Where control may go after ``listing[i]``; ``returns``: the instruction after each call
+    (a return may go to any: the subroutines, ptxas's slow paths of a division or a square root,
+    are followed once for all their callers)."""
+    address, guard, text = listing[i]
+    opcode = text.split(None, 1)[0]
+    name = opcode.split(".")[0]
+    if name in _UNANALYSED:
+        raise ValueError(f"control flow this check does not follow at {address:#x}: {text}")
+    conditional = bool(guard) or any(_GUARD.match(o) for o in _operands(text)) or "." in opcode
+    after = [i + 1] if i + 1 < len(listing) else []
+    if name == "EXIT":
+        return after if guard else []
+    if name == "RET":
+        return returns + (after if guard else [])
+    if name in ("BRA", "CALL"):
+        target = int(re.findall(r"0x([0-9a-f]+)", text)[-1], 16)
+        if target not in index:
+            raise ValueError(f"a branch at {address:#x} to {target:#x}, no instruction")
+        falls = bool(guard) if name == "CALL" else conditional
+        return [index[target]] + (after if falls else [])
+    return after
+
+
+@dataclass(frozen=True)
+class AHazard:
+    """An instruction (at ``address``) that may write ``register`` while the wgmma at ``wgmma``
+    reads it as its A operand (issued, its group not yet retired)."""
+
+    address: int
+    instruction: str
+    register: int
+    wgmma: int
+
+    def __str__(self) -> str:
+        return (f"{self.address:#06x} {self.instruction} writes R{self.register}, A of the wgmma "
+                f"at {self.wgmma:#06x} in flight")
+
+
+@dataclass(frozen=True)
+class ARegisterCheck:
+    """What :func:`a_register_hazards` found: ``wgmma``, how many wgmma instructions take their A
+    operand from registers (reachable ones); ``hazards``, the writes to such a register in
+    flight."""
+
+    wgmma: int
+    hazards: tuple[AHazard, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.hazards
+
+    def line(self) -> str:
+        found = "none" if self.ok else f"{len(self.hazards)} (first: {self.hazards[0]})"
+        return f"A-register hazard: {found} ({self.wgmma} wgmma with register A checked)"
+
+
+def a_register_hazards(listing: list[tuple[int, str, str]]) -> ARegisterCheck:
+    """Every instruction that may write a register some wgmma in flight reads as its A operand,
+    on any path of the kernel's control flow (a forward data-flow over the SASS from its first
+    instruction to a fixed point: per register, the wgmma reading it and the fewest groups
+    committed since, on any path reaching the point; branches whose target is in the listing,
+    both ways when guarded; a subroutine's return to every call's next instruction; indirect
+    jumps refused). A guarded write counts as a write; a guarded wait retires nothing; a guarded
+    wgmma is issued but commits nothing. ``listing``: :func:`listing` (or :func:`parse`)
+    output."""
+    index = {a: i for i, (a, _, _) in enumerate(listing)}
+    returns = [i + 1 for i, (_, _, t) in enumerate(listing)
+               if t.startswith("CALL") and i + 1 < len(listing)]
+    states: dict[int, dict[int, tuple[int, int]]] = {0: {}} if listing else {}
+    work = [0] if listing else []
+    hazards: dict[tuple[int, int], AHazard] = {}
+    register_a: set[int] = set()
+    while work:
+        i = work.pop()
+        address, guard, text = listing[i]
+        state = dict(states[i])  # register -> (commits since its wgmma, the wgmma's address)
+        for r in sorted(_written(text) & state.keys()):
+            hazards.setdefault((address, r), AHazard(address, text, r, state[r][1]))
+        wait = _WAIT.match(text)
+        if wait and not guard:
+            state = {r: v for r, v in state.items() if v[0] <= int(wait.group(1), 16)}
+        a = _register_a(text)
+        if a is not None:
+            register_a.add(address)
+            for r in a:
+                state[r] = min(state.get(r, (0, address)), (0, address))
+        if _GMMA.match(text) and "gsb0" in _operands(text) and not guard:
+            state = {r: (min(k + 1, _K_CAP), w) for r, (k, w) in state.items()}
+        for j in _successors(i, listing, index, returns):
+            old = states.get(j)
+            if old is None:
+                new = state
+            else:
+                new = dict(old)
+                for r, v in state.items():
+                    new[r] = min(new.get(r, v), v)
+            if old is None or new != old:
+                states[j] = new
+                work.append(j)
+    ordered = sorted(hazards.values(), key=lambda h: (h.address, h.register))
+    return ARegisterCheck(len(register_a), tuple(ordered))
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,9 @@ sm_90a: the gate ``lowbit-attn inspect --kernel sm90`` prints and
 - P̃·V is a wgmma whose A operand comes from registers (its PTX names a register list where a
   shared-memory descriptor would be);
 - the main (unmasked) key-block loop stores nothing to shared memory;
+- no instruction writes a register an in-flight wgmma reads as its A operand, before the wait
+  that retires it (``sass.a_register_hazards``, over the whole kernel): Triton leaves a register
+  A operand out of the wait's dependencies, so nothing else checks it;
 - no spills;
 - at most :data:`MAX_PER_SCORE` instructions per score in that loop (per thread: the loop's
   instructions over the 64 scores a thread holds per 64×128 tile);
@@ -56,13 +59,29 @@ def pv_from_registers(ptx: str) -> bool | None:
     return all(first == "{" for first in found) if found else None
 
 
+def a_register_gate(listing: list[tuple[int, str, str]]) -> dict:
+    """``sass.a_register_hazards`` of a kernel's SASS as gate fields: ``wgmma`` (those with a
+    register A operand) and ``hazards`` (each as text)."""
+    found = sass.a_register_hazards(listing)
+    return {"wgmma": found.wgmma, "hazards": [str(h) for h in found.hazards]}
+
+
+def a_register_line(found: dict) -> str:
+    """The ``inspect`` line of :func:`a_register_gate`'s fields."""
+    a = found["a_register"]
+    hazards = "none" if not a["hazards"] else f"{len(a['hazards'])} (first: {a['hazards'][0]})"
+    return (f"  A registers   A-register hazard: {hazards} ({a['wgmma']} wgmma with register A "
+            "checked)")
+
+
 def gates(report) -> dict | None:
     """The kernel's gates (module docstring); ``None`` when it did not compile."""
     if not report.ok or not report.cubin:
         return None
     c = report.constexprs
     pv_mma = "QGMMA" if c["PV_FP8"] else "HGMMA"
-    body = sass.key_block_loops(sass.disassemble(report.cubin), mma=pv_mma)[0]
+    listing = sass.listing(report.cubin)
+    body = sass.key_block_loops([(a, t) for a, _, t in listing], mma=pv_mma)[0]
     ops = sass.opcode_counts(body)
     per_score = len(body) / SCORES_PER_THREAD
     ctas = ctas_per_sm(report.registers, report.shared_memory)
@@ -72,10 +91,11 @@ def gates(report) -> dict | None:
         "i2f": sum(t.startswith(("I2F", "I2FP")) for t in body),
         "shared_stores": ops.get("STS", 0), "local_memory": ops.get("LDL", 0) + ops.get("STL", 0),
         "pv_from_registers": pv_from_registers(report.ptx), "ctas_per_sm": ctas,
-        "spills": report.spills,
+        "spills": report.spills, "a_register": a_register_gate(listing),
     }
     found["checks"] = {
         "P̃·V from registers": found["pv_from_registers"] is True,
+        "no A-register hazard": not found["a_register"]["hazards"],
         "no shared-memory store in the main loop": found["shared_stores"] == 0,
         "0 spills": report.spills == 0,
         f"<= {MAX_PER_SCORE} instructions per score": per_score <= MAX_PER_SCORE,
@@ -104,6 +124,7 @@ def format_gates(report, found: dict | None) -> list[str]:
         f"  P̃·V A operand  {'registers' if found['pv_from_registers'] else 'shared memory'}; "
         f"{found['ctas_per_sm']} CTAs per SM ({report.registers} registers, "
         f"{report.shared_memory} B shared memory, {THREADS} threads)",
-        f"  gate          {verdict_} (P̃·V from registers, no STS in the loop, 0 spills, <= "
-        f"{MAX_PER_SCORE} per score, >= {MIN_CTAS} CTAs per SM)",
+        a_register_line(found),
+        f"  gate          {verdict_} (P̃·V from registers, no A-register hazard, no STS in the "
+        f"loop, 0 spills, <= {MAX_PER_SCORE} per score, >= {MIN_CTAS} CTAs per SM)",
     ]

@@ -309,7 +309,7 @@ def _dkdv_sm90_kernel(
     krows = k0 + gl.arange(0, BK, layout=gl.SliceLayout(1, p_layout))
     c_rows = gl.full([BK], qk_scale, gl.float32, layout=gl.SliceLayout(1, p_layout))
     if INT8:  # each key's block scale (two blocks of 64 for two warpgroups)
-        c_rows = gl.load(KS + b * sksb + hk * sksh + (krows // _BLOCK) * sksn,
+        c_rows = gl.load(KS + b * sksb + hk * sksh + (krows // _BLOCK).to(gl.int64) * sksn,
                          mask=krows < NK, other=0.0)
     zero_s = gl.zeros([BK, _BQ], gl.int32 if INT8 else gl.float32, layout=s_layout)
     zero_p = gl.zeros([BK, _BQ], gl.float32, layout=p_layout)
@@ -526,14 +526,15 @@ def _dq_sm90_kernel(
     else:
         valid = qrows < NQ
     # rows past the end: LSE +inf, P = 0 (the tile's scale, per tile, is the valid rows')
-    lse = gl.load(LSE + b * slb + h * slh + qrows * sln, mask=valid, other=float("inf"))
+    q64 = qrows.to(gl.int64)  # row offsets in int64: row·stride may pass 2^31
+    lse = gl.load(LSE + b * slb + h * slh + q64 * sln, mask=valid, other=float("inf"))
     lse = gl.where(lse == float("-inf"), 0.0, lse)  # a row that sees no key: P = exp2(-inf) = 0
     delta = gl.zeros([BM], gl.float32, layout=rows_p)
     if not DELTA_PASS:
-        delta = gl.load(DELTA + b * sdb + h * sdh + qrows * sdn, mask=valid, other=0.0)
+        delta = gl.load(DELTA + b * sdb + h * sdh + q64 * sdn, mask=valid, other=0.0)
     c_rows = gl.full([BM], qk_scale, gl.float32, layout=rows_p)
     if INT8:  # each query's block scale (two blocks of 64 for two warpgroups)
-        c_rows = gl.load(QS + b * sqsb + h * sqsh + (qrows // _BLOCK) * sqsn, mask=valid,
+        c_rows = gl.load(QS + b * sqsb + h * sqsh + (q64 // _BLOCK) * sqsn, mask=valid,
                          other=0.0)
     zero_s = gl.zeros([BM, _BQ], gl.int32 if INT8 else gl.float32, layout=s_layout)
     zero_p = gl.zeros([BM, _BQ], gl.float32, layout=p_layout)
@@ -580,7 +581,7 @@ def _dq_sm90_kernel(
         mbarrier.invalidate(ld_bars.index(j))
     dq0, dq1, delta_acc = acc
     if DELTA_PASS:
-        gl.store(DELTA + b * sdb + h * sdh + qrows * sdn, delta_acc, mask=valid)
+        gl.store(DELTA + b * sdb + h * sdh + qrows.to(gl.int64) * sdn, delta_acc, mask=valid)
     else:
         BALANCE: gl.constexpr = 1 if HAS_BAL else 0
         _store_rows(DQ, dq_strides, HQ, GROUP, NQ, CNT, dq0, BAL, bal_strides, 0, softmax_scale,
@@ -628,7 +629,7 @@ def _store_rows(X, x_strides, H, GROUP, N, CNT, acc, BAL, bal_strides, d0, facto
     else:
         exists = rows < N
     mask = gl.expand_dims(exists, 1) & gl.expand_dims(offs_d >= 0, 0)
-    gl.store(X + b * sxb + h * sxh + gl.expand_dims(rows, 1) * sxn
+    gl.store(X + b * sxb + h * sxh + gl.expand_dims(rows.to(gl.int64), 1) * sxn
              + gl.expand_dims(offs_d, 0) * sxd, acc.to(X.dtype.element_ty), mask=mask)
 
 
