@@ -10,16 +10,18 @@ so it is opt-in and earns its place on each machine. A call uses it only where
 1. :func:`applies`: CUDA tensors on a device of capability 9.0 (sm_90a, the only target it is
    written for), compiled kernels (not the Triton interpreter: Triton has no Gluon interpreter, so
    on a CPU the option changes nothing);
-2. it has passed, in this process and on this device, the one-time check :func:`self_check`
-   against the Triton kernel on the small inputs of :data:`CASES` (partial blocks, causal, GQA,
-   LSE, both key blocks, per-block scales, packed sequences, fp16 P·V), run at the first call
-   that gets here, in a process of its own (:func:`isolated`: a kernel that faults would leave
-   the caller's CUDA context unusable). A mismatch, a crash or any exception (the
-   module failing to import, the Triton version pin of ``kernel_int8_gluon.check_version``, a
-   compile or launch error) warns once, naming the reason, and the Triton kernel runs for the
-   rest of the process on that device. A call made while a CUDA graph is being captured does not
-   run the check (it would synchronize): it runs the Triton kernel, and the check waits for a call
-   outside a capture;
+2. it has passed the check :func:`self_check` against the Triton kernel on the small inputs of
+   :data:`CASES` (partial blocks, causal, GQA, LSE, both key blocks, per-block scales, fp16
+   P·V) on a device like this one, with this driver, software and source (:func:`admit`): the
+   verdict stored on disk by an earlier process (:func:`verdict_dir`), else the check started
+   at the first call that gets here, in a process of its own (:func:`isolated`: a kernel that
+   faults would leave the caller's CUDA context unusable) and in the background: calls run the
+   Triton kernel until its verdict is in (:func:`wait_for_admission` waits for it). A mismatch,
+   a crash or any exception (the module failing to import, the Triton version pin of
+   ``kernel_int8_gluon.check_version``, a compile or launch error) warns once, naming the
+   reason, and the Triton kernel runs for the rest of the process on that device. A call made
+   while a CUDA graph is being captured or ``torch.compile`` traces starts nothing: it runs the
+   Triton kernel, and the check waits for a call outside;
 3. the Gluon launcher takes the call: it raises ``ValueError`` before launching anything for what
    it does not cover (D other than 64 and 128, Q quantized in the kernel, ΔS, operands TMA cannot
    read); such a call runs the Triton kernel. Per-block scales and fp16 P·V are covered, and so
@@ -44,7 +46,9 @@ The admit / refuse / warn-once / fall-back machinery is shared with the Gluon FP
 sm_100a (:mod:`~lowbit_attn.inference.gluon_fp4_check`), the one-warpgroup Hopper forward
 (:mod:`~lowbit_attn.inference.sm90_check`) and the Hopper backward loops
 (:mod:`~lowbit_attn.training.sm90_check`): :func:`admit` (one verdict per process,
-device and kernel, none during a capture), :func:`run_cases` (any exception is a reason),
+device and kernel; stored on disk for later processes; the check in the background, so a first
+call pays a file read or a process's spawn, never the check; none started during a capture),
+:func:`wait_for_admission`, :func:`run_cases` (any exception is a reason),
 :func:`compare_outputs` and :func:`dispatch` (the launcher's ``ValueError`` → the Triton kernel).
 """
 
