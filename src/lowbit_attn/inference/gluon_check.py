@@ -338,9 +338,9 @@ def lasting(reason: str | None) -> bool:
     job's end), is not stored and runs again in the next process."""
     if reason is None:
         return True
-    return not (reason.startswith("its check did not finish") or "OutOfMemoryError" in reason
-                or reason.startswith(tuple(f"its check's process exited with code -{sig}"
-                                           for sig in (1, 2, 9, 15))))
+    killed = tuple(f"its check's process exited with code -{sig}:" for sig in (1, 2, 9, 15))
+    return not (reason.startswith(("its check did not finish", *killed))
+                or "OutOfMemoryError" in reason)
 
 
 def store_verdict(path: str, record: dict, reason: str | None) -> None:
@@ -429,7 +429,8 @@ class _Child:
         code += "print('VERDICT ' + json.dumps(reason), flush=True)\n"
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         pythonpath = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
-        self.out, self.err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+        # the child's output, read once it exits, closed by _finish
+        self.out, self.err = tempfile.TemporaryFile(), tempfile.TemporaryFile()  # noqa: SIM115
         self.started = time.monotonic()
         self.timeout = CHECK_TIMEOUT
         self.reason: str | None = None
@@ -621,7 +622,7 @@ def attention(qz, *, out: torch.Tensor, pv: str, granularity: str, block_q: int,
                     lambda: kernel_int8.attention(qz, **kw))
 
 
-__all__ = ["CASES", "Case", "Checker", "RUNNING", "admit", "admitted", "applies", "attention",
+__all__ = ["CASES", "RUNNING", "Case", "Checker", "admit", "admitted", "applies", "attention",
            "case_inputs", "checker", "compare_outputs", "dispatch", "isolated", "load_verdict",
            "run_cases", "self_check", "store_verdict", "verdict", "verdict_dir",
            "wait_for_admission"]
