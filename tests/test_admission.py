@@ -432,11 +432,26 @@ def test_a_failed_verdict_is_stored_and_warned_once_per_process(fake_gpu, monkey
     ("OutOfMemoryError: CUDA out of memory", False),
     ("its check's process exited with code -9: ", False),  # killed from outside
     ("its check's process exited with code -2: KeyboardInterrupt", False),
+    ("its check could not start: [Errno 11] Resource temporarily unavailable", False),
 ])
 def test_only_lasting_verdicts_are_stored(tmp_path, reason, kept):
     path = str(tmp_path / "v.json")
     gluon_check.store_verdict(path, {"k": 1}, reason)
     assert gluon_check.load_verdict(path, {"k": 1}) == ((True, reason) if kept else (False, None))
+
+
+def test_a_check_that_cannot_start_refuses_the_kernel_for_this_process_only(fake_gpu,
+                                                                          monkeypatch):
+    def no_process(*args, **kwargs):
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(gluon_check.subprocess, "Popen", no_process)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert _route(CUDA, fake_gpu.check_passes) == "triton kernel"
+    assert any("its check could not start" in str(w.message) for w in record)
+    path, record_ = gluon_check.checker(CUDA, fake_gpu.check_passes).where(STAND_IN)
+    assert gluon_check.load_verdict(path, record_) == (False, None)
 
 
 def test_a_crashed_check_is_refused_and_stored(fake_gpu):

@@ -176,7 +176,7 @@ def admit(device: torch.device, kernel: str, check: Checker, what: str, triton: 
 
     The first call in this process (outside a CUDA graph capture or ``torch.compile`` tracing:
     none starts a process there) reads the verdict stored on disk for this machine, kernel,
-    software and sources (:func:`verdict_path`); without one it starts ``check`` in the
+    software and sources (:meth:`Checker.where`, in :func:`verdict_dir`); without one it starts ``check`` in the
     background (:meth:`Checker.start`: a child process on a CUDA device) and answers ``False``.
     Later calls poll the check (a non-blocking ``waitpid``) and answer ``False`` until its
     verdict is in, then the verdict, stored on disk for later processes. A failure warns once
@@ -187,7 +187,7 @@ def admit(device: torch.device, kernel: str, check: Checker, what: str, triton: 
         state = _verdicts.get(key, _MISSING)
         if state is _MISSING:
             if graph_capturing(device) or torch.compiler.is_compiling():
-                return False  # no process started inside a capture or a trace: a later call's
+                return False  # nothing started in a capture or a trace: the next call outside
             path, record = check.where(kernel)
             found, reason = load_verdict(path, record)
             if found:
@@ -334,12 +334,13 @@ def load_verdict(path: str, record: dict) -> tuple[bool, str | None]:
 
 def lasting(reason: str | None) -> bool:
     """Whether a verdict says something about the kernel rather than about the moment: a check
-    that ran out of time or memory, or a child killed by a signal from outside (an interrupt, a
-    job's end), is not stored and runs again in the next process."""
+    that ran out of time or memory, a child that could not start or was killed by a signal from
+    outside (an interrupt, a job's end), is not stored and runs again in the next process."""
     if reason is None:
         return True
     killed = tuple(f"its check's process exited with code -{sig}:" for sig in (1, 2, 9, 15))
-    return not (reason.startswith(("its check did not finish", *killed))
+    return not (reason.startswith(("its check did not finish", "its check could not start",
+                                   *killed))
                 or "OutOfMemoryError" in reason)
 
 
@@ -405,9 +406,12 @@ class Checker:
         """The check under way (``result(block, timeout)`` → ``(done, reason)``); a child
         process stores its verdict at ``path`` itself, so that it is kept even if this process
         ends first."""
-        if self.device.type == "cuda":
+        if self.device.type != "cuda":
+            return _Done(self.check(self.device, *self.args))
+        try:
             return _Child(self.device, self.check, self.args, path, record)
-        return _Done(self.check(self.device, *self.args))
+        except OSError as exc:  # no process could be started (not stored: the next one tries)
+            return _Done(f"its check could not start: {exc}"[:500])
 
 
 def checker(device: torch.device, check: Callable[..., str | None], *args: str) -> Checker:
