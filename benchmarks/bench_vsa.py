@@ -30,6 +30,7 @@ except ImportError:  # a source checkout that is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import lowbit_attn
 from lowbit_attn.vsa import interface as vsa
+from lowbit_attn.inference import gluon_check
 from lowbit_attn.tools.bench.metadata import make_metadata
 from lowbit_attn.tools.bench.save import save_script_results
 from lowbit_attn.tools.bench.timers import peak_extra_mib, timer_for
@@ -114,6 +115,8 @@ def main(argv=None) -> int:
 
         for kernel, tag in (("triton", ""), ("sm90", "[sm90]")):
             os.environ["LOWBIT_ATTN_BWD_KERNEL"] = kernel
+            fwd_bwd(full, leaves, do)()  # sm90: starts the admission check; the rows measure
+            gluon_check.wait_for_admission()  # the kernel it admits
             record(f"vsa{tag}", fwd_bwd(full, leaves, do), fine_ops * 3.5, sparsity=s, topk=topk)
             record(f"vsa_fine_only{tag}", fwd_bwd(fine, leaves, do), fine_ops * 3.5, sparsity=s,
                    topk=topk)

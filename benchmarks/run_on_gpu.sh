@@ -9,12 +9,13 @@
 # decide (issue 43; TOTAL_BUDGET 470 s by default, one call of <= 9 minutes with the machine's
 # start): the launch plans' GPU tests with LOWBIT_ATTN_LAUNCH=plan (tests/test_gpu_plans.py, at
 # most 60 s), the one-warpgroup forward's GPU tests with its admission check (-k sm90, forward
-# only, at most 150 s), the admission check timed as a first call runs it, with a cold and a warm
-# Triton cache (benchmarks/probes/admission_time.py, at most 90 s), then bench_forward.py --decide
+# only, at most 150 s), the admission timed (benchmarks/probes/admission_time.py, at most 90 s:
+# a first call with no verdict, the check itself on a cold Triton cache in the background, a
+# later process's read of the verdict, the check on the warm cache), then bench_forward.py --decide
 # (D=128 N=16k, D=128 N=8k, D=64 N=16k, 8k, N=1k at B×H=512, causal last; SDPA cuDNN, the sm90
 # rows, SageAttention 1.0.6; each row's first call timed) in the time left.
 # decide2 (470 s): the sm90 backward's GPU tests with its admission check (at most 120 s), the
-# check timed cold and warm (90 s), bench_train.py (D=128, N=8k,4k,16k, SDPA flash against
+# same four admission times (90 s), bench_train.py (D=128, N=8k,4k,16k, SDPA flash against
 # sagebwd_int8 on the Triton backward and on the sm90 loops; 130 s), bench_vsa.py (0.875; 75 s),
 # bench_decode.py (N=8k,32k x batch 1,16, GQA 4:1) in the time left (~40 s).
 # Each step runs under `timeout` with the smaller of its cap and what TOTAL_BUDGET leaves after

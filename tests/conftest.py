@@ -112,6 +112,17 @@ def nan_poisoned_allocations(monkeypatch):
     monkeypatch.setattr(torch, "empty_like", poisoned_empty_like)
 
 
+@pytest.fixture(autouse=True)
+def admission_verdicts(monkeypatch, tmp_path_factory):
+    """Admission verdicts (``gluon_check.verdict_dir``) go to a folder of this test's own, not to
+    Triton's cache directory: a test's stand-in verdict never reaches another test or a later
+    run, and each test that checks a kernel sees no verdict stored."""
+    from lowbit_attn.inference import gluon_check
+
+    folder = str(tmp_path_factory.mktemp("verdicts"))
+    monkeypatch.setattr(gluon_check, "verdict_dir", lambda: folder)
+
+
 @pytest.fixture
 def triton_backend(monkeypatch):
     """Route the public API to the Triton kernels (interpreted on CPU tensors)."""

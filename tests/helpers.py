@@ -411,6 +411,14 @@ def check_hangs(device, *args):
     time.sleep(60)
 
 
+def check_sleeps(device, seconds, verdict=""):
+    """Passes (or fails with ``verdict``) after ``seconds``: a check that takes its time."""
+    import time
+
+    time.sleep(float(seconds))
+    return verdict or None
+
+
 def pinned_codegen() -> bool:
     """Whether the installed Triton is the pinned one, whose code generation the spill and
     instruction-count gates were measured on (other releases schedule and allocate differently;

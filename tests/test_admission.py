@@ -256,3 +256,227 @@ def test_kernel_for_asks_the_check_only_when_the_option_and_the_device_say_so(mo
     monkeypatch.setattr(bwd_check, "admitted", lambda device: False)
     assert bwd_check.kernel_for(cuda, "sm90") == "triton"
     assert KernelOptions().bwd_kernel == "triton"
+
+
+# --- the verdict on disk, the check in the background (issue 43: a first call pays ≤ 2 s) -----
+
+STAND_IN = "stand-in"  # the kernel's key among the verdicts
+CUDA = torch.device("cuda", 0)
+
+
+def _admit(device, check, *args):
+    return gluon_check.admit(device, STAND_IN, gluon_check.checker(device, check, *args),
+                             "the stand-in kernel", "the Triton kernel")
+
+
+def _route(device, check, *args):
+    """What a call runs (``gluon_check.dispatch``, as every checked kernel's route)."""
+    return gluon_check.dispatch(device, lambda d: True, lambda d: _admit(d, check, *args),
+                                lambda: "admitted kernel", lambda: "triton kernel")
+
+
+def _new_process(monkeypatch):
+    """This process's verdicts forgotten, as a later process starts (the disk keeps its own)."""
+    monkeypatch.setattr(gluon_check, "_verdicts", {})
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """A CUDA device as the machinery sees it on this CPU machine: its facts made up, no capture;
+    stand-in checks (tests/helpers.py) run in child processes that build the device object
+    only."""
+    import os
+
+    import helpers
+
+    _new_process(monkeypatch)
+    monkeypatch.setenv("PYTHONPATH", os.path.dirname(helpers.__file__))
+    monkeypatch.setattr(gluon_check, "graph_capturing", lambda device: False)
+    monkeypatch.setattr(gluon_check, "_device_facts", lambda device: {
+        "device": "NVIDIA H100 stand-in", "capability": [9, 0], "driver": 12080, "cuda": "12.8"})
+    return helpers
+
+
+def _wait_until(predicate, seconds=120.0):
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, "the stand-in check never finished"
+        time.sleep(0.05)
+
+
+def test_a_first_call_starts_the_check_and_runs_the_triton_kernel_at_once(fake_gpu):
+    """The check (a child that sleeps 3 s after starting Python) does not hold the first call
+    up: it returns the Triton kernel's result well before the verdict; later calls poll, still
+    on the Triton kernel, until the verdict is in, then take the admitted kernel. The child
+    stored the verdict on disk."""
+    import time
+
+    t0 = time.perf_counter()
+    assert _route(CUDA, fake_gpu.check_sleeps, "3") == "triton kernel"
+    first = time.perf_counter() - t0
+    assert first < 1.0, first  # the spawn, not the check (which takes > 3 s)
+    assert gluon_check.verdict(CUDA, STAND_IN) == gluon_check.RUNNING
+    assert _route(CUDA, fake_gpu.check_sleeps, "3") == "triton kernel"
+    _wait_until(lambda: gluon_check.verdict(CUDA, STAND_IN) is None)
+    assert time.perf_counter() - t0 > 3
+    assert _route(CUDA, fake_gpu.check_sleeps, "3") == "admitted kernel"
+    path, record = gluon_check.checker(CUDA, fake_gpu.check_sleeps, "3").where(STAND_IN)
+    assert gluon_check.load_verdict(path, record) == (True, None)
+
+
+def test_wait_for_admission_blocks_until_the_verdict(fake_gpu):
+    assert not _admit(CUDA, fake_gpu.check_sleeps, "1")
+    assert gluon_check.wait_for_admission() == {f"{STAND_IN}@0": None}
+    assert _admit(CUDA, fake_gpu.check_sleeps, "1")
+    assert gluon_check.wait_for_admission(timeout=0) == {f"{STAND_IN}@0": None}
+
+
+def test_a_stored_verdict_is_read_by_a_later_process_without_a_check(fake_gpu, monkeypatch):
+    """A later process (this one's verdicts forgotten) reads the verdict from disk at its first
+    call and takes the kernel at once: no child process."""
+    import time
+
+    assert not _admit(CUDA, fake_gpu.check_passes)
+    gluon_check.wait_for_admission()
+    _new_process(monkeypatch)
+
+    def no_child(*args):
+        raise AssertionError("a check started although its verdict is on disk")
+
+    monkeypatch.setattr(gluon_check, "_Child", no_child)
+    t0 = time.perf_counter()
+    assert _route(CUDA, fake_gpu.check_passes) == "admitted kernel"
+    assert time.perf_counter() - t0 < 0.5
+
+
+class _Starts:
+    """Stand-in child processes: each start recorded, each decided at once with ``verdict``."""
+
+    def __init__(self, verdict=None):
+        self.verdict, self.records = verdict, []
+
+    def __call__(self, device, check, args, path, record):
+        self.records.append(record)
+        if path is not None:
+            gluon_check.store_verdict(path, record, self.verdict)
+        return gluon_check._Done(self.verdict)
+
+
+@pytest.mark.parametrize("change", ["triton", "torch", "sources", "cases", "device", "driver"])
+def test_a_verdict_is_keyed_by_what_could_change_it(fake_gpu, monkeypatch, change):
+    """A stored verdict is for one device, driver, software and source: change any and the next
+    process checks again."""
+    starts = _Starts()
+    monkeypatch.setattr(gluon_check, "_Child", starts)
+    assert _admit(CUDA, fake_gpu.check_passes) and len(starts.records) == 1
+    _new_process(monkeypatch)
+    assert _admit(CUDA, fake_gpu.check_passes) and len(starts.records) == 1  # read from disk
+    _new_process(monkeypatch)
+    if change in ("triton", "torch"):
+        monkeypatch.setattr(triton if change == "triton" else torch, "__version__", "9.9.9")
+    elif change == "sources":  # an edited kernel, Gluon block or check
+        monkeypatch.setattr(gluon_check, "_sources_digest", lambda: "0" * 64)
+    elif change == "cases":
+        monkeypatch.setattr(fake_gpu, "CASES", ("another case",), raising=False)
+    else:
+        facts = gluon_check._device_facts(CUDA)
+        facts.update(device="NVIDIA H200") if change == "device" else facts.update(driver=13000)
+        monkeypatch.setattr(gluon_check, "_device_facts", lambda device: facts)
+    assert _admit(CUDA, fake_gpu.check_passes) and len(starts.records) == 2
+    assert starts.records[0] != starts.records[1]
+
+
+@pytest.mark.parametrize("content", ["{not json", "", '{"record": {}, "verdict": null}', "[1]",
+                                     None])
+def test_a_corrupt_or_foreign_verdict_file_is_ignored(fake_gpu, monkeypatch, content):
+    """A file that is not JSON, is empty, is for another record or is a folder: the check runs
+    again, and its verdict replaces the file."""
+    import os
+
+    starts = _Starts()
+    monkeypatch.setattr(gluon_check, "_Child", starts)
+    path, record = gluon_check.checker(CUDA, fake_gpu.check_passes).where(STAND_IN)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if content is None:
+        os.makedirs(path)  # unreadable as a file, and not replaceable: kept in memory only
+    else:
+        with open(path, "w") as f:
+            f.write(content)
+    assert _admit(CUDA, fake_gpu.check_passes) and len(starts.records) == 1
+    assert gluon_check.load_verdict(path, record) == ((False, None) if content is None
+                                                      else (True, None))
+    assert [n for n in os.listdir(os.path.dirname(path)) if n.startswith(".tmp")] == []
+
+
+def test_a_failed_verdict_is_stored_and_warned_once_per_process(fake_gpu, monkeypatch):
+    starts = _Starts("dk: cosine 0.5 < 0.99983")
+    monkeypatch.setattr(gluon_check, "_Child", starts)
+    for process in range(2):  # the one that checks, then one that reads the verdict from disk
+        _new_process(monkeypatch)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            assert _route(CUDA, fake_gpu.check_passes) == "triton kernel"
+            assert _route(CUDA, fake_gpu.check_passes) == "triton kernel"
+        messages = [str(w.message) for w in record if "stand-in kernel" in str(w.message)]
+        assert len(messages) == 1 and "dk: cosine 0.5" in messages[0], (process, messages)
+        assert "dk: cosine 0.5" in gluon_check.verdict(CUDA, STAND_IN)
+    assert len(starts.records) == 1
+
+
+@pytest.mark.parametrize("reason,kept", [
+    (None, True), ("Case(...): cosine 0.5 < 0.99996", True),
+    ("its check's process exited with code -4: ", True),  # an illegal instruction
+    ("its check did not finish in 600 s", False),
+    ("OutOfMemoryError: CUDA out of memory", False),
+    ("its check's process exited with code -9: ", False),  # killed from outside
+    ("its check's process exited with code -2: KeyboardInterrupt", False),
+    ("its check could not start: [Errno 11] Resource temporarily unavailable", False),
+])
+def test_only_lasting_verdicts_are_stored(tmp_path, reason, kept):
+    path = str(tmp_path / "v.json")
+    gluon_check.store_verdict(path, {"k": 1}, reason)
+    assert gluon_check.load_verdict(path, {"k": 1}) == ((True, reason) if kept else (False, None))
+
+
+def test_a_check_that_cannot_start_refuses_the_kernel_for_this_process_only(fake_gpu,
+                                                                          monkeypatch):
+    def no_process(*args, **kwargs):
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(gluon_check.subprocess, "Popen", no_process)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert _route(CUDA, fake_gpu.check_passes) == "triton kernel"
+    assert any("its check could not start" in str(w.message) for w in record)
+    path, record_ = gluon_check.checker(CUDA, fake_gpu.check_passes).where(STAND_IN)
+    assert gluon_check.load_verdict(path, record_) == (False, None)
+
+
+def test_a_crashed_check_is_refused_and_stored(fake_gpu):
+    assert not _admit(CUDA, fake_gpu.check_crashes)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        verdicts = gluon_check.wait_for_admission()
+    assert verdicts[f"{STAND_IN}@0"].startswith("its check's process exited with code 3")
+    path, record = gluon_check.checker(CUDA, fake_gpu.check_crashes).where(STAND_IN)
+    assert gluon_check.load_verdict(path, record)[0]
+
+
+@pytest.mark.parametrize("during", ["capture", "compile"])
+def test_nothing_starts_during_a_capture_or_a_trace(fake_gpu, monkeypatch, during):
+    """Inside a CUDA graph capture or torch.compile tracing a call neither reads nor starts
+    anything: it runs the Triton kernel, and the first call outside one starts the check."""
+    starts = _Starts()
+    monkeypatch.setattr(gluon_check, "_Child", starts)
+    inside = [True]
+    if during == "capture":
+        monkeypatch.setattr(gluon_check, "graph_capturing", lambda device: inside[0])
+    else:
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: inside[0])
+    assert _route(CUDA, fake_gpu.check_passes) == "triton kernel"
+    assert starts.records == [] and gluon_check.verdict(CUDA, STAND_IN) == "not checked"
+    inside[0] = False
+    assert _route(CUDA, fake_gpu.check_passes) == "admitted kernel"
+    assert len(starts.records) == 1

@@ -141,9 +141,10 @@ def test_gluon_forward_matches_the_reference(d, block_k, causal, schedule, pv):
 
 @pytest.mark.parametrize("value,schedule", [("gluon", "async"), ("gluon-pingpong", "pingpong")])
 def test_gluon_opt_in_passes_its_check_and_runs_in_the_public_call(monkeypatch, value, schedule):
-    """``LOWBIT_ATTN_KERNEL=gluon`` (or ``gluon-pingpong``): the first call checks the Gluon forward against the Triton
-    kernel (no warning), later calls run it, and the result stays within the check's bounds of
-    the default (Triton) call's."""
+    """``LOWBIT_ATTN_KERNEL=gluon`` (or ``gluon-pingpong``): the first call starts the check of the
+    Gluon forward against the Triton kernel in the background and runs the Triton kernel; once
+    the check passes (no warning) calls run the Gluon forward, within the check's bounds of the
+    default (Triton) call's."""
     import warnings
 
     from lowbit_attn.inference import gluon_check
@@ -161,6 +162,10 @@ def test_gluon_opt_in_passes_its_check_and_runs_in_the_public_call(monkeypatch, 
     monkeypatch.setenv("LOWBIT_ATTN_KERNEL", value)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="LOWBIT_ATTN_KERNEL")
+        first = lowbit_attn.attention(q, k, v, recipe="qk_int8_pv_fp8", is_causal=True)
+        assert ran == []  # the check started in the background; this call ran the Triton kernel
+        assert torch.equal(first, want)
+        gluon_check.wait_for_admission()
         got = lowbit_attn.attention(q, k, v, recipe="qk_int8_pv_fp8", is_causal=True)
     assert gluon_check.verdict(q.device, schedule) is None
     assert ran == [(q.shape, schedule)]  # the check ran in a process of its own
@@ -266,9 +271,9 @@ def test_sm90_numerical_options_match_their_twin(d, granularity, causal, options
 
 @pytest.mark.parametrize("granularity", ["per_thread", "per_token"])
 def test_sm90_opt_in_passes_its_check_and_runs_in_the_public_call(monkeypatch, granularity):
-    """``LOWBIT_ATTN_KERNEL=sm90``: the first call checks the kernel against the Triton kernel
-    (no warning), later calls run it, with E4M3 V permuted, within the check's bounds of the
-    default call's; the eager call's launch plans replay it (third and later calls)."""
+    """``LOWBIT_ATTN_KERNEL=sm90``: the first call starts the check against the Triton kernel in
+    the background; once it passes (no warning) calls run the kernel, with E4M3 V permuted,
+    within the check's bounds of the default call's."""
     import warnings
 
     from lowbit_attn.inference import gluon_check, sm90_check
@@ -286,6 +291,8 @@ def test_sm90_opt_in_passes_its_check_and_runs_in_the_public_call(monkeypatch, g
     monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "sm90")
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="LOWBIT_ATTN_KERNEL")
+        lowbit_attn.attention(q, k, v, recipe=recipe, is_causal=True)  # starts the check
+        gluon_check.wait_for_admission()
         outs = [lowbit_attn.attention(q, k, v, recipe=recipe, is_causal=True) for _ in range(4)]
     assert sm90_check.verdict(q.device) is None
     # the check ran in a process of its own; the first two calls through the launcher, later ones
@@ -348,9 +355,9 @@ def test_gluon_fp4_forward_matches_the_reference(recipe, causal, two_level):
 
 
 def test_gluon_fp4_opt_in_passes_its_check_and_runs_in_the_public_call(monkeypatch):
-    """``LOWBIT_ATTN_KERNEL=gluon`` with an FP4 recipe: the first call checks the Gluon FP4
-    forward against the Triton FP4 kernel (no warning), later calls run it, within the check's
-    cosine of the default call's."""
+    """``LOWBIT_ATTN_KERNEL=gluon`` with an FP4 recipe: the first call starts the check of the
+    Gluon FP4 forward against the Triton FP4 kernel in the background; once it passes (no
+    warning) calls run it, within the check's cosine of the default call's."""
     import warnings
 
     from lowbit_attn.inference import gluon_check, gluon_fp4_check
@@ -368,6 +375,8 @@ def test_gluon_fp4_opt_in_passes_its_check_and_runs_in_the_public_call(monkeypat
     monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "gluon")
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="LOWBIT_ATTN_KERNEL")
+        lowbit_attn.attention(q, k, v, **call)  # starts the check, runs the Triton kernel
+        gluon_check.wait_for_admission()
         got, got_lse = lowbit_attn.attention(q, k, v, **call)
     assert gluon_fp4_check.verdict(q.device) is None
     assert len(ran) == 1  # the check ran in a process of its own
@@ -493,6 +502,8 @@ def test_trainable_sm90_public_call_meets_the_bars(monkeypatch):
                                                              torch.bfloat16))
     do = torch.randn_like(q)
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    _admitted_after(lambda: torch.autograd.grad(
+        lowbit_attn.trainable_attention(*leaves, is_causal=True), leaves, do))
     out = lowbit_attn.trainable_attention(*leaves, is_causal=True)
     got = (out, *torch.autograd.grad(out, leaves, do))
     exact = [x.double().requires_grad_() for x in (q, k, v)]
@@ -518,8 +529,8 @@ def test_sm90_backward_admission_check_passes():
 
 
 def test_sm90_backward_opt_in_passes_its_check_in_the_public_call(monkeypatch):
-    """``LOWBIT_ATTN_BWD_KERNEL=sm90``: the first backward runs the check in a process of its
-    own (no warning) and takes the loops from then on."""
+    """``LOWBIT_ATTN_BWD_KERNEL=sm90``: the first backward starts the check in a process of its
+    own and runs the Triton backward; once it passes (no warning) backwards take the loops."""
     import warnings
 
     from lowbit_attn.inference import gluon_check
@@ -537,9 +548,21 @@ def test_sm90_backward_opt_in_passes_its_check_in_the_public_call(monkeypatch):
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="LOWBIT_ATTN_BWD_KERNEL")
-        out = lowbit_attn.trainable_attention(*leaves, is_causal=True)
-        torch.autograd.grad(out, leaves, torch.randn_like(out))
+        for _ in range(2):  # the check started (the Triton backward), then the loops
+            out = lowbit_attn.trainable_attention(*leaves, is_causal=True)
+            torch.autograd.grad(out, leaves, torch.randn_like(out))
+            assert ran == [] or sm90_check.verdict(q.device) is None
+            gluon_check.wait_for_admission()
     assert sm90_check.verdict(q.device) is None and ran == [1]
+
+
+def _admitted_after(call):
+    """``call()`` once (an opt-in kernel's first call starts its admission check), then wait for
+    the verdict: what follows runs the kernel it admits."""
+    from lowbit_attn.inference import gluon_check
+
+    call()
+    gluon_check.wait_for_admission()
 
 
 def test_video_sparse_sm90_backward_matches_the_triton_one(monkeypatch):
@@ -551,8 +574,14 @@ def test_video_sparse_sm90_backward_matches_the_triton_one(monkeypatch):
     for kernel in ("triton", "sm90"):
         monkeypatch.setenv("LOWBIT_ATTN_BWD_KERNEL", kernel)
         leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-        out = lowbit_attn.video_sparse_attention(*leaves, video_shape=(8, 16, 16), topk=0.25)
-        grads.append(torch.autograd.grad(out, leaves, do))
+
+        def call():
+            out = lowbit_attn.video_sparse_attention(*leaves, video_shape=(8, 16, 16), topk=0.25)
+            return torch.autograd.grad(out, leaves, do)
+
+        if kernel == "sm90":
+            _admitted_after(call)
+        grads.append(call())
     from lowbit_attn.core.metrics import errors
 
     for name, a, b in zip(("dq", "dk", "dv"), *grads):

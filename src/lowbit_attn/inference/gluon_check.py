@@ -10,16 +10,18 @@ so it is opt-in and earns its place on each machine. A call uses it only where
 1. :func:`applies`: CUDA tensors on a device of capability 9.0 (sm_90a, the only target it is
    written for), compiled kernels (not the Triton interpreter: Triton has no Gluon interpreter, so
    on a CPU the option changes nothing);
-2. it has passed, in this process and on this device, the one-time check :func:`self_check`
-   against the Triton kernel on the small inputs of :data:`CASES` (partial blocks, causal, GQA,
-   LSE, both key blocks, per-block scales, packed sequences, fp16 P·V), run at the first call
-   that gets here, in a process of its own (:func:`isolated`: a kernel that faults would leave
-   the caller's CUDA context unusable). A mismatch, a crash or any exception (the
-   module failing to import, the Triton version pin of ``kernel_int8_gluon.check_version``, a
-   compile or launch error) warns once, naming the reason, and the Triton kernel runs for the
-   rest of the process on that device. A call made while a CUDA graph is being captured does not
-   run the check (it would synchronize): it runs the Triton kernel, and the check waits for a call
-   outside a capture;
+2. it has passed the check :func:`self_check` against the Triton kernel on the small inputs of
+   :data:`CASES` (partial blocks, causal, GQA, LSE, both key blocks, per-block scales, fp16
+   P·V) on a device like this one, with this driver, software and source (:func:`admit`): the
+   verdict stored on disk by an earlier process (:func:`verdict_dir`), else the check started
+   at the first call that gets here, in a process of its own (:func:`isolated`: a kernel that
+   faults would leave the caller's CUDA context unusable) and in the background: calls run the
+   Triton kernel until its verdict is in (:func:`wait_for_admission` waits for it). A mismatch,
+   a crash or any exception (the module failing to import, the Triton version pin of
+   ``kernel_int8_gluon.check_version``, a compile or launch error) warns once, naming the
+   reason, and the Triton kernel runs for the rest of the process on that device. A call made
+   while a CUDA graph is being captured or ``torch.compile`` traces starts nothing: it runs the
+   Triton kernel, and the check waits for a call outside;
 3. the Gluon launcher takes the call: it raises ``ValueError`` before launching anything for what
    it does not cover (D other than 64 and 128, Q quantized in the kernel, ΔS, operands TMA cannot
    read); such a call runs the Triton kernel. Per-block scales and fp16 P·V are covered, and so
@@ -44,23 +46,31 @@ The admit / refuse / warn-once / fall-back machinery is shared with the Gluon FP
 sm_100a (:mod:`~lowbit_attn.inference.gluon_fp4_check`), the one-warpgroup Hopper forward
 (:mod:`~lowbit_attn.inference.sm90_check`) and the Hopper backward loops
 (:mod:`~lowbit_attn.training.sm90_check`): :func:`admit` (one verdict per process,
-device and kernel, none during a capture), :func:`run_cases` (any exception is a reason),
+device and kernel; stored on disk for later processes; the check in the background, so a first
+call pays a file read or a process's spawn, never the check; none started during a capture),
+:func:`wait_for_admission`, :func:`run_cases` (any exception is a reason),
 :func:`compare_outputs` and :func:`dispatch` (the launcher's ``ValueError`` → the Triton kernel).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+import triton
 
 from lowbit_attn.core.arch import graph_capturing, interpreter_enabled
 from lowbit_attn.core.metrics import cosine_similarity
@@ -120,10 +130,11 @@ CASES = (
 )
 
 _lock = threading.Lock()
-# (process id, device index, kernel) → None (admitted) or why not; a forked child checks again.
-# The kernel: a schedule of the Hopper forward ("async", "pingpong") or another Gluon forward's
-# name ("fp4", gluon_fp4_check).
-_verdicts: dict[tuple[int, int | None, str], str | None] = {}
+# (process id, device index, kernel) → None (admitted), why not, or the check under way (a
+# _Pending); a forked child checks again. The kernel: a schedule of the Hopper forward ("async",
+# "pingpong") or another Gluon forward's name ("fp4", gluon_fp4_check; "sm90", "sm90-bwd").
+_verdicts: dict[tuple[int, int | None, str], object] = {}
+RUNNING = "its check is running"  # verdict() while the check runs in the background
 
 
 def applies(device: torch.device) -> bool:
@@ -141,55 +152,339 @@ def _key(device: torch.device, schedule: str) -> tuple[int, int | None, str]:
 
 def verdict(device: torch.device, schedule: str = "async") -> str | None:
     """``None`` if the Gluon forward with ``schedule`` was admitted on ``device`` in this process,
-    else why not (``"not checked"`` before the first check)."""
-    return _verdicts.get(_key(device, schedule), "not checked")
+    else why not (``"not checked"`` before the first check, :data:`RUNNING` while it runs)."""
+    key = _key(device, schedule)
+    with _lock:
+        state = _verdicts.get(key, "not checked")
+        if isinstance(state, _Pending):
+            state = _settle(key, state, block=False)
+        return RUNNING if isinstance(state, _Pending) else state
 
 
 def admitted(device: torch.device, schedule: str = "async") -> bool:
     """Whether the Gluon forward with ``schedule`` (``kernel_int8_gluon.SCHEDULES``; each is
-    checked on its own) has passed its check on ``device``, running the check (and warning once
-    if it fails) at the first call in this process."""
+    checked on its own) has passed its check on ``device``: the verdict on disk, or the check
+    started in the background at the first call in this process (:func:`admit`)."""
     return admit(device, schedule, checker(device, self_check, schedule),
                  f"LOWBIT_ATTN_KERNEL={_VARIABLE_VALUE[schedule]}: the Gluon attention forward "
                  f"({schedule} schedule)", "the Triton kernel")
 
 
-def admit(device: torch.device, kernel: str, check: Callable[[], str | None], what: str,
-          triton: str) -> bool:
-    """Whether ``kernel`` (a key of the verdicts) is admitted on ``device``: ``check()`` (``None``
-    or why not) runs at the first call in this process outside a CUDA graph capture, and a
-    failure warns once (``what`` failed its check against ``triton``…)."""
+def admit(device: torch.device, kernel: str, check: Checker, what: str, triton: str) -> bool:
+    """Whether ``kernel`` (a key of the verdicts) is admitted on ``device`` now, never waiting
+    for a check (issue 43: a first call pays ≤ 2 s).
+
+    The first call in this process (outside a CUDA graph capture or ``torch.compile`` tracing:
+    none starts a process there) reads the verdict stored on disk for this machine, kernel,
+    software and sources (:meth:`Checker.where`, in :func:`verdict_dir`); without one it starts ``check`` in the
+    background (:meth:`Checker.start`: a child process on a CUDA device) and answers ``False``.
+    Later calls poll the check (a non-blocking ``waitpid``) and answer ``False`` until its
+    verdict is in, then the verdict, stored on disk for later processes. A failure warns once
+    (``what`` failed its check against ``triton``…). :func:`wait_for_admission` blocks until
+    every check started is decided."""
     key = _key(device, kernel)
     with _lock:
-        if key not in _verdicts:
-            if graph_capturing(device):
-                return False  # no check inside a capture; the next call outside one runs it
-            reason = check()
-            _verdicts[key] = reason
-            if reason is not None:
-                warnings.warn(
-                    f"{what} failed its check against {triton} on {device} ({reason}); the "
-                    "Triton kernel runs instead for the rest of this process", RuntimeWarning,
-                    stacklevel=3)
-        return _verdicts[key] is None
+        state = _verdicts.get(key, _MISSING)
+        if state is _MISSING:
+            if graph_capturing(device) or torch.compiler.is_compiling():
+                return False  # nothing started in a capture or a trace: the next call outside
+            path, record = check.where(kernel)
+            found, reason = load_verdict(path, record)
+            if found:
+                state = _settle(key, _Pending(_Done(reason), what, triton, device, None),
+                                block=False)
+            else:
+                state = _settle(key, _Pending(check.start(path, record), what, triton, device,
+                                              (path, record)), block=False)
+        elif isinstance(state, _Pending):
+            state = _settle(key, state, block=False)
+        return state is None
 
+
+def wait_for_admission(timeout: float | None = None) -> dict[str, str | None]:
+    """Block until every admission check started in this process has its verdict (at most
+    ``timeout`` seconds, then leave the rest running), and return each kernel's verdict in this
+    process: ``{kernel: None (admitted) or why not}``, keys ``"<kernel>@<device index>"``.
+
+    Calls after it take the admitted kernels: what the GPU tests and benchmarks call after a
+    first call, so that they measure the kernel that later calls run, and what a user wanting
+    one kernel throughout a run calls after a warm-up call (before it, results may come from the
+    Triton kernel, then from the admitted one: the two agree within the check's bounds)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with _lock:
+        for key, state in list(_verdicts.items()):
+            if isinstance(state, _Pending) and key[0] == os.getpid():
+                left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+                _settle(key, state, block=True, timeout=left)
+        return {f"{kernel}@{index}": (RUNNING if isinstance(state, _Pending) else state)
+                for (pid, index, kernel), state in _verdicts.items() if pid == os.getpid()}
+
+
+_MISSING = object()
+
+
+class _Done:
+    """A check whose verdict is known already (read from disk, or run in this process)."""
+
+    def __init__(self, reason: str | None):
+        self.reason = reason
+
+    def result(self, block: bool, timeout: float | None = None) -> tuple[bool, str | None]:
+        return True, self.reason
+
+
+@dataclass
+class _Pending:
+    """A verdict not yet recorded: the running check, what its warning says, and where its
+    verdict goes on disk (``None``: it came from there)."""
+
+    run: object  # _Done or _Child: result(block, timeout) → (done, reason)
+    what: str
+    triton: str
+    device: torch.device
+    store: tuple[str, dict] | None
+
+
+def _settle(key, pending: _Pending, *, block: bool, timeout: float | None = None):
+    """Poll (or wait for) ``pending``; once done, record its verdict, store it on disk (a check
+    that ran), warn once if it failed. The state now under ``key``. Called with the lock held."""
+    done, reason = pending.run.result(block, timeout)
+    if not done:
+        _verdicts[key] = pending
+        return pending
+    _verdicts[key] = reason
+    if pending.store is not None:
+        store_verdict(*pending.store, reason)
+    if reason is not None:
+        warnings.warn(
+            f"{pending.what} failed its check against {pending.triton} on {pending.device} "
+            f"({reason}); the Triton kernel runs instead for the rest of this process",
+            RuntimeWarning, stacklevel=4)
+    return reason
+
+
+# --- the verdict on disk ------------------------------------------------------------------------
+
+VERDICTS = "lowbit_attn-admission"  # the folder of verdicts inside Triton's cache directory
+
+
+def verdict_dir() -> str:
+    """Where verdicts are stored: a folder inside Triton's cache directory (``TRITON_CACHE_DIR``,
+    by default ``~/.triton/cache``), beside the compiled kernels they vouch for: emptying that
+    cache empties both."""
+    try:
+        from triton import knobs
+
+        base = knobs.cache.dir
+    except (ImportError, AttributeError):  # a Triton without knobs
+        base = (os.environ.get("TRITON_CACHE_DIR")
+                or os.path.join(os.path.expanduser("~"), ".triton", "cache"))
+    return os.path.join(base, VERDICTS)
+
+
+@functools.cache
+def _sources_digest() -> str:
+    """SHA-256 of every Python file of the package (paths and contents): the checked kernels,
+    what they import (Gluon blocks, quantization, the Triton reference kernels) and the checks
+    themselves, with no hand-kept list to go stale. Once per process (~1 MB, a few ms)."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def _driver_version() -> int | None:
+    """The CUDA driver's version (``cuDriverGetVersion``), or ``None`` where it cannot be read."""
+    try:
+        import ctypes
+
+        version = ctypes.c_int()
+        if ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(version)) == 0:
+            return version.value
+    except (OSError, AttributeError):
+        pass
+    return None
+
+
+def _device_facts(device: torch.device) -> dict:
+    if device.type != "cuda":
+        return {"device": device.type}
+    return {"device": torch.cuda.get_device_name(device),
+            "capability": list(torch.cuda.get_device_capability(device)),
+            "driver": _driver_version(), "cuda": torch.version.cuda}
+
+
+def load_verdict(path: str, record: dict) -> tuple[bool, str | None]:
+    """``(True, verdict)`` stored at ``path`` for exactly ``record``; ``(False, None)`` when there
+    is none, or it cannot be read, is not JSON or is for another record (the check runs again)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return False, None
+    if not isinstance(data, dict) or data.get("record") != record:
+        return False, None
+    reason = data.get("verdict")
+    if reason is not None and not isinstance(reason, str):
+        return False, None
+    return True, reason
+
+
+def lasting(reason: str | None) -> bool:
+    """Whether a verdict says something about the kernel rather than about the moment: a check
+    that ran out of time or memory, a child that could not start or was killed by a signal from
+    outside (an interrupt, a job's end), is not stored and runs again in the next process."""
+    if reason is None:
+        return True
+    killed = tuple(f"its check's process exited with code -{sig}:" for sig in (1, 2, 9, 15))
+    return not (reason.startswith(("its check did not finish", "its check could not start",
+                                   *killed))
+                or "OutOfMemoryError" in reason)
+
+
+def store_verdict(path: str, record: dict, reason: str | None) -> None:
+    """Store ``reason`` for ``record`` at ``path`` (if :func:`lasting`): written to a temporary
+    file beside it and renamed over it, so a reader sees the old file or the new one, never half
+    of one, and processes that store the same verdict at once are harmless. A folder that cannot
+    be written keeps the verdict in memory only."""
+    if not lasting(reason):
+        return
+    folder = os.path.dirname(path)
+    tmp = None
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".json")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump({"record": record, "verdict": reason,
+                       "written_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+                      f, indent=1)
+        os.replace(tmp, path)
+    except OSError:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+# --- running a check ----------------------------------------------------------------------------
 
 # Seconds a check's own process may take (its compiles included) before the kernel is refused.
 CHECK_TIMEOUT = 600
 
 
-def checker(device: torch.device, check: Callable[..., str | None], *args: str
-            ) -> Callable[[], str | None]:
-    """What :func:`admit` runs for ``check(device, *args)``: on a CUDA device, the check in a
-    process of its own (:func:`isolated`); elsewhere (the tests' stand-ins on a CPU), here."""
-    if device.type == "cuda":
-        return lambda: isolated(device, check, *args)
-    return lambda: check(device, *args)
+@dataclass(frozen=True)
+class Checker:
+    """``check(device, *args)`` (a module-level function returning ``None`` or a reason) as
+    :func:`admit` runs it: on a CUDA device in a child process (:func:`isolated`), started
+    without waiting; elsewhere (the tests' stand-ins on a CPU) in this process, at once.
+    Calling it runs the check and returns its verdict."""
+
+    device: torch.device
+    check: Callable[..., str | None]
+    args: tuple[str, ...] = ()
+
+    def __call__(self) -> str | None:
+        return self.start().result(block=True)[1]
+
+    def where(self, kernel: str) -> tuple[str, dict]:
+        """``(path, record)`` of this check's verdict on disk: the record holds everything that
+        could change the answer (device, driver and CUDA, torch, Triton, this package's version
+        and sources, the check, its arguments and its cases); the file name, its hash."""
+        module = sys.modules.get(self.check.__module__)
+        cases = repr(getattr(module, "CASES", None))
+        record = {"kernel": kernel, "check": f"{self.check.__module__}.{self.check.__qualname__}",
+                  "args": list(self.args), **_device_facts(self.device),
+                  "torch": torch.__version__, "triton": triton.__version__,
+                  "lowbit_attn": getattr(sys.modules.get("lowbit_attn"), "__version__", None),
+                  "cases": hashlib.sha256(cases.encode()).hexdigest(),
+                  "sources": _sources_digest()}
+        name = hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:24]
+        return os.path.join(verdict_dir(), f"{kernel}-{name}.json"), record
+
+    def start(self, path: str | None = None, record: dict | None = None):
+        """The check under way (``result(block, timeout)`` → ``(done, reason)``); a child
+        process stores its verdict at ``path`` itself, so that it is kept even if this process
+        ends first."""
+        if self.device.type != "cuda":
+            return _Done(self.check(self.device, *self.args))
+        try:
+            return _Child(self.device, self.check, self.args, path, record)
+        except OSError as exc:  # no process could be started (not stored: the next one tries)
+            return _Done(f"its check could not start: {exc}"[:500])
+
+
+def checker(device: torch.device, check: Callable[..., str | None], *args: str) -> Checker:
+    """What :func:`admit` runs for ``check(device, *args)`` (:class:`Checker`)."""
+    return Checker(device, check, args)
+
+
+class _Child:
+    """``check(device, *args)`` running in a child Python process on the same GPU (see
+    :func:`isolated`), polled without blocking."""
+
+    def __init__(self, device, check, args, path: str | None, record: dict | None):
+        index = _key(device, "")[1]
+        code = (f"import json, torch\nfrom {check.__module__} import {check.__name__} as check\n"
+                f"reason = check(torch.device('cuda', {index}), *{args!r})\n")
+        if path is not None:  # stored by the child: kept if the caller ends first
+            code += ("from lowbit_attn.inference.gluon_check import store_verdict\n"
+                     f"store_verdict({path!r}, json.loads({json.dumps(record)!r}), reason)\n")
+        code += "print('VERDICT ' + json.dumps(reason), flush=True)\n"
+        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        pythonpath = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
+        # the child's output, read once it exits, closed by _finish
+        self.out, self.err = tempfile.TemporaryFile(), tempfile.TemporaryFile()  # noqa: SIM115
+        self.started = time.monotonic()
+        self.timeout = CHECK_TIMEOUT
+        self.reason: str | None = None
+        self.done = False
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code], stdin=subprocess.DEVNULL, stdout=self.out,
+            stderr=self.err, env={**os.environ, "PYTHONPATH": pythonpath,
+                                  "LOWBIT_ATTN_AUTOTUNE": "first"})
+
+    def result(self, block: bool, timeout: float | None = None) -> tuple[bool, str | None]:
+        if self.done:
+            return True, self.reason
+        left = self.timeout - (time.monotonic() - self.started)
+        if not block:
+            code = self.proc.poll()
+        else:
+            wait = left if timeout is None else min(left, timeout)
+            try:
+                code = self.proc.wait(timeout=max(wait, 0.0))
+            except subprocess.TimeoutExpired:
+                code = None
+        if code is None:
+            if time.monotonic() - self.started < self.timeout:
+                return False, None
+            self.proc.kill()
+            self.proc.wait()
+            return self._finish(f"its check did not finish in {self.timeout} s")
+        return self._finish(self._verdict(code))
+
+    def _verdict(self, code: int) -> str | None:
+        for name in ("out", "err"):
+            getattr(self, name).seek(0)
+        out = self.out.read().decode(errors="replace")
+        for line in reversed(out.splitlines()):
+            if line.startswith("VERDICT "):
+                return json.loads(line[len("VERDICT "):])
+        err = self.err.read().decode(errors="replace")
+        last = (err.strip().splitlines() or ["no output"])[-1]
+        return f"its check's process exited with code {code}: {last}"[:500]
+
+    def _finish(self, reason: str | None) -> tuple[bool, str | None]:
+        self.done, self.reason = True, reason
+        self.out.close()
+        self.err.close()
+        return True, reason
 
 
 def isolated(device: torch.device, check: Callable[..., str | None], *args: str) -> str | None:
     """``check(device, *args)`` (a module-level function returning ``None`` or a reason) run in a
-    child Python process on the same GPU, its verdict returned here.
+    child Python process on the same GPU, waited for, its verdict returned here (nothing stored).
 
     A kernel that faults (an illegal instruction, an illegal address) leaves the CUDA context of
     its process unusable: a check run in the caller's process would take the caller down with it,
@@ -201,23 +496,7 @@ def isolated(device: torch.device, check: Callable[..., str | None], *args: str)
     Triton's cache, so the caller's own first launch of the checked kernel compiles nothing new.
     The child gives each autotuned Triton kernel (the reference side) its first candidate alone
     (``LOWBIT_ATTN_AUTOTUNE=first``): one compile per case, not one per candidate."""
-    index = _key(device, "")[1]
-    code = (f"import json, torch\nfrom {check.__module__} import {check.__name__} as check\n"
-            f"print('VERDICT ' + json.dumps(check(torch.device('cuda', {index}), *{args!r})))")
-    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
-    try:
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              timeout=CHECK_TIMEOUT,
-                              env={**os.environ, "PYTHONPATH": path,
-                                   "LOWBIT_ATTN_AUTOTUNE": "first"})
-    except subprocess.TimeoutExpired:
-        return f"its check did not finish in {CHECK_TIMEOUT} s"
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("VERDICT "):
-            return json.loads(line[len("VERDICT "):])
-    last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-    return f"its check's process exited with code {proc.returncode}: {last}"[:500]
+    return _Child(device, check, args, None, None).result(block=True)[1]
 
 
 def self_check(device: torch.device, schedule: str = "async") -> str | None:
@@ -347,5 +626,7 @@ def attention(qz, *, out: torch.Tensor, pv: str, granularity: str, block_q: int,
                     lambda: kernel_int8.attention(qz, **kw))
 
 
-__all__ = ["CASES", "Case", "admit", "admitted", "applies", "attention", "case_inputs",
-           "compare_outputs", "dispatch", "run_cases", "self_check", "verdict"]
+__all__ = ["CASES", "RUNNING", "Case", "Checker", "admit", "admitted", "applies", "attention",
+           "case_inputs", "checker", "compare_outputs", "dispatch", "isolated", "load_verdict",
+           "run_cases", "self_check", "store_verdict", "verdict", "verdict_dir",
+           "wait_for_admission"]

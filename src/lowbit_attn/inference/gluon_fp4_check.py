@@ -13,11 +13,10 @@ where
    kernel is written for sm_100a, and whether Triton builds and loads it on another 10.x part is
    for the check to find out), compiled kernels (not the Triton interpreter: on a CPU the option
    changes nothing);
-2. it has passed, in this process and on this device, the one-time check :func:`self_check`
-   against the Triton FP4 kernel on the small inputs of :data:`CASES` (partial query and key
+2. it has passed the check :func:`self_check` (its verdict on disk, else run in the background
+   from the first call on, ``gluon_check.admit``) against the Triton FP4 kernel on the small inputs of :data:`CASES` (partial query and key
    blocks, causal with a diagonal off the block grid and with tiles that see no key, GQA, LSE
-   with K's shift, ΔS, V's channel mean, NVFP4 and MXFP4, two-level and one-level P̃), run at the
-   first call that gets here; a mismatch or any exception warns once, naming the reason, and the
+   with K's shift, ΔS, V's channel mean, NVFP4 and MXFP4, two-level and one-level P̃); a mismatch or any exception warns once, naming the reason, and the
    Triton FP4 kernel runs for the rest of the process on that device; no check during a CUDA
    graph capture (as ``gluon_check``);
 3. the Gluon launcher takes the call: it raises ``ValueError`` before launching anything for what
@@ -120,8 +119,9 @@ def verdict(device: torch.device) -> str | None:
 
 
 def admitted(device: torch.device) -> bool:
-    """Whether the Gluon FP4 forward has passed its check on ``device``, running the check (and
-    warning once if it fails) at the first call in this process."""
+    """Whether the Gluon FP4 forward has passed its check on ``device``: its verdict on disk, or
+    the check started in the background at the first call in this process (a failure warns
+    once)."""
     return gluon_check.admit(device, KERNEL, gluon_check.checker(device, self_check),
                              "LOWBIT_ATTN_KERNEL=gluon: the Gluon FP4 attention forward (sm_100a)",
                              "the Triton FP4 kernel")

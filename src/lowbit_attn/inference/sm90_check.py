@@ -15,8 +15,10 @@ it only where
    fp16 P·V, 128-key blocks, no ΔS, Q quantized by its pass, D = 64 or 128;
 2. :func:`applies`: CUDA tensors on a device of capability 9.0, compiled kernels (on a CPU the
    option changes nothing: Triton has no Gluon interpreter);
-3. it has passed, in this process and on this device, the one-time check :func:`self_check`
-   against the Triton kernel on :data:`CASES` (partial blocks, key counts not a multiple of 16,
+3. it has passed the check :func:`self_check` (its verdict stored on disk for this device,
+   driver, software and source, else run in the background from the first call on, the Triton
+   kernel running meanwhile: :func:`~lowbit_attn.inference.gluon_check.admit`) against the
+   Triton kernel on :data:`CASES` (partial blocks, key counts not a multiple of 16,
    query and key counts that are multiples of 128 and of 16, one query, one key, grids of 512
    programs, causal, GQA, LSE, per-thread and per-token scales, FP8 and fp16 P·V, both head
    dims), in a process of its own (:mod:`~lowbit_attn.inference.gluon_check`'s ``isolated``); a mismatch, a crash or any exception warns once, naming the reason, and
@@ -86,8 +88,9 @@ def verdict(device: torch.device) -> str | None:
 
 
 def admitted(device: torch.device) -> bool:
-    """Whether the kernel has passed its check on ``device``, running the check (and warning once
-    if it fails) at the first call in this process."""
+    """Whether the kernel has passed its check on ``device``: its verdict on disk, or the check
+    started in the background at the first call in this process (``gluon_check.admit``; a
+    failure warns once)."""
     return gluon_check.admit(device, KERNEL, gluon_check.checker(device, self_check),
                              "LOWBIT_ATTN_KERNEL=sm90: the one-warpgroup Hopper attention "
                              "forward", "the Triton kernel")

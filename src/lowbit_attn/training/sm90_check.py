@@ -7,12 +7,14 @@ No GPU has run these loops yet (compiled ahead of time and run on the CPU model,
 ``tools/gluon_cpu.py``, only): a wrong layout on a GPU would give wrong gradients without an
 error, so they are opt-in and earn their place on each machine, by the forward's machinery
 (:mod:`~lowbit_attn.inference.gluon_check`: :func:`admit`'s one verdict per process, device and
-kernel, its warning once, no check during a CUDA graph capture; :func:`isolated`'s process of
+kernel, stored on disk, the check in the background (the Triton backward runs until it passes),
+its warning once, no check started during a CUDA graph capture; :func:`isolated`'s process of
 its own; :func:`run_cases`; :func:`compare_outputs`). A call takes the loops only where
 
 1. the option asks for them and :func:`applies`: CUDA tensors on a device of capability 9.0,
    compiled kernels (on a CPU the option changes nothing);
-2. they have passed, in this process and on this device, the one-time check :func:`self_check`:
+2. they have passed the check :func:`self_check` (its verdict on disk, else run in the
+   background from the first call on):
    dQ, dK and dV of :data:`CASES` (D 64 and 128, causal and not, GQA, P and dS per tile and per
    row, query and key counts that are multiples of 128, of 16 only and of neither, one query;
    and one video sparse attention case with a partial tile) against the Triton backward on the
@@ -83,8 +85,8 @@ verdict = functools.partial(gluon_check.verdict, schedule=KERNEL)
 
 
 def admitted(device: torch.device) -> bool:
-    """Whether the loops have passed their check on ``device``, running the check (and warning
-    once if it fails) at the first call in this process."""
+    """Whether the loops have passed their check on ``device``: its verdict on disk, or the check
+    started in the background at the first call in this process (a failure warns once)."""
     return gluon_check.admit(device, KERNEL, gluon_check.checker(device, self_check),
                              "LOWBIT_ATTN_BWD_KERNEL=sm90: the Gluon backward loops for Hopper",
                              "the Triton backward")
@@ -93,7 +95,7 @@ def admitted(device: torch.device) -> bool:
 def kernel_for(device: torch.device, bwd_kernel: str) -> str:
     """The ``kernel`` argument of the backward launchers for a call on ``device`` under
     ``LOWBIT_ATTN_BWD_KERNEL=bwd_kernel``: ``"sm90"`` only where the loops apply and are
-    admitted (the check runs here, once), else ``"triton"``."""
+    admitted (the check starts here, in the background), else ``"triton"``."""
     if bwd_kernel == "sm90" and applies(device) and admitted(device):
         return "sm90"
     return "triton"
