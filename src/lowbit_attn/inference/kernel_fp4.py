@@ -34,6 +34,7 @@ import triton.language as tl
 
 from lowbit_attn.core.arch import fp4_mode, fp4_pipeline_qk, get_capability, interpreter_enabled
 from lowbit_attn.core.operands import FP4_GROUP, P_TWO_LEVEL_PEAK, QuantizedFP4
+from lowbit_attn.core.variants import PLAIN, Variant
 from lowbit_attn.core.triton_helpers import (
     LaunchConfig, batch_head, finish_scores, key_block_bounds, next_power_of_2, normalize_rows, online_max,
     store_lse, strides, triton_configs,
@@ -334,10 +335,14 @@ def attention(
     two_level: bool,
     return_lse: bool,
     pipeline_qk: bool | None = None,
+    variant: Variant = PLAIN,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Run the kernel; writes ``out`` (a logical ``[B, Hq, Nq, D]`` view) and returns the LSE
     ``[B, Hq, Nq]`` fp32 when asked. ``pipeline_qk``: issue Q·Kᵀ one key block ahead (the same
     results); by default on the native sm_120 path only."""
+    if not variant.plain:
+        raise NotImplementedError("window, chunk, softcap and sinks: not yet in the Triton kernel")
     b, hq, nq, _ = qz.q.shape
     hkv, nk = qz.k.shape[1], qz.k.shape[2]
     lse = torch.empty((b, hq, nq), device=out.device, dtype=torch.float32) if return_lse else None

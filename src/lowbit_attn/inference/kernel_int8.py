@@ -15,6 +15,7 @@ import triton.language as tl
 
 from lowbit_attn.core.arch import get_capability
 from lowbit_attn.core.operands import QuantizedQKV, Seqs, dense_seqs
+from lowbit_attn.core.variants import PLAIN, Variant
 from lowbit_attn.core.triton_helpers import (
     LaunchConfig, batch_head, bhnd_strides, channel_vector_strides, exact_fp8, finish_rows,
     finish_scores, key_block_bounds, key_position, next_pow2, next_power_of_2, online_max,
@@ -329,9 +330,13 @@ def attention(
     return_lse: bool,
     seqs_q: Seqs | None = None,
     seqs_k: Seqs | None = None,
+    variant: Variant = PLAIN,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Run the kernel; writes ``out`` (logical ``[B, Hq, Nq, D]`` view or packed ``[total, Hq, D]``)
     and returns the LSE (``[B, Hq, Nq]`` or ``[Hq, total]`` fp32) when asked."""
+    if not variant.plain:
+        raise NotImplementedError("window, chunk, softcap and sinks: not yet in the Triton kernel")
     seqs_q = seqs_q or dense_seqs(qz.q)
     seqs_k = seqs_k or dense_seqs(qz.k)
     packed = seqs_q.packed
