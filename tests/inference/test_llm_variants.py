@@ -10,9 +10,12 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import lowbit_attn
 from helpers import assert_bits, channel_biased
+from lowbit_attn.core.triton_helpers import window_block_bounds
 from lowbit_attn.core.variants import Variant, check, key_block_range, key_blocks_visited
 
 
@@ -263,3 +266,168 @@ def test_no_window_is_plain_attention(monkeypatch):
     causal = lowbit_attn.attention(q, k, v, is_causal=True)
     assert_bits(lowbit_attn.attention(q, k, v, window=(-1, 0)), causal, "(-1, 0)")
     assert_bits(lowbit_attn.attention(q, k, v, window=(-1, 5), is_causal=True), causal, "causal")
+
+
+# --- the Triton kernels against their twins (the interpreter on a CPU) -------------------------
+
+KERNEL_VARIANTS = [
+    pytest.param(Variant(left=5, right=3), False, id="win5-3"),
+    pytest.param(Variant(left=20, right=0, chunk=32), False, id="win20-causal-chunk32"),
+    pytest.param(Variant(softcap=2.0), False, id="softcap2"),
+    pytest.param(Variant(right=0, softcap=3.0, sinks=True), True, id="causal-softcap-sinks"),
+    pytest.param(Variant(left=4, right=2, chunk=8, softcap=1.5, sinks=True), True, id="all"),
+]
+KERNEL_SHAPES = [
+    pytest.param(1, 2, 1, 45, 70, 40, id="GQA2:1-Nq45-Nk70-D40"),
+    pytest.param(2, 1, 1, 70, 33, 64, id="B2-Nq70>Nk33-D64"),
+]
+
+
+@pytest.mark.parametrize("b,hq,hkv,nq,nk,d", KERNEL_SHAPES)
+@pytest.mark.parametrize("variant,with_sinks", KERNEL_VARIANTS)
+@pytest.mark.parametrize("pv", ["fp16", "fp8"])
+@pytest.mark.parametrize("granularity", ["per_block", "per_token", "per_thread"])
+def test_int8_kernel_matches_twin(b, hq, hkv, nq, nk, d, variant, with_sinks, pv, granularity,
+                                  device):
+    """The INT8 kernel and ``naive.quantized_attention`` on the same quantized inputs (smoothed
+    K and V, so the sinks' V-mean weighting and the softcap's shift are exercised), within the
+    existing kernel test's rounding bounds (exp2 differs in the last bit between
+    implementations)."""
+    from lowbit_attn import get_recipe
+    from lowbit_attn.inference import kernel_int8
+    from lowbit_attn.inference.naive import quantized_attention
+    from lowbit_attn.inference.prepare import quantize_qkv
+    from helpers import Bound, assert_within
+
+    recipe = get_recipe(f"qk_int8_pv_{pv}").replace(granularity=granularity, block_q=16,
+                                                     block_k=16, smooth_v=True)
+    device.needs(recipe)
+    q, k, v = channel_biased((b, hq, nq, d), (b, hkv, nk, d), seed=nq + nk, device=device.name)
+    sinks = torch.randn(hq, generator=torch.Generator().manual_seed(1)).to(device.name)
+    sinks = sinks if with_sinks else None
+    qz = quantize_qkv(q, k, v, recipe, d ** -0.5, need_lse_shift=True, backend="reference")
+    co = nk - nq if variant.causal else None
+    want, want_lse = quantized_attention(qz, pv=pv, granularity=granularity, block_q=16,
+                                         block_k=16, causal_offset=co, variant=variant,
+                                         sinks=sinks)
+    out = torch.empty(qz.q.shape, device=device.name)
+    lse = kernel_int8.attention(qz, out=out, pv=pv, granularity=granularity, block_q=16,
+                                block_k=16, causal_offset=co, return_lse=True, variant=variant,
+                                sinks=sinks)
+    # one P̃ that crosses an fp16 (2^-11) or E4M3 (2^-4) rounding boundary moves an output by
+    # about that step of its weight; short windows leave few keys to average it
+    bound = Bound(atol=1e-3 if pv == "fp16" else 4e-3, cos=0.999999)
+    assert_within(out, want, device.bound(f"int8 out {pv}", bound), name="out")
+    assert_within(lse, want_lse, device.bound("lse", Bound(atol=1e-5, rtol=1e-5)), name="lse")
+
+
+@pytest.mark.parametrize("variant,with_sinks", KERNEL_VARIANTS)
+@pytest.mark.parametrize("name", ["qk_fp4_pv_fp4", "qk_mxfp4_pv_mxfp4"])
+def test_fp4_kernel_matches_twin(variant, with_sinks, name, device):
+    from lowbit_attn import get_recipe
+    from lowbit_attn.inference import kernel_fp4
+    from lowbit_attn.inference.naive import fp4_attention
+    from lowbit_attn.inference.prepare import quantize_qkv_fp4
+    from helpers import Bound, assert_within
+
+    b, hq, hkv, nq, nk, d = 1, 2, 1, 45, 150, 64
+    recipe = get_recipe(name).replace(smooth_v=True)
+    q, k, v = channel_biased((b, hq, nq, d), (b, hkv, nk, d), seed=7, device=device.name)
+    sinks = torch.tensor([0.7, -2.0], device=device.name) if with_sinks else None
+    qz = quantize_qkv_fp4(q, k, v, recipe, d ** -0.5, need_lse_shift=True, backend="reference")
+    co = nk - nq if variant.causal else None
+    kw = dict(head_dim=d, block_q=recipe.block_q, block_k=recipe.block_k, causal_offset=co,
+              two_level=recipe.two_level_p, variant=variant, sinks=sinks)
+    want, want_lse = fp4_attention(qz, **kw)
+    out = torch.empty(b, hq, nq, d, device=device.name)
+    lse = kernel_fp4.attention(qz, out=out, return_lse=True, **kw)
+    assert_within(out, want, device.bound("fp4 out", Bound(atol=2e-3, cos=0.99999)), name="out")
+    assert_within(lse, want_lse, device.bound("lse", Bound(atol=1e-5, rtol=1e-5)), name="lse")
+
+
+VARLEN_VARIANTS = [
+    pytest.param(dict(window=(6, 0), is_causal=True), id="win6-causal"),
+    pytest.param(dict(window=(3, 5), softcap=4.0), id="win3-5-softcap"),
+    pytest.param(dict(chunk=16, is_causal=True, sinks=True), id="chunk16-sinks"),
+]
+
+
+@pytest.mark.parametrize("kw", VARLEN_VARIANTS)
+def test_varlen_kernel_matches_reference(kw, monkeypatch, device):
+    """Packed sequences of different lengths (``Nq != Nk`` each), every sequence aligned
+    bottom-right on its own: the packed kernel against the twin run one sequence at a time."""
+    kw = dict(kw)
+    lens_q, lens_k = [5, 40, 17], [30, 40, 9]
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(sum(lens_q), 4, 32, generator=g).to(device.name, torch.float16)
+    k = (torch.randn(sum(lens_k), 2, 32, generator=g) + 2).to(device.name, torch.float16)
+    v = torch.randn(sum(lens_k), 2, 32, generator=g).to(device.name, torch.float16)
+    if kw.pop("sinks", False):
+        kw["sinks"] = torch.tensor([0.5, -1.0, 2.0, 0.0], device=device.name)
+    cu_q = torch.tensor([0, 5, 45, 62], dtype=torch.int32, device=device.name)
+    cu_k = torch.tensor([0, 30, 70, 79], dtype=torch.int32, device=device.name)
+    results = []
+    for backend in ("reference", "triton"):
+        monkeypatch.setenv("LOWBIT_ATTN_BACKEND", backend)
+        results.append(lowbit_attn.attention_varlen(q, k, v, cu_q, cu_k, 40, 40, return_lse=True,
+                                                    recipe="qk_int8_pv_fp16", **kw))
+    (want, want_lse), (got, got_lse) = results
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-3, rtol=0)
+    seen = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(got_lse), seen)
+    torch.testing.assert_close(got_lse[seen], want_lse[seen], atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("recipe", ["qk_int8_pv_fp8", "qk_fp4_pv_fp4"])
+def test_public_call_triton_equals_reference(recipe, monkeypatch, device):
+    """The public call's routing (K smoothing's shift computed for softcap and sinks without
+    ``return_lse``; NHD layout; GQA) on both backends."""
+    q, k, v = channel_biased((1, 4, 50, 64), (1, 2, 90, 64), seed=9, dtype=torch.float16,
+                             device=device.name)
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    kw = dict(window=(30, 0), is_causal=True, softcap=5.0, chunk=64, layout="NHD",
+              sinks=torch.tensor([1.0, 0.0, -1.0, 3.0], device=device.name), recipe=recipe)
+    monkeypatch.setenv("LOWBIT_ATTN_BACKEND", "reference")
+    want = lowbit_attn.attention(q, k, v, **kw)
+    monkeypatch.setenv("LOWBIT_ATTN_BACKEND", "triton")
+    got = lowbit_attn.attention(q, k, v, **kw)
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=0)
+
+
+# --- the kernels' block range is key_block_range ----------------------------------------------
+
+@triton.jit
+def _bounds_kernel(OUT, nk, offset, left, right, chunk, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    lo, full_lo, full_hi, hi = window_block_bounds(nk, pid, offset, left, right, chunk,
+                                                   BLOCK_M, BLOCK_N)
+    tl.store(OUT + pid * 4 + 0, lo)
+    tl.store(OUT + pid * 4 + 1, full_lo)
+    tl.store(OUT + pid * 4 + 2, full_hi)
+    tl.store(OUT + pid * 4 + 3, hi)
+
+
+@pytest.mark.interpreter
+def test_kernel_block_bounds_are_the_python_formula():
+    """``triton_helpers.window_block_bounds`` (what the kernels' loops run), launched for every
+    query block, gives :func:`key_block_range`'s four numbers."""
+    for bm, bn in ((16, 16), (32, 16), (16, 64)):
+        for nq, nk, left, right, chunk in _range_cases():
+            blocks = -(-nq // bm)
+            out = torch.empty(blocks, 4, dtype=torch.int32)
+            _bounds_kernel[(blocks,)](out, nk, nk - nq, left, right, chunk, BLOCK_M=bm, BLOCK_N=bn)
+            want = [key_block_range(nk, p * bm, (p + 1) * bm, nk - nq, left, right, chunk, bn)
+                    for p in range(blocks)]
+            assert out.tolist() == [list(w) for w in want], (nq, nk, left, right, chunk, bm, bn)
+
+
+@pytest.mark.aot
+def test_aot_compiles_the_variants():
+    """The variants' kernels compile for sm_90a (INT8) without spills."""
+    from lowbit_attn.tools import aot
+
+    v = Variant(left=511, right=0, chunk=1024, softcap=30.0, sinks=True)
+    report = aot.compile_recipe("qk_int8_pv_fp8", "sm_90a", variant=v, return_lse=True)[-1]
+    assert report.error is None, report.error
+    assert report.kernel == "_attn_fwd_int8_kernel" and report.spill_stores == 0

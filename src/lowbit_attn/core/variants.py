@@ -192,7 +192,7 @@ def check(*, is_causal: bool, window, softcap, chunk, sinks, hq: int,
 
 def sink_logits(sinks: torch.Tensor | None) -> torch.Tensor | None:
     """The sinks as the kernels and their twins take them: fp32, in base 2 (``sinks·log2 e``)."""
-    return None if sinks is None else sinks.float() * LOG2E
+    return None if sinks is None else (sinks.float() * LOG2E).contiguous()
 
 
 def softcap_base2(s: torch.Tensor, softcap: float, shift: torch.Tensor | float = 0.0) -> torch.Tensor:
