@@ -132,16 +132,15 @@ def window_block_bounds(nk, pid_m, offset, left, right, chunk, BLOCK_M: tl.const
 
 
 @triton.jit
-def window_visible(offs_m, cols, offset, left, right, chunk):
-    """Which keys ``cols`` the query rows ``offs_m`` see under a window and/or chunk
-    (``core.variants.Variant.visible``): the chunk's first key found once per row."""
-    p = offs_m + offset
-    j = cols[None, :]
-    ok = ((left < 0) | (j >= (p - left)[:, None])) & ((right < 0) | (j <= (p + right)[:, None]))
-    c = tl.maximum(chunk, 1)
-    first = tl.maximum(p, 0) // c * c
-    in_chunk = (p >= 0)[:, None] & (j >= first[:, None]) & (j < (first + c)[:, None])
-    return ok & ((chunk <= 0) | in_chunk)
+def window_ok(r, c, offset, left, right, chunk):
+    """Whether query rows ``r`` see keys ``c`` (broadcast against each other) under a window
+    and/or chunk (``core.variants.Variant.visible``): the chunk's first key found once per row
+    when ``r`` is a row or column vector."""
+    p = r + offset
+    ok = ((left < 0) | (c >= p - left)) & ((right < 0) | (c <= p + right))
+    ch = tl.maximum(chunk, 1)
+    first = tl.maximum(p, 0) // ch * ch
+    return ok & ((chunk <= 0) | ((p >= 0) & (c >= first) & (c < first + ch)))
 
 
 @triton.jit
@@ -172,8 +171,8 @@ def finish_scores(s, cols, nmask, offs_m, causal_offset, ds_base, sdn, HAS_DS: t
         s = softcap_scores(s, cap[0], cap[1], cap[2])
     if MASKED:
         if WINDOWED:
-            valid = window_visible(offs_m, cols, causal_offset, window[0], window[1],
-                                   window[2]) & nmask[None, :]
+            valid = window_ok(offs_m[:, None], cols[None, :], causal_offset, window[0],
+                              window[1], window[2]) & nmask[None, :]
         elif IS_CAUSAL:
             valid = (cols[None, :] <= offs_m[:, None] + causal_offset) & nmask[None, :]
         else:

@@ -218,3 +218,11 @@ def cap_args(softcap: float) -> tuple[float, float]:
         return 0.0, 0.0
     a, b = _cap_constants(softcap)
     return float(a), float(b)
+
+
+def variant_args(variant: Variant) -> dict:
+    """The kernels' runtime and constexpr arguments of a variant's window, chunk and softcap
+    (``left``, ``right``, ``chunk``, ``cap2``, ``two_over``, ``WINDOWED``, ``SOFTCAP``)."""
+    cap2, two_over = cap_args(variant.softcap)
+    return dict(left=variant.left, right=variant.right, chunk=variant.chunk, cap2=cap2,
+                two_over=two_over, WINDOWED=variant.windowed, SOFTCAP=variant.softcap > 0)
