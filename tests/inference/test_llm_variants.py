@@ -15,8 +15,10 @@ import triton.language as tl
 
 import lowbit_attn
 from helpers import assert_bits, channel_biased
-from lowbit_attn.core.triton_helpers import window_block_bounds
-from lowbit_attn.core.variants import Variant, check, key_block_range, key_blocks_visited
+from lowbit_attn.core.triton_helpers import window_block_bounds, window_query_bounds
+from lowbit_attn.core.variants import (
+    Variant, check, key_block_range, key_blocks_visited, query_block_range,
+)
 
 
 def independent_mask(nq, nk, *, causal=False, window=None, chunk=None):
@@ -408,6 +410,15 @@ def _bounds_kernel(OUT, nk, offset, left, right, chunk, BLOCK_M: tl.constexpr,
     tl.store(OUT + pid * 4 + 3, hi)
 
 
+@triton.jit
+def _query_bounds_kernel(OUT, nq, offset, left, right, chunk, BLOCK_N: tl.constexpr,
+                         BLOCK_M: tl.constexpr):
+    pid = tl.program_id(0)
+    lo, hi = window_query_bounds(nq, pid, offset, left, right, chunk, BLOCK_N, BLOCK_M)
+    tl.store(OUT + pid * 2 + 0, lo)
+    tl.store(OUT + pid * 2 + 1, hi)
+
+
 @pytest.mark.interpreter
 def test_kernel_block_bounds_are_the_python_formula():
     """``triton_helpers.window_block_bounds`` (what the kernels' loops run), launched for every
@@ -420,6 +431,29 @@ def test_kernel_block_bounds_are_the_python_formula():
             want = [key_block_range(nk, p * bm, (p + 1) * bm, nk - nq, left, right, chunk, bn)
                     for p in range(blocks)]
             assert out.tolist() == [list(w) for w in want], (nq, nk, left, right, chunk, bm, bn)
+            kblocks = -(-nk // bn)
+            out = torch.empty(kblocks, 2, dtype=torch.int32)
+            _query_bounds_kernel[(kblocks,)](out, nq, nk - nq, left, right, chunk, BLOCK_N=bn,
+                                             BLOCK_M=bm)
+            want = [query_block_range(nq, p * bn, (p + 1) * bn, nk - nq, left, right, chunk, bm)
+                    for p in range(kblocks)]
+            assert out.tolist() == [list(w) for w in want], (nq, nk, left, right, chunk, bm, bn)
+
+
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (64, 64), (16, 64)])
+def test_query_range_covers_the_rows_that_see_a_key_block(block_m, block_n):
+    """The trainable backward's dK/dV loop: every row that sees a key of the block lies in
+    ``[lo, hi)``, and ``lo`` is within one query block of the first such row."""
+    for nq, nk, left, right, chunk in _range_cases():
+        v = Variant(left=left, right=right, chunk=chunk)
+        mask = v.visible(torch.arange(nq), torch.arange(nk), nk - nq)
+        for col_lo in range(0, nk, block_n):
+            lo, hi = query_block_range(nq, col_lo, col_lo + block_n, nk - nq, left, right, chunk,
+                                       block_m)
+            seen = mask[:, col_lo:col_lo + block_n].any(1).nonzero().flatten()
+            assert lo % block_m == 0
+            if len(seen):
+                assert lo <= seen.min() and seen.max() < hi and seen.min() - lo < block_m
 
 
 @pytest.mark.aot

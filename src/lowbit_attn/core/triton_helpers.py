@@ -132,6 +132,22 @@ def window_block_bounds(nk, pid_m, offset, left, right, chunk, BLOCK_M: tl.const
 
 
 @triton.jit
+def window_query_bounds(nq, pid_n, offset, left, right, chunk, BLOCK_N: tl.constexpr,
+                        BLOCK_M: tl.constexpr):
+    """``(lo, hi)``: the query rows from ``lo`` (a multiple of ``BLOCK_M``) to ``hi`` hold every
+    row that sees a key of key block ``pid_n`` under a window and/or chunk (the backward's dK/dV
+    loop; ``core.variants.query_block_range``, the same formula)."""
+    c0 = pid_n * BLOCK_N
+    c1 = c0 + BLOCK_N
+    lo = tl.where(right >= 0, tl.maximum(c0 - offset - right, 0), 0)
+    hi = tl.where(left >= 0, tl.minimum(c1 - offset + left, nq), nq)
+    ch = tl.maximum(chunk, 1)
+    lo = tl.where(chunk > 0, tl.maximum(lo, c0 // ch * ch - offset), lo)
+    hi = tl.where(chunk > 0, tl.minimum(hi, ((c1 - 1) // ch + 1) * ch - offset), hi)
+    return lo // BLOCK_M * BLOCK_M, hi
+
+
+@triton.jit
 def window_ok(r, c, offset, left, right, chunk):
     """Whether query rows ``r`` see keys ``c`` (broadcast against each other) under a window
     and/or chunk (``core.variants.Variant.visible``): the chunk's first key found once per row

@@ -112,6 +112,19 @@ def key_block_range(nk: int, row_lo: int, row_hi: int, offset: int, left: int, r
     return lo, full_lo, full_hi, hi
 
 
+def query_block_range(nq: int, col_lo: int, col_hi: int, offset: int, left: int, right: int,
+                      chunk: int, block_m: int) -> tuple[int, int]:
+    """``(lo, hi)`` of one key block, keys ``[col_lo, col_hi)``: the query rows from ``lo`` (a
+    multiple of ``block_m``) to ``hi`` hold every row that sees one of its keys (the trainable
+    backward's dK/dV loop; ``core.triton_helpers.window_query_bounds``, the same formula)."""
+    lo = max(col_lo - offset - right, 0) if right >= 0 else 0
+    hi = min(col_hi - offset + left, nq) if left >= 0 else nq
+    if chunk > 0:
+        lo = max(lo, col_lo // chunk * chunk - offset)
+        hi = min(hi, ((col_hi - 1) // chunk + 1) * chunk - offset)
+    return lo // block_m * block_m, hi
+
+
 def key_blocks_visited(nq: int, nk: int, variant: Variant, block_m: int,
                        block_n: int) -> list[int]:
     """How many key blocks each query block of the Triton forwards visits: from

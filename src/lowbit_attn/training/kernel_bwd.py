@@ -22,7 +22,7 @@ from lowbit_attn.core.arch import get_capability, interpreter_enabled, tensor_me
 from lowbit_attn.core.operands import TRAIN_BLOCK, GradOperands, TrainOperands
 from lowbit_attn.core.triton_helpers import (
     LaunchConfig, autotuned, batch_head, mm, next_pow2, next_power_of_2, operand, quantize_tile,
-    softcap_scores, strides, token_major, window_block_bounds, window_ok,
+    softcap_scores, strides, token_major, window_block_bounds, window_ok, window_query_bounds,
 )
 from lowbit_attn.core.variants import PLAIN, Variant, variant_args
 
@@ -116,8 +116,8 @@ def _train_dkdv_kernel(
     PER_ROW: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """dK and dV of one key block (with ``WINDOWED``, every query block, masked; ``SOFTCAP``:
-    see :func:`_tile_p_dp`). Operands (see :func:`_operand`): Q and K for the scores, dO and
+    """dK and dV of one key block (with ``WINDOWED``, the query blocks of
+    ``window_query_bounds``, masked; ``SOFTCAP``: see :func:`_tile_p_dp`). Operands (see :func:`_operand`): Q and K for the scores, dO and
     V for dP, dO for dV, Q for dK, K for dQ (``ATOMIC_DQ``). Strides: (batch, head, query block,
     dim) of Q's block means ``QM``; (batch, head, query block, key) of ``DS``; (batch, head, token)
     of ``LSE`` and ``DELTA``; (batch, head, token, dim) of ``DQ_ACC``; (batch, head,
@@ -145,11 +145,14 @@ def _train_dkdv_kernel(
     dk = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     lo = 0
-    if IS_CAUSAL:  # the first query row that sees this block's first key
+    hi = NQ
+    if WINDOWED:  # the query blocks with a row that sees a key of this block
+        lo, hi = window_query_bounds(NQ, pid_n, causal_offset, left, right, chunk, BLOCK, BLOCK)
+    elif IS_CAUSAL:  # the first query row that sees this block's first key
         lo = tl.maximum(pid_n * BLOCK - causal_offset, 0) // BLOCK * BLOCK
     for g in range(0, GROUP):
         h = hk * GROUP + g
-        for start_m in range(lo, NQ, BLOCK):
+        for start_m in range(lo, hi, BLOCK):
             rows = start_m + offs_m
             md_mask = (rows < NQ)[:, None] & dmask[None, :]
             qb = start_m // BLOCK
