@@ -174,7 +174,9 @@ def check(*, is_causal: bool, window, softcap, chunk, sinks, hq: int,
             raise TypeError(f"softcap must be a float or None, got {softcap!r}")
         cap = float(softcap)
         if cap != 0.0 and not (math.isfinite(cap) and cap > 0):
-            raise ValueError(f"softcap must be a positive finite number (or None/0: off), got {softcap!r}")
+            raise ValueError(
+                f"softcap must be a positive finite number (or None/0: off), got {softcap!r}"
+            )
     size = 0
     if chunk is not None:
         if isinstance(chunk, bool) or not isinstance(chunk, numbers.Integral):
@@ -194,7 +196,8 @@ def check(*, is_causal: bool, window, softcap, chunk, sinks, hq: int,
             raise TypeError(f"sinks must be float32, bfloat16 or float16, got {sinks.dtype}")
         if tuple(sinks.shape) != (hq,):
             raise ValueError(
-                f"sinks must have shape ({hq},) (one logit per query head), got {tuple(sinks.shape)}"
+                f"sinks must have shape ({hq},) (one logit per query head), got "
+                f"{tuple(sinks.shape)}"
             )
         if sinks.device != device:
             raise ValueError(f"sinks must be on q's device {device}, got {sinks.device}")
@@ -208,7 +211,8 @@ def sink_logits(sinks: torch.Tensor | None) -> torch.Tensor | None:
     return None if sinks is None else (sinks.float() * LOG2E).contiguous()
 
 
-def softcap_base2(s: torch.Tensor, softcap: float, shift: torch.Tensor | float = 0.0) -> torch.Tensor:
+def softcap_base2(s: torch.Tensor, softcap: float,
+                  shift: torch.Tensor | float = 0.0) -> torch.Tensor:
     """The kernels' soft-capping of base-2 scores ``s`` (fp32) that K smoothing lowered by
     ``shift`` (base 2, per row, or 0): ``C·tanh((s + shift)/C') - shift`` with ``C = c·log2 e``,
     tanh as ``1 - 2/(2^(2x) + 1)`` on ``(s + shift)·(2/c)`` (exp2 of ±∞ gives ±1; NaN stays

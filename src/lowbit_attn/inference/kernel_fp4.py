@@ -209,7 +209,8 @@ def _attn_fwd_fp4_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """The LLM variants as in ``kernel_int8`` (``WINDOWED``, ``SOFTCAP``, ``SINK``; a window's
-    loop is not pipelined). Operands ``q``, ``k``, ``v``: ``(packed codes, group scales, tensor scale or None, and the
+    loop is not pipelined). Operands ``q``, ``k``, ``v``: ``(packed codes, group scales, tensor
+    scale or None, and the
     three's strides)``; codes and scales are contiguous along their last dim, their strides are
     (batch, head, token) for Q and K, (batch, head, dim) for V (token-contiguous); the tensor
     scale's (batch, head). Strides: (batch, head) of V's channel mean ``VM``; (batch, head, query

@@ -117,7 +117,8 @@ def _train_dkdv_kernel(
     BLOCK_D: tl.constexpr,
 ):
     """dK and dV of one key block (with ``WINDOWED``, the query blocks of
-    ``window_query_bounds``, masked; ``SOFTCAP``: see :func:`_tile_p_dp`). Operands (see :func:`_operand`): Q and K for the scores, dO and
+    ``window_query_bounds``, masked; ``SOFTCAP``: see :func:`_tile_p_dp`). Operands (see
+    :func:`_operand`): Q and K for the scores, dO and
     V for dP, dO for dV, Q for dK, K for dQ (``ATOMIC_DQ``). Strides: (batch, head, query block,
     dim) of Q's block means ``QM``; (batch, head, query block, key) of ``DS``; (batch, head, token)
     of ``LSE`` and ``DELTA``; (batch, head, token, dim) of ``DQ_ACC``; (batch, head,

@@ -79,7 +79,8 @@ def _train_fwd_kernel(
 ):
     """With ``WINDOWED`` the key blocks of ``window_block_bounds`` (``left``, ``right``,
     ``chunk``; ``causal_offset`` is ``Nk - Nq``), each masked; ``SOFTCAP``: the scores
-    soft-capped (``cap2``, ``two_over``; K is not smoothed then). Operands ``q``, ``k``, ``v``: ``(values [B, H, N, D], scales [B, H, N/QUANT_BLOCK], values'
+    soft-capped (``cap2``, ``two_over``; K is not smoothed then). Operands ``q``, ``k``, ``v``:
+    ``(values [B, H, N, D], scales [B, H, N/QUANT_BLOCK], values'
     strides, scales' strides)``. Strides: (batch, head, query block, key) of ``DS``; (batch, head,
     token, dim) of ``O``; (batch, head, token) of ``LSE``."""
     Q, QS, q_strides, qs_strides = q
