@@ -295,13 +295,16 @@ def record_launches(
     seq_len: int = 1024,
     return_lse: bool = False,
     varlen: bool = False,
+    variant=None,
 ) -> list[Launch]:
     """The kernel launches, in order, of one dense ``[1, 2, seq_len, head_dim]`` attention call with
     ``recipe`` on the Triton backend (nothing runs: see the module docstring); ``varlen``: the same
     tokens as two packed sequences (``[seq_len, 2, head_dim]``, ``cu_seqlens`` ``[0, seq_len // 3,
-    seq_len]``), as ``attention_varlen`` launches them."""
+    seq_len]``), as ``attention_varlen`` launches them. ``variant``: a
+    :class:`~lowbit_attn.core.variants.Variant` (window, chunk, softcap, sinks) or None."""
     from lowbit_attn.core.operands import Seqs
     from lowbit_attn.core.options import KernelOptions
+    from lowbit_attn.core.variants import PLAIN
     from lowbit_attn.inference import op
 
     if not isinstance(recipe, Recipe):
@@ -314,11 +317,14 @@ def record_launches(
         cu = torch.tensor([0, seq_len // 3, seq_len], dtype=torch.int32)
         seq = Seqs(batch=2, max_len=seq_len - seq_len // 3, cu_seqlens=cu)
         seqs = (seq, seq)
+    variant = PLAIN if variant is None else variant
+    sinks = torch.zeros(2) if variant.sinks else None
     with _recording() as sink:
         op.run(
             q, k, v, out=out, recipe=recipe, scale=head_dim ** -0.5,
             causal_offset=0 if causal else None, return_lse=return_lse, backend="triton",
             seqs=seqs, options=KernelOptions.from_env(),  # as the op reads them
+            variant=variant, sinks=sinks,
         )
     return list(sink)
 
@@ -581,9 +587,11 @@ def compile_recipe(
     seq_len: int = 1024,
     config: int = 0,
     varlen: bool = False,
+    variant=None,
 ) -> list[KernelReport]:
     """Compile, for ``arch``, every kernel one attention call with ``recipe`` launches (quantizers
     first, attention last; identical launches once) and report each (see :class:`KernelReport`).
+    ``variant``: the LLM variants' :class:`~lowbit_attn.core.variants.Variant` (None: plain).
 
     Args:
         recipe: a recipe name, ``"auto"`` (resolved for ``arch``) or a :class:`~lowbit_attn.Recipe`.
@@ -614,7 +622,7 @@ def compile_recipe(
     r = resolve(recipe, parse_arch(arch))
     checks.recipe_fits(r, head_dim)  # what the public functions refuse is not compiled either
     launches = record_launches(r, head_dim=head_dim, causal=causal, dtype=dtype, seq_len=seq_len,
-                               return_lse=return_lse, varlen=varlen)
+                               return_lse=return_lse, varlen=varlen, variant=variant)
     return _compile_all(launches, arch, config)
 
 
