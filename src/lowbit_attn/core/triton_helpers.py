@@ -14,6 +14,7 @@ from lowbit_attn.core.arch import interpreter_enabled
 from lowbit_attn.core.operands import LOG2_FP8_MAX, TILE_AMAX_FLOOR
 
 LN2 = tl.constexpr(0.6931471805599453)
+LOG2E = tl.constexpr(1.4426950408889634)
 _LOG2_FP8_MAX = tl.constexpr(LOG2_FP8_MAX)
 _TILE_AMAX_FLOOR = tl.constexpr(TILE_AMAX_FLOOR)
 
@@ -100,21 +101,96 @@ def key_block_bounds(nk, pid_m, causal_offset, IS_CAUSAL: tl.constexpr, BLOCK_M:
 
 
 @triton.jit
+def window_block_bounds(nk, pid_m, offset, left, right, chunk, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
+    """``(lo, full_lo, full_hi, hi)`` of one query block under a window and/or chunk
+    (``core.variants.key_block_range``, the same formula: a test kernel holds them together):
+    key blocks from ``lo`` to ``hi`` hold every key a row of the block sees, those in
+    ``[full_lo, full_hi)`` are seen whole by every row. ``offset``: ``Nk - Nq``; ``left``,
+    ``right``: -1 unbounded; ``chunk``: 0 off. Dividends are never negative (C's division and
+    Python's agree)."""
+    a = pid_m * BLOCK_M + offset  # the first row's position
+    z = a + (BLOCK_M - 1)  # the last row's
+    lo = tl.where(left >= 0, tl.maximum(a - left, 0), 0)
+    in_lo = tl.where(left >= 0, tl.maximum(z - left, 0), 0)
+    hi = tl.where(right >= 0, tl.minimum(z + right + 1, nk), nk)
+    in_hi = tl.where(right >= 0, tl.minimum(a + right + 1, nk), nk)
+    on = chunk > 0
+    c = tl.maximum(chunk, 1)
+    ca = tl.maximum(a, 0) // c * c
+    cz = tl.maximum(z, 0) // c * c
+    lo = tl.where(on, tl.maximum(lo, ca), lo)
+    hi = tl.where(on, tl.minimum(hi, tl.where(z >= 0, cz + c, 0)), hi)
+    one = (ca == cz) & (a >= 0)  # every row in one chunk
+    in_lo = tl.where(on, tl.maximum(in_lo, tl.where(one, ca, nk)), in_lo)
+    in_hi = tl.where(on, tl.minimum(in_hi, tl.where(one, ca + c, 0)), in_hi)
+    lo = lo // BLOCK_N * BLOCK_N
+    full_lo = (in_lo + (BLOCK_N - 1)) // BLOCK_N * BLOCK_N
+    full_hi = tl.maximum(in_hi, 0) // BLOCK_N * BLOCK_N
+    none = full_hi <= full_lo
+    return lo, tl.where(none, lo, full_lo), tl.where(none, lo, full_hi), hi
+
+
+@triton.jit
+def window_ok(r, c, offset, left, right, chunk):
+    """Whether query rows ``r`` see keys ``c`` (broadcast against each other) under a window
+    and/or chunk (``core.variants.Variant.visible``): the chunk's first key found once per row
+    when ``r`` is a row or column vector."""
+    p = r + offset
+    ok = ((left < 0) | (c >= p - left)) & ((right < 0) | (c <= p + right))
+    ch = tl.maximum(chunk, 1)
+    first = tl.maximum(p, 0) // ch * ch
+    return ok & ((chunk <= 0) | ((p >= 0) & (c >= first) & (c < first + ch)))
+
+
+@triton.jit
+def softcap_scores(s, cap2, two_over, shift):
+    """Soft-capped base-2 scores: ``cap2·tanh(u/cap2) - shift`` with ``u = s + shift`` (the
+    true score: ``shift`` is what K smoothing took off the row, base 2) and tanh as
+    ``1 - 2/(2^(u·two_over) + 1)`` (``cap2 = c·log2 e``, ``two_over = 2/c``; ±∞ give ±1, NaN
+    stays). Twin: ``core.variants.softcap_base2``, step for step."""
+    u = s + shift[:, None]
+    e = tl.exp2(u * two_over)
+    t = 1.0 - 2.0 / (e + 1.0)
+    return t * cap2 - shift[:, None]
+
+
+@triton.jit
 def finish_scores(s, cols, nmask, offs_m, causal_offset, ds_base, sdn, HAS_DS: tl.constexpr,
-                  MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr):
-    """A score tile in base 2 with the Q-smoothing correction ΔS added and, in ``MASKED`` blocks,
-    ``-inf`` for keys past the end or past the causal diagonal."""
+                  MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, window=None,
+                  WINDOWED: tl.constexpr = False, cap=None, SOFTCAP: tl.constexpr = False):
+    """A score tile in base 2 with the Q-smoothing correction ΔS added, soft-capped
+    (``SOFTCAP``: ``cap = (c·log2 e, 2/c, the rows' K-smoothing shift)``, before the masks) and,
+    in ``MASKED`` blocks, ``-inf`` for keys past the end, past the causal diagonal or, with
+    ``WINDOWED``, outside the ``window = (left, right, chunk)`` rule (positions aligned by
+    ``causal_offset = Nk - Nq``)."""
     if HAS_DS:
         ds = tl.load(ds_base + cols * sdn, mask=nmask, other=0.0)
         s = s + ds[None, :]
+    if SOFTCAP:
+        s = softcap_scores(s, cap[0], cap[1], cap[2])
     if MASKED:
-        if IS_CAUSAL:
+        if WINDOWED:
+            valid = window_ok(offs_m[:, None], cols[None, :], causal_offset, window[0],
+                              window[1], window[2]) & nmask[None, :]
+        elif IS_CAUSAL:
             valid = (cols[None, :] <= offs_m[:, None] + causal_offset) & nmask[None, :]
         else:
             valid = nmask[None, :]
         s = tl.where(valid, s, float("-inf"))
     return s
 
+
+@triton.jit
+def add_sink(acc, m_i, l_i, sink, offset):
+    """The sink's term after the key blocks: the row max raised to the sink's logit ``sink``
+    (base 2, in the scores' frame) when above, ``2^(sink - m + offset)`` added to the row sum.
+    Returns ``(acc, m, l, w)``, ``w`` the keys' share of the sum (V's mean is added in that
+    proportion). Twin: ``inference.naive.add_sink``."""
+    m_new, m_safe, alpha = online_max(m_i, sink)
+    l_keys = l_i * alpha
+    l_i = l_keys + tl.exp2(sink - (m_safe - offset))
+    return acc * alpha[:, None], m_new, l_i, l_keys / l_i
 
 
 @triton.jit
@@ -149,17 +225,21 @@ def normalize_rows(acc, l_i):
 
 @triton.jit
 def finish_rows(acc, l_i, VS, VM, vec_base, offs_d, dmask, svsd, HAS_VSCALE: tl.constexpr,
-                HAS_VMEAN: tl.constexpr):
+                HAS_VMEAN: tl.constexpr, vm_weight=None, SINK: tl.constexpr = False):
     """The quantized forwards' epilogue: ``acc / l``, times V's per-channel scale (FP8, or fp16
     V's power of two) when it has one, plus V's mean when V was smoothed (``vec_base``: the
-    (batch, head) offset of those vectors); rows that saw no key give 0."""
+    (batch, head) offset of those vectors; with ``SINK`` times the keys' share ``vm_weight`` of
+    each row's sum); rows that saw no key give 0."""
     out, empty = normalize_rows(acc, l_i)
     if HAS_VSCALE:
         vs = tl.load(VS + vec_base + offs_d * svsd, mask=dmask, other=0.0)
         out = out * vs[None, :]
     if HAS_VMEAN:
         vm = tl.load(VM + vec_base + offs_d * svsd, mask=dmask, other=0.0)
-        out = out + vm[None, :]
+        if SINK:
+            out = out + vm[None, :] * vm_weight[:, None]
+        else:
+            out = out + vm[None, :]
     return tl.where(empty[:, None], 0.0, out)
 
 

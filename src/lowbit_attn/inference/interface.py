@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lowbit_attn.core import checks
+from lowbit_attn.core import checks, variants
 from lowbit_attn.core.recipes import Recipe, resolve_for
 from lowbit_attn.inference import op, planned
 
@@ -18,6 +18,10 @@ def attention(
     layout: str = "HND",
     recipe: "str | Recipe" = "auto",
     return_lse: bool = False,
+    window: "tuple[int, int] | None" = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ):
     """Low-bit attention ``softmax(q·kᵀ·scale)·v``.
 
@@ -44,16 +48,35 @@ def attention(
         return_lse: also return the natural-log log-sum-exp of each row's true scores (what K
             smoothing removed is added back, so outputs over different key ranges merge as
             FlashAttention's do).
+        window: ``(left, right)``, FlashAttention's ``window_size``: query ``i`` sees key ``j``
+            only if ``i + Nk - Nq - left <= j <= i + Nk - Nq + right`` (aligned bottom-right);
+            ``-1`` leaves that side unbounded; ``None`` or ``(-1, -1)``: no window. With
+            ``is_causal`` the right bound is 0 whatever ``right`` says. Mistral's
+            ``sliding_window=W`` (and Gemma's sliding layers) is ``window=(W - 1, 0)`` with
+            ``is_causal=True``. The kernels visit only the key blocks a query block's window
+            meets, so a window costs in proportion to its width.
+        softcap: ``c > 0``: the scaled scores become ``c·tanh(S/c)`` before the masks and the
+            softmax (Gemma 2's ``attn_logit_softcapping``); ``None`` or 0: off.
+        sinks: ``[Hq]`` float32, bfloat16 or float16 on q's device, one logit per query head
+            (gpt-oss): it joins every row's softmax denominator and contributes no value,
+            ``out_i = Σ_j e^{S_ij}·v_j / (Σ_j e^{S_ij} + e^{sink_h})``. A row that sees no key
+            gives 0. The LSE (``return_lse``) includes the sink term.
+        chunk: ``C > 0``: chunked local attention (Llama 4's ``attention_chunk_size``): key ``j``
+            is visible to query ``i`` only if ``j // C == (i + Nk - Nq) // C``, on top of the
+            causal mask and the window when given (both rules apply).
 
     Returns:
         The output (q's dtype, shape and layout), or with ``return_lse`` a tuple of the output and
-        the LSE ``[B, Hq, Nq]`` fp32 (``-inf`` for rows that see no key).
+        the LSE ``[B, Hq, Nq]`` fp32 (``-inf`` for rows that see no key and no sink).
 
     Raises:
         TypeError: q, k or v is not a tensor, or not float16, bfloat16 or float32, or their dtypes
             differ; ``is_causal`` or ``return_lse`` is not a bool; ``scale`` is not a real number;
-            ``recipe`` is neither a str nor a :class:`Recipe`.
-        ValueError: a tensor is not 4-D; an unknown ``layout`` or recipe name; q, k, v on
+            ``recipe`` is neither a str nor a :class:`Recipe`; ``window`` not a pair of ints,
+            ``softcap`` or ``chunk`` of another type, ``sinks`` not a tensor or of another dtype.
+        ValueError: a window side below -1, ``softcap`` not positive and finite, ``chunk`` not
+            positive, ``sinks`` of another shape than ``[Hq]``, on another device or requiring
+            grad; a tensor is not 4-D; an unknown ``layout`` or recipe name; q, k, v on
             different devices; k and v of different shapes; batch sizes or head dims that differ,
             a head dim outside 1 to 256, ``Hq`` not a multiple of ``Hkv``, or no key tokens;
             ``scale`` not positive and finite; an input that requires grad while autograd is on
@@ -63,7 +86,8 @@ def attention(
         RuntimeError: ``LOWBIT_ATTN_BACKEND=triton`` for CPU tensors without
             ``TRITON_INTERPRET=1``.
     """
-    plan_key = planned.key(q, k, v, is_causal, scale, layout, recipe, return_lse)
+    plan_key = planned.key(q, k, v, is_causal, scale, layout, recipe, return_lse,
+                           (window, softcap, chunk), sinks)
     if plan_key is not None:
         found = planned.replay(plan_key, (q, k, v))
         if found is not None:
@@ -72,6 +96,8 @@ def attention(
     is_causal = checks.flag("is_causal", is_causal)
     return_lse = checks.flag("return_lse", return_lse)
     checks.forward_only(q, k, v)
+    variant = variants.check(is_causal=is_causal, window=window, softcap=softcap, chunk=chunk,
+                             sinks=sinks, hq=qh.shape[1], device=q.device)
     r = resolve_for(recipe, q.device)
     checks.recipe_fits(r, q.shape[-1])
     sm_scale = checks.softmax_scale(scale, q.shape[-1])
@@ -82,8 +108,9 @@ def attention(
         lse = torch.empty((b, hq, nq), dtype=torch.float32, device=q.device)
         return (out, lse) if return_lse else out
     out, lse = op.call(
-        q, k, v, r, scale=sm_scale, is_causal=is_causal, causal_offset=nk - nq,
-        nhd=layout == "NHD", return_lse=return_lse, plan_key=plan_key,
+        q, k, v, r, scale=sm_scale, is_causal=variant.causal, causal_offset=nk - nq,
+        nhd=layout == "NHD", return_lse=return_lse, plan_key=plan_key, variant=variant,
+        sinks=sinks,
     )
     return (out, lse) if return_lse else out
 
@@ -102,6 +129,10 @@ def attention_varlen(
     recipe: "str | Recipe" = "auto",
     return_lse: bool = False,
     check_seqlens: bool = True,
+    window: "tuple[int, int] | None" = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ):
     """Attention over packed sequences, as FlashAttention's ``flash_attn_varlen_func``.
 
@@ -124,14 +155,16 @@ def attention_varlen(
         check_seqlens: verify the offsets and maxima (reads ``cu_seqlens`` on the host: a GPU
             synchronisation and, under ``torch.compile``, a graph break). ``False`` for offsets
             known good, inside CUDA graphs or compiled code.
+        window, softcap, sinks, chunk: as for :func:`attention`, each sequence aligned
+            bottom-right on its own (``Nq``, ``Nk``: that sequence's lengths).
 
     Returns:
         The output ``[total_q, Hq, D]`` (q's dtype), or with ``return_lse`` a tuple of the output
         and the LSE ``[Hq, total_q]`` fp32.
 
     Raises:
-        TypeError: as :func:`attention` for q, k, v, the flags, ``scale`` and ``recipe``; a
-            ``cu_seqlens`` that is not a tensor.
+        TypeError: as :func:`attention` for q, k, v, the flags, ``scale``, ``recipe`` and the
+            variants; a ``cu_seqlens`` that is not a tensor.
         ValueError: as :func:`attention` (tensors here are 3-D); a ``cu_seqlens`` that is not a
             1-D integer tensor of at least two offsets on q's device, or (with ``check_seqlens``)
             does not run from 0 to the packed length without decreasing; ``cu_seqlens_q`` and
@@ -161,6 +194,8 @@ def attention_varlen(
         longest = 0 if bounds is None else max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
         if isinstance(value, bool) or not isinstance(value, int) or value < longest:
             raise ValueError(f"{name} must be an int >= the longest sequence ({longest}), got {value!r}")
+    variant = variants.check(is_causal=is_causal, window=window, softcap=softcap, chunk=chunk,
+                             sinks=sinks, hq=q.shape[1], device=q.device)
     r = resolve_for(recipe, q.device)
     checks.recipe_fits(r, q.shape[-1])
     sm_scale = checks.softmax_scale(scale, q.shape[-1])
@@ -169,5 +204,6 @@ def attention_varlen(
         lse = torch.empty((0, q.shape[0]), dtype=torch.float32, device=q.device)
         return (out, lse) if return_lse else out
     out, lse = op.call_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, r,
-                               scale=sm_scale, is_causal=is_causal, return_lse=return_lse)
+                               scale=sm_scale, is_causal=variant.causal, return_lse=return_lse,
+                               variant=variant, sinks=sinks)
     return (out, lse) if return_lse else out

@@ -34,9 +34,10 @@ import triton.language as tl
 
 from lowbit_attn.core.arch import fp4_mode, fp4_pipeline_qk, get_capability, interpreter_enabled
 from lowbit_attn.core.operands import FP4_GROUP, P_TWO_LEVEL_PEAK, QuantizedFP4
+from lowbit_attn.core.variants import PLAIN, Variant, cap_args, sink_logits
 from lowbit_attn.core.triton_helpers import (
-    LaunchConfig, batch_head, finish_scores, key_block_bounds, next_power_of_2, normalize_rows, online_max,
-    store_lse, strides, triton_configs,
+    LOG2E, LaunchConfig, add_sink, batch_head, finish_scores, key_block_bounds, next_power_of_2,
+    normalize_rows, online_max, store_lse, strides, triton_configs, window_block_bounds,
 )
 from lowbit_attn.quant.fp4 import (
     e2m1_code, e2m1_pack, e2m1_value, e4m3_group_scale, e4m3_value, e8m0_group_scale, e8m0_value,
@@ -125,14 +126,15 @@ def _attend_block(
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DS: tl.constexpr, NV: tl.constexpr,
     NATIVE_FP4: tl.constexpr, EMU_FP32: tl.constexpr, TWO_LEVEL: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    window, WINDOWED: tl.constexpr, cap, SOFTCAP: tl.constexpr,
 ):
     """One key block's online softmax, P̃ quantization and P̃·V from its scores ``s`` (those of
-    :func:`_scores`)."""
+    :func:`_scores`); ``window``, ``cap``: see ``finish_scores``."""
     cols = start_n + offs_n
     nmask = cols < nk
     s = s * mult
     s = finish_scores(s, cols, nmask, offs_m, causal_offset, ds_base, sdn, HAS_DS, MASKED,
-                      IS_CAUSAL)
+                      IS_CAUSAL, window, WINDOWED, cap, SOFTCAP)
     block_max = tl.max(s, axis=1)
     m_new, m_safe, alpha = online_max(m_i, block_max)
     if TWO_LEVEL:
@@ -174,15 +176,40 @@ def _attend_block(
 
 
 @triton.jit
+def _masked_block(acc, m_i, l_i, start_n, q_ops, rows, keys, ds_base, window, cap,
+                  IS_CAUSAL: tl.constexpr, HAS_DS: tl.constexpr, NV: tl.constexpr,
+                  NATIVE_FP4: tl.constexpr, EMU_FP32: tl.constexpr, TWO_LEVEL: tl.constexpr,
+                  GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_D: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr):
+    """One key block that some rows see in part: :func:`_scores` and :func:`_attend_block`
+    with masks. ``q_ops``: ``(q_op, qs_op)``; ``rows``: ``(offs_m, offs_n, nk, causal_offset,
+    mult, zero, sdn)``; ``keys``: ``(k_base, ks_base, skn, sksn, v_base, vs_base, svd,
+    svsd)``."""
+    q_op, qs_op = q_ops
+    offs_m, offs_n, nk, causal_offset, mult, zero, sdn = rows
+    k_base, ks_base, skn, sksn, v_base, vs_base, svd, svsd = keys
+    s = _scores(q_op, qs_op, start_n, offs_n, nk, zero, k_base, ks_base, skn, sksn,
+                NV, NATIVE_FP4, EMU_FP32, GROUP, BLOCK_M, BLOCK_N, BLOCK_D)
+    return _attend_block(
+        acc, m_i, l_i, s, start_n, offs_m, offs_n, nk, causal_offset, mult, zero,
+        v_base, vs_base, ds_base, svd, svsd, sdn, True, IS_CAUSAL, HAS_DS, NV, NATIVE_FP4,
+        EMU_FP32, TWO_LEVEL, GROUP, BLOCK_M, BLOCK_N, BLOCK_D, window, WINDOWED, cap, SOFTCAP,
+    )
+
+
+@triton.jit
 def _attn_fwd_fp4_kernel(
-    q, k, v, VM, DS, LSH, O, LSE, vm_strides, ds_strides, lsh_strides, o_strides, lse_strides,
-    NQ, NK, HQ, GROUP_HEADS, D, causal_offset, qk_multiplier, zero, N_BUCKET,
+    q, k, v, VM, DS, LSH, O, LSE, SINK, vm_strides, ds_strides, lsh_strides, o_strides,
+    lse_strides, NQ, NK, HQ, GROUP_HEADS, D, causal_offset, qk_multiplier, zero, N_BUCKET,
+    left, right, chunk, cap2, two_over,
     IS_CAUSAL: tl.constexpr, NV: tl.constexpr, NATIVE_FP4: tl.constexpr, EMU_FP32: tl.constexpr,
     TWO_LEVEL: tl.constexpr, HAS_VMEAN: tl.constexpr, HAS_DS: tl.constexpr,
     HAS_LSH: tl.constexpr, WRITE_LSE: tl.constexpr, PIPELINE_QK: tl.constexpr,
+    WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Operands ``q``, ``k``, ``v``: ``(packed codes, group scales, tensor scale or None, and the
+    """The LLM variants as in ``kernel_int8`` (``WINDOWED``, ``SOFTCAP``, ``SINK``; a window's
+    loop is not pipelined). Operands ``q``, ``k``, ``v``: ``(packed codes, group scales, tensor scale or None, and the
     three's strides)``; codes and scales are contiguous along their last dim, their strides are
     (batch, head, token) for Q and K, (batch, head, dim) for V (token-contiguous); the tensor
     scale's (batch, head). Strides: (batch, head) of V's channel mean ``VM``; (batch, head, query
@@ -239,21 +266,42 @@ def _attn_fwd_fp4_kernel(
     if HAS_DS:
         ds_base = DS + b * sdb + h * sdh + pid_m * sdq
 
+    window = (left, right, chunk)
+    shift = tl.zeros([BLOCK_M], dtype=tl.float32)  # K smoothing's row shift, base 2
+    if (SOFTCAP or HAS_SINK) and HAS_LSH:
+        shift = tl.load(LSH + b * slb + h * slh + offs_m * sln, mask=mmask, other=0.0) * LOG2E
+    cap = (cap2, two_over, shift)
+    q_ops = (q_op, qs_op)
+    rows = (offs_m, offs_n, NK, causal_offset, mult, zero, sdn)
+    keys = (k_base, ks_base, skn, sksn, v_base, vs_base, svd, svsd)
+
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    full_hi, hi = key_block_bounds(NK, pid_m, causal_offset, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    if WINDOWED:  # masked blocks at both ends of the window's range, whole ones between
+        lo, full_lo, full_hi, hi = window_block_bounds(NK, pid_m, causal_offset, left, right,
+                                                       chunk, BLOCK_M, BLOCK_N)
+        for start_n in range(lo, full_lo, BLOCK_N):
+            acc, m_i, l_i = _masked_block(
+                acc, m_i, l_i, start_n, q_ops, rows, keys, ds_base, window, cap, IS_CAUSAL,
+                HAS_DS, NV, NATIVE_FP4, EMU_FP32, TWO_LEVEL, GROUP, BLOCK_M, BLOCK_N, BLOCK_D,
+                WINDOWED, SOFTCAP,
+            )
+    else:
+        full_lo = 0
+        full_hi, hi = key_block_bounds(NK, pid_m, causal_offset, IS_CAUSAL, BLOCK_M, BLOCK_N)
     # Q·Kᵀ one block ahead: the next block's products are issued before this block's softmax,
     # which does not depend on them (ptxas interleaves them with its exp2s). After the last
     # unmasked block the last one is loaded again (its product discarded): no masks in the loop.
     # Native causal MXFP4 stays serial: pipelined it spills on sm_120a (16 B at 255 registers;
     # benchmarks/NOTES.md §7); the emulation takes either form.
-    PIPELINED: tl.constexpr = PIPELINE_QK and (NV or not IS_CAUSAL or not NATIVE_FP4)
+    PIPELINED: tl.constexpr = (PIPELINE_QK and (NV or not IS_CAUSAL or not NATIVE_FP4)
+                               and not WINDOWED)
     if PIPELINED:
         s_next = _scores(q_op, qs_op, 0, offs_n, NK, zero, k_base, ks_base, skn, sksn,
                          NV, NATIVE_FP4, EMU_FP32, GROUP, BLOCK_M, BLOCK_N, BLOCK_D)
-    for start_n in range(0, full_hi, BLOCK_N):
+    for start_n in range(full_lo, full_hi, BLOCK_N):
         if PIPELINED:
             s = s_next
             s_next = _scores(q_op, qs_op, tl.minimum(start_n + BLOCK_N, full_hi - BLOCK_N),
@@ -266,17 +314,17 @@ def _attn_fwd_fp4_kernel(
             acc, m_i, l_i, s, start_n, offs_m, offs_n, NK, causal_offset, mult, zero,
             v_base, vs_base, ds_base, svd, svsd, sdn,
             False, IS_CAUSAL, HAS_DS, NV, NATIVE_FP4, EMU_FP32, TWO_LEVEL,
-            GROUP, BLOCK_M, BLOCK_N, BLOCK_D,
+            GROUP, BLOCK_M, BLOCK_N, BLOCK_D, window, WINDOWED, cap, SOFTCAP,
         )
     for start_n in range(full_hi, hi, BLOCK_N):
-        s = _scores(q_op, qs_op, start_n, offs_n, NK, zero, k_base, ks_base, skn, sksn,
-                    NV, NATIVE_FP4, EMU_FP32, GROUP, BLOCK_M, BLOCK_N, BLOCK_D)
-        acc, m_i, l_i = _attend_block(
-            acc, m_i, l_i, s, start_n, offs_m, offs_n, NK, causal_offset, mult, zero,
-            v_base, vs_base, ds_base, svd, svsd, sdn,
-            True, IS_CAUSAL, HAS_DS, NV, NATIVE_FP4, EMU_FP32, TWO_LEVEL,
-            GROUP, BLOCK_M, BLOCK_N, BLOCK_D,
-        )
+        acc, m_i, l_i = _masked_block(acc, m_i, l_i, start_n, q_ops, rows, keys, ds_base,
+                                      window, cap, IS_CAUSAL, HAS_DS, NV, NATIVE_FP4, EMU_FP32,
+                                      TWO_LEVEL, GROUP, BLOCK_M, BLOCK_N, BLOCK_D, WINDOWED,
+                                      SOFTCAP)
+    w = l_i
+    if HAS_SINK:  # one term after the loop (m raised to the sink's logit when above)
+        sink = tl.load(SINK + h + offs_m * 0) - shift
+        acc, m_i, l_i, w = add_sink(acc, m_i, l_i, sink, 0.0)
 
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
@@ -285,7 +333,10 @@ def _attn_fwd_fp4_kernel(
         out = out * tl.load(VG + b * sgvb + hk * sgvh)
     if HAS_VMEAN:
         vm = tl.load(VM + b * svmb + hk * svmh + offs_d, mask=dmask, other=0.0)
-        out = out + vm[None, :]
+        if HAS_SINK:
+            out = out + vm[None, :] * w[:, None]
+        else:
+            out = out + vm[None, :]
     out = tl.where(empty[:, None], 0.0, out)
     tl.store(
         O + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :] * sod,
@@ -299,10 +350,12 @@ def _attn_fwd_fp4_kernel(
 _attn_fwd_fp4 = triton.autotune(
     configs=triton_configs(CONFIGS, get_capability()),
     # N_BUCKET (a power of two of the key length, unused by the kernel): tune per length range.
-    key=["N_BUCKET", "BLOCK_D", "IS_CAUSAL", "NV", "TWO_LEVEL", "BLOCK_M", "BLOCK_N"],
+    key=["N_BUCKET", "BLOCK_D", "IS_CAUSAL", "NV", "TWO_LEVEL", "BLOCK_M", "BLOCK_N",
+         "WINDOWED", "SOFTCAP"],
 )(
     triton.heuristics(
         {
+            "HAS_SINK": lambda a: a["SINK"] is not None,
             "HAS_VMEAN": lambda a: a["VM"] is not None,
             "HAS_DS": lambda a: a["DS"] is not None,
             "HAS_LSH": lambda a: a["LSH"] is not None,
@@ -334,10 +387,13 @@ def attention(
     two_level: bool,
     return_lse: bool,
     pipeline_qk: bool | None = None,
+    variant: Variant = PLAIN,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Run the kernel; writes ``out`` (a logical ``[B, Hq, Nq, D]`` view) and returns the LSE
     ``[B, Hq, Nq]`` fp32 when asked. ``pipeline_qk``: issue Q·Kᵀ one key block ahead (the same
-    results); by default on the native sm_120 path only."""
+    results); by default on the native sm_120 path only. ``variant``, ``sinks``: as
+    ``kernel_int8.attention``."""
     b, hq, nq, _ = qz.q.shape
     hkv, nk = qz.k.shape[1], qz.k.shape[2]
     lse = torch.empty((b, hq, nq), device=out.device, dtype=torch.float32) if return_lse else None
@@ -346,17 +402,21 @@ def attention(
     if pipeline_qk is None:
         pipeline_qk = native and fp4_pipeline_qk(get_capability())
     grid = (triton.cdiv(nq, block_q), b * hq)
+    cap2, two_over = cap_args(variant.softcap)
     _attn_fwd_fp4[grid](
         q=_operand(qz.q, qz.q_scale, qz.q_global), k=_operand(qz.k, qz.k_scale, qz.k_global),
         v=_operand(qz.v, qz.v_scale, qz.v_global), VM=qz.v_mean, DS=qz.delta_s,
-        LSH=qz.lse_shift, O=out, LSE=lse, vm_strides=_pair(qz.v_mean),
+        LSH=qz.lse_shift, O=out, LSE=lse, SINK=sink_logits(sinks), vm_strides=_pair(qz.v_mean),
         ds_strides=strides(qz.delta_s, 4), lsh_strides=strides(qz.lse_shift, 3),
         o_strides=out.stride(), lse_strides=strides(lse, 3),
         NQ=nq, NK=nk, HQ=hq, GROUP_HEADS=hq // hkv, D=head_dim,
-        causal_offset=0 if causal_offset is None else int(causal_offset),
+        causal_offset=nk - nq if variant.windowed else (
+            0 if causal_offset is None else int(causal_offset)),
         qk_multiplier=float(qz.qk_multiplier), zero=0.0,
-        N_BUCKET=min(next_power_of_2(nk), 32768),
-        IS_CAUSAL=causal_offset is not None, NV=nv,
+        N_BUCKET=min(next_power_of_2(nk), 32768), left=variant.left, right=variant.right,
+        chunk=variant.chunk, cap2=cap2, two_over=two_over, WINDOWED=variant.windowed,
+        SOFTCAP=variant.softcap > 0,
+        IS_CAUSAL=causal_offset is not None and not variant.windowed, NV=nv,
         NATIVE_FP4=native, EMU_FP32=interpreter_enabled(), TWO_LEVEL=two_level,
         PIPELINE_QK=pipeline_qk,
         GROUP=FP4_GROUP[qz.fmt], BLOCK_M=block_q, BLOCK_N=block_k, BLOCK_D=qz.q.shape[-1] * 2,

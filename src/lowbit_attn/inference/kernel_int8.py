@@ -15,11 +15,14 @@ import triton.language as tl
 
 from lowbit_attn.core.arch import get_capability
 from lowbit_attn.core.operands import QuantizedQKV, Seqs, dense_seqs
+from lowbit_attn.core.variants import PLAIN, Variant
 from lowbit_attn.core.triton_helpers import (
-    LaunchConfig, batch_head, bhnd_strides, channel_vector_strides, exact_fp8, finish_rows,
-    finish_scores, key_block_bounds, key_position, next_pow2, next_power_of_2, online_max,
-    p_offset, row_strides, seq_span, store_lse, strides, to_e4m3, triton_configs,
+    LOG2E, LaunchConfig, add_sink, batch_head, bhnd_strides, channel_vector_strides, exact_fp8,
+    finish_rows, finish_scores, key_block_bounds, key_position, next_pow2, next_power_of_2,
+    online_max, p_offset, row_strides, seq_span, store_lse, strides, to_e4m3, triton_configs,
+    window_block_bounds,
 )
+from lowbit_attn.core.variants import cap_args, sink_logits
 from lowbit_attn.quant.tile import quantize_int8_tile, thread_group
 
 # The kernel's ``GRAN`` of each granularity (the quantization kernels' codes for Q).
@@ -78,7 +81,7 @@ def _softmax_pv(
     v_base, ds_base, svn, svd, sdn, offset,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, GRAN: tl.constexpr, PV_FP8: tl.constexpr,
     HAS_DS: tl.constexpr, EXACT_FP8: tl.constexpr, BLOCK_N: tl.constexpr,
-    V_PERMUTED: tl.constexpr,
+    V_PERMUTED: tl.constexpr, window, WINDOWED: tl.constexpr, cap, SOFTCAP: tl.constexpr,
 ):
     """The online-softmax step of one key block's integer scores, then its P̃·V.
 
@@ -87,11 +90,13 @@ def _softmax_pv(
     (``max(t)·c = max(t·c)``: scales are positive and rounding is monotone), and
     ``exp2(fma(t, c, -(m - offset)))``: one multiply per score fewer than scaling every score
     first. Per thread (``GRAN`` 2), ``c = s_q·s_k`` of each score's groups, one value per thread
-    in a wgmma's fragments: ``max(t·c)`` and ``exp2(fma(t, c, -(m - offset)))``. Twin:
-    ``reference.attention.quantized_attention`` (same products, same row max)."""
+    in a wgmma's fragments: ``max(t·c)`` and ``exp2(fma(t, c, -(m - offset)))``. With
+    ``SOFTCAP`` the scores are scaled first, as with ΔS (the tanh needs them whole); ``window``,
+    ``cap``: see ``finish_scores``. Twin: ``inference.naive.quantized_attention`` (same
+    products, same row max)."""
     cols = start_n + offs_n
     nmask = cols < nk
-    if HAS_DS:
+    if HAS_DS or SOFTCAP:
         if GRAN == 1:
             s = (s_int.to(tl.float32) * ks[None, :]) * qs[:, None]
         elif GRAN == 2:
@@ -99,12 +104,12 @@ def _softmax_pv(
         else:
             s = s_int.to(tl.float32) * (qs * ks)
         s = finish_scores(s, cols, nmask, offs_m, causal_offset, ds_base, sdn, HAS_DS, MASKED,
-                          IS_CAUSAL)
+                          IS_CAUSAL, window, WINDOWED, cap, SOFTCAP)
         m_new, m_safe, alpha = online_max(m_i, tl.max(s, axis=1))
         p = tl.exp2(s - (m_safe - offset)[:, None])
     elif GRAN == 2:
         t = finish_scores(s_int.to(tl.float32), cols, nmask, offs_m, causal_offset, ds_base, sdn,
-                          HAS_DS, MASKED, IS_CAUSAL)
+                          HAS_DS, MASKED, IS_CAUSAL, window, WINDOWED)
         c = qs[:, None] * ks[None, :]
         m_new, m_safe, alpha = online_max(m_i, tl.max(t * c, axis=1))
         p = tl.exp2(tl.fma(t, c, -(m_safe - offset)[:, None]))
@@ -116,7 +121,7 @@ def _softmax_pv(
             t = s_int.to(tl.float32)
             c = tl.zeros_like(m_i) + qs * ks
         t = finish_scores(t, cols, nmask, offs_m, causal_offset, ds_base, sdn, HAS_DS, MASKED,
-                          IS_CAUSAL)
+                          IS_CAUSAL, window, WINDOWED)
         m_new, m_safe, alpha = online_max(m_i, tl.max(t, axis=1) * c)
         p = tl.exp2(tl.fma(t, c[:, None], -(m_safe - offset)[:, None]))
     l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -139,20 +144,45 @@ def _softmax_pv(
 
 
 @triton.jit
+def _masked_block(acc, m_i, l_i, q_blk, qs, start_n, rows, keys, ds_base, window, cap,
+                  IS_CAUSAL: tl.constexpr, GRAN: tl.constexpr, PV_FP8: tl.constexpr,
+                  HAS_DS: tl.constexpr, EXACT_FP8: tl.constexpr, BLOCK_N: tl.constexpr,
+                  V_PERMUTED: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr):
+    """One key block that some rows see in part (the sequence's end, the causal diagonal, a
+    window's or chunk's edge): scores, key scales and :func:`_softmax_pv` with masks.
+    ``rows``: ``(offs_m, offs_n, offs_d, dmask, nk, causal_offset, sdn, offset)``;
+    ``keys``: ``(k_base, skn, skd, ks_base, sksn, v_base, svn, svd)``."""
+    offs_m, offs_n, offs_d, dmask, nk, causal_offset, sdn, offset = rows
+    k_base, skn, skd, ks_base, sksn, v_base, svn, svd = keys
+    s_int = _scores(q_blk, start_n, offs_n, offs_d, dmask, nk, k_base, skn, skd, True)
+    ks = _key_scales(ks_base, start_n, offs_n, nk, sksn, GRAN, BLOCK_N)
+    return _softmax_pv(
+        acc, m_i, l_i, s_int, ks, qs, start_n, offs_m, offs_n, offs_d, dmask, nk, causal_offset,
+        v_base, ds_base, svn, svd, sdn, offset, True, IS_CAUSAL, GRAN, PV_FP8, HAS_DS, EXACT_FP8,
+        BLOCK_N, V_PERMUTED, window, WINDOWED, cap, SOFTCAP,
+    )
+
+
+@triton.jit
 def _attn_fwd_int8_kernel(
-    q, k, V, VS, VM, DS, LSH, O, LSE, CUQ, CUK, QM, AQ, AK,
+    q, k, V, VS, VM, DS, LSH, O, LSE, CUQ, CUK, QM, AQ, AK, SINK,
     v_strides, vs_strides, ds_strides, lsh_strides, o_strides, lse_strides, qm_strides,
     aq_strides, ak_strides, qk_multiplier,
-    NQ, NK, HQ, GROUP, D, causal_offset, N_BUCKET,
+    NQ, NK, HQ, GROUP, D, causal_offset, N_BUCKET, left, right, chunk, cap2, two_over,
     Q_IN_KERNEL: tl.constexpr, Q_CENTER: tl.constexpr, Q_BALANCE: tl.constexpr,
     IS_CAUSAL: tl.constexpr, GRAN: tl.constexpr, PV_FP8: tl.constexpr,
     HAS_VSCALE: tl.constexpr, HAS_VMEAN: tl.constexpr, HAS_DS: tl.constexpr,
     HAS_LSH: tl.constexpr, WRITE_LSE: tl.constexpr,
     EXACT_FP8: tl.constexpr, VARLEN: tl.constexpr, PIPELINE: tl.constexpr,
-    V_PERMUTED: tl.constexpr,
+    V_PERMUTED: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_SINK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Operands ``q`` and ``k``: ``(INT8 values, scales, values' strides, scales' strides)``; ``q``
+    """The LLM variants (``core.variants``): with ``WINDOWED`` the key blocks visited are those
+    of ``window_block_bounds`` (``left``/``right``/``chunk``; ``causal_offset`` then is
+    ``Nk - Nq``), masked at both ends; ``SOFTCAP`` soft-caps the scores (``cap2``,
+    ``two_over``); ``SINK``: ``[Hq]`` fp32 sink logits in base 2, one epilogue term. Operands
+    ``q`` and ``k``: ``(INT8 values, scales, values' strides, scales' strides)``; ``q``
     may instead hold Q itself with no scales (``Q_IN_KERNEL``: the kernel quantizes it). Strides:
     (batch, head, token, dim) of Q, K, ``V``, ``O``; (batch, head, row) of the scales (a row is a
     token or a block), of ``LSH`` and ``LSE``; (batch, head, dim) of V's channel vectors
@@ -219,21 +249,39 @@ def _attn_fwd_int8_kernel(
     if HAS_DS:
         ds_base = DS + b * sdb + h * sdh + pid_m * sdq
     offset = p_offset(PV_FP8)
+    window = (left, right, chunk)
+    shift = tl.zeros([BLOCK_M], dtype=tl.float32)  # K smoothing's row shift, base 2
+    if (SOFTCAP or HAS_SINK) and HAS_LSH:
+        shift = tl.load(LSH + b * slb + h * slh + (q_start + offs_m) * sln, mask=mmask,
+                        other=0.0) * LOG2E
+    cap = (cap2, two_over, shift)
+    rows = (offs_m, offs_n, offs_d, dmask, nk, causal_offset, sdn, offset)
+    keys = (k_base, skn, skd, ks_base, sksn, v_base, svn, svd)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    full_hi, hi = key_block_bounds(nk, pid_m, causal_offset, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    if WINDOWED:  # masked blocks at both ends of the window's range, whole ones between
+        lo, full_lo, full_hi, hi = window_block_bounds(nk, pid_m, causal_offset, left, right,
+                                                       chunk, BLOCK_M, BLOCK_N)
+        for start_n in range(lo, full_lo, BLOCK_N):
+            acc, m_i, l_i = _masked_block(
+                acc, m_i, l_i, q_blk, qs, start_n, rows, keys, ds_base, window, cap, IS_CAUSAL,
+                GRAN, PV_FP8, HAS_DS, EXACT_FP8, BLOCK_N, V_PERMUTED, WINDOWED, SOFTCAP,
+            )
+    else:
+        full_lo = 0
+        full_hi, hi = key_block_bounds(nk, pid_m, causal_offset, IS_CAUSAL, BLOCK_M, BLOCK_N)
     if PIPELINE:
         # Q·Kᵀ of the next block (and its key scales, carried in registers) is issued before the
         # softmax of this one, so that the softmax can run under it: Triton waits for the wgmma at
         # once, and ptxas moves the independent work above the wait. Costs a second score tile in
         # registers.
-        if full_hi > 0:
-            s_cur = _scores(q_blk, 0, offs_n, offs_d, dmask, nk, k_base, skn, skd, False)
-            ks_cur = _key_scales(ks_base, 0, offs_n, nk, sksn, GRAN, BLOCK_N)
-            for start_n in range(0, full_hi - BLOCK_N, BLOCK_N):
+        if full_hi > full_lo:
+            s_cur = _scores(q_blk, full_lo, offs_n, offs_d, dmask, nk, k_base, skn, skd, False)
+            ks_cur = _key_scales(ks_base, full_lo, offs_n, nk, sksn, GRAN, BLOCK_N)
+            for start_n in range(full_lo, full_hi - BLOCK_N, BLOCK_N):
                 s_next = _scores(q_blk, start_n + BLOCK_N, offs_n, offs_d, dmask, nk, k_base, skn,
                                  skd, False)
                 ks_next = _key_scales(ks_base, start_n + BLOCK_N, offs_n, nk, sksn, GRAN,
@@ -242,6 +290,7 @@ def _attn_fwd_int8_kernel(
                     acc, m_i, l_i, s_cur, ks_cur, qs, start_n, offs_m, offs_n, offs_d, dmask, nk,
                     causal_offset, v_base, ds_base, svn, svd, sdn, offset,
                     False, IS_CAUSAL, GRAN, PV_FP8, HAS_DS, EXACT_FP8, BLOCK_N, V_PERMUTED,
+                    window, WINDOWED, cap, SOFTCAP,
                 )
                 s_cur = s_next
                 ks_cur = ks_next
@@ -249,27 +298,29 @@ def _attn_fwd_int8_kernel(
                 acc, m_i, l_i, s_cur, ks_cur, qs, full_hi - BLOCK_N, offs_m, offs_n, offs_d, dmask,
                 nk, causal_offset, v_base, ds_base, svn, svd, sdn, offset,
                 False, IS_CAUSAL, GRAN, PV_FP8, HAS_DS, EXACT_FP8, BLOCK_N, V_PERMUTED,
+                window, WINDOWED, cap, SOFTCAP,
             )
     else:
-        for start_n in range(0, full_hi, BLOCK_N):
+        for start_n in range(full_lo, full_hi, BLOCK_N):
             s_int = _scores(q_blk, start_n, offs_n, offs_d, dmask, nk, k_base, skn, skd, False)
             ks = _key_scales(ks_base, start_n, offs_n, nk, sksn, GRAN, BLOCK_N)
             acc, m_i, l_i = _softmax_pv(
                 acc, m_i, l_i, s_int, ks, qs, start_n, offs_m, offs_n, offs_d, dmask, nk,
                 causal_offset, v_base, ds_base, svn, svd, sdn, offset,
                 False, IS_CAUSAL, GRAN, PV_FP8, HAS_DS, EXACT_FP8, BLOCK_N, V_PERMUTED,
+                window, WINDOWED, cap, SOFTCAP,
             )
     for start_n in range(full_hi, hi, BLOCK_N):
-        s_int = _scores(q_blk, start_n, offs_n, offs_d, dmask, nk, k_base, skn, skd, True)
-        ks = _key_scales(ks_base, start_n, offs_n, nk, sksn, GRAN, BLOCK_N)
-        acc, m_i, l_i = _softmax_pv(
-            acc, m_i, l_i, s_int, ks, qs, start_n, offs_m, offs_n, offs_d, dmask, nk,
-            causal_offset, v_base, ds_base, svn, svd, sdn, offset,
-            True, IS_CAUSAL, GRAN, PV_FP8, HAS_DS, EXACT_FP8, BLOCK_N, V_PERMUTED,
-        )
+        acc, m_i, l_i = _masked_block(acc, m_i, l_i, q_blk, qs, start_n, rows, keys, ds_base,
+                                      window, cap, IS_CAUSAL, GRAN, PV_FP8, HAS_DS, EXACT_FP8,
+                                      BLOCK_N, V_PERMUTED, WINDOWED, SOFTCAP)
 
+    w = l_i
+    if HAS_SINK:  # one term after the loop (m raised to the sink's logit when above)
+        sink = tl.load(SINK + h + offs_m * 0) - shift
+        acc, m_i, l_i, w = add_sink(acc, m_i, l_i, sink, offset)
     out = finish_rows(acc, l_i, VS, VM, b * svsb + hk * svsh, offs_d, dmask, svsd, HAS_VSCALE,
-                      HAS_VMEAN)
+                      HAS_VMEAN, w, HAS_SINK)
     tl.store(
         O + b * sob + h * soh + (q_start + offs_m)[:, None] * son + offs_d[None, :] * sod,
         out.to(O.dtype.element_ty), mask=mmask[:, None] & dmask[None, :],
@@ -300,7 +351,7 @@ _attn_fwd_int8 = triton.autotune(
     prune_configs_by={"early_config_prune": _prune},
     # N_BUCKET (a power of two of the key length, unused by the kernel): tune per length range.
     key=["N_BUCKET", "BLOCK_D", "IS_CAUSAL", "GRAN", "PV_FP8", "VARLEN", "BLOCK_M", "BLOCK_N",
-         "Q_IN_KERNEL", "V_PERMUTED"],
+         "Q_IN_KERNEL", "V_PERMUTED", "WINDOWED", "SOFTCAP"],
 )(
     triton.heuristics(
         {
@@ -312,6 +363,7 @@ _attn_fwd_int8 = triton.autotune(
             "Q_IN_KERNEL": lambda a: a["q"][1] is None,
             "Q_CENTER": lambda a: 0 if a["QM"] is None else 2,
             "Q_BALANCE": lambda a: 0 if a["AQ"] is None else 1,
+            "HAS_SINK": lambda a: a["SINK"] is not None,
         }
     )(_attn_fwd_int8_kernel)
 )
@@ -329,9 +381,13 @@ def attention(
     return_lse: bool,
     seqs_q: Seqs | None = None,
     seqs_k: Seqs | None = None,
+    variant: Variant = PLAIN,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Run the kernel; writes ``out`` (logical ``[B, Hq, Nq, D]`` view or packed ``[total, Hq, D]``)
-    and returns the LSE (``[B, Hq, Nq]`` or ``[Hq, total]`` fp32) when asked."""
+    and returns the LSE (``[B, Hq, Nq]`` or ``[Hq, total]`` fp32) when asked. ``variant``,
+    ``sinks``: :class:`~lowbit_attn.core.variants.Variant` and the ``[Hq]`` sink logits (with
+    softcap or sinks ``qz`` must hold K smoothing's ``lse_shift`` when K was smoothed)."""
     seqs_q = seqs_q or dense_seqs(qz.q)
     seqs_k = seqs_k or dense_seqs(qz.k)
     packed = seqs_q.packed
@@ -349,6 +405,11 @@ def attention(
     q_center = fused.center if fused is not None else None
     amax_q, amax_k = fused.balance if fused is not None and fused.balance else (None, None)
     grid = (triton.cdiv(seqs_q.max_len, block_q), seqs_q.batch * hq)
+    if variant.windowed:  # positions aligned bottom-right (packed: per sequence, in the kernel)
+        offset = seqs_k.max_len - seqs_q.max_len if not packed else 0
+    else:
+        offset = 0 if causal_offset is None else int(causal_offset)
+    cap2, two_over = cap_args(variant.softcap)
     _attn_fwd_int8[grid](
         q=(qz.q, qz.q_scale, bhnd_strides(qz.q, packed),
            row_strides(qz.q_scale, packed and per_token)),
@@ -356,6 +417,7 @@ def attention(
            row_strides(qz.k_scale, packed and per_token)),
         V=qz.v, VS=qz.v_scale, VM=qz.v_mean, DS=qz.delta_s, LSH=qz.lse_shift, O=out, LSE=lse,
         CUQ=seqs_q.cu_seqlens, CUK=seqs_k.cu_seqlens, QM=q_center, AQ=amax_q, AK=amax_k,
+        SINK=sink_logits(sinks),
         v_strides=bhnd_strides(qz.v, packed), vs_strides=strides(vec, 3),
         ds_strides=strides(qz.delta_s, 4), lsh_strides=row_strides(qz.lse_shift, packed),
         o_strides=bhnd_strides(out, packed), lse_strides=row_strides(lse, packed),
@@ -363,9 +425,11 @@ def attention(
         ak_strides=channel_vector_strides(amax_k),
         qk_multiplier=fused.multiplier if fused is not None else 1.0,
         NQ=seqs_q.max_len, NK=seqs_k.max_len, HQ=hq, GROUP=hq // hkv, D=d,
-        causal_offset=0 if causal_offset is None else int(causal_offset),
-        N_BUCKET=min(next_power_of_2(seqs_k.max_len), 32768),
-        IS_CAUSAL=causal_offset is not None, GRAN=GRANULARITY_CODES[granularity],
+        causal_offset=offset, N_BUCKET=min(next_power_of_2(seqs_k.max_len), 32768),
+        left=variant.left, right=variant.right, chunk=variant.chunk, cap2=cap2,
+        two_over=two_over, WINDOWED=variant.windowed, SOFTCAP=variant.softcap > 0,
+        IS_CAUSAL=causal_offset is not None and not variant.windowed,
+        GRAN=GRANULARITY_CODES[granularity],
         PV_FP8=pv == "fp8",
         EXACT_FP8=exact_fp8(), VARLEN=packed, V_PERMUTED=qz.v_permuted,
         BLOCK_M=block_q, BLOCK_N=block_k, BLOCK_D=next_pow2(d, minimum=32),  # int8 MMA: k ≥ 32

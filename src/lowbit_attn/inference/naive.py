@@ -11,6 +11,7 @@ import functools
 import torch
 
 from lowbit_attn.core.operands import LN2, LOG2_FP8_MAX, QuantizedFP4, QuantizedQKV
+from lowbit_attn.core.variants import LOG2E, PLAIN, Variant, sink_logits, softcap_base2
 from lowbit_attn.quant.int8_naive import thread_groups, to_e4m3, unpermute_keys
 from lowbit_attn.quant.fp4_qkv_naive import dequantize_fp4, quantize_p, two_level_p
 
@@ -23,6 +24,43 @@ def visible(nq: int, nk: int, causal_offset: int | None, device, rows=None, cols
     if causal_offset is None:
         return torch.ones(len(i), len(j), dtype=torch.bool, device=device)
     return j[None, :] <= i[:, None] + causal_offset
+
+
+def visible_for(variant: Variant, nq: int, nk: int, causal_offset: int | None, device, rows=None,
+                cols=None):
+    """:func:`visible`, or with a window or chunk the variant's rule (aligned bottom-right)."""
+    if not variant.windowed:
+        return visible(nq, nk, causal_offset, device, rows=rows, cols=cols)
+    i = torch.arange(nq, device=device) if rows is None else rows
+    j = torch.arange(nk, device=device) if cols is None else cols
+    return variant.visible(i, j, nk - nq)
+
+
+def row_shift(lse_shift: torch.Tensor | None):
+    """K smoothing's per-row shift in base 2 as the kernels load it (``LSH·log2 e``), ``[..., 1]``;
+    0.0 without one."""
+    return 0.0 if lse_shift is None else (lse_shift * LOG2E).unsqueeze(-1)
+
+
+def add_sink(acc, m, l_sum, sink, offset):
+    """The sink term joins each row after the key blocks (``triton_helpers.add_sink``): the
+    running max raised to the sink's logit ``sink`` (base 2, in the scores' frame) when above,
+    ``2^(sink - m + offset)`` added to the row sum. Returns ``(acc, m, l_sum, w)`` with ``w`` the
+    keys' share of the sum (what V's mean is weighted by)."""
+    m_new = torch.maximum(m, sink)
+    m_safe = torch.where(torch.isneginf(m_new), 0.0, m_new)
+    alpha = torch.exp2(m - m_safe)
+    l_keys = l_sum * alpha
+    l_sum = l_keys + torch.exp2(sink - (m_safe - offset))
+    return acc * alpha.unsqueeze(-1), m_new, l_sum, l_keys / l_sum
+
+
+def _sink_rows(sinks, lse_shift, b, nq):
+    """The sinks ``[Hq]`` as per-row base-2 logits in the smoothed scores' frame ``[B, Hq, Nq]``."""
+    sink = sink_logits(sinks)[None, :, None].expand(b, -1, nq)
+    if lse_shift is not None:
+        sink = sink - lse_shift * LOG2E
+    return sink
 
 
 def expand_heads(x: torch.Tensor, hq: int) -> torch.Tensor:
@@ -41,15 +79,19 @@ def exact_attention(
     dtype: torch.dtype = torch.float64,
     chunk: int = 1024,
     max_chunk_bytes: int = 1 << 28,
+    variant: Variant = PLAIN,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax attention in ``dtype``, query rows in chunks whose score matrix stays under
-    ``max_chunk_bytes`` (so that long sequences do not allocate an N×N matrix).
+    ``max_chunk_bytes`` (so that long sequences do not allocate an N×N matrix). ``variant``:
+    window/chunk masks (a dense mask per row chunk, every visible term kept) and
+    ``softcap·tanh(S/softcap)``; ``sinks`` ``[Hq]``: one more logit per row in the softmax.
 
     Args:
         q: ``[B, Hq, Nq, D]``; k, v: ``[B, Hkv, Nk, D]`` (HND).
     Returns:
-        ``(out [B, Hq, Nq, D] in dtype, lse [B, Hq, Nq] natural log in dtype)``. Rows that see no key
-        give 0 and LSE ``-inf``.
+        ``(out [B, Hq, Nq, D] in dtype, lse [B, Hq, Nq] natural log in dtype)``, the LSE with the
+        sink term. Rows that see no key give 0 and LSE ``-inf`` (the sink's logit with sinks).
     """
     hq = q.shape[1]
     k = expand_heads(k, hq).to(dtype)
@@ -61,10 +103,16 @@ def exact_attention(
     for start in range(0, nq, chunk):
         qc = q[:, :, start : start + chunk].to(dtype)
         s = torch.matmul(qc, k.transpose(-1, -2)) * scale
+        if variant.softcap:
+            s = variant.softcap * torch.tanh(s / variant.softcap)
         rows = torch.arange(start, start + qc.shape[2], device=q.device)
-        mask = visible(nq, nk, causal_offset, q.device, rows=rows)
+        mask = visible_for(variant, nq, nk, causal_offset, q.device, rows=rows)
         s = s.masked_fill(~mask, float("-inf"))
-        lse = torch.logsumexp(s, dim=-1)
+        if sinks is None:
+            lse = torch.logsumexp(s, dim=-1)
+        else:
+            column = sinks.to(dtype)[None, :, None, None].expand(*s.shape[:3], 1)
+            lse = torch.logsumexp(torch.cat([s, column], dim=-1), dim=-1)
         p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
         p = torch.where(mask, p, torch.zeros((), dtype=dtype, device=q.device))
         outs.append(torch.matmul(p, v))
@@ -82,8 +130,13 @@ def quantized_attention(
     causal_offset: int | None,
     poly_share: int = 0,
     magic: bool = False,
+    variant: Variant = PLAIN,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The INT8-Q·Kᵀ attention forward of the recipes, dense HND tensors. ``poly_share``: one
+    """The INT8-Q·Kᵀ attention forward of the recipes, dense HND tensors. ``variant``/``sinks``:
+    window and chunk masks, soft-capping of the scores (:func:`softcap_base2` of the full scores,
+    K smoothing's shift ``qz.lse_shift`` added back inside the tanh) and the sinks' term after the
+    key blocks (:func:`add_sink`). ``poly_share``: one
     group of 8 key columns in that many takes :func:`poly_exp2` (:func:`softmax_step`; the sm90
     kernel's ``poly_exp2`` option), key blocks starting at multiples of 128. ``magic``: the
     sm90 kernel's ``magic`` option (:func:`magic_scores`; per-thread or per-token scales).
@@ -116,17 +169,19 @@ def quantized_attention(
     acc = torch.zeros((b, hq, nq, d), device=dev)
     rows = torch.arange(nq, device=dev)
     offset = LOG2_FP8_MAX if pv == "fp8" else 0.0
+    shift = row_shift(qz.lse_shift)
     for start in range(0, nk, block_k):
         stop = min(start + block_k, nk)
         # int8 products summed in fp32 are exact: |sum| <= 127² · D < 2^24.
         s_int = torch.matmul(qf, kf[:, :, start:stop].transpose(-1, -2))
         ks = k_scale[:, :, None, start:stop]
         exp2_arg = None
-        mask = visible(nq, nk, causal_offset, dev, rows=rows, cols=torch.arange(start, stop, device=dev))
+        mask = visible_for(variant, nq, nk, causal_offset, dev, rows=rows,
+                           cols=torch.arange(start, stop, device=dev))
         if granularity != "per_token":  # one product of the two scales, as the kernels fold it
             c = q_scale.unsqueeze(-1) * ks
             s = s_int * c
-            if magic:
+            if magic and not variant.softcap:
                 y = magic_scores(s_int).masked_fill(~mask, float("-inf"))
                 exp2_arg = functools.partial(_magic_exp2_arg, y, c)
         elif magic:  # the kernel's fma((S + M)·s_k, -M·s_k), then the query row's scale
@@ -135,11 +190,16 @@ def quantized_attention(
             s = (s_int * ks) * q_scale.unsqueeze(-1)
         if delta is not None:
             s = s + delta[..., start:stop]
+        if variant.softcap:
+            s = softcap_base2(s, variant.softcap, shift)
         s = s.masked_fill(~mask, float("-inf"))
         acc, m, l_sum = softmax_step(s, vf[:, :, start:stop], acc, m, l_sum, pv=pv,
                                      poly_share=poly_share, exp2_arg=exp2_arg)
     v_scale = None if qz.v_scale is None else expand_heads(qz.v_scale, hq).unsqueeze(-2)
-    return finish(acc, l_sum, m, offset, v_scale, qz.v_mean, qz.lse_shift)
+    w = None
+    if sinks is not None:
+        acc, m, l_sum, w = add_sink(acc, m, l_sum, _sink_rows(sinks, qz.lse_shift, b, nq), offset)
+    return finish(acc, l_sum, m, offset, v_scale, qz.v_mean, qz.lse_shift, w)
 
 
 def softmax_step(s, v_block, acc, m, l_sum, *, pv: str, poly_share: int = 0, exp2_arg=None):
@@ -220,16 +280,19 @@ def poly_columns(n: int, share: int, device=None) -> torch.Tensor:
     return cols[(cols // 8) % share == share - 1]
 
 
-def finish(acc, l_sum, m, offset, v_scale, v_mean, lse_shift):
+def finish(acc, l_sum, m, offset, v_scale, v_mean, lse_shift, v_mean_weight=None):
     """Normalise the accumulator, undo V's scale and smoothing, zero rows that saw no key; the LSE
-    in natural log (``offset``: what the exp2 added to every score, in base 2)."""
+    in natural log (``offset``: what the exp2 added to every score, in base 2).
+    ``v_mean_weight``: the keys' share of each row's sum when a sink took the rest (V's mean is
+    added in that proportion)."""
     hq = acc.shape[1]
     empty = l_sum == 0
     out = acc / torch.where(empty, 1.0, l_sum).unsqueeze(-1)
     if v_scale is not None:
         out = out * v_scale
     if v_mean is not None:
-        out = out + expand_heads(v_mean, hq).unsqueeze(-2)
+        vm = expand_heads(v_mean, hq).unsqueeze(-2)
+        out = out + (vm if v_mean_weight is None else vm * v_mean_weight.unsqueeze(-1))
     out = torch.where(empty.unsqueeze(-1), 0.0, out)
     lse = (m + torch.log2(l_sum) - offset) * LN2
     if lse_shift is not None:
@@ -245,9 +308,11 @@ def fp4_attention(
     block_k: int,
     causal_offset: int | None,
     two_level: bool,
+    variant: Variant = PLAIN,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The FP4 attention forward (SageAttention3 numerics), dense HND tensors, in the kernel's
-    block order.
+    block order; ``variant``/``sinks`` as :func:`quantized_attention`.
 
     Scores: the exact product of the dequantized operands (what a block-scaled FP4 MMA computes)
     times ``qk_multiplier`` and the NVFP4 tensor scales, plus ΔS. P̃ is quantized per key block in
@@ -277,13 +342,16 @@ def fp4_attention(
     l_sum = torch.zeros((b, hq, nq), device=dev)
     acc = torch.zeros((b, hq, nq, vf.shape[-1]), device=dev)
     rows = torch.arange(nq, device=dev)
+    shift = row_shift(qz.lse_shift)
     for start in range(0, nk, block_k):
         stop = start + block_k  # V is padded to whole blocks; masked keys give P̃ = 0
         s = torch.matmul(qf, kf[:, :, start:stop].transpose(-1, -2)) * mult
         if delta is not None:
             s = s + torch.nn.functional.pad(delta[..., start:stop], (0, stop - min(stop, nk)))
         cols = torch.arange(start, stop, device=dev)
-        mask = visible(nq, nk, causal_offset, dev, rows=rows, cols=cols) & (cols < nk)
+        mask = visible_for(variant, nq, nk, causal_offset, dev, rows=rows, cols=cols) & (cols < nk)
+        if variant.softcap:
+            s = softcap_base2(s, variant.softcap, shift)
         s = s.masked_fill(~mask, float("-inf"))
         block_max = s.amax(dim=-1)
         m_new = torch.maximum(m, block_max)
@@ -301,7 +369,10 @@ def fp4_attention(
     v_scale = None
     if fmt == "nvfp4":
         v_scale = expand_heads(qz.v_global, hq)[:, :, None, None]
-    out, lse = finish(acc[..., :head_dim], l_sum, m, 0.0, v_scale, qz.v_mean, qz.lse_shift)
+    w = None
+    if sinks is not None:
+        acc, m, l_sum, w = add_sink(acc, m, l_sum, _sink_rows(sinks, qz.lse_shift, b, nq), 0.0)
+    out, lse = finish(acc[..., :head_dim], l_sum, m, 0.0, v_scale, qz.v_mean, qz.lse_shift, w)
     return out, lse
 
 

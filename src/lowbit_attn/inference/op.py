@@ -17,6 +17,7 @@ from lowbit_attn.core.counters import count_call
 from lowbit_attn.core.operands import Seqs
 from lowbit_attn.core.options import KernelOptions
 from lowbit_attn.core.recipes import Recipe, recipe_from_key, recipe_key
+from lowbit_attn.core.variants import PLAIN, Variant
 from lowbit_attn.inference import planned
 from lowbit_attn.inference.naive import exact_attention, fp4_attention, quantized_attention
 from lowbit_attn.inference.prepare import quantize_qkv, quantize_qkv_fp4
@@ -24,7 +25,8 @@ from lowbit_attn.inference.prepare import quantize_qkv, quantize_qkv_fp4
 
 def kernel(q, k, v, *, out: torch.Tensor, recipe: Recipe, scale: float, causal_offset: int | None,
            return_lse: bool, seqs: tuple[Seqs, Seqs] | None,
-           options: KernelOptions) -> torch.Tensor | None:
+           options: KernelOptions, variant: Variant = PLAIN,
+           sinks: torch.Tensor | None = None) -> torch.Tensor | None:
     """The Triton path: quantizers and attention kernel (INT8 dense or packed, FP4 dense), or
     :func:`naive` for what has no kernel (the exact recipe). Arguments and result: :func:`run`.
     With ``options.kernel`` ``"gluon"`` or ``"gluon-pingpong"`` the INT8 attention goes through
@@ -32,19 +34,29 @@ def kernel(q, k, v, *, out: torch.Tensor, recipe: Recipe, scale: float, causal_o
     applies and passed its check, the Triton kernel otherwise), with ``"sm90"`` through
     :func:`lowbit_attn.inference.sm90_check.attention` (likewise); with ``"gluon"`` the FP4
     attention goes through :func:`lowbit_attn.inference.gluon_fp4_check.attention` (the Gluon
-    FP4 forward on sm_100 likewise)."""
+    FP4 forward on sm_100 likewise). A ``variant`` other than plain attention runs on the
+    Triton kernels alone (the Gluon and sm90 forwards do not take it)."""
     if recipe.is_exact:
         return naive(q, k, v, out=out, recipe=recipe, scale=scale, causal_offset=causal_offset,
-                     return_lse=return_lse, seqs=seqs, options=options)
+                     return_lse=return_lse, seqs=seqs, options=options, variant=variant,
+                     sinks=sinks)
+    # softcap and sinks read K smoothing's per-row shift (the true scores' offset)
+    need_shift = return_lse or variant.softcap > 0 or variant.sinks
     if recipe.is_fp4:
         if seqs is not None:  # no packed FP4 kernel
             return _per_sequence(kernel, q, k, v, out=out, recipe=recipe, scale=scale,
                                  causal_offset=causal_offset, return_lse=return_lse, seqs=seqs,
-                                 options=options)
+                                 options=options, variant=variant, sinks=sinks)
         from lowbit_attn.inference import kernel_fp4
 
-        qz = quantize_qkv_fp4(q, k, v, recipe, scale, need_lse_shift=return_lse, backend="triton")
+        qz = quantize_qkv_fp4(q, k, v, recipe, scale, need_lse_shift=need_shift, backend="triton")
         fp4_forward = kernel_fp4.attention
+        if not variant.plain:
+            return fp4_forward(
+                qz, out=out, head_dim=q.shape[-1], block_q=recipe.block_q,
+                block_k=recipe.block_k, causal_offset=causal_offset, two_level=recipe.two_level_p,
+                return_lse=return_lse, variant=variant, sinks=sinks,
+            )
         if options.gluon_fp4_forward:  # the Gluon FP4 forward where it applies and passed its check
             from lowbit_attn.inference import gluon_fp4_check
 
@@ -58,17 +70,23 @@ def kernel(q, k, v, *, out: torch.Tensor, recipe: Recipe, scale: float, causal_o
     seqs_q, seqs_k = seqs if seqs is not None else (None, None)
     # The one-warpgroup Hopper forward where it covers the call and is admitted on this device:
     # decided before quantizing, because it takes V's keys permuted.
-    sm90 = (options.sm90_forward and sm90_check.applies(q.device)
+    sm90 = (variant.plain and options.sm90_forward and sm90_check.applies(q.device)
             and sm90_check.wanted(recipe, q.shape[-1], packed=seqs is not None,
                                   q_in_kernel=options.q_in_kernel)
             and sm90_check.admitted(q.device))
     qz = quantize_qkv(
-        q, k, v, recipe, scale, need_lse_shift=return_lse, backend="triton", seqs_q=seqs_q,
+        q, k, v, recipe, scale, need_lse_shift=need_shift, backend="triton", seqs_q=seqs_q,
         seqs_k=seqs_k, q_in_kernel=options.q_in_kernel,
         kv_stats_in_program=options.kv_stats_in_program,
         permute_v=sm90 and recipe.pv == "fp8",
     )
     forward = kernel_int8.attention
+    if not variant.plain:  # the Triton kernel alone takes the variants
+        return forward(
+            qz, out=out, pv=recipe.pv, granularity=recipe.granularity, block_q=recipe.block_q,
+            block_k=recipe.block_k, causal_offset=causal_offset, return_lse=return_lse,
+            seqs_q=seqs_q, seqs_k=seqs_k, variant=variant, sinks=sinks,
+        )
     if sm90:
         forward = sm90_check.attention
     elif options.gluon_forward:  # the Gluon forward where it applies and passed its check here
@@ -84,28 +102,32 @@ def kernel(q, k, v, *, out: torch.Tensor, recipe: Recipe, scale: float, causal_o
 
 def naive(q, k, v, *, out: torch.Tensor, recipe: Recipe, scale: float, causal_offset: int | None,
           return_lse: bool, seqs: tuple[Seqs, Seqs] | None,
-          options: KernelOptions) -> torch.Tensor | None:
+          options: KernelOptions, variant: Variant = PLAIN,
+          sinks: torch.Tensor | None = None) -> torch.Tensor | None:
     """The PyTorch twin of :func:`kernel`, the same arguments and result (packed sequences one
     at a time)."""
     if seqs is not None:
         return _per_sequence(naive, q, k, v, out=out, recipe=recipe, scale=scale,
                              causal_offset=causal_offset, return_lse=return_lse, seqs=seqs,
-                             options=options)
+                             options=options, variant=variant, sinks=sinks)
+    need_shift = return_lse or variant.softcap > 0 or variant.sinks
     if recipe.is_exact:
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        o, lse = exact_attention(q, k, v, scale=scale, causal_offset=causal_offset, dtype=dtype)
+        o, lse = exact_attention(q, k, v, scale=scale, causal_offset=causal_offset, dtype=dtype,
+                                 variant=variant, sinks=sinks)
     elif recipe.is_fp4:
-        qz = quantize_qkv_fp4(q, k, v, recipe, scale, need_lse_shift=return_lse,
+        qz = quantize_qkv_fp4(q, k, v, recipe, scale, need_lse_shift=need_shift,
                               backend="reference")
         o, lse = fp4_attention(
             qz, head_dim=q.shape[-1], block_q=recipe.block_q, block_k=recipe.block_k,
-            causal_offset=causal_offset, two_level=recipe.two_level_p,
+            causal_offset=causal_offset, two_level=recipe.two_level_p, variant=variant,
+            sinks=sinks,
         )
     else:
-        qz = quantize_qkv(q, k, v, recipe, scale, need_lse_shift=return_lse, backend="reference")
+        qz = quantize_qkv(q, k, v, recipe, scale, need_lse_shift=need_shift, backend="reference")
         o, lse = quantized_attention(
             qz, pv=recipe.pv, granularity=recipe.granularity, block_q=recipe.block_q,
-            block_k=recipe.block_k, causal_offset=causal_offset,
+            block_k=recipe.block_k, causal_offset=causal_offset, variant=variant, sinks=sinks,
         )
     out.copy_(o)
     return lse.float() if return_lse else None
@@ -117,7 +139,7 @@ def _as_dense(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
 
 
 def _per_sequence(attend, q, k, v, *, out, recipe, scale, causal_offset, return_lse, seqs,
-                  options):
+                  options, variant=PLAIN, sinks=None):
     """Packed sequences through ``attend``'s dense path, one sequence at a time (each aligned
     bottom-right when causal)."""
     bounds_q, bounds_k = (s.cu_seqlens.tolist() for s in seqs)  # host offsets for the loop
@@ -128,14 +150,16 @@ def _per_sequence(attend, q, k, v, *, out, recipe, scale, causal_offset, return_
         k0, k1 = bounds_k[b], bounds_k[b + 1]
         if q1 == q0:
             continue
-        if k1 == k0:
+        if k1 == k0:  # no key: 0, and with sinks an LSE of the sink alone
             out[q0:q1].zero_()
+            if return_lse and sinks is not None:
+                lse_all[:, q0:q1] = sinks.float()[:, None]
             continue
         lse = attend(
             _as_dense(q, q0, q1), _as_dense(k, k0, k1), _as_dense(v, k0, k1),
             out=_as_dense(out, q0, q1), recipe=recipe, scale=scale,
             causal_offset=None if causal_offset is None else (k1 - k0) - (q1 - q0),
-            return_lse=return_lse, seqs=None, options=options,
+            return_lse=return_lse, seqs=None, options=options, variant=variant, sinks=sinks,
         )
         if return_lse:
             lse_all[:, q0:q1] = lse[0]
@@ -144,20 +168,26 @@ def _per_sequence(attend, q, k, v, *, out, recipe, scale, causal_offset, return_
 
 def run(q, k, v, *, out: torch.Tensor, recipe: Recipe, scale: float, causal_offset: int | None,
         return_lse: bool, backend: str, seqs: tuple[Seqs, Seqs] | None = None,
-        options: KernelOptions = KernelOptions()) -> torch.Tensor | None:
+        options: KernelOptions = KernelOptions(), variant: Variant = PLAIN,
+        sinks: torch.Tensor | None = None) -> torch.Tensor | None:
     """Attention of logical ``[B, H, N, D]`` views (or packed ``[total, H, D]`` tensors with
     ``seqs``) written into ``out``; returns the natural-log LSE (``[B, Hq, Nq]`` or
     ``[Hq, total]`` fp32) when ``return_lse``. ``causal_offset``: key ``j`` is visible to query
     ``i`` iff ``j <= i + causal_offset``; None when not causal (packed sequences: any int, each
     sequence is aligned bottom-right). ``backend``: ``"triton"`` or ``"reference"``; ``options``:
-    where the Triton path does some of its work (the same values either way)."""
+    where the Triton path does some of its work (the same values either way). ``variant``:
+    window, chunk, softcap and whether ``sinks`` (``[Hq]``) are given
+    (:class:`~lowbit_attn.core.variants.Variant`; with a window or chunk ``causal_offset`` is
+    unused: its ``right`` holds the causal bound)."""
     attend = kernel if backend == "triton" else naive
     return attend(q, k, v, out=out, recipe=recipe, scale=scale, causal_offset=causal_offset,
-                  return_lse=return_lse, seqs=seqs, options=options)
+                  return_lse=return_lse, seqs=seqs, options=options, variant=variant,
+                  sinks=sinks)
 
 
 def forward(q, k, v, recipe: Recipe, scale: float, is_causal: bool, causal_offset: int, nhd: bool,
-            return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+            return_lse: bool, variant: Variant = PLAIN,
+            sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of validated ``q, k, v`` in layout HND (``nhd`` False) or NHD; returns the output
     in q's shape (contiguous) and the LSE ``[B, Hq, Nq]`` (an empty tensor unless
     ``return_lse``): what :func:`attention_fwd` computes, called directly in eager mode."""
@@ -166,21 +196,28 @@ def forward(q, k, v, recipe: Recipe, scale: float, is_causal: bool, causal_offse
     lse = run(
         qh, kh, vh, out=out.transpose(1, 2) if nhd else out, recipe=recipe,
         scale=scale, causal_offset=causal_offset if is_causal else None, return_lse=return_lse,
-        backend=backend_for(q.device), options=KernelOptions.from_env(),
+        backend=backend_for(q.device), options=KernelOptions.from_env(), variant=variant,
+        sinks=sinks,
     )
     return out, _lse_or_empty(lse, q)
+
+
+def _variant(left: int, right: int, chunk: int, softcap: float, sinks) -> Variant:
+    return Variant(left=left, right=right, chunk=chunk, softcap=softcap, sinks=sinks is not None)
 
 
 @torch.library.custom_op("lowbit_attn::attention_fwd", mutates_args=())
 def attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: str, scale: float, is_causal: bool,
-    causal_offset: int, nhd: bool, return_lse: bool,
+    causal_offset: int, nhd: bool, return_lse: bool, left: int = -1, right: int = -1,
+    chunk: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`forward` with the recipe :func:`~lowbit_attn.core.recipes.recipe_key` encodes, as an
-    op ``torch.compile`` and other tracers see whole."""
+    op ``torch.compile`` and other tracers see whole; ``left`` to ``sinks``: the
+    :class:`~lowbit_attn.core.variants.Variant` and the sinks tensor."""
     count_call("attention")
     return forward(q, k, v, recipe_from_key(recipe), scale, is_causal, causal_offset, nhd,
-                   return_lse)
+                   return_lse, _variant(left, right, chunk, softcap, sinks), sinks)
 
 
 def _lse_or_empty(lse: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
@@ -188,7 +225,8 @@ def _lse_or_empty(lse: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
 
 
 @attention_fwd.register_fake
-def _(q, k, v, recipe, scale, is_causal, causal_offset, nhd, return_lse):
+def _(q, k, v, recipe, scale, is_causal, causal_offset, nhd, return_lse, left=-1, right=-1,
+      chunk=0, softcap=0.0, sinks=None):
     b, hq, nq = (q.shape[0], q.shape[2], q.shape[1]) if nhd else q.shape[:3]
     lse = q.new_empty((b, hq, nq) if return_lse else (0,), dtype=torch.float32)
     return q.new_empty(q.shape), lse  # the op returns a contiguous output
@@ -198,7 +236,8 @@ def _(q, k, v, recipe, scale, is_causal, causal_offset, nhd, return_lse):
 def attention_varlen_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, recipe: str, scale: float,
-    is_causal: bool, return_lse: bool,
+    is_causal: bool, return_lse: bool, left: int = -1, right: int = -1, chunk: int = 0,
+    softcap: float = 0.0, sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of validated packed ``[total, H, D]`` sequences; the output in q's shape and
     the LSE ``[Hq, total_q]`` (an empty tensor unless ``return_lse``)."""
@@ -211,34 +250,48 @@ def attention_varlen_fwd(
         q, k, v, out=out, recipe=recipe_from_key(recipe), scale=scale,
         causal_offset=0 if is_causal else None, return_lse=return_lse,
         backend=backend_for(q.device), seqs=seqs, options=KernelOptions.from_env(),
+        variant=_variant(left, right, chunk, softcap, sinks), sinks=sinks,
     )
     return out, _lse_or_empty(lse, q)
 
 
 @attention_varlen_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, recipe, scale, is_causal,
-      return_lse):
+      return_lse, left=-1, right=-1, chunk=0, softcap=0.0, sinks=None):
     lse = q.new_empty((q.shape[1], q.shape[0]) if return_lse else (0,), dtype=torch.float32)
     return q.new_empty(q.shape), lse
 
 
+def _variant_args(variant: Variant, sinks) -> tuple:
+    return (variant.left, variant.right, variant.chunk, variant.softcap, sinks)
+
+
 def call(q, k, v, recipe: Recipe, *, scale: float, is_causal: bool, causal_offset: int,
-         nhd: bool, return_lse: bool, plan_key: tuple | None = None):
+         nhd: bool, return_lse: bool, plan_key: tuple | None = None, variant: Variant = PLAIN,
+         sinks: torch.Tensor | None = None):
     """Run the dense op with a :class:`Recipe`: :func:`forward` directly with a ``plan_key``
     (an eager call; see :mod:`lowbit_attn.inference.planned`), else the custom op."""
     if plan_key is None:
+        if variant.plain:
+            return attention_fwd(q, k, v, recipe_key(recipe), scale, is_causal, causal_offset,
+                                 nhd, return_lse)
         return attention_fwd(q, k, v, recipe_key(recipe), scale, is_causal, causal_offset, nhd,
-                             return_lse)
+                             return_lse, *_variant_args(variant, sinks))
     count_call("attention")
     return planned.call(
         plan_key,
-        lambda: forward(q, k, v, recipe, scale, is_causal, causal_offset, nhd, return_lse),
+        lambda: forward(q, k, v, recipe, scale, is_causal, causal_offset, nhd, return_lse,
+                        variant, sinks),
         (q, k, v), backend_for(q.device),
     )
 
 
 def call_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, recipe: Recipe, *, scale: float,
-                is_causal: bool, return_lse: bool):
+                is_causal: bool, return_lse: bool, variant: Variant = PLAIN,
+                sinks: torch.Tensor | None = None):
     """Run the packed op with a :class:`Recipe`."""
+    if variant.plain:
+        return attention_varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, recipe_key(recipe), scale,
+                                    is_causal, return_lse)
     return attention_varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, recipe_key(recipe), scale,
-                                is_causal, return_lse)
+                                is_causal, return_lse, *_variant_args(variant, sinks))

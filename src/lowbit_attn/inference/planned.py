@@ -21,16 +21,27 @@ from lowbit_attn.core.counters import count_call
 _table = plans.Table()
 
 
-def key(q, k, v, is_causal, scale, layout, recipe, return_lse) -> tuple | None:
-    """The plan key of an ``attention()`` call, or ``None`` when it gets none (not eager, or an
-    argument of an unusual kind: the checks will say what is wrong with it)."""
+def _plain_value(x) -> bool:
+    """None, an int or float, or a tuple of two ints: a variant argument that can key a plan."""
+    if x is None or x.__class__ in (int, float):
+        return True
+    return x.__class__ is tuple and len(x) == 2 and all(e.__class__ is int for e in x)
+
+
+def key(q, k, v, is_causal, scale, layout, recipe, return_lse, extras=(None, None, None),
+        sinks=None) -> tuple | None:
+    """The plan key of an ``attention()`` call, or ``None`` when it gets none (not eager, an
+    argument of an unusual kind: the checks will say what is wrong with it, or ``sinks``: a
+    tensor the plan would not see). ``extras``: ``(window, softcap, chunk)``."""
+    if sinks is not None or not all(_plain_value(x) for x in extras):
+        return None
     if not (plans.eager(q, k, v) and is_causal.__class__ is bool and return_lse.__class__ is bool
             and (scale is None or scale.__class__ is float) and layout.__class__ is str
             and (recipe.__class__ is str or getattr(recipe, "__hash__", None) is not None)):
         return None
     tensor_key = plans.tensor_key
     return (tensor_key(q), tensor_key(k), tensor_key(v), plans.shared_memory((q, k, v)),
-            torch.is_grad_enabled(), is_causal, scale, layout, recipe, return_lse,
+            torch.is_grad_enabled(), is_causal, scale, layout, recipe, return_lse, extras,
             plans.env_key())
 
 

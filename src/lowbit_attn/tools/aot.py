@@ -293,21 +293,27 @@ def record_launches(
     dtype: torch.dtype = torch.float16,
     seq_len: int = 1024,
     return_lse: bool = False,
+    variant=None,
 ) -> list[Launch]:
     """The kernel launches, in order, of one dense ``[1, 2, seq_len, head_dim]`` attention call with
-    ``recipe`` on the Triton backend (nothing runs: see the module docstring)."""
+    ``recipe`` on the Triton backend (nothing runs: see the module docstring). ``variant``: a
+    :class:`~lowbit_attn.core.variants.Variant` (window, chunk, softcap, sinks) or None."""
     from lowbit_attn.core.options import KernelOptions
+    from lowbit_attn.core.variants import PLAIN
     from lowbit_attn.inference import op
 
     if not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be a lowbit_attn.Recipe, got {type(recipe).__name__}")
     q, k, v = (torch.zeros(1, 2, seq_len, head_dim, dtype=dtype) for _ in range(3))
     out = torch.zeros_like(q)
+    variant = PLAIN if variant is None else variant
+    sinks = torch.zeros(2) if variant.sinks else None
     with _recording() as sink:
         op.run(
             q, k, v, out=out, recipe=recipe, scale=head_dim ** -0.5,
             causal_offset=0 if causal else None, return_lse=return_lse, backend="triton",
             options=KernelOptions.from_env(),  # as the op reads them
+            variant=variant, sinks=sinks,
         )
     return list(sink)
 
@@ -545,9 +551,11 @@ def compile_recipe(
     return_lse: bool = False,
     seq_len: int = 1024,
     config: int = 0,
+    variant=None,
 ) -> list[KernelReport]:
     """Compile, for ``arch``, every kernel one attention call with ``recipe`` launches (quantizers
     first, attention last; identical launches once) and report each (see :class:`KernelReport`).
+    ``variant``: the LLM variants' :class:`~lowbit_attn.core.variants.Variant` (None: plain).
 
     Args:
         recipe: a recipe name, ``"auto"`` (resolved for ``arch``) or a :class:`~lowbit_attn.Recipe`.
@@ -576,7 +584,7 @@ def compile_recipe(
     r = resolve(recipe, parse_arch(arch))
     checks.recipe_fits(r, head_dim)  # what the public functions refuse is not compiled either
     launches = record_launches(r, head_dim=head_dim, causal=causal, dtype=dtype, seq_len=seq_len,
-                               return_lse=return_lse)
+                               return_lse=return_lse, variant=variant)
     return _compile_all(launches, arch, config)
 
 

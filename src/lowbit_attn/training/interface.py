@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lowbit_attn.core import checks
+from lowbit_attn.core import checks, variants
 from lowbit_attn.training import op as train_ops
 from lowbit_attn.core.arch import backend_for
 from lowbit_attn.core.recipes import TrainRecipe, resolve_train
@@ -25,6 +25,10 @@ def trainable_attention(
     smooth_q: "bool | None" = None,
     keep_16bit: "tuple[str, ...] | None" = None,
     balance_qk: "bool | None" = None,
+    window: "tuple[int, int] | None" = None,
+    softcap: float | None = None,
+    chunk: int | None = None,
+    sinks: None = None,
 ) -> torch.Tensor:
     """Differentiable 8-bit attention ``softmax(q·kᵀ·scale)·v`` for training (SageBwd).
 
@@ -56,6 +60,14 @@ def trainable_attention(
         balance_qk: rescale Q's and K's channels by ``α``/``1/α`` before quantizing (exact; the
             gradients are scaled back): for models with outlier channels in Q or K. Not part of
             SageBwd; ``None``: the recipe's setting (off).
+        window: ``(left, right)`` as for :func:`~lowbit_attn.attention` (FlashAttention's
+            ``window_size``, aligned bottom-right; with ``is_causal`` the right bound is 0); the
+            gradients see the same mask.
+        softcap: ``c > 0``: scores ``c·tanh(S/c)`` (Gemma 2); the backward multiplies dS by
+            ``1 - tanh²``. K is not smoothed then (the tanh needs the true scores, and dS's rows
+            no longer sum to zero): ``smooth_k=True`` with a softcap is refused.
+        chunk: ``C > 0``: chunked local attention as for :func:`~lowbit_attn.attention`.
+        sinks: not supported in training (``None`` only).
 
     Returns:
         The output, q's shape, dtype and layout. Rows that see no key give 0 (and zero
@@ -66,7 +78,9 @@ def trainable_attention(
             or float64, or their dtypes differ; a flag that is not a bool; ``scale`` not a real
             number; ``recipe`` neither a str nor a :class:`TrainRecipe`; ``keep_16bit`` not a
             tuple of names; inputs other than float16/bfloat16 where the Triton kernels run.
-        ValueError: the shape and device checks of :func:`attention`; an unknown ``layout``,
+        ValueError: the checks of ``window``, ``softcap`` and ``chunk`` of :func:`attention`;
+            ``sinks`` given; ``smooth_k=True`` with a softcap; the shape and device checks of
+            :func:`attention`; an unknown ``layout``,
             recipe name or matmul name in ``keep_16bit``; ``scale`` not positive and finite; a
             ``LOWBIT_ATTN_*`` variable set to a value outside its choices.
         RuntimeError: a double backward (gradients of the gradients);
@@ -77,8 +91,18 @@ def trainable_attention(
     for name, value in (("smooth_k", smooth_k), ("smooth_q", smooth_q), ("balance_qk", balance_qk)):
         if value is not None:
             checks.flag(name, value)
+    if sinks is not None:
+        raise ValueError("sinks are not supported by trainable_attention (forward-only: "
+                         "lowbit_attn.attention); pass sinks=None")
+    variant = variants.check(is_causal=is_causal, window=window, softcap=softcap, chunk=chunk,
+                             sinks=None, hq=qh.shape[1], device=q.device)
+    if variant.softcap and smooth_k:
+        raise ValueError("smooth_k=True cannot be combined with softcap in trainable_attention: "
+                         "the tanh needs the true scores; leave smooth_k=None")
     r = resolve_train(recipe, smooth_k=smooth_k, smooth_q=smooth_q, keep_16bit=keep_16bit,
                       balance_qk=balance_qk)
+    if variant.softcap and r.smooth_k:
+        r = r.replace(smooth_k=False)
     if backend_for(q.device) == "triton" and q.dtype not in KERNEL_DTYPES:
         raise TypeError(
             f"trainable_attention's kernels take float16 or bfloat16 inputs, got {q.dtype}; cast q, "
@@ -89,6 +113,6 @@ def trainable_attention(
     if nq == 0:
         return q.clone()
     return train_ops.call(
-        q, k, v, r, scale=sm_scale, is_causal=is_causal, causal_offset=nk - nq,
-        nhd=layout == "NHD",
+        q, k, v, r, scale=sm_scale, is_causal=variant.causal, causal_offset=nk - nq,
+        nhd=layout == "NHD", variant=variant,
     )

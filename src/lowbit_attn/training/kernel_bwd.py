@@ -22,8 +22,9 @@ from lowbit_attn.core.arch import get_capability, interpreter_enabled, tensor_me
 from lowbit_attn.core.operands import TRAIN_BLOCK, GradOperands, TrainOperands
 from lowbit_attn.core.triton_helpers import (
     LaunchConfig, autotuned, batch_head, mm, next_pow2, next_power_of_2, operand, quantize_tile,
-    strides, token_major,
+    softcap_scores, strides, token_major, window_block_bounds, window_ok,
 )
+from lowbit_attn.core.variants import PLAIN, Variant, variant_args
 
 # The dK/dV kernel at D = 128. It holds two 64×D fp32 accumulators and the int32 result of each
 # INT8 product before its scales: at 4 warps that spills 408 bytes (ptxas -v, sm_90a, Triton
@@ -65,12 +66,16 @@ def _operand(op, b, h, blk, rows, offs_d, mask, TRANS: tl.constexpr):
 def _tile_p_dp(
     a_s, qs, b_s, ks, a_dp, dos, b_dp, vdps, lse, rows, cols, NQ, NK, causal_offset,
     ds_ptrs, IS_CAUSAL: tl.constexpr, HAS_DS: tl.constexpr, QK_INT8: tl.constexpr,
-    DP_INT8: tl.constexpr, EMU_FP32: tl.constexpr, TRANS: tl.constexpr,
+    DP_INT8: tl.constexpr, EMU_FP32: tl.constexpr, TRANS: tl.constexpr, window=None,
+    WINDOWED: tl.constexpr = False, cap=None, SOFTCAP: tl.constexpr = False,
 ):
     """P and dP of one 64×64 tile, S recomputed as the forward computed it (dS is
     ``P ∘ (dP - Δ)``): queries × keys from ``S = Q·Kᵀ`` (``a_s = Q``, ``b_s = Kᵀ``) and ``dP =
     dO·Vᵀ`` (``a_dp = dO``, ``b_dp = Vᵀ``), or with ``TRANS`` keys × queries, Pᵀ and dPᵀ from
-    ``K·Qᵀ`` and ``V·dOᵀ``. ``ds_ptrs``: ΔS's pointers in the tile's orientation."""
+    ``K·Qᵀ`` and ``V·dOᵀ``. ``ds_ptrs``: ΔS's pointers in the tile's orientation. ``window``:
+    ``(left, right, chunk)`` with ``WINDOWED``; ``SOFTCAP``: the scores soft-capped
+    (``cap = (c·log2 e, 2/c, 1/(c·log2 e))``) and the third result ``1 - tanh²``, what dS is
+    multiplied by (1.0 without)."""
     s = mm(a_s, b_s, QK_INT8, EMU_FP32) * (qs * ks)
     if TRANS:
         r, c, bias_mask = rows[None, :], cols[:, None], cols[:, None] < NK
@@ -78,8 +83,15 @@ def _tile_p_dp(
         r, c, bias_mask = rows[:, None], cols[None, :], cols[None, :] < NK
     if HAS_DS:
         s = s + tl.load(ds_ptrs, mask=bias_mask, other=0.0)
+    slope = 1.0
+    if SOFTCAP:  # K is not smoothed: no row shift
+        s = softcap_scores(s, cap[0], cap[1], tl.zeros([s.shape[0]], dtype=tl.float32))
+        t = s * cap[2]
+        slope = 1.0 - t * t
     valid = (r < NQ) & (c < NK)
-    if IS_CAUSAL:
+    if WINDOWED:
+        valid = valid & window_ok(r, c, causal_offset, window[0], window[1], window[2])
+    elif IS_CAUSAL:
         valid = valid & (c <= r + causal_offset)
     s = tl.where(valid, s, float("-inf"))
     lse = tl.where(lse == float("-inf"), 0.0, lse)
@@ -88,7 +100,7 @@ def _tile_p_dp(
     else:
         p = tl.exp2(s - lse[:, None])
     dp = mm(a_dp, b_dp, DP_INT8, EMU_FP32) * (dos * vdps)
-    return p, dp
+    return p, dp, slope
 
 
 @triton.jit
@@ -97,12 +109,15 @@ def _train_dkdv_kernel(
     QM, DS, LSE, DELTA, dk_out, dv_out, BAL, DQ_ACC,
     qm_strides, ds_strides, lse_strides, bal_strides, acc_strides,
     NQ, NK, HKV, GROUP, D, causal_offset, softmax_scale, N_BUCKET,
+    left, right, chunk, cap2, two_over, inv_cap2,
     IS_CAUSAL: tl.constexpr, QK_INT8: tl.constexpr, DP_INT8: tl.constexpr,
     DV_INT8: tl.constexpr, DK_INT8: tl.constexpr, DQ_INT8: tl.constexpr, HAS_DS: tl.constexpr,
     HAS_BAL: tl.constexpr, ATOMIC_DQ: tl.constexpr, EMU_FP32: tl.constexpr, TMEM: tl.constexpr,
-    PER_ROW: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+    PER_ROW: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
-    """dK and dV of one key block. Operands (see :func:`_operand`): Q and K for the scores, dO and
+    """dK and dV of one key block (with ``WINDOWED``, every query block, masked; ``SOFTCAP``:
+    see :func:`_tile_p_dp`). Operands (see :func:`_operand`): Q and K for the scores, dO and
     V for dP, dO for dV, Q for dK, K for dQ (``ATOMIC_DQ``). Strides: (batch, head, query block,
     dim) of Q's block means ``QM``; (batch, head, query block, key) of ``DS``; (batch, head, token)
     of ``LSE`` and ``DELTA``; (batch, head, token, dim) of ``DQ_ACC``; (batch, head,
@@ -147,10 +162,14 @@ def _train_dkdv_kernel(
             ds_ptrs = DS
             if HAS_DS:
                 ds_ptrs = DS + b * sdsb + h * sdsh + qb * sdsq + cols[:, None] * sdsn
-            pt, dpt = _tile_p_dp(k_blk, qs, q_t, ks, v_blk, dos, do_t, vdps, lse, rows, cols, NQ,
-                                 NK, causal_offset, ds_ptrs, IS_CAUSAL, HAS_DS, QK_INT8, DP_INT8,
-                                 EMU_FP32, TRANS=True)
+            pt, dpt, slope = _tile_p_dp(
+                k_blk, qs, q_t, ks, v_blk, dos, do_t, vdps, lse, rows, cols, NQ, NK,
+                causal_offset, ds_ptrs, IS_CAUSAL, HAS_DS, QK_INT8, DP_INT8, EMU_FP32, True,
+                (left, right, chunk), WINDOWED, (cap2, two_over, inv_cap2), SOFTCAP,
+            )
             dst = pt * (dpt - delta[None, :])
+            if SOFTCAP:
+                dst = dst * slope
             do_dv_blk, dovs = _operand(do_dv, b, h, qb, rows, offs_d, md_mask, False)
             # per row: the scales of keys (Pᵀ's and dSᵀ's rows), and of queries for dQ = dS·K
             pq, ps = quantize_tile(pt, DV_INT8, do_dv[0], PER_ROW=PER_ROW)
@@ -182,10 +201,11 @@ def _train_dq_kernel(
     q, k, do_dp, v_dp, k_dq, DS, LSE, DELTA, DQ, BAL,
     ds_strides, lse_strides, dq_strides, bal_strides,
     NQ, NK, HQ, GROUP, D, causal_offset, softmax_scale, N_BUCKET,
+    left, right, chunk, cap2, two_over, inv_cap2,
     IS_CAUSAL: tl.constexpr, QK_INT8: tl.constexpr, DP_INT8: tl.constexpr,
     DQ_INT8: tl.constexpr, HAS_DS: tl.constexpr, HAS_BAL: tl.constexpr, EMU_FP32: tl.constexpr,
-    TMEM: tl.constexpr, DELTA_PASS: tl.constexpr, PER_ROW: tl.constexpr, BLOCK: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    TMEM: tl.constexpr, DELTA_PASS: tl.constexpr, PER_ROW: tl.constexpr, WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One query block's dQ, for the Δ in DELTA; with ``DELTA_PASS``, instead, the block's
     ``Δ_i = Σ_j P_ij·dP_ij`` into DELTA (the first launch of the backward). Operands and strides
@@ -210,10 +230,14 @@ def _train_dq_kernel(
     else:
         delta = tl.load(DELTA + b * slb + h * slh + rows * sln, mask=rows < NQ, other=0.0)
     dq = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+    lo = 0
     hi = NK
-    if IS_CAUSAL:
+    if WINDOWED:
+        lo, _, _, hi = window_block_bounds(NK, pid_m, causal_offset, left, right, chunk, BLOCK,
+                                           BLOCK)
+    elif IS_CAUSAL:
         hi = tl.minimum(NK, (pid_m + 1) * BLOCK + causal_offset)
-    for start_n in range(0, hi, BLOCK):
+    for start_n in range(lo, hi, BLOCK):
         cols = start_n + offs_n
         nd_mask = (cols < NK)[:, None] & dmask[None, :]
         kb = start_n // BLOCK
@@ -222,13 +246,17 @@ def _train_dq_kernel(
         ds_ptrs = DS
         if HAS_DS:
             ds_ptrs = DS + b * sdsb + h * sdsh + pid_m * sdsq + cols[None, :] * sdsn
-        p, dp = _tile_p_dp(q_blk, qs, kt, ks, do_dp_blk, dos, v_dpt, vdps, lse, rows, cols, NQ, NK,
-                           causal_offset, ds_ptrs, IS_CAUSAL, HAS_DS, QK_INT8, DP_INT8, EMU_FP32,
-                           TRANS=False)
+        p, dp, slope = _tile_p_dp(
+            q_blk, qs, kt, ks, do_dp_blk, dos, v_dpt, vdps, lse, rows, cols, NQ, NK,
+            causal_offset, ds_ptrs, IS_CAUSAL, HAS_DS, QK_INT8, DP_INT8, EMU_FP32, False,
+            (left, right, chunk), WINDOWED, (cap2, two_over, inv_cap2), SOFTCAP,
+        )
         if DELTA_PASS:
             delta += tl.sum(p * dp, axis=1)
         else:
             ds = p * (dp - delta[:, None])
+            if SOFTCAP:
+                ds = ds * slope
             k_dq_blk, kdqs = _operand(k_dq, b, hk, kb, cols, offs_d, nd_mask, False)
             dsq, dss = quantize_tile(ds, DQ_INT8, k_dq[0], TMEM, PER_ROW)
             dq += mm(dsq, k_dq_blk, DQ_INT8, EMU_FP32) * (dss * kdqs)
@@ -264,7 +292,8 @@ def _dq_finish_kernel(ACC, DQ, BAL, acc_strides, dq_strides, bal_strides,
              dq.to(DQ.dtype.element_ty), mask=mask)
 
 
-_KEY = ["N_BUCKET", "BLOCK_D", "IS_CAUSAL", "QK_INT8", "DP_INT8", "HAS_DS", "HAS_BAL", "PER_ROW"]
+_KEY = ["N_BUCKET", "BLOCK_D", "IS_CAUSAL", "QK_INT8", "DP_INT8", "HAS_DS", "HAS_BAL", "PER_ROW",
+        "WINDOWED", "SOFTCAP"]
 _DKDV_KEY = _KEY + ["DV_INT8", "DK_INT8", "DQ_INT8", "ATOMIC_DQ"]
 _dkdv = autotuned(CONFIGS, key=_DKDV_KEY, reset_to_zero=["DQ_ACC"])(_train_dkdv_kernel)
 _dkdv_small_d = autotuned(ONE_WARPGROUP, key=_DKDV_KEY,  # D <= 64
@@ -273,7 +302,7 @@ _dq = autotuned(ONE_WARPGROUP, key=_KEY + ["DQ_INT8", "DELTA_PASS"])(_train_dq_k
 
 
 def launch_args(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, dq, dk, dv, *,
-                causal_offset, softmax_scale, mode: str):
+                causal_offset, softmax_scale, mode: str, variant: Variant = PLAIN):
     """``[(kernel, grid, kwargs), ...]`` in launch order for dQ ``mode``: ``"recompute"`` (a dQ
     kernel recomputes S and dP per query block) or ``"atomic"`` (the dK/dV kernel adds dS·K into
     an fp32 buffer); see :mod:`lowbit_attn.core.options`."""
@@ -289,10 +318,13 @@ def launch_args(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, dq, d
         DELTA=delta,
         BAL=ops.balance, ds_strides=strides(ops.delta_s, 4), lse_strides=lse.stride(),
         bal_strides=strides(ops.balance, 3), NQ=nq, NK=nk, GROUP=hq // hkv, D=d,
-        causal_offset=0 if causal_offset is None else int(causal_offset),
+        causal_offset=nk - nq if variant.windowed else (
+            0 if causal_offset is None else int(causal_offset)),
         softmax_scale=float(softmax_scale),
-        N_BUCKET=min(next_power_of_2(max(nq, nk)), 32768),
-        IS_CAUSAL=causal_offset is not None, QK_INT8="qk" in ops.int8, DP_INT8="dp" in ops.int8,
+        N_BUCKET=min(next_power_of_2(max(nq, nk)), 32768), **variant_args(variant),
+        inv_cap2=1.0 / variant_args(variant)["cap2"] if variant.softcap else 0.0,
+        IS_CAUSAL=causal_offset is not None and not variant.windowed, QK_INT8="qk" in ops.int8,
+        DP_INT8="dp" in ops.int8,
         DQ_INT8="dq" in ops.int8, HAS_DS=ops.delta_s is not None, HAS_BAL=ops.balance is not None,
         EMU_FP32=interpreter_enabled(), TMEM=tensor_memory(get_capability()),
         PER_ROW=ops.backward_granularity == "per_row", BLOCK=TRAIN_BLOCK,
@@ -327,11 +359,13 @@ def launch_args(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, dq, d
 
 def backward(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, dq: torch.Tensor,
              dk: torch.Tensor, dv: torch.Tensor, *, causal_offset: int | None,
-             softmax_scale: float, mode: str, kernel: str = "triton") -> None:
+             softmax_scale: float, mode: str, kernel: str = "triton",
+             variant: Variant = PLAIN) -> None:
     """Writes ``dq [B, Hq, Nq, D]``, ``dk, dv [B, Hkv, Nk, D]`` (views in any layout); with
     ``kernel="sm90"`` on the Gluon loops of :mod:`~lowbit_attn.training.kernel_bwd_sm90` where
-    they apply (:func:`~lowbit_attn.training.kernel_bwd_sm90.refusal`), else on these."""
-    if kernel == "sm90" and triton_support.gluon_available("hopper"):
+    they apply (:func:`~lowbit_attn.training.kernel_bwd_sm90.refusal`), else on these. A
+    ``variant`` (window, chunk, softcap) runs on these: the sm90 loops do not take it."""
+    if kernel == "sm90" and variant.plain and triton_support.gluon_available("hopper"):
         from lowbit_attn.training import kernel_bwd_sm90
 
         if kernel_bwd_sm90.refusal(ops, grad, mode) is None:
@@ -340,6 +374,6 @@ def backward(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, dq: torc
             return
     for kernel, grid, kwargs in launch_args(
         ops, grad, lse, dq, dk, dv, causal_offset=causal_offset, softmax_scale=softmax_scale,
-        mode=mode,
+        mode=mode, variant=variant,
     ):
         kernel[grid](**kwargs)

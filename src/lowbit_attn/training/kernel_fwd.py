@@ -16,7 +16,9 @@ from lowbit_attn.core.operands import TRAIN_BLOCK, TrainOperands
 from lowbit_attn.core.triton_helpers import (
     LaunchConfig, batch_head, finish_scores, key_block_bounds, mm, next_pow2, next_power_of_2, online_max,
     normalize_rows, operand, round_half_even, strides, token_major, triton_configs,
+    window_block_bounds,
 )
+from lowbit_attn.core.variants import PLAIN, Variant, variant_args
 
 CONFIGS = {
     "interpreter": [LaunchConfig(4, 1)],
@@ -32,7 +34,8 @@ def _fwd_block(
     acc, m_i, l_i, q, qs, start_n, offs_m, offs_n, offs_d, dmask, nk, causal_offset,
     k_base, v_base, ks_base, vs_base, ds_base, V, skn, skd, svn, svd, sksn, svsn, sdn,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, QK_INT8: tl.constexpr, PV_INT8: tl.constexpr,
-    HAS_DS: tl.constexpr, EMU_FP32: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_DS: tl.constexpr, EMU_FP32: tl.constexpr, BLOCK_N: tl.constexpr, window,
+    WINDOWED: tl.constexpr, cap, SOFTCAP: tl.constexpr,
 ):
     cols = start_n + offs_n
     nmask = cols < nk
@@ -46,7 +49,7 @@ def _fwd_block(
     ks = tl.load(ks_base + (start_n // BLOCK_N) * sksn)
     s = mm(q, kt, QK_INT8, EMU_FP32) * (qs[:, None] * ks)
     s = finish_scores(s, cols, nmask, offs_m, causal_offset, ds_base, sdn, HAS_DS, MASKED,
-                      IS_CAUSAL)
+                      IS_CAUSAL, window, WINDOWED, cap, SOFTCAP)
     block_max = tl.max(s, axis=1)
     m_new, m_safe, alpha = online_max(m_i, block_max)
     row_scale = tl.exp2(block_max - m_safe)
@@ -68,12 +71,15 @@ def _fwd_block(
 @triton.jit
 def _train_fwd_kernel(
     q, k, v, DS, O, LSE, ds_strides, o_strides, lse_strides,
-    NQ, NK, HQ, GROUP, D, causal_offset, N_BUCKET,
+    NQ, NK, HQ, GROUP, D, causal_offset, N_BUCKET, left, right, chunk, cap2, two_over,
     IS_CAUSAL: tl.constexpr, QK_INT8: tl.constexpr, PV_INT8: tl.constexpr,
     HAS_DS: tl.constexpr, EMU_FP32: tl.constexpr, QUANT_BLOCK: tl.constexpr,
+    WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Operands ``q``, ``k``, ``v``: ``(values [B, H, N, D], scales [B, H, N/QUANT_BLOCK], values'
+    """With ``WINDOWED`` the key blocks of ``window_block_bounds`` (``left``, ``right``,
+    ``chunk``; ``causal_offset`` is ``Nk - Nq``), each masked; ``SOFTCAP``: the scores
+    soft-capped (``cap2``, ``two_over``; K is not smoothed then). Operands ``q``, ``k``, ``v``: ``(values [B, H, N, D], scales [B, H, N/QUANT_BLOCK], values'
     strides, scales' strides)``. Strides: (batch, head, query block, key) of ``DS``; (batch, head,
     token, dim) of ``O``; (batch, head, token) of ``LSE``."""
     Q, QS, q_strides, qs_strides = q
@@ -111,18 +117,28 @@ def _train_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    full_hi, hi = key_block_bounds(NK, pid_m, causal_offset, IS_CAUSAL, BLOCK_M, BLOCK_N)
-    for start_n in range(0, full_hi, BLOCK_N):
+    window = (left, right, chunk)
+    cap = (cap2, two_over, tl.zeros([BLOCK_M], dtype=tl.float32))
+    if WINDOWED:  # every block of the window's range masked
+        full_lo, _, _, hi = window_block_bounds(NK, pid_m, causal_offset, left, right, chunk,
+                                                BLOCK_M, BLOCK_N)
+        full_hi = full_lo
+    else:
+        full_lo = 0
+        full_hi, hi = key_block_bounds(NK, pid_m, causal_offset, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    for start_n in range(full_lo, full_hi, BLOCK_N):
         acc, m_i, l_i = _fwd_block(
             acc, m_i, l_i, q_blk, qs, start_n, offs_m, offs_n, offs_d, dmask, NK, causal_offset,
             k_base, v_base, ks_base, vs_base, ds_base, V, skn, skd, svn, svd, sksn, svsn, sdn,
-            False, IS_CAUSAL, QK_INT8, PV_INT8, HAS_DS, EMU_FP32, BLOCK_N,
+            False, IS_CAUSAL, QK_INT8, PV_INT8, HAS_DS, EMU_FP32, BLOCK_N, window, WINDOWED, cap,
+            SOFTCAP,
         )
     for start_n in range(full_hi, hi, BLOCK_N):
         acc, m_i, l_i = _fwd_block(
             acc, m_i, l_i, q_blk, qs, start_n, offs_m, offs_n, offs_d, dmask, NK, causal_offset,
             k_base, v_base, ks_base, vs_base, ds_base, V, skn, skd, svn, svd, sksn, svsn, sdn,
-            True, IS_CAUSAL, QK_INT8, PV_INT8, HAS_DS, EMU_FP32, BLOCK_N,
+            True, IS_CAUSAL, QK_INT8, PV_INT8, HAS_DS, EMU_FP32, BLOCK_N, window, WINDOWED, cap,
+            SOFTCAP,
         )
     out, empty = normalize_rows(acc, l_i)
     out = tl.where(empty[:, None], 0.0, out)
@@ -133,11 +149,13 @@ def _train_fwd_kernel(
 
 _train_fwd = triton.autotune(
     configs=triton_configs(CONFIGS, get_capability()),
-    key=["N_BUCKET", "BLOCK_D", "IS_CAUSAL", "QK_INT8", "PV_INT8", "HAS_DS", "BLOCK_M"],
+    key=["N_BUCKET", "BLOCK_D", "IS_CAUSAL", "QK_INT8", "PV_INT8", "HAS_DS", "BLOCK_M",
+         "WINDOWED", "SOFTCAP"],
 )(triton.heuristics({"HAS_DS": lambda a: a["DS"] is not None})(_train_fwd_kernel))
 
 
-def launch_args(ops: TrainOperands, out: torch.Tensor, lse: torch.Tensor, causal_offset):
+def launch_args(ops: TrainOperands, out: torch.Tensor, lse: torch.Tensor, causal_offset,
+                variant: Variant = PLAIN):
     """``(grid, kwargs)`` of the kernel's launch (also what ``lowbit-attn inspect`` compiles ahead
     of time)."""
     b, hq, nq, d = ops.q.shape
@@ -149,9 +167,11 @@ def launch_args(ops: TrainOperands, out: torch.Tensor, lse: torch.Tensor, causal
         DS=ops.delta_s, O=out, LSE=lse,
         ds_strides=strides(ops.delta_s, 4), o_strides=out.stride(), lse_strides=lse.stride(),
         NQ=nq, NK=nk, HQ=hq, GROUP=hq // hkv, D=d,
-        causal_offset=0 if causal_offset is None else int(causal_offset),
-        N_BUCKET=min(next_power_of_2(nk), 32768),
-        IS_CAUSAL=causal_offset is not None, QK_INT8="qk" in ops.int8, PV_INT8="pv" in ops.int8,
+        causal_offset=nk - nq if variant.windowed else (
+            0 if causal_offset is None else int(causal_offset)),
+        N_BUCKET=min(next_power_of_2(nk), 32768), **variant_args(variant),
+        IS_CAUSAL=causal_offset is not None and not variant.windowed, QK_INT8="qk" in ops.int8,
+        PV_INT8="pv" in ops.int8,
         EMU_FP32=interpreter_enabled(), QUANT_BLOCK=TRAIN_BLOCK, BLOCK_M=block_m,
         BLOCK_N=TRAIN_BLOCK, BLOCK_D=next_pow2(d, minimum=32),
     )
@@ -159,9 +179,10 @@ def launch_args(ops: TrainOperands, out: torch.Tensor, lse: torch.Tensor, causal
     return grid, kwargs
 
 
-def forward(ops: TrainOperands, *, out: torch.Tensor, causal_offset: int | None) -> torch.Tensor:
+def forward(ops: TrainOperands, *, out: torch.Tensor, causal_offset: int | None,
+            variant: Variant = PLAIN) -> torch.Tensor:
     """Writes ``out`` (a ``[B, Hq, Nq, D]`` view) and returns the base-2 LSE ``[B, Hq, Nq]`` fp32."""
     lse = torch.empty(ops.q.shape[:3], device=out.device, dtype=torch.float32)
-    grid, kwargs = launch_args(ops, out, lse, causal_offset)
+    grid, kwargs = launch_args(ops, out, lse, causal_offset, variant)
     _train_fwd[grid](**kwargs)
     return lse

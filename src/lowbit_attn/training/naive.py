@@ -21,7 +21,8 @@ import torch
 from lowbit_attn.core.operands import (
     INT8_MAX, TILE_AMAX_FLOOR, TRAIN_BLOCK, GradOperands, TrainOperands,
 )
-from lowbit_attn.inference.naive import expand_heads, visible
+from lowbit_attn.core.variants import PLAIN, Variant, softcap_base2
+from lowbit_attn.inference.naive import expand_heads, visible_for
 from lowbit_attn.quant.int8_naive import nonfinite_guard
 
 
@@ -39,8 +40,10 @@ def dequantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
     return x.to(dtype) * _per_row(scale, x.shape[-2]).to(dtype).unsqueeze(-1)
 
 
-def scores(ops: TrainOperands, causal_offset: int | None) -> torch.Tensor:
-    """Base-2 scores ``[B, Hq, Nq, Nk]``, ``-inf`` where a key is not visible."""
+def scores(ops: TrainOperands, causal_offset: int | None,
+           variant: Variant = PLAIN) -> torch.Tensor:
+    """Base-2 scores ``[B, Hq, Nq, Nk]`` (soft-capped with ``variant.softcap``: K is not smoothed
+    then), ``-inf`` where a key is not visible."""
     cdt = compute_dtype(ops)
     hq, nq, nk = ops.q.shape[1], ops.q.shape[2], ops.k.shape[2]
     kf = expand_heads(ops.k, hq).to(cdt)
@@ -51,8 +54,23 @@ def scores(ops: TrainOperands, causal_offset: int | None) -> torch.Tensor:
     s = s * (_per_row(qs, nq)[..., :, None] * _per_row(ks, nk)[..., None, :])
     if ops.delta_s is not None:
         s = s + _per_row(ops.delta_s.transpose(-1, -2), nq).transpose(-1, -2).to(cdt)
-    mask = visible(nq, nk, causal_offset, ops.q.device)
+    if variant.softcap:
+        s = softcap_base2(s, variant.softcap)
+    mask = visible_for(variant, nq, nk, causal_offset, ops.q.device)
     return s.masked_fill(~mask, float("-inf"))
+
+
+def softcap_slope(s: torch.Tensor, softcap: float) -> torch.Tensor:
+    """``1 - tanh²`` of soft-capped base-2 scores ``s`` (``tanh = s/(c·log2 e)``; 1 where masked),
+    what dS is multiplied by (``triton_helpers.softcap_slope``)."""
+    t = s * _inv_cap2(softcap)
+    return torch.where(torch.isneginf(s), 1.0, 1.0 - t * t)
+
+
+def _inv_cap2(softcap: float) -> torch.Tensor:
+    from lowbit_attn.core.variants import cap_args
+
+    return torch.tensor(1.0 / cap_args(softcap)[0], dtype=torch.float32)
 
 
 def quantize_p_rows(p: torch.Tensor, int8: bool, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
@@ -63,14 +81,15 @@ def quantize_p_rows(p: torch.Tensor, int8: bool, dtype: torch.dtype) -> tuple[to
     return p.to(dtype).to(p.dtype), 1.0
 
 
-def forward(ops: TrainOperands, *, causal_offset: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(ops: TrainOperands, *, causal_offset: int | None,
+            variant: Variant = PLAIN) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``(out [B, Hq, Nq, D], lse [B, Hq, Nq])`` in fp32 (fp64 for fp64 inputs); the LSE in
     base 2 of the scores (with K smoothing, of the smoothed scores), ``-inf`` for rows that see no
     key (their output is 0)."""
     cdt = compute_dtype(ops)
     b, hq, nq, _ = ops.q.shape
     nk = ops.k.shape[2]
-    s_all = scores(ops, causal_offset)
+    s_all = scores(ops, causal_offset, variant)
     vf = expand_heads(ops.v, hq).to(cdt)
     vs = expand_heads(ops.v_scale, hq).to(cdt)
     m = torch.full((b, hq, nq), float("-inf"), dtype=cdt, device=ops.q.device)
@@ -149,19 +168,23 @@ def _delta(p: torch.Tensor, dp: torch.Tensor) -> torch.Tensor:
 
 
 def probabilities(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, *,
-                  causal_offset: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  causal_offset: int | None,
+                  variant: Variant = PLAIN) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(P, dP, dS)`` ``[B, Hq, Nq, Nk]`` in the compute dtype, before any tile quantization: P
     from the recomputed scores and the forward's base-2 LSE, ``dP = dO·Vᵀ``, ``dS = P ∘ (dP - Δ)``
     with ``Δ_i = Σ_j P_ij·dP_ij`` (:func:`_delta`; so ``Σ_j dS_ij = Δ_i·(1 - Σ_j P_ij)``: zero up
-    to rounding)."""
+    to rounding). With a softcap dS is that of the raw scores: times :func:`softcap_slope`."""
     cdt = compute_dtype(ops)
-    s = scores(ops, causal_offset)
+    s = scores(ops, causal_offset, variant)
     lse_safe = torch.where(torch.isneginf(lse), 0.0, lse).to(cdt)
     p = torch.exp2(s - lse_safe.unsqueeze(-1))
     do_dp = dequantize(grad.do_dp, grad.do_dp_scale, cdt)
     v_dp = expand_heads(dequantize(ops.v_dp, ops.v_dp_scale, cdt), ops.q.shape[1])
     dp = torch.matmul(do_dp, v_dp.transpose(-1, -2))
-    return p, dp, p * (dp - _delta(p, dp).unsqueeze(-1))
+    ds = p * (dp - _delta(p, dp).unsqueeze(-1))
+    if variant.softcap:
+        ds = ds * softcap_slope(s, variant.softcap)
+    return p, dp, ds
 
 
 def _by_group(x: torch.Tensor, hkv: int) -> torch.Tensor:
@@ -214,6 +237,7 @@ def backward(
     *,
     causal_offset: int | None,
     softmax_scale: float,
+    variant: Variant = PLAIN,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq [B, Hq, Nq, D], dk, dv [B, Hkv, Nk, D])`` in the compute dtype, for the
     forward's base-2 LSE ``lse``; P and dS quantized per tile or per row
@@ -222,7 +246,7 @@ def backward(
     cdt = compute_dtype(ops)
     granularity = ops.backward_granularity
     hq, hkv = ops.q.shape[1], ops.k.shape[1]
-    p, _, ds = probabilities(ops, grad, lse, causal_offset=causal_offset)
+    p, _, ds = probabilities(ops, grad, lse, causal_offset=causal_offset, variant=variant)
 
     p_vals, p_scales = quantize_tiles(p, "dv" in ops.int8, ops.dtype, granularity, "query")
     dv = _over_queries(p_vals, p_scales, grad.do_dv, grad.do_dv_scale, hkv)

@@ -13,6 +13,7 @@ from lowbit_attn.core.counters import count_call
 from lowbit_attn.core.operands import GradOperands, TrainOperands
 from lowbit_attn.core.options import KernelOptions
 from lowbit_attn.core.recipes import TrainRecipe, recipe_from_key, recipe_key
+from lowbit_attn.core.variants import PLAIN, Variant
 from lowbit_attn.training import naive as ref
 from lowbit_attn.training.prepare import prepare, prepare_grad
 
@@ -21,40 +22,46 @@ def _hnd(x: torch.Tensor, nhd: bool) -> torch.Tensor:
     return x.transpose(1, 2) if nhd else x
 
 
-def kernel_forward(ops: TrainOperands, *, out: torch.Tensor,
-                   causal_offset: int | None) -> torch.Tensor:
-    """Writes ``out`` (a ``[B, Hq, Nq, D]`` view) and returns the base-2 LSE ``[B, Hq, Nq]``."""
+def kernel_forward(ops: TrainOperands, *, out: torch.Tensor, causal_offset: int | None,
+                   variant: Variant = PLAIN) -> torch.Tensor:
+    """Writes ``out`` (a ``[B, Hq, Nq, D]`` view) and returns the base-2 LSE ``[B, Hq, Nq]``;
+    ``variant``: window, chunk and softcap (:class:`~lowbit_attn.core.variants.Variant`)."""
     from lowbit_attn.training import kernel_fwd
 
-    return kernel_fwd.forward(ops, out=out, causal_offset=causal_offset)
+    return kernel_fwd.forward(ops, out=out, causal_offset=causal_offset, variant=variant)
 
 
-def naive_forward(ops: TrainOperands, *, out: torch.Tensor,
-                  causal_offset: int | None) -> torch.Tensor:
+def naive_forward(ops: TrainOperands, *, out: torch.Tensor, causal_offset: int | None,
+                  variant: Variant = PLAIN) -> torch.Tensor:
     """The twin of :func:`kernel_forward` (LSE in fp64 for fp64 inputs)."""
-    o, lse = ref.forward(ops, causal_offset=causal_offset)
+    o, lse = ref.forward(ops, causal_offset=causal_offset, variant=variant)
     out.copy_(o)
     return lse.to(_lse_dtype(ops.dtype))
 
 
 def kernel_backward(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, dq: torch.Tensor,
                     dk: torch.Tensor, dv: torch.Tensor, *, causal_offset: int | None,
-                    softmax_scale: float, options: KernelOptions) -> None:
+                    softmax_scale: float, options: KernelOptions,
+                    variant: Variant = PLAIN) -> None:
     """Writes ``dq [B, Hq, Nq, D]``, ``dk, dv [B, Hkv, Nk, D]`` (views); dQ as
     ``options.train_dq`` says, on the kernels ``options.bwd_kernel`` names where they apply (the
-    sm90 ones on a CUDA device of capability 9.0)."""
+    sm90 ones on a CUDA device of capability 9.0, for plain attention only: a window, chunk or
+    softcap runs on the Triton backward)."""
     from lowbit_attn.training import kernel_bwd
 
     kernel = options.bwd_kernel if dq.is_cuda and get_capability() == (9, 0) else "triton"
     kernel_bwd.backward(ops, grad, lse, dq, dk, dv, causal_offset=causal_offset,
-                        softmax_scale=softmax_scale, mode=options.train_dq, kernel=kernel)
+                        softmax_scale=softmax_scale, mode=options.train_dq, kernel=kernel,
+                        variant=variant)
 
 
 def naive_backward(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, dq: torch.Tensor,
                    dk: torch.Tensor, dv: torch.Tensor, *, causal_offset: int | None,
-                   softmax_scale: float, options: KernelOptions) -> None:
+                   softmax_scale: float, options: KernelOptions,
+                   variant: Variant = PLAIN) -> None:
     """The twin of :func:`kernel_backward` (``options`` place work on the kernels only)."""
-    grads = ref.backward(ops, grad, lse, causal_offset=causal_offset, softmax_scale=softmax_scale)
+    grads = ref.backward(ops, grad, lse, causal_offset=causal_offset, softmax_scale=softmax_scale,
+                         variant=variant)
     for g, r in zip((dq, dk, dv), grads):
         g.copy_(r)
 
@@ -69,7 +76,8 @@ def _implementation(device: torch.device):
 @torch.library.custom_op("lowbit_attn::train_fwd", mutates_args=())
 def train_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: str, scale: float, is_causal: bool,
-    causal_offset: int, nhd: bool,
+    causal_offset: int, nhd: bool, left: int = -1, right: int = -1, chunk: int = 0,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Output (q's shape and dtype) and base-2 LSE ``[B, Hq, Nq]`` (fp32; fp64 for fp64 inputs)
     with the :class:`TrainRecipe` that :func:`~lowbit_attn.core.recipes.recipe_key` encodes."""
@@ -79,7 +87,8 @@ def train_fwd(
     backend, forward, _ = _implementation(q.device)
     ops = prepare(qh, kh, vh, recipe, scale, backend)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = forward(ops, out=_hnd(out, nhd), causal_offset=causal_offset if is_causal else None)
+    lse = forward(ops, out=_hnd(out, nhd), causal_offset=causal_offset if is_causal else None,
+                  variant=Variant(left=left, right=right, chunk=chunk, softcap=softcap))
     return out, lse
 
 
@@ -89,7 +98,8 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 @train_fwd.register_fake
-def _(q, k, v, recipe, scale, is_causal, causal_offset, nhd):
+def _(q, k, v, recipe, scale, is_causal, causal_offset, nhd, left=-1, right=-1, chunk=0,
+      softcap=0.0):
     b, hq, nq = (q.shape[0], q.shape[2], q.shape[1]) if nhd else q.shape[:3]
     return q.new_empty(q.shape), q.new_empty((b, hq, nq), dtype=_lse_dtype(q.dtype))
 
@@ -97,7 +107,8 @@ def _(q, k, v, recipe, scale, is_causal, causal_offset, nhd):
 @torch.library.custom_op("lowbit_attn::train_bwd", mutates_args=())
 def train_bwd(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
-    recipe: str, scale: float, is_causal: bool, causal_offset: int, nhd: bool,
+    recipe: str, scale: float, is_causal: bool, causal_offset: int, nhd: bool, left: int = -1,
+    right: int = -1, chunk: int = 0, softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` in the shapes and dtype of ``q, k, v``."""
     recipe = recipe_from_key(recipe, TrainRecipe)
@@ -108,12 +119,14 @@ def train_bwd(
     grads = tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     backward(ops, grad, lse, *(_hnd(g, nhd) for g in grads),
              causal_offset=causal_offset if is_causal else None, softmax_scale=scale,
-             options=KernelOptions.from_env())
+             options=KernelOptions.from_env(),
+             variant=Variant(left=left, right=right, chunk=chunk, softcap=softcap))
     return grads
 
 
 @train_bwd.register_fake
-def _(do, q, k, v, lse, recipe, scale, is_causal, causal_offset, nhd):
+def _(do, q, k, v, lse, recipe, scale, is_causal, causal_offset, nhd, left=-1, right=-1, chunk=0,
+      softcap=0.0):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -150,6 +163,10 @@ train_bwd.register_autograd(_no_double_backward, setup_context=_save_nothing)
 
 
 def call(q, k, v, recipe: TrainRecipe, *, scale: float, is_causal: bool, causal_offset: int,
-         nhd: bool) -> torch.Tensor:
-    out, _ = train_fwd(q, k, v, recipe_key(recipe), scale, is_causal, causal_offset, nhd)
+         nhd: bool, variant: Variant = PLAIN) -> torch.Tensor:
+    if variant.plain:
+        out, _ = train_fwd(q, k, v, recipe_key(recipe), scale, is_causal, causal_offset, nhd)
+    else:
+        out, _ = train_fwd(q, k, v, recipe_key(recipe), scale, is_causal, causal_offset, nhd,
+                           variant.left, variant.right, variant.chunk, variant.softcap)
     return out

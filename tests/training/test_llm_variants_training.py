@@ -1,0 +1,135 @@
+"""trainable_attention with the LLM variants (issue 44): window, chunk and softcap forward and
+backward against float64 autograd of exact attention with the mask built here; the Triton kernels
+(the interpreter on a CPU) against their twins; the refusals (sinks; smooth_k with a softcap;
+the sm90 backward for a variant)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import lowbit_attn
+from helpers import channel_biased
+from lowbit_attn.core.variants import Variant
+
+
+def _mask(nq, nk, causal, window, chunk):
+    left, right = window if window is not None else (-1, -1)
+    right = 0 if causal else right
+    i = torch.arange(nq)[:, None] + nk - nq
+    j = torch.arange(nk)[None, :]
+    m = torch.ones(nq, nk, dtype=torch.bool)
+    if left != -1:
+        m &= j >= i - left
+    if right != -1:
+        m &= j <= i + right
+    if chunk:
+        m &= (i >= 0) & (j // chunk == i.clamp(min=0) // chunk)
+    return m
+
+
+def _exact64(q, k, v, *, causal=False, window=None, softcap=None, chunk=None):
+    g = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = q @ kk.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~_mask(q.shape[2], k.shape[2], causal, window, chunk), -math.inf)
+    return torch.softmax(s, -1).nan_to_num(0.0) @ vv
+
+
+def _grads(fn, q, k, v, do, dtype, **kw):
+    leaves = [x.to(dtype).clone().requires_grad_() for x in (q, k, v)]
+    out = fn(*leaves, **kw)
+    out.backward(do.to(dtype))
+    return [out.detach().double()] + [x.grad.double() for x in leaves]
+
+
+VARIANTS = [
+    pytest.param(dict(window=(5, 3)), id="win5-3"),
+    pytest.param(dict(window=(9, 0), is_causal=True), id="win9-causal"),
+    pytest.param(dict(softcap=2.0), id="softcap2"),
+    pytest.param(dict(chunk=16, is_causal=True, softcap=3.0), id="chunk16-softcap3"),
+    pytest.param(dict(window=(4, 2), chunk=8), id="win4-2-chunk8"),
+]
+
+
+@pytest.mark.parametrize("kw", VARIANTS)
+# exact in float64: the softcap's constants are fp32 numbers, as the kernels take them (~1e-8)
+@pytest.mark.parametrize("recipe,dtype,rel", [("exact", torch.float64, 1e-6),
+                                              ("sagebwd_int8", torch.float32, 6e-2)])
+def test_reference_against_float64_autograd(kw, recipe, dtype, rel, monkeypatch):
+    """Output and dQ, dK, dV of the PyTorch path against float64 autograd (relative L2)."""
+    monkeypatch.setenv("LOWBIT_ATTN_BACKEND", "reference")
+    q, k, v = channel_biased((1, 2, 45, 32), (1, 1, 70, 32), seed=11, dtype=torch.float64,
+                             bias=1.0)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    want = _grads(_exact64, q, k, v, do, torch.float64, causal=kw.get("is_causal", False),
+                  window=kw.get("window"), softcap=kw.get("softcap"), chunk=kw.get("chunk"))
+    got = _grads(lowbit_attn.trainable_attention, q, k, v, do, dtype, recipe=recipe, **kw)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        err = float((g - w).norm() / w.norm())
+        assert err < rel, f"{name}: relative L2 {err:.2e}"
+
+
+@pytest.mark.parametrize("kw", VARIANTS)
+@pytest.mark.parametrize("recipe", ["exact", "sagebwd_int8"])
+def test_kernels_match_twins(kw, recipe, monkeypatch, device):
+    """The Triton forward and backward against the twins, fp16 inputs, GQA, Nq < Nk."""
+    q, k, v = channel_biased((1, 2, 45, 32), (1, 1, 70, 32), seed=12, device=device.name,
+                             bias=1.0)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(3)).to(device.name)
+    results = []
+    for backend in ("reference", "triton"):
+        monkeypatch.setenv("LOWBIT_ATTN_BACKEND", backend)
+        results.append(_grads(lowbit_attn.trainable_attention, q, k, v, do, torch.float16,
+                              recipe=recipe, **kw))
+    for name, g, w in zip(("out", "dq", "dk", "dv"), *results):
+        err = float((g - w).norm() / w.norm())
+        assert err < 2e-3, f"{name}: relative L2 {err:.2e} between the kernels and the twins"
+
+
+def test_refusals():
+    q, k, v = channel_biased((1, 2, 8, 32), (1, 2, 8, 32), seed=1)
+    with pytest.raises(ValueError, match="sinks"):
+        lowbit_attn.trainable_attention(q, k, v, sinks=torch.zeros(2))
+    with pytest.raises(ValueError, match="smooth_k"):
+        lowbit_attn.trainable_attention(q, k, v, softcap=5.0, smooth_k=True)
+    with pytest.raises(ValueError, match="window\\[0\\]"):
+        lowbit_attn.trainable_attention(q, k, v, window=(-3, 0))
+    with pytest.raises(ValueError, match="softcap"):
+        lowbit_attn.trainable_attention(q, k, v, softcap=-1.0)
+    with pytest.raises(ValueError, match="chunk"):
+        lowbit_attn.trainable_attention(q, k, v, chunk=0)
+
+
+@pytest.mark.interpreter
+def test_sm90_backward_is_not_used_for_a_variant(monkeypatch):
+    """With ``kernel="sm90"`` a window/softcap backward runs on the Triton kernels (the sm90 loops
+    do not take the variants), even where the sm90 backward would otherwise apply."""
+    from lowbit_attn.core import triton_support
+    from lowbit_attn.core.recipes import resolve_train
+    from lowbit_attn.training import kernel_bwd, kernel_bwd_sm90, kernel_fwd
+    from lowbit_attn.training.prepare import prepare, prepare_grad
+
+    def boom(*args, **kwargs):
+        raise AssertionError("the sm90 backward ran for a variant")
+
+    monkeypatch.setattr(triton_support, "gluon_available", lambda *a: True)
+    monkeypatch.setattr(kernel_bwd_sm90, "refusal", lambda *a: None)
+    monkeypatch.setattr(kernel_bwd_sm90, "backward", boom)
+    q, k, v = channel_biased((1, 1, 32, 32), (1, 1, 32, 32), seed=4, dtype=torch.float16)
+    r = resolve_train("sagebwd_int8", smooth_k=False)
+    ops = prepare(q, k, v, r, 32 ** -0.5, "triton")
+    grad = prepare_grad(torch.ones_like(q), r, "triton")
+    variant = Variant(left=4, right=0, softcap=3.0)
+    lse = kernel_fwd.forward(ops, out=torch.empty_like(q), causal_offset=None, variant=variant)
+    dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
+    kernel_bwd.backward(ops, grad, lse, dq, dk, dv, causal_offset=None, softmax_scale=32 ** -0.5,
+                        mode="recompute", kernel="sm90", variant=variant)
+    assert torch.isfinite(dq).all() and torch.isfinite(dk).all()
+    with pytest.raises(AssertionError, match="sm90 backward ran"):  # plain attention takes it
+        kernel_bwd.backward(ops, grad, lse, dq, dk, dv, causal_offset=None,
+                            softmax_scale=32 ** -0.5, mode="recompute", kernel="sm90")
