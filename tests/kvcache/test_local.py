@@ -232,3 +232,28 @@ def test_the_kernel_matches_the_twin(device, recipe, case):
             assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5, name=f"lse {per_split}")
     if layer.local:  # the grid covers the window's pages, counted from its first: not all
         assert kernel_decode.splits_of(layer, 1) < -(-max(layer.host_lengths) // PAGE)
+
+
+def test_a_decode_step_on_a_sliding_layer_is_the_eager_step(device, monkeypatch):
+    """``DecodeStep`` with a window, softcap and sinks: the eager steps' bits (its reserved pages
+    are held until the next eager append, which gives back those before the window)."""
+    monkeypatch.setenv("LOWBIT_ATTN_BACKEND", "triton")
+    dev, hq = device.name, 4
+    q, k, v = (x.to(dev) for x in data(24, hq=hq, seed=6))
+    sinks = torch.randn(hq, generator=torch.Generator().manual_seed(2)).to(dev)
+    caches = [lowbit_attn.QuantizedKVCache(1, 1, 2, 32, max_tokens=24, page_size=PAGE,
+                                           dtype=torch.float32, device=dev, window=5)
+              for _ in range(2)]
+    for cache in caches:
+        cache.append(0, k[:, :, :10], v[:, :, :10], q=q[:, :, :10])
+    step = lowbit_attn.DecodeStep(caches[0], 0, heads=hq, steps=6, softcap=2.0, sinks=sinks)
+    for t in range(10, 16):
+        got = step.run(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1]).clone()
+        caches[1].append(0, k[:, :, t : t + 1], v[:, :, t : t + 1])
+        want = lowbit_attn.attention_with_kv_cache(q[:, :, t : t + 1], caches[1], 0,
+                                                   softcap=2.0, sinks=sinks)
+        assert torch.equal(got, want), t
+    assert caches[0].held_pages(0)[0] >= caches[1].held_pages(0)[0]
+    caches[0].append(0, k[:, :, 16:17], v[:, :, 16:17])  # eager: gives back what it can
+    caches[1].append(0, k[:, :, 16:17], v[:, :, 16:17])
+    assert caches[0].layers[0].host_first == caches[1].layers[0].host_first

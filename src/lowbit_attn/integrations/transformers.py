@@ -341,4 +341,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["LOCAL_KERNELS", "QuantizedCache", "attention_function", "exact_fallback", "register"]
+__all__ = ["QuantizedCache", "attention_function", "register"]

@@ -228,9 +228,10 @@ class QuantizedCache(Cache):
         recipe: ``"kv_int8_fp8"`` or ``"kv_int8_int8"``, as for :class:`QuantizedKVCache`.
         dtype: the model's dtype (that of the K and V it produces).
         device: the model's device.
-        window, chunk: each layer's sliding window (keys back from the query, transformers'
-            ``sliding_window - 1``) and chunk, as :class:`QuantizedKVCache` takes them; by
-            default read from the config (:func:`local_layers`), full layers without one.
+        window: each layer's sliding window (keys back from the query, transformers'
+            ``sliding_window - 1``), as :class:`QuantizedKVCache` takes it; by default (with
+            ``chunk`` None too) read from the config (:func:`local_layers`).
+        chunk: each layer's chunk, likewise (Llama 4's chunked layers).
         max_append: the most tokens a local layer stores at once: a longer prefill is stored
             and read in slices of that many tokens, and a local layer's pool holds its window
             and one slice (256 by default).

@@ -34,8 +34,9 @@ import triton.language as tl
 from lowbit_attn.core.arch import interpreter_enabled
 from lowbit_attn.core.operands import LOG2E
 from lowbit_attn.core.triton_helpers import (
-    LN2, exact_fp8, next_pow2, online_max, p_offset, strides, to_e4m3,
+    LN2, exact_fp8, next_pow2, online_max, p_offset, softcap_scores, strides, to_e4m3,
 )
+from lowbit_attn.core.variants import cap_args
 from lowbit_attn.kvcache.pages import PagedLayer
 from lowbit_attn.kvcache.recipes import KVRecipe
 from lowbit_attn.quant.tile import balance_multiplier, int8_lines
@@ -66,26 +67,19 @@ def _quantize_rows(x, qk_multiplier):
 
 
 @triton.jit
-def _softcapped(s, cap2):
-    """``cap2·tanh(s/cap2)`` (twin: ``kvcache.naive.softcapped``, the same operations)."""
-    x = s / cap2
-    e = tl.exp2(-2.0 * LOG2E_C * tl.abs(x))
-    t = cap2 * ((1.0 - e) / (1.0 + e))
-    return tl.where(x < 0, -t, t)
-
-
-@triton.jit
-def _page_scores(q8, qs, kt, ks, cols, seen, limit, first, shift, cap2, m_i, l_i, offset,
-                 LOCAL: tl.constexpr, SOFTCAP: tl.constexpr):
+def _page_scores(q8, qs, kt, ks, cols, seen, limit, first, shift, cap2, two_over, m_i, l_i,
+                 offset, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr):
     """One page's scores ``S = ((Q̂·K̂ᵀ)·s_k)·s_q`` (the twin's order), with ``SOFTCAP``
-    ``cap2·tanh((S + shift)/cap2)`` (the true logits, base 2), masked where a key is not stored
+    soft-capped on the true logits (``triton_helpers.softcap_scores``: ``shift`` is what K's
+    smoothing took off each row, added back inside the tanh and taken off again after, so the
+    scores stay in the smoothed frame), masked where a key is not stored
     (``seen``), lies after a row's last key (``limit``) or, with ``LOCAL``, before its first
     (``first``); and the online softmax's step: returns ``(P̃ unrounded, m_new, alpha,
     l_new)``."""
     s_int = tl.dot(q8, kt, out_dtype=tl.int32)
     s = (s_int.to(tl.float32) * ks[None, :]) * qs[:, None]
     if SOFTCAP:
-        s = _softcapped(s + shift[:, None], cap2)
+        s = softcap_scores(s, cap2, two_over, shift)
     visible = seen[None, :] & (cols[None, :] <= limit[:, None])
     if LOCAL:
         visible = visible & (cols[None, :] >= first[:, None])
@@ -98,8 +92,8 @@ def _page_scores(q8, qs, kt, ks, cols, seen, limit, first, shift, cap2, m_i, l_i
 @triton.jit
 def _decode_split_kernel(
     Q, AQ, AK, KM, K, KS, V, VS, VO, BT, LEN, WACC, WM, WL,
-    q_strides, qk_multiplier, cap2, LEFT, CHUNK, N, GROUP, HKV, MAX_PAGES, pages_per_split, ADDED,
-    ROW_BLOCKS,
+    q_strides, qk_multiplier, cap2, two_over, LEFT, CHUNK, N, GROUP, HKV, MAX_PAGES,
+    pages_per_split, ADDED, ROW_BLOCKS,
     D: tl.constexpr, PAGE: tl.constexpr, PV_FP8: tl.constexpr, EXACT_FP8: tl.constexpr,
     OPEN_MODE: tl.constexpr, EMU_FP32: tl.constexpr, STAGES: tl.constexpr,
     LOCAL: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -115,8 +109,8 @@ def _decode_split_kernel(
     ``LOCAL`` (a window or chunked layer): row ``r`` sees keys from ``max(p - LEFT, p - p % CHUNK)``
     (``p`` its position; ``LEFT``, ``CHUNK`` 2^30 where unbounded) and the splits start at the
     block's first such page, so a read covers the window, never the whole sequence. ``SOFTCAP``:
-    ``cap2 = softcap·log2 e``, the scores capped on the true logits (``KM``: μ, whose shift
-    ``scale·(q·μ)`` comes back first)."""
+    ``(cap2, two_over) = (softcap·log2 e, 2/softcap)``, the scores capped on the true logits
+    (``KM``: μ, whose shift ``scale·log2 e·(q·μ)`` comes back inside the tanh)."""
     sqb, sqh, sqn, sqd = q_strides
     b = (tl.program_id(0) // ROW_BLOCKS).to(tl.int64)
     row_block = tl.program_id(0) % ROW_BLOCKS
@@ -178,7 +172,8 @@ def _decode_split_kernel(
         vq = tl.load(V + page * (HKV * PAGE * D) + kv_head + tile, mask=tile_mask, other=0.0)
         vs = tl.load(VS + (page * HKV + hk) * D + offs_d, mask=dmask, other=0.0)
         p, m_i, alpha, l_i = _page_scores(q8, qs, kt, ks, page_no * PAGE + offs_p, pmask, limit,
-                                          first_key, shift, cap2, m_i, l_i, offset, LOCAL, SOFTCAP)
+                                          first_key, shift, cap2, two_over, m_i, l_i, offset, LOCAL,
+                                          SOFTCAP)
         if PV_FP8:
             p8 = to_e4m3(p, EXACT_FP8)
             if EMU_FP32:
@@ -203,7 +198,7 @@ def _decode_split_kernel(
         vo = tl.load(VO + (b * HKV + hk) * PAGE * D + tile, mask=seen[:, None] & dmask[None, :],
                      other=0.0)
         p, m_i, alpha, l_i = _page_scores(q8, qs, kt, ks, cols, seen, limit, first_key, shift,
-                                          cap2, m_i, l_i, offset, LOCAL, SOFTCAP)
+                                          cap2, two_over, m_i, l_i, offset, LOCAL, SOFTCAP)
         if PV_FP8:  # P̃ rounded as on every page
             pr = to_e4m3(p, EXACT_FP8).to(tl.float32)
         else:
@@ -231,8 +226,7 @@ def _decode_split_kernel(
 def _decode_merge_kernel(
     Q, KM, SINK, WACC, WM, WL, O, LSE, LEN, ERR,
     q_strides, softmax_scale, N, GROUP, HKV, SPLITS, ADDED,
-    D: tl.constexpr, PV_FP8: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    D: tl.constexpr, PV_FP8: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Merges the splits of one query row (program (row of the group, KV head, sequence)):
     ``out = Σ acc_s·2^(m_s - M) / Σ l_s·2^(m_s - M)``, ``LSE = (M + log2 l - offset)·ln 2 +
@@ -243,8 +237,8 @@ def _decode_merge_kernel(
     rows of a sequence whose token found no page (``ERR[b]``) give NaN, and the others' lengths
     advance by ``ADDED`` here, after every split has read them. ``SINK`` (fp32 ``[HKV·GROUP]``,
     or None): one more logit per row in the denominator, with no value, in the splits' frame
-    (``sink·log2 e`` less the row's smoothing shift, none with ``SOFTCAP`` whose scores are
-    true); it counts in the LSE, and a row that saw no key gives 0 and LSE ``sink``."""
+    (``sink·log2 e`` less the row's smoothing shift); it counts in the LSE, and a row that saw
+    no key gives 0 and LSE ``sink``."""
     sqb, sqh, sqn, sqd = q_strides
     r = tl.program_id(0)
     hk = tl.program_id(1).to(tl.int64)
@@ -278,11 +272,8 @@ def _decode_merge_kernel(
     empty = l_sum == 0.0
     x = tl.load(Q + b * sqb + head * sqh + token * sqn + offs_d * sqd, mask=dmask,
                 other=0.0).to(tl.float32)
-    if SOFTCAP:  # the splits' scores were the true ones
-        shift = 0.0
-    else:
-        mu = tl.load(KM + (b * HKV + hk) * D + offs_d, mask=dmask, other=0.0)
-        shift = tl.sum(x * mu, axis=0) * softmax_scale
+    mu = tl.load(KM + (b * HKV + hk) * D + offs_d, mask=dmask, other=0.0)
+    shift = tl.sum(x * mu, axis=0) * softmax_scale
     if SINK is not None:
         shift = tl.where(empty, 0.0, shift)  # μ is unset for empty sequences
         z = tl.load(SINK + head) * LOG2E_C - shift * LOG2E_C
@@ -413,8 +404,8 @@ def launch(q: torch.Tensor, layer: PagedLayer, recipe: KVRecipe, *, scale: float
     step's (``replayable``, ``kvcache/step.py``): the last ``added`` tokens were just stored
     and ``layer.lengths`` does not count them yet; the merge advances it, and a sequence whose
     append overflowed (``layer.overflow``) gets NaN rows. ``softcap`` (a positive float) and
-    ``sinks`` (fp32 contiguous ``[Hq]``) are compile-time options of the kernels: off, their
-    code is not there."""
+    ``sinks`` (fp32 contiguous ``[Hq]``) are compile-time options of the kernels (the split
+    kernel's ``SOFTCAP``, the merge's ``SINK`` None or not): off, their code is not there."""
     bsz, hq, n, d = q.shape
     hkv = layer.k.shape[1]
     group = hq // hkv
@@ -430,14 +421,15 @@ def launch(q: torch.Tensor, layer: PagedLayer, recipe: KVRecipe, *, scale: float
     elif not pv_fp8 and layer.v_open.dtype == torch.bfloat16:
         open_mode = 2  # one fp32 FMA product there spills (ptxas, sm_90a, D=128)
     q_strides = strides(q, 4)
+    cap2, two_over = cap_args(softcap or 0.0)
     block_d = next_pow2(d, 32)  # INT8 MMA: k ≥ 32
     block_r, options = split_launch(rows, block_d, open_mode)
     row_blocks = -(-rows // block_r)
     _decode_split_kernel[(bsz * row_blocks, hkv, into.splits)](
-        Q=q, AQ=layer.q_amax, AK=layer.k_amax, KM=layer.k_mean, K=layer.k, KS=layer.k_scale, V=layer.v,
-        VS=layer.v_scale, VO=layer.v_open, BT=layer.block_table, LEN=layer.lengths,
+        Q=q, AQ=layer.q_amax, AK=layer.k_amax, KM=layer.k_mean, K=layer.k, KS=layer.k_scale,
+        V=layer.v, VS=layer.v_scale, VO=layer.v_open, BT=layer.block_table, LEN=layer.lengths,
         WACC=into.wacc, WM=into.wm, WL=into.wl, q_strides=q_strides,
-        qk_multiplier=scale * LOG2E, cap2=1.0 if softcap is None else softcap * LOG2E,
+        qk_multiplier=scale * LOG2E, cap2=cap2, two_over=two_over,
         LEFT=UNBOUNDED if layer.window is None else layer.window,
         CHUNK=UNBOUNDED if layer.chunk is None else layer.chunk, N=n, GROUP=group, D=d, HKV=hkv,
         MAX_PAGES=layer.block_table.shape[1], pages_per_split=pages_per_split, ADDED=added,
@@ -451,5 +443,5 @@ def launch(q: torch.Tensor, layer: PagedLayer, recipe: KVRecipe, *, scale: float
         Q=q, KM=layer.k_mean, SINK=sinks, WACC=into.wacc, WM=into.wm, WL=into.wl, O=into.out, LSE=into.lse,
         LEN=layer.lengths, ERR=layer.overflow if replayable else None, q_strides=q_strides,
         softmax_scale=scale, N=n, GROUP=group, D=d, HKV=hkv, SPLITS=into.splits, ADDED=added,
-        PV_FP8=pv_fp8, SOFTCAP=softcap is not None, BLOCK_S=MERGE_SPLITS, BLOCK_D=block_d,
+        PV_FP8=pv_fp8, BLOCK_S=MERGE_SPLITS, BLOCK_D=block_d,
     )

@@ -28,12 +28,12 @@ Local layers (``PagedLayer.window``, ``chunk``): the row at position ``p`` sees 
 Options of the call, each leaving the above unchanged when off:
 
 - ``softcap = c``: the scores become ``c·tanh(S/c)`` on the true scaled logits, so the shift that
-  K's smoothing took off comes back first: in base 2, ``S ← c₂·tanh((S + σ)/c₂)`` with
-  ``σ = scale·log2 e·(q·μ)`` and ``c₂ = c·log2 e`` (:func:`softcapped`); the LSE then takes no
-  ``scale·(q·μ)``.
+  K's smoothing took off comes back inside the tanh and leaves after it: in base 2
+  ``S ← c₂·tanh((S + σ)/c₂) - σ`` with ``σ = scale·log2 e·(q·μ)``, ``c₂ = c·log2 e``
+  (``core.variants.softcap_base2``, as the prefill kernels), the LSE's shift as before.
 - ``sinks [Hq]``: one more logit per row in the softmax's denominator, with no value (gpt-oss):
-  in base 2 ``z = sink·log2 e - σ`` (``- 0`` with ``softcap``, the scores being true then),
-  ``m = max(m, z)``, ``l += 2^(z - m + o)``. The LSE counts it; a row that sees no key gives 0
+  in base 2 ``z = sink·log2 e - σ`` (the scores' frame), ``m = max(m, z)``,
+  ``l += 2^(z - m + o)``. The LSE counts it; a row that sees no key gives 0
   and LSE ``sink``.
 """
 
@@ -42,20 +42,12 @@ from __future__ import annotations
 import torch
 
 from lowbit_attn.core.operands import LOG2_FP8_MAX, LOG2E
+from lowbit_attn.core.variants import softcap_base2
 from lowbit_attn.inference.naive import expand_heads, finish, lse_shift
 from lowbit_attn.kvcache.pages import PagedLayer, stored_sequence
 from lowbit_attn.kvcache.quantize import quantize_queries
 from lowbit_attn.kvcache.recipes import KVRecipe
 from lowbit_attn.quant.int8_naive import to_e4m3
-
-
-def softcapped(s: torch.Tensor, cap2: float) -> torch.Tensor:
-    """``cap2·tanh(s/cap2)`` in fp32 as the decode kernel computes it: ``tanh|x| = (1 - e)/(1 + e)``
-    with ``e = 2^(-2·log2 e·|x|)``, the sign put back (``-inf`` and ``+inf`` go to ``∓cap2``;
-    NaN stays NaN)."""
-    x = s / cap2
-    e = torch.exp2(-2.0 * LOG2E * x.abs())
-    return torch.copysign(cap2 * ((1.0 - e) / (1.0 + e)), x)
 
 
 def attention_with_kv_cache_naive(
@@ -105,10 +97,8 @@ def _one_sequence(q, q8, q_scale, layer: PagedLayer, b: int, recipe: KVRecipe, s
     k_scale = expand_heads(seq.k_scale[None], hq)
     s = (torch.matmul(q8.float(), k.transpose(-1, -2)) * k_scale[:, :, None, :]) * q_scale[..., None]
     shift = lse_shift(q, seq.k_mean[None], scale) if start + length else None
-    if softcap is not None and shift is not None:  # on the true logits: K's smoothing undone
-        s = softcapped(s + shift.unsqueeze(-1) * LOG2E, softcap * LOG2E)
-    if softcap is not None:
-        shift = None  # the scores are the true ones now
+    if softcap is not None and shift is not None:  # on the true logits, back in the frame
+        s = softcap_base2(s, softcap, (shift * LOG2E).unsqueeze(-1))
     positions = start + length - n + torch.arange(n, device=dev)
     seen = visible_keys(layer, positions, start + torch.arange(length, device=dev))
     s = s.masked_fill(~seen, float("-inf"))
