@@ -431,3 +431,31 @@ def test_aot_compiles_the_variants():
     report = aot.compile_recipe("qk_int8_pv_fp8", "sm_90a", variant=v, return_lse=True)[-1]
     assert report.error is None, report.error
     assert report.kernel == "_attn_fwd_int8_kernel" and report.spill_stores == 0
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("kernel", ["sm90", "gluon"])
+def test_gluon_and_sm90_forwards_hand_variants_to_triton(kernel, monkeypatch):
+    """The Gluon and sm90 forwards do not take the variants: with them chosen (and applying, as
+    on an H100), a call with a window, softcap or sinks still runs the Triton kernel, never
+    one of them with the variant dropped."""
+    from lowbit_attn.inference import gluon_check, gluon_fp4_check, kernel_int8, sm90_check
+
+    def boom(*args, **kwargs):
+        raise AssertionError(f"the {kernel} forward ran for a variant")
+
+    for mod in (sm90_check, gluon_check, gluon_fp4_check):
+        monkeypatch.setattr(mod, "attention", boom)
+    monkeypatch.setattr(sm90_check, "applies", lambda device: True)
+    monkeypatch.setattr(sm90_check, "wanted", lambda *a, **k: True)
+    monkeypatch.setattr(sm90_check, "admitted", lambda device: True)
+    ran = []
+    real = kernel_int8.attention
+    monkeypatch.setattr(kernel_int8, "attention", lambda *a, **k: ran.append(k) or real(*a, **k))
+    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", kernel)
+    monkeypatch.setenv("LOWBIT_ATTN_BACKEND", "triton")
+    q, k, v = channel_biased((1, 2, 20, 64), (1, 2, 30, 64), seed=6, dtype=torch.float16)
+    for kw in (dict(window=(4, 0)), dict(softcap=5.0), dict(sinks=torch.zeros(2)),
+               dict(chunk=8)):
+        lowbit_attn.attention(q, k, v, recipe="qk_int8_pv_fp8", **kw)
+        assert not ran[-1]["variant"].plain
