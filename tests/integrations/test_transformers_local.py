@@ -210,3 +210,22 @@ def test_generate_through_the_attention_function_is_eagers(model):
             tokens[impl] = model.generate(ids, attention_mask=mask, max_new_tokens=NEW,
                                           do_sample=False, pad_token_id=0)
     assert torch.equal(tokens["eager"], tokens["lowbit_exact"])
+
+
+def test_a_fallback_never_drops_a_softcap_or_sinks():
+    """A module whose eager attention has no softcap (Llama) or other sinks than the call's: the
+    fallback computes the definition rather than drop them."""
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=16)
+    module = transformers.LlamaForCausalLM(cfg).model.layers[0].self_attn
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 4, 6, 16, generator=g), *torch.randn(2, 1, 2, 6, 16, generator=g)
+    sinks = torch.randn(4, generator=g)
+    got, _ = lowbit_hf.exact_fallback(module, q, k, v, None, 0.0, 0.25, None, 3.0, sinks, {})
+    kk, vv = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    s = 3.0 * torch.tanh(q @ kk.transpose(-1, -2) * 0.25 / 3.0)
+    s = s.masked_fill(~torch.ones(6, 6, dtype=torch.bool).tril(), float("-inf"))
+    s = torch.cat([s, sinks[None, :, None, None].expand(1, 4, 6, 1)], dim=-1)
+    want = (s.softmax(-1)[..., :6] @ vv).transpose(1, 2)
+    torch.testing.assert_close(got, want)
