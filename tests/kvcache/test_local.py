@@ -257,3 +257,38 @@ def test_a_decode_step_on_a_sliding_layer_is_the_eager_step(device, monkeypatch)
     caches[0].append(0, k[:, :, 16:17], v[:, :, 16:17])  # eager: gives back what it can
     caches[1].append(0, k[:, :, 16:17], v[:, :, 16:17])
     assert caches[0].layers[0].host_first == caches[1].layers[0].host_first
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_89", "sm_120a", "sm_100a"])
+@pytest.mark.parametrize("recipe", ["kv_int8_fp8", "kv_int8_int8"])
+def test_a_local_read_with_softcap_and_sinks_compiles_without_spills(monkeypatch, recipe, arch):
+    """The split kernel with ``LOCAL`` and ``SOFTCAP`` and the merge with ``SINK``, compiled
+    ahead of time (D = 128, GQA 8, fp16 cache, 64-token pages, one query): no spills, and on
+    sm_90a the full-page loop still streams K and V by ``cp.async`` (no ``LDG`` waited on).
+    Measured 2026-11-28 (Triton 3.6): under the plain read's 168-register cap it spilled 8 B
+    (88 B on sm_120a, INT8 V), so a variant runs uncapped (``kernel_decode.split_launch``):
+    split kernel 213 (E4M3 V) / 215 (INT8 V) registers on sm_90a, 168 / 225 on sm_89, 168 / 230
+    on sm_120a, 217 / 219 on sm_100a; the merge 25-28."""
+    from helpers import record_launches
+    from lowbit_attn.tools import aot, sass
+
+    launches = record_launches(monkeypatch, kernel_decode,
+                               ("_decode_split_kernel", "_decode_merge_kernel"))
+    monkeypatch.setattr(kernel_decode, "interpreter_enabled", lambda: False)
+    monkeypatch.setattr(kernel_decode, "exact_fp8", lambda: False)
+    cache = lowbit_attn.QuantizedKVCache(1, 2, 4, 128, max_tokens=1024, page_size=64,
+                                         recipe=recipe, dtype=torch.float16, window=300)
+    kv = torch.randn(2, 4, 700, 128).half()
+    cache.append(0, kv, kv)
+    kernel_decode.attention(torch.randn(2, 32, 1, 128).half(), cache.layers[0], cache.recipe,
+                            scale=128 ** -0.5, softcap=30.0, sinks=torch.zeros(32))
+    for launch in launches:
+        r = aot.compile_launch(launch, arch)
+        assert r.error is None, r.error
+        assert r.spill_stores == 0 and r.spill_loads == 0, (r.kernel, r.registers, r.spill_stores)
+        if arch == "sm_90a" and "split" in r.kernel:
+            (body,) = sass.key_block_loops(sass.disassemble(r.cubin), mma="IMMA")
+            ops = [line.split()[0] for line in body]
+            assert not any(op.startswith("LDG.") for op in ops)
+            assert any(op.startswith("LDGSTS") for op in ops)

@@ -299,7 +299,8 @@ def _decode_merge_kernel(
     tl.store(LSE + o_row, lse)
 
 
-def split_launch(rows: int, block_d: int, open_mode: int) -> tuple[int, dict]:
+def split_launch(rows: int, block_d: int, open_mode: int,
+                 variant: bool = False) -> tuple[int, dict]:
     """The split kernel's tile: ``(BLOCK_R, launch options)`` for ``rows`` query rows per
     (sequence, KV head). Measured on sm_90a (2026-11-25, ptxas of Triton 3.6):
 
@@ -313,11 +314,12 @@ def split_launch(rows: int, block_d: int, open_mode: int) -> tuple[int, dict]:
       programs per SM instead of two (65536 registers, 128 threads each), so half as many more
       pages in flight. ptxas fits those in 168 without spilling on sm_90a, sm_89, sm_120a and
       sm_100a (205 uncapped on sm_90a, D = 128); 32 rows, D = 256 or the bf16 open page's two
-      products spill under the cap."""
+      products spill under the cap, and so does a ``variant`` (a local layer or a softcap:
+      8-88 B, 2026-11-28), which runs uncapped."""
     block_r = min(next_pow2(rows, 16), 32 if block_d <= 128 else 16)
     if open_mode == 3 or block_d > 128:
         return block_r, {"num_warps": 8}
-    if block_r == 16 and open_mode == 0:
+    if block_r == 16 and open_mode == 0 and not variant:
         return block_r, {"num_warps": 4, "maxnreg": 168}
     return block_r, {"num_warps": 4}
 
@@ -423,7 +425,8 @@ def launch(q: torch.Tensor, layer: PagedLayer, recipe: KVRecipe, *, scale: float
     q_strides = strides(q, 4)
     cap2, two_over = cap_args(softcap or 0.0)
     block_d = next_pow2(d, 32)  # INT8 MMA: k ≥ 32
-    block_r, options = split_launch(rows, block_d, open_mode)
+    block_r, options = split_launch(rows, block_d, open_mode,
+                                    variant=layer.local or softcap is not None)
     row_blocks = -(-rows // block_r)
     _decode_split_kernel[(bsz * row_blocks, hkv, into.splits)](
         Q=q, AQ=layer.q_amax, AK=layer.k_amax, KM=layer.k_mean, K=layer.k, KS=layer.k_scale,
