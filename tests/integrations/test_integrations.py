@@ -197,21 +197,37 @@ def test_transformers_attention_implementation_runs_the_recipe():
     assert lowbit_attn.errors(got, want).cosine > 0.9999
 
 
-def test_transformers_padding_mask_falls_back_to_the_exact_result():
+def test_transformers_left_padded_causal_mask_runs_as_packed_sequences():
+    """A decoder's mask for a left-padded batch (causal with padding) reaches the kernels as
+    packed sequences, no fallback: the real positions equal SDPA's with the exact recipe; a
+    right-padded one (not bottom-right) still falls back to the exact result, with one
+    warning."""
     transformers = pytest.importorskip("transformers", reason="the transformers extra is not installed")
     from lowbit_attn.integrations import transformers as lowbit_hf
 
     lowbit_hf.register()
+    lowbit_hf.register("lowbit_exact", recipe="exact")
     model = _tiny_llama(transformers)
     ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(2))
     mask = torch.ones(2, 24, dtype=torch.long)
     mask[0, :5] = 0
+    real = mask.bool()
     with torch.no_grad():
         model.set_attn_implementation("sdpa")
         want = model(ids, attention_mask=mask).logits
+        with _no_fallback():
+            model.set_attn_implementation("lowbit_exact")
+            exact = model(ids, attention_mask=mask).logits
+            model.set_attn_implementation("lowbit")
+            got = model(ids, attention_mask=mask).logits
+        torch.testing.assert_close(exact[real], want[real], rtol=1e-5, atol=1e-5)
+        assert lowbit_attn.errors(got[real], want[real]).cosine > 0.9999
+        right = mask.flip(1)
+        model.set_attn_implementation("sdpa")
+        want = model(ids, attention_mask=right).logits
         model.set_attn_implementation("lowbit")
         with pytest.warns(UserWarning, match="an attn_mask was given") as caught:
-            got = model(ids, attention_mask=mask).logits
+            got = model(ids, attention_mask=right).logits
     assert torch.equal(got, want) and len(caught) == 1
 
 
@@ -271,8 +287,14 @@ def test_transformers_registered_as_sdpa_falls_back_to_transformers_sdpa():
                 got = model(ids, output_attentions=True).logits
             q = torch.randn(2, 4, 8, 16)
             module = model.model.layers[0].self_attn
-            with pytest.raises(ValueError, match="`sdpa` attention does not support `softcap`"):
-                ALL_ATTENTION_FUNCTIONS["sdpa"](module, q, q[:, :2], q[:, :2], None, softcap=30.0)
+            # a softcap, which transformers' SDPA would refuse and Llama's eager would drop:
+            # the kernels' (or, without them, the definition's)
+            capped, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](module, q, q[:, :2], q[:, :2], None,
+                                                        softcap=3.0)
+            k = q[:, :2].repeat_interleave(2, dim=1)
+            s = 3.0 * torch.tanh(q @ k.transpose(-1, -2) / 4.0 / 3.0)
+            s = s.masked_fill(~torch.ones(8, 8, dtype=torch.bool).tril(), float("-inf"))
+            torch.testing.assert_close(capped, (s.softmax(-1) @ k).transpose(1, 2))
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
     assert torch.equal(got, want)
 

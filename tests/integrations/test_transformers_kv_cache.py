@@ -123,18 +123,19 @@ def test_reset_empties_the_cache_for_the_next_generation(model):
     assert torch.equal(first, again)
 
 
-@pytest.mark.parametrize("config, where", [
+@pytest.mark.parametrize("config, windows", [
     pytest.param(dict(cls="Qwen2Config", use_sliding_window=True, sliding_window=32,
-                      max_window_layers=1), r"layer 1 \('sliding_attention'\)", id="layer-types"),
-    pytest.param(dict(cls="MistralConfig", sliding_window=32), r"sliding_window=32", id="window"),
+                      max_window_layers=1), [None, 31], id="layer-types"),
+    pytest.param(dict(cls="MistralConfig", sliding_window=32), [31, 31], id="window"),
+    pytest.param(dict(cls="MistralConfig", sliding_window=None), [None, None], id="no-window"),
 ])
-def test_sliding_window_configs_are_refused_at_construction(config, where):
+def test_sliding_window_configs_give_sliding_layers(config, windows):
     config = dict(config)
     cfg = getattr(transformers, config.pop("cls"))(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, **config)
-    with pytest.raises(ValueError, match=where):
-        lowbit_hf.QuantizedCache(cfg, batch=1, max_tokens=64, dtype=torch.float32)
+    cache = lowbit_hf.QuantizedCache(cfg, batch=1, max_tokens=64, dtype=torch.float32)
+    assert [layer.window for layer in cache.store.layers] == windows
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])

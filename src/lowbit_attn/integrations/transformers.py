@@ -10,29 +10,45 @@
 The masks are built as for ``"sdpa"``, which leaves them out (``None``) when they are purely causal
 or all-ones, so those calls reach the kernels with ``is_causal``. A mask that only hides padded
 keys (an encoder's padded batch: every query of a row sees the same keys) is served too: the keys
-are packed and each row runs as one sequence of :func:`lowbit_attn.attention_varlen` (finding that
-out reads the mask on the host: a GPU synchronisation per layer, and a graph break under
-``torch.compile``). Calls the kernels cannot take (other masks, such as causal with padding or
-sliding windows, attention dropout while training, gradients, ``softcap``, attention weights asked
-for) run PyTorch's exact SDPA instead, with one warning per reason.
+are packed and each row runs as one sequence of :func:`lowbit_attn.attention_varlen`. So is a
+decoder's mask for a padded batch (causal with left padding, and a layer's sliding window or
+chunk): its real queries and the keys they see are packed, and the mask is checked to be exactly
+the layer's pattern over them (``transformers_cache.local_visible``). Reading a mask happens on
+the host: a GPU synchronisation per layer, and a graph break under ``torch.compile``.
+
+A layer's sliding window (``sliding_window``: Gemma 2/3, gpt-oss, Mistral), chunk (Llama 4's
+``chunked_attention`` layers), ``softcap`` (Gemma 2) and sinks (gpt-oss's ``s_aux``) are read
+from the call (``transformers_cache.call_options``) and given to the kernels
+(``attention(..., window=, chunk=, softcap=, sinks=)``) where they take them
+(:data:`LOCAL_KERNELS`). Calls the kernels cannot take (other masks, attention dropout while
+training, gradients, attention weights asked for) run an exact function instead, with one warning
+per reason: transformers' SDPA function, or, where the call has a softcap or sinks (which SDPA
+would drop or refuse), the model's own eager attention, so a fallback computes what the model
+defines.
 """
 
 from __future__ import annotations
 
+import inspect
+import sys
 from typing import TYPE_CHECKING
 
 import torch
 
 from lowbit_attn.core.recipes import Recipe, resolve
-from lowbit_attn.inference import attention_varlen
+from lowbit_attn.inference import attention, attention_varlen
 from lowbit_attn.integrations.sdpa import TORCH_SDPA, sdpa_or_fallback, warn_fallback
 
 if TYPE_CHECKING:  # at run time, imported by __getattr__ below
     from lowbit_attn.integrations.transformers_cache import QuantizedCache
 
 # Arguments some models pass that the kernels have no use for; when set, the model's call goes to
-# transformers' own SDPA function.
-_UNSERVED = ("softcap", "position_bias", "cache", "s_aux", "sinks")
+# an exact function (transformers' SDPA, or the model's eager attention).
+_UNSERVED = ("position_bias", "cache")
+# Whether the prefill kernels take a window, chunk, softcap and sinks (the public
+# attention(..., window=, chunk=, softcap=, sinks=)); without them such calls run exactly.
+LOCAL_KERNELS = all(name in inspect.signature(attention_varlen).parameters
+                    for name in ("window", "chunk", "softcap", "sinks"))
 
 
 def _transformers():
@@ -50,10 +66,11 @@ def attention_function(recipe: str | Recipe = "auto"):
     """The function transformers calls for each attention layer, running ``recipe``.
 
     Masks are built as for ``"sdpa"`` (left out when purely causal or all ones, so those calls
-    reach the kernels). A mask that hides padded keys only runs as packed sequences through
-    :func:`lowbit_attn.attention_varlen`; other masks (causal with padding, sliding windows),
-    dropout, gradients, ``softcap`` and attention weights run transformers' SDPA function with one
-    warning per reason.
+    reach the kernels). A mask that hides padded keys only, or a decoder's mask that is its
+    layer's pattern (causal, window or chunk) with left padding, runs as packed sequences through
+    :func:`lowbit_attn.attention_varlen`; other masks, dropout, gradients and attention weights
+    run an exact function with one warning per reason (transformers' SDPA function; the model's
+    eager attention where the call has a softcap or sinks).
 
     Args:
         recipe: the inference recipe, a name or a :class:`~lowbit_attn.Recipe`.
@@ -79,29 +96,58 @@ def attention_function(recipe: str | Recipe = "auto"):
     """
     resolve(recipe, None)
     _transformers()
-    # transformers' own SDPA function, taken from its module rather than from the registry by
-    # name: after register("sdpa") that name is this function, and a fallback would call itself.
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    from lowbit_attn.integrations.transformers_cache import PendingKV, attend
+    # fallbacks call transformers' own SDPA function, taken from its module rather than from the
+    # registry by name: after register("sdpa") that name is this function, and a fallback would
+    # call itself (exact_fallback)
+    from lowbit_attn.integrations.transformers_cache import PendingKV, attend, call_options
 
     def lowbit_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
                                  scaling=None, is_causal=None, **kwargs):
         if isinstance(key, PendingKV):  # a QuantizedCache step: its own path, never a fallback
             return attend(module, query, key, value, attention_mask, dropout=dropout,
                           scaling=scaling, **kwargs)
+        window, chunk, softcap, sinks = call_options(module, kwargs)
+
+        def fallback(reason):
+            warn_fallback(reason)
+            return exact_fallback(module, query, key, value, attention_mask, dropout, scaling,
+                                  is_causal, softcap, sinks, kwargs)
+
         unserved = [k for k in _UNSERVED if kwargs.get(k) is not None]
         if kwargs.get("output_attentions"):
             unserved.append("output_attentions")
         if unserved:
-            warn_fallback(f"the model passes {', '.join(unserved)}")
-            return sdpa_attention_forward(module, query, key, value, attention_mask,
-                                          dropout=dropout, scaling=scaling, is_causal=is_causal,
-                                          **kwargs)
+            return fallback(f"the model passes {', '.join(unserved)}")
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        training = dropout != 0.0 or (torch.is_grad_enabled()
+                                      and any(x.requires_grad for x in (query, key, value)))
+        local = [name for name, x in (("sliding window", window), ("chunk", chunk),
+                                      ("softcap", softcap), ("sinks", sinks)) if x is not None]
+        if local and (training or not causal):
+            return fallback(f"the model's {', '.join(local)} "
+                            f"{'while training or with dropout' if training else 'unmasked'}")
+        packed = None
+        if causal and isinstance(attention_mask, torch.Tensor) and not training:
+            packed = _decoder_packing(attention_mask, query, key, window, chunk)
+            if packed is None and local:
+                return fallback("a mask that is not the layer's causal pattern with left padding")
+            if packed is not None:
+                window, chunk = packed[2:]  # None where they cut nothing
+        elif local:  # no mask: causal (or one query), no padding; the window may cut nothing
+            window, chunk = _cutting(window, chunk, key.shape[2])
+        options = _kernel_options(window, chunk, softcap, sinks)
+        if options and not LOCAL_KERNELS:
+            return fallback(f"the model's {', '.join(options)} need the kernels' local attention "
+                            "options, which this build lacks")
+        if packed is not None:
+            return _packed(query, key, value, packed[:2], scaling, recipe, options)
+        if options:
+            out = attention(query, key, value, is_causal=bool(query.shape[2] > 1), scale=scaling,
+                            recipe=recipe, **options)
+            return out.transpose(1, 2).contiguous(), None
         keys = _key_padding(attention_mask, query, key, dropout)
         if keys is not None:
             return _key_padded(query, key, value, keys, scaling, recipe)
-        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         # as transformers' SDPA path: causal only for more than one query and no explicit mask
         causal = bool(query.shape[2] > 1 and attention_mask is None and causal)
         out = sdpa_or_fallback(query, key, value, attention_mask, dropout, causal, scaling,
@@ -109,6 +155,128 @@ def attention_function(recipe: str | Recipe = "auto"):
         return out.transpose(1, 2).contiguous(), None
 
     return lowbit_attention_forward
+
+
+def _kernel_options(window, chunk, softcap, sinks) -> dict:
+    """The keyword arguments of ``attention``/``attention_varlen`` for a layer's window (keys
+    back; causal, so nothing ahead), chunk, softcap and sinks; empty for plain attention."""
+    options = {}
+    if window is not None:
+        options["window"] = (window, 0)
+    if chunk is not None:
+        options["chunk"] = chunk
+    if softcap is not None:
+        options["softcap"] = float(softcap)
+    if sinks is not None:
+        options["sinks"] = sinks
+    return options
+
+
+def _cutting(window, chunk, keys: int):
+    """``(window, chunk)`` without those that cut nothing from ``keys`` keys in a row."""
+    return (None if window is None or keys - 1 <= window else window,
+            None if chunk is None or keys <= chunk else chunk)
+
+
+def _decoder_packing(mask, query, key, window, chunk):
+    """How a decoder's bool mask ``[B or 1, 1, Q, K]`` runs as packed sequences, or None when it
+    is not the layer's pattern over them: ``(real queries [B, Q], kept keys [B, K], window,
+    chunk)``, the last two None where they cut nothing from the kept keys. A query is
+    real where it sees its own key (``K - Q + i``: left padding sees nothing); the keys kept are
+    those some real query sees, which must run to the last key and the real queries to the last
+    query (bottom-right alignment), and every real query must see exactly the keys that the
+    causal pattern (with ``window``, ``chunk``: ``transformers_cache.local_visible``) gives in
+    the kept keys' own positions. Reads the mask on the host."""
+    from lowbit_attn.integrations.transformers_cache import local_visible
+
+    b, _, n_q, n_k = query.shape[0], None, query.shape[2], key.shape[2]
+    if (mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[0] not in (1, b)
+            or mask.shape[1] != 1 or mask.shape[2] != n_q or mask.shape[3] != n_k or n_k < n_q):
+        return None
+    mask = mask[:, 0].expand(b, -1, -1)
+    real = torch.diagonal(mask[:, :, n_k - n_q:], dim1=1, dim2=2)      # [B, Q]
+    kept = (mask & real[:, :, None]).any(dim=1)                        # [B, K]
+    lq, lk = real.sum(dim=1), kept.sum(dim=1)
+    cols = torch.arange(n_k, device=mask.device)
+    rows = torch.arange(n_q, device=mask.device)
+    if (not bool((lq > 0).all()) or not torch.equal(real, rows[None, :] >= n_q - lq[:, None])
+            or not torch.equal(kept, cols[None, :] >= n_k - lk[:, None])):
+        return None
+    pos = cols[None, :] - (n_k - lk)[:, None]                          # the kept keys' positions
+    want = kept[:, None, :] & local_visible(pos, pos[:, n_k - n_q:], window, chunk)
+    if bool(((mask != want) & real[:, :, None]).any()):
+        return None
+    return (real, kept, *_cutting(window, chunk, int(lk.max())))
+
+
+def _packed(query, key, value, packed, scaling, recipe, options):
+    """Attention of each row's real queries to its kept keys as packed sequences (causal,
+    bottom-right; ``options`` as :func:`_kernel_options`); the other queries give 0. Output
+    ``[B, Q, H, D]``."""
+    real, kept = packed
+    b, h, n_q, d = query.shape
+    q = query.transpose(1, 2)[real]                                    # [total_q, H, D]
+    k, v = (x.transpose(1, 2)[kept] for x in (key, value))             # [total_k, Hkv, D]
+    lq, lk = real.sum(dim=-1), kept.sum(dim=-1)
+    cu_q, cu_k = (torch.nn.functional.pad(x.cumsum(0), (1, 0)).to(torch.int32) for x in (lq, lk))
+    out = attention_varlen(q, k, v, cu_q, cu_k, int(lq.max()), int(lk.max()), is_causal=True,
+                           scale=scaling, recipe=recipe, check_seqlens=False, **options)
+    full = torch.zeros(b, n_q, h, d, dtype=out.dtype, device=out.device)
+    full[real] = out
+    return full, None
+
+
+def _exact(query, key, value, mask, scaling, softcap, sinks, dropout):
+    """Attention by its definition, in fp32: ``softcap·tanh(S/softcap)`` on the scaled scores,
+    the additive ``mask``, the sinks as one more logit of each row's denominator. Output
+    ``[B, Q, H, D]`` in query's dtype."""
+    group = query.shape[1] // key.shape[1]
+    k, v = (x.float().repeat_interleave(group, dim=1) for x in (key, value))
+    s = torch.matmul(query.float(), k.transpose(-1, -2)) * (
+        query.shape[-1] ** -0.5 if scaling is None else scaling)
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    if mask is not None:
+        s = s + mask[..., : k.shape[2]].float()
+    if sinks is not None:
+        sink = sinks.float().reshape(1, -1, 1, 1).expand(s.shape[0], -1, s.shape[2], 1)
+        s = torch.cat([s, sink], dim=-1)
+    p = torch.softmax(s, dim=-1)[..., : k.shape[2]]
+    p = torch.nn.functional.dropout(p, p=dropout, training=dropout > 0)
+    return torch.matmul(p, v).to(query.dtype).transpose(1, 2).contiguous()
+
+
+def exact_fallback(module, query, key, value, attention_mask, dropout, scaling, is_causal,
+                   softcap, sinks, kwargs):
+    """The exact attention a call falls back to: transformers' SDPA function, or with a softcap
+    or sinks (SDPA refuses the one and would drop the other) the eager attention of the model's
+    own module (``eager_attention_forward`` beside its class), given the mask in eager's additive
+    form (the causal one built here where the SDPA mask was left out); where that function would
+    not apply the softcap or sinks either (it takes no ``softcap``; the sinks are not the
+    module's ``sinks``), attention by its definition (``_exact``). Returns ``(output
+    [B, Q, H, D], weights or None)``."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if softcap is None and sinks is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    takes = eager is not None and (
+        (softcap is None or "softcap" in inspect.signature(eager).parameters)
+        and (sinks is None or getattr(module, "sinks", None) is sinks))
+    n_q, n_k = query.shape[2], key.shape[2]
+    mask = attention_mask
+    if mask is None and n_q > 1 and (is_causal if is_causal is not None
+                                     else getattr(module, "is_causal", True)):
+        rows = torch.arange(n_q, device=query.device)[:, None]
+        mask = torch.arange(n_k, device=query.device)[None, :] <= rows + (n_k - n_q)
+        mask = mask[None, None]
+    if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~mask, torch.finfo(query.dtype).min)
+    if not takes:  # the model's eager would not apply them either: the definitions, here
+        return _exact(query, key, value, mask, scaling, softcap, sinks, dropout), None
+    return eager(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
 def _key_padding(mask, query, key, dropout) -> torch.Tensor | None:

@@ -24,10 +24,15 @@ Two lengths are kept apart: ``get_seq_length()`` counts every position the model
 (padding included, as transformers counts them for positions and masks), while
 ``store.length(layer)`` counts the tokens stored per sequence (padding dropped).
 
-Served: causal self-attention layers (no sliding window), left-padded or unpadded batches, greedy
-and sampled decoding, prefill in one or several chunks. Refused with an error: sliding-window
-layers (at construction), a mask other than causal with left padding (right padding, packed or
-custom masks), attention weights asked for, dropout, gradients, beam search and cropping.
+Served: causal self-attention layers, full, sliding-window (Gemma 2/3, gpt-oss, Mistral: the
+config's ``layer_types`` and ``sliding_window``) or chunked (Llama 4's ``chunked_attention`` layers
+and ``attention_chunk_size``), each layer's kind read from the config; ``softcap`` (Gemma 2) and
+attention sinks (gpt-oss's ``s_aux``) from the call; left-padded or unpadded batches, greedy and
+sampled decoding, prefill in one or several chunks. A local layer keeps only its window's pages,
+and appends a long prefill in slices of ``max_append`` tokens (each slice stored, then its rows
+read), so its pages stay about its window. Refused with an error: a mask other than the layer's
+own pattern with left padding (right padding, packed or custom masks), attention weights asked
+for, dropout, gradients, beam search and cropping.
 """
 
 from __future__ import annotations
@@ -39,8 +44,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from lowbit_attn.kvcache import QuantizedKVCache, attention_with_kv_cache
 
-# Arguments some models pass that the cache path has no use for (as integrations.transformers).
-_UNSERVED = ("softcap", "position_bias", "s_aux", "sinks")
+# Arguments some models pass that the cache path has no use for.
+_UNSERVED = ("position_bias",)
 
 
 class PendingKV:
@@ -89,6 +94,7 @@ class QuantizedCacheLayer(CacheLayerMixin):
         super().__init__()
         self.store = store
         self.layer_idx = layer_idx
+        self.is_sliding = store.layers[layer_idx].local  # how transformers finds a local layer
         self.seen = 0              # positions seen, padding included
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.device = store.device
@@ -162,15 +168,33 @@ class QuantizedCacheLayer(CacheLayerMixin):
         self.batch_repeat_interleave(1)
 
 
-def _sliding_layers(config) -> list[str]:
-    """Which layers of ``config`` use a sliding window, as ``"layer i (type)"`` strings."""
+def local_layers(config, num_layers: int) -> tuple[list[int | None], list[int | None]]:
+    """Each layer's ``(window, chunk)`` from a transformers config, as
+    :class:`QuantizedKVCache` takes them: ``window = sliding_window - 1`` (transformers' key
+    ``j`` is seen from ``i`` iff ``i - sliding_window < j <= i``: ``sliding_window`` keys, the
+    query's own included) for a ``"sliding_attention"`` layer, or for every layer of a config
+    with ``sliding_window`` and no ``layer_types`` (Mistral); ``chunk = attention_chunk_size``
+    for a ``"chunked_attention"`` layer (Llama 4). Raises ``ValueError`` for a layer type the
+    cache does not serve."""
     types = getattr(config, "layer_types", None)
-    if types is not None:
-        return [f"layer {i} ({t!r})" for i, t in enumerate(types) if t != "full_attention"]
-    window = getattr(config, "sliding_window", None)
-    if window is not None and getattr(config, "use_sliding_window", True) is not False:
-        return [f"every layer (sliding_window={window})"]
-    return []
+    sliding = getattr(config, "sliding_window", None)
+    chunk = getattr(config, "attention_chunk_size", None)
+    windows: list[int | None] = [None] * num_layers
+    chunks: list[int | None] = [None] * num_layers
+    if types is None:
+        if sliding is not None and getattr(config, "use_sliding_window", True) is not False:
+            windows = [int(sliding) - 1] * num_layers
+        return windows, chunks
+    for i, kind in enumerate(types[:num_layers]):
+        if kind == "sliding_attention" and sliding is not None:
+            windows[i] = int(sliding) - 1
+        elif kind == "chunked_attention" and chunk is not None:
+            chunks[i] = int(chunk)
+        elif kind != "full_attention":
+            raise ValueError(f"config layer {i} is {kind!r}: lowbit_attn QuantizedCache serves "
+                             "full, sliding-window and chunked attention layers; use "
+                             "transformers' DynamicCache for this model")
+    return windows, chunks
 
 
 def _count(name: str, value) -> int:
@@ -204,13 +228,21 @@ class QuantizedCache(Cache):
         recipe: ``"kv_int8_fp8"`` or ``"kv_int8_int8"``, as for :class:`QuantizedKVCache`.
         dtype: the model's dtype (that of the K and V it produces).
         device: the model's device.
+        window: each layer's sliding window (keys back from the query, transformers'
+            ``sliding_window - 1``), as :class:`QuantizedKVCache` takes it; by default (with
+            ``chunk`` None too) read from the config (:func:`local_layers`).
+        chunk: each layer's chunk, likewise (Llama 4's chunked layers).
+        max_append: the most tokens a local layer stores at once: a longer prefill is stored
+            and read in slices of that many tokens, and a local layer's pool holds its window
+            and one slice (256 by default).
 
     Raises:
         ImportError: transformers is not installed.
         TypeError: as :class:`QuantizedKVCache` for ``batch``, ``max_tokens``, ``page_size``,
-            ``recipe`` and ``dtype``.
-        ValueError: a config with sliding-window layers (naming them); neither a config nor all
-            three dimensions; a size that is not a positive int; an unknown recipe.
+            ``recipe``, ``dtype``, ``window``, ``chunk`` and ``max_append``.
+        ValueError: a config with a layer type other than full, sliding or chunked attention;
+            neither a config nor all three dimensions; a size that is not a positive int; an
+            unknown recipe.
 
     Examples:
         >>> import torch
@@ -225,27 +257,25 @@ class QuantizedCache(Cache):
 
     def __init__(self, config=None, *, batch: int, max_tokens: int, num_layers: int | None = None,
                  kv_heads: int | None = None, head_dim: int | None = None, page_size: int = 64,
-                 recipe: str = "kv_int8_fp8", dtype: torch.dtype = torch.float16, device="cpu"):
+                 recipe: str = "kv_int8_fp8", dtype: torch.dtype = torch.float16, device="cpu",
+                 window=None, chunk=None, max_append: int = 256):
         if config is not None:
             if hasattr(config, "get_text_config"):
                 config = config.get_text_config(decoder=True)
-            sliding = _sliding_layers(config)
-            if sliding:
-                raise ValueError(
-                    f"config has sliding-window attention in {', '.join(sliding)}: lowbit_attn "
-                    "QuantizedCache serves full causal attention only; use transformers' "
-                    "DynamicCache for this model")
             heads = config.num_attention_heads
             num_layers = num_layers or config.num_hidden_layers
             kv_heads = kv_heads or getattr(config, "num_key_value_heads", None) or heads
             head_dim = head_dim or getattr(config, "head_dim", None) or config.hidden_size // heads
+            if window is None and chunk is None:
+                window, chunk = local_layers(config, _count("num_layers", num_layers))
         elif None in (num_layers, kv_heads, head_dim):
             raise ValueError("give QuantizedCache a model config, or num_layers, kv_heads and "
                              f"head_dim (got {num_layers}, {kv_heads}, {head_dim})")
         self.store = QuantizedKVCache(_count("num_layers", num_layers), batch,
                                       _count("kv_heads", kv_heads), _count("head_dim", head_dim),
                                       max_tokens=max_tokens, page_size=page_size, recipe=recipe,
-                                      dtype=dtype, device=device)
+                                      dtype=dtype, device=device, window=window, chunk=chunk,
+                                      max_append=max_append)
         super().__init__(layers=[QuantizedCacheLayer(self.store, i) for i in range(num_layers)])
 
     def __repr__(self) -> str:
@@ -261,10 +291,49 @@ def _refuse(reason: str):
     raise ValueError(f"lowbit_attn QuantizedCache: {reason}")
 
 
+def call_options(module, kwargs) -> tuple[int | None, int | None, float | None, object]:
+    """What a transformers attention call asks beyond causal attention, as ``(window, chunk,
+    softcap, sinks)``: the sliding window from the call's ``sliding_window`` (Gemma 2/3,
+    gpt-oss, Mistral; else the module's), as keys back (``sliding_window - 1``); the chunk of a
+    layer whose config type is ``"chunked_attention"`` (Llama 4 passes nothing:
+    ``config.attention_chunk_size``); ``softcap`` (Gemma 2); the sinks, ``s_aux`` (gpt-oss) or
+    ``sinks``."""
+    sliding = (kwargs["sliding_window"] if "sliding_window" in kwargs
+               else getattr(module, "sliding_window", None))
+    config = getattr(module, "config", None)
+    types = getattr(config, "layer_types", None)
+    idx = getattr(module, "layer_idx", None)
+    chunk = None
+    if types is not None and idx is not None and idx < len(types) \
+            and types[idx] == "chunked_attention":
+        chunk = getattr(config, "attention_chunk_size", None)
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        sinks = kwargs.get("sinks")
+    return (None if sliding is None else int(sliding) - 1, None if chunk is None else int(chunk),
+            kwargs.get("softcap"), sinks)
+
+
+def local_visible(pos: torch.Tensor, qpos: torch.Tensor, window: int | None,
+                  chunk: int | None) -> torch.Tensor:
+    """Bool ``[..., n, K]``: key position ``pos [..., K]`` seen from query position
+    ``qpos [..., n]`` in one sequence's own positions (padding left out): causal, within
+    ``window`` keys back, in the query's chunk."""
+    p, q = pos[..., None, :], qpos[..., :, None]
+    seen = p <= q
+    if window is not None:
+        seen = seen & (p >= q - window)
+    if chunk is not None:
+        seen = seen & (torch.div(p, chunk, rounding_mode="floor")
+                       == torch.div(q, chunk, rounding_mode="floor"))
+    return seen
+
+
 def _new_token_validity(mask, layer: QuantizedCacheLayer, n: int) -> torch.Tensor | None:
     """``valid [B, n]`` for the step's new tokens (None: all), read from the 4D bool mask ``mask``
-    ``[B or 1, 1, n, seen]``: a key hidden from the step's last query is padding. Refuses a mask
-    that is not causal with left padding, or that disagrees with the stored lengths."""
+    ``[B or 1, 1, n, seen]``: a new token is real where its query sees itself. Refuses a mask that
+    is not the layer's pattern (causal, and its window or chunk) with left padding over the
+    stored tokens and the real new ones."""
     store, seen = layer.store, layer.seen
     lengths = store.length(layer.layer_idx)
     if mask is None:  # transformers leaves out a purely causal mask: no padding anywhere
@@ -281,28 +350,30 @@ def _new_token_validity(mask, layer: QuantizedCacheLayer, n: int) -> torch.Tenso
                 f"implementation builds), got {getattr(mask, 'dtype', type(mask).__name__)} "
                 f"{tuple(getattr(mask, 'shape', ()))}")
     mask = mask[:, 0].expand(b, -1, -1)
-    keys = mask[:, -1]                                   # [B, seen]: the last query sees them all
-    valid = keys[:, seen - n:]
+    valid = torch.diagonal(mask[:, :, seen - n:], dim1=1, dim2=2)  # [B, n]: sees itself
     if bool((valid[:, :-1] & ~valid[:, 1:]).any()):
         _refuse("the new tokens are right-padded (a real token followed by padding); the cache "
                 "aligns queries bottom-right: pad on the left (tokenizer.padding_side = 'left')")
-    causal = torch.ones(n, seen, dtype=torch.bool, device=mask.device).tril(seen - n)
-    wrong = (mask != (keys[:, None, :] & causal)) & valid[:, :, None]
-    if bool(wrong.any()):
-        _refuse(f"layer {layer.layer_idx}'s mask is not causal with left padding (a sliding "
-                "window, packed sequences or a custom mask): the cache cannot serve it")
-    after = (lengths + valid.sum(dim=1).to(lengths.device)).tolist()
-    if after != keys.sum(dim=1).tolist():
-        _refuse(f"layer {layer.layer_idx}'s mask shows {keys.sum(dim=1).tolist()} visible keys per "
-                f"sequence, the cache would hold {after}: the mask does not match what was stored")
+    total = lengths.to(mask.device) + valid.sum(dim=1)  # real tokens after the step
+    pos = torch.arange(seen, device=mask.device)[None, :] - (seen - total)[:, None]  # own positions
+    stored = store.layers[layer.layer_idx]
+    want = (pos >= 0)[:, None, :] & local_visible(pos, pos[:, seen - n:], stored.window,
+                                                  stored.chunk)
+    if bool(((mask != want) & valid[:, :, None]).any()):
+        _refuse(f"layer {layer.layer_idx}'s mask is not its pattern (causal, window="
+                f"{stored.window}, chunk={stored.chunk}) over the {lengths.tolist()} stored "
+                "tokens and the new ones with left padding (packed sequences or a custom mask, or "
+                "the mask does not match what was stored): the cache cannot serve it")
     return None if bool(valid.all()) else valid.to(store.device)
 
 
 def attend(module, query: torch.Tensor, key: PendingKV, value: PendingKV, attention_mask,
            dropout: float = 0.0, scaling: float | None = None, **kwargs):
     """The attention function's path for a :class:`QuantizedCache` step: store the step's K and
-    V (padding dropped), then :func:`attention_with_kv_cache`. Returns ``(out [B, n, H, D],
-    None)``; raises ``ValueError`` for a call it cannot serve, with nothing stored."""
+    V (padding dropped), then :func:`attention_with_kv_cache`, with the call's softcap and
+    sinks; in a local layer a prefill longer than ``max_append`` in slices (each stored, then
+    its rows read). Returns ``(out [B, n, H, D], None)``; raises ``ValueError`` for a call it
+    cannot serve, with nothing stored."""
     layer = key.layer
     if not isinstance(value, PendingKV) or value.layer is not layer or layer.pending is None:
         _refuse("keys and values must be the pair cache.update() returned for this step")
@@ -311,8 +382,12 @@ def attend(module, query: torch.Tensor, key: PendingKV, value: PendingKV, attent
         unserved.append("output_attentions (no attention weights are formed)")
     if dropout:
         unserved.append(f"dropout={dropout} (call model.eval())")
-    if getattr(module, "sliding_window", None) is not None:
-        unserved.append(f"sliding_window={module.sliding_window}")
+    window, chunk, softcap, sinks = call_options(module, kwargs)
+    stored = layer.store.layers[layer.layer_idx]
+    if (window, chunk) != (stored.window, stored.chunk):
+        unserved.append(f"window={window}, chunk={chunk} (the cache's layer was built with "
+                        f"window={stored.window}, chunk={stored.chunk}: build QuantizedCache "
+                        "from the model's config)")
     if unserved:
         _refuse(f"layer {layer.layer_idx} cannot serve {', '.join(unserved)}")
     k, v = layer.pending
@@ -320,10 +395,19 @@ def attend(module, query: torch.Tensor, key: PendingKV, value: PendingKV, attent
     if query.shape[0] != k.shape[0] or query.shape[2] != n:
         _refuse(f"query {tuple(query.shape)} does not match the step's keys {tuple(k.shape)}")
     valid = _new_token_validity(attention_mask, layer, n)
-    layer.store.append(layer.layer_idx, k, v, valid=valid, q=query)  # q: frozen balancing
+    store, idx = layer.store, layer.layer_idx
+    step = store.max_append if stored.local else n
+    outs = []
+    for s0 in range(0, n, step):  # q: the first append's queries freeze the balancing
+        part = slice(s0, min(n, s0 + step))
+        store.append(idx, k[:, :, part], v[:, :, part],
+                     valid=None if valid is None else valid[:, part], q=query[:, :, part])
+        outs.append(attention_with_kv_cache(query[:, :, part], store, idx, scale=scaling,
+                                            softcap=softcap, sinks=sinks))
     layer.pending = None
-    out = attention_with_kv_cache(query, layer.store, layer.layer_idx, scale=scaling)
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2).contiguous(), None
 
 
-__all__ = ["PendingKV", "QuantizedCache", "QuantizedCacheLayer", "attend"]
+__all__ = ["PendingKV", "QuantizedCache", "QuantizedCacheLayer", "attend", "call_options",
+           "local_layers", "local_visible"]

@@ -17,7 +17,7 @@ import torch
 from lowbit_attn.core import checks, plans
 from lowbit_attn.core.arch import backend_for, graph_capturing
 from lowbit_attn.kvcache import planned
-from lowbit_attn.kvcache.pages import PagedLayer, StoredSequence, stored_sequence
+from lowbit_attn.kvcache.pages import PagedLayer, StoredSequence, reach, stored_sequence
 from lowbit_attn.kvcache.quantize import frozen_stats, quantize_keys, quantize_v_page
 from lowbit_attn.kvcache.recipes import get_kv_recipe
 
@@ -42,11 +42,23 @@ class QuantizedKVCache:
         dtype: the dtype of the K and V given to :meth:`append` (float16, bfloat16 or float32),
             which the open page keeps V in.
         device: where every tensor of the cache lives (a ``torch.device`` or its name).
+        window: sliding-window layers: an int ``w >= 0`` for every layer, or one entry per
+            layer (``None`` for a full layer). Query position ``p`` of such a layer sees keys
+            ``p - w`` to ``p`` (FlashAttention's ``window_size = (w, 0)``; transformers'
+            ``sliding_window = w + 1``), and the pages before a sequence's window go back to
+            the pool (``pages.py``).
+        chunk: chunked-attention layers (Llama 4's ``attention_chunk_size``), likewise: ``p``
+            sees keys ``j <= p`` with ``j // chunk == p // chunk``. A layer may have both.
+        max_append: the most tokens one append stores per sequence in a local (window or chunk)
+            layer, which sizes its pool: ``ceil((reach + max_append)/page_size) + 1`` pages per
+            sequence (``reach``: ``w``, or ``chunk - 1``), at most those of ``max_tokens``
+            (the default, ``max_tokens``: no smaller pool, pages reused all the same).
 
     Raises:
         TypeError: a size that is not an int; ``recipe`` not a str; ``dtype`` not float16,
-            bfloat16 or float32.
-        ValueError: a size below 1 or a head dim above 256; an unknown recipe name.
+            bfloat16 or float32; a window or chunk that is not an int or None.
+        ValueError: a size below 1 or a head dim above 256; an unknown recipe name; a window
+            below 0, a chunk below 1, or a list of them whose length is not ``num_layers``.
 
     Examples:
         >>> import torch, lowbit_attn
@@ -63,7 +75,8 @@ class QuantizedKVCache:
 
     def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, *,
                  max_tokens: int, page_size: int = 64, recipe: str = "kv_int8_fp8",
-                 dtype: torch.dtype = torch.float16, device="cpu"):
+                 dtype: torch.dtype = torch.float16, device="cpu", window=None, chunk=None,
+                 max_append: int | None = None):
         self.num_layers = checks.positive_int("num_layers", num_layers)
         self.batch = checks.positive_int("batch", batch)
         self.kv_heads = checks.positive_int("kv_heads", kv_heads)
@@ -82,18 +95,31 @@ class QuantizedKVCache:
         self.resets = 0  # how many times reset() ran: what a DecodeStep was built against
         self._workspaces: dict[int, torch.Tensor] = {}  # shared_workspace's, by size
         self.plans = plans.Table()  # the launch plans of eager reads and appends (planned.py)
-        self.layers = [
-            PagedLayer.allocate(self.batch, self.kv_heads, self.head_dim,
-                                max_pages_per_seq=self.max_pages_per_seq, page_size=self.page_size,
-                                v_dtype=self.recipe.v_dtype, dtype=dtype, device=self.device)
-            for _ in range(self.num_layers)
-        ]
+        windows = _per_layer("window", window, self.num_layers, least=0)
+        chunks = _per_layer("chunk", chunk, self.num_layers, least=1)
+        self.max_append = (self.max_tokens if max_append is None
+                           else checks.positive_int("max_append", max_append))
+        self.layers = []
+        for w, c in zip(windows, chunks):
+            back = reach(w, c)
+            pool = None  # a local layer's pool: its window's pages and one append's
+            if back is not None:
+                pool = min(self.max_pages_per_seq,
+                           -(-(back + self.max_append) // self.page_size) + 1)
+            self.layers.append(PagedLayer.allocate(
+                self.batch, self.kv_heads, self.head_dim, max_pages_per_seq=self.max_pages_per_seq,
+                page_size=self.page_size, v_dtype=self.recipe.v_dtype, dtype=dtype,
+                device=self.device, window=w, chunk=c, pool_pages_per_seq=pool))
 
     def __repr__(self) -> str:
+        local = ""
+        if any(layer.local for layer in self.layers):
+            local = (f", window={[layer.window for layer in self.layers]}, "
+                     f"chunk={[layer.chunk for layer in self.layers]}")
         return (f"QuantizedKVCache(num_layers={self.num_layers}, batch={self.batch}, "
                 f"kv_heads={self.kv_heads}, head_dim={self.head_dim}, max_tokens={self.max_tokens}, "
                 f"page_size={self.page_size}, recipe={self.recipe.name!r}, dtype={self.dtype}, "
-                f"device={str(self.device)!r})")
+                f"device={str(self.device)!r}{local})")
 
     def refuse_graph_capture(self, what: str) -> None:
         """A CUDA graph would replay a call with the host's state at capture: the pages an append
@@ -146,6 +172,7 @@ class QuantizedKVCache:
         if over:
             raise ValueError(f"tokens={tokens} more would pass max_tokens={self.max_tokens} for "
                              f"sequence {over[0]} (it holds {lengths[over[0]]}); nothing was reserved")
+        self._release(store, lengths)
         pages = sum(map(len, self._new_pages(store, lengths, [tokens] * self.batch)))
         if pages > len(store.free):
             raise ValueError(f"reserving {tokens} tokens needs {pages} pages, the layer's pool has "
@@ -184,8 +211,15 @@ class QuantizedKVCache:
         """
         return self.layers[self.layer_index(layer)].lengths.clone()
 
+    def held_pages(self, layer: int) -> list[int]:
+        """Pages each sequence of ``layer`` holds now (a local layer gave back those before its
+        window; reserved pages count)."""
+        store = self.store(layer)
+        return [p - f for p, f in zip(store.host_pages, store.host_first)]
+
     def sequence(self, layer: int, b: int) -> StoredSequence:
-        """Sequence ``b``'s stored tokens in ``layer``, in order (views into the pool)."""
+        """Sequence ``b``'s stored tokens in ``layer``, in order (views into the pool; in a local
+        layer from its first held page on, ``held_pages``)."""
         if isinstance(b, bool) or not isinstance(b, numbers.Integral) or not 0 <= b < self.batch:
             raise ValueError(f"b must be an int in [0, {self.batch}), got {checks.shown(b)}")
         return stored_sequence(self.layers[self.layer_index(layer)], int(b))
@@ -239,6 +273,7 @@ class QuantizedKVCache:
             return
         self.refuse_graph_capture("QuantizedKVCache.append")
         store = self.store(layer)
+        self._release(store, store.host_lengths)  # before the checks: the pool they count
         counts = self._check_append(store, k, v, valid, q)
         lengths = list(store.host_lengths)
         n = k.shape[2]
@@ -285,6 +320,7 @@ class QuantizedKVCache:
         after = [length + n for length in lengths]
         if min(lengths) == 0 or max(after) > self.max_tokens:
             return False
+        self._release(store, lengths)
         if any(a > p * self.page_size for a, p in zip(after, store.host_pages)):
             counts = [n] * self.batch
             if sum(map(len, self._new_pages(store, lengths, counts))) > len(store.free):
@@ -300,6 +336,25 @@ class QuantizedKVCache:
         size = self.page_size
         return [range(store.host_pages[b], -(-(lengths[b] + counts[b]) // size))
                 for b in range(self.batch)]
+
+    def _release(self, store: PagedLayer, lengths: list[int]) -> None:
+        """A local layer's pages that no query from ``lengths[b]`` on can see, back to the pool
+        (their block-table entries -1, in one copy); nothing in a full layer."""
+        if not store.local:
+            return
+        size = self.page_size
+        rows, cols, ids = [], [], []
+        for b, length in enumerate(lengths):
+            first = max(store.host_first[b], store.first_key(length) // size)
+            for page_no in range(store.host_first[b], first):
+                rows.append(b)
+                cols.append(page_no)
+            store.host_first[b] = first
+        if rows:
+            where = torch.tensor([rows, cols], dtype=torch.int64).to(self.device, non_blocking=True)
+            ids = store.block_table[where[0], where[1]].tolist()
+            store.block_table[where[0], where[1]] = -1
+            store.free.give(ids)
 
     def _tokens(self, valid: torch.Tensor | None, b: int, n: int) -> torch.Tensor:
         """The indices of sequence ``b``'s stored tokens among the append's ``n``."""
@@ -397,3 +452,21 @@ class QuantizedKVCache:
             raise ValueError(f"the append needs {pages} pages, layer's pool has {len(store.free)} "
                              "free; nothing was stored")
         return counts
+
+
+def _per_layer(name: str, value, num_layers: int, *, least: int) -> list[int | None]:
+    """A window or chunk argument as one entry per layer (int or None), checked."""
+    values = [value] * num_layers if value is None or isinstance(value, numbers.Integral) else value
+    try:
+        values = list(values)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, None or one of those per layer, got "
+                        f"{checks.shown(value)}") from None
+    if len(values) != num_layers:
+        raise ValueError(f"{name} must have one entry per layer ({num_layers}), got {len(values)}")
+    for x in values:
+        if x is not None and (isinstance(x, bool) or not isinstance(x, numbers.Integral)):
+            raise TypeError(f"{name} entries must be ints or None, got {checks.shown(x)}")
+        if x is not None and x < least:
+            raise ValueError(f"{name} entries must be at least {least}, got {x}")
+    return [None if x is None else int(x) for x in values]

@@ -6,6 +6,9 @@ twice replays its launches (``kvcache/planned.py``)."""
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 from lowbit_attn.core import checks, plans
@@ -16,7 +19,8 @@ from lowbit_attn.kvcache.naive import attention_with_kv_cache_naive
 
 
 def attention_with_kv_cache(q: torch.Tensor, cache: QuantizedKVCache, layer: int, *,
-                            scale: float | None = None, return_lse: bool = False):
+                            scale: float | None = None, return_lse: bool = False,
+                            softcap: float | None = None, sinks: torch.Tensor | None = None):
     """Attention of new queries against the tokens stored in one layer of a
     :class:`QuantizedKVCache` (append the step's K and V first: a query sees its own token).
 
@@ -36,6 +40,11 @@ def attention_with_kv_cache(q: torch.Tensor, cache: QuantizedKVCache, layer: int
         layer: which of its layers, an int in ``[0, num_layers)``.
         scale: softmax scale, ``D ** -0.5`` by default.
         return_lse: also return the natural-log log-sum-exp of each row's scores.
+        softcap: a positive float ``c``: the scaled scores become ``c·tanh(S/c)`` before the
+            softmax (Gemma 2), or None.
+        sinks: ``[Hq]`` float, or None: one more logit per query head in each row's softmax
+            denominator, contributing no value (gpt-oss's ``s_aux``); the LSE counts it, and a
+            row that sees no key gives 0 and LSE ``sink``.
 
     Returns:
         The output ``[B, Hq, n, D]`` in q's dtype, or with ``return_lse`` a tuple of the output
@@ -44,8 +53,10 @@ def attention_with_kv_cache(q: torch.Tensor, cache: QuantizedKVCache, layer: int
     Raises:
         TypeError: ``cache`` is not a :class:`QuantizedKVCache`; ``layer`` is not an int; q is not
             a 4-D float tensor in the cache's dtype; ``return_lse`` is not a bool; ``scale`` is
-            not a real number.
-        ValueError: ``layer`` out of range; q on another device, of another batch size or head
+            not a real number; ``softcap`` not a real number, ``sinks`` not a float tensor.
+        ValueError: ``softcap`` not positive and finite; ``sinks`` not of shape ``[Hq]`` on q's
+            device; in a local layer, rows whose window reaches keys already given back (more
+            rows than the last append's tokens); ``layer`` out of range; q on another device, of another batch size or head
             dim, or with a head count that is not a multiple of ``kv_heads``; ``scale`` not
             positive and finite; q requires grad while autograd is on.
         RuntimeError: under CUDA graph capture (the grid follows the host's lengths; use
@@ -68,7 +79,7 @@ def attention_with_kv_cache(q: torch.Tensor, cache: QuantizedKVCache, layer: int
     """
     if not isinstance(cache, QuantizedKVCache):
         raise TypeError(f"cache must be a QuantizedKVCache, got {type(cache).__name__}")
-    plan_key = planned.read_key(q, cache, layer, scale, return_lse)
+    plan_key = planned.read_key(q, cache, layer, scale, return_lse, softcap, sinks)
     if plan_key is not None:
         found = cache.plans.replay(plan_key, (q, *cache.layers[layer].launch_inputs))
         if found is not plans.MISSING:
@@ -90,21 +101,65 @@ def attention_with_kv_cache(q: torch.Tensor, cache: QuantizedKVCache, layer: int
     return_lse = checks.flag("return_lse", return_lse)
     sm_scale = checks.softmax_scale(scale, d)
     checks.forward_only(q)
+    softcap = check_softcap(softcap)
+    sinks = check_sinks(sinks, q)
+    if store.local:
+        _check_window(store, n)
     if n == 0:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty((b, hq, 0), dtype=torch.float32, device=q.device)
         return (out, lse) if return_lse else out
     backend = backend_for(q.device)
     if backend != "triton":
-        out, lse = attention_with_kv_cache_naive(q, store, cache.recipe, scale=sm_scale)
+        out, lse = attention_with_kv_cache_naive(q, store, cache.recipe, scale=sm_scale,
+                                                 softcap=softcap, sinks=sinks)
         out = out.to(q.dtype)
         return (out, lse) if return_lse else out
     from lowbit_attn.kvcache import kernel_decode  # Triton only where it runs
 
     def read():
-        out, lse = kernel_decode.attention(q, store, cache.recipe, scale=sm_scale)
+        out, lse = kernel_decode.attention(q, store, cache.recipe, scale=sm_scale,
+                                           softcap=softcap, sinks=sinks)
         return (out, lse) if return_lse else out
 
     if plan_key is None:
         return read()
     return cache.plans.call(plan_key, read, (q, *store.launch_inputs), backend)
+
+
+def check_softcap(softcap) -> float | None:
+    """``softcap`` checked: None, or a positive finite float."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a float or None, got {checks.shown(softcap)}")
+    value = float(softcap)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"softcap must be a positive finite number, got {checks.shown(softcap)}")
+    return value
+
+
+def check_sinks(sinks, q: torch.Tensor) -> torch.Tensor | None:
+    """``sinks`` checked against ``q [B, Hq, n, D]``: None, or fp32 contiguous ``[Hq]``."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
+        raise TypeError(f"sinks must be a float tensor [Hq] or None, got "
+                        f"{getattr(sinks, 'dtype', type(sinks).__name__)}")
+    if tuple(sinks.shape) != (q.shape[1],) or sinks.device != q.device:
+        raise ValueError(f"sinks must have shape [Hq={q.shape[1]}] on {q.device}, got "
+                         f"{tuple(sinks.shape)} on {sinks.device}")
+    checks.forward_only(sinks)
+    return sinks.detach().to(torch.float32).contiguous()
+
+
+def _check_window(store, n: int) -> None:
+    """A local layer's ``n`` rows (the last ``n`` positions of each sequence) must see no key
+    before the sequence's first held page: those were given back when it grew past them."""
+    size = store.page_size
+    for b, length in enumerate(store.host_lengths):
+        if length and store.first_key(max(length - n, 0)) < store.host_first[b] * size:
+            raise ValueError(
+                f"the cache's layer keeps only its window (window={store.window}, "
+                f"chunk={store.chunk}): n={n} query rows of sequence {b} reach tokens it gave "
+                "back; read at most the tokens of the last append")

@@ -34,8 +34,9 @@ import triton.language as tl
 from lowbit_attn.core.arch import interpreter_enabled
 from lowbit_attn.core.operands import LOG2E
 from lowbit_attn.core.triton_helpers import (
-    LN2, exact_fp8, next_pow2, online_max, p_offset, strides, to_e4m3,
+    LN2, exact_fp8, next_pow2, online_max, p_offset, softcap_scores, strides, to_e4m3,
 )
+from lowbit_attn.core.variants import cap_args
 from lowbit_attn.kvcache.pages import PagedLayer
 from lowbit_attn.kvcache.recipes import KVRecipe
 from lowbit_attn.quant.tile import balance_multiplier, int8_lines
@@ -51,6 +52,9 @@ MERGE_SPLITS = 32
 # so the pipeliner splits the stages between the two: with 5, the page ids run ahead of K and V,
 # which run two pages ahead (sm_90a SASS: ``DEPBAR.LE SB0, 0x5``; with 3 or 4, one: NOTES §13b).
 STAGES = 5
+# Unbounded LEFT or CHUNK of a local layer (positions stay below 2^31 - 2^30)
+UNBOUNDED = 1 << 30
+LOG2E_C = tl.constexpr(LOG2E)
 
 
 @triton.jit
@@ -63,13 +67,23 @@ def _quantize_rows(x, qk_multiplier):
 
 
 @triton.jit
-def _page_scores(q8, qs, kt, ks, cols, seen, limit, m_i, l_i, offset):
-    """One page's scores ``S = ((Q̂·K̂ᵀ)·s_k)·s_q`` (the twin's order), masked where a key is not
-    stored (``seen``) or lies after a row's last key (``limit``), and the online softmax's step:
-    returns ``(P̃ unrounded, m_new, alpha, l_new)``."""
+def _page_scores(q8, qs, kt, ks, cols, seen, limit, first, shift, cap2, two_over, m_i, l_i,
+                 offset, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr):
+    """One page's scores ``S = ((Q̂·K̂ᵀ)·s_k)·s_q`` (the twin's order), with ``SOFTCAP``
+    soft-capped on the true logits (``triton_helpers.softcap_scores``: ``shift`` is what K's
+    smoothing took off each row, added back inside the tanh and taken off again after, so the
+    scores stay in the smoothed frame), masked where a key is not stored
+    (``seen``), lies after a row's last key (``limit``) or, with ``LOCAL``, before its first
+    (``first``); and the online softmax's step: returns ``(P̃ unrounded, m_new, alpha,
+    l_new)``."""
     s_int = tl.dot(q8, kt, out_dtype=tl.int32)
     s = (s_int.to(tl.float32) * ks[None, :]) * qs[:, None]
-    s = tl.where(seen[None, :] & (cols[None, :] <= limit[:, None]), s, float("-inf"))
+    if SOFTCAP:
+        s = softcap_scores(s, cap2, two_over, shift)
+    visible = seen[None, :] & (cols[None, :] <= limit[:, None])
+    if LOCAL:
+        visible = visible & (cols[None, :] >= first[:, None])
+    s = tl.where(visible, s, float("-inf"))
     m_new, m_safe, alpha = online_max(m_i, tl.max(s, axis=1))
     p = tl.exp2(s - (m_safe - offset)[:, None])
     return p, m_new, alpha, l_i * alpha + tl.sum(p, axis=1)
@@ -77,10 +91,12 @@ def _page_scores(q8, qs, kt, ks, cols, seen, limit, m_i, l_i, offset):
 
 @triton.jit
 def _decode_split_kernel(
-    Q, AQ, AK, K, KS, V, VS, VO, BT, LEN, WACC, WM, WL,
-    q_strides, qk_multiplier, N, GROUP, HKV, MAX_PAGES, pages_per_split, ADDED, ROW_BLOCKS,
+    Q, AQ, AK, KM, K, KS, V, VS, VO, BT, LEN, WACC, WM, WL,
+    q_strides, qk_multiplier, cap2, two_over, LEFT, CHUNK, N, GROUP, HKV, MAX_PAGES,
+    pages_per_split, ADDED, ROW_BLOCKS,
     D: tl.constexpr, PAGE: tl.constexpr, PV_FP8: tl.constexpr, EXACT_FP8: tl.constexpr,
     OPEN_MODE: tl.constexpr, EMU_FP32: tl.constexpr, STAGES: tl.constexpr,
+    LOCAL: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """``Q`` (batch, head, token, dim) with ``q_strides``; contiguous: the statistics ``AQ``,
@@ -89,7 +105,12 @@ def _decode_split_kernel(
     ``BT`` ``[B, MAX_PAGES]``; the workspace ``WACC`` ``[B, HKV, splits, GROUP·N, D]``, ``WM`` and
     ``WL`` ``[B, HKV, splits, GROUP·N]``. ``ADDED``: tokens stored since ``LEN`` was last
     advanced (a decode step's, ``kvcache/step.py``; 0 otherwise). Axis 0 of the grid: sequence
-    × ``ROW_BLOCKS`` blocks of ``BLOCK_R`` rows (more than one for long query chunks)."""
+    × ``ROW_BLOCKS`` blocks of ``BLOCK_R`` rows (more than one for long query chunks).
+    ``LOCAL`` (a window or chunked layer): row ``r`` sees keys from ``max(p - LEFT, p - p % CHUNK)``
+    (``p`` its position; ``LEFT``, ``CHUNK`` 2^30 where unbounded) and the splits start at the
+    block's first such page, so a read covers the window, never the whole sequence. ``SOFTCAP``:
+    ``(cap2, two_over) = (softcap·log2 e, 2/softcap)``, the scores capped on the true logits
+    (``KM``: μ, whose shift ``scale·log2 e·(q·μ)`` comes back inside the tanh)."""
     sqb, sqh, sqn, sqd = q_strides
     b = (tl.program_id(0) // ROW_BLOCKS).to(tl.int64)
     row_block = tl.program_id(0) % ROW_BLOCKS
@@ -109,14 +130,20 @@ def _decode_split_kernel(
     # a replayed step past its reserved pages reads within the block table (its output: NaN)
     length = tl.minimum(tl.load(LEN + b).to(tl.int32) + ADDED, MAX_PAGES * PAGE)
     pages = tl.cdiv(length, PAGE)
-    first = split * pages_per_split  # past the sequence's pages: an empty split
+    limit = length - N + token  # row r sees keys j <= limit
+    if LOCAL:  # and j >= first_key: the splits start at the block's first page of keys
+        first_key = tl.maximum(limit - LEFT, limit - limit % CHUNK)
+        start_page = tl.min(tl.where(rmask, first_key, MAX_PAGES * PAGE), axis=0) // PAGE
+        first = start_page + split * pages_per_split
+    else:
+        first_key = limit
+        first = split * pages_per_split  # past the sequence's pages: an empty split
     # and no page past the block's last visible key (a long query chunk is causal): those would
     # only add masked scores, exact zeros
     seen_pages = tl.cdiv(length - N + tl.max(tl.where(rmask, token, 0), axis=0) + 1, PAGE)
     last = tl.minimum(tl.minimum(first + pages_per_split, pages), seen_pages)
     full_pages = length // PAGE
     full_last = tl.minimum(last, full_pages)
-    limit = length - N + token  # row r sees keys j <= limit
 
     x = tl.load(Q + b * sqb + head[:, None] * sqh + token[:, None] * sqn + offs_d[None, :] * sqd,
                 mask=rmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
@@ -124,6 +151,10 @@ def _decode_split_kernel(
                                  ROLE=1, BLOCK_D=BLOCK_D)  # statistics per KV head: a group of 1
     q8, qs = _quantize_rows(x * balance[None, :], qk_multiplier)
     offset = p_offset(PV_FP8)
+    shift = tl.zeros([BLOCK_R], dtype=tl.float32)
+    if SOFTCAP:  # scale·log2 e·(q·μ): what K's smoothing took off each row's scores
+        mu = tl.load(KM + (b * HKV + hk) * D + offs_d, mask=dmask, other=0.0)
+        shift = tl.sum(x * mu[None, :], axis=1) * qk_multiplier
 
     # [page, HKV, PAGE, D] pools: page p's head hk starts at (p·HKV + hk)·PAGE·D
     tile = offs_p[:, None] * D + offs_d[None, :]
@@ -141,7 +172,8 @@ def _decode_split_kernel(
         vq = tl.load(V + page * (HKV * PAGE * D) + kv_head + tile, mask=tile_mask, other=0.0)
         vs = tl.load(VS + (page * HKV + hk) * D + offs_d, mask=dmask, other=0.0)
         p, m_i, alpha, l_i = _page_scores(q8, qs, kt, ks, page_no * PAGE + offs_p, pmask, limit,
-                                          m_i, l_i, offset)
+                                          first_key, shift, cap2, two_over, m_i, l_i, offset, LOCAL,
+                                          SOFTCAP)
         if PV_FP8:
             p8 = to_e4m3(p, EXACT_FP8)
             if EMU_FP32:
@@ -165,7 +197,8 @@ def _decode_split_kernel(
         ks = tl.load(KS + (page * HKV + hk) * PAGE + offs_p, mask=seen, other=0.0)
         vo = tl.load(VO + (b * HKV + hk) * PAGE * D + tile, mask=seen[:, None] & dmask[None, :],
                      other=0.0)
-        p, m_i, alpha, l_i = _page_scores(q8, qs, kt, ks, cols, seen, limit, m_i, l_i, offset)
+        p, m_i, alpha, l_i = _page_scores(q8, qs, kt, ks, cols, seen, limit, first_key, shift,
+                                          cap2, two_over, m_i, l_i, offset, LOCAL, SOFTCAP)
         if PV_FP8:  # P̃ rounded as on every page
             pr = to_e4m3(p, EXACT_FP8).to(tl.float32)
         else:
@@ -191,7 +224,7 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    Q, KM, WACC, WM, WL, O, LSE, LEN, ERR,
+    Q, KM, SINK, WACC, WM, WL, O, LSE, LEN, ERR,
     q_strides, softmax_scale, N, GROUP, HKV, SPLITS, ADDED,
     D: tl.constexpr, PV_FP8: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -202,7 +235,10 @@ def _decode_merge_kernel(
     ``[B, HKV, D]``, ``O`` ``[B, HKV·GROUP, N, D]``, ``LSE`` ``[B, HKV·GROUP, N]``, the workspace
     as in ``_decode_split_kernel``. A decode step (``ERR`` not None, ``kvcache/step.py``): the
     rows of a sequence whose token found no page (``ERR[b]``) give NaN, and the others' lengths
-    advance by ``ADDED`` here, after every split has read them."""
+    advance by ``ADDED`` here, after every split has read them. ``SINK`` (fp32 ``[HKV·GROUP]``,
+    or None): one more logit per row in the denominator, with no value, in the splits' frame
+    (``sink·log2 e`` less the row's smoothing shift); it counts in the LSE, and a row that saw
+    no key gives 0 and LSE ``sink``."""
     sqb, sqh, sqn, sqd = q_strides
     r = tl.program_id(0)
     hk = tl.program_id(1).to(tl.int64)
@@ -234,6 +270,18 @@ def _decode_merge_kernel(
         acc = acc * alpha + tl.sum(part * factor[:, None], axis=0)
         m = m_new
     empty = l_sum == 0.0
+    x = tl.load(Q + b * sqb + head * sqh + token * sqn + offs_d * sqd, mask=dmask,
+                other=0.0).to(tl.float32)
+    mu = tl.load(KM + (b * HKV + hk) * D + offs_d, mask=dmask, other=0.0)
+    shift = tl.sum(x * mu, axis=0) * softmax_scale
+    if SINK is not None:
+        shift = tl.where(empty, 0.0, shift)  # μ is unset for empty sequences
+        z = tl.load(SINK + head) * LOG2E_C - shift * LOG2E_C
+        m_new = tl.maximum(m, z)
+        alpha = tl.exp2(m - m_new)
+        l_sum = l_sum * alpha + tl.exp2(z - m_new + offset)
+        acc = acc * alpha
+        m = m_new
     out = tl.where(empty, 0.0, acc / tl.where(empty, 1.0, l_sum))
     if ERR is not None:
         err = tl.load(ERR + b)
@@ -241,12 +289,9 @@ def _decode_merge_kernel(
     o_row = (b * HKV * GROUP + head) * N + token
     tl.store(O + o_row * D + offs_d, out.to(O.dtype.element_ty), mask=dmask)
 
-    x = tl.load(Q + b * sqb + head * sqh + token * sqn + offs_d * sqd, mask=dmask,
-                other=0.0).to(tl.float32)
-    mu = tl.load(KM + (b * HKV + hk) * D + offs_d, mask=dmask, other=0.0)
-    shift = tl.sum(x * mu, axis=0) * softmax_scale
     lse = (m + tl.log2(l_sum) - offset) * LN2 + shift
-    lse = tl.where(empty, float("-inf"), lse)  # μ is unset for empty sequences
+    if SINK is None:
+        lse = tl.where(empty, float("-inf"), lse)  # μ is unset for empty sequences
     if ERR is not None:
         lse = tl.where(err != 0, float("nan"), lse)
         if (hk == 0) & (r == 0) & (err == 0):
@@ -254,7 +299,8 @@ def _decode_merge_kernel(
     tl.store(LSE + o_row, lse)
 
 
-def split_launch(rows: int, block_d: int, open_mode: int) -> tuple[int, dict]:
+def split_launch(rows: int, block_d: int, open_mode: int,
+                 variant: bool = False) -> tuple[int, dict]:
     """The split kernel's tile: ``(BLOCK_R, launch options)`` for ``rows`` query rows per
     (sequence, KV head). Measured on sm_90a (2026-11-25, ptxas of Triton 3.6):
 
@@ -268,11 +314,12 @@ def split_launch(rows: int, block_d: int, open_mode: int) -> tuple[int, dict]:
       programs per SM instead of two (65536 registers, 128 threads each), so half as many more
       pages in flight. ptxas fits those in 168 without spilling on sm_90a, sm_89, sm_120a and
       sm_100a (205 uncapped on sm_90a, D = 128); 32 rows, D = 256 or the bf16 open page's two
-      products spill under the cap."""
+      products spill under the cap, and so does a ``variant`` (a local layer or a softcap:
+      8-88 B, 2026-11-28), which runs uncapped."""
     block_r = min(next_pow2(rows, 16), 32 if block_d <= 128 else 16)
     if open_mode == 3 or block_d > 128:
         return block_r, {"num_warps": 8}
-    if block_r == 16 and open_mode == 0:
+    if block_r == 16 and open_mode == 0 and not variant:
         return block_r, {"num_warps": 4, "maxnreg": 168}
     return block_r, {"num_warps": 4}
 
@@ -320,34 +367,47 @@ def splits_for(tokens: int, page_size: int, pages_per_split: int) -> int:
     return max(1, -(-(-(-tokens // page_size)) // pages_per_split))
 
 
-def splits_of(layer: PagedLayer, pages_per_split: int | None = None) -> int:
-    """Splits of a read of ``layer`` now: enough for its longest sequence (the host mirror)."""
+def splits_of(layer: PagedLayer, pages_per_split: int | None = None, n: int = 1,
+              longest: int | None = None) -> int:
+    """Splits of a read of ``n`` query tokens of ``layer``: enough for its longest sequence
+    (``longest``, by default the host mirror's now); in a local layer, for the pages that the
+    rows' keys can touch (its reach and the ``n`` rows, one page more for where they start)."""
     if pages_per_split is None:
         pages_per_split = pages_per_split_for(layer.page_size)
-    return splits_for(max(layer.host_lengths), layer.page_size, pages_per_split)
+    tokens = max(layer.host_lengths) if longest is None else longest
+    back = layer.reach()
+    if back is not None:
+        tokens = min(tokens, back + n + layer.page_size)
+    return splits_for(tokens, layer.page_size, pages_per_split)
 
 
 def attention(q: torch.Tensor, layer: PagedLayer, recipe: KVRecipe, *, scale: float,
+              softcap: float | None = None, sinks: torch.Tensor | None = None,
               pages_per_split: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q [B, Hq, n, D]`` (``n ≥ 1``) against one layer of the cache, the twin's
     arguments (``kvcache.naive.attention_with_kv_cache_naive``) plus ``pages_per_split``
     (default: :func:`pages_per_split_for` the page size): split ``s`` of a sequence covers its
-    pages ``s·pages_per_split`` onwards, so the result of a sequence does not depend on the
-    batch. Returns ``(out [B, Hq, n, D] in q's dtype, lse fp32 [B, Hq, n])``."""
+    pages ``s·pages_per_split`` onwards (from its window's first page in a local layer), so the
+    result of a sequence does not depend on the batch. Returns ``(out [B, Hq, n, D] in q's
+    dtype, lse fp32 [B, Hq, n])``."""
     if pages_per_split is None:
         pages_per_split = pages_per_split_for(layer.page_size)
-    splits = splits_of(layer, pages_per_split)  # the grid, from the host mirror: no sync
+    splits = splits_of(layer, pages_per_split, q.shape[2])  # the grid, from the host: no sync
     found = buffers(q.shape, q.dtype, q.device, layer.k.shape[1], splits)
-    launch(q, layer, recipe, scale=scale, pages_per_split=pages_per_split, into=found)
+    launch(q, layer, recipe, scale=scale, softcap=softcap, sinks=sinks,
+           pages_per_split=pages_per_split, into=found)
     return found.out, found.lse
 
 
 def launch(q: torch.Tensor, layer: PagedLayer, recipe: KVRecipe, *, scale: float,
-           pages_per_split: int, into: Buffers, added: int = 0, replayable: bool = False) -> None:
+           pages_per_split: int, into: Buffers, added: int = 0, replayable: bool = False,
+           softcap: float | None = None, sinks: torch.Tensor | None = None) -> None:
     """The split and merge launches of :func:`attention`, writing ``into``'s tensors. A decode
     step's (``replayable``, ``kvcache/step.py``): the last ``added`` tokens were just stored
     and ``layer.lengths`` does not count them yet; the merge advances it, and a sequence whose
-    append overflowed (``layer.overflow``) gets NaN rows."""
+    append overflowed (``layer.overflow``) gets NaN rows. ``softcap`` (a positive float) and
+    ``sinks`` (fp32 contiguous ``[Hq]``) are compile-time options of the kernels (the split
+    kernel's ``SOFTCAP``, the merge's ``SINK`` None or not): off, their code is not there."""
     bsz, hq, n, d = q.shape
     hkv = layer.k.shape[1]
     group = hq // hkv
@@ -363,22 +423,27 @@ def launch(q: torch.Tensor, layer: PagedLayer, recipe: KVRecipe, *, scale: float
     elif not pv_fp8 and layer.v_open.dtype == torch.bfloat16:
         open_mode = 2  # one fp32 FMA product there spills (ptxas, sm_90a, D=128)
     q_strides = strides(q, 4)
+    cap2, two_over = cap_args(softcap or 0.0)
     block_d = next_pow2(d, 32)  # INT8 MMA: k ≥ 32
-    block_r, options = split_launch(rows, block_d, open_mode)
+    block_r, options = split_launch(rows, block_d, open_mode,
+                                    variant=layer.local or softcap is not None)
     row_blocks = -(-rows // block_r)
     _decode_split_kernel[(bsz * row_blocks, hkv, into.splits)](
-        Q=q, AQ=layer.q_amax, AK=layer.k_amax, K=layer.k, KS=layer.k_scale, V=layer.v,
-        VS=layer.v_scale, VO=layer.v_open, BT=layer.block_table, LEN=layer.lengths,
+        Q=q, AQ=layer.q_amax, AK=layer.k_amax, KM=layer.k_mean, K=layer.k, KS=layer.k_scale,
+        V=layer.v, VS=layer.v_scale, VO=layer.v_open, BT=layer.block_table, LEN=layer.lengths,
         WACC=into.wacc, WM=into.wm, WL=into.wl, q_strides=q_strides,
-        qk_multiplier=scale * LOG2E, N=n, GROUP=group, D=d, HKV=hkv,
+        qk_multiplier=scale * LOG2E, cap2=cap2, two_over=two_over,
+        LEFT=UNBOUNDED if layer.window is None else layer.window,
+        CHUNK=UNBOUNDED if layer.chunk is None else layer.chunk, N=n, GROUP=group, D=d, HKV=hkv,
         MAX_PAGES=layer.block_table.shape[1], pages_per_split=pages_per_split, ADDED=added,
         ROW_BLOCKS=row_blocks, PAGE=page, PV_FP8=pv_fp8, EXACT_FP8=exact_fp8(), OPEN_MODE=open_mode,
-        EMU_FP32=interpreted, STAGES=STAGES, BLOCK_R=block_r,
+        EMU_FP32=interpreted, STAGES=STAGES, LOCAL=layer.local, SOFTCAP=softcap is not None,
+        BLOCK_R=block_r,
         BLOCK_P=next_pow2(page, 32 if pv_fp8 else 16), BLOCK_D=block_d,
         **options,
     )
     _decode_merge_kernel[(rows, hkv, bsz)](  # rows on axis 0: up to 2^31 (a long prefill)
-        Q=q, KM=layer.k_mean, WACC=into.wacc, WM=into.wm, WL=into.wl, O=into.out, LSE=into.lse,
+        Q=q, KM=layer.k_mean, SINK=sinks, WACC=into.wacc, WM=into.wm, WL=into.wl, O=into.out, LSE=into.lse,
         LEN=layer.lengths, ERR=layer.overflow if replayable else None, q_strides=q_strides,
         softmax_scale=scale, N=n, GROUP=group, D=d, HKV=hkv, SPLITS=into.splits, ADDED=added,
         PV_FP8=pv_fp8, BLOCK_S=MERGE_SPLITS, BLOCK_D=block_d,

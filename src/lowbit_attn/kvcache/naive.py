@@ -22,6 +22,19 @@ bottom-right: the queries are the last ``n`` tokens appended); ``scale`` default
 6. ``out = acc / l`` in fp32, then q's dtype; ``LSE = ((m + log2 l - o)·ln 2) + scale·(q·μ)``,
    the natural log of the true scores' sum (``inference.naive.finish`` and ``lse_shift``). Rows
    that see no key (``L = 0``, or ``L < n`` for the first rows) give 0 and LSE ``-inf``.
+
+Local layers (``PagedLayer.window``, ``chunk``): the row at position ``p`` sees keys from
+``PagedLayer.first_key(p)`` to ``p`` only (the pages before a sequence's window are gone).
+Options of the call, each leaving the above unchanged when off:
+
+- ``softcap = c``: the scores become ``c·tanh(S/c)`` on the true scaled logits, so the shift that
+  K's smoothing took off comes back inside the tanh and leaves after it: in base 2
+  ``S ← c₂·tanh((S + σ)/c₂) - σ`` with ``σ = scale·log2 e·(q·μ)``, ``c₂ = c·log2 e``
+  (``core.variants.softcap_base2``, as the prefill kernels), the LSE's shift as before.
+- ``sinks [Hq]``: one more logit per row in the softmax's denominator, with no value (gpt-oss):
+  in base 2 ``z = sink·log2 e - σ`` (the scores' frame), ``m = max(m, z)``,
+  ``l += 2^(z - m + o)``. The LSE counts it; a row that sees no key gives 0
+  and LSE ``sink``.
 """
 
 from __future__ import annotations
@@ -29,7 +42,8 @@ from __future__ import annotations
 import torch
 
 from lowbit_attn.core.operands import LOG2_FP8_MAX, LOG2E
-from lowbit_attn.inference.naive import expand_heads, finish, lse_shift, visible
+from lowbit_attn.core.variants import softcap_base2
+from lowbit_attn.inference.naive import expand_heads, finish, lse_shift
 from lowbit_attn.kvcache.pages import PagedLayer, stored_sequence
 from lowbit_attn.kvcache.quantize import quantize_queries
 from lowbit_attn.kvcache.recipes import KVRecipe
@@ -37,9 +51,11 @@ from lowbit_attn.quant.int8_naive import to_e4m3
 
 
 def attention_with_kv_cache_naive(
-    q: torch.Tensor, layer: PagedLayer, recipe: KVRecipe, *, scale: float
+    q: torch.Tensor, layer: PagedLayer, recipe: KVRecipe, *, scale: float,
+    softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of ``q [B, Hq, n, D]`` against one layer of the cache (module docstring).
+    """Attention of ``q [B, Hq, n, D]`` against one layer of the cache (module docstring);
+    ``softcap`` a positive float or None, ``sinks`` fp32 ``[Hq]`` or None.
 
     Returns:
         ``(out fp32 [B, Hq, n, D], lse fp32 [B, Hq, n])``.
@@ -48,32 +64,59 @@ def attention_with_kv_cache_naive(
     outs, lses = [], []
     for b in range(q.shape[0]):
         out, lse = _one_sequence(q[b : b + 1], q8[b : b + 1], q_scale[b : b + 1],
-                                 layer, b, recipe, scale)
+                                 layer, b, recipe, scale, softcap, sinks)
         outs.append(out)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)
 
 
-def _one_sequence(q, q8, q_scale, layer: PagedLayer, b: int, recipe: KVRecipe, scale: float):
+def visible_keys(layer: PagedLayer, positions: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """Bool ``[rows, keys]``: key position ``cols[j]`` seen from query position ``positions[i]``
+    (causal, and in a local layer from ``layer.first_key`` on)."""
+    seen = cols[None, :] <= positions[:, None]
+    first = torch.zeros_like(positions)
+    if layer.window is not None:
+        first = torch.maximum(first, positions - layer.window)
+    if layer.chunk is not None:
+        first = torch.maximum(first, positions - positions % layer.chunk)
+    return seen & (cols[None, :] >= first[:, None])
+
+
+def _one_sequence(q, q8, q_scale, layer: PagedLayer, b: int, recipe: KVRecipe, scale: float,
+                  softcap: float | None, sinks: torch.Tensor | None):
     """One sequence: ``q``, ``q8 [1, Hq, n, D]``, ``q_scale [1, Hq, n]``."""
     seq = stored_sequence(layer, b)
     _, hq, n, d = q.shape
-    length = seq.k.shape[1]
+    length = seq.k.shape[1]  # tokens from the first held page on
     size = layer.page_size
+    start = layer.host_first[b] * size
     dev = q.device
     offset = LOG2_FP8_MAX if recipe.pv == "fp8" else 0.0
 
     k = expand_heads(seq.k[None], hq).float()
     k_scale = expand_heads(seq.k_scale[None], hq)
     s = (torch.matmul(q8.float(), k.transpose(-1, -2)) * k_scale[:, :, None, :]) * q_scale[..., None]
-    s = s.masked_fill(~visible(n, length, length - n, dev), float("-inf"))
+    shift = lse_shift(q, seq.k_mean[None], scale) if start + length else None
+    if softcap is not None and shift is not None:  # on the true logits, back in the frame
+        s = softcap_base2(s, softcap, (shift * LOG2E).unsqueeze(-1))
+    positions = start + length - n + torch.arange(n, device=dev)
+    seen = visible_keys(layer, positions, start + torch.arange(length, device=dev))
+    s = s.masked_fill(~seen, float("-inf"))
     if length == 0:
         m = torch.full((1, hq, n), float("-inf"), device=dev)
     else:
         m = s.amax(dim=-1)
+    if sinks is not None:
+        z = (sinks.float() * LOG2E)[None, :, None].expand(1, hq, n)
+        if shift is not None:  # in the smoothed frame; a row without keys: LSE = its sink
+            shift = torch.where(torch.isneginf(m), 0.0, shift)
+            z = z - shift * LOG2E
+        m = torch.maximum(m, z)
     m_safe = torch.where(torch.isneginf(m), 0.0, m)
     p = torch.exp2(s - (m_safe - offset).unsqueeze(-1))
     l_sum = p.sum(dim=-1)
+    if sinks is not None:
+        l_sum = l_sum + torch.exp2(z - m_safe + offset)
     p_q = (to_e4m3(p) if recipe.pv == "fp8" else p.to(torch.float16)).float()
 
     acc = torch.zeros((1, hq, n, d), device=dev)
@@ -86,5 +129,4 @@ def _one_sequence(q, q8, q_scale, layer: PagedLayer, b: int, recipe: KVRecipe, s
     if full < length:
         v_open = expand_heads(seq.v_open[None], hq).float()
         acc = acc + torch.matmul(p_q[..., full:], v_open)
-    shift = lse_shift(q, seq.k_mean[None], scale) if length else None
     return finish(acc, l_sum, m, offset, None, None, shift)

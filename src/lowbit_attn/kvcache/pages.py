@@ -4,11 +4,18 @@ sequence, and the reading of one sequence's stored tokens back in order.
 Token ``t`` of sequence ``b`` lives on page ``block_table[b, t // page_size]`` at slot
 ``t % page_size``. Pages are taken from the free list when a sequence writes the first token of a
 page, so an engine that owns the allocator later only needs to hand out page ids.
+
+A local layer (a sliding window or chunked attention: ``window``, ``chunk``) gives back the pages
+that no later query can see: query position ``p`` sees keys from :meth:`PagedLayer.first_key`
+``(p)`` to ``p``, so once a sequence holds ``L`` tokens (its next queries at ``p >= L``) every page
+wholly before ``first_key(L)`` returns to the free list and its block-table entry reads -1. The
+block table keeps its logical page numbers (``host_first[b]``: the first page still held), so a
+sequence's memory stays about its window, not its length.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
 
@@ -32,6 +39,10 @@ class FreePages:
         if not self._free:
             raise RuntimeError("the page pool is exhausted")
         return self._free.pop()
+
+    def give(self, ids: list[int]) -> None:
+        """Pages back to the pool (a local layer's pages no query can see any more)."""
+        self._free = sorted(self._free + ids, reverse=True)
 
     def snapshot(self) -> tuple[int, ...]:
         return tuple(self._free)
@@ -66,6 +77,12 @@ class PagedLayer:
         host_stale: True once a decode step was captured in a CUDA graph: its replays advance
             ``lengths`` on the device alone, so the host mirror must be read back before use
             (``QuantizedKVCache.store``).
+        window: a sliding window's left extent (query position ``p`` sees keys ``p - window``
+            to ``p``; FlashAttention's ``window_size[0]``), or None.
+        chunk: chunked attention's chunk (``p`` sees keys of its own chunk ``p // chunk`` up
+            to ``p``; Llama 4's ``attention_chunk_size``), or None.
+        host_first: per sequence, the first page it still holds (0 but in a local layer, which
+            gives back the pages before its window).
     """
 
     k: torch.Tensor
@@ -84,11 +101,18 @@ class PagedLayer:
     host_lengths: list[int]
     host_pages: list[int]
     host_stale: bool = False
+    window: int | None = None
+    chunk: int | None = None
+    host_first: list[int] = field(default_factory=list)
 
     @classmethod
     def allocate(cls, batch: int, kv_heads: int, head_dim: int, *, max_pages_per_seq: int,
-                 page_size: int, v_dtype: torch.dtype, dtype: torch.dtype, device) -> PagedLayer:
-        num_pages = batch * max_pages_per_seq
+                 page_size: int, v_dtype: torch.dtype, dtype: torch.dtype, device,
+                 window: int | None = None, chunk: int | None = None,
+                 pool_pages_per_seq: int | None = None) -> PagedLayer:
+        """``pool_pages_per_seq``: pages per sequence in the pool (``max_pages_per_seq`` by
+        default; a local layer needs only its window's and one append's)."""
+        num_pages = batch * (pool_pages_per_seq or max_pages_per_seq)
         pool = (num_pages, kv_heads, page_size, head_dim)
         on = {"device": device}
         layer = cls(
@@ -107,6 +131,9 @@ class PagedLayer:
             free=FreePages(num_pages),
             host_lengths=[0] * batch,
             host_pages=[0] * batch,
+            window=window,
+            chunk=chunk,
+            host_first=[0] * batch,
         )
         layer.reset()
         return layer
@@ -132,6 +159,7 @@ class PagedLayer:
         self.overflow.zero_()
         self.host_lengths = [0] * len(self.host_lengths)
         self.host_pages = [0] * len(self.host_pages)
+        self.host_first = [0] * len(self.host_first)
         self.host_stale = False
         self.free.reset()
 
@@ -141,6 +169,31 @@ class PagedLayer:
     @property
     def page_size(self) -> int:
         return self.k.shape[2]
+
+    @property
+    def local(self) -> bool:
+        """Whether the layer's queries see a window or a chunk only (and pages are given back)."""
+        return self.window is not None or self.chunk is not None
+
+    def first_key(self, position: int) -> int:
+        """The first key a query at ``position`` sees (0 in a full layer)."""
+        first = 0
+        if self.window is not None:
+            first = max(first, position - self.window)
+        if self.chunk is not None:
+            first = max(first, position - position % self.chunk)
+        return first
+
+    def reach(self) -> int | None:
+        """The most keys before its own that one query sees (None: unbounded)."""
+        return reach(self.window, self.chunk)
+
+
+def reach(window: int | None, chunk: int | None) -> int | None:
+    """The most keys before its own that one query of a layer with ``window`` and ``chunk``
+    sees (None: unbounded)."""
+    bounds = [r for r in (window, None if chunk is None else chunk - 1) if r is not None]
+    return min(bounds) if bounds else None
 
 
 class StoredSequence(NamedTuple):
@@ -164,11 +217,14 @@ class StoredSequence(NamedTuple):
 
 
 def stored_sequence(layer: PagedLayer, b: int) -> StoredSequence:
-    """Sequence ``b``'s tokens read through its block table (nothing beyond its length is read)."""
+    """Sequence ``b``'s tokens read through its block table (nothing beyond its length is read);
+    in a local layer, from its first held page on (token ``layer.host_first[b]·page_size``):
+    ``L`` then counts the tokens from there, ``F`` the full pages from there."""
     size = layer.page_size
-    length = int(layer.lengths[b])
+    first = layer.host_first[b]
+    length = int(layer.lengths[b]) - first * size
     full = length // size
-    pages = layer.block_table[b, : -(-length // size)].long()
+    pages = layer.block_table[b, first : first - (-length // size)].long()
     hkv, d = layer.k.shape[1], layer.k.shape[3]
 
     def tokens(pool: torch.Tensor, ids: torch.Tensor, n: int) -> torch.Tensor:

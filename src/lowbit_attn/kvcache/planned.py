@@ -28,17 +28,21 @@ def _layer(cache, layer):
     return None if store.host_stale else store
 
 
-def read_key(q, cache, layer, scale, return_lse) -> tuple | None:
-    """The plan key of ``attention_with_kv_cache(q, cache, layer, scale=, return_lse=)``, or
-    None."""
+def read_key(q, cache, layer, scale, return_lse, softcap=None, sinks=None) -> tuple | None:
+    """The plan key of ``attention_with_kv_cache(q, cache, layer, scale=, return_lse=,
+    softcap=)``, or None (with ``sinks``: the normal way, whose copy of them a plan would not
+    follow)."""
     store = _layer(cache, layer)
-    if (store is None or not plans.eager(q) or return_lse.__class__ is not bool
-            or not (scale is None or scale.__class__ is float)):
+    if (store is None or sinks is not None or not plans.eager(q)
+            or return_lse.__class__ is not bool
+            or not (scale is None or scale.__class__ is float)
+            or not (softcap is None or softcap.__class__ is float)):
         return None
     from lowbit_attn.kvcache import kernel_decode
 
-    return ("read", layer, plans.tensor_key(q), scale, return_lse, torch.is_grad_enabled(),
-            kernel_decode.splits_of(store), plans.env_key())
+    return ("read", layer, plans.tensor_key(q), scale, return_lse, softcap,
+            torch.is_grad_enabled(), kernel_decode.splits_of(store, n=q.shape[2]),
+            plans.env_key())
 
 
 def append_key(cache, layer, k, v, valid, q) -> tuple | None:

@@ -33,6 +33,7 @@ import torch
 from lowbit_attn.core import checks
 from lowbit_attn.core.arch import backend_for, graph_capturing
 from lowbit_attn.kvcache.cache import QuantizedKVCache
+from lowbit_attn.kvcache.interface import check_sinks, check_softcap
 from lowbit_attn.kvcache.naive import attention_with_kv_cache_naive
 
 
@@ -55,6 +56,12 @@ class DecodeStep:
             built; their pages are taken now.
         tokens: tokens per sequence per step (1 for decoding; more for speculative verification).
         scale: softmax scale, ``D ** -0.5`` by default.
+        softcap: as :func:`~lowbit_attn.attention_with_kv_cache`.
+        sinks: likewise (``[heads]``; copied when the step is built).
+
+    In a local layer (the cache's ``window`` or ``chunk``) the pages before the window go back
+    to the pool when the step is built and at each eager append, not during replays: the step's
+    reserved pages stay held until then.
 
     Raises:
         TypeError: ``cache`` is not a :class:`QuantizedKVCache`; ``layer``, ``heads``, ``steps``
@@ -78,7 +85,8 @@ class DecodeStep:
     """
 
     def __init__(self, cache: QuantizedKVCache, layer: int, *, heads: int, steps: int,
-                 tokens: int = 1, scale: float | None = None):
+                 tokens: int = 1, scale: float | None = None, softcap: float | None = None,
+                 sinks: torch.Tensor | None = None):
         if not isinstance(cache, QuantizedKVCache):
             raise TypeError(f"cache must be a QuantizedKVCache, got {type(cache).__name__}")
         cache.refuse_graph_capture("building a DecodeStep")
@@ -94,6 +102,8 @@ class DecodeStep:
                              f"append freezes its statistics, eagerly): sequence {empty[0]} is empty")
         self.cache, self.layer, self.heads, self.tokens = cache, int(layer), heads, tokens
         self.scale = checks.softmax_scale(scale, cache.head_dim)
+        probe = torch.empty((1, heads, 1, 1), device=cache.device)
+        self.softcap, self.sinks = check_softcap(softcap), check_sinks(sinks, probe)
         cache.reserve(layer, steps * tokens)
         self.resets = cache.resets
         self.capacity = [n + steps * tokens for n in store.host_lengths]  # tokens, per sequence
@@ -103,8 +113,8 @@ class DecodeStep:
             from lowbit_attn.kvcache import kernel_decode  # Triton only where it runs
 
             self.pages_per_split = kernel_decode.pages_per_split_for(cache.page_size)
-            splits = kernel_decode.splits_for(max(self.capacity), cache.page_size,
-                                              self.pages_per_split)
+            splits = kernel_decode.splits_of(store, self.pages_per_split, tokens,
+                                             longest=max(self.capacity))
             work = cache.shared_workspace(kernel_decode.workspace_size(shape, cache.kv_heads,
                                                                        splits))
             self.buffers = kernel_decode.buffers(shape, cache.dtype, cache.device,
@@ -155,7 +165,8 @@ class DecodeStep:
                                  "reserved; build a new one")
         if not self.triton:  # the eager step (no graph to capture here)
             cache.append(self.layer, k, v)
-            out, lse = attention_with_kv_cache_naive(q, store, cache.recipe, scale=self.scale)
+            out, lse = attention_with_kv_cache_naive(q, store, cache.recipe, scale=self.scale,
+                                                     softcap=self.softcap, sinks=self.sinks)
             self.out.copy_(out)
             self.lse.copy_(lse)
             return self.out
@@ -164,7 +175,8 @@ class DecodeStep:
         kernel_append.append(store, cache.recipe, k, v, None, replayable=True)
         kernel_decode.launch(q, store, cache.recipe, scale=self.scale,
                              pages_per_split=self.pages_per_split, into=self.buffers,
-                             added=self.tokens, replayable=True)
+                             added=self.tokens, replayable=True, softcap=self.softcap,
+                             sinks=self.sinks)
         if capturing:  # replays will advance the lengths where the host does not see them
             store.host_stale = True
         else:
