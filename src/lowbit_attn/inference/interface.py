@@ -171,8 +171,11 @@ def attention_varlen(
         check_seqlens: verify the offsets and maxima (reads ``cu_seqlens`` on the host: a GPU
             synchronisation and, under ``torch.compile``, a graph break). ``False`` for offsets
             known good, inside CUDA graphs or compiled code.
-        window, softcap, sinks, chunk: as for :func:`attention`, each sequence aligned
-            bottom-right on its own (``Nq``, ``Nk``: that sequence's lengths).
+        window: as for :func:`attention`, each sequence aligned bottom-right on its own
+            (``Nq``, ``Nk``: that sequence's lengths).
+        softcap: as for :func:`attention`.
+        sinks: as for :func:`attention`.
+        chunk: as for :func:`attention`, each sequence on its own.
 
     Returns:
         The output ``[total_q, Hq, D]`` (q's dtype), or with ``return_lse`` a tuple of the output
