@@ -55,7 +55,10 @@ class QuantizedQKV:
             ``(q·kᵀ)·q_scale·k_scale`` are scores in base 2. ``[B, Hq, ceil(Nq/block_q)]`` per block,
             ``[B, Hq, Nq]`` per token.
         k_scale: fp32 scales of K, ``[B, Hkv, ceil(Nk/block_k)]`` or ``[B, Hkv, Nk]``.
-        v: fp16 values (fp16 P·V) or E4M3 values (fp8 P·V).
+        v: fp16 values (fp16 P·V) or E4M3 values (fp8 P·V). Packed E4M3 ``v`` is ``[T', H, D]``
+            (a view of ``[H, D, T']``, :func:`packed_v_tokens`): sequence ``b``'s keys start at
+            token :func:`packed_v_starts` ``[b]``, a multiple of 16, with zeros up to the next
+            multiple of 16; the tokens between are never read.
         v_scale: fp32 per-channel scales of V ``[B, Hkv, D]``: V ≈ ``v·v_scale`` (FP8: ``amax/448``;
             fp16: a power of two, see ``reference.quant.fp16_v_scale``; None for fp16 V that is
             neither converted from another dtype nor centered, which fp16 holds exactly).
@@ -63,10 +66,6 @@ class QuantizedQKV:
         v_permuted: E4M3 ``v`` holds its keys permuted in groups of 16 (:data:`V_KEY_ORDER`) and
             padded with zeros to a multiple of 16: ``v`` is then ``[B, H, N', D]`` in stored
             order (a transposed view of ``[B, H, D, N']``). Dense calls only.
-
-    Packed E4M3 ``v`` is ``[T', H, D]`` (a view of ``[H, D, T']``, :func:`packed_v_tokens`):
-    sequence ``b``'s keys start at token :func:`packed_v_starts` ``[b]``, a multiple of 16, with
-    zeros up to the next multiple of 16; the tokens between are never read.
         delta_s: fp32 Q-smoothing correction in base-2 score units ``[B, Hq, ceil(Nq/block_q), Nk]``.
         lse_shift: fp32 ``softmax_scale·(q·mean(K))`` per query row, added to the natural-log LSE so
             that it is the LSE of the unsmoothed scores (``smooth_k`` with ``return_lse`` only).

@@ -643,7 +643,8 @@ def convert_v(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Triton twin of :func:`lowbit_attn.quant.int8_naive.convert_v` (bit-identical). The E4M3
     values are stored token-contiguous (``[B, H, D, N']``, returned as a transposed view), the
-    operand order FP8 tensor cores need."""
+    operand order FP8 tensor cores need; packed (``seqs``), each sequence from a multiple of 16
+    tokens (``[T', H, D]``, see ``QuantizedQKV.v``)."""
     request = VRequest(x, pv, center, amax, scaled=amax is not None, permuted=permuted)
     return quantize(v=request, seqs=seqs)[1][:2]
 
