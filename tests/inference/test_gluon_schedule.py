@@ -292,10 +292,11 @@ VARLEN = [
 
 def packed_operands(lens_q, lens_k, hq, hkv, d, block_k, granularity="per_token"):
     """Each sequence quantized alone (dense ``[1, H, n, D]``) and the results packed as the
-    quantization pass packs them (V token-contiguous ``[H, D, total']``, padding poisoned): the
+    quantization pass packs them (V token-contiguous ``[H, D, T']``, each sequence from
+    ``packed_v_starts``, zeros to the next 16 keys, the rest poisoned): the
     twin of sequence ``i`` is the twin of its own operands. ``(packed QuantizedQKV, Seqs of Q, Seqs
     of K, [per-sequence dense QuantizedQKV or None])``."""
-    from lowbit_attn.core.operands import Seqs
+    from lowbit_attn.core.operands import Seqs, packed_v_starts, packed_v_tokens
     alone, parts = [], {n: [] for n in ("q", "qs", "k", "ks", "v", "vs", "lsh")}
     per_token = granularity == "per_token"
     for i, (nq, nk) in enumerate(zip(lens_q, lens_k)):
@@ -324,10 +325,12 @@ def packed_operands(lens_q, lens_k, hq, hkv, d, block_k, granularity="per_token"
         parts["v"].append(qz.v[0].transpose(0, 1))
         parts["vs"].append(qz.v_scale[0])
         parts["lsh"].append(qz.lse_shift[0])
-    total_k = sum(lens_k)
-    store = torch.full((hkv, d, -(-total_k // 16) * 16), 0x7F, dtype=torch.uint8)
-    store = store.view(torch.float8_e4m3fn)
-    store[..., :total_k] = torch.cat(parts["v"]).permute(1, 2, 0)
+    cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32)
+    store = torch.full((hkv, d, packed_v_tokens(sum(lens_k), len(lens_k))), 0x7F,
+                       dtype=torch.uint8).view(torch.float8_e4m3fn)
+    for start, nk, v in zip(packed_v_starts(cu_k).tolist(), lens_k, parts["v"]):
+        store[..., start:start + -(-nk // 16) * 16] = 0.0
+        store[..., start:start + nk] = v.permute(1, 2, 0)
     def blocks(scales):  # per block: [B, H, most blocks], past a sequence's blocks NaN
         out = torch.full((len(scales), scales[0].shape[0], max(x.shape[1] for x in scales)),
                          float("nan"))
@@ -341,7 +344,7 @@ def packed_operands(lens_q, lens_k, hq, hkv, d, block_k, granularity="per_token"
     packed = kg.QuantizedQKV(
         q=torch.cat(parts["q"]).contiguous(), q_scale=scales("qs"),
         k=torch.cat(parts["k"]).contiguous(), k_scale=scales("ks"),
-        v=store[..., :total_k].permute(2, 0, 1), v_scale=torch.stack(parts["vs"]),
+        v=store.permute(2, 0, 1), v_scale=torch.stack(parts["vs"]),
         v_mean=None, delta_s=None, lse_shift=torch.cat(parts["lsh"], 1).contiguous())
 
     def seqs(lens):
@@ -385,14 +388,13 @@ def _packed_equals_each_sequence_alone(lens_q, lens_k, hq, hkv, d, block_k, caus
 
 
 @pytest.mark.parametrize("old,new", [
-    ("V + hk * svh + (k_start - v_col)", "V + hk * svh + k_start"),  # V's first key as the base
-    ("[BLOCK_D, BLOCK_N],\n                                                v_layout)\n",
-     "[BLOCK_D, BLOCK_N],\n                                                v_layout)\n"
-     "            v_col = 0\n"),
-], ids=["V-base-not-16-byte-aligned", "V-boxes-from-the-boundary"])
+    ("V + hk * svh + packed_v_start(k_start, b)", "V + hk * svh + k_start"),  # K's first key
+    ("packed_v_start(k_start, b)", "packed_v_start(k_start, 0)"),  # no room for the padding
+], ids=["V-base-not-16-byte-aligned", "V-base-without-the-padding"])
 def test_the_check_catches_varlen_breaks(old, new):
-    """Sequence 1 starts at key 1: V's descriptor base must move back to the 16-byte boundary
-    (TMA's alignment, which the model enforces) and its boxes start ``v_col`` keys in."""
+    """Sequence 1 starts at key 1: V's descriptor base is where the quantization pass stored the
+    sequence, a multiple of 16 tokens (TMA's alignment, which the model enforces) past the
+    previous sequences and their padding."""
     qz, sq, sk, alone = packed_operands([1, 130, 77, 5], [1, 140, 200, 19], 2, 2, 64, 64)
     broken = {gb.descriptors.fn: mutant(gb.descriptors, old, new)}
     out = torch.empty(qz.q.shape, dtype=torch.float32)

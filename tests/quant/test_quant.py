@@ -221,6 +221,41 @@ def test_convert_v_matches_twin(center, pv):
         assert got_scale is None and want_scale is None
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("center", ["none", "mean"])
+def test_packed_fp8_v_starts_each_sequence_aligned_and_matches_twin(center, d):
+    """Packed E4M3 V (varlen) stores sequence b from token 16·(cu[b] // 16 + b), zeros up to the
+    next multiple of 16 (``QuantizedQKV``), so the attention kernel's V tile is an aligned copy;
+    each sequence holds the twin's bits for that sequence alone. Lengths 0, 1, 15, 16, 17 and 40:
+    starts that are not multiples of 16 in the packed input."""
+    from lowbit_attn.core.operands import Seqs, packed_v_starts, packed_v_tokens
+
+    lens = [17, 0, 1, 15, 16, 40]
+    cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    total, batch = int(cu[-1]), len(lens)
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(total, 2, d, generator=g) * 3).half()
+    c = torch.randn(batch, 2, d, generator=g) if center == "mean" else None
+    amax = torch.rand(batch, 2, d, generator=g) * 5
+    seqs = Seqs(batch=batch, max_len=max(lens), cu_seqlens=cu)
+    got, got_scale = kq().convert_v(x, pv="fp8", center=c, amax=amax, seqs=seqs)
+    assert got.shape == (packed_v_tokens(total, batch), 2, d) and got.stride(0) == 1
+    starts = packed_v_starts(cu).tolist()
+    assert all(s % 16 == 0 for s in starts) and starts[-1] == got.shape[0]
+    for b, n in enumerate(lens):
+        lo = int(cu[b])
+        dense = x[lo:lo + n].transpose(0, 1).unsqueeze(0)
+        want, want_scale = ref.convert_v(dense, pv="fp8", center=None if c is None else c[b:b + 1],
+                                         amax=amax[b:b + 1])
+        stored = got[starts[b]:starts[b] + -(-n // 16) * 16].transpose(0, 1).float()
+        assert starts[b] + stored.shape[1] <= starts[b + 1]
+        assert torch.equal(stored[:, :n], want[0].float()), b
+        assert torch.equal(stored[:, n:], torch.zeros_like(stored[:, n:])), b
+        if n:  # a sequence without keys writes no scale (none is read)
+            assert torch.equal(got_scale[b], want_scale[0])
+
+
 def test_permuted_keys_are_the_fp8_a_fragment_order():
     """Storage position 16g + 4c + 2h + p holds key 16g + 8h + 2c + p (so a thread's score
     columns 2c, 2c+1, 2c+8, 2c+9 sit at positions 4c..4c+3); padding to 16 keys is zeros, and

@@ -55,7 +55,10 @@ class QuantizedQKV:
             ``(q·kᵀ)·q_scale·k_scale`` are scores in base 2. ``[B, Hq, ceil(Nq/block_q)]`` per block,
             ``[B, Hq, Nq]`` per token.
         k_scale: fp32 scales of K, ``[B, Hkv, ceil(Nk/block_k)]`` or ``[B, Hkv, Nk]``.
-        v: fp16 values (fp16 P·V) or E4M3 values (fp8 P·V).
+        v: fp16 values (fp16 P·V) or E4M3 values (fp8 P·V). Packed E4M3 ``v`` is ``[T', H, D]``
+            (a view of ``[H, D, T']``, :func:`packed_v_tokens`): sequence ``b``'s keys start at
+            token :func:`packed_v_starts` ``[b]``, a multiple of 16, with zeros up to the next
+            multiple of 16; the tokens between are never read.
         v_scale: fp32 per-channel scales of V ``[B, Hkv, D]``: V ≈ ``v·v_scale`` (FP8: ``amax/448``;
             fp16: a power of two, see ``reference.quant.fp16_v_scale``; None for fp16 V that is
             neither converted from another dtype nor centered, which fp16 holds exactly).
@@ -99,6 +102,29 @@ class Seqs:
 
 def dense_seqs(x: torch.Tensor) -> Seqs:
     return Seqs(batch=x.shape[0], max_len=x.shape[2])
+
+
+# Packed E4M3 V (stored token-contiguous, one byte a token) starts each sequence at a multiple of
+# 16 tokens, so that a sequence's rows of V are 16-byte aligned and the attention kernel's V tile
+# can be an asynchronous copy (cp.async, TMA) rather than a load into registers (benchmarks/
+# NOTES.md, "D = 256 configurations"). Sequence b starts at 16·(cu_seqlens[b] // 16 + b): each
+# start follows from its own cu_seqlens entry, with no prefix sum and no host sync for the
+# buffer's size; ``core.triton_helpers.packed_v_start`` is the kernels' copy of the rule.
+PACKED_V_ALIGN = 16
+
+
+def packed_v_starts(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """The first stored token of each packed sequence's E4M3 V (``[B + 1]``, the last entry is
+    :func:`packed_v_tokens`): ``16·(cu_seqlens[b] // 16 + b)``. Sequence ``b`` then has at
+    least ``cu_seqlens[b + 1] - cu_seqlens[b] + 1`` tokens, rounded up to 16, before the next."""
+    b = torch.arange(cu_seqlens.numel(), device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    return (cu_seqlens // PACKED_V_ALIGN + b) * PACKED_V_ALIGN
+
+
+def packed_v_tokens(total: int, batch: int) -> int:
+    """Tokens of a packed E4M3 V buffer for ``batch`` sequences of ``total`` tokens: 16 per
+    sequence more than ``total`` rounded down to 16 (so at most ``16·batch`` of padding)."""
+    return (total // PACKED_V_ALIGN + batch) * PACKED_V_ALIGN
 
 
 # Per-thread INT8 scale groups (``granularity="per_thread"``, SageAttention2's sm90 layout; see

@@ -354,6 +354,14 @@ def seq_span(CU, b, N, VARLEN: tl.constexpr):
 
 
 @triton.jit
+def packed_v_start(k_start, b):
+    """First stored token of packed sequence ``b``'s E4M3 V, whose keys start at ``k_start``
+    (``core.operands.packed_v_starts``): a product by 16, which the compiler sees as aligned
+    (Triton 3.6 drops ``tl.multiple_of`` on a scalar)."""
+    return (k_start // 16 + b) * 16
+
+
+@triton.jit
 def batch_head(pid_bh, H):
     """(batch, head) of a program as int64: ``b·stride`` may pass 2^31 elements in large tensors."""
     return (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)

@@ -22,7 +22,8 @@ from triton.experimental.gluon.language.nvidia.hopper import tma
 from triton.language.core import PropagateNan
 
 from lowbit_attn.core.triton_helpers import (
-    batch_head, finish_rows, finish_scores, online_max, p_offset, seq_span, store_lse, to_e4m3,
+    batch_head, finish_rows, finish_scores, online_max, p_offset, packed_v_start, seq_span,
+    store_lse, to_e4m3,
 )
 from lowbit_attn.inference.naive import EXP2_ROUND, MAGIC, MAGIC_BITS, POLY_EXP2
 
@@ -398,9 +399,8 @@ def descriptors(Q, K, V, b, h, hk, q_start, nq, k_start, nk, D, sqb, sqh, sqn, s
     the keys padded to 16, where the last keys are stored.
 
     Packed (``VARLEN``): Q's and K's token strides are multiples of 16 bytes, so their sequence's
-    first token is a TMA base; V's token stride is 1 byte: its descriptor starts at the 16-byte
-    boundary at or before the sequence's first key and the boxes start ``v_col`` keys into it
-    (those ``v_col`` keys, the previous sequence's, are never in a box)."""
+    first token is a TMA base; so is E4M3 V's, stored from a multiple of 16 tokens
+    (``packed_v_start``, ``QuantizedQKV``): ``v_col`` is 0."""
     v_col = 0
     if VARLEN:
         q_desc = tma.make_tensor_descriptor(Q + h * sqh + q_start * sqn, [nq, D], [sqn, 1],
@@ -408,10 +408,8 @@ def descriptors(Q, K, V, b, h, hk, q_start, nq, k_start, nk, D, sqb, sqh, sqn, s
         k_desc = tma.make_tensor_descriptor(K + hk * skh + k_start * skn, [nk, D], [skn, 1],
                                             [BLOCK_N, BLOCK_D], k_layout)
         if PV_FP8:
-            v_col = (k_start % 16).to(gl.int32)
-            v_desc = tma.make_tensor_descriptor(V + hk * svh + (k_start - v_col),
-                                                [D, v_col + nk], [svd, 1], [BLOCK_D, BLOCK_N],
-                                                v_layout)
+            v_desc = tma.make_tensor_descriptor(V + hk * svh + packed_v_start(k_start, b),
+                                                [D, nk], [svd, 1], [BLOCK_D, BLOCK_N], v_layout)
         else:
             v_desc = tma.make_tensor_descriptor(V + hk * svh + k_start * svn, [nk, D], [svn, 1],
                                                 [BLOCK_N, BLOCK_D], v_layout)

@@ -18,9 +18,9 @@ from lowbit_attn.core.operands import QuantizedQKV, Seqs, dense_seqs
 from lowbit_attn.core.variants import PLAIN, Variant
 from lowbit_attn.core.triton_helpers import (
     LOG2E, LaunchConfig, add_sink, batch_head, bhnd_strides, channel_vector_strides, exact_fp8,
-    finish_rows, finish_scores, first_kept, key_block_bounds, key_position, next_pow2, next_power_of_2,
-    online_max, p_offset, row_strides, seq_span, store_lse, strides, to_e4m3, triton_configs,
-    window_block_bounds,
+    finish_rows, finish_scores, first_kept, key_block_bounds, key_position, next_pow2,
+    next_power_of_2, online_max, p_offset, packed_v_start, row_strides, seq_span, store_lse,
+    strides, to_e4m3, triton_configs, window_block_bounds,
 )
 from lowbit_attn.core.variants import cap_args, sink_logits
 from lowbit_attn.quant.tile import quantize_int8_tile, thread_group
@@ -250,7 +250,10 @@ def _attn_fwd_int8_kernel(
 
     # Loop-invariant bases (int64 arithmetic once; the loop adds int32 offsets within a head).
     k_base = K + b * skb + hk * skh + k_start * skn
-    v_base = V + b * svb + hk * svh + k_start * svn
+    if VARLEN and PV_FP8:  # aligned per sequence (QuantizedQKV): V's tile copies asynchronously
+        v_base = V + b * svb + hk * svh + packed_v_start(k_start, b) * svn
+    else:
+        v_base = V + b * svb + hk * svh + k_start * svn
     if GRAN == 1:
         ks_base = KS + b * sksb + hk * sksh + k_start * sksn
     else:
@@ -325,6 +328,9 @@ def _attn_fwd_int8_kernel(
                                       window, cap, IS_CAUSAL, GRAN, PV_FP8, HAS_DS, EXACT_FP8,
                                       BLOCK_N, V_PERMUTED, WINDOWED, SOFTCAP)
 
+    if VARLEN:  # read again: not kept live through the loops (registers at D = 256)
+        q_start, nq = seq_span(CUQ, b, NQ, VARLEN)
+        mmask = offs_m < nq
     w = l_i
     if HAS_SINK:  # one term after the loop (m raised to the sink's logit when above)
         sink = tl.load(SINK + h + offs_m * 0) - shift
@@ -342,18 +348,20 @@ def _attn_fwd_int8_kernel(
 
 
 def fits(num_warps: int, block_d: int, block_n: int = 64, pipeline: bool = False,
-         m_split: int = 1, block_q: int = 128) -> bool:
+         m_split: int = 1, block_q: int = 128, num_stages: int = 2, varlen: bool = False) -> bool:
     """Whether a candidate keeps its tiles in registers (ptxas -v, sm_80 to sm_90a). Up to
     D = 128, whole query blocks (``m_split`` 1; their code is unchanged since measured): 4 warps
     at D > 64 spill about 1 KB per thread, and the pipelined loop's second score tile spills
     from 128×128 keys × channels (304 bytes at D=128, block_k=128). At D = 256 (``block_d``
     256) a 128-row program spills on 8 warps and on 16 (708 and 880 B stored, sm_90a; 360 B on
     sm_89): programs of at most 64 rows (``block_q / m_split``) on 8 warps, whose 256
-    accumulator columns the two warpgroups share, the pipelined one with 64-key blocks at most.
+    accumulator columns the two warpgroups share, the pipelined one with 64-key blocks at most,
+    and at 2 stages for packed sequences (``varlen``: 3 spill 8 B with FP8 P·V on sm_90a).
     The autotuner does not try the others."""
     if block_d > 128:
         return (num_warps >= 8 and block_q // m_split <= 64
-                and not (pipeline and block_n * block_d > 16384))
+                and not (pipeline and block_n * block_d > 16384)
+                and not (pipeline and varlen and num_stages > 2))
     return (m_split == 1 and (num_warps >= 8 or block_d <= 64)
             and not (pipeline and block_n * block_d > 8192))
 
@@ -375,7 +383,7 @@ def _prune(configs, named_args, **kwargs):
              if can_split(block_q, c.kwargs.get("M_SPLIT", 1), whole_block_q)]
     kept = [c for c in valid
             if fits(c.num_warps, block_d, block_n, bool(c.kwargs.get("PIPELINE")),
-                    c.kwargs.get("M_SPLIT", 1), block_q)]
+                    c.kwargs.get("M_SPLIT", 1), block_q, c.num_stages, args["VARLEN"])]
     return first_kept(kept or valid)
 
 

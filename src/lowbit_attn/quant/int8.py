@@ -15,10 +15,11 @@ import triton.language as tl
 
 from lowbit_attn.core.operands import (
     FP16_V_KEEP_HI, FP16_V_KEEP_LO, THREAD_K_BLOCK, THREAD_Q_SLICE, Seqs, dense_seqs,
+    packed_v_tokens,
 )
 from lowbit_attn.core.triton_helpers import (
     batch_head, bhnd_strides, channel_vector_strides, exact_fp8, key_position, next_pow2,
-    row_strides, seq_span, strides, to_e4m3,
+    packed_v_start, row_strides, seq_span, strides, to_e4m3,
 )
 from lowbit_attn.quant.tile import e4m3_scale, load_centered, quantize_int8_tile, thread_group
 
@@ -228,7 +229,8 @@ def _convert_v_program(
 ):
     """``c_strides``: (batch, head, dim) of the ``[B, H, D]`` channel vectors (center, amax,
     scale). ``PERMUTED`` (E4M3, dense): key ``k`` stored at ``key_position(k)``, and the keys up to
-    the next multiple of 16 written too, as zeros."""
+    the next multiple of 16 written too, as zeros. Packed E4M3: the sequence from
+    ``packed_v_start`` on, zeros up to the next multiple of 16 (``QuantizedQKV``)."""
     sob, soh, son, sod = out_strides
     scb, sch, scd = c_strides
     start, n = seq_span(CU, b, N, VARLEN)
@@ -253,6 +255,9 @@ def _convert_v_program(
             y = x.to(tl.float16)
         if PERMUTED:  # load_centered gave 0 past the end
             dest = key_position(rows)
+            mask = (rows < tl.cdiv(n, 16) * 16)[:, None] & (offs_d < D)[None, :]
+        elif VARLEN and FP8:
+            dest = packed_v_start(start, b) + rows
             mask = (rows < tl.cdiv(n, 16) * 16)[:, None] & (offs_d < D)[None, :]
         else:
             dest = start + rows
@@ -523,11 +528,10 @@ def _v_part(req: VRequest | None, seqs: Seqs):
             buf = torch.empty((x.shape[0], h, d, n_pad), device=x.device,
                               dtype=torch.float8_e4m3fn)
             out = buf.transpose(-1, -2)
-        elif seqs.packed:
-            total = x.shape[0]
-            buf = torch.empty((h, d, triton.cdiv(total, 16) * 16), device=x.device,
+        elif seqs.packed:  # each sequence from a multiple of 16 tokens (QuantizedQKV)
+            buf = torch.empty((h, d, packed_v_tokens(x.shape[0], seqs.batch)), device=x.device,
                               dtype=torch.float8_e4m3fn)
-            out = buf[:, :, :total].permute(2, 0, 1)
+            out = buf.permute(2, 0, 1)
         else:
             buf = torch.empty((x.shape[0], h, d, triton.cdiv(x.shape[2], 16) * 16),
                               device=x.device, dtype=torch.float8_e4m3fn)
@@ -639,7 +643,8 @@ def convert_v(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Triton twin of :func:`lowbit_attn.quant.int8_naive.convert_v` (bit-identical). The E4M3
     values are stored token-contiguous (``[B, H, D, N']``, returned as a transposed view), the
-    operand order FP8 tensor cores need."""
+    operand order FP8 tensor cores need; packed (``seqs``), each sequence from a multiple of 16
+    tokens (``[T', H, D]``, see ``QuantizedQKV.v``)."""
     request = VRequest(x, pv, center, amax, scaled=amax is not None, permuted=permuted)
     return quantize(v=request, seqs=seqs)[1][:2]
 
