@@ -140,7 +140,7 @@ def softmax_block(s_int, ks, qs, m_i, l_i, start_n, offs_m, offs_n, nk, causal_o
                   MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, PER_TOKEN: gl.constexpr = True,
                   PV_FP8: gl.constexpr = True, PER_THREAD: gl.constexpr = False,
                   RAW_P: gl.constexpr = False, POLY: gl.constexpr = 0,
-                  MAGIC: gl.constexpr = False):
+                  MAGIC: gl.constexpr = False, window=None, WINDOWED: gl.constexpr = False):
     """One key block's online-softmax step on its integer scores: ``(P̃, m, l, α)``, P̃ as E4M3
     (``PV_FP8``) or fp16.
 
@@ -152,7 +152,9 @@ def softmax_block(s_int, ks, qs, m_i, l_i, start_n, offs_m, offs_n, nk, causal_o
     :func:`_thread_exp2` (and its ``POLY``). ``RAW_P``: P̃ in fp32, for the caller to convert.
     ``MAGIC`` (per-thread or per-token scales): the integer scores become floats without a
     conversion instruction, :func:`magic_float`, the ``1.5·2^23`` it adds taken out by the same
-    FFMA that scales them (``naive.magic_scores``)."""
+    FFMA that scales them (``naive.magic_scores``). ``WINDOWED`` (not with ``IS_CAUSAL``):
+    ``MASKED`` blocks also mask the keys outside ``window = (left, right, chunk)``'s rule
+    (``finish_scores``; positions aligned by ``causal_offset = Nk - Nq``)."""
     cols = start_n + offs_n
     if PER_THREAD:
         if MAGIC:
@@ -177,7 +179,7 @@ def softmax_block(s_int, ks, qs, m_i, l_i, start_n, offs_m, offs_n, nk, causal_o
                           MASKED, IS_CAUSAL)
     else:
         t = finish_scores(t, cols, cols < nk, offs_m, causal_offset, None, 0, False, MASKED,
-                          IS_CAUSAL)
+                          IS_CAUSAL, window, WINDOWED)
     if PER_THREAD:
         p, m_new, alpha = _thread_exp2(t, ks, qs, m_i, MASKED, PV_FP8, POLY, MAGIC)
     else:
@@ -437,13 +439,14 @@ def write_rows(acc, m_i, l_i, O, LSE, LSH, VS, VM, CUQ, b, h, hk, nq, NQ, offs_m
                dmask, svsb, svsh, svsd, sob, soh, son, sod, seb, seh, sen, slb, slh, sln,
                rows_o: gl.constexpr, VARLEN: gl.constexpr, WRITE_LSE: gl.constexpr,
                HAS_VSCALE: gl.constexpr, HAS_VMEAN: gl.constexpr, HAS_LSH: gl.constexpr,
-               PV_FP8: gl.constexpr = True):
-    """The epilogue of a tile's rows: ``acc / l`` (V's scale and mean applied, ``finish_rows``)
+               PV_FP8: gl.constexpr = True, vm_weight=None, SINK: gl.constexpr = False):
+    """The epilogue of a tile's rows: ``acc / l`` (V's scale and mean applied, ``finish_rows``;
+    with ``SINK`` V's mean times the keys' share ``vm_weight`` of each row's sum, in ``rows_o``)
     stored to ``O`` and, with ``WRITE_LSE``, the natural-log LSE; ``offs_m``/``offs_mo`` the
     rows in the score and output layouts. Row offsets are int64 (``row·stride`` of a large output,
     or of a strided view of one, passes 2^31), as the Triton kernels' are."""
     out = finish_rows(acc, gl.convert_layout(l_i, rows_o), VS, VM, b * svsb + hk * svsh, offs_d,
-                      dmask, svsd, HAS_VSCALE, HAS_VMEAN)
+                      dmask, svsd, HAS_VSCALE, HAS_VMEAN, vm_weight, SINK)
     if VARLEN:
         # The sequence's first row read again rather than kept live through the loops (at D=128
         # with 128-key blocks, causal, those registers spill 20 B).
