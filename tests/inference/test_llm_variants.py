@@ -469,13 +469,18 @@ def test_aot_compiles_the_variants():
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("kernel", ["sm90", "gluon"])
-def test_gluon_and_sm90_forwards_hand_variants_to_triton(kernel, monkeypatch):
-    """The Gluon and sm90 forwards do not take the variants: with them chosen (and applying, as
-    on an H100), a call with a window, softcap or sinks still runs the Triton kernel, never
-    one of them with the variant dropped."""
+def test_gluon_and_sm90_forwards_route_variants(kernel, monkeypatch):
+    """With the Gluon or sm90 forward chosen (and applying, as on an H100): the Gluon forward
+    takes no variant, the sm90 forward a window, chunk or sinks but not softcap (a tanh per
+    score); the rest runs the Triton kernel, never a forward with the variant dropped."""
     from lowbit_attn.inference import gluon_check, gluon_fp4_check, kernel_int8, sm90_check
 
+    taken = []
+
     def boom(*args, **kwargs):
+        if kernel == "sm90" and "variant" in kwargs:
+            taken.append(kwargs["variant"])
+            return None
         raise AssertionError(f"the {kernel} forward ran for a variant")
 
     for mod in (sm90_check, gluon_check, gluon_fp4_check):
@@ -492,4 +497,9 @@ def test_gluon_and_sm90_forwards_hand_variants_to_triton(kernel, monkeypatch):
     for kw in (dict(window=(4, 0)), dict(softcap=5.0), dict(sinks=torch.zeros(2)),
                dict(chunk=8)):
         lowbit_attn.attention(q, k, v, recipe="qk_int8_pv_fp8", **kw)
-        assert not ran[-1]["variant"].plain
+        if kernel == "sm90" and "softcap" not in kw:
+            assert not taken[-1].plain and taken[-1].softcap == 0
+        else:
+            assert not ran[-1]["variant"].plain
+    if kernel == "sm90":
+        assert len(taken) == 3 and len(ran) == 1
