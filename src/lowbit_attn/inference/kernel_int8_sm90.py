@@ -29,8 +29,10 @@ SM; NOTES §17 says how many each variant gets.
 
 Scope: dense inputs, per-token or per-thread scales, FP8 P·V (E4M3 V permuted) or fp16 P·V,
 ``block_k`` 128 (the twin walks the keys in the same blocks), D = 64 or 128, causal or not, GQA,
-LSE (with the K-smoothing shift). Refused before launch (the Triton kernel runs): packed
-sequences, per-block scales, ΔS (``smooth_q``), Q quantized in the kernel. Twin:
+LSE (with the K-smoothing shift), a sliding window or chunk (only the key blocks of
+``window_block_bounds``, masked at both ends) and sinks (one term after the loop). Refused before
+launch (the Triton kernel runs): packed sequences, per-block scales, ΔS (``smooth_q``), Q
+quantized in the kernel, softcap (a tanh per score). Twin:
 ``lowbit_attn.inference.naive.quantized_attention``. Written for the Gluon Hopper API of the
 Triton series ``core.triton_support.GLUON_SERIES["hopper"]`` names. Opt-in
 (``LOWBIT_ATTN_KERNEL=sm90``, admitted per device by :mod:`~lowbit_attn.inference.gluon_check`):
