@@ -15,7 +15,9 @@ import triton.language as tl
 
 import lowbit_attn
 from helpers import assert_bits, channel_biased
-from lowbit_attn.core.triton_helpers import window_block_bounds, window_query_bounds
+from lowbit_attn.core.triton_helpers import (
+    window_block_bounds, window_limits, window_query_bounds,
+)
 from lowbit_attn.core.variants import (
     Variant, check, key_block_range, key_blocks_visited, query_block_range,
 )
@@ -417,6 +419,28 @@ def _query_bounds_kernel(OUT, nq, offset, left, right, chunk, BLOCK_N: tl.conste
     lo, hi = window_query_bounds(nq, pid, offset, left, right, chunk, BLOCK_N, BLOCK_M)
     tl.store(OUT + pid * 2 + 0, lo)
     tl.store(OUT + pid * 2 + 1, hi)
+
+
+@triton.jit
+def _limits_kernel(OUT, nq, nk, offset, left, right, chunk, BLOCK: tl.constexpr):
+    r = tl.arange(0, BLOCK)
+    first, last = window_limits(r, offset, left, right, chunk, nk)
+    c = tl.arange(0, BLOCK)
+    seen = (c[None, :] >= first[:, None]) & (c[None, :] <= last[:, None])
+    tl.store(OUT + r[:, None] * BLOCK + c[None, :], seen.to(tl.int8),
+             mask=(r[:, None] < nq) & (c[None, :] < nk))
+
+
+@pytest.mark.interpreter
+def test_window_limits_are_the_visibility_rule():
+    """``triton_helpers.window_limits`` (the sm90 forward's edge-block mask: two limits per row)
+    sees exactly the keys :meth:`Variant.visible` does, keys past the end unseen."""
+    for nq, nk, left, right, chunk in _range_cases():
+        out = torch.zeros(256, 256, dtype=torch.int8)
+        _limits_kernel[(1,)](out, nq, nk, nk - nq, left, right, chunk, BLOCK=256)
+        want = Variant(left=left, right=right, chunk=chunk).visible(
+            torch.arange(nq), torch.arange(nk), nk - nq)
+        assert torch.equal(out[:nq, :nk].bool(), want), (nq, nk, left, right, chunk)
 
 
 @pytest.mark.interpreter

@@ -23,6 +23,7 @@ from triton.language.core import PropagateNan
 
 from lowbit_attn.core.triton_helpers import (
     batch_head, finish_rows, finish_scores, online_max, p_offset, seq_span, store_lse, to_e4m3,
+    window_limits,
 )
 from lowbit_attn.inference.naive import EXP2_ROUND, MAGIC, MAGIC_BITS, POLY_EXP2
 
@@ -153,8 +154,8 @@ def softmax_block(s_int, ks, qs, m_i, l_i, start_n, offs_m, offs_n, nk, causal_o
     ``MAGIC`` (per-thread or per-token scales): the integer scores become floats without a
     conversion instruction, :func:`magic_float`, the ``1.5·2^23`` it adds taken out by the same
     FFMA that scales them (``naive.magic_scores``). ``WINDOWED`` (not with ``IS_CAUSAL``):
-    ``MASKED`` blocks also mask the keys outside ``window = (left, right, chunk)``'s rule
-    (``finish_scores``; positions aligned by ``causal_offset = Nk - Nq``)."""
+    ``MASKED`` blocks mask the keys outside ``window = (left, right, chunk)``'s rule and past the
+    end (``window_limits``; positions aligned by ``causal_offset = Nk - Nq``)."""
     cols = start_n + offs_n
     if PER_THREAD:
         if MAGIC:
@@ -171,7 +172,13 @@ def softmax_block(s_int, ks, qs, m_i, l_i, start_n, offs_m, offs_n, nk, causal_o
     else:  # one scale per query block and per key block (``kernel_int8``'s per-block fold)
         t = s_int.to(gl.float32)
         c = l_i * 0.0 + qs * ks  # a row vector (l_i is finite: ·0 gives 0)
-    if IS_CAUSAL:
+    if WINDOWED:
+        if MASKED:  # the window's or chunk's rule and the end: two limits per row
+            first, last = window_limits(offs_m, causal_offset, window[0], window[1], window[2],
+                                        nk)
+            t = gl.where((cols[None, :] >= first[:, None]) & (cols[None, :] <= last[:, None]), t,
+                         float("-inf"))
+    elif IS_CAUSAL:
         # Keys past the end folded into each row's causal limit (the same set of keys, one
         # compare per score, and no per-key mask live in registers).
         lim = gl.minimum(offs_m + causal_offset, nk - 1) - causal_offset
@@ -179,7 +186,7 @@ def softmax_block(s_int, ks, qs, m_i, l_i, start_n, offs_m, offs_n, nk, causal_o
                           MASKED, IS_CAUSAL)
     else:
         t = finish_scores(t, cols, cols < nk, offs_m, causal_offset, None, 0, False, MASKED,
-                          IS_CAUSAL, window, WINDOWED)
+                          IS_CAUSAL)
     if PER_THREAD:
         p, m_new, alpha = _thread_exp2(t, ks, qs, m_i, MASKED, PV_FP8, POLY, MAGIC)
     else:
