@@ -12,7 +12,8 @@ it only where
 
 1. :func:`wanted`: the call is one the kernel covers, decided before quantization (V's keys are
    then stored permuted for it): dense, INT8 Q·Kᵀ with per-token or per-thread scales, FP8 or
-   fp16 P·V, 128-key blocks, no ΔS, Q quantized by its pass, D = 64 or 128;
+   fp16 P·V, 128-key blocks, no ΔS, Q quantized by its pass, D = 64 or 128 (and no softcap:
+   ``op.kernel`` sends windows, chunks and sinks here, softcap to the Triton kernel);
 2. :func:`applies`: CUDA tensors on a device of capability 9.0, compiled kernels (on a CPU the
    option changes nothing: Triton has no Gluon interpreter);
 3. it has passed the check :func:`self_check` (its verdict stored on disk for this device,
@@ -21,7 +22,7 @@ it only where
    Triton kernel on :data:`CASES` (partial blocks, key counts not a multiple of 16,
    query and key counts that are multiples of 128 and of 16, one query, one key, grids of 512
    programs, causal, GQA, LSE, per-thread and per-token scales, FP8 and fp16 P·V, both head
-   dims), in a process of its own (:mod:`~lowbit_attn.inference.gluon_check`'s ``isolated``); a mismatch, a crash or any exception warns once, naming the reason, and
+   dims, a causal window with sinks), in a process of its own (:mod:`~lowbit_attn.inference.gluon_check`'s ``isolated``); a mismatch, a crash or any exception warns once, naming the reason, and
    the Triton kernel runs for the rest of the process on that device; no check during a CUDA
    graph capture;
 4. the launcher takes the call (it raises ``ValueError`` before launching anything otherwise;
