@@ -96,7 +96,11 @@ THREAD_FP16 = get_recipe("qk_int8_pv_fp16").replace(granularity="per_thread", bl
 DECIDE_CONFIGS = [(128, 16384, False), (128, 8192, False), (64, 16384, False), (64, 8192, False),
                   (128, 1024, False), (64, 1024, False), (128, 16384, True), (64, 16384, True)]
 DECIDE_ROWS = ("sdpa cudnn", "e2e sm90 thread", "e2e sm90 token", "kernel sm90 thread",
-               "kernel sm90 token", "e2e triton token", "sage 1.0.6", "e2e sm90 thread plan")
+               "kernel sm90 token", "e2e triton token", "sage 1.0.6", "e2e sm90 thread plan",
+               "e2e sm90 thread win512", "e2e triton thread win512")
+# Issue 44's bar: a 512-token causal window over N=16k runs >= 8x faster than full causal (the
+# "win512" rows of the causal configurations against "e2e sm90 thread"; TOP/s counted as causal).
+WINDOW = (511, 0)
 # Issues 36 and 43's GPU bars: (D, N range, causal) → × SDPA cuDNN end to end.
 BARS = [(128, (8192, None), False, 1.15), (64, (8192, None), False, 1.0),
         (64, (1024, 1024), False, 0.9), (128, (1024, 1024), False, 0.9)]
@@ -161,10 +165,10 @@ def rows_of_config(base, q, k, v, causal, record, gluon_ok: str | None,
             launcher = sm90_launcher(**options)
             record(base, name, permuted_stages(q, k, v, causal, recipe, launcher)[1])
 
-    def ours(recipe, kernel=None, launch=None):
+    def ours(recipe, kernel=None, launch=None, **variant):
         def fn():
             with env("LOWBIT_ATTN_KERNEL", kernel), env("LOWBIT_ATTN_LAUNCH", launch):
-                return lowbit_attn.attention(q, k, v, recipe=recipe, is_causal=causal)
+                return lowbit_attn.attention(q, k, v, recipe=recipe, is_causal=causal, **variant)
         return fn
 
     record(base, "sdpa cudnn", sdpa(SDPBackend.CUDNN_ATTENTION))
@@ -176,6 +180,11 @@ def rows_of_config(base, q, k, v, causal, record, gluon_ok: str | None,
         record(base, "e2e triton token", ours("qk_int8_pv_fp8"), note=autotune_choice)
         record(base, "sage 1.0.6", sage(q, k, v, causal))
         record(base, "e2e sm90 thread plan", ours(THREAD, "sm90", "plan"))
+        if causal:  # issue 44: a 512-token window, sm90 and Triton, against full causal above
+            for name, kernel in (("e2e sm90 thread win512", "sm90"),
+                                 ("e2e triton thread win512", None)):
+                record(base, name, ours(THREAD, kernel, window=WINDOW), check=False,
+                       note=lambda: f"window {WINDOW}: time against e2e sm90 thread")
         return
     record(base, "e2e triton token", ours("qk_int8_pv_fp8"), note=autotune_choice)
     record(base, "sdpa flash", sdpa(SDPBackend.FLASH_ATTENTION))

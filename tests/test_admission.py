@@ -89,14 +89,17 @@ def test_the_backward_check_covers_what_users_run():
 
 TINY_FWD = [Case(1, 2, 1, 1, 130, 64, 128, causal=True, lse=True, granularity="per_thread"),
             Case(1, 2, 2, 32, 1, 64, 128, causal=False, lse=True),
-            Case(1, 2, 1, 48, 144, 64, 128, causal=True, lse=True)]
+            Case(1, 2, 1, 48, 144, 64, 128, causal=True, lse=True),
+            Case(1, 2, 1, 70, 400, 64, 128, causal=True, lse=True, granularity="per_thread",
+                 window=(150, 0), sinks=True)]
 
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("case", TINY_FWD, ids=str)
 def test_the_forward_check_passes_the_kernel_run_by_the_cpu_model(case):
-    """The new kinds of case (one query, one key, counts that are multiples of 16), the real
-    sm90 kernel run by the CPU model against the Triton kernel on the interpreter."""
+    """The new kinds of case (one query, one key, counts that are multiples of 16, a causal
+    window with sinks), the real sm90 kernel run by the CPU model against the Triton kernel on
+    the interpreter."""
     from lowbit_attn.tools import gluon_cpu
 
     with gluon_cpu.kernel_on_cpu(kernel_int8_sm90, "_attn_fwd_sm90_kernel"):

@@ -269,6 +269,35 @@ def test_sm90_numerical_options_match_their_twin(d, granularity, causal, options
     assert_within(got_lse, want_lse.float(), ON_CUDA["lse"], name="lse")
 
 
+@pytest.mark.parametrize("d,granularity,window,chunk", [
+    (128, "per_thread", (511, 0), 0), (64, "per_token", (300, 90), 0), (128, "per_token", (-1, 0), 256),
+], ids=["D128-thread-win511-causal", "D64-token-win300:90", "D128-token-chunk256"])
+def test_sm90_windows_and_sinks_match_their_twin(d, granularity, window, chunk):
+    """Issue 44: a window or chunk (key-block ranges, edges masked) with sinks (one epilogue term)
+    against the twin with the same variant, within the plain kernel's bounds."""
+    from helpers import ON_CUDA, Bound, assert_within
+    from lowbit_attn.core.variants import Variant
+
+    kernel_int8_sm90 = _needs_sm90()
+    recipe = get_recipe("qk_int8_pv_fp8").replace(granularity=granularity, block_k=128)
+    q, k, v = (x.cuda() for x in channel_biased((2, 8, 700, d), (2, 4, 1101, d), seed=d + 11,
+                                                 dtype=torch.float16))
+    variant = Variant(left=window[0], right=window[1], chunk=chunk, sinks=True)
+    sinks = torch.randn(8, device="cuda") * 2
+    qz = quantize_qkv(q, k, v, recipe, d**-0.5, need_lse_shift=True, backend="triton",
+                      permute_v=True)
+    want, want_lse = quantized_attention(qz, pv="fp8", granularity=granularity, block_q=64,
+                                         block_k=128, causal_offset=None, variant=variant,
+                                         sinks=sinks)
+    got = torch.full(q.shape, float("nan"), device="cuda", dtype=torch.float32)
+    got_lse = kernel_int8_sm90.attention(qz, out=got, pv="fp8", granularity=granularity,
+                                         block_q=64, block_k=128, causal_offset=None,
+                                         return_lse=True, variant=variant, sinks=sinks)
+    out_bound = ON_CUDA["int8 out fp8"].widened(Bound(atol=4e-3, cos=0.999999))
+    assert_within(got, want.float(), out_bound, name="out")
+    assert_within(got_lse, want_lse.float(), ON_CUDA["lse"], name="lse")
+
+
 @pytest.mark.parametrize("granularity", ["per_thread", "per_token"])
 def test_sm90_opt_in_passes_its_check_and_runs_in_the_public_call(monkeypatch, granularity):
     """``LOWBIT_ATTN_KERNEL=sm90``: the first call starts the check against the Triton kernel in

@@ -274,3 +274,39 @@ def test_pv_from_registers_reads_the_a_operand():
     assert sm90_gates.pv_from_registers(regs + "\n" + qk) is True
     assert sm90_gates.pv_from_registers(regs + "\n" + smem) is False
     assert sm90_gates.pv_from_registers(qk) is None
+
+
+def _loops(report) -> list[int]:
+    """Instructions per tile of each key-block loop, in program order (FP8 P·V)."""
+    listing = sass.listing(report.cubin)
+    return [len(body) for body in sass.key_block_loops([(a, t) for a, _, t in listing],
+                                                       mma="QGMMA")]
+
+
+@pytest.mark.pinned_codegen
+@pytest.mark.parametrize("d,granularity,max_regs", [
+    (64, "per_thread", 168), (128, "per_thread", 229), (64, "per_token", 219),
+    (128, "per_token", 231)])
+def test_a_window_with_sinks_costs_at_its_edges(compiled, d, granularity, max_regs):
+    """Issue 44 (NOTES §19): a causal (511, 0) window with sinks compiles three key-block loops
+    (left edge, whole blocks, diagonal): the whole blocks within 17 instructions per tile of the
+    plain loop, each edge (two limits per row) within 1.35× the causal diagonal's loop, no
+    spills. Sinks add nothing to a loop: causal with sinks compiles the causal kernel's loops
+    and registers."""
+    from lowbit_attn.core.variants import Variant
+
+    sinks = torch.zeros(2)
+    windowed = aot.compile_launch(aot.record_sm90_launch(
+        head_dim=d, return_lse=True, granularity=granularity,
+        variant=Variant(left=511, right=0, sinks=True), sinks=sinks), "sm_90a")
+    sunk = aot.compile_launch(aot.record_sm90_launch(
+        head_dim=d, causal=True, return_lse=True, granularity=granularity,
+        variant=Variant(right=0, sinks=True), sinks=sinks), "sm_90a")
+    causal = compiled(d, granularity, causal=True)
+    edge, whole, diagonal = _loops(windowed)
+    plain_loop, causal_diagonal = _loops(causal)
+    assert whole <= plain_loop + 17, (whole, plain_loop)
+    assert max(edge, diagonal) <= 1.35 * causal_diagonal, (edge, diagonal, causal_diagonal)
+    assert windowed.spills == 0 and windowed.registers <= max_regs, windowed.registers
+    assert _loops(sunk) == [plain_loop, causal_diagonal]
+    assert sunk.registers == causal.registers and sunk.spills == 0

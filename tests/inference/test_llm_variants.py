@@ -15,7 +15,9 @@ import triton.language as tl
 
 import lowbit_attn
 from helpers import assert_bits, channel_biased
-from lowbit_attn.core.triton_helpers import window_block_bounds, window_query_bounds
+from lowbit_attn.core.triton_helpers import (
+    window_block_bounds, window_limits, window_query_bounds,
+)
 from lowbit_attn.core.variants import (
     Variant, check, key_block_range, key_blocks_visited, query_block_range,
 )
@@ -419,6 +421,28 @@ def _query_bounds_kernel(OUT, nq, offset, left, right, chunk, BLOCK_N: tl.conste
     tl.store(OUT + pid * 2 + 1, hi)
 
 
+@triton.jit
+def _limits_kernel(OUT, nq, nk, offset, left, right, chunk, BLOCK: tl.constexpr):
+    r = tl.arange(0, BLOCK)
+    first, last = window_limits(r, offset, left, right, chunk, nk)
+    c = tl.arange(0, BLOCK)
+    seen = (c[None, :] >= first[:, None]) & (c[None, :] <= last[:, None])
+    tl.store(OUT + r[:, None] * BLOCK + c[None, :], seen.to(tl.int8),
+             mask=(r[:, None] < nq) & (c[None, :] < nk))
+
+
+@pytest.mark.interpreter
+def test_window_limits_are_the_visibility_rule():
+    """``triton_helpers.window_limits`` (the sm90 forward's edge-block mask: two limits per row)
+    sees exactly the keys :meth:`Variant.visible` does, keys past the end unseen."""
+    for nq, nk, left, right, chunk in _range_cases():
+        out = torch.zeros(256, 256, dtype=torch.int8)
+        _limits_kernel[(1,)](out, nq, nk, nk - nq, left, right, chunk, BLOCK=256)
+        want = Variant(left=left, right=right, chunk=chunk).visible(
+            torch.arange(nq), torch.arange(nk), nk - nq)
+        assert torch.equal(out[:nq, :nk].bool(), want), (nq, nk, left, right, chunk)
+
+
 @pytest.mark.interpreter
 def test_kernel_block_bounds_are_the_python_formula():
     """``triton_helpers.window_block_bounds`` (what the kernels' loops run), launched for every
@@ -469,13 +493,18 @@ def test_aot_compiles_the_variants():
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("kernel", ["sm90", "gluon"])
-def test_gluon_and_sm90_forwards_hand_variants_to_triton(kernel, monkeypatch):
-    """The Gluon and sm90 forwards do not take the variants: with them chosen (and applying, as
-    on an H100), a call with a window, softcap or sinks still runs the Triton kernel, never
-    one of them with the variant dropped."""
+def test_gluon_and_sm90_forwards_route_variants(kernel, monkeypatch):
+    """With the Gluon or sm90 forward chosen (and applying, as on an H100): the Gluon forward
+    takes no variant, the sm90 forward a window, chunk or sinks but not softcap (a tanh per
+    score); the rest runs the Triton kernel, never a forward with the variant dropped."""
     from lowbit_attn.inference import gluon_check, gluon_fp4_check, kernel_int8, sm90_check
 
+    taken = []
+
     def boom(*args, **kwargs):
+        if kernel == "sm90" and "variant" in kwargs:
+            taken.append(kwargs["variant"])
+            return None
         raise AssertionError(f"the {kernel} forward ran for a variant")
 
     for mod in (sm90_check, gluon_check, gluon_fp4_check):
@@ -492,4 +521,9 @@ def test_gluon_and_sm90_forwards_hand_variants_to_triton(kernel, monkeypatch):
     for kw in (dict(window=(4, 0)), dict(softcap=5.0), dict(sinks=torch.zeros(2)),
                dict(chunk=8)):
         lowbit_attn.attention(q, k, v, recipe="qk_int8_pv_fp8", **kw)
-        assert not ran[-1]["variant"].plain
+        if kernel == "sm90" and "softcap" not in kw:
+            assert not taken[-1].plain and taken[-1].softcap == 0
+        else:
+            assert not ran[-1]["variant"].plain
+    if kernel == "sm90":
+        assert len(taken) == 3 and len(ran) == 1

@@ -20,12 +20,13 @@ from helpers import (Bound, assert_bits, assert_caught, assert_within, mutant, m
                      one_torch_thread, schedule_outcome)
 from helpers import causal_offset_of as offset_of
 from lowbit_attn.core.recipes import get_recipe
+from lowbit_attn.core.variants import PLAIN, Variant
 import helpers
 helpers.require_gluon("hopper", "cpu_model")  # before importing Gluon code
 
 from lowbit_attn.inference import gluon_blocks as gb
 from lowbit_attn.inference import kernel_int8_sm90 as k90
-from lowbit_attn.inference.naive import quantized_attention
+from lowbit_attn.inference.naive import exact_attention, quantized_attention
 from lowbit_attn.inference.prepare import quantize_qkv
 from lowbit_attn.tools import gluon_cpu
 
@@ -51,11 +52,17 @@ CASES = [pytest.param(g, pv, id=f"{g}-{pv}")
                        ("per_token", "fp16"))]
 
 
-def operands(b, hq, hkv, nq, nk, d, granularity="per_thread", pv="fp8", dtype=torch.float32):
+def inputs(b, hq, hkv, nq, nk, d):
+    """Seeded fp32 Q, K (channel-biased) and V."""
     g = torch.Generator().manual_seed(nq + 7 * nk + d)
     q = torch.randn(b, hq, nq, d, generator=g)
     k = torch.randn(b, hkv, nk, d, generator=g) + 4 * torch.randn(b, hkv, 1, d, generator=g)
     v = torch.randn(b, hkv, nk, d, generator=g)
+    return q, k, v
+
+
+def operands(b, hq, hkv, nq, nk, d, granularity="per_thread", pv="fp8", dtype=torch.float32):
+    q, k, v = inputs(b, hq, hkv, nq, nk, d)
     recipe = get_recipe(f"qk_int8_pv_{pv}").replace(granularity=granularity, block_k=k90.BLOCK_N)
     q, k, v = (x.to(dtype) for x in (q, k, v))
     qz = quantize_qkv(q, k, v, recipe, d**-0.5, need_lse_shift=True, backend="reference",
@@ -65,14 +72,16 @@ def operands(b, hq, hkv, nq, nk, d, granularity="per_thread", pv="fp8", dtype=to
     return recipe, qz
 
 
-def twin(recipe, qz, causal_offset, poly=0, magic=False):
+def twin(recipe, qz, causal_offset, poly=0, magic=False, variant=PLAIN, sinks=None):
     with gluon_cpu.canonical_reductions():
         return quantized_attention(qz, pv=recipe.pv, granularity=recipe.granularity,
                                    block_q=recipe.block_q, block_k=recipe.block_k,
-                                   causal_offset=causal_offset, poly_share=poly, magic=magic)
+                                   causal_offset=causal_offset, poly_share=poly, magic=magic,
+                                   variant=variant, sinks=sinks)
 
 
-def on_cpu(recipe, qz, causal_offset, k_stages=k90.K_STAGES, poly=0, magic=False, **options):
+def on_cpu(recipe, qz, causal_offset, k_stages=k90.K_STAGES, poly=0, magic=False,
+           variant=PLAIN, sinks=None, **options):
     """``kernel_int8_sm90.attention`` (launcher and kernel) with the kernel run by the model:
     ``(out, lse, trace)``."""
     out = torch.empty(qz.q.shape, dtype=torch.float32)  # NaN-poisoned (conftest)
@@ -80,7 +89,7 @@ def on_cpu(recipe, qz, causal_offset, k_stages=k90.K_STAGES, poly=0, magic=False
         lse = k90.attention(qz, out=out, pv=recipe.pv, granularity=recipe.granularity,
                             block_q=recipe.block_q, block_k=recipe.block_k,
                             causal_offset=causal_offset, return_lse=True, k_stages=k_stages,
-                            poly_exp2=poly, magic=magic)
+                            poly_exp2=poly, magic=magic, variant=variant, sinks=sinks)
     return out, lse, cpu.trace
 
 
@@ -158,6 +167,83 @@ def test_fused_fma_stays_within_the_triton_kernels_bound(b, hq, hkv, nq, nk, d, 
     assert_within(got_lse, want_lse, Bound(atol=1e-5, rtol=1e-5), name="lse")
 
 
+# The LLM variants the kernel takes (issue 44): (B, Hq, Hkv, Nq, Nk, D, window, chunk, sinks);
+# causal windows (W - 1, 0) with whole blocks inside them and blocks skipped before them, a
+# two-sided window, a chunk off the block grid, all three with Nq > Nk (rows that see no key),
+# decode, GQA.
+VARIANT_SHAPES = [
+    pytest.param(1, 2, 1, 150, 523, 64, (255, 0), None, False, id="GQA2:1-Nq150-Nk523-D64-win255"),
+    pytest.param(2, 4, 2, 77, 400, 128, (99, 0), None, True,
+                 id="B2-GQA4:2-Nq77-Nk400-D128-win99-sinks"),
+    pytest.param(1, 2, 2, 130, 300, 64, (200, 70), None, True, id="Nq130-Nk300-D64-win200:70-sinks"),
+    pytest.param(1, 2, 1, 200, 333, 128, (-1, 0), 100, False, id="Nq200-Nk333-D128-chunk100"),
+    pytest.param(1, 2, 1, 200, 90, 64, (30, 10), 64, True, id="Nq200-Nk90-D64-win30:10-chunk64-sinks"),
+    pytest.param(1, 3, 1, 1, 700, 128, (383, 0), None, True, id="decode-Nk700-D128-win383-sinks"),
+]
+
+
+def variant_of(window, chunk, sinks, hq):
+    """The :class:`Variant` and sink logits (seeded) of a :data:`VARIANT_SHAPES` entry."""
+    variant = Variant(left=window[0], right=window[1], chunk=chunk or 0, sinks=sinks)
+    logits = torch.randn(hq, generator=torch.Generator().manual_seed(hq)) * 2 if sinks else None
+    return variant, logits
+
+
+@pytest.mark.parametrize("b,hq,hkv,nq,nk,d,window,chunk,sinks", VARIANT_SHAPES)
+@pytest.mark.parametrize("granularity,pv", CASES)
+def test_windows_chunks_and_sinks_equal_the_twin_bit_for_bit(b, hq, hkv, nq, nk, d, window,
+                                                             chunk, sinks, granularity, pv):
+    """The window's or chunk's key blocks (``window_block_bounds``, masked at both ends) and the
+    sink's epilogue term: the twin visits every key block with the variant's mask, the kernel
+    only those the range holds; a block wholly masked changes nothing, so they agree exactly."""
+    recipe, qz = operands(b, hq, hkv, nq, nk, d, granularity, pv)
+    variant, logits = variant_of(window, chunk, sinks, hq)
+    want, want_lse = twin(recipe, qz, None, variant=variant, sinks=logits)
+    got, got_lse, trace = on_cpu(recipe, qz, None, variant=variant, sinks=logits)
+    assert_bits(got, want, "out")
+    assert_bits(got_lse, want_lse, "lse")
+
+
+@pytest.mark.parametrize("k_stages", [1, 2], ids=["k1", "k2"])
+def test_a_window_visits_its_key_blocks_only(k_stages):
+    """Blocks before the window are neither loaded nor computed: over 10 key blocks a 64-row
+    query tile with a 300-key causal window visits 3, the middle one unmasked."""
+    recipe, qz = operands(1, 1, 1, 64, 1280, 64)
+    variant = Variant(left=299, right=0)
+    want, want_lse = twin(recipe, qz, None, variant=variant)
+    got, got_lse, trace = on_cpu(recipe, qz, None, k_stages, variant=variant)
+    assert_bits(got, want, "out")
+    assert_bits(got_lse, want_lse, "lse")
+    steps = {dict(flags)["MASKED"]: n for (name, flags), n in trace.calls.items()
+             if name == "_step"}
+    assert steps == {True: 2, False: 1}, steps
+
+
+@pytest.mark.parametrize("b,hq,hkv,nq,nk,d,window,chunk,sinks", VARIANT_SHAPES)
+@pytest.mark.parametrize("pv,atol", [("fp16", 0.05), ("fp8", 0.15)])
+def test_windows_chunks_and_sinks_against_float64(b, hq, hkv, nq, nk, d, window, chunk, sinks,
+                                                  pv, atol):
+    """The kernel against float64 exact attention with the variant (``exact_attention``),
+    within the recipes' bounds of test_llm_variants.py; rows that see no key give 0."""
+    recipe, qz = operands(b, hq, hkv, nq, nk, d, "per_thread", pv)
+    variant, logits = variant_of(window, chunk, sinks, hq)
+    got, got_lse, _ = on_cpu(recipe, qz, None, variant=variant, sinks=logits)
+    q, k, v = inputs(b, hq, hkv, nq, nk, d)
+    want, want_lse = exact_attention(q, k, v, scale=d**-0.5, variant=variant, sinks=logits)
+    assert (got.double() - want).abs().max() <= atol * max(1.0, want.abs().max().item())
+    seen = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(got_lse), seen)
+    assert (got_lse.double() - want_lse)[seen].abs().max() <= 4 * atol
+
+
+def test_softcap_is_refused_before_launch():
+    recipe, qz = operands(1, 2, 2, 70, 70, 64)
+    with pytest.raises(ValueError, match="softcap is not supported by the sm90 kernel"):
+        k90.attention(qz, out=torch.empty(qz.q.shape), pv="fp8", granularity="per_thread",
+                      block_q=64, block_k=128, causal_offset=None, return_lse=False,
+                      variant=Variant(softcap=5.0))
+
+
 def test_the_shapes_cover_the_schedule():
     """Over three of the shapes above, every branch of the schedule runs: both loops in both mask
     modes, each barrier in both phases, predicated-off loads, zero fill past the end."""
@@ -195,7 +281,7 @@ MUTATIONS = [
      "s_int = warpgroup_mma_wait(0, deps=[s_tok])\n    if K_STAGES == 1:",
      "if K_STAGES == 1:", "any"),
     ("V-phase-off", k90._step, "mbarrier.wait(v_bar, j & 1)", "mbarrier.wait(v_bar, 0)", "any"),
-    ("V(j+1)-one-block-late", k90._step, "v_box(j + 1, v_col", "v_box(j + 2, v_col", "wrong"),
+    ("V(j+1)-one-block-late", k90._step, "v_box(blk + 1, v_col", "v_box(blk + 2, v_col", "wrong"),
     ("P̃-not-permuted", gb.a_fragment_order, "(0, 1, 3, 2, 4)", "(0, 1, 2, 3, 4)", "wrong"),
     ("per-thread-K-group-of-the-next-block", k90._step, "ks = gl.load(ks_ptr)",
      "ks = gl.load(ks_ptr + 4)", "any"),
@@ -203,7 +289,8 @@ MUTATIONS = [
      "any"),
     ("causal-limit-off-by-one", gb.softmax_block, "nk - 1) - causal_offset",
      "nk) - causal_offset", "wrong"),
-    ("unmasked-loop-one-too-far", KERNEL, "range(0, n_full)", "range(0, n_full + 1)", "any"),
+    ("unmasked-loop-one-too-far", KERNEL, "range(n_lo, n_full)", "range(n_lo, n_full + 1)",
+     "any"),
     ("V-descriptor-unpadded", gb.descriptors, "v_keys = gl.cdiv(nk, 16) * 16", "v_keys = nk",
      "wrong"),
     ("Q-box-at-64-rows-of-the-next-tile", KERNEL, "[pid_m * BM, 0], q_bar",

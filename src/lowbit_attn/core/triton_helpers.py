@@ -169,6 +169,22 @@ def window_ok(r, c, offset, left, right, chunk):
 
 
 @triton.jit
+def window_limits(r, offset, left, right, chunk, nk):
+    """``(first, last)`` per query row ``r``: the keys a row sees under a window and/or chunk are
+    an interval (``window_ok``'s half-lines and ``c < nk`` intersected), key ``c`` seen iff
+    ``first <= c <= last`` (``last < first``: none). Two compares per score, as the causal
+    diagonal's one limit (the sm90 forward's edge blocks)."""
+    p = r + offset
+    first = tl.where(left >= 0, p - left, 0)
+    last = tl.where(right >= 0, tl.minimum(p + right, nk - 1), nk - 1)
+    ch = tl.maximum(chunk, 1)
+    start = tl.maximum(p, 0) // ch * ch
+    first = tl.where(chunk > 0, tl.maximum(first, start), first)
+    last = tl.where(chunk > 0, tl.where(p >= 0, tl.minimum(last, start + (ch - 1)), -1), last)
+    return first, last
+
+
+@triton.jit
 def softcap_scores(s, cap2, two_over, shift):
     """Soft-capped base-2 scores: ``cap2·tanh(u/cap2) - shift`` with ``u = s + shift`` (the
     true score: ``shift`` is what K smoothing took off the row, base 2) and tanh as

@@ -23,7 +23,7 @@ from triton.language.core import PropagateNan
 
 from lowbit_attn.core.triton_helpers import (
     batch_head, finish_rows, finish_scores, online_max, p_offset, packed_v_start, seq_span,
-    store_lse, to_e4m3,
+    store_lse, to_e4m3, window_limits,
 )
 from lowbit_attn.inference.naive import EXP2_ROUND, MAGIC, MAGIC_BITS, POLY_EXP2
 
@@ -141,7 +141,7 @@ def softmax_block(s_int, ks, qs, m_i, l_i, start_n, offs_m, offs_n, nk, causal_o
                   MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, PER_TOKEN: gl.constexpr = True,
                   PV_FP8: gl.constexpr = True, PER_THREAD: gl.constexpr = False,
                   RAW_P: gl.constexpr = False, POLY: gl.constexpr = 0,
-                  MAGIC: gl.constexpr = False):
+                  MAGIC: gl.constexpr = False, window=None, WINDOWED: gl.constexpr = False):
     """One key block's online-softmax step on its integer scores: ``(P̃, m, l, α)``, P̃ as E4M3
     (``PV_FP8``) or fp16.
 
@@ -153,7 +153,9 @@ def softmax_block(s_int, ks, qs, m_i, l_i, start_n, offs_m, offs_n, nk, causal_o
     :func:`_thread_exp2` (and its ``POLY``). ``RAW_P``: P̃ in fp32, for the caller to convert.
     ``MAGIC`` (per-thread or per-token scales): the integer scores become floats without a
     conversion instruction, :func:`magic_float`, the ``1.5·2^23`` it adds taken out by the same
-    FFMA that scales them (``naive.magic_scores``)."""
+    FFMA that scales them (``naive.magic_scores``). ``WINDOWED`` (not with ``IS_CAUSAL``):
+    ``MASKED`` blocks mask the keys outside ``window = (left, right, chunk)``'s rule and past the
+    end (``window_limits``; positions aligned by ``causal_offset = Nk - Nq``)."""
     cols = start_n + offs_n
     if PER_THREAD:
         if MAGIC:
@@ -170,7 +172,13 @@ def softmax_block(s_int, ks, qs, m_i, l_i, start_n, offs_m, offs_n, nk, causal_o
     else:  # one scale per query block and per key block (``kernel_int8``'s per-block fold)
         t = s_int.to(gl.float32)
         c = l_i * 0.0 + qs * ks  # a row vector (l_i is finite: ·0 gives 0)
-    if IS_CAUSAL:
+    if WINDOWED:
+        if MASKED:  # the window's or chunk's rule and the end: two limits per row
+            first, last = window_limits(offs_m, causal_offset, window[0], window[1], window[2],
+                                        nk)
+            t = gl.where((cols[None, :] >= first[:, None]) & (cols[None, :] <= last[:, None]), t,
+                         float("-inf"))
+    elif IS_CAUSAL:
         # Keys past the end folded into each row's causal limit (the same set of keys, one
         # compare per score, and no per-key mask live in registers).
         lim = gl.minimum(offs_m + causal_offset, nk - 1) - causal_offset
@@ -435,13 +443,14 @@ def write_rows(acc, m_i, l_i, O, LSE, LSH, VS, VM, CUQ, b, h, hk, nq, NQ, offs_m
                dmask, svsb, svsh, svsd, sob, soh, son, sod, seb, seh, sen, slb, slh, sln,
                rows_o: gl.constexpr, VARLEN: gl.constexpr, WRITE_LSE: gl.constexpr,
                HAS_VSCALE: gl.constexpr, HAS_VMEAN: gl.constexpr, HAS_LSH: gl.constexpr,
-               PV_FP8: gl.constexpr = True):
-    """The epilogue of a tile's rows: ``acc / l`` (V's scale and mean applied, ``finish_rows``)
+               PV_FP8: gl.constexpr = True, vm_weight=None, SINK: gl.constexpr = False):
+    """The epilogue of a tile's rows: ``acc / l`` (V's scale and mean applied, ``finish_rows``;
+    with ``SINK`` V's mean times the keys' share ``vm_weight`` of each row's sum, in ``rows_o``)
     stored to ``O`` and, with ``WRITE_LSE``, the natural-log LSE; ``offs_m``/``offs_mo`` the
     rows in the score and output layouts. Row offsets are int64 (``row·stride`` of a large output,
     or of a strided view of one, passes 2^31), as the Triton kernels' are."""
     out = finish_rows(acc, gl.convert_layout(l_i, rows_o), VS, VM, b * svsb + hk * svsh, offs_d,
-                      dmask, svsd, HAS_VSCALE, HAS_VMEAN)
+                      dmask, svsd, HAS_VSCALE, HAS_VMEAN, vm_weight, SINK)
     if VARLEN:
         # The sequence's first row read again rather than kept live through the loops (at D=128
         # with 128-key blocks, causal, those registers spill 20 B).

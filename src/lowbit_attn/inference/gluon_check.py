@@ -77,6 +77,7 @@ from lowbit_attn.core.metrics import cosine_similarity
 from lowbit_attn.core.operands import Seqs
 from lowbit_attn.core.options import GLUON_SCHEDULES
 from lowbit_attn.core.recipes import get_recipe
+from lowbit_attn.core.variants import Variant
 from lowbit_attn.inference import kernel_int8
 from lowbit_attn.inference.prepare import quantize_qkv
 
@@ -107,9 +108,13 @@ class Case:
     granularity: str = "per_token"
     lengths: tuple[tuple[int, int], ...] = ()
     pv: str = "fp8"
+    window: tuple[int, int] | None = None
+    sinks: bool = False
 
     def __str__(self) -> str:
         flags = (" causal" if self.causal else "") + (" lse" if self.lse else "")
+        flags += "" if self.window is None else f" window {self.window}"
+        flags += " sinks" if self.sinks else ""
         flags += "" if self.granularity == "per_token" else f" {self.granularity}"
         flags += "" if self.pv == "fp8" else f" pv {self.pv}"
         shape = (f"packed {list(self.lengths)}" if self.lengths
@@ -559,6 +564,20 @@ def dispatch(device: torch.device, applies_here: Callable[[torch.device], bool],
         except ValueError:
             pass
     return triton()
+
+
+def case_variant(case: Case, device: torch.device) -> tuple:
+    """``(variant, sinks)`` of a :class:`Case`: its window (``right`` 0 when causal) and, with
+    ``sinks``, seeded ``[hq]`` fp32 sink logits on ``device``."""
+    left, right = case.window if case.window is not None else (-1, -1)
+    variant = Variant(left=left, right=0 if case.causal else right, sinks=case.sinks)
+    if not variant.windowed:
+        variant = Variant(sinks=case.sinks)  # causal or not: causal_offset says
+    sinks = None
+    if case.sinks:
+        g = torch.Generator(device=device).manual_seed(case.hq)
+        sinks = 2 * torch.randn(case.hq, generator=g, device=device)
+    return variant, sinks
 
 
 def case_inputs(case: Case, device: torch.device) -> tuple:

@@ -29,8 +29,10 @@ SM; NOTES §17 says how many each variant gets.
 
 Scope: dense inputs, per-token or per-thread scales, FP8 P·V (E4M3 V permuted) or fp16 P·V,
 ``block_k`` 128 (the twin walks the keys in the same blocks), D = 64 or 128, causal or not, GQA,
-LSE (with the K-smoothing shift). Refused before launch (the Triton kernel runs): packed
-sequences, per-block scales, ΔS (``smooth_q``), Q quantized in the kernel. Twin:
+LSE (with the K-smoothing shift), a sliding window or chunk (only the key blocks of
+``window_block_bounds``, masked at both ends) and sinks (one term after the loop). Refused before
+launch (the Triton kernel runs): packed sequences, per-block scales, ΔS (``smooth_q``), Q
+quantized in the kernel, softcap (a tanh per score). Twin:
 ``lowbit_attn.inference.naive.quantized_attention``. Written for the Gluon Hopper API of the
 Triton series ``core.triton_support.GLUON_SERIES["hopper"]`` names. Opt-in
 (``LOWBIT_ATTN_KERNEL=sm90``, admitted per device by :mod:`~lowbit_attn.inference.gluon_check`):
@@ -56,7 +58,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from lowbit_attn.core.operands import QuantizedQKV, Seqs
-from lowbit_attn.core.triton_helpers import bhnd_strides, key_block_bounds, row_strides, strides
+from lowbit_attn.core.triton_helpers import (
+    LOG2E, add_sink, bhnd_strides, key_block_bounds, p_offset, row_strides, strides,
+    window_block_bounds,
+)
+from lowbit_attn.core.variants import PLAIN, Variant, sink_logits
 from lowbit_attn.inference.gluon_blocks import (
     check_tma_operands, descriptors, key_scales, program_sequence, register_operand, scales_of_rows,
     softmax_block, thread_view, tile_offsets, tma_load, tma_scratch, v_box, v_operand, write_rows,
@@ -77,19 +83,24 @@ _KEYS = gl.constexpr(gl.BlockedLayout([1], [32], [NUM_WARPS], [0]))
 
 @gluon.jit
 def _attn_fwd_sm90_kernel(
-    q, k, V, VS, VM, LSH, O, LSE,
+    q, k, V, VS, VM, LSH, O, LSE, SINK,
     v_strides, vs_strides, lsh_strides, o_strides, lse_strides,
-    NQ, NK, HQ, GROUP, D, causal_offset,
+    NQ, NK, HQ, GROUP, D, causal_offset, left, right, chunk,
     IS_CAUSAL: gl.constexpr, HAS_VSCALE: gl.constexpr, HAS_VMEAN: gl.constexpr,
     HAS_LSH: gl.constexpr, WRITE_LSE: gl.constexpr, PER_THREAD: gl.constexpr,
     PV_FP8: gl.constexpr, BLOCK_D: gl.constexpr, K_STAGES: gl.constexpr, POLY: gl.constexpr,
-    MAGIC: gl.constexpr,
+    MAGIC: gl.constexpr, WINDOWED: gl.constexpr, HAS_SINK: gl.constexpr,
 ):
     """Operands ``q`` and ``k``: ``(INT8 values, scales, values' strides, scales' strides)`` as
     in ``kernel_int8`` (scales per token ``[B, H, N]`` or per thread ``[B, H, groups]``).
     Strides: (batch, head, token, dim) of Q, K, ``V`` (E4M3 V: its stored ``[B, H, N', D]``
     view, token stride 1), ``O``; (batch, head, row) of the scales, ``LSH`` and ``LSE``; (batch,
-    head, dim) of V's channel vectors ``VS``/``VM``."""
+    head, dim) of V's channel vectors ``VS``/``VM``.
+
+    The LLM variants as in ``kernel_int8``: with ``WINDOWED`` (not with ``IS_CAUSAL``) the key
+    blocks visited are ``window_block_bounds``'s (``left``/``right``/``chunk``, ``causal_offset``
+    then ``Nk - Nq``), masked at both ends, whole between; ``HAS_SINK``: ``SINK`` ``[Hq]`` fp32
+    sink logits in base 2, one term after the loop (``add_sink``)."""
     Q, QS, q_strides, qs_strides = q
     K, KS, k_strides, ks_strides = k
     sqb, sqh, sqn, sqd = q_strides
@@ -165,9 +176,23 @@ def _attn_fwd_sm90_kernel(
     zero_s = gl.zeros([BM, BN], gl.int32, layout=s_layout)
     zero_o = gl.zeros([BM, BLOCK_D], gl.float32, layout=o_layout)
 
-    full_hi, hi = key_block_bounds(nk, pid_m, causal_offset, IS_CAUSAL, BM, BN)
-    n_blocks = gl.cdiv(hi, BN)
-    n_full = full_hi // BN
+    # Key blocks first + j for j in [0, n_blocks): masked below n_lo, whole below n_full, masked
+    # from there (j, counted from 0, picks K's buffer and the barriers' phases).
+    if WINDOWED:
+        lo, full_lo, full_hi, hi = window_block_bounds(nk, pid_m, causal_offset, left, right,
+                                                       chunk, BM, BN)
+        first = lo // BN
+        n_blocks = gl.cdiv(hi - lo, BN)
+        n_lo = (full_lo - lo) // BN
+        n_full = (full_hi - lo) // BN
+        ks_ptr += first * ks_step
+    else:
+        first = 0
+        full_hi, hi = key_block_bounds(nk, pid_m, causal_offset, IS_CAUSAL, BM, BN)
+        n_blocks = gl.cdiv(hi, BN)
+        n_lo = 0
+        n_full = full_hi // BN
+    window = (left, right, chunk)
     k_bytes: gl.constexpr = BN * BLOCK_D
     v_bytes: gl.constexpr = BLOCK_D * BN if PV_FP8 else 2 * BLOCK_D * BN
     if n_blocks > 0:
@@ -176,23 +201,30 @@ def _attn_fwd_sm90_kernel(
         for i in gl.static_range(K_STAGES):
             more = i < n_blocks
             mbarrier.expect(k_bars.index(i), k_bytes, pred=more)
-            tma_load(k_desc, [i * BN, 0], k_bars.index(i), k_smem.index(i), pred=more)
+            tma_load(k_desc, [(first + i) * BN, 0], k_bars.index(i), k_smem.index(i), pred=more)
         mbarrier.expect(v_bar, v_bytes)
-        v0, v1 = v_box(0, v_col, BN, PV_FP8)
+        v0, v1 = v_box(first, v_col, BN, PV_FP8)
         tma_load(v_desc, [v0, v1], v_bar, v_smem)
         mbarrier.wait(q_bar, 0)
-        for j in range(0, n_full):
+        if WINDOWED:  # the window's first edge
+            for j in range(0, n_lo):
+                acc, m_i, l_i, ks_ptr = _step(
+                    j, first, acc, m_i, l_i, qs, ks_ptr, ks_step, offs_m, offs_n, nk,
+                    causal_offset, n_blocks, q_smem, k_smem, v_smem, k_bars, v_bar, k_desc,
+                    v_desc, v_col, zero_s, zero_o, a_layout, True, IS_CAUSAL, PER_THREAD, PV_FP8,
+                    BN, BLOCK_D, cols_s, K_STAGES, POLY, MAGIC, window, WINDOWED)
+        for j in range(n_lo, n_full):
             acc, m_i, l_i, ks_ptr = _step(
-                j, acc, m_i, l_i, qs, ks_ptr, ks_step, offs_m, offs_n, nk, causal_offset,
+                j, first, acc, m_i, l_i, qs, ks_ptr, ks_step, offs_m, offs_n, nk, causal_offset,
                 n_blocks, q_smem, k_smem, v_smem, k_bars, v_bar, k_desc, v_desc, v_col, zero_s,
                 zero_o, a_layout, False, IS_CAUSAL, PER_THREAD, PV_FP8, BN, BLOCK_D, cols_s,
-                K_STAGES, POLY, MAGIC)
+                K_STAGES, POLY, MAGIC, window, WINDOWED)
         for j in range(n_full, n_blocks):
             acc, m_i, l_i, ks_ptr = _step(
-                j, acc, m_i, l_i, qs, ks_ptr, ks_step, offs_m, offs_n, nk, causal_offset,
+                j, first, acc, m_i, l_i, qs, ks_ptr, ks_step, offs_m, offs_n, nk, causal_offset,
                 n_blocks, q_smem, k_smem, v_smem, k_bars, v_bar, k_desc, v_desc, v_col, zero_s,
                 zero_o, a_layout, True, IS_CAUSAL, PER_THREAD, PV_FP8, BN, BLOCK_D, cols_s,
-                K_STAGES, POLY, MAGIC)
+                K_STAGES, POLY, MAGIC, window, WINDOWED)
 
     mbarrier.invalidate(q_bar)
     for i in gl.static_range(K_STAGES):
@@ -200,20 +232,32 @@ def _attn_fwd_sm90_kernel(
     mbarrier.invalidate(v_bar)
 
     offs_mo = pid_m * BM + gl.arange(0, BM, layout=rows_o)
+    w = l_i
+    if HAS_SINK:  # one term after the loop, in the output's row layout (acc's rows)
+        sink = gl.load(SINK + h + offs_mo * 0)
+        if HAS_LSH:  # in the smoothed scores' frame
+            sink = sink - gl.load(LSH + b * slb + h * slh + offs_mo.to(gl.int64) * sln,
+                                  mask=offs_mo < nq, other=0.0) * LOG2E
+        acc, m_o, l_o, w = add_sink(acc, gl.convert_layout(m_i, rows_o),
+                                    gl.convert_layout(l_i, rows_o), sink, p_offset(PV_FP8))
+        m_i = gl.convert_layout(m_o, rows_s)
+        l_i = gl.convert_layout(l_o, rows_s)
     write_rows(acc, m_i, l_i, O, LSE, LSH, VS, VM, None, b, h, hk, nq, NQ, offs_m, offs_mo, offs_d,
                dmask, svsb, svsh, svsd, sob, soh, son, sod, seb, seh, sen, slb, slh, sln, rows_o,
-               False, WRITE_LSE, HAS_VSCALE, HAS_VMEAN, HAS_LSH, PV_FP8)
+               False, WRITE_LSE, HAS_VSCALE, HAS_VMEAN, HAS_LSH, PV_FP8, w, HAS_SINK)
 
 
 @gluon.jit
-def _step(j, acc, m_i, l_i, qs, ks_ptr, ks_step, offs_m, offs_n, nk, causal_offset, n_blocks,
-          q_smem, k_smem, v_smem, k_bars, v_bar, k_desc, v_desc, v_col, zero_s, zero_o,
+def _step(j, first, acc, m_i, l_i, qs, ks_ptr, ks_step, offs_m, offs_n, nk, causal_offset,
+          n_blocks, q_smem, k_smem, v_smem, k_bars, v_bar, k_desc, v_desc, v_col, zero_s, zero_o,
           a_layout: gl.constexpr, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr,
           PER_THREAD: gl.constexpr, PV_FP8: gl.constexpr, BN: gl.constexpr,
           BLOCK_D: gl.constexpr, cols_s: gl.constexpr, K_STAGES: gl.constexpr,
-          POLY: gl.constexpr, MAGIC: gl.constexpr):
-    """Key block ``j``: Q·Kᵀ, the softmax, P̃·V(j) from registers, K(j+2) and V(j+1) requested,
-    ``acc·α + pv``. Returns ``(acc, m, l)`` and ``ks_ptr`` moved to the next block's K scales."""
+          POLY: gl.constexpr, MAGIC: gl.constexpr, window, WINDOWED: gl.constexpr):
+    """The ``j``-th key block visited, key block ``first + j`` (``first``: 0 without a window):
+    Q·Kᵀ, the softmax, P̃·V(j) from registers, K(j+2) and V(j+1) requested, ``acc·α + pv``.
+    Returns ``(acc, m, l)`` and ``ks_ptr`` moved to the next block's K scales."""
+    blk = first + j
     if K_STAGES == 1:
         stage = 0
         k_phase = j & 1
@@ -223,7 +267,7 @@ def _step(j, acc, m_i, l_i, qs, ks_ptr, ks_step, offs_m, offs_n, nk, causal_offs
     if PER_THREAD:
         ks = gl.load(ks_ptr)
     else:
-        ks = key_scales(ks_ptr, j * BN, offs_n, nk, _KEYS, MASKED, True, cols_s)
+        ks = key_scales(ks_ptr, blk * BN, offs_n, nk, _KEYS, MASKED, True, cols_s)
     k_bar = k_bars.index(stage)
     mbarrier.wait(k_bar, k_phase)
     s_tok = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False,
@@ -232,10 +276,10 @@ def _step(j, acc, m_i, l_i, qs, ks_ptr, ks_step, offs_m, offs_n, nk, causal_offs
     if K_STAGES == 1:  # K(j+1) into the buffer Q·K(j)ᵀ has read
         more_k = j + 1 < n_blocks
         mbarrier.expect(k_bar, BN * BLOCK_D, pred=more_k)
-        tma_load(k_desc, [(j + 1) * BN, 0], k_bar, k_smem.index(0), pred=more_k)
-    p, m_i, l_i, alpha = softmax_block(s_int, ks, qs, m_i, l_i, j * BN, offs_m, offs_n, nk,
+        tma_load(k_desc, [(blk + 1) * BN, 0], k_bar, k_smem.index(0), pred=more_k)
+    p, m_i, l_i, alpha = softmax_block(s_int, ks, qs, m_i, l_i, blk * BN, offs_m, offs_n, nk,
                                        causal_offset, MASKED, IS_CAUSAL, not PER_THREAD, PV_FP8,
-                                       PER_THREAD, True, POLY, MAGIC)
+                                       PER_THREAD, True, POLY, MAGIC, window, WINDOWED)
     a = register_operand(p, a_layout, PV_FP8)
     mbarrier.wait(v_bar, j & 1)
     pv_tok = warpgroup_mma(a, v_operand(v_smem, PV_FP8), zero_o, use_acc=False, is_async=True)
@@ -246,8 +290,8 @@ def _step(j, acc, m_i, l_i, qs, ks_ptr, ks_step, offs_m, offs_n, nk, causal_offs
         mbarrier.expect(k_bar, BN * BLOCK_D, pred=more_k)
     mbarrier.expect(v_bar, BLOCK_D * BN if PV_FP8 else 2 * BLOCK_D * BN, pred=more_v)
     if K_STAGES == 2:
-        tma_load(k_desc, [(j + 2) * BN, 0], k_bar, k_smem.index(stage), pred=more_k)
-    v0, v1 = v_box(j + 1, v_col, BN, PV_FP8)
+        tma_load(k_desc, [(blk + 2) * BN, 0], k_bar, k_smem.index(stage), pred=more_k)
+    v0, v1 = v_box(blk + 1, v_col, BN, PV_FP8)
     tma_load(v_desc, [v0, v1], v_bar, v_smem, pred=more_v)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, zero_o.type.layout))[:, None] + pv
     return acc, m_i, l_i, ks_ptr + ks_step
@@ -277,6 +321,8 @@ def attention(
     maxnreg: int | None = None,
     poly_exp2: int = 0,
     magic: bool = False,
+    variant: Variant = PLAIN,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Run the kernel, as ``kernel_int8.attention`` (same arguments; ``block_q`` is not used:
     the kernel's tiles are 64 rows, which changes no value); writes ``out`` (a logical
@@ -288,6 +334,9 @@ def attention(
     0 (the default) none; ``magic``: the integer scores become floats by an integer add into the
     bits of 1.5·2^23 instead of a conversion (``gluon_blocks.magic_float``; twin:
     ``quantized_attention(magic=True)``), off by default.
+    ``variant``, ``sinks``: a window, a chunk and sinks as ``kernel_int8.attention`` takes them
+    (positions aligned bottom-right; twin: ``quantized_attention(variant=, sinks=)``), not
+    softcap (a tanh per score: the Triton kernel runs it).
     Raises ``RuntimeError`` on a Triton whose Gluon it was not written for,
     ``ValueError`` for what it does not cover (before launching anything)."""
     check_version()
@@ -297,6 +346,12 @@ def attention(
         raise ValueError(f"poly_exp2 must be 0 or one of {POLY_SHARES}, got {poly_exp2!r}")
     if poly_exp2 and granularity != "per_thread":
         raise ValueError(f"poly_exp2 needs granularity 'per_thread', got {granularity!r}")
+    if variant.softcap:
+        raise ValueError("softcap is not supported by the sm90 kernel (a tanh per score in its "
+                         "loop): the Triton kernel runs it")
+    if variant.sinks != (sinks is not None):
+        raise ValueError(f"variant.sinks is {variant.sinks} but sinks is "
+                         f"{'given' if sinks is not None else 'None'}")
     _check_scope(qz, pv=pv, granularity=granularity, block_k=block_k, seqs_q=seqs_q,
                  seqs_k=seqs_k)
     b, hq, nq, d = qz.q.shape
@@ -307,6 +362,10 @@ def attention(
     vec = qz.v_scale if qz.v_scale is not None else qz.v_mean
     grid = (triton.cdiv(nq, BLOCK_M), b * hq)
     options = {} if maxnreg is None else {"maxnreg": int(maxnreg)}
+    if variant.windowed:  # positions aligned bottom-right
+        causal_offset, offset = None, nk - nq
+    else:
+        offset = 0 if causal_offset is None else int(causal_offset)
 
     def launch():
         triton.set_allocator(tma_scratch)  # in a copy of the caller's context: theirs is kept
@@ -314,16 +373,18 @@ def attention(
             q=(qz.q, qz.q_scale, bhnd_strides(qz.q, False), row_strides(qz.q_scale, False)),
             k=(qz.k, qz.k_scale, bhnd_strides(qz.k, False), row_strides(qz.k_scale, False)),
             V=qz.v, VS=qz.v_scale, VM=qz.v_mean, LSH=qz.lse_shift, O=out, LSE=lse,
+            SINK=sink_logits(sinks),
             v_strides=bhnd_strides(qz.v, False), vs_strides=strides(vec, 3),
             lsh_strides=row_strides(qz.lse_shift, False), o_strides=bhnd_strides(out, False),
             lse_strides=row_strides(lse, False),
             NQ=nq, NK=nk, HQ=hq, GROUP=hq // hkv, D=d,
-            causal_offset=0 if causal_offset is None else int(causal_offset),
+            causal_offset=offset, left=variant.left, right=variant.right, chunk=variant.chunk,
             IS_CAUSAL=causal_offset is not None, HAS_VSCALE=qz.v_scale is not None,
             HAS_VMEAN=qz.v_mean is not None, HAS_LSH=qz.lse_shift is not None,
             WRITE_LSE=lse is not None, PER_THREAD=granularity == "per_thread",
             PV_FP8=pv == "fp8", BLOCK_D=d, K_STAGES=k_stages, POLY=int(poly_exp2),
-            MAGIC=bool(magic), num_warps=NUM_WARPS, **options,
+            MAGIC=bool(magic), WINDOWED=variant.windowed, HAS_SINK=sinks is not None,
+            num_warps=NUM_WARPS, **options,
         )
 
     contextvars.copy_context().run(launch)

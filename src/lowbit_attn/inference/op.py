@@ -35,7 +35,8 @@ def kernel(q, k, v, *, out: torch.Tensor, recipe: Recipe, scale: float, causal_o
     :func:`lowbit_attn.inference.sm90_check.attention` (likewise); with ``"gluon"`` the FP4
     attention goes through :func:`lowbit_attn.inference.gluon_fp4_check.attention` (the Gluon
     FP4 forward on sm_100 likewise). A ``variant`` other than plain attention runs on the
-    Triton kernels alone (the Gluon and sm90 forwards do not take it)."""
+    Triton kernels, but for the sm90 forward, which takes windows, chunks and sinks (not
+    softcap: a tanh per score in its loop)."""
     if recipe.is_exact:
         return naive(q, k, v, out=out, recipe=recipe, scale=scale, causal_offset=causal_offset,
                      return_lse=return_lse, seqs=seqs, options=options, variant=variant,
@@ -70,7 +71,7 @@ def kernel(q, k, v, *, out: torch.Tensor, recipe: Recipe, scale: float, causal_o
     seqs_q, seqs_k = seqs if seqs is not None else (None, None)
     # The one-warpgroup Hopper forward where it covers the call and is admitted on this device:
     # decided before quantizing, because it takes V's keys permuted.
-    sm90 = (variant.plain and options.sm90_forward and sm90_check.applies(q.device)
+    sm90 = (variant.softcap == 0 and options.sm90_forward and sm90_check.applies(q.device)
             and sm90_check.wanted(recipe, q.shape[-1], packed=seqs is not None,
                                   q_in_kernel=options.q_in_kernel)
             and sm90_check.admitted(q.device))
@@ -81,15 +82,15 @@ def kernel(q, k, v, *, out: torch.Tensor, recipe: Recipe, scale: float, causal_o
         permute_v=sm90 and recipe.pv == "fp8",
     )
     forward = kernel_int8.attention
-    if not variant.plain:  # the Triton kernel alone takes the variants
+    if sm90 or not variant.plain:  # the sm90 forward: windows, chunks, sinks; Triton: all
+        if sm90:
+            forward = sm90_check.attention
         return forward(
             qz, out=out, pv=recipe.pv, granularity=recipe.granularity, block_q=recipe.block_q,
             block_k=recipe.block_k, causal_offset=causal_offset, return_lse=return_lse,
             seqs_q=seqs_q, seqs_k=seqs_k, variant=variant, sinks=sinks,
         )
-    if sm90:
-        forward = sm90_check.attention
-    elif options.gluon_forward:  # the Gluon forward where it applies and passed its check here
+    if options.gluon_forward:  # the Gluon forward where it applies and passed its check here
         from lowbit_attn.inference import gluon_check
 
         forward = functools.partial(gluon_check.attention, schedule=options.gluon_schedule)

@@ -12,7 +12,8 @@ it only where
 
 1. :func:`wanted`: the call is one the kernel covers, decided before quantization (V's keys are
    then stored permuted for it): dense, INT8 Q·Kᵀ with per-token or per-thread scales, FP8 or
-   fp16 P·V, 128-key blocks, no ΔS, Q quantized by its pass, D = 64 or 128;
+   fp16 P·V, 128-key blocks, no ΔS, Q quantized by its pass, D = 64 or 128 (and no softcap:
+   ``op.kernel`` sends windows, chunks and sinks here, softcap to the Triton kernel);
 2. :func:`applies`: CUDA tensors on a device of capability 9.0, compiled kernels (on a CPU the
    option changes nothing: Triton has no Gluon interpreter);
 3. it has passed the check :func:`self_check` (its verdict stored on disk for this device,
@@ -21,7 +22,7 @@ it only where
    Triton kernel on :data:`CASES` (partial blocks, key counts not a multiple of 16,
    query and key counts that are multiples of 128 and of 16, one query, one key, grids of 512
    programs, causal, GQA, LSE, per-thread and per-token scales, FP8 and fp16 P·V, both head
-   dims), in a process of its own (:mod:`~lowbit_attn.inference.gluon_check`'s ``isolated``); a mismatch, a crash or any exception warns once, naming the reason, and
+   dims, a causal window with sinks), in a process of its own (:mod:`~lowbit_attn.inference.gluon_check`'s ``isolated``); a mismatch, a crash or any exception warns once, naming the reason, and
    the Triton kernel runs for the rest of the process on that device; no check during a CUDA
    graph capture;
 4. the launcher takes the call (it raises ``ValueError`` before launching anything otherwise;
@@ -36,6 +37,7 @@ from __future__ import annotations
 import torch
 
 from lowbit_attn.core.recipes import Recipe, get_recipe
+from lowbit_attn.core.variants import PLAIN, Variant
 from lowbit_attn.inference import gluon_check, kernel_int8
 from lowbit_attn.inference.gluon_check import Case
 from lowbit_attn.inference.prepare import quantize_qkv
@@ -65,6 +67,10 @@ CASES = (
     Case(1, 4, 2, 144, 208, 64, BLOCK_N, causal=True, lse=True),
     Case(2, 4, 1, 1, 384, 128, BLOCK_N, causal=True, lse=True, granularity="per_thread"),
     Case(1, 4, 2, 96, 1, 64, BLOCK_N, causal=False, lse=True, granularity="per_thread"),
+    # issue 44: a causal window over several key blocks (blocks skipped, edges masked, whole
+    # ones between) with sinks, K's shift and LSE
+    Case(1, 4, 2, 200, 700, 128, BLOCK_N, causal=True, lse=True, granularity="per_thread",
+         window=(299, 0), sinks=True),
 )
 
 
@@ -106,10 +112,13 @@ def _compare(case: Case, device: torch.device) -> str | None:
     q, k, v, _, offset = gluon_check.case_inputs(case, device)
     recipe = get_recipe(f"qk_int8_pv_{case.pv}").replace(block_k=case.block_k,
                                                          granularity=case.granularity)
-    qz = quantize_qkv(q, k, v, recipe, case.d**-0.5, need_lse_shift=case.lse, backend="triton",
+    qz = quantize_qkv(q, k, v, recipe, case.d**-0.5, need_lse_shift=case.lse or case.sinks,
+                      backend="triton",
                       permute_v=case.pv == "fp8")
+    variant, sinks = gluon_check.case_variant(case, device)
     kw = dict(pv=recipe.pv, granularity=recipe.granularity, block_q=recipe.block_q,
-              block_k=case.block_k, causal_offset=offset, return_lse=case.lse)
+              block_k=case.block_k, causal_offset=offset, return_lse=case.lse, variant=variant,
+              sinks=sinks)
     from lowbit_attn.inference import kernel_int8_sm90  # an import failure is a reason too
 
     want, got = torch.empty_like(q), torch.full_like(q, float("nan"))
@@ -121,12 +130,14 @@ def _compare(case: Case, device: torch.device) -> str | None:
 
 
 def attention(qz, *, out: torch.Tensor, pv: str, granularity: str, block_q: int, block_k: int,
-              causal_offset: int | None, return_lse: bool, seqs_q=None,
-              seqs_k=None) -> torch.Tensor | None:
+              causal_offset: int | None, return_lse: bool, seqs_q=None, seqs_k=None,
+              variant: Variant = PLAIN, sinks: torch.Tensor | None = None) -> torch.Tensor | None:
     """``kernel_int8.attention``'s arguments and result, run by the one-warpgroup forward where it
-    applies, is admitted on ``out``'s device and takes the call, else by the Triton kernel."""
+    applies, is admitted on ``out``'s device and takes the call, else by the Triton kernel
+    (``variant``: a window, chunk and sinks; softcap is refused by the launcher, the Triton kernel
+    then runs it)."""
     kw = dict(out=out, pv=pv, granularity=granularity, block_q=block_q, block_k=block_k,
-              causal_offset=causal_offset, return_lse=return_lse)
+              causal_offset=causal_offset, return_lse=return_lse, variant=variant, sinks=sinks)
 
     def gluon():
         from lowbit_attn.inference import kernel_int8_sm90
