@@ -8,6 +8,7 @@ import importlib
 import re
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -98,3 +99,39 @@ def test_a_mask_holding_a_scalar_comparison_runs_under_the_interpreter(limit, ex
     out = torch.zeros(4)
     _scalar_condition_mask[(1,)](x, torch.tensor([limit]), out, BLOCK=4)
     assert out.tolist() == expected
+
+
+def test_without_triton_the_package_imports_and_runs_the_reference_path():
+    """Triton publishes Linux wheels only and the metadata asks for it on Linux alone: elsewhere
+    ``import lowbit_attn`` works, CPU calls run the reference, CUDA tensors are sent there with
+    one warning, and asking for the kernels names what is missing."""
+    code = textwrap.dedent("""
+        import sys, warnings
+        sys.modules["triton"] = None  # import triton raises ImportError, as where it is absent
+        import torch, lowbit_attn
+        from lowbit_attn.core import arch, triton_support
+        assert not triton_support.triton_installed()
+        q = torch.randn(1, 2, 16, 64)
+        out = lowbit_attn.attention(q, q, q, is_causal=True)
+        torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(
+            q, q, q, is_causal=True), atol=0.05, rtol=0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert arch.backend_for(torch.device("cuda")) == "reference"
+            assert arch.backend_for(torch.device("cuda")) == "reference"
+        assert len(caught) == 1 and "reference path" in str(caught[0].message), caught
+        import os
+        os.environ["LOWBIT_ATTN_BACKEND"] = "triton"
+        try:
+            arch.backend_for(torch.device("cpu"))
+        except RuntimeError as err:
+            print(err)
+        assert "triton" not in sys.modules or sys.modules["triton"] is None
+        from lowbit_attn.tools.cli import main
+        main(["doctor"])  # says so
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("LOWBIT_ATTN_BACKEND=triton needs Triton, which is not "
+                                 "installed (Triton publishes wheels for Linux"), out.stdout
+    assert re.search(r"\ntriton +not installed \(wheels for Linux only\)", out.stdout), out.stdout

@@ -49,6 +49,18 @@ def series(version: str | None = None) -> str:
     return ".".join(version.split("+")[0].split(".")[:2])
 
 
+@functools.lru_cache(maxsize=None)
+def triton_installed() -> bool:
+    """Whether Triton can be imported. Triton publishes Linux wheels only (x86_64, aarch64), and
+    the package's metadata asks for it on Linux alone: elsewhere every call runs the PyTorch
+    reference path (:func:`lowbit_attn.core.arch.backend_for`)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def installed_version() -> str:
     import triton
 
@@ -151,4 +163,5 @@ def patch_interpreter() -> None:
 __all__ = [
     "GLUON_SERIES", "GluonUnavailable", "PINNED", "TESTED", "check_triton_series",
     "gluon_available", "gluon_refusal", "parts", "patch_interpreter", "require_gluon", "series",
+    "triton_installed",
 ]
