@@ -135,3 +135,29 @@ def test_without_triton_the_package_imports_and_runs_the_reference_path():
     assert out.stdout.startswith("LOWBIT_ATTN_BACKEND=triton needs Triton, which is not "
                                  "installed (Triton publishes wheels for Linux"), out.stdout
     assert re.search(r"\ntriton +not installed \(wheels for Linux only\)", out.stdout), out.stdout
+
+
+def test_the_metadata_admits_the_triton_of_every_supported_torch_on_linux_alone():
+    """pyproject.toml's requirements against :data:`TORCH_TRITON` (`make check-resolve` asks the
+    index): each torch's Triton is admitted, the oldest is the lower bound, torch's own lower bound
+    is the oldest supported torch, and Triton is asked for on Linux only."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 on
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    reqs = {r.name: r for r in map(Requirement, project["project"]["dependencies"])}
+    triton_req, torch_req = reqs["triton"], reqs["torch"]
+    for torch_series, triton_series in triton_support.TORCH_TRITON.items():
+        assert triton_req.specifier.contains(Version(triton_series + ".0")), triton_series
+        assert torch_req.specifier.contains(Version(torch_series + ".0")), torch_series
+    major, minor = min(tuple(map(int, s.split("."))) for s in triton_support.TORCH_TRITON)
+    assert not torch_req.specifier.contains(Version(f"{major}.{minor - 1}.9"))  # (torch 2.7)
+    major, minor = map(int, triton_support.OLDEST.split("."))
+    assert not triton_req.specifier.contains(Version(f"{major}.{minor - 1}.9"))
+    assert set(triton_support.TESTED) <= {s for s in ("3.4", "3.5", "3.6", "3.7", "3.8", "3.9")
+                                          if triton_req.specifier.contains(Version(s + ".0"))}
+    for platform, wanted in (("linux", True), ("win32", False), ("darwin", False)):
+        assert triton_req.marker.evaluate({"sys_platform": platform}) is wanted
