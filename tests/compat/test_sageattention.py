@@ -273,7 +273,7 @@ def test_sageattn_with_a_mask_in_kwargs_is_exact_too():
 @pytest.mark.parametrize("kind", ["bool", "float"])
 def test_the_masked_exact_path_computes_cpu_half_precision_in_float32(monkeypatch, dtype, kind):
     """PyTorch's float16/bfloat16 CPU SDPA is not on every CPU (``ATEN_CPU_CAPABILITY=default`` on
-    an AVX-512 CPU with AMX raises ``pack_vnni2 is only supported when avx512 is supported``):
+    some AVX-512 CPUs raises ``pack_vnni2 is only supported when avx512 is supported``):
     the exact path hands it float32 tensors, so a PyTorch that refuses the reduced dtypes does not
     reach the user, and the answer is the float32 one rounded once."""
     from lowbit_attn.integrations import sdpa

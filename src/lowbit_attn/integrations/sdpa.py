@@ -41,7 +41,7 @@ def exact_sdpa(query, key, value, attn_mask=None, **kwargs):
     a low-bit one, as :func:`lowbit_attn.compat.sageattention.masked_exact`), with the same
     arguments; float16/bfloat16 CPU tensors are computed in float32 (a float mask too) and the
     output cast back. PyTorch's reduced-precision CPU kernel is not available on every CPU (with
-    ``ATEN_CPU_CAPABILITY=default`` on an AVX-512 CPU with AMX it raises ``pack_vnni2 is only
+    ``ATEN_CPU_CAPABILITY=default`` on some AVX-512 CPUs it raises ``pack_vnni2 is only
     supported when avx512 is supported``), and float32 is the more exact answer. The drop-in's
     fallback is PyTorch's function itself, unchanged: its callers get PyTorch's result."""
     if query.device.type != "cpu" or query.dtype not in (torch.float16, torch.bfloat16):
