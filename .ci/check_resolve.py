@@ -85,6 +85,9 @@ def main(argv: list[str]) -> int:
     missing = {series(t) for t in torches} - set(TORCH_TRITON)
     if missing:
         raise SystemExit(f"no Triton series recorded for torch {sorted(missing)}")
+    unchecked = set(TORCH_TRITON) - {series(t) for t in TORCHES}
+    if unchecked:
+        raise SystemExit(f"TORCHES names no release of torch {sorted(unchecked)}")
     start = time.monotonic()
     for torch in torches:
         results = [f"{p.split('-')[0]}-{p.split('-')[-1]}: {check(uv, torch, p)}"

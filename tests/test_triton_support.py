@@ -161,3 +161,6 @@ def test_the_metadata_admits_the_triton_of_every_supported_torch_on_linux_alone(
                                           if triton_req.specifier.contains(Version(s + ".0"))}
     for platform, wanted in (("linux", True), ("win32", False), ("darwin", False)):
         assert triton_req.marker.evaluate({"sys_platform": platform}) is wanted
+    makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
+    oldest = re.search(r"^OLDEST_TRITON_SPEC \?= triton==(\S+)$", makefile, re.M)[1]
+    assert triton_support.series(oldest) == triton_support.OLDEST  # what make test-oldest installs
