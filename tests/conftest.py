@@ -58,6 +58,12 @@ def pytest_collection_modifyitems(config, items):
     skip_codegen = pytest.mark.skip(
         reason=f"a schedule Triton {triton_support.PINNED}'s code generation gives (the GPU "
         f"machines' Triton), not Triton {triton_support.installed_version()}'s")
+    from lowbit_attn.tools import triton_compat
+
+    aot_here = triton_support.series() in triton_compat.WRITTEN_FOR
+    skip_aot = pytest.mark.skip(
+        reason=f"the ahead-of-time and launch tooling reads internals of Triton "
+        f"{', '.join(triton_compat.WRITTEN_FOR)}, not of Triton {triton_support.installed_version()}")
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_interp = pytest.mark.skip(reason="needs TRITON_INTERPRET=1 (Triton on CPU tensors)")
     skip_sized = pytest.mark.skip(reason="a GPU-sized case: the cuda target's alone")
@@ -75,6 +81,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_interp)
         if "pinned_codegen" in item.keywords and not pinned:
             item.add_marker(skip_codegen)
+        if ("aot" in item.keywords or "triton_internals" in item.keywords) and not aot_here:
+            item.add_marker(skip_aot)
 
 
 def _poison(t: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,9 @@ import sys
 
 import pytest
 
+# the stand-in driver of tools/bench/host.py reads Triton internals (skipped elsewhere)
+pytestmark = pytest.mark.triton_internals
+
 KERNELS = r'''
 import triton
 import triton.language as tl

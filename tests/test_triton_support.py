@@ -8,6 +8,7 @@ import importlib
 import re
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -98,3 +99,68 @@ def test_a_mask_holding_a_scalar_comparison_runs_under_the_interpreter(limit, ex
     out = torch.zeros(4)
     _scalar_condition_mask[(1,)](x, torch.tensor([limit]), out, BLOCK=4)
     assert out.tolist() == expected
+
+
+def test_without_triton_the_package_imports_and_runs_the_reference_path():
+    """Triton publishes Linux wheels only and the metadata asks for it on Linux alone: elsewhere
+    ``import lowbit_attn`` works, CPU calls run the reference, CUDA tensors are sent there with
+    one warning, and asking for the kernels names what is missing."""
+    code = textwrap.dedent("""
+        import sys, warnings
+        sys.modules["triton"] = None  # import triton raises ImportError, as where it is absent
+        import torch, lowbit_attn
+        from lowbit_attn.core import arch, triton_support
+        assert not triton_support.triton_installed()
+        q = torch.randn(1, 2, 16, 64)
+        out = lowbit_attn.attention(q, q, q, is_causal=True)
+        torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(
+            q, q, q, is_causal=True), atol=0.05, rtol=0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert arch.backend_for(torch.device("cuda")) == "reference"
+            assert arch.backend_for(torch.device("cuda")) == "reference"
+        assert len(caught) == 1 and "reference path" in str(caught[0].message), caught
+        import os
+        os.environ["LOWBIT_ATTN_BACKEND"] = "triton"
+        try:
+            arch.backend_for(torch.device("cpu"))
+        except RuntimeError as err:
+            print(err)
+        assert "triton" not in sys.modules or sys.modules["triton"] is None
+        from lowbit_attn.tools.cli import main
+        main(["doctor"])  # says so
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("LOWBIT_ATTN_BACKEND=triton needs Triton, which is not "
+                                 "installed (Triton publishes wheels for Linux"), out.stdout
+    assert re.search(r"\ntriton +not installed \(wheels for Linux only\)", out.stdout), out.stdout
+
+
+def test_the_metadata_admits_the_triton_of_every_supported_torch_on_linux_alone():
+    """pyproject.toml's requirements against :data:`TORCH_TRITON` (`make check-resolve` asks the
+    index): each torch's Triton is admitted, the oldest is the lower bound, torch's own lower bound
+    is the oldest supported torch, and Triton is asked for on Linux only."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 on
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    reqs = {r.name: r for r in map(Requirement, project["project"]["dependencies"])}
+    triton_req, torch_req = reqs["triton"], reqs["torch"]
+    for torch_series, triton_series in triton_support.TORCH_TRITON.items():
+        assert triton_req.specifier.contains(Version(triton_series + ".0")), triton_series
+        assert torch_req.specifier.contains(Version(torch_series + ".0")), torch_series
+    major, minor = min(tuple(map(int, s.split("."))) for s in triton_support.TORCH_TRITON)
+    assert not torch_req.specifier.contains(Version(f"{major}.{minor - 1}.9"))  # (torch 2.7)
+    major, minor = map(int, triton_support.OLDEST.split("."))
+    assert not triton_req.specifier.contains(Version(f"{major}.{minor - 1}.9"))
+    assert set(triton_support.TESTED) <= {s for s in ("3.4", "3.5", "3.6", "3.7", "3.8", "3.9")
+                                          if triton_req.specifier.contains(Version(s + ".0"))}
+    for platform, wanted in (("linux", True), ("win32", False), ("darwin", False)):
+        assert triton_req.marker.evaluate({"sys_platform": platform}) is wanted
+    makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
+    oldest = re.search(r"^OLDEST_TRITON_SPEC \?= triton==(\S+)$", makefile, re.M)[1]
+    assert triton_support.series(oldest) == triton_support.OLDEST  # what make test-oldest installs

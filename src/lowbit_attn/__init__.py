@@ -4,7 +4,8 @@ import sys
 
 from lowbit_attn.core import arch as _arch, triton_support as _triton_support
 
-if _arch.interpreter_enabled():  # the kernels compute alike under each Triton's interpreter
+# the kernels compute alike under each Triton's interpreter
+if _arch.interpreter_enabled() and _triton_support.triton_installed():
     _triton_support.patch_interpreter()
 
 from lowbit_attn import vsa  # noqa: E402

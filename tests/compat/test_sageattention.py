@@ -269,6 +269,36 @@ def test_sageattn_with_a_mask_in_kwargs_is_exact_too():
     assert_close(out, _exact(q, k, v, mask, "HND", False, 0.125)[0].half(), atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_the_masked_exact_path_computes_cpu_half_precision_in_float32(monkeypatch, dtype, kind):
+    """PyTorch's float16/bfloat16 CPU SDPA is not on every CPU (``ATEN_CPU_CAPABILITY=default`` on
+    some AVX-512 CPUs raises ``pack_vnni2 is only supported when avx512 is supported``):
+    the exact path hands it float32 tensors, so a PyTorch that refuses the reduced dtypes does not
+    reach the user, and the answer is the float32 one rounded once."""
+    from lowbit_attn.integrations import sdpa
+
+    torch_sdpa = sdpa.TORCH_SDPA
+
+    def refusing(q, k, v, attn_mask=None, **kwargs):
+        if q.device.type == "cpu" and q.dtype in (torch.float16, torch.bfloat16):
+            raise RuntimeError("pack_vnni2 is only supported when avx512 is supported")
+        assert attn_mask is None or attn_mask.dtype in (torch.bool, q.dtype)
+        return torch_sdpa(q, k, v, attn_mask=attn_mask, **kwargs)
+
+    for module in (sdpa, sa):  # (sa: should it call PyTorch's function by that name again)
+        monkeypatch.setattr(module, "TORCH_SDPA", refusing, raising=False)
+    q, k, v = _qkv(dtype=dtype, nq=40, nk=40)
+    keep = torch.rand(40, 40, generator=torch.Generator().manual_seed(1)) > 0.3
+    mask = keep if kind == "bool" else torch.where(keep, 0.0, float("-inf"))
+    with pytest.warns(UserWarning, match="attn_mask"):
+        out = sa.sageattn(q, k, v, attn_mask=mask)
+    want = torch_sdpa(q.float(), k.float(), v.float(), attn_mask=keep, scale=0.125,
+                      enable_gqa=True)
+    assert out.dtype == dtype
+    assert torch.equal(out, want.to(dtype))
+
+
 # --- the caller's tensors are never modified -----------------------------------------------------
 
 CALLS = [(name, options) for name, options, _ in CASES] + [("sageattn3_blackwell", {})]

@@ -474,6 +474,7 @@ def test_hopper_gluon_benchmark_runs_on_the_interpreter_without_the_gluon_kernel
     assert "| 64 | 160 | no | ours kernel=gluon |" in table
 
 
+@pytest.mark.triton_internals
 def test_forward_benchmark_runs_on_the_interpreter_without_the_gluon_kernels(tmp_path,
                                                                             monkeypatch):
     """``benchmarks/bench_forward.py`` (issue 36's sweep) on the interpreter (tiny size): the SDPA

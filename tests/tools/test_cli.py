@@ -283,6 +283,7 @@ def test_inspect_kernel_triton_is_the_default_output(capsys):
     assert named == default and "gluon" not in default and "exp2 under" not in default
 
 
+@pytest.mark.triton_internals
 def test_inspect_exact_launches_nothing(capsys):
     code, out, _ = run(capsys, "inspect", "--arch", "sm_90a", "--recipe", "exact")
     assert code == 0
@@ -456,6 +457,7 @@ def test_missing_external_module_is_a_clear_error(monkeypatch, capsys):
     assert "lowbit-attn bench: cannot import lowbit_attn.tools.bench" in err
 
 
+@pytest.mark.triton_internals
 def test_other_subcommands_do_not_import_external_modules(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "lowbit_attn.tools.bench", None)
     monkeypatch.setitem(sys.modules, "lowbit_attn.tools.accuracy", None)

@@ -29,6 +29,7 @@ def _launches():
 LAUNCHES = list(_launches())
 
 
+@pytest.mark.triton_internals
 def test_every_kernel_family_is_recorded():
     names = {launch.name for launch in LAUNCHES}
     for kernel in ("_attn_fwd_int8_kernel", "_attn_fwd_fp4_kernel", "_quantize_kernel",

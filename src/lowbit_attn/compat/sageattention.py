@@ -34,7 +34,7 @@ import torch
 from lowbit_attn.core import checks
 from lowbit_attn.core.recipes import Recipe, get_recipe, resolve_for
 from lowbit_attn.inference import attention, attention_varlen
-from lowbit_attn.integrations.sdpa import TORCH_SDPA
+from lowbit_attn.integrations.sdpa import exact_sdpa
 
 LAYOUTS = ("HND", "NHD")
 QK_QUANT_GRANS = ("per_warp", "per_thread")
@@ -81,7 +81,8 @@ def masked_exact(function: str, q, k, v, attn_mask, *, layout: str = "HND", is_c
                  scale=None, return_lse=False):
     """Exact attention with a mask, for the calls SageAttention would have run without it: warns,
     then PyTorch's ``scaled_dot_product_attention`` (the function as imported before any
-    :func:`lowbit_attn.patch_sdpa`) in the inputs' dtype.
+    :func:`lowbit_attn.patch_sdpa`) in the inputs' dtype on a GPU, in float32 for float16/bfloat16
+    CPU tensors (``integrations.sdpa.exact_sdpa``).
 
     Args:
         attn_mask: bool (True = attend) or additive float, broadcastable to ``[B, Hq, Nq, Nk]`` (in
@@ -114,7 +115,7 @@ def masked_exact(function: str, q, k, v, attn_mask, *, layout: str = "HND", is_c
         causal = torch.arange(nk, device=q.device)[None, :] <= rows + (nk - nq)
         allowed = (allowed & causal if allowed.dtype == torch.bool
                    else allowed.masked_fill(~causal, float("-inf")))
-    out = TORCH_SDPA(qh, kh, vh, attn_mask=allowed, scale=sm_scale)
+    out = exact_sdpa(qh, kh, vh, attn_mask=allowed, scale=sm_scale)
     visible = allowed if allowed.dtype == torch.bool else allowed != float("-inf")
     dead = ~visible.any(dim=-1)
     out = out.masked_fill(dead.unsqueeze(-1), 0.0)

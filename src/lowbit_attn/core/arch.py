@@ -11,8 +11,11 @@ from __future__ import annotations
 import functools
 import os
 import re
+import warnings
 
 import torch
+
+from lowbit_attn.core.triton_support import triton_installed
 
 BACKENDS = ("auto", "triton", "reference")
 
@@ -88,12 +91,30 @@ def graph_capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+NO_TRITON = ("{what} needs Triton, which is not installed (Triton publishes wheels for Linux on "
+             "x86_64 and aarch64 only: `pip install triton` there)")
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_no_triton() -> None:
+    """Once per process: CUDA tensors without Triton run the reference path."""
+    warnings.warn(NO_TRITON.format(what="lowbit_attn's kernels") + "; CUDA tensors run the "
+                  "PyTorch reference path instead (the recipe's numerics, not its speed)",
+                  stacklevel=4)
+
+
 def backend_for(device: torch.device) -> str:
     """``"triton"`` or ``"reference"`` for tensors on ``device``."""
     choice = os.environ.get("LOWBIT_ATTN_BACKEND", "auto")
     if choice not in BACKENDS:
         raise ValueError(f"LOWBIT_ATTN_BACKEND must be one of {BACKENDS}, got {choice!r}")
     if choice == "reference":
+        return "reference"
+    if not triton_installed():
+        if choice == "triton":
+            raise RuntimeError(NO_TRITON.format(what="LOWBIT_ATTN_BACKEND=triton"))
+        if device.type == "cuda":
+            _warn_no_triton()
         return "reference"
     if device.type == "cuda":
         return "triton"

@@ -259,3 +259,11 @@ class GradOperands:
     do_dv_scale: torch.Tensor
     do_dp: torch.Tensor
     do_dp_scale: torch.Tensor
+
+
+def token_major(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., N, D]`` with its tokens contiguous (a copy unless they are; the same logical
+    tensor): the layout in which it is the B operand of a product over tokens (P̃·V, dV = Pᵀ·dO,
+    dK = dSᵀ·Q, dQ = dS·K) as an 8-bit wgmma takes it, K-major; in the other layout Triton
+    transposes the tile through shared memory a byte at a time."""
+    return x.transpose(-1, -2).contiguous().transpose(-1, -2)

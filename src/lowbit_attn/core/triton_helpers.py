@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from lowbit_attn.core.arch import interpreter_enabled
-from lowbit_attn.core.operands import LOG2_FP8_MAX, TILE_AMAX_FLOOR
+from lowbit_attn.core.operands import LOG2_FP8_MAX, TILE_AMAX_FLOOR, token_major  # noqa: F401
 
 LN2 = tl.constexpr(0.6931471805599453)
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -406,13 +406,6 @@ def operand(values: torch.Tensor, scales: torch.Tensor) -> tuple:
     strides)``."""
     return (values, scales, tuple(values.stride()), tuple(scales.stride()))
 
-
-def token_major(x: torch.Tensor) -> torch.Tensor:
-    """``x [..., N, D]`` with its tokens contiguous (a copy unless they are; the same logical
-    tensor): the layout in which it is the B operand of a product over tokens (P̃·V, dV = Pᵀ·dO,
-    dK = dSᵀ·Q, dQ = dS·K) as an 8-bit wgmma takes it, K-major; in the other layout Triton
-    transposes the tile through shared memory a byte at a time."""
-    return x.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
 def bhnd_strides(x: torch.Tensor | None, packed: bool) -> tuple[int, int, int, int]:

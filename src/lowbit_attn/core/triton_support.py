@@ -2,7 +2,9 @@
 what differs between Triton versions.
 
 - The Triton kernels (``triton.language``) run on every series of :data:`TESTED` (CI runs the suite
-  on the pinned one and the newest).
+  on the pinned one, the oldest and the newest). The metadata admits the Triton that each torch
+  of :data:`TORCH_TRITON` pins, on Linux only (Triton has no other wheels): without Triton
+  (:func:`triton_installed`) every call runs the PyTorch reference path.
 - The Gluon kernels use an API that changes with each release. Each Gluon module names the series
   it compiles on (:data:`GLUON_SERIES`, by API: ``"hopper"`` or ``"blackwell"``) and calls
   :func:`require_gluon` before it imports Gluon, so on another Triton importing it raises
@@ -19,10 +21,18 @@ from __future__ import annotations
 
 import functools
 
-TESTED = ("3.6", "3.8", "3.9")  # the series the suite runs on; the metadata admits 3.6 up to 3.9
+TESTED = ("3.4", "3.5", "3.6", "3.8", "3.9")  # the series the suite runs on (the metadata admits
+# 3.4 up to 3.9: the Triton of every torch from 2.8, below)
 PINNED = "3.6"  # the series `make test` installs and the GPU machines run
+OLDEST = "3.4"  # the oldest the metadata admits (`make test-oldest`)
+# The Triton series each torch release's CUDA wheels pin (torch's own requirement on Linux x86_64;
+# on aarch64 from torch 2.11): the metadata admits all of them, so pip never changes a user's
+# torch to satisfy ours. `make check-resolve` checks each pair against the package index.
+TORCH_TRITON = {"2.8": "3.4", "2.9": "3.5", "2.10": "3.6", "2.11": "3.6", "2.12": "3.7",
+                "2.13": "3.7", "2.14": "3.8"}
 
-# Gluon's API by the modules that use it: the series each compiles against. The Hopper forwards
+# Gluon's API by the modules that use it: the series each compiles against (none on 3.4, 3.5 or
+# 3.7: there the Gluon modules refuse to import and their tests skip). The Hopper forwards
 # (kernel_int8_gluon, its ping-pong schedule, kernel_int8_sm90, gluon_blocks: wgmma, TMA,
 # mbarriers) compile on 3.6, 3.8 and 3.9 (3.9 renamed the TMA load: gluon_blocks.tma_load calls
 # the installed one). The Blackwell FP4 forward needs 3.6's tensor-memory layout function
@@ -47,6 +57,18 @@ def series(version: str | None = None) -> str:
     Triton's."""
     version = installed_version() if version is None else version
     return ".".join(version.split("+")[0].split(".")[:2])
+
+
+@functools.lru_cache(maxsize=None)
+def triton_installed() -> bool:
+    """Whether Triton can be imported. Triton publishes Linux wheels only (x86_64, aarch64), and
+    the package's metadata asks for it on Linux alone: elsewhere every call runs the PyTorch
+    reference path (:func:`lowbit_attn.core.arch.backend_for`)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def installed_version() -> str:
@@ -149,6 +171,8 @@ def patch_interpreter() -> None:
 
 
 __all__ = [
-    "GLUON_SERIES", "GluonUnavailable", "PINNED", "TESTED", "check_triton_series",
+    "GLUON_SERIES", "GluonUnavailable", "OLDEST", "PINNED", "TESTED", "TORCH_TRITON",
+    "check_triton_series",
     "gluon_available", "gluon_refusal", "parts", "patch_interpreter", "require_gluon", "series",
+    "triton_installed",
 ]

@@ -35,6 +35,22 @@ from lowbit_attn.training import trainable_attention
 # Captured at import, before anyone patches F.scaled_dot_product_attention with ours.
 TORCH_SDPA = F.scaled_dot_product_attention
 
+
+def exact_sdpa(query, key, value, attn_mask=None, **kwargs):
+    """:data:`TORCH_SDPA` for the package's own exact paths (the attention it computes instead of
+    a low-bit one, as :func:`lowbit_attn.compat.sageattention.masked_exact`), with the same
+    arguments; float16/bfloat16 CPU tensors are computed in float32 (a float mask too) and the
+    output cast back. PyTorch's reduced-precision CPU kernel is not available on every CPU (with
+    ``ATEN_CPU_CAPABILITY=default`` on some AVX-512 CPUs it raises ``pack_vnni2 is only
+    supported when avx512 is supported``), and float32 is the more exact answer. The drop-in's
+    fallback is PyTorch's function itself, unchanged: its callers get PyTorch's result."""
+    if query.device.type != "cpu" or query.dtype not in (torch.float16, torch.bfloat16):
+        return TORCH_SDPA(query, key, value, attn_mask=attn_mask, **kwargs)
+    if attn_mask is not None and attn_mask.is_floating_point():
+        attn_mask = attn_mask.float()
+    out = TORCH_SDPA(query.float(), key.float(), value.float(), attn_mask=attn_mask, **kwargs)
+    return out.to(query.dtype)
+
 _warned: set[str] = set()
 _warned_lock = threading.Lock()
 

@@ -592,14 +592,16 @@ def _backend(arch_mod, device_type: str) -> str:
 
 def _doctor(args: argparse.Namespace) -> int:
     import torch
-    import triton
 
     from lowbit_attn import __version__
     from lowbit_attn.core import arch as arch_mod, triton_support
     from lowbit_attn.core.recipes import RECIPES, auto_recipe
 
+    has_triton = triton_support.triton_installed()
+    triton_row = (triton_support.installed_version() if has_triton else
+                  "not installed (wheels for Linux only): every call runs the reference path")
     rows = [("lowbit_attn", __version__), ("python", platform.python_version()),
-            ("torch", torch.__version__), ("triton", triton.__version__)]
+            ("torch", torch.__version__), ("triton", triton_row)]
     gpu_rows, physical = _gpu_lines(torch)
     rows += gpu_rows
     try:
@@ -615,9 +617,10 @@ def _doctor(args: argparse.Namespace) -> int:
     for key, value in rows:
         print(f"{key:<{width}}{value}")
 
-    print(f"\non Triton {triton.__version__}")
-    for part, status in triton_support.parts():
-        print(f"  {part:<38}{status}")
+    if has_triton:
+        print(f"\non Triton {triton_support.installed_version()}")
+        for part, status in triton_support.parts():
+            print(f"  {part:<38}{status}")
 
     print("\nrecipes (CUDA tensors / CPU tensors)")
     cuda_cap = target if physical is not None else None  # the target arch, on a real GPU only

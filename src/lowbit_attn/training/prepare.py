@@ -13,7 +13,7 @@ import torch
 
 from lowbit_attn.core.operands import LOG2E, TRAIN_BLOCK, GradOperands, TrainOperands
 from lowbit_attn.core.recipes import TrainRecipe
-from lowbit_attn.core.triton_helpers import token_major
+from lowbit_attn.core.operands import token_major
 from lowbit_attn.inference import naive as ref_attn
 from lowbit_attn.quant import int8_naive as ref_quant
 
