@@ -29,7 +29,7 @@ on the FMA pipe, about 8.2 instructions each in place of one MUFU):
 +32: the key scales times -1.5·2^23), 142 / 174 / 167 / 254 registers, the same CTAs per SM.
 
 Issue 43's 64-bit row offsets (in the epilogue, none in a loop) moved some main loops by ptxas's
-allocation (``benchmarks/NOTES.md`` §18): per-thread FP8 D=128 508 (7.94), per-token FP8 D=64
+allocation (``benchmarks/NOTES.md`` §19): per-thread FP8 D=128 508 (7.94), per-token FP8 D=64
 547 / 555, ``magic`` per thread D=128 512, per token D=64 580, ``poly_exp2`` 16 at D=128 540.
 
 Two K buffers (``k_stages=2``, K(j+2) requested with V(j+1)): +16 to +18 instructions per tile,
@@ -288,7 +288,7 @@ def _loops(report) -> list[int]:
     (64, "per_thread", 168), (128, "per_thread", 229), (64, "per_token", 219),
     (128, "per_token", 231)])
 def test_a_window_with_sinks_costs_at_its_edges(compiled, d, granularity, max_regs):
-    """Issue 44 (NOTES §19): a causal (511, 0) window with sinks compiles three key-block loops
+    """Issue 44 (NOTES §20): a causal (511, 0) window with sinks compiles three key-block loops
     (left edge, whole blocks, diagonal): the whole blocks within 17 instructions per tile of the
     plain loop, each edge (two limits per row) within 1.35× the causal diagonal's loop, no
     spills. Sinks add nothing to a loop: causal with sinks compiles the causal kernel's loops
