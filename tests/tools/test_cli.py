@@ -84,6 +84,38 @@ def test_inspect_prints_tensor_core_instructions_registers_and_spills(capsys):
     assert "tensor cores  none" in out  # the quantizers
 
 
+def _key_loops(out: str) -> list[float]:
+    line = next(x for x in out.splitlines() if x.startswith("  key loops"))
+    return [float(x) for x in re.findall(r"([0-9.]+) per score", line)]
+
+
+@pytest.mark.aot
+def test_inspect_counts_the_key_loops_and_takes_the_llm_variants(capsys):
+    """Issue 44: the default loop's instructions per score, and what a softcap, sinks and a
+    window change; off, the loops are those of the plain kernel (NOTES §20)."""
+    args = ("inspect", "--arch", "sm_90a", "--recipe", "qk_int8_pv_fp8", "--head-dim", "64")
+    plain = _key_loops(run(capsys, *args)[1])
+    capped = _key_loops(run(capsys, *args, "--softcap", "30")[1])
+    window = _key_loops(run(capsys, *args, "--causal", "--window", "127,0")[1])
+    assert len(plain) == len(capped) == 2 and len(window) == 3  # masked edges around whole blocks
+    assert capped[0] > plain[0] + 5  # tanh per score: ~10 instructions
+    if pinned_codegen():  # NOTES §20: D = 64, plain 13.41 per score, softcap 23.19
+        assert plain[0] == pytest.approx(13.41, abs=0.01)
+        assert capped[0] == pytest.approx(23.19, abs=0.01)
+        assert window[1] == pytest.approx(13.59, abs=0.01)
+
+
+@pytest.mark.parametrize("extra", [("--recipe", "kv_int8_fp8", "--sinks"),
+                                   ("--recipe", "sagebwd_int8", "--softcap", "30"),
+                                   ("--kernel", "sm90", "--window", "3,0"),
+                                   ("--window", "3"), ("--softcap", "-1"), ("--chunk", "0")])
+def test_inspect_refuses_variants_it_cannot_compile(capsys, extra):
+    with pytest.raises(SystemExit):
+        cli.main(["inspect", "--arch", "sm_90a", *extra])
+    err = capsys.readouterr().err
+    assert "--window" in err or "--softcap" in err or "--chunk" in err, err
+
+
 @pytest.mark.aot
 def test_inspect_json(capsys):
     code, out, _ = run(capsys, "inspect", "--arch", "sm_90", "--recipe", "qk_int8_pv_fp16",

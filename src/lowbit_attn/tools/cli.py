@@ -99,6 +99,12 @@ def _add_inspect(sub) -> None:
                    "per SM); with --recipe sagebwd_int8 or vsa, sm90 also "
                    "means the Gluon backward loops for sm_90a (LOWBIT_ATTN_BWD_KERNEL=sm90), "
                    "each with its issue and tensor cycles per tile")
+    p.add_argument("--window", type=_window_arg, metavar="LEFT,RIGHT",
+                   help="an inference recipe's sliding window (attention's window=, -1 for an "
+                   "unbounded side)")
+    p.add_argument("--chunk", type=ranged(int, 1), help="chunked local attention (chunk=)")
+    p.add_argument("--softcap", type=ranged(float, 0.0), help="logit soft-capping (softcap=)")
+    p.add_argument("--sinks", action="store_true", help="one sink logit per head (sinks=)")
     p.add_argument("--json", action="store_true", help="print the reports as JSON")
     p.add_argument("--ptx-dir", metavar="DIR", help="also write each kernel's PTX into DIR")
     p.set_defaults(handler=functools.partial(_inspect, parser=p))
@@ -142,7 +148,27 @@ def _format_report(report) -> list[str]:
             lines += [f"    {count:3d} x {form}" for form, count in report.instructions.items()]
         else:
             lines.append("  tensor cores  none")
+    loops = _attention_loops(report)
+    if loops:
+        lines.append("  key loops     " + "; ".join(
+            f"{per_score:.2f} per score ({per_tile} per tile)" for per_tile, per_score in loops)
+            + " (instructions per thread, in program order)")
     return lines
+
+
+def _attention_loops(report) -> list[tuple[int, float]]:
+    """The INT8 attention kernel's key-block loops (:func:`lowbit_attn.tools.sass.attention_loops`);
+    none for other kernels, or where no cubin or disassembler is at hand."""
+    from lowbit_attn.tools import sass
+
+    c = report.constexprs
+    if report.kernel != "_attn_fwd_int8_kernel" or not report.ok or not report.cubin:
+        return []
+    try:
+        return sass.attention_loops(report.cubin, block_m=c["BLOCK_M"], block_n=c["BLOCK_N"],
+                                    num_warps=report.num_warps)
+    except (OSError, RuntimeError):  # no cuobjdump: the other lines still stand
+        return []
 
 
 def _last_line(text: str) -> str:
@@ -170,6 +196,11 @@ def _inspect(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> in
     from lowbit_attn.core.recipes import RECIPES, TRAIN_RECIPES
     from lowbit_attn.tools import fp4_gates
 
+    variant_given = (args.window, args.chunk, args.softcap, args.sinks) != (None,) * 3 + (False,)
+    if variant_given and (args.kernel != "triton" or args.recipe not in RECIPES
+                          or args.recipe == "exact"):
+        parser.error(f"--window, --chunk, --softcap, --sinks: the Triton kernels of an inference "
+                     f"recipe only, got --recipe {args.recipe} --kernel {args.kernel}")
     if args.recipe in KV_RECIPES:
         return _inspect_decode(args, parser)
     if args.varlen and (args.kernel != "triton" or args.recipe == VSA
@@ -207,7 +238,7 @@ def _inspect(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> in
             reports = aot.compile_recipe(
                 recipe, args.arch, head_dim=args.head_dim, causal=args.causal,
                 dtype=getattr(torch, args.dtype), return_lse=args.return_lse, config=args.config,
-                varlen=args.varlen,
+                varlen=args.varlen, variant=_variant(args),
             )
     except ValueError as exc:
         parser.error(str(exc))
@@ -230,6 +261,29 @@ def _inspect(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> in
             print(f"\ngate: {passed} of {len(reports)} kernels pass (no spills, every product a "
                   f"wgmma of N >= {WIDE_N})")
     return 1 if any(not r.ok for r in reports) else 0
+
+
+def _window_arg(text: str) -> tuple[int, int]:
+    try:
+        left, right = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LEFT,RIGHT (two ints), got {text!r}") from None
+    return left, right
+
+
+def _variant(args: argparse.Namespace):
+    """The :class:`~lowbit_attn.core.variants.Variant` of inspect's --window, --chunk, --softcap
+    and --sinks, validated as the public calls validate them."""
+    import torch
+
+    from lowbit_attn.core import variants
+
+    try:
+        return variants.check(is_causal=args.causal, window=args.window, softcap=args.softcap,
+                              chunk=args.chunk, sinks=torch.zeros(2) if args.sinks else None,
+                              hq=2, device=torch.device("cpu"))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(str(exc)) from None
 
 
 def _inspect_decode(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

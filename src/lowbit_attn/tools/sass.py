@@ -96,6 +96,18 @@ def key_block_loops(instructions: list[tuple[int, str]], mma: str = "IGMMA") -> 
             if not any((a, b) != (lo, hi) and lo <= a and b <= hi for a, b, _ in spans)]
 
 
+def attention_loops(cubin: bytes, *, block_m: int, block_n: int,
+                    num_warps: int) -> list[tuple[int, float]]:
+    """``(instructions per tile and thread, per score)`` of each key-block loop of a Triton
+    attention kernel, in program order: the loops that issue its Q·Kᵀ (``IGMMA`` on sm_90a,
+    ``IMMA`` before), each holding no smaller such loop. A score is one of the
+    ``block_m·block_n`` a tile computes, over the program's threads."""
+    instructions = disassemble(cubin)
+    mma = "IGMMA" if any(t.startswith("IGMMA") for _, t in instructions) else "IMMA"
+    scores = block_m * block_n // (32 * num_warps)
+    return [(len(body), len(body) / scores) for body in key_block_loops(instructions, mma=mma)]
+
+
 def opcode_counts(body: list[str]) -> dict[str, int]:
     """Instructions per opcode (the text before the first ``.`` or space)."""
     counts: dict[str, int] = {}
