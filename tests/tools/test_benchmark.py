@@ -532,7 +532,9 @@ def test_forward_benchmark_decide_runs_the_decisive_rows_with_the_bars(tmp_path,
     data = json.loads(result.read_text())
     methods = list(dict.fromkeys(r["method"] for r in data["rows"]))
     assert methods == list(bench.DECIDE_ROWS)
-    assert methods[-1] == "e2e sm90 thread plan"  # with launch plans: not in the bars
+    # last: launch plans (not in the bars) and issue 44's 512-token windows
+    assert methods[-3:] == ["e2e sm90 thread plan", "e2e sm90 thread win512",
+                            "e2e triton thread win512"]
     ran = [r for r in data["rows"] if r["status"] == "ok"]
     assert ran and all(r["first_call_s"] > 0 for r in ran)
     bars = {b["bar"]: b for b in data["bars"]}

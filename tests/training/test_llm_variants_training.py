@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import lowbit_attn
-from helpers import channel_biased
+from helpers import channel_biased, needs_gluon
 from lowbit_attn.core.variants import Variant
 
 
@@ -106,6 +106,7 @@ def test_refusals():
 
 
 @pytest.mark.interpreter
+@needs_gluon("hopper")
 def test_sm90_backward_is_not_used_for_a_variant(monkeypatch):
     """With ``kernel="sm90"`` a window/softcap backward runs on the Triton kernels (the sm90 loops
     do not take the variants), even where the sm90 backward would otherwise apply."""
