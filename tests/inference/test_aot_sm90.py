@@ -252,7 +252,12 @@ def test_the_check_catches_a_compiled_loop_that_reuses_a_in_flight(a_first):
     report = aot.compile_launch(launch, "sm_90a")
     assert report.ok, report.error
     found = sass.a_register_hazards(sass.listing(report.cubin))
-    assert found.wgmma == 2 and found.ok != a_first, found.line()
+    assert found.wgmma == 2, found.line()
+    if a_first and not pinned_codegen():
+        # Triton 3.9 compiles this loop without the overlap (nothing to catch); the hand-written
+        # SASS of tests/tools/test_sass_hazards.py checks the gate on every version.
+        return
+    assert found.ok != a_first, found.line()
 
 
 @pytest.mark.parametrize("registers,shared,want", [
