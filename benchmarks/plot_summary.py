@@ -64,6 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     ax.grid(axis="x", alpha=0.3)
     ax.set_title(f"{text.splitlines()[0].lstrip('# ')}\n{heading}", fontsize="medium")
     ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3)
+    # the provenance under the chart: the summary's own line naming its command, and this one's
+    written = next((line for line in text.splitlines() if line.startswith("Written by")), "")
+    caption = [written.split(" from the raw files")[0].replace("`", ""),
+               f"Drawn by python benchmarks/plot_summary.py {args.summary} --section \"{args.section}\" "
+               f"-o {args.output}"]
+    fig.text(0.01, -0.01, "\n".join(c for c in caption if c), fontsize="x-small", va="top")
     fig.tight_layout()
     args.output.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.output, dpi=100, bbox_inches="tight")
