@@ -23,6 +23,7 @@ from helpers import require_gluon
 require_gluon("hopper")  # before importing Gluon code
 
 from lowbit_attn.core.options import KernelOptions
+from lowbit_attn.core.recipes import get_recipe
 from lowbit_attn.inference import gluon_check, kernel_int8, kernel_int8_sm90
 from lowbit_attn.inference import sm90_check as fwd_check
 from lowbit_attn.training import kernel_bwd, kernel_bwd_sm90, op as train_op
@@ -246,6 +247,81 @@ def test_a_passed_backward_check_admits_the_loops(routed, monkeypatch):
     assert routed == ["loops", "loops"]
 
 
+def _out_of_resources(*args, **kwargs):
+    """What a kernel raises when a call compiles to more shared memory than the device has."""
+    raise triton.runtime.errors.OutOfResources(300000, 232448, "shared memory")
+
+
+def _compile_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if "failed to compile" in str(w.message)]
+
+
+@pytest.mark.interpreter
+def test_a_backward_that_fails_to_compile_after_admission_falls_back_once(routed, monkeypatch):
+    """Admitted loops that fail to compile a call (Triton's OutOfResources, raised before a
+    launch) give the Triton backward's gradients with one warning, and are not tried again."""
+    monkeypatch.setattr(bwd_check, "applies", lambda device: True)
+    monkeypatch.setattr(bwd_check, "self_check", lambda device: None)
+    want = _train_call(monkeypatch, "triton")
+    _train_call(monkeypatch, "sm90")
+    assert routed == ["loops"]
+    monkeypatch.setattr(kernel_bwd_sm90, "backward",
+                        lambda *a, **kw: routed.append("raised") or _out_of_resources())
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        got = _train_call(monkeypatch, "sm90")
+        again = _train_call(monkeypatch, "sm90")
+    messages = _compile_warnings(record)
+    assert len(messages) == 1 and "'sm90-bwd'" in messages[0] and "OutOfResources" in messages[0]
+    assert routed == ["loops", "raised"]
+    assert bwd_check.verdict(torch.device("cpu")).startswith("OutOfResources on a later call")
+    for a, b, c in zip(got, again, want):
+        assert torch.equal(a, c) and torch.equal(b, c)
+
+
+@pytest.mark.interpreter
+def test_a_forward_that_fails_to_compile_after_admission_falls_back_once(monkeypatch,
+                                                                          triton_backend):
+    """The same for the sm90 forward: the call that fails to compile and every later one get the
+    Triton kernel's result; one warning; a ValueError (a case the launcher does not cover) still
+    falls back without refusing the kernel."""
+    import lowbit_attn
+
+    monkeypatch.setattr(gluon_check, "_verdicts", {})
+    monkeypatch.setattr(fwd_check, "applies", lambda device: True)
+    monkeypatch.setattr(fwd_check, "self_check", lambda device: None)
+    recipe = get_recipe("qk_int8_pv_fp8").replace(granularity="per_thread", block_k=128)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 40, 64, generator=g).half() for _ in range(3))
+
+    def call():
+        return lowbit_attn.attention(q, k, v, recipe=recipe, is_causal=True)
+
+    monkeypatch.delenv("LOWBIT_ATTN_KERNEL", raising=False)
+    want = call()
+    tried = []
+
+    def launcher(qz, **kw):
+        tried.append(len(tried))
+        if len(tried) == 1:
+            raise ValueError("not a case this kernel covers")
+        _out_of_resources()
+
+    monkeypatch.setattr(kernel_int8_sm90, "attention", launcher)
+    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "sm90")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        refused = call()
+        assert fwd_check.verdict(torch.device("cpu")) is None  # a ValueError refuses nothing
+        failed, again = call(), call()
+    messages = _compile_warnings(record)
+    assert len(messages) == 1 and "'sm90'" in messages[0] and "OutOfResources" in messages[0]
+    assert tried == [0, 1]
+    assert "OutOfResources" in fwd_check.verdict(torch.device("cpu"))
+    for got in (refused, failed, again):
+        assert torch.equal(got, want)
+
+
 def test_kernel_for_asks_the_check_only_when_the_option_and_the_device_say_so(monkeypatch):
     monkeypatch.setattr(gluon_check, "_verdicts", {})
     asked = []
@@ -274,7 +350,8 @@ def _admit(device, check, *args):
 
 def _route(device, check, *args):
     """What a call runs (``gluon_check.dispatch``, as every checked kernel's route)."""
-    return gluon_check.dispatch(device, lambda d: True, lambda d: _admit(d, check, *args),
+    return gluon_check.dispatch(device, STAND_IN, lambda d: True,
+                                lambda d: _admit(d, check, *args),
                                 lambda: "admitted kernel", lambda: "triton kernel")
 
 

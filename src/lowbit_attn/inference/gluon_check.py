@@ -24,8 +24,9 @@ so it is opt-in and earns its place on each machine. A call uses it only where
    Triton kernel, and the check waits for a call outside;
 3. the Gluon launcher takes the call: it raises ``ValueError`` before launching anything for what
    it does not cover (D other than 64 and 128, Q quantized in the kernel, ΔS, operands TMA cannot
-   read); such a call runs the Triton kernel. Per-block scales and fp16 P·V are covered, and so
-   is each in :data:`CASES`. Packed (varlen) calls run the Triton kernel: on an H100
+   read); such a call runs the Triton kernel (and a call it fails to compile, before any launch,
+   refuses it for the rest of the process with one warning: :func:`refuse`). Per-block scales
+   and fp16 P·V are covered, and so is each in :data:`CASES`. Packed (varlen) calls run the Triton kernel: on an H100
    (2026-11-25) both schedules raised "an illegal instruction was encountered" on the packed
    case the check had (``(1, 37), (77, 77), (260, 301)`` tokens, D=64), while the six dense
    cases agreed with the Triton kernel. Their indexing is right on the CPU model
@@ -49,7 +50,9 @@ sm_100a (:mod:`~lowbit_attn.inference.gluon_fp4_check`), the one-warpgroup Hoppe
 device and kernel; stored on disk for later processes; the check in the background, so a first
 call pays a file read or a process's spawn, never the check; none started during a capture),
 :func:`wait_for_admission`, :func:`run_cases` (any exception is a reason),
-:func:`compare_outputs` and :func:`dispatch` (the launcher's ``ValueError`` → the Triton kernel).
+:func:`compare_outputs` and :func:`dispatch` (the launcher's ``ValueError`` → the Triton kernel;
+a failure to compile a call the check did not cover → the Triton kernels for the rest of the
+process, with one warning: :func:`refuse`).
 """
 
 from __future__ import annotations
@@ -553,16 +556,40 @@ def compare_outputs(got: torch.Tensor, want: torch.Tensor, got_lse, want_lse, *,
     return None
 
 
-def dispatch(device: torch.device, applies_here: Callable[[torch.device], bool],
+# What a kernel call raises while it compiles, before anything is launched: Triton's
+# CompilationError, OutOfResources (registers, shared memory) and PTXASError. A fault after a
+# launch (an illegal address) is not among them: it leaves the CUDA context unusable.
+COMPILE_ERRORS = (triton.errors.TritonError,)
+
+
+def refuse(device: torch.device, kernel: str, error: BaseException) -> None:
+    """Refuse ``kernel`` on ``device`` for the rest of this process after ``error`` (one of
+    :data:`COMPILE_ERRORS`: a call its check did not cover failed to compile), warning once: its
+    later calls, and this one, run the Triton kernels. The verdict on disk is left as it is (a
+    new specialization, not the checked ones, failed)."""
+    first_line = (str(error).strip().splitlines() or [""])[0][:200]
+    with _lock:
+        _verdicts[_key(device, kernel)] = f"{type(error).__name__} on a later call: {first_line}"
+    warnings.warn(
+        f"the Gluon kernel {kernel!r}, admitted on {device}, failed to compile a call its check "
+        f"did not cover ({type(error).__name__}: {first_line}); the Triton kernels run instead "
+        f"for the rest of this process", RuntimeWarning, stacklevel=3)
+
+
+def dispatch(device: torch.device, kernel: str, applies_here: Callable[[torch.device], bool],
              admitted_here: Callable[[torch.device], bool], gluon: Callable[[], object],
              triton: Callable[[], object]):
-    """``gluon()`` where it applies on ``device`` and is admitted there, unless it raises
-    ``ValueError`` (refused before launching: not a case it covers); ``triton()`` otherwise."""
+    """``gluon()`` where it applies on ``device`` and ``kernel`` (its key among the verdicts) is
+    admitted there, unless it raises ``ValueError`` (refused before launching: not a case it
+    covers) or fails to compile (:data:`COMPILE_ERRORS`: :func:`refuse`); ``triton()``
+    otherwise."""
     if applies_here(device) and admitted_here(device):
         try:
             return gluon()
         except ValueError:
             pass
+        except COMPILE_ERRORS as error:
+            refuse(device, kernel, error)
     return triton()
 
 
@@ -641,11 +668,11 @@ def attention(qz, *, out: torch.Tensor, pv: str, granularity: str, block_q: int,
 
         return kernel_int8_gluon.attention(qz, schedule=schedule, **kw)
 
-    return dispatch(out.device, applies, lambda device: admitted(device, schedule), gluon,
-                    lambda: kernel_int8.attention(qz, **kw))
+    return dispatch(out.device, schedule, applies, lambda device: admitted(device, schedule),
+                    gluon, lambda: kernel_int8.attention(qz, **kw))
 
 
 __all__ = ["CASES", "RUNNING", "Case", "Checker", "admit", "admitted", "applies", "attention",
            "case_inputs", "checker", "compare_outputs", "dispatch", "isolated", "load_verdict",
-           "run_cases", "self_check", "store_verdict", "verdict", "verdict_dir",
+           "refuse", "run_cases", "self_check", "store_verdict", "verdict", "verdict_dir",
            "wait_for_admission"]

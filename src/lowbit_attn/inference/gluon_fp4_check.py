@@ -22,7 +22,8 @@ where
 3. the Gluon launcher takes the call: it raises ``ValueError`` before launching anything for what
    it does not cover (head dims other than 128, ``block_q`` ≠ 128, ``block_k`` ≠ 64, operands
    TMA cannot read); such a call runs the Triton kernel. Packed sequences reach it one sequence
-   at a time (the FP4 path has no packed kernel).
+   at a time (the FP4 path has no packed kernel). A call it fails to compile refuses it for the
+   rest of the process, with one warning (as ``gluon_check``).
 
 Tolerances of the check: on a GPU the compiled Triton FP4 kernel is held to cosine ``0.9999`` of
 the twin on the same quantized operands, with no bound on the largest difference (tests/helpers.py
@@ -172,7 +173,7 @@ def attention(qz, *, out: torch.Tensor, head_dim: int, block_q: int, block_k: in
 
         return kernel_fp4_gluon.attention(qz, **kw)
 
-    return gluon_check.dispatch(out.device, applies, admitted, gluon,
+    return gluon_check.dispatch(out.device, KERNEL, applies, admitted, gluon,
                                 lambda: kernel_fp4.attention(qz, **kw))
 
 

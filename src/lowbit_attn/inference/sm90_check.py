@@ -26,7 +26,9 @@ it only where
    the Triton kernel runs for the rest of the process on that device; no check during a CUDA
    graph capture;
 4. the launcher takes the call (it raises ``ValueError`` before launching anything otherwise;
-   the Triton kernel then runs).
+   the Triton kernel then runs) and compiles it (a compile error refuses the kernel for the rest
+   of the process, with one warning: ``gluon_check.refuse``; this call and later ones run the
+   Triton kernel).
 
 Tolerances: :mod:`~lowbit_attn.inference.gluon_check`'s (twice the Triton kernel's bound against
 the twin on a GPU).
@@ -144,7 +146,7 @@ def attention(qz, *, out: torch.Tensor, pv: str, granularity: str, block_q: int,
 
         return kernel_int8_sm90.attention(qz, seqs_q=seqs_q, seqs_k=seqs_k, **kw)
 
-    return gluon_check.dispatch(out.device, applies, admitted, gluon,
+    return gluon_check.dispatch(out.device, KERNEL, applies, admitted, gluon,
                                 lambda: kernel_int8.attention(qz, seqs_q=seqs_q, seqs_k=seqs_k,
                                                               **kw))
 

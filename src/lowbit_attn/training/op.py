@@ -46,14 +46,15 @@ def kernel_backward(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, d
     """Writes ``dq [B, Hq, Nq, D]``, ``dk, dv [B, Hkv, Nk, D]`` (views); dQ as
     ``options.train_dq`` says, on the kernels ``options.bwd_kernel`` names where they apply (the
     sm90 ones on a CUDA device of capability 9.0, once they passed their check there:
-    :mod:`~lowbit_attn.training.sm90_check`; plain attention only: a window, chunk or softcap runs
-    on the Triton backward)."""
+    :mod:`~lowbit_attn.training.sm90_check`, and compile the call: ``run_backward``; plain
+    attention only: a window, chunk or softcap runs on the Triton backward)."""
     from lowbit_attn.training import kernel_bwd, sm90_check
 
-    kernel = sm90_check.kernel_for(dq.device, options.bwd_kernel) if variant.plain else "triton"
-    kernel_bwd.backward(ops, grad, lse, dq, dk, dv, causal_offset=causal_offset,
-                        softmax_scale=softmax_scale, mode=options.train_dq, kernel=kernel,
-                        variant=variant)
+    sm90_check.run_backward(
+        dq.device, options.bwd_kernel if variant.plain else "triton",
+        lambda kernel: kernel_bwd.backward(ops, grad, lse, dq, dk, dv, causal_offset=causal_offset,
+                                           softmax_scale=softmax_scale, mode=options.train_dq,
+                                           kernel=kernel, variant=variant))
 
 
 def naive_backward(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, dq: torch.Tensor,

@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -43,6 +45,7 @@ from lowbit_attn.inference import gluon_check
 from lowbit_attn.inference.gluon_check import Case
 
 KERNEL = "sm90-bwd"  # its key among gluon_check's verdicts
+T = TypeVar("T")
 CHECK_COSINE = math.cos(math.acos(0.9999) + math.acos(0.99999))  # 0.99983
 
 
@@ -90,6 +93,22 @@ def admitted(device: torch.device) -> bool:
     return gluon_check.admit(device, KERNEL, gluon_check.checker(device, self_check),
                              "LOWBIT_ATTN_BWD_KERNEL=sm90: the Gluon backward loops for Hopper",
                              "the Triton backward")
+
+
+def run_backward(device: torch.device, bwd_kernel: str, backward: Callable[[str], T]) -> T:
+    """``backward(kernel)`` with the ``kernel`` :func:`kernel_for` picks. Where the loops fail to
+    compile the call (one of :data:`~lowbit_attn.inference.gluon_check.COMPILE_ERRORS`, raised
+    before a launch: a specialization the check did not cover), they are refused on ``device``
+    for the rest of this process with one warning (``gluon_check.refuse``) and
+    ``backward("triton")`` runs: the Triton backward writes every gradient again."""
+    kernel = kernel_for(device, bwd_kernel)
+    try:
+        return backward(kernel)
+    except gluon_check.COMPILE_ERRORS as error:
+        if kernel != "sm90":
+            raise
+        gluon_check.refuse(device, KERNEL, error)
+    return backward("triton")
 
 
 def kernel_for(device: torch.device, bwd_kernel: str) -> str:
@@ -172,5 +191,5 @@ def _compare_vsa(case: VsaCase, device: torch.device, kernel_bwd_sm90) -> str | 
     return _gradients(got, want)
 
 
-__all__ = ["CASES", "CHECK_COSINE", "KERNEL", "VsaCase", "admitted", "applies", "kernel_for",
+__all__ = ["CASES", "CHECK_COSINE", "KERNEL", "VsaCase", "admitted", "applies", "kernel_for", "run_backward",
            "self_check", "verdict"]

@@ -59,12 +59,14 @@ def fine_bwd(dot: torch.Tensor, qt: torch.Tensor, kt: torch.Tensor, vt: torch.Te
              scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` padded tiles (on the kernels ``LOWBIT_ATTN_BWD_KERNEL`` names where they
     apply: the sm90 ones on a CUDA device of capability 9.0, once they passed their check there:
-    :mod:`~lowbit_attn.training.sm90_check`)."""
+    :mod:`~lowbit_attn.training.sm90_check`, and compile the call: ``run_backward``)."""
     from lowbit_attn.training import sm90_check
     from lowbit_attn.vsa import kernel_fine as vsa_fine
 
-    kernel = sm90_check.kernel_for(qt.device, KernelOptions.from_env().bwd_kernel)
-    return vsa_fine.backward(qt, kt, vt, ot, lse, dot, idx, counts, scale=scale, kernel=kernel)
+    return sm90_check.run_backward(
+        qt.device, KernelOptions.from_env().bwd_kernel,
+        lambda kernel: vsa_fine.backward(qt, kt, vt, ot, lse, dot, idx, counts, scale=scale,
+                                         kernel=kernel))
 
 
 @fine_bwd.register_fake
