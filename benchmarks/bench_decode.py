@@ -18,6 +18,14 @@ loop: ``sdpa_fp16+write`` (the new token written into a preallocated fp16 cache,
 ``kv_int8_fp8+append`` (the new token appended to the 8-bit cache, then our attention); on a
 GPU, the same two replayed by CUDA graphs (``… (graph)``: ``lowbit_attn.DecodeStep`` for ours). Without CUDA it times the PyTorch reference on
 a tiny size and says so.
+
+With ``--window W`` (issue 44: "decode with a 4096 window at N = 32k costs what N = 4096 costs
+within 20 %"), each configuration with N > W + 1 adds two rows: ``kv_int8_fp8 window W``, one
+query against a sliding-window layer (``QuantizedKVCache(window=W)``) that was given all N tokens
+in appends of at most ``WINDOW_APPEND`` (and W) tokens, so it holds its window and what one
+append brings, and
+``kv_int8_fp8 last W+1``, a full layer given only the W + 1 tokens the window sees: the cost the
+window should have. Both are checked against exact attention over those W + 1 tokens.
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ def copy_bandwidth(timer) -> float:
     ms = timer(lambda: dst.copy_(src))
     return 2 * src.numel() / (ms * 1e-3)
 KV_HEADS, HEAD_DIM, PAGE = 8, 128, 64
+WINDOW_APPEND = 4096  # most tokens per append to a sliding-window layer (they size its pool)
 STEP_CALLS = 100  # calls of a whole step's loop
 
 
@@ -81,6 +90,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", help="default 1,16 (--host: 16)")
     ap.add_argument("--groups", help="query heads per KV head, default 4,8 (--host: 4)")
     ap.add_argument("--out", action="append", default=[])
+    ap.add_argument("--window", type=int,
+                    help="also time a sliding-window layer of this many tokens against a full "
+                         "layer of the tokens it sees (module docstring; 64 without CUDA)")
     ap.add_argument("--host", action="store_true",
                     help="only the host path: µs per eager decode call and one-token append "
                          "(N = 8k, batch 16, GQA 4:1 unless given; without a GPU, through "
@@ -102,6 +114,9 @@ def main(argv=None) -> int:
         print("NO CUDA: timing the PyTorch reference at N=200, batch 2, 2 KV heads, D=64 (not a "
               "kernel benchmark)", file=sys.stderr)
         seqlens, batches, groups, kv_heads, d, page = [200], [2], [2], 2, 64, 16
+        window = None if args.window is None else 64
+    else:
+        window = args.window
     timer = timer_for(cuda)
     bandwidth = copy_bandwidth(timer) if cuda else COPY_BANDWIDTH
     print(f"floor: the copy bandwidth, {bandwidth / 1e12:.2f} TB/s"
@@ -114,7 +129,7 @@ def main(argv=None) -> int:
         for batch in batches:
             for group in groups:
                 rows += configuration(n, batch, group, kv_heads, d, page, device, timer,
-                                      bandwidth)
+                                      bandwidth, window)
                 table = render(rows)  # saved after every configuration: a run cut short keeps them
                 save_script_results(args.out, "decode", {**meta, "rows": rows}, table)
     print(table)
@@ -141,8 +156,10 @@ def host_main(args, seqlens, batches, groups) -> int:
     return 0
 
 
-def configuration(n, batch, group, kv_heads, d, page, device, timer, bandwidth) -> list[dict]:
-    """The rows of one (N, batch, GQA) configuration: SDPA on fp16 K/V, then the 8-bit cache."""
+def configuration(n, batch, group, kv_heads, d, page, device, timer, bandwidth,
+                  window=None) -> list[dict]:
+    """The rows of one (N, batch, GQA) configuration: SDPA on fp16 K/V, then the 8-bit cache
+    (and with ``window``, a sliding-window layer and the full one it should cost as)."""
     base = {"N": n, "batch": batch, "gqa": f"{group}:1"}
     g = torch.Generator(device=device).manual_seed(n + batch + group)
     shape = (batch, kv_heads, n, d)
@@ -153,7 +170,7 @@ def configuration(n, batch, group, kv_heads, d, page, device, timer, bandwidth) 
     want = exact(q, k, v)
     rows = []
 
-    def record(method, step, nbytes):
+    def record(method, step, nbytes, want=want):
         try:
             out = step()
             ms = timer(step)
@@ -167,6 +184,7 @@ def configuration(n, batch, group, kv_heads, d, page, device, timer, bandwidth) 
             rows.append({**base, "method": method,
                          "status": f"error: {type(exc).__name__}: {exc}"[:300]})
         print(rows[-1], file=sys.stderr, flush=True)
+        return rows[-1]
 
     def record_step(method, step, *, build=None):
         """A whole decode step, the new token stored then attended: timed by the loop alone (each
@@ -195,6 +213,8 @@ def configuration(n, batch, group, kv_heads, d, page, device, timer, bandwidth) 
                cache_bytes(batch, n, kv_heads, d, page))
         rows[-1]["cache_nbytes"] = cache.nbytes()
         del cache
+        if window is not None and window + 1 < n:
+            window_rows(record, q, k, v, window, page)
         # whole steps: SDPA over a preallocated fp16 cache whose last slot is rewritten; ours
         # from the first n - 1 tokens, appending the last one (again at every call: the cache
         # grows by the loop's calls, ≤ STEP_CALLS + 2 tokens)
@@ -236,6 +256,31 @@ def configuration(n, batch, group, kv_heads, d, page, device, timer, bandwidth) 
 
             record_step("kv_int8_fp8+append (graph)", None, build=graphed_decode_step)
     return rows
+
+
+def window_rows(record, q, k, v, window, page) -> None:
+    """Record ``kv_int8_fp8 window W`` and ``kv_int8_fp8 last W+1`` (module docstring) with
+    ``record(method, step, nbytes, want)``, which returns the row; the window's row gets the
+    layer's memory (``cache_nbytes``: its window, not the N tokens)."""
+    batch, kv_heads, n, d = k.shape
+    seen = window + 1
+    want = exact(q, k[:, :, -seen:], v[:, :, -seen:])
+    append = min(WINDOW_APPEND, window, n)
+    local = lowbit_attn.QuantizedKVCache(1, batch, kv_heads, d, max_tokens=n, page_size=page,
+                                         dtype=k.dtype, device=k.device, window=window,
+                                         max_append=append)
+    for start in range(0, n, append):
+        local.append(0, k[:, :, start:start + append], v[:, :, start:start + append])
+    nbytes = cache_bytes(batch, seen, kv_heads, d, page)
+    row = record(f"kv_int8_fp8 window {window}",
+                 lambda: lowbit_attn.attention_with_kv_cache(q, local, 0), nbytes, want)
+    row["cache_nbytes"] = local.nbytes()
+    del local
+    last = lowbit_attn.QuantizedKVCache(1, batch, kv_heads, d, max_tokens=seen, page_size=page,
+                                        dtype=k.dtype, device=k.device)
+    last.append(0, k[:, :, -seen:], v[:, :, -seen:])
+    record(f"kv_int8_fp8 last {seen}", lambda: lowbit_attn.attention_with_kv_cache(q, last, 0),
+           nbytes, want)
 
 
 def graphed(step, output):

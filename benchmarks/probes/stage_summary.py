@@ -1,6 +1,6 @@
 """The summary of a ``run_on_gpu.sh decide`` / ``decide2`` run (issue 43): one JSON and one
 markdown file in OUTDIR, ``<stage>.json`` and ``<stage>.md``, with the device, the date, the
-command, each step's limit, time and exit status, issue 43's bars beside the measured values,
+command, each step's limit, time and exit status, issues 43's and 44's bars beside the measured values,
 the admission checks' timings, and the benchmark scripts' own results (their JSON embedded,
 their tables appended: the files that come back from the device machine are few). Rewritten
 after every step, so a run cut short still leaves it. No torch import: it runs in a second.
@@ -23,6 +23,7 @@ from pathlib import Path
 FIRST_CALL_BAR = 2.0  # s: what admission adds to a first call (issue 43)
 TRAIN_BAR = 1.0  # × SDPA flash, forward + backward, D=128, N ≥ 4k
 DECODE_BAR = 1.0  # × SDPA (fp16 K/V), one decode step, batch 1, N = 8k and 32k
+WINDOW_BAR = 1.2  # a sliding-window layer's step ÷ a full layer of what it sees (issue 44)
 KINDS = ("forward", "train", "vsa", "decode")
 
 
@@ -47,20 +48,35 @@ def train_bars(data: dict) -> list[dict]:
 
 
 def decode_bars(data: dict) -> list[dict]:
-    """Per N of 8k and 32k at batch 1: the worst (over GQA) ``SDPA ms / ours ms`` of our fastest
-    method."""
-    ok = [r for r in data.get("rows", []) if r.get("status") == "ok"]
+    """Per N of 8k and 32k at batch 1: the worst (over GQA) ``SDPA ms / ours ms`` of the
+    attention alone (the rows timed by ``do_bench``: ``ms``; not the whole steps, timed by their
+    loop only, nor the sliding-window rows). Then issue 44's: per N and batch with
+    ``kv_int8_fp8 window W`` rows, the worst (over GQA) ``window ms / last W+1 ms``."""
+    ok = [r for r in data.get("rows", []) if r.get("status") == "ok" and "ms" in r]
     out = []
     for n in (8192, 32768):
         speeds = []
         for gqa in sorted({r["gqa"] for r in ok if r["N"] == n and r["batch"] == 1}):
             same = [r for r in ok if (r["N"], r["batch"], r["gqa"]) == (n, 1, gqa)]
-            sdpa = [r["ms"] for r in same if r["method"].startswith("sdpa")]
-            ours = [r["ms"] for r in same if not r["method"].startswith("sdpa")]
+            sdpa = [r["ms"] for r in same if r["method"] == "sdpa_fp16"]
+            ours = [r["ms"] for r in same if r["method"] == "kv_int8_fp8"]
             if sdpa and ours:
                 speeds.append(min(sdpa) / min(ours))
         out.append(_bar(f"decode batch 1 N={n // 1024}k x SDPA (worst GQA)",
                         min(speeds, default=None), DECODE_BAR))
+    windowed = {}
+    for r in ok:
+        if r["method"].startswith("kv_int8_fp8 window "):
+            seen = int(r["method"].rsplit(" ", 1)[1]) + 1
+            last = [x["ms"] for x in ok if x["method"] == f"kv_int8_fp8 last {seen}"
+                    and (x["N"], x["batch"], x["gqa"]) == (r["N"], r["batch"], r["gqa"])]
+            if last:
+                key = (r["method"].rsplit(" ", 1)[1], r["N"], r["batch"])
+                windowed[key] = max(windowed.get(key, 0.0), r["ms"] / last[0])
+    for (window, n, batch), ratio in sorted(windowed.items(), key=lambda x: (x[0][1], x[0][2])):
+        out.append(_bar(f"decode window {window} at N={n // 1024}k batch {batch} ÷ its last "
+                        f"{int(window) + 1} tokens alone (worst GQA)", ratio, WINDOW_BAR,
+                        higher=False))
     return out
 
 
@@ -126,7 +142,7 @@ def summarize(stage: str, outdir: Path, steps_file: Path, command: str,
              "|---|---|---|---|---|"]
     lines += [f"| {s['step']} | {s['limit_s']} | {s['started_s']} | {s['took_s']} | {s['exit']} |"
               for s in steps]
-    lines += ["", "| bar (issue 43) | value | target | met |", "|---|---|---|---|"]
+    lines += ["", "| bar (issues 43, 44) | value | target | met |", "|---|---|---|---|"]
     for b in summary["bars"]:
         value = "—" if b["value"] is None else f"{b['value']:.4g}"
         met = {True: "yes", False: "no", None: "—"}[b["met"]]

@@ -415,6 +415,30 @@ def test_decode_benchmark_runs_on_cpu(tmp_path, monkeypatch, backend):
     assert f"Command: `{meta['command']}`" in table
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_decode_benchmark_times_a_sliding_window_layer_on_cpu(tmp_path, monkeypatch, backend):
+    """``--window``: at its CPU size (N = 200, window 64) the sliding-window layer's row and the
+    full layer of the 65 tokens it sees, both against exact attention over those tokens; the
+    window layer keeps its window, not the 200 tokens."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    monkeypatch.setenv("LOWBIT_ATTN_BACKEND", backend)
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_decode.py"
+    spec = importlib.util.spec_from_file_location("bench_decode", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--out", str(tmp_path), "--window", "4096"]) == 0
+    (result,) = tmp_path.glob("decode-*.json")
+    rows = {r["method"]: r for r in json.loads(result.read_text())["rows"]}
+    window, last = rows["kv_int8_fp8 window 64"], rows["kv_int8_fp8 last 65"]
+    assert window["status"] == "ok" and last["status"] == "ok"
+    assert window["cosine"] > 0.999 and last["cosine"] > 0.999
+    assert window["bytes"] == last["bytes"] < rows["kv_int8_fp8"]["bytes"]
+    assert window["cache_nbytes"] < 0.8 * rows["kv_int8_fp8"]["cache_nbytes"]
+
+
 def test_hopper_benchmark_runs_every_variant_on_the_interpreter(tmp_path, monkeypatch):
     """benchmarks/bench_hopper.py end to end on the Triton interpreter (tiny size): every row
     checked against the reference, the forced kernel candidates (plain and pipelined) included."""

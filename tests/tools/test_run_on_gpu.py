@@ -113,6 +113,7 @@ def test_a_stage_runs_its_steps_in_order_within_its_budget(tmp_path, stage, budg
         assert "sm90_backward" in text[0] and "admission_time.py bwd" in text[1]
         assert "bench_train.py --dims 128" in text[2] and "sdpa_flash" in text[2]
         assert "bench_decode.py --seqlens 8k,32k --batches 1,16" in text[4]
+        assert "--window 4096" in text[4]
         bars = {b["bar"]: b for b in summary["bars"]}
         train = bars["training sagebwd_int8 x SDPA flash, D=128 N>=4k (worst)"]
         assert train["value"] == pytest.approx(0.8) and train["met"] is False
@@ -120,7 +121,7 @@ def test_a_stage_runs_its_steps_in_order_within_its_budget(tmp_path, stage, budg
         assert decode["value"] == pytest.approx(2.0) and decode["met"] is True
         assert set(summary["results"]) == {"train", "vsa", "decode"}  # embedded: not in $OUT
     table = (out / f"{stage}.md").read_text()
-    assert "| bar (issue 43) | value | target | met |" in table and "stub GPU" in table
+    assert "| bar (issues 43, 44) | value | target | met |" in table and "stub GPU" in table
     assert not any(p.name.startswith("stub") for p in (ROOT / "benchmarks" / "results").iterdir())
 
 
@@ -132,3 +133,42 @@ def test_a_budget_too_small_skips_the_later_steps_and_still_leaves_the_files(tmp
     assert all(int(s["started_s"]) + int(s["limit_s"]) <= 300 for s in steps)
     assert steps[-1]["step"] == "forward-sweep" and steps[-1]["exit"] == "0"
     assert (out / "decide.md").exists() and len(list(out.iterdir())) <= 8
+
+
+def _stage_summary():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "stage_summary", ROOT / "benchmarks" / "probes" / "stage_summary.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_decode_bars_read_the_attention_rows_and_the_window_rows():
+    """decide2's decode bars from bench_decode.py's rows: ``SDPA ms / ours ms`` of the attention
+    alone at batch 1 (the whole steps, timed by their loop only and without ``ms``, and the
+    window rows left out), and issue 44's ``window ms / last W+1 ms`` per N and batch, the worst
+    GQA, against 1.2."""
+    def row(n, batch, gqa, method, ms=None):
+        r = {"N": n, "batch": batch, "gqa": gqa, "method": method, "status": "ok",
+             "loop_ms": 1.0}
+        return r if ms is None else {**r, "ms": ms}
+
+    rows = [row(32768, 1, "4:1", "sdpa_fp16", 0.060), row(32768, 1, "4:1", "kv_int8_fp8", 0.080),
+            row(32768, 1, "4:1", "sdpa_fp16+write"), row(32768, 1, "4:1", "kv_int8_fp8+append"),
+            row(32768, 1, "4:1", "kv_int8_fp8 window 4096", 0.012),
+            row(32768, 1, "4:1", "kv_int8_fp8 last 4097", 0.011),
+            row(32768, 1, "8:1", "kv_int8_fp8 window 4096", 0.016),
+            row(32768, 1, "8:1", "kv_int8_fp8 last 4097", 0.012),
+            row(32768, 16, "4:1", "kv_int8_fp8 window 4096", 0.050),
+            row(32768, 16, "4:1", "kv_int8_fp8 last 4097", 0.049)]
+    bars = {b["bar"]: b for b in _stage_summary().decode_bars({"rows": rows})}
+    decode = bars["decode batch 1 N=32k x SDPA (worst GQA)"]
+    assert decode["value"] == pytest.approx(0.75) and decode["met"] is False
+    assert bars["decode batch 1 N=8k x SDPA (worst GQA)"]["value"] is None
+    one = bars["decode window 4096 at N=32k batch 1 ÷ its last 4097 tokens alone (worst GQA)"]
+    assert one["value"] == pytest.approx(16 / 12) and one["met"] is False  # 8:1 is the worst
+    sixteen = bars["decode window 4096 at N=32k batch 16 ÷ its last 4097 tokens alone "
+                   "(worst GQA)"]
+    assert sixteen["value"] == pytest.approx(50 / 49) and sixteen["met"] is True
