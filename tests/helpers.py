@@ -450,10 +450,17 @@ def require_gluon(*apis: str) -> None:
                         allow_module_level=True)
 
 
-def docs_hooks():
-    """``docs/hooks.py``, the checks ``make docs`` runs, as a module (it is not a package)."""
-    path = Path(__file__).resolve().parents[1] / "docs" / "hooks.py"
-    spec = importlib.util.spec_from_file_location("docs_hooks", path)
+def script_module(relative: str, name: str | None = None):
+    """The script at ``relative`` (a path from the repository's root, e.g.
+    ``"benchmarks/bench_vsa.py"``) as a module named ``name`` (its file's stem by default): the
+    folders of scripts are not packages. Each call runs the script's top level afresh."""
+    path = Path(__file__).resolve().parents[1] / relative
+    spec = importlib.util.spec_from_file_location(name or path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def docs_hooks():
+    """``docs/hooks.py``, the checks ``make docs`` runs, as a module (it is not a package)."""
+    return script_module("docs/hooks.py", "docs_hooks")
