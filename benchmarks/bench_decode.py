@@ -45,7 +45,7 @@ from lowbit_attn.core.metrics import cosine_similarity
 from lowbit_attn.tools.bench.command import parse_seqlens
 from lowbit_attn.tools.bench.metadata import make_metadata
 from lowbit_attn.tools.bench.save import save_script_results
-from lowbit_attn.tools.bench.tables import seqlen_label
+from lowbit_attn.tools.bench.tables import seqlen_label, status_table
 from lowbit_attn.tools.bench.timers import loop_timings, timer_for
 
 COPY_BANDWIDTH = 3.0e12  # bytes/s, the measured H100 copy bandwidth (NOTES §1): the CPU's stand-in
@@ -313,24 +313,23 @@ def render(rows: list[dict]) -> str:
 
     sdpa = {(r["N"], r["batch"], r["gqa"], kind(r["method"])): r for r in rows
             if r["method"].startswith("sdpa_fp16") and r["status"] == "ok"}
-    lines = ["| N | batch | GQA | method | ms | floor ms | TB/s | × SDPA fp16 | host µs | loop ms "
-             "| × SDPA fp16 (loop) | cosine |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        head = f"| {seqlen_label(r['N'])} | {r['batch']} | {r['gqa']} | {r['method']} |"
-        if r["status"] != "ok":
-            lines.append(f"{head} {r['status']} | | | | | | | |")
-            continue
+
+    def cells(r):
         ref = sdpa.get((r["N"], r["batch"], r["gqa"], kind(r["method"])))
         if "ms" in r:
             speed = f"{ref['ms'] / r['ms']:.2f}" if ref else "—"
-            gpu = f"{r['ms']:.4f} | {r['floor_ms']:.4f} | {r['tb_per_s']:.2f} | {speed}"
+            gpu = [f"{r['ms']:.4f}", f"{r['floor_ms']:.4f}", f"{r['tb_per_s']:.2f}", speed]
         else:
-            gpu = "— | — | — | —"
+            gpu = ["—"] * 4
         loop_speed = f"{ref['loop_ms'] / r['loop_ms']:.2f}" if ref and "loop_ms" in ref else "—"
-        loop = (f"{r['host_us']:.1f} | {r['loop_ms']:.4f}" if "loop_ms" in r else "— | —")
-        lines.append(f"{head} {gpu} | {loop} | {loop_speed} | {r['cosine']:.5f} |")
-    return "\n".join(lines)
+        loop = [f"{r['host_us']:.1f}", f"{r['loop_ms']:.4f}"] if "loop_ms" in r else ["—"] * 2
+        return gpu + loop + [loop_speed, f"{r['cosine']:.5f}"]
+
+    return status_table(
+        ["N", "batch", "GQA", "method", "ms", "floor ms", "TB/s", "× SDPA fp16", "host µs",
+         "loop ms", "× SDPA fp16 (loop)", "cosine"], rows,
+        lambda r: [seqlen_label(r["N"]), str(r["batch"]), str(r["gqa"]), r["method"]], cells,
+    )
 
 
 if __name__ == "__main__":

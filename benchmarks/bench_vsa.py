@@ -33,6 +33,7 @@ from lowbit_attn.vsa import interface as vsa
 from lowbit_attn.inference import gluon_check
 from lowbit_attn.tools.bench.metadata import make_metadata
 from lowbit_attn.tools.bench.save import save_script_results
+from lowbit_attn.tools.bench.tables import status_table
 from lowbit_attn.tools.bench.timers import peak_extra_mib, timer_for
 from lowbit_attn.vsa.tiles import tile_layout
 
@@ -134,18 +135,19 @@ def main(argv=None) -> int:
 def render(rows: list[dict]) -> str:
     """One line per row, with × SDPA cuDNN dense for the same passes."""
     dense = {r["passes"]: r for r in rows if r["method"] == "sdpa_cudnn_dense" and r["status"] == "ok"}
-    lines = ["| method | passes | sparsity | topk | ms | TOP/s (computed tiles) | × cuDNN dense | peak MiB |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        head = f"| {r['method']} | {r['passes']} | {r.get('sparsity', '')} | {r.get('topk', '')} |"
-        if r["status"] != "ok":
-            lines.append(f"{head} {r['status']} | | | |")
-            continue
+
+    def cells(r):
         base = dense.get(r["passes"])
         speed = f"{base['ms'] / r['ms']:.2f}" if base else "—"
         mem = "" if r["peak_extra_mib"] is None else f"{r['peak_extra_mib']:.0f}"
-        lines.append(f"{head} {r['ms']:.3f} | {r['tops']:.0f} | {speed} | {mem} |")
-    return "\n".join(lines)
+        return [f"{r['ms']:.3f}", f"{r['tops']:.0f}", speed, mem]
+
+    return status_table(
+        ["method", "passes", "sparsity", "topk", "ms", "TOP/s (computed tiles)", "× cuDNN dense",
+         "peak MiB"], rows,
+        lambda r: [r["method"], r["passes"], str(r.get("sparsity", "")), str(r.get("topk", ""))],
+        cells,
+    )
 
 
 if __name__ == "__main__":

@@ -390,6 +390,21 @@ def print_scenarios(scenarios: dict, names: list[str], sink: list, reset) -> Non
     print(json.dumps(results))
 
 
+# (B, Hq, Hkv, Nq, Nk, D, causal offset or None for "nk - nq" when causal) that the schedule tests
+# of the Hopper loops, forward (tests/inference/test_sm90_schedule.py) and backward
+# (tests/training/test_bwd_sm90_schedule.py), both run: partial query and key tiles (counts not a
+# multiple of 16: the permuted operands' last group), GQA, MQA, a causal diagonal at offset 0 and
+# one past the bottom-right corner. Each test module puts its own shapes between the third and the
+# fourth.
+SM90_SHAPES = [
+    pytest.param(1, 2, 2, 130, 130, 64, None, id="B1-H2-N130-D64"),
+    pytest.param(2, 4, 2, 77, 200, 64, None, id="B2-GQA4:2-Nq77-Nk200-D64"),
+    pytest.param(1, 3, 1, 200, 90, 128, None, id="B1-MQA3:1-Nq200-Nk90-D128"),
+    pytest.param(1, 2, 2, 150, 100, 128, 0, id="B1-Nq150-Nk100-D128-offset0"),
+    pytest.param(1, 1, 1, 130, 300, 64, 150, id="B1-Nq130-Nk300-D64-offset150"),
+]
+
+
 # Stand-in checks for gluon_check.isolated, run in a child process (which imports this module).
 def check_passes(device, *args):
     return None
@@ -450,10 +465,17 @@ def require_gluon(*apis: str) -> None:
                         allow_module_level=True)
 
 
-def docs_hooks():
-    """``docs/hooks.py``, the checks ``make docs`` runs, as a module (it is not a package)."""
-    path = Path(__file__).resolve().parents[1] / "docs" / "hooks.py"
-    spec = importlib.util.spec_from_file_location("docs_hooks", path)
+def script_module(relative: str, name: str | None = None):
+    """The script at ``relative`` (a path from the repository's root, e.g.
+    ``"benchmarks/bench_vsa.py"``) as a module named ``name`` (its file's stem by default): the
+    folders of scripts are not packages. Each call runs the script's top level afresh."""
+    path = Path(__file__).resolve().parents[1] / relative
+    spec = importlib.util.spec_from_file_location(name or path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def docs_hooks():
+    """``docs/hooks.py``, the checks ``make docs`` runs, as a module (it is not a package)."""
+    return script_module("docs/hooks.py", "docs_hooks")

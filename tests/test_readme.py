@@ -18,13 +18,14 @@ beside it; a test checks that it is what the script writes.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from decimal import Decimal
 from pathlib import Path
 
 import pytest
+
+from helpers import script_module
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -160,10 +161,7 @@ def test_every_speed_figure_of_a_docs_page_is_in_the_results_file_it_names(page)
 
 
 def test_the_h200_summary_is_what_its_script_writes():
-    spec = importlib.util.spec_from_file_location("summarize_h200",
-                                                  ROOT / "benchmarks" / "summarize_h200.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = script_module("benchmarks/summarize_h200.py")
     assert module.main(["--check"]) == 0, "run python benchmarks/summarize_h200.py"
 
 

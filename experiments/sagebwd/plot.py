@@ -44,6 +44,15 @@ def smooth(xs, w=10):
     return out
 
 
+def save(fig, path: Path, suptitle: str | None = None) -> None:
+    """Write the figure at 120 dpi (under ``suptitle`` in 10 pt, if given) and close it."""
+    if suptitle is not None:
+        fig.suptitle(suptitle, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def setting(run) -> str:
     return f"QK-norm {'on' if run['qk_norm'] else 'off'}, {run['tokens_per_step']} tokens/step"
 
@@ -90,11 +99,8 @@ def plot_pretrain(res, out: Path):
     for ax in list(axes.flat)[len(keys):]:
         ax.axis("off")
     c = res["config"]
-    fig.suptitle(f"Byte-level GPT pretraining on stdlib source ({c['layers']} layers, width {c['width']}, "
-                 f"head dim {c['width'] // c['heads']}), {title(res)}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(out / "pretrain.png", dpi=120)
-    plt.close(fig)
+    save(fig, out / "pretrain.png", f"Byte-level GPT pretraining on stdlib source ({c['layers']} layers, "
+         f"width {c['width']}, head dim {c['width'] // c['heads']}), {title(res)}")
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for key in keys:
@@ -109,9 +115,7 @@ def plot_pretrain(res, out: Path):
     ax.set_title(f"Pretraining gap, {title(res)}", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "pretrain_gap.png", dpi=120)
-    plt.close(fig)
+    save(fig, out / "pretrain_gap.png")
 
 
 def plot_ablation(res, out: Path):
@@ -130,10 +134,7 @@ def plot_ablation(res, out: Path):
         ax2.text(v, i, f" {v:.4f}", va="center", fontsize=8)
     ax2.set_xlabel("final validation loss")
     ax2.invert_yaxis()
-    fig.suptitle(title(res), fontsize=10)
-    fig.tight_layout()
-    fig.savefig(out / "ablation.png", dpi=120)
-    plt.close(fig)
+    save(fig, out / "ablation.png", title(res))
 
 
 def plot_logits(res_dir: Path, out: Path):
@@ -168,10 +169,8 @@ def plot_logits(res_dir: Path, out: Path):
                      else f"ablation, {setting(res['runs'][0])}", fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6.5)
-    fig.suptitle(f"Largest attention logit on one validation window, {title(panels[0][1])}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(out / "logits.png", dpi=120)
-    plt.close(fig)
+    save(fig, out / "logits.png",
+         f"Largest attention logit on one validation window, {title(panels[0][1])}")
 
 
 def plot_finetune(res, out: Path):
@@ -189,10 +188,7 @@ def plot_finetune(res, out: Path):
     ax2.set_title(f"{len(res['data']['packages'])}-way package classification, unseen files", fontsize=10)
     ax2.grid(alpha=0.3)
     ax2.legend(fontsize=8)
-    fig.suptitle(f"all-MiniLM-L6-v2 fine-tuning, {title(res)}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(out / "finetune.png", dpi=120)
-    plt.close(fig)
+    save(fig, out / "finetune.png", f"all-MiniLM-L6-v2 fine-tuning, {title(res)}")
 
 
 def seed_pairs(res_dir: Path) -> dict:
@@ -231,9 +227,7 @@ def plot_seeds(res_dir: Path, out: Path):
     ax.set_title("Seed-to-seed spread vs the exact–SageBwd difference", fontsize=10)
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "seeds.png", dpi=120)
-    plt.close(fig)
+    save(fig, out / "seeds.png")
 
 
 def tables(res_dir: Path) -> str:

@@ -385,6 +385,27 @@ def test_smooth_v_is_ignored_where_sageattention_ignores_it():
     assert torch.equal(out, sa.sageattn_qk_int8_pv_fp8_cuda(q, k, v))
 
 
+@pytest.mark.parametrize("call", [
+    pytest.param(lambda q, k, v, m: sa.sageattn(q, k, v, attn_mask=m), id="sageattn-mask"),
+    pytest.param(lambda q, k, v, m: sa.sageattn_qk_int8_pv_fp16_triton(q, k, v, attn_mask=m),
+                 id="triton-mask"),
+    pytest.param(lambda q, k, v, m: sa.sageattn_qk_int8_pv_fp16_cuda(q, k, v, attn_mask=m),
+                 id="fp16-cuda-mask"),
+    pytest.param(lambda q, k, v, m: sa.sageattn_qk_int8_pv_fp8_cuda_sm90(q, k, v, dropout_p=0.0),
+                 id="sm90-keyword"),
+    pytest.param(lambda q, k, v, m: sa.sageattn_qk_int8_pv_fp8_cuda(q, k, v, smooth_v=True),
+                 id="fp8-cuda-smooth-v"),
+    pytest.param(lambda q, k, v, m: sa.sageattn3_blackwell(q, k, v, attn_mask=m), id="sage3-mask"),
+])
+def test_warnings_point_at_the_caller(call):
+    q, k, v = _qkv()
+    sa._warned.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        call(q, k, v, torch.ones(q.shape[2], k.shape[2], dtype=torch.bool))
+    assert caught and all(w.filename == __file__ for w in caught), [w.filename for w in caught]
+
+
 # --- the import alias, in fresh processes -----------------------------------------------------
 
 def _python(code: str, extra_path: Path | None = None) -> subprocess.CompletedProcess:

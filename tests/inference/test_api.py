@@ -141,8 +141,11 @@ def test_auto_recipe_follows_the_device():
 def test_recipe_options_are_validated():
     r = lowbit_attn.get_recipe("qk_int8_pv_fp8")
     assert r.replace(granularity="per_token").granularity == "per_token"
-    with pytest.raises(TypeError, match="unknown option"):
+    with pytest.raises(TypeError, match=r"^Recipe\.replace got unknown option\(s\) \['smoothing'\]"):
         r.replace(smoothing=True)
+    train = lowbit_attn.TRAIN_RECIPES["sagebwd_int8"]
+    with pytest.raises(TypeError, match=r"^TrainRecipe\.replace got unknown option\(s\) \['a', 'b'\]"):
+        train.replace(b=1, a=2)
     with pytest.raises(ValueError, match="block_q"):
         r.replace(block_q=100)
 

@@ -34,18 +34,14 @@ KERNEL = k90._attn_fwd_sm90_kernel
 
 pytestmark = pytest.mark.usefixtures(one_torch_thread.__name__)
 
-# (B, Hq, Hkv, Nq, Nk, D, causal offset or None for "nk - nq" when causal): partial query and key
-# blocks (key counts not a multiple of 16: the permuted V's last group), GQA and MQA, decode,
-# rows that see no key, offsets past the diagonal, enough key blocks to reuse each buffer.
+# helpers.SM90_SHAPES (partial blocks, GQA, MQA, offsets at and past the diagonal) with, between
+# them, decode, enough key blocks to reuse each buffer, and query tiles that see no key.
 SHAPES = [
-    pytest.param(1, 2, 2, 130, 130, 64, None, id="B1-H2-N130-D64"),
-    pytest.param(2, 4, 2, 77, 200, 64, None, id="B2-GQA4:2-Nq77-Nk200-D64"),
-    pytest.param(1, 3, 1, 200, 90, 128, None, id="B1-MQA3:1-Nq200-Nk90-D128"),
+    *helpers.SM90_SHAPES[:3],
     pytest.param(1, 1, 1, 1, 257, 128, None, id="B1-decode-Nq1-Nk257-D128"),
     pytest.param(1, 2, 1, 150, 523, 64, None, id="B1-GQA2:1-Nq150-Nk523-D64"),
     pytest.param(1, 1, 1, 200, 40, 64, None, id="B1-Nq200-Nk40-D64-keyless-tiles"),
-    pytest.param(1, 2, 2, 150, 100, 128, 0, id="B1-Nq150-Nk100-D128-offset0"),
-    pytest.param(1, 1, 1, 130, 300, 64, 150, id="B1-Nq130-Nk300-D64-offset150"),
+    *helpers.SM90_SHAPES[3:],
 ]
 CASES = [pytest.param(g, pv, id=f"{g}-{pv}")
          for g, pv in (("per_thread", "fp8"), ("per_token", "fp8"), ("per_thread", "fp16"),

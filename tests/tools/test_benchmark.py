@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
+from helpers import script_module
 from lowbit_attn.core.recipes import RECIPES
 from lowbit_attn.tools.bench import (
     calls, command, flops, metadata, plots, protocol, run, save, tables,
 )
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def test_tops_counts_four_bhn2d_and_halves_causal():
@@ -330,14 +334,7 @@ def test_fp4_recipes_get_their_own_keys_and_stage_rows():
 
 def test_training_benchmark_runs_on_cpu(tmp_path):
     """benchmarks/bench_train.py end to end on the CPU reference (tiny size): JSON, table, checks."""
-    import importlib.util
-    import json
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_train.py"
-    spec = importlib.util.spec_from_file_location("bench_train", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = script_module("benchmarks/bench_train.py")
     assert bench.main(["--quick", "--methods", "sagebwd_int8,ours_exact_16bit", "--out", str(tmp_path)]) == 0
     (result,) = tmp_path.glob("train-*.json")
     rows = json.loads(result.read_text())["rows"]
@@ -349,14 +346,7 @@ def test_training_benchmark_runs_on_cpu(tmp_path):
 def test_training_benchmark_keeps_to_its_time_budget(tmp_path):
     """``--time-budget``: configurations not started by then are rows ``skipped: time budget``,
     saved like the rest (the file is rewritten after every configuration)."""
-    import importlib.util
-    import json
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_train.py"
-    spec = importlib.util.spec_from_file_location("bench_train", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = script_module("benchmarks/bench_train.py")
     assert bench.main(["--quick", "--causal", "no", "--methods", "sagebwd_int8",
                        "--time-budget", "0", "--out", str(tmp_path)]) == 0
     (result,) = tmp_path.glob("train-*.json")
@@ -368,14 +358,7 @@ def test_training_benchmark_keeps_to_its_time_budget(tmp_path):
 
 def test_vsa_benchmark_runs_on_cpu(tmp_path):
     """benchmarks/bench_vsa.py end to end on the PyTorch path (tiny grid): JSON and table."""
-    import importlib.util
-    import json
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_vsa.py"
-    spec = importlib.util.spec_from_file_location("bench_vsa", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = script_module("benchmarks/bench_vsa.py")
     assert bench.main(["--sparsities", "0.75", "--out", str(tmp_path)]) == 0
     (result,) = tmp_path.glob("vsa-*.json")
     rows = json.loads(result.read_text())["rows"]
@@ -389,15 +372,8 @@ def test_decode_benchmark_runs_on_cpu(tmp_path, monkeypatch, backend):
     """benchmarks/bench_decode.py end to end at its CPU size: the SDPA fp16 row and the 8-bit
     cache's (the reference, or the split-KV kernel on the interpreter), bytes below the fp16
     cache's, the cosine against float64 at the recipe's level."""
-    import importlib.util
-    import json
-    from pathlib import Path
-
     monkeypatch.setenv("LOWBIT_ATTN_BACKEND", backend)
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_decode.py"
-    spec = importlib.util.spec_from_file_location("bench_decode", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = script_module("benchmarks/bench_decode.py")
     assert bench.main(["--out", str(tmp_path)]) == 0
     (result,) = tmp_path.glob("decode-*.json")
     rows = {r["method"]: r for r in json.loads(result.read_text())["rows"]}
@@ -442,15 +418,8 @@ def test_decode_benchmark_times_a_sliding_window_layer_on_cpu(tmp_path, monkeypa
 def test_hopper_benchmark_runs_every_variant_on_the_interpreter(tmp_path, monkeypatch):
     """benchmarks/bench_hopper.py end to end on the Triton interpreter (tiny size): every row
     checked against the reference, the forced kernel candidates (plain and pipelined) included."""
-    import importlib.util
-    import json
-    from pathlib import Path
-
     monkeypatch.setenv("LOWBIT_ATTN_BACKEND", "triton")
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_hopper.py"
-    spec = importlib.util.spec_from_file_location("bench_hopper", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = script_module("benchmarks/bench_hopper.py")
     assert bench.main(["--out", str(tmp_path)]) == 0
     (result,) = tmp_path.glob("hopper-*.json")
     rows = json.loads(result.read_text())["rows"]
@@ -470,15 +439,8 @@ def test_hopper_gluon_benchmark_runs_on_the_interpreter_without_the_gluon_kernel
     """``bench_hopper.py --gluon`` on the interpreter (tiny size): the SDPA and Triton rows run;
     the public call with ``LOWBIT_ATTN_KERNEL=gluon`` runs the Triton kernel (no Gluon interpreter:
     its row says the Gluon forward was never checked); the Gluon kernel-only rows are skipped."""
-    import importlib.util
-    import json
-    from pathlib import Path
-
     monkeypatch.setenv("LOWBIT_ATTN_BACKEND", "triton")
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_hopper.py"
-    spec = importlib.util.spec_from_file_location("bench_hopper", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = script_module("benchmarks/bench_hopper.py")
     assert bench.main(["--gluon", "--out", str(tmp_path)]) == 0
     (result,) = tmp_path.glob("hopper-gluon-*.json")
     data = json.loads(result.read_text())
@@ -505,17 +467,11 @@ def test_forward_benchmark_runs_on_the_interpreter_without_the_gluon_kernels(tmp
     and Triton rows run and pass their check against exact attention; ``LOWBIT_ATTN_KERNEL=sm90``
     runs the Triton kernel (the one-warpgroup kernel never checked on a CPU); the Gluon
     kernel-alone rows are skipped with the reason; JSON and markdown are written."""
-    import importlib.util
-    import json
     import sys
-    from pathlib import Path
 
     monkeypatch.setenv("LOWBIT_ATTN_BACKEND", "triton")
-    folder = Path(__file__).resolve().parents[2] / "benchmarks"
-    monkeypatch.syspath_prepend(str(folder))  # it imports bench_hopper's helpers
-    spec = importlib.util.spec_from_file_location("bench_forward", folder / "bench_forward.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # it imports bench_hopper's helpers
+    bench = script_module("benchmarks/bench_forward.py")
     assert bench.main(["--out", str(tmp_path)]) == 0
     (result,) = tmp_path.glob("forward-*.json")
     data = json.loads(result.read_text())
@@ -538,17 +494,11 @@ def test_forward_benchmark_runs_on_the_interpreter_without_the_gluon_kernels(tmp
 def test_forward_benchmark_decide_runs_the_decisive_rows_with_the_bars(tmp_path, monkeypatch):
     """``bench_forward.py --decide`` (run_on_gpu.sh decide) on the interpreter: only the rows that
     decide, each with its first call's time; issue 43's bars in the JSON and the table."""
-    import importlib.util
-    import json
     import sys
-    from pathlib import Path
 
     monkeypatch.setenv("LOWBIT_ATTN_BACKEND", "triton")
-    folder = Path(__file__).resolve().parents[2] / "benchmarks"
-    monkeypatch.syspath_prepend(str(folder))
-    spec = importlib.util.spec_from_file_location("bench_forward", folder / "bench_forward.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bench = script_module("benchmarks/bench_forward.py")
     assert bench.DECIDE_CONFIGS[:2] == [(128, 16384, False), (128, 8192, False)]
     assert (128, 1024, False) in bench.DECIDE_CONFIGS and bench.BATCH_HEADS[1024] == (16, 32)
     assert bench.main(["--decide", "--out", str(tmp_path)]) == 0

@@ -25,6 +25,7 @@ What differs from SageAttention, for every function:
 
 from __future__ import annotations
 
+import sys
 import threading
 import warnings
 from typing import Any, Optional
@@ -48,8 +49,26 @@ PV_ACCUM_FP8_SM90 = ("fp32", "fp32+fp32")
 GRANULARITY = {"per_thread": {"granularity": "per_thread", "block_q": 64, "block_k": 128},
                "per_warp": {"granularity": "per_block"}}
 
+# The functions for SageAttention's CUDA INT8 kernels: the recipe they run, their
+# ``pv_accum_dtype`` choices, and the one mode with which they apply ``smooth_v`` (None: no
+# ``smooth_v`` parameter).
+INT8_CUDA = {
+    "sageattn_qk_int8_pv_fp16_cuda": ("qk_int8_pv_fp16", PV_ACCUM_FP16, "fp16"),
+    "sageattn_qk_int8_pv_fp8_cuda": ("qk_int8_pv_fp8", PV_ACCUM_FP8, "fp32"),
+    "sageattn_qk_int8_pv_fp8_cuda_sm90": ("qk_int8_pv_fp8", PV_ACCUM_FP8_SM90, None),
+}
+
 _warned: set[tuple[str, str]] = set()
 _warned_lock = threading.Lock()
+
+
+def _warn(message: str) -> None:
+    """A warning attributed to the first caller outside this module (the public functions reach
+    it through different numbers of helpers)."""
+    frame, level = sys._getframe(1), 2  # level 2: the function that called this one
+    while frame is not None and frame.f_globals.get("__name__") == __name__:
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, stacklevel=level)
 
 
 def _warn_once(function: str, key: str, message: str) -> None:
@@ -57,7 +76,7 @@ def _warn_once(function: str, key: str, message: str) -> None:
         if (function, key) in _warned:
             return
         _warned.add((function, key))
-    warnings.warn(f"{function}: {message}", stacklevel=4)
+    _warn(f"{function}: {message}")
 
 
 def _mask_from(function: str, attn_mask, kwargs: dict):
@@ -92,11 +111,8 @@ def masked_exact(function: str, q, k, v, attn_mask, *, layout: str = "HND", is_c
         as :func:`lowbit_attn.attention`: rows that see no key give 0 (and ``-inf`` LSE). The LSE
             is computed from the dense fp32 scores (``Nq × Nk`` per head in memory).
     """
-    warnings.warn(
-        f"{function}: attn_mask was given; SageAttention would ignore it. Computing exact "
-        "attention with the mask instead (PyTorch's scaled_dot_product_attention, not low-bit)",
-        stacklevel=4,  # the caller of the public function (masked_exact ← _run ← it)
-    )
+    _warn(f"{function}: attn_mask was given; SageAttention would ignore it. Computing exact "
+          "attention with the mask instead (PyTorch's scaled_dot_product_attention, not low-bit)")
     qh, kh, vh = checks.dense_qkv(q, k, v, layout)
     is_causal = checks.flag("is_causal", is_causal)
     return_lse = checks.flag("return_lse", return_lse)
@@ -151,10 +167,23 @@ def _smooth_v_used(function: str, smooth_v, pv_accum_dtype: str, uses: str) -> b
     """SageAttention applies ``smooth_v`` with one accumulation mode only and warns otherwise."""
     smooth_v = checks.flag("smooth_v", smooth_v)
     if smooth_v and pv_accum_dtype != uses:
-        warnings.warn(f"{function}: pv_accum_dtype is {pv_accum_dtype!r}, smooth_v will be "
-                      "ignored (as in SageAttention)", stacklevel=3)
+        _warn(f"{function}: pv_accum_dtype is {pv_accum_dtype!r}, smooth_v will be ignored (as "
+              "in SageAttention)")
         return False
     return smooth_v
+
+
+def _int8_cuda(function: str, q, k, v, kwargs: dict, *, pv_accum_dtype, qk_quant_gran, smooth_k,
+               smooth_v=False, **run):
+    """The functions of :data:`INT8_CUDA`: their options checked and mapped onto the recipe, then
+    :func:`_run` with ``run``'s arguments."""
+    name, accum_modes, smooth_v_mode = INT8_CUDA[function]
+    checks.choice("pv_accum_dtype", pv_accum_dtype, accum_modes)
+    mask = _mask_from(function, None, kwargs)
+    if smooth_v_mode is not None:
+        smooth_v = _smooth_v_used(function, smooth_v, pv_accum_dtype, smooth_v_mode)
+    recipe = _int8_recipe(name, qk_quant_gran=qk_quant_gran, smooth_k=smooth_k, smooth_v=smooth_v)
+    return _run(function, q, k, v, recipe=recipe, attn_mask=mask, **run)
 
 
 def sageattn(
@@ -331,14 +360,10 @@ def sageattn_qk_int8_pv_fp16_cuda(
         >>> lse.shape
         torch.Size([1, 2, 64])
     """
-    name = "sageattn_qk_int8_pv_fp16_cuda"
-    checks.choice("pv_accum_dtype", pv_accum_dtype, PV_ACCUM_FP16)
-    mask = _mask_from(name, None, kwargs)
-    smooth_v = _smooth_v_used(name, smooth_v, pv_accum_dtype, "fp16")
-    recipe = _int8_recipe("qk_int8_pv_fp16", qk_quant_gran=qk_quant_gran, smooth_k=smooth_k,
-                          smooth_v=smooth_v)
-    return _run(name, q, k, v, tensor_layout=tensor_layout, is_causal=is_causal, sm_scale=sm_scale,
-                return_lse=return_lse, recipe=recipe, attn_mask=mask)
+    return _int8_cuda("sageattn_qk_int8_pv_fp16_cuda", q, k, v, kwargs,
+                      pv_accum_dtype=pv_accum_dtype, qk_quant_gran=qk_quant_gran,
+                      smooth_k=smooth_k, smooth_v=smooth_v, tensor_layout=tensor_layout,
+                      is_causal=is_causal, sm_scale=sm_scale, return_lse=return_lse)
 
 
 def sageattn_qk_int8_pv_fp8_cuda(
@@ -393,14 +418,10 @@ def sageattn_qk_int8_pv_fp8_cuda(
         >>> out.shape
         torch.Size([1, 2, 64, 64])
     """
-    name = "sageattn_qk_int8_pv_fp8_cuda"
-    checks.choice("pv_accum_dtype", pv_accum_dtype, PV_ACCUM_FP8)
-    mask = _mask_from(name, None, kwargs)
-    smooth_v = _smooth_v_used(name, smooth_v, pv_accum_dtype, "fp32")
-    recipe = _int8_recipe("qk_int8_pv_fp8", qk_quant_gran=qk_quant_gran, smooth_k=smooth_k,
-                          smooth_v=smooth_v)
-    return _run(name, q, k, v, tensor_layout=tensor_layout, is_causal=is_causal, sm_scale=sm_scale,
-                return_lse=return_lse, recipe=recipe, attn_mask=mask)
+    return _int8_cuda("sageattn_qk_int8_pv_fp8_cuda", q, k, v, kwargs,
+                      pv_accum_dtype=pv_accum_dtype, qk_quant_gran=qk_quant_gran,
+                      smooth_k=smooth_k, smooth_v=smooth_v, tensor_layout=tensor_layout,
+                      is_causal=is_causal, sm_scale=sm_scale, return_lse=return_lse)
 
 
 def sageattn_qk_int8_pv_fp8_cuda_sm90(
@@ -451,12 +472,10 @@ def sageattn_qk_int8_pv_fp8_cuda_sm90(
         >>> out.shape
         torch.Size([1, 4, 64, 128])
     """
-    name = "sageattn_qk_int8_pv_fp8_cuda_sm90"
-    checks.choice("pv_accum_dtype", pv_accum_dtype, PV_ACCUM_FP8_SM90)
-    mask = _mask_from(name, None, kwargs)
-    recipe = _int8_recipe("qk_int8_pv_fp8", qk_quant_gran=qk_quant_gran, smooth_k=smooth_k)
-    return _run(name, q, k, v, tensor_layout=tensor_layout, is_causal=is_causal, sm_scale=sm_scale,
-                return_lse=return_lse, recipe=recipe, attn_mask=mask)
+    return _int8_cuda("sageattn_qk_int8_pv_fp8_cuda_sm90", q, k, v, kwargs,
+                      pv_accum_dtype=pv_accum_dtype, qk_quant_gran=qk_quant_gran,
+                      smooth_k=smooth_k, tensor_layout=tensor_layout, is_causal=is_causal,
+                      sm_scale=sm_scale, return_lse=return_lse)
 
 
 def sageattn_varlen(

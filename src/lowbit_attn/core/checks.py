@@ -161,6 +161,12 @@ def dense_qkv(q, k, v, qkv_layout: str, dtypes: tuple = FLOAT_DTYPES):
     return qh, kh, vh
 
 
+def on_device(name: str, x: torch.Tensor, device: torch.device) -> None:
+    """The tensor argument ``name`` lies on ``device``."""
+    if x.device != device:
+        raise ValueError(f"{name} must be on {device}, got {x.device}")
+
+
 def cu_seqlens(name: str, cu: torch.Tensor, total: int, device: torch.device, *,
                values: bool = True) -> list[int] | None:
     """Validate a ``cu_seqlens`` tensor; with ``values``, also its offsets, read on the host (one
@@ -172,8 +178,7 @@ def cu_seqlens(name: str, cu: torch.Tensor, total: int, device: torch.device, *,
             f"{name} must be a 1-D int32 tensor of batch+1 offsets, got dtype {cu.dtype}, "
             f"shape {tuple(cu.shape)}"
         )
-    if cu.device != device:
-        raise ValueError(f"{name} must be on {device}, got {cu.device}")
+    on_device(name, cu, device)
     if not values:
         return None
     bounds = cu.tolist()

@@ -50,6 +50,15 @@ def _check_fields(recipe) -> None:
             checks.choice(where, value, FIELD_CHOICES[f.name])
 
 
+def _replaced(recipe, changes: dict):
+    """``recipe.replace(**changes)`` of a :class:`Recipe` or :class:`TrainRecipe`: an unknown
+    field is a TypeError naming the class; the copy is validated by its ``__post_init__``."""
+    unknown = set(changes) - {f.name for f in dataclasses.fields(recipe)}
+    if unknown:
+        raise TypeError(f"{type(recipe).__name__}.replace got unknown option(s) {sorted(unknown)}")
+    return dataclasses.replace(recipe, **changes)
+
+
 @dataclass(frozen=True)
 class Recipe:
     """How attention is computed.
@@ -162,10 +171,7 @@ class Recipe:
             TypeError: an unknown field, or a value of the wrong type.
             ValueError: a value the recipe does not allow (see :class:`Recipe`).
         """
-        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
-        if unknown:
-            raise TypeError(f"Recipe.replace got unknown option(s) {sorted(unknown)}")
-        return dataclasses.replace(self, **changes)
+        return _replaced(self, changes)
 
 
 EXACT = Recipe(name="exact", qk="none", pv="none", smooth_k=False, balance_qk=False)
@@ -321,10 +327,7 @@ class TrainRecipe:
             TypeError: an unknown field, or a value of the wrong type.
             ValueError: a value the recipe does not allow.
         """
-        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
-        if unknown:
-            raise TypeError(f"TrainRecipe.replace got unknown option(s) {sorted(unknown)}")
-        return dataclasses.replace(self, **changes)
+        return _replaced(self, changes)
 
 
 # SageBwd: six of the seven matmuls in INT8; dP = dO·Vᵀ stays 16-bit (dS's error dominates all

@@ -286,8 +286,7 @@ def _check_indices(idx, b: int, hq: int, n_tiles: int, device, *, values: bool) 
             f"tile_indices must have shape [B, Hq, n_tiles, k] = [{b}, {hq}, {n_tiles}, k >= 1], "
             f"got {tuple(idx.shape)}"
         )
-    if idx.device != device:
-        raise ValueError(f"tile_indices must be on {device}, got {idx.device}")
+    checks.on_device("tile_indices", idx, device)
     if not values:
         return
     if bool(((idx < 0) | (idx >= n_tiles)).any()):
@@ -310,8 +309,7 @@ def _check_gate(name: str, gate, out_shape, device) -> None:
     if shape != tuple(out_shape):
         raise ValueError(f"{name} of shape {tuple(gate.shape)} does not broadcast to the output "
                          f"shape {tuple(out_shape)}")
-    if gate.device != device:
-        raise ValueError(f"{name} must be on {device}, got {gate.device}")
+    checks.on_device(name, gate, device)
 
 
 def video_sparse_attention(q, k, v, *, video_shape, tile=(4, 4, 4), topk, gate_coarse=None,

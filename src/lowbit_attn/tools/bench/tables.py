@@ -76,6 +76,20 @@ def _table(header: list[str], body: list[list[str]]) -> list[str]:
     return lines
 
 
+def status_table(header: list[str], rows, key_cells, cells) -> str:
+    """A markdown table with one line per row: ``key_cells(r)``, the cells that name the row, then
+    ``cells(r)`` for a row that ran (status ``"ok"``), else its status and empty cells."""
+    lines = _table(header, [])
+    for r in rows:
+        key = key_cells(r)
+        if r["status"] != "ok":
+            lines.append("| " + " | ".join(key + [r["status"]]) + " |"
+                         + " |" * (len(header) - len(key) - 1))
+        else:
+            lines.append("| " + " | ".join(key + cells(r)) + " |")
+    return "\n".join(lines)
+
+
 def _cfg_cells(d, causal, n):
     return [str(d), "yes" if causal else "no", seqlen_label(n)]
 
