@@ -396,15 +396,10 @@ def test_decode_benchmark_times_a_sliding_window_layer_on_cpu(tmp_path, monkeypa
     """``--window``: at its CPU size (N = 200, window 64) the sliding-window layer's row and the
     full layer of the 65 tokens it sees, both against exact attention over those tokens; the
     window layer keeps its window, not the 200 tokens."""
-    import importlib.util
     import json
-    from pathlib import Path
 
     monkeypatch.setenv("LOWBIT_ATTN_BACKEND", backend)
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_decode.py"
-    spec = importlib.util.spec_from_file_location("bench_decode", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = script_module("benchmarks/bench_decode.py")
     assert bench.main(["--out", str(tmp_path), "--window", "4096"]) == 0
     (result,) = tmp_path.glob("decode-*.json")
     rows = {r["method"]: r for r in json.loads(result.read_text())["rows"]}

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import script_module
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "run_on_gpu.sh"
 
@@ -135,16 +137,6 @@ def test_a_budget_too_small_skips_the_later_steps_and_still_leaves_the_files(tmp
     assert (out / "decide.md").exists() and len(list(out.iterdir())) <= 8
 
 
-def _stage_summary():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "stage_summary", ROOT / "benchmarks" / "probes" / "stage_summary.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_decode_bars_read_the_attention_rows_and_the_window_rows():
     """decide2's decode bars from bench_decode.py's rows: ``SDPA ms / ours ms`` of the attention
     alone at batch 1 (the whole steps, timed by their loop only and without ``ms``, and the
@@ -163,7 +155,8 @@ def test_the_decode_bars_read_the_attention_rows_and_the_window_rows():
             row(32768, 1, "8:1", "kv_int8_fp8 last 4097", 0.012),
             row(32768, 16, "4:1", "kv_int8_fp8 window 4096", 0.050),
             row(32768, 16, "4:1", "kv_int8_fp8 last 4097", 0.049)]
-    bars = {b["bar"]: b for b in _stage_summary().decode_bars({"rows": rows})}
+    stage_summary = script_module("benchmarks/probes/stage_summary.py")
+    bars = {b["bar"]: b for b in stage_summary.decode_bars({"rows": rows})}
     decode = bars["decode batch 1 N=32k x SDPA (worst GQA)"]
     assert decode["value"] == pytest.approx(0.75) and decode["met"] is False
     assert bars["decode batch 1 N=8k x SDPA (worst GQA)"]["value"] is None
