@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """The 8-bit forward's candidates on Hopper in one sweep (issue 36): the one-warpgroup Gluon
 kernel (``LOWBIT_ATTN_KERNEL=sm90``) at each of its options, the Triton kernel, the Gluon
-asynchronous and ping-pong kernels, against SDPA cuDNN and flash and SageAttention 1.0.6; kernel
-alone and end to end; per-token and per-thread scales.
+ping-pong kernel, against SDPA cuDNN and flash and SageAttention 1.0.6; kernel alone and end to
+end; per-token and per-thread scales.
 
     python benchmarks/bench_forward.py --out DIR --time-budget 330      # a GPU
     python benchmarks/bench_forward.py --quick                           # D=128, N=1k,16k
@@ -31,7 +31,7 @@ operands quantized once):
   ``I2FP``), ``… k2`` (two K buffers), ``… r168`` (``maxnreg=168``: 3 programs per SM),
   ``kernel sm90 token``, ``… token magic``, ``… token r168``, and ``kernel sm90 fp16 thread``
   (``qk_int8_pv_fp16``);
-- ``kernel gluon async`` / ``kernel gluon pingpong`` (128-key blocks, per token);
+- ``kernel gluon pingpong`` (128-key blocks, per token);
 - ``prepare permuted``: the quantization stage that the sm90 rows take;
 - at D = 64 only, last: ``kernel sm90 thread poly16`` / ``poly8`` (one key group in 16 or 8
   takes its exp2 on the FMA pipe: ``poly_exp2``).
@@ -201,15 +201,13 @@ def rows_of_config(base, q, k, v, causal, record, gluon_ok: str | None,
     record(base, "kernel triton thread", stage_fns(q, k, v, causal, THREAD)[1],
            note=autotune_choice)
     record(base, "e2e triton thread", ours(THREAD))
-    for schedule in ("async", "pingpong"):
-        name = f"kernel gluon {schedule}"
-        if gluon_ok is not None:
-            record(base, name, None, skip=gluon_ok)
-            continue
+    if gluon_ok is not None:
+        record(base, "kernel gluon pingpong", None, skip=gluon_ok)
+    else:
         from lowbit_attn.inference import kernel_int8_gluon
 
-        launcher = functools.partial(kernel_int8_gluon.attention, schedule=schedule)
-        record(base, name, stage_fns(q, k, v, causal, TOKEN, launcher)[1])
+        record(base, "kernel gluon pingpong",
+               stage_fns(q, k, v, causal, TOKEN, kernel_int8_gluon.attention)[1])
     record(base, "prepare permuted", permuted_stages(q, k, v, causal, THREAD, sm90_launcher())[0],
            check=False)
     if q.shape[-1] == 64:  # where the MUFU binds (NOTES §17); last, the least likely to decide
@@ -358,7 +356,7 @@ def main(argv=None) -> int:
 
 
 def gluon_available() -> str | None:
-    """``None`` if the Gluon asynchronous and ping-pong kernels can run here, else why not."""
+    """``None`` if the Gluon Hopper kernels (ping-pong and sm90) can run here, else why not."""
     from lowbit_attn.core import triton_support
     from lowbit_attn.inference import gluon_check
 

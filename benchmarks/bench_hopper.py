@@ -20,19 +20,17 @@ environment selects (the Triton interpreter in the tests) and says so.
 
 ``--gluon`` (issue 16; default N=1k,8k,16k,32k) times other rows: ``sdpa_cudnn_bf16`` and
 ``sdpa_flash_bf16``; ``ours`` (the Triton kernel, default autotuning with the pipelined loop among
-its candidates); ``ours kernel=gluon`` (``LOWBIT_ATTN_KERNEL=gluon``: the Gluon sm_90a forward once
-its first-use check passed; the row's ``gluon`` field says ``admitted`` or why not) and the same
-with ``block_k=128``; the same two rows with ``kernel=gluon-pingpong`` (the warp-specialized
-schedule); and the attention kernels alone on the same operands (``attention``: Triton,
-``attention gluon async``, ``attention gluon pingpong``, each also with ``k=128``). JSON, markdown and a chart (PNG, with
-matplotlib).
+its candidates); ``ours kernel=gluon`` (``LOWBIT_ATTN_KERNEL=gluon``: the Gluon sm_90a ping-pong
+forward once its first-use check passed; the row's ``gluon`` field says ``admitted`` or why not)
+and the same with ``block_k=128``; and the attention kernels alone on the same operands
+(``attention``: Triton, ``attention gluon pingpong``, each also with ``k=128``). JSON, markdown
+and a chart (PNG, with matplotlib).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import os
 import sys
 import time
@@ -279,7 +277,6 @@ def gluon_rows(base, q, k, v, causal, ref, cuda, triton_path, record, rows) -> N
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from lowbit_attn.core import triton_support
-    from lowbit_attn.core.options import GLUON_SCHEDULES
     from lowbit_attn.inference import gluon_check
 
     qb, kb, vb = (x.to(torch.bfloat16) for x in (q, k, v))
@@ -296,14 +293,12 @@ def gluon_rows(base, q, k, v, causal, ref, cuda, triton_path, record, rows) -> N
     with env("LOWBIT_ATTN_KERNEL", None), forced(None):
         record(base, "ours", ours(), ref)
         rows[-1]["autotune"] = autotune_choice()
-    for value, schedule in (("gluon", "async"), ("gluon-pingpong", "pingpong")):
-        for name, recipe in ((f"ours kernel={value}", RECIPE),
-                             (f"ours kernel={value} block_k=128", wide)):
-            with env("LOWBIT_ATTN_KERNEL", value), forced(None):
-                ours(recipe)()  # starts the admission check: the row measures what it admits
-                gluon_check.wait_for_admission()
-                record(base, name, ours(recipe), ref)
-                rows[-1]["gluon"] = gluon_check.verdict(q.device, schedule) or "admitted"
+    for name, recipe in (("ours kernel=gluon", RECIPE), ("ours kernel=gluon block_k=128", wide)):
+        with env("LOWBIT_ATTN_KERNEL", "gluon"), forced(None):
+            ours(recipe)()  # starts the admission check: the row measures what it admits
+            gluon_check.wait_for_admission()
+            record(base, name, ours(recipe), ref)
+            rows[-1]["gluon"] = gluon_check.verdict(q.device) or "admitted"
     if not triton_path:
         return
     with forced(None):
@@ -316,16 +311,14 @@ def gluon_rows(base, q, k, v, causal, ref, cuda, triton_path, record, rows) -> N
         skip = "needs a capability 9.0 GPU"
     else:
         from lowbit_attn.inference import kernel_int8_gluon
-    for schedule in GLUON_SCHEDULES.values():
-        for name, recipe in ((f"attention gluon {schedule}", get_recipe(RECIPE)),
-                             (f"attention gluon {schedule} k=128", wide)):
-            if skip is not None:
-                rows.append({**base, "method": name, "kind": "ours", "label": name,
-                             "status": "skipped", "reason": skip})
-                continue
-            launcher = functools.partial(kernel_int8_gluon.attention, schedule=schedule)
-            _, attention = stage_fns(q, k, v, causal, recipe, launcher)
-            record(base, name, attention, ref)
+    for name, recipe in (("attention gluon pingpong", get_recipe(RECIPE)),
+                         ("attention gluon pingpong k=128", wide)):
+        if skip is not None:
+            rows.append({**base, "method": name, "kind": "ours", "label": name,
+                         "status": "skipped", "reason": skip})
+            continue
+        _, attention = stage_fns(q, k, v, causal, recipe, kernel_int8_gluon.attention)
+        record(base, name, attention, ref)
 
 
 def render(rows: list[dict]) -> str:

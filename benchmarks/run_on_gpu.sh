@@ -31,8 +31,8 @@
 # forward: the 8-bit forward's candidates (issue 36): the one-warpgroup kernel's GPU tests
 # (pytest -m gpu -k sm90, at most FORWARD_TEST_TIMEOUT, default 120 s: against the twin, every
 # option, its opt-in check), then benchmarks/bench_forward.py (the sm90 kernel per thread and per
-# token, K buffers, register cap, fp16 P.V; the Triton kernel; the Gluon async and ping-pong
-# kernels; kernel alone and end to end; SDPA cuDNN and flash, SageAttention 1.0.6; D=128,64 x
+# token, K buffers, register cap, fp16 P.V; the Triton kernel; the Gluon ping-pong kernel;
+# kernel alone and end to end; SDPA cuDNN and flash, SageAttention 1.0.6; D=128,64 x
 # N=16k,1k,4k x causal, most decisive first), then, in the last NCU_RESERVE seconds (default 45),
 # ncu's stall reasons for one launch (benchmarks/probes/forward_ncu.py; --clock-control none).
 #
@@ -51,12 +51,12 @@
 # hopper: the INT8/FP8 forward's speed work (the 8-bit forward's GPU tests, then bench_hopper.py:
 # every autotuning candidate, Q quantized in the kernel or in a pass, the two stages apart, against
 # SDPA cuDNN bf16 at D=64,128, N=1k,8k,16k, causal and not; HOPPER_ARGS adds options, e.g. --quick).
-# gluon: the Gluon sm_90a forward against the Triton kernel (issue 16): the Gluon GPU tests
-# (pytest -m gpu -k gluon: both schedules, asynchronous and ping-pong, FP8 and fp16 P.V, against the
-# twin, and their opt-ins' checks; GLUON_TEST_TIMEOUT, default 150 s), then the public-call INT8 GPU
-# tests again with LOWBIT_ATTN_KERNEL=gluon (60 s), then bench_hopper.py --gluon: Triton (default
-# autotuning) vs Gluon async vs Gluon ping-pong (end to end and kernel alone, 64- and 128-key
-# blocks) vs SDPA cuDNN and flash bf16 at D=128,64,
+# gluon: the Gluon sm_90a ping-pong forward against the Triton kernel (issue 16): the Gluon GPU
+# tests (pytest -m gpu -k gluon: FP8 and fp16 P.V, against the twin, and the opt-ins' checks;
+# GLUON_TEST_TIMEOUT, default 150 s), then the public-call INT8 GPU tests again with
+# LOWBIT_ATTN_KERNEL=gluon (60 s), then bench_hopper.py --gluon: Triton (default autotuning) vs
+# Gluon ping-pong (end to end and kernel alone, 64- and 128-key blocks) vs SDPA cuDNN and flash
+# bf16 at D=128,64,
 # N=1k,8k,16k,32k, causal and not (JSON, markdown, PNG), in the time left.
 # vsa: video sparse attention in at most 450 s (GPU tests -k "vsa or video", at most
 # TEST_TIMEOUT_VSA, default 120 s, then benchmarks/bench_vsa.py: T=16, H=W=48, D=128, VSA_ARGS
@@ -259,7 +259,7 @@ fi
     --time-budget $((TOTAL_BUDGET - SECONDS - TEST_TIMEOUT - 40)) ${HOPPER_ARGS:-}
 
 if [[ "$STAGE" == gluon ]]; then
-    # The Gluon tests first (both schedules x FP8/fp16 P.V x D x key block x causal: ~36 compiles),
+    # The Gluon tests first (FP8/fp16 P.V x D x key block x causal: ~18 compiles),
     # then the public-call tests with the option on; the Triton candidates are the hopper stage's.
     log "Gluon GPU tests: pytest -m gpu -k gluon (at most ${GLUON_TEST_TIMEOUT:-150} s)"
     timeout "${GLUON_TEST_TIMEOUT:-150}" "${PYTEST[@]}" -m gpu -k "gluon" \

@@ -110,10 +110,9 @@ def _needs_gluon(fp4: bool = False):
 @pytest.mark.parametrize("d,block_k", [pytest.param(d, n, id=f"D{d}-k{n}")
                                        for d in (64, 128) for n in (64, 128)])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("schedule", ["async", "pingpong"])
 @pytest.mark.parametrize("pv", ["fp8", "fp16"])
-def test_gluon_forward_matches_the_reference(d, block_k, causal, schedule, pv):
-    """The Gluon forward (each schedule, FP8 and fp16 P·V) against the twin on the same quantized
+def test_gluon_forward_matches_the_reference(d, block_k, causal, pv):
+    """The Gluon forward (FP8 and fp16 P·V) against the twin on the same quantized
     operands (the Triton pass's: E4M3 V token-contiguous, as the TMA needs), GPU-sized: many query and key blocks, partial ones at
     both ends, GQA 8:4, a causal diagonal off the block grid; within the compiled Triton kernel's
     own bounds (tests/inference/test_attention_kernel.py's, widened by tests/helpers.py
@@ -132,17 +131,14 @@ def test_gluon_forward_matches_the_reference(d, block_k, causal, schedule, pv):
     got = torch.full(q.shape, float("nan"), device="cuda", dtype=torch.float32)
     got_lse = kernel_int8_gluon.attention(qz, out=got, pv=recipe.pv,
                                           granularity=recipe.granularity, block_q=recipe.block_q,
-                                          block_k=block_k, causal_offset=offset, return_lse=True,
-                                          schedule=schedule)
+                                          block_k=block_k, causal_offset=offset, return_lse=True)
     out_bound = ON_CUDA[f"int8 out {pv}"].widened(Bound(atol=4e-3, cos=0.999999))
     assert_within(got, want.float(), out_bound, name="out")
     assert_within(got_lse, want_lse.float(), ON_CUDA["lse"], name="lse")
 
 
-@pytest.mark.parametrize("value,schedule", [("gluon", "async"), ("gluon-pingpong", "pingpong")])
-def test_gluon_opt_in_passes_its_check_and_runs_in_the_public_call(monkeypatch, value, schedule):
-    """``LOWBIT_ATTN_KERNEL=gluon`` (or ``gluon-pingpong``): the first call starts the check of the
-    Gluon forward against the Triton kernel in the background and runs the Triton kernel; once
+def test_gluon_opt_in_passes_its_check_and_runs_in_the_public_call(monkeypatch):
+    """``LOWBIT_ATTN_KERNEL=gluon``: the first call starts the check of the Gluon forward against the Triton kernel in the background and runs the Triton kernel; once
     the check passes (no warning) calls run the Gluon forward, within the check's bounds of the
     default (Triton) call's."""
     import warnings
@@ -154,12 +150,11 @@ def test_gluon_opt_in_passes_its_check_and_runs_in_the_public_call(monkeypatch, 
     ran = []
     launcher = kernel_int8_gluon.attention
     monkeypatch.setattr(kernel_int8_gluon, "attention",
-                        lambda qz, **kw: ran.append((qz.q.shape, kw["schedule"]))
-                        or launcher(qz, **kw))
+                        lambda qz, **kw: ran.append(qz.q.shape) or launcher(qz, **kw))
     q, k, v = (x.cuda() for x in channel_biased((2, 8, 2000, 128), (2, 4, 2000, 128), seed=3,
                                                  dtype=torch.float16))
     want = lowbit_attn.attention(q, k, v, recipe="qk_int8_pv_fp8", is_causal=True)
-    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", value)
+    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "gluon")
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="LOWBIT_ATTN_KERNEL")
         first = lowbit_attn.attention(q, k, v, recipe="qk_int8_pv_fp8", is_causal=True)
@@ -167,8 +162,8 @@ def test_gluon_opt_in_passes_its_check_and_runs_in_the_public_call(monkeypatch, 
         assert torch.equal(first, want)
         gluon_check.wait_for_admission()
         got = lowbit_attn.attention(q, k, v, recipe="qk_int8_pv_fp8", is_causal=True)
-    assert gluon_check.verdict(q.device, schedule) is None
-    assert ran == [(q.shape, schedule)]  # the check ran in a process of its own
+    assert gluon_check.verdict(q.device) is None
+    assert ran == [q.shape]  # the check ran in a process of its own
     assert float((got.float() - want.float()).abs().max()) <= gluon_check.CHECK_ATOL
     assert lowbit_attn.errors(got, want).cosine >= gluon_check.CHECK_COSINE
 

@@ -74,7 +74,6 @@ FAMILIES = [
     pytest.param("qk_fp4_pv_fp4", "triton", id="nvfp4"),
     pytest.param("qk_mxfp4_pv_mxfp4", "triton", id="mxfp4"),
     pytest.param("qk_int8_pv_fp8", "gluon", id="int8-gluon"),
-    pytest.param("qk_int8_pv_fp8", "gluon-pingpong", id="int8-gluon-pingpong"),
     pytest.param("qk_fp4_pv_fp4", "gluon", id="nvfp4-gluon"),
 ]
 

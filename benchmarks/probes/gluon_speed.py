@@ -1,6 +1,8 @@
-"""GPU probe (H100 run of 2026-11-25): the Hopper Gluon forward (both schedules) against the
-Triton INT8 kernel, kernels alone on the same operands, B=4, H=32, N=16k, D=128. Needs sm_90."""
-import torch, functools
+"""GPU probe: the Hopper Gluon forward (ping-pong) against the Triton INT8 kernel, kernels alone
+on the same operands, B=4, H=32, N=16k, D=128, 64- and 128-key blocks. Needs sm_90. Its H100 run
+(2026-11-25, benchmarks/results/h100-2026-11-25-gpu-run.md) also timed an asynchronous Gluon
+schedule, deleted since (benchmarks/NOTES.md §11)."""
+import torch
 from triton.testing import do_bench
 from lowbit_attn.core.recipes import get_recipe
 from lowbit_attn.inference.prepare import quantize_qkv
@@ -15,9 +17,7 @@ for causal in (False, True):
         qz = quantize_qkv(q, k, v, r, D ** -0.5, need_lse_shift=False, backend="triton")
         out = torch.empty_like(q)
         kw = dict(out=out, pv=r.pv, granularity=r.granularity, block_q=r.block_q, block_k=bk, causal_offset=0 if causal else None, return_lse=False)
-        runs = {"triton": lambda: ki.attention(qz, **kw)}
-        for s in ("async", "pingpong"):
-            runs[s] = functools.partial(kg.attention, qz, schedule=s, **kw)
+        runs = {"triton": lambda: ki.attention(qz, **kw), "pingpong": lambda: kg.attention(qz, **kw)}
         ref = None
         for name, fn in runs.items():
             fn(); torch.cuda.synchronize()

@@ -73,18 +73,17 @@ def test_the_kernel_option_is_read_and_checked(monkeypatch):
     monkeypatch.delenv("LOWBIT_ATTN_KERNEL", raising=False)
     assert KernelOptions.from_env().kernel == "triton"
     assert not KernelOptions.from_env().gluon_forward
-    assert KernelOptions.from_env().gluon_schedule is None
-    for value, schedule in (("gluon", "async"), ("gluon-pingpong", "pingpong")):
-        monkeypatch.setenv("LOWBIT_ATTN_KERNEL", value)
-        assert KernelOptions.from_env().gluon_forward
-        assert KernelOptions.from_env().gluon_schedule == schedule
-        assert not KernelOptions.from_env().sm90_forward
+    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "gluon")
+    assert KernelOptions.from_env().gluon_forward
+    assert not KernelOptions.from_env().sm90_forward
     monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "sm90")
     assert KernelOptions.from_env().sm90_forward and not KernelOptions.from_env().gluon_forward
-    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "cudnn")
-    with pytest.raises(ValueError, match=r"LOWBIT_ATTN_KERNEL must be one of \('triton', "
-                                         r"'gluon', 'gluon-pingpong', 'sm90'\), got 'cudnn'"):
-        KernelOptions.from_env()
+    # gluon-pingpong is not a value: gluon runs the ping-pong forward on Hopper
+    for value in ("cudnn", "gluon-pingpong"):
+        monkeypatch.setenv("LOWBIT_ATTN_KERNEL", value)
+        with pytest.raises(ValueError, match=r"LOWBIT_ATTN_KERNEL must be one of \('triton', "
+                                             rf"'gluon', 'sm90'\), got '{value}'"):
+            KernelOptions.from_env()
 
 
 @pytest.mark.interpreter
@@ -186,12 +185,12 @@ def test_on_cpu_the_option_runs_the_triton_kernel_and_never_the_gluon_one(routed
 
 
 def _counting(fn):
-    """``fn`` standing in for ``kernel_int8_gluon.attention``: each call's schedule is recorded
-    and dropped (the stand-ins are Triton-kernel calls)."""
+    """``fn`` standing in for a Gluon launcher; each call's head dim recorded (the FP4
+    launcher's ``head_dim``, the INT8 one's Q's last dimension)."""
     calls = []
 
-    def wrapper(qz, *, schedule, **kw):
-        calls.append(schedule)
+    def wrapper(qz, **kw):
+        calls.append(kw["head_dim"] if "head_dim" in kw else qz.q.shape[-1])
         return fn(qz, **kw)
 
     return wrapper, calls
@@ -204,7 +203,7 @@ def _stand_in(kind: str, triton):
     calls = []
 
     def fake(qz, **kw):
-        calls.append(kw.pop("schedule", None))
+        calls.append(qz)
         if kind == "raises":
             raise RuntimeError("boom: no kernel image")
         if kind == "unwritten":
@@ -261,12 +260,10 @@ def test_another_triton_version_is_refused_with_the_pin_as_reason(routed, monkey
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("value,schedule", [("gluon", "async"), ("gluon-pingpong", "pingpong")])
-def test_a_passed_check_admits_the_gluon_forward_for_what_it_takes(fresh, monkeypatch, value,
-                                                                   schedule):
-    """A stand-in with the Triton kernel's results passes; later calls go to it with the
-    option's schedule, and what it refuses (ValueError before launching, as the real launcher
-    does for D=32) to the Triton kernel. Each schedule has its own verdict."""
+def test_a_passed_check_admits_the_gluon_forward_for_what_it_takes(fresh, monkeypatch):
+    """A stand-in with the Triton kernel's results passes; later calls go to it, and what it
+    refuses (ValueError before launching, as the real launcher does for D=32) to the Triton
+    kernel."""
     inputs, want = fresh
 
     def in_scope(qz, **kw):
@@ -277,13 +274,11 @@ def test_a_passed_check_admits_the_gluon_forward_for_what_it_takes(fresh, monkey
     monkeypatch.setattr(gluon_check, "applies", lambda device: True)
     fake, calls = _counting(in_scope)
     monkeypatch.setattr(kernel_int8_gluon, "attention", fake)
-    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", value)
+    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "gluon")
     with no_gluon_warning():
         _same(_call(*inputs), want)
-        assert gluon_check.verdict(torch.device("cpu"), schedule) is None
-        other = "pingpong" if schedule == "async" else "async"
-        assert gluon_check.verdict(torch.device("cpu"), other) == "not checked"
-        assert calls == [schedule, schedule]  # the check, then the call
+        assert gluon_check.verdict(torch.device("cpu")) is None
+        assert calls == [64, 64]  # the check, then the call
         _same(_call(*inputs), want)
         assert len(calls) == 3
         q32, k32, v32 = _inputs(d=32)
@@ -350,16 +345,16 @@ def test_the_sm90_check_builds_its_inputs(monkeypatch, case):
 def test_the_check_builds_packed_and_per_block_inputs(monkeypatch, case):
     """The check's packed, per-block and fp16 P·V cases run end to end on the interpreter, the Triton kernel
     standing in for the Gluon one: agreement gives no reason, a wrong output row gives one."""
-    monkeypatch.setattr(kernel_int8_gluon, "attention", _counting(kernel_int8.attention)[0])
-    assert gluon_check._compare(case, torch.device("cpu"), "async") is None
+    monkeypatch.setattr(kernel_int8_gluon, "attention", kernel_int8.attention)
+    assert gluon_check._compare(case, torch.device("cpu")) is None
 
-    def wrong(qz, *, out, schedule, **kw):
+    def wrong(qz, *, out, **kw):
         lse = kernel_int8.attention(qz, out=out, **kw)
         out[0] += 0.5
         return lse
 
     monkeypatch.setattr(kernel_int8_gluon, "attention", wrong)
-    assert "max |gluon - triton|" in gluon_check._compare(case, torch.device("cpu"), "async")
+    assert "max |gluon - triton|" in gluon_check._compare(case, torch.device("cpu"))
 
 
 # --- the FP4 recipes: the Gluon FP4 forward for sm_100a (inference/gluon_fp4_check.py) ----------
@@ -367,21 +362,10 @@ def test_the_check_builds_packed_and_per_block_inputs(monkeypatch, case):
 FP4 = "qk_fp4_pv_fp4"
 
 
-def test_the_fp4_recipes_follow_gluon_but_not_gluon_pingpong(monkeypatch):
-    for value, expected in (("triton", False), ("gluon", True), ("gluon-pingpong", False)):
+def test_the_fp4_recipes_follow_gluon(monkeypatch):
+    for value, expected in (("triton", False), ("gluon", True), ("sm90", False)):
         monkeypatch.setenv("LOWBIT_ATTN_KERNEL", value)
-        assert KernelOptions.from_env().gluon_fp4_forward is expected, value
-
-
-def _counting_fp4(fn):
-    """``fn`` standing in for ``kernel_fp4_gluon.attention``; each call's head dim recorded."""
-    calls = []
-
-    def wrapper(qz, **kw):
-        calls.append(kw["head_dim"])
-        return fn(qz, **kw)
-
-    return wrapper, calls
+        assert KernelOptions.from_env().gluon_forward is expected, value
 
 
 @pytest.mark.interpreter
@@ -389,7 +373,7 @@ def test_a_passed_fp4_check_admits_the_gluon_forward_for_what_it_takes(monkeypat
                                                                         triton_backend):
     """A stand-in with the Triton FP4 kernel's results passes; later FP4 calls go to it, what
     it refuses (ValueError before launching, as the real launcher does for D ≠ 128) to the
-    Triton kernel; ``gluon-pingpong`` leaves the FP4 recipes on the Triton kernel."""
+    Triton kernel; ``sm90`` leaves the FP4 recipes on the Triton kernel."""
     inputs, want = _fresh(monkeypatch, ROUTES["fp4-sm100"])
 
     def in_scope(qz, **kw):
@@ -398,7 +382,7 @@ def test_a_passed_fp4_check_admits_the_gluon_forward_for_what_it_takes(monkeypat
         return kernel_fp4.attention(qz, **kw)
 
     monkeypatch.setattr(gluon_fp4_check, "applies", lambda device: True)
-    fake, calls = _counting_fp4(in_scope)
+    fake, calls = _counting(in_scope)
     monkeypatch.setattr(kernel_fp4_gluon, "attention", fake)
     monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "gluon")
     with no_gluon_warning():
@@ -410,7 +394,7 @@ def test_a_passed_fp4_check_admits_the_gluon_forward_for_what_it_takes(monkeypat
         q32, k32, v32 = _inputs(d=32)
         got = _call(q32, k32, v32, FP4)
         assert calls[3:] == [32]  # tried, refused
-        monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "gluon-pingpong")
+        monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "sm90")
         _same(_call(*inputs, FP4), want)
         assert len(calls) == 4  # not tried
     monkeypatch.delenv("LOWBIT_ATTN_KERNEL")
@@ -476,9 +460,9 @@ def test_a_cuda_check_runs_in_a_process_of_its_own(monkeypatch):
 
     monkeypatch.setenv("PYTHONPATH", os.path.dirname(helpers.__file__))
     cuda = torch.device("cuda", 0)
-    assert gluon_check.isolated(cuda, helpers.check_passes, "async") is None
-    assert gluon_check.isolated(cuda, helpers.check_fails, "async") == (
-        "mismatch on cuda:0 with ('async',)")
+    assert gluon_check.isolated(cuda, helpers.check_passes, "x") is None
+    assert gluon_check.isolated(cuda, helpers.check_fails, "x") == (
+        "mismatch on cuda:0 with ('x',)")
     crashed = gluon_check.isolated(cuda, helpers.check_crashes)
     assert crashed.startswith("its check's process exited with code 3"), crashed
     monkeypatch.setattr(gluon_check, "CHECK_TIMEOUT", 2)
@@ -489,12 +473,12 @@ def test_a_cuda_check_runs_in_a_process_of_its_own(monkeypatch):
 
 
 def test_packed_calls_run_the_triton_kernel(monkeypatch):
-    """Packed sequences never reach the Gluon forward (both schedules faulted on them on an
-    H100), whether or not it was admitted; the check has no packed case any more."""
+    """Packed sequences never reach the Gluon forward (it faulted on them on an H100), whether
+    or not it was admitted; the check has no packed case any more."""
     from lowbit_attn.core.operands import Seqs
 
     monkeypatch.setattr(gluon_check, "applies", lambda device: True)
-    monkeypatch.setattr(gluon_check, "admitted", lambda device, schedule="async": True)
+    monkeypatch.setattr(gluon_check, "admitted", lambda device: True)
     def never(*args, **kwargs):
         raise AssertionError("the Gluon forward ran a packed call")
 

@@ -1,7 +1,8 @@
 """The Gluon Hopper forward (``inference/kernel_int8_gluon.py``) executed on the CPU by
 ``lowbit_attn.tools.gluon_cpu``: the kernel's own code, launched by its own launcher, with shared
-memory, TMA, mbarriers and wgmma modelled sequentially, against the twin
-``inference.naive.quantized_attention`` bit for bit.
+memory, TMA, mbarriers and wgmma modelled, its three partitions (the loader, two consumers) as
+cooperatively scheduled threads interleaved by each of the model's policies ("lazy", "eager",
+"reverse"), against the twin ``inference.naive.quantized_attention`` bit for bit.
 
 Both sides take fp32 products and row sums in float64 rounded once (``canonical_reductions``), and
 the model's ``fma`` rounds twice as the twin's ``s - m`` does; everything else (masks, offsets,
@@ -11,7 +12,6 @@ break to be caught."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 
@@ -28,12 +28,11 @@ helpers.require_gluon("hopper", "cpu_model")  # before importing Gluon code
 
 from lowbit_attn.inference import gluon_blocks as gb
 from lowbit_attn.inference import kernel_int8_gluon as kg
-from lowbit_attn.inference import kernel_int8_gluon_pingpong as pp
 from lowbit_attn.inference.naive import quantized_attention
 from lowbit_attn.inference.prepare import quantize_qkv
 from lowbit_attn.tools import gluon_cpu
 
-KERNEL = kg._attn_fwd_int8_gluon_kernel
+KERNEL = kg._attn_fwd_int8_pingpong_kernel
 
 
 pytestmark = pytest.mark.usefixtures(one_torch_thread.__name__)
@@ -79,46 +78,36 @@ def twin(qz, block_k, causal_offset, granularity="per_token"):
                                    block_k=block_k, causal_offset=causal_offset)
 
 
-# What runs: the asynchronous kernel, or the ping-pong one with its partitions interleaved by
-# each of the model's policies (tools/gluon_cpu.py: "lazy", "eager", "reverse").
-RUNS = ["async", "pingpong-lazy", "pingpong-eager", "pingpong-reverse"]
+# How the model interleaves the partitions (tools/gluon_cpu.py: "lazy", "eager", "reverse").
+POLICIES = list(gluon_cpu.SCHEDULES)
 
 
-@contextlib.contextmanager
-def on_cpu(run: str = "async", **options):
-    """The Gluon kernel of ``run`` replaced by the model for the block; yields ``(the launcher's
-    extra arguments, the model's kernel)``."""
-    if run == "async":
-        replaced = gluon_cpu.kernel_on_cpu(kg, "_attn_fwd_int8_gluon_kernel", **options)
-        extra = {}
-    else:
-        policy = run.split("-")[1]
-        replaced = gluon_cpu.kernel_on_cpu(pp, "KERNEL", schedule=policy, **options)
-        extra = {"schedule": "pingpong"}
-    with replaced as cpu:
-        yield extra, cpu
+def on_cpu(policy: str = "lazy", **options):
+    """The Gluon kernel replaced by the model, its partitions interleaved by ``policy``, for the
+    block; yields the model's kernel."""
+    return gluon_cpu.kernel_on_cpu(kg, "_attn_fwd_int8_pingpong_kernel", schedule=policy,
+                                   **options)
 
 
-def gluon_on_cpu(qz, block_k, causal_offset, run="async", out=None, **options):
+def gluon_on_cpu(qz, block_k, causal_offset, policy="lazy", out=None, **options):
     """``kernel_int8_gluon.attention`` (launcher and kernel) with the kernel run by the model:
     ``(out, lse, trace)``."""
     if out is None:
         out = torch.empty(qz.q.shape, dtype=torch.float32)  # NaN-poisoned (conftest)
-    with on_cpu(run, **options) as (extra, cpu):
+    with on_cpu(policy, **options) as cpu:
         lse = kg.attention(qz, out=out, pv="fp8", granularity="per_token", block_q=kg.BLOCK_M,
-                           block_k=block_k, causal_offset=causal_offset, return_lse=True, **extra)
+                           block_k=block_k, causal_offset=causal_offset, return_lse=True)
     return out, lse, cpu.trace
 
 
-@pytest.mark.parametrize("run", ["async", "pingpong-lazy"])
-def test_output_rows_past_2_31_elements(run):
+def test_output_rows_past_2_31_elements():
     """An output view whose rows 121 on start past 2^31 elements (``helpers.wide_rows``): its
     row offsets must be computed in 64 bits (the model raises ``gluon_cpu.Overflow`` on an int32
     one), and the rows land where the view says."""
     qz = operands(1, 2, 2, 130, 130, 64, 128)
     want, want_lse = twin(qz, 128, None)
     out = helpers.wide_rows((1, 2, 130, 64), torch.float16)
-    _, lse, _ = gluon_on_cpu(qz, 128, None, run, out=out)
+    _, lse, _ = gluon_on_cpu(qz, 128, None, out=out)
     assert_bits(out.float(), want.half().float(), "out")
     assert_bits(lse, want_lse, "lse")
 
@@ -126,13 +115,13 @@ def test_output_rows_past_2_31_elements(run):
 @pytest.mark.parametrize("b,hq,hkv,nq,nk,d,offset", SHAPES)
 @pytest.mark.parametrize("block_k", kg.BLOCK_NS, ids=lambda n: f"k{n}")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("run", RUNS)
+@pytest.mark.parametrize("policy", POLICIES)
 def test_gluon_schedule_equals_the_twin_bit_for_bit(b, hq, hkv, nq, nk, d, offset, block_k, causal,
-                                                    run):
+                                                    policy):
     qz = operands(b, hq, hkv, nq, nk, d, block_k)
     co = offset_of(nq, nk, causal, offset)
     want, want_lse = twin(qz, block_k, co)
-    got, got_lse, _ = gluon_on_cpu(qz, block_k, co, run)
+    got, got_lse, _ = gluon_on_cpu(qz, block_k, co, policy)
     assert_bits(got, want, "out")
     assert_bits(got_lse, want_lse, "lse")
 
@@ -151,8 +140,8 @@ def test_fused_fma_stays_within_the_triton_kernels_bound(b, hq, hkv, nq, nk, d, 
 
 
 def test_the_shapes_cover_the_schedule():
-    """Over three of the shapes above, every branch of the schedule runs: both loops in both mask modes,
-    each stage's barrier in both phases, predicated-off loads, zero fill past the end."""
+    """Over three of the shapes above, every branch of the schedule runs: both loops in both mask
+    modes, each stage's barrier in both phases, zero fill past the end."""
     events, calls = {}, set()
     for i in (3, 4, 5):  # decode, GQA with 3 query tiles, keyless tiles
         b, hq, hkv, nq, nk, d, offset = SHAPES[i].values
@@ -166,47 +155,64 @@ def test_the_shapes_cover_the_schedule():
                           for name, flags in trace.calls}
     for masked in (False, True):
         for causal in (False, True):
-            assert ("_step", masked, causal) in calls, (masked, causal)
+            assert ("_consumer_step", masked, causal) in calls, (masked, causal)
     assert events["wait phase 0"] and events["wait phase 1"], events
-    assert events["tma skipped"] and events["tma zero-filled elements"], events
-    assert "wait returned at once" not in events, events
+    assert events["tma zero-filled elements"], events
 
 
 def test_every_gluon_name_the_kernel_uses_is_modelled():
-    """A kernel edited to use more of Gluon (``warp_specialize``, another barrier, …) fails here,
+    """A kernel edited to use more of Gluon (another barrier, another operation, …) fails here,
     by name, until the model implements it: the check runs the kernel's code, so what it does
     not model it cannot vouch for."""
     used, modeled = gluon_cpu.referenced_names(KERNEL), gluon_cpu.modeled_names()
     missing = {ns: sorted(names - modeled[ns]) for ns, names in used.items() if names - modeled[ns]}
     assert not missing, f"used by the kernel, not modelled by tools/gluon_cpu.py: {missing}"
     assert {"warpgroup_mma", "warpgroup_mma_wait", "fence_async_shared"} <= used["functions"]
-    assert {"wait", "expect"} <= used["mbarrier"]
+    assert "warp_specialize" in used["gl"] and {"arrive", "wait", "expect"} <= used["mbarrier"]
     assert {"async_copy_global_to_shared", "async_load"} & used["tma"]  # the TMA load, by Triton
 
 
 # (id, function, old, new, what must happen: "hang", "race", "error" (another ScheduleError),
-# "wrong" numbers, or "any" of these)
+# "wrong" numbers, or "any" of these), each run under the model's three interleavings: the shared
+# numerics and indexing (gluon_blocks), the kernel's loops, stages and loads, then its own
+# protocol (loader, two consumers, turns). (Releasing K(j) before Q·Kᵀ(j) retires is not among them: it is harmless here, and the
+# model's happens-before check agrees: the loader requests K(j+2) only after V(j+1), whose stage
+# the consumers release after the wait that retires Q·Kᵀ(j) too.)
 MUTATIONS = [
-    ("K(2)-never-loaded", KERNEL, "more = 2 < n_blocks", "more = False", "hang"),
-    ("K(2)-signals-stage-1's-barrier", KERNEL, "[2 * BLOCK_N, 0], k_bars.index(0)",
-     "[2 * BLOCK_N, 0], k_bars.index(1)", "error"),
-    ("K-phase-j&1", kg._step, "phase = (j // 2) & 1", "phase = j & 1", "race"),
-    ("P-into-buffer-in-flight", kg._step, "p_smem.index(stage).store(p)",
-     "p_smem.index(prev).store(p)", "race"),
-    ("no-fence-before-wgmma", kg._step, "store(p)\n    fence_async_shared()\n", "store(p)\n",
-     "race"),
-    ("wait(2)-for-QK", kg._step, "warpgroup_mma_wait(1, deps=[s_tok])",
-     "warpgroup_mma_wait(2, deps=[s_tok])", "race"),
     ("causal-limit-off-by-one", gb.softmax_block, "nk - 1) - causal_offset", "nk) - causal_offset",
      "wrong"),
     ("end-mask-off-by-one", gb.softmax_block, "cols < nk, offs_m", "cols <= nk, offs_m", "wrong"),
-    ("unmasked-loop-one-too-far", KERNEL, "range(1, n_full)", "range(1, n_full + 1)", "any"),
-    ("V-coordinate-one-block-late", kg._step, "v_box(j + 1, v_col", "v_box(j + 2, v_col", "wrong"),
-    ("last-P-V-other-stage", KERNEL, "p_smem.index(last % 2)", "p_smem.index((last + 1) % 2)",
-     "any"),
     ("GQA-head-h%GROUP", gb.program_sequence, "hk = h // GROUP", "hk = h % GROUP", "error"),
-    ("Q-box-at-BLOCK_N-rows", KERNEL, "[pid_m * BLOCK_M, 0], q_bar", "[pid_m * BLOCK_N, 0], q_bar",
-     "wrong"),
+    ("unmasked-loop-one-too-far", kg._consumer, "range(1, n_full)", "range(1, n_full + 1)", "any"),
+    ("last-P-V-other-stage", kg._consumer, "p_smem.index(2 * WG + last % 2)",
+     "p_smem.index(2 * WG + (last + 1) % 2)", "any"),
+    ("V-coordinate-one-block-late", kg._loader, "v_box(j, v_col", "v_box(j + 1, v_col", "wrong"),
+    ("Q-box-at-BLOCK_N-rows", kg._loader, "[pid_m * BLOCK_M + i * HALF, 0]",
+     "[pid_m * BLOCK_N + i * HALF, 0]", "wrong"),
+    ("K-phase-j&1", kg._consumer_step, "phase = (j // 2) & 1", "phase = j & 1", "race"),
+    ("P-into-buffer-in-flight", kg._consumer_step, "p_smem.index(2 * WG + stage).store(p)",
+     "p_smem.index(2 * WG + prev).store(p)", "race"),
+    ("no-fence-before-wgmma", kg._consumer_step, "store(p)\n    fence_async_shared()\n",
+     "store(p)\n", "race"),
+    ("wait(2)-for-QK", kg._consumer_step, "warpgroup_mma_wait(1, deps=[s_tok])",
+     "warpgroup_mma_wait(2, deps=[s_tok])", "race"),
+    ("turn-never-passed", kg._turn_pass, "count=1)", "count=1, pred=False)", "hang"),
+    ("K-stage-released-by-one-consumer", KERNEL, "init(k_empty.index(i), count=2)",
+     "init(k_empty.index(i), count=1)", "any"),
+    ("loader-ignores-K-release", kg._loader, "wait(k_empty.index(stage), phase ^ 1)",
+     "wait(k_empty.index(stage), phase ^ 1, pred=False)", "any"),
+    ("V-released-before-P̃·V-retires", kg._consumer_step,
+     "pv = warpgroup_mma_wait(0, deps=[pv_tok])\n    mbarrier.arrive(v_empty.index(prev), count=1)",
+     "mbarrier.arrive(v_empty.index(prev), count=1)\n    pv = warpgroup_mma_wait(0, deps=[pv_tok])",
+     "race"),
+    ("loader-ignores-V-release", kg._loader, "wait(v_empty.index(stage), phase ^ 1)",
+     "wait(v_empty.index(stage), phase ^ 1, pred=False)", "race"),
+    ("consumers-share-P̃-buffers", kg._consumer_step, "p_smem.index(2 * WG + stage).store(p)",
+     "p_smem.index(stage).store(p)", "race"),
+    ("both-consumers-on-rows-0-63", kg._consumer, "row0 = pid_m * BLOCK_M + WG * HALF",
+     "row0 = pid_m * BLOCK_M", "race"),  # each output element stored twice
+    ("V-phase-of-K", kg._consumer_step, "v_ready.index(prev), phase ^ prev)",
+     "v_ready.index(prev), phase)", "race"),
 ]
 MUTATION_CASES = [  # (shape, block_k, causal offset)
     ((1, 2, 1, 300, 333, 64), 64, 33),
@@ -215,15 +221,15 @@ MUTATION_CASES = [  # (shape, block_k, causal offset)
 ]
 
 
-def outcome(jit, old, new, runs=("async",)) -> str:
-    """How the check answers the mutated kernel over ``MUTATION_CASES``, each run by each of
-    ``runs``: the first failure's kind, or "passes"."""
+def outcome(jit, old, new) -> str:
+    """How the check answers the mutated kernel over ``MUTATION_CASES``, each run under each of
+    the model's interleavings: the first failure's kind, or "passes"."""
     def each():
-        for (shape, block_k, co), run in itertools.product(MUTATION_CASES, runs):
+        for (shape, block_k, co), policy in itertools.product(MUTATION_CASES, POLICIES):
             qz = operands(*shape, block_k)
             want, want_lse = twin(qz, block_k, co)
             broken = {jit.fn: mutant(jit, old, new)}
-            got, got_lse, _ = gluon_on_cpu(qz, block_k, co, run, overrides=broken)
+            got, got_lse, _ = gluon_on_cpu(qz, block_k, co, policy, overrides=broken)
             yield [(got, want), (got_lse, want_lse)]
 
     return schedule_outcome(each())
@@ -235,50 +241,7 @@ def test_the_check_catches(jit, old, new, expected):
 
 
 def test_the_unmutated_kernel_passes_the_mutation_cases():
-    assert outcome(gb.program_sequence, "hk = h // GROUP", "hk = h // GROUP") == "passes"
-
-
-# The ping-pong kernel's own protocol (loader, two consumers, turns), broken in known ways, each
-# run under the model's three interleavings. (Releasing K(j) before Q·Kᵀ(j) retires is not among
-# them: it is harmless here, and the model's happens-before check agrees: the loader requests
-# K(j+2) only after V(j+1), whose stage the consumers release after the wait that retires
-# Q·Kᵀ(j) too.)
-PINGPONG_RUNS = ("pingpong-lazy", "pingpong-eager", "pingpong-reverse")
-PINGPONG_MUTATIONS = [
-    ("turn-never-passed", pp._turn_pass, "count=1)", "count=1, pred=False)", "hang"),
-    ("K-stage-released-by-one-consumer", pp.KERNEL, "init(k_empty.index(i), count=2)",
-     "init(k_empty.index(i), count=1)", "any"),
-    ("loader-ignores-K-release", pp._loader, "wait(k_empty.index(stage), phase ^ 1)",
-     "wait(k_empty.index(stage), phase ^ 1, pred=False)", "any"),
-    ("V-released-before-P̃·V-retires", pp._consumer_step,
-     "pv = warpgroup_mma_wait(0, deps=[pv_tok])\n    mbarrier.arrive(v_empty.index(prev), count=1)",
-     "mbarrier.arrive(v_empty.index(prev), count=1)\n    pv = warpgroup_mma_wait(0, deps=[pv_tok])",
-     "race"),
-    ("loader-ignores-V-release", pp._loader, "wait(v_empty.index(stage), phase ^ 1)",
-     "wait(v_empty.index(stage), phase ^ 1, pred=False)", "race"),
-    ("consumers-share-P̃-buffers", pp._consumer_step, "p_smem.index(2 * WG + stage).store(p)",
-     "p_smem.index(stage).store(p)", "race"),
-    ("both-consumers-on-rows-0-63", pp._consumer, "row0 = pid_m * BLOCK_M + WG * HALF",
-     "row0 = pid_m * BLOCK_M", "race"),  # each output element stored twice
-    ("V-phase-of-K", pp._consumer_step, "v_ready.index(prev), phase ^ prev)",
-     "v_ready.index(prev), phase)", "race"),
-]
-
-
-@pytest.mark.parametrize("jit,old,new,expected", mutation_params(PINGPONG_MUTATIONS))
-def test_the_check_catches_pingpong_breaks(jit, old, new, expected):
-    assert_caught(outcome(jit, old, new, PINGPONG_RUNS), expected)
-
-
-def test_the_unmutated_pingpong_kernel_passes_the_mutation_cases():
-    assert outcome(pp._consumer, "WG * HALF", "WG * HALF", PINGPONG_RUNS) == "passes"
-
-
-def test_every_gluon_name_the_pingpong_kernel_uses_is_modelled():
-    used, modeled = gluon_cpu.referenced_names(pp.KERNEL), gluon_cpu.modeled_names()
-    missing = {ns: sorted(names - modeled[ns]) for ns, names in used.items() if names - modeled[ns]}
-    assert not missing, f"used by the kernel, not modelled by tools/gluon_cpu.py: {missing}"
-    assert "warp_specialize" in used["gl"] and {"arrive", "wait", "expect"} <= used["mbarrier"]
+    assert outcome(kg._consumer, "WG * HALF", "WG * HALF") == "passes"
 
 
 # Packed variable-length sequences: (query lengths, key lengths, Hq, Hkv, D). Lengths of 1, of a
@@ -357,24 +320,21 @@ def packed_operands(lens_q, lens_k, hq, hkv, d, block_k, granularity="per_token"
 @pytest.mark.parametrize("lens_q,lens_k,hq,hkv,d", VARLEN)
 @pytest.mark.parametrize("block_k", kg.BLOCK_NS, ids=lambda n: f"k{n}")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("run", ["async", "pingpong-eager"])
 def test_gluon_varlen_equals_each_sequence_alone_bit_for_bit(lens_q, lens_k, hq, hkv, d, block_k,
-                                                              causal, run):
+                                                              causal):
     """Each packed sequence as the twin on that sequence alone (causal: aligned bottom-right in
     each); a sequence with queries and no key gives rows of 0 and LSE -inf, as the Triton
     kernel."""
-    _packed_equals_each_sequence_alone(lens_q, lens_k, hq, hkv, d, block_k, causal, "per_token",
-                                       run)
+    _packed_equals_each_sequence_alone(lens_q, lens_k, hq, hkv, d, block_k, causal, "per_token")
 
 
-def _packed_equals_each_sequence_alone(lens_q, lens_k, hq, hkv, d, block_k, causal, granularity,
-                                       run):
+def _packed_equals_each_sequence_alone(lens_q, lens_k, hq, hkv, d, block_k, causal, granularity):
     qz, sq, sk, alone = packed_operands(lens_q, lens_k, hq, hkv, d, block_k, granularity)
     out = torch.empty(qz.q.shape, dtype=torch.float32)  # NaN-poisoned (conftest)
-    with on_cpu(run) as (extra, _):
+    with on_cpu("eager"):
         lse = kg.attention(qz, out=out, pv="fp8", granularity=granularity, block_q=kg.BLOCK_M,
                            block_k=block_k, causal_offset=0 if causal else None,
-                           return_lse=True, seqs_q=sq, seqs_k=sk, **extra)
+                           return_lse=True, seqs_q=sq, seqs_k=sk)
     assert lse.shape == (hq, qz.q.shape[0])
     cu = sq.cu_seqlens.tolist()
     for i, (nq, nk) in enumerate(zip(lens_q, lens_k)):
@@ -399,7 +359,7 @@ def test_the_check_catches_varlen_breaks(old, new):
     broken = {gb.descriptors.fn: mutant(gb.descriptors, old, new)}
     out = torch.empty(qz.q.shape, dtype=torch.float32)
     try:
-        with gluon_cpu.kernel_on_cpu(kg, "_attn_fwd_int8_gluon_kernel", overrides=broken):
+        with on_cpu(overrides=broken):
             kg.attention(qz, out=out, pv="fp8", granularity="per_token", block_q=kg.BLOCK_M,
                          block_k=64, causal_offset=None, return_lse=False, seqs_q=sq, seqs_k=sk)
     except gluon_cpu.ScheduleError:
@@ -421,9 +381,8 @@ def per_block_operands(b, hq, hkv, nq, nk, d, block_k):
 @pytest.mark.parametrize("b,hq,hkv,nq,nk,d,offset", [SHAPES[i] for i in (1, 2, 4, 5, 7)])
 @pytest.mark.parametrize("block_k", kg.BLOCK_NS, ids=lambda n: f"k{n}")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("run", ["async", "pingpong-eager"])
 def test_gluon_per_block_scales_equal_the_twin_bit_for_bit(b, hq, hkv, nq, nk, d, offset, block_k,
-                                                           causal, run):
+                                                           causal):
     """``granularity="per_block"``: one Q scale per 128 rows, one K scale per key block."""
     qz = per_block_operands(b, hq, hkv, nq, nk, d, block_k)
     co = offset_of(nq, nk, causal, offset)
@@ -432,19 +391,17 @@ def test_gluon_per_block_scales_equal_the_twin_bit_for_bit(b, hq, hkv, nq, nk, d
                                              block_q=kg.BLOCK_M, block_k=block_k,
                                              causal_offset=co)
     out = torch.empty(qz.q.shape, dtype=torch.float32)
-    with on_cpu(run) as (extra, _):
+    with on_cpu("eager"):
         lse = kg.attention(qz, out=out, pv="fp8", granularity="per_block", block_q=kg.BLOCK_M,
-                           block_k=block_k, causal_offset=co, return_lse=True, **extra)
+                           block_k=block_k, causal_offset=co, return_lse=True)
     assert_bits(out, want, "out")
     assert_bits(lse, want_lse, "lse")
 
 
 @pytest.mark.parametrize("lens_q,lens_k,hq,hkv,d", VARLEN)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("run", ["async", "pingpong-eager"])
-def test_gluon_varlen_per_block_equals_each_sequence_alone(lens_q, lens_k, hq, hkv, d, causal,
-                                                           run):
-    _packed_equals_each_sequence_alone(lens_q, lens_k, hq, hkv, d, 64, causal, "per_block", run)
+def test_gluon_varlen_per_block_equals_each_sequence_alone(lens_q, lens_k, hq, hkv, d, causal):
+    _packed_equals_each_sequence_alone(lens_q, lens_k, hq, hkv, d, 64, causal, "per_block")
 
 
 def fp16_operands(b, hq, hkv, nq, nk, d, block_k, granularity, dtype):
@@ -462,12 +419,12 @@ def fp16_operands(b, hq, hkv, nq, nk, d, block_k, granularity, dtype):
 @pytest.mark.parametrize("b,hq,hkv,nq,nk,d,offset", [SHAPES[i] for i in (1, 2, 5, 7)])
 @pytest.mark.parametrize("block_k", kg.BLOCK_NS, ids=lambda n: f"k{n}")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("run", RUNS)
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("granularity,dtype", [("per_block", torch.float16),
                                                ("per_token", torch.bfloat16)],
                          ids=["per_block-fp16", "per_token-bf16"])
 def test_gluon_fp16_pv_equals_the_twin_bit_for_bit(b, hq, hkv, nq, nk, d, offset, block_k, causal,
-                                                   run, granularity, dtype):
+                                                   policy, granularity, dtype):
     """``pv="fp16"``: P̃ rounded to fp16 (no 448 offset), V ``[keys, D]`` in shared memory as
     the wgmma's B operand; fp16 inputs (V unscaled) and bf16 ones (V with a power-of-two scale
     per channel)."""
@@ -479,8 +436,8 @@ def test_gluon_fp16_pv_equals_the_twin_bit_for_bit(b, hq, hkv, nq, nk, d, offset
                                              block_q=kg.BLOCK_M, block_k=block_k,
                                              causal_offset=co)
     out = torch.empty(qz.q.shape, dtype=torch.float32)
-    with on_cpu(run) as (extra, _):
+    with on_cpu(policy):
         lse = kg.attention(qz, out=out, pv="fp16", granularity=granularity, block_q=kg.BLOCK_M,
-                           block_k=block_k, causal_offset=co, return_lse=True, **extra)
+                           block_k=block_k, causal_offset=co, return_lse=True)
     assert_bits(out, want.float(), "out")
     assert_bits(lse, want_lse, "lse")

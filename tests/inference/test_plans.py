@@ -164,8 +164,7 @@ def gluon(sink, kernel):
                                        kernel_int8_gluon, kernel_int8_sm90, sm90_check)
 
     gluon_check.applies = gluon_fp4_check.applies = sm90_check.applies = lambda device: True
-    gluon_check.admitted = lambda device, schedule="async": True
-    gluon_fp4_check.admitted = sm90_check.admitted = lambda device: True
+    gluon_check.admitted = gluon_fp4_check.admitted = sm90_check.admitted = lambda device: True
     kernel_int8_gluon.tma_scratch = kernel_int8_sm90.tma_scratch = kernel_fp4_gluon._scratch = (
         lambda size, alignment, stream: torch.empty(size, dtype=torch.int8))
     os.environ["LOWBIT_ATTN_KERNEL"] = "gluon" if kernel == "fp4" else kernel
@@ -184,9 +183,9 @@ def gluon(sink, kernel):
 
 SCENARIOS = {"shared_storage": shared_storage, "graph_capture": graph_capture}
 SCENARIOS.update({f"gluon-{k}": lambda sink, k=k: gluon(sink, k)
-                  for k in ("gluon", "gluon-pingpong", "fp4", "sm90")})
-SCRATCH = {"_attn_fwd_int8_gluon_kernel": 128, "_attn_fwd_int8_pingpong_kernel": 128,
-           "_attn_fwd_fp4_gluon_kernel": 128, "_attn_fwd_sm90_kernel": 128}
+                  for k in ("gluon", "fp4", "sm90")})
+SCRATCH = {"_attn_fwd_int8_pingpong_kernel": 128, "_attn_fwd_fp4_gluon_kernel": 128,
+           "_attn_fwd_sm90_kernel": 128}
 with stubbed_launches(arch.get_capability(), SCRATCH) as sink:
     print_scenarios(SCENARIOS, json.loads(sys.argv[1]), sink, planned.clear)
 """
@@ -281,8 +280,7 @@ def test_calls_sharing_storage_otherwise_launch_what_triton_would(context_rows):
 
 PLANNED = ["triton", "triton", "check", "plan"]
 GLUON_FORWARDS = [
-    pytest.param("gluon-gluon", "sm_90", PLANNED, marks=needs_gluon("hopper"), id="int8-async"),
-    pytest.param("gluon-gluon-pingpong", "sm_90", PLANNED, marks=needs_gluon("hopper"),
+    pytest.param("gluon-gluon", "sm_90", PLANNED, marks=needs_gluon("hopper"),
                  id="int8-pingpong"),
     pytest.param("gluon-sm90", "sm_90", PLANNED, marks=needs_gluon("hopper"), id="int8-sm90"),
     # FP4 calls get no plan (their quantization zeroes a buffer): Triton's way every time
@@ -293,7 +291,7 @@ GLUON_FORWARDS = [
 @pytest.mark.slow
 @pytest.mark.parametrize("scenario,arch,ways", GLUON_FORWARDS)
 def test_gluon_forwards_replay_under_their_scratch_allocator(scenario, arch, ways):
-    """Issue 37 (1): with ``LOWBIT_ATTN_KERNEL=gluon`` (or ``gluon-pingpong``) the attention
+    """Issue 37 (1): with ``LOWBIT_ATTN_KERNEL=gluon`` (or ``sm90``) the attention
     launch needs global scratch (TMA descriptors made on the device): every call, its check's
     replay and later replays too, launches what Triton's path launches and takes the scratch
     from the Gluon launcher's allocator (without it: "no allocator was set")."""

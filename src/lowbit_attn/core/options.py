@@ -22,19 +22,18 @@ from the environment once per call by the custom op that needs it and passed dow
   (``training/sm90_check.py``). No GPU has run it: not the default; on a CPU it changes
   nothing.
 - ``LOWBIT_ATTN_KERNEL``: ``triton`` (default: the Triton attention kernels), ``gluon`` (the
-  Gluon forward for Hopper, ``inference/kernel_int8_gluon.py``, where it applies: a CUDA device of
-  capability 9.0, the INT8 recipes (FP8 or fp16 P·V), D = 64 or 128; and the Gluon FP4 forward for
-  Blackwell, ``inference/kernel_fp4_gluon.py``, where it applies: a CUDA device of capability
-  10.x (sm_100a), the FP4 recipes (NVFP4, MXFP4), D = 128, the default 128-row query and 64-key
-  blocks; the Triton kernels elsewhere), ``gluon-pingpong`` (the Hopper forward's
-  warp-specialized schedule, ``inference/kernel_int8_gluon_pingpong.py``, where the same applies;
-  FP4 recipes keep the Triton kernel under it) or ``sm90`` (the one-warpgroup Hopper forward,
+  Gluon forward of the device's architecture: for Hopper the warp-specialized ping-pong forward,
+  ``inference/kernel_int8_gluon.py``, where it applies: a CUDA device of capability 9.0, the INT8
+  recipes (FP8 or fp16 P·V), D = 64 or 128; for Blackwell the Gluon FP4 forward,
+  ``inference/kernel_fp4_gluon.py``, where it applies: a CUDA device of capability 10.x
+  (sm_100a), the FP4 recipes (NVFP4, MXFP4), D = 128, the default 128-row query and 64-key
+  blocks; the Triton kernels elsewhere) or ``sm90`` (the one-warpgroup Hopper forward,
   ``inference/kernel_int8_sm90.py``, where it applies: capability 9.0, dense INT8 recipes with
   per-token or per-thread scales, 128-key blocks, no Q smoothing, D = 64 or 128; FP4 recipes keep
   the Triton kernel under it).
   Admitted on a device only after a one-time check against the Triton kernel there
   (``inference/gluon_check.py``, ``inference/gluon_fp4_check.py``, ``inference/sm90_check.py``).
-  The Gluon Hopper forwards have run on an H100 once (2026-11-25); the FP4 one and ``sm90`` run on
+  The Gluon Hopper forward has run on an H100 once (2026-11-25); the FP4 one and ``sm90`` run on
   the CPU model ``tools/gluon_cpu.py`` only: none is the default. On a CPU (the interpreter) each
   is accepted and changes nothing: Triton has no Gluon interpreter.
 
@@ -55,8 +54,7 @@ Q_QUANT_MODES = ("pass", "kernel")
 KV_STATS_MODES = ("launch", "program")
 DQ_MODES = ("recompute", "atomic")
 BWD_KERNELS = ("triton", "sm90")
-KERNELS = ("triton", "gluon", "gluon-pingpong", "sm90")
-GLUON_SCHEDULES = {"gluon": "async", "gluon-pingpong": "pingpong"}  # kernel_int8_gluon.SCHEDULES
+KERNELS = ("triton", "gluon", "sm90")
 LAUNCH_MODES = ("triton", "plan")
 _VARIABLES = {"q_quant": ("LOWBIT_ATTN_Q_QUANT", Q_QUANT_MODES),
               "kv_stats": ("LOWBIT_ATTN_KV_STATS", KV_STATS_MODES),
@@ -106,20 +104,11 @@ class KernelOptions:
 
     @property
     def gluon_forward(self) -> bool:
-        return self.kernel in GLUON_SCHEDULES
+        """Whether calls go to the Gluon forward of their device's architecture where it applies
+        (``gluon``): the INT8 recipes to the Hopper one, the FP4 recipes to the Blackwell one."""
+        return self.kernel == "gluon"
 
     @property
     def sm90_forward(self) -> bool:
         """Whether INT8 calls go to the one-warpgroup Hopper forward where it applies (``sm90``)."""
         return self.kernel == "sm90"
-
-    @property
-    def gluon_fp4_forward(self) -> bool:
-        """Whether the FP4 recipes go to the Gluon FP4 forward where it applies (``gluon``)."""
-        return self.kernel == "gluon"
-
-    @property
-    def gluon_schedule(self) -> str | None:
-        """The Gluon forward's schedule (``kernel_int8_gluon.attention``'s ``schedule``), or
-        ``None`` for the Triton kernel."""
-        return GLUON_SCHEDULES.get(self.kernel)

@@ -1,6 +1,7 @@
-"""The ``@gluon.jit`` pieces both Hopper Gluon forwards share (the asynchronous kernel,
-``kernel_int8_gluon``, and the warp-specialized ping-pong one, ``kernel_int8_gluon_pingpong``):
-one key block's online-softmax step, its K scales, and the TMA descriptors over one (batch, head).
+"""The ``@gluon.jit`` pieces the Hopper Gluon kernels share (the ping-pong forward,
+``kernel_int8_gluon``, the one-warpgroup forward, ``kernel_int8_sm90``, and the backward loops,
+``training/kernel_bwd_sm90``): one key block's online-softmax step, its K scales, and the TMA
+descriptors over one (batch, head).
 
 The numerics are those of ``kernel_int8._softmax_pv`` through the same ``core.triton_helpers``
 functions, so the Gluon kernels and the interpreter-tested Triton kernel round alike; only the

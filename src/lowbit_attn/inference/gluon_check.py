@@ -1,11 +1,10 @@
-"""The INT8 attention forward a call on the Triton path runs under ``LOWBIT_ATTN_KERNEL=gluon``
-(or ``gluon-pingpong``): the Gluon forward for Hopper (:mod:`~lowbit_attn.inference.kernel_int8_gluon`,
-with the asynchronous or the ping-pong schedule) where it applies and has passed a check on this
-device, the Triton kernel (:mod:`~lowbit_attn.inference.kernel_int8`) everywhere else, without
-error. Each schedule is checked, admitted or refused on its own.
+"""The INT8 attention forward a call on the Triton path runs under ``LOWBIT_ATTN_KERNEL=gluon``:
+the Gluon forward for Hopper (:mod:`~lowbit_attn.inference.kernel_int8_gluon`, the ping-pong
+schedule) where it applies and has passed a check on this device, the Triton kernel
+(:mod:`~lowbit_attn.inference.kernel_int8`) everywhere else, without error.
 
-The Gluon forward has been compiled ahead of time only (no GPU has run it when this was written),
-so it is opt-in and earns its place on each machine. A call uses it only where
+The Gluon forward has run on one GPU (an H100, 2026-11-25), so it is opt-in and earns its place
+on each machine. A call uses it only where
 
 1. :func:`applies`: CUDA tensors on a device of capability 9.0 (sm_90a, the only target it is
    written for), compiled kernels (not the Triton interpreter: Triton has no Gluon interpreter, so
@@ -26,8 +25,9 @@ so it is opt-in and earns its place on each machine. A call uses it only where
    it does not cover (D other than 64 and 128, Q quantized in the kernel, ΔS, operands TMA cannot
    read); such a call runs the Triton kernel (and a call it fails to compile, before any launch,
    refuses it for the rest of the process with one warning: :func:`refuse`). Per-block scales
-   and fp16 P·V are covered, and so is each in :data:`CASES`. Packed (varlen) calls run the Triton kernel: on an H100
-   (2026-11-25) both schedules raised "an illegal instruction was encountered" on the packed
+   and fp16 P·V are covered, and so is each in :data:`CASES`. Packed (varlen) calls run the
+   Triton kernel: on an H100 (2026-11-25) the kernel raised "an illegal instruction was
+   encountered" on the packed
    case the check had (``(1, 37), (77, 77), (260, 301)`` tokens, D=64), while the six dense
    cases agreed with the Triton kernel. Their indexing is right on the CPU model
    (tests/inference/test_gluon_schedule.py), which does not model TMA's alignment rules: the
@@ -78,15 +78,13 @@ import triton
 from lowbit_attn.core.arch import graph_capturing, interpreter_enabled
 from lowbit_attn.core.metrics import cosine_similarity
 from lowbit_attn.core.operands import Seqs
-from lowbit_attn.core.options import GLUON_SCHEDULES
 from lowbit_attn.core.recipes import get_recipe
 from lowbit_attn.core.variants import Variant
 from lowbit_attn.inference import kernel_int8
 from lowbit_attn.inference.prepare import quantize_qkv
 
 CAPABILITY = (9, 0)  # sm_90a
-# The LOWBIT_ATTN_KERNEL value of each schedule (core.options.GLUON_SCHEDULES, inverted).
-_VARIABLE_VALUE = {schedule: value for value, schedule in GLUON_SCHEDULES.items()}
+KERNEL = "gluon"  # the Gluon Hopper forward's key among the verdicts
 CHECK_ATOL = 8e-3  # 2 × 4e-3: max |Gluon - Triton| of the outputs
 CHECK_COSINE = 0.99996  # cos(2·arccos 0.99999)
 CHECK_LSE_ATOL = 2e-3  # 2 × 1e-3
@@ -139,8 +137,8 @@ CASES = (
 
 _lock = threading.Lock()
 # (process id, device index, kernel) → None (admitted), why not, or the check under way (a
-# _Pending); a forked child checks again. The kernel: a schedule of the Hopper forward ("async",
-# "pingpong") or another Gluon forward's name ("fp4", gluon_fp4_check; "sm90", "sm90-bwd").
+# _Pending); a forked child checks again. The kernel: the Gluon Hopper forward's KERNEL or another
+# Gluon forward's name ("fp4", gluon_fp4_check; "sm90", "sm90-bwd").
 _verdicts: dict[tuple[int, int | None, str], object] = {}
 RUNNING = "its check is running"  # verdict() while the check runs in the background
 
@@ -151,17 +149,18 @@ def applies(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device) == CAPABILITY)
 
 
-def _key(device: torch.device, schedule: str) -> tuple[int, int | None, str]:
+def _key(device: torch.device, kernel: str) -> tuple[int, int | None, str]:
     index = device.index
     if index is None and device.type == "cuda":
         index = torch.cuda.current_device()
-    return os.getpid(), index, schedule
+    return os.getpid(), index, kernel
 
 
-def verdict(device: torch.device, schedule: str = "async") -> str | None:
-    """``None`` if the Gluon forward with ``schedule`` was admitted on ``device`` in this process,
-    else why not (``"not checked"`` before the first check, :data:`RUNNING` while it runs)."""
-    key = _key(device, schedule)
+def verdict(device: torch.device, kernel: str = KERNEL) -> str | None:
+    """``None`` if ``kernel`` (a key of the verdicts; by default the Gluon Hopper forward's) was
+    admitted on ``device`` in this process, else why not (``"not checked"`` before the first
+    check, :data:`RUNNING` while it runs)."""
+    key = _key(device, kernel)
     with _lock:
         state = _verdicts.get(key, "not checked")
         if isinstance(state, _Pending):
@@ -169,13 +168,12 @@ def verdict(device: torch.device, schedule: str = "async") -> str | None:
         return RUNNING if isinstance(state, _Pending) else state
 
 
-def admitted(device: torch.device, schedule: str = "async") -> bool:
-    """Whether the Gluon forward with ``schedule`` (``kernel_int8_gluon.SCHEDULES``; each is
-    checked on its own) has passed its check on ``device``: the verdict on disk, or the check
-    started in the background at the first call in this process (:func:`admit`)."""
-    return admit(device, schedule, checker(device, self_check, schedule),
-                 f"LOWBIT_ATTN_KERNEL={_VARIABLE_VALUE[schedule]}: the Gluon attention forward "
-                 f"({schedule} schedule)", "the Triton kernel")
+def admitted(device: torch.device) -> bool:
+    """Whether the Gluon forward has passed its check on ``device``: the verdict on disk, or the
+    check started in the background at the first call in this process (:func:`admit`)."""
+    return admit(device, KERNEL, checker(device, self_check),
+                 "LOWBIT_ATTN_KERNEL=gluon: the Gluon attention forward (sm_90a)",
+                 "the Triton kernel")
 
 
 def admit(device: torch.device, kernel: str, check: Checker, what: str, triton: str) -> bool:
@@ -496,9 +494,9 @@ def isolated(device: torch.device, check: Callable[..., str | None], *args: str)
 
     A kernel that faults (an illegal instruction, an illegal address) leaves the CUDA context of
     its process unusable: a check run in the caller's process would take the caller down with it,
-    and no fallback could run (H100, 2026-11-25: the ping-pong schedule on packed sequences and
-    the asynchronous one at D=64 with 128-key blocks raised "an illegal instruction was
-    encountered" inside the check, and every later CUDA call of that process failed). A child
+    and no fallback could run (H100, 2026-11-25: the Gluon Hopper forward raised "an illegal
+    instruction was encountered" on packed sequences inside the check, and every later CUDA call
+    of that process failed). A child
     that crashes, hangs past :data:`CHECK_TIMEOUT` or prints no verdict refuses the kernel with
     that as the reason. The child finds this package where the caller did; its compiles land in
     Triton's cache, so the caller's own first launch of the checked kernel compiles nothing new.
@@ -507,11 +505,11 @@ def isolated(device: torch.device, check: Callable[..., str | None], *args: str)
     return _Child(device, check, args, None, None).result(block=True)[1]
 
 
-def self_check(device: torch.device, schedule: str = "async") -> str | None:
+def self_check(device: torch.device) -> str | None:
     """Run :data:`CASES` through both kernels on ``device``: ``None`` if every output (and LSE)
     agrees within the module's tolerances, else the first reason it does not (a mismatch, or the
     exception raised)."""
-    return run_cases(device, CASES, lambda case: _compare(case, device, schedule))
+    return run_cases(device, CASES, lambda case: _compare(case, device))
 
 
 def run_cases(device: torch.device, cases, compare: Callable[[object], str | None]) -> str | None:
@@ -635,7 +633,7 @@ def case_inputs(case: Case, device: torch.device) -> tuple:
     return q, k, v, seqs, offset
 
 
-def _compare(case: Case, device: torch.device, schedule: str) -> str | None:
+def _compare(case: Case, device: torch.device) -> str | None:
     q, k, v, seqs, offset = case_inputs(case, device)
     recipe = get_recipe(f"qk_int8_pv_{case.pv}").replace(block_k=case.block_k,
                                                          granularity=case.granularity)
@@ -647,32 +645,31 @@ def _compare(case: Case, device: torch.device, schedule: str) -> str | None:
 
     want, got = torch.empty_like(q), torch.full_like(q, float("nan"))
     want_lse = kernel_int8.attention(qz, out=want, **kw)
-    got_lse = kernel_int8_gluon.attention(qz, out=got, schedule=schedule, **kw)
+    got_lse = kernel_int8_gluon.attention(qz, out=got, **kw)
     return compare_outputs(got, want, got_lse, want_lse if case.lse else None, atol=CHECK_ATOL,
                            cosine=CHECK_COSINE, lse_atol=CHECK_LSE_ATOL)
 
 
 def attention(qz, *, out: torch.Tensor, pv: str, granularity: str, block_q: int, block_k: int,
-              causal_offset: int | None, return_lse: bool, seqs_q=None, seqs_k=None,
-              schedule: str = "async") -> torch.Tensor | None:
-    """``kernel_int8.attention``'s arguments and result, run by the Gluon forward with
-    ``schedule`` where it applies, is admitted on ``out``'s device and takes the call, else by
-    the Triton kernel."""
+              causal_offset: int | None, return_lse: bool, seqs_q=None,
+              seqs_k=None) -> torch.Tensor | None:
+    """``kernel_int8.attention``'s arguments and result, run by the Gluon forward where it
+    applies, is admitted on ``out``'s device and takes the call, else by the Triton kernel."""
     kw = dict(out=out, pv=pv, granularity=granularity, block_q=block_q, block_k=block_k,
               causal_offset=causal_offset, return_lse=return_lse, seqs_q=seqs_q, seqs_k=seqs_k)
-    if seqs_q is not None:  # packed: both schedules fault on an H100 (module docstring, 3)
+    if seqs_q is not None:  # packed: the kernel faults on an H100 (module docstring, 3)
         return kernel_int8.attention(qz, **kw)
 
     def gluon():
         from lowbit_attn.inference import kernel_int8_gluon
 
-        return kernel_int8_gluon.attention(qz, schedule=schedule, **kw)
+        return kernel_int8_gluon.attention(qz, **kw)
 
-    return dispatch(out.device, schedule, applies, lambda device: admitted(device, schedule),
-                    gluon, lambda: kernel_int8.attention(qz, **kw))
+    return dispatch(out.device, KERNEL, applies, admitted, gluon,
+                    lambda: kernel_int8.attention(qz, **kw))
 
 
-__all__ = ["CASES", "RUNNING", "Case", "Checker", "admit", "admitted", "applies", "attention",
-           "case_inputs", "checker", "compare_outputs", "dispatch", "isolated", "load_verdict",
+__all__ = ["CASES", "KERNEL", "RUNNING", "Case", "Checker", "admit", "admitted", "applies",
+           "attention", "case_inputs", "checker", "compare_outputs", "dispatch", "isolated", "load_verdict",
            "refuse", "run_cases", "self_check", "store_verdict", "verdict", "verdict_dir",
            "wait_for_admission"]

@@ -8,8 +8,6 @@ Triton) or its twin :func:`naive` (PyTorch), called with the same arguments."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from lowbit_attn.core.arch import backend_for
@@ -29,7 +27,7 @@ def kernel(q, k, v, *, out: torch.Tensor, recipe: Recipe, scale: float, causal_o
            sinks: torch.Tensor | None = None) -> torch.Tensor | None:
     """The Triton path: quantizers and attention kernel (INT8 dense or packed, FP4 dense), or
     :func:`naive` for what has no kernel (the exact recipe). Arguments and result: :func:`run`.
-    With ``options.kernel`` ``"gluon"`` or ``"gluon-pingpong"`` the INT8 attention goes through
+    With ``options.kernel`` ``"gluon"`` the INT8 attention goes through
     :func:`lowbit_attn.inference.gluon_check.attention` (the Gluon forward on sm_90 where it
     applies and passed its check, the Triton kernel otherwise), with ``"sm90"`` through
     :func:`lowbit_attn.inference.sm90_check.attention` (likewise); with ``"gluon"`` the FP4
@@ -58,7 +56,7 @@ def kernel(q, k, v, *, out: torch.Tensor, recipe: Recipe, scale: float, causal_o
                 block_k=recipe.block_k, causal_offset=causal_offset, two_level=recipe.two_level_p,
                 return_lse=return_lse, variant=variant, sinks=sinks,
             )
-        if options.gluon_fp4_forward:  # the Gluon FP4 forward where it applies and passed its check
+        if options.gluon_forward:  # the Gluon FP4 forward where it applies and passed its check
             from lowbit_attn.inference import gluon_fp4_check
 
             fp4_forward = gluon_fp4_check.attention
@@ -93,7 +91,7 @@ def kernel(q, k, v, *, out: torch.Tensor, recipe: Recipe, scale: float, causal_o
     if options.gluon_forward:  # the Gluon forward where it applies and passed its check here
         from lowbit_attn.inference import gluon_check
 
-        forward = functools.partial(gluon_check.attention, schedule=options.gluon_schedule)
+        forward = gluon_check.attention
     return forward(
         qz, out=out, pv=recipe.pv, granularity=recipe.granularity, block_q=recipe.block_q,
         block_k=recipe.block_k, causal_offset=causal_offset, return_lse=return_lse,

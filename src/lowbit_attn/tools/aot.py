@@ -737,16 +737,14 @@ def compile_decode(recipe: str = "kv_int8_fp8", arch: str = "sm_90a", head_dim: 
 def record_gluon_launch(*, head_dim: int = 128, causal: bool = False, block_k: int = 64,
                         return_lse: bool = False, seq_len: int = 1024,
                         dtype: torch.dtype = torch.float16, varlen: bool = False,
-                        granularity: str = "per_token", schedule: str = "async",
-                        pv: str = "fp8") -> Launch:
+                        granularity: str = "per_token", pv: str = "fp8") -> Launch:
     """The launch of the Gluon Hopper forward (``inference.kernel_int8_gluon``) on the operands a
     dense ``[1, 2, seq_len, head_dim]`` ``qk_int8_pv_fp8`` call (per token, ``block_k`` keys,
     ``dtype`` inputs and output) hands the Triton kernel: that call is recorded, then the Gluon
     launcher runs on its operands (nothing runs on a device). ``varlen``: the same tokens as two
     packed sequences (``[total, H, D]`` views, per-token vectors ``[H, total]``, ``cu_seqlens``);
-    ``granularity="per_block"``: the recipe's per-block scales (dense only here); ``schedule``:
-    which Gluon kernel (``kernel_int8_gluon.SCHEDULES``); ``pv="fp16"``: the ``qk_int8_pv_fp16``
-    recipe's operands (fp16 P̃ and V) instead of ``qk_int8_pv_fp8``'s."""
+    ``granularity="per_block"``: the recipe's per-block scales (dense only here); ``pv="fp16"``:
+    the ``qk_int8_pv_fp16`` recipe's operands (fp16 P̃ and V) instead of ``qk_int8_pv_fp8``'s."""
     from lowbit_attn.core.operands import QuantizedQKV
     from lowbit_attn.core.recipes import get_recipe
     from lowbit_attn.inference import kernel_int8_gluon
@@ -778,7 +776,7 @@ def record_gluon_launch(*, head_dim: int = 128, causal: bool = False, block_k: i
         kernel_int8_gluon.attention(
             qz, out=out, pv=recipe.pv, granularity=recipe.granularity,
             block_q=recipe.block_q, block_k=block_k, causal_offset=0 if causal else None,
-            return_lse=return_lse, schedule=schedule, **seqs,
+            return_lse=return_lse, **seqs,
         )
     (launch,) = sink
     return launch

@@ -36,7 +36,7 @@ ENV_VARS = ("LOWBIT_ATTN_ARCH", "LOWBIT_ATTN_BACKEND", "LOWBIT_ATTN_Q_QUANT", "L
             "TRITON_INTERPRET")
 DTYPES = ("float16", "bfloat16", "float32")
 # core.options.KERNELS, spelled out: --help imports nothing heavy
-KERNELS = ("triton", "gluon", "gluon-pingpong", "sm90")
+KERNELS = ("triton", "gluon", "sm90")
 # The targets of ``lowbit_attn.tools.aot.ARCHS``, spelled out so that ``--help`` imports nothing heavy.
 ARCH_HELP = "sm_80, sm_86, sm_89, sm_90a, sm_100a or sm_120a"
 
@@ -85,14 +85,13 @@ def _add_inspect(sub) -> None:
                    "autotuner may pick for the call (its prune filter, keyed by head dim; "
                    "default 0)")
     p.add_argument("--kernel", choices=KERNELS, default="triton",
-                   help="triton (default): every kernel of one call; gluon: the Gluon forward "
-                   "for sm_90a (qk_int8_pv_fp8, D 64 or 128) at both key blocks, with its gates "
-                   "(spills, ptxas warnings, instructions per tile and per score of the main "
-                   "loop, exp2 under P·V), or with an FP4 recipe the Gluon FP4 forward for "
-                   "sm_100a (D 128) with its gates (the softmax partition's loop, how long each "
-                   "product runs under it, the MMA warp); gluon-pingpong: the INT8 forward's "
-                   "warp-specialized schedule, the same gates for each consumer warpgroup; "
-                   "sm90: the one-warpgroup forward for sm_90a (qk_int8_pv_fp8 or "
+                   help="triton (default): every kernel of one call; gluon: the Gluon ping-pong "
+                   "forward for sm_90a (qk_int8_pv_fp8 or qk_int8_pv_fp16, D 64 or 128) at both "
+                   "key blocks, with its gates for each consumer warpgroup (spills, ptxas "
+                   "warnings, instructions per tile and per score of the main loop, exp2 under "
+                   "P·V), or with an FP4 recipe the Gluon FP4 forward for sm_100a (D 128) with "
+                   "its gates (the softmax partition's loop, how long each product runs under "
+                   "it, the MMA warp); sm90: the one-warpgroup forward for sm_90a (qk_int8_pv_fp8 or "
                    "qk_int8_pv_fp16, D 64 or 128, 128-key blocks) with per-thread and per-token "
                    "scales, each with its gate (P̃·V from registers, no shared-memory store in "
                    "the loop, no spills, at most 8.0 instructions per score, at least 2 CTAs "
@@ -386,7 +385,7 @@ def _inspect_gluon_fp4(args: argparse.Namespace, parser: argparse.ArgumentParser
 
 
 def _gluon_scope_error(args: argparse.Namespace) -> str | None:
-    """Why ``--kernel gluon[-pingpong]`` cannot compile what the other options ask for, or
+    """Why ``--kernel gluon`` (or ``sm90``) cannot compile what the other options ask for, or
     ``None``."""
     from lowbit_attn.core.arch import parse_arch
     from lowbit_attn.core.recipes import QK_INT8_PV_FP8, QK_INT8_PV_FP16, RECIPES, resolve
@@ -410,23 +409,20 @@ def _gluon_scope_error(args: argparse.Namespace) -> str | None:
 
 
 def gluon_gates(report) -> dict | None:
-    """What ``inspect --kernel gluon[-pingpong]`` prints of a compiled Gluon forward beyond the
+    """What ``inspect --kernel gluon`` prints of the compiled Gluon Hopper forward beyond the
     common report: ``c7514`` (whether ptxas serialized a wgmma) and, under ``loops``, for the
-    unmasked key-block loop of each partition that runs one (the kernel; each consumer warpgroup
-    of the ping-pong kernel), its instructions per tile and per score and where its exp2s sit
-    against the P·V wgmma (``QGMMA`` for FP8, ``HGMMA`` for fp16); ``None`` when it did not
-    compile."""
+    unmasked key-block loop of each consumer warpgroup, its instructions per tile and per score
+    and where its exp2s sit against the P·V wgmma (``QGMMA`` for FP8, ``HGMMA`` for fp16);
+    ``None`` when it did not compile."""
     from lowbit_attn.tools import sass
 
     if not report.ok or not report.cubin:
         return None
     c = report.constexprs
     bodies = sass.key_block_loops(sass.disassemble(report.cubin))
-    pingpong = report.kernel == PINGPONG_KERNEL
-    # The unmasked loop comes first, then the masked one, in each partition's copy.
-    mains = [("consumer 0", bodies[0]), ("consumer 1", bodies[2])] if pingpong else [
-        ("kernel", bodies[0])]
-    rows = c["BLOCK_M"] // 2 if pingpong else c["BLOCK_M"]  # per partition
+    # The unmasked loop comes first, then the masked one, in each consumer's copy.
+    mains = [("consumer 0", bodies[0]), ("consumer 1", bodies[2])]
+    rows = c["BLOCK_M"] // 2  # per consumer
     loops = []
     for partition, body in mains:
         loop = sass.MainLoop(body, rows * c["BLOCK_N"] // (32 * report.num_warps))
@@ -439,9 +435,6 @@ def gluon_gates(report) -> dict | None:
     return {"c7514": any("C7514" in w for w in report.ptxas_warnings), "loops": loops}
 
 
-PINGPONG_KERNEL = "_attn_fwd_int8_pingpong_kernel"
-
-
 def _format_gluon_gates(report, gates: dict | None) -> list[str]:
     if report.ptxas_warnings:
         warned = [f"  ptxas warning {'C7514 (wgmma serialized): ' if 'C7514' in w else ''}{w}"
@@ -452,7 +445,7 @@ def _format_gluon_gates(report, gates: dict | None) -> list[str]:
         return warned
     lines = warned
     for g in gates["loops"]:
-        who = "" if g["partition"] == "kernel" else f"{g['partition']}: "
+        who = f"{g['partition']}: "
         lines += [
             f"  {who}main loop     {g['per_tile']} instructions per tile, {g['per_score']:.2f} "
             f"per score ({g['scores_per_thread']} scores per thread)",
@@ -485,8 +478,8 @@ def _show_gated(args: argparse.Namespace, heading: str, reports: list, gates: li
 
 
 def _inspect_gluon(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """``inspect --kernel gluon[-pingpong]``: the Gluon forward (the asynchronous or the
-    ping-pong schedule) at each key block, with its gates."""
+    """``inspect --kernel gluon`` with an INT8 recipe: the Gluon Hopper forward at each key
+    block, with its gates."""
     import torch
 
     from lowbit_attn.core.arch import parse_arch
@@ -498,13 +491,12 @@ def _inspect_gluon(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     if error is not None:
         parser.error(error)
     recipe = resolve(args.recipe, parse_arch(args.arch))
-    schedule = "pingpong" if args.kernel == "gluon-pingpong" else "async"
     reports = [aot.compile_launch(aot.record_gluon_launch(
         head_dim=args.head_dim, causal=args.causal, block_k=block_k, return_lse=args.return_lse,
-        dtype=getattr(torch, args.dtype), schedule=schedule, pv=recipe.pv,
-        granularity=recipe.granularity), args.arch) for block_k in BLOCK_NS]
+        dtype=getattr(torch, args.dtype), pv=recipe.pv, granularity=recipe.granularity),
+        args.arch) for block_k in BLOCK_NS]
     mode = "causal" if args.causal else "non-causal"
-    heading = (f"{recipe.name} for {args.arch}, Gluon forward, {schedule} schedule (head dim "
+    heading = (f"{recipe.name} for {args.arch}, Gluon ping-pong forward (head dim "
                f"{args.head_dim}, {mode}, {args.dtype})")
     return _show_gated(args, heading, reports, [gluon_gates(r) for r in reports],
                        [""] * len(reports), _format_gluon_gates)

@@ -1,5 +1,5 @@
 """Run a Gluon kernel's own code on CPU tensors, one program after another: a sequential model of
-the part of Gluon the Hopper forwards (``inference/kernel_int8_gluon.py``, its ping-pong variant)
+the part of Gluon the Hopper forwards (``inference/kernel_int8_gluon.py``, ``kernel_int8_sm90.py``)
 and the Blackwell FP4 forward (``inference/kernel_fp4_gluon.py``) use, and of
 ``gl.warp_specialize``.
 

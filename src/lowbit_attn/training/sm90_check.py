@@ -84,7 +84,7 @@ CASES = (
 # Whether the loops can run on a device at all (module docstring, 1): the Hopper forwards' test.
 applies = gluon_check.applies
 # ``verdict(device)``: None if the loops were admitted on ``device`` in this process, else why not.
-verdict = functools.partial(gluon_check.verdict, schedule=KERNEL)
+verdict = functools.partial(gluon_check.verdict, kernel=KERNEL)
 
 
 def admitted(device: torch.device) -> bool:
