@@ -21,7 +21,11 @@ Rows (``e2e``: the public call, quantization included; ``kernel``: the attention
 operands quantized once):
 
 - ``sdpa cudnn``, ``sdpa flash`` (bf16), ``sage 1.0.6`` (fp16, its Triton kernels);
-- ``e2e triton token``: ``qk_int8_pv_fp8`` as users call it (the Triton kernel, autotuned);
+- ``e2e triton token``: ``qk_int8_pv_fp8`` as users call it (the Triton kernel with the
+  candidate ``core.measured`` names where it has one, else autotuned; the note: which);
+  ``tuned triton token`` (not in ``--decide``): the same under ``LOWBIT_ATTN_AUTOTUNE=all``, the
+  kernel's earlier choices forgotten, so the note says what the autotuner picks here (the
+  evidence for the next ``core.measured`` entry);
 - ``e2e sm90 token`` / ``e2e sm90 thread``: ``LOWBIT_ATTN_KERNEL=sm90`` with the recipe's
   per-token or per-thread scales and 128-key blocks (the row's ``note``: ``admitted`` or why
   not); ``e2e triton thread``: per-thread scales on the Triton kernel (the SageAttention shim's
@@ -110,6 +114,20 @@ COSINE_BAR = 0.9992  # end to end against exact attention (issue 43)
 FIRST_CALL_BAR = 2.0  # seconds: the first call of a new shape, compiles included (issue 43)
 
 
+def tuned(fn):
+    """``fn`` under ``LOWBIT_ATTN_AUTOTUNE=all``, with the INT8 attention kernel's earlier
+    choices forgotten now (its autotuner's cache), so that its first call times every
+    candidate."""
+    from lowbit_attn.inference import kernel_int8
+
+    kernel_int8._attn_fwd_int8.cache.clear()
+
+    def call():
+        with env("LOWBIT_ATTN_AUTOTUNE", "all"):
+            return fn()
+    return call
+
+
 def sm90_launcher(**options):
     from lowbit_attn.inference import kernel_int8_sm90
 
@@ -187,6 +205,7 @@ def rows_of_config(base, q, k, v, causal, record, gluon_ok: str | None,
                        note=lambda: f"window {WINDOW}: time against e2e sm90 thread")
         return
     record(base, "e2e triton token", ours("qk_int8_pv_fp8"), note=autotune_choice)
+    record(base, "tuned triton token", tuned(ours("qk_int8_pv_fp8")), note=autotune_choice)
     record(base, "sdpa flash", sdpa(SDPBackend.FLASH_ATTENTION))
     record(base, "sage 1.0.6", sage(q, k, v, causal))
     sm90_rows([("kernel sm90 thread", THREAD, {}),

@@ -102,7 +102,9 @@ log() { echo "== $*" >&2; }
 export PYTHONPATH="$PWD/benchmarks/probes:$PYTHONPATH"
 # The tests run each autotuned kernel's first candidate alone (LOWBIT_ATTN_AUTOTUNE=first: one
 # compile per new shape, not one per candidate; tests/test_gpu.py checks every INT8 candidate on
-# its own); TEST_AUTOTUNE=all restores the autotuner. The benchmarks always autotune.
+# its own); TEST_AUTOTUNE=all restores the autotuner. The benchmarks run what users get: the
+# candidate core/measured.py names where it has one (LOWBIT_ATTN_AUTOTUNE=measured, the default),
+# else the autotuner; bench_forward.py's "tuned" rows autotune to show what it would pick.
 PYTEST=(env LOWBIT_ATTN_AUTOTUNE="${TEST_AUTOTUNE:-first}" "$PY" -m pytest -q -p no:cacheprovider
         -p faillog)
 if "$PY" -c "import xdist" 2>/dev/null; then PYTEST+=(-n 16); fi

@@ -419,6 +419,72 @@ def test_autotune_first_gives_each_kernel_its_first_candidate_alone(monkeypatch)
     assert (first.num_warps, first.num_stages, first.kwargs) == (
         every[0].num_warps, every[0].num_stages, every[0].kwargs)
     monkeypatch.setenv("LOWBIT_ATTN_AUTOTUNE", "fastest")
-    with pytest.raises(ValueError, match=r"LOWBIT_ATTN_AUTOTUNE must be one of \('all', "
-                                         r"'first'\), got 'fastest'"):
+    with pytest.raises(ValueError, match=r"LOWBIT_ATTN_AUTOTUNE must be one of \('measured', "
+                                         r"'all', 'first'\), got 'fastest'"):
         triton_configs(configs, (9, 0))
+
+
+def _on_hopper(monkeypatch):
+    """The prune filter's view of a compiled run on an sm_90 device (no GPU needed: it reads
+    the capability and the interpreter flag only)."""
+    from lowbit_attn.core import arch, triton_helpers
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(triton_helpers, "interpreter_enabled", lambda: False)
+    monkeypatch.setattr(arch, "get_capability", lambda: (9, 0))
+
+
+@pytest.mark.parametrize("mode", [None, "measured", "all", "first"])
+def test_a_measured_launch_runs_its_measured_candidate_alone(monkeypatch, mode):
+    """``LOWBIT_ATTN_AUTOTUNE=measured`` (the default): the INT8 forward as users call it on
+    Hopper (qk_int8_pv_fp8, D = 128) keeps only the candidate ``core.measured`` names (8 warps,
+    3 stages, pipelined: the H100's), so Triton times nothing; a launch no entry covers (D = 64,
+    per-thread scales) keeps every candidate; ``all`` keeps every candidate; ``first`` the
+    first."""
+    from lowbit_attn.core.measured import MEASURED
+
+    _on_hopper(monkeypatch)
+    if mode is None:
+        monkeypatch.delenv("LOWBIT_ATTN_AUTOTUNE", raising=False)
+    else:
+        monkeypatch.setenv("LOWBIT_ATTN_AUTOTUNE", mode)
+
+    def kept(recipe, d):
+        launch = aot.record_launches(recipe, head_dim=d)[-1]
+        return [(c.num_warps, c.num_stages, c.kwargs)
+                for c in aot.launch_candidates(launch, "sm_90a")]
+
+    default = kept(get_recipe("qk_int8_pv_fp8"), 128)
+    thread = kept(get_recipe("qk_int8_pv_fp8").replace(granularity="per_thread"), 128)
+    small = kept(get_recipe("qk_int8_pv_fp8"), 64)
+    (entry,) = [m for m in MEASURED if m.kernel == "_attn_fwd_int8_kernel"]
+    if mode in (None, "measured"):
+        assert default == [(8, 3, {"PIPELINE": True})] == [
+            (entry.num_warps, entry.num_stages, dict(entry.meta))]
+        assert len(thread) > 1 and len(small) > 1
+    elif mode == "all":
+        assert len(default) == 5 and (8, 3, {"PIPELINE": True}) in default
+        assert len(thread) > 1 and len(small) > 1
+    else:
+        assert len(default) == len(thread) == len(small) == 1
+        assert default != [(8, 3, {"PIPELINE": True})]  # the first is not the measured one
+
+
+def test_every_measured_entry_is_a_candidate_of_its_kernel():
+    """Each entry of ``core.measured.MEASURED`` names a kernel of the package, a family of its
+    ``CONFIGS`` and a candidate in that family's list, matches only the kernel's own launch
+    arguments, and names the GPU run that measured it."""
+    import inspect
+
+    from lowbit_attn.core.measured import MEASURED
+
+    modules = {name: module for module in aot.kernel_modules()
+               for name, _ in inspect.getmembers(module) if name.startswith("_")}
+    for m in MEASURED:
+        module = modules[m.kernel]
+        jit = aot.as_jit_function(getattr(module, m.kernel))
+        assert {name for name, _ in m.match} <= set(jit.arg_names), m
+        configs = module.CONFIGS[m.family]
+        assert any((c.num_warps, c.num_stages) == (m.num_warps, m.num_stages)
+                   and c.kwargs == {**c.kwargs, **dict(m.meta)} for c in configs), m
+        assert "20" in m.source and ("H100" in m.source or "H200" in m.source), m

@@ -470,7 +470,8 @@ def test_forward_benchmark_runs_on_the_interpreter_without_the_gluon_kernels(tmp
     data = json.loads(result.read_text())
     assert data["complete"] is True
     rows = {r["method"]: r for r in data["rows"] if not r["causal"]}
-    for name in ("sdpa cudnn", "sdpa flash", "e2e triton token", "e2e sm90 thread",
+    for name in ("sdpa cudnn", "sdpa flash", "e2e triton token", "tuned triton token",
+                 "e2e sm90 thread",
                  "e2e sm90 token", "kernel triton token", "kernel triton thread",
                  "e2e triton thread", "prepare permuted"):
         assert rows[name]["status"] == "ok", (name, rows[name])

@@ -33,28 +33,36 @@ class LaunchConfig:
         return dict(self.meta)
 
 
-def configs_for(configs: dict[str, list[LaunchConfig]], capability) -> list[LaunchConfig]:
-    """A kernel module's ``CONFIGS`` entry for the machine: ``"interpreter"`` (or no GPU),
+def family(capability) -> str:
+    """The key of a kernel module's ``CONFIGS`` for the machine: ``"interpreter"`` (or no GPU),
     ``"sm_90"`` from Hopper on, ``"sm_89"``, ``"sm_80"``."""
     if interpreter_enabled() or capability is None:
-        return configs["interpreter"]
+        return "interpreter"
     if capability >= (9, 0):
-        return configs["sm_90"]
+        return "sm_90"
     if capability >= (8, 9):
-        return configs["sm_89"]
-    return configs["sm_80"]
+        return "sm_89"
+    return "sm_80"
 
 
-AUTOTUNE = ("all", "first")
+def configs_for(configs: dict[str, list[LaunchConfig]], capability) -> list[LaunchConfig]:
+    """A kernel module's ``CONFIGS`` entry for the machine (:func:`family`)."""
+    return configs[family(capability)]
+
+
+AUTOTUNE = ("measured", "all", "first")
 
 
 def autotune_mode() -> str:
-    """``LOWBIT_ATTN_AUTOTUNE``: ``all`` (default: the autotuner times every candidate of
-    :func:`configs_for`) or ``first`` (each autotuned kernel gets its family's first candidate
-    alone, so a new shape compiles one kernel, not all of them: for test runs, where
-    tests/test_gpu.py checks every candidate of the INT8 forward on its own). Read when a kernel
-    module is imported."""
-    mode = os.environ.get("LOWBIT_ATTN_AUTOTUNE", "all")
+    """``LOWBIT_ATTN_AUTOTUNE``: ``measured`` (default: a launch that an entry of
+    :data:`~lowbit_attn.core.measured.MEASURED` covers on this machine's family runs that
+    candidate alone, for kernels whose prune filter ends in :func:`choose`; the autotuner times
+    every candidate of :func:`configs_for` for the rest), ``all`` (the autotuner for every
+    launch) or ``first`` (each autotuned kernel gets its family's first candidate alone, so a new
+    shape compiles one kernel, not all of them: for test runs, where tests/test_gpu.py checks
+    every candidate of the INT8 forward on its own). ``first`` is read when a kernel module is
+    imported, the others at each new autotuning key."""
+    mode = os.environ.get("LOWBIT_ATTN_AUTOTUNE", "measured")
     if mode not in AUTOTUNE:
         raise ValueError(f"LOWBIT_ATTN_AUTOTUNE must be one of {AUTOTUNE}, got {mode!r}")
     return mode
@@ -64,7 +72,7 @@ def triton_configs(configs: dict[str, list[LaunchConfig]], capability, *,
                    pruned: bool = False) -> list:
     """The ``triton.Config`` s an autotuned kernel gets: :func:`configs_for`'s, or only the first
     under ``LOWBIT_ATTN_AUTOTUNE=first``; with ``pruned`` (a kernel whose prune filter ends in
-    :func:`first_kept`) all of them, the filter keeping the first of those it tries."""
+    :func:`choose`) all of them, the filter choosing among those it keeps."""
     chosen = configs_for(configs, capability)
     if autotune_mode() == "first" and not pruned:
         chosen = chosen[:1]
@@ -72,11 +80,28 @@ def triton_configs(configs: dict[str, list[LaunchConfig]], capability, *,
             for c in chosen]
 
 
-def first_kept(kept: list) -> list:
-    """What a prune filter returns of the candidates it keeps, ``kept``: all of them, or only the
-    first under ``LOWBIT_ATTN_AUTOTUNE=first`` (a head dim whose candidates are not the family's
-    first, D = 256 in ``inference/kernel_int8.py``, gets its own first)."""
-    return kept[:1] if autotune_mode() == "first" else kept
+def choose(kept: list, kernel: str, args: dict) -> list:
+    """What a prune filter returns of the candidates it keeps for a launch of ``kernel`` with
+    ``args``, ``kept``: under ``LOWBIT_ATTN_AUTOTUNE=measured`` (the default), the candidate
+    that an entry of :data:`~lowbit_attn.core.measured.MEASURED` names for this machine's family,
+    alone (Triton then times nothing), where one applies and is kept; under ``first`` the first
+    kept (a head dim whose candidates are not the family's first, D = 256 in
+    ``inference/kernel_int8.py``, gets its own first); else all of them."""
+    mode = autotune_mode()
+    if mode == "first":
+        return kept[:1]
+    if mode == "measured":
+        from lowbit_attn.core.arch import get_capability
+        from lowbit_attn.core.measured import measured
+
+        pick = measured(kernel, family(get_capability()), args)
+        if pick is not None:
+            same = [c for c in kept if (c.num_warps, c.num_stages) == (pick.num_warps,
+                                                                       pick.num_stages)
+                    and c.kwargs == {**c.kwargs, **dict(pick.meta)}]
+            if same:
+                return same[:1]
+    return kept
 
 
 def autotuned(configs: dict[str, list[LaunchConfig]], **options):

@@ -18,7 +18,7 @@ from lowbit_attn.core.operands import QuantizedQKV, Seqs, dense_seqs
 from lowbit_attn.core.variants import PLAIN, Variant
 from lowbit_attn.core.triton_helpers import (
     LOG2E, LaunchConfig, add_sink, batch_head, bhnd_strides, channel_vector_strides, exact_fp8,
-    finish_rows, finish_scores, first_kept, key_block_bounds, key_position, next_pow2,
+    finish_rows, finish_scores, choose, key_block_bounds, key_position, next_pow2,
     next_power_of_2, online_max, p_offset, packed_v_start, row_strides, seq_span, store_lse,
     strides, to_e4m3, triton_configs, window_block_bounds,
 )
@@ -384,7 +384,8 @@ def _prune(configs, named_args, **kwargs):
     kept = [c for c in valid
             if fits(c.num_warps, block_d, block_n, bool(c.kwargs.get("PIPELINE")),
                     c.kwargs.get("M_SPLIT", 1), block_q, c.num_stages, args["VARLEN"])]
-    return first_kept(kept or valid)
+    return choose(kept or valid, "_attn_fwd_int8_kernel",
+                  {**args, "Q_IN_KERNEL": args["q"][1] is None})
 
 
 _attn_fwd_int8 = triton.autotune(

@@ -1,0 +1,61 @@
+"""Launch configurations a GPU run measured best, used without autotuning (issue 43: a new
+shape's first call compiles the one candidate measured best on its architecture, not every
+candidate, and times none).
+
+Each :class:`Measured` names an autotuned kernel (its ``@triton.jit`` function), the architecture
+family of its ``CONFIGS`` (``core.triton_helpers.family``), the launch arguments a call must have
+for it to apply (the constexprs of its autotuning key, as the kernel's prune filter sees them),
+the candidate (warps, stages, meta-parameters) and the run that measured it. A launch that no
+entry matches is autotuned as before. ``LOWBIT_ATTN_AUTOTUNE=all`` autotunes every launch (what
+the benchmarks' ``tuned`` rows do to measure the next entries); ``first`` gives each kernel its
+first candidate alone (test runs).
+
+Data, not code: an entry is added or changed only from a GPU run's table, with the run named in
+``source``; ``benchmarks/NOTES.md`` ("Measured defaults") says which rows each came from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One measured choice: on ``family``, launches of ``kernel`` whose arguments equal ``match``
+    run the candidate ``(num_warps, num_stages, meta)`` alone; ``source``: the GPU run."""
+
+    kernel: str
+    family: str
+    match: tuple  # (argument name, value) pairs
+    num_warps: int
+    num_stages: int
+    meta: tuple  # (meta-parameter name, value) pairs, as LaunchConfig.meta
+    source: str
+
+    def applies(self, kernel: str, family: str, args: dict) -> bool:
+        return (kernel == self.kernel and family == self.family
+                and all(args.get(name) == value for name, value in self.match))
+
+
+# The INT8 forward as users call it on Hopper (qk_int8_pv_fp8: per-token scales, 64-key blocks,
+# FP8 P·V, Q quantized by its pass, dense, no window or softcap), D = 128: the autotuner's
+# choice at N = 1k and 16k, causal and not (4 of 4), and at 16k the fastest of the candidates
+# forced one at a time (523 TOP/s non-causal, against 465, 435, 433 and 371).
+MEASURED = (
+    Measured("_attn_fwd_int8_kernel", "sm_90",
+             (("D", 128), ("BLOCK_N", 64), ("BLOCK_Q", 128), ("GRAN", 1), ("PV_FP8", True),
+              ("VARLEN", False), ("Q_IN_KERNEL", False), ("V_PERMUTED", False),
+              ("WINDOWED", False), ("SOFTCAP", False)),
+             8, 3, (("PIPELINE", True),),
+             "H100 80GB HBM3, 2026-11-25: benchmarks/results/hopper-nvidia-h100-80gb-hbm3-"
+             "2026-11-25-{1k,16k}.json, rows 'ours' (autotune) and 'ours cfg=…'"),
+)
+
+
+def measured(kernel: str, family: str | None, args: dict) -> Measured | None:
+    """The entry of :data:`MEASURED` for a launch of ``kernel`` on ``family`` with ``args``, or
+    ``None``."""
+    return next((m for m in MEASURED if m.applies(kernel, family, args)), None)
+
+
+__all__ = ["MEASURED", "Measured", "measured"]
