@@ -438,9 +438,9 @@ def _on_hopper(monkeypatch):
 def test_a_measured_launch_runs_its_measured_candidate_alone(monkeypatch, mode):
     """``LOWBIT_ATTN_AUTOTUNE=measured`` (the default): the INT8 forward as users call it on
     Hopper (qk_int8_pv_fp8, D = 128) keeps only the candidate ``core.measured`` names (8 warps,
-    3 stages, pipelined: the H100's), so Triton times nothing; a launch no entry covers (D = 64,
-    per-thread scales) keeps every candidate; ``all`` keeps every candidate; ``first`` the
-    first."""
+    3 stages, pipelined: the H100's), so Triton compiles and times that one only; a launch no
+    entry covers (D = 64, per-thread scales) keeps every candidate; ``all`` keeps every
+    candidate; ``first`` the first."""
     from lowbit_attn.core.measured import MEASURED
 
     _on_hopper(monkeypatch)

@@ -1,6 +1,6 @@
 """Launch configurations a GPU run measured best, used without autotuning (issue 43: a new
-shape's first call compiles the one candidate measured best on its architecture, not every
-candidate, and times none).
+shape's first call compiles and times the one candidate measured best on its architecture, not
+every candidate).
 
 Each :class:`Measured` names an autotuned kernel (its ``@triton.jit`` function), the architecture
 family of its ``CONFIGS`` (``core.triton_helpers.family``), the launch arguments a call must have

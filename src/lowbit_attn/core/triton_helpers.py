@@ -84,8 +84,8 @@ def choose(kept: list, kernel: str, args: dict) -> list:
     """What a prune filter returns of the candidates it keeps for a launch of ``kernel`` with
     ``args``, ``kept``: under ``LOWBIT_ATTN_AUTOTUNE=measured`` (the default), the candidate
     that an entry of :data:`~lowbit_attn.core.measured.MEASURED` names for this machine's family,
-    alone (Triton then times nothing), where one applies and is kept; under ``first`` the first
-    kept (a head dim whose candidates are not the family's first, D = 256 in
+    alone (Triton then compiles and times that one only), where one applies and is kept; under
+    ``first`` the first kept (a head dim whose candidates are not the family's first, D = 256 in
     ``inference/kernel_int8.py``, gets its own first); else all of them."""
     mode = autotune_mode()
     if mode == "first":
