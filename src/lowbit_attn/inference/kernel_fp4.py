@@ -40,8 +40,7 @@ from lowbit_attn.core.triton_helpers import (
     normalize_rows, online_max, store_lse, strides, triton_configs, window_block_bounds,
 )
 from lowbit_attn.quant.fp4 import (
-    e2m1_code, e2m1_pack, e2m1_value, e4m3_group_scale, e4m3_value, e8m0_group_scale, e8m0_value,
-    scale_operand,
+    e2m1_code, e2m1_pack, e2m1_value, e4m3_value, e8m0_value, p_group_scale, scale_operand,
 )
 
 # the two-level target peak of P̃ rows, per format (twin: reference.quant_fp4.two_level_p)
@@ -81,12 +80,7 @@ def _quantize_p(p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.const
     [BLOCK_M, BLOCK_N/GROUP] int32, scales fp32)``: group amax → scale, then ``x = P̃·(1/s)``, which
     the caller rounds to E2M1. Twin: ``reference.quant_fp4.quantize_p``."""
     pg = tl.reshape(p, [BLOCK_M, BLOCK_N // GROUP, GROUP])
-    amax = tl.max(pg, axis=2) + tl.sum(pg * 0.0, axis=2)
-    if NV:
-        s, code = e4m3_group_scale(tl.div_rn(amax, 6.0), amax > 0.0)
-        denom = tl.where(code == 0, 1.0, s)
-    else:
-        code, denom = e8m0_group_scale(amax)
+    code, denom = p_group_scale(tl.max(pg, axis=2) + tl.sum(pg * 0.0, axis=2), NV)
     rcp = tl.div_rn(tl.full(denom.shape, 1.0, tl.float32), denom)
     return pg * rcp[:, :, None], code, denom
 
