@@ -36,8 +36,9 @@ from lowbit_attn.core.arch import fp4_mode, fp4_pipeline_qk, get_capability, int
 from lowbit_attn.core.operands import FP4_GROUP, P_TWO_LEVEL_PEAK, QuantizedFP4
 from lowbit_attn.core.variants import PLAIN, Variant, cap_args, sink_logits
 from lowbit_attn.core.triton_helpers import (
-    LOG2E, LaunchConfig, add_sink, batch_head, finish_scores, key_block_bounds, next_power_of_2,
-    normalize_rows, online_max, store_lse, strides, triton_configs, window_block_bounds,
+    LOG2E, LaunchConfig, add_sink, finish_scores, key_block_bounds, next_power_of_2,
+    normalize_rows, online_max, program_heads, store_lse, strides, triton_configs,
+    window_block_bounds,
 )
 from lowbit_attn.quant.fp4 import (
     e2m1_code, e2m1_pack, e2m1_value, e4m3_value, e8m0_value, p_group_scale, scale_operand,
@@ -227,10 +228,8 @@ def _attn_fwd_fp4_kernel(
     slb, slh, sln = lsh_strides
     sob, soh, son, sod = o_strides
     seb, seh, sen = lse_strides
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b, h = batch_head(pid_bh, HQ)  # int64: offsets of large tensors may pass 2^31 elements
-    hk = h // GROUP_HEADS
+    # int64 batch/head bases: offsets of large tensors may pass 2^31 elements
+    pid_m, b, h, hk = program_heads(HQ, GROUP_HEADS)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     mmask = offs_m < NQ
