@@ -408,6 +408,16 @@ def batch_head(pid_bh, H):
     return (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)
 
 
+@triton.jit
+def program_heads(HQ, GROUP):
+    """``(pid, b, h, hk)`` of a program on the grid ``(blocks of tokens, batch·query heads)``: its
+    block, its batch and query head (int64, :func:`batch_head`) and the K/V head that query head
+    reads (``GROUP`` query heads share one)."""
+    pid = tl.program_id(0)
+    b, h = batch_head(tl.program_id(1), HQ)
+    return pid, b, h, h // GROUP
+
+
 def exact_fp8() -> bool:
     """Whether kernels must build E4M3 bits arithmetically (under the interpreter)."""
     return interpreter_enabled()

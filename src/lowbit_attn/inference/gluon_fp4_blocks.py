@@ -19,7 +19,7 @@ from triton.experimental.gluon.language.nvidia.blackwell import (
 
 from lowbit_attn.core.triton_helpers import store_lse
 from lowbit_attn.quant.fp4 import (
-    E2M1X2_CONSTRAINTS, E2M1X2_PTX, e4m3_group_scale, e8m0_group_scale, scale_operand,
+    E2M1X2_CONSTRAINTS, E2M1X2_PTX, p_group_scale, scale_operand,
 )
 
 O_SLICE = gl.constexpr(64)  # columns of O per correction step (registers: 2·64 per thread)
@@ -107,17 +107,12 @@ def publish_key_scales(ks, j, ks_tmem, ks_ready):
 @gluon.jit
 def quantize_p(p, NV: gl.constexpr, GROUP: gl.constexpr):
     """P̃ ``[M, N]`` (≥ 0, one row per thread) → ``(E2M1 bytes [M, N/2], scale bits [M, N/GROUP]
-    uint8)``: ``kernel_fp4.quantize_p``'s group scales, then the hardware conversion of
-    ``P̃·(1/s)`` (element ``2i`` in the low nibble)."""
+    uint8)``: ``quant.fp4.p_group_scale``'s group scales (``kernel_fp4``'s), then the hardware
+    conversion of ``P̃·(1/s)`` (element ``2i`` in the low nibble)."""
     M: gl.constexpr = p.shape[0]
     N: gl.constexpr = p.shape[1]
     pg = gl.reshape(p, [M, N // GROUP, GROUP])
-    amax = gl.max(pg, axis=2) + gl.sum(pg * 0.0, axis=2)
-    if NV:
-        s, code = e4m3_group_scale(gl.div_rn(amax, 6.0), amax > 0.0)
-        denom = gl.where(code == 0, 1.0, s)
-    else:
-        code, denom = e8m0_group_scale(amax)
+    code, denom = p_group_scale(gl.max(pg, axis=2) + gl.sum(pg * 0.0, axis=2), NV)
     rcp = gl.div_rn(gl.full(denom.shape, 1.0, gl.float32, denom.type.layout), denom)
     x = gl.reshape(pg * gl.expand_dims(rcp, 2), [M, N // 2, 2])
     lo, hi = gl.split(x)

@@ -36,12 +36,12 @@ from lowbit_attn.core.arch import fp4_mode, fp4_pipeline_qk, get_capability, int
 from lowbit_attn.core.operands import FP4_GROUP, P_TWO_LEVEL_PEAK, QuantizedFP4
 from lowbit_attn.core.variants import PLAIN, Variant, cap_args, sink_logits
 from lowbit_attn.core.triton_helpers import (
-    LOG2E, LaunchConfig, add_sink, batch_head, finish_scores, key_block_bounds, next_power_of_2,
-    normalize_rows, online_max, store_lse, strides, triton_configs, window_block_bounds,
+    LOG2E, LaunchConfig, add_sink, finish_scores, key_block_bounds, next_power_of_2,
+    normalize_rows, online_max, program_heads, store_lse, strides, triton_configs,
+    window_block_bounds,
 )
 from lowbit_attn.quant.fp4 import (
-    e2m1_code, e2m1_pack, e2m1_value, e4m3_group_scale, e4m3_value, e8m0_group_scale, e8m0_value,
-    scale_operand,
+    e2m1_code, e2m1_pack, e2m1_value, e4m3_value, e8m0_value, p_group_scale, scale_operand,
 )
 
 # the two-level target peak of P̃ rows, per format (twin: reference.quant_fp4.two_level_p)
@@ -81,12 +81,7 @@ def _quantize_p(p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.const
     [BLOCK_M, BLOCK_N/GROUP] int32, scales fp32)``: group amax → scale, then ``x = P̃·(1/s)``, which
     the caller rounds to E2M1. Twin: ``reference.quant_fp4.quantize_p``."""
     pg = tl.reshape(p, [BLOCK_M, BLOCK_N // GROUP, GROUP])
-    amax = tl.max(pg, axis=2) + tl.sum(pg * 0.0, axis=2)
-    if NV:
-        s, code = e4m3_group_scale(tl.div_rn(amax, 6.0), amax > 0.0)
-        denom = tl.where(code == 0, 1.0, s)
-    else:
-        code, denom = e8m0_group_scale(amax)
+    code, denom = p_group_scale(tl.max(pg, axis=2) + tl.sum(pg * 0.0, axis=2), NV)
     rcp = tl.div_rn(tl.full(denom.shape, 1.0, tl.float32), denom)
     return pg * rcp[:, :, None], code, denom
 
@@ -233,10 +228,8 @@ def _attn_fwd_fp4_kernel(
     slb, slh, sln = lsh_strides
     sob, soh, son, sod = o_strides
     seb, seh, sen = lse_strides
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b, h = batch_head(pid_bh, HQ)  # int64: offsets of large tensors may pass 2^31 elements
-    hk = h // GROUP_HEADS
+    # int64 batch/head bases: offsets of large tensors may pass 2^31 elements
+    pid_m, b, h, hk = program_heads(HQ, GROUP_HEADS)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     mmask = offs_m < NQ

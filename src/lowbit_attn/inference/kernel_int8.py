@@ -17,10 +17,10 @@ from lowbit_attn.core.arch import get_capability
 from lowbit_attn.core.operands import QuantizedQKV, Seqs, dense_seqs
 from lowbit_attn.core.variants import PLAIN, Variant
 from lowbit_attn.core.triton_helpers import (
-    LOG2E, LaunchConfig, add_sink, batch_head, bhnd_strides, channel_vector_strides, exact_fp8,
+    LOG2E, LaunchConfig, add_sink, bhnd_strides, channel_vector_strides, exact_fp8,
     finish_rows, finish_scores, choose, key_block_bounds, key_position, next_pow2,
-    next_power_of_2, online_max, p_offset, packed_v_start, row_strides, seq_span, store_lse,
-    strides, to_e4m3, triton_configs, window_block_bounds,
+    next_power_of_2, online_max, p_offset, packed_v_start, program_heads, row_strides, seq_span,
+    store_lse, strides, to_e4m3, triton_configs, window_block_bounds,
 )
 from lowbit_attn.core.variants import cap_args, sink_logits
 from lowbit_attn.quant.tile import quantize_int8_tile, thread_group
@@ -210,11 +210,8 @@ def _attn_fwd_int8_kernel(
     slb, slh, sln = lsh_strides
     sob, soh, son, sod = o_strides
     seb, seh, sen = lse_strides
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
     # int64 batch/head/token bases: offsets of large tensors may pass 2^31 elements
-    b, h = batch_head(pid_bh, HQ)
-    hk = h // GROUP
+    pid_m, b, h, hk = program_heads(HQ, GROUP)
     q_start, nq = seq_span(CUQ, b, NQ, VARLEN)
     k_start, nk = seq_span(CUK, b, NK, VARLEN)
     if VARLEN:

@@ -106,6 +106,20 @@ def e8m0_group_scale(amax):
 
 
 @triton.jit
+def p_group_scale(amax, NV: tl.constexpr):
+    """P̃'s group scale from its group amax (≥ 0; P̃ has no tensor scale): ``(scale bits as int32,
+    the divisor as fp32)``, the E4M3 of ``amax/6`` (``NV``; an all-zero group divides by 1) or
+    the E8M0 of :func:`e8m0_group_scale`. The Triton and Gluon FP4 forwards both quantize P̃
+    with it. Twin: ``quant.fp4_qkv_naive.quantize_p``."""
+    if NV:
+        s, code = e4m3_group_scale(tl.div_rn(amax, 6.0), amax > 0.0)
+        denom = tl.where(code == 0, 1.0, s)
+    else:
+        code, denom = e8m0_group_scale(amax)
+    return code, denom
+
+
+@triton.jit
 def e8m0_value(code):
     """E8M0 bits (int32) → fp32 ``2^(code - 127)``, built from bits (exact, 2^-127 too); 255 → NaN.
     Twin: ``reference.fp4.e8m0_value``."""

@@ -19,7 +19,7 @@ from lowbit_attn.core.operands import (
 )
 from lowbit_attn.core.triton_helpers import (
     batch_head, bhnd_strides, channel_vector_strides, exact_fp8, key_position, next_pow2,
-    packed_v_start, row_strides, seq_span, strides, to_e4m3,
+    packed_v_start, program_heads, row_strides, seq_span, strides, to_e4m3,
 )
 from lowbit_attn.quant.tile import e4m3_scale, load_centered, quantize_int8_tile, thread_group
 
@@ -664,10 +664,7 @@ def _delta_s_kernel(
     skb, skh, skn, skd = k_strides
     smb, smh, smd = kmean_strides
     sdb, sdh, sdq, sdn = ds_strides
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b, h = batch_head(pid_bh, HQ)
-    hk = h // GROUP
+    pid_n, b, h, hk = program_heads(HQ, GROUP)
     k_start, nk = seq_span(CUK, b, NK, VARLEN)
     q_start, nq = seq_span(CUQ, b, NQ, VARLEN)
     if pid_n * BLOCK_N >= nk:

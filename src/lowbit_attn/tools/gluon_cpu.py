@@ -82,7 +82,8 @@ Blackwell (what ``kernel_fp4_gluon`` uses):
   ``cvt.rn.satfinite.e2m1x2.f32``): the twin's ``e2m1_code`` of each pair, packed ``lo | hi << 4``
   (equal to the instruction for every non-NaN input, tests/quant/test_fp4.py; the NaN code is
   not modelled); ``gl.split``, ``join``, ``reshape``, ``expand_dims``, ``div_rn`` (fp32
-  division, correctly rounded as ``div.rn``); Blackwell's ``tma`` and ``mbarrier`` are
+  division, correctly rounded as ``div.rn``; ``tl.div_rn`` too, for the ``@triton.jit`` helpers
+  a Gluon kernel calls); Blackwell's ``tma`` and ``mbarrier`` are
   Hopper's. During a launch torch tensors answer ``x.to(dtype, bitcast=True)`` (a bit view)
   and ``x.type.layout`` (None).
 
@@ -985,6 +986,7 @@ def _make_lang(real_name, numerics):
         maximum=lambda a, b, propagate_nan=None: torch.maximum(_t(a), _t(b)),
         minimum=lambda a, b, propagate_nan=None: torch.minimum(_t(a), _t(b)),
         max=max_, sum=sum_, reduce=reduce, cdiv=_cdiv, static_range=range, constexpr=lambda v: v,
+        div_rn=lambda a, b: torch.div(_t(a), _t(b)),
         convert_layout=lambda x, layout, assert_trivial=False: x,
         float32=torch.float32, int8=torch.int8, int32=torch.int32, int64=torch.int64,
         uint8=torch.uint8, float8e4nv=torch.float8_e4m3fn, float16=torch.float16,
@@ -1002,7 +1004,6 @@ def _make_lang(real_name, numerics):
             permute=lambda x, dims: x.permute(*dims),
             broadcast=lambda a, b: torch.broadcast_tensors(_t(a), _t(b)),
             expand_dims=lambda x, axis: x.unsqueeze(axis),
-            div_rn=lambda a, b: torch.div(_t(a), _t(b)),
             warp_specialize=_warp_specialize, num_warps=lambda: _machine().current.num_warps,
             thread_barrier=lambda: None, barrier=lambda cluster=False: None,
         )

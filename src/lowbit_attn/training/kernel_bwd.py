@@ -21,8 +21,9 @@ from lowbit_attn.core import triton_support
 from lowbit_attn.core.arch import get_capability, interpreter_enabled, tensor_memory
 from lowbit_attn.core.operands import TRAIN_BLOCK, GradOperands, TrainOperands
 from lowbit_attn.core.triton_helpers import (
-    LaunchConfig, autotuned, batch_head, mm, next_pow2, next_power_of_2, operand, quantize_tile,
-    softcap_scores, strides, token_major, window_block_bounds, window_ok, window_query_bounds,
+    LaunchConfig, autotuned, batch_head, mm, next_pow2, next_power_of_2, operand, program_heads,
+    quantize_tile, softcap_scores, strides, token_major, window_block_bounds, window_ok,
+    window_query_bounds,
 )
 from lowbit_attn.core.variants import PLAIN, Variant, variant_args
 
@@ -60,6 +61,17 @@ def _operand(op, b, h, blk, rows, offs_d, mask, TRANS: tl.constexpr):
         x = tl.load(X + b * sxb + h * sxh + rows[:, None] * sxn + offs_d[None, :] * sxd,
                     mask=mask, other=0)
     return x, tl.load(XS + b * ssb + h * ssh + blk * ssn)
+
+
+@triton.jit
+def _operand_pair(x, y, b, h, blk, tokens, offs_d, dmask, N, TRANS: tl.constexpr):
+    """Block ``blk`` (``tokens``: its 64 token indices) of two operands of one (batch, head), each
+    as :func:`_operand` loads it (tokens from ``N`` on read 0): ``(mask [64, D], x, x's scale,
+    y, y's scale)``."""
+    mask = (tokens < N)[:, None] & dmask[None, :]
+    x_blk, xs = _operand(x, b, h, blk, tokens, offs_d, mask, TRANS)
+    y_blk, ys = _operand(y, b, h, blk, tokens, offs_d, mask, TRANS)
+    return mask, x_blk, xs, y_blk, ys
 
 
 @triton.jit
@@ -135,12 +147,10 @@ def _train_dkdv_kernel(
     pid_n = tl.program_id(0)
     b, hk = batch_head(tl.program_id(1), HKV)
     cols = pid_n * BLOCK + tl.arange(0, BLOCK)
-    offs_m = tl.arange(0, BLOCK)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
-    nd_mask = (cols < NK)[:, None] & dmask[None, :]
-    k_blk, ks = _operand(k, b, hk, pid_n, cols, offs_d, nd_mask, False)
-    v_blk, vdps = _operand(v_dp, b, hk, pid_n, cols, offs_d, nd_mask, False)
+    nd_mask, k_blk, ks, v_blk, vdps = _operand_pair(k, v_dp, b, hk, pid_n, cols, offs_d, dmask,
+                                                    NK, False)
     if ATOMIC_DQ:  # this key block's share of dQ = dS·K, added into an fp32 buffer
         k_dq_blk, kdqs = _operand(k_dq, b, hk, pid_n, cols, offs_d, nd_mask, False)
     dk = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
@@ -151,16 +161,16 @@ def _train_dkdv_kernel(
         lo, hi = window_query_bounds(NQ, pid_n, causal_offset, left, right, chunk, BLOCK, BLOCK)
     elif IS_CAUSAL:  # the first query row that sees this block's first key
         lo = tl.maximum(pid_n * BLOCK - causal_offset, 0) // BLOCK * BLOCK
+    offs_m = tl.arange(0, BLOCK)  # the query blocks' rows, from start_m
     for g in range(0, GROUP):
         h = hk * GROUP + g
         for start_m in range(lo, hi, BLOCK):
             rows = start_m + offs_m
-            md_mask = (rows < NQ)[:, None] & dmask[None, :]
             qb = start_m // BLOCK
             # the tile transposed (keys × queries): Pᵀ and dSᵀ are then the products' A operands
             # as they are, in registers; dO and Q (for dV, dK) come token-contiguous
-            q_t, qs = _operand(q, b, h, qb, rows, offs_d, md_mask, True)
-            do_t, dos = _operand(do_dp, b, h, qb, rows, offs_d, md_mask, True)
+            md_mask, q_t, qs, do_t, dos = _operand_pair(q, do_dp, b, h, qb, rows, offs_d, dmask,
+                                                        NQ, True)
             lse = tl.load(LSE + b * slb + h * slh + rows * sln, mask=rows < NQ, other=0.0)
             delta = tl.load(DELTA + b * slb + h * slh + rows * sln, mask=rows < NQ, other=0.0)
             ds_ptrs = DS
@@ -218,16 +228,12 @@ def _train_dq_kernel(
     slb, slh, sln = lse_strides
     sdqb, sdqh, sdqn, sdqd = dq_strides
     sbb, sbh, sbd = bal_strides
-    pid_m = tl.program_id(0)
-    b, h = batch_head(tl.program_id(1), HQ)
-    hk = h // GROUP
+    pid_m, b, h, hk = program_heads(HQ, GROUP)
     rows = pid_m * BLOCK + tl.arange(0, BLOCK)
-    offs_n = tl.arange(0, BLOCK)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
-    md_mask = (rows < NQ)[:, None] & dmask[None, :]
-    q_blk, qs = _operand(q, b, h, pid_m, rows, offs_d, md_mask, False)
-    do_dp_blk, dos = _operand(do_dp, b, h, pid_m, rows, offs_d, md_mask, False)
+    md_mask, q_blk, qs, do_dp_blk, dos = _operand_pair(q, do_dp, b, h, pid_m, rows, offs_d, dmask,
+                                                       NQ, False)
     lse = tl.load(LSE + b * slb + h * slh + rows * sln, mask=rows < NQ, other=0.0)
     if DELTA_PASS:
         delta = tl.zeros([BLOCK], dtype=tl.float32)
@@ -241,12 +247,12 @@ def _train_dq_kernel(
                                            BLOCK)
     elif IS_CAUSAL:
         hi = tl.minimum(NK, (pid_m + 1) * BLOCK + causal_offset)
+    offs_n = tl.arange(0, BLOCK)  # the key blocks' keys, from start_n
     for start_n in range(lo, hi, BLOCK):
         cols = start_n + offs_n
-        nd_mask = (cols < NK)[:, None] & dmask[None, :]
         kb = start_n // BLOCK
-        kt, ks = _operand(k, b, hk, kb, cols, offs_d, nd_mask, True)
-        v_dpt, vdps = _operand(v_dp, b, hk, kb, cols, offs_d, nd_mask, True)
+        nd_mask, kt, ks, v_dpt, vdps = _operand_pair(k, v_dp, b, hk, kb, cols, offs_d, dmask, NK,
+                                                     True)
         ds_ptrs = DS
         if HAS_DS:
             ds_ptrs = DS + b * sdsb + h * sdsh + pid_m * sdsq + cols[None, :] * sdsn

@@ -14,8 +14,8 @@ import triton.language as tl
 from lowbit_attn.core.arch import get_capability, interpreter_enabled
 from lowbit_attn.core.operands import TRAIN_BLOCK, TrainOperands
 from lowbit_attn.core.triton_helpers import (
-    LaunchConfig, batch_head, finish_scores, key_block_bounds, mm, next_pow2, next_power_of_2, online_max,
-    normalize_rows, operand, round_half_even, strides, token_major, triton_configs,
+    LaunchConfig, finish_scores, key_block_bounds, mm, next_pow2, next_power_of_2, online_max,
+    normalize_rows, operand, program_heads, round_half_even, strides, token_major, triton_configs,
     window_block_bounds,
 )
 from lowbit_attn.core.variants import PLAIN, Variant, variant_args
@@ -31,12 +31,17 @@ CONFIGS = {
 
 @triton.jit
 def _fwd_block(
-    acc, m_i, l_i, q, qs, start_n, offs_m, offs_n, offs_d, dmask, nk, causal_offset,
-    k_base, v_base, ks_base, vs_base, ds_base, V, skn, skd, svn, svd, sksn, svsn, sdn,
+    acc, m_i, l_i, q, qs, start_n, rows, keys, ds_base, window, cap,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, QK_INT8: tl.constexpr, PV_INT8: tl.constexpr,
-    HAS_DS: tl.constexpr, EMU_FP32: tl.constexpr, BLOCK_N: tl.constexpr, window,
-    WINDOWED: tl.constexpr, cap, SOFTCAP: tl.constexpr,
+    HAS_DS: tl.constexpr, EMU_FP32: tl.constexpr, BLOCK_N: tl.constexpr,
+    WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
+    """One key block: scores, online softmax, P̃ (INT8 per row, or 16-bit), P̃·V (``MASKED``:
+    keys past the end, the causal diagonal, a window's edges). ``rows``: ``(offs_m, offs_n, offs_d, dmask,
+    nk, causal_offset)``; ``keys``: ``(k_base, v_base, ks_base, vs_base, V, skn, skd, svn, svd,
+    sksn, svsn, sdn)``; ``window``, ``cap``: see ``finish_scores``."""
+    offs_m, offs_n, offs_d, dmask, nk, causal_offset = rows
+    k_base, v_base, ks_base, vs_base, V, skn, skd, svn, svd, sksn, svsn, sdn = keys
     cols = start_n + offs_n
     nmask = cols < nk
     if MASKED:
@@ -95,9 +100,7 @@ def _train_fwd_kernel(
     sdb, sdh, sdq, sdn = ds_strides
     sob, soh, son, sod = o_strides
     slb, slh, sln = lse_strides
-    pid_m = tl.program_id(0)
-    b, h = batch_head(tl.program_id(1), HQ)
-    hk = h // GROUP
+    pid_m, b, h, hk = program_heads(HQ, GROUP)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -127,20 +130,16 @@ def _train_fwd_kernel(
     else:
         full_lo = 0
         full_hi, hi = key_block_bounds(NK, pid_m, causal_offset, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    rows = (offs_m, offs_n, offs_d, dmask, NK, causal_offset)
+    keys = (k_base, v_base, ks_base, vs_base, V, skn, skd, svn, svd, sksn, svsn, sdn)
     for start_n in range(full_lo, full_hi, BLOCK_N):
-        acc, m_i, l_i = _fwd_block(
-            acc, m_i, l_i, q_blk, qs, start_n, offs_m, offs_n, offs_d, dmask, NK, causal_offset,
-            k_base, v_base, ks_base, vs_base, ds_base, V, skn, skd, svn, svd, sksn, svsn, sdn,
-            False, IS_CAUSAL, QK_INT8, PV_INT8, HAS_DS, EMU_FP32, BLOCK_N, window, WINDOWED, cap,
-            SOFTCAP,
-        )
+        acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q_blk, qs, start_n, rows, keys, ds_base, window,
+                                   cap, False, IS_CAUSAL, QK_INT8, PV_INT8, HAS_DS, EMU_FP32,
+                                   BLOCK_N, WINDOWED, SOFTCAP)
     for start_n in range(full_hi, hi, BLOCK_N):
-        acc, m_i, l_i = _fwd_block(
-            acc, m_i, l_i, q_blk, qs, start_n, offs_m, offs_n, offs_d, dmask, NK, causal_offset,
-            k_base, v_base, ks_base, vs_base, ds_base, V, skn, skd, svn, svd, sksn, svsn, sdn,
-            True, IS_CAUSAL, QK_INT8, PV_INT8, HAS_DS, EMU_FP32, BLOCK_N, window, WINDOWED, cap,
-            SOFTCAP,
-        )
+        acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q_blk, qs, start_n, rows, keys, ds_base, window,
+                                   cap, True, IS_CAUSAL, QK_INT8, PV_INT8, HAS_DS, EMU_FP32,
+                                   BLOCK_N, WINDOWED, SOFTCAP)
     out, empty = normalize_rows(acc, l_i)
     out = tl.where(empty[:, None], 0.0, out)
     tl.store(O + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :] * sod,
