@@ -100,7 +100,9 @@ def run_backward(device: torch.device, bwd_kernel: str, backward: Callable[[str]
     compile the call (one of :data:`~lowbit_attn.inference.gluon_check.COMPILE_ERRORS`, raised
     before a launch: a specialization the check did not cover), they are refused on ``device``
     for the rest of this process with one warning (``gluon_check.refuse``) and
-    ``backward("triton")`` runs: the Triton backward writes every gradient again."""
+    ``backward("triton")`` runs: the Triton backward writes every gradient again. (Where the
+    loops refused the call and the Triton backward itself fails to compile, the retry raises
+    that error to the caller, after the same warning.)"""
     kernel = kernel_for(device, bwd_kernel)
     try:
         return backward(kernel)
