@@ -40,8 +40,9 @@ operands quantized once):
 - at D = 64 only, last: ``kernel sm90 thread poly16`` / ``poly8`` (one key group in 16 or 8
   takes its exp2 on the FMA pipe: ``poly_exp2``).
 
-``--decide`` (issue 43): D=128 N=16k, 8k, D=64 N=16k, 8k, N=1k at B×H=16×32 (both D), then
-causal D=128, 64 at 16k (B×H=4×32 at 8k), and only the rows that decide: SDPA cuDNN, e2e sm90
+``--decide`` (issue 43): first one configuration per bar (D=128 N=16k, N=1k at B×H=16×32,
+D=64 N=16k, N=1k; causal D=128 N=16k, issue 44's window), then N=8k (B×H=4×32) at D=128 and 64
+and causal D=64 N=16k; only the rows that decide: SDPA cuDNN, e2e sm90
 thread and token, kernel sm90 thread and token, e2e Triton, SageAttention, and last ``e2e sm90
 thread plan`` (with ``LOWBIT_ATTN_LAUNCH=plan``: the host path launch plans would save; not
 counted in the bars, which are the default launch path's).
@@ -95,10 +96,12 @@ TOKEN = get_recipe("qk_int8_pv_fp8").replace(block_k=128)
 THREAD = get_recipe("qk_int8_pv_fp8").replace(granularity="per_thread", block_q=64, block_k=128)
 THREAD_FP16 = get_recipe("qk_int8_pv_fp16").replace(granularity="per_thread", block_q=64,
                                                     block_k=128)
-# --decide (run_on_gpu.sh decide, issue 43): the configurations that decide, most decisive first
-# (D=128 N=16k, N >= 8k at D=128 then D=64, N=1k at B×H=512), and only the rows that decide.
-DECIDE_CONFIGS = [(128, 16384, False), (128, 8192, False), (64, 16384, False), (64, 8192, False),
-                  (128, 1024, False), (64, 1024, False), (128, 16384, True), (64, 16384, True)]
+# --decide (run_on_gpu.sh decide, issues 43 and 44): the configurations that decide, each bar's
+# first (D=128 N=16k, N=1k at B×H=512, the same at D=64, causal D=128 N=16k for issue 44's
+# window) before any bar's second (N=8k, causal D=64), and only the rows that decide: a run cut
+# short by its budget still has a row for every bar.
+DECIDE_CONFIGS = [(128, 16384, False), (128, 1024, False), (64, 16384, False), (64, 1024, False),
+                  (128, 16384, True), (128, 8192, False), (64, 8192, False), (64, 16384, True)]
 DECIDE_ROWS = ("sdpa cudnn", "e2e sm90 thread", "e2e sm90 token", "kernel sm90 thread",
                "kernel sm90 token", "e2e triton token", "sage 1.0.6", "e2e sm90 thread plan",
                "e2e sm90 thread win512", "e2e triton thread win512")

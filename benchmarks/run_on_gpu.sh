@@ -12,12 +12,12 @@
 # only, at most 150 s), the admission timed (benchmarks/probes/admission_time.py, at most 90 s:
 # a first call with no verdict, the check itself on a cold Triton cache in the background, a
 # later process's read of the verdict, the check on the warm cache), then bench_forward.py --decide
-# (D=128 N=16k, D=128 N=8k, D=64 N=16k, 8k, N=1k at B×H=512, causal last; SDPA cuDNN, the sm90
+# (D=128 N=16k, N=1k at B×H=512, D=64 the same, causal D=128 N=16k, then N=8k; SDPA cuDNN, the sm90
 # rows, SageAttention 1.0.6; each row's first call timed) in the time left.
 # decide2 (470 s): the sm90 backward's GPU tests with its admission check (at most 120 s), the
 # same four admission times (90 s), bench_train.py (D=128, N=8k,4k,16k, SDPA flash against
 # sagebwd_int8 on the Triton backward and on the sm90 loops; 130 s), bench_vsa.py (0.875; 75 s),
-# bench_decode.py (N=8k,32k x batch 1,16, GQA 4:1, and issue 44's 4096-token sliding window
+# bench_decode.py (N=32k then 8k x batch 1,16, GQA 4:1, and issue 44's 4096-token sliding window
 # against a full layer of the 4097 tokens it sees) in the time left (~40 s).
 # Each step runs under `timeout` with the smaller of its cap and what TOTAL_BUDGET leaves after
 # the time kept for the later steps (skipped, and recorded so, when under 20 s are left). After
@@ -405,7 +405,7 @@ if [[ "$STAGE" == decide || "$STAGE" == decide2 ]]; then
         step vsa "$BENCHLOG" "$PY" benchmarks/bench_vsa.py --sparsities 0.875 --out "$WORK" \
             "${RESULTS[@]}" || rc_bench=$?
         limit 600 5
-        step decode "$BENCHLOG" "$PY" benchmarks/bench_decode.py --seqlens 8k,32k --batches 1,16 \
+        step decode "$BENCHLOG" "$PY" benchmarks/bench_decode.py --seqlens 32k,8k --batches 1,16 \
             --groups 4 --window 4096 --out "$WORK" "${RESULTS[@]}" || rc_bench=$?
     fi
     log "summary: tests exit $rc_tests, benchmarks exit $rc_bench, ${SECONDS} s; files in \$OUT:"

@@ -493,8 +493,10 @@ def test_forward_benchmark_decide_runs_the_decisive_rows_with_the_bars(tmp_path,
     monkeypatch.setenv("LOWBIT_ATTN_BACKEND", "triton")
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     bench = script_module("benchmarks/bench_forward.py")
-    assert bench.DECIDE_CONFIGS[:2] == [(128, 16384, False), (128, 8192, False)]
-    assert (128, 1024, False) in bench.DECIDE_CONFIGS and bench.BATCH_HEADS[1024] == (16, 32)
+    # each bar's first configuration before any bar's second (a run cut short keeps every bar)
+    assert bench.DECIDE_CONFIGS[:5] == [(128, 16384, False), (128, 1024, False),
+                                        (64, 16384, False), (64, 1024, False), (128, 16384, True)]
+    assert bench.BATCH_HEADS[1024] == (16, 32)
     assert bench.main(["--decide", "--out", str(tmp_path)]) == 0
     (result,) = tmp_path.glob("forward-*.json")
     data = json.loads(result.read_text())
