@@ -31,7 +31,7 @@ _spec.loader.exec_module(triton_support)
 TORCH_TRITON, series = triton_support.TORCH_TRITON, triton_support.series
 
 # The newest patch release of each supported torch.
-TORCHES = ("2.8.0", "2.9.1", "2.10.0", "2.11.0", "2.12.0", "2.13.0", "2.14.1")
+TORCHES = ("2.8.0", "2.9.1", "2.10.0", "2.11.0", "2.12.0", "2.13.0", "2.14.1", "2.15.0")
 LINUX = ("x86_64-manylinux_2_28", "aarch64-manylinux_2_28")
 ELSEWHERE = ("x86_64-pc-windows-msvc", "aarch64-apple-darwin")
 PYTHON = "3.11"

@@ -22,14 +22,14 @@ from __future__ import annotations
 import functools
 
 TESTED = ("3.4", "3.5", "3.6", "3.8", "3.9")  # the series the suite runs on (the metadata admits
-# 3.4 up to 3.9: the Triton of every torch from 2.8, below)
+# 3.4 up to 3.9: the Triton of every torch from 2.8 to 2.15, below)
 PINNED = "3.6"  # the series `make test` installs and the GPU machines run
 OLDEST = "3.4"  # the oldest the metadata admits (`make test-oldest`)
 # The Triton series each torch release's CUDA wheels pin (torch's own requirement on Linux x86_64;
 # on aarch64 from torch 2.11): the metadata admits all of them, so pip never changes a user's
 # torch to satisfy ours. `make check-resolve` checks each pair against the package index.
 TORCH_TRITON = {"2.8": "3.4", "2.9": "3.5", "2.10": "3.6", "2.11": "3.6", "2.12": "3.7",
-                "2.13": "3.7", "2.14": "3.8"}
+                "2.13": "3.7", "2.14": "3.8", "2.15": "3.9"}
 
 # Gluon's API by the modules that use it: the series each compiles against (none on 3.4, 3.5 or
 # 3.7: there the Gluon modules refuse to import and their tests skip). The Hopper forwards
