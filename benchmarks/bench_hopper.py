@@ -9,11 +9,11 @@ end, with each output checked against SDPA flash fp16 (cosine, relative L1).
     python benchmarks/bench_hopper.py --gluon         # Triton vs Gluon vs SDPA, N up to 32k
 
 Rows per (D, N, causal): ``sdpa_cudnn_bf16``; ``ours`` (``qk_int8_pv_fp8`` as users call it:
-autotuned, the default options); ``ours q=kernel`` (``LOWBIT_ATTN_Q_QUANT=kernel``), ``ours
-kv=program`` (``LOWBIT_ATTN_KV_STATS=program``) and both; ``ours block_k=128`` (128-key blocks:
+autotuned, the default options); ``ours q=kernel`` (``LOWBIT_ATTN_Q_QUANT=kernel``); ``ours
+block_k=128`` (128-key blocks:
 fewer instructions per score, NOTES §10); ``ours cfg=…`` (the autotuner's
 candidates one at a time: warps, stages, plain or pipelined loop); ``prepare`` and ``attention``
-(the two stages of ``ours`` timed apart), and ``prepare kv=program``. The last table says, per
+(the two stages of ``ours`` timed apart). The last table says, per
 configuration, where ``ours`` stands against the issue's bars (1.25× cuDNN at D=128, N ≥ 8k;
 1.15× at D=64, N ≥ 8k; 1.0× at N=1k). Without CUDA it runs the same rows at a tiny size on whatever backend the
 environment selects (the Triton interpreter in the tests) and says so.
@@ -131,8 +131,7 @@ def stage_fns(q, k, v, causal, recipe=None, kernel=None):
 
     def prepare():
         return quantize_qkv(q, k, v, recipe, scale, need_lse_shift=False, backend="triton",
-                            q_in_kernel=options.q_in_kernel,
-                            kv_stats_in_program=options.kv_stats_in_program)
+                            q_in_kernel=options.q_in_kernel)
 
     qz = prepare()
     out = torch.empty_like(q)
@@ -238,15 +237,9 @@ def main(argv=None) -> int:
                     rows[-1]["autotune"] = autotune_choice()
                 if not triton_path:
                     continue
-                for q_mode, kv_mode in (("kernel", None), (None, "program"), ("kernel", "program")):
-                    name = " ".join(f"{k}={m}" for k, m in (("q", q_mode), ("kv", kv_mode)) if m)
-                    with env("LOWBIT_ATTN_Q_QUANT", q_mode), env("LOWBIT_ATTN_KV_STATS", kv_mode), \
-                            forced(None):
-                        record(base, f"ours {name}", ours, ref)
-                        rows[-1]["autotune"] = autotune_choice()
-                with env("LOWBIT_ATTN_KV_STATS", "program"):
-                    prepare, _ = stage_fns(q, k, v, causal)
-                    record(base, "prepare kv=program", prepare)
+                with env("LOWBIT_ATTN_Q_QUANT", "kernel"), forced(None):
+                    record(base, "ours q=kernel", ours, ref)
+                    rows[-1]["autotune"] = autotune_choice()
                 wide = get_recipe(RECIPE).replace(block_k=128)  # per-token: any key block fits
                 record(base, "ours block_k=128", lambda: lowbit_attn.attention(
                     q, k, v, recipe=wide, is_causal=causal), ref)

@@ -108,21 +108,6 @@ def test_a_call_launches_three_kernels(recipe, mode, monkeypatch):
     assert recorded[1].grid == (1024 // 64, heads)
 
 
-def test_kv_statistics_in_the_quantizing_launch(monkeypatch):
-    """``LOWBIT_ATTN_KV_STATS=program``: the statistics launch reads Q only, one program per
-    (batch, head) and tensor computes K's and V's statistics then quantizes them (Q, whose
-    balancing reads K's amax, in a pass of its own); on sm_90a no tensor cores and no spills."""
-    monkeypatch.setenv("LOWBIT_ATTN_KV_STATS", "program")
-    recorded = aot.record_launches(get_recipe("qk_int8_pv_fp8"), head_dim=128)
-    assert [launch.name for launch in recorded] == [
-        "_channel_stats_kernel", "_quantize_kernel", "_quantize_kernel", ATTENTION]
-    stats, quantize_kv = recorded[0], recorded[1]
-    assert stats.kwargs["CENTER0"] == 0 and stats.kwargs["CENTER1"] == -1  # Q's amax only
-    assert quantize_kv.kwargs["OWN_STATS"] is True
-    r = aot.compile_launch(quantize_kv, "sm_90a")
-    assert r.ok and r.instructions == {} and r.spills == 0, describe(r)
-
-
 @pytest.mark.parametrize("recipe,pv_form", [("qk_int8_pv_fp8", FP8_WGMMA),
                                             ("qk_int8_pv_fp16", F16_WGMMA)])
 def test_hopper_uses_wgmma_for_both_products_without_spills(compiled, recipe, pv_form):

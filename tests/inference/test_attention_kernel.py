@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import lowbit_attn
-from helpers import Bound, assert_close, assert_same, assert_within, channel_biased
+from helpers import Bound, assert_close, assert_within, channel_biased
 from lowbit_attn.integrations import sdpa as api
 from lowbit_attn.inference.prepare import quantize_qkv
 from lowbit_attn.core.recipes import get_recipe
@@ -240,12 +240,10 @@ def test_varlen_reference_backend_agrees(monkeypatch):
 @pytest.mark.parametrize("name", RECIPES)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-@pytest.mark.parametrize("kv_stats", ["launch", "program"])
-def test_varlen_sequence_with_queries_and_no_keys(name, causal, backend, kv_stats, monkeypatch):
+def test_varlen_sequence_with_queries_and_no_keys(name, causal, backend, monkeypatch):
     """Sequence 2 has 4 queries and no key: its rows are 0 and their LSE -inf (its K statistics
     are those of no token, not 0/0), and the other sequences are what they are alone."""
     monkeypatch.setenv("LOWBIT_ATTN_BACKEND", backend)
-    monkeypatch.setenv("LOWBIT_ATTN_KV_STATS", kv_stats)
     cu_q = torch.tensor([0, 5, 9, 13, 20], dtype=torch.int32)
     cu_k = torch.tensor([0, 6, 14, 14, 24], dtype=torch.int32)
     g = torch.Generator().manual_seed(12)
@@ -323,11 +321,6 @@ def test_tiny_and_huge_v_keep_their_relative_precision(name, dtype, backend, mon
     for factor in (1e-8, 1e-7, 1e4):
         # measured: within 1 % of the order-1 error (bf16 rounds each V differently)
         assert rel_l1(factor) < 1.05 * base, factor
-    if backend == "triton":  # V's scales from statistics the converting launch takes itself
-        q, k, v = _v_of_magnitude(1e-8, dtype)
-        want = lowbit_attn.attention(q, k, v, recipe=name)
-        monkeypatch.setenv("LOWBIT_ATTN_KV_STATS", "program")
-        assert torch.equal(lowbit_attn.attention(q, k, v, recipe=name), want)
 
 @pytest.mark.interpreter
 def test_causal_rows_that_see_nothing_are_zero(triton_backend):
@@ -372,46 +365,31 @@ Q_QUANT_CASES = [
 ]
 
 
-PLACEMENTS = [("pass", "launch"), ("kernel", "launch"), ("pass", "program"),
-              ("kernel", "program")]
-
-
-def _each_placement(monkeypatch, call):
-    """``call()`` under each (LOWBIT_ATTN_Q_QUANT, LOWBIT_ATTN_KV_STATS) pair."""
+def _assert_placements_agree(monkeypatch, call):
+    """``call()`` (output and LSE) with Q quantized by the quantization launch and by the
+    attention kernel (``LOWBIT_ATTN_Q_QUANT``): the same bits on every target."""
     results = {}
-    for q_mode, kv_mode in PLACEMENTS:
+    for q_mode in ("pass", "kernel"):
         monkeypatch.setenv("LOWBIT_ATTN_Q_QUANT", q_mode)
-        monkeypatch.setenv("LOWBIT_ATTN_KV_STATS", kv_mode)
-        results[q_mode, kv_mode] = call()
-    return results
-
-
-def _assert_placements_agree(results, device):
-    """Where Q is quantized changes no bit on any target; where K's and V's statistics are taken
-    changes none under the interpreter and, on a GPU, only the order of their sums."""
-    want = results["pass", "launch"]
-    for (q_mode, kv_mode), got in results.items():
-        for i, kind in enumerate(("sum order", "lse")):  # output, LSE
-            assert torch.equal(got[i], results["pass", kv_mode][i]), (q_mode, kv_mode)
-            assert_same(got[i], want[i], device, kind, name=f"{q_mode}, {kv_mode}")
+        results[q_mode] = call()
+    for got, want in zip(results["kernel"], results["pass"]):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("name,options,shape", Q_QUANT_CASES)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_where_the_quantization_runs_changes_no_bit(name, options, shape, causal,
                                                     triton_backend, monkeypatch, device):
-    """Q quantized by the attention kernel with the pass's own tile function, and K's and V's
-    statistics taken by the launch that quantizes them: the same output and LSE bits, for every
-    centering, balancing and granularity (on a GPU the statistics' sums in another order)."""
+    """Q quantized by the attention kernel with the pass's own tile function: the same output and
+    LSE bits, for every centering, balancing and granularity."""
     b, hq, hkv, nq, nk, d = shape
     recipe = get_recipe(name).replace(**options)
     device.needs(recipe)
     q, k, v = channel_biased((b, hq, nq, d), (b, hkv, nk, d), seed=nq + d, dtype=torch.float16,
                              device=device.name)
     q[0, 0, nq // 2, 0] = 40.0  # an outlier row
-    results = _each_placement(monkeypatch, lambda: lowbit_attn.attention(
+    _assert_placements_agree(monkeypatch, lambda: lowbit_attn.attention(
         q, k, v, recipe=recipe, is_causal=causal, return_lse=True))
-    _assert_placements_agree(results, device)
 
 
 def test_where_the_quantization_runs_changes_no_bit_varlen(triton_backend, monkeypatch, device):
@@ -423,18 +401,16 @@ def test_where_the_quantization_runs_changes_no_bit_varlen(triton_backend, monke
     q, k, v = (x.to(device.name) for x in (q, k, v))
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
                       device=device.name)
-    results = _each_placement(monkeypatch, lambda: lowbit_attn.attention_varlen(
+    _assert_placements_agree(monkeypatch, lambda: lowbit_attn.attention_varlen(
         q, k, v, cu, cu, max(lens), max(lens), is_causal=True, recipe="qk_int8_pv_fp8",
         return_lse=True))
-    _assert_placements_agree(results, device)
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("var", ["LOWBIT_ATTN_Q_QUANT", "LOWBIT_ATTN_KV_STATS"])
-def test_placement_modes_are_checked(var, triton_backend, monkeypatch):
-    monkeypatch.setenv(var, "fused")
+def test_placement_modes_are_checked(triton_backend, monkeypatch):
+    monkeypatch.setenv("LOWBIT_ATTN_Q_QUANT", "fused")
     q = torch.randn(1, 1, 8, 32)
-    with pytest.raises(ValueError, match=var):
+    with pytest.raises(ValueError, match="LOWBIT_ATTN_Q_QUANT"):
         lowbit_attn.attention(q, q, q, recipe="qk_int8_pv_fp8")
 
 

@@ -11,8 +11,6 @@ known ways and expects each break to be caught."""
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 

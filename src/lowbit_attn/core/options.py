@@ -4,10 +4,6 @@ from the environment once per call by the custom op that needs it and passed dow
 - ``LOWBIT_ATTN_Q_QUANT``: ``pass`` (default: Q quantized by the launch that quantizes K and
   converts V) or ``kernel`` (by the INT8 attention kernel's prologue: 2 bytes per Q element
   fewer). Same bits.
-- ``LOWBIT_ATTN_KV_STATS``: ``launch`` (default: K's and V's channel statistics in the statistics
-  launch with Q's) or ``program`` (by the launch that quantizes them, one program per (batch,
-  head) reading its tensor twice: 4 bytes per element fewer from HBM when the second read hits
-  L2, but only B·H programs). Same values up to the order of the sums.
 - ``LOWBIT_ATTN_TRAIN_DQ``: ``recompute`` (default: a dQ kernel that recomputes S and dP per query
   block; deterministic) or ``atomic`` (the dK/dV kernel adds each tile's dS·K into an fp32
   buffer: two fewer matmuls per tile, summation order not fixed).
@@ -51,13 +47,11 @@ import os
 from dataclasses import dataclass
 
 Q_QUANT_MODES = ("pass", "kernel")
-KV_STATS_MODES = ("launch", "program")
 DQ_MODES = ("recompute", "atomic")
 BWD_KERNELS = ("triton", "sm90")
 KERNELS = ("triton", "gluon", "sm90")
 LAUNCH_MODES = ("triton", "plan")
 _VARIABLES = {"q_quant": ("LOWBIT_ATTN_Q_QUANT", Q_QUANT_MODES),
-              "kv_stats": ("LOWBIT_ATTN_KV_STATS", KV_STATS_MODES),
               "train_dq": ("LOWBIT_ATTN_TRAIN_DQ", DQ_MODES),
               "bwd_kernel": ("LOWBIT_ATTN_BWD_KERNEL", BWD_KERNELS),
               "kernel": ("LOWBIT_ATTN_KERNEL", KERNELS),
@@ -70,7 +64,6 @@ class KernelOptions:
     the production path."""
 
     q_quant: str = Q_QUANT_MODES[0]
-    kv_stats: str = KV_STATS_MODES[0]
     train_dq: str = DQ_MODES[0]
     bwd_kernel: str = BWD_KERNELS[0]
     kernel: str = KERNELS[0]
@@ -92,10 +85,6 @@ class KernelOptions:
     @property
     def q_in_kernel(self) -> bool:
         return self.q_quant == "kernel"
-
-    @property
-    def kv_stats_in_program(self) -> bool:
-        return self.kv_stats == "program"
 
     @property
     def launch_plans(self) -> bool:

@@ -42,8 +42,7 @@ from lowbit_attn.core.plan_launches import Plan, capture, launch_state, replay
 # What else a call's checks and launches read: the environment (Triton's launch path reads
 # TRITON_FPSAN_HOMOMORPHIC_CASTS, from 3.9, at every launch).
 ENV_KEY = ("LOWBIT_ATTN_LAUNCH", "LOWBIT_ATTN_BACKEND", "LOWBIT_ATTN_ARCH", "LOWBIT_ATTN_Q_QUANT",
-           "LOWBIT_ATTN_KV_STATS", "LOWBIT_ATTN_KERNEL", "TRITON_INTERPRET",
-           "TRITON_FPSAN_HOMOMORPHIC_CASTS")
+           "LOWBIT_ATTN_KERNEL", "TRITON_INTERPRET", "TRITON_FPSAN_HOMOMORPHIC_CASTS")
 MAX_PLANS = 256  # keys a table remembers; it starts over past them
 MISSING = object()  # what Table.replay gives for a key without a plan
 

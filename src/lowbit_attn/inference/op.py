@@ -76,7 +76,6 @@ def kernel(q, k, v, *, out: torch.Tensor, recipe: Recipe, scale: float, causal_o
     qz = quantize_qkv(
         q, k, v, recipe, scale, need_lse_shift=need_shift, backend="triton", seqs_q=seqs_q,
         seqs_k=seqs_k, q_in_kernel=options.q_in_kernel,
-        kv_stats_in_program=options.kv_stats_in_program,
         permute_v=sm90 and recipe.pv == "fp8",
     )
     forward = kernel_int8.attention

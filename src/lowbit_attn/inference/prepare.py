@@ -59,23 +59,20 @@ def quantize_qkv(
     seqs_q=None,
     seqs_k=None,
     q_in_kernel: bool = False,
-    kv_stats_in_program: bool = False,
     permute_v: bool = False,
 ) -> QuantizedQKV:
     """Q, K, V (logical ``[B, H, N, D]`` views, or packed ``[total, H, D]`` with ``seqs_*`` on the
     Triton backend) → :class:`QuantizedQKV`.
 
     On the Triton backend the statistics of all three tensors take one launch and the quantization
-    of Q and K with V's conversion another. Options (Triton only; the same values either way):
-    ``q_in_kernel`` leaves Q unquantized, with what its quantization needs, for the attention
-    kernel to quantize itself; ``kv_stats_in_program`` has the K/V launch compute K's and V's
-    statistics itself, one program per (batch, head) reading its tensor twice, the second time from
-    L2 when it still holds it (the statistics launch then reads Q only). ``permute_v`` (FP8 P·V,
+    of Q and K with V's conversion another. ``q_in_kernel`` (Triton only; the same values either
+    way) leaves Q unquantized, with what its quantization needs, for the attention kernel to
+    quantize itself. ``permute_v`` (FP8 P·V,
     dense; both backends): V's keys stored as ``QuantizedQKV.v_permuted`` says."""
     quant, extra, _ = _quantizers(backend)
     triton_backend = backend == "triton"
-    if (q_in_kernel or kv_stats_in_program) and not triton_backend:
-        raise ValueError("q_in_kernel and kv_stats_in_program need the Triton backend")
+    if q_in_kernel and not triton_backend:
+        raise ValueError("q_in_kernel needs the Triton backend")
     kw_q = {"seqs": seqs_q} if triton_backend else {}
     kw_k = {"seqs": seqs_k} if triton_backend else {}
     k_center = "mean" if recipe.smooth_k else "none"
@@ -85,11 +82,11 @@ def quantize_qkv(
     v_scaled = recipe.pv == "fp8" or recipe.smooth_v or v.dtype != torch.float16
 
     requests = {}
-    if (recipe.smooth_k or recipe.balance_qk) and not kv_stats_in_program:
+    if recipe.smooth_k or recipe.balance_qk:
         requests["k"] = (k, k_center, 0)
     if recipe.smooth_q or recipe.balance_qk:
         requests["q"] = (q, "block_mean" if recipe.smooth_q else "none", recipe.block_q)
-    if v_scaled and not kv_stats_in_program:
+    if v_scaled:
         requests["v"] = (v, v_center, 0)
     stats = _stats_all(backend, requests, {"q": seqs_q, "k": seqs_k, "v": seqs_k})
     k_mean, k_amax = stats.get("k", (None, None))
@@ -107,24 +104,15 @@ def quantize_qkv(
                   scale_multiplier=multiplier)
     q8 = q_scale = None
     if triton_backend:
-        own = kv_stats_in_program
-        # Q joins K's and V's launch unless the attention kernel quantizes it, or the launch
-        # computes K's statistics (which Q's balancing reads)
-        q_request = None if q_in_kernel or own else quant.Int8Request(q, **q_args)
-        (k8, k_scale, k_stats), (vq, v_scale, v_stats), *q_part = quant.quantize(
-            quant.Int8Request(k, **k_args, own_stats=k_center if own else None),
-            quant.VRequest(v, recipe.pv, v_mean, v_amax, own_stats=v_center if own else None,
-                           scaled=v_scaled, permuted=permute_v),
+        # Q joins K's and V's launch unless the attention kernel quantizes it
+        q_request = None if q_in_kernel else quant.Int8Request(q, **q_args)
+        (k8, k_scale), (vq, v_scale), *q_part = quant.quantize(
+            quant.Int8Request(k, **k_args),
+            quant.VRequest(v, recipe.pv, v_mean, v_amax, scaled=v_scaled, permuted=permute_v),
             seqs=seqs_k, q=q_request, seqs_q=seqs_q,
         )
         if q_part:
-            q8, q_scale, _ = q_part[0]
-        if own:  # what the launch computed
-            k_mean, k_amax = k_stats
-            v_mean, v_amax = v_stats
-            v_mean = v_mean if recipe.smooth_v else None
-            balance = (q_amax, k_amax) if recipe.balance_qk else None
-            q_args["balance"] = balance
+            q8, q_scale = q_part[0]
     else:
         k8, k_scale = quant.quantize_int8(k, **k_args)
         vq, v_scale = quant.convert_v(v, pv=recipe.pv, center=v_mean, amax=v_amax,

@@ -265,43 +265,6 @@ def _convert_v_program(
                  mask=mask)
 
 
-@triton.jit
-def _token_blocks(CU, b, N, OWN_STATS: tl.constexpr, BLOCK_N: tl.constexpr,
-                  VARLEN: tl.constexpr):
-    """``[first, last)`` token blocks a program quantizes: its sequence's all (``OWN_STATS``), or
-    block ``program_id(0)`` alone."""
-    if OWN_STATS:
-        _, n = seq_span(CU, b, N, VARLEN)
-        return 0, tl.cdiv(n, BLOCK_N)
-    else:
-        return tl.program_id(0), tl.program_id(0) + 1
-
-
-@triton.jit
-def _int8_tensor(
-    X, OUT, SCALE, CENTER_PTR, AQ, AK, CU, b, h,
-    x_strides, out_strides, scale_strides, c_strides, aq_strides, ak_strides,
-    N, D, GROUP, scale_multiplier,
-    GRAN: tl.constexpr, CENTER: tl.constexpr, BALANCE: tl.constexpr,
-    BLOCK_N: tl.constexpr, OWN_STATS: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
-):
-    """One (batch, head) of an INT8 part of ``_quantize_kernel``: its statistics first with
-    ``OWN_STATS`` (then every token block), else token block ``program_id(0)``."""
-    if OWN_STATS:
-        scb, sch, _, scd = c_strides
-        sakb, sakh = ak_strides
-        _stats_program(X, CENTER_PTR, AK, CU, b, h, 0, x_strides, (scb, sch, 0, scd),
-                       (sakb, sakh, 1), N, D, CENTER, 64, BLOCK_D, VARLEN)
-        tl.debug_barrier()  # the statistics are read back by every thread
-    first, last = _token_blocks(CU, b, N, OWN_STATS, BLOCK_N, VARLEN)
-    for pid_n in range(first, last):
-        _int8_program(
-            X, OUT, SCALE, CENTER_PTR, AQ, AK, CU, pid_n, b, h, x_strides, out_strides,
-            scale_strides, c_strides, aq_strides, ak_strides, N, D, GROUP, scale_multiplier,
-            GRAN, CENTER, BALANCE, BLOCK_N, BLOCK_D, VARLEN,
-        )
-
-
 @triton.heuristics({
     "HAS_INT8": lambda args: args["X"] is not None,
     "HAS_Q": lambda args: args["QX"] is not None,
@@ -323,20 +286,16 @@ def _quantize_kernel(
     Q_BALANCE: tl.constexpr, Q_BLOCK_N: tl.constexpr,
     HAS_V: tl.constexpr, FP8: tl.constexpr, V_SCALED: tl.constexpr, V_CENTER: tl.constexpr,
     EXACT_FP8: tl.constexpr,
-    V_BLOCK_N: tl.constexpr, V_PERMUTED: tl.constexpr, OWN_STATS: tl.constexpr,
+    V_BLOCK_N: tl.constexpr, V_PERMUTED: tl.constexpr,
     BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """INT8 quantization of K (the first INT8 part) and/or Q (the second, ``Q…`` arguments, its
-    own sequences ``CU_Q``/``N_Q``) and/or V's conversion, in one launch: programs ``(pid_n,
-    pid)`` of axis 1 run (batch, head) ``pid`` of the first INT8 tensor, then of Q, then of V.
-
-    ``OWN_STATS``: one program per (batch, head) and tensor (axis 0 has one program), which first
-    computes the channel statistics its quantization needs (stored, for the later stages), then
-    quantizes the whole sequence, reading it a second time (from L2 when it still holds it). Q's
-    part never computes its statistics (it loops over its blocks alone).
-    Strides: (batch, head, token, dim) of ``X``/``OUT``/``VX``/``VOUT``, (batch, head, row) of
-    ``SCALE``, (batch, head, block, dim) of ``CENTER_PTR``, (batch, head) of ``AQ``/``AK``, (batch,
-    head, dim) of V's channel vectors; Q's likewise."""
+    own sequences ``CU_Q``/``N_Q``) and/or V's conversion, in one launch: program ``(pid_n, pid)``
+    runs token block ``pid_n`` of (batch, head) ``pid`` of the first INT8 tensor, then of Q, then
+    of V. Strides: (batch, head, token, dim) of ``X``/``OUT``/``VX``/``VOUT``, (batch, head, row)
+    of ``SCALE``, (batch, head, block, dim) of ``CENTER_PTR``, (batch, head) of ``AQ``/``AK``,
+    (batch, head, dim) of V's channel vectors; Q's likewise."""
+    pid_n = tl.program_id(0)
     pid = tl.program_id(1)
     batch = tl.num_programs(1) // (H + HQ + HV)
     n_int8 = 0
@@ -347,33 +306,25 @@ def _quantize_kernel(
         n_q = HQ * batch
     if HAS_INT8 and pid < n_int8:
         b, h = batch_head(pid, H)
-        _int8_tensor(X, OUT, SCALE, CENTER_PTR, AQ, AK, CU, b, h, x_strides, out_strides,
-                     scale_strides, c_strides, aq_strides, ak_strides, N, D, GROUP,
-                     scale_multiplier, GRAN, CENTER, BALANCE, BLOCK_N, OWN_STATS, BLOCK_D,
-                     VARLEN)
+        _int8_program(
+            X, OUT, SCALE, CENTER_PTR, AQ, AK, CU, pid_n, b, h, x_strides, out_strides,
+            scale_strides, c_strides, aq_strides, ak_strides, N, D, GROUP, scale_multiplier,
+            GRAN, CENTER, BALANCE, BLOCK_N, BLOCK_D, VARLEN,
+        )
     elif HAS_Q and pid < n_int8 + n_q:
         b, h = batch_head(pid - n_int8, HQ)
-        first, last = _token_blocks(CU_Q, b, N_Q, OWN_STATS, Q_BLOCK_N, VARLEN)
-        for pid_n in range(first, last):
-            _int8_program(
-                QX, QOUT, QSCALE, QCENTER, QAQ, QAK, CU_Q, pid_n, b, h, qx_strides, qout_strides,
-                qscale_strides, qc_strides, qaq_strides, qak_strides, N_Q, D, QGROUP,
-                q_scale_multiplier, Q_GRAN, Q_CENTER, Q_BALANCE, Q_BLOCK_N, BLOCK_D, VARLEN,
-            )
+        _int8_program(
+            QX, QOUT, QSCALE, QCENTER, QAQ, QAK, CU_Q, pid_n, b, h, qx_strides, qout_strides,
+            qscale_strides, qc_strides, qaq_strides, qak_strides, N_Q, D, QGROUP,
+            q_scale_multiplier, Q_GRAN, Q_CENTER, Q_BALANCE, Q_BLOCK_N, BLOCK_D, VARLEN,
+        )
     elif HAS_V:
         b, h = batch_head(pid - n_int8 - n_q, HV)
-        if OWN_STATS and (V_SCALED or V_CENTER == 1):
-            svcb, svch, svcd = vc_strides
-            _stats_program(VX, VCENTER, VAMAX, CU, b, h, 0, vx_strides, (svcb, svch, 0, svcd),
-                           vc_strides, N, D, V_CENTER, 64, BLOCK_D, VARLEN)
-            tl.debug_barrier()
-        first, last = _token_blocks(CU, b, N, OWN_STATS, V_BLOCK_N, VARLEN)
-        for pid_n in range(first, last):
-            _convert_v_program(
-                VX, VOUT, VCENTER, VAMAX, VSCALE, CU, pid_n, b, h, vx_strides, vout_strides,
-                vc_strides, N, D, FP8, V_SCALED, V_CENTER, EXACT_FP8, V_BLOCK_N, BLOCK_D, VARLEN,
-                V_PERMUTED,
-            )
+        _convert_v_program(
+            VX, VOUT, VCENTER, VAMAX, VSCALE, CU, pid_n, b, h, vx_strides, vout_strides,
+            vc_strides, N, D, FP8, V_SCALED, V_CENTER, EXACT_FP8, V_BLOCK_N, BLOCK_D, VARLEN,
+            V_PERMUTED,
+        )
 
 
 def _warps(rows: int, d: int) -> int:
@@ -403,42 +354,29 @@ def center_strides(center, center_per_block):
 
 
 class Int8Request(NamedTuple):
-    """Q or K to quantize to INT8 (see :func:`quantize_int8`). ``own_stats`` (``"mean"`` or
-    ``"none"``, K only): the launch computes K's channel statistics itself, centering on the mean
-    or not; ``center`` is then ignored and ``balance`` holds ``(amax_q, None)``."""
+    """Q or K to quantize to INT8 (see :func:`quantize_int8`)."""
 
     x: torch.Tensor
     granularity: str
     block: int
     center: torch.Tensor | None = None
     center_per_block: bool = False
-    balance: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    balance: tuple[torch.Tensor, torch.Tensor] | None = None
     role: str = "q"
     scale_multiplier: float = 1.0
-    own_stats: str | None = None
 
 
 class VRequest(NamedTuple):
-    """V to convert for P·V (see :func:`convert_v`). ``own_stats`` (``"mean"`` or ``"none"``): the
-    launch computes V's statistics itself; ``center`` and ``amax`` are then ignored. ``scaled``
-    (fp16 only; FP8 always is): a power-of-two scale per channel from ``amax`` (given, or computed
-    with ``own_stats``). ``permuted`` (E4M3, dense): the keys in the stored order of
-    ``QuantizedQKV.v_permuted``."""
+    """V to convert for P·V (see :func:`convert_v`). ``scaled`` (fp16 only; FP8 always is): a
+    power-of-two scale per channel from ``amax``. ``permuted`` (E4M3, dense): the keys in the
+    stored order of ``QuantizedQKV.v_permuted``."""
 
     x: torch.Tensor
     pv: str
     center: torch.Tensor | None = None
     amax: torch.Tensor | None = None
-    own_stats: str | None = None
     scaled: bool = True
     permuted: bool = False
-
-
-def _stats_buffers(x: torch.Tensor, seqs: Seqs, center: str):
-    """``(mean or None, amax)`` fp32 ``[B, H, D]`` buffers for statistics a launch computes."""
-    shape = (seqs.batch, x.shape[1], x.shape[-1])
-    mean = torch.empty(shape, device=x.device, dtype=torch.float32) if center == "mean" else None
-    return mean, torch.empty(shape, device=x.device, dtype=torch.float32)
 
 
 def granularity_code(granularity: str, role: str, block: int) -> int:
@@ -467,13 +405,6 @@ def _int8_part(req: Int8Request | None, seqs: Seqs):
                       c_strides=(0,) * 4, aq_strides=(0,) * 2, ak_strides=(0,) * 2,
                       H=0, GROUP=1, scale_multiplier=1.0)
         return None, absent, dict(GRAN=0, CENTER=0, BALANCE=0, BLOCK_N=64)
-    stats = None
-    if req.own_stats is not None:
-        if req.center_per_block:
-            raise ValueError("own_stats computes per-sequence statistics, not block means")
-        mean, amax = stats = _stats_buffers(req.x, seqs, req.own_stats)
-        balance = (req.balance[0], amax) if req.balance is not None else None
-        req = req._replace(center=mean, balance=balance)
     x, h = req.x, req.x.shape[1]
     out = _new_like_layout(x, seqs, torch.int8)
     gran = granularity_code(req.granularity, req.role, req.block)
@@ -487,8 +418,6 @@ def _int8_part(req: Int8Request | None, seqs: Seqs):
     mode = 0 if req.center is None else (2 if req.center_per_block else 1)
     amax_q, amax_k = req.balance if req.balance is not None else (None, None)
     group = amax_q.shape[1] // amax_k.shape[1] if req.balance is not None else 1
-    if stats is not None and amax_k is None:
-        amax_k = stats[1]  # where the launch stores K's amax
     args = dict(
         X=x, OUT=out, SCALE=scale, CENTER_PTR=req.center, AQ=amax_q, AK=amax_k,
         x_strides=bhnd_strides(x, seqs.packed), out_strides=bhnd_strides(out, seqs.packed),
@@ -502,7 +431,7 @@ def _int8_part(req: Int8Request | None, seqs: Seqs):
         BALANCE=0 if req.balance is None else (1 if req.role == "q" else 2),
         BLOCK_N=req.block,
     )
-    return (out, scale, stats), args, constexprs
+    return (out, scale), args, constexprs
 
 
 def _v_part(req: VRequest | None, seqs: Seqs):
@@ -512,14 +441,10 @@ def _v_part(req: VRequest | None, seqs: Seqs):
                       vx_strides=(0,) * 4, vout_strides=(0,) * 4, vc_strides=(0,) * 3, HV=0)
         return None, absent, dict(FP8=False, V_SCALED=False, V_CENTER=0, V_BLOCK_N=64,
                                   V_PERMUTED=False)
-    stats = None
-    if req.own_stats is not None:
-        mean, amax = stats = _stats_buffers(req.x, seqs, req.own_stats)
-        req = req._replace(center=mean, amax=amax)
     x, h, d = req.x, req.x.shape[1], req.x.shape[-1]
     scaled = req.pv == "fp8" or req.scaled
     if scaled and req.amax is None:
-        raise ValueError("a scaled V needs its amax (or own_stats)")
+        raise ValueError("a scaled V needs its amax")
     if req.permuted and (req.pv != "fp8" or seqs.packed):
         raise ValueError("permuted V is E4M3 and dense only")
     if req.pv == "fp8":
@@ -551,7 +476,7 @@ def _v_part(req: VRequest | None, seqs: Seqs):
     constexprs = dict(FP8=req.pv == "fp8", V_SCALED=scaled,
                       V_CENTER=0 if req.center is None else 1, V_BLOCK_N=64,
                       V_PERMUTED=req.permuted)
-    return (out, scale, stats), args, constexprs
+    return (out, scale), args, constexprs
 
 
 # The names of the Q part's arguments in ``_quantize_kernel``, by the INT8 part's names.
@@ -567,8 +492,6 @@ _Q_NAMES = {
 
 def _q_part(req: Int8Request | None, seqs: Seqs):
     """Outputs, keyword arguments and constexprs of the Q part of ``_quantize_kernel``."""
-    if req is not None and req.own_stats is not None:
-        raise ValueError("Q's part of a launch takes its statistics from an earlier launch")
     outs, args, const = _int8_part(req, seqs)
     args = {_Q_NAMES[k]: v for k, v in args.items()}
     args.update(CU_Q=seqs.cu_seqlens, N_Q=seqs.max_len)
@@ -580,36 +503,25 @@ def quantize(
     q: Int8Request | None = None, seqs_q: Seqs | None = None,
 ) -> tuple:
     """Quantize a tensor to INT8 (K) and/or Q to INT8 and/or convert V, in one launch (``seqs``:
-    K's and V's sequences, ``seqs_q`` Q's). Returns ``(values, scale, stats)`` for ``int8`` and
-    ``v`` (``None`` when not asked), and with ``q`` also ``(values, scale, None)`` for it;
-    ``stats`` is ``(mean, amax)`` when the request asked the launch to compute them
-    (``own_stats``; then both ``int8`` and ``v`` must, and Q cannot be in the launch), else
-    ``None``."""
+    K's and V's sequences, ``seqs_q`` Q's). Returns ``(values, scale)`` for ``int8`` and ``v``
+    (``None`` when not asked), and with ``q`` also ``(values, scale)`` for it."""
     present = [r for r in (int8, q, v) if r is not None]
     first = present[0].x
     seqs = seqs or dense_seqs(int8.x if int8 is not None else first)
     seqs_q = seqs_q or (dense_seqs(q.x) if q is not None else seqs)
-    own = {r.own_stats is not None for r in (int8, v) if r is not None} or {False}
-    if len(own) != 1:
-        raise ValueError("own_stats must be set on both requests of a launch or on neither")
-    own_stats = own.pop()
     outs_i, args_i, const_i = _int8_part(int8, seqs)
     outs_q, args_q, const_q = _q_part(q, seqs_q)
     outs_v, args_v, const_v = _v_part(v, seqs)
     heads = sum(r.x.shape[1] for r in present)
     block_rows = [c for c, given in ((const_i["BLOCK_N"], int8), (const_q["Q_BLOCK_N"], q),
                                      (const_v["V_BLOCK_N"], v)) if given is not None]
-    rows = max(block_rows)
     d = first.shape[-1]
-    if own_stats:
-        rows = max(rows, 64)  # the statistics loop's tile
-        blocks = 1
-    else:  # axis 0 covers the smaller blocks; programs past a part's own blocks do nothing
-        blocks = triton.cdiv(max(seqs.max_len, seqs_q.max_len), min(block_rows))
+    # axis 0 covers the smaller blocks; programs past a part's own blocks do nothing
+    blocks = triton.cdiv(max(seqs.max_len, seqs_q.max_len), min(block_rows))
     _quantize_kernel[(blocks, seqs.batch * heads)](
         **args_i, **args_q, **args_v, CU=seqs.cu_seqlens, N=seqs.max_len, D=d,
-        **const_i, **const_q, **const_v, OWN_STATS=own_stats, EXACT_FP8=exact_fp8(),
-        BLOCK_D=next_pow2(d), VARLEN=seqs.packed, num_warps=_warps(rows, d),
+        **const_i, **const_q, **const_v, EXACT_FP8=exact_fp8(),
+        BLOCK_D=next_pow2(d), VARLEN=seqs.packed, num_warps=_warps(max(block_rows), d),
     )
     return (outs_i, outs_v) if q is None else (outs_i, outs_v, outs_q)
 
@@ -629,7 +541,7 @@ def quantize_int8(
     """Triton twin of :func:`lowbit_attn.quant.int8_naive.quantize_int8` (bit-identical)."""
     req = Int8Request(x, granularity, block, center, center_per_block, balance, role,
                       scale_multiplier)
-    return quantize(req, seqs=seqs)[0][:2]
+    return quantize(req, seqs=seqs)[0]
 
 
 def convert_v(
@@ -646,7 +558,7 @@ def convert_v(
     operand order FP8 tensor cores need; packed (``seqs``), each sequence from a multiple of 16
     tokens (``[T', H, D]``, see ``QuantizedQKV.v``)."""
     request = VRequest(x, pv, center, amax, scaled=amax is not None, permuted=permuted)
-    return quantize(v=request, seqs=seqs)[1][:2]
+    return quantize(v=request, seqs=seqs)[1]
 
 
 @triton.heuristics({"HAS_KMEAN": lambda args: args["KMEAN"] is not None})

@@ -119,8 +119,7 @@ def _stage_fn(method: Method, q, k, v, causal):
     else:
         def prepare():
             return quantize_qkv(q, k, v, r, scale, need_lse_shift=False, backend="triton",
-                                q_in_kernel=options.q_in_kernel,
-                                kv_stats_in_program=options.kv_stats_in_program)
+                                q_in_kernel=options.q_in_kernel)
 
     if method.backend == "prepare":
         return prepare, contextlib.nullcontext

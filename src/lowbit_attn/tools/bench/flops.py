@@ -18,31 +18,27 @@ def tops(batch: int, heads: int, n: int, d: int, causal: bool, time_ms: float) -
 
 def quantization_bytes(
     recipe: Recipe, elems_q: int, elems_kv: int, in_bytes: int = 2, *, q_in_kernel: bool = False,
-    kv_stats_in_program: bool = False,
 ) -> int | None:
     """HBM bytes the quantization passes of ``prepare.quantize_qkv`` move, counted from its code.
 
     Passes: channel statistics of K (smoothing / balancing), of Q (balancing) and of V (FP8 scale),
     each reading its tensor (one launch for all three); INT8 quantization of K and V's conversion
     (one launch: read in_bytes, write 1 byte per element, or 2 for fp16 V); INT8 quantization of Q
-    only when the attention kernel does not quantize it (``q_in_kernel`` false). With
-    ``kv_stats_in_program`` K's and V's statistics are taken by the launch that quantizes them,
-    whose second read is counted as an L2 hit (no HBM bytes). The ``[B, H, D]`` statistics are
-    negligible. ``None`` with Q smoothing (its ΔS pass is not modelled).
+    only when the attention kernel does not quantize it (``q_in_kernel`` false). The ``[B, H, D]``
+    statistics are negligible. ``None`` with Q smoothing (its ΔS pass is not modelled).
     """
     if recipe.is_exact or recipe.smooth_q:
         return None
     total = 0
-    kv_stats_read = 0 if kv_stats_in_program else in_bytes * elems_kv
     if recipe.smooth_k or recipe.balance_qk:
-        total += kv_stats_read
+        total += in_bytes * elems_kv
     if recipe.balance_qk:
         total += in_bytes * elems_q
     total += (in_bytes + 1) * elems_kv
     if not q_in_kernel:
         total += (in_bytes + 1) * elems_q
     if recipe.pv == "fp8" or recipe.smooth_v:
-        total += kv_stats_read
+        total += in_bytes * elems_kv
     total += (in_bytes + (1 if recipe.pv == "fp8" else 2)) * elems_kv
     return total
 

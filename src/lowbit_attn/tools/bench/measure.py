@@ -121,8 +121,7 @@ def measure_method(method, inputs, refs, row, *, timer, min_cosine, causal):
 
         options = KernelOptions.from_env()
         nbytes = quantization_bytes(resolve(method.recipe, cap), b * h * n * d, b * h * n * d,
-                                    in_bytes=q.element_size(), q_in_kernel=options.q_in_kernel,
-                                    kv_stats_in_program=options.kv_stats_in_program)
+                                    in_bytes=q.element_size(), q_in_kernel=options.q_in_kernel)
         if nbytes is not None:
             row["model_bytes"] = nbytes
             row["gbps"] = nbytes / (t_ms * 1e-3) / 1e9
