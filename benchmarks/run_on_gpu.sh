@@ -43,7 +43,9 @@
 # (at most TEST_TIMEOUT_TRAIN, default 120 s; the sm90 backward loops' among them), then
 # benchmarks/bench_train.py (TRAIN_ARGS, default --quick --dims 128,64 and the methods SDPA flash,
 # SDPA cuDNN, sagebwd_int8 and sagebwd_int8_per_row on the Triton backward and on the Gluon loops
-# LOWBIT_ATTN_BWD_KERNEL=sm90 (…_sm90); forward + backward, peak memory, gradient cosines), then
+# LOWBIT_ATTN_BWD_KERNEL=sm90 (…_sm90), and last sagebwd_int8 with LOWBIT_ATTN_TRAIN_DQ=atomic
+# (…_atomic_dq: the placement issue 43 asks to decide); forward + backward, peak memory, gradient
+# cosines), then
 # benchmarks/probes/train_speed.py in the last RESERVE seconds (default 150): each launch of a
 # forward + backward alone against its floor over the card's measured INT8/bf16 ceilings, every
 # autotuning candidate forced, each compiled variant's registers, spills and wgmma forms, and the
@@ -242,7 +244,7 @@ with_probe() {
 # shellcheck disable=SC2086  # TRAIN_ARGS, VSA_ARGS: options split on spaces
 [[ "$STAGE" == train ]] && TEST_TIMEOUT="${TEST_TIMEOUT_TRAIN:-120}" with_probe \
     "trainable attention" trainable benchmarks/bench_train.py benchmarks/probes/train_speed.py \
-    train 150 ${TRAIN_ARGS:---quick --dims 128,64 --methods sdpa_flash,sdpa_cudnn,sagebwd_int8,sagebwd_int8_sm90,sagebwd_int8_per_row,sagebwd_int8_per_row_sm90}
+    train 150 ${TRAIN_ARGS:---quick --dims 128,64 --methods sdpa_flash,sdpa_cudnn,sagebwd_int8,sagebwd_int8_sm90,sagebwd_int8_per_row,sagebwd_int8_per_row_sm90,sagebwd_int8_atomic_dq}
 # shellcheck disable=SC2086
 [[ "$STAGE" == vsa ]] && TEST_TIMEOUT="${TEST_TIMEOUT_VSA:-120}" tests_then_bench \
     "video sparse attention" "vsa or video" benchmarks/bench_vsa.py ${VSA_ARGS:---sparsities 0.875,0.5}
