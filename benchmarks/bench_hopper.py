@@ -10,10 +10,9 @@ end, with each output checked against SDPA flash fp16 (cosine, relative L1).
 
 Rows per (D, N, causal): ``sdpa_cudnn_bf16``; ``ours`` (``qk_int8_pv_fp8`` as users call it:
 autotuned, the default options); ``ours q=kernel`` (``LOWBIT_ATTN_Q_QUANT=kernel``); ``ours
-block_k=128`` (128-key blocks:
-fewer instructions per score, NOTES §10); ``ours cfg=…`` (the autotuner's
-candidates one at a time: warps, stages, plain or pipelined loop); ``prepare`` and ``attention``
-(the two stages of ``ours`` timed apart). The last table says, per
+block_k=128`` (128-key blocks: fewer instructions per score, NOTES §10); ``ours cfg=…`` (the
+autotuner's candidates one at a time: warps, stages, plain or pipelined loop); ``prepare`` and
+``attention`` (the two stages of ``ours`` timed apart). The last table says, per
 configuration, where ``ours`` stands against the issue's bars (1.25× cuDNN at D=128, N ≥ 8k;
 1.15× at D=64, N ≥ 8k; 1.0× at N=1k). Without CUDA it runs the same rows at a tiny size on whatever backend the
 environment selects (the Triton interpreter in the tests) and says so.

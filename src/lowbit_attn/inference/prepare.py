@@ -67,8 +67,8 @@ def quantize_qkv(
     On the Triton backend the statistics of all three tensors take one launch and the quantization
     of Q and K with V's conversion another. ``q_in_kernel`` (Triton only; the same values either
     way) leaves Q unquantized, with what its quantization needs, for the attention kernel to
-    quantize itself. ``permute_v`` (FP8 P·V,
-    dense; both backends): V's keys stored as ``QuantizedQKV.v_permuted`` says."""
+    quantize itself. ``permute_v`` (FP8 P·V, dense; both backends): V's keys stored as
+    ``QuantizedQKV.v_permuted`` says."""
     quant, extra, _ = _quantizers(backend)
     triton_backend = backend == "triton"
     if q_in_kernel and not triton_backend:
