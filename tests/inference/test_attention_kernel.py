@@ -407,10 +407,17 @@ def test_where_the_quantization_runs_changes_no_bit_varlen(triton_backend, monke
 
 
 @pytest.mark.interpreter
-def test_placement_modes_are_checked(triton_backend, monkeypatch):
-    monkeypatch.setenv("LOWBIT_ATTN_Q_QUANT", "fused")
-    q = torch.randn(1, 1, 8, 32)
-    with pytest.raises(ValueError, match="LOWBIT_ATTN_Q_QUANT"):
+@pytest.mark.parametrize("var,value", [
+    ("LOWBIT_ATTN_Q_QUANT", "fused"), ("LOWBIT_ATTN_TRAIN_DQ", "fused"),
+    ("LOWBIT_ATTN_BWD_KERNEL", "gluon"), ("LOWBIT_ATTN_KERNEL", "Gluon"),
+    ("LOWBIT_ATTN_LAUNCH", "graph"),
+])
+def test_placement_modes_are_checked(var, value, triton_backend, monkeypatch):
+    """Every placement variable is read by every call: a bad value raises on a forward call,
+    naming the variable (values are case-sensitive)."""
+    monkeypatch.setenv(var, value)
+    q = torch.randn(1, 1, 8, 64)
+    with pytest.raises(ValueError, match=var):
         lowbit_attn.attention(q, q, q, recipe="qk_int8_pv_fp8")
 
 

@@ -86,14 +86,6 @@ def test_the_kernel_option_is_read_and_checked(monkeypatch):
             KernelOptions.from_env()
 
 
-@pytest.mark.interpreter
-def test_a_bad_kernel_value_is_refused_at_the_call(monkeypatch, triton_backend):
-    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "Gluon")
-    q = torch.randn(1, 1, 8, 64)
-    with pytest.raises(ValueError, match="LOWBIT_ATTN_KERNEL"):
-        lowbit_attn.attention(q, q, q, recipe="qk_int8_pv_fp8")
-
-
 @pytest.mark.parametrize("route,written_for", [("int8-sm90", {(9, 0)}),
                                                 ("fp4-sm100", {(10, 0), (10, 3)}),
                                                 ("int8-sm90-warpgroup", {(9, 0)})])
