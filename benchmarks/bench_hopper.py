@@ -91,12 +91,14 @@ def env(name: str, value: str | None):
 
 
 @contextlib.contextmanager
-def forced(config: LaunchConfig | None):
-    """The attention kernel's autotuner restricted to one candidate (``None``: all of them)."""
+def forced(config):
+    """The attention kernel's autotuner restricted to one candidate: a ``LaunchConfig``, or a
+    ``triton.Config`` it chose before (``None``: all of them)."""
     tuner = attn_fwd_int8._attn_fwd_int8
     saved, saved_cache = tuner.configs, dict(tuner.cache)
     if config is not None:
-        tuner.configs = triton_configs({"interpreter": [config]}, None)
+        tuner.configs = (triton_configs({"interpreter": [config]}, None)
+                         if isinstance(config, LaunchConfig) else [config])
     tuner.cache.clear()
     try:
         yield

@@ -502,6 +502,12 @@ def test_forward_benchmark_decide_runs_the_decisive_rows_with_the_bars(tmp_path,
                             "e2e triton thread win512"]
     ran = [r for r in data["rows"] if r["status"] == "ok"]
     assert ran and all(r["first_call_s"] > 0 for r in ran)
+    # Q quantized in the kernel, non-causal N <= 1k only, on the default row's own candidate
+    (placement,) = [r for r in data["rows"] if r["method"] == "q=kernel triton token"]
+    (default,) = [r for r in data["rows"] if r["method"] == "e2e triton token"
+                  and not r["causal"]]
+    assert placement["status"] == "ok" and not placement["causal"]
+    assert placement["note"] == default["note"] is not None
     bars = {b["bar"]: b for b in data["bars"]}
     assert bars["kernel alone TOP/s, D=128 N=16k"]["target"] == 850.0
     assert bars["e2e sm90 cosine (worst)"]["target"] == 0.9992
