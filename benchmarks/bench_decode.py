@@ -16,8 +16,11 @@ graphs: the larger of host and GPU); ``cosine`` compares each output with exact 
 float64 on the same fp16 tokens. Two more rows per configuration time a whole decode step by the
 loop: ``sdpa_fp16+write`` (the new token written into a preallocated fp16 cache, then SDPA) and
 ``kv_int8_fp8+append`` (the new token appended to the 8-bit cache, then our attention); on a
-GPU, the same two replayed by CUDA graphs (``… (graph)``: ``lowbit_attn.DecodeStep`` for ours). Without CUDA it times the PyTorch reference on
-a tiny size and says so.
+GPU, the same two replayed by CUDA graphs (``… (graph)``: ``lowbit_attn.DecodeStep`` for ours),
+and ours again with ``LOWBIT_ATTN_LAUNCH=plan`` (``kv_int8_fp8 plan``, ``kv_int8_fp8+append
+plan``: each launch replayed by its launch plan, the host path plans would give the default once
+their GPU tests pass; ``plan_replayed`` says whether the plan was replayed, not turned off by its
+first-use check). Without CUDA it times the PyTorch reference on a tiny size and says so.
 
 With ``--window W`` (issue 44: "decode with a 4096 window at N = 32k costs what N = 4096 costs
 within 20 %"), each configuration with N > W + 1 adds two rows: ``kv_int8_fp8 window W``, one
@@ -42,6 +45,7 @@ except ImportError:  # a source checkout that is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import lowbit_attn
 from lowbit_attn.core.metrics import cosine_similarity
+from lowbit_attn.tools.bench.calls import environment
 from lowbit_attn.tools.bench.command import parse_seqlens
 from lowbit_attn.tools.bench.metadata import make_metadata
 from lowbit_attn.tools.bench.save import save_script_results
@@ -212,6 +216,11 @@ def configuration(n, batch, group, kv_heads, d, page, device, timer, bandwidth,
         record("kv_int8_fp8", lambda: lowbit_attn.attention_with_kv_cache(q, cache, 0),
                cache_bytes(batch, n, kv_heads, d, page))
         rows[-1]["cache_nbytes"] = cache.nbytes()
+        if device == "cuda":  # the same read replayed by its launch plan
+            with environment(LOWBIT_ATTN_LAUNCH="plan"):
+                read = planned_calls(lambda: lowbit_attn.attention_with_kv_cache(q, cache, 0))
+                row = record("kv_int8_fp8 plan", read, cache_bytes(batch, n, kv_heads, d, page))
+                row["plan_replayed"] = replays(cache, q)
         del cache
         if window is not None and window + 1 < n:
             window_rows(record, q, k, v, window, page)
@@ -255,7 +264,37 @@ def configuration(n, batch, group, kv_heads, d, page, device, timer, bandwidth,
                 return graphed(lambda: step.run(q, k_new, v_new), lambda: step.out)
 
             record_step("kv_int8_fp8+append (graph)", None, build=graphed_decode_step)
+            # the eager step again, each launch replayed by its plan: a fresh cache, since the
+            # step appends at every call
+            cache = lowbit_attn.QuantizedKVCache(
+                1, batch, kv_heads, d, max_tokens=n + STEP_CALLS + 8, page_size=page,
+                dtype=torch.float16, device=device)
+            if n > 1:
+                cache.append(0, k[:, :, :-1], v[:, :, :-1])
+            with environment(LOWBIT_ATTN_LAUNCH="plan"):
+                record_step("kv_int8_fp8+append plan", planned_calls(cache_step))
+                rows[-1]["plan_replayed"] = replays(cache, q)
     return rows
+
+
+def planned_calls(step):
+    """``step`` after the three calls that give its configuration a plan under
+    ``LOWBIT_ATTN_LAUNCH=plan`` (the first runs normally, the second is captured, the third
+    checks the plan once against a normal call: ``lowbit_attn.core.plans``), so that the
+    timings see replays only."""
+    for _ in range(3):
+        step()
+    return step
+
+
+def replays(cache, q) -> bool:
+    """Whether a read of layer 0 of ``cache`` by ``q`` would replay a plan now (a plan captured
+    and checked, plans not turned off): a row timed with ``LOWBIT_ATTN_LAUNCH=plan`` says so,
+    since a failed check sends every launch the normal way."""
+    from lowbit_attn.kvcache import planned
+
+    key = planned.read_key(q, cache, 0, None, False)
+    return key is not None and cache.plans.ready(key) is not None
 
 
 def window_rows(record, q, k, v, window, page) -> None:

@@ -75,12 +75,12 @@ try:
 except ImportError:  # a source checkout that is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import lowbit_attn
-from bench_hopper import env, forced, stage_fns
+from bench_hopper import forced, stage_fns
 from lowbit_attn.core.recipes import get_recipe
 from lowbit_attn.inference import gluon_check
 from lowbit_attn.inference.naive import exact_attention
 from lowbit_attn.integrations.sdpa import TORCH_SDPA
-from lowbit_attn.tools.bench.calls import autotune_choice
+from lowbit_attn.tools.bench.calls import autotune_choice, environment
 from lowbit_attn.tools.bench.flops import tops
 from lowbit_attn.tools.bench.measure import compare
 from lowbit_attn.tools.bench.metadata import make_metadata
@@ -128,7 +128,7 @@ def tuned(fn):
     kernel_int8._attn_fwd_int8.cache.clear()
 
     def call():
-        with env("LOWBIT_ATTN_AUTOTUNE", "all"):
+        with environment(LOWBIT_ATTN_AUTOTUNE="all"):
             return fn()
     return call
 
@@ -190,7 +190,7 @@ def rows_of_config(base, q, k, v, causal, record, gluon_ok: str | None,
 
     def ours(recipe, kernel=None, launch=None, **variant):
         def fn():
-            with env("LOWBIT_ATTN_KERNEL", kernel), env("LOWBIT_ATTN_LAUNCH", launch):
+            with environment(LOWBIT_ATTN_KERNEL=kernel, LOWBIT_ATTN_LAUNCH=launch):
                 return lowbit_attn.attention(q, k, v, recipe=recipe, is_causal=causal, **variant)
         return fn
 
@@ -205,7 +205,7 @@ def rows_of_config(base, q, k, v, causal, record, gluon_ok: str | None,
             from lowbit_attn.inference import kernel_int8
 
             chosen = getattr(kernel_int8._attn_fwd_int8, "best_config", None)
-            with env("LOWBIT_ATTN_Q_QUANT", "kernel"), forced(chosen):
+            with environment(LOWBIT_ATTN_Q_QUANT="kernel"), forced(chosen):
                 record(base, "q=kernel triton token", ours("qk_int8_pv_fp8"),
                        note=autotune_choice)
         record(base, "sage 1.0.6", sage(q, k, v, causal))

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import sys
 import time
 from pathlib import Path
@@ -43,7 +42,7 @@ except ImportError:  # a source checkout that is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import lowbit_attn
 from lowbit_attn.integrations.sdpa import TORCH_SDPA
-from lowbit_attn.tools.bench.calls import autotune_choice, reference_output
+from lowbit_attn.tools.bench.calls import autotune_choice, environment, reference_output
 from lowbit_attn.tools.bench.command import parse_seqlens
 from lowbit_attn.tools.bench.flops import tops
 from lowbit_attn.tools.bench.measure import compare
@@ -71,23 +70,6 @@ def bar_for(d: int, n: int) -> float | None:
     if n <= 1024:
         return BARS.get((d, "short"))
     return None
-
-
-@contextlib.contextmanager
-def env(name: str, value: str | None):
-    """``name`` set to ``value`` (``None``: unset, the library's default) for the block."""
-    old = os.environ.get(name)
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
 
 
 @contextlib.contextmanager
@@ -238,7 +220,7 @@ def main(argv=None) -> int:
                     rows[-1]["autotune"] = autotune_choice()
                 if not triton_path:
                     continue
-                with env("LOWBIT_ATTN_Q_QUANT", "kernel"), forced(None):
+                with environment(LOWBIT_ATTN_Q_QUANT="kernel"), forced(None):
                     record(base, "ours q=kernel", ours, ref)
                     rows[-1]["autotune"] = autotune_choice()
                 wide = get_recipe(RECIPE).replace(block_k=128)  # per-token: any key block fits
@@ -284,11 +266,11 @@ def gluon_rows(base, q, k, v, causal, ref, cuda, triton_path, record, rows) -> N
 
     wide = get_recipe(RECIPE).replace(block_k=128)
     record(base, "sdpa_flash_bf16", flash, ref)
-    with env("LOWBIT_ATTN_KERNEL", None), forced(None):
+    with environment(LOWBIT_ATTN_KERNEL=None), forced(None):
         record(base, "ours", ours(), ref)
         rows[-1]["autotune"] = autotune_choice()
     for name, recipe in (("ours kernel=gluon", RECIPE), ("ours kernel=gluon block_k=128", wide)):
-        with env("LOWBIT_ATTN_KERNEL", "gluon"), forced(None):
+        with environment(LOWBIT_ATTN_KERNEL="gluon"), forced(None):
             ours(recipe)()  # starts the admission check: the row measures what it admits
             gluon_check.wait_for_admission()
             record(base, name, ours(recipe), ref)

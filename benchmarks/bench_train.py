@@ -18,9 +18,7 @@ says so (not a kernel benchmark).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
-import os
 import sys
 import time
 from pathlib import Path
@@ -33,6 +31,7 @@ except ImportError:  # a source checkout that is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import lowbit_attn
 from lowbit_attn.inference import gluon_check
+from lowbit_attn.tools.bench.calls import environment
 from lowbit_attn.tools.bench.metadata import make_metadata
 from lowbit_attn.tools.bench.protocol import make_inputs
 from lowbit_attn.tools.bench.save import save_script_results
@@ -61,21 +60,6 @@ def ours(**kw):
         return lowbit_attn.trainable_attention(q, k, v, is_causal=causal, **kw)
 
     return fn
-
-
-@contextlib.contextmanager
-def environment(values: dict):
-    """Environment variables set for a method's whole forward + backward."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 METHODS = {
@@ -162,7 +146,7 @@ def run(dims, ns, causals, methods, *, device, timer, deadline=None, after=None)
                 do = torch.randn_like(q)
                 ref = reference(q, k, v, do, causal)
                 for name in methods:
-                    with environment(ENVIRONMENT.get(name, {})):
+                    with environment(**ENVIRONMENT.get(name, {})):
                         row = measure(name, METHODS[name], q, k, v, do, causal, timer, cuda)
                     row.update(d=d, n=n, causal=causal, batch=batch, heads=heads)
                     if row["status"] == "ok":

@@ -17,8 +17,9 @@
 # decide2 (470 s): the sm90 backward's GPU tests with its admission check (at most 120 s), the
 # same four admission times (90 s), bench_train.py (D=128, N=8k,4k,16k, SDPA flash against
 # sagebwd_int8 on the Triton backward and on the sm90 loops; 130 s), bench_vsa.py (0.875; 75 s),
-# bench_decode.py (N=32k then 8k x batch 1,16, GQA 4:1, and issue 44's 4096-token sliding window
-# against a full layer of the 4097 tokens it sees) in the time left (~40 s).
+# bench_decode.py (N=32k then 8k x batch 1,16, GQA 4:1, each read and eager step also replayed by
+# its launch plan, and issue 44's 4096-token sliding window against a full layer of the 4097
+# tokens it sees) in the time left (~40 s).
 # Each step runs under `timeout` with the smaller of its cap and what TOTAL_BUDGET leaves after
 # the time kept for the later steps (skipped, and recorded so, when under 20 s are left). After
 # every step, benchmarks/probes/stage_summary.py rewrites $OUT/STAGE.json and STAGE.md (device,

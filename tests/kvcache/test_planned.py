@@ -238,3 +238,46 @@ def test_bench_decode_host_prints_the_host_times():
     assert done.returncode == 0, done.stderr[-3000:]
     assert "decode_host_us=" in done.stdout and "append_host_us=" in done.stdout, done.stdout
     assert "decode_launches=2 append_launches=1" in done.stdout, done.stdout
+
+
+BENCH_CHILD = r'''
+import importlib.util, json, os, sys
+import torch
+import lowbit_attn
+from lowbit_attn.core import plans
+from lowbit_attn.tools.bench.calls import environment
+from lowbit_attn.tools.bench.host import stubbed_launches
+
+spec = importlib.util.spec_from_file_location("bench_decode", sys.argv[1])
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+seen = {}
+with stubbed_launches((9, 0)):
+    for mode in ("triton", "plan"):
+        cache = lowbit_attn.QuantizedKVCache(1, 2, 2, 64, max_tokens=300, page_size=16)
+        k = torch.randn(2, 2, 200, 64, dtype=torch.float16)
+        cache.append(0, k, k)
+        q = torch.randn(2, 8, 1, 64, dtype=torch.float16)
+        with environment(LOWBIT_ATTN_LAUNCH=mode):
+            bench.planned_calls(lambda: lowbit_attn.attention_with_kv_cache(q, cache, 0))
+            seen[mode] = bench.replays(cache, q)
+            plans._off.append("turned off by the test")
+            seen["off"] = bench.replays(cache, q)
+            plans._off.clear()
+print(json.dumps(seen))
+'''
+
+
+@pytest.mark.slow
+def test_bench_decode_times_plan_rows_on_replays_only():
+    """``bench_decode.py``'s ``… plan`` rows: after :func:`planned_calls` (the key's normal call,
+    its capture, its check) a read replays its plan under ``LOWBIT_ATTN_LAUNCH=plan``, and
+    :func:`replays` says so; it says not with plans off (``triton``) or turned off by a check."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(LOWBIT_ATTN_ARCH="sm_90")
+    script = os.path.join(os.path.dirname(TESTS), "benchmarks", "bench_decode.py")
+    done = subprocess.run([sys.executable, "-c", BENCH_CHILD, script], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen == {"triton": False, "plan": True, "off": False}, seen

@@ -140,14 +140,18 @@ def test_a_budget_too_small_skips_the_later_steps_and_still_leaves_the_files(tmp
 def test_the_decode_bars_read_the_attention_rows_and_the_window_rows():
     """decide2's decode bars from bench_decode.py's rows: ``SDPA ms / ours ms`` of the attention
     alone at batch 1 (the whole steps, timed by their loop only and without ``ms``, and the
-    window rows left out), and issue 44's ``window ms / last W+1 ms`` per N and batch, the worst
-    GQA, against 1.2."""
-    def row(n, batch, gqa, method, ms=None):
+    window rows left out), the same for the reads replayed by their launch plans (a row whose
+    plan was not replayed left out), and issue 44's ``window ms / last W+1 ms`` per N and batch,
+    the worst GQA, against 1.2."""
+    def row(n, batch, gqa, method, ms=None, **more):
         r = {"N": n, "batch": batch, "gqa": gqa, "method": method, "status": "ok",
-             "loop_ms": 1.0}
+             "loop_ms": 1.0, **more}
         return r if ms is None else {**r, "ms": ms}
 
     rows = [row(32768, 1, "4:1", "sdpa_fp16", 0.060), row(32768, 1, "4:1", "kv_int8_fp8", 0.080),
+            row(32768, 1, "4:1", "kv_int8_fp8 plan", 0.050, plan_replayed=True),
+            row(8192, 1, "4:1", "sdpa_fp16", 0.020),
+            row(8192, 1, "4:1", "kv_int8_fp8 plan", 0.010, plan_replayed=False),
             row(32768, 1, "4:1", "sdpa_fp16+write"), row(32768, 1, "4:1", "kv_int8_fp8+append"),
             row(32768, 1, "4:1", "kv_int8_fp8 window 4096", 0.012),
             row(32768, 1, "4:1", "kv_int8_fp8 last 4097", 0.011),
@@ -160,6 +164,10 @@ def test_the_decode_bars_read_the_attention_rows_and_the_window_rows():
     decode = bars["decode batch 1 N=32k x SDPA (worst GQA)"]
     assert decode["value"] == pytest.approx(0.75) and decode["met"] is False
     assert bars["decode batch 1 N=8k x SDPA (worst GQA)"]["value"] is None
+    planned = bars["decode batch 1 N=32k x SDPA (worst GQA), LOWBIT_ATTN_LAUNCH=plan"]
+    assert planned["value"] == pytest.approx(1.2) and planned["met"] is True
+    # a plan that was not replayed timed the normal path: no value
+    assert bars["decode batch 1 N=8k x SDPA (worst GQA), LOWBIT_ATTN_LAUNCH=plan"]["value"] is None
     one = bars["decode window 4096 at N=32k batch 1 ÷ its last 4097 tokens alone (worst GQA)"]
     assert one["value"] == pytest.approx(16 / 12) and one["met"] is False  # 8:1 is the worst
     sixteen = bars["decode window 4096 at N=32k batch 16 ÷ its last 4097 tokens alone "

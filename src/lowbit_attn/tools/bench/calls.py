@@ -4,6 +4,7 @@ SageAttention), and the SDPA reference every method is checked against."""
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 
 import torch
@@ -12,6 +13,27 @@ from lowbit_attn.core.arch import backend_for
 from lowbit_attn.core.recipes import resolve
 from lowbit_attn.integrations.sdpa import TORCH_SDPA
 from lowbit_attn.tools.bench.protocol import SAGE_VERSION, Method
+
+
+@contextlib.contextmanager
+def environment(**values: str | None):
+    """The environment variables ``values`` set for the block (``None``: unset, the library's
+    default), each restored after it: how the scripts time an option's value."""
+    saved = {name: os.environ.get(name) for name in values}
+    try:
+        for name, value in values.items():
+            _set(name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            _set(name, value)
+
+
+def _set(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 class Unsupported(Exception):
