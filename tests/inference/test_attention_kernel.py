@@ -240,10 +240,15 @@ def test_varlen_reference_backend_agrees(monkeypatch):
 @pytest.mark.parametrize("name", RECIPES)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_varlen_sequence_with_queries_and_no_keys(name, causal, backend, monkeypatch):
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["", "sinks"])
+def test_varlen_sequence_with_queries_and_no_keys(name, causal, backend, with_sinks,
+                                                  monkeypatch):
     """Sequence 2 has 4 queries and no key: its rows are 0 and their LSE -inf (its K statistics
-    are those of no token, not 0/0), and the other sequences are what they are alone."""
+    are those of no token, not 0/0), or with sinks the sink's logit (the sink alone in each
+    row's softmax: its V scale, never read for a key, is still written), and the other
+    sequences are what they are alone."""
     monkeypatch.setenv("LOWBIT_ATTN_BACKEND", backend)
+    sinks = torch.tensor([0.5, -1.5]) if with_sinks else None
     cu_q = torch.tensor([0, 5, 9, 13, 20], dtype=torch.int32)
     cu_k = torch.tensor([0, 6, 14, 14, 24], dtype=torch.int32)
     g = torch.Generator().manual_seed(12)
@@ -251,14 +256,17 @@ def test_varlen_sequence_with_queries_and_no_keys(name, causal, backend, monkeyp
     k = (torch.randn(24, 1, 32, generator=g) + 3 * torch.randn(32, generator=g)).half()
     v = torch.randn(24, 1, 32, generator=g).half()
     out, lse = lowbit_attn.attention_varlen(q, k, v, cu_q, cu_k, 7, 10, is_causal=causal,
-                                            recipe=name, return_lse=True)
+                                            recipe=name, return_lse=True, sinks=sinks)
     assert torch.all(out[9:13] == 0)
-    assert torch.all(torch.isneginf(lse[:, 9:13]))
+    if with_sinks:
+        torch.testing.assert_close(lse[:, 9:13], sinks[:, None].expand(2, 4), atol=1e-6, rtol=0)
+    else:
+        assert torch.all(torch.isneginf(lse[:, 9:13]))
     for i in (0, 1, 3):
         q0, q1, k0, k1 = cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]
         alone, alone_lse = lowbit_attn.attention(
             q[q0:q1].unsqueeze(0), k[k0:k1].unsqueeze(0), v[k0:k1].unsqueeze(0), layout="NHD",
-            is_causal=causal, recipe=name, return_lse=True,
+            is_causal=causal, recipe=name, return_lse=True, sinks=sinks,
         )
         assert_close(out[q0:q1], alone[0], atol=1e-3, name=f"seq{i}")
         assert_close(lse[:, q0:q1], alone_lse[0], atol=1e-5, name=f"lse{i}")

@@ -234,19 +234,20 @@ def _convert_v_program(
     sob, soh, son, sod = out_strides
     scb, sch, scd = c_strides
     start, n = seq_span(CU, b, N, VARLEN)
+    if SCALED:  # FP8 always, fp16 when asked
+        offs_c = tl.arange(0, BLOCK_D)
+        amax = tl.load(AMAX + b * scb + h * sch + offs_c * scd, mask=offs_c < D, other=0.0)
+        if FP8:
+            s = e4m3_scale(amax)
+        else:
+            s, inverse = _fp16_v_scale(amax)
+        if pid_n == 0:  # an empty sequence's too: the attention's epilogue reads it
+            tl.store(SCALE + b * scb + h * sch + offs_c * scd, s, mask=offs_c < D)
     if pid_n * BLOCK_N < n:
         x, rows, offs_d, mask = load_centered(
             X, CENTER_PTR, b, h, start, pid_n, n, x_strides, (scb, sch, 0, scd), D,
             CENTER, BLOCK_N, BLOCK_D,
         )
-        if SCALED:  # FP8 always, fp16 when asked
-            amax = tl.load(AMAX + b * scb + h * sch + offs_d * scd, mask=offs_d < D, other=0.0)
-            if FP8:
-                s = e4m3_scale(amax)
-            else:
-                s, inverse = _fp16_v_scale(amax)
-            if pid_n == 0:
-                tl.store(SCALE + b * scb + h * sch + offs_d * scd, s, mask=offs_d < D)
         if FP8:
             y = to_e4m3(tl.div_rn(x, s[None, :]), EXACT_FP8)
         elif SCALED:
