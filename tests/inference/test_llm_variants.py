@@ -235,6 +235,14 @@ BAD = [
     pytest.param(dict(softcap=float("inf")), ValueError, "softcap", id="softcap-inf"),
     pytest.param(dict(softcap=float("nan")), ValueError, "softcap", id="softcap-nan"),
     pytest.param(dict(softcap="2"), TypeError, "softcap", id="softcap-str"),
+    # outside float32's normal range once log2 e is folded in: an OverflowError, or NaN, before
+    pytest.param(dict(softcap=10**400), ValueError, "softcap must be a positive finite",
+                 id="softcap-huge-int"),
+    pytest.param(dict(softcap=1e39), ValueError, "softcap must be between 2\\*\\*-125",
+                 id="softcap-1e39"),
+    pytest.param(dict(scale=1e39), ValueError, "scale must be between 2\\*\\*-125",
+                 id="scale-1e39"),
+    pytest.param(dict(scale=1e-45), ValueError, "scale must be between", id="scale-1e-45"),
     pytest.param(dict(chunk=0), ValueError, "chunk", id="chunk-0"),
     pytest.param(dict(chunk=-4), ValueError, "chunk", id="chunk-neg"),
     pytest.param(dict(chunk=4.0), TypeError, "chunk", id="chunk-float"),
@@ -527,3 +535,15 @@ def test_gluon_and_sm90_forwards_route_variants(kernel, monkeypatch):
             assert not ran[-1]["variant"].plain
     if kernel == "sm90":
         assert len(taken) == 3 and len(ran) == 1
+
+
+@pytest.mark.parametrize("recipe", ["exact", "qk_int8_pv_fp16", "qk_int8_pv_fp8"])
+def test_an_infinite_sink_is_not_hidden(recipe):
+    """A sink of +inf leaves its head's rows undefined: NaN in every recipe (``exact`` gave the
+    unnormalised sum of its keys before), the other head untouched."""
+    q, k, v = channel_biased((1, 2, 16, 32), (1, 2, 16, 32), seed=3)
+    sinks = torch.tensor([float("inf"), 0.5])
+    out = lowbit_attn.attention(q, k, v, recipe=recipe, sinks=sinks)
+    assert out[0, 0].isnan().all()
+    want = lowbit_attn.attention(q, k, v, recipe=recipe, sinks=torch.tensor([0.0, 0.5]))
+    assert torch.equal(out[0, 1], want[0, 1])

@@ -153,6 +153,12 @@ def test_softcap_and_sinks_are_checked():
         lowbit_attn.attention_with_kv_cache(q[:, :, -1:], cache, 0, softcap=0.0)
     with pytest.raises(TypeError, match="softcap"):
         lowbit_attn.attention_with_kv_cache(q[:, :, -1:], cache, 0, softcap="1")
+    with pytest.raises(ValueError, match="softcap must be a positive finite"):
+        lowbit_attn.attention_with_kv_cache(q[:, :, -1:], cache, 0, softcap=10**400)
+    with pytest.raises(ValueError, match="softcap must be between"):
+        lowbit_attn.attention_with_kv_cache(q[:, :, -1:], cache, 0, softcap=1e39)
+    with pytest.raises(ValueError, match="scale must be between"):
+        lowbit_attn.attention_with_kv_cache(q[:, :, -1:], cache, 0, scale=1e-45)
     with pytest.raises(ValueError, match="sinks"):
         lowbit_attn.attention_with_kv_cache(q[:, :, -1:], cache, 0, sinks=torch.zeros(3))
     with pytest.raises(ValueError, match="window"):

@@ -104,20 +104,36 @@ def identifier(name: str, value) -> str:
     return value
 
 
+# The kernels take a scale or a softcap c in fp32 with log2 e folded in (c·log2 e, and 2/c):
+# what stays a normal fp32 number through that, so that no kernel flushes it to 0 or rounds it
+# to ∞ (either would give NaN or a silently different softmax).
+FP32_NORMAL_RANGE = (2.0**-125, 2.0**126)
+
+
+def positive_float(name: str, value) -> float:
+    """``value`` (a real number: int, float or NumPy scalar) as a float, positive, finite and
+    within :data:`FP32_NORMAL_RANGE` (about 2.4e-38 to 8.5e37); else ``TypeError`` or
+    ``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or _is_numpy_bool(value) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a float or None, got {shown(value)}")
+    try:
+        got = float(value)
+    except OverflowError:
+        got = math.inf
+    if not math.isfinite(got) or got <= 0:
+        raise ValueError(f"{name} must be a positive finite number, got {shown(value)}")
+    lo, hi = FP32_NORMAL_RANGE
+    if not lo <= got <= hi:
+        raise ValueError(f"{name} must be between 2**-125 and 2**126 (the kernels compute in "
+                         f"float32), got {shown(value)}")
+    return got
+
+
 def softmax_scale(scale, head_dim: int) -> float:
-    """``scale`` (a real number: int, float or NumPy scalar, positive and finite) as a float, or
-    ``D ** -0.5`` for None."""
+    """``scale`` (:func:`positive_float`) as a float, or ``D ** -0.5`` for None."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(scale, bool) or _is_numpy_bool(scale) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a float or None, got {shown(scale)}")
-    try:
-        value = float(scale)
-    except OverflowError:
-        value = math.inf
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"scale must be a positive finite number, got {shown(scale)}")
-    return value
+    return positive_float("scale", scale)
 
 
 def heads_and_dims(

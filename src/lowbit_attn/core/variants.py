@@ -18,11 +18,12 @@ among ``Nk`` keys (``offset = Nk - Nq``). Key ``j`` is visible to query ``i`` if
 
 from __future__ import annotations
 
-import math
 import numbers
 from dataclasses import dataclass
 
 import torch
+
+from lowbit_attn.core import checks
 
 LOG2E = 1.4426950408889634
 
@@ -157,9 +158,9 @@ def check(*, is_causal: bool, window, softcap, chunk, sinks, hq: int,
 
     ``window``: ``None`` or ``(left, right)`` ints, each ``>= 0`` or ``-1``; with ``is_causal``
     ``right`` becomes 0 (FlashAttention: causal is ``right = 0``). ``softcap``: ``None``/0 (off)
-    or a positive finite real. ``chunk``: ``None`` or a positive int. ``sinks``: ``None`` or a
-    ``[hq]`` float32/bfloat16/float16 tensor on ``device``. A window and a chunk may be given
-    together: a key must then satisfy both."""
+    or a real number from 2**-125 to 2**126 (``checks.positive_float``). ``chunk``: ``None`` or
+    a positive int. ``sinks``: ``None`` or a ``[hq]`` float32/bfloat16/float16 tensor on
+    ``device``. A window and a chunk may be given together: a key must then satisfy both."""
     left = right = -1
     if window is not None:
         if not isinstance(window, (tuple, list)) or len(window) != 2:
@@ -169,14 +170,9 @@ def check(*, is_causal: bool, window, softcap, chunk, sinks, hq: int,
     if is_causal:
         right = 0
     cap = 0.0
-    if softcap is not None:
-        if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
-            raise TypeError(f"softcap must be a float or None, got {softcap!r}")
-        cap = float(softcap)
-        if cap != 0.0 and not (math.isfinite(cap) and cap > 0):
-            raise ValueError(
-                f"softcap must be a positive finite number (or None/0: off), got {softcap!r}"
-            )
+    if softcap is not None and not (isinstance(softcap, numbers.Real) and softcap == 0
+                                    and not isinstance(softcap, bool)):
+        cap = checks.positive_float("softcap", softcap)  # 0: off, as None
     size = 0
     if chunk is not None:
         if isinstance(chunk, bool) or not isinstance(chunk, numbers.Integral):

@@ -113,9 +113,12 @@ def exact_attention(
         else:
             column = sinks.to(dtype)[None, :, None, None].expand(*s.shape[:3], 1)
             lse = torch.logsumexp(torch.cat([s, column], dim=-1), dim=-1)
-        p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
+        p = torch.exp(s - torch.where(torch.isneginf(lse), 0.0, lse).unsqueeze(-1))
         p = torch.where(mask, p, torch.zeros((), dtype=dtype, device=q.device))
-        outs.append(torch.matmul(p, v))
+        # an infinite logit (a score, or a sink of +inf) leaves its row undefined: NaN, as in
+        # the kernels (exp(inf - inf)), not the 0 its finite terms would give
+        o = torch.matmul(p, v).masked_fill(torch.isposinf(lse).unsqueeze(-1), float("nan"))
+        outs.append(o)
         lses.append(lse)
     return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 

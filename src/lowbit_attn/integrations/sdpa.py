@@ -117,7 +117,8 @@ def _fallback_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_
     try:
         checks.softmax_scale(scale, query.shape[-1])
     except (TypeError, ValueError):
-        return f"scale is not a positive finite real number (got {type(scale).__name__})"
+        return (f"scale is not a positive finite number between 2**-125 and 2**126 (got "
+                f"{type(scale).__name__})")
     return None
 
 

@@ -6,9 +6,6 @@ twice replays its launches (``kvcache/planned.py``)."""
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import torch
 
 from lowbit_attn.core import checks, plans
@@ -128,15 +125,8 @@ def attention_with_kv_cache(q: torch.Tensor, cache: QuantizedKVCache, layer: int
 
 
 def check_softcap(softcap) -> float | None:
-    """``softcap`` checked: None, or a positive finite float."""
-    if softcap is None:
-        return None
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
-        raise TypeError(f"softcap must be a float or None, got {checks.shown(softcap)}")
-    value = float(softcap)
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"softcap must be a positive finite number, got {checks.shown(softcap)}")
-    return value
+    """``softcap`` checked: None, or a float from 2**-125 to 2**126 (``checks.positive_float``)."""
+    return None if softcap is None else checks.positive_float("softcap", softcap)
 
 
 def check_sinks(sinks, q: torch.Tensor) -> torch.Tensor | None:
