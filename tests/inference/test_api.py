@@ -86,6 +86,7 @@ VARLEN_BAD = [
     pytest.param(dict(cu_seqlens_q=torch.tensor([[0, 30]], dtype=torch.int32)), "1-D int32",
                  id="cu-rank"),
     pytest.param(dict(max_seqlen_q=5), "max_seqlen_q must be an int >= the longest", id="max-len"),
+    pytest.param(dict(max_seqlen_q=np.bool_(True)), "max_seqlen_q must be an int", id="max-np-bool"),
     pytest.param(dict(cu_seqlens_k=torch.tensor([0, 30], dtype=torch.int32)),
                  "same number of sequences", id="batch-mismatch"),
 ]
@@ -99,6 +100,16 @@ def test_varlen_bad_input(change, message):
     args.update(change)
     with pytest.raises(ValueError, match=message):
         lowbit_attn.attention_varlen(**args)
+
+
+def test_varlen_takes_numpy_integers_for_the_longest_lengths():
+    """``max_seqlen_q``/``_k`` as NumPy integers (what a length computed with NumPy is), as every
+    other int argument takes them: the same result as Python ints."""
+    q = torch.randn(30, 2, 32)
+    cu = torch.tensor([0, 10, 30], dtype=torch.int32)
+    want = lowbit_attn.attention_varlen(q, q, q, cu, cu, 20, 20)
+    got = lowbit_attn.attention_varlen(q, q, q, cu, cu, np.int64(20), np.int32(20))
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])

@@ -203,6 +203,8 @@ def test_a_refused_append_names_its_argument_and_changes_nothing(change, error, 
     (dict(max_tokens=2.0), TypeError, "max_tokens must be an int"),
     (dict(dtype=torch.int8), TypeError, "dtype must be"),
     (dict(head_dim=300), ValueError, "head_dim must be between 1 and 256"),
+    (dict(device="nope"), ValueError, "device must be a torch.device or a device string"),
+    (dict(device=3.5), TypeError, "device must be a torch.device or a device string"),
 ])
 def test_a_refused_cache_names_its_argument(kwargs, error, message):
     args = dict(num_layers=1, batch=1, kv_heads=1, head_dim=64, max_tokens=8) | kwargs

@@ -161,6 +161,10 @@ def test_softcap_and_sinks_are_checked():
         lowbit_attn.attention_with_kv_cache(q[:, :, -1:], cache, 0, scale=1e-45)
     with pytest.raises(ValueError, match="sinks"):
         lowbit_attn.attention_with_kv_cache(q[:, :, -1:], cache, 0, sinks=torch.zeros(3))
+    # the same check as attention()'s: float64 sinks are refused there too
+    with pytest.raises(TypeError, match="sinks must be float32, bfloat16 or float16"):
+        lowbit_attn.attention_with_kv_cache(q[:, :, -1:], cache, 0,
+                                            sinks=torch.zeros(2, dtype=torch.float64))
     with pytest.raises(ValueError, match="window"):
         lowbit_attn.QuantizedKVCache(1, 1, 2, 32, max_tokens=8, window=-1)
     with pytest.raises(ValueError, match="per layer"):

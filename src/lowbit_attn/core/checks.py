@@ -47,7 +47,7 @@ def shown(value) -> str:
     return f"{kind_name} {text if len(text) <= 60 else text[:57] + '...'}"
 
 
-def _is_numpy_bool(value) -> bool:
+def is_numpy_bool(value) -> bool:
     """``numpy.bool_`` (``numpy.bool`` in NumPy 2), recognised without importing NumPy."""
     kind = type(value)
     return kind.__module__ == "numpy" and kind.__name__ in ("bool_", "bool")
@@ -56,7 +56,7 @@ def _is_numpy_bool(value) -> bool:
 def flag(name: str, value) -> bool:
     """A bool argument: ``bool`` or ``numpy.bool_``, returned as a Python ``bool`` (the custom ops'
     schemas and ``==`` between recipes need one type)."""
-    if isinstance(value, bool) or _is_numpy_bool(value):
+    if isinstance(value, bool) or is_numpy_bool(value):
         return bool(value)
     raise TypeError(f"{name} must be a bool, got {shown(value)}")
 
@@ -74,7 +74,7 @@ def positive_int(name: str, value, *, at_most: int | None = None) -> int:
 def integer(name: str, value, allowed: tuple[int, ...]) -> int:
     """An int argument from ``allowed``: an ``int`` or NumPy integer (not a bool, not a float),
     returned as a Python ``int``."""
-    if isinstance(value, bool) or _is_numpy_bool(value) or not isinstance(value, numbers.Integral):
+    if isinstance(value, bool) or is_numpy_bool(value) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {shown(value)}")
     if value not in allowed:
         raise ValueError(
@@ -114,7 +114,7 @@ def positive_float(name: str, value) -> float:
     """``value`` (a real number: int, float or NumPy scalar) as a float, positive, finite and
     within :data:`FP32_NORMAL_RANGE` (about 2.4e-38 to 8.5e37); else ``TypeError`` or
     ``ValueError`` naming ``name``."""
-    if isinstance(value, bool) or _is_numpy_bool(value) or not isinstance(value, numbers.Real):
+    if isinstance(value, bool) or is_numpy_bool(value) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a float or None, got {shown(value)}")
     try:
         got = float(value)

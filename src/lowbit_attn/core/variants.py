@@ -185,21 +185,27 @@ def check(*, is_causal: bool, window, softcap, chunk, sinks, hq: int,
     for name, side in (("window[0] (left)", left), ("window[1] (right)", right)):
         if side >= 2**30:
             raise ValueError(f"{name} must be below 2**30, got {side}")
-    if sinks is not None:
-        if not isinstance(sinks, torch.Tensor):
-            raise TypeError(f"sinks must be a torch.Tensor or None, got {type(sinks).__name__}")
-        if sinks.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise TypeError(f"sinks must be float32, bfloat16 or float16, got {sinks.dtype}")
-        if tuple(sinks.shape) != (hq,):
-            raise ValueError(
-                f"sinks must have shape ({hq},) (one logit per query head), got "
-                f"{tuple(sinks.shape)}"
-            )
-        if sinks.device != device:
-            raise ValueError(f"sinks must be on q's device {device}, got {sinks.device}")
-        if sinks.requires_grad and torch.is_grad_enabled():
-            raise ValueError("sinks must not require grad: the attention kernels are forward-only")
+    check_sinks(sinks, hq, device)
     return Variant(left=left, right=right, chunk=size, softcap=cap, sinks=sinks is not None)
+
+
+def check_sinks(sinks, hq: int, device: torch.device) -> None:
+    """``sinks``: ``None`` or a ``[hq]`` float32/bfloat16/float16 tensor on ``device`` that
+    needs no gradient (the kernels are forward-only)."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a torch.Tensor or None, got {type(sinks).__name__}")
+    if sinks.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"sinks must be float32, bfloat16 or float16, got {sinks.dtype}")
+    if tuple(sinks.shape) != (hq,):
+        raise ValueError(
+            f"sinks must have shape ({hq},) (one logit per query head), got {tuple(sinks.shape)}"
+        )
+    if sinks.device != device:
+        raise ValueError(f"sinks must be on q's device {device}, got {sinks.device}")
+    if sinks.requires_grad and torch.is_grad_enabled():
+        raise ValueError("sinks must not require grad: the attention kernels are forward-only")
 
 
 def sink_logits(sinks: torch.Tensor | None) -> torch.Tensor | None:

@@ -88,7 +88,12 @@ class QuantizedKVCache:
             raise TypeError(
                 f"dtype must be torch.float16, torch.bfloat16 or torch.float32, got {dtype!r}")
         self.dtype = dtype
-        self.device = torch.device(device)
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            kind = ValueError if isinstance(exc, RuntimeError) else TypeError
+            raise kind(f"device must be a torch.device or a device string such as 'cuda:0', "
+                       f"got {device!r}") from exc
         if self.device.type == "cuda" and self.device.index is None:  # "cuda" is cuda:<current>,
             self.device = torch.device("cuda", torch.cuda.current_device())  # as tensors say
         self.max_pages_per_seq = -(-self.max_tokens // self.page_size)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from lowbit_attn.core import checks, plans
+from lowbit_attn.core import checks, plans, variants
 from lowbit_attn.core.arch import backend_for
 from lowbit_attn.kvcache import planned
 from lowbit_attn.kvcache.cache import QuantizedKVCache
@@ -131,16 +131,8 @@ def check_softcap(softcap) -> float | None:
 
 def check_sinks(sinks, q: torch.Tensor) -> torch.Tensor | None:
     """``sinks`` checked against ``q [B, Hq, n, D]``: None, or fp32 contiguous ``[Hq]``."""
-    if sinks is None:
-        return None
-    if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
-        raise TypeError(f"sinks must be a float tensor [Hq] or None, got "
-                        f"{getattr(sinks, 'dtype', type(sinks).__name__)}")
-    if tuple(sinks.shape) != (q.shape[1],) or sinks.device != q.device:
-        raise ValueError(f"sinks must have shape [Hq={q.shape[1]}] on {q.device}, got "
-                         f"{tuple(sinks.shape)} on {sinks.device}")
-    checks.forward_only(sinks)
-    return sinks.detach().to(torch.float32).contiguous()
+    variants.check_sinks(sinks, q.shape[1], q.device)
+    return None if sinks is None else sinks.detach().to(torch.float32).contiguous()
 
 
 def _check_window(store, n: int) -> None:
