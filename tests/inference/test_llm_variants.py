@@ -240,6 +240,8 @@ BAD = [
                  id="softcap-huge-int"),
     pytest.param(dict(softcap=1e39), ValueError, "softcap must be between 2\\*\\*-125",
                  id="softcap-1e39"),
+    pytest.param(dict(softcap=1e8), ValueError, "softcap must be at most 2\\*\\*16",
+                 id="softcap-1e8"),
     pytest.param(dict(scale=1e39), ValueError, "scale must be between 2\\*\\*-125",
                  id="scale-1e39"),
     pytest.param(dict(scale=1e-45), ValueError, "scale must be between", id="scale-1e-45"),

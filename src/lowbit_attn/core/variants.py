@@ -157,8 +157,8 @@ def check(*, is_causal: bool, window, softcap, chunk, sinks, hq: int,
     """The variant of a call from its public arguments, validated (errors name the argument).
 
     ``window``: ``None`` or ``(left, right)`` ints, each ``>= 0`` or ``-1``; with ``is_causal``
-    ``right`` becomes 0 (FlashAttention: causal is ``right = 0``). ``softcap``: ``None``/0 (off)
-    or a real number from 2**-125 to 2**126 (``checks.positive_float``). ``chunk``: ``None`` or
+    ``right`` becomes 0 (FlashAttention: causal is ``right = 0``). ``softcap``: see
+    :func:`check_softcap`. ``chunk``: ``None`` or
     a positive int. ``sinks``: ``None`` or a ``[hq]`` float32/bfloat16/float16 tensor on
     ``device``. A window and a chunk may be given together: a key must then satisfy both."""
     left = right = -1
@@ -170,9 +170,7 @@ def check(*, is_causal: bool, window, softcap, chunk, sinks, hq: int,
     if is_causal:
         right = 0
     cap = 0.0
-    if softcap is not None and not (isinstance(softcap, numbers.Real) and softcap == 0
-                                    and not isinstance(softcap, bool)):
-        cap = checks.positive_float("softcap", softcap)  # 0: off, as None
+    cap = check_softcap(softcap)
     size = 0
     if chunk is not None:
         if isinstance(chunk, bool) or not isinstance(chunk, numbers.Integral):
@@ -187,6 +185,25 @@ def check(*, is_causal: bool, window, softcap, chunk, sinks, hq: int,
             raise ValueError(f"{name} must be below 2**30, got {side}")
     check_sinks(sinks, hq, device)
     return Variant(left=left, right=right, chunk=size, softcap=cap, sinks=sinks is not None)
+
+
+# The largest softcap c: the kernels' tanh (``softcap_scores``) is exact to ~3e-8 absolute, so a
+# capped score is off by up to ~c·3e-8 (2e-3 at 2**16, a tenth of an 8-bit score's rounding;
+# 3 at 1e8). Models use 30 or 50.
+SOFTCAP_MAX = 2.0**16
+
+
+def check_softcap(softcap) -> float:
+    """``softcap``: ``None`` or 0 (off: 0.0 returned), or a real number from 2**-125 to
+    :data:`SOFTCAP_MAX`, returned as a float."""
+    if softcap is None or (isinstance(softcap, numbers.Real) and not isinstance(softcap, bool)
+                           and softcap == 0):
+        return 0.0
+    cap = checks.positive_float("softcap", softcap)
+    if cap > SOFTCAP_MAX:
+        raise ValueError(f"softcap must be at most 2**16 = 65536 (the kernels' tanh is exact to "
+                         f"~softcap·3e-8; pass None for no cap), got {checks.shown(softcap)}")
+    return cap
 
 
 def check_sinks(sinks, hq: int, device: torch.device) -> None:

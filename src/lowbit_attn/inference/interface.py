@@ -77,7 +77,7 @@ def attention(
             differ; ``is_causal`` or ``return_lse`` is not a bool; ``scale`` is not a real number;
             ``recipe`` is neither a str nor a :class:`Recipe`; ``window`` not a pair of ints,
             ``softcap`` or ``chunk`` of another type, ``sinks`` not a tensor or of another dtype.
-        ValueError: a window side below -1, ``softcap`` not positive and finite, ``chunk`` not
+        ValueError: a window side below -1, ``softcap`` not positive or above 2**16, ``chunk`` not
             positive, ``sinks`` of another shape than ``[Hq]``, on another device or requiring
             grad; a tensor is not 4-D; an unknown ``layout`` or recipe name; q, k, v on
             different devices; k and v of different shapes; batch sizes or head dims that differ,

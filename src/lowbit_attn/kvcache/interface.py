@@ -125,8 +125,9 @@ def attention_with_kv_cache(q: torch.Tensor, cache: QuantizedKVCache, layer: int
 
 
 def check_softcap(softcap) -> float | None:
-    """``softcap`` checked: None, or a float from 2**-125 to 2**126 (``checks.positive_float``)."""
-    return None if softcap is None else checks.positive_float("softcap", softcap)
+    """``softcap`` checked as :func:`~lowbit_attn.core.variants.check_softcap` does it: None
+    (or 0: off), or a positive float."""
+    return variants.check_softcap(softcap) or None
 
 
 def check_sinks(sinks, q: torch.Tensor) -> torch.Tensor | None:
