@@ -463,3 +463,16 @@ def test_sdpa_fp4_recipe_with_an_odd_head_dim_falls_back(monkeypatch):
     with lowbit_attn.patch_sdpa("qk_fp4_pv_fp4"), pytest.warns(UserWarning, match="multiple of 32"):
         out = F.scaled_dot_product_attention(q, k, v)
     assert torch.equal(out, api.TORCH_SDPA(q, k, v))
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_meta_tensors_give_meta_outputs(backend, monkeypatch):
+    """Tensors on the meta device (a model built without memory) carry shapes only: every call
+    returns meta outputs of the right shape on either backend (the Triton backend used to launch
+    its quantization on them: ``NotImplementedError: Cannot copy out of meta tensor``)."""
+    monkeypatch.setenv("LOWBIT_ATTN_BACKEND", backend)
+    q, k, v = (torch.empty(1, 4, 24, 32, device="meta", dtype=torch.float16) for _ in range(3))
+    for recipe in ("auto", "qk_int8_pv_fp8", "exact"):
+        out, lse = lowbit_attn.attention(q, k[:, :2], v[:, :2], is_causal=True, recipe=recipe,
+                                         return_lse=True)
+        assert out.device.type == "meta" and out.shape == q.shape and lse.shape == (1, 4, 24)

@@ -108,7 +108,7 @@ def backend_for(device: torch.device) -> str:
     choice = os.environ.get("LOWBIT_ATTN_BACKEND", "auto")
     if choice not in BACKENDS:
         raise ValueError(f"LOWBIT_ATTN_BACKEND must be one of {BACKENDS}, got {choice!r}")
-    if choice == "reference":
+    if choice == "reference" or device.type == "meta":  # meta: shapes only, no kernel to run
         return "reference"
     if not triton_installed():
         if choice == "triton":
