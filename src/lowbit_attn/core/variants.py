@@ -158,9 +158,9 @@ def check(*, is_causal: bool, window, softcap, chunk, sinks, hq: int,
 
     ``window``: ``None`` or ``(left, right)`` ints, each ``>= 0`` or ``-1``; with ``is_causal``
     ``right`` becomes 0 (FlashAttention: causal is ``right = 0``). ``softcap``: see
-    :func:`check_softcap`. ``chunk``: ``None`` or
-    a positive int. ``sinks``: ``None`` or a ``[hq]`` float32/bfloat16/float16 tensor on
-    ``device``. A window and a chunk may be given together: a key must then satisfy both."""
+    :func:`check_softcap`. ``chunk``: ``None`` or a positive int. ``sinks``: see
+    :func:`check_sinks`. A window and a chunk may be given together: a key must then satisfy
+    both."""
     left = right = -1
     if window is not None:
         if not isinstance(window, (tuple, list)) or len(window) != 2:
@@ -169,7 +169,6 @@ def check(*, is_causal: bool, window, softcap, chunk, sinks, hq: int,
         right = _int_side("window[1] (right)", window[1])
     if is_causal:
         right = 0
-    cap = 0.0
     cap = check_softcap(softcap)
     size = 0
     if chunk is not None:
