@@ -349,6 +349,10 @@ def test_varlen_inputs_are_never_modified():
     (lambda q, k, v: sa.sageattn(q, k, v, is_causal="no"), TypeError, "is_causal"),
     (lambda q, k, v: sa.sageattn_qk_int8_pv_fp16_triton(q, k, v, attn_mask=[[1]]), TypeError,
      "attn_mask"),
+    # an integer 0/1 mask, refused as PyTorch's SDPA refuses it (it was read as a +0/+1 bias)
+    (lambda q, k, v: sa.sageattn(q, k, v, attn_mask=torch.ones(q.shape[2], k.shape[2],
+                                                               dtype=torch.int64)),
+     TypeError, "attn_mask must be bool"),
 ])
 def test_bad_arguments_are_named(call, error, name):
     q, k, v = _qkv()

@@ -118,6 +118,10 @@ def masked_exact(function: str, q, k, v, attn_mask, *, layout: str = "HND", is_c
     return_lse = checks.flag("return_lse", return_lse)
     if not isinstance(attn_mask, torch.Tensor):
         raise TypeError(f"attn_mask must be a tensor or None, got {type(attn_mask).__name__}")
+    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+        # as PyTorch's SDPA: an integer 0/1 mask would otherwise be read as a +0/+1 bias
+        raise TypeError(f"attn_mask must be bool (True = attend) or a float bias, got "
+                        f"{attn_mask.dtype}")
     sm_scale = checks.softmax_scale(scale, q.shape[-1])
     groups = qh.shape[1] // kh.shape[1]
     if groups > 1:
