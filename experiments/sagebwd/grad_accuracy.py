@@ -2,6 +2,10 @@
 attention, on the input families of the 8-bit study, with the published dP-in-INT8 ablation.
 
     python experiments/sagebwd/grad_accuracy.py [--n 2048] [--d 128] [--dtype bf16] [--json out.json]
+    python experiments/sagebwd/grad_accuracy.py --families normal --qk-scales 1,4,10,30 \
+        --variants sagebwd_int8,qk_16bit      # how peaked rows cost the INT8 Q·Kᵀ
+
+``--qk-scales``: Q and K multiplied by each factor (the scores by its square: sharper rows).
 
 Runs the CPU reference of the numerics (what the kernels compute, to rounding).
 """
@@ -23,6 +27,7 @@ VARIANTS = {
     "per_row": {"recipe": lowbit_attn.TRAIN_RECIPES["sagebwd_int8"].replace(
         backward_granularity="per_row")},
     "dp_int8": {"keep_16bit": ()},
+    "qk_16bit": {"keep_16bit": ("qk", "dp")},
     "no_smooth_k": {"smooth_k": False},
     "smooth_q": {"smooth_q": True},
     "balance_qk": {"balance_qk": True},
@@ -42,9 +47,10 @@ def exact(q, k, v, *, is_causal):
                                                             enable_gqa=True)
 
 
-def measure(family, n, d, heads, dtype, causal, seed, variants=tuple(VARIANTS)):
+def measure(family, n, d, heads, dtype, causal, seed, variants=tuple(VARIANTS), qk_scale=1.0):
     g = torch.Generator().manual_seed(seed)
     q, k, v = FAMILIES[family](g, 1, heads, heads, n, n, d, dtype)
+    q, k = (x * qk_scale for x in (q, k))
     do = torch.randn(q.shape, generator=g).to(dtype)
     ref = gradients(*(x.double() for x in (q, k, v, do)), causal, exact)
     rows = {}
@@ -66,18 +72,23 @@ def main() -> None:
     ap.add_argument("--families", default="channel_bias_k,normal,outliers,peaked,flat")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--qk-scales", default="1")
     ap.add_argument("--json")
     args = ap.parse_args()
     results = {"config": vars(args), "date": time.strftime("%Y-%m-%d"), "rows": []}
-    print(f"{'family':15} {'causal':6} {'variant':13} " + " ".join(f"{t:>16}" for t in ("out", "dq", "dk", "dv")))
+    print(f"{'family':15} {'x':>4} {'causal':6} {'variant':13} "
+          + " ".join(f"{t:>16}" for t in ("out", "dq", "dk", "dv")))
     for family in args.families.split(","):
-        for causal in (False, True):
-            rows = measure(family, args.n, args.d, args.heads, DTYPES[args.dtype], causal, args.seed,
-                           args.variants.split(","))
-            for name, r in rows.items():
-                results["rows"].append({"family": family, "causal": causal, "variant": name, **r})
-                cells = " ".join(f"{r[t]['cosine']:.5f}/{r[t]['rel_l1']:.4f}" for t in ("out", "dq", "dk", "dv"))
-                print(f"{family:15} {str(causal):6} {name:13} {cells}", flush=True)
+        for qk_scale in map(float, args.qk_scales.split(",")):
+            for causal in (False, True):
+                rows = measure(family, args.n, args.d, args.heads, DTYPES[args.dtype], causal,
+                               args.seed, args.variants.split(","), qk_scale)
+                for name, r in rows.items():
+                    results["rows"].append({"family": family, "qk_scale": qk_scale,
+                                            "causal": causal, "variant": name, **r})
+                    cells = " ".join(f"{r[t]['cosine']:.5f}/{r[t]['rel_l1']:.4f}"
+                                     for t in ("out", "dq", "dk", "dv"))
+                    print(f"{family:15} {qk_scale:4g} {str(causal):6} {name:13} {cells}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

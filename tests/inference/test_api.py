@@ -476,3 +476,5 @@ def test_meta_tensors_give_meta_outputs(backend, monkeypatch):
         out, lse = lowbit_attn.attention(q, k[:, :2], v[:, :2], is_causal=True, recipe=recipe,
                                          return_lse=True)
         assert out.device.type == "meta" and out.shape == q.shape and lse.shape == (1, 4, 24)
+    out = lowbit_attn.trainable_attention(q, k, v, is_causal=True)
+    assert out.device.type == "meta" and out.shape == q.shape

@@ -208,6 +208,20 @@ def test_a_chunked_prefill_of_a_sliding_layer():
     assert errs.cosine > 0.9995, errs
 
 
+def test_an_append_the_local_pool_cannot_hold_names_max_append():
+    """``max_append`` sizes a sliding layer's pool: a larger append is stored while the pool has
+    the pages, and refused, naming ``max_append``, when it has not (nothing stored)."""
+    cache = lowbit_attn.QuantizedKVCache(1, 2, 2, 32, max_tokens=64, page_size=4, window=3,
+                                         max_append=4, dtype=torch.float32)
+    x = torch.randn(2, 2, 20, 32)
+    with pytest.raises(ValueError, match="sized for appends of at most max_append=4 tokens"):
+        cache.append(0, x, x)
+    assert cache.layers[0].host_lengths == [0, 0]
+    cache.append(0, x[:, :, :4], x[:, :, :4])
+    cache.append(0, x[:, :, 4:9], x[:, :, 4:9])  # 5 > max_append, and the pool has the pages
+    assert cache.layers[0].host_lengths == [9, 9]
+
+
 # the kernel against the twin (tests/kvcache/test_decode_kernel.py's bars, max|V| = 4 here)
 BARS = {"kv_int8_fp8": 0.015, "kv_int8_int8": 2e-4}
 

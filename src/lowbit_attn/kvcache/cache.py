@@ -52,7 +52,9 @@ class QuantizedKVCache:
         max_append: the most tokens one append stores per sequence in a local (window or chunk)
             layer, which sizes its pool: ``ceil((reach + max_append)/page_size) + 1`` pages per
             sequence (``reach``: ``w``, or ``chunk - 1``), at most those of ``max_tokens``
-            (the default, ``max_tokens``: no smaller pool, pages reused all the same).
+            (the default, ``max_tokens``: no smaller pool, pages reused all the same). A larger
+            append is stored when the pool has the pages for it, refused (naming ``max_append``)
+            when not.
 
     Raises:
         TypeError: a size that is not an int; ``recipe`` not a str; ``dtype`` not float16,
@@ -454,8 +456,10 @@ class QuantizedKVCache:
                 f"{lengths[b]} tokens, the append adds {counts[b]}); nothing was stored")
         pages = sum(map(len, self._new_pages(store, lengths, counts)))
         if pages > len(store.free):
+            sized = (f" (a local layer's pool is sized for appends of at most max_append="
+                     f"{self.max_append} tokens per sequence)" if store.reach() is not None else "")
             raise ValueError(f"the append needs {pages} pages, layer's pool has {len(store.free)} "
-                             "free; nothing was stored")
+                             f"free{sized}; nothing was stored")
         return counts
 
 

@@ -45,7 +45,8 @@ class DecodeStep:
     stored token (causal, bottom-right), in a buffer reused by every run (``lse`` beside it);
     capture it after one eager run (Triton compiles then), with ``q``, ``k``, ``v`` the graph's
     static inputs. Building the step reserves the pages of all its steps
-    (:meth:`QuantizedKVCache.reserve`).
+    (:meth:`QuantizedKVCache.reserve`) from the layer's length then: one step per layer at a
+    time, since any other append to the layer (another step's run too) uses those positions.
 
     Args:
         cache: the cache; every sequence must hold at least one token (its prompt: the frozen
@@ -162,7 +163,8 @@ class DecodeStep:
                     if n + self.tokens > self.capacity[b]]
             if past:
                 raise ValueError(f"sequence {past[0]} has used the steps this DecodeStep "
-                                 "reserved; build a new one")
+                                 "reserved (its own runs and any other append to the layer, "
+                                 "another DecodeStep's included, count); build a new one")
         if not self.triton:  # the eager step (no graph to capture here)
             cache.append(self.layer, k, v)
             out, lse = attention_with_kv_cache_naive(q, store, cache.recipe, scale=self.scale,
