@@ -360,16 +360,16 @@ def test_usage_errors_exit_2_with_a_clear_message(capsys, argv, needle):
 
 
 ACCURACY_USAGE_ERRORS = [
-    pytest.param(["--n", "0"], "argument --n: must be >= 1, got 0", id="n-zero"),
-    pytest.param(["--n", "-5"], "argument --n: must be >= 1, got -5", id="n-negative"),
+    pytest.param(["--n", "0"], "argument --n: must be between 1 and 2147483647, got 0", id="n-zero"),
+    pytest.param(["--n", "-5"], "argument --n: must be between 1 and 2147483647, got -5", id="n-negative"),
     pytest.param(["--n", "1e3"], "argument --n: expected int", id="n-float"),
-    pytest.param(["--n-k", "0"], "argument --n-k: must be >= 1", id="n-k-zero"),
+    pytest.param(["--n-k", "0"], "argument --n-k: must be between 1 and", id="n-k-zero"),
     pytest.param(["--head-dim", "0"], "argument --head-dim: must be between 1 and 256", id="d-zero"),
     pytest.param(["--head-dim", "300"], "argument --head-dim: must be between 1 and 256",
                  id="d-300"),
-    pytest.param(["--batch", "0"], "argument --batch: must be >= 1", id="batch-zero"),
-    pytest.param(["--heads", "0"], "argument --heads: must be >= 1", id="heads-zero"),
-    pytest.param(["--kv-heads", "0"], "argument --kv-heads: must be >= 1", id="kv-heads-zero"),
+    pytest.param(["--batch", "0"], "argument --batch: must be between 1 and", id="batch-zero"),
+    pytest.param(["--heads", "0"], "argument --heads: must be between 1 and", id="heads-zero"),
+    pytest.param(["--kv-heads", "0"], "argument --kv-heads: must be between 1 and", id="kv-heads-zero"),
     pytest.param(["--heads", "3", "--kv-heads", "2"], "argument --kv-heads: must divide --heads",
                  id="kv-heads-ratio"),
     pytest.param(["--seed", "-1"], "argument --seed", id="seed"),
@@ -410,8 +410,8 @@ def test_accuracy_refuses_cuda_without_a_gpu(capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("argv,message", [
-    pytest.param(["--batch", "0"], "argument --batch: must be >= 1", id="batch"),
-    pytest.param(["--heads", "-1"], "argument --heads: must be >= 1", id="heads"),
+    pytest.param(["--batch", "0"], "argument --batch: must be between 1 and", id="batch"),
+    pytest.param(["--heads", "-1"], "argument --heads: must be between 1 and", id="heads"),
     pytest.param(["--dims", "64,0"], "argument --dims: must be between 1 and 256", id="dims"),
     pytest.param(["--seqlens", "0"], "argument --seqlens", id="seqlens"),
     pytest.param(["--rep", "nan"], "argument --rep: must be >= 0", id="rep-nan"),
@@ -419,6 +419,19 @@ def test_accuracy_refuses_cuda_without_a_gpu(capsys, monkeypatch):
     pytest.param(["--min-cosine", "2"], "argument --min-cosine: must be between -1 and 1",
                  id="min-cosine"),
     pytest.param(["--time-budget", "x"], "argument --time-budget: expected float", id="budget"),
+    # found by fuzzing the CLI (2026-11-29): each was a traceback or went unchecked
+    pytest.param(["--batch", "99999999999999999999"], "argument --batch: must be between 1 and",
+                 id="batch-huge"),
+    pytest.param(["--seqlens", "99999999999999999999k"], "argument --seqlens", id="seqlens-huge"),
+    pytest.param(["--out", "/dev/null"], "argument --out: '/dev/null' exists and is not a dir",
+                 id="out-file"),
+    pytest.param(["--out", "/proc/lowbit-nope"], "argument --out: cannot make the directory",
+                 id="out-unmakeable"),
+    pytest.param(["--host", "--host-arch", "abc"], "argument --host-arch: architecture must",
+                 id="host-arch"),
+    pytest.param(["--baselines", "bogus"], "argument --baselines: expected some of", id="bogus"),
+    pytest.param(["--baselines", "none,flash"], "argument --baselines: expected some of",
+                 id="none-and-flash"),
 ])
 def test_bench_usage_errors(capsys, monkeypatch, argv, message):
     from lowbit_attn.tools import bench
@@ -426,6 +439,23 @@ def test_bench_usage_errors(capsys, monkeypatch, argv, message):
     monkeypatch.setattr(bench, "cli_main", _fail)
     line = usage_error(capsys, ["bench", *argv])
     assert line.startswith("lowbit-attn bench: error: ") and message in line, line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_bench_host_refuses_exact_without_a_gpu(capsys):
+    """``exact`` has no kernel on a CPU: its stubbed host path would time PyTorch's maths."""
+    assert cli.main(["bench", "--host", "--recipes", "exact"]) == 2
+    assert "recipe 'exact' has no kernel on a CPU" in capsys.readouterr().err
+
+
+def test_inspect_refuses_a_ptx_dir_it_cannot_make(capsys):
+    line = usage_error(capsys, ["inspect", "--arch", "sm_90a", "--ptx-dir", "/dev/null"])
+    assert "argument --ptx-dir: '/dev/null' exists and is not a directory" in line, line
+
+
+def test_generation_without_its_model_is_a_usage_error(capsys):
+    line = usage_error(capsys, ["accuracy", "--generation"])
+    assert "argument --generation: needs --model smollm2" in line, line
 
 
 def test_bench_refuses_a_head_dim_an_fp4_recipe_cannot_take(capsys):

@@ -37,7 +37,8 @@ def ranged(kind: type, low: float, high: float | None = None) -> Callable[[str],
     return parse
 
 
-positive_int = ranged(int, 1)
+# Sizes (counts, tokens): at most 2**31 - 1, what torch's shapes and the kernels' int32 take
+positive_int = ranged(int, 1, 2**31 - 1)
 head_dim_arg = ranged(int, 1, MAX_HEAD_DIM)
 
 
@@ -67,6 +68,21 @@ def output_file(text: str) -> str:
         raise argparse.ArgumentTypeError(
             f"{text!r} is a directory" if os.path.isdir(text) else f"no directory {folder!r}"
         )
+    return text
+
+
+def output_dir(text: str) -> str:
+    """argparse type for a folder to write into: made now if missing (so that a path that
+    cannot be one fails before any work), and writable."""
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} exists and is not a directory")
+    try:
+        os.makedirs(text, exist_ok=True)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot make the directory {text!r}: "
+                                         f"{exc.strerror}") from None
+    if not os.access(text, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write into {text!r}")
     return text
 
 

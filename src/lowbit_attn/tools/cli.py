@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 
 from lowbit_attn.core.arch import native_fp4
 from lowbit_attn.core.checks import MAX_HEAD_DIM
-from lowbit_attn.tools.args import UsageError, head_dim_arg, ranged
+from lowbit_attn.tools.args import UsageError, head_dim_arg, output_dir, ranged
 
 # Subcommands implemented in other modules: name → (module, help). Each module exports
 # ``add_arguments(parser)`` and ``cli_main(args) -> int``.
@@ -105,7 +105,8 @@ def _add_inspect(sub) -> None:
     p.add_argument("--softcap", type=ranged(float, 0.0), help="logit soft-capping (softcap=)")
     p.add_argument("--sinks", action="store_true", help="one sink logit per head (sinks=)")
     p.add_argument("--json", action="store_true", help="print the reports as JSON")
-    p.add_argument("--ptx-dir", metavar="DIR", help="also write each kernel's PTX into DIR")
+    p.add_argument("--ptx-dir", metavar="DIR", type=output_dir,
+                   help="also write each kernel's PTX into DIR")
     p.set_defaults(handler=functools.partial(_inspect, parser=p))
 
 

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from lowbit_attn.kvcache.recipes import KV_RECIPES
 from lowbit_attn.tools import model_accuracy
+from lowbit_attn.tools.args import UsageError
 from lowbit_attn.tools.model_accuracy import PARAGRAPH, SENTENCES
 
 KV_RECIPE_NAMES = tuple(KV_RECIPES)
@@ -192,7 +193,7 @@ def cli_main(args: argparse.Namespace) -> int:
     ``--json``; 0 on success. Uses ``args.gen_prompt``, ``args.gen_tokens``, ``args.kv_recipes``,
     ``args.device`` and ``args.dtype`` when given (default float32 on a CPU, float16 on CUDA)."""
     if args.model != "smollm2":
-        raise SystemExit(f"lowbit-attn accuracy: --generation needs --model smollm2 (a causal LM), "
+        raise UsageError(f"argument --generation: needs --model smollm2 (a causal LM), "
                          f"got {'--model ' + args.model if args.model else 'no --model'}")
     explicit = getattr(args, "explicit", set())
     if "recipes" in explicit:

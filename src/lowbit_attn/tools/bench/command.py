@@ -13,7 +13,7 @@ import torch
 from lowbit_attn.core import checks
 from lowbit_attn.core.arch import backend_for
 from lowbit_attn.core.recipes import RECIPES
-from lowbit_attn.tools.args import head_dim_arg, positive_int, ranged
+from lowbit_attn.tools.args import head_dim_arg, output_dir, positive_int, ranged
 from lowbit_attn.tools.bench.protocol import (
     BASELINES, BATCH, DIMS, HEADS, MIN_COSINE, OUR_RECIPES, QUICK_DIMS, QUICK_SEQLENS, SEQLENS,
     cpu_methods, select_methods,
@@ -37,16 +37,38 @@ def parse_seqlens(text: str) -> list[int]:
     out = []
     for t in _split(text):
         m = re.fullmatch(r"(\d+)([kK]?)", t)
-        if not m or int(m.group(1)) == 0:
+        n = int(m.group(1)) * (1024 if m.group(2) else 1) if m else 0
+        if not 0 < n < 2**31:
             raise argparse.ArgumentTypeError(
-                f"sequence lengths look like 1k,4k,16384 (positive); got {t!r}")
-        out.append(int(m.group(1)) * (1024 if m.group(2) else 1))
+                f"sequence lengths look like 1k,4k,16384 (positive, below 2**31); got {t!r}")
+        out.append(n)
     return out
 
 
 def parse_names(text: str) -> list[str]:
     names = _split(text)
     return [] if names == ["none"] else names
+
+
+def parse_baselines(text: str) -> list[str]:
+    """``"flash,cudnn"`` (some of :data:`BASELINES`) or ``"none"``."""
+    names = parse_names(text)
+    unknown = [n for n in names if n not in BASELINES]
+    if unknown or not _split(text):
+        raise argparse.ArgumentTypeError(
+            f"expected some of {','.join(BASELINES)}, or none; got {text!r}")
+    return names
+
+
+def host_arch_arg(text: str) -> str:
+    """argparse type for ``--host-arch``: an architecture as ``LOWBIT_ATTN_ARCH`` takes it."""
+    from lowbit_attn.core.arch import parse_arch
+
+    try:
+        parse_arch(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -65,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--recipes", type=parse_names, default=list(OUR_RECIPES),
                         help="our recipes, comma-separated (default qk_int8_pv_fp8,qk_int8_pv_fp16;"
                              " the first is the one compared in the short table)")
-    parser.add_argument("--baselines", type=parse_names, default=list(BASELINES),
+    parser.add_argument("--baselines", type=parse_baselines, default=list(BASELINES),
                         help="some of flash,cudnn,sage, or none (default all)")
     parser.add_argument("--no-bf16", action="store_true",
                         help="leave out our bf16-input row of the FP8 recipe")
@@ -73,7 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="leave out the quantization-only and attention-only timings")
     parser.add_argument("--quick", action="store_true",
                         help="a short run: D=128, N=1k,4k,16k (unless --dims/--seqlens given)")
-    parser.add_argument("--out", action="append", metavar="DIR", default=None,
+    parser.add_argument("--out", action="append", metavar="DIR", default=None, type=output_dir,
                         help="write results here (repeatable; default on a GPU: benchmarks/results;"
                              " on a CPU nothing is written unless given)")
     parser.add_argument("--no-plot", action="store_true", help="do not draw the PNG chart")
@@ -92,7 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="time the host path of one call (µs to enqueue it) and count its "
                              "launches instead; without a GPU, Triton's launch path runs with "
                              "the launches stubbed (default D=128, N=1k, non-causal)")
-    parser.add_argument("--host-arch", default="sm_90",
+    parser.add_argument("--host-arch", default="sm_90", type=host_arch_arg,
                         help="--host without a GPU: the architecture the call is prepared for "
                              "(default sm_90)")
     parser.add_argument("--host-profile", action="store_true",
@@ -177,6 +199,10 @@ def _cli_host(args, causal_values) -> int:
 
     if not args.recipes:
         print("lowbit-attn bench: error: --host times our recipes; none given", file=sys.stderr)
+        return 2
+    if "exact" in args.recipes and not torch.cuda.is_available():
+        print("lowbit-attn bench: error: --host without a GPU times the kernels' launch path; "
+              "recipe 'exact' has no kernel on a CPU (it runs PyTorch there)", file=sys.stderr)
         return 2
     configs = [dict(recipe=r, b=args.batch, h=args.heads, n=n, d=d, causal=c)
                for r in args.recipes for d in args.dims or [128]
