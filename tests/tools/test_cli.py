@@ -360,8 +360,10 @@ def test_usage_errors_exit_2_with_a_clear_message(capsys, argv, needle):
 
 
 ACCURACY_USAGE_ERRORS = [
-    pytest.param(["--n", "0"], "argument --n: must be between 1 and 2147483647, got 0", id="n-zero"),
-    pytest.param(["--n", "-5"], "argument --n: must be between 1 and 2147483647, got -5", id="n-negative"),
+    pytest.param(["--n", "0"], "argument --n: must be between 1 and 2147483647, got 0",
+                 id="n-zero"),
+    pytest.param(["--n", "-5"], "argument --n: must be between 1 and 2147483647, got -5",
+                 id="n-negative"),
     pytest.param(["--n", "1e3"], "argument --n: expected int", id="n-float"),
     pytest.param(["--n-k", "0"], "argument --n-k: must be between 1 and", id="n-k-zero"),
     pytest.param(["--head-dim", "0"], "argument --head-dim: must be between 1 and 256", id="d-zero"),
@@ -369,7 +371,8 @@ ACCURACY_USAGE_ERRORS = [
                  id="d-300"),
     pytest.param(["--batch", "0"], "argument --batch: must be between 1 and", id="batch-zero"),
     pytest.param(["--heads", "0"], "argument --heads: must be between 1 and", id="heads-zero"),
-    pytest.param(["--kv-heads", "0"], "argument --kv-heads: must be between 1 and", id="kv-heads-zero"),
+    pytest.param(["--kv-heads", "0"], "argument --kv-heads: must be between 1 and",
+                 id="kv-heads-zero"),
     pytest.param(["--heads", "3", "--kv-heads", "2"], "argument --kv-heads: must divide --heads",
                  id="kv-heads-ratio"),
     pytest.param(["--seed", "-1"], "argument --seed", id="seed"),
@@ -409,6 +412,20 @@ def test_accuracy_refuses_cuda_without_a_gpu(capsys, monkeypatch):
     assert "argument --device: 'cuda': CUDA is not available here" in line
 
 
+# found by fuzzing the CLI (2026-11-29), each a traceback or unchecked before: the options, then
+# what the error line says
+FUZZED_BENCH_ERRORS = [(opts.split(), message) for opts, message in (
+    case.split(" => ") for case in (
+    "--batch 99999999999999999999 => argument --batch: must be between 1 and",
+    "--seqlens 99999999999999999999k => argument --seqlens",
+    "--out /dev/null => argument --out: '/dev/null' exists and is not a dir",
+    "--out /proc/lowbit-nope => argument --out: cannot make the directory",
+    "--host-arch abc --host => argument --host-arch: architecture must",
+    "--baselines bogus => argument --baselines: expected some of",
+    "--baselines none,flash => argument --baselines: expected some of",
+))]
+
+
 @pytest.mark.parametrize("argv,message", [
     pytest.param(["--batch", "0"], "argument --batch: must be between 1 and", id="batch"),
     pytest.param(["--heads", "-1"], "argument --heads: must be between 1 and", id="heads"),
@@ -419,19 +436,7 @@ def test_accuracy_refuses_cuda_without_a_gpu(capsys, monkeypatch):
     pytest.param(["--min-cosine", "2"], "argument --min-cosine: must be between -1 and 1",
                  id="min-cosine"),
     pytest.param(["--time-budget", "x"], "argument --time-budget: expected float", id="budget"),
-    # found by fuzzing the CLI (2026-11-29): each was a traceback or went unchecked
-    pytest.param(["--batch", "99999999999999999999"], "argument --batch: must be between 1 and",
-                 id="batch-huge"),
-    pytest.param(["--seqlens", "99999999999999999999k"], "argument --seqlens", id="seqlens-huge"),
-    pytest.param(["--out", "/dev/null"], "argument --out: '/dev/null' exists and is not a dir",
-                 id="out-file"),
-    pytest.param(["--out", "/proc/lowbit-nope"], "argument --out: cannot make the directory",
-                 id="out-unmakeable"),
-    pytest.param(["--host", "--host-arch", "abc"], "argument --host-arch: architecture must",
-                 id="host-arch"),
-    pytest.param(["--baselines", "bogus"], "argument --baselines: expected some of", id="bogus"),
-    pytest.param(["--baselines", "none,flash"], "argument --baselines: expected some of",
-                 id="none-and-flash"),
+    *FUZZED_BENCH_ERRORS,
 ])
 def test_bench_usage_errors(capsys, monkeypatch, argv, message):
     from lowbit_attn.tools import bench
