@@ -200,8 +200,17 @@ def test_the_gate_names_narrow_products_and_spills():
 
 
 @pytest.mark.aot
-def test_inspect_failing_kernel_exits_1_and_says_why(capsys):
-    code, out, _ = run(capsys, "inspect", "--arch", "sm_80", "--recipe", "qk_int8_pv_fp8")
+def test_inspect_failing_kernel_exits_1_and_says_why(capsys, monkeypatch):
+    """A kernel that fails to compile is reported with the compiler's message, and the exit
+    status is 1 (a compile error stood in for by a patched ``triton.compile``)."""
+    from lowbit_attn.tools import aot
+
+    def fails(*args, **kwargs):
+        raise ValueError("type fp8e4nv not supported in this architecture")
+
+    monkeypatch.setattr(aot.triton, "compile", fails)
+    monkeypatch.setattr(aot, "_COMPILED", {})  # nothing compiled before this test is reused
+    code, out, _ = run(capsys, "inspect", "--arch", "sm_90a", "--recipe", "qk_int8_pv_fp8")
     assert code == 1
     assert "error" in out and "fp8e4nv" in out
 
@@ -456,6 +465,11 @@ def test_bench_host_refuses_exact_without_a_gpu(capsys):
 def test_inspect_refuses_a_ptx_dir_it_cannot_make(capsys):
     line = usage_error(capsys, ["inspect", "--arch", "sm_90a", "--ptx-dir", "/dev/null"])
     assert "argument --ptx-dir: '/dev/null' exists and is not a directory" in line, line
+
+
+def test_inspect_refuses_an_fp8_recipe_where_there_are_no_fp8_tensor_cores(capsys):
+    line = usage_error(capsys, ["inspect", "--arch", "sm_80", "--recipe", "qk_int8_pv_fp8"])
+    assert "needs FP8 tensor cores" in line and "qk_int8_pv_fp16" in line, line
 
 
 def test_generation_without_its_model_is_a_usage_error(capsys):

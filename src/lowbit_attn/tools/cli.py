@@ -192,12 +192,12 @@ def _inspect(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> in
     from lowbit_attn.core.arch import parse_arch
     from lowbit_attn.core.recipes import resolve
 
-    from lowbit_attn.core import triton_support
+    from lowbit_attn.core import checks, triton_support
     from lowbit_attn.core.recipes import RECIPES, TRAIN_RECIPES
     from lowbit_attn.tools import fp4_gates
 
     variant_given = (args.window, args.chunk, args.softcap, args.sinks) != (None,) * 3 + (False,)
-    if variant_given and (args.kernel != "triton" or args.recipe not in RECIPES
+    if variant_given and (args.kernel != "triton" or args.recipe not in (*RECIPES, "auto")
                           or args.recipe == "exact"):
         parser.error(f"--window, --chunk, --softcap, --sinks: the Triton kernels of an inference "
                      f"recipe only, got --recipe {args.recipe} --kernel {args.kernel}")
@@ -234,6 +234,7 @@ def _inspect(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> in
                                         config=args.config)
         else:
             recipe = resolve(args.recipe, parse_arch(args.arch))
+            checks.recipe_runs_here(recipe, torch.device("cuda"), parse_arch(args.arch))
             name = recipe.name
             reports = aot.compile_recipe(
                 recipe, args.arch, head_dim=args.head_dim, causal=args.causal,

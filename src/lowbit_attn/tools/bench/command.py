@@ -226,7 +226,7 @@ def _cli_cpu(args, methods, causal_values, plot) -> int:
     print(
         f"No CUDA device: timing {what} on the CPU at B={b}, H={h}, N={n}, D={d} for "
         f"{', '.join(m.recipe for m in methods)}.\nThese are CPU reference timings, NOT kernel "
-        "benchmarks; the protocol of DESIGN.md needs a CUDA GPU (run `lowbit-attn bench` there).",
+        "benchmarks; the benchmark protocol needs a CUDA GPU (run `lowbit-attn bench` there).",
         file=sys.stderr,
     )
     results = run_benchmark(
