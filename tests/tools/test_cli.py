@@ -472,11 +472,6 @@ def test_inspect_refuses_an_fp8_recipe_where_there_are_no_fp8_tensor_cores(capsy
     assert "needs FP8 tensor cores" in line and "qk_int8_pv_fp16" in line, line
 
 
-def test_generation_without_its_model_is_a_usage_error(capsys):
-    line = usage_error(capsys, ["accuracy", "--generation"])
-    assert "argument --generation: needs --model smollm2" in line, line
-
-
 def test_bench_refuses_a_head_dim_an_fp4_recipe_cannot_take(capsys):
     assert cli.main(["bench", "--recipes", "qk_fp4_pv_fp4", "--dims", "48"]) == 2
     assert "needs a head dim that is a multiple of 32, got 48" in capsys.readouterr().err
