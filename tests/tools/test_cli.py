@@ -399,6 +399,11 @@ ACCURACY_USAGE_ERRORS = [
     pytest.param(["--families", "nope"], "argument --families: unknown famil", id="family"),
     pytest.param(["--json", "/nonexistent-dir/rows.json"],
                  "argument --json: no directory '/nonexistent-dir'", id="json-missing-dir"),
+    # an option another mode reads is refused rather than ignored (the prefix gives --n)
+    pytest.param(["--gen-tokens", "8"], "argument --gen-tokens: only with --generation",
+                 id="generation-option"),
+    pytest.param(["--model", "minilm"], "argument --n: only for synthetic inputs, without --model",
+                 id="synthetic-option-with-model"),
 ]
 
 

@@ -252,29 +252,53 @@ def _split_list(values: Sequence[str]) -> list[str]:
 
 
 class _Explicit(argparse.Action):
-    """Store the option and note its name in ``args.explicit`` (--model has its own defaults)."""
+    """Store the option (``const`` for a flag, ``nargs=0``) and note its name in
+    ``args.explicit``: --model has its own defaults, and an option of another mode is refused."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, values)
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
         namespace.explicit = {*getattr(namespace, "explicit", ()), self.dest}
+
+
+# Options that only one mode reads: given in another, they are a usage error, not ignored.
+SYNTHETIC_ONLY = ("n", "n_k", "head_dim", "batch", "heads", "kv_heads", "causal", "families",
+                  "seed", "no_progress")
+GENERATION_ONLY = ("gen_prompt", "gen_tokens", "kv_recipes")
+
+
+def _refuse_other_modes(args: argparse.Namespace) -> None:
+    """A usage error naming the first option given that the chosen mode would ignore."""
+    explicit = getattr(args, "explicit", set())
+    misplaced = [(name, "only with --generation") for name in GENERATION_ONLY
+                 if name in explicit and not args.generation]
+    misplaced += [(name, "only for synthetic inputs, without --model") for name in SYNTHETIC_ONLY
+                  if name in explicit and args.model]
+    if misplaced:
+        name, where = misplaced[0]
+        raise UsageError(f"argument --{name.replace('_', '-')}: {where}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``lowbit-attn accuracy``."""
     from lowbit_attn.core.checks import MAX_HEAD_DIM
 
-    parser.add_argument("--n", type=positive_int, default=1024,
+    parser.add_argument("--n", action=_Explicit, type=positive_int, default=1024,
                         help="query (and key) tokens (default 1024)")
-    parser.add_argument("--n-k", type=positive_int, default=None, help="key tokens (default: --n)")
-    parser.add_argument("--head-dim", type=head_dim_arg, default=128,
+    parser.add_argument("--n-k", action=_Explicit, type=positive_int, default=None,
+                        help="key tokens (default: --n)")
+    parser.add_argument("--head-dim", action=_Explicit, type=head_dim_arg, default=128,
                         help=f"head dim D, 1 to {MAX_HEAD_DIM} (default 128)")
-    parser.add_argument("--batch", type=positive_int, default=1, help="batch size (default 1)")
-    parser.add_argument("--heads", type=positive_int, default=2, help="query heads (default 2)")
-    parser.add_argument("--kv-heads", type=positive_int, default=None,
+    parser.add_argument("--batch", action=_Explicit, type=positive_int, default=1,
+                        help="batch size (default 1)")
+    parser.add_argument("--heads", action=_Explicit, type=positive_int, default=2,
+                        help="query heads (default 2)")
+    parser.add_argument("--kv-heads", action=_Explicit, type=positive_int, default=None,
                         help="key/value heads, a divisor of --heads (default: --heads)")
-    parser.add_argument("--causal", action="store_true", help="bottom-right aligned causal mask")
+    parser.add_argument("--causal", action=_Explicit, nargs=0, const=True, default=False,
+                        help="bottom-right aligned causal mask")
     parser.add_argument(
         "--families", nargs="+", default=list(inputs.FAMILIES), metavar="FAMILY",
+        action=_Explicit,
         help=f"input families, space- or comma-separated (default: all of {', '.join(inputs.FAMILIES)})",
     )
     parser.add_argument(
@@ -285,13 +309,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float16", action=_Explicit,
                         help="input dtype (default float16; with --model: float32 on a CPU)")
-    parser.add_argument("--seed", type=ranged(int, 0, 2**64 - 1), default=0,
+    parser.add_argument("--seed", action=_Explicit, type=ranged(int, 0, 2**64 - 1), default=0,
                         help="input seed (default 0)")
     parser.add_argument("--device", type=device_arg, default=None,
                         help="cpu or cuda (default: cuda when available, else cpu)")
     parser.add_argument("--json", metavar="PATH", type=output_file, default=None,
                         help="also write the rows as JSON (into an existing directory)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-progress", action=_Explicit, nargs=0, const=True, default=False,
+                        help="no progress bar")
     parser.add_argument(
         "--model", choices=("minilm", "smollm2", "all"), default=None,
         help="instead of synthetic inputs, compare each recipe with exact attention end to end in a "
@@ -302,11 +327,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --model smollm2: greedy generation with the 8-bit KV cache (QuantizedCache), "
              "teacher-forced on the exact run's tokens (lowbit_attn.tools.generation_accuracy)",
     )
-    parser.add_argument("--gen-prompt", type=positive_int, default=512, metavar="P",
+    parser.add_argument("--gen-prompt", action=_Explicit, type=positive_int, default=512,
+                        metavar="P",
                         help="with --generation: prompt tokens (default 512)")
-    parser.add_argument("--gen-tokens", type=positive_int, default=256, metavar="G",
+    parser.add_argument("--gen-tokens", action=_Explicit, type=positive_int, default=256,
+                        metavar="G",
                         help="with --generation: generated tokens (default 256)")
-    parser.add_argument("--kv-recipes", nargs="+", default=list(KV_RECIPES),
+    parser.add_argument("--kv-recipes", nargs="+", default=list(KV_RECIPES), action=_Explicit,
                         choices=list(KV_RECIPES), metavar="KV_RECIPE",
                         help=f"with --generation: KV cache recipes (default: {' '.join(KV_RECIPES)})")
 
@@ -315,11 +342,12 @@ def cli_main(args: argparse.Namespace) -> int:
     """Run :func:`evaluate` with parsed :func:`add_arguments` options, print the table; 0 on success.
     With ``--model``: :func:`lowbit_attn.tools.model_accuracy.cli_main` instead (with
     ``--generation``: :func:`lowbit_attn.tools.generation_accuracy.cli_main`)."""
-    if getattr(args, "generation", False):
+    _refuse_other_modes(args)
+    if args.generation:
         from lowbit_attn.tools import generation_accuracy
 
         return generation_accuracy.cli_main(args)
-    if getattr(args, "model", None):
+    if args.model:
         from lowbit_attn.tools import model_accuracy
 
         return model_accuracy.cli_main(args)

@@ -197,8 +197,8 @@ def cli_main(args: argparse.Namespace) -> int:
                          f"got {'--model ' + args.model if args.model else 'no --model'}")
     explicit = getattr(args, "explicit", set())
     if "recipes" in explicit:
-        raise SystemExit("lowbit-attn accuracy: --generation compares KV cache recipes: give them "
-                         f"with --kv-recipes ({', '.join(KV_RECIPE_NAMES)}), not --recipes")
+        raise UsageError("argument --recipes: --generation compares KV cache recipes: give them "
+                         f"with --kv-recipes ({', '.join(KV_RECIPE_NAMES)})")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     default_dtype = "float32" if device.type == "cpu" else "float16"
     dtype = model_accuracy.DTYPES[args.dtype if "dtype" in explicit else default_dtype]
@@ -220,5 +220,5 @@ def cli_main(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["KV_RECIPE_NAMES", "cli_main", "KV_RECIPE_NAMES", "evaluate_generation", "format_table", "generation_metrics",
-           "greedy", "long_prompt", "teacher_forced"]
+__all__ = ["KV_RECIPE_NAMES", "cli_main", "evaluate_generation", "format_table",
+           "generation_metrics", "greedy", "long_prompt", "teacher_forced"]
