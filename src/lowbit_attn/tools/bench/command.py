@@ -60,6 +60,10 @@ def parse_baselines(text: str) -> list[str]:
     return names
 
 
+# A CPU run's sizes where the options leave them (the protocol's would take minutes per call there)
+CPU_SIZE = {"batch": 1, "heads": 2, "dims": [64], "seqlens": [256]}
+
+
 def host_arch_arg(text: str) -> str:
     """argparse type for ``--host-arch``: an architecture as ``LOWBIT_ATTN_ARCH`` takes it."""
     from lowbit_attn.core.arch import parse_arch
@@ -78,10 +82,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--seqlens", type=parse_seqlens, default=None,
                         help="sequence lengths, e.g. 1k,4k,16k (default 1k,2k,4k,8k,16k,32k; "
                              "--quick: 1k,4k,16k)")
-    parser.add_argument("--batch", type=positive_int, default=BATCH,
-                        help=f"batch size (default {BATCH})")
-    parser.add_argument("--heads", type=positive_int, default=HEADS,
-                        help=f"heads (default {HEADS})")
+    parser.add_argument("--batch", type=positive_int, default=None,
+                        help=f"batch size (default {BATCH}; on a CPU {CPU_SIZE['batch']})")
+    parser.add_argument("--heads", type=positive_int, default=None,
+                        help=f"heads (default {HEADS}; on a CPU {CPU_SIZE['heads']})")
     parser.add_argument("--causal", choices=("yes", "no", "both"), default="both",
                         help="causal masks, non-causal, or both (default)")
     parser.add_argument("--recipes", type=parse_names, default=list(OUR_RECIPES),
@@ -166,6 +170,7 @@ def cli_main(args: argparse.Namespace) -> int:
 
     dims = args.dims or list(QUICK_DIMS if args.quick else DIMS)
     seqlens = args.seqlens or list(QUICK_SEQLENS if args.quick else SEQLENS)
+    batch, heads = args.batch or BATCH, args.heads or HEADS
     out_dirs = [Path(p) for p in (args.out or [default_results_dir()])]
 
     def save(partial):
@@ -174,11 +179,11 @@ def cli_main(args: argparse.Namespace) -> int:
             write_results(partial, o, plot=False)
 
     print(f"lowbit-attn bench on {torch.cuda.get_device_name()}: D={dims}, N={seqlens}, "
-          f"causal={args.causal}, B={args.batch}, H={args.heads}, "
+          f"causal={args.causal}, B={batch}, H={heads}, "
           f"{len(methods)} methods", file=sys.stderr)
     results = run_benchmark(
-        dims=dims, seqlens=seqlens, causal_values=causal_values, batch=args.batch,
-        heads=args.heads, methods=methods, device="cuda", warmup_ms=args.warmup, rep_ms=args.rep,
+        dims=dims, seqlens=seqlens, causal_values=causal_values, batch=batch,
+        heads=heads, methods=methods, device="cuda", warmup_ms=args.warmup, rep_ms=args.rep,
         min_cosine=args.min_cosine, seed=args.seed, time_budget_s=args.time_budget,
         on_config_done=save, progress=not args.no_progress,
     )
@@ -204,7 +209,7 @@ def _cli_host(args, causal_values) -> int:
         print("lowbit-attn bench: error: --host without a GPU times the kernels' launch path; "
               "recipe 'exact' has no kernel on a CPU (it runs PyTorch there)", file=sys.stderr)
         return 2
-    configs = [dict(recipe=r, b=args.batch, h=args.heads, n=n, d=d, causal=c)
+    configs = [dict(recipe=r, b=args.batch or BATCH, h=args.heads or HEADS, n=n, d=d, causal=c)
                for r in args.recipes for d in args.dims or [128]
                for n in args.seqlens or [1024] for c in (causal_values if args.causal != "both"
                                                          else [False])]
@@ -219,20 +224,21 @@ def _cli_host(args, causal_values) -> int:
 
 
 def _cli_cpu(args, methods, causal_values, plot) -> int:
-    b, h, n, d = 1, 2, 256, 64
+    b, h = args.batch or CPU_SIZE["batch"], args.heads or CPU_SIZE["heads"]
+    dims, seqlens = args.dims or CPU_SIZE["dims"], args.seqlens or CPU_SIZE["seqlens"]
     backend = backend_for(torch.device("cpu"))
     what = ("the PyTorch reference" if backend == "reference"
             else "the Triton kernels under the interpreter (TRITON_INTERPRET=1)")
     print(
-        f"No CUDA device: timing {what} on the CPU at B={b}, H={h}, N={n}, D={d} for "
+        f"No CUDA device: timing {what} on the CPU at B={b}, H={h}, N={seqlens}, D={dims} for "
         f"{', '.join(m.recipe for m in methods)}.\nThese are CPU reference timings, NOT kernel "
         "benchmarks; the benchmark protocol needs a CUDA GPU (run `lowbit-attn bench` there).",
         file=sys.stderr,
     )
     results = run_benchmark(
-        dims=[d], seqlens=[n], causal_values=causal_values, batch=b, heads=h, methods=methods,
-        device="cpu", min_cosine=args.min_cosine, seed=args.seed, mode="cpu-reference",
-        progress=False,
+        dims=dims, seqlens=seqlens, causal_values=causal_values, batch=b, heads=h,
+        methods=methods, device="cpu", min_cosine=args.min_cosine, seed=args.seed,
+        time_budget_s=args.time_budget, mode="cpu-reference", progress=False,
     )
     for o in args.out or []:
         for p in write_results(results, o, plot=plot):
