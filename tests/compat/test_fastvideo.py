@@ -108,7 +108,10 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="no grid"):
         video_sparse_attn(*padded, odd, odd, 2)
     with pytest.raises(ValueError, match="topk"):
-        video_sparse_attn(*padded, counts, counts, 9)
+        video_sparse_attn(*padded, counts, counts, 0)
+    # more tiles than there are means all of them, as FastVideo's min(topk, kv_blocks)
+    assert torch.equal(video_sparse_attn(*padded, counts, counts, 9),
+                       video_sparse_attn(*padded, counts, counts, 8))
     with pytest.raises(ValueError, match="compress_attn_weight"):
         video_sparse_attn(*padded, counts, counts, 2, 64, torch.ones(1, 2, 7, 32))
     with pytest.raises(ValueError, match="slots"):

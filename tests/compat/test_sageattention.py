@@ -161,6 +161,8 @@ def test_results_equal_our_attention(name, options, recipe, layout, is_causal):
     q, k, v = _qkv(layout, nq=80 if is_causal else 96)
     out, lse = getattr(sa, name)(q, k, v, tensor_layout=layout, is_causal=is_causal, sm_scale=0.1,
                                  return_lse=True, **options)
+    if is_causal:  # 80 queries, 96 keys, top-left: no query sees the last 16 keys
+        k, v = (x.narrow(2 if layout == "HND" else 1, 0, 80) for x in (k, v))
     ref_out, ref_lse = lowbit_attn.attention(q, k, v, is_causal=is_causal, scale=0.1, layout=layout,
                                              recipe=recipe, return_lse=True)
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
@@ -211,6 +213,61 @@ def test_varlen_equals_attention_varlen():
         assert torch.equal(out, ref)
 
 
+@pytest.mark.parametrize("nq, nk", [(48, 80), (80, 48)], ids=["Nq<Nk", "Nq>Nk"])
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_causal_with_unequal_lengths_is_top_left_as_theirs(nq, nk, layout):
+    """SageAttention's kernels, as PyTorch's SDPA, mask the keys ``j > i`` of query ``i`` whatever
+    Nq and Nk: against float64 with that mask (built in ``_exact``)."""
+    q, k, v = _qkv(layout, nq=nq, nk=nk)
+    for name, options, _ in CASES:
+        out, lse = getattr(sa, name)(q, k, v, tensor_layout=layout, is_causal=True,
+                                     return_lse=True, **options)
+        ref, ref_lse = _exact(q, k, v, torch.ones(1, 1, 1, nk, dtype=torch.bool), layout, True,
+                              64 ** -0.5)
+        cosine = torch.cosine_similarity(out.double().flatten(), ref.flatten(), dim=0)
+        assert cosine >= 0.999, (name, float(cosine))  # bottom-right: below 0.9
+        assert_close(lse.double(), ref_lse, atol=0.05, name=name)
+
+
+def test_varlen_causal_with_unequal_lengths_is_top_left_per_sequence():
+    g = torch.Generator().manual_seed(2)
+    cu_q = torch.tensor([0, 20, 84, 89], dtype=torch.int32)  # 20, 64, 5 queries
+    cu_k = torch.tensor([0, 37, 101, 104], dtype=torch.int32)  # 37, 64, 3 keys
+    q = (torch.randn(89, 4, 64, generator=g) + 0.5).half()
+    k, v = ((torch.randn(104, 2, 64, generator=g) + 0.5).half() for _ in range(2))
+    out = sa.sageattn_varlen(q, k, v, cu_q, cu_k, 64, 64, is_causal=True, sm_scale=0.2)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    ones = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+    for (q0, q1), (k0, k1) in zip(zip(cu_q.tolist(), cu_q.tolist()[1:]),
+                                  zip(cu_k.tolist(), cu_k.tolist()[1:])):
+        ref, _ = _exact(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], ones, "NHD", True, 0.2)
+        cosine = torch.cosine_similarity(out[q0:q1].double().flatten(), ref[0].flatten(), dim=0)
+        assert cosine >= 0.999, (q0, float(cosine))
+
+
+def test_flags_and_scales_are_read_as_theirs_reads_them():
+    """``if is_causal:`` in theirs: 0/1, None and one-element tensors are flags too; a
+    one-element ``sm_scale`` tensor is its value; PyTorch SDPA's ``scale=`` keyword (``sageattn``
+    in place of ``F.scaled_dot_product_attention``) is the scale, without a warning."""
+    q, k, v = _qkv(nq=64, nk=64)
+    causal, plain = sa.sageattn(q, k, v, is_causal=True), sa.sageattn(q, k, v)
+    for flag in (1, torch.tensor(True), torch.tensor(1)):
+        assert torch.equal(sa.sageattn(q, k, v, is_causal=flag), causal)
+    for flag in (0, None, torch.tensor(False)):
+        assert torch.equal(sa.sageattn(q, k, v, is_causal=flag), plain)
+    scaled = sa.sageattn(q, k, v, sm_scale=0.1)
+    assert not torch.equal(scaled, plain)
+    assert torch.equal(sa.sageattn(q, k, v, sm_scale=torch.tensor(0.1)), scaled)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(sa.sageattn(q, k, v, scale=0.1), scaled)
+        assert torch.equal(sa.sageattn_qk_int8_pv_fp8_cuda(q, k, v, scale=0.1),
+                           sa.sageattn_qk_int8_pv_fp8_cuda(q, k, v, sm_scale=0.1))
+    for bad in (2, "yes", 0.5, torch.tensor([1, 0])):
+        with pytest.raises(TypeError, match="is_causal"):
+            sa.sageattn(q, k, v, is_causal=bad)
+
+
 # --- masks: warned, exact ----------------------------------------------------------------------
 
 def _exact(q, k, v, mask, layout, is_causal, scale):
@@ -221,7 +278,7 @@ def _exact(q, k, v, mask, layout, is_causal, scale):
     s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.double()
     if is_causal:
         nq, nk = s.shape[-2:]
-        keep = torch.arange(nk)[None, :] <= torch.arange(nq)[:, None] + nk - nq
+        keep = torch.arange(nk)[None, :] <= torch.arange(nq)[:, None]  # top-left, as theirs
         s = s.masked_fill(~keep, float("-inf"))
     out = torch.matmul(torch.softmax(s, -1), vh)
     out = out.transpose(1, 2) if layout == "NHD" else out
@@ -343,8 +400,8 @@ def test_varlen_inputs_are_never_modified():
     (lambda q, k, v: sa.sageattn_qk_int8_pv_fp8_cuda_sm90(q, k, v, pv_accum_dtype="fp32+fp16"),
      ValueError, "pv_accum_dtype"),
     (lambda q, k, v: sa.sageattn_qk_int8_pv_fp8_cuda(q, k, v, smooth_k="yes"), TypeError, "smooth_k"),
-    (lambda q, k, v: sa.sageattn_qk_int8_pv_fp16_cuda(q, k, v, smooth_v=1), TypeError, "smooth_v"),
-    (lambda q, k, v: sa.sageattn3_blackwell(q, k, v, per_block_mean=None), TypeError,
+    (lambda q, k, v: sa.sageattn_qk_int8_pv_fp16_cuda(q, k, v, smooth_v=2), TypeError, "smooth_v"),
+    (lambda q, k, v: sa.sageattn3_blackwell(q, k, v, per_block_mean="yes"), TypeError,
      "per_block_mean"),
     (lambda q, k, v: sa.sageattn(q, k, v, is_causal="no"), TypeError, "is_causal"),
     (lambda q, k, v: sa.sageattn_qk_int8_pv_fp16_triton(q, k, v, attn_mask=[[1]]), TypeError,
@@ -439,13 +496,16 @@ def test_alias_gives_our_functions_and_uninstalls_cleanly(tmp_path):
         assert sageattention.sageattn is compat.sageattention.sageattn
         assert sageattn_varlen is compat.sageattention.sageattn_varlen
         assert sorted(sageattention.__all__) == sorted(compat.sageattention.__all__)
+        from sageattn3 import sageattn3_blackwell  # SageAttention3's import name
+        assert sageattn3_blackwell is compat.sageattention.sageattn3_blackwell
         assert compat.uninstall_sageattention_alias() is True
-        assert "sageattention" not in sys.modules
-        try:
-            import sageattention
-            raise SystemExit("sageattention still importable after uninstall")
-        except ImportError:
-            pass
+        assert "sageattention" not in sys.modules and "sageattn3" not in sys.modules
+        for name in ("sageattention", "sageattn3"):
+            try:
+                __import__(name)
+                raise SystemExit(f"{name} still importable after uninstall")
+            except ImportError:
+                pass
         assert compat.uninstall_sageattention_alias() is False
         print("ok")
     """)

@@ -1,9 +1,10 @@
-"""The import name ``sageattention`` for lowbit_attn's SageAttention-compatible functions, when the
-real package is absent: code that does ``from sageattention import sageattn`` then runs ours,
-unedited.
+"""The import names ``sageattention`` and ``sageattn3`` (SageAttention3's package) for lowbit_attn's
+SageAttention-compatible functions, when the real packages are absent: code that does
+``from sageattention import sageattn`` or ``from sageattn3 import sageattn3_blackwell`` then runs
+ours, unedited.
 
-Caveats: the alias is a plain module (no ``sageattention.core`` or other submodules, no
-``sageattention3``); it has no installed distribution, so checks that read package metadata
+Caveats: each alias is a plain module (no ``sageattention.core`` or other submodules); it has no
+installed distribution, so checks that read package metadata
 (``importlib.metadata.version("sageattention")``, as diffusers' ``is_sageattention_available`` does)
 still report SageAttention as absent; and it is process-wide, from the next ``import sageattention``
 on (a module that already failed to import it keeps its fallback).
@@ -19,37 +20,39 @@ import threading
 import types
 
 NAME = "sageattention"
+SAGEATTN3 = "sageattn3"  # SageAttention3's import name: its one function
 _lock = threading.Lock()
 
 
-def _alias_module() -> types.ModuleType:
+def _alias_module(alias: str) -> types.ModuleType:
     from lowbit_attn.compat import sageattention as ours
 
-    module = types.ModuleType(NAME, "lowbit_attn's SageAttention-compatible functions under the "
-                                    "name 'sageattention' (lowbit_attn.compat.install_sageattention_alias)")
-    for name in ours.__all__:
+    names = ["sageattn3_blackwell"] if alias == SAGEATTN3 else list(ours.__all__)
+    module = types.ModuleType(alias, "lowbit_attn's SageAttention-compatible functions under the "
+                                     f"name {alias!r} (lowbit_attn.compat.install_sageattention_alias)")
+    for name in names:
         setattr(module, name, getattr(ours, name))
-    module.__all__ = list(ours.__all__)
+    module.__all__ = names
     module.__lowbit_attn_alias__ = True
     return module
 
 
 class _Loader(importlib.abc.Loader):
     def create_module(self, spec):
-        return _alias_module()
+        return _alias_module(spec.name)
 
     def exec_module(self, module):
         pass
 
 
 class SageAttentionAliasFinder(importlib.abc.MetaPathFinder):
-    """Finds ``sageattention`` (only that name) as the alias. It sits last on ``sys.meta_path``, so
-    a package installed on ``sys.path`` later is still found first."""
+    """Finds ``sageattention`` and ``sageattn3`` (only those names) as the aliases. It sits last on
+    ``sys.meta_path``, so a package installed on ``sys.path``, even later, is found first."""
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != NAME:
+        if fullname not in (NAME, SAGEATTN3):
             return None
-        return importlib.util.spec_from_loader(NAME, _Loader(), origin="lowbit_attn.compat")
+        return importlib.util.spec_from_loader(fullname, _Loader(), origin="lowbit_attn.compat")
 
 
 def _installed_finder():
@@ -62,6 +65,7 @@ def _is_alias(module) -> bool:
 
 def install_sageattention_alias() -> None:
     """Make ``import sageattention`` give :mod:`lowbit_attn.compat.sageattention`'s functions,
+    and ``import sageattn3`` its ``sageattn3_blackwell`` (where SageAttention3 is not installed),
     for code you cannot edit (a custom node, a vendored script).
 
     Idempotent; undone by :func:`uninstall_sageattention_alias`. The alias sits last on
@@ -101,8 +105,8 @@ def install_sageattention_alias() -> None:
 
 
 def uninstall_sageattention_alias() -> bool:
-    """Remove the alias: the finder and the ``sageattention`` module it made, if imported. A real
-    ``sageattention`` is never touched.
+    """Remove the aliases: the finder and the ``sageattention`` and ``sageattn3`` modules it made,
+    if imported. A real package is never touched.
 
     Returns:
         Whether anything was removed.
@@ -123,7 +127,8 @@ def uninstall_sageattention_alias() -> bool:
             sys.meta_path.remove(finder)
             removed = True
             finder = _installed_finder()
-        if _is_alias(sys.modules.get(NAME)):
-            del sys.modules[NAME]
-            removed = True
+        for alias in (NAME, SAGEATTN3):
+            if _is_alias(sys.modules.get(alias)):
+                del sys.modules[alias]
+                removed = True
         return removed

@@ -113,8 +113,9 @@ def video_sparse_attn(
         q_variable_block_sizes: ``[n_tiles]`` valid tokens per query tile: must equal
             ``variable_block_sizes`` (self-attention over one grid; theirs also takes cross
             attention between two grids).
-        topk: key tiles per query tile → ``topk`` (an int in ``[1, n_tiles]``; ours also takes a
-            fraction).
+        topk: key tiles per query tile → ``topk``: an int of at least 1, more than ``n_tiles``
+            meaning all of them (as theirs: ``min(topk, kv_blocks)``); ours also takes a fraction
+            of the tiles (a float in ``(0, 1]``).
         block_size: ``(tt, th, tw)`` → ``tile``; an int is the tokens per cubic tile (64 →
             ``(4, 4, 4)``); theirs reads an int ``b`` as ``(b, b, b)``.
         compress_attn_weight: ``None`` → ``gate_coarse`` = 1 (the sum of both branches); a tensor
@@ -172,6 +173,8 @@ def video_sparse_attn(
         elif gate.dim() >= 2 and gate.shape[-2] != 1:
             raise ValueError(f"compress_attn_weight's token axis (-2) must be 1 or {slots} (the "
                              f"padded slots), got shape {tuple(compress_attn_weight.shape)}")
+    if isinstance(topk, int) and not isinstance(topk, bool) and topk > n_tiles:
+        topk = n_tiles  # as theirs: min(topk, kv_blocks)
     tokens = [x.index_select(2, valid) for x in (q, k, v)]
     out = video_sparse_attention(*tokens, video_shape=video_shape, tile=tile, topk=topk,
                                  gate_coarse=gate, layout="HND", recipe="exact",

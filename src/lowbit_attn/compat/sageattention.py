@@ -9,15 +9,22 @@ What differs from SageAttention, for every function:
 * CPU tensors work (the PyTorch reference with the same numerics); any strides; float32 too.
 * ``attn_mask`` (a parameter of some functions, or passed through ``**kwargs`` to the others) is
   not ignored: the call warns and computes exact attention with the mask (PyTorch's
-  ``scaled_dot_product_attention``, not low-bit; see :func:`masked_exact`).
+  ``scaled_dot_product_attention``, not low-bit; see :func:`masked_exact`). SageAttention's CUDA
+  functions ignore it; its Triton one applies it, a float mask to base-2 scores (a bias ``b`` acts
+  as ``b·ln 2``), where ours gives a float mask PyTorch's meaning.
 * Other keyword arguments a function does not name are ignored, as SageAttention ignores them, with
-  one warning per function and name.
+  one warning per function and name; ``scale`` (PyTorch SDPA's name, when ``sageattn`` replaces
+  ``F.scaled_dot_product_attention``) is honoured where ``sm_scale`` is not given.
+* Flags (``is_causal``, ``return_lse``, ``smooth_k``, …) are read as SageAttention reads them,
+  ``if flag:``, for a bool, ``None``, 0 or 1 (also as a one-element tensor); other values are a
+  ``TypeError``. ``sm_scale`` may be a one-element float tensor.
 * ``return_lse`` gives the natural-log log-sum-exp of each row of the true scores
   ``q·kᵀ·sm_scale`` (before any smoothing), ``[B, Hq, Nq]`` fp32 in either layout: SageAttention 2.x
   returns its kernels' base-2 LSE divided by log2(e) plus the K-smoothing correction
   ``q·mean(k)·sm_scale``, which is this same quantity. Rows that see no key give ``-inf``.
-* ``is_causal`` with ``Nq != Nk`` aligns the mask bottom-right (query ``i`` sees key
-  ``j <= i + Nk - Nq``); SageAttention documents causal only for ``Nq == Nk``.
+* ``is_causal`` with ``Nq != Nk`` aligns the mask top-left, as SageAttention's kernels and
+  PyTorch's ``scaled_dot_product_attention`` do: query ``i`` sees keys ``j <= i`` (SageAttention
+  documents causal only for ``Nq == Nk``; ``lowbit_attn.attention`` itself aligns bottom-right).
 * Q/K/V head dims: 1 to 256 (fast path 64 and 128); SageAttention pads to 64/128 and rejects > 128.
 * Our INT8 recipes also balance Q/K channels (``Recipe.balance_qk``, exact in real arithmetic);
   P·V always accumulates in fp32 (SageAttention's fp16 / fp22 accumulators are not reproduced).
@@ -25,6 +32,7 @@ What differs from SageAttention, for every function:
 
 from __future__ import annotations
 
+import numbers
 import sys
 import threading
 import warnings
@@ -79,17 +87,43 @@ def _warn_once(function: str, key: str, message: str) -> None:
     _warn(f"{function}: {message}")
 
 
-def _mask_from(function: str, attn_mask, kwargs: dict):
-    """The mask (the parameter, or ``attn_mask=`` in ``**kwargs``); warn once for each other keyword
-    that is ignored."""
+def _flag(name: str, value) -> bool:
+    """A flag as SageAttention reads one (``if is_causal:``): a bool, ``None``, or 0/1 as an int or
+    a one-element integer or bool tensor. Anything else (a string, 2, a float) is a TypeError."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not (
+            value.is_floating_point() or value.is_complex()):
+        value = value.item()
+    if value is None:
+        return False
+    if (isinstance(value, numbers.Integral) or checks.is_numpy_bool(value)) and value in (0, 1):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool (or None, 0, 1), got {checks.shown(value)}")
+
+
+def _scale(sm_scale):
+    """``sm_scale`` as :func:`lowbit_attn.attention` takes it: a one-element float tensor read as
+    its value (theirs multiplies by it); anything else passed on to be checked there."""
+    if isinstance(sm_scale, torch.Tensor) and sm_scale.numel() == 1 and sm_scale.is_floating_point():
+        return float(sm_scale)
+    return sm_scale
+
+
+def _keywords(function: str, attn_mask, sm_scale, kwargs: dict, *, scale_keyword: bool = True):
+    """The mask (the parameter, or ``attn_mask=`` in ``**kwargs``) and the scale: ``sm_scale``, or
+    where it is None and ``scale_keyword``, a ``scale=`` keyword (PyTorch SDPA's name, for a
+    function put in place of ``F.scaled_dot_product_attention``). Warns once for each other keyword,
+    which is ignored."""
     extra = dict(kwargs)
     if "attn_mask" in extra:
         passed = extra.pop("attn_mask")
         attn_mask = passed if attn_mask is None else attn_mask
+    if scale_keyword and "scale" in extra:
+        passed = extra.pop("scale")
+        sm_scale = passed if sm_scale is None else sm_scale
     for name in sorted(extra):
         _warn_once(function, name, f"keyword argument {name!r} is ignored (as SageAttention "
                                    "ignores keywords it does not name)")
-    return attn_mask
+    return attn_mask, sm_scale
 
 
 def _layout(tensor_layout) -> str:
@@ -106,16 +140,17 @@ def masked_exact(function: str, q, k, v, attn_mask, *, layout: str = "HND", is_c
     Args:
         attn_mask: bool (True = attend) or additive float, broadcastable to ``[B, Hq, Nq, Nk]`` (in
             either layout), as PyTorch's SDPA takes it.
-        is_causal: combined with the mask, aligned bottom-right as :func:`lowbit_attn.attention`.
+        is_causal: combined with the mask, aligned top-left (query ``i`` sees keys ``j <= i``), as
+            SageAttention's kernels and PyTorch's SDPA.
     Returns:
         as :func:`lowbit_attn.attention`: rows that see no key give 0 (and ``-inf`` LSE). The LSE
             is computed from the dense fp32 scores (``Nq × Nk`` per head in memory).
     """
-    _warn(f"{function}: attn_mask was given; SageAttention would ignore it. Computing exact "
-          "attention with the mask instead (PyTorch's scaled_dot_product_attention, not low-bit)")
+    _warn(f"{function}: attn_mask was given: computing exact attention with the mask "
+          "(PyTorch's scaled_dot_product_attention, not low-bit)")
     qh, kh, vh = checks.dense_qkv(q, k, v, layout)
-    is_causal = checks.flag("is_causal", is_causal)
-    return_lse = checks.flag("return_lse", return_lse)
+    is_causal = _flag("is_causal", is_causal)
+    return_lse = _flag("return_lse", return_lse)
     if not isinstance(attn_mask, torch.Tensor):
         raise TypeError(f"attn_mask must be a tensor or None, got {type(attn_mask).__name__}")
     if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
@@ -132,7 +167,7 @@ def masked_exact(function: str, q, k, v, attn_mask, *, layout: str = "HND", is_c
         allowed = allowed.to(qh.dtype)
     if is_causal:
         rows = torch.arange(nq, device=q.device)[:, None]
-        causal = torch.arange(nk, device=q.device)[None, :] <= rows + (nk - nq)
+        causal = torch.arange(nk, device=q.device)[None, :] <= rows
         allowed = (allowed & causal if allowed.dtype == torch.bool
                    else allowed.masked_fill(~causal, float("-inf")))
     out = exact_sdpa(qh, kh, vh, attn_mask=allowed, scale=sm_scale)
@@ -148,19 +183,38 @@ def masked_exact(function: str, q, k, v, attn_mask, *, layout: str = "HND", is_c
     return out, torch.logsumexp(scores, dim=-1)
 
 
+def _top_left(q, k, v, layout: str, is_causal: bool):
+    """``k``, ``v`` and :func:`lowbit_attn.attention`'s mask arguments for SageAttention's causal
+    mask, top-left: query ``i`` sees keys ``j <= i``. With ``Nq < Nk`` no query sees the keys past
+    ``Nq`` (they are left out: the same rows, the same LSE); with ``Nq > Nk`` a window's right
+    side of ``Nq - Nk`` (bottom-right aligned) is the same mask. Inputs that are not 4-D tensors
+    of one shape pass unchanged, for ``attention`` to report."""
+    if not is_causal or not all(isinstance(x, torch.Tensor) and x.dim() == 4 for x in (q, k, v)):
+        return k, v, {"is_causal": is_causal}
+    axis = 2 if layout == "HND" else 1
+    nq, nk = q.shape[axis], k.shape[axis]
+    if nq < nk and k.shape == v.shape:
+        return k.narrow(axis, 0, nq), v.narrow(axis, 0, nq), {"is_causal": True}
+    if nq > nk:
+        return k, v, {"is_causal": False, "window": (-1, nq - nk)}
+    return k, v, {"is_causal": True}
+
+
 def _run(function: str, q, k, v, *, tensor_layout, is_causal, sm_scale, return_lse, recipe,
          attn_mask):
     layout = _layout(tensor_layout)
+    is_causal, return_lse = _flag("is_causal", is_causal), _flag("return_lse", return_lse)
+    sm_scale = _scale(sm_scale)
     if attn_mask is not None:
         return masked_exact(function, q, k, v, attn_mask, layout=layout, is_causal=is_causal,
                             scale=sm_scale, return_lse=return_lse)
-    return attention(q, k, v, is_causal=is_causal, scale=sm_scale, layout=layout, recipe=recipe,
-                     return_lse=return_lse)
+    k, v, mask = _top_left(q, k, v, layout, is_causal)
+    return attention(q, k, v, scale=sm_scale, layout=layout, recipe=recipe,
+                     return_lse=return_lse, **mask)
 
 
 def _int8_recipe(name: str, *, qk_quant_gran=None, smooth_k=True, smooth_v=False) -> Recipe:
-    changes = {"smooth_k": checks.flag("smooth_k", smooth_k),
-               "smooth_v": checks.flag("smooth_v", smooth_v)}
+    changes = {"smooth_k": _flag("smooth_k", smooth_k), "smooth_v": _flag("smooth_v", smooth_v)}
     if qk_quant_gran is not None:
         changes.update(GRANULARITY[checks.choice("qk_quant_gran", qk_quant_gran,
                                                  QK_QUANT_GRANS)])
@@ -169,7 +223,7 @@ def _int8_recipe(name: str, *, qk_quant_gran=None, smooth_k=True, smooth_v=False
 
 def _smooth_v_used(function: str, smooth_v, pv_accum_dtype: str, uses: str) -> bool:
     """SageAttention applies ``smooth_v`` with one accumulation mode only and warns otherwise."""
-    smooth_v = checks.flag("smooth_v", smooth_v)
+    smooth_v = _flag("smooth_v", smooth_v)
     if smooth_v and pv_accum_dtype != uses:
         _warn(f"{function}: pv_accum_dtype is {pv_accum_dtype!r}, smooth_v will be ignored (as "
               "in SageAttention)")
@@ -183,7 +237,7 @@ def _int8_cuda(function: str, q, k, v, kwargs: dict, *, pv_accum_dtype, qk_quant
     :func:`_run` with ``run``'s arguments."""
     name, accum_modes, smooth_v_mode = INT8_CUDA[function]
     checks.choice("pv_accum_dtype", pv_accum_dtype, accum_modes)
-    mask = _mask_from(function, None, kwargs)
+    mask, run["sm_scale"] = _keywords(function, None, run["sm_scale"], kwargs)
     if smooth_v_mode is not None:
         smooth_v = _smooth_v_used(function, smooth_v, pv_accum_dtype, smooth_v_mode)
     recipe = _int8_recipe(name, qk_quant_gran=qk_quant_gran, smooth_k=smooth_k, smooth_v=smooth_v)
@@ -214,14 +268,16 @@ def sageattn(
             ``Hkv``.
         v: the same shape as k.
         tensor_layout: ``"HND"`` or ``"NHD"`` (→ ``layout``).
-        is_causal: → ``is_causal`` (aligned bottom-right when ``Nq != Nk``).
+        is_causal: → ``is_causal``; when ``Nq != Nk`` aligned top-left as theirs and PyTorch's
+            SDPA (query ``i`` sees keys ``j <= i``; see :func:`_top_left`).
         sm_scale: → ``scale`` (``D ** -0.5`` by default, as theirs).
         return_lse: → ``return_lse`` (natural log of the true scores, ``[B, Hq, Nq]`` fp32; see
             the module notes).
         **kwargs: ignored as in SageAttention (one warning per name), except ``attn_mask``: exact
             attention with the mask and a warning (SageAttention ignores it), and ``smooth_k``
             (SageAttention 1.x's parameter in this position): → ``Recipe.smooth_k`` of the
-            automatic recipe.
+            automatic recipe, and ``scale`` (PyTorch SDPA's name, for ``sageattn`` put in place
+            of ``F.scaled_dot_product_attention``): the scale where ``sm_scale`` is None.
 
     Returns:
         The output in q's dtype, shape and layout, or with ``return_lse`` a tuple of the output
@@ -243,10 +299,10 @@ def sageattn(
     extra = dict(kwargs)
     recipe = "auto"
     if "smooth_k" in extra:  # SageAttention 1.x: sageattn(..., sm_scale=None, smooth_k=True)
-        smooth_k = checks.flag("smooth_k", extra.pop("smooth_k"))
+        smooth_k = _flag("smooth_k", extra.pop("smooth_k"))
         if isinstance(q, torch.Tensor):  # (else the interface reports the bad q)
             recipe = resolve_for("auto", q.device).replace(smooth_k=smooth_k)
-    mask = _mask_from("sageattn", None, extra)
+    mask, sm_scale = _keywords("sageattn", None, sm_scale, extra)
     return _run("sageattn", q, k, v, tensor_layout=tensor_layout, is_causal=is_causal,
                 sm_scale=sm_scale, return_lse=return_lse, recipe=recipe, attn_mask=mask)
 
@@ -280,7 +336,9 @@ def sageattn_qk_int8_pv_fp16_triton(
             reference on CPU).
         is_causal: as for :func:`sageattn`.
         attn_mask: ``None``, or a mask: exact attention with the mask and a warning (see
-            :func:`masked_exact`); theirs ignores it.
+            :func:`masked_exact`). Theirs (2.2) applies it in the low-bit kernel: a bool mask the
+            same (True = attend), a float mask added to base-2 scores (a bias ``b`` acts as
+            ``b·ln 2``; ours: PyTorch's meaning, ``b``).
         sm_scale: as for :func:`sageattn`.
         smooth_k: → ``Recipe.smooth_k``.
         return_lse: as for :func:`sageattn`.
@@ -306,7 +364,7 @@ def sageattn_qk_int8_pv_fp16_triton(
     """
     checks.choice("quantization_backend", quantization_backend, QUANTIZATION_BACKENDS)
     name = "sageattn_qk_int8_pv_fp16_triton"
-    mask = _mask_from(name, attn_mask, kwargs)
+    mask, sm_scale = _keywords(name, attn_mask, sm_scale, kwargs)
     recipe = _int8_recipe("qk_int8_pv_fp16", smooth_k=smooth_k)
     return _run(name, q, k, v, tensor_layout=tensor_layout, is_causal=is_causal, sm_scale=sm_scale,
                 return_lse=return_lse, recipe=recipe, attn_mask=mask)
@@ -392,9 +450,10 @@ def sageattn_qk_int8_pv_fp8_cuda(
         v: as for :func:`sageattn`.
         tensor_layout: as for :func:`sageattn`.
         is_causal: as for :func:`sageattn`.
-        qk_quant_gran: ``"per_thread"`` → ``granularity="per_token"`` (one scale per row, finer
-            than their per-thread groups); ``"per_warp"`` → ``granularity="per_block"`` (one scale
-            per 128 query rows and 64 key rows; their warp groups are 16-32 query rows, 64 keys).
+        qk_quant_gran: as :func:`sageattn_qk_int8_pv_fp16_cuda`: ``"per_thread"`` →
+            ``granularity="per_thread"`` with 64-row and 128-key blocks (their sm90 groups; their
+            sm89 kernel's blocks are 128 query rows and 64 keys); ``"per_warp"`` →
+            ``granularity="per_block"``.
         sm_scale: as for :func:`sageattn`.
         pv_accum_dtype: ``"fp32"``, ``"fp32+fp32"`` or ``"fp32+fp16"``: checked; ours adds each
             key block's FP8 product into an fp32 accumulator (as ``"fp32+fp32"``; their ``"fp32"``
@@ -506,7 +565,9 @@ def sageattn_varlen(
         cu_seqlens_k: likewise for k and v.
         max_seqlen_q: at least the longest query sequence.
         max_seqlen_k: at least the longest key sequence.
-        is_causal: → ``is_causal`` (per sequence, aligned bottom-right).
+        is_causal: → ``is_causal``, per sequence, aligned top-left as theirs (query ``i`` sees
+            keys ``j <= i``): where a sequence's query and key counts differ, one
+            :func:`lowbit_attn.attention` call per sequence.
         sm_scale: → ``scale``.
         smooth_k: → ``Recipe.smooth_k`` (ours subtracts each sequence's own mean; theirs one mean
             over all sequences packed together).
@@ -532,7 +593,8 @@ def sageattn_varlen(
         torch.Size([101, 2, 64])
     """
     name = "sageattn_varlen"
-    if _mask_from(name, None, kwargs) is not None:
+    mask, sm_scale = _keywords(name, None, sm_scale, kwargs)
+    if mask is not None:
         raise ValueError("sageattn_varlen: attn_mask is not supported over packed sequences "
                          "(SageAttention ignores it); call sageattn on padded tensors with the mask")
     cu = []
@@ -542,8 +604,30 @@ def sageattn_varlen(
                             f"{getattr(x, 'dtype', type(x).__name__)}")
         cu.append(x.to(torch.int32))
     recipe = _int8_recipe("qk_int8_pv_fp16", smooth_k=smooth_k)
+    is_causal, sm_scale = _flag("is_causal", is_causal), _scale(sm_scale)
+    if is_causal and not (cu[0].shape == cu[1].shape and torch.equal(cu[0], cu[1])):
+        return _varlen_top_left(q, k, v, cu[0], cu[1], scale=sm_scale, recipe=recipe)
     return attention_varlen(q, k, v, cu[0], cu[1], max_seqlen_q, max_seqlen_k,
                             is_causal=is_causal, scale=sm_scale, recipe=recipe)
+
+
+def _varlen_top_left(q, k, v, cu_q, cu_k, *, scale, recipe) -> torch.Tensor:
+    """Causal packed sequences whose query and key counts differ, with SageAttention's top-left
+    mask (:func:`_top_left`), which no single :func:`lowbit_attn.attention_varlen` call expresses:
+    one :func:`lowbit_attn.attention` call per sequence (the offsets read on the host)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        checks.tensor(name, x, 3)
+    bq = checks.cu_seqlens("cu_seqlens_q", cu_q, q.shape[0], q.device)
+    bk = checks.cu_seqlens("cu_seqlens_k", cu_k, k.shape[0], q.device)
+    if len(bq) != len(bk):
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of "
+                         f"sequences, got {len(bq) - 1} and {len(bk) - 1}")
+    parts = []
+    for (q0, q1), (k0, k1) in zip(zip(bq, bq[1:]), zip(bk, bk[1:])):
+        qs, ks, vs = q[None, q0:q1], k[None, k0:k1], v[None, k0:k1]
+        ks, vs, mask = _top_left(qs, ks, vs, "NHD", True)
+        parts.append(attention(qs, ks, vs, scale=scale, layout="NHD", recipe=recipe, **mask)[0])
+    return torch.cat(parts)
 
 
 def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal=False, per_block_mean=True, **kwargs):
@@ -562,8 +646,8 @@ def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal=False, per_block_mean
         per_block_mean: ``True`` (their default: Q's mean per 128-row block, the ΔS correction) →
             ``Recipe.smooth_q=True`` with ``block_q=128``, the same; ``False`` (one Q mean per
             head) has no per-head form here and also runs per-block smoothing (finer).
-        **kwargs: ignored with a warning per name (theirs ignores them; ``sm_scale`` included:
-            the scale is ``D ** -0.5``, as theirs).
+        **kwargs: ignored with a warning per name (theirs ignores them; ``sm_scale`` and
+            ``scale`` included: the scale is ``D ** -0.5``, as theirs).
 
     Returns:
         The output, q's dtype and shape.
@@ -582,8 +666,8 @@ def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal=False, per_block_mean
         torch.Size([1, 2, 64, 64])
     """
     name = "sageattn3_blackwell"
-    checks.flag("per_block_mean", per_block_mean)
-    mask = _mask_from(name, attn_mask, kwargs)
+    _flag("per_block_mean", per_block_mean)
+    mask, _ = _keywords(name, attn_mask, None, kwargs, scale_keyword=False)
     return _run(name, q, k, v, tensor_layout="HND", is_causal=is_causal, sm_scale=None,
                 return_lse=False, recipe=get_recipe("qk_fp4_pv_fp4"), attn_mask=mask)
 
