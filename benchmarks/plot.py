@@ -1,8 +1,9 @@
 #!/usr/bin/env python
-"""Redraw the chart (and, with --markdown, the tables) of a benchmark results JSON.
+"""Redraw the chart (and, with --markdown, the tables) of a results JSON that ``lowbit-attn bench``
+wrote (``--out DIR``; the other benchmarks' files have their own tables).
 
-    python benchmarks/plot.py benchmarks/results/nvidia-h100-80gb-hbm3-2026-11-23.json
-    python benchmarks/plot.py RESULTS.json -o chart.png --markdown
+    lowbit-attn bench --quick --out runs/
+    python benchmarks/plot.py runs/RESULTS.json -o chart.png --markdown
 
 The chart is drawn from the JSON alone (no GPU needed): grouped bars of TOP/s per method, one panel
 per (head dim, causal); bars of methods that failed the accuracy check are hatched.
@@ -26,13 +27,16 @@ except ImportError:  # a source checkout that is not installed
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("results", type=Path, help="a results JSON written by the benchmark")
+    parser.add_argument("results", type=Path, help="a results JSON written by lowbit-attn bench")
     parser.add_argument("-o", "--output", type=Path, default=None,
                         help="PNG path (default: next to the JSON, same name)")
     parser.add_argument("--markdown", action="store_true",
                         help="also rewrite the markdown tables next to the PNG")
     args = parser.parse_args(argv)
     results = json.loads(args.results.read_text())
+    if not isinstance(results, dict) or not {"metadata", "rows"} <= set(results):
+        parser.error(f"{args.results} is not a results file of lowbit-attn bench (it has no "
+                     "'metadata' and 'rows'; the other benchmarks write their own tables)")
     png = args.output or args.results.with_suffix(".png")
     if args.markdown:
         md = png.with_suffix(".md")

@@ -43,6 +43,8 @@ BAD_CALLS = [
                  "unknown recipe 'int4'", id="recipe"),
     pytest.param(lambda q, k, v: lowbit_attn.attention(q, k, v, recipe=3), TypeError,
                  "recipe must be a str", id="recipe-type"),
+    pytest.param(lambda q, k, v: lowbit_attn.get_recipe("auto"), ValueError,
+                 "recipe 'auto' is chosen per device when a call runs", id="get-recipe-auto"),
     pytest.param(lambda q, k, v: lowbit_attn.attention(q, k, v, scale=-1.0), ValueError,
                  "scale must be a positive", id="scale"),
     pytest.param(lambda q, k, v: lowbit_attn.attention(q, k, v, scale=10**400), ValueError,

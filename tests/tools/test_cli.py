@@ -46,6 +46,25 @@ def test_doctor_survives_a_bad_backend_setting(capsys, monkeypatch):
     assert "error: LOWBIT_ATTN_BACKEND must be one of" in out
 
 
+def test_doctor_prints_every_variable_and_flags_a_bad_value(capsys, monkeypatch):
+    """Each variable the package reads, set or not; a value a call would refuse is named with the
+    choices (on a CPU no call reads LOWBIT_ATTN_AUTOTUNE, so doctor is where it shows)."""
+    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "bogus")
+    monkeypatch.setenv("LOWBIT_ATTN_BWD_KERNEL", "sm90")
+    monkeypatch.setenv("LOWBIT_ATTN_CACHE", "/tmp/models")
+    monkeypatch.delenv("LOWBIT_ATTN_LAUNCH", raising=False)
+    code, out, _ = run(capsys, "doctor")
+    assert code == 0
+    lines = {line.split()[0]: line for line in out.splitlines()
+             if line.startswith(("LOWBIT_", "TRITON_"))}
+    assert set(lines) >= {"LOWBIT_ATTN_BWD_KERNEL", "LOWBIT_ATTN_CACHE", "LOWBIT_ATTN_AUTOTUNE",
+                          "LOWBIT_ATTN_Q_QUANT", "LOWBIT_ATTN_TRAIN_DQ", "LOWBIT_ATTN_LAUNCH"}
+    assert lines["LOWBIT_ATTN_KERNEL"].split()[1:] == [
+        "bogus", "(error:", "must", "be", "one", "of", "triton,", "gluon,", "sm90)"]
+    assert lines["LOWBIT_ATTN_BWD_KERNEL"].split()[1:] == ["sm90"]
+    assert lines["LOWBIT_ATTN_LAUNCH"].split()[1:] == ["(unset)"]
+
+
 @pytest.mark.parametrize(
     "recipe,device,cap,backend,expected",
     [

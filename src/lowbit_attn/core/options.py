@@ -51,11 +51,12 @@ DQ_MODES = ("recompute", "atomic")
 BWD_KERNELS = ("triton", "sm90")
 KERNELS = ("triton", "gluon", "sm90")
 LAUNCH_MODES = ("triton", "plan")
-_VARIABLES = {"q_quant": ("LOWBIT_ATTN_Q_QUANT", Q_QUANT_MODES),
-              "train_dq": ("LOWBIT_ATTN_TRAIN_DQ", DQ_MODES),
-              "bwd_kernel": ("LOWBIT_ATTN_BWD_KERNEL", BWD_KERNELS),
-              "kernel": ("LOWBIT_ATTN_KERNEL", KERNELS),
-              "launch": ("LOWBIT_ATTN_LAUNCH", LAUNCH_MODES)}
+# Each option's field → (its environment variable, its modes, the default first)
+VARIABLES = {"q_quant": ("LOWBIT_ATTN_Q_QUANT", Q_QUANT_MODES),
+             "train_dq": ("LOWBIT_ATTN_TRAIN_DQ", DQ_MODES),
+             "bwd_kernel": ("LOWBIT_ATTN_BWD_KERNEL", BWD_KERNELS),
+             "kernel": ("LOWBIT_ATTN_KERNEL", KERNELS),
+             "launch": ("LOWBIT_ATTN_LAUNCH", LAUNCH_MODES)}
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ class KernelOptions:
     launch: str = LAUNCH_MODES[0]
 
     def __post_init__(self) -> None:
-        for field, (variable, choices) in _VARIABLES.items():
+        for field, (variable, choices) in VARIABLES.items():
             value = getattr(self, field)
             if value not in choices:
                 raise ValueError(f"{variable} must be one of {choices}, got {value!r}")
@@ -80,7 +81,7 @@ class KernelOptions:
         """The options the environment sets (``ValueError`` naming the variable for a value that
         is not one of its modes)."""
         return cls(**{field: os.environ.get(variable, choices[0])
-                      for field, (variable, choices) in _VARIABLES.items()})
+                      for field, (variable, choices) in VARIABLES.items()})
 
     @property
     def q_in_kernel(self) -> bool:

@@ -222,6 +222,9 @@ def get_recipe(name: str) -> Recipe:
     """
     if not isinstance(name, str):
         raise TypeError(f"recipe name must be a str, got {type(name).__name__}")
+    if name == "auto":
+        raise ValueError("recipe 'auto' is chosen per device when a call runs (pass "
+                         f"recipe='auto' to the call); get_recipe takes one of {sorted(RECIPES)}")
     try:
         return RECIPES[name]
     except KeyError:

@@ -252,7 +252,7 @@ class QuantizedCache(Cache):
         >>> cache.get_seq_length()
         0
 
-        Pass it to ``model.generate(..., past_key_values=cache)``.
+        Pass it to ``model.generate(..., cache=cache)`` (``past_key_values=`` before transformers 5).
     """
 
     def __init__(self, config=None, *, batch: int, max_tokens: int, num_layers: int | None = None,

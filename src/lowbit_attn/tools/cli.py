@@ -32,8 +32,8 @@ EXTERNAL = {
     "bench": ("lowbit_attn.tools.bench", "speed of each recipe and the baselines"),
 }
 ENV_VARS = ("LOWBIT_ATTN_ARCH", "LOWBIT_ATTN_BACKEND", "LOWBIT_ATTN_Q_QUANT",
-            "LOWBIT_ATTN_TRAIN_DQ", "LOWBIT_ATTN_KERNEL", "LOWBIT_ATTN_AUTOTUNE",
-            "LOWBIT_ATTN_LAUNCH", "TRITON_INTERPRET")
+            "LOWBIT_ATTN_TRAIN_DQ", "LOWBIT_ATTN_BWD_KERNEL", "LOWBIT_ATTN_KERNEL",
+            "LOWBIT_ATTN_AUTOTUNE", "LOWBIT_ATTN_LAUNCH", "LOWBIT_ATTN_CACHE", "TRITON_INTERPRET")
 DTYPES = ("float16", "bfloat16", "float32")
 # core.options.KERNELS, spelled out: --help imports nothing heavy
 KERNELS = ("triton", "gluon", "sm90")
@@ -638,6 +638,25 @@ def _backend(arch_mod, device_type: str) -> str:
         return f"error: {exc}"
 
 
+def _env_value(name: str, has_triton: bool) -> str:
+    """A variable's value for doctor, ``(unset)``, or the value and the error a call that reads it
+    will raise (LOWBIT_ATTN_ARCH's has its own line, ``target arch``; LOWBIT_ATTN_BACKEND's the
+    backend lines)."""
+    from lowbit_attn.core import options
+
+    value = os.environ.get(name)
+    if value is None:
+        return "(unset)"
+    choices = {variable: modes for variable, modes in options.VARIABLES.values()}
+    if name == "LOWBIT_ATTN_AUTOTUNE" and has_triton:
+        from lowbit_attn.core.triton_helpers import AUTOTUNE
+
+        choices[name] = AUTOTUNE
+    if name in choices and value not in choices[name]:
+        return f"{value}  (error: must be one of {', '.join(choices[name])})"
+    return value
+
+
 def _doctor(args: argparse.Namespace) -> int:
     import torch
 
@@ -658,7 +677,7 @@ def _doctor(args: argparse.Namespace) -> int:
     except ValueError as exc:
         target = None
         rows.append(("target arch", f"error: {exc}"))
-    rows += [(name, os.environ.get(name, "(unset)")) for name in ENV_VARS]
+    rows += [(name, _env_value(name, has_triton)) for name in ENV_VARS]
     backends = {d: _backend(arch_mod, d) for d in ("cuda", "cpu")}
     rows += [("CUDA tensors", backends["cuda"]), ("CPU tensors", backends["cpu"])]
     width = max(len(k) for k, _ in rows) + 2
