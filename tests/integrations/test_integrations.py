@@ -226,7 +226,7 @@ def test_transformers_left_padded_causal_mask_runs_as_packed_sequences():
         model.set_attn_implementation("sdpa")
         want = model(ids, attention_mask=right).logits
         model.set_attn_implementation("lowbit")
-        with pytest.warns(UserWarning, match="an attn_mask was given") as caught:
+        with pytest.warns(UserWarning, match="a right-padded batch") as caught:
             got = model(ids, attention_mask=right).logits
     assert torch.equal(got, want) and len(caught) == 1
 

@@ -494,6 +494,7 @@ def test_inspect_refuses_a_ptx_dir_it_cannot_make(capsys):
 def test_inspect_refuses_an_fp8_recipe_where_there_are_no_fp8_tensor_cores(capsys):
     line = usage_error(capsys, ["inspect", "--arch", "sm_80", "--recipe", "qk_int8_pv_fp8"])
     assert "needs FP8 tensor cores" in line and "qk_int8_pv_fp16" in line, line
+    assert "--arch sm_80 is 8.0" in line, line  # the target, not a GPU: none is involved
 
 
 def test_bench_refuses_a_head_dim_an_fp4_recipe_cannot_take(capsys):

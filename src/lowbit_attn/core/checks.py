@@ -208,19 +208,21 @@ def cu_seqlens(name: str, cu: torch.Tensor, total: int, device: torch.device, *,
     return bounds
 
 
-def recipe_runs_here(recipe, device: torch.device, capability) -> None:
-    """The Triton kernels need INT8 tensor cores (sm_80+) and, for FP8 P·V, sm_89+."""
+def recipe_runs_here(recipe, device: torch.device, capability, *,
+                     target: str = "this GPU") -> None:
+    """The Triton kernels need INT8 tensor cores (sm_80+) and, for FP8 P·V, sm_89+ (``target``:
+    what the message calls the capability's owner)."""
     if device.type != "cuda" or recipe.is_exact or capability is None:
         return
     if capability < (8, 0):
         raise ValueError(
-            f"recipe {recipe.name!r} needs a GPU of compute capability 8.0 or newer, this one is "
+            f"recipe {recipe.name!r} needs a GPU of compute capability 8.0 or newer, {target} is "
             f"{capability[0]}.{capability[1]}; use recipe='exact' or LOWBIT_ATTN_BACKEND=reference"
         )
     if recipe.pv == "fp8" and capability < (8, 9):
         raise ValueError(
             f"recipe {recipe.name!r} needs FP8 tensor cores (compute capability 8.9 or newer), "
-            f"this GPU is {capability[0]}.{capability[1]}; use recipe='qk_int8_pv_fp16'"
+            f"{target} is {capability[0]}.{capability[1]}; use recipe='qk_int8_pv_fp16'"
         )
 
 

@@ -148,6 +148,9 @@ def attention_function(recipe: str | Recipe = "auto"):
         keys = _key_padding(attention_mask, query, key, dropout)
         if keys is not None:
             return _key_padded(query, key, value, keys, scaling, recipe)
+        if isinstance(attention_mask, torch.Tensor):  # named here: SDPA's reason would be vaguer
+            return fallback("a mask that is neither causal with left padding nor padded keys (a "
+                            "right-padded batch, packed sequences or a custom mask)")
         # as transformers' SDPA path: causal only for more than one query and no explicit mask
         causal = bool(query.shape[2] > 1 and attention_mask is None and causal)
         out = sdpa_or_fallback(query, key, value, attention_mask, dropout, causal, scaling,

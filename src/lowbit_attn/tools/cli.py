@@ -72,7 +72,7 @@ def _add_inspect(sub) -> None:
                    f"attention's forward and backward; {VSA}: video sparse attention's fine stage, "
                    "its tiling, 16-bit forward and backward and 8-bit forward; "
                    f"{' and '.join(KV_RECIPES)}: one query's read of the quantized KV cache, the "
-                   "split and merge kernels), or 'auto' (what ARCH gets by default)")
+                   "split and merge kernels), or 'auto' (the default: what ARCH gets by default)")
     p.add_argument("--head-dim", type=head_dim_arg, default=128,
                    help=f"head dim D, 1 to {MAX_HEAD_DIM} (default 128)")
     p.add_argument("--causal", action="store_true", help="the causal variant")
@@ -234,7 +234,8 @@ def _inspect(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> in
                                         config=args.config)
         else:
             recipe = resolve(args.recipe, parse_arch(args.arch))
-            checks.recipe_runs_here(recipe, torch.device("cuda"), parse_arch(args.arch))
+            checks.recipe_runs_here(recipe, torch.device("cuda"), parse_arch(args.arch),
+                                    target=f"--arch {args.arch}")
             name = recipe.name
             reports = aot.compile_recipe(
                 recipe, args.arch, head_dim=args.head_dim, causal=args.causal,
