@@ -135,6 +135,14 @@ def test_without_triton_the_package_imports_and_runs_the_reference_path():
     assert out.stdout.startswith("LOWBIT_ATTN_BACKEND=triton needs Triton, which is not "
                                  "installed (Triton publishes wheels for Linux"), out.stdout
     assert re.search(r"\ntriton +not installed \(wheels for Linux only\)", out.stdout), out.stdout
+    doctor = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import sys
+        sys.modules["triton"] = None
+        from lowbit_attn.tools.cli import main
+        main(["doctor"])
+    """)], capture_output=True, text=True)
+    assert doctor.returncode == 0 and "not installed" in doctor.stdout, doctor.stderr
+    assert "Warning" not in doctor.stderr, doctor.stderr  # its triton line says it, once
 
 
 def test_the_metadata_admits_the_triton_of_every_supported_torch_on_linux_alone():

@@ -631,10 +631,14 @@ def _gpu_lines(torch) -> tuple[list[tuple[str, str]], tuple[int, int] | None]:
 
 
 def _backend(arch_mod, device_type: str) -> str:
+    import warnings
+
     import torch
 
     try:
-        return arch_mod.backend_for(torch.device(device_type))
+        with warnings.catch_warnings():  # no Triton: the triton line says so, without a traceback
+            warnings.simplefilter("ignore", UserWarning)
+            return arch_mod.backend_for(torch.device(device_type))
     except (ValueError, RuntimeError) as exc:
         return f"error: {exc}"
 
