@@ -129,13 +129,25 @@ def main(argv=None) -> int:
                          protocol={"kv_heads": kv_heads, "d": d, "page": page,
                                    "bandwidth_floor": bandwidth})
     rows = []
+
+    def save(more=()):  # after every row: a run cut short keeps what it measured
+        table = render([*rows, *more])
+        save_script_results(args.out, "decode", {**meta, "rows": [*rows, *more]}, table)
+        return table
+
     for n in seqlens:
         for batch in batches:
             for group in groups:
-                rows += configuration(n, batch, group, kv_heads, d, page, device, timer,
-                                      bandwidth, window)
-                table = render(rows)  # saved after every configuration: a run cut short keeps them
-                save_script_results(args.out, "decode", {**meta, "rows": rows}, table)
+                config_rows = []
+                try:
+                    configuration(n, batch, group, kv_heads, d, page, device, timer, bandwidth,
+                                  window, rows=config_rows, on_row=save)
+                except Exception as exc:  # noqa: BLE001 - the next configurations still run
+                    config_rows.append({"N": n, "batch": batch, "gqa": f"{group}:1",
+                                        "method": "*", "status": "error outside a row: "
+                                        f"{type(exc).__name__}: {exc}"[:300]})
+                rows += config_rows
+                table = save()
     print(table)
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 
@@ -161,9 +173,10 @@ def host_main(args, seqlens, batches, groups) -> int:
 
 
 def configuration(n, batch, group, kv_heads, d, page, device, timer, bandwidth,
-                  window=None) -> list[dict]:
+                  window=None, *, rows=None, on_row=None) -> list[dict]:
     """The rows of one (N, batch, GQA) configuration: SDPA on fp16 K/V, then the 8-bit cache
-    (and with ``window``, a sliding-window layer and the full one it should cost as)."""
+    (and with ``window``, a sliding-window layer and the full one it should cost as), appended
+    to ``rows`` (a new list by default) and returned; ``on_row(rows)`` after each row."""
     base = {"N": n, "batch": batch, "gqa": f"{group}:1"}
     g = torch.Generator(device=device).manual_seed(n + batch + group)
     shape = (batch, kv_heads, n, d)
@@ -172,7 +185,7 @@ def configuration(n, batch, group, kv_heads, d, page, device, timer, bandwidth,
     v = torch.randn(shape, generator=g, device=device).half()
     q = torch.randn(batch, kv_heads * group, 1, d, generator=g, device=device).half()
     want = exact(q, k, v)
-    rows = []
+    rows = [] if rows is None else rows
 
     def record(method, step, nbytes, want=want):
         try:
@@ -188,6 +201,8 @@ def configuration(n, batch, group, kv_heads, d, page, device, timer, bandwidth,
             rows.append({**base, "method": method,
                          "status": f"error: {type(exc).__name__}: {exc}"[:300]})
         print(rows[-1], file=sys.stderr, flush=True)
+        if on_row is not None:
+            on_row(rows)
         return rows[-1]
 
     def record_step(method, step, *, build=None):
@@ -206,6 +221,8 @@ def configuration(n, batch, group, kv_heads, d, page, device, timer, bandwidth,
             rows.append({**base, "method": method,
                          "status": f"error: {type(exc).__name__}: {exc}"[:300]})
         print(rows[-1], file=sys.stderr, flush=True)
+        if on_row is not None:
+            on_row(rows)
 
     with torch.no_grad():
         record("sdpa_fp16", lambda: torch.nn.functional.scaled_dot_product_attention(

@@ -53,8 +53,9 @@ Every output is checked against exact attention in float64 on batch 0, heads 0�
 relative L1); a row under cosine 0.998 fails. Each row records ``first_call_s``: the wall time
 of its method's first call of that shape (compiles and autotuning included; for the first sm90
 row of the process, the admission check started in the background, which that call does not
-wait for). The ``e2e sm90`` rows then wait for the check's verdict (``admission_wait_s``,
-``gluon_check.wait_for_admission``) and check and time the kernel it admits. The table and the
+wait for). The ``e2e sm90`` rows then wait for the check's verdict, at most a minute
+(``admission_wait_s`` and ``admission``: ``tools.bench.calls.await_admission``), and check and
+time the kernel that runs then. The table and the
 JSON (``bars``) end with issue 43's bars beside the values: the sm90 kernel alone ≥ 850 TOP/s at D=128 N=16k, end to end ≥ 1.15×
 SDPA cuDNN at D=128 N ≥ 8k, ≥ 1.0× at D=64, ≥ 0.9× at N=1k, cosine ≥ 0.9992, first call ≤ 2 s. Writes ``forward-<gpu>-<date>.json`` and ``.md``
 into each ``--out``; the markdown ends with the bars of issue 36 against the best sm90 row.
@@ -77,10 +78,9 @@ except ImportError:  # a source checkout that is not installed
     import lowbit_attn
 from bench_hopper import forced, stage_fns
 from lowbit_attn.core.recipes import get_recipe
-from lowbit_attn.inference import gluon_check
 from lowbit_attn.inference.naive import exact_attention
 from lowbit_attn.integrations.sdpa import TORCH_SDPA
-from lowbit_attn.tools.bench.calls import autotune_choice, environment
+from lowbit_attn.tools.bench.calls import autotune_choice, await_admission, environment
 from lowbit_attn.tools.bench.flops import tops
 from lowbit_attn.tools.bench.measure import compare
 from lowbit_attn.tools.bench.metadata import make_metadata
@@ -185,8 +185,8 @@ def rows_of_config(base, q, k, v, causal, record, gluon_ok: str | None,
             if gluon_ok is not None:
                 record(base, name, None, skip=gluon_ok)
                 continue
-            launcher = sm90_launcher(**options)
-            record(base, name, permuted_stages(q, k, v, causal, recipe, launcher)[1])
+            record(base, name, None, build=lambda recipe=recipe, options=options: permuted_stages(
+                q, k, v, causal, recipe, sm90_launcher(**options))[1])
 
     def ours(recipe, kernel=None, launch=None, **variant):
         def fn():
@@ -316,14 +316,18 @@ def main(argv=None) -> int:
     gluon_ok = gluon_available()
 
     def record(base: dict, name: str, fn, *, note=None, skip: str | None = None, check=True,
-               admission=False):
+               admission=False, build=None):
+        """One row: ``fn`` (or what ``build()`` returns, built inside the row's ``try``) checked
+        and timed; an exception is the row's status, never the sweep's end."""
         row = {**base, "method": name}
         exact = row.pop("exact")
-        if fn is None or skip is not None:
+        if (fn is None and build is None) or skip is not None:
             row.update(status="skipped", reason=skip or "not installed")
             rows.append(row)
             return
         try:
+            if build is not None:
+                fn = build()
             if cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -332,9 +336,7 @@ def main(argv=None) -> int:
                 torch.cuda.synchronize()
             row["first_call_s"] = time.perf_counter() - t0
             if admission:  # the check runs in the background: measure the kernel it admits
-                t0 = time.perf_counter()
-                gluon_check.wait_for_admission()
-                row["admission_wait_s"] = time.perf_counter() - t0
+                await_admission(row)
                 del out
                 out = fn()
             if check:
@@ -348,7 +350,10 @@ def main(argv=None) -> int:
         except Exception as exc:  # noqa: BLE001 - a failing method is a row, not a crash
             row["status"] = f"error: {type(exc).__name__}: {exc}"[:300]
         if note is not None:
-            row["note"] = note() if callable(note) else note
+            try:
+                row["note"] = note() if callable(note) else note
+            except Exception as exc:  # noqa: BLE001 - the row stands without its note
+                row["note"] = f"note failed: {type(exc).__name__}: {exc}"[:200]
         rows.append(row)
         print({k: v for k, v in row.items() if k != "max_abs_err"}, file=sys.stderr, flush=True)
 

@@ -42,7 +42,8 @@ except ImportError:  # a source checkout that is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import lowbit_attn
 from lowbit_attn.integrations.sdpa import TORCH_SDPA
-from lowbit_attn.tools.bench.calls import autotune_choice, environment, reference_output
+from lowbit_attn.tools.bench.calls import (ADMISSION_WAIT_S, autotune_choice, environment,
+                                          reference_output)
 from lowbit_attn.tools.bench.command import parse_seqlens
 from lowbit_attn.tools.bench.flops import tops
 from lowbit_attn.tools.bench.measure import compare
@@ -272,7 +273,7 @@ def gluon_rows(base, q, k, v, causal, ref, cuda, triton_path, record, rows) -> N
     for name, recipe in (("ours kernel=gluon", RECIPE), ("ours kernel=gluon block_k=128", wide)):
         with environment(LOWBIT_ATTN_KERNEL="gluon"), forced(None):
             ours(recipe)()  # starts the admission check: the row measures what it admits
-            gluon_check.wait_for_admission()
+            gluon_check.wait_for_admission(timeout=ADMISSION_WAIT_S)
             record(base, name, ours(recipe), ref)
             rows[-1]["gluon"] = gluon_check.verdict(q.device) or "admitted"
     if not triton_path:

@@ -30,7 +30,7 @@ except ImportError:  # a source checkout that is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import lowbit_attn
 from lowbit_attn.vsa import interface as vsa
-from lowbit_attn.inference import gluon_check
+from lowbit_attn.tools.bench.calls import await_admission
 from lowbit_attn.tools.bench.metadata import make_metadata
 from lowbit_attn.tools.bench.save import save_script_results
 from lowbit_attn.tools.bench.tables import status_table
@@ -109,16 +109,27 @@ def main(argv=None) -> int:
             return vsa.video_sparse_attention(a, b, c, video_shape=video, topk=topk,
                                               gate_coarse=torch.ones((), device=device))
 
-        _, idx, _ = vsa.coarse(q, k, v, video_shape=video, topk=topk)
+        try:
+            _, idx, _ = vsa.coarse(q, k, v, video_shape=video, topk=topk)
+        except Exception as exc:  # noqa: BLE001 - this sparsity's rows are lost, not the run
+            rows.append({"method": "vsa", "sparsity": s, "topk": topk,
+                         "status": f"error in coarse: {type(exc).__name__}: {exc}"[:300]})
+            save()
+            continue
 
         def fine(a, b, c, idx=idx):
             return vsa.fine(a, b, c, video_shape=video, tile_indices=idx)
 
         for kernel, tag in (("triton", ""), ("sm90", "[sm90]")):
             os.environ["LOWBIT_ATTN_BWD_KERNEL"] = kernel
-            fwd_bwd(full, leaves, do)()  # sm90: starts the admission check; the rows measure
-            gluon_check.wait_for_admission()  # the kernel it admits
-            record(f"vsa{tag}", fwd_bwd(full, leaves, do), fine_ops * 3.5, sparsity=s, topk=topk)
+            waited = {}
+            try:  # sm90: the first call starts the admission check; the rows measure what runs
+                fwd_bwd(full, leaves, do)()
+                await_admission(waited)
+            except Exception as exc:  # noqa: BLE001 - the rows below record their own errors
+                waited["warmup_error"] = f"{type(exc).__name__}: {exc}"[:200]
+            record(f"vsa{tag}", fwd_bwd(full, leaves, do), fine_ops * 3.5, sparsity=s, topk=topk,
+                   **waited)
             record(f"vsa_fine_only{tag}", fwd_bwd(fine, leaves, do), fine_ops * 3.5, sparsity=s,
                    topk=topk)
         os.environ.pop("LOWBIT_ATTN_BWD_KERNEL")

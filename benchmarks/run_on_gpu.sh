@@ -17,9 +17,9 @@
 # decide2 (470 s): the sm90 backward's GPU tests with its admission check (at most 120 s), the
 # same four admission times (90 s), bench_train.py (D=128, N=8k,4k,16k, SDPA flash against
 # sagebwd_int8 on the Triton backward and on the sm90 loops; 130 s), bench_vsa.py (0.875; 75 s),
-# bench_decode.py (N=32k then 8k x batch 1,16, GQA 4:1, each read and eager step also replayed by
-# its launch plan, and issue 44's 4096-token sliding window against a full layer of the 4097
-# tokens it sees) in the time left (~40 s).
+# bench_decode.py (N=32k then 8k at batch 1, the bars' batch; GQA 4:1, each read and eager step
+# also replayed by its launch plan, and issue 44's 4096-token sliding window against a full layer
+# of the 4097 tokens it sees; saved after every row) in the time left (~40 s).
 # Each step runs under `timeout` with the smaller of its cap and what TOTAL_BUDGET leaves after
 # the time kept for the later steps (skipped, and recorded so, when under 20 s are left). After
 # every step, benchmarks/probes/stage_summary.py rewrites $OUT/STAGE.json and STAGE.md (device,
@@ -150,7 +150,7 @@ if [[ "$STAGE" == all || "$STAGE" == tests ]]; then
     fi
     log "GPU tests: pytest -m gpu (at most ${TEST_TIMEOUT} s; full log in \$OUT/pytest-gpu.log)"
     started=$SECONDS
-    timeout "$TEST_TIMEOUT" "${PYTEST[@]}" -m gpu --durations=30 >"$OUT/pytest-gpu.log" 2>&1
+    timeout -k 10 "$TEST_TIMEOUT" "${PYTEST[@]}" -m gpu --durations=30 >"$OUT/pytest-gpu.log" 2>&1
     rc_tests=$?
     log "GPU tests took $((SECONDS - started)) s (issue 31's bar: 240 s); the 30 slowest phases:"
     grep -E '^[0-9.]+s (setup|call|teardown) ' "$OUT/pytest-gpu.log" | head -n 30
@@ -169,7 +169,7 @@ fi
 
 if [[ "$STAGE" == fp4 ]]; then
     log "FP4 GPU tests: pytest -m gpu -k fp4"
-    timeout "$TEST_TIMEOUT" "${PYTEST[@]}" -m gpu -k fp4 >"$OUT/pytest-gpu-fp4.log" 2>&1
+    timeout -k 10 "$TEST_TIMEOUT" "${PYTEST[@]}" -m gpu -k fp4 >"$OUT/pytest-gpu-fp4.log" 2>&1
     rc_tests=$?
     tail -n 25 "$OUT/pytest-gpu-fp4.log"
     # half the time left for the default kernels, half for LOWBIT_ATTN_KERNEL=gluon (the Gluon
@@ -195,7 +195,7 @@ fi
 if [[ "$STAGE" == all || "$STAGE" == bench || "$STAGE" == quick || "$STAGE" == hopper ]]; then
     log "host path: python -m lowbit_attn.tools.bench --host (in \$OUT/host.txt)"
     # with launch plans (opt-in since issue 43: the bars of issue 27 are theirs)
-    LOWBIT_ATTN_LAUNCH=plan timeout 120 "$PY" -m lowbit_attn.tools.bench --host --recipes qk_int8_pv_fp8,qk_int8_pv_fp16 \
+    LOWBIT_ATTN_LAUNCH=plan timeout -k 10 120 "$PY" -m lowbit_attn.tools.bench --host --recipes qk_int8_pv_fp8,qk_int8_pv_fp16 \
         --dims 64,128 --seqlens 1k,8k --host-profile >"$OUT/host.txt" 2>&1
     grep -e host_us -e bars "$OUT/host.txt"
 fi
@@ -207,7 +207,7 @@ tests_then_bench() {
     local tag
     tag="$(basename "$script" .py)"  # in the log and table file names
     log "$name GPU tests: pytest -m gpu -k \"$filter\""
-    timeout "$TEST_TIMEOUT" "${PYTEST[@]}" -m gpu -k "$filter" \
+    timeout -k 10 "$TEST_TIMEOUT" "${PYTEST[@]}" -m gpu -k "$filter" \
         >"$OUT/pytest-gpu-$tag.log" 2>&1
     rc_tests=$?
     tail -n 25 "$OUT/pytest-gpu-$tag.log"
@@ -218,7 +218,7 @@ tests_then_bench() {
     fi
     local limit=$((TOTAL_BUDGET - SECONDS - 10 - ${RESERVE:-0}))
     if ((limit < 60)); then limit=60; fi  # the tests ran long: the benchmark still gets a minute
-    timeout "$limit" "$PY" "$script" "${outs[@]}" "$@" >"$OUT/$tag-table.md" 2>"$OUT/$tag.log"
+    timeout -k 10 "$limit" "$PY" "$script" "${outs[@]}" "$@" >"$OUT/$tag-table.md" 2>"$OUT/$tag.log"
     rc_bench=$?
     tail -n 40 "$OUT/$tag.log"
     log "summary: $name GPU tests exit $rc_tests, benchmark exit $rc_bench, ${SECONDS} s"
@@ -236,7 +236,7 @@ with_probe() {
     log "$name probe: $probe"
     local limit=$((TOTAL_BUDGET - SECONDS - 5))
     if ((limit < 30)); then limit=30; fi
-    timeout "$limit" "$PY" "$probe" >"$OUT/$tag-probe.txt" 2>&1
+    timeout -k 10 "$limit" "$PY" "$probe" >"$OUT/$tag-probe.txt" 2>&1
     tail -n 120 "$OUT/$tag-probe.txt"
     exit $rc
 }
@@ -252,7 +252,7 @@ with_probe() {
 if [[ "$STAGE" == decode ]]; then
     # the host path first (~20 s): µs per eager read and one-token append, N = 8k, batch 16
     log "decode host path: bench_decode.py --host (issue 29's bars: 30 and 20 us; in \$OUT/decode-host.txt)"
-    LOWBIT_ATTN_LAUNCH=plan timeout 90 "$PY" benchmarks/bench_decode.py --host --host-profile >"$OUT/decode-host.txt" 2>&1
+    LOWBIT_ATTN_LAUNCH=plan timeout -k 10 90 "$PY" benchmarks/bench_decode.py --host --host-profile >"$OUT/decode-host.txt" 2>&1
     grep -e host_us -e bars "$OUT/decode-host.txt"
     # the probe: host time by part, the launch sweep
     with_probe "KV-cache decode" "kvcache or kv_cache" benchmarks/bench_decode.py \
@@ -267,12 +267,12 @@ if [[ "$STAGE" == gluon ]]; then
     # The Gluon tests first (FP8/fp16 P.V x D x key block x causal: ~18 compiles),
     # then the public-call tests with the option on; the Triton candidates are the hopper stage's.
     log "Gluon GPU tests: pytest -m gpu -k gluon (at most ${GLUON_TEST_TIMEOUT:-150} s)"
-    timeout "${GLUON_TEST_TIMEOUT:-150}" "${PYTEST[@]}" -m gpu -k "gluon" \
+    timeout -k 10 "${GLUON_TEST_TIMEOUT:-150}" "${PYTEST[@]}" -m gpu -k "gluon" \
         >"$OUT/pytest-gpu-gluon.log" 2>&1
     rc_tests=$?
     tail -n 25 "$OUT/pytest-gpu-gluon.log"
     log "INT8 public-call GPU tests with LOWBIT_ATTN_KERNEL=gluon (at most 60 s)"
-    LOWBIT_ATTN_KERNEL=gluon timeout 60 "$PY" -m pytest -m gpu tests/test_gpu.py tests/inference \
+    LOWBIT_ATTN_KERNEL=gluon timeout -k 10 60 "$PY" -m pytest -m gpu tests/test_gpu.py tests/inference \
         -k "not fp4 and not trainable and not vsa and not video and not autotuning_candidate" \
         -q -p no:cacheprovider >"$OUT/pytest-gpu-gluon-optin.log" 2>&1
     rc_optin=$?
@@ -283,9 +283,9 @@ if [[ "$STAGE" == gluon ]]; then
         outs+=(--out benchmarks/results)  # kernel results only, never CPU timings
     fi
     limit=$((TOTAL_BUDGET - SECONDS - 10))
-    if ((limit < 60)); then limit=60; fi  # timeout 0 would mean no limit
+    if ((limit < 60)); then limit=60; fi  # timeout -k 10 0 would mean no limit
     # configurations stop starting 90 s before the limit: one N=32k configuration takes about that
-    timeout "$limit" "$PY" benchmarks/bench_hopper.py --gluon "${outs[@]}" \
+    timeout -k 10 "$limit" "$PY" benchmarks/bench_hopper.py --gluon "${outs[@]}" \
         --time-budget $((limit - 90)) >"$OUT/bench_hopper_gluon-table.md" \
         2>"$OUT/bench_hopper_gluon.log"
     rc_bench=$?
@@ -300,7 +300,7 @@ fi
 
 if [[ "$STAGE" == forward ]]; then
     log "one-warpgroup forward GPU tests: pytest -m gpu -k sm90 (at most ${FORWARD_TEST_TIMEOUT:-120} s)"
-    timeout "${FORWARD_TEST_TIMEOUT:-120}" "${PYTEST[@]}" -m gpu -k sm90 \
+    timeout -k 10 "${FORWARD_TEST_TIMEOUT:-120}" "${PYTEST[@]}" -m gpu -k sm90 \
         >"$OUT/pytest-gpu-sm90.log" 2>&1
     rc_tests=$?
     tail -n 25 "$OUT/pytest-gpu-sm90.log"
@@ -311,14 +311,14 @@ if [[ "$STAGE" == forward ]]; then
     limit=$((TOTAL_BUDGET - SECONDS - ${NCU_RESERVE:-45}))
     if ((limit < 60)); then limit=60; fi
     log "benchmark: bench_forward.py (log in \$OUT/bench_forward.log; configurations stop starting 60 s before ${limit} s)"
-    timeout "$limit" "$PY" benchmarks/bench_forward.py "${outs[@]}" --time-budget $((limit - 60)) \
+    timeout -k 10 "$limit" "$PY" benchmarks/bench_forward.py "${outs[@]}" --time-budget $((limit - 60)) \
         >"$OUT/bench_forward-table.md" 2>"$OUT/bench_forward.log"
     rc_bench=$?
     tail -n 15 "$OUT/bench_forward.log"
     limit=$((TOTAL_BUDGET - SECONDS - 5))
     if command -v ncu >/dev/null && ((limit >= 20)); then
         log "ncu stall reasons of one sm90 launch (at most ${limit} s; in \$OUT/ncu-sm90.txt)"
-        timeout "$limit" ncu --clock-control none -k regex:_attn_fwd_sm90 -s 1 -c 1 \
+        timeout -k 10 "$limit" ncu --clock-control none -k regex:_attn_fwd_sm90 -s 1 -c 1 \
             --section WarpStateStats --section SchedulerStats --section Occupancy \
             --section ComputeWorkloadAnalysis "$PY" benchmarks/probes/forward_ncu.py \
             >"$OUT/ncu-sm90.txt" 2>&1 || log "ncu failed (exit $?): see \$OUT/ncu-sm90.txt"
@@ -365,7 +365,7 @@ if [[ "$STAGE" == decide || "$STAGE" == decide2 ]]; then
         fi
         log "step $name: at most $LIMIT s (at $started s of $TOTAL_BUDGET)"
         echo "== step $name: $*" >>"$logfile"
-        timeout "$LIMIT" "$@" >>"$logfile" 2>&1
+        timeout -k 10 "$LIMIT" "$@" >>"$logfile" 2>&1
         rc=$?
         printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$LIMIT" "$started" "$((SECONDS - started))" "$rc" \
             >>"$STEPS"
@@ -408,7 +408,7 @@ if [[ "$STAGE" == decide || "$STAGE" == decide2 ]]; then
         step vsa "$BENCHLOG" "$PY" benchmarks/bench_vsa.py --sparsities 0.875 --out "$WORK" \
             "${RESULTS[@]}" || rc_bench=$?
         limit 600 5
-        step decode "$BENCHLOG" "$PY" benchmarks/bench_decode.py --seqlens 32k,8k --batches 1,16 \
+        step decode "$BENCHLOG" "$PY" benchmarks/bench_decode.py --seqlens 32k,8k --batches 1 \
             --groups 4 --window 4096 --out "$WORK" "${RESULTS[@]}" || rc_bench=$?
     fi
     log "summary: tests exit $rc_tests, benchmarks exit $rc_bench, ${SECONDS} s; files in \$OUT:"

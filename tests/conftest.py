@@ -13,7 +13,7 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from helpers import Target, pinned_codegen  # noqa: E402
+from helpers import Target, pinned_codegen, poison  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -85,18 +85,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_aot)
 
 
-def _poison(t: torch.Tensor) -> torch.Tensor:
-    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        t.view(torch.uint8).fill_(0x7F)
-    elif t.is_floating_point():
-        t.fill_(float("nan"))
-    elif t.dtype == torch.int8:
-        t.fill_(-128)  # never produced by the quantizers, which clamp to ±127
-    elif t.dtype == torch.uint8:
-        t.fill_(0xFF)  # packed FP4 (-6, -6) or an E8M0 NaN scale: loud in bit comparisons
-    return t
-
-
 @pytest.fixture(autouse=True)
 def seeded_generators():
     """Every test starts from the same global random state, whatever ran before it: a test that
@@ -111,10 +99,10 @@ def nan_poisoned_allocations(monkeypatch):
     empty, empty_like = torch.empty, torch.empty_like
 
     def poisoned_empty(*args, **kwargs):
-        return _poison(empty(*args, **kwargs))
+        return poison(empty(*args, **kwargs))
 
     def poisoned_empty_like(*args, **kwargs):
-        return _poison(empty_like(*args, **kwargs))
+        return poison(empty_like(*args, **kwargs))
 
     monkeypatch.setattr(torch, "empty", poisoned_empty)
     monkeypatch.setattr(torch, "empty_like", poisoned_empty_like)

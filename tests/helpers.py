@@ -465,6 +465,20 @@ def require_gluon(*apis: str) -> None:
                         allow_module_level=True)
 
 
+def poison(t: torch.Tensor) -> torch.Tensor:
+    """``t`` filled with what no kernel writes (``conftest.py``'s ``nan_poisoned_allocations``):
+    NaN, or for 8-bit integers a value the quantizers never produce."""
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        t.view(torch.uint8).fill_(0x7F)
+    elif t.is_floating_point():
+        t.fill_(float("nan"))
+    elif t.dtype == torch.int8:
+        t.fill_(-128)  # never produced by the quantizers, which clamp to ±127
+    elif t.dtype == torch.uint8:
+        t.fill_(0xFF)  # packed FP4 (-6, -6) or an E8M0 NaN scale: loud in bit comparisons
+    return t
+
+
 def script_module(relative: str, name: str | None = None):
     """The script at ``relative`` (a path from the repository's root, e.g.
     ``"benchmarks/bench_vsa.py"``) as a module named ``name`` (its file's stem by default): the

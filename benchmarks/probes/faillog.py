@@ -6,6 +6,7 @@ import os
 
 
 def pytest_runtest_logreport(report):
-    if report.failed:
+    # under xdist the controller receives every worker's reports: only it writes, once each
+    if report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):
         with open(os.path.join(os.environ.get("OUT", "."), "failures.txt"), "a") as f:
             f.write(f"=== {report.nodeid} [{report.when}]\n{str(report.longrepr)[-2500:]}\n")

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from helpers import needs_gluon
+from helpers import needs_gluon, script_module
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # helpers.py
 CHILD = r'''
@@ -389,3 +389,44 @@ def test_bench_host_prints_host_time_and_launches():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "host_us=" in done.stdout and "launches=3" in done.stdout, done.stdout
+
+
+
+POISONED = """
+import os, sys, torch
+sys.path.insert(0, os.environ["LOWBIT_ATTN_TESTS"])
+import lowbit_attn
+from helpers import poison
+from lowbit_attn.inference import planned
+from lowbit_attn.tools.bench.host import stubbed_launches
+if sys.argv[1] == "poisoned":  # as conftest's nan_poisoned_allocations
+    empty, empty_like = torch.empty, torch.empty_like
+    torch.empty = lambda *a, **k: poison(empty(*a, **k))
+    torch.empty_like = lambda *a, **k: poison(empty_like(*a, **k))
+q, k, v = (torch.randn(1, 2, 64, 64, dtype=torch.float16) for _ in range(3))
+key = planned.key(q, k, v, False, None, "HND", "qk_int8_pv_fp8", False)
+with stubbed_launches((9, 0)):
+    for _ in range(3):
+        lowbit_attn.attention(q, k, v, recipe="qk_int8_pv_fp8")
+print(type(planned.state(key)).__name__, planned.state(key))
+"""
+
+
+def test_no_plan_under_the_suites_poisoned_allocations_so_the_gpu_plan_tests_opt_out():
+    """``conftest.py`` fills every ``torch.empty`` with NaN: a PyTorch operation inside each
+    recorded call, which refuses the call a plan (shown in a child process, with stand-in
+    launches, against the same calls unpoisoned). ``tests/test_gpu_plans.py`` overrides that
+    fixture, or none of its calls would get a plan and its tests would fail, or pass without
+    replaying anything."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(LOWBIT_ATTN_ARCH="sm_90", LOWBIT_ATTN_TESTS=TESTS, LOWBIT_ATTN_LAUNCH="plan")
+    said = {}
+    for mode in ("plain", "poisoned"):
+        done = subprocess.run([sys.executable, "-c", POISONED, mode], env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        said[mode] = done.stdout.strip().splitlines()[-1]
+    assert said["plain"].startswith("Plan"), said
+    assert "PyTorch operations ['fill_']" in said["poisoned"], said
+    gpu_tests = script_module("tests/test_gpu_plans.py")
+    assert "nan_poisoned_allocations" in vars(gpu_tests)

@@ -407,6 +407,41 @@ def test_decode_benchmark_times_a_sliding_window_layer_on_cpu(tmp_path, monkeypa
     assert window["cache_nbytes"] < 0.8 * rows["kv_int8_fp8"]["cache_nbytes"]
 
 
+def test_decode_benchmark_keeps_each_row_and_survives_an_error_outside_a_row(tmp_path):
+    """A configuration that raises between rows (here the window layer's set-up) keeps the rows
+    it measured, saved as they came, gets an error row naming the exception, and the run goes
+    on; the exit status says a row failed."""
+    import json
+
+    bench = script_module("benchmarks/bench_decode.py")
+    saved = []
+
+    def broken(record, *args):
+        saved.append(json.loads(next(tmp_path.glob("decode-*.json")).read_text())["rows"])
+        raise RuntimeError("no window today")
+
+    bench.window_rows = broken
+    assert bench.main(["--out", str(tmp_path), "--window", "4096"]) == 1
+    assert [r["method"] for r in saved[0]] == ["sdpa_fp16", "kv_int8_fp8"]  # saved row by row
+    rows = json.loads(next(tmp_path.glob("decode-*.json")).read_text())["rows"]
+    assert [r["method"] for r in rows] == ["sdpa_fp16", "kv_int8_fp8", "*"]
+    assert rows[-1]["status"] == "error outside a row: RuntimeError: no window today"
+
+
+def test_benchmarks_wait_a_bounded_time_for_admission_and_record_the_verdict(monkeypatch):
+    from lowbit_attn.inference import gluon_check
+    from lowbit_attn.tools.bench import calls
+
+    asked = []
+    monkeypatch.setattr(gluon_check, "wait_for_admission", lambda timeout=None: asked.append(
+        timeout) or {"_attn_fwd_sm90_kernel@0": gluon_check.RUNNING, "_dkdv@0": None})
+    row = {}
+    calls.await_admission(row)
+    assert asked == [calls.ADMISSION_WAIT_S] and 0 < calls.ADMISSION_WAIT_S <= 60
+    assert row["admission"] == {"_attn_fwd_sm90_kernel@0": gluon_check.RUNNING,
+                                "_dkdv@0": "admitted"} and row["admission_wait_s"] >= 0
+
+
 def test_hopper_benchmark_runs_every_variant_on_the_interpreter(tmp_path, monkeypatch):
     """benchmarks/bench_hopper.py end to end on the Triton interpreter (tiny size): every row
     checked against the reference, the forced kernel candidates (plain and pipelined) included."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import warnings
 
 import torch
@@ -183,3 +184,23 @@ def autotune_choice() -> str | None:
         return None if best is None else str(best)
     except Exception:  # diagnostic only; the kernel module may change
         return None
+
+
+# How long a benchmark waits for the admission checks of opt-in kernels (each starts in the
+# background on its kernel's first call) before it measures what runs: a check takes about 4 s
+# with a warm compile cache on the H200 (NOTES §18); one that hangs must not take a GPU stage's
+# whole budget.
+ADMISSION_WAIT_S = 60.0
+
+
+def await_admission(row: dict) -> None:
+    """Wait, at most :data:`ADMISSION_WAIT_S`, for the admission checks this process started, and
+    record in ``row`` the seconds waited (``admission_wait_s``) and each kernel's verdict
+    (``admission``: ``"admitted"``, why not, or that its check is still running: the calls that
+    follow then run the Triton kernel)."""
+    from lowbit_attn.inference import gluon_check
+
+    t0 = time.perf_counter()
+    verdicts = gluon_check.wait_for_admission(timeout=ADMISSION_WAIT_S)
+    row["admission_wait_s"] = time.perf_counter() - t0
+    row["admission"] = {kernel: verdict or "admitted" for kernel, verdict in verdicts.items()}
