@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import functools
 
-TESTED = ("3.4", "3.5", "3.6", "3.8", "3.9")  # the series the suite runs on (the metadata admits
-# 3.4 up to 3.9: the Triton of every torch from 2.8 to 2.15, below)
+# The series the suite runs on: all the metadata admits, 3.4 up to 3.9 (the Triton of every torch
+# from 2.8 to 2.15, below)
+TESTED = ("3.4", "3.5", "3.6", "3.7", "3.8", "3.9")
 PINNED = "3.6"  # the series `make test` installs and the GPU machines run
 OLDEST = "3.4"  # the oldest the metadata admits (`make test-oldest`)
 # The Triton series each torch release's CUDA wheels pin (torch's own requirement on Linux x86_64;
