@@ -136,6 +136,22 @@ def test_one_page_and_one_split_give_the_twin_to_fp32_rounding(device, recipe):
                        name="one split")
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_with_sinks_one_split_gives_the_twin_to_fp32_rounding(device, recipe):
+    """The sinks join after P·V, in the merge kernel as in the twin: P̃ is rounded against the
+    keys' own maximum in both (a twin that raised the maximum to the sink first rounded P̃ on
+    another scale: outputs 0.03 apart)."""
+    cache, vmax = build((PAGE, 9), 2, 64, recipe, torch.float32, device.name, prompt_heads=8)
+    q = queries(2, 8, 3, 64, torch.float32, device.name) * 3
+    sinks = torch.linspace(-3.0, 3.0, 8).to(device.name)
+    ref, ref_lse = attention_with_kv_cache_naive(q, cache.layers[0], cache.recipe, scale=0.125,
+                                                 sinks=sinks)
+    out, lse = kernel_decode.attention(q, cache.layers[0], cache.recipe, scale=0.125,
+                                       pages_per_split=1, sinks=sinks)
+    check_against_twin(out, lse, ref, ref_lse, bar=ONE_PAGE_BAR, vmax=vmax, dtype=torch.float32,
+                       name="one split, sinks")
+
+
 def test_the_public_function_runs_the_kernel_on_the_triton_backend(device, monkeypatch):
     monkeypatch.setenv("LOWBIT_ATTN_BACKEND", "triton")
     cache, _ = build((5, 20), 2, 64, "kv_int8_fp8", torch.float16, device.name)

@@ -43,7 +43,7 @@ import torch
 
 from lowbit_attn.core.operands import LOG2_FP8_MAX, LOG2E
 from lowbit_attn.core.variants import softcap_base2
-from lowbit_attn.inference.naive import expand_heads, finish, lse_shift
+from lowbit_attn.inference.naive import add_sink, expand_heads, finish, lse_shift
 from lowbit_attn.kvcache.pages import PagedLayer, stored_sequence
 from lowbit_attn.kvcache.quantize import quantize_queries
 from lowbit_attn.kvcache.recipes import KVRecipe
@@ -106,17 +106,9 @@ def _one_sequence(q, q8, q_scale, layer: PagedLayer, b: int, recipe: KVRecipe, s
         m = torch.full((1, hq, n), float("-inf"), device=dev)
     else:
         m = s.amax(dim=-1)
-    if sinks is not None:
-        z = (sinks.float() * LOG2E)[None, :, None].expand(1, hq, n)
-        if shift is not None:  # in the smoothed frame; a row without keys: LSE = its sink
-            shift = torch.where(torch.isneginf(m), 0.0, shift)
-            z = z - shift * LOG2E
-        m = torch.maximum(m, z)
     m_safe = torch.where(torch.isneginf(m), 0.0, m)
     p = torch.exp2(s - (m_safe - offset).unsqueeze(-1))
     l_sum = p.sum(dim=-1)
-    if sinks is not None:
-        l_sum = l_sum + torch.exp2(z - m_safe + offset)
     p_q = (to_e4m3(p) if recipe.pv == "fp8" else p.to(torch.float16)).float()
 
     acc = torch.zeros((1, hq, n, d), device=dev)
@@ -129,4 +121,10 @@ def _one_sequence(q, q8, q_scale, layer: PagedLayer, b: int, recipe: KVRecipe, s
     if full < length:
         v_open = expand_heads(seq.v_open[None], hq).float()
         acc = acc + torch.matmul(p_q[..., full:], v_open)
+    if sinks is not None:  # after P·V, as the merge kernel adds it: P̃ is rounded on the keys' max
+        z = (sinks.float() * LOG2E)[None, :, None].expand(1, hq, n)
+        if shift is not None:  # in the smoothed frame; a row without keys: LSE = its sink
+            shift = torch.where(torch.isneginf(m), 0.0, shift)
+            z = z - shift * LOG2E
+        acc, m, l_sum, _ = add_sink(acc, m, l_sum, z, offset)
     return finish(acc, l_sum, m, offset, None, None, shift)
