@@ -235,16 +235,18 @@ def softcap_base2(s: torch.Tensor, softcap: float,
     ``shift`` (base 2, per row, or 0): ``C·tanh((s + shift)/C') - shift`` with ``C = c·log2 e``,
     tanh as ``1 - 2/(2^(2x) + 1)`` on ``(s + shift)·(2/c)`` (exp2 of ±∞ gives ±1; NaN stays
     NaN). Twin of ``triton_helpers.softcap_scores``, step for step."""
-    cap2, two_over = _cap_constants(softcap)
+    cap2, two_over = _cap_constants(softcap, s.dtype)
     u = s + shift
     e = torch.exp2(u * two_over)
     t = 1.0 - 2.0 / (e + 1.0)
     return t * cap2 - shift
 
 
-def _cap_constants(softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
-    f32 = torch.float32
-    return (torch.tensor(softcap * LOG2E, dtype=f32), torch.tensor(2.0 / softcap, dtype=f32))
+def _cap_constants(softcap: float, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(c·log2 e, 2/c)`` rounded to fp32, as the kernels get them; in float64 for float64
+    scores (the exact recipe on float64 inputs keeps their precision)."""
+    dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    return (torch.tensor(softcap * LOG2E, dtype=dtype), torch.tensor(2.0 / softcap, dtype=dtype))
 
 
 def cap_args(softcap: float) -> tuple[float, float]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from lowbit_attn.core.operands import (
-    INT8_MAX, TILE_AMAX_FLOOR, TRAIN_BLOCK, GradOperands, TrainOperands,
+    INT8_MAX, LOG2E, TILE_AMAX_FLOOR, TRAIN_BLOCK, GradOperands, TrainOperands,
 )
 from lowbit_attn.core.variants import PLAIN, Variant, softcap_base2
 from lowbit_attn.inference.naive import expand_heads, visible_for
@@ -63,13 +63,16 @@ def scores(ops: TrainOperands, causal_offset: int | None,
 def softcap_slope(s: torch.Tensor, softcap: float) -> torch.Tensor:
     """``1 - tanh²`` of soft-capped base-2 scores ``s`` (``tanh = s/(c·log2 e)``; 1 where masked),
     what dS is multiplied by (``triton_helpers.softcap_slope``)."""
-    t = s * _inv_cap2(softcap)
+    t = s * _inv_cap2(softcap, s.dtype)
     return torch.where(torch.isneginf(s), 1.0, 1.0 - t * t)
 
 
-def _inv_cap2(softcap: float) -> torch.Tensor:
+def _inv_cap2(softcap: float, dtype) -> torch.Tensor:
+    """``1/(c·log2 e)``: of the fp32 constant the kernels get, or in float64 for float64 scores."""
     from lowbit_attn.core.variants import cap_args
 
+    if dtype == torch.float64:
+        return torch.tensor(1.0 / (softcap * LOG2E), dtype=torch.float64)
     return torch.tensor(1.0 / cap_args(softcap)[0], dtype=torch.float32)
 
 
