@@ -41,7 +41,7 @@ def attention_with_kv_cache(q: torch.Tensor, cache: QuantizedKVCache, layer: int
             softmax (Gemma 2), or None.
         sinks: ``[Hq]`` float, or None: one more logit per query head in each row's softmax
             denominator, contributing no value (gpt-oss's ``s_aux``); the LSE counts it, and a
-            row that sees no key gives 0 and LSE ``sink``.
+            row that sees no key gives 0 and LSE ``sink`` (to fp32 rounding).
 
     Returns:
         The output ``[B, Hq, n, D]`` in q's dtype, or with ``return_lse`` a tuple of the output
