@@ -20,7 +20,9 @@ cache of its own (so an empty folder of verdicts), four times:
 check that passes at once (the child's spawn is real; its work is off the critical path anyway).
 Writes ``{"kernel", "cases", "first_call": {"s", "admitted"}, "cold": {"s", "verdict"},
 "disk": {...}, "warm": {...}, "device", "date_utc", "command"}`` to OUT.json after each
-measurement (a run cut short keeps what it measured).
+measurement (a run cut short keeps what it measured). The verdict is then copied into the Triton
+cache the next steps use (``shared_to``), as a user's later process would read it: the benchmarks
+after this probe in ``run_on_gpu.sh`` do not pay for the check again.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import datetime as dt
 import json
 import os
 import shlex
+import shutil
 import sys
 import tempfile
 import time
@@ -64,9 +67,22 @@ def _stub():
                                                "the stub", "the Triton kernel")
 
 
+def share_verdicts(own_cache: str, cache: str | None) -> str:
+    """Copy the verdicts stored in this probe's own Triton cache into ``cache`` (the one the next
+    processes use: ``TRITON_CACHE_DIR`` as it was, or Triton's default); returns that folder."""
+    from lowbit_attn.inference.gluon_check import VERDICTS
+
+    target = Path(cache or Path.home() / ".triton" / "cache") / VERDICTS
+    target.mkdir(parents=True, exist_ok=True)
+    for verdict in (Path(own_cache) / VERDICTS).glob("*"):
+        shutil.copy2(verdict, target / verdict.name)
+    return str(target)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     kind, out = argv
+    shared = os.environ.get("TRITON_CACHE_DIR")
     cache = tempfile.mkdtemp(prefix="admission-triton-cache-")
     os.environ["TRITON_CACHE_DIR"] = cache  # its own, empty, cache (the child inherits it)
     from lowbit_attn.inference import gluon_check
@@ -95,7 +111,8 @@ def main(argv=None) -> int:
     started = admitted(device)
     done("first_call", s=round(time.perf_counter() - t0, 4), admitted=started)
     (verdict,) = gluon_check.wait_for_admission().values()
-    done("cold", s=round(time.perf_counter() - t0, 3), verdict=verdict)
+    done("cold", s=round(time.perf_counter() - t0, 3), verdict=verdict,
+         shared_to=share_verdicts(cache, shared))
     gluon_check._verdicts.clear()  # a later process: nothing in memory, the verdict on disk
     t1 = time.perf_counter()
     took = admitted(device)

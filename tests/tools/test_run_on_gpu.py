@@ -173,3 +173,23 @@ def test_the_decode_bars_read_the_attention_rows_and_the_window_rows():
     sixteen = bars["decode window 4096 at N=32k batch 16 ÷ its last 4097 tokens alone "
                    "(worst GQA)"]
     assert sixteen["value"] == pytest.approx(50 / 49) and sixteen["met"] is True
+
+
+def test_the_admission_probe_leaves_its_verdict_for_the_next_steps(tmp_path):
+    """``probes/admission_time.py`` checks in a Triton cache of its own, then copies the verdict
+    into the cache the next steps use: there a later process's first call is admitted from disk,
+    with no check of its own (the stub check, on this machine)."""
+    probe = ROOT / "benchmarks" / "probes" / "admission_time.py"
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "shared"))
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run([sys.executable, str(probe), "stub", str(tmp_path / "out.json")],
+                          env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert result["cold"]["verdict"] is None
+    assert result["cold"]["shared_to"] == str(tmp_path / "shared" / "lowbit_attn-admission")
+    later = subprocess.run([sys.executable, "-c", (
+        "import sys; sys.path.insert(0, sys.argv[1]); import admission_time as a; "
+        "device, admitted = a._stub(); print(admitted(device))"), str(probe.parent)],
+        env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert later.returncode == 0 and later.stdout.strip() == "True", later.stderr[-3000:]
