@@ -412,6 +412,7 @@ print(type(planned.state(key)).__name__, planned.state(key))
 """
 
 
+@pytest.mark.triton_internals  # the stand-in launches patch Triton's launch path
 def test_no_plan_under_the_suites_poisoned_allocations_so_the_gpu_plan_tests_opt_out():
     """``conftest.py`` fills every ``torch.empty`` with NaN: a PyTorch operation inside each
     recorded call, which refuses the call a plan (shown in a child process, with stand-in
