@@ -187,16 +187,11 @@ def configuration(n, batch, group, kv_heads, d, page, device, timer, bandwidth,
     want = exact(q, k, v)
     rows = [] if rows is None else rows
 
-    def record(method, step, nbytes, want=want):
+    def row_of(method, measure):
+        """The row of ``method`` (``measure()``'s fields, or the error it raised): appended,
+        printed, passed to ``on_row``, returned."""
         try:
-            out = step()
-            ms = timer(step)
-            host_us, loop_ms = loop_timings(step, device == "cuda",
-                                            calls=100 if device == "cuda" else 2)
-            rows.append({**base, "method": method, "ms": ms, "bytes": nbytes,
-                         "floor_ms": nbytes / bandwidth * 1e3,
-                         "tb_per_s": nbytes / ms * 1e-9, "cosine": cosine_similarity(out, want),
-                         "host_us": host_us, "loop_ms": loop_ms, "status": "ok"})
+            rows.append({**base, "method": method, **measure(), "status": "ok"})
         except Exception as exc:  # noqa: BLE001 - a failing method is a row, not a crash
             rows.append({**base, "method": method,
                          "status": f"error: {type(exc).__name__}: {exc}"[:300]})
@@ -205,24 +200,29 @@ def configuration(n, batch, group, kv_heads, d, page, device, timer, bandwidth,
             on_row(rows)
         return rows[-1]
 
+    def record(method, step, nbytes, want=want):
+        def measure():
+            out = step()
+            ms = timer(step)
+            host_us, loop_ms = loop_timings(step, device == "cuda",
+                                            calls=100 if device == "cuda" else 2)
+            return {"ms": ms, "bytes": nbytes, "floor_ms": nbytes / bandwidth * 1e3,
+                    "tb_per_s": nbytes / ms * 1e-9, "cosine": cosine_similarity(out, want),
+                    "host_us": host_us, "loop_ms": loop_ms}
+        return row_of(method, measure)
+
     def record_step(method, step, *, build=None):
         """A whole decode step, the new token stored then attended: timed by the loop alone (each
         call of ours appends, so do_bench's thousands of calls would grow the cache); the first
         call's output is checked. ``build``: the step is ``build(step)`` (a CUDA graph of it)."""
-        try:
-            if build is not None:
-                step = build(step)
-            out = step()
-            host_us, loop_ms = loop_timings(step, device == "cuda",
+        def measure():
+            run = step if build is None else build(step)
+            out = run()
+            host_us, loop_ms = loop_timings(run, device == "cuda",
                                             calls=STEP_CALLS if device == "cuda" else 2)
-            rows.append({**base, "method": method, "cosine": cosine_similarity(out, want),
-                         "host_us": host_us, "loop_ms": loop_ms, "status": "ok"})
-        except Exception as exc:  # noqa: BLE001 - a failing method is a row, not a crash
-            rows.append({**base, "method": method,
-                         "status": f"error: {type(exc).__name__}: {exc}"[:300]})
-        print(rows[-1], file=sys.stderr, flush=True)
-        if on_row is not None:
-            on_row(rows)
+            return {"cosine": cosine_similarity(out, want), "host_us": host_us,
+                    "loop_ms": loop_ms}
+        return row_of(method, measure)
 
     with torch.no_grad():
         record("sdpa_fp16", lambda: torch.nn.functional.scaled_dot_product_attention(
