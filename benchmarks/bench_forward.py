@@ -53,7 +53,7 @@ Every output is checked against exact attention in float64 on batch 0, heads 0�
 relative L1); a row under cosine 0.998 fails. Each row records ``first_call_s``: the wall time
 of its method's first call of that shape (compiles and autotuning included; for the first sm90
 row of the process, the admission check started in the background, which that call does not
-wait for). The ``e2e sm90`` rows then wait for the check's verdict, at most a minute
+wait for). The ``e2e sm90`` rows then wait for the check's verdict, at most 90 s
 (``admission_wait_s`` and ``admission``: ``tools.bench.calls.await_admission``), and check and
 time the kernel that runs then. The table and the
 JSON (``bars``) end with issue 43's bars beside the values: the sm90 kernel alone ≥ 850 TOP/s at D=128 N=16k, end to end ≥ 1.15×
