@@ -67,14 +67,23 @@ def _stub():
                                                "the stub", "the Triton kernel")
 
 
-def share_verdicts(own_cache: str, cache: str | None) -> str:
-    """Copy the verdicts stored in this probe's own Triton cache into ``cache`` (the one the next
-    processes use: ``TRITON_CACHE_DIR`` as it was, or Triton's default); returns that folder."""
-    from lowbit_attn.inference.gluon_check import VERDICTS
+def share_verdicts(cache: str | None) -> str:
+    """Copy the verdicts this probe stored (``gluon_check.verdict_dir()`` under its own
+    ``TRITON_CACHE_DIR``) to where the next processes read them: ``verdict_dir()`` under
+    ``TRITON_CACHE_DIR`` as it was (``cache``; None: unset, Triton's default). Returns that
+    folder."""
+    from lowbit_attn.inference import gluon_check
 
-    target = Path(cache or Path.home() / ".triton" / "cache") / VERDICTS
+    own = Path(gluon_check.verdict_dir())
+    mine = os.environ.pop("TRITON_CACHE_DIR")
+    if cache is not None:
+        os.environ["TRITON_CACHE_DIR"] = cache
+    try:
+        target = Path(gluon_check.verdict_dir())
+    finally:
+        os.environ["TRITON_CACHE_DIR"] = mine
     target.mkdir(parents=True, exist_ok=True)
-    for verdict in (Path(own_cache) / VERDICTS).glob("*"):
+    for verdict in own.glob("*"):
         shutil.copy2(verdict, target / verdict.name)
     return str(target)
 
@@ -112,7 +121,7 @@ def main(argv=None) -> int:
     done("first_call", s=round(time.perf_counter() - t0, 4), admitted=started)
     (verdict,) = gluon_check.wait_for_admission().values()
     done("cold", s=round(time.perf_counter() - t0, 3), verdict=verdict,
-         shared_to=share_verdicts(cache, shared))
+         shared_to=share_verdicts(shared))
     gluon_check._verdicts.clear()  # a later process: nothing in memory, the verdict on disk
     t1 = time.perf_counter()
     took = admitted(device)
