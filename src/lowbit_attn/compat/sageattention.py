@@ -606,24 +606,18 @@ def sageattn_varlen(
     recipe = _int8_recipe("qk_int8_pv_fp16", smooth_k=smooth_k)
     is_causal, sm_scale = _flag("is_causal", is_causal), _scale(sm_scale)
     if is_causal and not (cu[0].shape == cu[1].shape and torch.equal(cu[0], cu[1])):
-        return _varlen_top_left(q, k, v, cu[0], cu[1], scale=sm_scale, recipe=recipe)
+        return _varlen_top_left(q, k, v, cu[0], cu[1], max_seqlen_q, max_seqlen_k, scale=sm_scale,
+                                recipe=recipe)
     return attention_varlen(q, k, v, cu[0], cu[1], max_seqlen_q, max_seqlen_k,
                             is_causal=is_causal, scale=sm_scale, recipe=recipe)
 
 
-def _varlen_top_left(q, k, v, cu_q, cu_k, *, scale, recipe) -> torch.Tensor:
+def _varlen_top_left(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, recipe) -> torch.Tensor:
     """Causal packed sequences whose query and key counts differ, with SageAttention's top-left
     mask (:func:`_top_left`), which no single :func:`lowbit_attn.attention_varlen` call expresses:
     one :func:`lowbit_attn.attention` call per sequence (the offsets read on the host)."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        checks.tensor(name, x, 3)
-    bq = checks.cu_seqlens("cu_seqlens_q", cu_q, q.shape[0], q.device)
-    bk = checks.cu_seqlens("cu_seqlens_k", cu_k, k.shape[0], q.device)
-    if len(bq) != len(bk):
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of "
-                         f"sequences, got {len(bq) - 1} and {len(bk) - 1}")
     parts = []
-    for (q0, q1), (k0, k1) in zip(zip(bq, bq[1:]), zip(bk, bk[1:])):
+    for q0, q1, k0, k1 in checks.sequences(q, k, v, cu_q, cu_k, max_q, max_k):
         qs, ks, vs = q[None, q0:q1], k[None, k0:k1], v[None, k0:k1]
         ks, vs, mask = _top_left(qs, ks, vs, "NHD", True)
         parts.append(attention(qs, ks, vs, scale=scale, layout="NHD", recipe=recipe, **mask)[0])

@@ -208,6 +208,40 @@ def cu_seqlens(name: str, cu: torch.Tensor, total: int, device: torch.device, *,
     return bounds
 
 
+def same_sequence_count(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> None:
+    """Two offset tensors (checked by :func:`cu_seqlens`) for the same sequences."""
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
+            f"{cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}"
+        )
+
+
+def max_seqlen(name: str, value, bounds: list[int] | None) -> int:
+    """``max_seqlen_q`` or ``max_seqlen_k``: an int at least the longest sequence of ``bounds``
+    (offsets from :func:`cu_seqlens`; None: not read, any int from 0)."""
+    longest = 0 if bounds is None else max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+    if (isinstance(value, bool) or is_numpy_bool(value)
+            or not isinstance(value, numbers.Integral) or value < longest):
+        raise ValueError(f"{name} must be an int >= the longest sequence ({longest}), got {value!r}")
+    return int(value)  # a NumPy integer too: the custom op takes an int
+
+
+def sequences(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+              dtypes: tuple = FLOAT_DTYPES) -> list[tuple[int, int, int, int]]:
+    """A packed call's ``[total, H, D]`` q, k, v, offsets and maxima, checked (the offsets read on
+    the host), as each sequence's ``(q0, q1, k0, k1)`` rows: for code that runs one call per
+    sequence."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        tensor(name, x, 3, dtypes)
+    bq = cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
+    bk = cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
+    same_sequence_count(cu_seqlens_q, cu_seqlens_k)
+    max_seqlen("max_seqlen_q", max_seqlen_q, bq)
+    max_seqlen("max_seqlen_k", max_seqlen_k, bk)
+    return list(zip(bq, bq[1:], bk, bk[1:]))
+
+
 def recipe_runs_here(recipe, device: torch.device, capability, *,
                      target: str = "this GPU") -> None:
     """The Triton kernels need INT8 tensor cores (sm_80+) and, for FP8 P·V, sm_89+ (``target``:

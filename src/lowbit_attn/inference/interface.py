@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 
 from lowbit_attn.core import checks, variants
 from lowbit_attn.core.recipes import Recipe, resolve_for
 from lowbit_attn.inference import op, planned
+
 
 def attention(
     q: torch.Tensor,
@@ -222,19 +221,9 @@ def attention_varlen(
     )
     bq = checks.cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device, values=check_seqlens)
     bk = checks.cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device, values=check_seqlens)
-    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
-        raise ValueError(
-            f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
-            f"{cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}"
-        )
-    max_seqlens = []
-    for name, value, bounds in (("max_seqlen_q", max_seqlen_q, bq), ("max_seqlen_k", max_seqlen_k, bk)):
-        longest = 0 if bounds is None else max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-        if (isinstance(value, bool) or checks.is_numpy_bool(value)
-                or not isinstance(value, numbers.Integral) or value < longest):
-            raise ValueError(f"{name} must be an int >= the longest sequence ({longest}), got {value!r}")
-        max_seqlens.append(int(value))  # a NumPy integer too: the custom op takes an int
-    max_seqlen_q, max_seqlen_k = max_seqlens
+    checks.same_sequence_count(cu_seqlens_q, cu_seqlens_k)
+    max_seqlen_q = checks.max_seqlen("max_seqlen_q", max_seqlen_q, bq)
+    max_seqlen_k = checks.max_seqlen("max_seqlen_k", max_seqlen_k, bk)
     variant = variants.check(is_causal=is_causal, window=window, softcap=softcap, chunk=chunk,
                              sinks=sinks, hq=q.shape[1], device=q.device)
     r = resolve_for(recipe, q.device)

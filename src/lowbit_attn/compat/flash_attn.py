@@ -1,0 +1,288 @@
+"""FlashAttention 2's public functions (the ``flash_attn`` package: ``flash_attn_func``,
+``flash_attn_varlen_func`` and their packed forms), with its signatures, on lowbit_attn: change
+``from flash_attn import flash_attn_func`` to ``from lowbit_attn.compat.flash_attn import
+flash_attn_func`` and compare the two on your model.
+
+What each call runs:
+
+* Under ``torch.no_grad()``, ``torch.inference_mode()`` or with inputs that need no gradient, the
+  8-bit forward, :func:`lowbit_attn.attention` (``recipe="auto"``; the keyword-only ``recipe``,
+  which FlashAttention does not have, picks another).
+* Where autograd needs gradients of q, k or v, the trainable 8-bit attention,
+  :func:`lowbit_attn.trainable_attention` (``train_recipe="sagebwd_int8"``), forward and backward.
+  Packed sequences with gradients run one call per sequence (no packed training kernel).
+
+The arguments are read as FlashAttention 2 reads them (``csrc/flash_attn/flash_api.cpp``):
+
+* ``causal`` aligns the mask bottom-right when ``seqlen_q != seqlen_k``, as ours does.
+* ``window_size=(left, right)``: query ``i`` sees keys ``i + Nk - Nq - left`` to
+  ``i + Nk - Nq + right``. A negative side is unbounded; a side ``>= Nk`` (``max_seqlen_k`` for
+  packed sequences) is unbounded; ``causal`` sets ``right`` to 0; where one side is bounded and the
+  other is not, the other is ``Nk``, as FlashAttention 2's kernels take it (this differs from an
+  unbounded side only for the first ``Nq - Nk - 1`` queries when ``Nq > Nk + 1``).
+* ``softcap > 0`` caps the scores, ``c·tanh(S/c)``; 0 or below is off.
+* ``return_attn_probs=True`` returns ``(out, softmax_lse, None)``: the natural-log LSE of each row
+  of ``q·kᵀ·softmax_scale`` (after the cap), fp32, ``[B, H, Nq]`` (``[H, total_q]`` packed); a row
+  that sees no key has ``+inf``, as FlashAttention 2 gives it. The third element, FlashAttention's
+  ``S_dmask``, is ``None`` as FlashAttention's own is without dropout.
+
+What differs:
+
+* ``dropout_p`` must be 0 and ``alibi_slopes`` and ``block_table`` None (``ValueError``):
+  lowbit_attn has no attention dropout, ALiBi bias or paged keys here (its paged cache is
+  :mod:`lowbit_attn.kvcache`). ``return_attn_probs`` where gradients are needed is refused too (the
+  trainable attention returns no LSE).
+* ``deterministic`` is accepted: our forward is deterministic, and so is the backward unless
+  ``LOWBIT_ATTN_TRAIN_DQ=atomic``.
+* An LSE that is NaN stays NaN (FlashAttention 2 writes ``+inf`` for a row whose sum is NaN).
+* The caller's tensors are never modified; CPU tensors work (the PyTorch reference with the same
+  numerics); float32 inputs too; head dims 1 to 256.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from lowbit_attn.core import checks
+from lowbit_attn.inference import attention, attention_varlen
+from lowbit_attn.training import trainable_attention
+
+__all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
+           "flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func",
+           "flash_attn_varlen_qkvpacked_func"]
+
+
+def _unsupported(dropout_p, alibi_slopes, block_table=None) -> None:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a float, got {checks.shown(dropout_p)}")
+    if dropout_p != 0:
+        raise ValueError(f"dropout_p must be 0.0: lowbit_attn has no attention dropout (pass 0.0, "
+                         f"or set the model's attention dropout to 0), got {dropout_p!r}")
+    if alibi_slopes is not None:
+        raise ValueError("alibi_slopes must be None: lowbit_attn has no ALiBi bias")
+    if block_table is not None:
+        raise ValueError("block_table must be None: paged keys and values are not taken here "
+                         "(lowbit_attn.kvcache has an 8-bit paged cache of its own)")
+
+
+def _variant(causal, window_size, softcap, nk: int) -> dict:
+    """``is_causal``, ``window`` and ``softcap`` for our functions, from FlashAttention 2's
+    ``causal``, ``window_size`` and ``softcap`` with ``nk`` keys (the longest sequence's when
+    packed), read as its ``mha_fwd`` and ``set_params_fprop`` read them."""
+    causal = checks.flag("causal", causal)
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2 or any(
+            isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in window_size):
+        raise TypeError(f"window_size must be a (left, right) pair of ints, got {window_size!r}")
+    left, right = (int(x) if 0 <= x < nk else -1 for x in window_size)
+    if causal:
+        right = 0
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or math.isnan(softcap):
+        raise TypeError(f"softcap must be a float (0.0: off), got {checks.shown(softcap)}")
+    cap = float(softcap) if softcap > 0 else None
+    if right == 0 and left < 0:
+        return {"is_causal": True, "window": None, "softcap": cap}
+    if left < 0 and right < 0:
+        return {"is_causal": False, "window": None, "softcap": cap}
+    # FlashAttention 2 makes an unbounded side nk when the other is bounded: on the left that
+    # still reaches key 0 from every query (nothing changes); on the right it cuts the first
+    # Nq - Nk - 1 queries when Nq > Nk + 1.
+    return {"is_causal": False, "window": (left, nk if right < 0 else right), "softcap": cap}
+
+
+def _needs_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(
+        isinstance(x, torch.Tensor) and x.requires_grad for x in tensors)
+
+
+def _lse(lse: torch.Tensor) -> torch.Tensor:
+    """Ours gives a row that sees no key ``-inf``; FlashAttention 2 gives it ``+inf``."""
+    return lse.masked_fill(lse == -math.inf, math.inf)
+
+
+def _no_probs_with_grad(return_attn_probs: bool) -> None:
+    if return_attn_probs:
+        raise ValueError("return_attn_probs=True is not supported where gradients are needed (the "
+                         "trainable attention returns no LSE); call it under torch.no_grad() or "
+                         "with inputs that need no gradient")
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                    return_attn_probs=False, *, recipe="auto", train_recipe="sagebwd_int8"):
+    """FlashAttention 2's ``flash_attn_func`` on lowbit_attn (the module's notes say what differs).
+
+    Args:
+        q: ``[B, Nq, Hq, D]``.
+        k: ``[B, Nk, Hkv, D]``, ``Hq`` a multiple of ``Hkv`` (MQA/GQA).
+        v: the same shape as k.
+        dropout_p: must be 0.0.
+        softmax_scale: ``D ** -0.5`` by default.
+        causal: bottom-right aligned causal mask.
+        window_size: ``(left, right)``, ``-1`` unbounded, read as FlashAttention 2 reads it.
+        softcap: ``> 0`` caps the scores at ``softcap·tanh(S/softcap)``; ``<= 0`` is off.
+        alibi_slopes: must be None.
+        deterministic: accepted (see the module's notes).
+        return_attn_probs: also return the LSE ``[B, Hq, Nq]`` and ``None``.
+        recipe: the inference recipe (keyword only; see :func:`lowbit_attn.attention`).
+        train_recipe: the training recipe where gradients are needed (keyword only; see
+            :func:`lowbit_attn.trainable_attention`).
+
+    Returns:
+        ``out [B, Nq, Hq, D]``, or ``(out, softmax_lse, None)`` with ``return_attn_probs``.
+
+    Raises:
+        ValueError: ``dropout_p`` not 0, ``alibi_slopes`` given, ``return_attn_probs`` where
+            gradients are needed; and as :func:`lowbit_attn.attention`.
+        TypeError: ``causal``, ``deterministic`` or ``return_attn_probs`` not a bool,
+            ``window_size`` not a pair of ints, ``softcap`` not a real number; and as
+            :func:`lowbit_attn.attention`.
+    """
+    _unsupported(dropout_p, alibi_slopes)
+    checks.flag("deterministic", deterministic)
+    return_attn_probs = checks.flag("return_attn_probs", return_attn_probs)
+    nk = k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 4 else 0
+    variant = _variant(causal, window_size, softcap, nk)
+    if _needs_grad(q, k, v):
+        _no_probs_with_grad(return_attn_probs)
+        return trainable_attention(q, k, v, scale=softmax_scale, layout="NHD",
+                                   recipe=train_recipe, **variant)
+    result = attention(q, k, v, scale=softmax_scale, layout="NHD", recipe=recipe,
+                       return_lse=return_attn_probs, **variant)
+    if return_attn_probs:
+        out, lse = result
+        return out, _lse(lse), None
+    return result
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
+                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                             deterministic=False, return_attn_probs=False, *, recipe="auto",
+                             train_recipe="sagebwd_int8"):
+    """FlashAttention 2's ``flash_attn_kvpacked_func``: :func:`flash_attn_func` with
+    ``kv [B, Nk, 2, Hkv, D]``."""
+    k, v = _unpack("kv", kv, 2, dims=5)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs, recipe=recipe,
+                           train_recipe=train_recipe)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
+                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                              deterministic=False, return_attn_probs=False, *, recipe="auto",
+                              train_recipe="sagebwd_int8"):
+    """FlashAttention 2's ``flash_attn_qkvpacked_func``: :func:`flash_attn_func` with
+    ``qkv [B, N, 3, H, D]``."""
+    q, k, v = _unpack("qkv", qkv, 3, dims=5)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs, recipe=recipe,
+                           train_recipe=train_recipe)
+
+
+def _unpack(name: str, packed, parts: int, *, dims: int) -> tuple[torch.Tensor, ...]:
+    """The tensors stacked along dim ``-3`` of a packed ``[..., parts, H, D]`` tensor (views)."""
+    if not isinstance(packed, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(packed).__name__}")
+    if packed.dim() != dims or packed.shape[-3] != parts:
+        shape = "[B, N, " if dims == 5 else "[total, "
+        raise ValueError(f"{name} must have shape {shape}{parts}, H, D], got {tuple(packed.shape)}")
+    return packed.unbind(-3)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           softcap=0.0, alibi_slopes=None, deterministic=False,
+                           return_attn_probs=False, block_table=None, *, recipe="auto",
+                           train_recipe="sagebwd_int8"):
+    """FlashAttention 2's ``flash_attn_varlen_func`` on lowbit_attn (the module's notes say what
+    differs): :func:`lowbit_attn.attention_varlen`, or where gradients are needed one
+    :func:`lowbit_attn.trainable_attention` call per sequence.
+
+    Args:
+        q: ``[total_q, Hq, D]``; sequence ``b`` is rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]``.
+        k: ``[total_k, Hkv, D]``; v the same shape.
+        cu_seqlens_q: int32 ``[B + 1]`` offsets into q on q's device.
+        cu_seqlens_k: the same for k and v.
+        max_seqlen_q: an int at least the longest query sequence.
+        max_seqlen_k: an int at least the longest key sequence; it also bounds ``window_size`` as
+            FlashAttention 2 reads it.
+        dropout_p: as :func:`flash_attn_func`.
+        softmax_scale: as :func:`flash_attn_func`.
+        causal: as :func:`flash_attn_func`, per sequence.
+        window_size: as :func:`flash_attn_func`, per sequence.
+        softcap: as :func:`flash_attn_func`.
+        alibi_slopes: must be None.
+        deterministic: as :func:`flash_attn_func`.
+        return_attn_probs: also return the LSE ``[Hq, total_q]`` and ``None``.
+        block_table: must be None.
+        recipe: as :func:`flash_attn_func`.
+        train_recipe: as :func:`flash_attn_func`.
+
+    Returns:
+        ``out [total_q, Hq, D]``, or ``(out, softmax_lse [Hq, total_q], None)``.
+
+    Raises:
+        ValueError: as :func:`flash_attn_func` and :func:`lowbit_attn.attention_varlen`;
+            ``block_table`` given.
+        TypeError: as :func:`flash_attn_func` and :func:`lowbit_attn.attention_varlen`.
+    """
+    _unsupported(dropout_p, alibi_slopes, block_table)
+    checks.flag("deterministic", deterministic)
+    return_attn_probs = checks.flag("return_attn_probs", return_attn_probs)
+    variant = _variant(causal, window_size, softcap,
+                       checks.max_seqlen("max_seqlen_k", max_seqlen_k, None))
+    if _needs_grad(q, k, v):
+        _no_probs_with_grad(return_attn_probs)
+        rows = checks.sequences(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                dtypes=checks.FLOAT_DTYPES + (torch.float64,))
+        return _varlen_trainable(q, k, v, rows, softmax_scale, train_recipe, variant)
+    result = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              scale=softmax_scale, recipe=recipe, return_lse=return_attn_probs,
+                              **variant)
+    if return_attn_probs:
+        out, lse = result
+        return out, _lse(lse), None
+    return result
+
+
+def _varlen_trainable(q, k, v, rows, scale, recipe, variant: dict):
+    """Packed sequences with gradients: one trainable call per sequence (``rows`` from
+    :func:`lowbit_attn.core.checks.sequences`), outputs concatenated."""
+    outs = []
+    for q0, q1, k0, k1 in rows:
+        if q1 == q0 or k1 == k0:  # no query, or queries that see no key: rows of 0
+            outs.append(q.new_zeros((q1 - q0, q.shape[1], v.shape[2])))
+            continue
+        outs.append(trainable_attention(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1],
+                                        scale=scale, layout="NHD", recipe=recipe, **variant)[0])
+    return torch.cat(outs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, dropout_p=0.0, softmax_scale=None, causal=False,
+                                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                                    deterministic=False, return_attn_probs=False, *,
+                                    recipe="auto", train_recipe="sagebwd_int8"):
+    """FlashAttention 2's ``flash_attn_varlen_kvpacked_func``: :func:`flash_attn_varlen_func`
+    with ``kv [total_k, 2, Hkv, D]``."""
+    k, v = _unpack("kv", kv, 2, dims=4)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
+                                  softcap, alibi_slopes, deterministic, return_attn_probs,
+                                  recipe=recipe, train_recipe=train_recipe)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
+                                     softmax_scale=None, causal=False, window_size=(-1, -1),
+                                     softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False, *, recipe="auto",
+                                     train_recipe="sagebwd_int8"):
+    """FlashAttention 2's ``flash_attn_varlen_qkvpacked_func``: :func:`flash_attn_varlen_func`
+    with ``qkv [total, 3, H, D]`` and one ``cu_seqlens`` and ``max_seqlen`` for both."""
+    q, k, v = _unpack("qkv", qkv, 3, dims=4)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                  dropout_p, softmax_scale, causal, window_size, softcap,
+                                  alibi_slopes, deterministic, return_attn_probs, recipe=recipe,
+                                  train_recipe=train_recipe)
