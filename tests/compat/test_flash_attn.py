@@ -288,3 +288,16 @@ def test_what_is_refused_where_gradients_are_needed_or_keys_are_paged():
             fa.flash_attn_varlen_func(pq, pk, pv, cu_q, cu_k, *maxima)
         with pytest.raises(ValueError, match=r"must be an int >= the longest sequence \(8\)"):
             fa.flash_attn_varlen_func(pq.requires_grad_(), pk, pv, cu_q, cu_k, *maxima)
+
+
+def test_compiles_in_one_graph():
+    q, k, v = _qkv(64, 64, hq=2, hkv=2)
+
+    def call(q, k, v):
+        return fa.flash_attn_func(q, k, v, causal=True, window_size=(16, -1), softcap=20.0,
+                                  return_attn_probs=True)
+
+    torch._dynamo.reset()
+    out, lse, _ = torch.compile(call, fullgraph=True, backend="aot_eager")(q, k, v)
+    want, want_lse, _ = call(q, k, v)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
