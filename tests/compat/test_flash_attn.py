@@ -112,7 +112,8 @@ def test_exact_recipe_is_flash_attention_2s_definition(nq, nk, variant):
         q, k, v, causal=variant.get("causal", False), window_size=variant.get("window", (-1, -1)),
         softcap=variant.get("softcap", 0.0), return_attn_probs=True, recipe="exact")
     ref, ref_lse = _reference(q, k, v, **variant)
-    assert probs is None and out.shape == q.shape and lse.shape == (2, 4, nq)
+    assert out.shape == q.shape and lse.shape == (2, 4, nq)
+    assert probs.shape == (0,) and probs.dtype == q.dtype  # FA2's S_dmask without dropout
     assert_close(out.double(), ref, atol=2e-5)
     assert torch.equal(lse == math.inf, ref_lse == math.inf)  # rows that see no key: +inf
     assert_close(lse.double().nan_to_num(posinf=0), ref_lse.nan_to_num(posinf=0), atol=2e-5)
@@ -261,6 +262,8 @@ def test_inputs_are_untouched():
     (dict(window_size=(4.0, 2)), TypeError, "window_size must be a"),
     (dict(window_size=5), TypeError, "window_size must be a"),
     (dict(softcap=float("nan")), TypeError, "softcap must be a float"),
+    (dict(softcap=2.0**17), ValueError, "softcap must be at most 2"),
+    (dict(softmax_scale=-0.1), ValueError, "scale must be a positive"),
     (dict(softcap="30"), TypeError, "softcap must be a float"),
     (dict(causal="yes"), TypeError, "causal must be a bool"),
     (dict(deterministic=None), TypeError, "deterministic must be a bool"),

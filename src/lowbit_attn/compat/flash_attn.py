@@ -1,5 +1,6 @@
-"""FlashAttention 2's public functions (the ``flash_attn`` package: ``flash_attn_func``,
-``flash_attn_varlen_func`` and their packed forms), with its signatures, on lowbit_attn: change
+"""FlashAttention 2's public functions (six of the ``flash_attn`` package's seven:
+``flash_attn_func``, ``flash_attn_varlen_func`` and their packed forms; not
+``flash_attn_with_kvcache``), with its signatures, on lowbit_attn: change
 ``from flash_attn import flash_attn_func`` to ``from lowbit_attn.compat.flash_attn import
 flash_attn_func`` and compare the two on your model.
 
@@ -21,10 +22,10 @@ The arguments are read as FlashAttention 2 reads them (``csrc/flash_attn/flash_a
   other is not, the other is ``Nk``, as FlashAttention 2's kernels take it (this differs from an
   unbounded side only for the first ``Nq - Nk - 1`` queries when ``Nq > Nk + 1``).
 * ``softcap > 0`` caps the scores, ``c·tanh(S/c)``; 0 or below is off.
-* ``return_attn_probs=True`` returns ``(out, softmax_lse, None)``: the natural-log LSE of each row
-  of ``q·kᵀ·softmax_scale`` (after the cap), fp32, ``[B, H, Nq]`` (``[H, total_q]`` packed); a row
-  that sees no key has ``+inf``, as FlashAttention 2 gives it. The third element, FlashAttention's
-  ``S_dmask``, is ``None`` as FlashAttention's own is without dropout.
+* ``return_attn_probs=True`` returns ``(out, softmax_lse, S_dmask)``: the natural-log LSE of each
+  row of ``q·kᵀ·softmax_scale`` (after the cap), fp32, ``[B, H, Nq]`` (``[H, total_q]`` packed); a
+  row that sees no key has ``+inf``, as FlashAttention 2 gives it. ``S_dmask`` is an empty tensor
+  of q's dtype, as FlashAttention 2's is without dropout.
 
 What differs:
 
@@ -34,9 +35,14 @@ What differs:
   trainable attention returns no LSE).
 * ``deterministic`` is accepted: our forward is deterministic, and so is the backward unless
   ``LOWBIT_ATTN_TRAIN_DQ=atomic``.
+* Refused where FlashAttention 2 computes something: a dense call with no key (``Nk = 0``; theirs
+  gives zeros and a ``+inf`` LSE; packed sequences without keys give that here too); a
+  ``softmax_scale`` that is not a positive number from 2**-125 to 2**126, a ``softcap`` that is
+  NaN (theirs reads it as off) or above 2**16; ``max_seqlen_q`` or ``max_seqlen_k`` below the
+  longest sequence (theirs computes wrong rows).
 * An LSE that is NaN stays NaN (FlashAttention 2 writes ``+inf`` for a row whose sum is NaN).
 * The caller's tensors are never modified; CPU tensors work (the PyTorch reference with the same
-  numerics); float32 inputs too; head dims 1 to 256.
+  numerics); float32 inputs too, where no gradient is needed on a GPU; head dims 1 to 256.
 """
 
 from __future__ import annotations
@@ -97,9 +103,11 @@ def _needs_grad(*tensors: torch.Tensor) -> bool:
         isinstance(x, torch.Tensor) and x.requires_grad for x in tensors)
 
 
-def _lse(lse: torch.Tensor) -> torch.Tensor:
-    """Ours gives a row that sees no key ``-inf``; FlashAttention 2 gives it ``+inf``."""
-    return lse.masked_fill(lse == -math.inf, math.inf)
+def _with_lse(result: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor) -> tuple:
+    """``(out, softmax_lse, S_dmask)`` as FlashAttention 2 returns them without dropout: a row
+    that sees no key has LSE ``+inf`` (ours ``-inf``), and ``S_dmask`` is empty."""
+    out, lse = result
+    return out, lse.masked_fill(lse == -math.inf, math.inf), q.new_empty((0,))
 
 
 def _no_probs_with_grad(return_attn_probs: bool) -> None:
@@ -125,13 +133,13 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         softcap: ``> 0`` caps the scores at ``softcap·tanh(S/softcap)``; ``<= 0`` is off.
         alibi_slopes: must be None.
         deterministic: accepted (see the module's notes).
-        return_attn_probs: also return the LSE ``[B, Hq, Nq]`` and ``None``.
+        return_attn_probs: also return the LSE ``[B, Hq, Nq]`` and an empty ``S_dmask``.
         recipe: the inference recipe (keyword only; see :func:`lowbit_attn.attention`).
         train_recipe: the training recipe where gradients are needed (keyword only; see
             :func:`lowbit_attn.trainable_attention`).
 
     Returns:
-        ``out [B, Nq, Hq, D]``, or ``(out, softmax_lse, None)`` with ``return_attn_probs``.
+        ``out [B, Nq, Hq, D]``, or ``(out, softmax_lse, S_dmask)`` with ``return_attn_probs``.
 
     Raises:
         ValueError: ``dropout_p`` not 0, ``alibi_slopes`` given, ``return_attn_probs`` where
@@ -151,10 +159,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                                    recipe=train_recipe, **variant)
     result = attention(q, k, v, scale=softmax_scale, layout="NHD", recipe=recipe,
                        return_lse=return_attn_probs, **variant)
-    if return_attn_probs:
-        out, lse = result
-        return out, _lse(lse), None
-    return result
+    return _with_lse(result, q) if return_attn_probs else result
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -215,13 +220,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         softcap: as :func:`flash_attn_func`.
         alibi_slopes: must be None.
         deterministic: as :func:`flash_attn_func`.
-        return_attn_probs: also return the LSE ``[Hq, total_q]`` and ``None``.
+        return_attn_probs: also return the LSE ``[Hq, total_q]`` and an empty ``S_dmask``.
         block_table: must be None.
         recipe: as :func:`flash_attn_func`.
         train_recipe: as :func:`flash_attn_func`.
 
     Returns:
-        ``out [total_q, Hq, D]``, or ``(out, softmax_lse [Hq, total_q], None)``.
+        ``out [total_q, Hq, D]``, or ``(out, softmax_lse [Hq, total_q], S_dmask)``.
 
     Raises:
         ValueError: as :func:`flash_attn_func` and :func:`lowbit_attn.attention_varlen`;
@@ -241,10 +246,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     result = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               scale=softmax_scale, recipe=recipe, return_lse=return_attn_probs,
                               **variant)
-    if return_attn_probs:
-        out, lse = result
-        return out, _lse(lse), None
-    return result
+    return _with_lse(result, q) if return_attn_probs else result
 
 
 def _varlen_trainable(q, k, v, rows, scale, recipe, variant: dict):
