@@ -147,6 +147,18 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         TypeError: ``causal``, ``deterministic`` or ``return_attn_probs`` not a bool,
             ``window_size`` not a pair of ints, ``softcap`` not a real number; and as
             :func:`lowbit_attn.attention`.
+
+    Examples:
+        >>> import torch
+        >>> from lowbit_attn.compat.flash_attn import flash_attn_func
+        >>> q = torch.randn(2, 64, 8, 64)  # [B, N, H, D]
+        >>> k, v = torch.randn(2, 64, 2, 64), torch.randn(2, 64, 2, 64)  # GQA 8:2
+        >>> flash_attn_func(q, k, v, causal=True, window_size=(31, 0), softcap=50.0).shape
+        torch.Size([2, 64, 8, 64])
+        >>> q = q.requires_grad_()  # gradients: the trainable attention runs
+        >>> flash_attn_func(q, k, v, causal=True, train_recipe="exact").sum().backward()
+        >>> q.grad.shape
+        torch.Size([2, 64, 8, 64])
     """
     _unsupported(dropout_p, alibi_slopes)
     checks.flag("deterministic", deterministic)
@@ -166,8 +178,37 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                              deterministic=False, return_attn_probs=False, *, recipe="auto",
                              train_recipe="sagebwd_int8"):
-    """FlashAttention 2's ``flash_attn_kvpacked_func``: :func:`flash_attn_func` with
-    ``kv [B, Nk, 2, Hkv, D]``."""
+    """FlashAttention 2's ``flash_attn_kvpacked_func``: :func:`flash_attn_func` with K and V
+    stacked.
+
+    Args:
+        q: ``[B, Nq, Hq, D]``.
+        kv: ``[B, Nk, 2, Hkv, D]``: ``kv[:, :, 0]`` is K, ``kv[:, :, 1]`` is V.
+        dropout_p: must be 0.0.
+        softmax_scale: as :func:`flash_attn_func`.
+        causal: as :func:`flash_attn_func`.
+        window_size: as :func:`flash_attn_func`.
+        softcap: as :func:`flash_attn_func`.
+        alibi_slopes: must be None.
+        deterministic: as :func:`flash_attn_func`.
+        return_attn_probs: as :func:`flash_attn_func`.
+        recipe: as :func:`flash_attn_func`.
+        train_recipe: as :func:`flash_attn_func`.
+
+    Returns:
+        As :func:`flash_attn_func`.
+
+    Raises:
+        ValueError: ``kv`` not of that shape; as :func:`flash_attn_func`.
+        TypeError: ``kv`` not a tensor; as :func:`flash_attn_func`.
+
+    Examples:
+        >>> import torch
+        >>> from lowbit_attn.compat.flash_attn import flash_attn_kvpacked_func
+        >>> q, kv = torch.randn(1, 64, 4, 64), torch.randn(1, 64, 2, 2, 64)
+        >>> flash_attn_kvpacked_func(q, kv, causal=True).shape
+        torch.Size([1, 64, 4, 64])
+    """
     k, v = _unpack("kv", kv, 2, dims=5)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                            alibi_slopes, deterministic, return_attn_probs, recipe=recipe,
@@ -178,8 +219,37 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
                               window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                               deterministic=False, return_attn_probs=False, *, recipe="auto",
                               train_recipe="sagebwd_int8"):
-    """FlashAttention 2's ``flash_attn_qkvpacked_func``: :func:`flash_attn_func` with
-    ``qkv [B, N, 3, H, D]``."""
+    """FlashAttention 2's ``flash_attn_qkvpacked_func``: :func:`flash_attn_func` with Q, K and V
+    stacked.
+
+    Args:
+        qkv: ``[B, N, 3, H, D]``: ``qkv[:, :, 0]`` is Q, ``1`` K, ``2`` V.
+        dropout_p: must be 0.0.
+        softmax_scale: as :func:`flash_attn_func`.
+        causal: as :func:`flash_attn_func`.
+        window_size: as :func:`flash_attn_func`.
+        softcap: as :func:`flash_attn_func`.
+        alibi_slopes: must be None.
+        deterministic: as :func:`flash_attn_func`.
+        return_attn_probs: as :func:`flash_attn_func`.
+        recipe: as :func:`flash_attn_func`.
+        train_recipe: as :func:`flash_attn_func`.
+
+    Returns:
+        As :func:`flash_attn_func`.
+
+    Raises:
+        ValueError: ``qkv`` not of that shape; as :func:`flash_attn_func`.
+        TypeError: ``qkv`` not a tensor; as :func:`flash_attn_func`.
+
+    Examples:
+        >>> import torch
+        >>> from lowbit_attn.compat.flash_attn import flash_attn_qkvpacked_func
+        >>> qkv = torch.randn(2, 64, 3, 4, 64)
+        >>> out, lse, _ = flash_attn_qkvpacked_func(qkv, window_size=(16, 0), return_attn_probs=True)
+        >>> lse.shape
+        torch.Size([2, 4, 64])
+    """
     q, k, v = _unpack("qkv", qkv, 3, dims=5)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                            alibi_slopes, deterministic, return_attn_probs, recipe=recipe,
@@ -207,7 +277,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
     Args:
         q: ``[total_q, Hq, D]``; sequence ``b`` is rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]``.
-        k: ``[total_k, Hkv, D]``; v the same shape.
+        k: ``[total_k, Hkv, D]``.
+        v: the same shape as k.
         cu_seqlens_q: int32 ``[B + 1]`` offsets into q on q's device.
         cu_seqlens_k: the same for k and v.
         max_seqlen_q: an int at least the longest query sequence.
@@ -232,6 +303,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         ValueError: as :func:`flash_attn_func` and :func:`lowbit_attn.attention_varlen`;
             ``block_table`` given.
         TypeError: as :func:`flash_attn_func` and :func:`lowbit_attn.attention_varlen`.
+
+    Examples:
+        >>> import torch
+        >>> from lowbit_attn.compat.flash_attn import flash_attn_varlen_func
+        >>> cu = torch.tensor([0, 40, 100], dtype=torch.int32)  # two sequences: 40 and 60 tokens
+        >>> q, k, v = (torch.randn(100, 4, 64) for _ in range(3))
+        >>> out, lse, _ = flash_attn_varlen_func(q, k, v, cu, cu, 60, 60, causal=True,
+        ...                                      return_attn_probs=True)
+        >>> out.shape, lse.shape
+        (torch.Size([100, 4, 64]), torch.Size([4, 100]))
     """
     _unsupported(dropout_p, alibi_slopes, block_table)
     checks.flag("deterministic", deterministic)
@@ -268,7 +349,41 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                     deterministic=False, return_attn_probs=False, *,
                                     recipe="auto", train_recipe="sagebwd_int8"):
     """FlashAttention 2's ``flash_attn_varlen_kvpacked_func``: :func:`flash_attn_varlen_func`
-    with ``kv [total_k, 2, Hkv, D]``."""
+    with K and V stacked.
+
+    Args:
+        q: ``[total_q, Hq, D]``.
+        kv: ``[total_k, 2, Hkv, D]``: ``kv[:, 0]`` is K, ``kv[:, 1]`` is V.
+        cu_seqlens_q: as :func:`flash_attn_varlen_func`.
+        cu_seqlens_k: as :func:`flash_attn_varlen_func`.
+        max_seqlen_q: as :func:`flash_attn_varlen_func`.
+        max_seqlen_k: as :func:`flash_attn_varlen_func`.
+        dropout_p: must be 0.0.
+        softmax_scale: as :func:`flash_attn_varlen_func`.
+        causal: as :func:`flash_attn_varlen_func`.
+        window_size: as :func:`flash_attn_varlen_func`.
+        softcap: as :func:`flash_attn_varlen_func`.
+        alibi_slopes: must be None.
+        deterministic: as :func:`flash_attn_varlen_func`.
+        return_attn_probs: as :func:`flash_attn_varlen_func`.
+        recipe: as :func:`flash_attn_varlen_func`.
+        train_recipe: as :func:`flash_attn_varlen_func`.
+
+    Returns:
+        As :func:`flash_attn_varlen_func`.
+
+    Raises:
+        ValueError: ``kv`` not of that shape; as :func:`flash_attn_varlen_func`.
+        TypeError: ``kv`` not a tensor; as :func:`flash_attn_varlen_func`.
+
+    Examples:
+        >>> import torch
+        >>> from lowbit_attn.compat.flash_attn import flash_attn_varlen_kvpacked_func
+        >>> cu = torch.tensor([0, 40, 100], dtype=torch.int32)
+        >>> q, kv = torch.randn(100, 4, 64), torch.randn(100, 2, 2, 64)
+        >>> flash_attn_varlen_kvpacked_func(q, kv, cu, cu, 60, 60, causal=True).shape
+        torch.Size([100, 4, 64])
+    """
     k, v = _unpack("kv", kv, 2, dims=4)
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
@@ -282,7 +397,37 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                                      return_attn_probs=False, *, recipe="auto",
                                      train_recipe="sagebwd_int8"):
     """FlashAttention 2's ``flash_attn_varlen_qkvpacked_func``: :func:`flash_attn_varlen_func`
-    with ``qkv [total, 3, H, D]`` and one ``cu_seqlens`` and ``max_seqlen`` for both."""
+    with Q, K and V stacked, one ``cu_seqlens`` and ``max_seqlen`` for both.
+
+    Args:
+        qkv: ``[total, 3, H, D]``: ``qkv[:, 0]`` is Q, ``1`` K, ``2`` V.
+        cu_seqlens: int32 ``[B + 1]`` offsets, for the queries and the keys.
+        max_seqlen: an int at least the longest sequence.
+        dropout_p: must be 0.0.
+        softmax_scale: as :func:`flash_attn_varlen_func`.
+        causal: as :func:`flash_attn_varlen_func`.
+        window_size: as :func:`flash_attn_varlen_func`.
+        softcap: as :func:`flash_attn_varlen_func`.
+        alibi_slopes: must be None.
+        deterministic: as :func:`flash_attn_varlen_func`.
+        return_attn_probs: as :func:`flash_attn_varlen_func`.
+        recipe: as :func:`flash_attn_varlen_func`.
+        train_recipe: as :func:`flash_attn_varlen_func`.
+
+    Returns:
+        As :func:`flash_attn_varlen_func`.
+
+    Raises:
+        ValueError: ``qkv`` not of that shape; as :func:`flash_attn_varlen_func`.
+        TypeError: ``qkv`` not a tensor; as :func:`flash_attn_varlen_func`.
+
+    Examples:
+        >>> import torch
+        >>> from lowbit_attn.compat.flash_attn import flash_attn_varlen_qkvpacked_func
+        >>> cu = torch.tensor([0, 40, 100], dtype=torch.int32)
+        >>> flash_attn_varlen_qkvpacked_func(torch.randn(100, 3, 4, 64), cu, 60, softcap=30.0).shape
+        torch.Size([100, 4, 64])
+    """
     q, k, v = _unpack("qkv", qkv, 3, dims=4)
     return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                   dropout_p, softmax_scale, causal, window_size, softcap,
