@@ -28,7 +28,8 @@ PACKAGE = "lowbit_attn"
 
 # Public modules whose ``__all__`` users are pointed to, besides the package's own.
 SUBPACKAGES = ("integrations.transformers", "integrations.diffusers", "compat",
-               "compat.sageattention", "compat.flash_attn", "kvcache")
+               "compat.sageattention", "compat.flash_attn", "compat.flash_attn_interface",
+               "kvcache")
 # Public names of modules without an ``__all__``, named by the guides.
 EXTRA = ("tiles.to_tile_order", "tiles.from_tile_order", "compat.fastvideo.video_sparse_attn",
          "integrations.sdpa.reset_fallback_warnings", "core.counters.kernel_calls")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -463,6 +464,43 @@ def require_gluon(*apis: str) -> None:
         if not triton_support.gluon_available(api):
             pytest.skip(triton_support.gluon_refusal(api, "this module's Gluon code"),
                         allow_module_level=True)
+
+
+def independent_mask(nq, nk, *, causal=False, window=None, chunk=None):
+    """lowbit_attn's window and chunk rule (issue 44's definition, FlashAttention 3's), written out
+    one entry at a time: ``[nq, nk]`` bool, True where query ``i`` sees key ``j``."""
+    left, right = window if window is not None else (-1, -1)
+    if causal:
+        right = 0
+    m = torch.zeros(nq, nk, dtype=torch.bool)
+    for i in range(nq):
+        p = i + nk - nq
+        for j in range(nk):
+            ok = True
+            if left != -1 and j < p - left:
+                ok = False
+            if right != -1 and j > p + right:
+                ok = False
+            if chunk is not None and (p < 0 or j // chunk != p // chunk):
+                ok = False
+            m[i, j] = ok
+    return m
+
+
+def nhd_reference(q, k, v, seen: torch.Tensor, *, softcap: float = 0.0, scale=None):
+    """Float64 attention of ``[B, N, H, D]`` tensors (GQA: query head ``h`` reads key head
+    ``h // (Hq / Hkv)``) where ``seen [Nq, Nk]`` (bool) says which keys each query sees, scores
+    capped at ``softcap·tanh(S/softcap)`` when ``softcap > 0``: the output (0 where a row sees
+    nothing) and the natural-log LSE ``[B, Hq, Nq]`` (-inf there)."""
+    qd, kd, vd = (x.double().transpose(1, 2) for x in (q, k, v))
+    kd = kd.repeat_interleave(qd.shape[1] // kd.shape[1], 1)
+    vd = vd.repeat_interleave(qd.shape[1] // vd.shape[1], 1)
+    s = qd @ kd.transpose(-1, -2) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~seen, -math.inf)
+    lse = torch.logsumexp(s, -1)
+    return (torch.exp(s - lse[..., None]).nan_to_num(0.0) @ vd).transpose(1, 2), lse
 
 
 def poison(t: torch.Tensor) -> torch.Tensor:

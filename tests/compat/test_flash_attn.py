@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from helpers import assert_close, channel_biased
+import lowbit_attn
+from helpers import assert_close, channel_biased, nhd_reference
 from lowbit_attn.compat import flash_attn as fa
 
 E = inspect.Parameter.empty
@@ -75,20 +76,11 @@ def _visible(nq: int, nk: int, causal: bool, window, nk_max: int | None = None) 
 
 
 def _reference(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, scale=None, nk_max=None):
-    """Float64 attention of NHD ``[B, N, H, D]`` tensors with the mask of :func:`_visible`: the
-    output (0 where a row sees nothing) and the LSE ``[B, H, Nq]`` (+inf there)."""
-    qd, kd, vd = (x.double().transpose(1, 2) for x in (q, k, v))
-    kd = kd.repeat_interleave(qd.shape[1] // kd.shape[1], 1)
-    vd = vd.repeat_interleave(qd.shape[1] // vd.shape[1], 1)
-    s = qd @ kd.transpose(-1, -2) * (scale if scale is not None else q.shape[-1] ** -0.5)
-    if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
+    """Float64 attention with the mask of :func:`_visible`: the output and the LSE (+inf where a
+    row sees nothing, as FlashAttention 2 gives it)."""
     seen = _visible(q.shape[1], k.shape[1], causal, window, nk_max)
-    s = s.masked_fill(~seen, -math.inf)
-    lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
-    lse = lse.masked_fill(~seen.any(-1), math.inf)
-    return (p @ vd).transpose(1, 2), lse
+    out, lse = nhd_reference(q, k, v, seen, softcap=softcap, scale=scale)
+    return out, lse.masked_fill(~seen.any(-1), math.inf)
 
 
 def _qkv(nq, nk, hq=4, hkv=2, d=64, seed=0, dtype=torch.float32):
@@ -125,7 +117,7 @@ def test_a_bounded_left_side_makes_the_right_one_nk_as_flash_attention_2():
     q, k, v = _qkv(64, 20)
     out = fa.flash_attn_func(q, k, v, window_size=(5, -1), recipe="exact")
     assert_close(out.double(), _reference(q, k, v, window=(5, -1))[0], atol=2e-5)
-    unbounded = fa.attention(q, k, v, layout="NHD", window=(5, -1), recipe="exact")
+    unbounded = lowbit_attn.attention(q, k, v, layout="NHD", window=(5, -1), recipe="exact")
     assert (out - unbounded).abs().amax() > 1e-2
 
 

@@ -14,33 +14,13 @@ import triton
 import triton.language as tl
 
 import lowbit_attn
-from helpers import assert_bits, channel_biased
+from helpers import assert_bits, channel_biased, independent_mask
 from lowbit_attn.core.triton_helpers import (
     window_block_bounds, window_limits, window_query_bounds,
 )
 from lowbit_attn.core.variants import (
     Variant, check, key_block_range, key_blocks_visited, query_block_range,
 )
-
-
-def independent_mask(nq, nk, *, causal=False, window=None, chunk=None):
-    """The visibility rule written out from the issue's definition, one entry at a time."""
-    left, right = window if window is not None else (-1, -1)
-    if causal:
-        right = 0
-    m = torch.zeros(nq, nk, dtype=torch.bool)
-    for i in range(nq):
-        p = i + nk - nq
-        for j in range(nk):
-            ok = True
-            if left != -1 and j < p - left:
-                ok = False
-            if right != -1 and j > p + right:
-                ok = False
-            if chunk is not None and (p < 0 or j // chunk != p // chunk):
-                ok = False
-            m[i, j] = ok
-    return m
 
 
 def exact64(q, k, v, mask, *, scale, softcap=None, sinks=None):

@@ -52,9 +52,8 @@ import numbers
 
 import torch
 
+from lowbit_attn.compat import flash_calls
 from lowbit_attn.core import checks
-from lowbit_attn.inference import attention, attention_varlen
-from lowbit_attn.training import trainable_attention
 
 __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
            "flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func",
@@ -79,15 +78,10 @@ def _variant(causal, window_size, softcap, nk: int) -> dict:
     ``causal``, ``window_size`` and ``softcap`` with ``nk`` keys (the longest sequence's when
     packed), read as its ``mha_fwd`` and ``set_params_fprop`` read them."""
     causal = checks.flag("causal", causal)
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2 or any(
-            isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in window_size):
-        raise TypeError(f"window_size must be a (left, right) pair of ints, got {window_size!r}")
-    left, right = (int(x) if 0 <= x < nk else -1 for x in window_size)
+    left, right = (x if x < nk else -1 for x in flash_calls.window_sides(window_size))
     if causal:
         right = 0
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or math.isnan(softcap):
-        raise TypeError(f"softcap must be a float (0.0: off), got {checks.shown(softcap)}")
-    cap = float(softcap) if softcap > 0 else None
+    cap = flash_calls.softcap_of(softcap)
     if right == 0 and left < 0:
         return {"is_causal": True, "window": None, "softcap": cap}
     if left < 0 and right < 0:
@@ -98,23 +92,11 @@ def _variant(causal, window_size, softcap, nk: int) -> dict:
     return {"is_causal": False, "window": (left, nk if right < 0 else right), "softcap": cap}
 
 
-def _needs_grad(*tensors: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and any(
-        isinstance(x, torch.Tensor) and x.requires_grad for x in tensors)
-
-
 def _with_lse(result: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor) -> tuple:
     """``(out, softmax_lse, S_dmask)`` as FlashAttention 2 returns them without dropout: a row
     that sees no key has LSE ``+inf`` (ours ``-inf``), and ``S_dmask`` is empty."""
     out, lse = result
     return out, lse.masked_fill(lse == -math.inf, math.inf), q.new_empty((0,))
-
-
-def _no_probs_with_grad(return_attn_probs: bool) -> None:
-    if return_attn_probs:
-        raise ValueError("return_attn_probs=True is not supported where gradients are needed (the "
-                         "trainable attention returns no LSE); call it under torch.no_grad() or "
-                         "with inputs that need no gradient")
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -165,12 +147,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     return_attn_probs = checks.flag("return_attn_probs", return_attn_probs)
     nk = k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 4 else 0
     variant = _variant(causal, window_size, softcap, nk)
-    if _needs_grad(q, k, v):
-        _no_probs_with_grad(return_attn_probs)
-        return trainable_attention(q, k, v, scale=softmax_scale, layout="NHD",
-                                   recipe=train_recipe, **variant)
-    result = attention(q, k, v, scale=softmax_scale, layout="NHD", recipe=recipe,
-                       return_lse=return_attn_probs, **variant)
+    result = flash_calls.dense(q, k, v, scale=softmax_scale, variant=variant, recipe=recipe,
+                               train_recipe=train_recipe, return_lse=return_attn_probs)
     return _with_lse(result, q) if return_attn_probs else result
 
 
@@ -209,7 +187,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
         >>> flash_attn_kvpacked_func(q, kv, causal=True).shape
         torch.Size([1, 64, 4, 64])
     """
-    k, v = _unpack("kv", kv, 2, dims=5)
+    k, v = flash_calls.unpack("kv", kv, 2, dims=5)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                            alibi_slopes, deterministic, return_attn_probs, recipe=recipe,
                            train_recipe=train_recipe)
@@ -250,20 +228,10 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
         >>> lse.shape
         torch.Size([2, 4, 64])
     """
-    q, k, v = _unpack("qkv", qkv, 3, dims=5)
+    q, k, v = flash_calls.unpack("qkv", qkv, 3, dims=5)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                            alibi_slopes, deterministic, return_attn_probs, recipe=recipe,
                            train_recipe=train_recipe)
-
-
-def _unpack(name: str, packed, parts: int, *, dims: int) -> tuple[torch.Tensor, ...]:
-    """The tensors stacked along dim ``-3`` of a packed ``[..., parts, H, D]`` tensor (views)."""
-    if not isinstance(packed, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(packed).__name__}")
-    if packed.dim() != dims or packed.shape[-3] != parts:
-        shape = "[B, N, " if dims == 5 else "[total, "
-        raise ValueError(f"{name} must have shape {shape}{parts}, H, D], got {tuple(packed.shape)}")
-    return packed.unbind(-3)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -319,28 +287,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return_attn_probs = checks.flag("return_attn_probs", return_attn_probs)
     variant = _variant(causal, window_size, softcap,
                        checks.max_seqlen("max_seqlen_k", max_seqlen_k, None))
-    if _needs_grad(q, k, v):
-        _no_probs_with_grad(return_attn_probs)
-        rows = checks.sequences(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                dtypes=checks.FLOAT_DTYPES + (torch.float64,))
-        return _varlen_trainable(q, k, v, rows, softmax_scale, train_recipe, variant)
-    result = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                              scale=softmax_scale, recipe=recipe, return_lse=return_attn_probs,
-                              **variant)
+    result = flash_calls.packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                scale=softmax_scale, variant=variant, recipe=recipe,
+                                train_recipe=train_recipe, return_lse=return_attn_probs)
     return _with_lse(result, q) if return_attn_probs else result
-
-
-def _varlen_trainable(q, k, v, rows, scale, recipe, variant: dict):
-    """Packed sequences with gradients: one trainable call per sequence (``rows`` from
-    :func:`lowbit_attn.core.checks.sequences`), outputs concatenated."""
-    outs = []
-    for q0, q1, k0, k1 in rows:
-        if q1 == q0 or k1 == k0:  # no query, or queries that see no key: rows of 0
-            outs.append(q.new_zeros((q1 - q0, q.shape[1], v.shape[2])))
-            continue
-        outs.append(trainable_attention(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1],
-                                        scale=scale, layout="NHD", recipe=recipe, **variant)[0])
-    return torch.cat(outs)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -384,7 +334,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
         >>> flash_attn_varlen_kvpacked_func(q, kv, cu, cu, 60, 60, causal=True).shape
         torch.Size([100, 4, 64])
     """
-    k, v = _unpack("kv", kv, 2, dims=4)
+    k, v = flash_calls.unpack("kv", kv, 2, dims=4)
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
                                   softcap, alibi_slopes, deterministic, return_attn_probs,
@@ -428,7 +378,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
         >>> flash_attn_varlen_qkvpacked_func(torch.randn(100, 3, 4, 64), cu, 60, softcap=30.0).shape
         torch.Size([100, 4, 64])
     """
-    q, k, v = _unpack("qkv", qkv, 3, dims=4)
+    q, k, v = flash_calls.unpack("qkv", qkv, 3, dims=4)
     return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                   dropout_p, softmax_scale, causal, window_size, softcap,
                                   alibi_slopes, deterministic, return_attn_probs, recipe=recipe,
