@@ -119,6 +119,11 @@ def test_a_bounded_left_side_makes_the_right_one_nk_as_flash_attention_2():
     assert_close(out.double(), _reference(q, k, v, window=(5, -1))[0], atol=2e-5)
     unbounded = lowbit_attn.attention(q, k, v, layout="NHD", window=(5, -1), recipe="exact")
     assert (out - unbounded).abs().amax() > 1e-2
+    # the same at the largest left side FlashAttention 2 keeps bounded (Nk - 1), and with the
+    # window as a two-element tensor
+    got = fa.flash_attn_func(q, k, v, window_size=torch.tensor([19, -1]), recipe="exact")
+    assert_close(got.double(), _reference(q, k, v, window=(19, -1))[0], atol=2e-5)
+    assert (got - fa.flash_attn_func(q, k, v, recipe="exact")).abs().amax() > 1e-2
 
 
 @pytest.mark.parametrize("causal", [False, True])

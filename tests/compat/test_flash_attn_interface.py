@@ -109,7 +109,7 @@ def test_gqa_packed_qkv_splits_its_heads_as_flash_attention_3():
     for heads in (5, 10, 0):
         with pytest.raises(ValueError, match="num_heads_q must leave an even, positive"):
             fa3.flash_attn_qkvpacked_func(torch.randn(1, 8, 10, 16), num_heads_q=heads)
-    with pytest.raises(TypeError, match="num_heads_q must be an int for a 4-D qkv"):
+    with pytest.raises(TypeError, match=r"num_heads_q \(for a 4-D qkv\) must be an int"):
         fa3.flash_attn_qkvpacked_func(torch.randn(1, 8, 10, 16))
 
 
@@ -168,3 +168,31 @@ def test_used_lengths_and_probs_with_gradients_are_refused():
         fa3.flash_attn_varlen_func(q, q, q, cu, cu, 8, 8, seqused_k=torch.tensor([4]))
     with pytest.raises(ValueError, match="return_attn_probs=True is not supported where"):
         fa3.flash_attn_varlen_func(q.requires_grad_(), q, q, cu, cu, 8, 8, return_attn_probs=True)
+
+
+def test_sides_that_bound_nothing_are_unbounded_however_large():
+    """``mha_fwd`` makes ``left >= Nk - 1`` and ``right >= Nq - 1`` unbounded before anything
+    narrows them; a window may also come as a two-element tensor (FlashAttention 3's own tests
+    pass one), a chunk as long as an int allows."""
+    q, k, v = _qkv(40, 24)
+    want = fa3.flash_attn_func(q, k, v, recipe="exact")
+    for window in ((2**31, -1), (-1, 2**40), (23, 39), (2**31, 2**31)):
+        assert torch.equal(fa3.flash_attn_func(q, k, v, window_size=window, recipe="exact"), want)
+    assert torch.equal(fa3.flash_attn_func(q, k, v, attention_chunk=2**31 - 1, recipe="exact"),
+                       fa3.flash_attn_func(q, k, v, attention_chunk=64, recipe="exact"))
+    got = fa3.flash_attn_func(q, k, v, window_size=torch.tensor([5, 2]), recipe="exact")
+    assert torch.equal(got, fa3.flash_attn_func(q, k, v, window_size=(5, 2), recipe="exact"))
+
+
+def test_packed_sequences_without_any_key():
+    """No key in any sequence: zeros and, as FlashAttention 3 skips its kernel then, a +inf LSE;
+    with gradients, zero gradients (the output still depends on q)."""
+    q = torch.randn(6, 2, 16)
+    k = v = torch.zeros(0, 2, 16)
+    cu_q = torch.tensor([0, 2, 6], dtype=torch.int32)
+    cu_k = torch.zeros(3, dtype=torch.int32)
+    out, lse = fa3.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 4, 0, return_attn_probs=True)
+    assert torch.equal(out, torch.zeros_like(q)) and torch.equal(lse, torch.full((2, 6), math.inf))
+    q.requires_grad_()
+    fa3.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 4, 0).sum().backward()
+    assert torch.equal(q.grad, torch.zeros_like(q))

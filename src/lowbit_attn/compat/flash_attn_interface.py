@@ -13,15 +13,18 @@ The arguments are read as FlashAttention 3 reads them (``hopper/flash_api.cpp``,
 
 * ``causal`` aligns the mask bottom-right when ``seqlen_q != seqlen_k`` and sets the window's
   right side to 0.
-* ``window_size=(left, right)``: query ``i`` sees keys ``i + Nk - Nq - left`` to
-  ``i + Nk - Nq + right``; a negative side is unbounded (FlashAttention 3 puts ``Nk - 1`` and
-  ``Nq - 1`` there, which bound nothing). This is :func:`lowbit_attn.attention`'s ``window``.
+* ``window_size=(left, right)`` (ints, or a two-element integer tensor): query ``i`` sees keys
+  ``i + Nk - Nq - left`` to ``i + Nk - Nq + right``; a negative side is unbounded, and so is one
+  that bounds nothing (``left >= Nk - 1``, ``right >= Nq - 1``; ``max_seqlen_*`` when packed),
+  however large (FlashAttention 3 puts ``Nk - 1`` and ``Nq - 1`` in a negative side). This is
+  :func:`lowbit_attn.attention`'s ``window``.
 * ``attention_chunk=C > 0``: query ``i`` sees only keys of its chunk, ``[⌊p/C⌋·C, ⌊p/C⌋·C + C)``
   with ``p = i + Nk - Nq``, within the window: :func:`lowbit_attn.attention`'s ``chunk``.
 * ``softcap > 0`` caps the scores, ``c·tanh(S/c)``; 0 or below is off.
 * ``return_attn_probs=True`` returns ``(out, softmax_lse)``: the natural-log LSE of each row of
   ``q·kᵀ·softmax_scale`` (after the cap), fp32, ``[B, H, Nq]`` (``[H, total_q]`` packed); a row
-  that sees no key has ``-inf``, as FlashAttention 3 gives it.
+  that sees no key has ``-inf``, as FlashAttention 3 gives it (packed sequences none of which has
+  a key: ``+inf``, as theirs, which skips its kernel then).
 
 What differs:
 
@@ -38,13 +41,17 @@ What differs:
   theirs gives zeros and a ``+inf`` LSE); a ``softmax_scale`` that is not a positive number from
   2**-125 to 2**126, a ``softcap`` that is NaN or above 2**16; ``max_seqlen_q`` or
   ``max_seqlen_k`` below the longest sequence.
+* V's head dim must be Q's (FlashAttention 3 also takes Q/K of 192 channels with V of 128, and
+  V up to 512 with Q/K up to 64).
+* NaN: a row whose scores hold a NaN gets a NaN LSE (FlashAttention 3 writes ``-inf``), and the
+  8-bit recipes spread a NaN in q or k over its head (:func:`lowbit_attn.attention`).
 * The caller's tensors are never modified; CPU tensors work (the PyTorch reference with the same
   numerics); float32 inputs too, where no gradient is needed on a GPU; head dims 1 to 256.
 """
 
 from __future__ import annotations
 
-import numbers
+import math
 
 import torch
 
@@ -52,6 +59,10 @@ from lowbit_attn.compat import flash_calls
 from lowbit_attn.core import checks
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func"]
+
+# The largest chunk passed on (ours are below 2**30): a longer one is the same mask for every
+# sequence shorter than it.
+CHUNK_MAX = 2**30 - 1
 
 
 def _unsupported(**given) -> None:
@@ -64,25 +75,25 @@ def _unsupported(**given) -> None:
 
 def _scheduling(num_splits, pack_gqa, sm_margin, deterministic) -> None:
     """FlashAttention 3's scheduling arguments: checked, no effect here."""
-    for name, value in (("num_splits", num_splits), ("sm_margin", sm_margin)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"{name} must be an int, got {checks.shown(value)}")
+    flash_calls.integer("num_splits", num_splits)
+    flash_calls.integer("sm_margin", sm_margin)
     if pack_gqa is not None:
         checks.flag("pack_gqa", pack_gqa)
     checks.flag("deterministic", deterministic)
 
 
-def _variant(causal, window_size, attention_chunk, softcap) -> dict:
-    """Our ``is_causal``, ``window``, ``chunk`` and ``softcap`` from FlashAttention 3's."""
+def _variant(causal, window_size, attention_chunk, softcap, nq: int, nk: int) -> dict:
+    """Our ``is_causal``, ``window``, ``chunk`` and ``softcap`` from FlashAttention 3's, with
+    ``nq`` queries and ``nk`` keys (the longest sequences when packed). A side that bounds
+    nothing (``left >= nk - 1``, ``right >= nq - 1``) is unbounded, as ``mha_fwd`` makes it."""
     causal = checks.flag("causal", causal)
     left, right = flash_calls.window_sides(window_size)
-    if isinstance(attention_chunk, bool) or not isinstance(attention_chunk, numbers.Integral):
-        raise TypeError(f"attention_chunk must be an int (0: off), got "
-                        f"{checks.shown(attention_chunk)}")
-    if attention_chunk < 0:
-        raise ValueError(f"attention_chunk must be 0 (off) or positive, got {attention_chunk}")
+    left, right = (-1 if left >= nk - 1 else left), (-1 if right >= nq - 1 else right)
+    chunk = flash_calls.integer("attention_chunk", attention_chunk)
+    if chunk < 0:
+        raise ValueError(f"attention_chunk must be 0 (off) or positive, got {chunk}")
     return {"is_causal": causal, "window": None if left < 0 and right < 0 else (left, right),
-            "chunk": int(attention_chunk) or None, "softcap": flash_calls.softcap_of(softcap)}
+            "chunk": min(chunk, CHUNK_MAX) or None, "softcap": flash_calls.softcap_of(softcap)}
 
 
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None,
@@ -135,8 +146,9 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     _unsupported(qv=qv, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     _scheduling(num_splits, pack_gqa, sm_margin, deterministic)
     return_attn_probs = checks.flag("return_attn_probs", return_attn_probs)
+    nq, nk = (x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 4 else 0 for x in (q, k))
     return flash_calls.dense(q, k, v, scale=softmax_scale,
-                             variant=_variant(causal, window_size, attention_chunk, softcap),
+                             variant=_variant(causal, window_size, attention_chunk, softcap, nq, nk),
                              recipe=recipe, train_recipe=train_recipe,
                              return_lse=return_attn_probs)
 
@@ -184,9 +196,7 @@ def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=N
         torch.Size([1, 64, 8, 64])
     """
     if isinstance(qkv, torch.Tensor) and qkv.dim() == 4:
-        if isinstance(num_heads_q, bool) or not isinstance(num_heads_q, numbers.Integral):
-            raise TypeError(f"num_heads_q must be an int for a 4-D qkv, got "
-                            f"{checks.shown(num_heads_q)}")
+        num_heads_q = flash_calls.integer("num_heads_q (for a 4-D qkv)", num_heads_q)
         hkv2 = qkv.shape[2] - num_heads_q
         if num_heads_q < 1 or hkv2 < 2 or hkv2 % 2:
             raise ValueError(f"num_heads_q must leave an even, positive number of key and value "
@@ -258,8 +268,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                  k_descale=k_descale, v_descale=v_descale)
     _scheduling(num_splits, pack_gqa, sm_margin, deterministic)
     return_attn_probs = checks.flag("return_attn_probs", return_attn_probs)
-    return flash_calls.packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                              scale=softmax_scale,
-                              variant=_variant(causal, window_size, attention_chunk, softcap),
-                              recipe=recipe, train_recipe=train_recipe,
-                              return_lse=return_attn_probs)
+    variant = _variant(causal, window_size, attention_chunk, softcap,
+                       checks.max_seqlen("max_seqlen_q", max_seqlen_q, None),
+                       checks.max_seqlen("max_seqlen_k", max_seqlen_k, None))
+    result = flash_calls.packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                scale=softmax_scale, variant=variant, recipe=recipe,
+                                train_recipe=train_recipe, return_lse=return_attn_probs)
+    if return_attn_probs and k.shape[0] == 0:  # no key in any sequence: theirs skips the kernel
+        out, lse = result
+        return out, torch.full_like(lse, math.inf)
+    return result

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 
 import torch
 
@@ -15,14 +16,30 @@ from lowbit_attn.inference import attention, attention_varlen
 from lowbit_attn.training import trainable_attention
 
 
+def integer(name: str, value) -> int:
+    """An int argument as FlashAttention's bindings take one: an int, a NumPy integer or a
+    one-element integer tensor (not a bool, not a float)."""
+    try:
+        if isinstance(value, bool) or checks.is_numpy_bool(value) or (
+                isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {checks.shown(value)}") from None
+
+
 def window_sides(window_size) -> tuple[int, int]:
-    """FlashAttention's ``window_size=(left, right)``, each side an int; a negative side (``-1``
-    or any other) is returned as ``-1``, unbounded, as FlashAttention's kernels test ``< 0``."""
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2 or any(
-            isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in window_size):
-        raise TypeError(f"window_size must be a (left, right) pair of ints, got {window_size!r}")
-    left, right = (int(x) if x >= 0 else -1 for x in window_size)
-    return left, right
+    """FlashAttention's ``window_size=(left, right)`` (two ints, or a two-element integer
+    tensor), a negative side (``-1`` or any other) returned as ``-1``, unbounded, as
+    FlashAttention's kernels test ``< 0``."""
+    try:
+        if isinstance(window_size, (str, bytes)) or len(window_size) != 2:
+            raise TypeError
+        left, right = (integer("window_size", x) for x in window_size)
+    except TypeError:
+        raise TypeError(f"window_size must be a (left, right) pair of ints, got "
+                        f"{checks.shown(window_size)}") from None
+    return max(left, -1), max(right, -1)
 
 
 def softcap_of(softcap) -> float | None:
@@ -71,8 +88,9 @@ def packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, s
                             dtypes=checks.FLOAT_DTYPES + (torch.float64,))
     outs = []
     for q0, q1, k0, k1 in rows:
-        if q1 == q0 or k1 == k0:  # no query, or queries that see no key: rows of 0
-            outs.append(q.new_zeros((q1 - q0, q.shape[1], v.shape[2])))
+        if q1 == q0 or k1 == k0:  # no query, or queries that see no key: rows of 0 (gradient 0)
+            outs.append(q[q0:q1].masked_fill(torch.ones((), dtype=torch.bool, device=q.device),
+                                             0.0))
             continue
         outs.append(trainable_attention(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1],
                                         scale=scale, layout="NHD", recipe=train_recipe,

@@ -234,6 +234,9 @@ def sequences(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *
     sequence."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         tensor(name, x, 3, dtypes)
+    same_kind(q, k, v)
+    heads_and_dims(tuple(q.shape), tuple(k.shape), tuple(v.shape), batch_dim=None,
+                   head_dim_axis=1, seq_axis=None)
     bq = cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
     bk = cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
     same_sequence_count(cu_seqlens_q, cu_seqlens_k)
