@@ -301,3 +301,21 @@ def test_compiles_in_one_graph():
     out, lse, _ = torch.compile(call, fullgraph=True, backend="aot_eager")(q, k, v)
     want, want_lse, _ = call(q, k, v)
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("recipe", ["qk_int8_pv_fp16", "qk_int8_pv_fp8"])
+def test_the_kernels_take_flash_attention_2s_windows(recipe, triton_backend):
+    """The Triton kernels (interpreted) under the windows only FlashAttention 2's reading makes:
+    a right side of ``Nk`` cutting the first queries when ``Nq > Nk + 1``, with softcap."""
+    q, k, v = _qkv(150, 40, seed=9)
+    out, lse, _ = fa.flash_attn_func(q, k, v, window_size=(5, -1), softcap=30.0, recipe=recipe,
+                                     return_attn_probs=True)
+    ref, ref_lse = _reference(q, k, v, window=(5, -1), softcap=30.0)
+    assert torch.equal(lse == math.inf, ref_lse == math.inf)
+    rows = ~torch.isinf(ref_lse[0, 0])  # the rows that see a key (the same in every head)
+    assert rows.any() and not rows.all()
+    assert torch.equal(out[:, ~rows], torch.zeros_like(out[:, ~rows]))
+    cos = torch.nn.functional.cosine_similarity(out[:, rows].double().flatten(),
+                                                ref[:, rows].flatten(), dim=0)
+    assert cos > 0.999
