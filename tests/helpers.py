@@ -487,20 +487,33 @@ def independent_mask(nq, nk, *, causal=False, window=None, chunk=None):
     return m
 
 
-def nhd_reference(q, k, v, seen: torch.Tensor, *, softcap: float = 0.0, scale=None):
-    """Float64 attention of ``[B, N, H, D]`` tensors (GQA: query head ``h`` reads key head
-    ``h // (Hq / Hkv)``) where ``seen [Nq, Nk]`` (bool) says which keys each query sees, scores
-    capped at ``softcap·tanh(S/softcap)`` when ``softcap > 0``: the output (0 where a row sees
-    nothing) and the natural-log LSE ``[B, Hq, Nq]`` (-inf there)."""
-    qd, kd, vd = (x.double().transpose(1, 2) for x in (q, k, v))
-    kd = kd.repeat_interleave(qd.shape[1] // kd.shape[1], 1)
-    vd = vd.repeat_interleave(qd.shape[1] // vd.shape[1], 1)
-    s = qd @ kd.transpose(-1, -2) * (scale if scale is not None else q.shape[-1] ** -0.5)
-    if softcap > 0:
+def exact64(q, k, v, mask, *, scale, softcap=None, sinks=None):
+    """float64 attention with a given mask ``[Nq, Nk]``, soft-capping and sinks (gpt-oss: the
+    sink column joins the softmax, then is dropped)."""
+    hq = q.shape[1]
+    g = hq // k.shape[1]
+    kk, vv = (x.double().repeat_interleave(g, 1) for x in (k, v))
+    s = q.double() @ kk.transpose(-1, -2) * scale
+    if softcap:
         s = softcap * torch.tanh(s / softcap)
-    s = s.masked_fill(~seen, -math.inf)
+    s = s.masked_fill(~mask, -math.inf)
+    if sinks is not None:
+        col = sinks.double()[None, :, None, None].expand(*s.shape[:3], 1)
+        s = torch.cat([s, col], -1)
     lse = torch.logsumexp(s, -1)
-    return (torch.exp(s - lse[..., None]).nan_to_num(0.0) @ vd).transpose(1, 2), lse
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    if sinks is not None:
+        p = p[..., :-1]
+    return p @ vv, lse
+
+
+def exact64_nhd(q, k, v, mask, *, scale=None, softcap=None):
+    """:func:`exact64` of ``[B, N, H, D]`` tensors (scale ``D ** -0.5`` by default): the output
+    ``[B, Nq, Hq, D]`` and the LSE ``[B, Hq, Nq]`` (-inf where a row sees nothing)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    out, lse = exact64(*(x.transpose(1, 2) for x in (q, k, v)), mask, scale=scale,
+                       softcap=softcap)
+    return out.transpose(1, 2), lse
 
 
 def poison(t: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import lowbit_attn
-from helpers import assert_close, channel_biased, nhd_reference
+from helpers import assert_close, channel_biased, exact64_nhd
 from lowbit_attn.compat import flash_attn as fa
 
 E = inspect.Parameter.empty
@@ -79,7 +79,7 @@ def _reference(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, scale=Non
     """Float64 attention with the mask of :func:`_visible`: the output and the LSE (+inf where a
     row sees nothing, as FlashAttention 2 gives it)."""
     seen = _visible(q.shape[1], k.shape[1], causal, window, nk_max)
-    out, lse = nhd_reference(q, k, v, seen, softcap=softcap, scale=scale)
+    out, lse = exact64_nhd(q, k, v, seen, softcap=max(softcap, 0.0), scale=scale)  # <= 0: off
     return out, lse.masked_fill(~seen.any(-1), math.inf)
 
 

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from helpers import assert_close, channel_biased, independent_mask, nhd_reference
+from helpers import assert_close, channel_biased, independent_mask, exact64_nhd
 from lowbit_attn.compat import flash_attn_interface as fa3
 
 E = inspect.Parameter.empty
@@ -88,8 +88,8 @@ def test_exact_recipe_is_flash_attention_3s_definition(nq, nk, variant):
     out, lse = fa3.flash_attn_func(q, k, v, causal=causal, window_size=window,
                                    attention_chunk=chunk, softcap=softcap,
                                    return_attn_probs=True, recipe="exact")
-    ref, ref_lse = nhd_reference(q, k, v, _visible(nq, nk, causal, window, chunk),
-                                 softcap=softcap)
+    ref, ref_lse = exact64_nhd(q, k, v, _visible(nq, nk, causal, window, chunk),
+                               softcap=max(softcap, 0.0))  # <= 0: off
     assert out.shape == q.shape and lse.shape == (2, 4, nq)
     assert_close(out.double(), ref, atol=2e-5)
     assert torch.equal(lse == -math.inf, ref_lse == -math.inf)  # rows that see no key: -inf
@@ -128,7 +128,7 @@ def test_varlen_is_each_sequence():
     for q0, q1, k0, k1 in zip(bq, bq[1:], bk, bk[1:]):
         if q1 > q0:
             seen = _visible(q1 - q0, k1 - k0, True, (12, -1), 16)
-            ref, ref_lse = nhd_reference(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], seen)
+            ref, ref_lse = exact64_nhd(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], seen)
             assert_close(out[q0:q1].double(), ref[0], atol=2e-5)
             assert torch.equal(lse[:, q0:q1] == -math.inf, ref_lse[0] == -math.inf)
 
@@ -139,7 +139,7 @@ def test_gradients_run_the_trainable_attention_chunks_included():
                         train_recipe="exact").square().sum().backward()
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     seen = _visible(40, 40, True, (-1, -1), 16)
-    nhd_reference(*leaves, seen, softcap=6.0)[0].square().sum().backward()
+    exact64_nhd(*leaves, seen, softcap=6.0)[0].square().sum().backward()
     for got, leaf in zip((q, k, v), leaves, strict=True):
         assert_close(got.grad, leaf.grad, atol=1e-9)
 

@@ -14,33 +14,13 @@ import triton
 import triton.language as tl
 
 import lowbit_attn
-from helpers import assert_bits, channel_biased, independent_mask
+from helpers import assert_bits, channel_biased, exact64, independent_mask
 from lowbit_attn.core.triton_helpers import (
     window_block_bounds, window_limits, window_query_bounds,
 )
 from lowbit_attn.core.variants import (
     Variant, check, key_block_range, key_blocks_visited, query_block_range,
 )
-
-
-def exact64(q, k, v, mask, *, scale, softcap=None, sinks=None):
-    """float64 attention with a given mask ``[Nq, Nk]``, soft-capping and sinks (gpt-oss: the
-    sink column joins the softmax, then is dropped)."""
-    hq = q.shape[1]
-    g = hq // k.shape[1]
-    kk, vv = (x.double().repeat_interleave(g, 1) for x in (k, v))
-    s = q.double() @ kk.transpose(-1, -2) * scale
-    if softcap:
-        s = softcap * torch.tanh(s / softcap)
-    s = s.masked_fill(~mask, -math.inf)
-    if sinks is not None:
-        col = sinks.double()[None, :, None, None].expand(*s.shape[:3], 1)
-        s = torch.cat([s, col], -1)
-    lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
-    if sinks is not None:
-        p = p[..., :-1]
-    return p @ vv, lse
 
 
 CASES = [
