@@ -1,43 +1,21 @@
 """trainable_attention with the LLM variants (issue 44): window, chunk and softcap forward and
-backward against float64 autograd of exact attention with the mask built here; the Triton kernels
-(the interpreter on a CPU) against their twins; the refusals (sinks; smooth_k with a softcap;
-the sm90 backward for a variant)."""
+backward against float64 autograd of exact attention with the mask built entry by entry
+(``helpers.independent_mask``); the Triton kernels (the interpreter on a CPU) against their twins;
+the refusals (sinks; smooth_k with a softcap; the sm90 backward for a variant)."""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
 
 import lowbit_attn
-from helpers import channel_biased, needs_gluon
+from helpers import channel_biased, exact64, independent_mask, needs_gluon
 from lowbit_attn.core.variants import Variant
 
 
-def _mask(nq, nk, causal, window, chunk):
-    left, right = window if window is not None else (-1, -1)
-    right = 0 if causal else right
-    i = torch.arange(nq)[:, None] + nk - nq
-    j = torch.arange(nk)[None, :]
-    m = torch.ones(nq, nk, dtype=torch.bool)
-    if left != -1:
-        m &= j >= i - left
-    if right != -1:
-        m &= j <= i + right
-    if chunk:
-        m &= (i >= 0) & (j // chunk == i.clamp(min=0) // chunk)
-    return m
-
-
 def _exact64(q, k, v, *, causal=False, window=None, softcap=None, chunk=None):
-    g = q.shape[1] // k.shape[1]
-    kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-    s = q @ kk.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    if softcap:
-        s = softcap * torch.tanh(s / softcap)
-    s = s.masked_fill(~_mask(q.shape[2], k.shape[2], causal, window, chunk), -math.inf)
-    return torch.softmax(s, -1).nan_to_num(0.0) @ vv
+    mask = independent_mask(q.shape[2], k.shape[2], causal=causal, window=window, chunk=chunk)
+    return exact64(q, k, v, mask, scale=q.shape[-1] ** -0.5, softcap=softcap)[0]
 
 
 def _grads(fn, q, k, v, do, dtype, **kw):
