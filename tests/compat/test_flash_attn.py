@@ -258,7 +258,7 @@ def test_inputs_are_untouched():
     (dict(alibi_slopes=torch.ones(4)), ValueError, "alibi_slopes must be None"),
     (dict(window_size=(4.0, 2)), TypeError, "window_size must be a"),
     (dict(window_size=5), TypeError, "window_size must be a"),
-    (dict(softcap=float("nan")), TypeError, "softcap must be a float"),
+    (dict(softcap=float("nan")), ValueError, "softcap must be a number.*NaN"),
     (dict(softcap=2.0**17), ValueError, "softcap must be at most 2"),
     (dict(softmax_scale=-0.1), ValueError, "scale must be a positive"),
     (dict(softcap="30"), TypeError, "softcap must be a float"),

@@ -125,7 +125,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
 
     Raises:
         ValueError: ``dropout_p`` not 0, ``alibi_slopes`` given, ``return_attn_probs`` where
-            gradients are needed; and as :func:`lowbit_attn.attention`.
+            gradients are needed, a NaN ``softcap``; and as :func:`lowbit_attn.attention`.
         TypeError: ``causal``, ``deterministic`` or ``return_attn_probs`` not a bool,
             ``window_size`` not a pair of ints, ``softcap`` not a real number; and as
             :func:`lowbit_attn.attention`.

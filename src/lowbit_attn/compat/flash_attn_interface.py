@@ -128,7 +128,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
         ``out [B, Nq, Hq, D]``, or ``(out, softmax_lse)`` with ``return_attn_probs``.
 
     Raises:
-        ValueError: ``qv`` or a descale given, a negative ``attention_chunk``,
+        ValueError: ``qv`` or a descale given, a negative ``attention_chunk``, a NaN ``softcap``,
             ``return_attn_probs`` where gradients are needed; and as :func:`lowbit_attn.attention`.
         TypeError: a flag that is not a bool, ``window_size`` not a pair of ints,
             ``attention_chunk``, ``num_splits`` or ``sm_margin`` not an int, ``softcap`` not a
@@ -204,9 +204,11 @@ def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=N
         q, k, v = qkv.split([num_heads_q, hkv2 // 2, hkv2 // 2], dim=2)
     else:
         q, k, v = flash_calls.unpack("qkv", qkv, 3, dims=5)
-    return flash_attn_func(q, k, v, softmax_scale, causal, None, q_descale, k_descale, v_descale,
-                           window_size, attention_chunk, softcap, 1, None, deterministic,
-                           sm_margin, return_attn_probs, recipe=recipe,
+    return flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                           q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                           window_size=window_size, attention_chunk=attention_chunk,
+                           softcap=softcap, deterministic=deterministic, sm_margin=sm_margin,
+                           return_attn_probs=return_attn_probs, recipe=recipe,
                            train_recipe=train_recipe)
 
 

@@ -45,8 +45,10 @@ def window_sides(window_size) -> tuple[int, int]:
 def softcap_of(softcap) -> float | None:
     """FlashAttention's ``softcap``: on above 0, off (None) at 0 or below; a NaN or a value that is
     not a real number is refused (FlashAttention reads NaN as off)."""
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or math.isnan(softcap):
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"softcap must be a float (0.0: off), got {checks.shown(softcap)}")
+    if math.isnan(softcap):
+        raise ValueError("softcap must be a number (0.0: off), got NaN")
     return float(softcap) if softcap > 0 else None
 
 
