@@ -98,6 +98,9 @@ def test_bad_arguments():
         video_sparse_attn(*padded, counts, counts, 2, 60)
     with pytest.raises(TypeError, match="block_size"):
         video_sparse_attn(*padded, counts, counts, 2, "4x4x4")
+    for sides in ((0, 2, 2), (-2, -2, 2)):
+        with pytest.raises(ValueError, match="block_size's three tile sides must be at least 1"):
+            video_sparse_attn(*padded, counts, counts, 2, sides)
     with pytest.raises(ValueError, match="q_variable_block_sizes"):
         video_sparse_attn(*padded, counts, counts.flip(0), 2)
     with pytest.raises(ValueError, match="variable_block_sizes"):

@@ -281,7 +281,7 @@ def test_what_is_refused_where_gradients_are_needed_or_keys_are_paged():
     pq, pk, pv, cu_q, cu_k = _packed([8], [8])
     with pytest.raises(ValueError, match="block_table must be None"):
         fa.flash_attn_varlen_func(pq, pk, pv, cu_q, cu_k, 8, 8, block_table=torch.zeros(1, 1))
-    with pytest.raises(ValueError, match="max_seqlen_k must be an int"):
+    with pytest.raises(TypeError, match="max_seqlen_k must be an int"):
         fa.flash_attn_varlen_func(pq, pk, pv, cu_q, cu_k, 8, 8.0)
     for maxima in ((7, 8), (8, 7)):  # below the longest sequence, with and without gradients
         with pytest.raises(ValueError, match=r"must be an int >= the longest sequence \(8\)"):

@@ -245,6 +245,42 @@ def test_varlen_causal_with_unequal_lengths_is_top_left_per_sequence():
         assert cosine >= 0.999, (q0, float(cosine))
 
 
+def test_varlen_causal_with_sequences_without_queries_or_keys():
+    """The per-sequence top-left path with a sequence of no queries and one of no keys: no rows,
+    and rows of 0 (as ``attention_varlen`` gives where a row sees no key); the others as each
+    sequence alone."""
+    g = torch.Generator().manual_seed(4)
+    cu_q = torch.tensor([0, 0, 7, 12], dtype=torch.int32)  # 0, 7, 5 queries
+    cu_k = torch.tensor([0, 4, 15, 15], dtype=torch.int32)  # 4, 11, 0 keys
+    q = torch.randn(12, 2, 64, generator=g)
+    k, v = (torch.randn(15, 2, 64, generator=g) for _ in range(2))
+    out = sa.sageattn_varlen(q, k, v, cu_q, cu_k, 7, 11, is_causal=True)
+    assert out.shape == q.shape
+    assert torch.equal(out[7:], torch.zeros(5, 2, 64))
+    alone = sa.sageattn_varlen(q[0:7], k[4:15], v[4:15], torch.tensor([0, 7], dtype=torch.int32),
+                               torch.tensor([0, 11], dtype=torch.int32), 7, 11, is_causal=True)
+    assert torch.equal(out[0:7], alone)
+
+
+def test_varlen_int64_offsets_outside_int32_are_refused():
+    """int64 offsets are cast to int32: one that the cast would wrap (2**32 + 3 → 3) is refused,
+    not read as another offset."""
+    q = torch.randn(8, 2, 64)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    for bad in ([0, 2**32 + 3, 8], [0, -2**32 + 3, 8]):
+        with pytest.raises(ValueError, match="cu_seqlens_q must hold offsets from 0 to 2"):
+            sa.sageattn_varlen(q, q, q, torch.tensor(bad), cu, 5, 5)
+    assert torch.equal(sa.sageattn_varlen(q, q, q, cu.long(), cu, 5, 5),
+                       sa.sageattn_varlen(q, q, q, cu, cu, 5, 5))
+
+
+def test_a_mask_that_does_not_broadcast_is_refused():
+    q, k, v = _qkv(nq=8, nk=8)
+    for shape in ((3, 3), (1, 1, 1, 8, 8), (9, 8)):
+        with pytest.raises(ValueError, match=r"attn_mask must broadcast to \[B, Hq, Nq, Nk\]"):
+            sa.sageattn(q, k, v, attn_mask=torch.ones(shape, dtype=torch.bool))
+
+
 def test_flags_and_scales_are_read_as_theirs_reads_them():
     """``if is_causal:`` in theirs: 0/1, None and one-element tensors are flags too; a
     one-element ``sm_scale`` tensor is its value; PyTorch SDPA's ``scale=`` keyword (``sageattn``

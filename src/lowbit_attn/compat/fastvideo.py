@@ -24,6 +24,9 @@ def tile_shape(block_size) -> tuple[int, int, int]:
     tokens per tile, a cube (64 → ``(4, 4, 4)``)."""
     if isinstance(block_size, (tuple, list)) and len(block_size) == 3 and all(
             isinstance(x, int) and not isinstance(x, bool) for x in block_size):
+        if min(block_size) < 1:
+            raise ValueError(f"block_size's three tile sides must be at least 1, got "
+                             f"{tuple(block_size)}")
         return tuple(int(x) for x in block_size)
     if isinstance(block_size, int) and not isinstance(block_size, bool):
         side = round(block_size ** (1 / 3)) if block_size > 0 else 0

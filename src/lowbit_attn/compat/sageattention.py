@@ -157,6 +157,14 @@ def masked_exact(function: str, q, k, v, attn_mask, *, layout: str = "HND", is_c
         # as PyTorch's SDPA: an integer 0/1 mask would otherwise be read as a +0/+1 bias
         raise TypeError(f"attn_mask must be bool (True = attend) or a float bias, got "
                         f"{attn_mask.dtype}")
+    full = (qh.shape[0], qh.shape[1], qh.shape[2], kh.shape[2])
+    try:
+        fits = torch.broadcast_shapes(attn_mask.shape, full) == full
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(f"attn_mask must broadcast to [B, Hq, Nq, Nk] = {list(full)}, got shape "
+                         f"{tuple(attn_mask.shape)}")
     sm_scale = checks.softmax_scale(scale, q.shape[-1])
     groups = qh.shape[1] // kh.shape[1]
     if groups > 1:
@@ -287,7 +295,7 @@ def sageattn(
         TypeError: as :func:`lowbit_attn.attention`; a flag such as ``smooth_k`` that is not a
             bool; an ``attn_mask`` that is not a tensor.
         ValueError: as :func:`lowbit_attn.attention`; a ``tensor_layout`` other than ``"HND"`` or
-            ``"NHD"``.
+            ``"NHD"``; an ``attn_mask`` that does not broadcast to ``[B, Hq, Nq, Nk]``.
 
     Examples:
         >>> import torch
@@ -580,8 +588,8 @@ def sageattn_varlen(
     Raises:
         TypeError: a ``cu_seqlens`` that is not an int32 or int64 tensor; the type checks of
             :func:`lowbit_attn.attention_varlen`.
-        ValueError: an ``attn_mask`` in ``**kwargs``; the checks of
-            :func:`lowbit_attn.attention_varlen`.
+        ValueError: an ``attn_mask`` in ``**kwargs``; an int64 ``cu_seqlens`` with an offset
+            outside int32's range; the checks of :func:`lowbit_attn.attention_varlen`.
 
     Examples:
         >>> import torch
@@ -602,6 +610,10 @@ def sageattn_varlen(
         if not isinstance(x, torch.Tensor) or x.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"{arg} must be an int32 or int64 tensor, got "
                             f"{getattr(x, 'dtype', type(x).__name__)}")
+        if x.dtype == torch.int64 and x.numel() and not (
+                0 <= int(x.min()) and int(x.max()) <= torch.iinfo(torch.int32).max):
+            raise ValueError(f"{arg} must hold offsets from 0 to 2**31 - 1 (they are cast to "
+                             f"int32), got values from {int(x.min())} to {int(x.max())}")
         cu.append(x.to(torch.int32))
     recipe = _int8_recipe("qk_int8_pv_fp16", smooth_k=smooth_k)
     is_causal, sm_scale = _flag("is_causal", is_causal), _scale(sm_scale)
@@ -618,6 +630,9 @@ def _varlen_top_left(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, recipe) -> tor
     one :func:`lowbit_attn.attention` call per sequence (the offsets read on the host)."""
     parts = []
     for q0, q1, k0, k1 in checks.sequences(q, k, v, cu_q, cu_k, max_q, max_k):
+        if q0 == q1 or k0 == k1:  # no rows, or rows that see no key: 0, as attention_varlen's
+            parts.append(q.new_zeros(q1 - q0, q.shape[1], v.shape[-1]))
+            continue
         qs, ks, vs = q[None, q0:q1], k[None, k0:k1], v[None, k0:k1]
         ks, vs, mask = _top_left(qs, ks, vs, "NHD", True)
         parts.append(attention(qs, ks, vs, scale=scale, layout="NHD", recipe=recipe, **mask)[0])

@@ -221,8 +221,10 @@ def max_seqlen(name: str, value, bounds: list[int] | None) -> int:
     """``max_seqlen_q`` or ``max_seqlen_k``: an int at least the longest sequence of ``bounds``
     (offsets from :func:`cu_seqlens`; None: not read, any int from 0)."""
     longest = 0 if bounds is None else max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-    if (isinstance(value, bool) or is_numpy_bool(value)
-            or not isinstance(value, numbers.Integral) or value < longest):
+    if isinstance(value, bool) or is_numpy_bool(value) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int (>= the longest sequence, {longest}), got "
+                        f"{shown(value)}")
+    if value < longest:
         raise ValueError(f"{name} must be an int >= the longest sequence ({longest}), got {value!r}")
     return int(value)  # a NumPy integer too: the custom op takes an int
 

@@ -188,12 +188,11 @@ def attention_varlen(
 
     Raises:
         TypeError: as :func:`attention` for q, k, v, the flags, ``scale``, ``recipe`` and the
-            variants; a ``cu_seqlens`` that is not a tensor.
+            variants; a ``cu_seqlens`` that is not a tensor; a maximum that is not an int.
         ValueError: as :func:`attention` (tensors here are 3-D); a ``cu_seqlens`` that is not a
             1-D integer tensor of at least two offsets on q's device, or (with ``check_seqlens``)
             does not run from 0 to the packed length without decreasing; ``cu_seqlens_q`` and
-            ``cu_seqlens_k`` of different lengths; a maximum that is not an int at least the
-            longest sequence.
+            ``cu_seqlens_k`` of different lengths; a maximum below the longest sequence.
         RuntimeError: as :func:`attention`.
 
     Examples:
