@@ -509,3 +509,35 @@ def test_an_infinite_sink_is_not_hidden(recipe):
     assert out[0, 0].isnan().all()
     want = lowbit_attn.attention(q, k, v, recipe=recipe, sinks=torch.tensor([0.0, 0.5]))
     assert torch.equal(out[0, 1], want[0, 1])
+
+
+@pytest.mark.parametrize("recipe", ["exact", "qk_int8_pv_fp16", "qk_int8_pv_fp8"])
+def test_a_nan_sink_is_not_hidden_on_rows_that_see_no_key(recipe):
+    """A NaN sink makes its head's rows NaN in every recipe, the rows that see no key included
+    (``exact`` gave them 0 before: no visible term carried the NaN); the other head's rows that
+    see no key stay 0, with the sink as their LSE."""
+    q, k, v = channel_biased((1, 2, 6, 32), (1, 2, 2, 32), seed=6)
+    out, lse = lowbit_attn.attention(q, k, v, is_causal=True, recipe=recipe, return_lse=True,
+                                     sinks=torch.tensor([float("nan"), 0.25]))
+    assert out[0, 0].isnan().all() and lse[0, 0].isnan().all()
+    assert torch.equal(out[0, 1, :4], torch.zeros(4, 32))  # rows 0-3 see no key (bottom-right)
+    torch.testing.assert_close(lse[0, 1, :4], torch.full((4,), 0.25), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["reference",
+                                     pytest.param("triton", marks=pytest.mark.interpreter)])
+@pytest.mark.parametrize("recipe", ["exact", "qk_int8_pv_fp16", "qk_int8_pv_fp8"])
+def test_a_nan_sink_is_not_hidden_on_a_packed_sequence_without_keys(recipe, backend, monkeypatch):
+    """The same over packed sequences, one of which has no key: its rows are NaN under the NaN
+    sink (the twins gave 0 before; the kernels NaN), 0 under the other, LSE the sink."""
+    monkeypatch.setenv("LOWBIT_ATTN_BACKEND", backend)
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(5, 2, 32, generator=g).half()
+    k = torch.randn(3, 2, 32, generator=g).half()
+    cu_q, cu_k = (torch.tensor(c, dtype=torch.int32) for c in ([0, 2, 5], [0, 3, 3]))
+    sinks = torch.tensor([float("nan"), 0.25])
+    out, lse = lowbit_attn.attention_varlen(q, k, k, cu_q, cu_k, 3, 3, recipe=recipe,
+                                            return_lse=True, sinks=sinks)
+    assert out[:, 0].isnan().all() and lse[0].isnan().all()
+    assert torch.equal(out[2:, 1].float(), torch.zeros(3, 32))
+    torch.testing.assert_close(lse[1, 2:], torch.full((3,), 0.25), atol=1e-5, rtol=0)

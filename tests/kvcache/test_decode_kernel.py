@@ -152,6 +152,23 @@ def test_with_sinks_one_split_gives_the_twin_to_fp32_rounding(device, recipe):
                        name="one split, sinks")
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_nan_or_infinite_sink_is_not_hidden_on_an_empty_sequence(device, bad):
+    """A NaN or +inf sink leaves its head's rows undefined, the rows of a sequence without keys
+    included: NaN in the kernel as in the twin (the kernel gave those rows 0 before); the other
+    heads' rows there stay 0 with their sink as LSE."""
+    cache, _ = build((PAGE, 0), 2, 64, "kv_int8_fp8", torch.float32, device.name)
+    q = queries(2, 8, 1, 64, torch.float32, device.name)
+    sinks = torch.tensor([bad] + [0.5] * 7, device=device.name)
+    for out, lse in (attention_with_kv_cache_naive(q, cache.layers[0], cache.recipe, scale=0.125,
+                                                   sinks=sinks),
+                     kernel_decode.attention(q, cache.layers[0], cache.recipe, scale=0.125,
+                                             sinks=sinks)):
+        assert out[:, 0].isnan().all(), "head 0 (the bad sink)"
+        assert torch.equal(out[1, 1:].cpu(), torch.zeros(7, 1, 64))
+        torch.testing.assert_close(lse[1, 1:].cpu(), torch.full((7, 1), 0.5), atol=1e-5, rtol=0)
+
+
 def test_the_public_function_runs_the_kernel_on_the_triton_backend(device, monkeypatch):
     monkeypatch.setenv("LOWBIT_ATTN_BACKEND", "triton")
     cache, _ = build((5, 20), 2, 64, "kv_int8_fp8", torch.float16, device.name)

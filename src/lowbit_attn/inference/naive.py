@@ -116,8 +116,10 @@ def exact_attention(
         p = torch.exp(s - torch.where(torch.isneginf(lse), 0.0, lse).unsqueeze(-1))
         p = torch.where(mask, p, torch.zeros((), dtype=dtype, device=q.device))
         # an infinite logit (a score, or a sink of +inf) leaves its row undefined: NaN, as in
-        # the kernels (exp(inf - inf)), not the 0 its finite terms would give
-        o = torch.matmul(p, v).masked_fill(torch.isposinf(lse).unsqueeze(-1), float("nan"))
+        # the kernels (exp(inf - inf)), not the 0 its finite terms would give; so does a NaN
+        # sink on a row that sees no key (no visible term carries it into P·V)
+        undefined = torch.isposinf(lse) | torch.isnan(lse)
+        o = torch.matmul(p, v).masked_fill(undefined.unsqueeze(-1), float("nan"))
         outs.append(o)
         lses.append(lse)
     return torch.cat(outs, dim=2), torch.cat(lses, dim=2)

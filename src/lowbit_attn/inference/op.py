@@ -148,8 +148,10 @@ def _per_sequence(attend, q, k, v, *, out, recipe, scale, causal_offset, return_
         k0, k1 = bounds_k[b], bounds_k[b + 1]
         if q1 == q0:
             continue
-        if k1 == k0:  # no key: 0, and with sinks an LSE of the sink alone
+        if k1 == k0:  # no key: 0 (NaN under a NaN sink), and with sinks an LSE of the sink alone
             out[q0:q1].zero_()
+            if sinks is not None:
+                out[q0:q1].masked_fill_(sinks.isnan()[:, None], float("nan"))
             if return_lse and sinks is not None:
                 lse_all[:, q0:q1] = sinks.float()[:, None]
             continue

@@ -238,7 +238,7 @@ def _decode_merge_kernel(
     advance by ``ADDED`` here, after every split has read them. ``SINK`` (fp32 ``[HKV·GROUP]``,
     or None): one more logit per row in the denominator, with no value, in the splits' frame
     (``sink·log2 e`` less the row's smoothing shift); it counts in the LSE, and a row that saw
-    no key gives 0 and LSE ``sink``."""
+    no key gives 0 (NaN under a NaN or +inf sink) and LSE ``sink``."""
     sqb, sqh, sqn, sqd = q_strides
     r = tl.program_id(0)
     hk = tl.program_id(1).to(tl.int64)
@@ -282,7 +282,10 @@ def _decode_merge_kernel(
         l_sum = l_sum * alpha + tl.exp2(z - m_new + offset)
         acc = acc * alpha
         m = m_new
-    out = tl.where(empty, 0.0, acc / tl.where(empty, 1.0, l_sum))
+    zero = tl.zeros([], dtype=tl.float32)
+    if SINK is not None:
+        zero = 0.0 * l_sum  # NaN where a NaN or +inf sink leaves a row without keys undefined
+    out = tl.where(empty, zero, acc / tl.where(empty, 1.0, l_sum))
     if ERR is not None:
         err = tl.load(ERR + b)
         out = tl.where(err != 0, float("nan"), out)
