@@ -43,7 +43,8 @@ def attention(
         is_causal: query ``i`` sees key ``j`` iff ``j <= i + Nk - Nq`` (aligned bottom-right, as in
             FlashAttention; rows that see no key give 0). ``bool`` or ``numpy.bool_``.
         scale: softmax scale, ``D ** -0.5`` by default; any real number from ``2**-125`` to
-            ``2**126`` (what stays a normal float32 in the kernels).
+            ``2**126`` (what stays a normal float32 in the kernels). A score ``scale·q·k`` past
+            float32's range makes its row NaN, as in PyTorch's SDPA.
         layout: ``"HND"`` or ``"NHD"``; the output has the same layout.
         recipe: ``"auto"`` (FP8 P·V on sm_89 and newer, FP16 P·V before and on CPU),
             ``"qk_int8_pv_fp8"``, ``"qk_int8_pv_fp16"``, ``"qk_fp4_pv_fp4"`` (NVFP4; head dim a
