@@ -153,6 +153,25 @@ def test_the_first_append_freezes_the_balancing_statistics():
                                atol=float((seq.k_scale[..., None] * alpha[:, None]).max()), rtol=0)
 
 
+def test_a_constant_key_channel_freezes_no_balancing():
+    """A prompt whose keys are all equal: ``max|K - μ|`` is 0 (μ's own rounding left ~1e-7, an
+    ``α`` of ~1e-4 frozen, and the later tokens' reads lost Q in every channel: cosine 0.685),
+    so ``α = 1`` and a read after 40 more tokens is as close to exact attention as without
+    queries."""
+    g = torch.Generator().manual_seed(0)
+    first = torch.randn(1, 1, 1, 64, generator=g).expand(1, 1, 5, 64).contiguous()
+    later, v = torch.randn(1, 1, 40, 64, generator=g), torch.randn(1, 1, 45, 64, generator=g)
+    q = torch.randn(1, 1, 1, 64, generator=g)
+    k = torch.cat([first, later], 2)
+    want = torch.softmax(q.double() @ k.double().transpose(-1, -2) / 8, -1) @ v.double()
+    cache = lowbit_attn.QuantizedKVCache(1, 1, 1, 64, max_tokens=64, page_size=16,
+                                         dtype=torch.float32)
+    cache.append(0, first, v[:, :, :5], q=torch.randn(1, 1, 5, 64, generator=g))
+    assert torch.equal(cache.layers[0].k_amax, torch.zeros(1, 1, 64))
+    cache.append(0, later, v[:, :, 5:])
+    assert lowbit_attn.errors(lowbit_attn.attention_with_kv_cache(q, cache, 0), want).cosine > 0.999
+
+
 def bad_appends():
     k, v = kv(5)
     yes = torch.ones(2, 5, dtype=torch.bool)
@@ -179,6 +198,10 @@ def bad_appends():
         pytest.param(dict(q=torch.zeros(2, 4, 5, 64)), TypeError, "q must have the cache's dtype",
                      id="q-dtype"),
         pytest.param(dict(q=torch.zeros(2, 4, 5)), ValueError, "q must have 4 dimensions", id="q-3d"),
+        pytest.param(dict(k=k.clone().requires_grad_()), ValueError, "must not require grad",
+                     id="k-requires-grad"),
+        pytest.param(dict(q=torch.zeros(2, 4, 5, 64, dtype=torch.float16, requires_grad=True)),
+                     ValueError, "must not require grad", id="q-requires-grad"),
         # sequence 0 fits (5 + 3 <= 8), sequence 1 does not (4 + 5): neither is written
         pytest.param(dict(valid=torch.tensor([[True] * 3 + [False] * 2, [True] * 5])), ValueError,
                      "would pass max_tokens=8 for sequence 1", id="past-max-tokens"),

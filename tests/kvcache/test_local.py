@@ -222,6 +222,28 @@ def test_an_append_the_local_pool_cannot_hold_names_max_append():
     assert cache.layers[0].host_lengths == [9, 9]
 
 
+def test_a_refused_append_gives_back_no_page():
+    """A sliding layer gives back the pages no later query sees when an append is stored, not
+    before its checks: a refused one (wrong dtype) leaves the pages, the block table and the
+    last append's reads as they were; the next append, counting those pages as free, fits."""
+    cache = lowbit_attn.QuantizedKVCache(1, 1, 1, 8, max_tokens=64, page_size=4, window=2,
+                                         max_append=12, dtype=torch.float32)
+    x = torch.randn(1, 1, 13, 8)
+    cache.append(0, x[:, :, :12], x[:, :, :12])
+    q = torch.randn(1, 1, 12, 8)
+    read = lowbit_attn.attention_with_kv_cache(q, cache, 0)
+    layer = cache.layers[0]
+    before = (cache.held_pages(0), list(layer.host_first), layer.block_table.clone(),
+              layer.free.snapshot())
+    with pytest.raises(TypeError, match="k must be float16, bfloat16 or float32"):
+        cache.append(0, x[:, :, 12:].double(), x[:, :, 12:].double())
+    assert (cache.held_pages(0), list(layer.host_first)) == before[:2]
+    assert torch.equal(layer.block_table, before[2]) and layer.free.snapshot() == before[3]
+    assert torch.equal(lowbit_attn.attention_with_kv_cache(q, cache, 0), read)
+    cache.append(0, x[:, :, 12:], x[:, :, 12:])
+    assert cache.held_pages(0) == [2]
+
+
 # the kernel against the twin (tests/kvcache/test_decode_kernel.py's bars, max|V| = 4 here)
 BARS = {"kv_int8_fp8": 0.015, "kv_int8_int8": 2e-4}
 

@@ -179,11 +179,12 @@ class QuantizedKVCache:
         if over:
             raise ValueError(f"tokens={tokens} more would pass max_tokens={self.max_tokens} for "
                              f"sequence {over[0]} (it holds {lengths[over[0]]}); nothing was reserved")
-        self._release(store, lengths)
         pages = sum(map(len, self._new_pages(store, lengths, [tokens] * self.batch)))
-        if pages > len(store.free):
+        free = self._free_after_release(store, lengths)
+        if pages > free:
             raise ValueError(f"reserving {tokens} tokens needs {pages} pages, the layer's pool has "
-                             f"{len(store.free)} free; nothing was reserved")
+                             f"{free} free; nothing was reserved")
+        self._release(store, lengths)
         self._take_pages(store, lengths, [tokens] * self.batch)
 
     def shared_workspace(self, numel: int) -> torch.Tensor:
@@ -271,17 +272,21 @@ class QuantizedKVCache:
                 ``valid`` neither a tensor nor None.
             ValueError: ``layer`` out of range; a wrong shape or device; a ``valid`` that is not
                 a bool ``[B, n]`` tensor on the cache's device; a sequence that would pass
-                ``max_tokens`` or a pool without the pages. Nothing is stored then.
+                ``max_tokens`` or a pool without the pages; k, v or q requiring grad while
+                autograd is on. Nothing is stored then, and nothing is given back.
             RuntimeError: under CUDA graph capture (use :class:`DecodeStep`); after a replayed
                 :class:`DecodeStep` ran past the pages it reserved, until :meth:`reset`.
         """
+        # the cache keeps no graph: a k or v that needs gradients would leave one in μ and V's
+        # open page, and every later read would carry it
+        checks.forward_only(*(x for x in (k, v, q) if isinstance(x, torch.Tensor)))
         plan_key = planned.append_key(self, layer, k, v, valid, q)
         if plan_key is not None and self._append_planned(plan_key, layer, k, v):
             return
         self.refuse_graph_capture("QuantizedKVCache.append")
         store = self.store(layer)
-        self._release(store, store.host_lengths)  # before the checks: the pool they count
         counts = self._check_append(store, k, v, valid, q)
+        self._release(store, store.host_lengths)  # after the checks: a refused append changes nothing
         lengths = list(store.host_lengths)
         n = k.shape[2]
         for b in range(self.batch):
@@ -327,11 +332,13 @@ class QuantizedKVCache:
         after = [length + n for length in lengths]
         if min(lengths) == 0 or max(after) > self.max_tokens:
             return False
+        counts = [n] * self.batch
+        opens = any(a > p * self.page_size for a, p in zip(after, store.host_pages))
+        if opens and (sum(map(len, self._new_pages(store, lengths, counts)))
+                      > self._free_after_release(store, lengths)):
+            return False
         self._release(store, lengths)
-        if any(a > p * self.page_size for a, p in zip(after, store.host_pages)):
-            counts = [n] * self.batch
-            if sum(map(len, self._new_pages(store, lengths, counts))) > len(store.free):
-                return False
+        if opens:
             self._take_pages(store, lengths, counts)
         plans.replay(plan, (k, v, *store.launch_inputs))
         store.host_lengths = after
@@ -344,19 +351,28 @@ class QuantizedKVCache:
         return [range(store.host_pages[b], -(-(lengths[b] + counts[b]) // size))
                 for b in range(self.batch)]
 
-    def _release(self, store: PagedLayer, lengths: list[int]) -> None:
-        """A local layer's pages that no query from ``lengths[b]`` on can see, back to the pool
-        (their block-table entries -1, in one copy); nothing in a full layer."""
+    def _releasable(self, store: PagedLayer, lengths: list[int]) -> list[range]:
+        """Per sequence, the page numbers of a local layer that no query from ``lengths[b]`` on
+        can see and that it still holds (none in a full layer)."""
         if not store.local:
-            return
+            return [range(0)] * self.batch
         size = self.page_size
+        return [range(store.host_first[b], max(store.host_first[b], store.first_key(n) // size))
+                for b, n in enumerate(lengths)]
+
+    def _free_after_release(self, store: PagedLayer, lengths: list[int]) -> int:
+        """The pool's free pages once :meth:`_release` gave back what it would: what the checks
+        count, before anything is changed."""
+        return len(store.free) + sum(map(len, self._releasable(store, lengths)))
+
+    def _release(self, store: PagedLayer, lengths: list[int]) -> None:
+        """:meth:`_releasable`'s pages back to the pool (their block-table entries -1, in one
+        copy)."""
         rows, cols, ids = [], [], []
-        for b, length in enumerate(lengths):
-            first = max(store.host_first[b], store.first_key(length) // size)
-            for page_no in range(store.host_first[b], first):
-                rows.append(b)
-                cols.append(page_no)
-            store.host_first[b] = first
+        for b, pages in enumerate(self._releasable(store, lengths)):
+            rows += [b] * len(pages)
+            cols += pages
+            store.host_first[b] = pages.stop
         if rows:
             where = torch.tensor([rows, cols], dtype=torch.int64).to(self.device, non_blocking=True)
             ids = store.block_table[where[0], where[1]].tolist()
@@ -455,10 +471,11 @@ class QuantizedKVCache:
                 f"k and v would pass max_tokens={self.max_tokens} for sequence {b} (it holds "
                 f"{lengths[b]} tokens, the append adds {counts[b]}); nothing was stored")
         pages = sum(map(len, self._new_pages(store, lengths, counts)))
-        if pages > len(store.free):
+        free = self._free_after_release(store, lengths)
+        if pages > free:
             sized = (f" (a local layer's pool is sized for appends of at most max_append="
                      f"{self.max_append} tokens per sequence)" if store.reach() is not None else "")
-            raise ValueError(f"the append needs {pages} pages, layer's pool has {len(store.free)} "
+            raise ValueError(f"the append needs {pages} pages, layer's pool has {free} "
                              f"free{sized}; nothing was stored")
         return counts
 

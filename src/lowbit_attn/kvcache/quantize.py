@@ -35,10 +35,14 @@ def frozen_stats(k: torch.Tensor, q: torch.Tensor | None
     """The statistics a sequence's first append freezes, from its tokens ``k [B, Hkv, n, D]``
     (``n ≥ 1``) and their queries ``q [B, Hq, n, D]`` or ``None``: ``(μ, max|Q|, max|K - μ|)``,
     each fp32 ``[B, Hkv, D]``; ``max|Q|`` is over the tokens and the query heads of each KV head's
-    group, 0 without queries."""
+    group, 0 without queries. A channel whose keys are all equal has ``max|K - μ|`` 0, not the
+    rounding of μ (which would freeze an ``α`` of ~1e-4 and lose the channel from Q for every
+    later token): ``α = 1`` there, as for a zero channel."""
     mean, k_amax = channel_stats(k, center="mean")
     if q is None:
         return mean, torch.zeros_like(k_amax), k_amax
+    constant = k.amax(dim=2) == k.amin(dim=2)  # NaN compares unequal: kept, never hidden
+    k_amax = torch.where(constant, torch.zeros_like(k_amax), k_amax)
     _, q_amax = channel_stats(q, center="none")
     b, hq, d = q_amax.shape
     return mean, q_amax.view(b, k.shape[1], hq // k.shape[1], d).amax(dim=2), k_amax
