@@ -469,9 +469,15 @@ def test_kernels_refuse_fp32(triton_backend):
 
 
 def test_empty_queries_give_an_empty_output_with_a_graph():
+    """No query rows: an empty output whose backward gives q, k and v zero gradients (k and v
+    got none before), even where k holds a NaN (no row reads it)."""
     q = torch.zeros(1, 2, 0, 16, requires_grad=True)
     k, v = torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)
+    k[0, 0, 0, 0] = float("nan")
+    k.requires_grad_()
+    v.requires_grad_()
     out = lowbit_attn.trainable_attention(q, k, v)
     assert out.shape == q.shape
     out.sum().backward()
-    assert q.grad is not None and q.grad.shape == q.shape
+    for x in (q, k, v):
+        assert torch.equal(x.grad, torch.zeros_like(x))

@@ -66,6 +66,9 @@ def test_token_order_round_trip_along_any_dim():
     assert not torch.equal(x, y) and torch.equal(from_tile_order(y, (3, 5, 6), (2, 2, 4), dim=1), x)
     with pytest.raises(ValueError, match="holds 90"):
         to_tile_order(x, (3, 5, 6), (2, 2, 4), dim=2)
+    for reorder in (to_tile_order, from_tile_order):
+        with pytest.raises(TypeError, match="x must be a torch.Tensor, got list"):
+            reorder(x.tolist(), (3, 5, 6), (2, 2, 4), dim=1)
 
 
 # --- fine stage = dense attention with the block mask ---------------------------------------------

@@ -118,8 +118,8 @@ def trainable_attention(
         )
     sm_scale = checks.softmax_scale(scale, q.shape[-1])
     nq, nk = qh.shape[2], kh.shape[2]
-    if nq == 0:
-        return q.clone()
+    if nq == 0:  # no rows: an empty output in the graph, zero gradients for q, k and v
+        return q * 0 + (k.sum() + v.sum()).to(q.dtype) * 0
     return train_ops.call(
         q, k, v, r, scale=sm_scale, is_causal=variant.causal, causal_offset=nk - nq,
         nhd=layout == "NHD", variant=variant,

@@ -133,7 +133,7 @@ def to_tile_order(x: torch.Tensor, video_shape, tile=(4, 4, 4), *, dim: int = -2
         A new tensor, ``x`` with its tokens in tile order.
 
     Raises:
-        TypeError: ``video_shape`` or ``tile`` is not three ints.
+        TypeError: ``x`` not a tensor; ``video_shape`` or ``tile`` is not three ints.
         ValueError: ``video_shape`` or ``tile`` not positive, a tile of more than 256 tokens, or
             ``x`` without ``T·H·W`` tokens along ``dim``.
         IndexError: ``dim`` is not a dimension of ``x``.
@@ -148,11 +148,7 @@ def to_tile_order(x: torch.Tensor, video_shape, tile=(4, 4, 4), *, dim: int = -2
         >>> tiled[0, :8, 0].tolist()
         [0, 1, 4, 5, 16, 17, 20, 21]
     """
-    layout = tile_layout(video_shape, tile, x.device)
-    if x.shape[dim] != layout.n_tokens:
-        raise ValueError(f"x has {x.shape[dim]} tokens along dim {dim}; video_shape {video_shape} "
-                         f"holds {layout.n_tokens}")
-    return x.index_select(dim, layout.perm)
+    return _reordered(x, video_shape, tile, dim, inverse=False)
 
 
 def from_tile_order(x: torch.Tensor, video_shape, tile=(4, 4, 4), *, dim: int = -2) -> torch.Tensor:
@@ -182,8 +178,14 @@ def from_tile_order(x: torch.Tensor, video_shape, tile=(4, 4, 4), *, dim: int = 
         >>> torch.equal(tiles.from_tile_order(y, (4, 8, 8)), x)
         True
     """
+    return _reordered(x, video_shape, tile, dim, inverse=True)
+
+
+def _reordered(x, video_shape, tile, dim: int, *, inverse: bool) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     layout = tile_layout(video_shape, tile, x.device)
     if x.shape[dim] != layout.n_tokens:
         raise ValueError(f"x has {x.shape[dim]} tokens along dim {dim}; video_shape {video_shape} "
                          f"holds {layout.n_tokens}")
-    return x.index_select(dim, layout.inverse)
+    return x.index_select(dim, layout.inverse if inverse else layout.perm)
