@@ -9,6 +9,7 @@ implementations can part at a near tie and the logits are what is bounded."""
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import pytest
@@ -212,6 +213,34 @@ def test_generate_through_the_attention_function_is_eagers(model):
     assert torch.equal(tokens["eager"], tokens["lowbit_exact"])
 
 
+def test_a_static_cache_prefill_is_eagers(model):
+    """A prefill into transformers' empty ``StaticCache``: unpadded, transformers leaves the mask
+    out and relies on SDPA's causal mask aligned top-left, since the keys past the prompt are the
+    cache's empty slots; left-padded, its mask's last keys are those slots. Both run on
+    lowbit_attn, with eager attention's logits (a layer with a softcap or sinks attended to the
+    empty slots before, Gemma 2's logits 0.25 off; the padded batch fell back)."""
+    if not lowbit_hf.LOCAL_KERNELS:
+        pytest.skip("the prefill kernels do not take window/chunk/softcap/sinks in this build")
+    from lowbit_attn.integrations import sdpa
+
+    lowbit_hf.register("lowbit_exact", recipe="exact")
+    ids, mask = prompts()
+    forward = model.forward.__wrapped__ if hasattr(model.forward, "__wrapped__") else model.forward
+    key = "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+    for rows in (slice(0, 1), slice(0, 2)):  # unpadded; a left-padded batch
+        logits = {}
+        for impl in ("eager", "lowbit_exact"):
+            model.set_attn_implementation(impl)
+            cache = transformers.StaticCache(config=model.config, max_cache_len=PROMPT + 12)
+            sdpa.reset_fallback_warnings()
+            with warnings.catch_warnings(), torch.no_grad():
+                warnings.filterwarnings("error", message="lowbit_attn")
+                logits[impl] = model(ids[rows], attention_mask=mask[rows], **{key: cache}).logits
+        real = mask[rows].bool()
+        torch.testing.assert_close(logits["lowbit_exact"][real], logits["eager"][real],
+                                   rtol=1e-5, atol=1e-5)
+
+
 def test_a_fallback_never_drops_a_softcap_or_sinks():
     """A module whose eager attention has no softcap (Llama) or other sinks than the call's: the
     fallback computes the definition rather than drop them."""
@@ -229,3 +258,48 @@ def test_a_fallback_never_drops_a_softcap_or_sinks():
     s = torch.cat([s, sinks[None, :, None, None].expand(1, 4, 6, 1)], dim=-1)
     want = (s.softmax(-1)[..., :6] @ vv).transpose(1, 2)
     torch.testing.assert_close(got, want)
+
+
+def test_a_fallback_keeps_a_position_bias_beside_a_softcap_or_sinks():
+    """A call with T5's ``position_bias`` falls back; with a softcap, or per-row sinks
+    (``[B, H, Q, 1]``), it runs attention by its definition, which adds the bias (it was
+    dropped: the same output as without it)."""
+    fn = lowbit_hf.attention_function("exact")
+    module = torch.nn.Module()
+    module.is_causal = True
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 6, 16, generator=g) for _ in range(3))
+    bias = 3 * torch.randn(1, 2, 6, 6, generator=g)
+    sinks = torch.randn(1, 2, 6, 1, generator=g)
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    for options in (dict(softcap=50.0), dict(sinks=sinks)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got, _ = fn(module, q, k, v, None, position_bias=bias, **options)
+        s = q @ k.transpose(-1, -2) * 0.25
+        if "softcap" in options:
+            s = 50.0 * torch.tanh(s / 50.0)
+        s = (s + bias).masked_fill(~causal, float("-inf"))
+        if "sinks" in options:
+            s = torch.cat([s, sinks], dim=-1)
+        want = (s.softmax(-1)[..., :6] @ v).transpose(1, 2)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_an_fp4_recipe_with_a_head_dim_it_cannot_group_falls_back_on_every_path():
+    """An FP4 recipe at head dim 16 (NVFP4 groups 32 channels): a left-padded Gemma 2 batch (the
+    packed path, with a softcap and a window) falls back with the recipe's reason, as an
+    unpadded call did, rather than raising in the middle of the model."""
+    from lowbit_attn.integrations import sdpa
+
+    model = build("gemma2")
+    lowbit_hf.register("lowbit_fp4", recipe="qk_fp4_pv_fp4")
+    ids, mask = prompts()
+    want = eager_logits(model, ids, mask)
+    model.set_attn_implementation("lowbit_fp4")
+    sdpa.reset_fallback_warnings()
+    with pytest.warns(UserWarning, match="needs a head dim that is a multiple of 32"), \
+            torch.no_grad():
+        got = model(ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)

@@ -37,7 +37,9 @@ import torch
 
 from lowbit_attn.core.recipes import Recipe, resolve
 from lowbit_attn.inference import attention, attention_varlen
-from lowbit_attn.integrations.sdpa import TORCH_SDPA, sdpa_or_fallback, warn_fallback
+from lowbit_attn.core.arch import get_capability
+from lowbit_attn.integrations.sdpa import (TORCH_SDPA, recipe_reason, sdpa_or_fallback,
+                                           warn_fallback)
 
 if TYPE_CHECKING:  # at run time, imported by __getattr__ below
     from lowbit_attn.integrations.transformers_cache import QuantizedCache
@@ -118,6 +120,11 @@ def attention_function(recipe: str | Recipe = "auto"):
             unserved.append("output_attentions")
         if unserved:
             return fallback(f"the model passes {', '.join(unserved)}")
+        capability = get_capability() if query.device.type == "cuda" else None
+        reason = recipe_reason(resolve(recipe, capability), query.device, capability,
+                               query.shape[-1])
+        if reason is not None:  # on every path, as the SDPA drop-in's (not raised mid-model)
+            return fallback(reason)
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         training = dropout != 0.0 or (torch.is_grad_enabled()
                                       and any(x.requires_grad for x in (query, key, value)))
@@ -134,6 +141,11 @@ def attention_function(recipe: str | Recipe = "auto"):
             if packed is not None:
                 window, chunk = packed[2:]  # None where they cut nothing
         elif local:  # no mask: causal (or one query), no padding; the window may cut nothing
+            if 1 < query.shape[2] < key.shape[2]:
+                # transformers leaves the mask out of a prefill into an empty static cache and
+                # relies on SDPA's causal mask, aligned top-left: the keys past the queries are
+                # the cache's empty slots, which no query sees
+                key, value = (x[:, :, : query.shape[2]] for x in (key, value))
             window, chunk = _cutting(window, chunk, key.shape[2])
         options = _kernel_options(window, chunk, softcap, sinks)
         if options and not LOCAL_KERNELS:
@@ -149,7 +161,9 @@ def attention_function(recipe: str | Recipe = "auto"):
         if keys is not None:
             return _key_padded(query, key, value, keys, scaling, recipe)
         if isinstance(attention_mask, torch.Tensor):  # named here: SDPA's reason would be vaguer
-            return fallback("a mask that is neither causal with left padding nor padded keys (a "
+            return fallback("a mask while training or with dropout (the masked paths are "
+                            "forward-only)" if training else
+                            "a mask that is neither causal with left padding nor padded keys (a "
                             "right-padded batch, packed sequences or a custom mask)")
         # as transformers' SDPA path: causal only for more than one query and no explicit mask
         causal = bool(query.shape[2] > 1 and attention_mask is None and causal)
@@ -189,7 +203,8 @@ def _decoder_packing(mask, query, key, window, chunk):
     those some real query sees, which must run to the last key and the real queries to the last
     query (bottom-right alignment), and every real query must see exactly the keys that the
     causal pattern (with ``window``, ``chunk``: ``transformers_cache.local_visible``) gives in
-    the kept keys' own positions. Reads the mask on the host."""
+    the kept keys' own positions. The last keys no query sees (a static cache's empty slots,
+    behind a prefill's queries) are left out first. Reads the mask on the host."""
     from lowbit_attn.integrations.transformers_cache import local_visible
 
     b, _, n_q, n_k = query.shape[0], None, query.shape[2], key.shape[2]
@@ -197,6 +212,11 @@ def _decoder_packing(mask, query, key, window, chunk):
             or mask.shape[1] != 1 or mask.shape[2] != n_q or mask.shape[3] != n_k or n_k < n_q):
         return None
     mask = mask[:, 0].expand(b, -1, -1)
+    seen = mask.any(dim=1).any(dim=0).nonzero()                       # keys some query sees
+    n_all, n_k = n_k, int(seen.max()) + 1 if seen.numel() else 0
+    if n_k < n_q:
+        return None
+    mask = mask[:, :, :n_k]
     real = torch.diagonal(mask[:, :, n_k - n_q:], dim1=1, dim2=2)      # [B, Q]
     kept = (mask & real[:, :, None]).any(dim=1)                        # [B, K]
     lq, lk = real.sum(dim=1), kept.sum(dim=1)
@@ -209,6 +229,7 @@ def _decoder_packing(mask, query, key, window, chunk):
     want = kept[:, None, :] & local_visible(pos, pos[:, n_k - n_q:], window, chunk)
     if bool(((mask != want) & real[:, :, None]).any()):
         return None
+    kept = torch.nn.functional.pad(kept, (0, n_all - n_k))           # the empty slots: not kept
     return (real, kept, *_cutting(window, chunk, int(lk.max())))
 
 
@@ -229,21 +250,25 @@ def _packed(query, key, value, packed, scaling, recipe, options):
     return full, None
 
 
-def _exact(query, key, value, mask, scaling, softcap, sinks, dropout):
+def _exact(query, key, value, mask, scaling, softcap, sinks, dropout, position_bias=None):
     """Attention by its definition, in fp32: ``softcap·tanh(S/softcap)`` on the scaled scores,
-    the additive ``mask``, the sinks as one more logit of each row's denominator. Output
-    ``[B, Q, H, D]`` in query's dtype."""
+    the additive ``mask`` and ``position_bias`` (T5's, added after the softcap as eager adds a
+    mask), the sinks (``[H]``, or per row ``[B or 1, H, Q or 1, 1]``) as one more logit of each
+    row's denominator. Output ``[B, Q, H, D]`` in query's dtype."""
     group = query.shape[1] // key.shape[1]
     k, v = (x.float().repeat_interleave(group, dim=1) for x in (key, value))
     s = torch.matmul(query.float(), k.transpose(-1, -2)) * (
         query.shape[-1] ** -0.5 if scaling is None else scaling)
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
+    if position_bias is not None:
+        s = s + position_bias[..., : k.shape[2]].float()
     if mask is not None:
         s = s + mask[..., : k.shape[2]].float()
     if sinks is not None:
-        sink = sinks.float().reshape(1, -1, 1, 1).expand(s.shape[0], -1, s.shape[2], 1)
-        s = torch.cat([s, sink], dim=-1)
+        sink = sinks.float()
+        sink = sink.reshape(1, -1, 1, 1) if sink.dim() == 1 else sink
+        s = torch.cat([s, sink.expand(*s.shape[:3], 1)], dim=-1)
     p = torch.softmax(s, dim=-1)[..., : k.shape[2]]
     p = torch.nn.functional.dropout(p, p=dropout, training=dropout > 0)
     return torch.matmul(p, v).to(query.dtype).transpose(1, 2).contiguous()
@@ -252,7 +277,8 @@ def _exact(query, key, value, mask, scaling, softcap, sinks, dropout):
 def exact_fallback(module, query, key, value, attention_mask, dropout, scaling, is_causal,
                    softcap, sinks, kwargs):
     """The exact attention a call falls back to: transformers' SDPA function, or with a softcap
-    or sinks (SDPA refuses the one and would drop the other) the eager attention of the model's
+    or sinks (SDPA refuses the one and would drop the other), or where the attention weights are
+    asked for (``output_attentions``: SDPA returns none), the eager attention of the model's
     own module (``eager_attention_forward`` beside its class), given the mask in eager's additive
     form (the causal one built here where the SDPA mask was left out); where that function would
     not apply the softcap or sinks either (it takes no ``softcap``; the sinks are not the
@@ -260,10 +286,11 @@ def exact_fallback(module, query, key, value, attention_mask, dropout, scaling, 
     [B, Q, H, D], weights or None)``."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if softcap is None and sinks is None:
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    weights = bool(kwargs.get("output_attentions")) and eager is not None
+    if softcap is None and sinks is None and not weights:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
-    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
     takes = eager is not None and (
         (softcap is None or "softcap" in inspect.signature(eager).parameters)
         and (sinks is None or getattr(module, "sinks", None) is sinks))
@@ -271,14 +298,17 @@ def exact_fallback(module, query, key, value, attention_mask, dropout, scaling, 
     mask = attention_mask
     if mask is None and n_q > 1 and (is_causal if is_causal is not None
                                      else getattr(module, "is_causal", True)):
+        # where transformers leaves the mask out it relies on SDPA's causal mask, aligned
+        # top-left (the same as bottom-right but for a prefill into an empty static cache,
+        # whose keys past the queries are empty slots)
         rows = torch.arange(n_q, device=query.device)[:, None]
-        mask = torch.arange(n_k, device=query.device)[None, :] <= rows + (n_k - n_q)
-        mask = mask[None, None]
+        mask = (torch.arange(n_k, device=query.device)[None, :] <= rows)[None, None]
     if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
         mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
             ~mask, torch.finfo(query.dtype).min)
     if not takes:  # the model's eager would not apply them either: the definitions, here
-        return _exact(query, key, value, mask, scaling, softcap, sinks, dropout), None
+        return _exact(query, key, value, mask, scaling, softcap, sinks, dropout,
+                      kwargs.get("position_bias")), None
     return eager(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
