@@ -461,8 +461,8 @@ def test_any_shape_agrees_with_exact_attention(b, hkv, group, nq, nk, d, causal,
 ])
 def test_sdpa_falls_back_where_the_recipe_cannot_run(name, capability, head_dim, refused):
     # attention() raises for these; the drop-in must hand them to PyTorch, which serves any GPU
-    reason = api._recipe_reason(lowbit_attn.get_recipe(name), torch.device("cuda"), capability,
-                                head_dim)
+    reason = api.recipe_reason(lowbit_attn.get_recipe(name), torch.device("cuda"), capability,
+                               head_dim)
     assert (reason is None) if refused is None else (refused in reason)
 
 

@@ -16,6 +16,8 @@ xformers) are not affected: keep the default ``native`` backend.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from lowbit_attn.integrations.sdpa import routed
@@ -36,6 +38,8 @@ def _modules(target, components) -> list[tuple[str, torch.nn.Module]]:
         raise TypeError(f"enable() takes a diffusers pipeline or a torch.nn.Module, got "
                         f"{type(target).__name__}")
     models = {k: v for k, v in found.items() if isinstance(v, torch.nn.Module)}
+    if isinstance(components, str):  # one name, not its letters
+        components = (components,)
     names = DENOISERS if components is None else tuple(components)
     unknown = [n for n in names if components is not None and n not in models]
     chosen = [(n, models[n]) for n in names if n in models]
@@ -59,8 +63,8 @@ def enable(target, recipe: str | Recipe = "auto", *, components=None) -> list[st
             ``torch.nn.Module``.
         recipe: the inference recipe, a name or a :class:`~lowbit_attn.Recipe`. Enabling again
             replaces it.
-        components: names of the pipeline's models to hook; ``None`` hooks those of
-            :data:`DENOISERS` that it has. Not for a module.
+        components: names of the pipeline's models to hook (a list, or one name as a string);
+            ``None`` hooks those of :data:`DENOISERS` that it has. Not for a module.
 
     Returns:
         The names of the models hooked.
@@ -83,15 +87,15 @@ def enable(target, recipe: str | Recipe = "auto", *, components=None) -> list[st
     chosen = _modules(target, components)
     for _, module in chosen:
         _unhook(module)
-        stack = []
+        scopes = threading.local()  # each thread's open forwards of this module, innermost last
 
-        def enter(mod, args, kwargs, stack=stack):
+        def enter(mod, args, kwargs, scopes=scopes):
             scope = routed(recipe)
             scope.__enter__()
-            stack.append(scope)
+            scopes.__dict__.setdefault("stack", []).append(scope)
 
-        def leave(mod, args, kwargs, output, stack=stack):
-            stack.pop().__exit__(None, None, None)
+        def leave(mod, args, kwargs, output, scopes=scopes):
+            scopes.stack.pop().__exit__(None, None, None)
 
         setattr(module, _HOOKS, (
             module.register_forward_pre_hook(enter, with_kwargs=True),

@@ -98,7 +98,10 @@ def _fallback_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_
         return "is_causal or enable_gqa is not a bool"
     if not (query.dim() == key.dim() == value.dim() and query.dim() in (3, 4)):
         return f"only 3-D and 4-D inputs are supported (got {query.dim()}-D)"
-    if not (query.dtype == key.dtype == value.dtype) or query.dtype not in checks.FLOAT_DTYPES:
+    if not query.dtype == key.dtype == value.dtype:
+        return (f"query, key and value have different dtypes ({query.dtype}, {key.dtype}, "
+                f"{value.dtype})")
+    if query.dtype not in checks.FLOAT_DTYPES:
         return f"dtype {query.dtype} is not supported"
     if not (query.device == key.device == value.device):
         return "inputs are on different devices"
@@ -192,7 +195,7 @@ def scaled_dot_product_attention(
                             recipe="auto", fallback=TORCH_SDPA)
 
 
-def _recipe_reason(r: Recipe, device: torch.device, capability, head_dim: int) -> str | None:
+def recipe_reason(r: Recipe, device: torch.device, capability, head_dim: int) -> str | None:
     """Why the kernels cannot run recipe ``r`` for this call (the GPU is too old for it, or an FP4
     recipe meets a head dim it cannot group), or None: ``attention`` raises there, the drop-in
     hands the call to PyTorch."""
@@ -218,7 +221,7 @@ def sdpa_or_fallback(query, key, value, attn_mask, dropout_p, is_causal, scale, 
     elif reason is None:
         capability = get_capability() if query.device.type == "cuda" else None
         r = resolve(recipe, capability)  # an unknown recipe is the caller's error: it raises
-        reason = _recipe_reason(r, query.device, capability, query.shape[-1])
+        reason = recipe_reason(r, query.device, capability, query.shape[-1])
     if reason is not None:
         warn_fallback(reason)
         return fallback(
@@ -330,10 +333,12 @@ def routed(recipe: str | Recipe = "auto"):
     try:
         yield
     finally:
-        _route.reset(token)
-        with _lock:
-            _routed_users -= 1
-            _release()
+        try:
+            _route.reset(token)
+        finally:  # the count comes down even where the reset raises (another context's token)
+            with _lock:
+                _routed_users -= 1
+                _release()
 
 
 def patch_sdpa(recipe: str | Recipe = "auto", *, train_recipe=None) -> SDPAPatch:
