@@ -142,7 +142,9 @@ def test_the_first_append_freezes_the_balancing_statistics():
     want_q = q.float().abs()[1, :, 1:].amax(dim=1).view(2, 2, 64).amax(dim=1)  # sequence 1
     assert torch.equal(layer.q_amax[1], want_q)
     mean = k[1, :, 1:].float().mean(dim=1)
-    torch.testing.assert_close(layer.k_amax[1], (k[1, :, 1:].float() - mean[:, None]).abs().amax(1))
+    spread = (k[1, :, 1:].float() - mean[:, None]).abs().amax(1)  # at least a quarter its median
+    torch.testing.assert_close(layer.k_amax[1],
+                               torch.maximum(spread, spread.median(-1, keepdim=True).values / 4))
     cache.append(0, k, v, q=100 * q)
     for before, now in zip(frozen, (layer.k_mean, layer.q_amax, layer.k_amax)):
         assert torch.equal(before, now)
@@ -170,6 +172,27 @@ def test_a_constant_key_channel_freezes_no_balancing():
     assert torch.equal(cache.layers[0].k_amax, torch.zeros(1, 1, 64))
     cache.append(0, later, v[:, :, 5:])
     assert lowbit_attn.errors(lowbit_attn.attention_with_kv_cache(q, cache, 0), want).cosine > 0.999
+
+
+@pytest.mark.parametrize("family", ["peaked", "qk_bias"])
+def test_a_two_token_prompt_freezes_a_balancing_the_later_tokens_can_use(family):
+    """A prompt of two tokens given with its queries, then 158 more: no channel's frozen
+    ``max|K - μ|`` is below a quarter of the median one, so no channel that barely varied in the
+    prompt is dropped from Q for the tokens after it (the worst of 4 seeds was 0.9437 on
+    ``peaked``, 0.9797 on ``qk_bias``; 0.9929 and 0.9989 now)."""
+    worst = 1.0
+    for seed in range(4):
+        q, k, v = (x.float() for x in inputs.make(family, seed=seed, batch=1, heads_q=4,
+                                                   heads_kv=1, n_q=160, n_k=160, head_dim=64))
+        cache = lowbit_attn.QuantizedKVCache(1, 1, 1, 64, max_tokens=192, page_size=16,
+                                             dtype=torch.float32)
+        cache.append(0, k[:, :, :2], v[:, :, :2], q=q[:, :, :2])
+        cache.append(0, k[:, :, 2:], v[:, :, 2:])
+        want = torch.softmax(q[:, :, -1:].double() @ k.double().repeat_interleave(4, 1)
+                             .transpose(-1, -2) / 8, -1) @ v.double().repeat_interleave(4, 1)
+        got = lowbit_attn.attention_with_kv_cache(q[:, :, -1:], cache, 0)
+        worst = min(worst, lowbit_attn.errors(got, want).cosine)
+    assert worst > 0.99, worst
 
 
 def bad_appends():
