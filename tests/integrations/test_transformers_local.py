@@ -263,7 +263,8 @@ def test_a_fallback_never_drops_a_softcap_or_sinks():
 def test_a_fallback_keeps_a_position_bias_beside_a_softcap_or_sinks():
     """A call with T5's ``position_bias`` falls back; with a softcap, or per-row sinks
     (``[B, H, Q, 1]``), it runs attention by its definition, which adds the bias (it was
-    dropped: the same output as without it)."""
+    dropped: the same output as without it). Per-row sinks alone fall back too (the kernels
+    take one per head: they raised)."""
     fn = lowbit_hf.attention_function("exact")
     module = torch.nn.Module()
     module.is_causal = True
@@ -272,14 +273,15 @@ def test_a_fallback_keeps_a_position_bias_beside_a_softcap_or_sinks():
     bias = 3 * torch.randn(1, 2, 6, 6, generator=g)
     sinks = torch.randn(1, 2, 6, 1, generator=g)
     causal = torch.ones(6, 6, dtype=torch.bool).tril()
-    for options in (dict(softcap=50.0), dict(sinks=sinks)):
+    for options in (dict(softcap=50.0), dict(sinks=sinks), dict(sinks=sinks, no_bias=True)):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            got, _ = fn(module, q, k, v, None, position_bias=bias, **options)
+            no_bias = options.pop("no_bias", False)  # per-row sinks alone fall back too
+            got, _ = fn(module, q, k, v, None, position_bias=None if no_bias else bias, **options)
         s = q @ k.transpose(-1, -2) * 0.25
         if "softcap" in options:
             s = 50.0 * torch.tanh(s / 50.0)
-        s = (s + bias).masked_fill(~causal, float("-inf"))
+        s = (s if no_bias else s + bias).masked_fill(~causal, float("-inf"))
         if "sinks" in options:
             s = torch.cat([s, sinks], dim=-1)
         want = (s.softmax(-1)[..., :6] @ v).transpose(1, 2)

@@ -120,6 +120,8 @@ def attention_function(recipe: str | Recipe = "auto"):
             unserved.append("output_attentions")
         if unserved:
             return fallback(f"the model passes {', '.join(unserved)}")
+        if sinks is not None and not (isinstance(sinks, torch.Tensor) and sinks.dim() == 1):
+            return fallback("sinks per row (the kernels take one per head)")
         capability = get_capability() if query.device.type == "cuda" else None
         reason = recipe_reason(resolve(recipe, capability), query.device, capability,
                                query.shape[-1])
