@@ -487,3 +487,17 @@ def test_meta_tensors_give_meta_outputs(backend, monkeypatch):
         assert out.device.type == "meta" and out.shape == q.shape and lse.shape == (1, 4, 24)
     out = lowbit_attn.trainable_attention(q, k, v, is_causal=True)
     assert out.device.type == "meta" and out.shape == q.shape
+
+
+def test_varlen_lse_is_fp32_whatever_the_default_dtype():
+    """The packed LSE is fp32 as documented (and as the op's fake says), also where the default
+    dtype is float64 (it followed the default: float64)."""
+    q, k = torch.randn(30, 4, 32), torch.randn(40, 2, 32)
+    cu_q, cu_k = (torch.tensor(c, dtype=torch.int32) for c in ([0, 10, 30], [0, 25, 40]))
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        _, lse = lowbit_attn.attention_varlen(q, k, k, cu_q, cu_k, 20, 25, return_lse=True)
+    finally:
+        torch.set_default_dtype(previous)
+    assert lse.dtype == torch.float32

@@ -34,6 +34,50 @@ def test_fullgraph_compile_matches_eager():
         assert torch.equal(e, c)
 
 
+class Traced(torch.nn.Module):
+    """Arguments computed from sizes, which ``dynamic=True`` traces as symbols."""
+
+    def forward(self, q, k, v):
+        n = q.shape[2]
+        a = lowbit_attn.attention(q, k, v, scale=q.shape[-1] ** -0.5, is_causal=n > 1,
+                                  chunk=n // 3, softcap=n / 4, window=(n // 2, 0))
+        b = lowbit_attn.scaled_dot_product_attention(q, k, v, scale=q.shape[-1] ** -0.5)
+        c = lowbit_attn.trainable_attention(q, k, v, scale=q.shape[-1] ** -0.5, is_causal=n > 1)
+        return a + b + c
+
+
+def test_arguments_traced_as_symbols_compile_fullgraph():
+    """``scale``, ``is_causal``, ``chunk``, ``softcap`` and ``window`` computed from sizes under
+    ``dynamic=True``: one graph, eager's values (the checks read them with ``math.isfinite``,
+    ``isinstance`` and a plan key's class tests: graph breaks, so fullgraph failed)."""
+    torch._dynamo.reset()
+    q, k, v = channel_biased((1, 2, 24, 32), (1, 2, 24, 32), seed=3)
+    with torch.no_grad():
+        eager = Traced()(q, k, v)
+        compiled = torch.compile(Traced(), fullgraph=True, dynamic=True, backend="aot_eager")
+        assert torch.equal(compiled(q, k, v), eager)
+
+
+def test_a_fallback_compiles_fullgraph():
+    """A masked call of the SDPA drop-in, and of the patched function, falls back to PyTorch
+    inside one graph (the fallback's warning took a lock: a graph break on every fallback)."""
+    torch._dynamo.reset()
+    q, k, v = channel_biased((1, 2, 16, 32), (1, 2, 16, 32), seed=4)
+    mask = torch.ones(16, 16, dtype=torch.bool).tril()
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    drop_in = torch.compile(lambda *a: lowbit_attn.scaled_dot_product_attention(*a, attn_mask=mask),
+                            fullgraph=True, backend="aot_eager")
+    with pytest.warns(UserWarning, match="attn_mask"):  # eager warns; the traced call does not
+        lowbit_attn.integrations.sdpa.reset_fallback_warnings()
+        lowbit_attn.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert torch.equal(drop_in(q, k, v), want)
+    with lowbit_attn.patch_sdpa():
+        patched = torch.compile(
+            lambda *a: torch.nn.functional.scaled_dot_product_attention(*a, attn_mask=mask),
+            fullgraph=True, backend="aot_eager")
+        assert torch.equal(patched(q, k, v), want)
+
+
 @pytest.mark.parametrize("nhd", [False, True])
 @pytest.mark.parametrize("return_lse", [False, True])
 def test_custom_op_passes_opcheck(nhd, return_lse):

@@ -53,9 +53,24 @@ def is_numpy_bool(value) -> bool:
     return kind.__module__ == "numpy" and kind.__name__ in ("bool_", "bool")
 
 
+def concrete(value):
+    """A number that ``torch.compile`` traces symbolically (``SymInt``, ``SymFloat``,
+    ``SymBool``: a size, or arithmetic on one, under ``dynamic=True``) as the Python number it
+    is, so the checks read it as eager code does (one guard on its value, no graph break);
+    anything else unchanged."""
+    if isinstance(value, torch.SymInt):
+        return int(value)
+    if isinstance(value, torch.SymFloat):
+        return float(value)
+    if isinstance(value, torch.SymBool):
+        return bool(value)
+    return value
+
+
 def flag(name: str, value) -> bool:
     """A bool argument: ``bool`` or ``numpy.bool_``, returned as a Python ``bool`` (the custom ops'
     schemas and ``==`` between recipes need one type)."""
+    value = concrete(value)
     if isinstance(value, bool) or is_numpy_bool(value):
         return bool(value)
     raise TypeError(f"{name} must be a bool, got {shown(value)}")
@@ -63,6 +78,7 @@ def flag(name: str, value) -> bool:
 
 def positive_int(name: str, value, *, at_most: int | None = None) -> int:
     """A count argument: an int (not a bool) from 1 (to ``at_most``), returned as a Python int."""
+    value = concrete(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {shown(value)}")
     if value < 1 or (at_most is not None and value > at_most):
@@ -74,6 +90,7 @@ def positive_int(name: str, value, *, at_most: int | None = None) -> int:
 def integer(name: str, value, allowed: tuple[int, ...]) -> int:
     """An int argument from ``allowed``: an ``int`` or NumPy integer (not a bool, not a float),
     returned as a Python ``int``."""
+    value = concrete(value)
     if isinstance(value, bool) or is_numpy_bool(value) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {shown(value)}")
     if value not in allowed:
@@ -114,13 +131,14 @@ def positive_float(name: str, value) -> float:
     """``value`` (a real number: int, float or NumPy scalar) as a float, positive, finite and
     within :data:`FP32_NORMAL_RANGE` (about 2.4e-38 to 8.5e37); else ``TypeError`` or
     ``ValueError`` naming ``name``."""
+    value = concrete(value)
     if isinstance(value, bool) or is_numpy_bool(value) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a float or None, got {shown(value)}")
     try:
         got = float(value)
     except OverflowError:
         got = math.inf
-    if not math.isfinite(got) or got <= 0:
+    if not 0 < got < math.inf:  # NaN fails too (comparisons, which a traced number takes)
         raise ValueError(f"{name} must be a positive finite number, got {shown(value)}")
     lo, hi = FP32_NORMAL_RANGE
     if not lo <= got <= hi:

@@ -144,6 +144,7 @@ def key_blocks_visited(nq: int, nk: int, variant: Variant, block_m: int,
 
 
 def _int_side(name: str, value) -> int:
+    value = checks.concrete(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int (-1: unbounded), got {value!r}")
     value = int(value)
@@ -172,6 +173,7 @@ def check(*, is_causal: bool, window, softcap, chunk, sinks, hq: int,
     cap = check_softcap(softcap)
     size = 0
     if chunk is not None:
+        chunk = checks.concrete(chunk)
         if isinstance(chunk, bool) or not isinstance(chunk, numbers.Integral):
             raise TypeError(f"chunk must be an int or None, got {chunk!r}")
         size = int(chunk)
@@ -195,6 +197,7 @@ SOFTCAP_MAX = 2.0**16
 def check_softcap(softcap) -> float:
     """``softcap``: ``None`` or 0 (off: 0.0 returned), or a real number from 2**-125 to
     :data:`SOFTCAP_MAX`, returned as a float."""
+    softcap = checks.concrete(softcap)
     if softcap is None or (isinstance(softcap, numbers.Real) and not isinstance(softcap, bool)
                            and softcap == 0):
         return 0.0

@@ -141,8 +141,8 @@ def _per_sequence(attend, q, k, v, *, out, recipe, scale, causal_offset, return_
     """Packed sequences through ``attend``'s dense path, one sequence at a time (each aligned
     bottom-right when causal)."""
     bounds_q, bounds_k = (s.cu_seqlens.tolist() for s in seqs)  # host offsets for the loop
-    lse_all = (torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
-               if return_lse else None)
+    lse_all = (torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32,
+                          device=q.device) if return_lse else None)
     for b in range(seqs[0].batch):
         q0, q1 = bounds_q[b], bounds_q[b + 1]
         k0, k1 = bounds_k[b], bounds_k[b + 1]

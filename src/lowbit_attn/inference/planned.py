@@ -33,9 +33,11 @@ def key(q, k, v, is_causal, scale, layout, recipe, return_lse, extras=(None, Non
     """The plan key of an ``attention()`` call, or ``None`` when it gets none (not eager, an
     argument of an unusual kind: the checks will say what is wrong with it, or ``sinks``: a
     tensor the plan would not see). ``extras``: ``(window, softcap, chunk)``."""
-    if sinks is not None or not all(_plain_value(x) for x in extras):
+    # eager first: under torch.compile an argument may be a traced number, which the other
+    # tests would not read without a graph break
+    if sinks is not None or not plans.eager(q, k, v) or not all(_plain_value(x) for x in extras):
         return None
-    if not (plans.eager(q, k, v) and is_causal.__class__ is bool and return_lse.__class__ is bool
+    if not (is_causal.__class__ is bool and return_lse.__class__ is bool
             and (scale is None or scale.__class__ is float) and layout.__class__ is str
             and (recipe.__class__ is str or getattr(recipe, "__hash__", None) is not None)):
         return None

@@ -57,7 +57,10 @@ _warned_lock = threading.Lock()
 
 def warn_fallback(reason: str) -> None:
     """Warn that calls for ``reason`` go to PyTorch: once per reason and process (until
-    :func:`reset_fallback_warnings`)."""
+    :func:`reset_fallback_warnings`); not while ``torch.compile`` traces the call (its lock is
+    a graph break, so ``fullgraph=True`` failed on every fallback: an eager call warns)."""
+    if torch.compiler.is_compiling():
+        return
     with _warned_lock:
         if reason in _warned:
             return
