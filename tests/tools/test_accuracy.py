@@ -306,6 +306,12 @@ def test_describe_and_parse_recipe():
         accuracy.parse_recipe("qk_int8_pv_fp8:smooth_q=maybe")
     with pytest.raises(ValueError, match="granularity"):
         accuracy.parse_recipe("qk_int8_pv_fp8:granularity=per_warp")
+    with pytest.raises(ValueError, match="recipe option block_q needs an int, got '1e2'"):
+        accuracy.parse_recipe("qk_int8_pv_fp8:block_q=1e2")
+    for name in ("auto", "foo"):  # a named recipe: the message offers no "auto"
+        with pytest.raises(ValueError, match=f"unknown recipe '{name}'; expected one of") as err:
+            accuracy.parse_recipe(name)
+        assert "'auto' or" not in str(err.value)
 
 
 def _parse(argv):

@@ -124,6 +124,17 @@ def test_inspect_counts_the_key_loops_and_takes_the_llm_variants(capsys):
         assert window[1] == pytest.approx(13.59, abs=0.01)
 
 
+def test_a_window_with_an_unbounded_side_needs_no_equals_sign():
+    """``--window -1,0`` (the help's "-1 for an unbounded side"): argparse read ``-1,0`` as an
+    option ("expected one argument") unless written ``--window=-1,0``."""
+    for argv in (["inspect", "--arch", "sm_90a", "--window", "-1,0"],
+                 ["inspect", "--arch", "sm_90a", "--window=-1,0"],
+                 ["inspect", "--arch", "sm_90a", "--window", "5,-1"]):
+        argv = cli._joined_negative_pairs(argv)
+        args = cli.build_parser(argv).parse_args(argv)
+        assert args.window == ((-1, 0) if "-1,0" in argv[-1] else (5, -1))
+
+
 @pytest.mark.parametrize("extra", [("--recipe", "kv_int8_fp8", "--sinks"),
                                    ("--recipe", "sagebwd_int8", "--softcap", "30"),
                                    ("--kernel", "sm90", "--window", "3,0"),
@@ -388,6 +399,9 @@ def test_usage_errors_exit_2_with_a_clear_message(capsys, argv, needle):
 
 
 ACCURACY_USAGE_ERRORS = [
+    pytest.param(["--families", ""], "argument --families: no family named", id="families-empty"),
+    pytest.param(["--recipes", "auto"], "unknown recipe 'auto'; expected one of",
+                 id="recipes-auto"),
     pytest.param(["--n", "0"], "argument --n: must be between 1 and 2147483647, got 0",
                  id="n-zero"),
     pytest.param(["--n", "-5"], "argument --n: must be between 1 and 2147483647, got -5",
@@ -469,6 +483,8 @@ FUZZED_BENCH_ERRORS = [(opts.split(), message) for opts, message in (
     pytest.param(["--min-cosine", "2"], "argument --min-cosine: must be between -1 and 1",
                  id="min-cosine"),
     pytest.param(["--time-budget", "x"], "argument --time-budget: expected float", id="budget"),
+    pytest.param(["--recipes", ""], "argument --recipes: expected comma-separated names",
+                 id="recipes-empty"),
     *FUZZED_BENCH_ERRORS,
 ])
 def test_bench_usage_errors(capsys, monkeypatch, argv, message):
@@ -484,6 +500,23 @@ def test_bench_host_refuses_exact_without_a_gpu(capsys):
     """``exact`` has no kernel on a CPU: its stubbed host path would time PyTorch's maths."""
     assert cli.main(["bench", "--host", "--recipes", "exact"]) == 2
     assert "recipe 'exact' has no kernel on a CPU" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("argv,message", [
+    (["--host-profile"], "--host-arch and --host-profile go with --host"),
+    (["--host-arch", "sm_90"], "--host-arch and --host-profile go with --host"),
+    (["--host", "--host-arch", "sm_86", "--recipes", "qk_int8_pv_fp8"],
+     "needs FP8 tensor cores (compute capability 8.9 or newer), --host-arch sm_86 is 8.6"),
+    (["--host", "--host-arch", "sm_75", "--recipes", "qk_int8_pv_fp16"],
+     "compute capability 8.0 or newer, --host-arch sm_75 is 7.5"),
+])
+def test_bench_host_options_go_with_host_and_an_architecture_that_runs_the_recipe(
+        capsys, argv, message):
+    """Accepted and ignored before (exit 0): the host options without ``--host``, and a recipe
+    the host architecture cannot run, timed as if it could."""
+    assert cli.main(["bench", *argv]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_inspect_refuses_a_ptx_dir_it_cannot_make(capsys):

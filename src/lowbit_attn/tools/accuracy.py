@@ -355,6 +355,9 @@ def cli_main(args: argparse.Namespace) -> int:
 
     families = _split_list(args.families)
     unknown = [f for f in families if f not in inputs.FAMILIES]
+    if not families:
+        raise UsageError("argument --families: no family named; choose from "
+                         f"{list(inputs.FAMILIES)}")
     if unknown:
         raise UsageError(
             f"argument --families: unknown famil(ies) {unknown}; choose from "

@@ -10,7 +10,7 @@ import os
 from typing import Callable
 
 from lowbit_attn.core.checks import MAX_HEAD_DIM
-from lowbit_attn.core.recipes import Recipe, get_recipe
+from lowbit_attn.core.recipes import RECIPES, Recipe, get_recipe
 
 
 
@@ -91,6 +91,8 @@ def parse_recipe(spec: str | Recipe) -> Recipe:
     if isinstance(spec, Recipe):
         return spec
     name, _, opts = spec.partition(":")
+    if name.strip() not in RECIPES:  # get_recipe's message offers "auto", which names no recipe
+        raise ValueError(f"unknown recipe {name.strip()!r}; expected one of {sorted(RECIPES)}")
     recipe = get_recipe(name.strip())
     if not opts.strip():
         return recipe
@@ -110,7 +112,10 @@ def parse_recipe(spec: str | Recipe) -> Recipe:
                 raise ValueError(f"recipe option {key} needs a boolean (1/0, on/off), got {raw!r}")
             changes[key] = raw.lower() in ("1", "true", "on", "yes")
         elif isinstance(current, int):
-            changes[key] = int(raw)
+            try:
+                changes[key] = int(raw)
+            except ValueError:
+                raise ValueError(f"recipe option {key} needs an int, got {raw!r}") from None
         else:
             changes[key] = raw
     return recipe.replace(**changes)

@@ -18,6 +18,7 @@ import importlib
 import json
 import os
 import platform
+import re
 import sys
 from typing import Callable, Sequence
 
@@ -781,9 +782,21 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     return parser
 
 
+def _joined_negative_pairs(argv: list[str]) -> list[str]:
+    """``--window -1,0`` as ``--window=-1,0``: argparse reads a value that starts with ``-`` and
+    is not one number as an option."""
+    out = []
+    for arg in argv:
+        if out and out[-1] == "--window" and re.fullmatch(r"-\d+,\s*-?\d+", arg):
+            out[-1] = f"--window={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``lowbit-attn``; returns the exit status (0 on success)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = _joined_negative_pairs(list(sys.argv[1:] if argv is None else argv))
     try:
         parser = build_parser(argv)
     except ImportError as exc:

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 from lowbit_attn.core import checks
-from lowbit_attn.core.arch import backend_for
-from lowbit_attn.core.recipes import RECIPES
+from lowbit_attn.core.arch import backend_for, parse_arch
+from lowbit_attn.core.recipes import RECIPES, resolve
 from lowbit_attn.tools.args import head_dim_arg, output_dir, positive_int, ranged
 from lowbit_attn.tools.bench.protocol import (
     BASELINES, BATCH, DIMS, HEADS, MIN_COSINE, OUR_RECIPES, QUICK_DIMS, QUICK_SEQLENS, SEQLENS,
@@ -47,6 +47,8 @@ def parse_seqlens(text: str) -> list[int]:
 
 def parse_names(text: str) -> list[str]:
     names = _split(text)
+    if not names:  # "" would run nothing of ours without saying so
+        raise argparse.ArgumentTypeError(f"expected comma-separated names, or none; got {text!r}")
     return [] if names == ["none"] else names
 
 
@@ -118,7 +120,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="time the host path of one call (µs to enqueue it) and count its "
                              "launches instead; without a GPU, Triton's launch path runs with "
                              "the launches stubbed (default D=128, N=1k, non-causal)")
-    parser.add_argument("--host-arch", default="sm_90", type=host_arch_arg,
+    parser.add_argument("--host-arch", default=None, type=host_arch_arg,
                         help="--host without a GPU: the architecture the call is prepared for "
                              "(default sm_90)")
     parser.add_argument("--host-profile", action="store_true",
@@ -147,6 +149,8 @@ def cli_main(args: argparse.Namespace) -> int:
     try:
         if not args.recipes and not args.baselines:
             raise ValueError("nothing to run: no recipes and no baselines")
+        if not args.host and (args.host_arch is not None or args.host_profile):
+            raise ValueError("--host-arch and --host-profile go with --host")
         for name in args.recipes:
             for d in args.dims or ():  # the default dims fit every recipe
                 if name in RECIPES:
@@ -209,11 +213,20 @@ def _cli_host(args, causal_values) -> int:
         print("lowbit-attn bench: error: --host without a GPU times the kernels' launch path; "
               "recipe 'exact' has no kernel on a CPU (it runs PyTorch there)", file=sys.stderr)
         return 2
+    arch = args.host_arch or "sm_90"
+    if not torch.cuda.is_available():
+        try:  # the recipes that architecture can run, as a call there checks them
+            for r in args.recipes:
+                checks.recipe_runs_here(resolve(r, parse_arch(arch)), torch.device("cuda"),
+                                        parse_arch(arch), target=f"--host-arch {arch}")
+        except ValueError as exc:
+            print(f"lowbit-attn bench: error: {exc}", file=sys.stderr)
+            return 2
     configs = [dict(recipe=r, b=args.batch or BATCH, h=args.heads or HEADS, n=n, d=d, causal=c)
                for r in args.recipes for d in args.dims or [128]
                for n in args.seqlens or [1024] for c in (causal_values if args.causal != "both"
                                                          else [False])]
-    rows = host.measure(configs, arch=args.host_arch, profile=args.host_profile)
+    rows = host.measure(configs, arch=arch, profile=args.host_profile)
     print(host.render(rows))
     us, launches = HOST_BARS
     for r in rows:
