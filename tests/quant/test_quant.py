@@ -9,6 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import lowbit_attn
 from helpers import assert_close, assert_same
 from lowbit_attn.quant import int8_naive as ref
 
@@ -343,6 +344,38 @@ def test_balance_factors_equalize_ranges_and_keep_degenerate_channels():
     alpha = ref.balance_factors(aq, ak)
     # amax over the group of q heads: [3, 4, 1, 2]
     assert torch.allclose(alpha, torch.tensor([[[(16 / 3) ** 0.5, 0.5, 5**0.5, 1.0]]]))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("role", ["q", "k"])
+def test_balance_factors_stay_finite_where_the_ratio_overflows(role):
+    """Finite maxima whose ratio leaves fp32 (a bf16 Q channel of 1e-38 against K's 1e3; K's of
+    1e-40 against Q's 1e6): α within 2**±32, where it was inf or 0 and the quantized Q or K NaN;
+    the kernel's codes are the twin's; NaN statistics still give NaN."""
+    aq = torch.tensor([[[1e-38, 1e6, 1.0, float("nan")]]])
+    ak = torch.tensor([[[1e3, 1e-40, 1.0, 1.0]]])
+    alpha = ref.balance_factors(aq, ak)
+    assert alpha[0, 0, :3].tolist() == [ref.ALPHA_MAX, ref.ALPHA_MIN, 1.0]
+    assert alpha[0, 0, 3].isnan()
+    x = torch.randn(1, 1, 8, 4, generator=torch.Generator().manual_seed(0))
+    kw = dict(granularity="per_token", block=1, balance=(aq[..., :3], ak[..., :3]), role=role)
+    x = x[..., :3]
+    v_ref, s_ref = ref.quantize_int8(x, **kw)
+    v_k, s_k = kq().quantize_int8(x, **kw)
+    assert torch.isfinite(s_ref).all() and torch.equal(v_k, v_ref) and torch.equal(s_k, s_ref)
+
+
+def test_a_bf16_channel_whose_ratio_overflows_is_not_nan():
+    """Q nearly dead in one channel (1e-38, bf16) against K of 1e3 there: every 8-bit recipe
+    gave NaN everywhere (α = inf); now as close to float64 as on ordinary inputs."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 256, 128, generator=g) for _ in range(3))
+    q[..., 0] *= 1e-38
+    k[..., 0] *= 1e3
+    q, k, v = (x.bfloat16() for x in (q, k, v))
+    want = torch.softmax(q.double() @ k.double().transpose(-1, -2) / 128**0.5, -1) @ v.double()
+    for recipe in ("qk_int8_pv_fp16", "qk_int8_pv_fp8"):
+        assert lowbit_attn.errors(lowbit_attn.attention(q, k, v, recipe=recipe), want).cosine > 0.999
 
 
 @pytest.mark.interpreter

@@ -69,8 +69,15 @@ def expand_blocks(per_block: torch.Tensor, block: int, n: int) -> torch.Tensor:
     return per_block.repeat_interleave(block, dim=-2)[..., :n, :]
 
 
+# α's range: a ratio of finite maxima can overflow fp32 (bf16 Q ~1e-38 against K ~1e3: α = inf,
+# and Q·α NaN) or underflow it (α = 0, K/α NaN); within 2**±32, Q·α and K/α stay finite and the
+# ratio's square root is of a normal fp32 number on every device.
+ALPHA_MIN, ALPHA_MAX = 2.0**-32, 2.0**32
+
+
 def balance_factors(amax_q: torch.Tensor, amax_k: torch.Tensor) -> torch.Tensor:
-    """``α_c = sqrt(amax|K_c| / amax|Q_c|)`` per (batch, KV head, channel), ``[B, Hkv, D]``.
+    """``α_c = sqrt(amax|K_c| / amax|Q_c|)`` per (batch, KV head, channel), ``[B, Hkv, D]``,
+    within ``[ALPHA_MIN, ALPHA_MAX]``.
 
     Q's amax is taken over all query heads that share the KV head. A channel where either side is
     all zero keeps ``α = 1``; NaN statistics give NaN (never hidden).
@@ -79,6 +86,8 @@ def balance_factors(amax_q: torch.Tensor, amax_k: torch.Tensor) -> torch.Tensor:
     hkv = amax_k.shape[1]
     aq = amax_q.view(b, hkv, hq // hkv, d).amax(dim=2)
     alpha = sqrt_rn(amax_k / aq)
+    alpha = torch.where(alpha > ALPHA_MAX, ALPHA_MAX, torch.where(alpha < ALPHA_MIN, ALPHA_MIN,
+                                                                   alpha))  # NaN stays NaN
     degenerate = (aq == 0) | (amax_k == 0)
     return torch.where(degenerate, torch.ones_like(alpha), alpha)
 

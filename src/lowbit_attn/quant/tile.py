@@ -11,14 +11,19 @@ import triton
 import triton.language as tl
 
 from lowbit_attn.core.triton_helpers import to_int8
+from lowbit_attn.quant import int8_naive
+
+_ALPHA_MIN = tl.constexpr(int8_naive.ALPHA_MIN)
+_ALPHA_MAX = tl.constexpr(int8_naive.ALPHA_MAX)
 
 
 @triton.jit
 def balance_multiplier(AQ, AK, b, h, offs_d, D, aq_strides, ak_strides, GROUP,
                        ROLE: tl.constexpr, BLOCK_D: tl.constexpr):
     """Per-channel balancing factor: ``α = sqrt(amax_k / max over the group's amax_q)`` for Q
-    (``ROLE`` 1, head ``h`` of Q) or ``1/α`` for K (``ROLE`` 2, head ``h`` of K); 1 where a side is
-    all zero; NaN statistics give NaN. ``*_strides``: (batch, head) of the ``[B, H, D]`` amax
+    (``ROLE`` 1, head ``h`` of Q) or ``1/α`` for K (``ROLE`` 2, head ``h`` of K), within
+    ``int8_naive``'s ``[ALPHA_MIN, ALPHA_MAX]``; 1 where a side is all zero; NaN statistics give
+    NaN. ``*_strides``: (batch, head) of the ``[B, H, D]`` amax
     vectors. Twin: ``lowbit_attn.quant.int8_naive.balance_factors``."""
     saqb, saqh = aq_strides
     sakb, sakh = ak_strides
@@ -36,6 +41,8 @@ def balance_multiplier(AQ, AK, b, h, offs_d, D, aq_strides, ak_strides, GROUP,
         poison += a * 0.0  # a GPU max drops NaN; the sum keeps it
     aq = aq + poison
     alpha = tl.sqrt_rn(tl.div_rn(ak, aq))
+    alpha = tl.where(alpha > _ALPHA_MAX, _ALPHA_MAX,
+                     tl.where(alpha < _ALPHA_MIN, _ALPHA_MIN, alpha))  # NaN stays NaN
     alpha = tl.where((aq == 0.0) | (ak == 0.0), 1.0, alpha)
     if ROLE == 2:
         alpha = tl.div_rn(tl.full([BLOCK_D], 1.0, tl.float32), alpha)
