@@ -35,9 +35,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lowbit_attn.core.arch import get_capability
 from lowbit_attn.core.recipes import Recipe, resolve
 from lowbit_attn.inference import attention, attention_varlen
-from lowbit_attn.core.arch import get_capability
 from lowbit_attn.integrations.sdpa import (TORCH_SDPA, recipe_reason, sdpa_or_fallback,
                                            warn_fallback)
 
