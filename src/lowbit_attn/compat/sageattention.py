@@ -610,10 +610,11 @@ def sageattn_varlen(
         if not isinstance(x, torch.Tensor) or x.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"{arg} must be an int32 or int64 tensor, got "
                             f"{getattr(x, 'dtype', type(x).__name__)}")
-        if x.dtype == torch.int64 and x.numel() and not (
-                0 <= int(x.min()) and int(x.max()) <= torch.iinfo(torch.int32).max):
-            raise ValueError(f"{arg} must hold offsets from 0 to 2**31 - 1 (they are cast to "
-                             f"int32), got values from {int(x.min())} to {int(x.max())}")
+        if x.dtype == torch.int64 and x.numel():
+            lo, hi = (int(t) for t in x.aminmax())  # one read on the host
+            if not 0 <= lo <= hi <= torch.iinfo(torch.int32).max:
+                raise ValueError(f"{arg} must hold offsets from 0 to 2**31 - 1 (they are cast to "
+                                 f"int32), got values from {lo} to {hi}")
         cu.append(x.to(torch.int32))
     recipe = _int8_recipe("qk_int8_pv_fp16", smooth_k=smooth_k)
     is_causal, sm_scale = _flag("is_causal", is_causal), _scale(sm_scale)

@@ -23,8 +23,8 @@ def balance_multiplier(AQ, AK, b, h, offs_d, D, aq_strides, ak_strides, GROUP,
     """Per-channel balancing factor: ``α = sqrt(amax_k / max over the group's amax_q)`` for Q
     (``ROLE`` 1, head ``h`` of Q) or ``1/α`` for K (``ROLE`` 2, head ``h`` of K), within
     ``int8_naive``'s ``[ALPHA_MIN, ALPHA_MAX]``; 1 where a side is all zero; NaN statistics give
-    NaN. ``*_strides``: (batch, head) of the ``[B, H, D]`` amax
-    vectors. Twin: ``lowbit_attn.quant.int8_naive.balance_factors``."""
+    NaN. ``*_strides``: (batch, head) of the ``[B, H, D]`` amax vectors. Twin:
+    ``lowbit_attn.quant.int8_naive.balance_factors``."""
     saqb, saqh = aq_strides
     sakb, sakh = ak_strides
     dmask = offs_d < D

@@ -215,10 +215,11 @@ def _cli_host(args, causal_values) -> int:
         return 2
     arch = args.host_arch or "sm_90"
     if not torch.cuda.is_available():
+        capability = parse_arch(arch)
         try:  # the recipes that architecture can run, as a call there checks them
             for r in args.recipes:
-                checks.recipe_runs_here(resolve(r, parse_arch(arch)), torch.device("cuda"),
-                                        parse_arch(arch), target=f"--host-arch {arch}")
+                checks.recipe_runs_here(resolve(r, capability), torch.device("cuda"), capability,
+                                        target=f"--host-arch {arch}")
         except ValueError as exc:
             print(f"lowbit-attn bench: error: {exc}", file=sys.stderr)
             return 2
