@@ -158,6 +158,38 @@ def test_calls_the_cache_cannot_serve_raise(model):
         model(torch.cat([_prompt(9, 1)] * 2), cache=_cache(model, 1))
 
 
+def test_a_refused_beam_search_leaves_a_cache_that_says_to_reset(model):
+    """transformers reorders the cache only after the prefill has stored the prompt: a greedy
+    retry on that cache appended the prompt again and gave other tokens, with no word. It
+    raises until ``reset()``, and then generates as a fresh cache."""
+    ids = _prompt(9, 5)
+    model.set_attn_implementation("lowbit")
+    cache = _cache(model, 3)
+    with pytest.raises(NotImplementedError, match="beam search is not served.*cache.reset()"):
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, num_beams=3,
+                       cache=cache, pad_token_id=0, do_sample=False)
+    rows = ids.repeat(3, 1)  # the batch the cache was built for
+    with pytest.raises(RuntimeError, match=r"refused \(beam search\); call cache.reset\(\)"):
+        _generate(model, "lowbit", rows, cache=cache)
+    cache.reset()
+    got, _ = _generate(model, "lowbit", rows, cache=cache)
+    want, _ = _generate(model, "lowbit", rows, cache=_cache(model, 3))
+    assert torch.equal(got, want)
+
+
+def test_a_step_refused_before_it_stored_anything_leaves_the_cache_as_it_was(model):
+    """A step whose append is refused (past ``max_tokens``) left its layer's position count
+    and pending keys behind: the cache said one more token than it held, and the next call
+    blamed the attention implementation. Now the layer is as before the step."""
+    ids = _prompt(12, 6)
+    model.set_attn_implementation("lowbit")
+    cache = _cache(model, 1, max_tokens=16)
+    with pytest.raises(ValueError, match="max_tokens=16"):
+        _generate(model, "lowbit", ids, cache=cache)
+    assert cache.get_seq_length() == 16 == cache.store.length(0).item()
+    assert all(layer.pending is None for layer in cache.layers)
+
+
 def test_the_marker_is_not_a_tensor():
     layer = transformers_cache.QuantizedCacheLayer(
         lowbit_hf.QuantizedCache(num_layers=1, kv_heads=1, head_dim=16, batch=1,

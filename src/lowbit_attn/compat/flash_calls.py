@@ -52,12 +52,6 @@ def softcap_of(softcap) -> float | None:
     return float(softcap) if softcap > 0 else None
 
 
-def needs_grad(*tensors) -> bool:
-    """Whether autograd needs gradients of any of ``tensors`` in this call."""
-    return torch.is_grad_enabled() and any(
-        isinstance(x, torch.Tensor) and x.requires_grad for x in tensors)
-
-
 def _no_lse_with_grad(return_lse: bool) -> None:
     if return_lse:
         raise ValueError("return_attn_probs=True is not supported where gradients are needed (the "
@@ -69,7 +63,7 @@ def dense(q, k, v, *, scale, variant: dict, recipe, train_recipe, return_lse: bo
     """``[B, N, H, D]`` q, k, v: :func:`lowbit_attn.attention` (with ``return_lse``, its
     ``(out, lse)``), or :func:`lowbit_attn.trainable_attention` where gradients are needed.
     ``variant``: ``is_causal``, ``window``, ``softcap``, ``chunk`` keywords."""
-    if needs_grad(q, k, v):
+    if checks.needs_grad(q, k, v):
         _no_lse_with_grad(return_lse)
         return trainable_attention(q, k, v, scale=scale, layout="NHD", recipe=train_recipe,
                                    **variant)
@@ -82,7 +76,7 @@ def packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, s
     """``[total, H, D]`` sequences: :func:`lowbit_attn.attention_varlen`, or where gradients are
     needed one :func:`lowbit_attn.trainable_attention` call per sequence, outputs concatenated
     (a sequence without queries or keys gives rows of 0)."""
-    if not needs_grad(q, k, v):
+    if not checks.needs_grad(q, k, v):
         return attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                 scale=scale, recipe=recipe, return_lse=return_lse, **variant)
     _no_lse_with_grad(return_lse)

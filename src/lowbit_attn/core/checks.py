@@ -3,6 +3,7 @@ it needs."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 
@@ -293,12 +294,81 @@ def recipe_fits(recipe, head_dim: int) -> None:
         )
 
 
+def resolved(*tensors) -> tuple:
+    """``tensors`` with a view whose negation is only a flag (``x.conj().imag``: ``is_neg()``)
+    materialized: the kernels read memory, and PyTorch's dispatcher resolves it only for the
+    custom ops (the eager paths launch directly)."""
+    return tuple(x.resolve_neg() if isinstance(x, torch.Tensor) and x.is_neg() else x
+                 for x in tensors)
+
+
+def operands(*tensors) -> tuple:
+    """``tensors`` as ``scaled_dot_product_attention`` takes them: :func:`resolved`, and under
+    ``torch.autocast`` float16, bfloat16 and float32 tensors cast to its dtype for the first
+    one's device (float64 kept). What is not a tensor is returned as it is (the checks say what
+    is wrong with it)."""
+    tensors = resolved(*tensors)
+    first = tensors[0]
+    if (not isinstance(first, torch.Tensor) or first.device.type not in ("cuda", "cpu")
+            or not torch.is_autocast_enabled(first.device.type)):
+        return tensors
+    dtype = torch.get_autocast_dtype(first.device.type)
+    return tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.dtype in FLOAT_DTYPES else x
+                 for x in tensors)
+
+
+def no_autocast(x: torch.Tensor):
+    """A context for the custom ops' bodies: PyTorch operations on ``x``'s device keep the dtypes
+    the recipe gives them, whatever ``torch.autocast`` the call came from (its inputs were cast on
+    the way in: :func:`operands`)."""
+    device = x.device.type
+    if device in ("cuda", "cpu") and torch.is_autocast_enabled(device):
+        return torch.autocast(device, enabled=False)
+    return contextlib.nullcontext()
+
+
+def needs_grad(*tensors) -> bool:
+    """Whether autograd needs gradients of any of ``tensors`` (non-tensors ignored) in this call."""
+    return torch.is_grad_enabled() and any(
+        isinstance(x, torch.Tensor) and x.requires_grad for x in tensors)
+
+
+def other_autodiff(*tensors) -> str | None:
+    """What differentiates this call other than reverse-mode autograd, or None: forward-mode AD
+    (``torch.autograd.forward_ad``) or a ``torch.func`` transform (``grad``, ``vjp``, ``jvp``,
+    ``jacrev``...) on one of ``tensors``. The custom ops define reverse-mode gradients only, and
+    PyTorch drops a forward-mode tangent through them without a word. (``vmap`` alone is served.)
+    Under ``torch.compile`` nothing is read: the transforms are traced there."""
+    if torch.compiler.is_compiling():
+        return None
+    if torch.autograd.forward_ad._current_level >= 0 and any(
+            isinstance(x, torch.Tensor) and torch.autograd.forward_ad.unpack_dual(x).tangent
+            is not None for x in tensors):
+        return "forward-mode AD (torch.autograd.forward_ad)"
+    if torch._C._are_functorch_transforms_active() and any(
+            isinstance(x, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(x)
+            for x in tensors):
+        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+        kinds = {i.key().name for i in retrieve_all_functorch_interpreters()}
+        if kinds & {"Grad", "Jvp"}:
+            return "a torch.func transform that differentiates (grad, vjp, jvp, jacrev, jacfwd)"
+    return None
+
+
 def forward_only(*tensors: torch.Tensor) -> None:
-    """The kernels have no backward: refuse to cut a graph silently."""
-    if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
+    """The kernels have no backward: refuse to cut a graph (or drop a tangent) silently."""
+    if needs_grad(*tensors):
         raise ValueError(
             "q, k and v must not require grad: lowbit_attn attention is forward-only (no backward); "
             "call it under torch.no_grad() or torch.inference_mode(), or detach them"
+        )
+    other = other_autodiff(*tensors)
+    if other is not None:
+        raise ValueError(
+            f"lowbit_attn attention is forward-only and cannot be differentiated by {other}; "
+            "call it on tensors without tangents, or use torch.nn.functional."
+            "scaled_dot_product_attention there"
         )
 
 

@@ -1,5 +1,6 @@
 """Experimental kernel placements, until a GPU measurement decides them: one frozen object, read
-from the environment once per call by the custom op that needs it and passed down explicitly.
+from the environment once per call (by every public call, so that a bad value raises anywhere)
+and passed down explicitly.
 
 - ``LOWBIT_ATTN_Q_QUANT``: ``pass`` (default: Q quantized by the launch that quantizes K and
   converts V) or ``kernel`` (by the INT8 attention kernel's prologue: 2 bytes per Q element
@@ -59,6 +60,10 @@ VARIABLES = {"q_quant": ("LOWBIT_ATTN_Q_QUANT", Q_QUANT_MODES),
              "launch": ("LOWBIT_ATTN_LAUNCH", LAUNCH_MODES)}
 
 
+_READ = tuple(VARIABLES.values())
+_parsed: dict[tuple, "KernelOptions"] = {}  # the options of each set of values met
+
+
 @dataclass(frozen=True)
 class KernelOptions:
     """Where the Triton path does some of its work (see the module docstring); the defaults are
@@ -80,8 +85,11 @@ class KernelOptions:
     def from_env(cls) -> "KernelOptions":
         """The options the environment sets (``ValueError`` naming the variable for a value that
         is not one of its modes)."""
-        return cls(**{field: os.environ.get(variable, choices[0])
-                      for field, (variable, choices) in VARIABLES.items()})
+        values = tuple(os.environ.get(variable, choices[0]) for variable, choices in _READ)
+        found = _parsed.get(values)
+        if found is None:  # a bad value raises here every time: it is never kept
+            found = _parsed[values] = cls(**dict(zip(VARIABLES, values)))
+        return found
 
     @property
     def q_in_kernel(self) -> bool:

@@ -64,12 +64,14 @@ class Unchecked:
 def eager(*tensors) -> bool:
     """Whether a call on ``tensors`` runs eagerly on plain tensors: nothing traces it
     (``torch.compile``, ``torch.jit.trace``), wraps it (a dispatch or function mode, a functorch
-    transform, a tensor subclass) or records it (a CUDA graph capture on their device)."""
+    transform, a tensor subclass, a forward-mode AD level) or records it (a CUDA graph capture on
+    their device)."""
     return (not torch.compiler.is_compiling()
             and not torch.jit.is_tracing()
             and torch._C._len_torch_dispatch_stack() == 0
             and not torch._C._is_torch_function_mode_enabled()
             and not torch._C._are_functorch_transforms_active()
+            and torch.autograd.forward_ad._current_level < 0
             and all(x.__class__ is torch.Tensor for x in tensors)
             and not arch.graph_capturing(tensors[0].device))
 

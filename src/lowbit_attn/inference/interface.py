@@ -36,7 +36,8 @@ def attention(
 
     Args:
         q: ``[B, Hq, Nq, D]`` (layout ``"HND"``) or ``[B, Nq, Hq, D]`` (``"NHD"``); float16, bfloat16
-            or float32; any strides and storage offset.
+            or float32; any strides and storage offset. Under ``torch.autocast``, q, k and v are
+            cast to its dtype first, as PyTorch's SDPA does.
         k: ``[B, Hkv, Nk, D]`` or ``[B, Nk, Hkv, D]``, same dtype and device as q; ``Hq`` must be a
             multiple of ``Hkv`` (GQA/MQA). Head dims 64 and 128 are the fast path; 1 to 256 work.
         v: the same shape, dtype and device as k.
@@ -86,7 +87,8 @@ def attention(
             different devices; k and v of different shapes; batch sizes or head dims that differ,
             a head dim outside 1 to 256, ``Hq`` not a multiple of ``Hkv``, or no key tokens;
             ``scale`` not positive and finite; an input that requires grad while autograd is on
-            (the kernels are forward-only); a recipe this GPU cannot run (INT8 needs compute
+            or carries a forward-mode tangent (``torch.autograd.forward_ad``, ``torch.func``'s
+            differentiating transforms): the kernels are forward-only; a recipe this GPU cannot run (INT8 needs compute
             capability 8.0, FP8 P·V 8.9) or an FP4 recipe with a head dim that is not a multiple
             of 32; a ``LOWBIT_ATTN_*`` variable set to a value outside its choices.
         RuntimeError: ``LOWBIT_ATTN_BACKEND=triton`` for CPU tensors without
@@ -108,6 +110,7 @@ def attention(
         >>> lse.shape, lse.dtype
         (torch.Size([1, 2, 64]), torch.float32)
     """
+    q, k, v = checks.operands(q, k, v)
     plan_key = planned.key(q, k, v, is_causal, scale, layout, recipe, return_lse,
                            (window, softcap, chunk), sinks)
     if plan_key is not None:
@@ -162,7 +165,7 @@ def attention_varlen(
 
     Args:
         q: ``[total_q, Hq, D]``; sequence ``b`` holds rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``.
-            float16, bfloat16 or float32.
+            float16, bfloat16 or float32 (cast under ``torch.autocast``, as :func:`attention`).
         k: ``[total_k, Hkv, D]``, q's dtype and device; ``Hq`` a multiple of ``Hkv``.
         v: the same shape, dtype and device as k.
         cu_seqlens_q: int32 (or int64) ``[B + 1]`` offsets into q on q's device, from 0 to
@@ -208,6 +211,7 @@ def attention_varlen(
         >>> out.shape
         torch.Size([101, 2, 32])
     """
+    q, k, v = checks.operands(q, k, v)
     for name, x in (("q", q), ("k", k), ("v", v)):
         checks.tensor(name, x, 3)
     is_causal = checks.flag("is_causal", is_causal)

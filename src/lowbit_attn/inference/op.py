@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from lowbit_attn.core import checks
 from lowbit_attn.core.arch import backend_for
 from lowbit_attn.core.counters import count_call
 from lowbit_attn.core.operands import Seqs
@@ -180,9 +181,10 @@ def run(q, k, v, *, out: torch.Tensor, recipe: Recipe, scale: float, causal_offs
     (:class:`~lowbit_attn.core.variants.Variant`; with a window or chunk ``causal_offset`` is
     unused: its ``right`` holds the causal bound)."""
     attend = kernel if backend == "triton" else naive
-    return attend(q, k, v, out=out, recipe=recipe, scale=scale, causal_offset=causal_offset,
-                  return_lse=return_lse, seqs=seqs, options=options, variant=variant,
-                  sinks=sinks)
+    with checks.no_autocast(q):
+        return attend(q, k, v, out=out, recipe=recipe, scale=scale, causal_offset=causal_offset,
+                      return_lse=return_lse, seqs=seqs, options=options, variant=variant,
+                      sinks=sinks)
 
 
 def forward(q, k, v, recipe: Recipe, scale: float, is_causal: bool, causal_offset: int, nhd: bool,

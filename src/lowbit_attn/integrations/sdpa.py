@@ -217,8 +217,9 @@ def sdpa_or_fallback(query, key, value, attn_mask, dropout_p, is_causal, scale, 
     :func:`trainable_attention` with ``train_recipe`` when one is given."""
     reason = _fallback_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa,
                               scale)
-    train = reason is None and torch.is_grad_enabled() and any(
-        x.requires_grad for x in (query, key, value))
+    if reason is None:
+        reason = checks.other_autodiff(query, key, value)  # PyTorch's function serves those
+    train = reason is None and checks.needs_grad(query, key, value)
     if train:
         reason = _training_reason(query, key, is_causal, train_recipe)
     elif reason is None:
@@ -231,6 +232,7 @@ def sdpa_or_fallback(query, key, value, attn_mask, dropout_p, is_causal, scale, 
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
             scale=scale, enable_gqa=enable_gqa,
         )
+    query, key, value = checks.operands(query, key, value)
     squeeze = query.dim() == 3
     q, k, v = (x.unsqueeze(1) for x in (query, key, value)) if squeeze else (query, key, value)
     if train:

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lowbit_attn.core import checks
 from lowbit_attn.core.arch import get_capability
 from lowbit_attn.core.recipes import Recipe, resolve
 from lowbit_attn.inference import attention, attention_varlen
@@ -128,8 +129,10 @@ def attention_function(recipe: str | Recipe = "auto"):
         if reason is not None:  # on every path, as the SDPA drop-in's (not raised mid-model)
             return fallback(reason)
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-        training = dropout != 0.0 or (torch.is_grad_enabled()
-                                      and any(x.requires_grad for x in (query, key, value)))
+        other = checks.other_autodiff(query, key, value)
+        if other is not None:
+            return fallback(other)
+        training = dropout != 0.0 or checks.needs_grad(query, key, value, sinks)
         local = [name for name, x in (("sliding window", window), ("chunk", chunk),
                                       ("softcap", softcap), ("sinks", sinks)) if x is not None]
         if local and (training or not causal):
@@ -159,7 +162,7 @@ def attention_function(recipe: str | Recipe = "auto"):
             out = attention(query, key, value, is_causal=bool(query.shape[2] > 1), scale=scaling,
                             recipe=recipe, **options)
             return out.transpose(1, 2).contiguous(), None
-        keys = _key_padding(attention_mask, query, key, dropout)
+        keys = _key_padding(attention_mask, query, key, value, dropout)
         if keys is not None:
             return _key_padded(query, key, value, keys, scaling, recipe)
         if isinstance(attention_mask, torch.Tensor):  # named here: SDPA's reason would be vaguer
@@ -314,15 +317,14 @@ def exact_fallback(module, query, key, value, attention_mask, dropout, scaling, 
     return eager(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
-def _key_padding(mask, query, key, dropout) -> torch.Tensor | None:
+def _key_padding(mask, query, key, value, dropout) -> torch.Tensor | None:
     """``[B, K]`` bool: the keys each batch row sees, when ``mask`` (``[B or 1, 1, Q or 1, K]``)
     hides padded keys only (the same keys for every query and head, at least one per row) and the
     call is otherwise one the kernels take; else ``None``."""
     if (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4
             or mask.shape[0] not in (1, query.shape[0]) or mask.shape[1] != 1
             or mask.shape[2] not in (1, query.shape[2]) or mask.shape[-1] != key.shape[2]
-            or dropout != 0.0
-            or (torch.is_grad_enabled() and any(x.requires_grad for x in (query, key)))):
+            or dropout != 0.0 or checks.needs_grad(query, key, value)):
         return None
     mask = mask.expand(query.shape[0], -1, -1, -1)  # a batch of 1 broadcasts, as SDPA does
     keys = mask[:, 0, 0, :]

@@ -97,6 +97,9 @@ class QuantizedCacheLayer(CacheLayerMixin):
         self.is_sliding = store.layers[layer_idx].local  # how transformers finds a local layer
         self.seen = 0              # positions seen, padding included
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        # what transformers asked and was refused after this layer had stored a call's prompt
+        # (beam search reorders after the prefill): the next update raises until reset()
+        self.refused: str | None = None
         self.device = store.device
         self.is_initialized = True  # the pages are allocated up front
 
@@ -109,6 +112,10 @@ class QuantizedCacheLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Stash the step's ``[B, Hkv, n, D]`` keys and values; returns ``(PendingKV, PendingKV)``
         for the attention function, which stores them."""
+        if self.refused is not None:
+            raise RuntimeError(
+                f"lowbit_attn QuantizedCache: this cache holds the prompt of a generate call that "
+                f"was refused ({self.refused}); call cache.reset() before using it again")
         if self.pending is not None:
             raise RuntimeError(
                 f"lowbit_attn QuantizedCache: layer {self.layer_idx}'s previous keys and values "
@@ -144,6 +151,13 @@ class QuantizedCacheLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.seen = 0
         self.pending = None
+        self.refused = None
+
+    def _refuse_change(self, what: str, message: str):
+        if self.seen:  # the refused call's prompt is stored already
+            self.refused = what
+            message += "; this cache now holds that call's prompt: call cache.reset() before reusing it"
+        raise NotImplementedError(f"lowbit_attn QuantizedCache {message}")
 
     def offload(self):
         raise NotImplementedError("lowbit_attn QuantizedCache does not offload")
@@ -153,16 +167,16 @@ class QuantizedCacheLayer(CacheLayerMixin):
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove != 0:
-            raise NotImplementedError("lowbit_attn QuantizedCache cannot be cropped (assisted "
-                                      "decoding, rollbacks): its pages are append-only")
+            self._refuse_change("cropping", "cannot be cropped (assisted decoding, rollbacks): "
+                                "its pages are append-only")
 
     def reorder_cache(self, beam_idx) -> None:
-        raise NotImplementedError("lowbit_attn QuantizedCache cannot reorder sequences: beam "
-                                  "search is not served; use greedy or sampled decoding")
+        self._refuse_change("beam search", "cannot reorder sequences: beam search is not served; "
+                            "use greedy or sampled decoding")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("lowbit_attn QuantizedCache cannot change its batch: build it "
-                                  "with the batch generate runs (num_return_sequences included)")
+        self._refuse_change("a change of batch", "cannot change its batch: build it with the "
+                            "batch generate runs (num_return_sequences included)")
 
     def batch_select_indices(self, indices) -> None:
         self.batch_repeat_interleave(1)
@@ -352,8 +366,11 @@ def _new_token_validity(mask, layer: QuantizedCacheLayer, n: int) -> torch.Tenso
     mask = mask[:, 0].expand(b, -1, -1)
     valid = torch.diagonal(mask[:, :, seen - n:], dim1=1, dim2=2)  # [B, n]: sees itself
     if bool((valid[:, :-1] & ~valid[:, 1:]).any()):
-        _refuse("the new tokens are right-padded (a real token followed by padding); the cache "
-                "aligns queries bottom-right: pad on the left (tokenizer.padding_side = 'left')")
+        _refuse("the new tokens have padding after a real token: right padding, or padding in "
+                "the middle (a multi-turn batch whose rows add different numbers of tokens); the "
+                "cache aligns queries bottom-right: pad on the left (tokenizer.padding_side = "
+                "'left'), and for such a multi-turn batch reset the cache and prefill the whole "
+                "conversations left-padded")
     total = lengths.to(mask.device) + valid.sum(dim=1)  # real tokens after the step
     pos = torch.arange(seen, device=mask.device)[None, :] - (seen - total)[:, None]  # own positions
     stored = store.layers[layer.layer_idx]
@@ -373,7 +390,7 @@ def attend(module, query: torch.Tensor, key: PendingKV, value: PendingKV, attent
     V (padding dropped), then :func:`attention_with_kv_cache`, with the call's softcap and
     sinks; in a local layer a prefill longer than ``max_append`` in slices (each stored, then
     its rows read). Returns ``(out [B, n, H, D], None)``; raises ``ValueError`` for a call it
-    cannot serve, with nothing stored."""
+    cannot serve, with nothing stored (the layer then as before the step: a retry may follow)."""
     layer = key.layer
     if not isinstance(value, PendingKV) or value.layer is not layer or layer.pending is None:
         _refuse("keys and values must be the pair cache.update() returned for this step")
@@ -388,22 +405,29 @@ def attend(module, query: torch.Tensor, key: PendingKV, value: PendingKV, attent
         unserved.append(f"window={window}, chunk={chunk} (the cache's layer was built with "
                         f"window={stored.window}, chunk={stored.chunk}: build QuantizedCache "
                         "from the model's config)")
-    if unserved:
-        _refuse(f"layer {layer.layer_idx} cannot serve {', '.join(unserved)}")
     k, v = layer.pending
     n = k.shape[2]
-    if query.shape[0] != k.shape[0] or query.shape[2] != n:
-        _refuse(f"query {tuple(query.shape)} does not match the step's keys {tuple(k.shape)}")
-    valid = _new_token_validity(attention_mask, layer, n)
-    store, idx = layer.store, layer.layer_idx
-    step = store.max_append if stored.local else n
-    outs = []
-    for s0 in range(0, n, step):  # q: the first append's queries freeze the balancing
-        part = slice(s0, min(n, s0 + step))
-        store.append(idx, k[:, :, part], v[:, :, part],
-                     valid=None if valid is None else valid[:, part], q=query[:, :, part])
-        outs.append(attention_with_kv_cache(query[:, :, part], store, idx, scale=scaling,
-                                            softcap=softcap, sinks=sinks))
+    outs, stored_any = [], False
+    try:
+        if unserved:
+            _refuse(f"layer {layer.layer_idx} cannot serve {', '.join(unserved)}")
+        if query.shape[0] != k.shape[0] or query.shape[2] != n:
+            _refuse(f"query {tuple(query.shape)} does not match the step's keys {tuple(k.shape)}")
+        valid = _new_token_validity(attention_mask, layer, n)
+        store, idx = layer.store, layer.layer_idx
+        step = store.max_append if stored.local else n
+        for s0 in range(0, n, step):  # q: the first append's queries freeze the balancing
+            part = slice(s0, min(n, s0 + step))
+            store.append(idx, k[:, :, part], v[:, :, part],
+                         valid=None if valid is None else valid[:, part], q=query[:, :, part])
+            stored_any = True
+            outs.append(attention_with_kv_cache(query[:, :, part], store, idx, scale=scaling,
+                                                softcap=softcap, sinks=sinks))
+    except Exception:
+        if not stored_any:  # nothing stored: the layer as it was before the step's update
+            layer.pending = None
+            layer.seen -= n
+        raise
     layer.pending = None
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2).contiguous(), None

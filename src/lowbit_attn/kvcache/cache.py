@@ -16,6 +16,7 @@ import torch
 
 from lowbit_attn.core import checks, plans
 from lowbit_attn.core.arch import backend_for, graph_capturing
+from lowbit_attn.core.options import KernelOptions
 from lowbit_attn.kvcache import planned
 from lowbit_attn.kvcache.pages import PagedLayer, StoredSequence, reach, stored_sequence
 from lowbit_attn.kvcache.quantize import frozen_stats, quantize_keys, quantize_v_page
@@ -279,7 +280,9 @@ class QuantizedKVCache:
         """
         # the cache keeps no graph: a k or v that needs gradients would leave one in μ and V's
         # open page, and every later read would carry it
+        k, v, q = checks.resolved(k, v, q)  # the kernels read memory, not a negation flag
         checks.forward_only(*(x for x in (k, v, q) if isinstance(x, torch.Tensor)))
+        KernelOptions.from_env()  # a bad placement value raises on every call
         plan_key = planned.append_key(self, layer, k, v, valid, q)
         if plan_key is not None and self._append_planned(plan_key, layer, k, v):
             return

@@ -10,6 +10,7 @@ import torch
 
 from lowbit_attn.core import checks, plans, variants
 from lowbit_attn.core.arch import backend_for
+from lowbit_attn.core.options import KernelOptions
 from lowbit_attn.kvcache import planned
 from lowbit_attn.kvcache.cache import QuantizedKVCache
 from lowbit_attn.kvcache.naive import attention_with_kv_cache_naive
@@ -76,6 +77,7 @@ def attention_with_kv_cache(q: torch.Tensor, cache: QuantizedKVCache, layer: int
     """
     if not isinstance(cache, QuantizedKVCache):
         raise TypeError(f"cache must be a QuantizedKVCache, got {type(cache).__name__}")
+    q, sinks = checks.resolved(q, sinks)  # the kernels read memory (a negation flag is not in it)
     plan_key = planned.read_key(q, cache, layer, scale, return_lse, softcap, sinks)
     if plan_key is not None:
         found = cache.plans.replay(plan_key, (q, *cache.layers[layer].launch_inputs))
@@ -98,6 +100,7 @@ def attention_with_kv_cache(q: torch.Tensor, cache: QuantizedKVCache, layer: int
     return_lse = checks.flag("return_lse", return_lse)
     sm_scale = checks.softmax_scale(scale, d)
     checks.forward_only(q)
+    KernelOptions.from_env()  # a bad placement value raises on every call (docs/environment.md)
     softcap = check_softcap(softcap)
     sinks = check_sinks(sinks, q)
     if store.local:

@@ -7,6 +7,7 @@ import torch
 from lowbit_attn.core import checks, variants
 from lowbit_attn.training import op as train_ops
 from lowbit_attn.core.arch import backend_for
+from lowbit_attn.core.options import KernelOptions
 from lowbit_attn.core.recipes import TrainRecipe, resolve_train
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
@@ -38,7 +39,8 @@ def trainable_attention(
 
     Args:
         q: ``[B, Hq, Nq, D]`` (``"HND"``) or ``[B, Nq, Hq, D]`` (``"NHD"``). float16 or bfloat16 on a
-            GPU; the CPU reference also takes float32 and float64.
+            GPU; the CPU reference also takes float32 and float64. Under ``torch.autocast``, q,
+            k and v are cast to its dtype first (float64 kept), as PyTorch's SDPA does.
         k: ``[B, Hkv, Nk, D]`` or ``[B, Nk, Hkv, D]``, q's dtype and device; ``Hq`` a multiple
             of ``Hkv`` (GQA). Head dims 64 and 128 are the fast path; 1 to 256 work.
         v: the same shape, dtype and device as k.
@@ -82,7 +84,9 @@ def trainable_attention(
             ``sinks`` given; ``smooth_k=True`` with a softcap; the shape and device checks of
             :func:`attention`; an unknown ``layout``,
             recipe name or matmul name in ``keep_16bit``; ``scale`` not positive and finite; a
-            ``LOWBIT_ATTN_*`` variable set to a value outside its choices.
+            ``LOWBIT_ATTN_*`` variable set to a value outside its choices; inputs differentiated
+            other than in reverse mode (a forward-mode tangent, ``torch.func.grad``/``vjp``/
+            ``jvp``).
         RuntimeError: a double backward (gradients of the gradients);
             ``LOWBIT_ATTN_BACKEND=triton`` for CPU tensors without ``TRITON_INTERPRET=1``.
 
@@ -94,7 +98,14 @@ def trainable_attention(
         >>> q.grad.shape
         torch.Size([1, 2, 64, 32])
     """
+    q, k, v = checks.operands(q, k, v)
     qh, kh, vh = checks.dense_qkv(q, k, v, layout, dtypes=checks.FLOAT_DTYPES + (torch.float64,))
+    other = checks.other_autodiff(q, k, v)
+    if other is not None:
+        raise ValueError(
+            f"trainable_attention's gradients are reverse-mode only (loss.backward(), "
+            f"torch.autograd.grad); {other} cannot differentiate it: use "
+            "torch.nn.functional.scaled_dot_product_attention there")
     is_causal = checks.flag("is_causal", is_causal)
     for name, value in (("smooth_k", smooth_k), ("smooth_q", smooth_q), ("balance_qk", balance_qk)):
         if value is not None:
@@ -117,6 +128,7 @@ def trainable_attention(
             "k, v (e.g. under torch.autocast) or use LOWBIT_ATTN_BACKEND=reference"
         )
     sm_scale = checks.softmax_scale(scale, q.shape[-1])
+    KernelOptions.from_env()  # the backward reads them: a bad value raises here, not in it
     nq, nk = qh.shape[2], kh.shape[2]
     if nq == 0:  # no rows: an empty output in the graph, zero gradients for q, k and v
         return q * 0 + (k.sum() + v.sum()).to(q.dtype) * 0

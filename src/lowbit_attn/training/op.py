@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from lowbit_attn.core import checks
 from lowbit_attn.core.arch import backend_for
 from lowbit_attn.core.counters import count_call
 from lowbit_attn.core.operands import GradOperands, TrainOperands
@@ -87,10 +88,11 @@ def train_fwd(
     recipe = recipe_from_key(recipe, TrainRecipe)
     qh, kh, vh = (_hnd(x, nhd) for x in (q, k, v))
     backend, forward, _ = _implementation(q.device)
-    ops = prepare(qh, kh, vh, recipe, scale, backend)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = forward(ops, out=_hnd(out, nhd), causal_offset=causal_offset if is_causal else None,
-                  variant=Variant(left=left, right=right, chunk=chunk, softcap=softcap))
+    with checks.no_autocast(q):
+        ops = prepare(qh, kh, vh, recipe, scale, backend)
+        lse = forward(ops, out=_hnd(out, nhd), causal_offset=causal_offset if is_causal else None,
+                      variant=Variant(left=left, right=right, chunk=chunk, softcap=softcap))
     return out, lse
 
 
@@ -116,13 +118,14 @@ def train_bwd(
     recipe = recipe_from_key(recipe, TrainRecipe)
     qh, kh, vh, doh = (_hnd(x, nhd) for x in (q, k, v, do))
     backend, _, backward = _implementation(q.device)
-    ops = prepare(qh, kh, vh, recipe, scale, backend)
-    grad = prepare_grad(doh, recipe, backend)
     grads = tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
-    backward(ops, grad, lse, *(_hnd(g, nhd) for g in grads),
-             causal_offset=causal_offset if is_causal else None, softmax_scale=scale,
-             options=KernelOptions.from_env(),
-             variant=Variant(left=left, right=right, chunk=chunk, softcap=softcap))
+    with checks.no_autocast(q):
+        ops = prepare(qh, kh, vh, recipe, scale, backend)
+        grad = prepare_grad(doh, recipe, backend)
+        backward(ops, grad, lse, *(_hnd(g, nhd) for g in grads),
+                 causal_offset=causal_offset if is_causal else None, softmax_scale=scale,
+                 options=KernelOptions.from_env(),
+                 variant=Variant(left=left, right=right, chunk=chunk, softcap=softcap))
     return grads
 
 
