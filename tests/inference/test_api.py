@@ -501,3 +501,21 @@ def test_varlen_lse_is_fp32_whatever_the_default_dtype():
     finally:
         torch.set_default_dtype(previous)
     assert lse.dtype == torch.float32
+
+
+@pytest.mark.parametrize("recipe", ["qk_int8_pv_fp8", "qk_int8_pv_fp16", "qk_fp4_pv_fp4"])
+def test_the_reference_path_gives_the_same_bits_for_any_layout(recipe):
+    """The same values in another layout (channel-major, or an NHD view) give the same output and
+    LSE bits: the CPU path's sums (K's mean, ΔS, the LSE shift) followed the strides and moved
+    the last bit (the kernels read every layout in one order)."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 96, 64, generator=g) for _ in range(3))
+    want = lowbit_attn.attention(q, k, v, recipe=recipe, return_lse=True)
+    layouts = (lambda x: x.permute(3, 0, 1, 2).contiguous().permute(1, 2, 3, 0),
+               lambda x: x.transpose(1, 2).contiguous().transpose(1, 2))
+    for layout in layouts:
+        for i in range(3):
+            args = [q, k, v]
+            args[i] = layout(args[i])
+            got = lowbit_attn.attention(*args, recipe=recipe, return_lse=True)
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), (recipe, i)

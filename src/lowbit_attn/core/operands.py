@@ -267,3 +267,17 @@ def token_major(x: torch.Tensor) -> torch.Tensor:
     dK = dSᵀ·Q, dQ = dS·K) as an 8-bit wgmma takes it, K-major; in the other layout Triton
     transposes the tile through shared memory a byte at a time."""
     return x.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+INT32_SPAN = 2 ** 31
+
+
+def addressable(x: torch.Tensor) -> torch.Tensor:
+    """``x [B, H, N, D]``, or a contiguous copy where one (batch, head)'s elements span 2^31 or
+    more (an NHD view with ``H·D = 4096`` at ``N ≥ 524288``): for the training loops, which
+    address a block's rows within a head in int32 (64-bit there would cost registers in the
+    loop); contiguous, a head spans ``N·D``."""
+    n, d = x.shape[-2:]
+    if n and d and (n - 1) * abs(x.stride(-2)) + (d - 1) * abs(x.stride(-1)) >= INT32_SPAN:
+        return x.contiguous()
+    return x

@@ -332,8 +332,8 @@ def _attn_fwd_fp4_kernel(
         else:
             out = out + vm[None, :]
     out = tl.where(empty[:, None], 0.0, out)
-    tl.store(
-        O + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :] * sod,
+    tl.store(  # int64 rows: an NHD output's rows span H·D each, 2^31 elements at N·H·D
+        O + b * sob + h * soh + offs_m.to(tl.int64)[:, None] * son + offs_d[None, :] * sod,
         out.to(O.dtype.element_ty), mask=mmask[:, None] & dmask[None, :],
     )
     if WRITE_LSE:

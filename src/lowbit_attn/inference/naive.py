@@ -391,7 +391,7 @@ def delta_s(qm: torch.Tensor, k: torch.Tensor, k_mean: torch.Tensor | None, scal
         ``[B, Hq, nbq, Nk]``.
     """
     wide = torch.promote_types(k.dtype, torch.float32)
-    kf = k.to(wide)
+    kf = k.to(wide).contiguous()  # the matmul's summation order must not follow k's strides
     if k_mean is not None:
         kf = kf - k_mean.to(wide).unsqueeze(-2)
     kf = expand_heads(kf, qm.shape[1])
@@ -402,5 +402,5 @@ def lse_shift(q: torch.Tensor, k_mean: torch.Tensor, softmax_scale: float) -> to
     """``softmax_scale·(q·mean(K))`` per query row ``[B, Hq, Nq]``: what K smoothing took off each
     row of scores, so the LSE can be reported for the unsmoothed scores."""
     km = expand_heads(k_mean, q.shape[1])
-    return torch.matmul(q.float(), km.unsqueeze(-1)).squeeze(-1) * softmax_scale
+    return torch.matmul(q.float().contiguous(), km.unsqueeze(-1)).squeeze(-1) * softmax_scale
 

@@ -44,7 +44,7 @@ def _stats_program(
     start, n = seq_span(CU, b, N, VARLEN)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = offs_d < D
-    base = X + b * sxb + h * sxh + start * sxn
+    base = X + b * sxb + h * sxh
     total = tl.zeros([BLOCK_D], dtype=tl.float32)
     hi = tl.full([BLOCK_D], float("-inf"), tl.float32)
     lo = tl.full([BLOCK_D], float("inf"), tl.float32)
@@ -54,7 +54,9 @@ def _stats_program(
         rows = i + tl.arange(0, BLOCK_N)
         rmask = rows < n
         mask = rmask[:, None] & dmask[None, :]
-        x = tl.load(base + rows[:, None] * sxn + offs_d[None, :] * sxd, mask=mask, other=0.0)
+        # int64 token offsets (start is int64): one head's rows may span 2^31 elements
+        x = tl.load(base + (start + rows)[:, None] * sxn + offs_d[None, :] * sxd, mask=mask,
+                    other=0.0)
         x = x.to(tl.float32)
         poison += tl.sum(x * 0.0, axis=0)
         if CENTER == 2:

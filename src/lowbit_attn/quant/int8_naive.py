@@ -34,7 +34,8 @@ def channel_stats(
         ``amax`` is ``max |x - mean|`` per channel, ``[B, H, D]`` fp32, NaN if any input is not finite.
         No token (``N = 0``, a packed sequence without keys) gives means and amax 0, not 0/0.
     """
-    xf = x.float()
+    # contiguous: the sums' order (and so their last bit) must not depend on x's strides
+    xf = x.float().contiguous()
     n = x.shape[-2]
     if center == "none":
         mean = None

@@ -204,9 +204,10 @@ def _train_dkdv_kernel(
     dk = dk * softmax_scale
     if HAS_BAL:  # K entered as K/α
         dk = dk / tl.load(BAL + b * sbb + hk * sbh + offs_d * sbd, mask=dmask, other=1.0)[None, :]
-    tl.store(DK + b * sdkb + hk * sdkh + cols[:, None] * sdkn + offs_d[None, :] * sdkd,
+    wide = cols.to(tl.int64)  # the gradients' rows may span 2^31 elements (NHD, N·H·D)
+    tl.store(DK + b * sdkb + hk * sdkh + wide[:, None] * sdkn + offs_d[None, :] * sdkd,
              dk.to(DK.dtype.element_ty), mask=nd_mask)
-    tl.store(DV + b * sdvob + hk * sdvoh + cols[:, None] * sdvon + offs_d[None, :] * sdvod,
+    tl.store(DV + b * sdvob + hk * sdvoh + wide[:, None] * sdvon + offs_d[None, :] * sdvod,
              dv.to(DV.dtype.element_ty), mask=nd_mask)
 
 
@@ -276,8 +277,9 @@ def _train_dq_kernel(
         dq = dq * softmax_scale
         if HAS_BAL:  # Q entered as Q∘α
             dq *= tl.load(BAL + b * sbb + hk * sbh + offs_d * sbd, mask=dmask, other=1.0)[None, :]
-        tl.store(DQ + b * sdqb + h * sdqh + rows[:, None] * sdqn + offs_d[None, :] * sdqd,
-                 dq.to(DQ.dtype.element_ty), mask=md_mask)
+        tl.store(  # int64 rows: dQ's may span 2^31 elements (NHD, N·H·D)
+            DQ + b * sdqb + h * sdqh + rows.to(tl.int64)[:, None] * sdqn + offs_d[None, :] * sdqd,
+            dq.to(DQ.dtype.element_ty), mask=md_mask)
 
 
 @triton.jit
@@ -298,7 +300,7 @@ def _dq_finish_kernel(ACC, DQ, BAL, acc_strides, dq_strides, bal_strides,
     if HAS_BAL:
         dq = dq * tl.load(BAL + b * sbb + (h // GROUP) * sbh + offs_d * sbd, mask=dmask,
                           other=1.0)[None, :]
-    tl.store(DQ + b * sdqb + h * sdqh + rows[:, None] * sdqn + offs_d[None, :] * sdqd,
+    tl.store(DQ + b * sdqb + h * sdqh + rows.to(tl.int64)[:, None] * sdqn + offs_d[None, :] * sdqd,
              dq.to(DQ.dtype.element_ty), mask=mask)
 
 

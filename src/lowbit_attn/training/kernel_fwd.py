@@ -142,7 +142,8 @@ def _train_fwd_kernel(
                                    BLOCK_N, WINDOWED, SOFTCAP)
     out, empty = normalize_rows(acc, l_i)
     out = tl.where(empty[:, None], 0.0, out)
-    tl.store(O + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :] * sod,
+    # int64 rows: an NHD output's rows span H·D each, 2^31 elements at N·H·D
+    tl.store(O + b * sob + h * soh + offs_m.to(tl.int64)[:, None] * son + offs_d[None, :] * sod,
              out.to(O.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
     tl.store(LSE + b * slb + h * slh + offs_m * sln, m_i + tl.log2(l_i), mask=mmask)
 

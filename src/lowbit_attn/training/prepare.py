@@ -13,7 +13,7 @@ import torch
 
 from lowbit_attn.core.operands import LOG2E, TRAIN_BLOCK, GradOperands, TrainOperands
 from lowbit_attn.core.recipes import TrainRecipe
-from lowbit_attn.core.operands import token_major
+from lowbit_attn.core.operands import addressable, token_major
 from lowbit_attn.inference import naive as ref_attn
 from lowbit_attn.quant import int8_naive as ref_quant
 
@@ -77,7 +77,8 @@ class _Formats:
             else:
                 _, role, alpha = self.balance or (None, "q", None)
                 self.made[int8] = (
-                    _centered(self.x, self.center, self.per_block, alpha, divide=role == "k"),
+                    addressable(_centered(self.x, self.center, self.per_block, alpha,
+                                          divide=role == "k")),
                     _ones(self.x),
                 )
         return self.made[int8]
@@ -130,6 +131,7 @@ def prepare_grad(do: torch.Tensor, recipe: TrainRecipe, backend: str) -> GradOpe
         quant, _ = _quantizers(backend)
         do8, do_scale = quant.quantize_int8(do, granularity="per_block", block=TRAIN_BLOCK)
     ones = _ones(do)
+    do = addressable(do)  # where a 16-bit product reads it
     # dV = Pᵀ·dO's 8-bit wgmma reads dO token-major: made so here, once (unless dP is INT8 too,
     # the original is then no longer held)
     do_dv = (token_major(do8), do_scale) if "dv" in int8 else (do, ones)
