@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import numpy as np
 import pytest
@@ -229,3 +230,24 @@ def test_patched_sdpa_exports_with_a_symbolic_flag():
     got = program.module()(q, k, v)
     want = lowbit_attn.attention(q, k, v, is_causal=True)
     assert torch.equal(got, want)
+
+
+def test_compiling_the_public_calls_warns_nothing():
+    """Dynamo warned once per process where it met the package's ``functools`` caches
+    (``triton_installed`` on every call, the VSA tile layout); and a fullgraph trace broke on
+    the negation-bit check of the inputs."""
+    torch._dynamo.reset()
+    q = torch.randn(1, 2, 64, 32, requires_grad=True)
+
+    def step(q):
+        out = lowbit_attn.trainable_attention(q, q, q, is_causal=True)
+        out = out + lowbit_attn.attention(q.detach(), q.detach(), q.detach())
+        return out + lowbit_attn.video_sparse_attention(q, q, q, video_shape=(4, 4, 4), topk=1)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = torch.compile(step, fullgraph=True, backend="aot_eager")(q)
+        got.sum().backward()
+    assert not [str(w.message) for w in caught if "lowbit_attn" in str(w.message)
+                or "lru_cache" in str(w.message)]
+    torch.testing.assert_close(got, step(q))

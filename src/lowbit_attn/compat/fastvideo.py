@@ -16,6 +16,7 @@ import math
 import torch
 
 from lowbit_attn.core import checks
+from lowbit_attn.core.arch import traceable
 from lowbit_attn.vsa import video_sparse_attention
 
 
@@ -160,7 +161,7 @@ def video_sparse_attn(
     if _counts("q_variable_block_sizes", q_variable_block_sizes, n_tiles, per_tile) != counts:
         raise ValueError("q_variable_block_sizes must equal variable_block_sizes: only "
                          "self-attention over one token grid is supported")
-    video_shape = video_grid(counts, tile)
+    video_shape = traceable(video_grid)(counts, tile)
     sizes = torch.tensor(counts, device=q.device)
     valid = torch.nonzero(torch.arange(per_tile, device=q.device).expand(n_tiles, per_tile)
                           < sizes[:, None]).reshape(-1, 2)

@@ -103,6 +103,13 @@ def _warn_no_triton() -> None:
                   stacklevel=4)
 
 
+def traceable(cached):
+    """``cached`` (a ``functools`` cache), or under ``torch.compile`` the function it wraps:
+    Dynamo traces the function either way, and warns once per process where it meets the
+    cache."""
+    return cached.__wrapped__ if torch.compiler.is_compiling() else cached
+
+
 def backend_for(device: torch.device) -> str:
     """``"triton"`` or ``"reference"`` for tensors on ``device``."""
     choice = os.environ.get("LOWBIT_ATTN_BACKEND", "auto")
@@ -110,7 +117,7 @@ def backend_for(device: torch.device) -> str:
         raise ValueError(f"LOWBIT_ATTN_BACKEND must be one of {BACKENDS}, got {choice!r}")
     if choice == "reference" or device.type == "meta":  # meta: shapes only, no kernel to run
         return "reference"
-    if not triton_installed():
+    if not traceable(triton_installed)():
         if choice == "triton":
             raise RuntimeError(NO_TRITON.format(what="LOWBIT_ATTN_BACKEND=triton"))
         if device.type == "cuda":

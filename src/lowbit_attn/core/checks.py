@@ -297,7 +297,9 @@ def recipe_fits(recipe, head_dim: int) -> None:
 def resolved(*tensors) -> tuple:
     """``tensors`` with a view whose negation is only a flag (``x.conj().imag``: ``is_neg()``)
     materialized: the kernels read memory, and PyTorch's dispatcher resolves it only for the
-    custom ops (the eager paths launch directly)."""
+    custom ops (the eager paths launch directly; under ``torch.compile`` every call is an op)."""
+    if torch.compiler.is_compiling():
+        return tensors
     return tuple(x.resolve_neg() if isinstance(x, torch.Tensor) and x.is_neg() else x
                  for x in tensors)
 

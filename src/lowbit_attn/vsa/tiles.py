@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lowbit_attn.core.arch import traceable
+
 MAX_TILE_TOKENS = 256
 
 
@@ -85,7 +87,7 @@ def check_video(video_shape, tile, n_tokens: int | None = None) -> tuple[tuple, 
 def tile_layout(video_shape, tile=(4, 4, 4), device="cpu") -> TileLayout:
     """The :class:`TileLayout` of a ``(T, H, W)`` grid cut into ``tile``-sized tiles (cached)."""
     video_shape, tile = check_video(video_shape, tile)
-    return _layout_on(video_shape, tile, str(torch.device(device)))
+    return traceable(_layout_on)(video_shape, tile, str(torch.device(device)))
 
 
 @functools.lru_cache(maxsize=64)
