@@ -10,6 +10,11 @@ import numbers
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# read on every call: bound once
+_is_compiling = torch.compiler.is_compiling
+_any_autocast = torch._C._is_any_autocast_enabled
+_functorch_active = torch._C._are_functorch_transforms_active
+_forward_ad = torch.autograd.forward_ad
 LAYOUTS = ("HND", "NHD")
 MAX_HEAD_DIM = 256
 
@@ -298,10 +303,12 @@ def resolved(*tensors) -> tuple:
     """``tensors`` with a view whose negation is only a flag (``x.conj().imag``: ``is_neg()``)
     materialized: the kernels read memory, and PyTorch's dispatcher resolves it only for the
     custom ops (the eager paths launch directly; under ``torch.compile`` every call is an op)."""
-    if torch.compiler.is_compiling():
+    if _is_compiling():
         return tensors
-    return tuple(x.resolve_neg() if isinstance(x, torch.Tensor) and x.is_neg() else x
-                 for x in tensors)
+    for x in tensors:
+        if isinstance(x, torch.Tensor) and x.is_neg():
+            return tuple(y.resolve_neg() if isinstance(y, torch.Tensor) else y for y in tensors)
+    return tensors
 
 
 def operands(*tensors) -> tuple:
@@ -310,6 +317,8 @@ def operands(*tensors) -> tuple:
     one's device (float64 kept). What is not a tensor is returned as it is (the checks say what
     is wrong with it)."""
     tensors = resolved(*tensors)
+    if not _any_autocast():
+        return tensors
     first = tensors[0]
     if (not isinstance(first, torch.Tensor) or first.device.type not in ("cuda", "cpu")
             or not torch.is_autocast_enabled(first.device.type)):
@@ -341,13 +350,13 @@ def other_autodiff(*tensors) -> str | None:
     ``jacrev``...) on one of ``tensors``. The custom ops define reverse-mode gradients only, and
     PyTorch drops a forward-mode tangent through them without a word. (``vmap`` alone is served.)
     Under ``torch.compile`` nothing is read: the transforms are traced there."""
-    if torch.compiler.is_compiling():
+    if _is_compiling():
         return None
-    if torch.autograd.forward_ad._current_level >= 0 and any(
-            isinstance(x, torch.Tensor) and torch.autograd.forward_ad.unpack_dual(x).tangent
-            is not None for x in tensors):
+    if _forward_ad._current_level >= 0 and any(
+            isinstance(x, torch.Tensor) and _forward_ad.unpack_dual(x).tangent is not None
+            for x in tensors):
         return "forward-mode AD (torch.autograd.forward_ad)"
-    if torch._C._are_functorch_transforms_active() and any(
+    if _functorch_active() and any(
             isinstance(x, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(x)
             for x in tensors):
         from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters

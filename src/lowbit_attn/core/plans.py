@@ -26,7 +26,6 @@ stand-in launches.
 
 from __future__ import annotations
 
-import os
 import threading
 import warnings
 from dataclasses import dataclass
@@ -35,20 +34,20 @@ from typing import Callable
 import torch
 
 from lowbit_attn.core import arch
-from lowbit_attn.core.options import KernelOptions
+from lowbit_attn.core.options import ENV, KernelOptions, env_names
 from lowbit_attn.core.plan_check import check
 from lowbit_attn.core.plan_launches import Plan, capture, launch_state, replay
 
 # What else a call's checks and launches read: the environment (Triton's launch path reads
-# TRITON_FPSAN_HOMOMORPHIC_CASTS, from 3.9, at every launch).
+# TRITON_FPSAN_HOMOMORPHIC_CASTS, from 3.9, at every launch), every placement variable among it
+# (a replay then implies the values a checked call had: the calls read them only without one).
 ENV_KEY = ("LOWBIT_ATTN_LAUNCH", "LOWBIT_ATTN_BACKEND", "LOWBIT_ATTN_ARCH", "LOWBIT_ATTN_Q_QUANT",
-           "LOWBIT_ATTN_KERNEL", "TRITON_INTERPRET", "TRITON_FPSAN_HOMOMORPHIC_CASTS")
+           "LOWBIT_ATTN_KERNEL", "LOWBIT_ATTN_TRAIN_DQ", "LOWBIT_ATTN_BWD_KERNEL", "TRITON_INTERPRET",
+           "TRITON_FPSAN_HOMOMORPHIC_CASTS")
 MAX_PLANS = 256  # keys a table remembers; it starts over past them
 MISSING = object()  # what Table.replay gives for a key without a plan
 
-# os.environ's own table, read directly: os.environ.get costs ~1 µs a name (it encodes the name)
-_ENV = os.environ._data
-_ENV_NAMES = tuple(map(os.environ.encodekey, ENV_KEY))
+_ENV_NAMES = env_names(ENV_KEY)
 _SEEN = "seen"  # a key's state after its first call
 _off: list[str] = []  # why plans are off in this process, if they are
 _off_lock = threading.Lock()
@@ -93,7 +92,7 @@ def shared_memory(inputs: tuple[torch.Tensor, ...]) -> tuple:
 
 def env_key() -> tuple:
     """The environment variables of :data:`ENV_KEY`, as they are now."""
-    return tuple(map(_ENV.get, _ENV_NAMES))
+    return tuple(map(ENV.get, _ENV_NAMES))
 
 
 def plannable(backend: str) -> bool:

@@ -282,10 +282,11 @@ class QuantizedKVCache:
         # open page, and every later read would carry it
         k, v, q = checks.resolved(k, v, q)  # the kernels read memory, not a negation flag
         checks.forward_only(*(x for x in (k, v, q) if isinstance(x, torch.Tensor)))
-        KernelOptions.from_env()  # a bad placement value raises on every call
         plan_key = planned.append_key(self, layer, k, v, valid, q)
         if plan_key is not None and self._append_planned(plan_key, layer, k, v):
             return
+        KernelOptions.from_env()  # a bad placement value raises on every call (a plan's key
+        # holds the values a checked call read)
         self.refuse_graph_capture("QuantizedKVCache.append")
         store = self.store(layer)
         counts = self._check_append(store, k, v, valid, q)
