@@ -319,3 +319,20 @@ def test_the_kernels_take_flash_attention_2s_windows(recipe, triton_backend):
     cos = torch.nn.functional.cosine_similarity(out[:, rows].double().flatten(),
                                                 ref[:, rows].flatten(), dim=0)
     assert cos > 0.999
+
+
+def test_varlen_training_gives_k_and_v_gradients_where_no_query_reads_them():
+    """Sequences whose queries see no key (none, or no queries at all) gave k and v no gradient
+    (None) when no sequence read them; the dense call gives zeros, and so does this one, even
+    where k holds a NaN no query reads."""
+    from lowbit_attn.compat.flash_attn import flash_attn_varlen_func
+
+    q = torch.randn(0, 2, 32, requires_grad=True)
+    k = torch.full((4, 2, 32), float("nan"), requires_grad=True)
+    v = torch.randn(4, 2, 32, requires_grad=True)
+    cu_q, cu_k = torch.tensor([0, 0], dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32)
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 1, 4)
+    out.sum().backward()
+    assert out.shape == (0, 2, 32)
+    for x in (q, k, v):
+        assert x.grad is not None and not bool(x.grad.any())

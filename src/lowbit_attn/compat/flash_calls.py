@@ -91,7 +91,9 @@ def packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, s
         outs.append(trainable_attention(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1],
                                         scale=scale, layout="NHD", recipe=train_recipe,
                                         **variant)[0])
-    return torch.cat(outs)
+    # k and v in the graph even where no query saw a key: zero gradients, as the dense call
+    # gives (an empty slice's sum: 0, whatever k and v hold)
+    return torch.cat(outs) + (k[:0].sum() + v[:0].sum()).to(q.dtype)
 
 
 def unpack(name: str, stacked, parts: int, *, dims: int) -> tuple[torch.Tensor, ...]:

@@ -215,7 +215,8 @@ def fine(q, k, v, *, video_shape, tile=(4, 4, 4), tile_indices, scale=None, layo
         ValueError: as :func:`video_sparse_attention` for these arguments; ``tile_indices`` of
             the wrong shape or device, or (with ``check_indices``) out of range or repeating a
             tile.
-        RuntimeError: a double backward.
+        RuntimeError: a double backward through the kernels (the PyTorch reference path, on a
+            CPU, is plain autograd and takes one).
 
     Examples:
         >>> import torch
@@ -364,7 +365,8 @@ def video_sparse_attention(q, k, v, *, video_shape, tile=(4, 4, 4), topk, gate_c
             ``token_order``; ``scale`` not positive and finite; ``topk`` out of range; a gate
             that does not broadcast to the output or is on another device; a recipe other than
             those :func:`resolve_recipe` takes, or an 8-bit recipe with inputs that require grad.
-        RuntimeError: a double backward.
+        RuntimeError: a double backward through the kernels (the PyTorch reference path, on a
+            CPU, is plain autograd and takes one).
 
     Examples:
         >>> import torch, lowbit_attn
