@@ -251,3 +251,17 @@ def test_compiling_the_public_calls_warns_nothing():
     assert not [str(w.message) for w in caught if "lowbit_attn" in str(w.message)
                 or "lru_cache" in str(w.message)]
     torch.testing.assert_close(got, step(q))
+
+
+def test_a_compiled_training_step_does_not_recompile_on_the_environment(monkeypatch):
+    """The forward's check of the placement variables was traced: Dynamo guarded the graph on
+    its memo and on the size of the whole environment (a recompile on the second call and after
+    any variable was set)."""
+    torch._dynamo.reset()
+    step = torch.compile(lambda q: lowbit_attn.trainable_attention(q, q, q).sum(),
+                         backend="aot_eager")
+    step(torch.randn(1, 2, 64, 32, requires_grad=True)).backward()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        step(torch.randn(1, 2, 64, 32, requires_grad=True)).backward()
+        monkeypatch.setenv("LOWBIT_ATTN_UNRELATED", "1")
+        step(torch.randn(1, 2, 64, 32, requires_grad=True)).backward()

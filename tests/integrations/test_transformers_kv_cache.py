@@ -190,6 +190,34 @@ def test_a_step_refused_before_it_stored_anything_leaves_the_cache_as_it_was(mod
     assert all(layer.pending is None for layer in cache.layers)
 
 
+def test_a_step_refused_by_a_later_layer_keeps_saying_to_reset():
+    """Layer 1 refuses a step layer 0 has stored (a window it was not built with): layer 1 is not
+    rolled back, since the layers would then hold different histories with no word; the next
+    step raises until ``reset()``."""
+    import types
+
+    cache = lowbit_hf.QuantizedCache(batch=1, max_tokens=64, num_layers=2, kv_heads=2,
+                                     head_dim=32, dtype=torch.float32, window=[None, 3])
+    modules = [types.SimpleNamespace(sliding_window=None), types.SimpleNamespace(sliding_window=4)]
+
+    def step(n, window=None):
+        for i, module in enumerate(modules):
+            k, v, q = (torch.randn(1, 2, n, 32) for _ in range(3))
+            keys, values = cache.layers[i].update(k, v)
+            extra = {"sliding_window": window} if window and i == 1 else {}
+            transformers_cache.attend(module, q, keys, values, None, **extra)
+
+    with torch.no_grad():
+        step(3)
+        with pytest.raises(ValueError, match="layer 1 cannot serve window=7"):
+            step(2, window=8)
+        with pytest.raises(RuntimeError, match="call cache.reset"):
+            step(1)
+        cache.reset()
+        step(1)
+    assert [layer.seen for layer in cache.layers] == [1, 1]
+
+
 def test_the_marker_is_not_a_tensor():
     layer = transformers_cache.QuantizedCacheLayer(
         lowbit_hf.QuantizedCache(num_layers=1, kv_heads=1, head_dim=16, batch=1,

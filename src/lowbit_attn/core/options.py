@@ -1,6 +1,6 @@
 """Experimental kernel placements, until a GPU measurement decides them: one frozen object, read
-from the environment once per call (by every public call, so that a bad value raises anywhere)
-and passed down explicitly.
+from the environment once per call (by every attention call, so that a bad value raises
+anywhere: :func:`check_env`) and passed down explicitly.
 
 - ``LOWBIT_ATTN_Q_QUANT``: ``pass`` (default: Q quantized by the launch that quantizes K and
   converts V) or ``kernel`` (by the INT8 attention kernel's prologue: 2 bytes per Q element
@@ -46,6 +46,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+
+import torch
 
 Q_QUANT_MODES = ("pass", "kernel")
 DQ_MODES = ("recompute", "atomic")
@@ -121,3 +123,12 @@ class KernelOptions:
     def sm90_forward(self) -> bool:
         """Whether INT8 calls go to the one-warpgroup Hopper forward where it applies (``sm90``)."""
         return self.kernel == "sm90"
+
+
+def check_env() -> None:
+    """Raise the ``ValueError`` of a placement variable set to no mode of its own, for the calls
+    whose kernels read the options only later (in a custom op, the backward) or not at all, so
+    that a bad value raises on every call. Not under ``torch.compile``: the ops read them there,
+    and tracing the read would guard the graph on the whole environment."""
+    if not torch.compiler.is_compiling():
+        KernelOptions.from_env()

@@ -100,6 +100,7 @@ class QuantizedCacheLayer(CacheLayerMixin):
         # what transformers asked and was refused after this layer had stored a call's prompt
         # (beam search reorders after the prefill): the next update raises until reset()
         self.refused: str | None = None
+        self.siblings: list[QuantizedCacheLayer] = [self]  # the cache's layers (QuantizedCache)
         self.device = store.device
         self.is_initialized = True  # the pages are allocated up front
 
@@ -291,6 +292,8 @@ class QuantizedCache(Cache):
                                       dtype=dtype, device=device, window=window, chunk=chunk,
                                       max_append=max_append)
         super().__init__(layers=[QuantizedCacheLayer(self.store, i) for i in range(num_layers)])
+        for layer in self.layers:
+            layer.siblings = self.layers
 
     def __repr__(self) -> str:
         return f"QuantizedCache(seen={self.get_seq_length()}, store={self.store!r})"
@@ -424,7 +427,10 @@ def attend(module, query: torch.Tensor, key: PendingKV, value: PendingKV, attent
             outs.append(attention_with_kv_cache(query[:, :, part], store, idx, scale=scaling,
                                                 softcap=softcap, sinks=sinks))
     except Exception:
-        if not stored_any:  # nothing stored: the layer as it was before the step's update
+        # nothing stored, by this layer or (in this step) another: all as before the step's
+        # updates. Else the layer keeps its pending keys: the next update says to reset.
+        if not stored_any and all(other.seen == layer.seen - n for other in layer.siblings
+                                  if other is not layer):
             layer.pending = None
             layer.seen -= n
         raise

@@ -16,7 +16,7 @@ import torch
 
 from lowbit_attn.core import checks, plans
 from lowbit_attn.core.arch import backend_for, graph_capturing
-from lowbit_attn.core.options import KernelOptions
+from lowbit_attn.core.options import check_env
 from lowbit_attn.kvcache import planned
 from lowbit_attn.kvcache.pages import PagedLayer, StoredSequence, reach, stored_sequence
 from lowbit_attn.kvcache.quantize import frozen_stats, quantize_keys, quantize_v_page
@@ -285,8 +285,7 @@ class QuantizedKVCache:
         plan_key = planned.append_key(self, layer, k, v, valid, q)
         if plan_key is not None and self._append_planned(plan_key, layer, k, v):
             return
-        KernelOptions.from_env()  # a bad placement value raises on every call (a plan's key
-        # holds the values a checked call read)
+        check_env()  # after a replay: a plan's key holds the values a checked call read
         self.refuse_graph_capture("QuantizedKVCache.append")
         store = self.store(layer)
         counts = self._check_append(store, k, v, valid, q)

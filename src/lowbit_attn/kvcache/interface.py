@@ -10,7 +10,7 @@ import torch
 
 from lowbit_attn.core import checks, plans, variants
 from lowbit_attn.core.arch import backend_for
-from lowbit_attn.core.options import KernelOptions
+from lowbit_attn.core.options import check_env
 from lowbit_attn.kvcache import planned
 from lowbit_attn.kvcache.cache import QuantizedKVCache
 from lowbit_attn.kvcache.naive import attention_with_kv_cache_naive
@@ -100,7 +100,7 @@ def attention_with_kv_cache(q: torch.Tensor, cache: QuantizedKVCache, layer: int
     return_lse = checks.flag("return_lse", return_lse)
     sm_scale = checks.softmax_scale(scale, d)
     checks.forward_only(q)
-    KernelOptions.from_env()  # a bad placement value raises on every call (docs/environment.md)
+    check_env()
     softcap = check_softcap(softcap)
     sinks = check_sinks(sinks, q)
     if store.local:

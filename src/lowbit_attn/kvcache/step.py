@@ -32,7 +32,7 @@ import torch
 
 from lowbit_attn.core import checks
 from lowbit_attn.core.arch import backend_for, graph_capturing
-from lowbit_attn.core.options import KernelOptions
+from lowbit_attn.core.options import check_env
 from lowbit_attn.kvcache.cache import QuantizedKVCache
 from lowbit_attn.kvcache.interface import check_sinks, check_softcap
 from lowbit_attn.kvcache.naive import attention_with_kv_cache_naive
@@ -155,7 +155,7 @@ class DecodeStep:
                 raise ValueError(f"{name} must be {cache.dtype} of shape {list(want)} on "
                                  f"{cache.device}, got {x.dtype} {list(x.shape)} on {x.device}")
         checks.forward_only(q, k, v)
-        KernelOptions.from_env()  # a bad placement value raises on every call
+        check_env()
         capturing = graph_capturing(cache.device)
         store = cache.layers[self.layer] if capturing else cache.store(self.layer)
         if not capturing:

@@ -7,7 +7,7 @@ import torch
 from lowbit_attn.core import checks, variants
 from lowbit_attn.training import op as train_ops
 from lowbit_attn.core.arch import backend_for
-from lowbit_attn.core.options import KernelOptions
+from lowbit_attn.core.options import check_env
 from lowbit_attn.core.recipes import TrainRecipe, resolve_train
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
@@ -128,7 +128,7 @@ def trainable_attention(
             "k, v (e.g. under torch.autocast) or use LOWBIT_ATTN_BACKEND=reference"
         )
     sm_scale = checks.softmax_scale(scale, q.shape[-1])
-    KernelOptions.from_env()  # the backward reads them: a bad value raises here, not in it
+    check_env()  # the backward reads them: a bad value raises here, not in it
     nq, nk = qh.shape[2], kh.shape[2]
     if nq == 0:  # no rows: an empty output in the graph, zero gradients for q, k and v
         return q * 0 + (k.sum() + v.sum()).to(q.dtype) * 0

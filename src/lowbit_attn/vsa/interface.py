@@ -19,7 +19,7 @@ import math
 import torch
 
 from lowbit_attn.core import checks
-from lowbit_attn.core.options import KernelOptions
+from lowbit_attn.core.options import check_env
 from lowbit_attn.vsa import op as vsa_ops
 from lowbit_attn.core.recipes import Recipe, get_recipe
 from lowbit_attn.vsa import naive as ref
@@ -135,7 +135,7 @@ class _Operands:
 
 def _prepare(q, k, v, *, video_shape, tile, layout, scale, token_order):
     qh, kh, vh = _check_qkv(q, k, v, layout)
-    KernelOptions.from_env()  # a bad placement value raises on every call (docs/environment.md)
+    check_env()
     grid = _Grid(video_shape, tile, qh.shape[2], q.device, token_order)
     cdt = _compute_dtype(q)
     qh, kh, vh = (grid.inward(x).to(cdt) for x in (qh, kh, vh))
