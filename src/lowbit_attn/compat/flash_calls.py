@@ -82,18 +82,20 @@ def packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, s
     _no_lse_with_grad(return_lse)
     rows = checks.sequences(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                             dtypes=checks.FLOAT_DTYPES + (torch.float64,))
-    outs = []
+    outs, read = [], False  # read: whether any sequence's queries saw its keys
     for q0, q1, k0, k1 in rows:
         if q1 == q0 or k1 == k0:  # no query, or queries that see no key: rows of 0 (gradient 0)
             outs.append(q[q0:q1].masked_fill(torch.ones((), dtype=torch.bool, device=q.device),
                                              0.0))
             continue
+        read = True
         outs.append(trainable_attention(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1],
                                         scale=scale, layout="NHD", recipe=train_recipe,
                                         **variant)[0])
-    # k and v in the graph even where no query saw a key: zero gradients, as the dense call
-    # gives (an empty slice's sum: 0, whatever k and v hold)
-    return torch.cat(outs) + (k[:0].sum() + v[:0].sum()).to(q.dtype)
+    out = torch.cat(outs)
+    if not read:  # k and v in the graph even so: zero gradients, as the dense call gives them
+        out = out + (k[:0].sum() + v[:0].sum()).to(q.dtype)  # an empty slice's sum: 0
+    return out
 
 
 def unpack(name: str, stacked, parts: int, *, dims: int) -> tuple[torch.Tensor, ...]:

@@ -333,7 +333,7 @@ def no_autocast(x: torch.Tensor):
     the recipe gives them, whatever ``torch.autocast`` the call came from (its inputs were cast on
     the way in: :func:`operands`)."""
     device = x.device.type
-    if device in ("cuda", "cpu") and torch.is_autocast_enabled(device):
+    if _any_autocast() and device in ("cuda", "cpu") and torch.is_autocast_enabled(device):
         return torch.autocast(device, enabled=False)
     return contextlib.nullcontext()
 

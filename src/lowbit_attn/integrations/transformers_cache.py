@@ -393,7 +393,8 @@ def attend(module, query: torch.Tensor, key: PendingKV, value: PendingKV, attent
     V (padding dropped), then :func:`attention_with_kv_cache`, with the call's softcap and
     sinks; in a local layer a prefill longer than ``max_append`` in slices (each stored, then
     its rows read). Returns ``(out [B, n, H, D], None)``; raises ``ValueError`` for a call it
-    cannot serve, with nothing stored (the layer then as before the step: a retry may follow)."""
+    cannot serve, with nothing stored by it (the layer is put back as before the step where no
+    other layer stored the step either: a retry may follow; else the next step says to reset)."""
     layer = key.layer
     if not isinstance(value, PendingKV) or value.layer is not layer or layer.pending is None:
         _refuse("keys and values must be the pair cache.update() returned for this step")
