@@ -99,7 +99,7 @@ def test_the_quantized_cache_holds_the_tokens_and_serves_every_step(model, monke
     ids = torch.cat([a, torch.cat([torch.zeros(1, 7, dtype=torch.long), b], dim=1)])
     cache = _cache(model, 2, max_tokens=4096)
     tokens, _ = _generate(model, "lowbit", ids, mask=(ids != 0).long(), cache=cache)
-    assert tokens.shape == (2, 20 + NEW)
+    assert tokens.shape == (2, 20 + NEW) and cache.batch_size == 2
     # the last token generated is never fed back: prompt (padding not stored) + NEW - 1 tokens
     for layer in range(2):
         assert cache.store.length(layer).tolist() == [20 + NEW - 1, 13 + NEW - 1]

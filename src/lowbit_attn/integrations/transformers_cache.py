@@ -102,6 +102,7 @@ class QuantizedCacheLayer(CacheLayerMixin):
         self.refused: str | None = None
         self.siblings: list[QuantizedCacheLayer] = [self]  # the cache's layers (QuantizedCache)
         self.device = store.device
+        self.batch_size = store.batch  # Cache.batch_size reads it from its layers
         self.is_initialized = True  # the pages are allocated up front
 
     def __repr__(self) -> str:
