@@ -355,7 +355,7 @@ def other_autodiff(*tensors) -> str | None:
     if _forward_ad._current_level >= 0 and any(
             isinstance(x, torch.Tensor) and _forward_ad.unpack_dual(x).tangent is not None
             for x in tensors):
-        return "forward-mode AD (torch.autograd.forward_ad)"
+        return "forward-mode AD (torch.autograd.forward_ad, torch.func.jvp, jacfwd)"
     if _functorch_active() and any(
             isinstance(x, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(x)
             for x in tensors):
