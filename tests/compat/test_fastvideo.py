@@ -115,7 +115,13 @@ def test_bad_arguments():
     # more tiles than there are means all of them, as FastVideo's min(topk, kv_blocks)
     assert torch.equal(video_sparse_attn(*padded, counts, counts, 9),
                        video_sparse_attn(*padded, counts, counts, 8))
-    with pytest.raises(ValueError, match="compress_attn_weight"):
-        video_sparse_attn(*padded, counts, counts, 2, 64, torch.ones(1, 2, 7, 32))
+    # a weight that does not broadcast over the slots, or on another device, a tile too large:
+    # named as the caller passed them (not gate_coarse, tile)
+    for weight in (torch.ones(1, 2, 7, 32), torch.ones(padded[0].shape[2]),
+                   torch.ones(1, device="meta")):
+        with pytest.raises(ValueError, match="compress_attn_weight"):
+            video_sparse_attn(*padded, counts, counts, 2, 64, weight)
+    with pytest.raises(ValueError, match=r"block_size \(8, 8, 8\) holds 512"):
+        video_sparse_attn(*padded, counts, counts, 2, (8, 8, 8))
     with pytest.raises(ValueError, match="slots"):
         video_sparse_attn(*(x[:, :, :-1] for x in padded), counts, counts, 2)

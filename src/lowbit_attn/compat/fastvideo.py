@@ -18,6 +18,8 @@ import torch
 from lowbit_attn.core import checks
 from lowbit_attn.core.arch import traceable
 from lowbit_attn.vsa import video_sparse_attention
+from lowbit_attn.vsa.interface import check_gate
+from lowbit_attn.vsa.tiles import MAX_TILE_TOKENS
 
 
 def tile_shape(block_size) -> tuple[int, int, int]:
@@ -28,15 +30,20 @@ def tile_shape(block_size) -> tuple[int, int, int]:
         if min(block_size) < 1:
             raise ValueError(f"block_size's three tile sides must be at least 1, got "
                              f"{tuple(block_size)}")
-        return tuple(int(x) for x in block_size)
-    if isinstance(block_size, int) and not isinstance(block_size, bool):
+        tile = tuple(int(x) for x in block_size)
+    elif isinstance(block_size, int) and not isinstance(block_size, bool):
         side = round(block_size ** (1 / 3)) if block_size > 0 else 0
         if side < 1 or side ** 3 != block_size:
             raise ValueError(f"block_size as an int is the tokens per tile, a cube (64 for 4x4x4 "
                              f"tiles), got {block_size}")
-        return (side, side, side)
-    raise TypeError(f"block_size must be an int (tokens per cubic tile) or a tuple of three ints, "
-                    f"got {block_size!r}")
+        tile = (side, side, side)
+    else:
+        raise TypeError(f"block_size must be an int (tokens per cubic tile) or a tuple of three "
+                        f"ints, got {block_size!r}")
+    if math.prod(tile) > MAX_TILE_TOKENS:
+        raise ValueError(f"block_size {tile} holds {math.prod(tile)} tokens a tile; at most "
+                         f"{MAX_TILE_TOKENS} fit a kernel tile")
+    return tile
 
 
 def _divisors(n: int) -> list[int]:
@@ -172,11 +179,12 @@ def video_sparse_attn(
             raise TypeError(f"compress_attn_weight must be a tensor or None, got "
                             f"{type(compress_attn_weight).__name__}")
         gate = compress_attn_weight
-        if gate.dim() >= 2 and gate.shape[-2] == slots:
-            gate = gate.index_select(-2, valid)
-        elif gate.dim() >= 2 and gate.shape[-2] != 1:
+        if gate.dim() >= 2 and gate.shape[-2] not in (1, slots):
             raise ValueError(f"compress_attn_weight's token axis (-2) must be 1 or {slots} (the "
                              f"padded slots), got shape {tuple(compress_attn_weight.shape)}")
+        check_gate("compress_attn_weight", gate, tuple(q.shape[:3]) + (v.shape[3],), q.device)
+        if gate.dim() >= 2 and gate.shape[-2] == slots:
+            gate = gate.index_select(-2, valid)
     if isinstance(topk, int) and not isinstance(topk, bool) and topk > n_tiles:
         topk = n_tiles  # as theirs: min(topk, kv_blocks)
     tokens = [x.index_select(2, valid) for x in (q, k, v)]

@@ -161,7 +161,8 @@ def coarse(q, k, v, *, video_shape, tile=(4, 4, 4), topk, scale=None, layout="HN
         ``(out, tile_indices, scores)``: ``out`` in q's shape, layout and dtype (each token gets its
             query tile's coarse output); ``tile_indices [B, Hq, n_tiles, topk]`` int64, the chosen key
             tiles of each query tile in increasing order (tiles numbered row-major over the tile
-            grid); ``scores [B, Hq, n_tiles, n_tiles]`` fp32, the pooled ``q·kᵀ·scale``.
+            grid); ``scores [B, Hq, n_tiles, n_tiles]`` fp32 (float64 for float64 inputs), the pooled
+            ``q·kᵀ·scale``.
 
     Raises:
         TypeError: as :func:`video_sparse_attention` for these arguments.
@@ -299,7 +300,7 @@ def _check_indices(idx, b: int, hq: int, n_tiles: int, device, *, values: bool) 
         raise ValueError("tile_indices must not repeat a key tile within a query tile's list")
 
 
-def _check_gate(name: str, gate, out_shape, device) -> None:
+def check_gate(name: str, gate, out_shape, device) -> None:
     if gate is None:
         return
     if not isinstance(gate, torch.Tensor):
@@ -348,7 +349,7 @@ def video_sparse_attention(q, k, v, *, video_shape, tile=(4, 4, 4), topk, gate_c
             only, ``"qk_int8_pv_fp8"`` (INT8 Q·Kᵀ with per-token scales, K smoothed, Q/K
             channels balanced; P̃ and V in E4M3) or ``"qk_int8_pv_fp16"``, or such a
             :class:`~lowbit_attn.Recipe` (see :func:`resolve_recipe`). The coarse stage is
-            always computed in fp32.
+            always computed in fp32 at least (float64 for float64 inputs).
 
     Returns:
         The output, q's shape, layout and dtype. With both gates ``None`` and ``topk`` = all tiles
@@ -381,8 +382,8 @@ def video_sparse_attention(q, k, v, *, video_shape, tile=(4, 4, 4), topk, gate_c
     qh, kh, vh, grid, sm = _prepare(q, k, v, video_shape=video_shape, tile=tile, layout=layout,
                                     scale=scale, token_order=token_order)
     rec = resolve_recipe(recipe, q, k, v)
-    _check_gate("gate_coarse", gate_coarse, q.shape, q.device)
-    _check_gate("gate_fine", gate_fine, q.shape, q.device)
+    check_gate("gate_coarse", gate_coarse, q.shape, q.device)
+    check_gate("gate_fine", gate_fine, q.shape, q.device)
     kk = resolve_topk(topk, grid.layout.n_tiles)
     ops = _Operands(qh, kh, vh, grid.layout, pool=True, tiles=rec.is_exact)
     out_c, indices, _ = ops.coarse(sm, kk)
