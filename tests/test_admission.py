@@ -24,9 +24,9 @@ require_gluon("hopper")  # before importing Gluon code
 
 from lowbit_attn.core.options import KernelOptions
 from lowbit_attn.core.recipes import get_recipe
-from lowbit_attn.inference import gluon_check, kernel_int8, kernel_int8_sm90
+from lowbit_attn.inference import gluon_check, kernel_int8_sm90
 from lowbit_attn.inference import sm90_check as fwd_check
-from lowbit_attn.training import kernel_bwd, kernel_bwd_sm90, op as train_op
+from lowbit_attn.training import kernel_bwd, kernel_bwd_sm90
 from lowbit_attn.training import sm90_check as bwd_check
 from lowbit_attn.inference.gluon_check import Case
 
