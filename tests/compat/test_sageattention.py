@@ -362,6 +362,22 @@ def test_sageattn_with_a_mask_in_kwargs_is_exact_too():
     assert_close(out, _exact(q, k, v, mask, "HND", False, 0.125)[0].half(), atol=2e-3, rtol=2e-3)
 
 
+def test_a_float32_bias_keeps_its_values_with_half_precision_inputs():
+    """PyTorch adds a float32 mask to half-precision scores as it is: a bias past fp16's range
+    (7e4) is a bias, and a row of float32's min (transformers' masked value) sees every key
+    alike; neither becomes an infinity (NaN, or a dead row of zeros)."""
+    q, k, v = _qkv(nq=8, nk=12)
+    mask = torch.zeros(8, 12)
+    mask[1, 2] = 7e4
+    mask[3] = torch.finfo(torch.float32).min
+    with pytest.warns(UserWarning, match="attn_mask"):
+        out, lse = sa.sageattn(q, k, v, attn_mask=mask, return_lse=True)
+    ref, ref_lse = _exact(q, k, v, mask, "HND", False, 64 ** -0.5)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert_close(out, ref.to(out.dtype), atol=2e-3, rtol=2e-3)
+    assert_close(lse, ref_lse, atol=1e-4, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["bool", "float"])
 def test_the_masked_exact_path_computes_cpu_half_precision_in_float32(monkeypatch, dtype, kind):

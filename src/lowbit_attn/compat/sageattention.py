@@ -171,8 +171,10 @@ def masked_exact(function: str, q, k, v, attn_mask, *, layout: str = "HND", is_c
         kh, vh = (x.repeat_interleave(groups, dim=1) for x in (kh, vh))
     nq, nk = qh.shape[2], kh.shape[2]
     allowed = attn_mask.to(q.device)
-    if allowed.dtype != torch.bool:
-        allowed = allowed.to(qh.dtype)
+    if allowed.dtype not in (torch.bool, qh.dtype):
+        # PyTorch's SDPA adds a float32 bias as it is (a cast to fp16 would turn a bias past
+        # 65504, or float32's min, into an infinity); a float64 or other bias as float32
+        allowed = allowed.float()
     if is_causal:
         rows = torch.arange(nq, device=q.device)[:, None]
         causal = torch.arange(nk, device=q.device)[None, :] <= rows
