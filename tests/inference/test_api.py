@@ -74,6 +74,16 @@ def test_bad_input_raises_a_clear_error(call, error, message):
         call(q, k, v)
 
 
+def test_nhd_errors_name_the_shapes_passed():
+    q = torch.randn(1, 16, 2, 64)
+    with pytest.raises(ValueError, match=r"got \(1, 16, 2, 64\) and \(1, 15, 2, 64\)"):
+        lowbit_attn.attention(q, q, q[:, :15], layout="NHD")
+    with pytest.raises(ValueError, match=r"at least one token, got shape \(1, 0, 2, 64\)"):
+        lowbit_attn.attention(q, q[:, :0], q[:, :0], layout="NHD")
+    with pytest.raises(ValueError, match=r"query heads \(3\) must be a multiple .* \(2\)"):
+        lowbit_attn.attention(torch.randn(1, 16, 3, 64), q, q, layout="NHD")
+
+
 def test_mixed_devices_are_rejected():
     q, k, v = qkv()
     meta = torch.empty(k.shape, dtype=k.dtype, device="meta")

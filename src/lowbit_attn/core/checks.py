@@ -195,10 +195,10 @@ def dense_qkv(q, k, v, qkv_layout: str, dtypes: tuple = FLOAT_DTYPES):
         tensor(name, x, 4, dtypes=dtypes)
     layout(qkv_layout)
     same_kind(q, k, v)
-    qh, kh, vh = (x.transpose(1, 2) if qkv_layout == "NHD" else x for x in (q, k, v))
-    heads_and_dims(tuple(qh.shape), tuple(kh.shape), tuple(vh.shape), batch_dim=0,
-                   head_dim_axis=1, seq_axis=2)
-    return qh, kh, vh
+    heads, seq = (2, 1) if qkv_layout == "NHD" else (1, 2)  # the caller's shapes in the messages
+    heads_and_dims(tuple(q.shape), tuple(k.shape), tuple(v.shape), batch_dim=0,
+                   head_dim_axis=heads, seq_axis=seq)
+    return tuple(x.transpose(1, 2) if qkv_layout == "NHD" else x for x in (q, k, v))
 
 
 def on_device(name: str, x: torch.Tensor, device: torch.device) -> None:
