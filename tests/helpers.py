@@ -518,7 +518,10 @@ def exact64_nhd(q, k, v, mask, *, scale=None, softcap=None):
 
 def poison(t: torch.Tensor) -> torch.Tensor:
     """``t`` filled with what no kernel writes (``conftest.py``'s ``nan_poisoned_allocations``):
-    NaN, or for 8-bit integers a value the quantizers never produce."""
+    NaN, or for 8-bit integers a value the quantizers never produce. (A leaf made with
+    ``requires_grad=True``, as Inductor's pattern set-up makes them, is left as it is.)"""
+    if t.requires_grad:
+        return t
     if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         t.view(torch.uint8).fill_(0x7F)
     elif t.is_floating_point():

@@ -6,6 +6,7 @@ fine stage's kernels against it on each target of the ``device`` fixture (tests/
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
 import torch
@@ -295,6 +296,25 @@ def test_fullgraph_compile_of_the_pytorch_path_matches_eager():
     compiled = _grads(torch.compile(f, fullgraph=True, backend="aot_eager"), q, k, v, do)
     for e, c in zip(eager, compiled):
         assert_close(c, e, atol=1e-6, name="compiled")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None, reason="Inductor's CPU kernels need g++")
+@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
+def test_inductor_with_dynamic_shapes_where_one_tile_is_kept():
+    """A fraction that keeps one key tile: the fine stage's valid-slot mask, indexed by the
+    selection and reshaped, was compiled by Inductor with a dynamic length into a wrong index
+    (an out-of-bounds error from the generated kernel)."""
+    torch._dynamo.reset()
+
+    def f(a, b, c):
+        return lowbit_attn.video_sparse_attention(a, b, c, video_shape=(a.shape[2] // 16, 4, 4),
+                                                  tile=(2, 4, 4), topk=0.5)
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=True)
+    q, k, v = (torch.randn(1, 2, 64, 32, generator=torch.Generator().manual_seed(i))
+               for i in range(3))
+    assert_close(compiled(q, k, v), f(q, k, v), atol=1e-5)
 
 
 # --- the 8-bit fine stage (inference) -------------------------------------------------------------

@@ -76,11 +76,14 @@ def fine(q, k, v, layout: TileLayout, tile_indices: torch.Tensor, *, scale: floa
     kt = expand_heads(gather_tiles(k, layout), hq)                # [B, Hq, nt, ts, D]
     vt = expand_heads(gather_tiles(v, layout), hq)
     sel = tile_indices.reshape(b, hq, nt * kk)
-    gather = lambda t: torch.gather(  # noqa: E731 - [B, Hq, nt, kk·ts, D]
-        t, 2, sel[..., None, None].expand(b, hq, nt * kk, ts, d)
-    ).reshape(b, hq, nt, kk * ts, d)
+    gather = lambda t: torch.gather(  # noqa: E731 - [B, Hq, nt, kk·ts, D or 1]
+        t, 2, sel[..., None, None].expand(b, hq, nt * kk, ts, t.shape[-1])
+    ).reshape(b, hq, nt, kk * ts, t.shape[-1])
     ks, vs = gather(kt), gather(vt)
-    key_valid = (layout.index >= 0)[tile_indices].reshape(b, hq, nt, 1, kk * ts)
+    # the valid slots gathered as the keys are (an index by tile_indices, then a reshape, was
+    # compiled by Inductor with dynamic shapes into a wrong index when kk is 1)
+    valid = (layout.index >= 0)[:, :, None].expand(b, hq, nt, ts, 1)
+    key_valid = gather(valid).transpose(-1, -2)                   # [B, Hq, nt, 1, kk·ts]
     s = torch.matmul(qt, ks.transpose(-1, -2)) * scale            # [B, Hq, nt, ts, kk·ts]
     s = s.masked_fill(~key_valid, float("-inf"))
     out = torch.matmul(torch.softmax(s, dim=-1), vs)
