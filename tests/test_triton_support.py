@@ -172,3 +172,30 @@ def test_the_metadata_admits_the_triton_of_every_supported_torch_on_linux_alone(
     makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
     oldest = re.search(r"^OLDEST_TRITON_SPEC \?= triton==(\S+)$", makefile, re.M)[1]
     assert triton_support.series(oldest) == triton_support.OLDEST  # what make test-oldest installs
+
+
+def test_a_triton_that_does_not_import_is_named_with_what_it_raised():
+    """Triton's interpreter imports numpy, which a fresh install may lack: the doctor and
+    LOWBIT_ATTN_BACKEND=triton said "not installed"; they say what the import raised."""
+    script = textwrap.dedent("""
+        import os, subprocess, sys
+        sys.modules["numpy"] = None  # as an environment without numpy
+        os.environ.update(TRITON_INTERPRET="1", LOWBIT_ATTN_BACKEND="triton")
+        import torch
+        import lowbit_attn
+        try:
+            lowbit_attn.attention(*(torch.randn(1, 1, 4, 16) for _ in range(3)))
+        except RuntimeError as exc:
+            print(exc)
+        from lowbit_attn.tools import cli
+        cli.main(["doctor"])
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode in (0, 1), run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith("LOWBIT_ATTN_BACKEND=triton needs Triton, which is installed, "
+                               "but its import raised ModuleNotFoundError"), run.stdout
+    assert "needs numpy: pip install numpy" in lines[0]
+    (row,) = [line for line in lines if line.lstrip().startswith("triton ")]
+    assert "not installed" not in row and "ModuleNotFoundError" in row, row

@@ -15,6 +15,7 @@ import warnings
 
 import torch
 
+from lowbit_attn.core import triton_support
 from lowbit_attn.core.triton_support import triton_installed
 
 BACKENDS = ("auto", "triton", "reference")
@@ -91,14 +92,19 @@ def graph_capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-NO_TRITON = ("{what} needs Triton, which is not installed (Triton publishes wheels for Linux on "
-             "x86_64 and aarch64 only: `pip install triton` there)")
+def no_triton(what: str) -> str:
+    """``what`` needs Triton, and why it cannot have it."""
+    reason = triton_support.triton_import_error()
+    if reason in (None, "not installed"):
+        return (f"{what} needs Triton, which is not installed (Triton publishes wheels for Linux "
+                "on x86_64 and aarch64 only: `pip install triton` there)")
+    return f"{what} needs Triton, which is {reason}"
 
 
 @functools.lru_cache(maxsize=None)
 def _warn_no_triton() -> None:
     """Once per process: CUDA tensors without Triton run the reference path."""
-    warnings.warn(NO_TRITON.format(what="lowbit_attn's kernels") + "; CUDA tensors run the "
+    warnings.warn(no_triton("lowbit_attn's kernels") + "; CUDA tensors run the "
                   "PyTorch reference path instead (the recipe's numerics, not its speed)",
                   stacklevel=4)
 
@@ -119,7 +125,7 @@ def backend_for(device: torch.device) -> str:
         return "reference"
     if not traceable(triton_installed)():
         if choice == "triton":
-            raise RuntimeError(NO_TRITON.format(what="LOWBIT_ATTN_BACKEND=triton"))
+            raise RuntimeError(no_triton("LOWBIT_ATTN_BACKEND=triton"))
         if device.type == "cuda":
             _warn_no_triton()
         return "reference"

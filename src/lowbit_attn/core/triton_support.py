@@ -20,6 +20,7 @@ what differs between Triton versions.
 from __future__ import annotations
 
 import functools
+import os
 
 # The series the suite runs on: all the metadata admits, 3.4 up to 3.9 (the Triton of every torch
 # from 2.8 to 2.15, below)
@@ -61,15 +62,28 @@ def series(version: str | None = None) -> str:
 
 
 @functools.lru_cache(maxsize=None)
+def triton_import_error() -> str | None:
+    """Why Triton cannot be imported (``"not installed"``, or what its import raised), or None
+    where it can."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        if (getattr(exc, "name", None) or "").split(".")[0] == "triton":
+            return "not installed"
+        reason = f"installed, but its import raised {type(exc).__name__}: {exc}"
+        interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+        if getattr(exc, "name", None) == "numpy" and interpreting:
+            reason += " (Triton's interpreter, TRITON_INTERPRET=1, needs numpy: pip install numpy)"
+        return reason
+    return None
+
+
+@functools.lru_cache(maxsize=None)
 def triton_installed() -> bool:
     """Whether Triton can be imported. Triton publishes Linux wheels only (x86_64, aarch64), and
     the package's metadata asks for it on Linux alone: elsewhere every call runs the PyTorch
     reference path (:func:`lowbit_attn.core.arch.backend_for`)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return triton_import_error() is None
 
 
 def installed_version() -> str:

@@ -671,8 +671,10 @@ def _doctor(args: argparse.Namespace) -> int:
     from lowbit_attn.core.recipes import RECIPES, auto_recipe
 
     has_triton = triton_support.triton_installed()
+    why = triton_support.triton_import_error()
     triton_row = (triton_support.installed_version() if has_triton else
-                  "not installed (wheels for Linux only): every call runs the reference path")
+                  "not installed (wheels for Linux only): every call runs the reference path"
+                  if why == "not installed" else f"{why}: every call runs the reference path")
     rows = [("lowbit_attn", __version__), ("python", platform.python_version()),
             ("torch", torch.__version__), ("triton", triton_row)]
     gpu_rows, physical = _gpu_lines(torch)
