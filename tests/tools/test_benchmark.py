@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -320,6 +321,21 @@ def test_cli_gpu_path_writes_every_out_dir(tmp_path, monkeypatch, capsys):
 def test_default_results_dir_is_in_the_checkout():
     d = command.default_results_dir()
     assert d.parts[-2:] == ("benchmarks", "results")
+    assert d.parent.parent == metadata.checkout_root()
+
+
+def test_an_installed_package_records_no_commit_of_the_repository_around_it(tmp_path,
+                                                                             monkeypatch):
+    """A virtual environment inside another project's checkout (``./.venv``): its commit is not
+    the package's revision."""
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=x", "-c", "user.email=x@x",
+                    "commit", "-q", "--allow-empty", "-m", "other project"], check=True)
+    installed = tmp_path / ".venv/lib/python3.11/site-packages/lowbit_attn/tools/bench"
+    installed.mkdir(parents=True)
+    monkeypatch.setattr(metadata, "__file__", str(installed / "metadata.py"))
+    assert metadata.checkout_root() is None and metadata._git_revision() is None
+    assert command.default_results_dir() == Path("benchmarks") / "results"
 
 
 def test_fp4_recipes_get_their_own_keys_and_stage_rows():

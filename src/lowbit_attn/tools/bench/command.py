@@ -18,6 +18,7 @@ from lowbit_attn.tools.bench.protocol import (
     BASELINES, BATCH, DIMS, HEADS, MIN_COSINE, OUR_RECIPES, QUICK_DIMS, QUICK_SEQLENS, SEQLENS,
     cpu_methods, select_methods,
 )
+from lowbit_attn.tools.bench.metadata import checkout_root
 from lowbit_attn.tools.bench.run import run_benchmark
 from lowbit_attn.tools.bench.save import write_results
 from lowbit_attn.tools.bench.tables import render_short_table
@@ -130,11 +131,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def default_results_dir() -> Path:
     """``benchmarks/results`` of the source checkout when running from one, else of the cwd."""
-    here = Path(__file__).resolve()
-    for root in here.parents[2:5]:
-        if (root / "benchmarks").is_dir() and (root / "pyproject.toml").is_file():
-            return root / "benchmarks" / "results"
-    return Path("benchmarks") / "results"
+    root = checkout_root()
+    return (Path("benchmarks") if root is None else root / "benchmarks") / "results"
 
 
 def _failures(results: dict) -> list[dict]:

@@ -67,11 +67,23 @@ def device_metadata(device: str) -> dict:
     }
 
 
+def checkout_root() -> Path | None:
+    """The source checkout the package runs from (``src/lowbit_attn`` beside ``pyproject.toml``
+    and ``benchmarks/``), or None for an installed package (whose ``parents`` are the
+    environment's, perhaps inside another project's repository)."""
+    root = Path(__file__).resolve().parents[4]
+    if (root / "pyproject.toml").is_file() and (root / "benchmarks").is_dir():
+        return root
+    return None
+
+
 def _git_revision() -> str | None:
     """``<commit>`` or ``<commit>+dirty`` of the source checkout, when there is one."""
     import subprocess
 
-    root = Path(__file__).resolve().parents[4]
+    root = checkout_root()
+    if root is None:
+        return None
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
                                 capture_output=True, timeout=10)
