@@ -224,7 +224,7 @@ def bad_appends():
         pytest.param(dict(k=k.clone().requires_grad_()), ValueError, "must not require grad",
                      id="k-requires-grad"),
         pytest.param(dict(q=torch.zeros(2, 4, 5, 64, dtype=torch.float16, requires_grad=True)),
-                     ValueError, "must not require grad", id="q-requires-grad"),
+                     ValueError, "k, v and q must not require grad", id="q-requires-grad"),
         # sequence 0 fits (5 + 3 <= 8), sequence 1 does not (4 + 5): neither is written
         pytest.param(dict(valid=torch.tensor([[True] * 3 + [False] * 2, [True] * 5])), ValueError,
                      "would pass max_tokens=8 for sequence 1", id="past-max-tokens"),
@@ -267,6 +267,8 @@ def test_a_refused_cache_names_its_argument(kwargs, error, message):
     (dict(cache="cache"), TypeError, "cache must be a QuantizedKVCache"),
     (dict(scale=-1.0), ValueError, "scale must be a positive finite number"),
     (dict(return_lse=1), TypeError, "return_lse must be a bool"),
+    (dict(q=torch.zeros(2, 4, 1, 64, dtype=torch.float16, requires_grad=True)), ValueError,
+     "^q must not require grad"),
 ])
 def test_a_refused_attention_names_its_argument(change, error, message):
     cache = lowbit_attn.QuantizedKVCache(1, 2, 2, 64, max_tokens=8, page_size=4)

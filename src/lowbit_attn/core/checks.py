@@ -367,12 +367,13 @@ def other_autodiff(*tensors) -> str | None:
     return None
 
 
-def forward_only(*tensors: torch.Tensor) -> None:
-    """The kernels have no backward: refuse to cut a graph (or drop a tangent) silently."""
+def forward_only(*tensors: torch.Tensor, names: str = "q, k and v") -> None:
+    """The kernels have no backward: refuse to cut a graph (or drop a tangent) silently.
+    ``names``: the arguments ``tensors`` are, as the error names them."""
     if needs_grad(*tensors):
         raise ValueError(
-            "q, k and v must not require grad: lowbit_attn attention is forward-only (no backward); "
-            "call it under torch.no_grad() or torch.inference_mode(), or detach them"
+            f"{names} must not require grad: lowbit_attn attention is forward-only (no "
+            "backward); call it under torch.no_grad() or torch.inference_mode(), or detach them"
         )
     other = other_autodiff(*tensors)
     if other is not None:

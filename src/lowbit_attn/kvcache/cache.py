@@ -281,7 +281,8 @@ class QuantizedKVCache:
         # the cache keeps no graph: a k or v that needs gradients would leave one in μ and V's
         # open page, and every later read would carry it
         k, v, q = checks.resolved(k, v, q)  # the kernels read memory, not a negation flag
-        checks.forward_only(*(x for x in (k, v, q) if isinstance(x, torch.Tensor)))
+        checks.forward_only(*(x for x in (k, v, q) if isinstance(x, torch.Tensor)),
+                            names="k and v" if q is None else "k, v and q")
         plan_key = planned.append_key(self, layer, k, v, valid, q)
         if plan_key is not None and self._append_planned(plan_key, layer, k, v):
             return

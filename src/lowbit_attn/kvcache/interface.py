@@ -99,7 +99,7 @@ def attention_with_kv_cache(q: torch.Tensor, cache: QuantizedKVCache, layer: int
                          f"kv_heads ({cache.kv_heads})")
     return_lse = checks.flag("return_lse", return_lse)
     sm_scale = checks.softmax_scale(scale, d)
-    checks.forward_only(q)
+    checks.forward_only(q, names="q")
     check_env()
     softcap = check_softcap(softcap)
     sinks = check_sinks(sinks, q)
