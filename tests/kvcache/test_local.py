@@ -151,8 +151,9 @@ def test_softcap_and_sinks_are_checked():
     cache.append(0, k, v)
     with pytest.raises(ValueError, match="softcap"):
         lowbit_attn.attention_with_kv_cache(q[:, :, -1:], cache, 0, softcap=-1.0)
-    with pytest.raises(ValueError, match="softcap must be at most 2\\*\\*16"):
-        lowbit_attn.attention_with_kv_cache(q[:, :, -1:], cache, 0, softcap=1e8)
+    for cap in (1e8, 1e-40):
+        with pytest.raises(ValueError, match=r"softcap must be between 2\*\*-125 and 2\*\*16"):
+            lowbit_attn.attention_with_kv_cache(q[:, :, -1:], cache, 0, softcap=cap)
     # 0 is off, as in attention()
     assert torch.equal(lowbit_attn.attention_with_kv_cache(q[:, :, -1:], cache, 0, softcap=0.0),
                        lowbit_attn.attention_with_kv_cache(q[:, :, -1:], cache, 0))

@@ -73,6 +73,8 @@ def test_refusals():
     q, k, v = channel_biased((1, 2, 8, 32), (1, 2, 8, 32), seed=1)
     with pytest.raises(ValueError, match="sinks"):
         lowbit_attn.trainable_attention(q, k, v, sinks=torch.zeros(2))
+    with pytest.raises(TypeError, match="sinks .* got list"):  # as attention() names the type
+        lowbit_attn.trainable_attention(q, k, v, sinks=[0.0, 0.0])
     with pytest.raises(ValueError, match="smooth_k"):
         lowbit_attn.trainable_attention(q, k, v, softcap=5.0, smooth_k=True)
     with pytest.raises(ValueError, match="window\\[0\\]"):

@@ -133,10 +133,12 @@ def identifier(name: str, value) -> str:
 FP32_NORMAL_RANGE = (2.0**-125, 2.0**126)
 
 
-def positive_float(name: str, value) -> float:
+def positive_float(name: str, value, *,
+                   top: tuple[float, str] = (FP32_NORMAL_RANGE[1],
+                                             "2**126 (the kernels compute in float32)")) -> float:
     """``value`` (a real number: int, float or NumPy scalar) as a float, positive, finite and
-    within :data:`FP32_NORMAL_RANGE` (about 2.4e-38 to 8.5e37); else ``TypeError`` or
-    ``ValueError`` naming ``name``."""
+    within :data:`FP32_NORMAL_RANGE` (about 2.4e-38 to 8.5e37), or up to ``top`` (the bound and
+    how the error names it); else ``TypeError`` or ``ValueError`` naming ``name``."""
     value = concrete(value)
     if isinstance(value, bool) or is_numpy_bool(value) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a float or None, got {shown(value)}")
@@ -146,10 +148,8 @@ def positive_float(name: str, value) -> float:
         got = math.inf
     if not 0 < got < math.inf:  # NaN fails too (comparisons, which a traced number takes)
         raise ValueError(f"{name} must be a positive finite number, got {shown(value)}")
-    lo, hi = FP32_NORMAL_RANGE
-    if not lo <= got <= hi:
-        raise ValueError(f"{name} must be between 2**-125 and 2**126 (the kernels compute in "
-                         f"float32), got {shown(value)}")
+    if not FP32_NORMAL_RANGE[0] <= got <= top[0]:
+        raise ValueError(f"{name} must be between 2**-125 and {top[1]}, got {shown(value)}")
     return got
 
 

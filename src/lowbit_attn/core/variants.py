@@ -201,11 +201,9 @@ def check_softcap(softcap) -> float:
     if softcap is None or (isinstance(softcap, numbers.Real) and not isinstance(softcap, bool)
                            and softcap == 0):
         return 0.0
-    cap = checks.positive_float("softcap", softcap)
-    if cap > SOFTCAP_MAX:
-        raise ValueError(f"softcap must be at most 2**16 = 65536 (the kernels' tanh is exact to "
-                         f"~softcap·3e-8; pass None for no cap), got {checks.shown(softcap)}")
-    return cap
+    return checks.positive_float("softcap", softcap, top=(
+        SOFTCAP_MAX, "2**16 = 65536 (the kernels compute in float32, their tanh exact to "
+        "~softcap·3e-8; pass None for no cap)"))
 
 
 def check_sinks(sinks, hq: int, device: torch.device) -> None:

@@ -111,8 +111,11 @@ def trainable_attention(
         if value is not None:
             checks.flag(name, value)
     if sinks is not None:
-        raise ValueError("sinks are not supported by trainable_attention (forward-only: "
-                         "lowbit_attn.attention); pass sinks=None")
+        refused = ("sinks are not supported by trainable_attention (forward-only: "
+                   "lowbit_attn.attention); pass sinks=None")
+        if not isinstance(sinks, torch.Tensor):  # not even what attention() takes
+            raise TypeError(f"{refused}, got {checks.shown(sinks)}")
+        raise ValueError(refused)
     variant = variants.check(is_causal=is_causal, window=window, softcap=softcap, chunk=chunk,
                              sinks=None, hq=qh.shape[1], device=q.device)
     if variant.softcap and smooth_k:
