@@ -308,3 +308,27 @@ def test_a_real_cuda_graph_capture_is_refused():
     with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
         with torch.cuda.graph(graph):
             lowbit_attn.attention_with_kv_cache(q, cache, 0)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_a_deep_copy_and_a_saved_cache_go_on_alone(recipe, tmp_path):
+    """What the class docstring promises: ``copy.deepcopy`` and ``torch.save``/``torch.load``
+    give a cache with the same contents that appends and reads apart from the original."""
+    import copy
+
+    k, v = kv(6)
+    cache = lowbit_attn.QuantizedKVCache(1, 2, 2, 64, max_tokens=16, page_size=4, recipe=recipe)
+    cache.append(0, k, v)
+    torch.save(cache, tmp_path / "cache.pt")
+    copies = [copy.deepcopy(cache), torch.load(tmp_path / "cache.pt", weights_only=False)]
+    q = kv(1, heads=2, seed=3)[0]
+    for other in copies:
+        assert same_state(state(other), state(cache))
+        assert torch.equal(lowbit_attn.attention_with_kv_cache(q, other, 0),
+                           lowbit_attn.attention_with_kv_cache(q, cache, 0))
+    before = state(cache)
+    k2, v2 = kv(2, seed=5)
+    for other in copies:
+        other.append(0, k2, v2)
+        assert other.length(0).tolist() == [8, 8]
+    assert cache.length(0).tolist() == [6, 6] and same_state(before, state(cache))

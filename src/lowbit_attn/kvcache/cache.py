@@ -31,6 +31,10 @@ class QuantizedKVCache:
     sequence's open page of V in ``dtype``; μ and the balancing statistics per (sequence, head);
     the block table int32 ``[B, max_pages_per_seq]`` (-1 unused); the lengths.
 
+    ``copy.deepcopy`` copies it and ``torch.save``/``torch.load`` keep it; ``pickle`` (and so
+    ``multiprocessing``) does not with ``kv_int8_fp8``: PyTorch's pickling of float8 tensors (V's
+    pages) raises ``AttributeError``.
+
     Args:
         num_layers: layers of the model, a positive int.
         batch: sequences, a positive int.
