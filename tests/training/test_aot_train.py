@@ -188,3 +188,20 @@ def test_every_training_kernel_compiles_for_blackwell(arch, dq_mode):
     assert backward and backward[0].constexprs.get("TMEM") is (arch == "sm_100a")
     mma = "tcgen05.mma" if arch == "sm_100a" else "mma.sync"
     assert any(form.startswith(mma) for form in backward[0].instructions), backward[0].instructions
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_a_softcap_with_k_smoothed_compiles_its_shift_and_dq_correction(d):
+    """The softcap path with K smoothed (the rows' shift in the forward and both backward
+    kernels, dQ's K-mean correction): every kernel compiles for sm_90a with its INT8 wgmmas; the
+    forward and the dQ kernel do not spill (the dK/dV kernel already did with a softcap:
+    benchmarks/NOTES.md §20)."""
+    from lowbit_attn.core.variants import Variant
+
+    rs = _by_kernel(aot.compile_train("sagebwd_int8", "sm_90a", d, causal=True,
+                                      variant=Variant(softcap=50.0)))
+    assert all(r.error is None for r in rs.values()), {k: r.error for k, r in rs.items()}
+    for name in ("_train_fwd_kernel", "_train_dq_kernel", "_train_dq_kernel/delta"):
+        assert rs[name].constexprs["HAS_RS"] and rs[name].spill_stores == 0, (name, rs[name])
+        assert any(INT8_WGMMA in form for form in rs[name].instructions), rs[name].instructions
+    assert rs["_train_dkdv_kernel"].constexprs["HAS_RS"]

@@ -1,7 +1,7 @@
 """trainable_attention with the LLM variants (issue 44): window, chunk and softcap forward and
 backward against float64 autograd of exact attention with the mask built entry by entry
 (``helpers.independent_mask``); the Triton kernels (the interpreter on a CPU) against their twins;
-the refusals (sinks; smooth_k with a softcap; the sm90 backward for a variant)."""
+K smoothing under a softcap; the refusals (sinks; the sm90 backward for a variant)."""
 
 from __future__ import annotations
 
@@ -69,14 +69,49 @@ def test_kernels_match_twins(kw, recipe, monkeypatch, device):
         assert err < 2e-3, f"{name}: relative L2 {err:.2e} between the kernels and the twins"
 
 
+def test_atomic_dq_takes_the_dq_kernel_under_a_softcap(monkeypatch, device):
+    """dQ's K-mean correction is the dQ kernel's: LOWBIT_ATTN_TRAIN_DQ=atomic computes such a
+    backward there, and gives the twins' gradients."""
+    q, k, v = channel_biased((1, 2, 45, 32), (1, 1, 70, 32), seed=13, device=device.name,
+                             bias=1.0)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(4)).to(device.name)
+    monkeypatch.setenv("LOWBIT_ATTN_TRAIN_DQ", "atomic")
+    results = []
+    for backend in ("reference", "triton"):
+        monkeypatch.setenv("LOWBIT_ATTN_BACKEND", backend)
+        results.append(_grads(lowbit_attn.trainable_attention, q, k, v, do, torch.float16,
+                              recipe="sagebwd_int8", softcap=2.0))
+    for name, g, w in zip(("out", "dq", "dk", "dv"), *results):
+        err = float((g - w).norm() / w.norm())
+        assert err < 2e-3, f"{name}: relative L2 {err:.2e} between the kernels and the twins"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_k_smoothing_keeps_dq_accurate_under_a_softcap(causal, monkeypatch):
+    """Keys with a channel bias: a softcap keeps K smoothed (the tanh takes each row's shift back,
+    dQ gets Σ_j dS_ij·mean K), so dQ is as accurate as without a cap; with smoothing off (as
+    every softcapped call ran before) its error is several times larger."""
+    monkeypatch.setenv("LOWBIT_ATTN_BACKEND", "reference")
+    q, k, v = channel_biased((1, 2, 192, 64), (1, 2, 192, 64), seed=21, dtype=torch.float64,
+                             bias=4.0)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    want = _grads(_exact64, q, k, v, do, torch.float64, causal=causal, softcap=20.0)
+    errs = {}
+    for smooth in (None, False):
+        got = _grads(lowbit_attn.trainable_attention, q, k, v, do, torch.bfloat16,
+                     recipe="sagebwd_int8", is_causal=causal, softcap=20.0, smooth_k=smooth)
+        errs[smooth] = [float((g - w).norm() / w.norm()) for g, w in zip(got, want)]
+    smoothed, plain = errs[None], errs[False]
+    assert smoothed[1] < 0.06 and plain[1] > 3 * smoothed[1], (smoothed, plain)  # dQ
+    assert max(smoothed[0], smoothed[2], smoothed[3]) < 0.06, smoothed
+
+
 def test_refusals():
     q, k, v = channel_biased((1, 2, 8, 32), (1, 2, 8, 32), seed=1)
     with pytest.raises(ValueError, match="sinks"):
         lowbit_attn.trainable_attention(q, k, v, sinks=torch.zeros(2))
     with pytest.raises(TypeError, match="sinks .* got list"):  # as attention() names the type
         lowbit_attn.trainable_attention(q, k, v, sinks=[0.0, 0.0])
-    with pytest.raises(ValueError, match="smooth_k"):
-        lowbit_attn.trainable_attention(q, k, v, softcap=5.0, smooth_k=True)
     with pytest.raises(ValueError, match="window\\[0\\]"):
         lowbit_attn.trainable_attention(q, k, v, window=(-3, 0))
     with pytest.raises(ValueError, match="softcap"):

@@ -222,6 +222,10 @@ class TrainOperands:
             times α, K's divided by α; the backward returns ``dQ∘α`` and ``dK/α`` to undo it.
         delta_s: fp32 ``mean(Q_block)·K'ᵀ·qk_multiplier`` ``[B, Hq, ceil(Nq/64), Nk]`` added to the
             scores (``smooth_q``).
+        row_shift, k_mean: with a softcap and ``smooth_k``: what K smoothing took off each row of
+            scores, fp32 base 2 ``(q·mean K)·qk_multiplier`` ``[B, Hq, Nq]`` (the tanh takes the
+            true scores), and K's mean ``[B, Hkv, D]`` fp32 for dQ's correction ``Σ_j dS_ij·mean
+            K`` (a softcap's dS rows do not sum to zero).
         int8: the matmuls computed in INT8 (names from :data:`TRAIN_MATMULS`).
         dtype: the inputs' dtype: 16-bit operands (and P, dS of 16-bit matmuls) are rounded to it.
         backward_granularity: the INT8 scale groups of P and dS in the backward
@@ -247,6 +251,8 @@ class TrainOperands:
     delta_s: torch.Tensor | None = None
     balance: torch.Tensor | None = None
     backward_granularity: str = "per_tile"
+    row_shift: torch.Tensor | None = None
+    k_mean: torch.Tensor | None = None
 
 
 @dataclass

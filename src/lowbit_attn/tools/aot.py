@@ -637,15 +637,17 @@ def _compile_all(launches: list[Launch], arch: str, config: int) -> list[KernelR
 
 def record_train_launches(
     recipe, *, head_dim: int = 128, causal: bool = False, dtype: torch.dtype = torch.bfloat16,
-    seq_len: int = 1024, dq_mode: str = "recompute", bwd_kernel: str = "triton",
+    seq_len: int = 1024, dq_mode: str = "recompute", bwd_kernel: str = "triton", variant=None,
 ) -> list[Launch]:
     """The kernel launches of one trainable attention forward and backward (``[1, 2, seq_len,
     head_dim]``, a :class:`~lowbit_attn.core.recipes.TrainRecipe` or its name) on the Triton backend;
     ``dq_mode``: ``"recompute"`` or ``"atomic"``, as ``LOWBIT_ATTN_TRAIN_DQ`` chooses, and
     ``bwd_kernel``: ``"triton"`` or ``"sm90"`` (where it applies), as ``LOWBIT_ATTN_BWD_KERNEL``
-    does on an sm_90 device (:mod:`lowbit_attn.core.options`)."""
+    does on an sm_90 device (:mod:`lowbit_attn.core.options`); ``variant``: a
+    :class:`~lowbit_attn.core.variants.Variant` (window, chunk, softcap) or None."""
     from lowbit_attn.training.prepare import prepare, prepare_grad
     from lowbit_attn.core.recipes import resolve_train
+    from lowbit_attn.core.variants import PLAIN
     from lowbit_attn.training import kernel_bwd, kernel_fwd
 
     r = resolve_train(recipe)
@@ -653,13 +655,14 @@ def record_train_launches(
     lse = torch.zeros(1, 2, seq_len)
     offset = 0 if causal else None
     scale = head_dim ** -0.5
+    variant = PLAIN if variant is None else variant
     with _recording() as sink:
-        ops = prepare(q, k, v, r, scale, "triton")
-        kernel_fwd.forward(ops, out=torch.zeros_like(q), causal_offset=offset)
+        ops = prepare(q, k, v, r, scale, "triton", softcap=variant.softcap > 0)
+        kernel_fwd.forward(ops, out=torch.zeros_like(q), causal_offset=offset, variant=variant)
         grad = prepare_grad(do, r, "triton")
         kernel_bwd.backward(ops, grad, lse, torch.zeros_like(q), torch.zeros_like(k),
                             torch.zeros_like(v), causal_offset=offset, softmax_scale=scale,
-                            mode=dq_mode, kernel=bwd_kernel)
+                            mode=dq_mode, kernel=bwd_kernel, variant=variant)
     return list(sink)
 
 
@@ -857,12 +860,13 @@ def compile_vsa(arch: str = "sm_90a", head_dim: int = 128, dtype: torch.dtype = 
 def compile_train(recipe="sagebwd_int8", arch: str = "sm_90a", head_dim: int = 128,
                   causal: bool = False, dtype: torch.dtype = torch.bfloat16,
                   config: int = 0, dq_mode: str = "recompute",
-                  bwd_kernel: str = "triton") -> list[KernelReport]:
+                  bwd_kernel: str = "triton", variant=None) -> list[KernelReport]:
     """Compile, for ``arch``, every kernel of one trainable attention forward and backward and
-    report each (see :func:`compile_recipe`; ``bwd_kernel`` as :func:`record_train_launches`)."""
+    report each (see :func:`compile_recipe`; ``bwd_kernel`` and ``variant`` as
+    :func:`record_train_launches`)."""
     arch = normalize_arch(arch)
     launches = record_train_launches(recipe, head_dim=head_dim, causal=causal, dtype=dtype,
-                                     dq_mode=dq_mode, bwd_kernel=bwd_kernel)
+                                     dq_mode=dq_mode, bwd_kernel=bwd_kernel, variant=variant)
     return _compile_all(launches, arch, config)
 
 

@@ -66,8 +66,9 @@ def trainable_attention(
             ``window_size``, aligned bottom-right; with ``is_causal`` the right bound is 0); the
             gradients see the same mask.
         softcap: ``c > 0``: scores ``c·tanh(S/c)`` (Gemma 2); the backward multiplies dS by
-            ``1 - tanh²``. K is not smoothed then (the tanh needs the true scores, and dS's rows
-            no longer sum to zero): ``smooth_k=True`` with a softcap is refused.
+            ``1 - tanh²``. With K smoothed, the tanh takes the true scores (each row's ``q·mean
+            K`` added back) and dQ gets ``Σ_j dS_ij·mean K`` (a softcap's dS rows do not sum to
+            zero).
         chunk: ``C > 0``: chunked local attention as for :func:`~lowbit_attn.attention`.
         sinks: not supported in training (``None`` only).
 
@@ -81,8 +82,8 @@ def trainable_attention(
             number; ``recipe`` neither a str nor a :class:`TrainRecipe`; ``keep_16bit`` not a
             tuple of names; inputs other than float16/bfloat16 where the Triton kernels run.
         ValueError: the checks of ``window``, ``softcap`` and ``chunk`` of :func:`attention`;
-            ``sinks`` given; ``smooth_k=True`` with a softcap; the shape and device checks of
-            :func:`attention`; an unknown ``layout``,
+            ``sinks`` given; the shape and device checks of :func:`attention`; an unknown
+            ``layout``,
             recipe name or matmul name in ``keep_16bit``; ``scale`` not positive and finite; a
             ``LOWBIT_ATTN_*`` variable set to a value outside its choices; inputs differentiated
             other than in reverse mode (a forward-mode tangent, ``torch.func.grad``/``vjp``/
@@ -118,13 +119,8 @@ def trainable_attention(
         raise ValueError(refused)
     variant = variants.check(is_causal=is_causal, window=window, softcap=softcap, chunk=chunk,
                              sinks=None, hq=qh.shape[1], device=q.device)
-    if variant.softcap and smooth_k:
-        raise ValueError("smooth_k=True cannot be combined with softcap in trainable_attention: "
-                         "the tanh needs the true scores; leave smooth_k=None")
     r = resolve_train(recipe, smooth_k=smooth_k, smooth_q=smooth_q, keep_16bit=keep_16bit,
                       balance_qk=balance_qk)
-    if variant.softcap and r.smooth_k:
-        r = r.replace(smooth_k=False)
     if backend_for(q.device) == "triton" and q.dtype not in KERNEL_DTYPES:
         raise TypeError(
             f"trainable_attention's kernels take float16 or bfloat16 inputs, got {q.dtype}; cast q, "

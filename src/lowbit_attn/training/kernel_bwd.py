@@ -22,7 +22,7 @@ from lowbit_attn.core.arch import get_capability, interpreter_enabled, tensor_me
 from lowbit_attn.core.operands import TRAIN_BLOCK, GradOperands, TrainOperands
 from lowbit_attn.core.triton_helpers import (
     LaunchConfig, autotuned, batch_head, mm, next_pow2, next_power_of_2, operand, program_heads,
-    quantize_tile, softcap_scores, strides, token_major, window_block_bounds, window_ok,
+    quantize_tile, strides, token_major, window_block_bounds, window_ok,
     window_query_bounds,
 )
 from lowbit_attn.core.variants import PLAIN, Variant, variant_args
@@ -75,19 +75,29 @@ def _operand_pair(x, y, b, h, blk, tokens, offs_d, dmask, N, TRANS: tl.constexpr
 
 
 @triton.jit
+def _row_shift(RS, rs_strides, b, h, rows, NQ, HAS_RS: tl.constexpr, BLOCK: tl.constexpr):
+    """The query rows' K-smoothing shift (base 2) from ``RS`` with ``HAS_RS``, else zeros."""
+    if HAS_RS:
+        srb, srh, srn = rs_strides
+        return tl.load(RS + b * srb + h * srh + rows * srn, mask=rows < NQ, other=0.0)
+    return tl.zeros([BLOCK], dtype=tl.float32)
+
+
+@triton.jit
 def _tile_p_dp(
     a_s, qs, b_s, ks, a_dp, dos, b_dp, vdps, lse, rows, cols, NQ, NK, causal_offset,
     ds_ptrs, IS_CAUSAL: tl.constexpr, HAS_DS: tl.constexpr, QK_INT8: tl.constexpr,
     DP_INT8: tl.constexpr, EMU_FP32: tl.constexpr, TRANS: tl.constexpr, window=None,
-    WINDOWED: tl.constexpr = False, cap=None, SOFTCAP: tl.constexpr = False,
+    WINDOWED: tl.constexpr = False, cap=None, SOFTCAP: tl.constexpr = False, shift=None,
 ):
     """P and dP of one 64×64 tile, S recomputed as the forward computed it (dS is
     ``P ∘ (dP - Δ)``): queries × keys from ``S = Q·Kᵀ`` (``a_s = Q``, ``b_s = Kᵀ``) and ``dP =
     dO·Vᵀ`` (``a_dp = dO``, ``b_dp = Vᵀ``), or with ``TRANS`` keys × queries, Pᵀ and dPᵀ from
     ``K·Qᵀ`` and ``V·dOᵀ``. ``ds_ptrs``: ΔS's pointers in the tile's orientation. ``window``:
     ``(left, right, chunk)`` with ``WINDOWED``; ``SOFTCAP``: the scores soft-capped
-    (``cap = (c·log2 e, 2/c, 1/(c·log2 e))``) and the third result ``1 - tanh²``, what dS is
-    multiplied by (1.0 without)."""
+    (``cap = (c·log2 e, 2/c, 1/(c·log2 e))``; of the true scores, each query row's K-smoothing
+    ``shift`` added back, zeros where K is not smoothed) and the third result ``1 - tanh²``, what
+    dS is multiplied by (1.0 without)."""
     s = mm(a_s, b_s, QK_INT8, EMU_FP32) * (qs * ks)
     if TRANS:
         r, c, bias_mask = rows[None, :], cols[:, None], cols[:, None] < NK
@@ -96,9 +106,14 @@ def _tile_p_dp(
     if HAS_DS:
         s = s + tl.load(ds_ptrs, mask=bias_mask, other=0.0)
     slope = 1.0
-    if SOFTCAP:  # K is not smoothed: no row shift
-        s = softcap_scores(s, cap[0], cap[1], tl.zeros([s.shape[0]], dtype=tl.float32))
-        t = s * cap[2]
+    if SOFTCAP:  # softcap_scores' steps, with the query rows' shift on either axis
+        if TRANS:
+            sh = shift[None, :]
+        else:
+            sh = shift[:, None]
+        e = tl.exp2((s + sh) * cap[1])
+        s = (1.0 - 2.0 / (e + 1.0)) * cap[0] - sh
+        t = (s + sh) * cap[2]
         slope = 1.0 - t * t
     valid = (r < NQ) & (c < NK)
     if WINDOWED:
@@ -118,18 +133,19 @@ def _tile_p_dp(
 @triton.jit
 def _train_dkdv_kernel(
     q, k, do_dp, v_dp, do_dv, q_dk, k_dq,
-    QM, DS, LSE, DELTA, dk_out, dv_out, BAL, DQ_ACC,
-    qm_strides, ds_strides, lse_strides, bal_strides, acc_strides,
+    QM, DS, LSE, DELTA, dk_out, dv_out, BAL, DQ_ACC, RS,
+    qm_strides, ds_strides, lse_strides, bal_strides, acc_strides, rs_strides,
     NQ, NK, HKV, GROUP, D, causal_offset, softmax_scale, N_BUCKET,
     left, right, chunk, cap2, two_over, inv_cap2,
     IS_CAUSAL: tl.constexpr, QK_INT8: tl.constexpr, DP_INT8: tl.constexpr,
     DV_INT8: tl.constexpr, DK_INT8: tl.constexpr, DQ_INT8: tl.constexpr, HAS_DS: tl.constexpr,
     HAS_BAL: tl.constexpr, ATOMIC_DQ: tl.constexpr, EMU_FP32: tl.constexpr, TMEM: tl.constexpr,
-    PER_ROW: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    PER_ROW: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr, HAS_RS: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """dK and dV of one key block (with ``WINDOWED``, the query blocks of
-    ``window_query_bounds``, masked; ``SOFTCAP``: see :func:`_tile_p_dp`). Operands (see
+    ``window_query_bounds``, masked; ``SOFTCAP``: see :func:`_tile_p_dp`, with ``HAS_RS`` the
+    rows' K-smoothing shift ``RS``, batch/head/token strides ``rs_strides``). Operands (see
     :func:`_operand`): Q and K for the scores, dO and
     V for dP, dO for dV, Q for dK, K for dQ (``ATOMIC_DQ``). Strides: (batch, head, query block,
     dim) of Q's block means ``QM``; (batch, head, query block, key) of ``DS``; (batch, head, token)
@@ -180,6 +196,7 @@ def _train_dkdv_kernel(
                 k_blk, qs, q_t, ks, v_blk, dos, do_t, vdps, lse, rows, cols, NQ, NK,
                 causal_offset, ds_ptrs, IS_CAUSAL, HAS_DS, QK_INT8, DP_INT8, EMU_FP32, True,
                 (left, right, chunk), WINDOWED, (cap2, two_over, inv_cap2), SOFTCAP,
+                _row_shift(RS, rs_strides, b, h, rows, NQ, HAS_RS, BLOCK),
             )
             dst = pt * (dpt - delta[None, :])
             if SOFTCAP:
@@ -213,18 +230,19 @@ def _train_dkdv_kernel(
 
 @triton.jit
 def _train_dq_kernel(
-    q, k, do_dp, v_dp, k_dq, DS, LSE, DELTA, DQ, BAL,
-    ds_strides, lse_strides, dq_strides, bal_strides,
+    q, k, do_dp, v_dp, k_dq, DS, LSE, DELTA, DQ, BAL, RS, KM,
+    ds_strides, lse_strides, dq_strides, bal_strides, rs_strides, km_strides,
     NQ, NK, HQ, GROUP, D, causal_offset, softmax_scale, N_BUCKET,
     left, right, chunk, cap2, two_over, inv_cap2,
     IS_CAUSAL: tl.constexpr, QK_INT8: tl.constexpr, DP_INT8: tl.constexpr,
     DQ_INT8: tl.constexpr, HAS_DS: tl.constexpr, HAS_BAL: tl.constexpr, EMU_FP32: tl.constexpr,
     TMEM: tl.constexpr, DELTA_PASS: tl.constexpr, PER_ROW: tl.constexpr, WINDOWED: tl.constexpr,
-    SOFTCAP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_RS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One query block's dQ, for the Δ in DELTA; with ``DELTA_PASS``, instead, the block's
     ``Δ_i = Σ_j P_ij·dP_ij`` into DELTA (the first launch of the backward). Operands and strides
-    as in :func:`_train_dkdv_kernel` (``DQ``: batch, head, token, dim)."""
+    as in :func:`_train_dkdv_kernel` (``DQ``: batch, head, token, dim); with ``HAS_RS`` (K
+    smoothed under a softcap) dQ also gets ``Σ_j dS_ij·mean K`` (``KM``: batch, head, dim)."""
     sdsb, sdsh, sdsq, sdsn = ds_strides
     slb, slh, sln = lse_strides
     sdqb, sdqh, sdqn, sdqd = dq_strides
@@ -241,6 +259,8 @@ def _train_dq_kernel(
     else:
         delta = tl.load(DELTA + b * slb + h * slh + rows * sln, mask=rows < NQ, other=0.0)
     dq = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+    ds_rows = tl.zeros([BLOCK], dtype=tl.float32)  # Σ_j dS_ij, with HAS_RS
+    shift = _row_shift(RS, rs_strides, b, h, rows, NQ, HAS_RS, BLOCK)
     lo = 0
     hi = NK
     if WINDOWED:
@@ -260,7 +280,7 @@ def _train_dq_kernel(
         p, dp, slope = _tile_p_dp(
             q_blk, qs, kt, ks, do_dp_blk, dos, v_dpt, vdps, lse, rows, cols, NQ, NK,
             causal_offset, ds_ptrs, IS_CAUSAL, HAS_DS, QK_INT8, DP_INT8, EMU_FP32, False,
-            (left, right, chunk), WINDOWED, (cap2, two_over, inv_cap2), SOFTCAP,
+            (left, right, chunk), WINDOWED, (cap2, two_over, inv_cap2), SOFTCAP, shift,
         )
         if DELTA_PASS:
             delta += tl.sum(p * dp, axis=1)
@@ -268,6 +288,8 @@ def _train_dq_kernel(
             ds = p * (dp - delta[:, None])
             if SOFTCAP:
                 ds = ds * slope
+            if HAS_RS:
+                ds_rows += tl.sum(ds, axis=1)
             k_dq_blk, kdqs = _operand(k_dq, b, hk, kb, cols, offs_d, nd_mask, False)
             dsq, dss = quantize_tile(ds, DQ_INT8, k_dq[0], TMEM, PER_ROW)
             dq += mm(dsq, k_dq_blk, DQ_INT8, EMU_FP32) * (dss * kdqs)
@@ -277,6 +299,10 @@ def _train_dq_kernel(
         dq = dq * softmax_scale
         if HAS_BAL:  # Q entered as Q∘α
             dq *= tl.load(BAL + b * sbb + hk * sbh + offs_d * sbd, mask=dmask, other=1.0)[None, :]
+        if HAS_RS:  # K entered as K - mean K, and these dS rows do not sum to zero
+            skmb, skmh, skmd = km_strides
+            km = tl.load(KM + b * skmb + hk * skmh + offs_d * skmd, mask=dmask, other=0.0)
+            dq += (ds_rows * softmax_scale)[:, None] * km[None, :]
         tl.store(  # int64 rows: dQ's may span 2^31 elements (NHD, N·H·D)
             DQ + b * sdqb + h * sdqh + rows.to(tl.int64)[:, None] * sdqn + offs_d[None, :] * sdqd,
             dq.to(DQ.dtype.element_ty), mask=md_mask)
@@ -305,7 +331,7 @@ def _dq_finish_kernel(ACC, DQ, BAL, acc_strides, dq_strides, bal_strides,
 
 
 _KEY = ["N_BUCKET", "BLOCK_D", "IS_CAUSAL", "QK_INT8", "DP_INT8", "HAS_DS", "HAS_BAL", "PER_ROW",
-        "WINDOWED", "SOFTCAP"]
+        "WINDOWED", "SOFTCAP", "HAS_RS"]
 _DKDV_KEY = _KEY + ["DV_INT8", "DK_INT8", "DQ_INT8", "ATOMIC_DQ"]
 _dkdv = autotuned(CONFIGS, key=_DKDV_KEY, reset_to_zero=["DQ_ACC"])(_train_dkdv_kernel)
 _dkdv_small_d = autotuned(ONE_WARPGROUP, key=_DKDV_KEY,  # D <= 64
@@ -322,13 +348,15 @@ def launch_args(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, dq, d
     hkv, nk = ops.k.shape[1], ops.k.shape[2]
     lse = lse.contiguous()
     delta = torch.empty_like(lse)  # Δ [B, Hq, Nq] fp32, written by the first launch; LSE's strides
-    atomic = mode == "atomic"
+    # dQ's K-mean correction (K smoothed under a softcap) is the dQ kernel's: recomputed there
+    atomic = mode == "atomic" and ops.row_shift is None
     common = dict(
         q=operand(ops.q, ops.q_scale * ops.qk_multiplier), k=operand(ops.k, ops.k_scale),
         do_dp=operand(grad.do_dp, grad.do_dp_scale), v_dp=operand(ops.v_dp, ops.v_dp_scale),
         k_dq=operand(token_major(ops.k_dq), ops.k_dq_scale), DS=ops.delta_s, LSE=lse,
         DELTA=delta,
-        BAL=ops.balance, ds_strides=strides(ops.delta_s, 4), lse_strides=lse.stride(),
+        BAL=ops.balance, RS=ops.row_shift, ds_strides=strides(ops.delta_s, 4),
+        lse_strides=lse.stride(), rs_strides=strides(ops.row_shift, 3),
         bal_strides=strides(ops.balance, 3), NQ=nq, NK=nk, GROUP=hq // hkv, D=d,
         causal_offset=nk - nq if variant.windowed else (
             0 if causal_offset is None else int(causal_offset)),
@@ -338,7 +366,7 @@ def launch_args(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, dq, d
         IS_CAUSAL=causal_offset is not None and not variant.windowed, QK_INT8="qk" in ops.int8,
         DP_INT8="dp" in ops.int8,
         DQ_INT8="dq" in ops.int8, HAS_DS=ops.delta_s is not None, HAS_BAL=ops.balance is not None,
-        EMU_FP32=interpreter_enabled(), TMEM=tensor_memory(get_capability()),
+        HAS_RS=ops.row_shift is not None, EMU_FP32=interpreter_enabled(), TMEM=tensor_memory(get_capability()),
         PER_ROW=ops.backward_granularity == "per_row", BLOCK=TRAIN_BLOCK,
         BLOCK_D=next_pow2(d, minimum=32),
     )
@@ -346,7 +374,8 @@ def launch_args(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, dq, d
     acc = torch.zeros((b, hq, nq, d) if atomic else (1, 1, 1, 1), device=dq.device,
                       dtype=torch.float32)
     rows_grid = (triton.cdiv(nq, TRAIN_BLOCK), b * hq)
-    rows_pass = dict(common, DQ=dq, dq_strides=dq.stride(), HQ=hq)
+    rows_pass = dict(common, DQ=dq, dq_strides=dq.stride(), HQ=hq, KM=ops.k_mean,
+                     km_strides=strides(ops.k_mean, 3))
     dkdv = _dkdv_small_d if common["BLOCK_D"] <= 64 else _dkdv
     launches = [(_dq, rows_grid, dict(rows_pass, DELTA_PASS=True)), (
         dkdv, (triton.cdiv(nk, TRAIN_BLOCK), b * hkv),

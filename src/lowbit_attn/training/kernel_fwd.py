@@ -75,16 +75,17 @@ def _fwd_block(
 
 @triton.jit
 def _train_fwd_kernel(
-    q, k, v, DS, O, LSE, ds_strides, o_strides, lse_strides,
+    q, k, v, DS, O, LSE, RS, ds_strides, o_strides, lse_strides, rs_strides,
     NQ, NK, HQ, GROUP, D, causal_offset, N_BUCKET, left, right, chunk, cap2, two_over,
     IS_CAUSAL: tl.constexpr, QK_INT8: tl.constexpr, PV_INT8: tl.constexpr,
     HAS_DS: tl.constexpr, EMU_FP32: tl.constexpr, QUANT_BLOCK: tl.constexpr,
-    WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
+    WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr, HAS_RS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """With ``WINDOWED`` the key blocks of ``window_block_bounds`` (``left``, ``right``,
     ``chunk``; ``causal_offset`` is ``Nk - Nq``), each masked; ``SOFTCAP``: the scores
-    soft-capped (``cap2``, ``two_over``; K is not smoothed then). Operands ``q``, ``k``, ``v``:
+    soft-capped (``cap2``, ``two_over``; with ``HAS_RS`` of the true scores, each row's K-smoothing
+    shift ``RS`` added back, batch/head/token strides ``rs_strides``). Operands ``q``, ``k``, ``v``:
     ``(values [B, H, N, D], scales [B, H, N/QUANT_BLOCK], values'
     strides, scales' strides)``. Strides: (batch, head, query block, key) of ``DS``; (batch, head,
     token, dim) of ``O``; (batch, head, token) of ``LSE``."""
@@ -122,7 +123,12 @@ def _train_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     window = (left, right, chunk)
-    cap = (cap2, two_over, tl.zeros([BLOCK_M], dtype=tl.float32))
+    if HAS_RS:
+        srb, srh, srn = rs_strides
+        shift = tl.load(RS + b * srb + h * srh + offs_m * srn, mask=mmask, other=0.0)
+    else:
+        shift = tl.zeros([BLOCK_M], dtype=tl.float32)
+    cap = (cap2, two_over, shift)
     if WINDOWED:  # every block of the window's range masked
         full_lo, _, _, hi = window_block_bounds(NK, pid_m, causal_offset, left, right, chunk,
                                                 BLOCK_M, BLOCK_N)
@@ -151,8 +157,9 @@ def _train_fwd_kernel(
 _train_fwd = triton.autotune(
     configs=triton_configs(CONFIGS, get_capability()),
     key=["N_BUCKET", "BLOCK_D", "IS_CAUSAL", "QK_INT8", "PV_INT8", "HAS_DS", "BLOCK_M",
-         "WINDOWED", "SOFTCAP"],
-)(triton.heuristics({"HAS_DS": lambda a: a["DS"] is not None})(_train_fwd_kernel))
+         "WINDOWED", "SOFTCAP", "HAS_RS"],
+)(triton.heuristics({"HAS_DS": lambda a: a["DS"] is not None,
+                     "HAS_RS": lambda a: a["RS"] is not None})(_train_fwd_kernel))
 
 
 def launch_args(ops: TrainOperands, out: torch.Tensor, lse: torch.Tensor, causal_offset,
@@ -165,8 +172,9 @@ def launch_args(ops: TrainOperands, out: torch.Tensor, lse: torch.Tensor, causal
     kwargs = dict(
         q=operand(ops.q, ops.q_scale * ops.qk_multiplier), k=operand(ops.k, ops.k_scale),
         v=operand(token_major(ops.v) if "pv" in ops.int8 else ops.v, ops.v_scale),
-        DS=ops.delta_s, O=out, LSE=lse,
+        DS=ops.delta_s, O=out, LSE=lse, RS=ops.row_shift,
         ds_strides=strides(ops.delta_s, 4), o_strides=out.stride(), lse_strides=lse.stride(),
+        rs_strides=strides(ops.row_shift, 3),
         NQ=nq, NK=nk, HQ=hq, GROUP=hq // hkv, D=d,
         causal_offset=nk - nq if variant.windowed else (
             0 if causal_offset is None else int(causal_offset)),

@@ -10,8 +10,9 @@ Backward: S and P recomputed from the LSE; ``dP = dO·Vᵀ``; ``dS = P ∘ (dP -
 (``rowsum(dO ∘ O)`` would take the forward's INT8 P̃·V: on nearly one-hot rows a bias the size of
 the gradient); P and dS quantized to INT8 per 64×64 tile, or per row of each product's output in
 the tile, for ``dV = Pᵀ·dO``, ``dQ = dS·K`` and ``dK = dSᵀ·Q``, each product summed tile by tile
-in the kernels' order. K smoothing needs no correction (the rows of dS sum to zero); Q smoothing adds
-``Σ_i dS_ij·mean(Q_block(i))`` to dK.
+in the kernels' order. K smoothing needs no correction (the rows of dS sum to zero) but under a
+softcap: the tanh takes the true scores (each row's shift added back) and dQ gets ``Σ_j
+dS_ij·mean K``; Q smoothing adds ``Σ_i dS_ij·mean(Q_block(i))`` to dK.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ def dequantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
 
 def scores(ops: TrainOperands, causal_offset: int | None,
            variant: Variant = PLAIN) -> torch.Tensor:
-    """Base-2 scores ``[B, Hq, Nq, Nk]`` (soft-capped with ``variant.softcap``: K is not smoothed
-    then), ``-inf`` where a key is not visible."""
+    """Base-2 scores ``[B, Hq, Nq, Nk]`` (soft-capped with ``variant.softcap``, of the true scores
+    where K was smoothed: ``ops.row_shift``), ``-inf`` where a key is not visible."""
     cdt = compute_dtype(ops)
     hq, nq, nk = ops.q.shape[1], ops.q.shape[2], ops.k.shape[2]
     kf = expand_heads(ops.k, hq).to(cdt)
@@ -55,15 +56,20 @@ def scores(ops: TrainOperands, causal_offset: int | None,
     if ops.delta_s is not None:
         s = s + _per_row(ops.delta_s.transpose(-1, -2), nq).transpose(-1, -2).to(cdt)
     if variant.softcap:
-        s = softcap_base2(s, variant.softcap)
+        s = softcap_base2(s, variant.softcap, _shift(ops, cdt))
     mask = visible_for(variant, nq, nk, causal_offset, ops.q.device)
     return s.masked_fill(~mask, float("-inf"))
 
 
-def softcap_slope(s: torch.Tensor, softcap: float) -> torch.Tensor:
-    """``1 - tanh²`` of soft-capped base-2 scores ``s`` (``tanh = s/(c·log2 e)``; 1 where masked),
-    what dS is multiplied by (``triton_helpers.softcap_slope``)."""
-    t = s * _inv_cap2(softcap, s.dtype)
+def _shift(ops: TrainOperands, dtype) -> torch.Tensor | float:
+    """Each row's K-smoothing shift ``[B, Hq, Nq, 1]`` (base 2), or 0."""
+    return 0.0 if ops.row_shift is None else ops.row_shift.to(dtype).unsqueeze(-1)
+
+
+def softcap_slope(s: torch.Tensor, softcap: float, shift: torch.Tensor | float = 0.0) -> torch.Tensor:
+    """``1 - tanh²`` of soft-capped base-2 scores ``s`` lowered by ``shift`` (``tanh = (s +
+    shift)/(c·log2 e)``; 1 where masked), what dS is multiplied by (``kernel_bwd._tile_p_dp``)."""
+    t = (s + shift) * _inv_cap2(softcap, s.dtype)
     return torch.where(torch.isneginf(s), 1.0, 1.0 - t * t)
 
 
@@ -186,7 +192,7 @@ def probabilities(ops: TrainOperands, grad: GradOperands, lse: torch.Tensor, *,
     dp = torch.matmul(do_dp, v_dp.transpose(-1, -2))
     ds = p * (dp - _delta(p, dp).unsqueeze(-1))
     if variant.softcap:
-        ds = ds * softcap_slope(s, variant.softcap)
+        ds = ds * softcap_slope(s, variant.softcap, _shift(ops, cdt))
     return p, dp, ds
 
 
@@ -257,6 +263,12 @@ def backward(
     ds_vals, ds_scales = quantize_tiles(ds, "dq" in ops.int8, ops.dtype, granularity, "key")
     dq = _over_keys(ds_vals, ds_scales, expand_heads(ops.k_dq, hq),
                     expand_heads(ops.k_dq_scale, hq)) * softmax_scale
+    if ops.balance is not None:  # Q entered as Q∘α
+        dq = dq * expand_heads(ops.balance.to(cdt).unsqueeze(-2), hq)
+    if ops.k_mean is not None:  # K smoothed under a softcap: Σ_j dS_ij·mean K, rows in key order
+        rows = _delta(ds, torch.ones_like(ds))
+        dq = dq + (rows * softmax_scale).unsqueeze(-1) * expand_heads(
+            ops.k_mean.to(cdt), hq).unsqueeze(-2)
 
     extra = None
     if ops.q_mean is not None:  # dK's Q-smoothing correction, Σ_i dS_ij·mean(Q_block(i))
@@ -267,8 +279,6 @@ def backward(
 
     ds_vals, ds_scales = quantize_tiles(ds, "dk" in ops.int8, ops.dtype, granularity, "query")
     dk = _over_queries(ds_vals, ds_scales, ops.q_dk, ops.q_dk_scale, hkv, extra) * softmax_scale
-    if ops.balance is not None:  # Q entered as Q∘α and K as K/α
-        alpha = ops.balance.to(cdt).unsqueeze(-2)
-        dq = dq * expand_heads(alpha, hq)
-        dk = dk / alpha
+    if ops.balance is not None:  # K entered as K/α
+        dk = dk / ops.balance.to(cdt).unsqueeze(-2)
     return dq, dk, dv

@@ -90,7 +90,7 @@ def train_fwd(
     backend, forward, _ = _implementation(q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     with checks.no_autocast(q):
-        ops = prepare(qh, kh, vh, recipe, scale, backend)
+        ops = prepare(qh, kh, vh, recipe, scale, backend, softcap=softcap > 0)
         lse = forward(ops, out=_hnd(out, nhd), causal_offset=causal_offset if is_causal else None,
                       variant=Variant(left=left, right=right, chunk=chunk, softcap=softcap))
     return out, lse
@@ -120,7 +120,7 @@ def train_bwd(
     backend, _, backward = _implementation(q.device)
     grads = tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     with checks.no_autocast(q):
-        ops = prepare(qh, kh, vh, recipe, scale, backend)
+        ops = prepare(qh, kh, vh, recipe, scale, backend, softcap=softcap > 0)
         grad = prepare_grad(doh, recipe, backend)
         backward(ops, grad, lse, *(_hnd(g, nhd) for g in grads),
                  causal_offset=causal_offset if is_causal else None, softmax_scale=scale,

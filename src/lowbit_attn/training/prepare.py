@@ -19,14 +19,15 @@ from lowbit_attn.quant import int8_naive as ref_quant
 
 
 def _quantizers(backend: str):
-    """``(int8 module, delta_s)`` of ``backend`` (which the op chose): the channel statistics and
-    INT8 quantizers, and ``ΔS = mean(Q_block)·(K - mean K)ᵀ·multiplier`` ``[B, Hq, nbq, Nk]`` (fp64
-    for fp64 inputs) as ``delta_s(q_mean, k, k_mean, multiplier)``."""
+    """``(int8 module, delta_s, lse_shift)`` of ``backend`` (which the op chose): the channel
+    statistics and INT8 quantizers, ``ΔS = mean(Q_block)·(K - mean K)ᵀ·multiplier`` ``[B, Hq, nbq,
+    Nk]`` (fp64 for fp64 inputs) as ``delta_s(q_mean, k, k_mean, multiplier)``, and each row's
+    ``(q·mean K)·multiplier`` ``[B, Hq, Nq]`` fp32 as ``lse_shift(q, k_mean, multiplier)``."""
     if backend == "triton":
         from lowbit_attn.quant import int8 as kq
 
-        return kq, functools.partial(kq.delta_s, block_q=TRAIN_BLOCK)
-    return ref_quant, ref_attn.delta_s
+        return kq, functools.partial(kq.delta_s, block_q=TRAIN_BLOCK), kq.lse_shift
+    return ref_quant, ref_attn.delta_s, ref_attn.lse_shift
 
 
 def _centered(x: torch.Tensor, center: torch.Tensor | None, per_block: bool,
@@ -84,9 +85,11 @@ class _Formats:
         return self.made[int8]
 
 
-def prepare(q, k, v, recipe: TrainRecipe, softmax_scale: float, backend: str) -> TrainOperands:
-    """Dense ``[B, H, N, D]`` q, k, v → :class:`TrainOperands`."""
-    quant, delta_s = _quantizers(backend)
+def prepare(q, k, v, recipe: TrainRecipe, softmax_scale: float, backend: str,
+            softcap: bool = False) -> TrainOperands:
+    """Dense ``[B, H, N, D]`` q, k, v → :class:`TrainOperands`; with ``softcap`` and K smoothed,
+    each row's shift and K's mean too (the tanh and dQ need what smoothing took off)."""
+    quant, delta_s, lse_shift = _quantizers(backend)
     int8 = recipe.int8
     k_mean = q_mean = q_amax = k_amax = None
     if recipe.smooth_k or recipe.balance_qk:
@@ -109,9 +112,11 @@ def prepare(q, k, v, recipe: TrainRecipe, softmax_scale: float, backend: str) ->
     k_dq, kdqs = kf.get("dq" in int8)
     q_dk, qdks = qf.get("dk" in int8)
     v_dp, vdps = vf.get("dp" in int8)
-    delta = None
+    delta = row_shift = None
     if recipe.smooth_q:
         delta = delta_s(q_mean, k, k_mean, multiplier)
+    if softcap and recipe.smooth_k:
+        row_shift = lse_shift(q, k_mean, multiplier)
     if q_mean is not None and alpha is not None:  # dK's correction, in the balanced space of Q
         wide = torch.promote_types(q.dtype, torch.float32)
         q_mean = q_mean.to(wide) * per_query_head(alpha, q.shape[1]).to(wide).unsqueeze(-2)
@@ -119,7 +124,8 @@ def prepare(q, k, v, recipe: TrainRecipe, softmax_scale: float, backend: str) ->
         q=q_qk, q_scale=qs, k=k_qk, k_scale=ks, v=v_pv, v_scale=vs, k_dq=k_dq, k_dq_scale=kdqs,
         q_dk=q_dk, q_dk_scale=qdks, v_dp=v_dp, v_dp_scale=vdps, qk_multiplier=multiplier,
         int8=int8, dtype=q.dtype, q_mean=q_mean, delta_s=delta, balance=alpha,
-        backward_granularity=recipe.backward_granularity,
+        backward_granularity=recipe.backward_granularity, row_shift=row_shift,
+        k_mean=k_mean if row_shift is not None else None,
     )
 
 
@@ -128,7 +134,7 @@ def prepare_grad(do: torch.Tensor, recipe: TrainRecipe, backend: str) -> GradOpe
     int8 = recipe.int8
     do8 = do_scale = None
     if {"dv", "dp"} & int8:
-        quant, _ = _quantizers(backend)
+        quant = _quantizers(backend)[0]
         do8, do_scale = quant.quantize_int8(do, granularity="per_block", block=TRAIN_BLOCK)
     ones = _ones(do)
     do = addressable(do)  # where a 16-bit product reads it
