@@ -31,6 +31,10 @@ VARIANTS = [
     pytest.param(dict(softcap=2.0), id="softcap2"),
     pytest.param(dict(chunk=16, is_causal=True, softcap=3.0), id="chunk16-softcap3"),
     pytest.param(dict(window=(4, 2), chunk=8), id="win4-2-chunk8"),
+    # K smoothed under a softcap, with Q smoothed and the channels balanced: the rows' shift,
+    # dQ's K-mean term after α, dK's Q-mean term
+    pytest.param(dict(softcap=4.0, is_causal=True, smooth_k=True, smooth_q=True, balance_qk=True),
+                 id="softcap4-smoothed-balanced"),
 ]
 
 

@@ -68,7 +68,7 @@ def triton_import_error() -> str | None:
     try:
         import triton  # noqa: F401
     except ImportError as exc:
-        if (getattr(exc, "name", None) or "").split(".")[0] == "triton":
+        if getattr(exc, "name", None) == "triton":  # not a module of a broken install
             return "not installed"
         reason = f"installed, but its import raised {type(exc).__name__}: {exc}"
         interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

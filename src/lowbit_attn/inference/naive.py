@@ -399,8 +399,10 @@ def delta_s(qm: torch.Tensor, k: torch.Tensor, k_mean: torch.Tensor | None, scal
 
 
 def lse_shift(q: torch.Tensor, k_mean: torch.Tensor, softmax_scale: float) -> torch.Tensor:
-    """``softmax_scale·(q·mean(K))`` per query row ``[B, Hq, Nq]``: what K smoothing took off each
-    row of scores, so the LSE can be reported for the unsmoothed scores."""
-    km = expand_heads(k_mean, q.shape[1])
-    return torch.matmul(q.float().contiguous(), km.unsqueeze(-1)).squeeze(-1) * softmax_scale
+    """``softmax_scale·(q·mean(K))`` per query row ``[B, Hq, Nq]``, fp32 (float64 for float64
+    q): what K smoothing took off each row of scores, so the LSE can be reported for the
+    unsmoothed scores (and a softcap's tanh take them whole)."""
+    wide = torch.promote_types(q.dtype, torch.float32)
+    km = expand_heads(k_mean, q.shape[1]).to(wide)
+    return torch.matmul(q.to(wide).contiguous(), km.unsqueeze(-1)).squeeze(-1) * softmax_scale
 

@@ -22,7 +22,8 @@ def _quantizers(backend: str):
     """``(int8 module, delta_s, lse_shift)`` of ``backend`` (which the op chose): the channel
     statistics and INT8 quantizers, ``ΔS = mean(Q_block)·(K - mean K)ᵀ·multiplier`` ``[B, Hq, nbq,
     Nk]`` (fp64 for fp64 inputs) as ``delta_s(q_mean, k, k_mean, multiplier)``, and each row's
-    ``(q·mean K)·multiplier`` ``[B, Hq, Nq]`` fp32 as ``lse_shift(q, k_mean, multiplier)``."""
+    ``(q·mean K)·multiplier`` ``[B, Hq, Nq]`` fp32 (fp64 for fp64 inputs) as ``lse_shift(q,
+    k_mean, multiplier)``."""
     if backend == "triton":
         from lowbit_attn.quant import int8 as kq
 
