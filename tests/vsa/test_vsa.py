@@ -314,7 +314,9 @@ def test_inductor_with_dynamic_shapes_where_one_tile_is_kept():
     compiled = torch.compile(f, fullgraph=True, dynamic=True)
     q, k, v = (torch.randn(1, 2, 64, 32, generator=torch.Generator().manual_seed(i))
                for i in range(3))
-    assert_close(compiled(q, k, v), f(q, k, v), atol=1e-5)
+    # scalar C++ (Inductor's vectorized kernels do not compile under ATEN_CPU_CAPABILITY=default)
+    with torch._inductor.config.patch({"cpp.simdlen": 1}):
+        assert_close(compiled(q, k, v), f(q, k, v), atol=1e-5)
 
 
 # --- the 8-bit fine stage (inference) -------------------------------------------------------------

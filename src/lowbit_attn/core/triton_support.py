@@ -82,8 +82,14 @@ def triton_import_error() -> str | None:
 def triton_installed() -> bool:
     """Whether Triton can be imported. Triton publishes Linux wheels only (x86_64, aarch64), and
     the package's metadata asks for it on Linux alone: elsewhere every call runs the PyTorch
-    reference path (:func:`lowbit_attn.core.arch.backend_for`)."""
-    return triton_import_error() is None
+    reference path (:func:`lowbit_attn.core.arch.backend_for`); why not:
+    :func:`triton_import_error`. (Its own import: ``torch.compile`` traces this function's body,
+    where another cached function would warn.)"""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def installed_version() -> str:
