@@ -212,13 +212,14 @@ def window_limits(r, offset, left, right, chunk, nk):
 @triton.jit
 def softcap_scores(s, cap2, two_over, shift):
     """Soft-capped base-2 scores: ``cap2·tanh(u/cap2) - shift`` with ``u = s + shift`` (the
-    true score: ``shift`` is what K smoothing took off the row, base 2) and tanh as
-    ``1 - 2/(2^(u·two_over) + 1)`` (``cap2 = c·log2 e``, ``two_over = 2/c``; ±∞ give ±1, NaN
-    stays). Twin: ``core.variants.softcap_base2``, step for step."""
-    u = s + shift[:, None]
+    true score: ``shift`` is what K smoothing took off each query row, base 2, broadcast to the
+    tile: ``[rows, 1]``, or ``[1, cols]`` in a transposed tile) and tanh as ``1 - 2/(2^(u·two_over)
+    + 1)`` (``cap2 = c·log2 e``, ``two_over = 2/c``; ±∞ give ±1, NaN stays). Twin:
+    ``core.variants.softcap_base2``, step for step."""
+    u = s + shift
     e = tl.exp2(u * two_over)
     t = 1.0 - 2.0 / (e + 1.0)
-    return t * cap2 - shift[:, None]
+    return t * cap2 - shift
 
 
 @triton.jit
@@ -234,7 +235,7 @@ def finish_scores(s, cols, nmask, offs_m, causal_offset, ds_base, sdn, HAS_DS: t
         ds = tl.load(ds_base + cols * sdn, mask=nmask, other=0.0)
         s = s + ds[None, :]
     if SOFTCAP:
-        s = softcap_scores(s, cap[0], cap[1], cap[2])
+        s = softcap_scores(s, cap[0], cap[1], cap[2][:, None])
     if MASKED:
         if WINDOWED:
             valid = window_ok(offs_m[:, None], cols[None, :], causal_offset, window[0],

@@ -79,7 +79,7 @@ def _page_scores(q8, qs, kt, ks, cols, seen, limit, first, shift, cap2, two_over
     s_int = tl.dot(q8, kt, out_dtype=tl.int32)
     s = (s_int.to(tl.float32) * ks[None, :]) * qs[:, None]
     if SOFTCAP:
-        s = softcap_scores(s, cap2, two_over, shift)
+        s = softcap_scores(s, cap2, two_over, shift[:, None])
     visible = seen[None, :] & (cols[None, :] <= limit[:, None])
     if LOCAL:
         visible = visible & (cols[None, :] >= first[:, None])

@@ -22,7 +22,7 @@ from lowbit_attn.core.arch import get_capability, interpreter_enabled, tensor_me
 from lowbit_attn.core.operands import TRAIN_BLOCK, GradOperands, TrainOperands
 from lowbit_attn.core.triton_helpers import (
     LaunchConfig, autotuned, batch_head, mm, next_pow2, next_power_of_2, operand, program_heads,
-    quantize_tile, strides, token_major, window_block_bounds, window_ok,
+    quantize_tile, softcap_scores, strides, token_major, window_block_bounds, window_ok,
     window_query_bounds,
 )
 from lowbit_attn.core.variants import PLAIN, Variant, variant_args
@@ -106,13 +106,12 @@ def _tile_p_dp(
     if HAS_DS:
         s = s + tl.load(ds_ptrs, mask=bias_mask, other=0.0)
     slope = 1.0
-    if SOFTCAP:  # softcap_scores' steps, with the query rows' shift on either axis
+    if SOFTCAP:  # the query rows' shift on either axis
         if TRANS:
             sh = shift[None, :]
         else:
             sh = shift[:, None]
-        e = tl.exp2((s + sh) * cap[1])
-        s = (1.0 - 2.0 / (e + 1.0)) * cap[0] - sh
+        s = softcap_scores(s, cap[0], cap[1], sh)
         t = (s + sh) * cap[2]
         slope = 1.0 - t * t
     valid = (r < NQ) & (c < NK)
