@@ -182,7 +182,7 @@ def video_sparse_attn(
         if gate.dim() >= 2 and gate.shape[-2] not in (1, slots):
             raise ValueError(f"compress_attn_weight's token axis (-2) must be 1 or {slots} (the "
                              f"padded slots), got shape {tuple(compress_attn_weight.shape)}")
-        check_gate("compress_attn_weight", gate, tuple(q.shape[:3]) + (v.shape[3],), q.device)
+        check_gate("compress_attn_weight", gate, q.shape, q.device)  # the output's shape
         if gate.dim() >= 2 and gate.shape[-2] == slots:
             gate = gate.index_select(-2, valid)
     if isinstance(topk, int) and not isinstance(topk, bool) and topk > n_tiles:
