@@ -334,7 +334,31 @@ def test_kernel_for_asks_the_check_only_when_the_option_and_the_device_say_so(mo
     assert bwd_check.kernel_for(cuda, "sm90") == "sm90" and asked == [cuda]
     monkeypatch.setattr(bwd_check, "admitted", lambda device: False)
     assert bwd_check.kernel_for(cuda, "sm90") == "triton"
-    assert KernelOptions().bwd_kernel == "triton"
+
+
+@pytest.mark.parametrize("capability,kernel", [((9, 0), "sm90"), ((8, 9), "triton"),
+                                               ((8, 0), "triton")])
+def test_the_default_backward_is_the_one_measured_on_the_architecture(monkeypatch, capability,
+                                                                      kernel):
+    """``LOWBIT_ATTN_BWD_KERNEL`` unset: the sm90 loops on Hopper (the H200 run of 2026-11-29),
+    admitted as the option's are; the Triton backward where no run measured another."""
+    from lowbit_attn.core import measured
+
+    assert KernelOptions().bwd_kernel == "measured"
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(bwd_check.torch.cuda, "get_device_capability", lambda device: capability)
+    monkeypatch.setattr(bwd_check, "applies", lambda device: True)
+    asked = []
+    monkeypatch.setattr(bwd_check, "admitted", lambda device: asked.append(device) or True)
+    cuda = torch.device("cuda", 0)
+    assert bwd_check.kernel_for(cuda, "measured") == kernel
+    assert asked == ([cuda] if kernel == "sm90" else [])
+    monkeypatch.setattr(bwd_check, "admitted", lambda device: False)  # not (yet) admitted
+    assert bwd_check.kernel_for(cuda, "measured") == "triton"
+    monkeypatch.setattr(bwd_check, "applies", lambda device: False)  # not a device they run on
+    monkeypatch.setattr(bwd_check, "admitted", lambda device: True)
+    assert bwd_check.kernel_for(cuda, "measured") == "triton"
+    assert measured.kernel_choice("bwd_kernel", "interpreter") is None
 
 
 # --- the verdict on disk, the check in the background (issue 43: a first call pays ≤ 2 s) -----
@@ -560,3 +584,15 @@ def test_nothing_starts_during_a_capture_or_a_trace(fake_gpu, monkeypatch, durin
     inside[0] = False
     assert _route(CUDA, fake_gpu.check_passes) == "admitted kernel"
     assert len(starts.records) == 1
+
+
+def test_a_check_s_reason_says_where_outputs_are_not_finite():
+    """A GPU run's reason is all the next session sees: it names the indices, dimension by
+    dimension (here one column of every row of every head)."""
+    want = torch.zeros(1, 4, 96, 64)
+    got = want.clone()
+    got[..., 3] = float("nan")
+    reason = gluon_check.compare_outputs(got, want, None, None, atol=1e-3, cosine=0.99,
+                                         lse_atol=0.0)
+    assert reason == ("384 outputs not finite or not written at indices 1 of 1 (0); "
+                      "4 of 4 (0,1,2,3); 96 of 96 (0,1,2,3,4,5,…); 1 of 64 (3)")

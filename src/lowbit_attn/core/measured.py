@@ -1,6 +1,7 @@
-"""Launch configurations a GPU run measured best, used without autotuning (issue 43: a new
-shape's first call compiles and times the one candidate measured best on its architecture, not
-every candidate).
+"""What GPU runs measured best, per architecture: launch configurations used without autotuning
+(issue 43: a new shape's first call compiles and times the one candidate measured best on its
+architecture, not every candidate), and the kernel a placement variable's default runs
+(:data:`KERNEL_CHOICES`).
 
 Each :class:`Measured` names an autotuned kernel (its ``@triton.jit`` function), the architecture
 family of its ``CONFIGS`` (``core.triton_helpers.family``), the launch arguments a call must have
@@ -52,10 +53,39 @@ MEASURED = (
 )
 
 
+@dataclass(frozen=True)
+class KernelChoice:
+    """The kernel the default (``measured``) of the placement variable of ``option``
+    (``core.options.VARIABLES``) runs on ``family``; ``source``: the GPU run that decided it."""
+
+    option: str
+    family: str
+    kernel: str
+    source: str
+
+
+# The training backward (the trainable attention and video sparse attention's fine stage) on
+# Hopper: the sm90 loops were faster on every row measured and passed their GPU tests and check.
+KERNEL_CHOICES = (
+    KernelChoice("bwd_kernel", "sm_90", "sm90",
+                 "H200, 2026-11-29: benchmarks/results/h200-2026-11-29/decide2.md (bench_train, "
+                 "D=128, N=4k/8k/16k, causal and not: sagebwd_int8 forward + backward 1.05-1.30x "
+                 "faster on the sm90 loops than on the Triton backward, 6 rows of 6; bench_vsa "
+                 "0.875: 15.7 ms against 19.9 ms) and sm90-bwd-tests.log (10 passed)"),
+)
+
+
+def kernel_choice(option: str, family: str | None) -> str | None:
+    """The kernel :data:`KERNEL_CHOICES` names for ``option`` on ``family``, or ``None`` (no
+    measurement: the option's portable kernel)."""
+    return next((c.kernel for c in KERNEL_CHOICES if c.option == option and c.family == family),
+                None)
+
+
 def measured(kernel: str, family: str | None, args: dict) -> Measured | None:
     """The entry of :data:`MEASURED` for a launch of ``kernel`` on ``family`` with ``args``, or
     ``None``."""
     return next((m for m in MEASURED if m.applies(kernel, family, args)), None)
 
 
-__all__ = ["MEASURED", "Measured", "measured"]
+__all__ = ["KERNEL_CHOICES", "MEASURED", "KernelChoice", "Measured", "kernel_choice", "measured"]

@@ -8,7 +8,9 @@ anywhere: :func:`check_env`) and passed down explicitly.
 - ``LOWBIT_ATTN_TRAIN_DQ``: ``recompute`` (default: a dQ kernel that recomputes S and dP per query
   block; deterministic) or ``atomic`` (the dK/dV kernel adds each tile's dS·K into an fp32
   buffer: two fewer matmuls per tile, summation order not fixed).
-- ``LOWBIT_ATTN_BWD_KERNEL``: ``triton`` (default: the Triton backward kernels) or ``sm90`` (the
+- ``LOWBIT_ATTN_BWD_KERNEL``: ``measured`` (default: the kernel a GPU run measured fastest on
+  the device's architecture, ``core/measured.py`` ``KERNEL_CHOICES``: ``sm90`` on Hopper, the
+  Triton backward elsewhere), ``triton`` (the Triton backward kernels) or ``sm90`` (the
   Gluon backward loops for Hopper, ``training/kernel_bwd_sm90.py``: 128 keys per program on two
   warpgroups, the score tile transposed, INT8 P and dS from registers; where it applies: a CUDA
   device of capability 9.0, the trainable attention (P and dS per tile or per row),
@@ -16,8 +18,8 @@ anywhere: :func:`check_env`) and passed down explicitly.
   video sparse attention's 16-bit fine stage, 64-token tiles, D = 64 or 128, the same loops
   over its tile lists; the Triton kernels elsewhere). Admitted on a device only after a
   one-time check of dQ, dK and dV against the Triton backward there
-  (``training/sm90_check.py``). No GPU has run it: not the default; on a CPU it changes
-  nothing.
+  (``training/sm90_check.py``; the Triton backward runs until it passes). Measured on an H200
+  (2026-11-29): faster than the Triton backward on every row; on a CPU it changes nothing.
 - ``LOWBIT_ATTN_KERNEL``: ``triton`` (default: the Triton attention kernels), ``gluon`` (the
   Gluon forward of the device's architecture: for Hopper the warp-specialized ping-pong forward,
   ``inference/kernel_int8_gluon.py``, where it applies: a CUDA device of capability 9.0, the INT8
@@ -51,7 +53,7 @@ import torch
 
 Q_QUANT_MODES = ("pass", "kernel")
 DQ_MODES = ("recompute", "atomic")
-BWD_KERNELS = ("triton", "sm90")
+BWD_KERNELS = ("measured", "triton", "sm90")
 KERNELS = ("triton", "gluon", "sm90")
 LAUNCH_MODES = ("triton", "plan")
 # Each option's field → (its environment variable, its modes, the default first)

@@ -537,7 +537,8 @@ def compare_outputs(got: torch.Tensor, want: torch.Tensor, got_lse, want_lse, *,
     (unless ``None``), cosine ``≥ cosine``, ``|LSE| ≤ lse_atol + lse_rtol·|want LSE|`` (equal
     LSEs, -inf of rows that saw no key included, differ by 0)."""
     if not bool(torch.isfinite(got).all()):
-        return f"{int((~torch.isfinite(got)).sum())} outputs not finite or not written"
+        return (f"{int((~torch.isfinite(got)).sum())} outputs not finite or not written"
+                f"{_where(~torch.isfinite(got))}")
     err = float((got.float() - want.float()).abs().max()) if got.numel() else 0.0
     if atol is not None and err > atol:
         return f"max |gluon - triton| = {err:.3g} > {atol}"
@@ -552,6 +553,19 @@ def compare_outputs(got: torch.Tensor, want: torch.Tensor, got_lse, want_lse, *,
             return (f"max |LSE gluon - triton| = {lse_err:.3g} > {lse_atol}"
                     + (f" + {lse_rtol}·|LSE|" if lse_rtol else ""))
     return None
+
+
+def _where(bad: torch.Tensor) -> str:
+    """Where the ``True`` elements of ``bad`` are, index by index: ``" at [dim: n values, first
+    ..]"`` (what a GPU run's reason should say for the next run to find the cause: a column of
+    every row, whole rows, one head, ...)."""
+    idx = bad.nonzero()
+    parts = []
+    for dim in range(idx.shape[1]):
+        values = torch.unique(idx[:, dim]).tolist()
+        shown = ",".join(map(str, values[:6])) + (",…" if len(values) > 6 else "")
+        parts.append(f"{len(values)} of {bad.shape[dim]} ({shown})")
+    return f" at indices {'; '.join(parts)}" if parts else ""
 
 
 # What a kernel call raises while it compiles, before anything is launched: Triton's

@@ -1,11 +1,12 @@
-"""Which backward a training call runs under ``LOWBIT_ATTN_BWD_KERNEL=sm90``: the Gluon loops for
+"""Which backward a training call runs under ``LOWBIT_ATTN_BWD_KERNEL=sm90`` (and its default on
+Hopper, where an H200 measured them faster on every row): the Gluon loops for
 Hopper (:mod:`~lowbit_attn.training.kernel_bwd_sm90`) where they apply and have passed a check on
 this device, the Triton backward kernels everywhere else, without error. The trainable attention
 and video sparse attention's fine stage share the loops, the check and its verdict.
 
-No GPU has run these loops yet (compiled ahead of time and run on the CPU model,
-``tools/gluon_cpu.py``, only): a wrong layout on a GPU would give wrong gradients without an
-error, so they are opt-in and earn their place on each machine, by the forward's machinery
+A wrong layout on a GPU would give wrong gradients without an error (they passed their GPU tests
+and this check on an H200, 2026-11-29; other Hopper parts, drivers and Tritons are another
+matter), so they earn their place on each machine, by the forward's machinery
 (:mod:`~lowbit_attn.inference.gluon_check`: :func:`admit`'s one verdict per process, device and
 kernel, stored on disk, the check in the background (the Triton backward runs until it passes),
 its warning once, no check started during a CUDA graph capture; :func:`isolated`'s process of
@@ -40,7 +41,9 @@ from typing import TypeVar
 
 import torch
 
+from lowbit_attn.core.measured import kernel_choice
 from lowbit_attn.core.recipes import resolve_train
+from lowbit_attn.core.triton_helpers import family
 from lowbit_attn.inference import gluon_check
 from lowbit_attn.inference.gluon_check import Case
 
@@ -91,7 +94,8 @@ def admitted(device: torch.device) -> bool:
     """Whether the loops have passed their check on ``device``: its verdict on disk, or the check
     started in the background at the first call in this process (a failure warns once)."""
     return gluon_check.admit(device, KERNEL, gluon_check.checker(device, self_check),
-                             "LOWBIT_ATTN_BWD_KERNEL=sm90: the Gluon backward loops for Hopper",
+                             "LOWBIT_ATTN_BWD_KERNEL (sm90, Hopper's default): the Gluon backward "
+                             "loops for Hopper",
                              "the Triton backward")
 
 
@@ -115,9 +119,15 @@ def run_backward(device: torch.device, bwd_kernel: str, backward: Callable[[str]
 
 def kernel_for(device: torch.device, bwd_kernel: str) -> str:
     """The ``kernel`` argument of the backward launchers for a call on ``device`` under
-    ``LOWBIT_ATTN_BWD_KERNEL=bwd_kernel``: ``"sm90"`` only where the loops apply and are
-    admitted (the check starts here, in the background), else ``"triton"``."""
-    if bwd_kernel == "sm90" and applies(device) and admitted(device):
+    ``LOWBIT_ATTN_BWD_KERNEL=bwd_kernel`` (``measured``: the kernel ``core.measured`` names for
+    the device's architecture): ``"sm90"`` only where the loops apply and are admitted (the
+    check starts here, in the background), else ``"triton"``."""
+    if bwd_kernel == "triton" or not applies(device):
+        return "triton"
+    if bwd_kernel == "measured":
+        capability = torch.cuda.get_device_capability(device)
+        bwd_kernel = kernel_choice("bwd_kernel", family(capability)) or "triton"
+    if bwd_kernel == "sm90" and admitted(device):
         return "sm90"
     return "triton"
 
