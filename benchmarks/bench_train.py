@@ -65,7 +65,8 @@ METHODS = {
     "sdpa_flash": sdpa("FLASH_ATTENTION"),
     "sdpa_cudnn": sdpa("CUDNN_ATTENTION"),
     "sagebwd_int8": ours(),
-    # the Gluon loops for Hopper (LOWBIT_ATTN_BWD_KERNEL=sm90, the Triton kernels elsewhere), and
+    # the Gluon loops for Hopper (LOWBIT_ATTN_BWD_KERNEL=sm90, the default there; the Triton
+    # kernels elsewhere; the rows without _sm90 run the Triton backward), and
     # P and dS per row (TrainRecipe.backward_granularity) on either backward
     "sagebwd_int8_sm90": ours(),
     "sagebwd_int8_per_row": ours(recipe=PER_ROW),
@@ -76,8 +77,13 @@ METHODS = {
 }
 
 
-# dQ added by the dK/dV kernel instead of its own kernel (LOWBIT_ATTN_TRAIN_DQ, lowbit_attn.core.options)
-ENVIRONMENT = {"sagebwd_int8_atomic_dq": {"LOWBIT_ATTN_TRAIN_DQ": "atomic"},
+# The backward each row runs, named (LOWBIT_ATTN_BWD_KERNEL: its default is the sm90 loops on
+# Hopper, so the Triton backward's rows say so), and dQ added by the dK/dV kernel instead of its
+# own kernel (LOWBIT_ATTN_TRAIN_DQ; lowbit_attn.core.options)
+_TRITON = {"LOWBIT_ATTN_BWD_KERNEL": "triton"}
+ENVIRONMENT = {"sagebwd_int8": _TRITON, "sagebwd_int8_per_row": _TRITON,
+               "sagebwd_dp_int8": _TRITON, "ours_exact_16bit": _TRITON,
+               "sagebwd_int8_atomic_dq": {"LOWBIT_ATTN_TRAIN_DQ": "atomic", **_TRITON},
                "sagebwd_int8_sm90": {"LOWBIT_ATTN_BWD_KERNEL": "sm90"},
                "sagebwd_int8_per_row_sm90": {"LOWBIT_ATTN_BWD_KERNEL": "sm90"}}
 
