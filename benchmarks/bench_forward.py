@@ -31,9 +31,8 @@ operands quantized once):
   not); ``e2e triton thread``: per-thread scales on the Triton kernel (the SageAttention shim's
   default);
 - ``kernel triton token`` (default blocks), ``kernel triton thread`` (64×128 tiles);
-- ``kernel sm90 thread``, ``… magic`` (the integer scores made floats by an integer add: no
-  ``I2FP``), ``… k2`` (two K buffers), ``… r168`` (``maxnreg=168``: 3 programs per SM),
-  ``kernel sm90 token``, ``… token magic``, ``… token r168``, and ``kernel sm90 fp16 thread``
+- ``kernel sm90 thread``, ``… k2`` (two K buffers), ``… r168`` (``maxnreg=168``: 3 programs per
+  SM), ``kernel sm90 token``, ``… token r168``, and ``kernel sm90 fp16 thread``
   (``qk_int8_pv_fp16``);
 - ``kernel gluon pingpong`` (128-key blocks, per token);
 - ``prepare permuted``: the quantization stage that the sm90 rows take;
@@ -221,11 +220,9 @@ def rows_of_config(base, q, k, v, causal, record, gluon_ok: str | None,
     record(base, "sdpa flash", sdpa(SDPBackend.FLASH_ATTENTION))
     record(base, "sage 1.0.6", sage(q, k, v, causal))
     sm90_rows([("kernel sm90 thread", THREAD, {}),
-               ("kernel sm90 thread magic", THREAD, {"magic": True}),
                ("kernel sm90 thread k2", THREAD, {"k_stages": 2}),
                ("kernel sm90 thread r168", THREAD, {"maxnreg": 168}),
                ("kernel sm90 token", TOKEN, {}),
-               ("kernel sm90 token magic", TOKEN, {"magic": True}),
                ("kernel sm90 token r168", TOKEN, {"maxnreg": 168}),
                ("kernel sm90 fp16 thread", THREAD_FP16, {})])
     record(base, "kernel triton token", stage_fns(q, k, v, causal)[1], note=autotune_choice)

@@ -24,13 +24,9 @@ on the FMA pipe, about 8.2 instructions each in place of one MUFU):
 | 128 | 16    | 179  | 538 (8.41)                     | 62                | 2    |
 | 128 | 8     | 175  | 571 (8.92)                     | 58                | 2    |
 
-``magic`` (the INT32 scores made floats by an integer add into the bits of 1.5·2^23, no
-``I2FP``): per thread 476 at D=64 and 510 at D=128 (+4 per tile), per token 578 and 609 (+34,
-+32: the key scales times -1.5·2^23), 142 / 174 / 167 / 254 registers, the same CTAs per SM.
-
 Issue 43's 64-bit row offsets (in the epilogue, none in a loop) moved some main loops by ptxas's
 allocation (``benchmarks/NOTES.md`` §19): per-thread FP8 D=128 508 (7.94), per-token FP8 D=64
-547 / 555, ``magic`` per thread D=128 512, per token D=64 580, ``poly_exp2`` 16 at D=128 540.
+547 / 555, ``poly_exp2`` 16 at D=128 540.
 
 Two K buffers (``k_stages=2``, K(j+2) requested with V(j+1)): +16 to +18 instructions per tile,
 +16 KB (D=128). ``maxnreg=168`` (3 CTAs per SM at D=128) spills 16 to 24 B per thread per
@@ -145,32 +141,6 @@ def test_the_polynomial_exp2_moves_exp2s_off_the_mufu_and_nothing_else(compiled,
     assert gates["local_memory"] == 0
 
 
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("granularity", kernel_int8_sm90.GRANULARITIES)
-def test_magic_scores_leave_no_conversion_in_the_loop(compiled, d, granularity):
-    """``magic``: no ``I2FP`` in the main loop (the plain kernel: one per score), P̃ still from
-    registers, no more shared-memory stores than the plain kernel (per token: the key scales'
-    layout change), no local memory."""
-    plain = sm90_gates.gates(compiled(d, granularity))
-    gates = sm90_gates.gates(compiled(d, granularity, magic=True))
-    assert plain["i2f"] == 64 and gates["i2f"] == 0
-    assert gates["pv_from_registers"] is True
-    assert gates["shared_stores"] == plain["shared_stores"] and gates["local_memory"] == 0
-
-
-@pytest.mark.pinned_codegen
-@pytest.mark.parametrize("d,granularity,limit", [
-    (64, "per_thread", 7.45), (128, "per_thread", 8.01), (64, "per_token", 9.07),
-    (128, "per_token", 9.53)])
-def test_magic_scores_cost(compiled, d, granularity, limit):
-    """Per thread an integer add where the conversion was (+4 per tile); per token also the
-    key scales' ``-1.5·2^23·s_k`` (+32). No spills, the plain kernel's occupancy."""
-    r = compiled(d, granularity, magic=True)
-    gates = sm90_gates.gates(r)
-    assert gates["per_score"] <= limit and r.spills == 0
-    assert gates["ctas_per_sm"] == sm90_gates.gates(compiled(d, granularity))["ctas_per_sm"]
-
-
 @pytest.mark.pinned_codegen
 @pytest.mark.parametrize("d,share,limit", [(64, 16, 7.90), (64, 8, 8.40), (128, 16, 8.45)])
 def test_the_polynomial_exp2s_cost(compiled, d, share, limit):
@@ -197,8 +167,7 @@ def test_no_variant_writes_an_a_register_in_flight(compiled, d, granularity, pv,
     assert a["wgmma"] == (8 if pv == "fp8" else 16) and not a["hazards"], a
 
 
-@pytest.mark.parametrize("options", [{"k_stages": 2}, {"poly_exp2": 16}, {"magic": True}],
-                         ids=["k2", "poly16", "magic"])
+@pytest.mark.parametrize("options", [{"k_stages": 2}, {"poly_exp2": 16}], ids=["k2", "poly16"])
 def test_no_option_writes_an_a_register_in_flight(compiled, options):
     a = sm90_gates.gates(compiled(128, **options))["a_register"]
     assert a["wgmma"] == 8 and not a["hazards"], a

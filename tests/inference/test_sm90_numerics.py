@@ -1,8 +1,7 @@
-"""The twins of the sm90 kernel's numerical options, in plain PyTorch. The polynomial exp2
+"""The twin of the sm90 kernel's numerical option, in plain PyTorch: the polynomial exp2
 (``inference.naive.poly_exp2``, option ``poly_exp2``): its error against float64, its edges
-(flush to zero, -inf, NaN), which key columns take it. The magic scores (``magic_scores``, option
-``magic``): exact over the INT8 products' range. What either does to an attention's accuracy. The
-kernel's equality with them is in test_sm90_schedule.py."""
+(flush to zero, -inf, NaN), which key columns take it, what it does to an attention's accuracy.
+The kernel's equality with it is in test_sm90_schedule.py."""
 
 from __future__ import annotations
 
@@ -11,8 +10,7 @@ import torch
 
 from lowbit_attn.core.metrics import cosine_similarity as cosine
 from lowbit_attn.core.recipes import get_recipe
-from lowbit_attn.inference.naive import (MAGIC, MAGIC_BITS, POLY_SHARES, exact_attention,
-                                         magic_scores, poly_columns, poly_exp2,
+from lowbit_attn.inference.naive import (POLY_SHARES, exact_attention, poly_columns, poly_exp2,
                                          quantized_attention)
 from lowbit_attn.inference.prepare import quantize_qkv
 
@@ -52,23 +50,12 @@ def test_another_share_is_refused():
         poly_columns(128, 3)
 
 
-def test_magic_scores_are_exact_over_the_int8_products_range():
-    """``|S| ≤ 127²·256 < 2^22`` (INT8 products over up to 256 channels): the integer add into
-    the bits of 1.5·2^23 gives the float ``S + 1.5·2^23`` exactly, and taking it out gives S."""
-    s = torch.tensor([0, 1, -1, 16129 * 128, -16129 * 128, 16129 * 256, -16129 * 256, 12345])
-    y = (s.int() + MAGIC_BITS).view(torch.float32)
-    assert torch.equal(y, magic_scores(s.float()))
-    assert torch.equal((y - MAGIC).long(), s)
-
-
 @pytest.mark.parametrize("pv", ["fp8", "fp16"])
 @pytest.mark.parametrize("granularity,options", [
     ("per_thread", dict(poly_share=2)), ("per_thread", dict(poly_share=16)),
-    ("per_thread", dict(magic=True)), ("per_token", dict(magic=True)),
-], ids=["poly2", "poly16", "magic-thread", "magic-token"])
+], ids=["poly2", "poly16"])
 def test_attention_keeps_its_accuracy(pv, granularity, options):
-    """The polynomial's error (≤ 7.5e-5) and the magic scores' (a unit of the integer score or
-    so in the exp2's argument) are far under E4M3's rounding (2^-4): against exact attention the
+    """The polynomial's error (≤ 7.5e-5) is far under E4M3's rounding (2^-4): against exact attention the
     cosine moves by under 2e-6, and the output by under 1e-3 in relative L1 (an E4M3 P̃ moved
     across a rounding boundary moves by 2^-4)."""
     g = torch.Generator().manual_seed(5)

@@ -66,16 +66,16 @@ def operands(b, hq, hkv, nq, nk, d, granularity="per_thread", pv="fp8", dtype=to
     return recipe, qz
 
 
-def twin(recipe, qz, causal_offset, poly=0, magic=False, variant=PLAIN, sinks=None):
+def twin(recipe, qz, causal_offset, poly=0, variant=PLAIN, sinks=None):
     with gluon_cpu.canonical_reductions():
         return quantized_attention(qz, pv=recipe.pv, granularity=recipe.granularity,
                                    block_q=recipe.block_q, block_k=recipe.block_k,
-                                   causal_offset=causal_offset, poly_share=poly, magic=magic,
+                                   causal_offset=causal_offset, poly_share=poly,
                                    variant=variant, sinks=sinks)
 
 
-def on_cpu(recipe, qz, causal_offset, k_stages=k90.K_STAGES, poly=0, magic=False,
-           variant=PLAIN, sinks=None, **options):
+def on_cpu(recipe, qz, causal_offset, k_stages=k90.K_STAGES, poly=0, variant=PLAIN,
+           sinks=None, **options):
     """``kernel_int8_sm90.attention`` (launcher and kernel) with the kernel run by the model:
     ``(out, lse, trace)``."""
     out = torch.empty(qz.q.shape, dtype=torch.float32)  # NaN-poisoned (conftest)
@@ -83,7 +83,7 @@ def on_cpu(recipe, qz, causal_offset, k_stages=k90.K_STAGES, poly=0, magic=False
         lse = k90.attention(qz, out=out, pv=recipe.pv, granularity=recipe.granularity,
                             block_q=recipe.block_q, block_k=recipe.block_k,
                             causal_offset=causal_offset, return_lse=True, k_stages=k_stages,
-                            poly_exp2=poly, magic=magic, variant=variant, sinks=sinks)
+                            poly_exp2=poly, variant=variant, sinks=sinks)
     return out, lse, cpu.trace
 
 
@@ -119,33 +119,6 @@ def test_the_polynomial_exp2_equals_the_twin_bit_for_bit(b, hq, hkv, nq, nk, d, 
     if nk > 8 * (poly - 1):  # some key takes the polynomial
         plain, _ = twin(recipe, qz, co)
         assert not torch.equal(got, plain)
-
-
-@pytest.mark.parametrize("b,hq,hkv,nq,nk,d,offset", SHAPES)
-@pytest.mark.parametrize("granularity,pv", CASES)
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_magic_scores_equal_the_twin_bit_for_bit(b, hq, hkv, nq, nk, d, offset, granularity, pv,
-                                                 causal):
-    """``magic``: scores made floats by an integer add (``naive.magic_scores``), the constant
-    taken out where the twin takes it out; and it changes the result (the exp2's argument
-    rounds otherwise)."""
-    recipe, qz = operands(b, hq, hkv, nq, nk, d, granularity, pv)
-    co = offset_of(nq, nk, causal, offset)
-    want, want_lse = twin(recipe, qz, co, magic=True)
-    got, got_lse, _ = on_cpu(recipe, qz, co, magic=True)
-    assert_bits(got, want, "out")
-    assert_bits(got_lse, want_lse, "lse")
-    plain, _ = twin(recipe, qz, co)
-    assert not torch.equal(got, plain)
-
-
-def test_magic_scores_with_the_polynomial_exp2():
-    recipe, qz = operands(1, 2, 1, 150, 523, 64)
-    co = offset_of(150, 523, True, None)
-    want, want_lse = twin(recipe, qz, co, poly=4, magic=True)
-    got, got_lse, _ = on_cpu(recipe, qz, co, poly=4, magic=True)
-    assert_bits(got, want, "out")
-    assert_bits(got_lse, want_lse, "lse")
 
 
 @pytest.mark.parametrize("b,hq,hkv,nq,nk,d,offset", SHAPES[:5])
@@ -317,23 +290,14 @@ def test_the_check_catches(jit, old, new, expected):
 
 
 # The options' pieces, each with what it is checked under (the polynomial exp2 with one group in
-# two on it, the magic scores per thread and per token; same outcomes as above)
+# two on it; same outcomes as above)
 POLY = dict(poly=2)
-MAGIC = dict(magic=True)
 OPTION_MUTATIONS = [
     ("poly-on-the-even-groups", gb._mixed_exp2, "return _merge(gl.exp2(e1), o1)",
      "return _merge(o1, gl.exp2(e1))", "wrong", POLY),
     ("poly-unclamped", gb.poly_exp2, "x = max_nan(x, -127.0)", "x = x", "wrong", POLY),
     ("poly-rounding-constant-off-by-one", gb.poly_exp2, "f = x - (r - _EXP2_ROUND)",
      "f = x - (r - _EXP2_ROUND + 1.0)", "wrong", POLY),
-    ("magic-max-keeps-the-constant", gb._thread_exp2, "top = top - _MAGIC", "top = top", "any",
-     MAGIC),
-    ("magic-bias-not-folded", gb._thread_exp2, "bias4 = gl.fma(c4, _NEG_MAGIC, bias4)",
-     "bias4 = bias4", "any", MAGIC),
-    ("magic-bits-off-by-one", gb.magic_float, "s_int + _MAGIC_BITS", "s_int + _MAGIC_BITS + 1",
-     "wrong", MAGIC),
-    ("magic-per-token-constant-kept", gb.softmax_block, "(ks * _NEG_MAGIC)[None, :]",
-     "(ks * 0.0)[None, :]", "any", dict(MAGIC, granularity="per_token")),
 ]
 
 

@@ -26,12 +26,9 @@ from lowbit_attn.core.triton_helpers import (
     batch_head, finish_rows, finish_scores, online_max, p_offset, packed_v_start, seq_span,
     store_lse, to_e4m3, window_limits,
 )
-from lowbit_attn.inference.naive import EXP2_ROUND, MAGIC, MAGIC_BITS, POLY_EXP2
+from lowbit_attn.inference.naive import EXP2_ROUND, POLY_EXP2
 
 _NAN_ALL = gl.constexpr(PropagateNan.ALL)
-_MAGIC_BITS = gl.constexpr(MAGIC_BITS)
-_MAGIC = gl.constexpr(MAGIC)
-_NEG_MAGIC = gl.constexpr(-MAGIC)
 _EXP2_ROUND = gl.constexpr(EXP2_ROUND)
 _C0, _C1, _C2, _C3 = (gl.constexpr(c) for c in POLY_EXP2)
 
@@ -141,8 +138,8 @@ def scales_of_rows(QS, KS, b, h, hk, pid_m, q_start, k_start, offs_m, mmask, sqs
 def softmax_block(s_int, ks, qs, m_i, l_i, start_n, offs_m, offs_n, nk, causal_offset,
                   MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, PER_TOKEN: gl.constexpr = True,
                   PV_FP8: gl.constexpr = True, PER_THREAD: gl.constexpr = False,
-                  RAW_P: gl.constexpr = False, POLY: gl.constexpr = 0,
-                  MAGIC: gl.constexpr = False, window=None, WINDOWED: gl.constexpr = False):
+                  RAW_P: gl.constexpr = False, POLY: gl.constexpr = 0, window=None,
+                  WINDOWED: gl.constexpr = False):
     """One key block's online-softmax step on its integer scores: ``(P̃, m, l, α)``, P̃ as E4M3
     (``PV_FP8``) or fp16.
 
@@ -152,23 +149,15 @@ def softmax_block(s_int, ks, qs, m_i, l_i, start_n, offs_m, offs_n, nk, causal_o
     masks. ``PER_THREAD`` (one warpgroup's 64 rows by 128 keys): ``qs`` the rows' and ``ks`` the
     block's four per-thread scales, in the slices of :func:`thread_view`'s layout; see
     :func:`_thread_exp2` (and its ``POLY``). ``RAW_P``: P̃ in fp32, for the caller to convert.
-    ``MAGIC`` (per-thread or per-token scales): the integer scores become floats without a
-    conversion instruction, :func:`magic_float`, the ``1.5·2^23`` it adds taken out by the same
-    FFMA that scales them (``naive.magic_scores``). ``WINDOWED`` (not with ``IS_CAUSAL``):
+    ``WINDOWED`` (not with ``IS_CAUSAL``):
     ``MASKED`` blocks mask the keys outside ``window = (left, right, chunk)``'s rule and past the
     end (``window_limits``; positions aligned by ``causal_offset = Nk - Nq``)."""
     cols = start_n + offs_n
     if PER_THREAD:
-        if MAGIC:
-            t = magic_float(s_int)
-        else:
-            t = s_int.to(gl.float32)
+        t = s_int.to(gl.float32)
         c = qs
     elif PER_TOKEN:
-        if MAGIC:  # (S + 1.5·2^23)·s_k - 1.5·2^23·s_k
-            t = gl.fma(magic_float(s_int), ks[None, :], (ks * _NEG_MAGIC)[None, :])
-        else:
-            t = s_int.to(gl.float32) * ks[None, :]
+        t = s_int.to(gl.float32) * ks[None, :]
         c = qs
     else:  # one scale per query block and per key block (``kernel_int8``'s per-block fold)
         t = s_int.to(gl.float32)
@@ -189,7 +178,7 @@ def softmax_block(s_int, ks, qs, m_i, l_i, start_n, offs_m, offs_n, nk, causal_o
         t = finish_scores(t, cols, cols < nk, offs_m, causal_offset, None, 0, False, MASKED,
                           IS_CAUSAL)
     if PER_THREAD:
-        p, m_new, alpha = _thread_exp2(t, ks, qs, m_i, MASKED, PV_FP8, POLY, MAGIC)
+        p, m_new, alpha = _thread_exp2(t, ks, qs, m_i, MASKED, PV_FP8, POLY)
     else:
         m_new, m_safe, alpha = online_max(m_i, gl.max(t, axis=1) * c, MASKED)
         p = gl.exp2(gl.fma(t, c[:, None], -(m_safe - p_offset(PV_FP8))[:, None]))
@@ -215,14 +204,6 @@ def thread_view(t):
 def max_nan(a, b):
     """``max(a, b)``, NaN if either is (``FMNMX.NAN``; a plain maximum drops a NaN operand)."""
     return gl.maximum(a, b, propagate_nan=_NAN_ALL)
-
-
-@gluon.jit
-def magic_float(s_int):
-    """INT32 scores ``S`` (``|S| < 2^22``: INT8 products over at most 256 channels) as the fp32
-    ``S + 1.5·2^23``, exactly: an integer add into the bits of ``1.5·2^23`` (one ``IADD`` on the
-    integer pipe where ``I2FP`` takes the conversion unit)."""
-    return (s_int + _MAGIC_BITS).to(gl.float32, bitcast=True)
 
 
 @gluon.jit
@@ -277,29 +258,22 @@ def _mixed_exp2(x, SHARE: gl.constexpr):
 
 @gluon.jit
 def _thread_exp2(t, ks, qs, m_i, MASKED: gl.constexpr, PV_FP8: gl.constexpr,
-                 POLY: gl.constexpr = 0, MAGIC: gl.constexpr = False):
+                 POLY: gl.constexpr = 0):
     """The exp2 of a score tile ``t`` (fp32 integer products, ``-inf`` where masked) with
     per-thread scales: ``c = s_q·s_k`` of each row and key group (:func:`thread_view`'s ``c``),
     the block's row max ``max_c(c·max_{g,p} t)`` (= ``max(t·c)``: scales are positive and rounding
     is monotone), and ``exp2(fma(t, c, -(m - offset)))``: one FFMA per score, ``c`` and ``m`` held
     per thread. ``POLY``: one group of 8 columns in ``POLY`` takes :func:`poly_exp2` (0: none).
-    ``MAGIC``: ``t`` is ``S + 1.5·2^23`` (:func:`magic_float`): the max takes the constant out
-    exactly, the exp2's argument is ``fma(t, c, fma(c, -1.5·2^23, offset - m))``.
     Returns ``(P̃ in t's layout, m, α)``."""
     t4 = thread_view(t)
     c = gl.expand_dims(qs, 1) * gl.expand_dims(ks, 0)  # [M, 4]
-    top = gl.max(gl.max(t4, axis=3), axis=1)
-    if MAGIC:
-        top = top - _MAGIC
-    top = top * c
+    top = gl.max(gl.max(t4, axis=3), axis=1) * c
     m_new, m_safe, alpha = online_max(m_i, gl.convert_layout(gl.max(top, axis=1),
                                                              m_i.type.layout), MASKED)
     bias = gl.convert_layout(p_offset(PV_FP8) - m_safe, qs.type.layout)
     c4 = gl.expand_dims(gl.expand_dims(c, 1), 3)
     bias4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(bias, 1), 1), 3)
     c4, bias4 = gl.broadcast(c4, bias4)
-    if MAGIC:
-        bias4 = gl.fma(c4, _NEG_MAGIC, bias4)
     t4, c4 = gl.broadcast(t4, c4)
     t4, bias4 = gl.broadcast(t4, bias4)
     x = gl.fma(t4, c4, bias4)
@@ -474,7 +448,7 @@ def write_rows(acc, m_i, l_i, O, LSE, LSH, VS, VM, CUQ, b, h, hk, nq, NQ, offs_m
 
 
 __all__ = ["E4M3X4_CONSTRAINTS", "E4M3X4_PTX", "a_fragment_order", "check_tma_operands",
-           "cta_barrier", "descriptors", "key_scales", "magic_float", "max_nan", "poly_exp2",
+           "cta_barrier", "descriptors", "key_scales", "max_nan", "poly_exp2",
            "program_sequence", "register_operand", "scales_of_rows", "softmax_block",
            "thread_view", "tile_offsets", "tma_load", "tma_scratch", "v_box", "v_operand",
            "write_rows"]

@@ -89,7 +89,7 @@ def _attn_fwd_sm90_kernel(
     IS_CAUSAL: gl.constexpr, HAS_VSCALE: gl.constexpr, HAS_VMEAN: gl.constexpr,
     HAS_LSH: gl.constexpr, WRITE_LSE: gl.constexpr, PER_THREAD: gl.constexpr,
     PV_FP8: gl.constexpr, BLOCK_D: gl.constexpr, K_STAGES: gl.constexpr, POLY: gl.constexpr,
-    MAGIC: gl.constexpr, WINDOWED: gl.constexpr, HAS_SINK: gl.constexpr,
+    WINDOWED: gl.constexpr, HAS_SINK: gl.constexpr,
 ):
     """Operands ``q`` and ``k``: ``(INT8 values, scales, values' strides, scales' strides)`` as
     in ``kernel_int8`` (scales per token ``[B, H, N]`` or per thread ``[B, H, groups]``).
@@ -212,19 +212,19 @@ def _attn_fwd_sm90_kernel(
                     j, first, acc, m_i, l_i, qs, ks_ptr, ks_step, offs_m, offs_n, nk,
                     causal_offset, n_blocks, q_smem, k_smem, v_smem, k_bars, v_bar, k_desc,
                     v_desc, v_col, zero_s, zero_o, a_layout, True, IS_CAUSAL, PER_THREAD, PV_FP8,
-                    BN, BLOCK_D, cols_s, K_STAGES, POLY, MAGIC, window, WINDOWED)
+                    BN, BLOCK_D, cols_s, K_STAGES, POLY, window, WINDOWED)
         for j in range(n_lo, n_full):
             acc, m_i, l_i, ks_ptr = _step(
                 j, first, acc, m_i, l_i, qs, ks_ptr, ks_step, offs_m, offs_n, nk, causal_offset,
                 n_blocks, q_smem, k_smem, v_smem, k_bars, v_bar, k_desc, v_desc, v_col, zero_s,
                 zero_o, a_layout, False, IS_CAUSAL, PER_THREAD, PV_FP8, BN, BLOCK_D, cols_s,
-                K_STAGES, POLY, MAGIC, window, WINDOWED)
+                K_STAGES, POLY, window, WINDOWED)
         for j in range(n_full, n_blocks):
             acc, m_i, l_i, ks_ptr = _step(
                 j, first, acc, m_i, l_i, qs, ks_ptr, ks_step, offs_m, offs_n, nk, causal_offset,
                 n_blocks, q_smem, k_smem, v_smem, k_bars, v_bar, k_desc, v_desc, v_col, zero_s,
                 zero_o, a_layout, True, IS_CAUSAL, PER_THREAD, PV_FP8, BN, BLOCK_D, cols_s,
-                K_STAGES, POLY, MAGIC, window, WINDOWED)
+                K_STAGES, POLY, window, WINDOWED)
 
     mbarrier.invalidate(q_bar)
     for i in gl.static_range(K_STAGES):
@@ -253,7 +253,7 @@ def _step(j, first, acc, m_i, l_i, qs, ks_ptr, ks_step, offs_m, offs_n, nk, caus
           a_layout: gl.constexpr, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr,
           PER_THREAD: gl.constexpr, PV_FP8: gl.constexpr, BN: gl.constexpr,
           BLOCK_D: gl.constexpr, cols_s: gl.constexpr, K_STAGES: gl.constexpr,
-          POLY: gl.constexpr, MAGIC: gl.constexpr, window, WINDOWED: gl.constexpr):
+          POLY: gl.constexpr, window, WINDOWED: gl.constexpr):
     """The ``j``-th key block visited, key block ``first + j`` (``first``: 0 without a window):
     Q·Kᵀ, the softmax, P̃·V(j) from registers, K(j+2) and V(j+1) requested, ``acc·α + pv``.
     Returns ``(acc, m, l)`` and ``ks_ptr`` moved to the next block's K scales."""
@@ -279,7 +279,7 @@ def _step(j, first, acc, m_i, l_i, qs, ks_ptr, ks_step, offs_m, offs_n, nk, caus
         tma_load(k_desc, [(blk + 1) * BN, 0], k_bar, k_smem.index(0), pred=more_k)
     p, m_i, l_i, alpha = softmax_block(s_int, ks, qs, m_i, l_i, blk * BN, offs_m, offs_n, nk,
                                        causal_offset, MASKED, IS_CAUSAL, not PER_THREAD, PV_FP8,
-                                       PER_THREAD, True, POLY, MAGIC, window, WINDOWED)
+                                       PER_THREAD, True, POLY, window, WINDOWED)
     a = register_operand(p, a_layout, PV_FP8)
     mbarrier.wait(v_bar, j & 1)
     pv_tok = warpgroup_mma(a, v_operand(v_smem, PV_FP8), zero_o, use_acc=False, is_async=True)
@@ -320,7 +320,6 @@ def attention(
     k_stages: int = K_STAGES,
     maxnreg: int | None = None,
     poly_exp2: int = 0,
-    magic: bool = False,
     variant: Variant = PLAIN,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
@@ -331,9 +330,7 @@ def attention(
     V(j+1)); ``maxnreg``: a cap on registers per thread (168 lets 3 programs share an SM);
     ``poly_exp2``: per-thread scales only, one group of 8 key columns in 2, 4, 8 or 16 takes its
     exp2 on the FMA pipe (``gluon_blocks.poly_exp2``; twin: ``quantized_attention(poly_share=)``),
-    0 (the default) none; ``magic``: the integer scores become floats by an integer add into the
-    bits of 1.5·2^23 instead of a conversion (``gluon_blocks.magic_float``; twin:
-    ``quantized_attention(magic=True)``), off by default.
+    0 (the default) none.
     ``variant``, ``sinks``: a window, a chunk and sinks as ``kernel_int8.attention`` takes them
     (positions aligned bottom-right; twin: ``quantized_attention(variant=, sinks=)``), not
     softcap (a tanh per score: the Triton kernel runs it).
@@ -383,7 +380,7 @@ def attention(
             HAS_VMEAN=qz.v_mean is not None, HAS_LSH=qz.lse_shift is not None,
             WRITE_LSE=lse is not None, PER_THREAD=granularity == "per_thread",
             PV_FP8=pv == "fp8", BLOCK_D=d, K_STAGES=k_stages, POLY=int(poly_exp2),
-            MAGIC=bool(magic), WINDOWED=variant.windowed, HAS_SINK=sinks is not None,
+            WINDOWED=variant.windowed, HAS_SINK=sinks is not None,
             num_warps=NUM_WARPS, **options,
         )
 

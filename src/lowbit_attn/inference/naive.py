@@ -6,7 +6,6 @@ base 2, so it matches the Triton kernel to rounding, and it runs anywhere PyTorc
 
 from __future__ import annotations
 
-import functools
 
 import torch
 
@@ -134,7 +133,6 @@ def quantized_attention(
     block_k: int,
     causal_offset: int | None,
     poly_share: int = 0,
-    magic: bool = False,
     variant: Variant = PLAIN,
     sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,8 +141,7 @@ def quantized_attention(
     K smoothing's shift ``qz.lse_shift`` added back inside the tanh) and the sinks' term after the
     key blocks (:func:`add_sink`). ``poly_share``: one
     group of 8 key columns in that many takes :func:`poly_exp2` (:func:`softmax_step`; the sm90
-    kernel's ``poly_exp2`` option), key blocks starting at multiples of 128. ``magic``: the
-    sm90 kernel's ``magic`` option (:func:`magic_scores`; per-thread or per-token scales).
+    kernel's ``poly_exp2`` option), key blocks starting at multiples of 128.
 
     Returns:
         ``(out fp32 [B, Hq, Nq, D], lse fp32 [B, Hq, Nq])`` with the LSE in natural log of the
@@ -180,17 +177,11 @@ def quantized_attention(
         # int8 products summed in fp32 are exact: |sum| <= 127² · D < 2^24.
         s_int = torch.matmul(qf, kf[:, :, start:stop].transpose(-1, -2))
         ks = k_scale[:, :, None, start:stop]
-        exp2_arg = None
         mask = visible_for(variant, nq, nk, causal_offset, dev, rows=rows,
                            cols=torch.arange(start, stop, device=dev))
         if granularity != "per_token":  # one product of the two scales, as the kernels fold it
             c = q_scale.unsqueeze(-1) * ks
             s = s_int * c
-            if magic and not variant.softcap:
-                y = magic_scores(s_int).masked_fill(~mask, float("-inf"))
-                exp2_arg = functools.partial(_magic_exp2_arg, y, c)
-        elif magic:  # the kernel's fma((S + M)·s_k, -M·s_k), then the query row's scale
-            s = (magic_scores(s_int) * ks + ks * -MAGIC) * q_scale.unsqueeze(-1)
         else:  # the kernels' order: the key scale first, then the query row's (see there)
             s = (s_int * ks) * q_scale.unsqueeze(-1)
         if delta is not None:
@@ -199,7 +190,7 @@ def quantized_attention(
             s = softcap_base2(s, variant.softcap, shift)
         s = s.masked_fill(~mask, float("-inf"))
         acc, m, l_sum = softmax_step(s, vf[:, :, start:stop], acc, m, l_sum, pv=pv,
-                                     poly_share=poly_share, exp2_arg=exp2_arg)
+                                     poly_share=poly_share)
     v_scale = None if qz.v_scale is None else expand_heads(qz.v_scale, hq).unsqueeze(-2)
     w = None
     if sinks is not None:
@@ -207,19 +198,18 @@ def quantized_attention(
     return finish(acc, l_sum, m, offset, v_scale, qz.v_mean, qz.lse_shift, w)
 
 
-def softmax_step(s, v_block, acc, m, l_sum, *, pv: str, poly_share: int = 0, exp2_arg=None):
+def softmax_step(s, v_block, acc, m, l_sum, *, pv: str, poly_share: int = 0):
     """One key block of the quantized recipes' online softmax in base 2: scores ``s`` (``-inf``
     where masked) against ``v_block`` (dequantized to fp32 up to its scale); P̃ rounded to E4M3
     with the static offset ``log2 448`` (``pv="fp8"``) or to fp16. ``poly_share``: the key
     columns of one group of 8 in every ``poly_share`` (:func:`poly_columns`) take
-    :func:`poly_exp2`, the rest ``exp2``. ``exp2_arg``: the exp2's argument from the bias
-    ``offset - m`` (default ``s + bias``). Returns ``(acc, m, l_sum)``."""
+    :func:`poly_exp2`, the rest ``exp2``. Returns ``(acc, m, l_sum)``."""
     offset = LOG2_FP8_MAX if pv == "fp8" else 0.0
     m_new = torch.maximum(m, s.amax(dim=-1))
     m_safe = torch.where(torch.isneginf(m_new), 0.0, m_new)
     alpha = torch.exp2(m - m_safe)
     bias = -(m_safe - offset).unsqueeze(-1)
-    x = s + bias if exp2_arg is None else exp2_arg(bias)
+    x = s + bias
     p = torch.exp2(x)
     if poly_share:
         cols = poly_columns(s.shape[-1], poly_share, s.device)
@@ -229,23 +219,6 @@ def softmax_step(s, v_block, acc, m, l_sum, *, pv: str, poly_share: int = 0, exp
     acc = acc * alpha.unsqueeze(-1) + torch.matmul(p_q.float(), v_block)
     return acc, m_new, l_sum
 
-
-# INT32 scores |S| < 2^22 as fp32 S + MAGIC by adding MAGIC_BITS to their bits (see magic_scores).
-MAGIC = 1.5 * 2**23
-MAGIC_BITS = 0x4B400000
-
-
-def magic_scores(s_int: torch.Tensor) -> torch.Tensor:
-    """The sm90 kernel's ``magic`` scores (``gluon_blocks.magic_float``): integer-valued fp32
-    ``S`` as ``S + 1.5·2^23`` (exact for ``|S| < 2^22``), what the integer add into the bits of
-    ``1.5·2^23`` gives without a conversion instruction."""
-    return s_int.float() + MAGIC
-
-
-def _magic_exp2_arg(y, c, bias):
-    """The per-thread exp2 argument from magic scores ``y``: ``fma(y, c, fma(c, -M, bias))``,
-    each fma rounding its product and its sum apart (the CPU model's, as elsewhere here)."""
-    return y * c + (c * -MAGIC + bias)
 
 
 # 2^f for f in [-1/2, 1/2]: a cubic fitted to equal relative ripple (7.5e-5 at most, evaluated
