@@ -11,7 +11,10 @@
 # most 60 s), the one-warpgroup forward's GPU tests with its admission check (-k sm90, forward
 # only, at most 150 s), the admission timed (benchmarks/probes/admission_time.py, at most 90 s:
 # a first call with no verdict, the check itself on a cold Triton cache in the background, a
-# later process's read of the verdict, the check on the warm cache), then bench_forward.py --decide
+# later process's read of the verdict, the check on the warm cache), the preparation's launches
+# timed apart against their floor with the statistics launch's candidate tilings
+# (benchmarks/probes/prep_speed.py, at most 60 s; embedded in decide.json), then
+# bench_forward.py --decide
 # (D=128 N=16k, N=1k at B×H=512, D=64 the same, causal D=128 N=16k, then N=8k; SDPA cuDNN, the sm90
 # rows, SageAttention 1.0.6; each row's first call timed) in the time left.
 # decide2 (470 s): the sm90 backward's GPU tests with its admission check (at most 120 s), the
@@ -379,16 +382,19 @@ if [[ "$STAGE" == decide || "$STAGE" == decide2 ]]; then
     rc_tests=0
     rc_bench=0
     if [[ "$STAGE" == decide ]]; then
-        limit 60 330
+        limit 60 390
         step plan-tests "$TESTLOG" env LOWBIT_ATTN_LAUNCH=plan "${PYTEST[@]}" -m gpu \
             tests/test_gpu_plans.py || rc_tests=$?
-        limit 150 210
+        limit 150 270
         step sm90-forward-tests "$TESTLOG" "${PYTEST[@]}" -m gpu tests/test_gpu.py \
             -k "sm90 and not trainable and not video and not backward" --durations=10 \
             || rc_tests=$((rc_tests && rc_tests != 5 ? rc_tests : $?))
-        limit 90 150
+        limit 90 210
         step sm90-forward-admission "$BENCHLOG" "$PY" benchmarks/probes/admission_time.py fwd \
             "$WORK/admission-fwd.json" || rc_bench=$?
+        limit 60 150
+        step prep "$BENCHLOG" "$PY" benchmarks/probes/prep_speed.py "$WORK/prep-speed.json" \
+            || rc_bench=$?
         limit 600 10
         step forward-sweep "$BENCHLOG" "$PY" benchmarks/bench_forward.py --decide --out "$OUT" \
             --out "$WORK" "${RESULTS[@]}" --time-budget $((LIMIT - 60)) || rc_bench=$?

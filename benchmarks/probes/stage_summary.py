@@ -9,7 +9,7 @@ after every step, so a run cut short still leaves it. No torch import: it runs i
 
 STEPS.tsv: one line per step, ``name<TAB>limit s<TAB>started at s<TAB>took s<TAB>exit status``
 (``skipped`` for a step with no time left); ``admission-*.json`` (benchmarks/probes/
-admission_time.py) and ``{forward,train,vsa,decode}-*.json`` / ``.md`` are read from the
+admission_time.py) and ``{forward,train,vsa,decode,prep}-*.json`` / ``.md`` are read from the
 RESULT_DIRs, the newest of each kind.
 """
 
@@ -24,7 +24,7 @@ FIRST_CALL_BAR = 2.0  # s: what admission adds to a first call (issue 43)
 TRAIN_BAR = 1.0  # × SDPA flash, forward + backward, D=128, N ≥ 4k
 DECODE_BAR = 1.0  # × SDPA (fp16 K/V), one decode step, batch 1, N = 8k and 32k
 WINDOW_BAR = 1.2  # a sliding-window layer's step ÷ a full layer of what it sees (issue 44)
-KINDS = ("forward", "train", "vsa", "decode")
+KINDS = ("forward", "train", "vsa", "decode", "prep")
 
 
 def _bar(name, value, target, higher=True) -> dict:
@@ -133,7 +133,8 @@ def summarize(stage: str, outdir: Path, steps_file: Path, command: str,
         summary["results"][kind] = data
         summary["device"] = summary["device"] or data.get("device_name")
         summary["bars"] += {"forward": lambda x: x.get("bars", []), "train": train_bars,
-                            "decode": decode_bars, "vsa": lambda x: []}[kind](data)
+                            "decode": decode_bars, "vsa": lambda x: [],
+                            "prep": lambda x: []}[kind](data)
         table = path.with_suffix(".md")
         if table.exists():
             tables.append(f"## {kind} ({path.name}{'' if data.get('complete', True) else ', partial'})"

@@ -338,6 +338,36 @@ def test_channel_stats_of_no_token_are_zero(center):
         assert torch.equal(mean[1], torch.zeros(2, 8)) and torch.equal(m_ref, torch.zeros(1, 2, 8))
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("schedule", [dict(tile_sums=True), dict(tile_sums=True, block_d=64),
+                                      dict(tile_sums=True, block_n=32, block_d=128, num_warps=8),
+                                      dict(block_d=64, block_n=32)], ids=str)
+def test_the_statistics_launch_s_candidates_give_the_production_values(schedule):
+    """The statistics launch's candidate tilings (``StatsSchedule``, for a GPU run to time):
+    K smoothed and V not, as a call asks, dense and packed, with a NaN and an Inf in their own
+    channels and an empty sequence; the same maxima, the same NaN and Inf, means within
+    rounding (the sums' order), as the production launch's."""
+    from lowbit_attn.core.operands import Seqs
+
+    quant = kq()
+    g = torch.Generator().manual_seed(9)
+    k = torch.randn(2, 3, 203, 72, generator=g) * 2 + 3 * torch.randn(72, generator=g)
+    v = torch.randn(2, 3, 203, 72, generator=g)
+    k[1, 2, 150, 5], v[0, 1, 7, 60] = float("nan"), float("inf")
+    packed = torch.randn(211, 3, 72, generator=g) + 2
+    seqs = Seqs(batch=3, max_len=150, cu_seqlens=torch.tensor([0, 61, 61, 211], dtype=torch.int32))
+    for requests in ([quant.StatsRequest(k, "mean"), quant.StatsRequest(v, "none")],
+                     [quant.StatsRequest(packed, "mean", seqs=seqs)]):
+        want = quant.channel_stats_many(*requests)
+        got = quant.channel_stats_many(*requests, schedule=quant.StatsSchedule(**schedule))
+        for (m_want, a_want), (m_got, a_got) in zip(want, got):
+            assert torch.equal(a_got.isnan(), a_want.isnan())
+            assert_close(a_got, a_want, atol=1e-5, rtol=1e-5, name="amax")
+            if m_want is not None:
+                assert torch.equal(m_got.isnan(), m_want.isnan())
+                assert_close(m_got, m_want, atol=1e-5, rtol=1e-5, name="mean")
+
+
+@pytest.mark.interpreter
 def test_balance_factors_equalize_ranges_and_keep_degenerate_channels():
     aq = torch.tensor([[[1.0, 4.0, 0.0, 2.0], [3.0, 1.0, 1.0, 2.0]]])  # B=1, Hq=2
     ak = torch.tensor([[[16.0, 1.0, 5.0, 0.0]]])  # Hkv=1: both q heads share it

@@ -39,6 +39,9 @@ if args[:1] == ["-c"] or args[:1] == ["-"]:
 kinds = {{"bench_forward.py": "forward", "bench_train.py": "train", "bench_vsa.py": "vsa",
          "bench_decode.py": "decode"}}
 kind = kinds.get(Path(args[0]).name) if args else None
+if args and Path(args[0]).name == "prep_speed.py":  # its own file, named by the script
+    Path(args[1]).write_text(json.dumps({{"device": "stub GPU", "rows": []}}))
+    Path(args[1]).with_suffix(".md").write_text("prep table\\n")
 if kind:
     outs = [args[i + 1] for i, a in enumerate(args) if a == "--out"]
     rows = {{"forward": [], "train": [
@@ -102,11 +105,12 @@ def test_a_stage_runs_its_steps_in_order_within_its_budget(tmp_path, stage, budg
     text = [shlex.join(c["args"]) for c in commands]
     if stage == "decide":
         assert [s["step"] for s in steps] == ["plan-tests", "sm90-forward-tests",
-                                             "sm90-forward-admission", "forward-sweep"]
+                                             "sm90-forward-admission", "prep", "forward-sweep"]
         assert "tests/test_gpu_plans.py" in text[0] and commands[0]["launch"] == "plan"
         assert "-k" in commands[1]["args"] and "sm90" in text[1]
         assert "admission_time.py fwd" in text[2]
-        assert "bench_forward.py --decide" in text[3] and "--time-budget" in text[3]
+        assert "prep_speed.py" in text[3] and "prep" in summary["results"]  # embedded
+        assert "bench_forward.py --decide" in text[4] and "--time-budget" in text[4]
         assert any(name.startswith("forward-") for name in files)
         assert any(b["bar"].startswith("kernel alone") for b in summary["bars"])
     else:
@@ -193,3 +197,18 @@ def test_the_admission_probe_leaves_its_verdict_for_the_next_steps(tmp_path):
         "device, admitted = a._stub(); print(admitted(device))"), str(probe.parent)],
         env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert later.returncode == 0 and later.stdout.strip() == "True", later.stderr[-3000:]
+
+
+@pytest.mark.interpreter
+def test_the_preparation_probe_runs_every_row_on_a_cpu(tmp_path):
+    """benchmarks/probes/prep_speed.py --smoke: every launch and candidate of the GPU probe at a
+    tiny shape on the interpreter (a candidate that fails to compile would be a row with an
+    error on the GPU: here it fails the test)."""
+    probe = script_module("benchmarks/probes/prep_speed.py")
+    probe.main([str(tmp_path / "prep-speed.json"), "--smoke"])
+    rows = json.loads((tmp_path / "prep-speed.json").read_text())["rows"]
+    names = [r["name"] for r in rows]
+    assert names[:2] == ["copy Q, K, V", "stats (production)"]
+    assert len(names) == 2 + len(probe.STATS_CANDIDATES) + 5
+    assert not [r for r in rows if "error" in r]
+    assert (tmp_path / "prep-speed.md").read_text().count("\n") == len(rows) + 2

@@ -33,11 +33,15 @@ _KEEP_HI = tl.constexpr(FP16_V_KEEP_HI)
 def _stats_program(
     X, MEAN, AMAX, CU, b, h, pid_d, x_strides, mean_strides, amax_strides, N, D,
     CENTER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
+    TILE_SUMS: tl.constexpr = False,
 ):
     """Channel statistics of ``BLOCK_D`` channels of one (batch, head): the amax about the
     ``CENTER`` (0 none, 1 the mean, 2 each block's mean), and the mean(s) when centering.
     Strides: (batch, head, token, dim) of ``X``, (batch, head, block, dim) of ``MEAN``, (batch,
-    head, dim) of ``AMAX``."""
+    head, dim) of ``AMAX``. ``TILE_SUMS`` (CENTER 0 and 1; a candidate that no GPU has timed):
+    the sums, maxima, minima and the NaN probe kept element-wise in ``[BLOCK_N, BLOCK_D]`` tiles
+    and reduced across the rows once after the loop, instead of four reductions across warps
+    per block of rows (the same values up to the sum's order)."""
     sxb, sxh, sxn, sxd = x_strides
     smb, smh, smk, smd = mean_strides
     sab, sah, sad = amax_strides
@@ -50,28 +54,31 @@ def _stats_program(
     lo = tl.full([BLOCK_D], float("inf"), tl.float32)
     amax = tl.zeros([BLOCK_D], dtype=tl.float32)
     poison = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for i in range(0, n, BLOCK_N):
-        rows = i + tl.arange(0, BLOCK_N)
-        rmask = rows < n
-        mask = rmask[:, None] & dmask[None, :]
-        # int64 token offsets (start is int64): one head's rows may span 2^31 elements
-        x = tl.load(base + (start + rows)[:, None] * sxn + offs_d[None, :] * sxd, mask=mask,
-                    other=0.0)
-        x = x.to(tl.float32)
-        poison += tl.sum(x * 0.0, axis=0)
-        if CENTER == 2:
-            count = tl.minimum(n - i, BLOCK_N).to(tl.float32)
-            bmean = tl.sum(x, axis=0) / count
-            bhi = tl.max(tl.where(mask, x, float("-inf")), axis=0)
-            blo = tl.min(tl.where(mask, x, float("inf")), axis=0)
-            amax = tl.maximum(amax, tl.maximum(bhi - bmean, bmean - blo))
-            tl.store(
-                MEAN + b * smb + h * smh + (i // BLOCK_N) * smk + offs_d * smd, bmean, mask=dmask
-            )
-        else:
-            total += tl.sum(x, axis=0)
-            hi = tl.maximum(hi, tl.max(tl.where(mask, x, float("-inf")), axis=0))
-            lo = tl.minimum(lo, tl.min(tl.where(mask, x, float("inf")), axis=0))
+    if TILE_SUMS and CENTER != 2:
+        total, hi, lo, poison = _tile_sums(base, start, n, offs_d, dmask, sxn, sxd, BLOCK_N,
+                                           BLOCK_D)
+    else:
+        for i in range(0, n, BLOCK_N):
+            rows = i + tl.arange(0, BLOCK_N)
+            rmask = rows < n
+            mask = rmask[:, None] & dmask[None, :]
+            # int64 token offsets (start is int64): one head's rows may span 2^31 elements
+            x = tl.load(base + (start + rows)[:, None] * sxn + offs_d[None, :] * sxd, mask=mask,
+                        other=0.0)
+            x = x.to(tl.float32)
+            poison += tl.sum(x * 0.0, axis=0)
+            if CENTER == 2:
+                count = tl.minimum(n - i, BLOCK_N).to(tl.float32)
+                bmean = tl.sum(x, axis=0) / count
+                bhi = tl.max(tl.where(mask, x, float("-inf")), axis=0)
+                blo = tl.min(tl.where(mask, x, float("inf")), axis=0)
+                amax = tl.maximum(amax, tl.maximum(bhi - bmean, bmean - blo))
+                tl.store(MEAN + b * smb + h * smh + (i // BLOCK_N) * smk + offs_d * smd, bmean,
+                         mask=dmask)
+            else:
+                total += tl.sum(x, axis=0)
+                hi = tl.maximum(hi, tl.max(tl.where(mask, x, float("-inf")), axis=0))
+                lo = tl.minimum(lo, tl.min(tl.where(mask, x, float("inf")), axis=0))
     if CENTER == 1:
         mean = total / tl.maximum(n, 1)  # an empty sequence's mean is 0, as its amax
         amax = tl.maximum(hi - mean, mean - lo)
@@ -83,6 +90,28 @@ def _stats_program(
 
 
 @triton.jit
+def _tile_sums(base, start, n, offs_d, dmask, sxn, sxd, BLOCK_N: tl.constexpr,
+               BLOCK_D: tl.constexpr):
+    """``_stats_program``'s loop with ``TILE_SUMS``: ``(sum, max, min, 0·sum)`` of the rows, each
+    column's, from tiles accumulated element by element (masked rows: 0, -inf, +inf, 0)."""
+    acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    top = tl.full([BLOCK_N, BLOCK_D], float("-inf"), tl.float32)
+    bottom = tl.full([BLOCK_N, BLOCK_D], float("inf"), tl.float32)
+    probe = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for i in range(0, n, BLOCK_N):
+        rows = i + tl.arange(0, BLOCK_N)
+        mask = (rows < n)[:, None] & dmask[None, :]
+        x = tl.load(base + (start + rows)[:, None] * sxn + offs_d[None, :] * sxd, mask=mask,
+                    other=0.0).to(tl.float32)
+        acc += x
+        probe += x * 0.0
+        top = tl.maximum(top, tl.where(mask, x, float("-inf")))
+        bottom = tl.minimum(bottom, tl.where(mask, x, float("inf")))
+    return (tl.sum(acc, axis=0), tl.max(top, axis=0), tl.min(bottom, axis=0),
+            tl.sum(probe, axis=0))
+
+
+@triton.jit
 def _channel_stats_kernel(
     X0, MEAN0, AMAX0, CU0, x_strides0, mean_strides0, amax_strides0, N0, H0,
     X1, MEAN1, AMAX1, CU1, x_strides1, mean_strides1, amax_strides1, N1, H1,
@@ -90,7 +119,7 @@ def _channel_stats_kernel(
     NB, D,
     CENTER0: tl.constexpr, CENTER1: tl.constexpr, CENTER2: tl.constexpr,
     BLOCK_N0: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_N2: tl.constexpr,
-    BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
+    BLOCK_D: tl.constexpr, VARLEN: tl.constexpr, TILE_SUMS: tl.constexpr = False,
 ):
     """Statistics of up to three tensors in one launch (``CENTERi`` -1: no tensor ``i``); program
     ``pid`` of axis 0 runs (batch, head) ``pid`` of the first tensor, then of the second, ..."""
@@ -101,15 +130,29 @@ def _channel_stats_kernel(
     if CENTER0 >= 0 and pid < n0:
         b, h = batch_head(pid, H0)
         _stats_program(X0, MEAN0, AMAX0, CU0, b, h, pid_d, x_strides0, mean_strides0,
-                       amax_strides0, N0, D, CENTER0, BLOCK_N0, BLOCK_D, VARLEN)
+                       amax_strides0, N0, D, CENTER0, BLOCK_N0, BLOCK_D, VARLEN,
+                       TILE_SUMS)
     elif CENTER1 >= 0 and pid < n0 + n1:
         b, h = batch_head(pid - n0, H1)
         _stats_program(X1, MEAN1, AMAX1, CU1, b, h, pid_d, x_strides1, mean_strides1,
-                       amax_strides1, N1, D, CENTER1, BLOCK_N1, BLOCK_D, VARLEN)
+                       amax_strides1, N1, D, CENTER1, BLOCK_N1, BLOCK_D, VARLEN,
+                       TILE_SUMS)
     elif CENTER2 >= 0:
         b, h = batch_head(pid - n0 - n1, H2)
         _stats_program(X2, MEAN2, AMAX2, CU2, b, h, pid_d, x_strides2, mean_strides2,
-                       amax_strides2, N2, D, CENTER2, BLOCK_N2, BLOCK_D, VARLEN)
+                       amax_strides2, N2, D, CENTER2, BLOCK_N2, BLOCK_D, VARLEN,
+                       TILE_SUMS)
+
+
+class StatsSchedule(NamedTuple):
+    """The statistics launch's tiling: ``block_d`` channels and ``block_n`` rows per step
+    (``block_n`` of the centers 0 and 1: a block mean's rows are its block), ``num_warps``,
+    ``tile_sums`` (``_stats_program``). The default is the production one."""
+
+    block_d: int = 32
+    block_n: int = 64
+    num_warps: int = 4
+    tile_sums: bool = False
 
 
 class StatsRequest(NamedTuple):
@@ -121,7 +164,7 @@ class StatsRequest(NamedTuple):
     seqs: Seqs | None = None
 
 
-def _stats_args(req: StatsRequest | None, part: int):
+def _stats_args(req: StatsRequest | None, part: int, block_n: int = 64):
     """Buffers, keyword arguments and constexprs of part ``part`` (0, 1, 2) of
     ``_channel_stats_kernel``."""
     if req is None:
@@ -146,25 +189,30 @@ def _stats_args(req: StatsRequest | None, part: int):
                 x_strides=bhnd_strides(x, seqs.packed), mean_strides=mstrides,
                 amax_strides=amax.stride(), N=seqs.max_len, H=h)
     return ((mean, amax), {f"{name}{part}": value for name, value in args.items()}, mode,
-            req.block if mode == 2 else 64)
+            req.block if mode == 2 else block_n)
 
 
-def channel_stats_many(*requests: StatsRequest) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
-    """``(mean, amax)`` of one to three tensors (same batch, head dim and layout) in one launch."""
+def channel_stats_many(*requests: StatsRequest, schedule: StatsSchedule = StatsSchedule()
+                       ) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
+    """``(mean, amax)`` of one to three tensors (same batch, head dim and layout) in one launch.
+    ``schedule``: the launch's tiling (the default is what every call runs; the others are
+    candidates for a GPU run to time: ``benchmarks/probes/prep_speed.py``)."""
     if not 1 <= len(requests) <= 3:
         raise ValueError(f"channel_stats_many: 1 to 3 tensors, got {len(requests)}")
-    parts = [_stats_args(requests[i] if i < len(requests) else None, i) for i in range(3)]
+    parts = [_stats_args(requests[i] if i < len(requests) else None, i, schedule.block_n)
+             for i in range(3)]
     first = requests[0]
     seqs = first.seqs or dense_seqs(first.x)
     d = first.x.shape[-1]
     assert all((r.seqs is not None and r.seqs.packed) == seqs.packed for r in requests[1:])
-    block_d = min(32, next_pow2(d))
+    block_d = min(schedule.block_d, next_pow2(d))
     programs = sum(r.x.shape[1] for r in requests) * seqs.batch
     _channel_stats_kernel[(programs, triton.cdiv(d, block_d))](
         **parts[0][1], **parts[1][1], **parts[2][1], NB=seqs.batch, D=d,
         CENTER0=parts[0][2], CENTER1=parts[1][2], CENTER2=parts[2][2],
         BLOCK_N0=parts[0][3], BLOCK_N1=parts[1][3], BLOCK_N2=parts[2][3],
-        BLOCK_D=block_d, VARLEN=seqs.packed,
+        BLOCK_D=block_d, VARLEN=seqs.packed, TILE_SUMS=schedule.tile_sums,
+        num_warps=schedule.num_warps,
     )
     return [p[0] for p in parts[: len(requests)]]
 
@@ -673,6 +721,6 @@ def lse_shift(
 
 
 __all__ = [
-    "Seqs", "StatsRequest", "Int8Request", "VRequest", "channel_stats", "channel_stats_many",
+    "Seqs", "StatsRequest", "StatsSchedule", "Int8Request", "VRequest", "channel_stats", "channel_stats_many",
     "quantize", "quantize_int8", "convert_v", "delta_s", "lse_shift",
 ]
