@@ -324,6 +324,35 @@ def test_sm90_opt_in_passes_its_check_and_runs_in_the_public_call(monkeypatch, g
         assert torch.equal(got, outs[0])
 
 
+def _sm90_cases():
+    from lowbit_attn.inference import sm90_check
+    from lowbit_attn.inference.gluon_check import Case
+
+    # Around the case the H200 failed on 2026-11-29 (B1 Nq96 Nk1 H4:2 D64 per_thread: outputs not
+    # finite): fewer keys than one 16-key group and than one 128-key block, either scale
+    # granularity, either P·V, one query block, no smoothing's shift; one window says which.
+    near = [Case(1, 4, 2, 96, nk, 64, 128, causal=False, lse=False, granularity=g, pv=pv)
+            for nk, g, pv in [(1, "per_token", "fp8"), (1, "per_thread", "fp16"),
+                              (2, "per_thread", "fp8"), (15, "per_thread", "fp8"),
+                              (16, "per_thread", "fp8"), (17, "per_thread", "fp8"),
+                              (112, "per_thread", "fp8"), (113, "per_thread", "fp8"),
+                              (1, "per_thread", "fp8")]]
+    near.append(Case(1, 2, 2, 64, 1, 128, 128, causal=False, lse=True, granularity="per_thread"))
+    return [pytest.param(c, id=f"check-{c}") for c in sm90_check.CASES] + \
+        [pytest.param(c, id=f"near-{c}") for c in near]
+
+
+@pytest.mark.parametrize("case", _sm90_cases())
+def test_sm90_forward_each_case(case):
+    """Each case of the admission check on its own, and cases near the one the H200 failed: a
+    window reports every case that fails and where (the check itself stops at the first)."""
+    from lowbit_attn.inference import sm90_check
+
+    _needs_sm90()
+    reason = sm90_check._compare(case, torch.device("cuda", torch.cuda.current_device()))
+    assert reason is None, f"{case}: {reason}"
+
+
 def test_sm90_forward_admission_check_passes():
     """The admission check in this process, every case of ``sm90_check.CASES`` (issue 43's: counts
     that are multiples of 128 and of 16, one query, one key, grids of 512 programs, both head
