@@ -42,9 +42,7 @@ operands quantized once):
 ``--decide`` (issue 43): first one configuration per bar (D=128 N=16k, N=1k at B×H=16×32,
 D=64 N=16k, N=1k; causal D=128 N=16k, issue 44's window), then N=8k (B×H=4×32) at D=128 and 64
 and causal D=64 N=16k; only the rows that decide: SDPA cuDNN, e2e sm90 thread and token, kernel
-sm90 thread and token, e2e Triton, at N = 1k ``q=kernel triton token``
-(``LOWBIT_ATTN_Q_QUANT=kernel`` on the launch configuration ``e2e triton token`` ran: one
-compile; not in the bars), SageAttention, and last ``e2e sm90 thread plan`` (with
+sm90 thread and token, e2e Triton, SageAttention, and last ``e2e sm90 thread plan`` (with
 ``LOWBIT_ATTN_LAUNCH=plan``: the host path launch plans would save; not counted in the bars,
 which are the default launch path's).
 
@@ -75,7 +73,7 @@ try:
 except ImportError:  # a source checkout that is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import lowbit_attn
-from bench_hopper import forced, stage_fns
+from bench_hopper import stage_fns
 from lowbit_attn.core.recipes import get_recipe
 from lowbit_attn.inference.naive import exact_attention
 from lowbit_attn.integrations.sdpa import TORCH_SDPA
@@ -104,10 +102,11 @@ THREAD_FP16 = get_recipe("qk_int8_pv_fp16").replace(granularity="per_thread", bl
 DECIDE_CONFIGS = [(128, 16384, False), (128, 1024, False), (64, 16384, False), (64, 1024, False),
                   (128, 16384, True), (128, 8192, False), (64, 8192, False), (64, 16384, True)]
 DECIDE_ROWS = ("sdpa cudnn", "e2e sm90 thread", "e2e sm90 token", "kernel sm90 thread",
-               "kernel sm90 token", "e2e triton token", "q=kernel triton token", "sage 1.0.6",
-               "e2e sm90 thread plan", "e2e sm90 thread win512", "e2e triton thread win512")
+               "kernel sm90 token", "e2e triton token", "sage 1.0.6", "e2e sm90 thread plan",
+               "e2e sm90 thread win512", "e2e triton thread win512", "e2e triton token win512")
 # Issue 44's bar: a 512-token causal window over N=16k runs >= 8x faster than full causal (the
-# "win512" rows of the causal configurations against "e2e sm90 thread"; TOP/s counted as causal).
+# "win512" rows of the causal configurations against "e2e sm90 thread", and the default path's
+# "e2e triton token win512" against "e2e triton token"; TOP/s counted as causal).
 WINDOW = (511, 0)
 # Issues 36 and 43's GPU bars: (D, N range, causal) → × SDPA cuDNN end to end.
 BARS = [(128, (8192, None), False, 1.15), (64, (8192, None), False, 1.0),
@@ -200,13 +199,6 @@ def rows_of_config(base, q, k, v, causal, record, gluon_ok: str | None,
     if decide:
         sm90_rows([("kernel sm90 thread", THREAD, {}), ("kernel sm90 token", TOKEN, {})])
         record(base, "e2e triton token", ours("qk_int8_pv_fp8"), note=autotune_choice)
-        if q.shape[2] <= 1024 and not causal:  # where Q in the kernel won (NOTES §6, v9)
-            from lowbit_attn.inference import kernel_int8
-
-            chosen = getattr(kernel_int8._attn_fwd_int8, "best_config", None)
-            with environment(LOWBIT_ATTN_Q_QUANT="kernel"), forced(chosen):
-                record(base, "q=kernel triton token", ours("qk_int8_pv_fp8"),
-                       note=autotune_choice)
         record(base, "sage 1.0.6", sage(q, k, v, causal))
         record(base, "e2e sm90 thread plan", ours(THREAD, "sm90", "plan"))
         if causal:  # issue 44: a 512-token window, sm90 and Triton, against full causal above
@@ -214,6 +206,8 @@ def rows_of_config(base, q, k, v, causal, record, gluon_ok: str | None,
                                  ("e2e triton thread win512", None)):
                 record(base, name, ours(THREAD, kernel, window=WINDOW), check=False,
                        note=lambda: f"window {WINDOW}: time against e2e sm90 thread")
+            record(base, "e2e triton token win512", ours("qk_int8_pv_fp8", window=WINDOW),
+                   check=False, note=lambda: f"window {WINDOW}: time against e2e triton token")
         return
     record(base, "e2e triton token", ours("qk_int8_pv_fp8"), note=autotune_choice)
     record(base, "tuned triton token", tuned(ours("qk_int8_pv_fp8")), note=autotune_choice)

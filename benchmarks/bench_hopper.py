@@ -9,7 +9,7 @@ end, with each output checked against SDPA flash fp16 (cosine, relative L1).
     python benchmarks/bench_hopper.py --gluon         # Triton vs Gluon vs SDPA, N up to 32k
 
 Rows per (D, N, causal): ``sdpa_cudnn_bf16``; ``ours`` (``qk_int8_pv_fp8`` as users call it:
-autotuned, the default options); ``ours q=kernel`` (``LOWBIT_ATTN_Q_QUANT=kernel``); ``ours
+autotuned, the default options); ``ours
 block_k=128`` (128-key blocks: fewer instructions per score, NOTES §10); ``ours cfg=…`` (the
 autotuner's candidates one at a time: warps, stages, plain or pipelined loop); ``prepare`` and
 ``attention`` (the two stages of ``ours`` timed apart). The last table says, per
@@ -54,7 +54,6 @@ from lowbit_attn.tools.bench.save import save_script_results, slug
 from lowbit_attn.tools.bench.tables import seqlen_label
 from lowbit_attn.tools.bench.timers import timer_for
 from lowbit_attn.core.arch import backend_for
-from lowbit_attn.core.options import KernelOptions
 from lowbit_attn.inference import kernel_int8 as attn_fwd_int8
 from lowbit_attn.core.triton_helpers import LaunchConfig, configs_for, triton_configs
 from lowbit_attn.inference.prepare import quantize_qkv
@@ -111,11 +110,9 @@ def stage_fns(q, k, v, causal, recipe=None, kernel=None):
     recipe = recipe or get_recipe(RECIPE)
     kernel = kernel or attn_fwd_int8.attention
     scale = q.shape[-1] ** -0.5
-    options = KernelOptions.from_env()
 
     def prepare():
-        return quantize_qkv(q, k, v, recipe, scale, need_lse_shift=False, backend="triton",
-                            q_in_kernel=options.q_in_kernel)
+        return quantize_qkv(q, k, v, recipe, scale, need_lse_shift=False, backend="triton")
 
     qz = prepare()
     out = torch.empty_like(q)
@@ -221,9 +218,6 @@ def main(argv=None) -> int:
                     rows[-1]["autotune"] = autotune_choice()
                 if not triton_path:
                     continue
-                with environment(LOWBIT_ATTN_Q_QUANT="kernel"), forced(None):
-                    record(base, "ours q=kernel", ours, ref)
-                    rows[-1]["autotune"] = autotune_choice()
                 wide = get_recipe(RECIPE).replace(block_k=128)  # per-token: any key block fits
                 record(base, "ours block_k=128", lambda: lowbit_attn.attention(
                     q, k, v, recipe=wide, is_causal=causal), ref)

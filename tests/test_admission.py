@@ -58,7 +58,7 @@ def test_the_forward_check_covers_what_users_run():
     assert any(c.lse for c in cases)
     for c in cases:  # each reaches the kernel (wanted), not the fallback
         recipe = lowbit_recipe(c)
-        assert fwd_check.wanted(recipe, c.d, packed=False, q_in_kernel=False), c
+        assert fwd_check.wanted(recipe, c.d, packed=False), c
     big = [c for c in cases if _programs(c) >= 2 * H100_SMS]
     assert {c.d for c in big} == {64, 128} and {c.causal for c in big} == {True, False}
 

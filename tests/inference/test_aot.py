@@ -39,11 +39,8 @@ TCGEN05_F8 = "tcgen05.mma.cta_group::1.kind::f8f6f4"
 TCGEN05_F16 = "tcgen05.mma.cta_group::1.kind::f16"
 TCGEN05_I8 = "tcgen05.mma.cta_group::1.kind::i8"
 
-# Kernels one call launches, by where Q is quantized (LOWBIT_ATTN_Q_QUANT).
-LAUNCHES = {
-    "kernel": ["_channel_stats_kernel", "_quantize_kernel", ATTENTION],
-    "pass": ["_channel_stats_kernel", "_quantize_kernel", ATTENTION],  # Q with K and V
-}
+# Kernels one call launches: the statistics, the quantization (Q with K and V), the attention.
+LAUNCHES = ["_channel_stats_kernel", "_quantize_kernel", ATTENTION]
 
 
 COMPILED = [
@@ -85,27 +82,20 @@ def describe(r: aot.KernelReport) -> str:
 def test_every_kernel_compiles_and_assembles(compiled, recipe, arch):
     reports = compiled(recipe, arch)
     assert [r.kernel for r in reports][-1] == ATTENTION
-    assert [r.kernel for r in reports] == LAUNCHES["pass"]
+    assert [r.kernel for r in reports] == LAUNCHES
     for r in reports:
         assert r.ok, describe(r)
         assert r.registers is not None and 0 < r.registers <= 255, describe(r)
 
 
-@pytest.mark.parametrize("mode", [None, "pass", "kernel"], ids=["default", "pass", "kernel"])
 @pytest.mark.parametrize("recipe", ["qk_int8_pv_fp8", "qk_int8_pv_fp16"])
-def test_a_call_launches_three_kernels(recipe, mode, monkeypatch):
-    """Statistics of Q, K and V in one launch; K and V quantized in one more, with Q (the
-    default, ``LOWBIT_ATTN_Q_QUANT=pass``) or without it (``kernel``: the attention kernel
-    quantizes Q); the attention."""
-    if mode is not None:
-        monkeypatch.setenv("LOWBIT_ATTN_Q_QUANT", mode)
-    launches = LAUNCHES[mode or "pass"]
+def test_a_call_launches_three_kernels(recipe):
+    """Statistics of Q, K and V in one launch; K, Q and V quantized in one more; the attention."""
     recorded = aot.record_launches(get_recipe(recipe), head_dim=64, seq_len=1024)
-    assert [launch.name for launch in recorded] == launches
+    assert [launch.name for launch in recorded] == LAUNCHES
     # one program per 64-token block (K's and V's; Q's 128-row blocks take every other one) and
-    # per (batch, head) of K, then of Q when the launch quantizes it, then of V
-    heads = 2 * 3 if mode in (None, "pass") else 2 * 2
-    assert recorded[1].grid == (1024 // 64, heads)
+    # per (batch, head) of K, then of Q, then of V
+    assert recorded[1].grid == (1024 // 64, 2 * 3)
 
 
 @pytest.mark.parametrize("recipe,pv_form", [("qk_int8_pv_fp8", FP8_WGMMA),
@@ -271,12 +261,12 @@ def test_launch_specialization_matches_the_launchers():
     signature, constexprs, attrs = aot.specialize(jit, values, "sm_90a")
     assert jit.__name__ == ATTENTION
     assert signature["q"][0] == "*i8" and signature["V"] == "*fp8e4nv" and signature["O"] == "*fp16"
-    for name in ("QM", "AQ", "AK", "VM", "DS", "LSH", "LSE", "CUQ", "CUK"):
+    for name in ("VM", "DS", "LSH", "LSE", "CUQ", "CUK"):
         assert signature[name] == "constexpr" and constexprs[name] is None
     v_strides = [p.name for p in jit.params].index("v_strides")  # (batch, head, token, dim)
     assert constexprs[(v_strides, 2)] == 1 and signature["v_strides"][3] == "i32"  # V [B, H, D, N']
     assert constexprs["EXACT_FP8"] is False and constexprs["PV_FP8"] is True
-    assert constexprs["Q_IN_KERNEL"] is False and constexprs["PIPELINE"] is False
+    assert constexprs["PIPELINE"] is False
     assert options == {"num_warps": 8, "num_stages": 2}
 
 

@@ -358,65 +358,9 @@ def test_nan_and_inf_are_never_hidden(name, where, triton_backend, device):
             assert (~torch.isfinite(out[0, 1])).any(dim=-1).all()  # every row reads key 5
 
 
-Q_QUANT_CASES = [
-    pytest.param("qk_int8_pv_fp8", {}, (2, 4, 2, 100, 150, 64), id="fp8-default-GQA"),
-    pytest.param("qk_int8_pv_fp16", {"granularity": "per_block"}, (1, 2, 2, 130, 90, 96),
-                 id="fp16-per_block-D96"),
-    pytest.param("qk_int8_pv_fp8", {"smooth_q": True, "smooth_v": True, "granularity": "per_block"},
-                 (1, 3, 1, 77, 200, 32), id="fp8-smooth_qv-MQA"),
-    pytest.param("qk_int8_pv_fp16", {"smooth_k": False, "balance_qk": False}, (1, 2, 1, 1, 65, 16),
-                 id="fp16-plain-decode-D16"),
-] + [  # test_gpu.py's: statistics of many blocks per (batch, head)
-    pytest.param(f"qk_int8_pv_{pv}", {}, (2, 8, 4, 1000, 1500, d),
-                 id=f"gpu-{pv}-Nq1000-Nk1500-D{d}", marks=pytest.mark.gpu)
-    for pv, d in (("fp16", 64), ("fp8", 128))
-]
-
-
-def _assert_placements_agree(monkeypatch, call):
-    """``call()`` (output and LSE) with Q quantized by the quantization launch and by the
-    attention kernel (``LOWBIT_ATTN_Q_QUANT``): the same bits on every target."""
-    results = {}
-    for q_mode in ("pass", "kernel"):
-        monkeypatch.setenv("LOWBIT_ATTN_Q_QUANT", q_mode)
-        results[q_mode] = call()
-    for got, want in zip(results["kernel"], results["pass"]):
-        assert torch.equal(got, want)
-
-
-@pytest.mark.parametrize("name,options,shape", Q_QUANT_CASES)
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_where_the_quantization_runs_changes_no_bit(name, options, shape, causal,
-                                                    triton_backend, monkeypatch, device):
-    """Q quantized by the attention kernel with the pass's own tile function: the same output and
-    LSE bits, for every centering, balancing and granularity."""
-    b, hq, hkv, nq, nk, d = shape
-    recipe = get_recipe(name).replace(**options)
-    device.needs(recipe)
-    q, k, v = channel_biased((b, hq, nq, d), (b, hkv, nk, d), seed=nq + d, dtype=torch.float16,
-                             device=device.name)
-    q[0, 0, nq // 2, 0] = 40.0  # an outlier row
-    _assert_placements_agree(monkeypatch, lambda: lowbit_attn.attention(
-        q, k, v, recipe=recipe, is_causal=causal, return_lse=True))
-
-
-def test_where_the_quantization_runs_changes_no_bit_varlen(triton_backend, monkeypatch, device):
-    device.needs("qk_int8_pv_fp8")
-    lens = [5, 70, 0, 33]
-    g = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(sum(lens), h, 32, generator=g) for h in (4, 2, 2))
-    k += 3 * torch.randn(2, 32, generator=g)
-    q, k, v = (x.to(device.name) for x in (q, k, v))
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
-                      device=device.name)
-    _assert_placements_agree(monkeypatch, lambda: lowbit_attn.attention_varlen(
-        q, k, v, cu, cu, max(lens), max(lens), is_causal=True, recipe="qk_int8_pv_fp8",
-        return_lse=True))
-
-
 @pytest.mark.interpreter
 @pytest.mark.parametrize("var,value", [
-    ("LOWBIT_ATTN_Q_QUANT", "fused"), ("LOWBIT_ATTN_TRAIN_DQ", "fused"),
+    ("LOWBIT_ATTN_TRAIN_DQ", "fused"),
     ("LOWBIT_ATTN_BWD_KERNEL", "gluon"), ("LOWBIT_ATTN_KERNEL", "Gluon"),
     ("LOWBIT_ATTN_LAUNCH", "graph"),
 ])

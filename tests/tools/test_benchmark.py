@@ -35,9 +35,6 @@ def test_quantization_bytes_follow_the_passes_of_prepare():
     # fp16 P·V: no V stats; V is rewritten as fp16 (2E read + 2E write) = 14E
     assert flops.quantization_bytes(fp16, e, e) == 14 * e
     assert flops.attention_bytes(fp8, e, e) == 5 * e
-    # Q quantized by the attention kernel: 3E fewer in the passes, 1E more for the attention
-    assert flops.quantization_bytes(fp8, e, e, q_in_kernel=True) == 12 * e
-    assert flops.attention_bytes(fp8, e, e, q_in_kernel=True) == 6 * e
     assert flops.quantization_bytes(RECIPES["exact"], e, e) is None
 
 
@@ -467,7 +464,7 @@ def test_hopper_benchmark_runs_every_variant_on_the_interpreter(tmp_path, monkey
     (result,) = tmp_path.glob("hopper-*.json")
     rows = json.loads(result.read_text())["rows"]
     methods = {r["method"] for r in rows}
-    assert methods >= {"sdpa_cudnn_bf16", "ours", "ours q=kernel", "ours block_k=128", "prepare",
+    assert methods >= {"sdpa_cudnn_bf16", "ours", "ours block_k=128", "prepare",
                        "attention", "ours cfg=4w1s-plain", "ours cfg=4w1s-pipelined"}
     assert all(r["status"] == "ok" for r in rows)
     assert all(r["cosine"] > 0.998 for r in rows if not r["method"].startswith("prepare"))
@@ -524,7 +521,7 @@ def test_forward_benchmark_runs_on_the_interpreter_without_the_gluon_kernels(tmp
     for name in ("e2e sm90 thread", "e2e sm90 token"):
         assert rows[name]["note"] == "not checked" and rows[name]["check"] == "pass"
     skipped = [r for r in rows.values() if r["method"].startswith(("kernel sm90", "kernel gluon"))]
-    assert len(skipped) == 11 and all(r["status"] == "skipped" for r in skipped)
+    assert len(skipped) == 9 and all(r["status"] == "skipped" for r in skipped)
     table = (tmp_path / result.name.replace(".json", ".md")).read_text()
     assert "| 64 | 160 | no | 1×2 | e2e sm90 thread |" in table
     assert "| D | N | causal | best sm90 e2e | × cuDNN | bar | met | × SageAttention |" in table
@@ -549,16 +546,10 @@ def test_forward_benchmark_decide_runs_the_decisive_rows_with_the_bars(tmp_path,
     methods = list(dict.fromkeys(r["method"] for r in data["rows"]))
     assert methods == list(bench.DECIDE_ROWS)
     # last: launch plans (not in the bars) and issue 44's 512-token windows
-    assert methods[-3:] == ["e2e sm90 thread plan", "e2e sm90 thread win512",
-                            "e2e triton thread win512"]
+    assert methods[-4:] == ["e2e sm90 thread plan", "e2e sm90 thread win512",
+                            "e2e triton thread win512", "e2e triton token win512"]
     ran = [r for r in data["rows"] if r["status"] == "ok"]
     assert ran and all(r["first_call_s"] > 0 for r in ran)
-    # Q quantized in the kernel, non-causal N <= 1k only, on the default row's own candidate
-    (placement,) = [r for r in data["rows"] if r["method"] == "q=kernel triton token"]
-    (default,) = [r for r in data["rows"] if r["method"] == "e2e triton token"
-                  and not r["causal"]]
-    assert placement["status"] == "ok" and not placement["causal"]
-    assert placement["note"] == default["note"] is not None
     bars = {b["bar"]: b for b in data["bars"]}
     assert bars["kernel alone TOP/s, D=128 N=16k"]["target"] == 850.0
     assert bars["e2e sm90 cosine (worst)"]["target"] == 0.9992

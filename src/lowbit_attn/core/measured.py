@@ -39,13 +39,13 @@ class Measured:
 
 
 # The INT8 forward as users call it on Hopper (qk_int8_pv_fp8: per-token scales, 64-key blocks,
-# FP8 P·V, Q quantized by its pass, dense, no window or softcap), D = 128: the autotuner's
+# FP8 P·V, dense, no window or softcap), D = 128: the autotuner's
 # choice at N = 1k and 16k, causal and not (4 of 4), and at 16k the fastest of the candidates
 # forced one at a time (523 TOP/s non-causal, against 465, 435, 433 and 371).
 MEASURED = (
     Measured("_attn_fwd_int8_kernel", "sm_90",
              (("D", 128), ("BLOCK_N", 64), ("BLOCK_Q", 128), ("GRAN", 1), ("PV_FP8", True),
-              ("VARLEN", False), ("Q_IN_KERNEL", False), ("V_PERMUTED", False),
+              ("VARLEN", False), ("V_PERMUTED", False),
               ("WINDOWED", False), ("SOFTCAP", False)),
              8, 3, (("PIPELINE", True),),
              "H100 80GB HBM3, 2026-11-25: benchmarks/results/hopper-nvidia-h100-80gb-hbm3-"

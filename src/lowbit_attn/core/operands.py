@@ -27,22 +27,6 @@ FP16_V_KEEP_HI = 7
 
 
 @dataclass
-class QuantizeInKernel:
-    """What the attention kernel needs to quantize Q itself, exactly as the quantization pass would
-    (``prepare.quantize_qkv(q_in_kernel=True)``).
-
-    Attributes:
-        center: fp32 block means of Q to subtract ``[B, Hq, ceil(Nq/block_q), D]`` (``smooth_q``).
-        balance: ``(amax_q [B, Hq, D], amax_k [B, Hkv, D])`` for the balancing factors.
-        multiplier: ``softmax_scale·log2(e)``, folded into Q's scales.
-    """
-
-    center: torch.Tensor | None
-    balance: tuple[torch.Tensor, torch.Tensor] | None
-    multiplier: float
-
-
-@dataclass
 class QuantizedQKV:
     """Operands for the attention stage.
 
@@ -50,7 +34,7 @@ class QuantizedQKV:
     buffer); packed (varlen) calls hold ``[total, H, D]`` tensors and ``[H, total]`` per-token vectors.
 
     Attributes:
-        q, k: INT8 values (``q``: the 16-bit input when ``q_raw`` is set).
+        q, k: INT8 values.
         q_scale: fp32 dequantization scales of Q, multiplied by ``softmax_scale·log2(e)`` so that
             ``(q·kᵀ)·q_scale·k_scale`` are scores in base 2. ``[B, Hq, ceil(Nq/block_q)]`` per block,
             ``[B, Hq, Nq]`` per token.
@@ -69,11 +53,10 @@ class QuantizedQKV:
         delta_s: fp32 Q-smoothing correction in base-2 score units ``[B, Hq, ceil(Nq/block_q), Nk]``.
         lse_shift: fp32 ``softmax_scale·(q·mean(K))`` per query row, added to the natural-log LSE so
             that it is the LSE of the unsmoothed scores (``smooth_k`` with ``return_lse`` only).
-        q_raw: set when Q is left for the attention kernel to quantize (``q_scale`` is then None).
     """
 
     q: torch.Tensor
-    q_scale: torch.Tensor | None
+    q_scale: torch.Tensor
     k: torch.Tensor
     k_scale: torch.Tensor
     v: torch.Tensor
@@ -81,7 +64,6 @@ class QuantizedQKV:
     v_mean: torch.Tensor | None = None
     delta_s: torch.Tensor | None = None
     lse_shift: torch.Tensor | None = None
-    q_raw: QuantizeInKernel | None = None
     v_permuted: bool = False
 
 

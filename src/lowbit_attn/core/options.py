@@ -2,9 +2,6 @@
 from the environment once per call (by every attention call, so that a bad value raises
 anywhere: :func:`check_env`) and passed down explicitly.
 
-- ``LOWBIT_ATTN_Q_QUANT``: ``pass`` (default: Q quantized by the launch that quantizes K and
-  converts V) or ``kernel`` (by the INT8 attention kernel's prologue: 2 bytes per Q element
-  fewer). Same bits.
 - ``LOWBIT_ATTN_TRAIN_DQ``: ``recompute`` (default: a dQ kernel that recomputes S and dP per query
   block; deterministic) or ``atomic`` (the dK/dV kernel adds each tile's dS·K into an fp32
   buffer: two fewer matmuls per tile, summation order not fixed).
@@ -51,14 +48,12 @@ from dataclasses import dataclass
 
 import torch
 
-Q_QUANT_MODES = ("pass", "kernel")
 DQ_MODES = ("recompute", "atomic")
 BWD_KERNELS = ("measured", "triton", "sm90")
 KERNELS = ("triton", "gluon", "sm90")
 LAUNCH_MODES = ("triton", "plan")
 # Each option's field → (its environment variable, its modes, the default first)
-VARIABLES = {"q_quant": ("LOWBIT_ATTN_Q_QUANT", Q_QUANT_MODES),
-             "train_dq": ("LOWBIT_ATTN_TRAIN_DQ", DQ_MODES),
+VARIABLES = {"train_dq": ("LOWBIT_ATTN_TRAIN_DQ", DQ_MODES),
              "bwd_kernel": ("LOWBIT_ATTN_BWD_KERNEL", BWD_KERNELS),
              "kernel": ("LOWBIT_ATTN_KERNEL", KERNELS),
              "launch": ("LOWBIT_ATTN_LAUNCH", LAUNCH_MODES)}
@@ -82,7 +77,6 @@ class KernelOptions:
     """Where the Triton path does some of its work (see the module docstring); the defaults are
     the production path."""
 
-    q_quant: str = Q_QUANT_MODES[0]
     train_dq: str = DQ_MODES[0]
     bwd_kernel: str = BWD_KERNELS[0]
     kernel: str = KERNELS[0]
@@ -105,10 +99,6 @@ class KernelOptions:
                 field: choices[0] if value is None else os.environ.decodevalue(value)
                 for (field, (_, choices)), value in zip(VARIABLES.items(), raw)})
         return found
-
-    @property
-    def q_in_kernel(self) -> bool:
-        return self.q_quant == "kernel"
 
     @property
     def launch_plans(self) -> bool:

@@ -41,8 +41,7 @@ from lowbit_attn.core.plan_launches import Plan, capture, launch_state, replay
 # What else a call's checks and launches read: the environment (Triton's launch path reads
 # TRITON_FPSAN_HOMOMORPHIC_CASTS, from 3.9, at every launch), every placement variable among it
 # (a replay then implies the values a checked call had: the calls read them only without one).
-ENV_KEY = ("LOWBIT_ATTN_LAUNCH", "LOWBIT_ATTN_BACKEND", "LOWBIT_ATTN_ARCH", "LOWBIT_ATTN_Q_QUANT",
-           "LOWBIT_ATTN_KERNEL", "LOWBIT_ATTN_TRAIN_DQ", "LOWBIT_ATTN_BWD_KERNEL", "TRITON_INTERPRET",
+ENV_KEY = ("LOWBIT_ATTN_LAUNCH", "LOWBIT_ATTN_BACKEND", "LOWBIT_ATTN_ARCH", "LOWBIT_ATTN_KERNEL", "LOWBIT_ATTN_TRAIN_DQ", "LOWBIT_ATTN_BWD_KERNEL", "TRITON_INTERPRET",
            "TRITON_FPSAN_HOMOMORPHIC_CASTS")
 MAX_PLANS = 256  # keys a table remembers; it starts over past them
 MISSING = object()  # what Table.replay gives for a key without a plan

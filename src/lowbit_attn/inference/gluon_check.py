@@ -22,7 +22,7 @@ on each machine. A call uses it only where
    while a CUDA graph is being captured or ``torch.compile`` traces starts nothing: it runs the
    Triton kernel, and the check waits for a call outside;
 3. the Gluon launcher takes the call: it raises ``ValueError`` before launching anything for what
-   it does not cover (D other than 64 and 128, Q quantized in the kernel, ΔS, operands TMA cannot
+   it does not cover (D other than 64 and 128, ΔS, operands TMA cannot
    read); such a call runs the Triton kernel (and a call it fails to compile, before any launch,
    refuses it for the rest of the process with one warning: :func:`refuse`). Per-block scales
    and fp16 P·V are covered, and so is each in :data:`CASES`. Packed (varlen) calls run the

@@ -17,13 +17,13 @@ from lowbit_attn.core.arch import get_capability
 from lowbit_attn.core.operands import QuantizedQKV, Seqs, dense_seqs
 from lowbit_attn.core.variants import PLAIN, Variant
 from lowbit_attn.core.triton_helpers import (
-    LOG2E, LaunchConfig, add_sink, bhnd_strides, channel_vector_strides, exact_fp8,
+    LOG2E, LaunchConfig, add_sink, bhnd_strides, exact_fp8,
     finish_rows, finish_scores, choose, key_block_bounds, key_position, next_pow2,
     next_power_of_2, online_max, p_offset, packed_v_start, program_heads, row_strides, seq_span,
     store_lse, strides, to_e4m3, triton_configs, window_block_bounds,
 )
 from lowbit_attn.core.variants import cap_args, sink_logits
-from lowbit_attn.quant.tile import quantize_int8_tile, thread_group
+from lowbit_attn.quant.tile import thread_group
 
 # The kernel's ``GRAN`` of each granularity (the quantization kernels' codes for Q).
 GRANULARITY_CODES = {"per_block": 0, "per_token": 1, "per_thread": 2}
@@ -173,11 +173,9 @@ def _masked_block(acc, m_i, l_i, q_blk, qs, start_n, rows, keys, ds_base, window
 
 @triton.jit
 def _attn_fwd_int8_kernel(
-    q, k, V, VS, VM, DS, LSH, O, LSE, CUQ, CUK, QM, AQ, AK, SINK,
-    v_strides, vs_strides, ds_strides, lsh_strides, o_strides, lse_strides, qm_strides,
-    aq_strides, ak_strides, qk_multiplier,
+    q, k, V, VS, VM, DS, LSH, O, LSE, CUQ, CUK, SINK,
+    v_strides, vs_strides, ds_strides, lsh_strides, o_strides, lse_strides,
     NQ, NK, HQ, GROUP, D, causal_offset, N_BUCKET, left, right, chunk, cap2, two_over,
-    Q_IN_KERNEL: tl.constexpr, Q_CENTER: tl.constexpr, Q_BALANCE: tl.constexpr,
     IS_CAUSAL: tl.constexpr, GRAN: tl.constexpr, PV_FP8: tl.constexpr,
     HAS_VSCALE: tl.constexpr, HAS_VMEAN: tl.constexpr, HAS_DS: tl.constexpr,
     HAS_LSH: tl.constexpr, WRITE_LSE: tl.constexpr,
@@ -191,12 +189,10 @@ def _attn_fwd_int8_kernel(
     of ``window_block_bounds`` (``left``/``right``/``chunk``; ``causal_offset`` then is
     ``Nk - Nq``), masked at both ends; ``SOFTCAP`` soft-caps the scores (``cap2``,
     ``two_over``); ``SINK``: ``[Hq]`` fp32 sink logits in base 2, one epilogue term. Operands
-    ``q`` and ``k``: ``(INT8 values, scales, values' strides, scales' strides)``; ``q``
-    may instead hold Q itself with no scales (``Q_IN_KERNEL``: the kernel quantizes it). Strides:
+    ``q`` and ``k``: ``(INT8 values, scales, values' strides, scales' strides)``. Strides:
     (batch, head, token, dim) of Q, K, ``V``, ``O``; (batch, head, row) of the scales (a row is a
     token or a block), of ``LSH`` and ``LSE``; (batch, head, dim) of V's channel vectors
-    ``VS``/``VM``; (batch, head, query block, key) of ``DS``; (batch, head, block, dim) of Q's
-    block means ``QM``; (batch, head) of the balancing amax ``AQ``/``AK``. A program computes
+    ``VS``/``VM``; (batch, head, query block, key) of ``DS``. A program computes
     ``BLOCK_M`` rows, ``1 / M_SPLIT`` of a query block of ``BLOCK_Q`` (per-block scales, ΔS)."""
     Q, QS, q_strides, qs_strides = q
     K, KS, k_strides, ks_strides = k
@@ -225,25 +221,17 @@ def _attn_fwd_int8_kernel(
     mmask = offs_m < nq
     dmask = offs_d < D
 
-    if Q_IN_KERNEL:  # the quantization pass's own tile function: the same bits
-        q_blk, qs, _, _, _ = quantize_int8_tile(
-            Q, QM, AQ, AK, b, h, q_start, pid_m, nq, q_strides, qm_strides, aq_strides, ak_strides,
-            D, GROUP, GRAN, Q_CENTER, Q_BALANCE, BLOCK_M, BLOCK_D,
-        )
-        qs = qs * qk_multiplier
+    q_blk = tl.load(
+        Q + b * sqb + h * sqh + (q_start + offs_m)[:, None] * sqn + offs_d[None, :] * sqd,
+        mask=mmask[:, None] & dmask[None, :], other=0,
+    )
+    if GRAN == 1:
+        qs = tl.load(QS + b * sqsb + h * sqsh + (q_start + offs_m) * sqsn, mask=mmask, other=1.0)
+    elif GRAN == 2:
+        qs = tl.load(QS + b * sqsb + h * sqsh + thread_group(offs_m, 2) * sqsn, mask=mmask,
+                     other=1.0)
     else:
-        q_blk = tl.load(
-            Q + b * sqb + h * sqh + (q_start + offs_m)[:, None] * sqn + offs_d[None, :] * sqd,
-            mask=mmask[:, None] & dmask[None, :], other=0,
-        )
-        if GRAN == 1:
-            qs = tl.load(QS + b * sqsb + h * sqsh + (q_start + offs_m) * sqsn, mask=mmask,
-                         other=1.0)
-        elif GRAN == 2:
-            qs = tl.load(QS + b * sqsb + h * sqsh + thread_group(offs_m, 2) * sqsn, mask=mmask,
-                         other=1.0)
-        else:
-            qs = tl.load(QS + b * sqsb + h * sqsh + (pid_m // M_SPLIT) * sqsn)
+        qs = tl.load(QS + b * sqsb + h * sqsh + (pid_m // M_SPLIT) * sqsn)
 
     # Loop-invariant bases (int64 arithmetic once; the loop adds int32 offsets within a head).
     k_base = K + b * skb + hk * skh + k_start * skn
@@ -363,26 +351,20 @@ def fits(num_warps: int, block_d: int, block_n: int = 64, pipeline: bool = False
             and not (pipeline and block_n * block_d > 8192))
 
 
-def can_split(block_q: int, m_split: int, whole_block_q: bool) -> bool:
+def can_split(block_q: int, m_split: int) -> bool:
     """Whether a program may take ``1 / m_split`` of a query block of ``block_q`` rows and give
-    the same bits: 64 rows at least (two warpgroups' wgmma rows), and not when the kernel
-    quantizes Q itself per block or centres it per block (``whole_block_q``: its scale and mean
-    come from the whole block's rows)."""
-    return m_split == 1 or (block_q % m_split == 0 and block_q // m_split >= 64
-                            and not whole_block_q)
+    the same bits: 64 rows at least (two warpgroups' wgmma rows)."""
+    return m_split == 1 or (block_q % m_split == 0 and block_q // m_split >= 64)
 
 
 def _prune(configs, named_args, **kwargs):
     args = {**named_args, **kwargs}
     block_d, block_n, block_q = args["BLOCK_D"], args["BLOCK_N"], args["BLOCK_Q"]
-    whole_block_q = args["q"][1] is None and (args["GRAN"] == 0 or args["QM"] is not None)
-    valid = [c for c in configs
-             if can_split(block_q, c.kwargs.get("M_SPLIT", 1), whole_block_q)]
+    valid = [c for c in configs if can_split(block_q, c.kwargs.get("M_SPLIT", 1))]
     kept = [c for c in valid
             if fits(c.num_warps, block_d, block_n, bool(c.kwargs.get("PIPELINE")),
                     c.kwargs.get("M_SPLIT", 1), block_q, c.num_stages, args["VARLEN"])]
-    return choose(kept or valid, "_attn_fwd_int8_kernel",
-                  {**args, "Q_IN_KERNEL": args["q"][1] is None})
+    return choose(kept or valid, "_attn_fwd_int8_kernel", args)
 
 
 _attn_fwd_int8 = triton.autotune(
@@ -390,7 +372,7 @@ _attn_fwd_int8 = triton.autotune(
     prune_configs_by={"early_config_prune": _prune},
     # N_BUCKET (a power of two of the key length, unused by the kernel): tune per length range.
     key=["N_BUCKET", "BLOCK_D", "IS_CAUSAL", "GRAN", "PV_FP8", "VARLEN", "BLOCK_Q", "BLOCK_N",
-         "Q_IN_KERNEL", "V_PERMUTED", "WINDOWED", "SOFTCAP"],
+         "V_PERMUTED", "WINDOWED", "SOFTCAP"],
 )(
     triton.heuristics(
         {
@@ -399,9 +381,6 @@ _attn_fwd_int8 = triton.autotune(
             "HAS_DS": lambda a: a["DS"] is not None,
             "HAS_LSH": lambda a: a["LSH"] is not None,
             "WRITE_LSE": lambda a: a["LSE"] is not None,
-            "Q_IN_KERNEL": lambda a: a["q"][1] is None,
-            "Q_CENTER": lambda a: 0 if a["QM"] is None else 2,
-            "Q_BALANCE": lambda a: 0 if a["AQ"] is None else 1,
             "BLOCK_M": lambda a: a["BLOCK_Q"] // a.get("M_SPLIT", 1),
             "HAS_SINK": lambda a: a["SINK"] is not None,
         }
@@ -441,9 +420,6 @@ def attention(
         else:
             lse = torch.empty(qz.q.shape[:3], device=out.device, dtype=torch.float32)
     vec = qz.v_scale if qz.v_scale is not None else qz.v_mean
-    fused = qz.q_raw
-    q_center = fused.center if fused is not None else None
-    amax_q, amax_k = fused.balance if fused is not None and fused.balance else (None, None)
     grid = lambda meta: (triton.cdiv(seqs_q.max_len, meta["BLOCK_M"]), seqs_q.batch * hq)
     if variant.windowed:  # positions aligned bottom-right (packed: per sequence, in the kernel)
         offset = seqs_k.max_len - seqs_q.max_len if not packed else 0
@@ -456,14 +432,10 @@ def attention(
         k=(qz.k, qz.k_scale, bhnd_strides(qz.k, packed),
            row_strides(qz.k_scale, packed and per_token)),
         V=qz.v, VS=qz.v_scale, VM=qz.v_mean, DS=qz.delta_s, LSH=qz.lse_shift, O=out, LSE=lse,
-        CUQ=seqs_q.cu_seqlens, CUK=seqs_k.cu_seqlens, QM=q_center, AQ=amax_q, AK=amax_k,
-        SINK=sink_logits(sinks),
+        CUQ=seqs_q.cu_seqlens, CUK=seqs_k.cu_seqlens, SINK=sink_logits(sinks),
         v_strides=bhnd_strides(qz.v, packed), vs_strides=strides(vec, 3),
         ds_strides=strides(qz.delta_s, 4), lsh_strides=row_strides(qz.lse_shift, packed),
         o_strides=bhnd_strides(out, packed), lse_strides=row_strides(lse, packed),
-        qm_strides=strides(q_center, 4), aq_strides=channel_vector_strides(amax_q),
-        ak_strides=channel_vector_strides(amax_k),
-        qk_multiplier=fused.multiplier if fused is not None else 1.0,
         NQ=seqs_q.max_len, NK=seqs_k.max_len, HQ=hq, GROUP=hq // hkv, D=d,
         causal_offset=offset, N_BUCKET=min(next_power_of_2(seqs_k.max_len), 32768),
         left=variant.left, right=variant.right, chunk=variant.chunk, cap2=cap2,

@@ -440,9 +440,6 @@ def _check_scope(qz: QuantizedQKV, *, pv, granularity, block_q, block_k, seqs_q,
     packed = seqs_q is not None and seqs_q.packed
     if packed != (seqs_k is not None and seqs_k.packed):
         raise ValueError("Q and K must be both packed or both dense for the Gluon kernel")
-    if qz.q_raw is not None or qz.q_scale is None:
-        raise ValueError("the Gluon kernel needs Q quantized by its pass "
-                         "(LOWBIT_ATTN_Q_QUANT=kernel is not supported)")
     if qz.delta_s is not None:
         raise ValueError("smooth_q (ΔS) is not supported by the Gluon kernel yet")
     d = qz.q.shape[-1]

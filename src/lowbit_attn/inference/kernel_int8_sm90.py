@@ -31,8 +31,8 @@ Scope: dense inputs, per-token or per-thread scales, FP8 P·V (E4M3 V permuted) 
 ``block_k`` 128 (the twin walks the keys in the same blocks), D = 64 or 128, causal or not, GQA,
 LSE (with the K-smoothing shift), a sliding window or chunk (only the key blocks of
 ``window_block_bounds``, masked at both ends) and sinks (one term after the loop). Refused before
-launch (the Triton kernel runs): packed sequences, per-block scales, ΔS (``smooth_q``), Q
-quantized in the kernel, softcap (a tanh per score). Twin:
+launch (the Triton kernel runs): packed sequences, per-block scales, ΔS (``smooth_q``), softcap
+(a tanh per score). Twin:
 ``lowbit_attn.inference.naive.quantized_attention``. Written for the Gluon Hopper API of the
 Triton series ``core.triton_support.GLUON_SERIES["hopper"]`` names. Opt-in
 (``LOWBIT_ATTN_KERNEL=sm90``, admitted per device by :mod:`~lowbit_attn.inference.gluon_check`):
@@ -399,9 +399,6 @@ def _check_scope(qz: QuantizedQKV, *, pv, granularity, block_k, seqs_q, seqs_k) 
         raise ValueError(f"block_k must be {BLOCK_N} for the sm90 kernel, got {block_k}")
     if any(s is not None and s.packed for s in (seqs_q, seqs_k)):
         raise ValueError("packed (varlen) sequences are not supported by the sm90 kernel")
-    if qz.q_raw is not None or qz.q_scale is None:
-        raise ValueError("the sm90 kernel needs Q quantized by its pass "
-                         "(LOWBIT_ATTN_Q_QUANT=kernel is not supported)")
     if qz.delta_s is not None:
         raise ValueError("smooth_q (ΔS) is not supported by the sm90 kernel")
     d = qz.q.shape[-1]

@@ -71,13 +71,11 @@ def kernel(q, k, v, *, out: torch.Tensor, recipe: Recipe, scale: float, causal_o
     # The one-warpgroup Hopper forward where it covers the call and is admitted on this device:
     # decided before quantizing, because it takes V's keys permuted.
     sm90 = (variant.softcap == 0 and options.sm90_forward and sm90_check.applies(q.device)
-            and sm90_check.wanted(recipe, q.shape[-1], packed=seqs is not None,
-                                  q_in_kernel=options.q_in_kernel)
+            and sm90_check.wanted(recipe, q.shape[-1], packed=seqs is not None)
             and sm90_check.admitted(q.device))
     qz = quantize_qkv(
         q, k, v, recipe, scale, need_lse_shift=need_shift, backend="triton", seqs_q=seqs_q,
-        seqs_k=seqs_k, q_in_kernel=options.q_in_kernel,
-        permute_v=sm90 and recipe.pv == "fp8",
+        seqs_k=seqs_k, permute_v=sm90 and recipe.pv == "fp8",
     )
     forward = kernel_int8.attention
     if sm90 or not variant.plain:  # the sm90 forward: windows, chunks, sinks; Triton: all

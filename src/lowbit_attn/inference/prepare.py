@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from lowbit_attn.core.operands import (
-    LOG2E, THREAD_K_BLOCK, QuantizedFP4, QuantizedQKV, QuantizeInKernel,
+    LOG2E, THREAD_K_BLOCK, QuantizedFP4, QuantizedQKV,
 )
 from lowbit_attn.core.recipes import Recipe
 from lowbit_attn.inference import naive as ref_attn
@@ -58,21 +58,17 @@ def quantize_qkv(
     backend: str,
     seqs_q=None,
     seqs_k=None,
-    q_in_kernel: bool = False,
     permute_v: bool = False,
 ) -> QuantizedQKV:
     """Q, K, V (logical ``[B, H, N, D]`` views, or packed ``[total, H, D]`` with ``seqs_*`` on the
     Triton backend) → :class:`QuantizedQKV`.
 
     On the Triton backend the statistics of all three tensors take one launch and the quantization
-    of Q and K with V's conversion another. ``q_in_kernel`` (Triton only; the same values either
-    way) leaves Q unquantized, with what its quantization needs, for the attention kernel to
-    quantize itself. ``permute_v`` (FP8 P·V, dense; both backends): V's keys stored as
+    of Q and K with V's conversion another. ``permute_v`` (FP8 P·V, dense; both backends): V's
+    keys stored as
     ``QuantizedQKV.v_permuted`` says."""
     quant, extra, _ = _quantizers(backend)
     triton_backend = backend == "triton"
-    if q_in_kernel and not triton_backend:
-        raise ValueError("q_in_kernel needs the Triton backend")
     kw_q = {"seqs": seqs_q} if triton_backend else {}
     kw_k = {"seqs": seqs_k} if triton_backend else {}
     k_center = "mean" if recipe.smooth_k else "none"
@@ -102,26 +98,17 @@ def quantize_qkv(
     q_args = dict(granularity=recipe.granularity, block=recipe.block_q, center=q_mean,
                   center_per_block=True, balance=balance, role="q",
                   scale_multiplier=multiplier)
-    q8 = q_scale = None
-    if triton_backend:
-        # Q joins K's and V's launch unless the attention kernel quantizes it
-        q_request = None if q_in_kernel else quant.Int8Request(q, **q_args)
-        (k8, k_scale), (vq, v_scale), *q_part = quant.quantize(
+    if triton_backend:  # Q joins K's and V's launch
+        (k8, k_scale), (vq, v_scale), (q8, q_scale) = quant.quantize(
             quant.Int8Request(k, **k_args),
             quant.VRequest(v, recipe.pv, v_mean, v_amax, scaled=v_scaled, permuted=permute_v),
-            seqs=seqs_k, q=q_request, seqs_q=seqs_q,
+            seqs=seqs_k, q=quant.Int8Request(q, **q_args), seqs_q=seqs_q,
         )
-        if q_part:
-            q8, q_scale = q_part[0]
     else:
         k8, k_scale = quant.quantize_int8(k, **k_args)
         vq, v_scale = quant.convert_v(v, pv=recipe.pv, center=v_mean, amax=v_amax,
                                       permuted=permute_v)
-
-    if q_in_kernel:
-        q8, q_scale = q, None
-    elif q8 is None:
-        q8, q_scale = quant.quantize_int8(q, **q_args, **kw_q)
+        q8, q_scale = quant.quantize_int8(q, **q_args)
 
     delta = shift = None
     if recipe.smooth_q:
@@ -132,7 +119,6 @@ def quantize_qkv(
     return QuantizedQKV(
         q=q8, q_scale=q_scale, k=k8, k_scale=k_scale, v=vq, v_scale=v_scale, v_mean=v_mean,
         delta_s=delta, lse_shift=shift,
-        q_raw=QuantizeInKernel(q_mean, balance, multiplier) if q_in_kernel else None,
         v_permuted=permute_v,
     )
 

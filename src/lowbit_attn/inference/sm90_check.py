@@ -12,7 +12,7 @@ it only where
 
 1. :func:`wanted`: the call is one the kernel covers, decided before quantization (V's keys are
    then stored permuted for it): dense, INT8 Q·Kᵀ with per-token or per-thread scales, FP8 or
-   fp16 P·V, 128-key blocks, no ΔS, Q quantized by its pass, D = 64 or 128 (and no softcap:
+   fp16 P·V, 128-key blocks, no ΔS, D = 64 or 128 (and no softcap:
    ``op.kernel`` sends windows, chunks and sinks here, softcap to the Triton kernel);
 2. :func:`applies`: CUDA tensors on a device of capability 9.0, compiled kernels (on a CPU the
    option changes nothing: Triton has no Gluon interpreter);
@@ -76,12 +76,11 @@ CASES = (
 )
 
 
-def wanted(recipe: Recipe, head_dim: int, *, packed: bool, q_in_kernel: bool) -> bool:
+def wanted(recipe: Recipe, head_dim: int, *, packed: bool) -> bool:
     """Whether the kernel covers a call with ``recipe`` (module docstring, 1)."""
     return (recipe.qk == "int8" and recipe.pv in ("fp8", "fp16")
             and recipe.granularity in GRANULARITIES and recipe.block_k == BLOCK_N
-            and not recipe.smooth_q and head_dim in HEAD_DIMS and not packed
-            and not q_in_kernel)
+            and not recipe.smooth_q and head_dim in HEAD_DIMS and not packed)
 
 
 def applies(device: torch.device) -> bool:

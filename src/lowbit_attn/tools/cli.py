@@ -32,8 +32,7 @@ EXTERNAL = {
     "accuracy": ("lowbit_attn.tools.accuracy", "error of each recipe against exact attention"),
     "bench": ("lowbit_attn.tools.bench", "speed of each recipe and the baselines"),
 }
-ENV_VARS = ("LOWBIT_ATTN_ARCH", "LOWBIT_ATTN_BACKEND", "LOWBIT_ATTN_Q_QUANT",
-            "LOWBIT_ATTN_TRAIN_DQ", "LOWBIT_ATTN_BWD_KERNEL", "LOWBIT_ATTN_KERNEL",
+ENV_VARS = ("LOWBIT_ATTN_ARCH", "LOWBIT_ATTN_BACKEND", "LOWBIT_ATTN_TRAIN_DQ", "LOWBIT_ATTN_BWD_KERNEL", "LOWBIT_ATTN_KERNEL",
             "LOWBIT_ATTN_AUTOTUNE", "LOWBIT_ATTN_LAUNCH", "LOWBIT_ATTN_CACHE", "TRITON_INTERPRET")
 DTYPES = ("float16", "bfloat16", "float32")
 # core.options.KERNELS, spelled out: --help imports nothing heavy

@@ -128,21 +128,18 @@ def _stage_fn(method: Method, q, k, v, causal):
     if backend_for(q.device) != "triton":
         raise Unsupported("stage timings need the Triton backend (a CUDA GPU, or "
                           "LOWBIT_ATTN_BACKEND=triton with TRITON_INTERPRET=1)")
-    from lowbit_attn.core.options import KernelOptions
     from lowbit_attn.inference import kernel_fp4 as attn_fwd_fp4, kernel_int8 as attn_fwd_int8
     from lowbit_attn.inference.prepare import quantize_qkv, quantize_qkv_fp4
 
     cap = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
     r = resolve(method.recipe, cap)
     scale = q.shape[-1] ** -0.5
-    options = KernelOptions.from_env()
     if r.is_fp4:
         def prepare():
             return quantize_qkv_fp4(q, k, v, r, scale, need_lse_shift=False, backend="triton")
     else:
         def prepare():
-            return quantize_qkv(q, k, v, r, scale, need_lse_shift=False, backend="triton",
-                                q_in_kernel=options.q_in_kernel)
+            return quantize_qkv(q, k, v, r, scale, need_lse_shift=False, backend="triton")
 
     if method.backend == "prepare":
         return prepare, contextlib.nullcontext

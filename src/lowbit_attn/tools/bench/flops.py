@@ -17,14 +17,14 @@ def tops(batch: int, heads: int, n: int, d: int, causal: bool, time_ms: float) -
 
 
 def quantization_bytes(
-    recipe: Recipe, elems_q: int, elems_kv: int, in_bytes: int = 2, *, q_in_kernel: bool = False,
+    recipe: Recipe, elems_q: int, elems_kv: int, in_bytes: int = 2,
 ) -> int | None:
     """HBM bytes the quantization passes of ``prepare.quantize_qkv`` move, counted from its code.
 
     Passes: channel statistics of K (smoothing / balancing), of Q (balancing) and of V (FP8 scale),
     each reading its tensor (one launch for all three); INT8 quantization of K and V's conversion
-    (one launch: read in_bytes, write 1 byte per element, or 2 for fp16 V); INT8 quantization of Q
-    only when the attention kernel does not quantize it (``q_in_kernel`` false). The ``[B, H, D]``
+    (one launch: read in_bytes, write 1 byte per element, or 2 for fp16 V); INT8 quantization of
+    Q. The ``[B, H, D]``
     statistics are negligible. ``None`` with Q smoothing (its ΔS pass is not modelled).
     """
     if recipe.is_exact or recipe.smooth_q:
@@ -35,18 +35,15 @@ def quantization_bytes(
     if recipe.balance_qk:
         total += in_bytes * elems_q
     total += (in_bytes + 1) * elems_kv
-    if not q_in_kernel:
-        total += (in_bytes + 1) * elems_q
+    total += (in_bytes + 1) * elems_q
     if recipe.pv == "fp8" or recipe.smooth_v:
         total += in_bytes * elems_kv
     total += (in_bytes + (1 if recipe.pv == "fp8" else 2)) * elems_kv
     return total
 
 
-def attention_bytes(recipe: Recipe, elems_q: int, elems_kv: int, out_bytes: int = 2, *,
-                    in_bytes: int = 2, q_in_kernel: bool = False) -> int:
-    """HBM bytes of the attention kernel when K/V tiles are reused from L2: read Q (16-bit when the
-    kernel quantizes it, else INT8), INT8 K, V (1 byte FP8 or 2 bytes fp16) once, write O."""
-    q_bytes = in_bytes if q_in_kernel else 1
-    return (q_bytes * elems_q + elems_kv + (1 if recipe.pv == "fp8" else 2) * elems_kv
+def attention_bytes(recipe: Recipe, elems_q: int, elems_kv: int, out_bytes: int = 2) -> int:
+    """HBM bytes of the attention kernel when K/V tiles are reused from L2: read INT8 Q and K, V
+    (1 byte FP8 or 2 bytes fp16) once, write O."""
+    return (elems_q + elems_kv + (1 if recipe.pv == "fp8" else 2) * elems_kv
             + out_bytes * elems_q)

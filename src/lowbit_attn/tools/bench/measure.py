@@ -117,11 +117,8 @@ def measure_method(method, inputs, refs, row, *, timer, min_cosine, causal):
     b, h, n, d = row["B"], row["H"], row["N"], row["D"]
     if method.kind == "stage" and method.backend == "prepare":
         cap = torch.cuda.get_device_capability(q.device) if cuda else None
-        from lowbit_attn.core.options import KernelOptions
-
-        options = KernelOptions.from_env()
         nbytes = quantization_bytes(resolve(method.recipe, cap), b * h * n * d, b * h * n * d,
-                                    in_bytes=q.element_size(), q_in_kernel=options.q_in_kernel)
+                                    in_bytes=q.element_size())
         if nbytes is not None:
             row["model_bytes"] = nbytes
             row["gbps"] = nbytes / (t_ms * 1e-3) / 1e9
