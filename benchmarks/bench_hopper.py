@@ -104,9 +104,10 @@ def describe(c: LaunchConfig) -> str:
     return f"{c.num_warps}w{c.num_stages}s-{loop}"
 
 
-def stage_fns(q, k, v, causal, recipe=None, kernel=None):
+def stage_fns(q, k, v, causal, recipe=None, kernel=None, window=None):
     """``(prepare, attention)``: the two stages of the public call, as ``inference.op.run`` runs
-    them; ``kernel``: the attention launcher (default: the Triton kernel's)."""
+    them; ``kernel``: the attention launcher (default: the Triton kernel's); ``window``:
+    ``(left, right)`` keys seen around each query, as ``attention(window=)`` (causal: right 0)."""
     recipe = recipe or get_recipe(RECIPE)
     kernel = kernel or attn_fwd_int8.attention
     scale = q.shape[-1] ** -0.5
@@ -117,9 +118,16 @@ def stage_fns(q, k, v, causal, recipe=None, kernel=None):
     qz = prepare()
     out = torch.empty_like(q)
 
+    extra = {}
+    if window is not None:
+        from lowbit_attn.core.variants import Variant
+
+        extra["variant"] = Variant(left=window[0], right=window[1])
+
     def attention():
         kernel(qz, out=out, pv=recipe.pv, granularity=recipe.granularity, block_q=recipe.block_q,
-               block_k=recipe.block_k, causal_offset=0 if causal else None, return_lse=False)
+               block_k=recipe.block_k, causal_offset=0 if causal else None, return_lse=False,
+               **extra)
         return out
 
     return prepare, attention

@@ -546,10 +546,13 @@ def test_forward_benchmark_decide_runs_the_decisive_rows_with_the_bars(tmp_path,
     methods = list(dict.fromkeys(r["method"] for r in data["rows"]))
     assert methods == list(bench.DECIDE_ROWS)
     # last: launch plans (not in the bars) and issue 44's 512-token windows
-    assert methods[-4:] == ["e2e sm90 thread plan", "e2e sm90 thread win512",
-                            "e2e triton thread win512", "e2e triton token win512"]
+    assert methods[-6:] == ["e2e sm90 thread plan", "e2e sm90 thread win512",
+                            "e2e triton thread win512", "e2e triton token win512",
+                            "kernel triton token causal", "kernel triton token win512"]
     ran = [r for r in data["rows"] if r["status"] == "ok"]
     assert ran and all(r["first_call_s"] > 0 for r in ran)
+    windowed = [r for r in data["rows"] if r["method"].endswith("win512")]
+    assert windowed and all(r["status"] == "ok" for r in windowed), windowed
     bars = {b["bar"]: b for b in data["bars"]}
     assert bars["kernel alone TOP/s, D=128 N=16k"]["target"] == 850.0
     assert bars["e2e sm90 cosine (worst)"]["target"] == 0.9992
