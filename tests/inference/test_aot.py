@@ -412,10 +412,10 @@ def _on_hopper(monkeypatch):
 @pytest.mark.parametrize("mode", [None, "measured", "all", "first"])
 def test_a_measured_launch_runs_its_measured_candidate_alone(monkeypatch, mode):
     """``LOWBIT_ATTN_AUTOTUNE=measured`` (the default): the INT8 forward as users call it on
-    Hopper (qk_int8_pv_fp8, D = 128) keeps only the candidate ``core.measured`` names (8 warps,
-    3 stages, pipelined: the H100's), so Triton compiles and times that one only; a launch no
-    entry covers (D = 64, per-thread scales) keeps every candidate; ``all`` keeps every
-    candidate; ``first`` the first."""
+    Hopper (qk_int8_pv_fp8, D = 128 and 64) keeps only the candidate ``core.measured`` names (8
+    warps, 3 stages, pipelined: the H100's and the H200's), so Triton compiles and times that one
+    only; a launch no entry covers (D = 96, per-thread scales) keeps every candidate; ``all``
+    keeps every candidate; ``first`` the first."""
     from lowbit_attn.core.measured import MEASURED
 
     _on_hopper(monkeypatch)
@@ -432,16 +432,20 @@ def test_a_measured_launch_runs_its_measured_candidate_alone(monkeypatch, mode):
     default = kept(get_recipe("qk_int8_pv_fp8"), 128)
     thread = kept(get_recipe("qk_int8_pv_fp8").replace(granularity="per_thread"), 128)
     small = kept(get_recipe("qk_int8_pv_fp8"), 64)
-    (entry,) = [m for m in MEASURED if m.kernel == "_attn_fwd_int8_kernel"]
+    odd = kept(get_recipe("qk_int8_pv_fp8"), 96)
+    entries = [m for m in MEASURED if m.kernel == "_attn_fwd_int8_kernel"]
+    assert sorted(dict(m.match)["D"] for m in entries) == [64, 128]
     if mode in (None, "measured"):
-        assert default == [(8, 3, {"PIPELINE": True})] == [
-            (entry.num_warps, entry.num_stages, dict(entry.meta))]
-        assert len(thread) > 1 and len(small) > 1
+        for entry in entries:
+            assert [(entry.num_warps, entry.num_stages, dict(entry.meta))] == [
+                (8, 3, {"PIPELINE": True})]
+        assert default == small == [(8, 3, {"PIPELINE": True})]
+        assert len(thread) > 1 and len(odd) > 1
     elif mode == "all":
         assert len(default) == 5 and (8, 3, {"PIPELINE": True}) in default
         assert len(thread) > 1 and len(small) > 1
     else:
-        assert len(default) == len(thread) == len(small) == 1
+        assert len(default) == len(thread) == len(small) == len(odd) == 1
         assert default != [(8, 3, {"PIPELINE": True})]  # the first is not the measured one
 
 

@@ -39,9 +39,10 @@ class Measured:
 
 
 # The INT8 forward as users call it on Hopper (qk_int8_pv_fp8: per-token scales, 64-key blocks,
-# FP8 P·V, dense, no window or softcap), D = 128: the autotuner's
-# choice at N = 1k and 16k, causal and not (4 of 4), and at 16k the fastest of the candidates
-# forced one at a time (523 TOP/s non-causal, against 465, 435, 433 and 371).
+# FP8 P·V, dense, no window or softcap), D = 128: the H100's autotuner's choice at N = 1k and
+# 16k, causal and not (4 of 4), and at 16k the fastest of the candidates forced one at a time
+# (523 TOP/s non-causal, against 465, 435, 433 and 371); the H200's choice at N = 1k, 8k, 16k
+# and causal 16k (4 of 4). D = 64: the H200's choice, the same candidate, 4 of 4.
 MEASURED = (
     Measured("_attn_fwd_int8_kernel", "sm_90",
              (("D", 128), ("BLOCK_N", 64), ("BLOCK_Q", 128), ("GRAN", 1), ("PV_FP8", True),
@@ -49,7 +50,16 @@ MEASURED = (
               ("WINDOWED", False), ("SOFTCAP", False)),
              8, 3, (("PIPELINE", True),),
              "H100 80GB HBM3, 2026-11-25: benchmarks/results/hopper-nvidia-h100-80gb-hbm3-"
-             "2026-11-25-{1k,16k}.json, rows 'ours' (autotune) and 'ours cfg=…'"),
+             "2026-11-25-{1k,16k}.json, rows 'ours' (autotune) and 'ours cfg=…'; H200, "
+             "2026-11-29: benchmarks/results/h200-2026-11-29/forward-nvidia-h200-2026-11-29.md, "
+             "rows 'e2e triton token' (the autotuner's choice in 'note')"),
+    Measured("_attn_fwd_int8_kernel", "sm_90",
+             (("D", 64), ("BLOCK_N", 64), ("BLOCK_Q", 128), ("GRAN", 1), ("PV_FP8", True),
+              ("VARLEN", False), ("V_PERMUTED", False), ("WINDOWED", False), ("SOFTCAP", False)),
+             8, 3, (("PIPELINE", True),),
+             "H200, 2026-11-29: benchmarks/results/h200-2026-11-29/forward-nvidia-h200-2026-11-29"
+             ".md, rows 'e2e triton token' at D = 64, N = 1k, 8k, 16k and causal 16k (the "
+             "autotuner's choice in 'note', 4 of 4)"),
 )
 
 
