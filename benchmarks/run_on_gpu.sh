@@ -142,6 +142,10 @@ if ! "$PY" -c "import sageattention" 2>/dev/null; then
 fi
 "$PY" -c "import sageattention, importlib.metadata as m; print('sageattention', m.version('sageattention'))" \
     || log "sageattention not importable"
+# The first line of every log this run writes (and of $OUT/failures.txt, benchmarks/probes/
+# faillog.py): the device, the date and the command that produced it.
+DEVICE_NAME="$("$PY" -c "import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device')" 2>/dev/null || echo "device unknown")"
+export RUN_HEADER="# ${DEVICE_NAME}; $(date -u +%Y-%m-%dT%H:%M:%SZ); command: bash benchmarks/run_on_gpu.sh $STAGE (TOTAL_BUDGET=$TOTAL_BUDGET)"
 
 rc_tests=0
 if [[ "$STAGE" == all || "$STAGE" == tests ]]; then
@@ -378,6 +382,8 @@ if [[ "$STAGE" == decide || "$STAGE" == decide2 ]]; then
     }
     TESTLOG="$OUT/pytest-$STAGE.log"
     BENCHLOG="$OUT/$STAGE.log"
+    echo "$RUN_HEADER" >"$TESTLOG"
+    echo "$RUN_HEADER" >"$BENCHLOG"
     summary
     rc_tests=0
     rc_bench=0

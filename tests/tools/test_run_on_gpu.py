@@ -94,6 +94,9 @@ def test_a_stage_runs_its_steps_in_order_within_its_budget(tmp_path, stage, budg
     assert rc == 0, done.stderr[-3000:]
     files = sorted(p.name for p in out.iterdir())
     assert len(files) <= 8, files
+    for log in (f"{stage}.log", f"pytest-{stage}.log"):  # each names device, date and command
+        first = (out / log).read_text().splitlines()[0]
+        assert first.startswith("# ") and f"command: bash benchmarks/run_on_gpu.sh {stage}" in first
     summary = json.loads((out / f"{stage}.json").read_text())
     assert summary["command"].startswith(f"bash benchmarks/run_on_gpu.sh {stage}")
     assert summary["date_utc"] and summary["device"] == "stub GPU"
