@@ -84,7 +84,8 @@ def main(argv: list[str]) -> None:
 
     def save():
         out.write_text(json.dumps(doc, indent=1))
-        lines = ["| B,H,N,D | launch | ms | MB read+written | GB/s | floor ms | × floor |",
+        lines = [f"# {doc['device']}; {doc['date_utc']}; command: {doc['command']}", "",
+                 "| B,H,N,D | launch | ms | MB read+written | GB/s | floor ms | × floor |",
                  "|---|---|---|---|---|---|---|"]
         for r in doc["rows"]:
             lines.append(f"| {r['shape']} | {r['name']} | {r['ms']:.4f} | {r['mb']:.0f} | "

@@ -214,4 +214,6 @@ def test_the_preparation_probe_runs_every_row_on_a_cpu(tmp_path):
     assert names[:2] == ["copy Q, K, V", "stats (production)"]
     assert len(names) == 2 + len(probe.STATS_CANDIDATES) + 5
     assert not [r for r in rows if "error" in r]
-    assert (tmp_path / "prep-speed.md").read_text().count("\n") == len(rows) + 2
+    table = (tmp_path / "prep-speed.md").read_text()
+    assert table.startswith("# cpu (smoke); ") and "command: python benchmarks/probes/prep" in table
+    assert table.count("\n") == len(rows) + 4  # the header, a blank line, the table's two heads
