@@ -65,8 +65,7 @@ def quantize_qkv(
 
     On the Triton backend the statistics of all three tensors take one launch and the quantization
     of Q and K with V's conversion another. ``permute_v`` (FP8 P·V, dense; both backends): V's
-    keys stored as
-    ``QuantizedQKV.v_permuted`` says."""
+    keys stored as ``QuantizedQKV.v_permuted`` says."""
     quant, extra, _ = _quantizers(backend)
     triton_backend = backend == "triton"
     kw_q = {"seqs": seqs_q} if triton_backend else {}

@@ -59,13 +59,7 @@ def _stats_program(
                                            BLOCK_D)
     else:
         for i in range(0, n, BLOCK_N):
-            rows = i + tl.arange(0, BLOCK_N)
-            rmask = rows < n
-            mask = rmask[:, None] & dmask[None, :]
-            # int64 token offsets (start is int64): one head's rows may span 2^31 elements
-            x = tl.load(base + (start + rows)[:, None] * sxn + offs_d[None, :] * sxd, mask=mask,
-                        other=0.0)
-            x = x.to(tl.float32)
+            x, mask = _rows(base, start, i, n, offs_d, dmask, sxn, sxd, BLOCK_N)
             poison += tl.sum(x * 0.0, axis=0)
             if CENTER == 2:
                 count = tl.minimum(n - i, BLOCK_N).to(tl.float32)
@@ -90,6 +84,18 @@ def _stats_program(
 
 
 @triton.jit
+def _rows(base, start, i, n, offs_d, dmask, sxn, sxd, BLOCK_N: tl.constexpr):
+    """Rows ``i`` to ``i + BLOCK_N`` of one (batch, head) in fp32 (0 past ``n`` and ``dmask``),
+    and that mask."""
+    rows = i + tl.arange(0, BLOCK_N)
+    mask = (rows < n)[:, None] & dmask[None, :]
+    # int64 token offsets (start is int64): one head's rows may span 2^31 elements
+    x = tl.load(base + (start + rows)[:, None] * sxn + offs_d[None, :] * sxd, mask=mask,
+                other=0.0)
+    return x.to(tl.float32), mask
+
+
+@triton.jit
 def _tile_sums(base, start, n, offs_d, dmask, sxn, sxd, BLOCK_N: tl.constexpr,
                BLOCK_D: tl.constexpr):
     """``_stats_program``'s loop with ``TILE_SUMS``: ``(sum, max, min, 0·sum)`` of the rows, each
@@ -99,10 +105,7 @@ def _tile_sums(base, start, n, offs_d, dmask, sxn, sxd, BLOCK_N: tl.constexpr,
     bottom = tl.full([BLOCK_N, BLOCK_D], float("inf"), tl.float32)
     probe = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     for i in range(0, n, BLOCK_N):
-        rows = i + tl.arange(0, BLOCK_N)
-        mask = (rows < n)[:, None] & dmask[None, :]
-        x = tl.load(base + (start + rows)[:, None] * sxn + offs_d[None, :] * sxd, mask=mask,
-                    other=0.0).to(tl.float32)
+        x, mask = _rows(base, start, i, n, offs_d, dmask, sxn, sxd, BLOCK_N)
         acc += x
         probe += x * 0.0
         top = tl.maximum(top, tl.where(mask, x, float("-inf")))
