@@ -11,7 +11,9 @@ wall-clock call):
 
 - ``stats``: the statistics launch as a call makes it (K's mean and amax, V's amax), with its
   production tiling and with each candidate of :data:`STATS_CANDIDATES`
-  (``quant.int8.StatsSchedule``); ``torch stats``: the same statistics by PyTorch reductions;
+  (``quant.int8.StatsSchedule``: tile sums, channel tiles, warps, and the rows split over 8 or
+  16 programs per (batch, head) reduced by a second launch, for the 128 programs of 256 serial
+  row blocks at N = 16k); ``torch stats``: the same statistics by PyTorch reductions;
 - ``quantize``: the quantizing launch as a call makes it (K and Q to INT8, V to E4M3), then each
   part alone (``K``, ``Q``, ``V``: which part is slow);
 - ``copy``: a device-to-device copy of Q, K and V, the card's bandwidth as this run sees it.
@@ -44,6 +46,9 @@ STATS_CANDIDATES = [
     quant.StatsSchedule(tile_sums=True, block_d=128, block_n=64, num_warps=8),
     quant.StatsSchedule(block_d=64),
     quant.StatsSchedule(block_d=128, block_n=32, num_warps=8),
+    quant.StatsSchedule(splits=8),
+    quant.StatsSchedule(tile_sums=True, block_d=64, splits=8),
+    quant.StatsSchedule(tile_sums=True, block_d=128, block_n=32, splits=16),
 ]
 
 

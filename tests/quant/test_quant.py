@@ -340,12 +340,14 @@ def test_channel_stats_of_no_token_are_zero(center):
 @pytest.mark.interpreter
 @pytest.mark.parametrize("schedule", [dict(tile_sums=True), dict(tile_sums=True, block_d=64),
                                       dict(tile_sums=True, block_n=32, block_d=128, num_warps=8),
-                                      dict(block_d=64, block_n=32)], ids=str)
+                                      dict(block_d=64, block_n=32), dict(splits=3),
+                                      dict(tile_sums=True, block_d=64, splits=4)], ids=str)
 def test_the_statistics_launch_s_candidates_give_the_production_values(schedule):
     """The statistics launch's candidate tilings (``StatsSchedule``, for a GPU run to time):
     K smoothed and V not, as a call asks, dense and packed, with a NaN and an Inf in their own
-    channels and an empty sequence; the same maxima, the same NaN and Inf, means within
-    rounding (the sums' order), as the production launch's."""
+    channels and an empty sequence (with ``splits``, splits with no rows), and a block mean
+    (which takes no splits); the same maxima, the same NaN and Inf, means within rounding (the
+    sums' order), as the production launch's."""
     from lowbit_attn.core.operands import Seqs
 
     quant = kq()
@@ -356,7 +358,8 @@ def test_the_statistics_launch_s_candidates_give_the_production_values(schedule)
     packed = torch.randn(211, 3, 72, generator=g) + 2
     seqs = Seqs(batch=3, max_len=150, cu_seqlens=torch.tensor([0, 61, 61, 211], dtype=torch.int32))
     for requests in ([quant.StatsRequest(k, "mean"), quant.StatsRequest(v, "none")],
-                     [quant.StatsRequest(packed, "mean", seqs=seqs)]):
+                     [quant.StatsRequest(packed, "mean", seqs=seqs)],
+                     [quant.StatsRequest(k, "block_mean", 64), quant.StatsRequest(v, "none")]):
         want = quant.channel_stats_many(*requests)
         got = quant.channel_stats_many(*requests, schedule=quant.StatsSchedule(**schedule))
         for (m_want, a_want), (m_got, a_got) in zip(want, got):

@@ -31,35 +31,54 @@ _KEEP_HI = tl.constexpr(FP16_V_KEEP_HI)
 
 @triton.jit
 def _stats_program(
-    X, MEAN, AMAX, CU, b, h, pid_d, x_strides, mean_strides, amax_strides, N, D,
+    X, MEAN, AMAX, CU, PART, b, h, pid_d, split, x_strides, mean_strides, amax_strides,
+    part_strides, N, D, CHUNK,
     CENTER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
-    TILE_SUMS: tl.constexpr = False,
+    TILE_SUMS: tl.constexpr = False, PHASE: tl.constexpr = 0, SPLITS: tl.constexpr = 1,
 ):
     """Channel statistics of ``BLOCK_D`` channels of one (batch, head): the amax about the
     ``CENTER`` (0 none, 1 the mean, 2 each block's mean), and the mean(s) when centering.
     Strides: (batch, head, token, dim) of ``X``, (batch, head, block, dim) of ``MEAN``, (batch,
-    head, dim) of ``AMAX``. ``TILE_SUMS`` (CENTER 0 and 1; a candidate that no GPU has timed):
-    the sums, maxima, minima and the NaN probe kept element-wise in ``[BLOCK_N, BLOCK_D]`` tiles
-    and reduced across the rows once after the loop, instead of four reductions across warps
-    per block of rows (the same values up to the sum's order)."""
+    head, dim) of ``AMAX``, (batch, head, split, statistic, dim) of ``PART``. ``TILE_SUMS``
+    (CENTER 0 and 1; a candidate that no GPU has timed): the sums, maxima, minima and the NaN
+    probe kept element-wise in ``[BLOCK_N, BLOCK_D]`` tiles and reduced across the rows once
+    after the loop, instead of four reductions across warps per block of rows (the same values
+    up to the sum's order). ``PHASE`` (CENTER 0 and 1; a candidate too): 0 the whole sequence;
+    1 rows ``split·CHUNK`` to ``(split + 1)·CHUNK`` only, their (sum, max, min, NaN probe) stored
+    to ``PART``; 2 those of the ``SPLITS`` splits reduced in split order, then stored as 0
+    stores them."""
     sxb, sxh, sxn, sxd = x_strides
     smb, smh, smk, smd = mean_strides
     sab, sah, sad = amax_strides
+    spb, sph, sps, spk, spd = part_strides
     start, n = seq_span(CU, b, N, VARLEN)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     base = X + b * sxb + h * sxh
+    if PHASE != 0:
+        part = PART + b * spb + h * sph + offs_d * spd
     total = tl.zeros([BLOCK_D], dtype=tl.float32)
     hi = tl.full([BLOCK_D], float("-inf"), tl.float32)
     lo = tl.full([BLOCK_D], float("inf"), tl.float32)
     amax = tl.zeros([BLOCK_D], dtype=tl.float32)
     poison = tl.zeros([BLOCK_D], dtype=tl.float32)
-    if TILE_SUMS and CENTER != 2:
-        total, hi, lo, poison = _tile_sums(base, start, n, offs_d, dmask, sxn, sxd, BLOCK_N,
-                                           BLOCK_D)
+    first = 0
+    last = n
+    if PHASE == 1:
+        first = split * CHUNK
+        last = tl.minimum(n, first + CHUNK)
+    if PHASE == 2:
+        for s in range(SPLITS):  # in split order: the sum's order is the same on every run
+            total += tl.load(part + s * sps, mask=dmask, other=0.0)
+            hi = tl.maximum(hi, tl.load(part + s * sps + spk, mask=dmask, other=0.0))
+            lo = tl.minimum(lo, tl.load(part + s * sps + 2 * spk, mask=dmask, other=0.0))
+            poison += tl.load(part + s * sps + 3 * spk, mask=dmask, other=0.0)
+    elif TILE_SUMS and CENTER != 2:
+        total, hi, lo, poison = _tile_sums(base, start, first, last, offs_d, dmask, sxn, sxd,
+                                           BLOCK_N, BLOCK_D)
     else:
-        for i in range(0, n, BLOCK_N):
-            x, mask = _rows(base, start, i, n, offs_d, dmask, sxn, sxd, BLOCK_N)
+        for i in range(first, last, BLOCK_N):
+            x, mask = _rows(base, start, i, last, offs_d, dmask, sxn, sxd, BLOCK_N)
             poison += tl.sum(x * 0.0, axis=0)
             if CENTER == 2:
                 count = tl.minimum(n - i, BLOCK_N).to(tl.float32)
@@ -73,14 +92,20 @@ def _stats_program(
                 total += tl.sum(x, axis=0)
                 hi = tl.maximum(hi, tl.max(tl.where(mask, x, float("-inf")), axis=0))
                 lo = tl.minimum(lo, tl.min(tl.where(mask, x, float("inf")), axis=0))
-    if CENTER == 1:
-        mean = total / tl.maximum(n, 1)  # an empty sequence's mean is 0, as its amax
-        amax = tl.maximum(hi - mean, mean - lo)
-        tl.store(MEAN + b * smb + h * smh + offs_d * smd, mean, mask=dmask)
-    elif CENTER == 0:
-        amax = tl.maximum(hi, -lo)
-    amax = tl.where(n > 0, amax, 0.0)  # not -inf: no token, no magnitude
-    tl.store(AMAX + b * sab + h * sah + offs_d * sad, amax + poison, mask=dmask)
+    if PHASE == 1:
+        tl.store(part + split * sps, total, mask=dmask)
+        tl.store(part + split * sps + spk, hi, mask=dmask)
+        tl.store(part + split * sps + 2 * spk, lo, mask=dmask)
+        tl.store(part + split * sps + 3 * spk, poison, mask=dmask)
+    else:
+        if CENTER == 1:
+            mean = total / tl.maximum(n, 1)  # an empty sequence's mean is 0, as its amax
+            amax = tl.maximum(hi - mean, mean - lo)
+            tl.store(MEAN + b * smb + h * smh + offs_d * smd, mean, mask=dmask)
+        elif CENTER == 0:
+            amax = tl.maximum(hi, -lo)
+        amax = tl.where(n > 0, amax, 0.0)  # not -inf: no token, no magnitude
+        tl.store(AMAX + b * sab + h * sah + offs_d * sad, amax + poison, mask=dmask)
 
 
 @triton.jit
@@ -96,15 +121,16 @@ def _rows(base, start, i, n, offs_d, dmask, sxn, sxd, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _tile_sums(base, start, n, offs_d, dmask, sxn, sxd, BLOCK_N: tl.constexpr,
+def _tile_sums(base, start, first, n, offs_d, dmask, sxn, sxd, BLOCK_N: tl.constexpr,
                BLOCK_D: tl.constexpr):
-    """``_stats_program``'s loop with ``TILE_SUMS``: ``(sum, max, min, 0·sum)`` of the rows, each
-    column's, from tiles accumulated element by element (masked rows: 0, -inf, +inf, 0)."""
+    """``_stats_program``'s loop with ``TILE_SUMS``: ``(sum, max, min, 0·sum)`` of rows ``first``
+    to ``n``, each column's, from tiles accumulated element by element (masked rows: 0, -inf,
+    +inf, 0)."""
     acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     top = tl.full([BLOCK_N, BLOCK_D], float("-inf"), tl.float32)
     bottom = tl.full([BLOCK_N, BLOCK_D], float("inf"), tl.float32)
     probe = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    for i in range(0, n, BLOCK_N):
+    for i in range(first, n, BLOCK_N):
         x, mask = _rows(base, start, i, n, offs_d, dmask, sxn, sxd, BLOCK_N)
         acc += x
         probe += x * 0.0
@@ -116,46 +142,55 @@ def _tile_sums(base, start, n, offs_d, dmask, sxn, sxd, BLOCK_N: tl.constexpr,
 
 @triton.jit
 def _channel_stats_kernel(
-    X0, MEAN0, AMAX0, CU0, x_strides0, mean_strides0, amax_strides0, N0, H0,
-    X1, MEAN1, AMAX1, CU1, x_strides1, mean_strides1, amax_strides1, N1, H1,
-    X2, MEAN2, AMAX2, CU2, x_strides2, mean_strides2, amax_strides2, N2, H2,
-    NB, D,
+    X0, MEAN0, AMAX0, CU0, PART0, x_strides0, mean_strides0, amax_strides0, part_strides0, N0,
+    H0,
+    X1, MEAN1, AMAX1, CU1, PART1, x_strides1, mean_strides1, amax_strides1, part_strides1, N1,
+    H1,
+    X2, MEAN2, AMAX2, CU2, PART2, x_strides2, mean_strides2, amax_strides2, part_strides2, N2,
+    H2,
+    NB, D, CHUNK,
     CENTER0: tl.constexpr, CENTER1: tl.constexpr, CENTER2: tl.constexpr,
     BLOCK_N0: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_N2: tl.constexpr,
     BLOCK_D: tl.constexpr, VARLEN: tl.constexpr, TILE_SUMS: tl.constexpr = False,
+    PHASE: tl.constexpr = 0, SPLITS: tl.constexpr = 1,
 ):
     """Statistics of up to three tensors in one launch (``CENTERi`` -1: no tensor ``i``); program
-    ``pid`` of axis 0 runs (batch, head) ``pid`` of the first tensor, then of the second, ..."""
+    ``pid`` of axis 0 runs (batch, head) ``pid`` of the first tensor, then of the second, ...;
+    axis 1 the channels, axis 2 (``PHASE`` 1) the split of the rows."""
     pid = tl.program_id(0)
     pid_d = tl.program_id(1)
+    split = tl.program_id(2)
     n0 = NB * H0
     n1 = NB * H1
     if CENTER0 >= 0 and pid < n0:
         b, h = batch_head(pid, H0)
-        _stats_program(X0, MEAN0, AMAX0, CU0, b, h, pid_d, x_strides0, mean_strides0,
-                       amax_strides0, N0, D, CENTER0, BLOCK_N0, BLOCK_D, VARLEN,
-                       TILE_SUMS)
+        _stats_program(X0, MEAN0, AMAX0, CU0, PART0, b, h, pid_d, split, x_strides0,
+                       mean_strides0, amax_strides0, part_strides0, N0, D, CHUNK, CENTER0,
+                       BLOCK_N0, BLOCK_D, VARLEN, TILE_SUMS, PHASE, SPLITS)
     elif CENTER1 >= 0 and pid < n0 + n1:
         b, h = batch_head(pid - n0, H1)
-        _stats_program(X1, MEAN1, AMAX1, CU1, b, h, pid_d, x_strides1, mean_strides1,
-                       amax_strides1, N1, D, CENTER1, BLOCK_N1, BLOCK_D, VARLEN,
-                       TILE_SUMS)
+        _stats_program(X1, MEAN1, AMAX1, CU1, PART1, b, h, pid_d, split, x_strides1,
+                       mean_strides1, amax_strides1, part_strides1, N1, D, CHUNK, CENTER1,
+                       BLOCK_N1, BLOCK_D, VARLEN, TILE_SUMS, PHASE, SPLITS)
     elif CENTER2 >= 0:
         b, h = batch_head(pid - n0 - n1, H2)
-        _stats_program(X2, MEAN2, AMAX2, CU2, b, h, pid_d, x_strides2, mean_strides2,
-                       amax_strides2, N2, D, CENTER2, BLOCK_N2, BLOCK_D, VARLEN,
-                       TILE_SUMS)
+        _stats_program(X2, MEAN2, AMAX2, CU2, PART2, b, h, pid_d, split, x_strides2,
+                       mean_strides2, amax_strides2, part_strides2, N2, D, CHUNK, CENTER2,
+                       BLOCK_N2, BLOCK_D, VARLEN, TILE_SUMS, PHASE, SPLITS)
 
 
 class StatsSchedule(NamedTuple):
     """The statistics launch's tiling: ``block_d`` channels and ``block_n`` rows per step
     (``block_n`` of the centers 0 and 1: a block mean's rows are its block), ``num_warps``,
-    ``tile_sums`` (``_stats_program``). The default is the production one."""
+    ``tile_sums`` (``_stats_program``), ``splits``: programs per (batch, head, channel block)
+    that each take one slice of the rows, reduced by a second launch (centers 0 and 1; with a
+    block mean in the launch, 1). The default is the production one."""
 
     block_d: int = 32
     block_n: int = 64
     num_warps: int = 4
     tile_sums: bool = False
+    splits: int = 1
 
 
 class StatsRequest(NamedTuple):
@@ -167,12 +202,13 @@ class StatsRequest(NamedTuple):
     seqs: Seqs | None = None
 
 
-def _stats_args(req: StatsRequest | None, part: int, block_n: int = 64):
+def _stats_args(req: StatsRequest | None, part: int, block_n: int = 64, splits: int = 1):
     """Buffers, keyword arguments and constexprs of part ``part`` (0, 1, 2) of
-    ``_channel_stats_kernel``."""
+    ``_channel_stats_kernel`` (``splits`` > 1: with the partial statistics' buffer)."""
     if req is None:
-        args = dict(X=None, MEAN=None, AMAX=None, CU=None, x_strides=(0,) * 4,
-                    mean_strides=(0,) * 4, amax_strides=(0,) * 3, N=1, H=0)
+        args = dict(X=None, MEAN=None, AMAX=None, CU=None, PART=None, x_strides=(0,) * 4,
+                    mean_strides=(0,) * 4, amax_strides=(0,) * 3, part_strides=(0,) * 5, N=1,
+                    H=0)
         return None, {f"{name}{part}": value for name, value in args.items()}, -1, 64
     seqs = req.seqs or dense_seqs(req.x)
     x, h, d = req.x, req.x.shape[1], req.x.shape[-1]
@@ -188,9 +224,13 @@ def _stats_args(req: StatsRequest | None, part: int, block_n: int = 64):
     else:
         mean = None
         mstrides = (0, 0, 0, 0)
-    args = dict(X=x, MEAN=mean, AMAX=amax, CU=seqs.cu_seqlens,
+    stats = (torch.empty((seqs.batch, h, splits, 4, d), device=x.device, dtype=torch.float32)
+             if splits > 1 else None)  # (sum, max, min, NaN probe) of each split's rows
+    args = dict(X=x, MEAN=mean, AMAX=amax, CU=seqs.cu_seqlens, PART=stats,
                 x_strides=bhnd_strides(x, seqs.packed), mean_strides=mstrides,
-                amax_strides=amax.stride(), N=seqs.max_len, H=h)
+                amax_strides=amax.stride(),
+                part_strides=stats.stride() if stats is not None else (0,) * 5,
+                N=seqs.max_len, H=h)
     return ((mean, amax), {f"{name}{part}": value for name, value in args.items()}, mode,
             req.block if mode == 2 else block_n)
 
@@ -202,21 +242,25 @@ def channel_stats_many(*requests: StatsRequest, schedule: StatsSchedule = StatsS
     candidates for a GPU run to time: ``benchmarks/probes/prep_speed.py``)."""
     if not 1 <= len(requests) <= 3:
         raise ValueError(f"channel_stats_many: 1 to 3 tensors, got {len(requests)}")
-    parts = [_stats_args(requests[i] if i < len(requests) else None, i, schedule.block_n)
-             for i in range(3)]
     first = requests[0]
     seqs = first.seqs or dense_seqs(first.x)
+    splits = 1 if any(CENTERS[r.center] == 2 for r in requests) else schedule.splits
+    parts = [_stats_args(requests[i] if i < len(requests) else None, i, schedule.block_n, splits)
+             for i in range(3)]
     d = first.x.shape[-1]
     assert all((r.seqs is not None and r.seqs.packed) == seqs.packed for r in requests[1:])
     block_d = min(schedule.block_d, next_pow2(d))
-    programs = sum(r.x.shape[1] for r in requests) * seqs.batch
-    _channel_stats_kernel[(programs, triton.cdiv(d, block_d))](
-        **parts[0][1], **parts[1][1], **parts[2][1], NB=seqs.batch, D=d,
-        CENTER0=parts[0][2], CENTER1=parts[1][2], CENTER2=parts[2][2],
-        BLOCK_N0=parts[0][3], BLOCK_N1=parts[1][3], BLOCK_N2=parts[2][3],
-        BLOCK_D=block_d, VARLEN=seqs.packed, TILE_SUMS=schedule.tile_sums,
-        num_warps=schedule.num_warps,
-    )
+    grid = (sum(r.x.shape[1] for r in requests) * seqs.batch, triton.cdiv(d, block_d))
+    # each split's rows: a whole number of row blocks
+    chunk = triton.cdiv(triton.cdiv(seqs.max_len, splits), schedule.block_n) * schedule.block_n
+    for phase in (1, 2) if splits > 1 else (0,):
+        _channel_stats_kernel[grid + (splits if phase == 1 else 1,)](
+            **parts[0][1], **parts[1][1], **parts[2][1], NB=seqs.batch, D=d, CHUNK=chunk,
+            CENTER0=parts[0][2], CENTER1=parts[1][2], CENTER2=parts[2][2],
+            BLOCK_N0=parts[0][3], BLOCK_N1=parts[1][3], BLOCK_N2=parts[2][3],
+            BLOCK_D=block_d, VARLEN=seqs.packed, TILE_SUMS=schedule.tile_sums, PHASE=phase,
+            SPLITS=splits, num_warps=schedule.num_warps,
+        )
     return [p[0] for p in parts[: len(requests)]]
 
 
