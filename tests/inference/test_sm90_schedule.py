@@ -258,8 +258,8 @@ MUTATIONS = [
      "nk) - causal_offset", "wrong"),
     ("unmasked-loop-one-too-far", KERNEL, "range(n_lo, n_full)", "range(n_lo, n_full + 1)",
      "any"),
-    ("V-descriptor-unpadded", gb.descriptors, "v_keys = gl.cdiv(nk, 16) * 16", "v_keys = nk",
-     "wrong"),
+    ("V-descriptor-unpadded", gb.descriptors,
+     "v_keys = gl.maximum(gl.cdiv(nk, 16) * 16, _V_MIN_KEYS)", "v_keys = nk", "wrong"),
     ("Q-box-at-64-rows-of-the-next-tile", KERNEL, "[pid_m * BM, 0], q_bar",
      "[pid_m * BM + BM, 0], q_bar", "wrong"),
 ]

@@ -257,13 +257,40 @@ def test_packed_fp8_v_starts_each_sequence_aligned_and_matches_twin(center, d):
             assert torch.equal(got_scale[b], want_scale[0])
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("n", [1, 15, 17, 112, 113, 200])
+def test_permuted_v_stores_every_key_of_at_least_one_key_block(n, monkeypatch):
+    """The Triton quantizer's permuted E4M3 V (``QuantizedQKV.v_permuted``): ``permuted_v_keys(n)``
+    keys stored (padded to 16 and to at least 128, the sm90 forward's key block, so that its V
+    descriptor's box never spans more than the tensor: a one-key call stored 16 before), every
+    one written (its allocation filled with NaN first): the twin's bits."""
+    from lowbit_attn.core.operands import permuted_v_keys
+
+    real_empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        out = real_empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    v = torch.randn(1, 2, n, 64, generator=torch.Generator().manual_seed(n))
+    amax = v.abs().amax(dim=2)
+    stored, scale = kq().convert_v(v, pv="fp8", amax=amax, permuted=True)
+    want, want_scale = ref.convert_v(v, pv="fp8", amax=amax, permuted=True)
+    assert stored.shape[2] == permuted_v_keys(n) == max(-(-n // 16) * 16, 128)
+    assert not stored.float().isnan().any()
+    assert torch.equal(stored.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(scale, want_scale)
+
+
 def test_permuted_keys_are_the_fp8_a_fragment_order():
     """Storage position 16g + 4c + 2h + p holds key 16g + 8h + 2c + p (so a thread's score
-    columns 2c, 2c+1, 2c+8, 2c+9 sit at positions 4c..4c+3); padding to 16 keys is zeros, and
-    unpermute_keys inverts it."""
+    columns 2c, 2c+1, 2c+8, 2c+9 sit at positions 4c..4c+3); the padding (to 16 keys, and to at
+    least one 128-key block: ``core.operands.permuted_v_keys``) is zeros, and unpermute_keys
+    inverts it."""
     v = torch.arange(1, 35, dtype=torch.float32)[:, None].expand(34, 3).reshape(1, 1, 34, 3)
     stored = ref.permute_keys(v)
-    assert stored.shape == (1, 1, 48, 3)
+    assert stored.shape == (1, 1, 128, 3) and not stored[0, 0, 48:].any()
     for g in range(3):
         for h in range(2):
             for c in range(4):

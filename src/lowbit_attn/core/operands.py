@@ -48,8 +48,8 @@ class QuantizedQKV:
             neither converted from another dtype nor centered, which fp16 holds exactly).
         v_mean: fp32 per-channel mean of V that was subtracted ``[B, Hkv, D]`` (``smooth_v`` only).
         v_permuted: E4M3 ``v`` holds its keys permuted in groups of 16 (:data:`V_KEY_ORDER`) and
-            padded with zeros to a multiple of 16: ``v`` is then ``[B, H, N', D]`` in stored
-            order (a transposed view of ``[B, H, D, N']``). Dense calls only.
+            padded with zeros to ``N' =`` :func:`permuted_v_keys` ``(N)``: ``v`` is then ``[B, H,
+            N', D]`` in stored order (a transposed view of ``[B, H, D, N']``). Dense calls only.
         delta_s: fp32 Q-smoothing correction in base-2 score units ``[B, Hq, ceil(Nq/block_q), Nk]``.
         lse_shift: fp32 ``softmax_scale·(q·mean(K))`` per query row, added to the natural-log LSE so
             that it is the LSE of the unsmoothed scores (``smooth_k`` with ``return_lse`` only).
@@ -120,6 +120,17 @@ THREAD_K_BLOCK = 128
 # ``V_KEY_ORDER[i]``. A thread's score columns 2c, 2c+1, 2c+8, 2c+9 (the wgmma accumulator's
 # fragment) are then positions 4c..4c+3, which its FP8 A fragment holds: no data moves.
 V_KEY_ORDER = (0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15)
+# Permuted V stores at least this many keys (zeros past the last), the one-warpgroup Hopper
+# forward's key block: its V descriptor, whose box spans a block of keys along the contiguous
+# dimension, then never spans more than the tensor. A box wider than the whole tensor is what
+# only the one-key case had when it failed on the H200 (2026-11-29): the suspect, unconfirmed.
+V_PERMUTED_MIN_KEYS = 128
+
+
+def permuted_v_keys(n: int) -> int:
+    """Keys stored by permuted V for ``n`` keys: ``n`` padded to 16, at least
+    :data:`V_PERMUTED_MIN_KEYS`."""
+    return max(-(-n // 16) * 16, V_PERMUTED_MIN_KEYS)
 
 FP4_GROUP = {"nvfp4": 16, "mxfp4": 32}  # elements per scale
 # Where a two-level P̃ row's block maximum is put before the FP4 group quantization: NVFP4 at 448·6,

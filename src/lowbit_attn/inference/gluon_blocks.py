@@ -22,6 +22,7 @@ from triton.experimental.gluon.language.nvidia.hopper import tma
 
 from triton.language.core import PropagateNan
 
+from lowbit_attn.core.operands import V_PERMUTED_MIN_KEYS
 from lowbit_attn.core.triton_helpers import (
     batch_head, finish_rows, finish_scores, online_max, p_offset, packed_v_start, seq_span,
     store_lse, to_e4m3, window_limits,
@@ -31,6 +32,7 @@ from lowbit_attn.inference.naive import EXP2_ROUND, POLY_EXP2
 _NAN_ALL = gl.constexpr(PropagateNan.ALL)
 _EXP2_ROUND = gl.constexpr(EXP2_ROUND)
 _C0, _C1, _C2, _C3 = (gl.constexpr(c) for c in POLY_EXP2)
+_V_MIN_KEYS = gl.constexpr(V_PERMUTED_MIN_KEYS)
 
 
 
@@ -379,7 +381,8 @@ def descriptors(Q, K, V, b, h, hk, q_start, nq, k_start, nk, D, sqb, sqh, sqn, s
     E4M3 V's descriptor where the sequence's first key sits (0 for fp16).
     ``nq``/``nk``: the sequence's lengths; ``q_start``/``k_start`` its first tokens when packed.
     ``V_PERMUTED`` (dense E4M3 V whose keys are permuted in groups of 16): V's descriptor spans
-    the keys padded to 16, where the last keys are stored.
+    every stored key (``core.operands.permuted_v_keys``: the keys padded to 16, where the last
+    keys are stored, and to at least one key block).
 
     Packed (``VARLEN``): Q's and K's token strides are multiples of 16 bytes, so their sequence's
     first token is a TMA base; so is E4M3 V's, stored from a multiple of 16 tokens
@@ -404,7 +407,7 @@ def descriptors(Q, K, V, b, h, hk, q_start, nq, k_start, nk, D, sqb, sqh, sqn, s
         if PV_FP8:
             v_keys = nk
             if V_PERMUTED:
-                v_keys = gl.cdiv(nk, 16) * 16
+                v_keys = gl.maximum(gl.cdiv(nk, 16) * 16, _V_MIN_KEYS)
             v_desc = tma.make_tensor_descriptor(V + b * svb + hk * svh, [D, v_keys], [svd, 1],
                                                 [BLOCK_D, BLOCK_N], v_layout)
         else:

@@ -57,7 +57,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier, warpgroup_mma, warpgroup_mma_wait,
 )
 
-from lowbit_attn.core.operands import QuantizedQKV, Seqs
+from lowbit_attn.core.operands import V_PERMUTED_MIN_KEYS, QuantizedQKV, Seqs, permuted_v_keys
 from lowbit_attn.core.triton_helpers import (
     LOG2E, add_sink, bhnd_strides, key_block_bounds, p_offset, row_strides, strides,
     window_block_bounds,
@@ -76,6 +76,7 @@ BLOCK_N = 128
 HEAD_DIMS = (64, 128)
 GRANULARITIES = ("per_token", "per_thread")
 K_STAGES = 1  # K's buffers by default (see attention)
+assert BLOCK_N <= V_PERMUTED_MIN_KEYS  # V's descriptor never spans more keys than are stored
 # The K scales' load layout (per token): one key per thread.
 _KEYS = gl.constexpr(gl.BlockedLayout([1], [32], [NUM_WARPS], [0]))
 
@@ -405,10 +406,12 @@ def _check_scope(qz: QuantizedQKV, *, pv, granularity, block_k, seqs_q, seqs_k) 
     if d not in HEAD_DIMS:
         raise ValueError(f"head dim must be one of {HEAD_DIMS} for the sm90 kernel, got {d}")
     if pv == "fp8" and (qz.v.dtype != torch.float8_e4m3fn or not qz.v_permuted
-                        or qz.v.stride(2) != 1):
+                        or qz.v.stride(2) != 1
+                        or qz.v.shape[2] != permuted_v_keys(qz.k.shape[2])):
         raise ValueError("v must be E4M3 with its keys permuted (quantize_qkv(permute_v=True)), "
-                         f"stored token-contiguous; got dtype {qz.v.dtype}, permuted "
-                         f"{qz.v_permuted}, strides {tuple(qz.v.stride())}")
+                         f"stored token-contiguous, {permuted_v_keys(qz.k.shape[2])} keys; got "
+                         f"dtype {qz.v.dtype}, permuted {qz.v_permuted}, strides "
+                         f"{tuple(qz.v.stride())}, {qz.v.shape[2]} keys")
     if pv == "fp16" and qz.v.dtype != torch.float16:
         raise ValueError(f"v must be float16 for fp16 P·V, got dtype {qz.v.dtype}")
     check_tma_operands(("q", qz.q, 3), ("k", qz.k, 3), ("v", qz.v, 2 if pv == "fp8" else 3))

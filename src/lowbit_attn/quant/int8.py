@@ -14,8 +14,8 @@ import triton
 import triton.language as tl
 
 from lowbit_attn.core.operands import (
-    FP16_V_KEEP_HI, FP16_V_KEEP_LO, THREAD_K_BLOCK, THREAD_Q_SLICE, Seqs, dense_seqs,
-    packed_v_tokens,
+    FP16_V_KEEP_HI, FP16_V_KEEP_LO, THREAD_K_BLOCK, THREAD_Q_SLICE, V_PERMUTED_MIN_KEYS, Seqs,
+    dense_seqs, packed_v_tokens, permuted_v_keys,
 )
 from lowbit_attn.core.triton_helpers import (
     batch_head, bhnd_strides, channel_vector_strides, exact_fp8, key_position, next_pow2,
@@ -27,6 +27,7 @@ CENTERS = {"none": 0, "mean": 1, "block_mean": 2}
 # Globals read inside @triton.jit functions must be constexpr.
 _KEEP_LO = tl.constexpr(FP16_V_KEEP_LO)
 _KEEP_HI = tl.constexpr(FP16_V_KEEP_HI)
+_V_MIN_KEYS = tl.constexpr(V_PERMUTED_MIN_KEYS)
 
 
 @triton.jit
@@ -326,11 +327,14 @@ def _convert_v_program(
 ):
     """``c_strides``: (batch, head, dim) of the ``[B, H, D]`` channel vectors (center, amax,
     scale). ``PERMUTED`` (E4M3, dense): key ``k`` stored at ``key_position(k)``, and the keys up to
-    the next multiple of 16 written too, as zeros. Packed E4M3: the sequence from
+    ``permuted_v_keys(n)`` written too, as zeros. Packed E4M3: the sequence from
     ``packed_v_start`` on, zeros up to the next multiple of 16 (``QuantizedQKV``)."""
     sob, soh, son, sod = out_strides
     scb, sch, scd = c_strides
     start, n = seq_span(CU, b, N, VARLEN)
+    end = n  # the last stored key + 1 (permuted: the zeros too)
+    if PERMUTED:
+        end = tl.maximum(tl.cdiv(n, 16) * 16, _V_MIN_KEYS)
     if SCALED:  # FP8 always, fp16 when asked
         offs_c = tl.arange(0, BLOCK_D)
         amax = tl.load(AMAX + b * scb + h * sch + offs_c * scd, mask=offs_c < D, other=0.0)
@@ -340,7 +344,7 @@ def _convert_v_program(
             s, inverse = _fp16_v_scale(amax)
         if pid_n == 0:  # an empty sequence's too: the attention's epilogue reads it
             tl.store(SCALE + b * scb + h * sch + offs_c * scd, s, mask=offs_c < D)
-    if pid_n * BLOCK_N < n:
+    if pid_n * BLOCK_N < end:
         x, rows, offs_d, mask = load_centered(
             X, CENTER_PTR, b, h, start, pid_n, n, x_strides, (scb, sch, 0, scd), D,
             CENTER, BLOCK_N, BLOCK_D,
@@ -353,7 +357,7 @@ def _convert_v_program(
             y = x.to(tl.float16)
         if PERMUTED:  # load_centered gave 0 past the end
             dest = key_position(rows)
-            mask = (rows < tl.cdiv(n, 16) * 16)[:, None] & (offs_d < D)[None, :]
+            mask = (rows < end)[:, None] & (offs_d < D)[None, :]
         elif VARLEN and FP8:
             dest = packed_v_start(start, b) + rows
             mask = (rows < tl.cdiv(n, 16) * 16)[:, None] & (offs_d < D)[None, :]
@@ -547,7 +551,7 @@ def _v_part(req: VRequest | None, seqs: Seqs):
         raise ValueError("permuted V is E4M3 and dense only")
     if req.pv == "fp8":
         if req.permuted:  # every stored key, the padding too (zeros)
-            n_pad = triton.cdiv(x.shape[2], 16) * 16
+            n_pad = permuted_v_keys(x.shape[2])
             buf = torch.empty((x.shape[0], h, d, n_pad), device=x.device,
                               dtype=torch.float8_e4m3fn)
             out = buf.transpose(-1, -2)
@@ -614,8 +618,11 @@ def quantize(
     block_rows = [c for c, given in ((const_i["BLOCK_N"], int8), (const_q["Q_BLOCK_N"], q),
                                      (const_v["V_BLOCK_N"], v)) if given is not None]
     d = first.shape[-1]
-    # axis 0 covers the smaller blocks; programs past a part's own blocks do nothing
-    blocks = triton.cdiv(max(seqs.max_len, seqs_q.max_len), min(block_rows))
+    # axis 0 covers the smaller blocks (and permuted V's zeros); programs past a part's own blocks
+    # do nothing
+    rows = max(seqs.max_len, seqs_q.max_len,
+               V_PERMUTED_MIN_KEYS if v is not None and v.permuted else 0)
+    blocks = triton.cdiv(rows, min(block_rows))
     _quantize_kernel[(blocks, seqs.batch * heads)](
         **args_i, **args_q, **args_v, CU=seqs.cu_seqlens, N=seqs.max_len, D=d,
         **const_i, **const_q, **const_v, EXACT_FP8=exact_fp8(),

@@ -10,7 +10,7 @@ import torch
 
 from lowbit_attn.core.operands import (
     FP8_MAX, FP16_V_KEEP_HI, FP16_V_KEEP_LO, INT8_MAX, THREAD_K_BLOCK, THREAD_Q_SLICE,
-    V_KEY_ORDER,
+    V_KEY_ORDER, permuted_v_keys,
 )
 
 
@@ -255,10 +255,10 @@ def convert_v(
 
 def permute_keys(v: torch.Tensor) -> torch.Tensor:
     """``[..., N, D]`` → ``[..., N', D]`` in the stored order of ``QuantizedQKV.v_permuted``: keys
-    padded with zeros to ``N'``, a multiple of 16, then position ``16g + i`` holding key ``16g +
-    V_KEY_ORDER[i]``."""
+    padded with zeros to ``N' = core.operands.permuted_v_keys(N)``, then position ``16g + i``
+    holding key ``16g + V_KEY_ORDER[i]``."""
     n = v.shape[-2]
-    padded = torch.zeros(v.shape[:-2] + (-(-n // 16) * 16, v.shape[-1]), dtype=v.dtype,
+    padded = torch.zeros(v.shape[:-2] + (permuted_v_keys(n), v.shape[-1]), dtype=v.dtype,
                          device=v.device)
     padded[..., :n, :] = v
     return padded[..., key_order(padded.shape[-2], v.device), :]
