@@ -69,20 +69,39 @@ ROUTES = {
 }
 
 
+@pytest.mark.parametrize("capability,kernel", [((9, 0), "sm90"), ((8, 9), "triton")])
+def test_the_default_forward_is_the_one_measured_on_the_architecture(monkeypatch, capability,
+                                                                     kernel):
+    """``LOWBIT_ATTN_KERNEL`` unset (``measured``): the forward ``core.measured.KERNEL_CHOICES``
+    names for the device's architecture (an entry stands in here: none is measured yet), else the
+    Triton kernels; with no entry for the forward, no device query on the call's path."""
+    from lowbit_attn.core import measured
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cuda = torch.device("cuda", 0)
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability",
+                        lambda device: asked.append(device) or capability)
+    assert KernelOptions().forward_kernel(cuda) == "triton" and asked == []
+    entry = measured.KernelChoice("kernel", "sm_90", "sm90", "a stand-in run")
+    monkeypatch.setattr(measured, "KERNEL_CHOICES", (*measured.KERNEL_CHOICES, entry))
+    assert KernelOptions().forward_kernel(cuda) == kernel and asked == [cuda]
+    assert KernelOptions(kernel="triton").forward_kernel(cuda) == "triton"
+
+
 def test_the_kernel_option_is_read_and_checked(monkeypatch):
+    cpu = torch.device("cpu")
     monkeypatch.delenv("LOWBIT_ATTN_KERNEL", raising=False)
-    assert KernelOptions.from_env().kernel == "triton"
-    assert not KernelOptions.from_env().gluon_forward
-    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "gluon")
-    assert KernelOptions.from_env().gluon_forward
-    assert not KernelOptions.from_env().sm90_forward
-    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "sm90")
-    assert KernelOptions.from_env().sm90_forward and not KernelOptions.from_env().gluon_forward
+    assert KernelOptions.from_env().kernel == "measured"
+    assert KernelOptions.from_env().forward_kernel(cpu) == "triton"  # nothing measured on a CPU
+    for value in ("triton", "gluon", "sm90"):
+        monkeypatch.setenv("LOWBIT_ATTN_KERNEL", value)
+        assert KernelOptions.from_env().forward_kernel(cpu) == value
     # gluon-pingpong is not a value: gluon runs the ping-pong forward on Hopper
     for value in ("cudnn", "gluon-pingpong"):
         monkeypatch.setenv("LOWBIT_ATTN_KERNEL", value)
-        with pytest.raises(ValueError, match=r"LOWBIT_ATTN_KERNEL must be one of \('triton', "
-                                             rf"'gluon', 'sm90'\), got '{value}'"):
+        with pytest.raises(ValueError, match=r"LOWBIT_ATTN_KERNEL must be one of \('measured', "
+                                             rf"'triton', 'gluon', 'sm90'\), got '{value}'"):
             KernelOptions.from_env()
 
 
@@ -357,7 +376,8 @@ FP4 = "qk_fp4_pv_fp4"
 def test_the_fp4_recipes_follow_gluon(monkeypatch):
     for value, expected in (("triton", False), ("gluon", True), ("sm90", False)):
         monkeypatch.setenv("LOWBIT_ATTN_KERNEL", value)
-        assert KernelOptions.from_env().gluon_forward is expected, value
+        assert (KernelOptions.from_env().forward_kernel(torch.device("cpu")) == "gluon") \
+            is expected, value
 
 
 @pytest.mark.interpreter

@@ -60,7 +60,7 @@ def test_doctor_prints_every_variable_and_flags_a_bad_value(capsys, monkeypatch)
     assert set(lines) >= {"LOWBIT_ATTN_BWD_KERNEL", "LOWBIT_ATTN_CACHE", "LOWBIT_ATTN_AUTOTUNE",
                           "LOWBIT_ATTN_TRAIN_DQ", "LOWBIT_ATTN_LAUNCH"}
     assert lines["LOWBIT_ATTN_KERNEL"].split()[1:] == [
-        "bogus", "(error:", "must", "be", "one", "of", "triton,", "gluon,", "sm90)"]
+        "bogus", "(error:", "must", "be", "one", "of", "measured,", "triton,", "gluon,", "sm90)"]
     assert lines["LOWBIT_ATTN_BWD_KERNEL"].split()[1:] == ["sm90"]
     assert lines["LOWBIT_ATTN_LAUNCH"].split()[1:] == ["(unset)"]
 

@@ -76,6 +76,8 @@ class KernelChoice:
 
 # The training backward (the trainable attention and video sparse attention's fine stage) on
 # Hopper: the sm90 loops were faster on every row measured and passed their GPU tests and check.
+# The forward (option "kernel"): no entry yet (the sm90 forward failed its check on the H200 of
+# 2026-11-29); one is added when a GPU run's forward tests pass and its rows win.
 KERNEL_CHOICES = (
     KernelChoice("bwd_kernel", "sm_90", "sm90",
                  "H200, 2026-11-29: benchmarks/results/h200-2026-11-29/decide2.md (bench_train, "

@@ -17,7 +17,10 @@ anywhere: :func:`check_env`) and passed down explicitly.
   one-time check of dQ, dK and dV against the Triton backward there
   (``training/sm90_check.py``; the Triton backward runs until it passes). Measured on an H200
   (2026-11-29): faster than the Triton backward on every row; on a CPU it changes nothing.
-- ``LOWBIT_ATTN_KERNEL``: ``triton`` (default: the Triton attention kernels), ``gluon`` (the
+- ``LOWBIT_ATTN_KERNEL``: ``measured`` (default: the forward a GPU run measured fastest on the
+  device's architecture and that passed its GPU tests there, ``core/measured.py``
+  ``KERNEL_CHOICES``; none yet, so the Triton kernels everywhere), ``triton`` (the Triton
+  attention kernels), ``gluon`` (the
   Gluon forward of the device's architecture: for Hopper the warp-specialized ping-pong forward,
   ``inference/kernel_int8_gluon.py``, where it applies: a CUDA device of capability 9.0, the INT8
   recipes (FP8 or fp16 P·V), D = 64 or 128; for Blackwell the Gluon FP4 forward,
@@ -50,7 +53,7 @@ import torch
 
 DQ_MODES = ("recompute", "atomic")
 BWD_KERNELS = ("measured", "triton", "sm90")
-KERNELS = ("triton", "gluon", "sm90")
+KERNELS = ("measured", "triton", "gluon", "sm90")
 LAUNCH_MODES = ("triton", "plan")
 # Each option's field → (its environment variable, its modes, the default first)
 VARIABLES = {"train_dq": ("LOWBIT_ATTN_TRAIN_DQ", DQ_MODES),
@@ -105,16 +108,22 @@ class KernelOptions:
         """Whether eager calls record and replay launch plans (``plan``)."""
         return self.launch == "plan"
 
-    @property
-    def gluon_forward(self) -> bool:
-        """Whether calls go to the Gluon forward of their device's architecture where it applies
-        (``gluon``): the INT8 recipes to the Hopper one, the FP4 recipes to the Blackwell one."""
-        return self.kernel == "gluon"
+    def forward_kernel(self, device: torch.device) -> str:
+        """``kernel`` for a call on ``device``, ``measured`` resolved: the kernel
+        ``core.measured.KERNEL_CHOICES`` names for the device's architecture, else ``triton``.
+        ``gluon``: the Gluon forward of the device's architecture where it applies (the INT8
+        recipes to the Hopper one, the FP4 recipes to the Blackwell one); ``sm90``: INT8 calls to
+        the one-warpgroup Hopper forward where it applies."""
+        if self.kernel != "measured":
+            return self.kernel
+        from lowbit_attn.core import measured
 
-    @property
-    def sm90_forward(self) -> bool:
-        """Whether INT8 calls go to the one-warpgroup Hopper forward where it applies (``sm90``)."""
-        return self.kernel == "sm90"
+        if device.type != "cuda" or not any(c.option == "kernel" for c in measured.KERNEL_CHOICES):
+            return "triton"  # no measurement to read: no device query on the call's path
+        from lowbit_attn.core.triton_helpers import family
+
+        return (measured.kernel_choice("kernel", family(torch.cuda.get_device_capability(device)))
+                or "triton")
 
 
 def check_env() -> None:

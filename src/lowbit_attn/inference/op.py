@@ -57,7 +57,7 @@ def kernel(q, k, v, *, out: torch.Tensor, recipe: Recipe, scale: float, causal_o
                 block_k=recipe.block_k, causal_offset=causal_offset, two_level=recipe.two_level_p,
                 return_lse=return_lse, variant=variant, sinks=sinks,
             )
-        if options.gluon_forward:  # the Gluon FP4 forward where it applies and passed its check
+        if options.forward_kernel(q.device) == "gluon":  # where it applies, passed its check
             from lowbit_attn.inference import gluon_fp4_check
 
             fp4_forward = gluon_fp4_check.attention
@@ -70,7 +70,8 @@ def kernel(q, k, v, *, out: torch.Tensor, recipe: Recipe, scale: float, causal_o
     seqs_q, seqs_k = seqs if seqs is not None else (None, None)
     # The one-warpgroup Hopper forward where it covers the call and is admitted on this device:
     # decided before quantizing, because it takes V's keys permuted.
-    sm90 = (variant.softcap == 0 and options.sm90_forward and sm90_check.applies(q.device)
+    chosen = options.forward_kernel(q.device)
+    sm90 = (variant.softcap == 0 and chosen == "sm90" and sm90_check.applies(q.device)
             and sm90_check.wanted(recipe, q.shape[-1], packed=seqs is not None)
             and sm90_check.admitted(q.device))
     qz = quantize_qkv(
@@ -86,7 +87,7 @@ def kernel(q, k, v, *, out: torch.Tensor, recipe: Recipe, scale: float, causal_o
             block_k=recipe.block_k, causal_offset=causal_offset, return_lse=return_lse,
             seqs_q=seqs_q, seqs_k=seqs_k, variant=variant, sinks=sinks,
         )
-    if options.gluon_forward:  # the Gluon forward where it applies and passed its check here
+    if chosen == "gluon":  # the Gluon forward where it applies and passed its check here
         from lowbit_attn.inference import gluon_check
 
         forward = gluon_check.attention

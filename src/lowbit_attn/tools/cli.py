@@ -35,7 +35,7 @@ EXTERNAL = {
 ENV_VARS = ("LOWBIT_ATTN_ARCH", "LOWBIT_ATTN_BACKEND", "LOWBIT_ATTN_TRAIN_DQ", "LOWBIT_ATTN_BWD_KERNEL", "LOWBIT_ATTN_KERNEL",
             "LOWBIT_ATTN_AUTOTUNE", "LOWBIT_ATTN_LAUNCH", "LOWBIT_ATTN_CACHE", "TRITON_INTERPRET")
 DTYPES = ("float16", "bfloat16", "float32")
-# core.options.KERNELS, spelled out: --help imports nothing heavy
+# core.options.KERNELS but measured, spelled out: --help imports nothing heavy
 KERNELS = ("triton", "gluon", "sm90")
 # The targets of ``lowbit_attn.tools.aot.ARCHS``, spelled out so that ``--help`` imports nothing heavy.
 ARCH_HELP = "sm_80, sm_86, sm_89, sm_90a, sm_100a or sm_120a"
