@@ -353,6 +353,36 @@ def test_sm90_forward_each_case(case):
     assert reason is None, f"{case}: {reason}"
 
 
+@pytest.mark.parametrize("nk", [1, 2, 17])
+@pytest.mark.parametrize("granularity", ["per_thread", "per_token"])
+def test_sm90_operands_at_few_keys_are_the_twins(nk, granularity):
+    """What the sm90 forward reads at the key counts around the H200's one-key failure
+    (2026-11-29), quantized on the GPU (Triton, whose launches compile a key count of 1 as a
+    constant) and by the PyTorch twin on the CPU, from the same fp16 inputs: every operand finite
+    (permuted V's padding too), V's E4M3 bytes and scales the twin's, Q's and K's INT8 values
+    within one step and their scales within rounding (K's mean: sums in another order)."""
+    from lowbit_attn.inference import gluon_check
+    from lowbit_attn.inference.gluon_check import Case
+
+    case = Case(1, 4, 2, 96, nk, 64, 128, causal=False, lse=True, granularity=granularity)
+    q, k, v, _, _ = gluon_check.case_inputs(case, torch.device("cuda"))
+    recipe = get_recipe("qk_int8_pv_fp8").replace(block_k=128, granularity=granularity)
+    got, want = (quantize_qkv(*(x.to(dev) for x in (q, k, v)), recipe, 64**-0.5,
+                              need_lse_shift=True, backend=backend, permute_v=True)
+                 for dev, backend in (("cuda", "triton"), ("cpu", "reference")))
+    for name in ("q", "q_scale", "k", "k_scale", "v", "v_scale", "lse_shift"):
+        g, w = getattr(got, name).cpu(), getattr(want, name)
+        assert g.shape == w.shape, (name, g.shape, w.shape)
+        bad = (~torch.isfinite(g.float())).nonzero()
+        assert len(bad) == 0, f"{name}: {len(bad)} not finite, first at {bad[:8].tolist()}"
+        if name == "v":
+            assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)), name
+        elif g.dtype == torch.int8:
+            assert int((g.int() - w.int()).abs().max()) <= 1, name
+        else:
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_sm90_forward_admission_check_passes():
     """The admission check in this process, every case of ``sm90_check.CASES`` (issue 43's: counts
     that are multiples of 128 and of 16, one query, one key, grids of 512 programs, both head
