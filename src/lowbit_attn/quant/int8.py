@@ -245,7 +245,9 @@ def channel_stats_many(*requests: StatsRequest, schedule: StatsSchedule = StatsS
         raise ValueError(f"channel_stats_many: 1 to 3 tensors, got {len(requests)}")
     first = requests[0]
     seqs = first.seqs or dense_seqs(first.x)
-    splits = 1 if any(CENTERS[r.center] == 2 for r in requests) else schedule.splits
+    splits = schedule.splits
+    if splits > 1 and any(CENTERS[r.center] == 2 for r in requests):
+        splits = 1  # a block mean's blocks are its own
     parts = [_stats_args(requests[i] if i < len(requests) else None, i, schedule.block_n, splits)
              for i in range(3)]
     d = first.x.shape[-1]
