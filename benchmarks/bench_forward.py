@@ -21,8 +21,10 @@ Rows (``e2e``: the public call, quantization included; ``kernel``: the attention
 operands quantized once):
 
 - ``sdpa cudnn``, ``sdpa flash`` (bf16), ``sage 1.0.6`` (fp16, its Triton kernels);
-- ``e2e triton token``: ``qk_int8_pv_fp8`` as users call it (the Triton kernel with the
-  candidate ``core.measured`` names where it has one, else autotuned; the note: which);
+- ``e2e triton token``: ``qk_int8_pv_fp8`` as users call it, on the Triton kernel
+  (``LOWBIT_ATTN_KERNEL=triton``, what every ``triton`` row sets: the default, ``measured``,
+  may name another forward; the candidate ``core.measured`` names where it has one, else
+  autotuned; the note: which);
   ``tuned triton token`` (not in ``--decide``): the same under ``LOWBIT_ATTN_AUTOTUNE=all``, the
   kernel's earlier choices forgotten, so the note says what the autotuner picks here (the
   evidence for the next ``core.measured`` entry);
@@ -187,7 +189,7 @@ def rows_of_config(base, q, k, v, causal, record, gluon_ok: str | None,
             record(base, name, None, build=lambda recipe=recipe, options=options: permuted_stages(
                 q, k, v, causal, recipe, sm90_launcher(**options))[1])
 
-    def ours(recipe, kernel=None, launch=None, **variant):
+    def ours(recipe, kernel="triton", launch=None, **variant):  # the rows name their kernel
         def fn():
             with environment(LOWBIT_ATTN_KERNEL=kernel, LOWBIT_ATTN_LAUNCH=launch):
                 return lowbit_attn.attention(q, k, v, recipe=recipe, is_causal=causal, **variant)
@@ -204,7 +206,7 @@ def rows_of_config(base, q, k, v, causal, record, gluon_ok: str | None,
         record(base, "e2e sm90 thread plan", ours(THREAD, "sm90", "plan"))
         if causal:  # issue 44: a 512-token window, sm90 and Triton, against full causal above
             for name, kernel in (("e2e sm90 thread win512", "sm90"),
-                                 ("e2e triton thread win512", None)):
+                                 ("e2e triton thread win512", "triton")):
                 record(base, name, ours(THREAD, kernel, window=WINDOW), check=False,
                        note=lambda: f"window {WINDOW}: time against e2e sm90 thread")
             record(base, "e2e triton token win512", ours("qk_int8_pv_fp8", window=WINDOW),
