@@ -51,6 +51,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lowbit_attn.core import measured
+
 DQ_MODES = ("recompute", "atomic")
 BWD_KERNELS = ("measured", "triton", "sm90")
 KERNELS = ("measured", "triton", "gluon", "sm90")
@@ -116,8 +118,6 @@ class KernelOptions:
         the one-warpgroup Hopper forward where it applies."""
         if self.kernel != "measured":
             return self.kernel
-        from lowbit_attn.core import measured
-
         if device.type != "cuda" or not any(c.option == "kernel" for c in measured.KERNEL_CHOICES):
             return "triton"  # no measurement to read: no device query on the call's path
         from lowbit_attn.core.triton_helpers import family

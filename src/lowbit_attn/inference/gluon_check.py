@@ -539,10 +539,10 @@ def compare_outputs(got: torch.Tensor, want: torch.Tensor, got_lse, want_lse, *,
     if not bool(torch.isfinite(got).all()):
         bad = ~torch.isfinite(got)
         # the Triton kernel's at the same places: a shared cause (the quantized operands) or not
-        both = int((bad & ~torch.isfinite(want)).sum()) if want.shape == got.shape else 0
+        theirs = ~torch.isfinite(want)
         return (f"{int(bad.sum())} outputs not finite or not written{_where(bad)}; "
-                f"the Triton kernel's: {int((~torch.isfinite(want)).sum())} not finite, "
-                f"{both} of them at the same places")
+                f"the Triton kernel's: {int(theirs.sum())} not finite, "
+                f"{int((bad & theirs).sum())} of them at the same places")
     err = float((got.float() - want.float()).abs().max()) if got.numel() else 0.0
     if atol is not None and err > atol:
         return f"max |gluon - triton| = {err:.3g} > {atol}"
