@@ -39,6 +39,12 @@ anywhere: :func:`check_env`) and passed down explicitly.
 - ``LOWBIT_ATTN_LAUNCH``: ``triton`` (default: every launch through Triton's own launch path) or
   ``plan`` (an eager call replays its configuration's recorded launches from the third call on:
   ``core/plans.py``). No GPU has replayed a plan yet: not the default.
+- ``LOWBIT_ATTN_COMPILE``: ``serial`` (default: each kernel compiles at its first launch, one
+  after another) or ``parallel`` (the first eager ``attention()`` call of a configuration first
+  runs as a dry pass that compiles all its kernels side by side in threads and launches nothing,
+  ``core/plan_launches.py`` ``compile_ahead``; then it runs). For the first call of a new shape
+  (2.67 s on an H200, 2026-11-27, three kernels at D = 128); no GPU has measured it: not the
+  default.
 
 Why the defaults are what they are: ``benchmarks/NOTES.md``. Each option is used on the Triton
 backend only; the PyTorch twins take the object and compute the same values.
@@ -57,11 +63,13 @@ DQ_MODES = ("recompute", "atomic")
 BWD_KERNELS = ("measured", "triton", "sm90")
 KERNELS = ("measured", "triton", "gluon", "sm90")
 LAUNCH_MODES = ("triton", "plan")
+COMPILE_MODES = ("serial", "parallel")
 # Each option's field → (its environment variable, its modes, the default first)
 VARIABLES = {"train_dq": ("LOWBIT_ATTN_TRAIN_DQ", DQ_MODES),
              "bwd_kernel": ("LOWBIT_ATTN_BWD_KERNEL", BWD_KERNELS),
              "kernel": ("LOWBIT_ATTN_KERNEL", KERNELS),
-             "launch": ("LOWBIT_ATTN_LAUNCH", LAUNCH_MODES)}
+             "launch": ("LOWBIT_ATTN_LAUNCH", LAUNCH_MODES),
+             "compile": ("LOWBIT_ATTN_COMPILE", COMPILE_MODES)}
 
 
 # os.environ's own table, read directly: os.environ.get costs ~1 µs a name (it encodes the name)
@@ -86,6 +94,7 @@ class KernelOptions:
     bwd_kernel: str = BWD_KERNELS[0]
     kernel: str = KERNELS[0]
     launch: str = LAUNCH_MODES[0]
+    compile: str = COMPILE_MODES[0]
 
     def __post_init__(self) -> None:
         for field, (variable, choices) in VARIABLES.items():
@@ -109,6 +118,12 @@ class KernelOptions:
     def launch_plans(self) -> bool:
         """Whether eager calls record and replay launch plans (``plan``)."""
         return self.launch == "plan"
+
+    @property
+    def compile_ahead(self) -> bool:
+        """Whether a configuration's first eager call compiles its kernels side by side first
+        (``parallel``)."""
+        return self.compile == "parallel"
 
     def forward_kernel(self, device: torch.device) -> str:
         """``kernel`` for a call on ``device``, ``measured`` resolved: the kernel

@@ -14,6 +14,9 @@ pointers as integers. Besides the arguments, a launch through Triton's path read
 - the allocator of Triton's global scratch (kernels that make TMA descriptors on the device ask
   it at each launch): a replay launches such a kernel under the allocator its launch saw.
 
+The same wrapping of Triton's launch path gives a call's dry pass (:func:`compile_ahead`): its
+launches compile side by side instead of one after another, and launch nothing.
+
 What a replay assumes of the call is asserted at capture, which refuses the call otherwise: it
 runs no PyTorch operation but allocations and views; each launch is on the device and stream
 current at the start, through Triton's JIT path with no pre-run hook, and needs no profiling
@@ -31,9 +34,9 @@ import torch
 
 try:
     from triton import knobs
-    from triton.runtime import _allocation, jit
+    from triton.runtime import _allocation, autotuner, jit
 except ImportError:  # no Triton (it has Linux wheels only): every call runs the reference path,
-    knobs = _allocation = jit = None  # so no plan ever holds a Triton launch
+    knobs = _allocation = autotuner = jit = None  # so no plan ever holds a Triton launch
 
 ALIGN = 256  # bytes between the workspace's buffers
 # ATen operations that allocate or view and launch nothing on a GPU.
@@ -101,12 +104,15 @@ def launch_state() -> tuple | None:
 _recording = threading.local()  # .records: the launches the thread's capture notes, or None
 _lock = threading.Lock()  # held only to wrap or unwrap JITFunction.run, never across a call
 _captures = [0]  # captures in progress in any thread (JITFunction.run is wrapped while > 0)
-_original_run: list = []
+_original_run: list = []  # JITFunction.run, then Autotuner.run, while wrapped
 
 
 def _recorded_run(self, *args, grid, warmup, **kwargs):
     """``JITFunction.run`` that also notes, for the thread capturing, each launch: the kernel,
-    its arguments, the compiled kernel, and the device, stream and scratch allocator it saw."""
+    its arguments, the compiled kernel, and the device, stream and scratch allocator it saw; in
+    a thread's dry pass (:func:`compile_ahead`) a launch only compiles (Triton's ``warmup``)."""
+    if getattr(_recording, "ahead", False):
+        return _original_run[0](self, *args, grid=grid, warmup=True, **kwargs)
     kernel = _original_run[0](self, *args, grid=grid, warmup=warmup, **kwargs)
     records = getattr(_recording, "records", None)
     if records is not None and not warmup:
@@ -117,34 +123,76 @@ def _recorded_run(self, *args, grid, warmup, **kwargs):
     return kernel
 
 
+def _tuner_run(self, *args, **kwargs):
+    """``Autotuner.run``, which in a thread's dry pass (:func:`compile_ahead`) times nothing and
+    keeps nothing: it compiles the candidate it keeps for a key it has timed, or else every
+    candidate its prune filter keeps (those its real call will time)."""
+    if not getattr(_recording, "ahead", False):
+        return _original_run[1](self, *args, **kwargs)
+    self.nargs = dict(zip(self.arg_names, args))
+    try:
+        configs = self.configs
+        if len(configs) > 1:  # the autotuner's own key (Triton 3.4 to 3.9)
+            named = {k: v for k, v in {**self.nargs, **kwargs}.items() if k in self.arg_names}
+            key = tuple([named[k] for k in self.keys if k in named]
+                        + [str(v.dtype) for v in named.values() if hasattr(v, "dtype")])
+            chosen = self.cache.get(key)
+            configs = [chosen] if chosen is not None else self.prune_configs(kwargs)
+        for config in configs:
+            self.fn.run(*args, **kwargs, **config.all_kwargs())
+    finally:
+        self.nargs = None
+
+
 def _wrap(step: int) -> None:
-    """One more capture in progress (``step`` 1) or one fewer (-1): ``JITFunction.run`` is
-    wrapped from the first to the last."""
+    """One more capture or dry pass in progress (``step`` 1) or one fewer (-1):
+    ``JITFunction.run`` and ``Autotuner.run`` are wrapped from the first to the last."""
     with _lock:
         if step > 0 and _captures[0] == 0:
-            _original_run[:] = [jit.JITFunction.run]
+            _original_run[:] = [jit.JITFunction.run, autotuner.Autotuner.run]
             jit.JITFunction.run = _recorded_run
+            autotuner.Autotuner.run = _tuner_run
         _captures[0] += step
         if _captures[0] == 0:
-            jit.JITFunction.run = _original_run[0]
+            jit.JITFunction.run, autotuner.Autotuner.run = _original_run
+
+
+def _dispatch_mode(handle: Callable):
+    """A dispatch mode that hands each operation to ``handle(op, run)`` (``run()`` runs it),
+    not wrapped against Dynamo (PyTorch's default, whose first use imports Dynamo: ~1 s):
+    these modes are entered by eager calls only."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Mode(TorchDispatchMode):
+        @classmethod
+        def _should_skip_dynamo(cls) -> bool:
+            return False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return handle(func, lambda: func(*args, **(kwargs or {})))
+
+    return Mode()
 
 
 def _watched_ops(ops: list[str], allocated: set[int]):
     """A dispatch mode that notes the operations of a call other than allocations and views
     (``ops``) and the storage of each allocation (``allocated``)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
 
-    class Watched(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.overloadpacket.__name__
-            result = func(*args, **(kwargs or {}))
-            if name in ALLOCATING_OPS:
-                allocated.add(result.untyped_storage().data_ptr())
-            elif name not in NO_KERNEL_OPS:
-                ops.append(name)
-            return result
+    def note(func, run):
+        name = func.overloadpacket.__name__
+        result = run()
+        if name in ALLOCATING_OPS:
+            allocated.add(result.untyped_storage().data_ptr())
+        elif name not in NO_KERNEL_OPS:
+            ops.append(name)
+        return result
 
-    return Watched()
+    return _dispatch_mode(note)
+
+
+def _busy() -> bool:
+    """Whether this thread is inside a capture or a dry pass already."""
+    return getattr(_recording, "records", None) is not None or getattr(_recording, "ahead", False)
 
 
 def capture(fn: Callable, inputs: tuple[torch.Tensor, ...]) -> tuple[object, Plan | str]:
@@ -152,7 +200,7 @@ def capture(fn: Callable, inputs: tuple[torch.Tensor, ...]) -> tuple[object, Pla
     returns a tensor, a tuple of tensors (the outputs) or None (no output), and reads no tensor
     but ``inputs`` and buffers it allocates. Inputs that share memory are addressed from the
     first of them: the caller's key must say which share with which, and how far apart."""
-    if getattr(_recording, "records", None) is not None:  # inside another call's capture
+    if _busy():  # inside another call's capture (or dry pass)
         return fn(), "the call runs inside another captured call"
     state = launch_state()
     records: list = []
@@ -261,6 +309,81 @@ def _plan(state, records, inputs, outputs, allocated: set[int]) -> Plan | str:
         for launch in launches
     ]
     return Plan(tuple(launches), tuple((tuple(x.shape), x.dtype) for x in outputs), total, state)
+
+
+# ---------------------------------------------------------------------------------------------
+# compiling ahead
+
+COMPILE_THREADS = 8  # at most; a call launches 2 to 4 kernels
+_pool: list = []  # the thread pool compiles go to, made on first use
+_pool_lock = threading.Lock()
+
+
+class _NotAhead(BaseException):
+    """What stops a dry pass at a PyTorch operation (a ``BaseException``, so that no ``except
+    Exception`` of the call takes it for a failure of its own: a launcher falling back, a kernel
+    refused for the process)."""
+
+
+def _only_allocations():
+    """A dispatch mode that runs allocations, views and the package's own operators (whose
+    insides it sees in turn) and stops the pass at any other operation, before it runs: in a
+    dry pass no launch wrote what it would read."""
+
+    def check(func, run):
+        name = func.overloadpacket.__name__
+        if name not in NO_KERNEL_OPS and func.namespace != "lowbit_attn":
+            raise _NotAhead(name)
+        return run()
+
+    return _dispatch_mode(check)
+
+
+def _executor():
+    from concurrent.futures import ThreadPoolExecutor
+
+    with _pool_lock:
+        if not _pool:
+            _pool.append(ThreadPoolExecutor(COMPILE_THREADS,
+                                            thread_name_prefix="lowbit_attn-compile"))
+        return _pool[0]
+
+
+def compile_ahead(fn: Callable) -> str | None:
+    """Compile the Triton kernels ``fn()`` launches side by side, launching nothing: ``fn`` runs
+    once as a dry pass in which each Triton launch of this thread submits its kernel's compile
+    to a pool of threads (Triton's ``AsyncCompileMode``; a kernel already compiled is taken as
+    it is) and PyTorch runs allocations and views only; the compiles are awaited before it
+    returns (one that fails is left for the real call to report). The pass stops at the first
+    other PyTorch operation, before it runs, and at any exception; what it submitted until then
+    is compiled all the same. An autotuner times nothing in the pass: it compiles every
+    candidate its real call will time, side by side (:func:`_tuner_run`). ``fn`` must change
+    nothing but through PyTorch and Triton (no host-side state of its own). Returns None, or why
+    the pass stopped early."""
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:  # Triton before 3.5
+        return "this Triton has no asynchronous compiles"
+    if _busy():
+        return "the call runs inside another captured call"
+    why = None
+    _wrap(+1)
+    _recording.ahead = True
+    try:
+        with AsyncCompileMode(_executor(), ignore_errors=True):
+            try:
+                with _only_allocations():
+                    fn()
+            except _NotAhead as stop:
+                why = f"the call runs the PyTorch operation {stop}"
+            except Exception as exc:  # noqa: BLE001 - the real call raises it, if it is real
+                why = f"the dry pass raised {type(exc).__name__}: {exc}"
+    except RuntimeError as exc:  # another AsyncCompileMode active in this thread
+        why = str(exc)
+    finally:
+        _recording.ahead = False
+        _wrap(-1)
+    return why
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,6 +19,11 @@ opt-in. Plans apply to eager calls (see
 :func:`eager`) on the Triton backend outside the interpreter, while no Triton launch hook is
 set.
 
+A table made with ``dry_pass`` (``attention()``'s) gives a key's first call, under
+``LOWBIT_ATTN_COMPILE=parallel``, a dry pass first: its launches compile side by side in threads
+and nothing runs (:func:`~lowbit_attn.core.plan_launches.compile_ahead`), so that a new shape
+waits for its slowest compile rather than for the sum of them.
+
 ``tests/test_launch_plans.py``, ``tests/inference/test_plans.py`` and
 ``tests/kvcache/test_planned.py`` compare replays launch by launch with Triton's path under
 stand-in launches.
@@ -36,7 +41,7 @@ import torch
 from lowbit_attn.core import arch
 from lowbit_attn.core.options import ENV, KernelOptions, env_names
 from lowbit_attn.core.plan_check import check
-from lowbit_attn.core.plan_launches import Plan, capture, launch_state, replay
+from lowbit_attn.core.plan_launches import Plan, capture, compile_ahead, launch_state, replay
 
 # What else a call's checks and launches read: the environment (Triton's launch path reads
 # TRITON_FPSAN_HOMOMORPHIC_CASTS, from 3.9, at every launch), every placement variable among it
@@ -112,12 +117,22 @@ def _turn_off(why: str) -> None:
                   RuntimeWarning, stacklevel=4)
 
 
+def ahead(backend: str) -> bool:
+    """Whether a key's first call on ``backend`` compiles its kernels side by side first:
+    ``LOWBIT_ATTN_COMPILE=parallel``, compiled kernels (not the interpreter)."""
+    return (KernelOptions.from_env().compile_ahead and backend == "triton"
+            and not arch.interpreter_enabled())
+
+
 class Table:
     """The plans of one kind of call, by key (a key holds everything the call's checks and
     launches read). The first plan of each kernel signature is checked before its first replay
-    (:func:`~lowbit_attn.core.plan_check.check`); a failure turns plans off in the process."""
+    (:func:`~lowbit_attn.core.plan_check.check`); a failure turns plans off in the process.
+    ``dry_pass``: a key's first call may run first as a dry pass that compiles its kernels side
+    by side (:func:`ahead`; for calls that change nothing but through PyTorch and Triton)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, dry_pass: bool = False) -> None:
+        self._dry_pass = dry_pass
         self._table: dict = {}
         self._checked: set = set()  # the kernel signatures whose first replay passed its check
 
@@ -135,13 +150,16 @@ class Table:
         return MISSING if plan is None else replay(plan, inputs)
 
     def call(self, key, fn: Callable, inputs: tuple[torch.Tensor, ...], backend: str):
-        """``fn()`` (the call of ``key`` on ``inputs``, on ``backend``), captured into a plan on
-        the key's second call, and checked on its third when its kernels were not yet."""
+        """``fn()`` (the call of ``key`` on ``inputs``, on ``backend``), after its dry pass on
+        the key's first call (when :func:`ahead`), captured into a plan on the key's second
+        call, and checked on its third when its kernels were not yet."""
         state = self._table.get(key)
         if state is None:
             if len(self._table) >= MAX_PLANS:
                 self._table.clear()
             self._table[key] = _SEEN
+            if self._dry_pass and ahead(backend):
+                compile_ahead(fn)
             return fn()
         if not plannable(backend):
             return fn()

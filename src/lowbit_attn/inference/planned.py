@@ -3,7 +3,8 @@
 
 A call in eager mode (not traced, compiled or captured in a CUDA graph, plain tensors, no
 dispatch or function mode, no functorch transform: ``plans.eager``) gets a key: everything its
-checks and its launches depend on. The first call of a key runs normally; the second is
+checks and its launches depend on. The first call of a key runs normally (under ``LOWBIT_ATTN_COMPILE=parallel`` after a
+dry pass that compiles its kernels side by side); the second is
 captured; from the third on, ``attention()`` replays the plan before any check (from the fourth
 when the third checks the plan's kernels: once per kernel signature). Calls that are not eager
 go through the custom op, as before.
@@ -18,7 +19,7 @@ import torch
 from lowbit_attn.core import plans
 from lowbit_attn.core.counters import count_call
 
-_table = plans.Table()
+_table = plans.Table(dry_pass=True)  # a call changes nothing but its outputs
 
 
 def _plain_value(x) -> bool:

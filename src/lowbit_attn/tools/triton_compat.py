@@ -16,9 +16,10 @@ on another Triton. The runtime package never imports this module.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 import types
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from triton.runtime.jit import JITFunction
@@ -37,6 +38,16 @@ def check_version(version: str | None = None) -> None:
         WRITTEN_FOR, "ahead-of-time compilation under TRITON_INTERPRET=1 reads internals of Triton "
         "{series}, found Triton {version}: install one of those or compile in a process "
         "without TRITON_INTERPRET=1", version)
+
+
+def submit_compile(mode, key, build: Callable, keep: Callable):
+    """A compile submitted to Triton's ``AsyncCompileMode`` ``mode`` as its own JIT path does:
+    ``build()`` in the mode's threads, ``keep(kernel)`` when it is collected; the placeholder
+    it returns stands for the kernel. Triton 3.9's ``submit`` also takes a clean-up step for a
+    failed compile (nothing to clean here)."""
+    if len(inspect.signature(mode.submit).parameters) >= 4:
+        return mode.submit(key, build, keep, lambda placeholder: None)
+    return mode.submit(key, build, keep)
 
 
 def pointer_type(dtype: torch.dtype) -> str:

@@ -25,6 +25,7 @@ import pstats
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from types import SimpleNamespace
 from typing import Callable
@@ -52,6 +53,7 @@ class _StubKernel:
     given) and notes the launch: ``(the stub, the launcher's arguments)``."""
 
     def __init__(self, name: str, sink: list, device: int, scratch: int) -> None:
+        self.thread = threading.current_thread().name  # where it was "compiled"
         self._name = name
         self._sink = sink
         self.function = id(self)  # a handle no other stub has
@@ -106,18 +108,24 @@ class _StubDriver:
 
 
 @contextlib.contextmanager
-def stubbed_launches(capability: tuple[int, int], scratch: dict[str, int] | None = None):
+def stubbed_launches(capability: tuple[int, int], scratch: dict[str, int] | None = None, *,
+                     compile: bool = False):
     """Within the block, every Triton kernel launch goes through Triton's launch path to a stub
     that does nothing but note ``(the stub, the launcher's arguments)`` in the yielded list (the
     stub's ``name`` is the kernel's; ``scratch``: the kernels, by name, that need global scratch,
-    and how many bytes a program); autotuners time no candidate (they take the first), and the
-    inference op and the KV cache take their Triton paths on CPU tensors. The stand-in driver
-    is ``triton.runtime.driver.active`` meanwhile. Everything is restored on exit."""
+    and how many bytes a program; ``thread``: the thread that built it, a pool's under Triton's
+    asynchronous compiles, as Triton's own compiles); autotuners time no candidate (they take
+    the first), and the inference op and the KV cache take their Triton paths on CPU tensors.
+    ``compile``: each stub is built after a real compile of its kernel for ``capability``
+    (Triton's cache applies; the compiled kernel is not kept), so that the block takes a
+    compile's time. The stand-in driver is ``triton.runtime.driver.active`` meanwhile.
+    Everything is restored on exit."""
     from triton.backends.compiler import GPUTarget
-    from triton.runtime import autotuner, jit
+    from triton.runtime import _async_compile, autotuner, jit
 
     from lowbit_attn.inference import op
     from lowbit_attn.kvcache import cache, interface
+    from lowbit_attn.tools import triton_compat
 
     chosen = (op, interface, cache)  # the modules that choose a backend per call
     sink: list[tuple] = []
@@ -125,9 +133,23 @@ def stubbed_launches(capability: tuple[int, int], scratch: dict[str, int] | None
 
     def stub_compile(self, key, signature, device, constexprs, options, attrs, warmup):
         name = self.fn.__name__
-        kernel = _StubKernel(name, sink, device, (scratch or {}).get(name, 0))
-        self.device_caches[device][0][key] = kernel
         compiled.append((self, device))
+
+        def build():
+            if compile:
+                target = self.device_caches[device][2]
+                self.compile(self.ASTSource(self, signature, constexprs, attrs), target=target,
+                             options=options.__dict__)
+            return _StubKernel(name, sink, device, (scratch or {}).get(name, 0))
+
+        def keep(kernel):
+            self.device_caches[device][0][key] = kernel
+
+        mode = _async_compile.active_mode.get()
+        if mode is not None:  # as Triton's own: built in the mode's threads, kept on its exit
+            return triton_compat.submit_compile(mode, (name, key, device), build, keep)
+        kernel = build()
+        keep(kernel)
         return kernel
 
     saved = (jit.JITFunction._do_compile, autotuner.Autotuner._bench)
