@@ -9,7 +9,7 @@ after every step, so a run cut short still leaves it. No torch import: it runs i
 
 STEPS.tsv: one line per step, ``name<TAB>limit s<TAB>started at s<TAB>took s<TAB>exit status``
 (``skipped`` for a step with no time left); ``admission-*.json`` (benchmarks/probes/
-admission_time.py) and ``{forward,train,vsa,decode,prep}-*.json`` / ``.md`` are read from the
+admission_time.py) and ``{forward,train,vsa,decode,prep,first}-*.json`` / ``.md`` are read from the
 RESULT_DIRs, the newest of each kind.
 """
 
@@ -24,12 +24,20 @@ FIRST_CALL_BAR = 2.0  # s: what admission adds to a first call (issue 43)
 TRAIN_BAR = 1.0  # × SDPA flash, forward + backward, D=128, N ≥ 4k
 DECODE_BAR = 1.0  # × SDPA (fp16 K/V), one decode step, batch 1, N = 8k and 32k
 WINDOW_BAR = 1.2  # a sliding-window layer's step ÷ a full layer of what it sees (issue 44)
-KINDS = ("forward", "train", "vsa", "decode", "prep")
+KINDS = ("forward", "train", "vsa", "decode", "prep", "first")
 
 
 def _bar(name, value, target, higher=True) -> dict:
     met = None if value is None else (value >= target if higher else value <= target)
     return {"bar": name, "value": value, "target": target, "met": met}
+
+
+def first_bars(data: dict) -> list[dict]:
+    """Each case of ``first_call.py``: a cold first call per head dim and LOWBIT_ATTN_COMPILE."""
+    return [_bar(f"first call of a new shape, cold Triton cache, D={r['d']}, "
+                 f"LOWBIT_ATTN_COMPILE={r['mode']}, s", r.get("first_call_s"), FIRST_CALL_BAR,
+                 higher=False)
+            for r in data.get("rows", [])]
 
 
 def train_bars(data: dict) -> list[dict]:
@@ -134,7 +142,7 @@ def summarize(stage: str, outdir: Path, steps_file: Path, command: str,
         summary["device"] = summary["device"] or data.get("device_name")
         summary["bars"] += {"forward": lambda x: x.get("bars", []), "train": train_bars,
                             "decode": decode_bars, "vsa": lambda x: [],
-                            "prep": lambda x: []}[kind](data)
+                            "prep": lambda x: [], "first": first_bars}[kind](data)
         table = path.with_suffix(".md")
         if table.exists():
             tables.append(f"## {kind} ({path.name}{'' if data.get('complete', True) else ', partial'})"
