@@ -84,9 +84,9 @@ def choose(kept: list, kernel: str, args: dict) -> list:
     """What a prune filter returns of the candidates it keeps for a launch of ``kernel`` with
     ``args``, ``kept``: under ``LOWBIT_ATTN_AUTOTUNE=measured`` (the default), the candidate
     that an entry of :data:`~lowbit_attn.core.measured.MEASURED` names for this machine's family,
-    alone (Triton then compiles and times that one only), where one applies and is kept; under
-    ``first`` the first kept (a head dim whose candidates are not the family's first, D = 256 in
-    ``inference/kernel_int8.py``, gets its own first); else all of them."""
+    alone (Triton then compiles that one only: :func:`lone_untimed`), where one applies and is
+    kept; under ``first`` the first kept (a head dim whose candidates are not the family's
+    first, D = 256 in ``inference/kernel_int8.py``, gets its own first); else all of them."""
     mode = autotune_mode()
     if mode == "first":
         return kept[:1]
@@ -102,6 +102,28 @@ def choose(kept: list, kernel: str, args: dict) -> list:
             if same:
                 return same[:1]
     return kept
+
+
+class _LoneUntimed(triton.runtime.Autotuner):
+    """An autotuner that does not time a candidate its prune filter keeps alone."""
+
+    def prune_configs(self, kwargs):
+        kept = super().prune_configs(kwargs)
+        self.lone = len(kept) == 1
+        return kept
+
+    def _bench(self, *args, config, **meta):
+        if getattr(self, "lone", False):  # nothing to choose between
+            return [0.0, 0.0, 0.0]
+        return super()._bench(*args, config=config, **meta)
+
+
+def lone_untimed(tuner):
+    """``tuner`` (a ``triton.autotune`` result whose prune filter ends in :func:`choose`), made
+    not to time the candidate its filter keeps alone (a measured one, or ``first``'s): Triton 3.6
+    times it all the same (``do_bench``: ~0.1 s of a new shape's first call), 3.9 does not."""
+    tuner.__class__ = _LoneUntimed
+    return tuner
 
 
 def autotuned(configs: dict[str, list[LaunchConfig]], **options):
