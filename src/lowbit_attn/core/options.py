@@ -43,7 +43,7 @@ anywhere: :func:`check_env`) and passed down explicitly.
   after another) or ``parallel`` (the first eager ``attention()`` call of a configuration first
   runs as a dry pass that compiles all its kernels side by side in threads and launches nothing,
   ``core/plan_launches.py`` ``compile_ahead``; then it runs). For the first call of a new shape
-  (2.67 s on an H200, 2026-11-27, three kernels at D = 128); no GPU has measured it: not the
+  (2.67 s on an H200, 2026-11-29, three kernels at D = 128); no GPU has measured it: not the
   default.
 
 Why the defaults are what they are: ``benchmarks/NOTES.md``. Each option is used on the Triton

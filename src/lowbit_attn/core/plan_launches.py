@@ -132,7 +132,7 @@ def _tuner_run(self, *args, **kwargs):
     self.nargs = dict(zip(self.arg_names, args))
     try:
         configs = self.configs
-        if len(configs) > 1:  # the autotuner's own key (Triton 3.4 to 3.9)
+        if len(configs) > 1:  # the autotuner's own key, as Triton 3.6 and 3.9 compute it
             named = {k: v for k, v in {**self.nargs, **kwargs}.items() if k in self.arg_names}
             key = tuple([named[k] for k in self.keys if k in named]
                         + [str(v.dtype) for v in named.values() if hasattr(v, "dtype")])

@@ -121,7 +121,12 @@ def stubbed_launches(capability: tuple[int, int], scratch: dict[str, int] | None
     compile's time. The stand-in driver is ``triton.runtime.driver.active`` meanwhile.
     Everything is restored on exit."""
     from triton.backends.compiler import GPUTarget
-    from triton.runtime import _async_compile, autotuner, jit
+    from triton.runtime import autotuner, jit
+
+    try:
+        from triton.runtime._async_compile import active_mode
+    except ImportError:  # Triton before 3.5: no asynchronous compiles
+        active_mode = None
 
     from lowbit_attn.inference import op
     from lowbit_attn.kvcache import cache, interface
@@ -145,7 +150,7 @@ def stubbed_launches(capability: tuple[int, int], scratch: dict[str, int] | None
         def keep(kernel):
             self.device_caches[device][0][key] = kernel
 
-        mode = _async_compile.active_mode.get()
+        mode = None if active_mode is None else active_mode.get()
         if mode is not None:  # as Triton's own: built in the mode's threads, kept on its exit
             return triton_compat.submit_compile(mode, (name, key, device), build, keep)
         kernel = build()
