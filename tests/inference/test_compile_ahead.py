@@ -24,9 +24,9 @@ from lowbit_attn.core import plan_launches
 try:
     import triton.runtime._async_compile  # noqa: F401
     ASYNC = True
-except ImportError:  # Triton before 3.5: the option compiles serially
+except ImportError:  # a Triton without them (3.4): the option compiles serially
     ASYNC = False
-needs_async_compiles = pytest.mark.skipif(not ASYNC, reason="Triton before 3.5 has no "
+needs_async_compiles = pytest.mark.skipif(not ASYNC, reason="this Triton has no "
                                           "asynchronous compiles")
 
 CHILD = r'''

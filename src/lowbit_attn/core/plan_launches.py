@@ -362,7 +362,7 @@ def compile_ahead(fn: Callable) -> str | None:
     the pass stopped early."""
     try:
         from triton.runtime._async_compile import AsyncCompileMode
-    except ImportError:  # Triton before 3.5
+    except ImportError:  # a Triton without it (3.4 has none; 3.6 and 3.9 have it)
         return "this Triton has no asynchronous compiles"
     if _busy():
         return "the call runs inside another captured call"

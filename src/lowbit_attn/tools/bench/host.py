@@ -125,7 +125,7 @@ def stubbed_launches(capability: tuple[int, int], scratch: dict[str, int] | None
 
     try:
         from triton.runtime._async_compile import active_mode
-    except ImportError:  # Triton before 3.5: no asynchronous compiles
+    except ImportError:  # a Triton without asynchronous compiles (3.4)
         active_mode = None
 
     from lowbit_attn.inference import op
