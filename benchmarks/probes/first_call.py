@@ -17,6 +17,7 @@ compiles' share of a first call on this CPU, nothing launched (the name says ``c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -33,8 +34,6 @@ CHILD_TIMEOUT_S = 120
 
 def child(d: int, cpu: bool) -> dict:
     """One case, in this (fresh) process."""
-    import contextlib
-
     t0 = time.perf_counter()
     import torch
 

@@ -3,10 +3,10 @@
 
 A call in eager mode (not traced, compiled or captured in a CUDA graph, plain tensors, no
 dispatch or function mode, no functorch transform: ``plans.eager``) gets a key: everything its
-checks and its launches depend on. The first call of a key runs normally (under ``LOWBIT_ATTN_COMPILE=parallel`` after a
-dry pass that compiles its kernels side by side); the second is
-captured; from the third on, ``attention()`` replays the plan before any check (from the fourth
-when the third checks the plan's kernels: once per kernel signature). Calls that are not eager
+checks and its launches depend on. The first call of a key runs normally (under
+``LOWBIT_ATTN_COMPILE=parallel`` after a dry pass that compiles its kernels side by side); the
+second is captured; from the third on, ``attention()`` replays the plan before any check (from
+the fourth when the third checks the plan's kernels: once per kernel signature). Calls that are not eager
 go through the custom op, as before.
 """
 
