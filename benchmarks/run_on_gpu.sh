@@ -11,8 +11,8 @@
 # only, at most 150 s), the admission timed (benchmarks/probes/admission_time.py, at most 90 s:
 # a first call with no verdict, the check itself on a cold Triton cache in the background, a
 # later process's read of the verdict, the check on the warm cache), the preparation's launches
-# timed apart against their floor with the statistics launch's candidate tilings
-# (benchmarks/probes/prep_speed.py, at most 60 s; embedded in decide.json), then
+# timed apart against their floor with both launches' candidate tilings
+# (benchmarks/probes/prep_speed.py, at most 80 s; embedded in decide.json), then
 # bench_forward.py --decide
 # (D=128 N=16k, N=1k at B×H=512, D=64 the same, causal D=128 N=16k, then N=8k; SDPA cuDNN, the sm90
 # rows, SageAttention 1.0.6; each row's first call timed) in the time left.
@@ -400,7 +400,7 @@ if [[ "$STAGE" == decide || "$STAGE" == decide2 ]]; then
         limit 90 210
         step sm90-forward-admission "$BENCHLOG" "$PY" benchmarks/probes/admission_time.py fwd \
             "$WORK/admission-fwd.json" || rc_bench=$?
-        limit 60 150
+        limit 80 150
         step prep "$BENCHLOG" "$PY" benchmarks/probes/prep_speed.py "$WORK/prep-speed.json" \
             || rc_bench=$?
         limit 600 10

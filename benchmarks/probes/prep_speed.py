@@ -9,13 +9,17 @@ Per shape (bf16 Q, K, V ``[B, H, N, D]``; the default recipe ``qk_int8_pv_fp8``:
 per-token scales, FP8 V), each timed with ``triton.testing.do_bench`` (on a CPU, ``--smoke``, one
 wall-clock call):
 
-- ``stats``: the statistics launch as a call makes it (K's mean and amax, V's amax), with its
+- ``stats``: the statistics launch as a call makes it (Q's amax, K's mean and amax, V's amax),
+  with its
   production tiling and with each candidate of :data:`STATS_CANDIDATES`
   (``quant.int8.StatsSchedule``: tile sums, channel tiles, warps, and the rows split over 8 or
   16 programs per (batch, head) reduced by a second launch, for the 128 programs of 256 serial
   row blocks at N = 16k); ``torch stats``: the same statistics by PyTorch reductions;
-- ``quantize``: the quantizing launch as a call makes it (K and Q to INT8, V to E4M3), then each
-  part alone (``K``, ``Q``, ``V``: which part is slow);
+- ``quantize``: the quantizing launch as a call makes it (K and Q to INT8, V to E4M3), with its
+  production tiling and with each candidate of :data:`QUANT_CANDIDATES`
+  (``quant.int8.QuantSchedule``: rows per program, warps, each value times its scale's
+  reciprocal rather than divided by it: NOTES §26 counts the instructions), then each part alone
+  (``K``, ``Q``, ``V``: which part is slow);
 - ``copy``: a device-to-device copy of Q, K and V, the card's bandwidth as this run sees it.
 
 Each row: ms, bytes read and written, GB/s, and the floor (the bytes at the copy's bandwidth).
@@ -33,8 +37,8 @@ from pathlib import Path
 
 import torch
 
-from lowbit_attn.core.operands import LOG2E
 from lowbit_attn.core.recipes import get_recipe
+from lowbit_attn.inference import prepare
 from lowbit_attn.quant import int8 as quant
 
 SHAPES = [(2, 32, 16384, 128), (16, 32, 1024, 128), (2, 32, 16384, 64), (16, 32, 1024, 64)]
@@ -49,6 +53,16 @@ STATS_CANDIDATES = [
     quant.StatsSchedule(splits=8),
     quant.StatsSchedule(tile_sums=True, block_d=64, splits=8),
     quant.StatsSchedule(tile_sums=True, block_d=128, block_n=32, splits=16),
+]
+QUANT_CANDIDATES = [
+    quant.QuantSchedule(rows=64),
+    quant.QuantSchedule(rows=64, num_warps=4),
+    quant.QuantSchedule(rows=32, num_warps=4),
+    quant.QuantSchedule(rows=32, num_warps=2),
+    quant.QuantSchedule(num_warps=4),
+    quant.QuantSchedule(rows=128, num_warps=8),
+    quant.QuantSchedule(reciprocal=True),
+    quant.QuantSchedule(rows=64, num_warps=4, reciprocal=True),
 ]
 
 
@@ -65,17 +79,16 @@ def timer(smoke: bool):
 
 
 def requests(q, k, v):
-    """The statistics and quantization requests of ``prepare.quantize_qkv`` for the default
-    recipe at these inputs."""
+    """The statistics and quantization requests a call of the default recipe makes at these
+    inputs (``prepare.stats_requests`` and ``prepare.quant_args``: Q's, K's and V's statistics,
+    K smoothed, Q and K balanced, V to E4M3)."""
     recipe = get_recipe("qk_int8_pv_fp8")
-    stats = [quant.StatsRequest(k, "mean"), quant.StatsRequest(v, "none")]
-    (k_mean, _), (_, v_amax) = quant.channel_stats_many(*stats)
-    scale = q.shape[-1] ** -0.5
-    k_req = quant.Int8Request(k, recipe.granularity, recipe.block_k, center=k_mean, role="k")
-    q_req = quant.Int8Request(q, recipe.granularity, recipe.block_q, role="q",
-                              scale_multiplier=scale * LOG2E)
-    v_req = quant.VRequest(v, recipe.pv, None, v_amax)
-    return stats, k_req, q_req, v_req
+    wanted = prepare.stats_requests(q, k, v, recipe)
+    stats = [quant.StatsRequest(*wanted[name]) for name in wanted]
+    found = dict(zip(wanted, quant.channel_stats_many(*stats)))
+    k_args, q_args, v_args = prepare.quant_args(recipe, q.shape[-1] ** -0.5, found)
+    return (stats, quant.Int8Request(k, **k_args), quant.Int8Request(q, **q_args),
+            quant.VRequest(v, **v_args, scaled=v_args["amax"] is not None))
 
 
 def main(argv: list[str]) -> None:
@@ -123,15 +136,21 @@ def main(argv: list[str]) -> None:
             save()
 
         row("copy Q, K, V", lambda: (q.clone(), k.clone(), v.clone()), 2 * 3 * elem * 2)
-        row("stats (production)", lambda: quant.channel_stats_many(*stats), 2 * elem * 2)
+        stats_bytes = len(stats) * elem * 2  # each tensor read once
+        row("stats (production)", lambda: quant.channel_stats_many(*stats), stats_bytes)
         for cand in STATS_CANDIDATES:
             row(f"stats {cand._asdict()}",
-                lambda cand=cand: quant.channel_stats_many(*stats, schedule=cand), 2 * elem * 2)
-        row("torch stats", lambda: (k.float().mean(dim=2), k.float().aminmax(dim=2),
-                                    v.float().abs().amax(dim=2)), 2 * elem * 2)
+                lambda cand=cand: quant.channel_stats_many(*stats, schedule=cand), stats_bytes)
+        row("torch stats", lambda: (q.float().abs().amax(dim=2), k.float().mean(dim=2),
+                                    k.float().aminmax(dim=2), v.float().abs().amax(dim=2)),
+            stats_bytes)
         # read bf16, write one byte per element (scales are small)
         row("quantize K, Q, V (production)",
             lambda: quant.quantize(k_req, v_req, q=q_req), 3 * elem * 3)
+        for cand in QUANT_CANDIDATES:
+            row(f"quantize {cand._asdict()}",
+                lambda cand=cand: quant.quantize(k_req, v_req, q=q_req, schedule=cand),
+                3 * elem * 3)
         row("quantize K", lambda: quant.quantize(k_req), elem * 3)
         row("quantize Q", lambda: quant.quantize(q=q_req), elem * 3)
         row("quantize V", lambda: quant.quantize(None, v_req), elem * 3)

@@ -397,6 +397,72 @@ def test_the_statistics_launch_s_candidates_give_the_production_values(schedule)
                 assert_close(m_got, m_want, atol=1e-5, rtol=1e-5, name="mean")
 
 
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """Values as their bits (NaN equal to NaN)."""
+    return x.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[x.element_size()])
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("schedule", [dict(rows=64), dict(rows=32, num_warps=2),
+                                      dict(rows=128, num_warps=8), dict(num_warps=4),
+                                      dict(reciprocal=True)], ids=str)
+def test_the_quantizing_launch_s_candidates_give_the_production_values(schedule):
+    """The quantizing launch's candidate tilings (``QuantSchedule``, for a GPU run to time) give
+    the production launch's codes and scales bit for bit: the requests a call of the default
+    recipe makes (``prepare.stats_requests``, ``prepare.quant_args``: K smoothed, Q and K
+    balanced, per-token scales, V to E4M3) with a NaN and an Inf in their own rows, and with V
+    permuted (its zero keys too); packed sequences with an empty one; per-block Q and K, whose
+    tiles their scales fix (only V's tile changes). Times the reciprocal of the scale
+    (``reciprocal``): the same scales, codes within one step."""
+    from lowbit_attn.core.operands import Seqs
+    from lowbit_attn.core.recipes import Recipe, get_recipe
+    from lowbit_attn.inference import prepare
+
+    quant = kq()
+    g = torch.Generator().manual_seed(4)
+
+    def call(recipe, q, k, v, permute_v=False, seqs=None):
+        wanted = prepare.stats_requests(q, k, v, recipe)
+        found = dict(zip(wanted, quant.channel_stats_many(
+            *(quant.StatsRequest(*wanted[n], seqs=seqs) for n in wanted))))
+        k_args, q_args, v_args = prepare.quant_args(recipe, 0.125, found, permute_v=permute_v)
+        return (quant.Int8Request(k, **k_args),
+                quant.VRequest(v, **v_args, scaled=v_args["amax"] is not None)), \
+            dict(q=quant.Int8Request(q, **q_args), seqs=seqs, seqs_q=seqs)
+
+    default = get_recipe("qk_int8_pv_fp8")
+    q, k, v = (torch.randn(2, 3, 203, 72, generator=g).to(torch.bfloat16) for _ in range(3))
+    k = k + 3
+    q[0, 1, 100, 4], k[1, 2, 150, 5], v[0, 1, 7, 60] = float("inf"), float("nan"), float("inf")
+    packed = [torch.randn(211, 3, 72, generator=g) for _ in range(3)]
+    seqs = Seqs(batch=3, max_len=150, cu_seqlens=torch.tensor([0, 61, 61, 211], dtype=torch.int32))
+    blocky = Recipe(name="blocky", qk="int8", pv="fp8", granularity="per_block")
+    calls = [call(default, q, k, v), call(default, *(x[:, :, :20] for x in (q, k, v)), True),
+             call(default, *packed, seqs=seqs), call(blocky, q, k, v)]
+    for args, kwargs in calls:
+        want = quant.quantize(*args, **kwargs)
+        got = quant.quantize(*args, **kwargs, schedule=quant.QuantSchedule(**schedule))
+        for (w_values, w_scale), (g_values, g_scale) in zip(want, got):
+            assert torch.equal(_bits(g_scale), _bits(w_scale))
+            if not schedule.get("reciprocal"):
+                assert torch.equal(_bits(g_values), _bits(w_values))
+                continue
+            # times the reciprocal: within one code (INT8) or one E4M3 step of the quotient's
+            if w_values.dtype == torch.int8:
+                assert (g_values.int() - w_values.int()).abs().max() <= 1
+            else:
+                w, g = w_values.float(), g_values.float()
+                assert torch.equal(w.isnan(), g.isnan())
+                step = torch.where(w.abs() >= 2**-6, w.abs() * 2**-3, torch.tensor(2.0**-9))
+                assert torch.all(((g - w).abs() <= step) | w.isnan())
+
+
+def test_the_quantizing_launch_refuses_a_tile_it_cannot_hold():
+    x = torch.randn(1, 1, 8, 16)
+    with pytest.raises(ValueError, match="QuantSchedule.rows must be"):
+        kq().quantize(kq().Int8Request(x, "per_token", 64), schedule=kq().QuantSchedule(rows=48))
+
+
 @pytest.mark.interpreter
 def test_balance_factors_equalize_ranges_and_keep_degenerate_channels():
     aq = torch.tensor([[[1.0, 4.0, 0.0, 2.0], [3.0, 1.0, 1.0, 2.0]]])  # B=1, Hq=2

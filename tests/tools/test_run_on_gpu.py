@@ -223,7 +223,7 @@ def test_the_preparation_probe_runs_every_row_on_a_cpu(tmp_path):
     rows = json.loads((tmp_path / "prep-speed.json").read_text())["rows"]
     names = [r["name"] for r in rows]
     assert names[:2] == ["copy Q, K, V", "stats (production)"]
-    assert len(names) == 2 + len(probe.STATS_CANDIDATES) + 5
+    assert len(names) == 2 + len(probe.STATS_CANDIDATES) + len(probe.QUANT_CANDIDATES) + 5
     assert not [r for r in rows if "error" in r]
     table = (tmp_path / "prep-speed.md").read_text()
     assert table.startswith("# cpu (smoke); ") and "command: python benchmarks/probes/prep" in table

@@ -2,9 +2,9 @@
 
 The same sequence of steps serves both backends; each step runs as a Triton kernel or as its
 PyTorch twin. On the Triton backend a call launches one statistics pass for the tensors that need
-statistics, and quantizes Q and K and converts V in one more (Q in a pass of its own when that
-launch computes K's statistics, or by the attention kernel). The balancing factors and FP8 scales are computed inside the kernels that use
-them.
+statistics (:func:`stats_requests`), and quantizes Q and K and converts V in one more
+(:func:`quant_args`). The balancing factors and FP8 scales are computed inside the kernels that
+use them.
 """
 
 from __future__ import annotations
@@ -47,6 +47,42 @@ def _stats_all(backend: str, requests: dict[str, tuple], seqs: dict[str, object]
     return dict(zip(names, found))
 
 
+def stats_requests(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: Recipe) -> dict:
+    """``{name: (tensor, center, block)}`` of the tensors whose channel statistics ``recipe`` needs
+    (``"q"``, ``"k"``, ``"v"``): K's mean and amax to smooth and balance it, Q's amax to balance
+    (and its block means to smooth it), V's amax for a scale (FP8 always; fp16 when V comes from
+    another dtype, whose values can be tiny or past 65504, or is centered)."""
+    requests = {}
+    if recipe.smooth_k or recipe.balance_qk:
+        requests["k"] = (k, "mean" if recipe.smooth_k else "none", 0)
+    if recipe.smooth_q or recipe.balance_qk:
+        requests["q"] = (q, "block_mean" if recipe.smooth_q else "none", recipe.block_q)
+    if recipe.pv == "fp8" or recipe.smooth_v or v.dtype != torch.float16:
+        requests["v"] = (v, "mean" if recipe.smooth_v else "none", 0)
+    return requests
+
+
+def quant_args(recipe: Recipe, softmax_scale: float, stats: dict, *, permute_v: bool = False
+               ) -> tuple[dict, dict, dict]:
+    """Keyword arguments of K's and Q's INT8 quantization and of V's conversion
+    (``quantize_int8`` and ``convert_v`` of either backend, and the Triton launch's
+    ``Int8Request`` and ``VRequest``), from ``stats`` (``{name: (mean, amax)}`` of
+    :func:`stats_requests`' tensors)."""
+    k_mean, k_amax = stats.get("k", (None, None))
+    q_mean, q_amax = stats.get("q", (None, None))
+    v_mean, v_amax = stats.get("v", (None, None))
+    balance = (q_amax, k_amax) if recipe.balance_qk else None
+    # K's per-thread groups lie in 128-key blocks: its quantization tiles are those blocks
+    k_block = THREAD_K_BLOCK if recipe.granularity == "per_thread" else recipe.block_k
+    k_args = dict(granularity=recipe.granularity, block=k_block, center=k_mean,
+                  balance=balance, role="k")
+    q_args = dict(granularity=recipe.granularity, block=recipe.block_q, center=q_mean,
+                  center_per_block=True, balance=balance, role="q",
+                  scale_multiplier=softmax_scale * LOG2E)
+    v_args = dict(pv=recipe.pv, center=v_mean, amax=v_amax, permuted=permute_v)
+    return k_args, q_args, v_args
+
+
 def quantize_qkv(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -70,44 +106,21 @@ def quantize_qkv(
     triton_backend = backend == "triton"
     kw_q = {"seqs": seqs_q} if triton_backend else {}
     kw_k = {"seqs": seqs_k} if triton_backend else {}
-    k_center = "mean" if recipe.smooth_k else "none"
-    v_center = "mean" if recipe.smooth_v else "none"
-    # V gets a per-channel scale from its amax unless fp16 holds it exactly: FP8 always; fp16
-    # when V comes from another dtype (bf16/fp32 V can be tiny or past 65504) or is centered.
-    v_scaled = recipe.pv == "fp8" or recipe.smooth_v or v.dtype != torch.float16
-
-    requests = {}
-    if recipe.smooth_k or recipe.balance_qk:
-        requests["k"] = (k, k_center, 0)
-    if recipe.smooth_q or recipe.balance_qk:
-        requests["q"] = (q, "block_mean" if recipe.smooth_q else "none", recipe.block_q)
-    if v_scaled:
-        requests["v"] = (v, v_center, 0)
-    stats = _stats_all(backend, requests, {"q": seqs_q, "k": seqs_k, "v": seqs_k})
-    k_mean, k_amax = stats.get("k", (None, None))
-    q_mean, q_amax = stats.get("q", (None, None))
-    v_mean, v_amax = stats.get("v", (None, None))
-
-    multiplier = softmax_scale * LOG2E
-    # K's per-thread groups lie in 128-key blocks: its quantization tiles are those blocks
-    k_block = THREAD_K_BLOCK if recipe.granularity == "per_thread" else recipe.block_k
-    k_args = dict(granularity=recipe.granularity, block=k_block, center=k_mean,
-                  balance=(q_amax, k_amax) if recipe.balance_qk else None, role="k")
-    balance = (q_amax, k_amax) if recipe.balance_qk else None
-    q_args = dict(granularity=recipe.granularity, block=recipe.block_q, center=q_mean,
-                  center_per_block=True, balance=balance, role="q",
-                  scale_multiplier=multiplier)
+    stats = _stats_all(backend, stats_requests(q, k, v, recipe),
+                       {"q": seqs_q, "k": seqs_k, "v": seqs_k})
+    k_args, q_args, v_args = quant_args(recipe, softmax_scale, stats, permute_v=permute_v)
     if triton_backend:  # Q joins K's and V's launch
         (k8, k_scale), (vq, v_scale), (q8, q_scale) = quant.quantize(
             quant.Int8Request(k, **k_args),
-            quant.VRequest(v, recipe.pv, v_mean, v_amax, scaled=v_scaled, permuted=permute_v),
+            quant.VRequest(v, **v_args, scaled=v_args["amax"] is not None),
             seqs=seqs_k, q=quant.Int8Request(q, **q_args), seqs_q=seqs_q,
         )
     else:
         k8, k_scale = quant.quantize_int8(k, **k_args)
-        vq, v_scale = quant.convert_v(v, pv=recipe.pv, center=v_mean, amax=v_amax,
-                                      permuted=permute_v)
+        vq, v_scale = quant.convert_v(v, **v_args)
         q8, q_scale = quant.quantize_int8(q, **q_args)
+    q_mean, k_mean, v_mean = q_args["center"], k_args["center"], v_args["center"]
+    multiplier = softmax_scale * LOG2E
 
     delta = shift = None
     if recipe.smooth_q:

@@ -21,7 +21,9 @@ from lowbit_attn.core.triton_helpers import (
     batch_head, bhnd_strides, channel_vector_strides, exact_fp8, key_position, next_pow2,
     packed_v_start, program_heads, row_strides, seq_span, strides, to_e4m3,
 )
-from lowbit_attn.quant.tile import e4m3_scale, load_centered, quantize_int8_tile, thread_group
+from lowbit_attn.quant.tile import (
+    divided, e4m3_scale, load_centered, quantize_int8_tile, thread_group,
+)
 
 CENTERS = {"none": 0, "mean": 1, "block_mean": 2}
 # Globals read inside @triton.jit functions must be constexpr.
@@ -282,16 +284,17 @@ def _int8_program(
     N, D, GROUP, scale_multiplier,
     GRAN: tl.constexpr, CENTER: tl.constexpr, BALANCE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
+    RECIPROCAL: tl.constexpr,
 ):
-    """Token block ``pid_n`` of one (batch, head) quantized, its scales stored (``GRAN``: see
-    ``quant.tile.quantize_int8_tile``)."""
+    """Token block ``pid_n`` of one (batch, head) quantized, its scales stored (``GRAN``,
+    ``RECIPROCAL``: see ``quant.tile.quantize_int8_tile``)."""
     sob, soh, son, sod = out_strides
     ssb, ssh, ssn = scale_strides
     start, n = seq_span(CU, b, N, VARLEN)
     if pid_n * BLOCK_N < n:
         q, scale, rows, offs_d, mask = quantize_int8_tile(
             X, CENTER_PTR, AQ, AK, b, h, start, pid_n, n, x_strides, c_strides, aq_strides,
-            ak_strides, D, GROUP, GRAN, CENTER, BALANCE, BLOCK_N, BLOCK_D,
+            ak_strides, D, GROUP, GRAN, CENTER, BALANCE, BLOCK_N, BLOCK_D, RECIPROCAL,
         )
         if GRAN == 1:
             tl.store(SCALE + b * ssb + h * ssh + (start + rows) * ssn, scale * scale_multiplier,
@@ -325,7 +328,7 @@ def _convert_v_program(
     X, OUT, CENTER_PTR, AMAX, SCALE, CU, pid_n, b, h, x_strides, out_strides, c_strides, N, D,
     FP8: tl.constexpr, SCALED: tl.constexpr, CENTER: tl.constexpr, EXACT_FP8: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
-    PERMUTED: tl.constexpr = False,
+    PERMUTED: tl.constexpr = False, RECIPROCAL: tl.constexpr = False,
 ):
     """``c_strides``: (batch, head, dim) of the ``[B, H, D]`` channel vectors (center, amax,
     scale). ``PERMUTED`` (E4M3, dense): key ``k`` stored at ``key_position(k)``, and the keys up to
@@ -352,7 +355,7 @@ def _convert_v_program(
             CENTER, BLOCK_N, BLOCK_D,
         )
         if FP8:
-            y = to_e4m3(tl.div_rn(x, s[None, :]), EXACT_FP8)
+            y = to_e4m3(divided(x, s[None, :], RECIPROCAL), EXACT_FP8)
         elif SCALED:
             y = (x * inverse[None, :]).to(tl.float16)
         else:
@@ -391,7 +394,7 @@ def _quantize_kernel(
     HAS_V: tl.constexpr, FP8: tl.constexpr, V_SCALED: tl.constexpr, V_CENTER: tl.constexpr,
     EXACT_FP8: tl.constexpr,
     V_BLOCK_N: tl.constexpr, V_PERMUTED: tl.constexpr,
-    BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
+    BLOCK_D: tl.constexpr, VARLEN: tl.constexpr, RECIPROCAL: tl.constexpr = False,
 ):
     """INT8 quantization of K (the first INT8 part) and/or Q (the second, ``Q…`` arguments, its
     own sequences ``CU_Q``/``N_Q``) and/or V's conversion, in one launch: program ``(pid_n, pid)``
@@ -413,7 +416,7 @@ def _quantize_kernel(
         _int8_program(
             X, OUT, SCALE, CENTER_PTR, AQ, AK, CU, pid_n, b, h, x_strides, out_strides,
             scale_strides, c_strides, aq_strides, ak_strides, N, D, GROUP, scale_multiplier,
-            GRAN, CENTER, BALANCE, BLOCK_N, BLOCK_D, VARLEN,
+            GRAN, CENTER, BALANCE, BLOCK_N, BLOCK_D, VARLEN, RECIPROCAL,
         )
     elif HAS_Q and pid < n_int8 + n_q:
         b, h = batch_head(pid - n_int8, HQ)
@@ -421,14 +424,28 @@ def _quantize_kernel(
             QX, QOUT, QSCALE, QCENTER, QAQ, QAK, CU_Q, pid_n, b, h, qx_strides, qout_strides,
             qscale_strides, qc_strides, qaq_strides, qak_strides, N_Q, D, QGROUP,
             q_scale_multiplier, Q_GRAN, Q_CENTER, Q_BALANCE, Q_BLOCK_N, BLOCK_D, VARLEN,
+            RECIPROCAL,
         )
     elif HAS_V:
         b, h = batch_head(pid - n_int8 - n_q, HV)
         _convert_v_program(
             VX, VOUT, VCENTER, VAMAX, VSCALE, CU, pid_n, b, h, vx_strides, vout_strides,
             vc_strides, N, D, FP8, V_SCALED, V_CENTER, EXACT_FP8, V_BLOCK_N, BLOCK_D, VARLEN,
-            V_PERMUTED,
+            V_PERMUTED, RECIPROCAL,
         )
+
+
+class QuantSchedule(NamedTuple):
+    """The quantizing launch's tiling: ``rows`` per program of each part whose scales leave its
+    tile free (per-token INT8 without block means, and V), ``None`` keeping each part's own (the
+    request's block; 64 for V); ``num_warps`` (``None``: :func:`_warps`); ``reciprocal``: each
+    value times its scale's reciprocal (``quant.tile.divided``: not the twins' bits). The default
+    is the production one; the others are candidates for a GPU run to time
+    (``benchmarks/probes/prep_speed.py``)."""
+
+    rows: int | None = None
+    num_warps: int | None = None
+    reciprocal: bool = False
 
 
 def _warps(rows: int, d: int) -> int:
@@ -605,10 +622,12 @@ def _q_part(req: Int8Request | None, seqs: Seqs):
 def quantize(
     int8: Int8Request | None = None, v: VRequest | None = None, *, seqs: Seqs | None = None,
     q: Int8Request | None = None, seqs_q: Seqs | None = None,
+    schedule: QuantSchedule = QuantSchedule(),
 ) -> tuple:
     """Quantize a tensor to INT8 (K) and/or Q to INT8 and/or convert V, in one launch (``seqs``:
-    K's and V's sequences, ``seqs_q`` Q's). Returns ``(values, scale)`` for ``int8`` and ``v``
-    (``None`` when not asked), and with ``q`` also ``(values, scale)`` for it."""
+    K's and V's sequences, ``seqs_q`` Q's; ``schedule``: the launch's tiling). Returns
+    ``(values, scale)`` for ``int8`` and ``v`` (``None`` when not asked), and with ``q`` also
+    ``(values, scale)`` for it."""
     present = [r for r in (int8, q, v) if r is not None]
     first = present[0].x
     seqs = seqs or dense_seqs(int8.x if int8 is not None else first)
@@ -616,6 +635,14 @@ def quantize(
     outs_i, args_i, const_i = _int8_part(int8, seqs)
     outs_q, args_q, const_q = _q_part(q, seqs_q)
     outs_v, args_v, const_v = _v_part(v, seqs)
+    if schedule.rows is not None:  # per-token scales and V's: one per row, whatever the tile
+        if schedule.rows not in (16, 32, 64, 128, 256):
+            raise ValueError(f"QuantSchedule.rows must be 16, 32, 64, 128 or 256, got "
+                             f"{schedule.rows!r}")
+        for const, key in ((const_i, ""), (const_q, "Q_")):
+            if const[f"{key}GRAN"] == 1 and const[f"{key}CENTER"] != 2:
+                const[f"{key}BLOCK_N"] = schedule.rows
+        const_v["V_BLOCK_N"] = schedule.rows
     heads = sum(r.x.shape[1] for r in present)
     block_rows = [c for c, given in ((const_i["BLOCK_N"], int8), (const_q["Q_BLOCK_N"], q),
                                      (const_v["V_BLOCK_N"], v)) if given is not None]
@@ -628,7 +655,8 @@ def quantize(
     _quantize_kernel[(blocks, seqs.batch * heads)](
         **args_i, **args_q, **args_v, CU=seqs.cu_seqlens, N=seqs.max_len, D=d,
         **const_i, **const_q, **const_v, EXACT_FP8=exact_fp8(),
-        BLOCK_D=next_pow2(d), VARLEN=seqs.packed, num_warps=_warps(max(block_rows), d),
+        BLOCK_D=next_pow2(d), VARLEN=seqs.packed, RECIPROCAL=schedule.reciprocal,
+        num_warps=schedule.num_warps or _warps(max(block_rows), d),
     )
     return (outs_i, outs_v) if q is None else (outs_i, outs_v, outs_q)
 

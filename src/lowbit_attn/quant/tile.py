@@ -58,14 +58,25 @@ def line_amax(x, AXIS: tl.constexpr):
 
 
 @triton.jit
-def int8_lines(x, AXIS: tl.constexpr):
+def divided(x, scale, RECIPROCAL: tl.constexpr = False):
+    """``x / scale`` rounded to nearest (``div_rn``, the twins' division). ``RECIPROCAL``:
+    ``x · div_rn(1, scale)``, one division per scale rather than per value (a candidate of the
+    quantizing launch, ``quant.int8.QuantSchedule``: within a rounding of the quotient, not the
+    twins' bits)."""
+    if RECIPROCAL:
+        return x * tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    return tl.div_rn(x, scale)
+
+
+@triton.jit
+def int8_lines(x, AXIS: tl.constexpr, RECIPROCAL: tl.constexpr = False):
     """An fp32 tile → ``(int8 values, fp32 scales)`` with one scale per row (``AXIS`` 1) or per
     column (``AXIS`` 0): ``amax/127`` (1 for an all-zero line, NaN for a non-finite one),
     ``div_rn``, round half to even. Twin: ``quantize_int8(granularity="per_token")`` (of the
     transposed tile for ``AXIS`` 0)."""
     scale = line_amax(x, AXIS) * (1.0 / 127.0)
     scale = tl.where(scale == 0.0, 1.0, scale)
-    return to_int8(tl.div_rn(x, tl.expand_dims(scale, AXIS))), scale
+    return to_int8(divided(x, tl.expand_dims(scale, AXIS), RECIPROCAL)), scale
 
 
 @triton.jit
@@ -137,12 +148,12 @@ def thread_group_scales(x, GRAN: tl.constexpr, BLOCK_N: tl.constexpr):
 def quantize_int8_tile(
     X, CENTER_PTR, AQ, AK, b, h, start, pid_n, n, x_strides, c_strides, aq_strides, ak_strides,
     D, GROUP, GRAN: tl.constexpr, CENTER: tl.constexpr, BALANCE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, RECIPROCAL: tl.constexpr = False,
 ):
     """``(q, scale, rows, offs_d, mask)``: the tile's INT8 values and its dequantization scale:
     ``GRAN`` 0, one for the tile; 1, one per row; 2 and 3, each row's per-thread group scale of
     Q or K (:func:`thread_group_scales`). NaN/Inf in a group poison its scale.
-    ``BALANCE``: 0 none, 1 Q's factors, 2 K's."""
+    ``BALANCE``: 0 none, 1 Q's factors, 2 K's. ``RECIPROCAL``: see :func:`divided`."""
     x, rows, offs_d, mask = load_centered(
         X, CENTER_PTR, b, h, start, pid_n, n, x_strides, c_strides, D, CENTER, BLOCK_N, BLOCK_D,
     )
@@ -151,13 +162,13 @@ def quantize_int8_tile(
                                   BALANCE, BLOCK_D)
         x = x * mult[None, :]
     if GRAN == 1:
-        q, scale = int8_lines(x, 1)
+        q, scale = int8_lines(x, 1, RECIPROCAL)
     elif GRAN >= 2:
         scale = thread_group_scales(x, GRAN, BLOCK_N)
-        q = to_int8(tl.div_rn(x, scale[:, None]))
+        q = to_int8(divided(x, scale[:, None], RECIPROCAL))
     else:
         amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0) + tl.sum(tl.sum(x * 0.0, axis=1), axis=0)
         scale = amax * (1.0 / 127.0)
         scale = tl.where(scale == 0.0, 1.0, scale)
-        q = to_int8(tl.div_rn(x, scale))
+        q = to_int8(divided(x, scale, RECIPROCAL))
     return q, scale, rows, offs_d, mask
