@@ -10,11 +10,10 @@ per-token scales, FP8 V), each timed with ``triton.testing.do_bench`` (on a CPU,
 wall-clock call):
 
 - ``stats``: the statistics launch as a call makes it (Q's amax, K's mean and amax, V's amax),
-  with its
-  production tiling and with each candidate of :data:`STATS_CANDIDATES`
+  with its production tiling and with each candidate of :data:`STATS_CANDIDATES`
   (``quant.int8.StatsSchedule``: tile sums, channel tiles, warps, and the rows split over 8 or
-  16 programs per (batch, head) reduced by a second launch, for the 128 programs of 256 serial
-  row blocks at N = 16k); ``torch stats``: the same statistics by PyTorch reductions;
+  16 programs per (batch, head) reduced by a second launch, for the 768 programs of 256 serial
+  row blocks at N = 16k, B·H = 64); ``torch stats``: the same statistics by PyTorch reductions;
 - ``quantize``: the quantizing launch as a call makes it (K and Q to INT8, V to E4M3), with its
   production tiling and with each candidate of :data:`QUANT_CANDIDATES`
   (``quant.int8.QuantSchedule``: rows per program, warps, each value times its scale's
