@@ -92,6 +92,32 @@ def decode_bars(data: dict) -> list[dict]:
     return out
 
 
+def prep_rows(data: dict) -> list[dict]:
+    """Per shape of ``prep_speed.py`` and per launch (statistics, quantizing): the production
+    tiling's ms and × its floor, then its fastest candidate's ms and speed-up. No target: the
+    candidate that wins every shape replaces the production tiling (NOTES §26)."""
+    timed = [r for r in data.get("rows", []) if "error" not in r and r.get("ms") == r.get("ms")]
+    out = []
+    for shape in dict.fromkeys(tuple(r["shape"]) for r in timed):
+        here = [r for r in timed if tuple(r["shape"]) == shape]
+        for launch in ("stats", "quantize"):
+            made = [r for r in here if r["name"].startswith(launch) and "(production)" in r["name"]]
+            if not made:
+                continue
+            prod = made[0]
+            out.append({"bar": f"{launch} {list(shape)}: production ms (x its floor "
+                               f"{prod.get('x_floor', float('nan')):.1f})",
+                        "value": prod["ms"], "target": None, "met": None})
+            tried = [r for r in here if r["name"].startswith(launch + " {")]
+            if tried:
+                best = min(tried, key=lambda r: r["ms"])
+                out.append({"bar": f"{launch} {list(shape)}: fastest candidate "
+                                   f"{best['name'][len(launch) + 1:]} ms "
+                                   f"({prod['ms'] / best['ms']:.2f}x production)",
+                            "value": best["ms"], "target": None, "met": None})
+    return out
+
+
 def admission_bars(data: dict) -> list[dict]:
     """A first call's admission with no verdict and a later process's stored-verdict read
     (``first_call``, ``disk``): the 2 s bar. The check's own time, cold and warm, off the
@@ -142,7 +168,7 @@ def summarize(stage: str, outdir: Path, steps_file: Path, command: str,
         summary["device"] = summary["device"] or data.get("device_name")
         summary["bars"] += {"forward": lambda x: x.get("bars", []), "train": train_bars,
                             "decode": decode_bars, "vsa": lambda x: [],
-                            "prep": lambda x: [], "first": first_bars}[kind](data)
+                            "prep": prep_rows, "first": first_bars}[kind](data)
         table = path.with_suffix(".md")
         if table.exists():
             tables.append(f"## {kind} ({path.name}{'' if data.get('complete', True) else ', partial'})"

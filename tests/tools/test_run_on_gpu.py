@@ -193,6 +193,30 @@ def test_the_decode_bars_read_the_attention_rows_and_the_window_rows():
     assert sixteen["value"] == pytest.approx(50 / 49) and sixteen["met"] is True
 
 
+def test_the_preparation_rows_name_each_launch_s_fastest_candidate():
+    """decide's summary of prep_speed.py: per shape and launch, the production tiling's ms (with
+    × its floor) and the fastest candidate's (a failed candidate and the parts' rows left out)."""
+    def row(name, ms, shape=(2, 32, 16384, 128), **more):
+        return {"shape": list(shape), "name": name, "ms": ms, "mb": 1.0, "gbs": 1.0, **more}
+
+    rows = [row("copy Q, K, V", 0.3), row("stats (production)", 1.2, x_floor=7.0),
+            row("stats {'tile_sums': True}", 0.4), row("stats {'splits': 8}", 0.6),
+            row("quantize K, Q, V (production)", 0.8, x_floor=3.2),
+            row("quantize {'rows': 64}", float("nan"), error="OutOfResources"),
+            row("quantize {'num_warps': 4}", 0.5), row("quantize K", 0.1),
+            row("stats (production)", 0.2, shape=(16, 32, 1024, 128), x_floor=4.0)]
+    stage_summary = script_module("benchmarks/probes/stage_summary.py")
+    got = [(b["bar"], b["value"]) for b in stage_summary.prep_rows({"rows": rows})]
+    big = "[2, 32, 16384, 128]"
+    assert got == [
+        (f"stats {big}: production ms (x its floor 7.0)", 1.2),
+        (f"stats {big}: fastest candidate {{'tile_sums': True}} ms (3.00x production)", 0.4),
+        (f"quantize {big}: production ms (x its floor 3.2)", 0.8),
+        (f"quantize {big}: fastest candidate {{'num_warps': 4}} ms (1.60x production)", 0.5),
+        ("stats [16, 32, 1024, 128]: production ms (x its floor 4.0)", 0.2),
+    ]
+
+
 def test_the_admission_probe_leaves_its_verdict_for_the_next_steps(tmp_path):
     """``probes/admission_time.py`` checks in a Triton cache of its own, then copies the verdict
     into the cache the next steps use: there a later process's first call is admitted from disk,
