@@ -101,6 +101,50 @@ def test_a_mask_holding_a_scalar_comparison_runs_under_the_interpreter(limit, ex
     assert out.tolist() == expected
 
 
+def _exact_fma_fp32(a: float, b: float, c: float) -> float:
+    """``a·b + c`` of fp32 numbers rounded once to fp32 (to nearest, ties to even), from exact
+    rationals."""
+    import numpy as np
+    from fractions import Fraction
+
+    exact = Fraction(a) * Fraction(b) + Fraction(c)
+    near = np.float32(float(exact))
+    candidates = [np.nextafter(near, np.float32(-np.inf)), near,
+                  np.nextafter(near, np.float32(np.inf))]
+    gaps = [abs(Fraction(float(t)) - exact) for t in candidates]
+    best = [t for t, g in zip(candidates, gaps) if g == min(gaps)]
+    if len(best) > 1:
+        best = [t for t in best if int(np.float32(t).view(np.int32)) % 2 == 0]
+    return float(best[0])
+
+
+@triton.jit
+def _fma_kernel(A, B, C, O, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(O + offs, tl.fma(tl.load(A + offs), tl.load(B + offs), tl.load(C + offs)))
+
+
+@pytest.mark.interpreter
+def test_the_interpreter_s_fma_rounds_once():
+    """``tl.fma`` under the interpreter rounds once, as a GPU's does (Triton 3.4 to 3.6 rounded the
+    product, then the sum): against exact rationals, on sums that nearly cancel the product (a
+    division's residual) and on products whose rounding lands on a tie of the sum."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(512, generator=g) * torch.exp2(torch.randint(-30, 30, (512,), generator=g))
+    b = torch.randn(512, generator=g) * torch.exp2(torch.randint(-30, 30, (512,), generator=g))
+    c = -(a.double() * b.double() * (1 + torch.randn(512, generator=g, dtype=torch.float64)
+                                      * 1e-6)).float()
+    c[:128] = torch.randn(128, generator=g) * 1e-3
+    a[:2], b[:2], c[:2] = 1 + 2.0**-12, 1 + 2.0**-12, torch.tensor([-1.0, 2.0**-24])
+    out = torch.empty(512)
+    _fma_kernel[(1,)](a, b, c, out, BLOCK=512)
+    want = [_exact_fma_fp32(x, y, z) for x, y, z in zip(a.tolist(), b.tolist(), c.tolist())]
+    assert out.tolist() == want
+    # the first two: a·b = 1 + 2^-11 + 2^-24, a tie that two roundings break the other way
+    assert out[0] != a[0] * b[0] + c[0] and out[1] != a[1] * b[1] + c[1]
+    assert triton_support.fma_fp32(a.numpy(), b.numpy(), c.numpy()).tolist() == want
+
+
 def test_without_triton_the_package_imports_and_runs_the_reference_path():
     """Triton publishes Linux wheels only and the metadata asks for it on Linux alone: elsewhere
     ``import lowbit_attn`` works, CPU calls run the reference, CUDA tensors are sent there with

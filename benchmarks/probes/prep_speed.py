@@ -16,8 +16,9 @@ wall-clock call):
   row blocks at N = 16k, B·H = 64); ``torch stats``: the same statistics by PyTorch reductions;
 - ``quantize``: the quantizing launch as a call makes it (K and Q to INT8, V to E4M3), with its
   production tiling and with each candidate of :data:`QUANT_CANDIDATES`
-  (``quant.int8.QuantSchedule``: rows per program, warps, each value times its scale's
-  reciprocal rather than divided by it: NOTES §26 counts the instructions), then each part alone
+  (``quant.int8.QuantSchedule``: rows per program, warps, each quotient from its scale's
+  reciprocal and one correction rather than a division, the same bits: NOTES §26 counts the
+  instructions), then each part alone
   (``K``, ``Q``, ``V``: which part is slow);
 - ``copy``: a device-to-device copy of Q, K and V, the card's bandwidth as this run sees it.
 
@@ -60,8 +61,9 @@ QUANT_CANDIDATES = [
     quant.QuantSchedule(rows=32, num_warps=2),
     quant.QuantSchedule(num_warps=4),
     quant.QuantSchedule(rows=128, num_warps=8),
-    quant.QuantSchedule(reciprocal=True),
-    quant.QuantSchedule(rows=64, num_warps=4, reciprocal=True),
+    quant.QuantSchedule(residual=True),
+    quant.QuantSchedule(rows=64, num_warps=4, residual=True),
+    quant.QuantSchedule(rows=32, num_warps=2, residual=True),
 ]
 
 

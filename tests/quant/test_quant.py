@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import lowbit_attn
 from helpers import assert_close, assert_same
 from lowbit_attn.quant import int8_naive as ref
+from lowbit_attn.quant.tile import divided
 
 
 def kq():
@@ -405,15 +408,16 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.interpreter
 @pytest.mark.parametrize("schedule", [dict(rows=64), dict(rows=32, num_warps=2),
                                       dict(rows=128, num_warps=8), dict(num_warps=4),
-                                      dict(reciprocal=True)], ids=str)
+                                      dict(residual=True),
+                                      dict(rows=32, num_warps=2, residual=True)], ids=str)
 def test_the_quantizing_launch_s_candidates_give_the_production_values(schedule):
     """The quantizing launch's candidate tilings (``QuantSchedule``, for a GPU run to time) give
     the production launch's codes and scales bit for bit: the requests a call of the default
     recipe makes (``prepare.stats_requests``, ``prepare.quant_args``: K smoothed, Q and K
     balanced, per-token scales, V to E4M3) with a NaN and an Inf in their own rows, and with V
     permuted (its zero keys too); packed sequences with an empty one; per-block Q and K, whose
-    tiles their scales fix (only V's tile changes). Times the reciprocal of the scale
-    (``reciprocal``): the same scales, codes within one step."""
+    tiles their scales fix (only V's tile changes); and quotients from the scales' reciprocals
+    (``residual``), a tile with a scale outside ``[2^-90, 2^90]`` divided, bit for bit too."""
     from lowbit_attn.core.operands import Seqs
     from lowbit_attn.core.recipes import Recipe, get_recipe
     from lowbit_attn.inference import prepare
@@ -437,24 +441,18 @@ def test_the_quantizing_launch_s_candidates_give_the_production_values(schedule)
     packed = [torch.randn(211, 3, 72, generator=g) for _ in range(3)]
     seqs = Seqs(batch=3, max_len=150, cu_seqlens=torch.tensor([0, 61, 61, 211], dtype=torch.int32))
     blocky = Recipe(name="blocky", qk="int8", pv="fp8", granularity="per_block")
+    tiny = [x.clone() for x in (q, k, v)]
+    for x in tiny:  # scales below 2^-90 in some tiles (bf16 keeps them), and tiny quotients
+        x[:, :, 64:128] *= 2.0**-100
+        x[:, :, 130:140, ::3] *= 2.0**-30
     calls = [call(default, q, k, v), call(default, *(x[:, :, :20] for x in (q, k, v)), True),
-             call(default, *packed, seqs=seqs), call(blocky, q, k, v)]
+             call(default, *packed, seqs=seqs), call(blocky, q, k, v), call(default, *tiny)]
     for args, kwargs in calls:
         want = quant.quantize(*args, **kwargs)
         got = quant.quantize(*args, **kwargs, schedule=quant.QuantSchedule(**schedule))
         for (w_values, w_scale), (g_values, g_scale) in zip(want, got):
             assert torch.equal(_bits(g_scale), _bits(w_scale))
-            if not schedule.get("reciprocal"):
-                assert torch.equal(_bits(g_values), _bits(w_values))
-                continue
-            # times the reciprocal: within one code (INT8) or one E4M3 step of the quotient's
-            if w_values.dtype == torch.int8:
-                assert (g_values.int() - w_values.int()).abs().max() <= 1
-            else:
-                w, g = w_values.float(), g_values.float()
-                assert torch.equal(w.isnan(), g.isnan())
-                step = torch.where(w.abs() >= 2**-6, w.abs() * 2**-3, torch.tensor(2.0**-9))
-                assert torch.all(((g - w).abs() <= step) | w.isnan())
+            assert torch.equal(_bits(g_values), _bits(w_values))
 
 
 def test_the_quantizing_launch_refuses_a_tile_it_cannot_hold():
@@ -523,3 +521,44 @@ def test_int8_twins_agree_on_random_shapes_and_ranges(n, d, granularity, role, s
     v_k, s_k = kq().quantize_int8(x, **kw)
     assert torch.equal(v_k, v_ref) and torch.equal(s_k, s_ref)
     assert int(v_ref.abs().max()) <= 127
+
+
+@triton.jit
+def _divided_kernel(X, S, O, RESIDUAL: tl.constexpr, N: tl.constexpr, D: tl.constexpr):
+    rows, cols = tl.arange(0, N)[:, None], tl.arange(0, D)[None, :]
+    x = tl.load(X + rows * D + cols)
+    tl.store(O + rows * D + cols, divided(x, tl.load(S + tl.arange(0, N))[:, None], RESIDUAL))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("outside", [None, 2.0**-100, 2.0**100], ids=["in-range", "tiny", "huge"])
+def test_a_quotient_from_the_reciprocal_and_its_residual_is_the_division_s(outside):
+    """``quant.tile.divided(RESIDUAL=True)`` gives ``x / s`` correctly rounded, bit for bit with
+    PyTorch's division from 2^-11 on (every INT8 and E4M3 code's boundary; below, the same
+    sign and code): quotients a few ulps from a half (an INT8 code's tie) and exactly on it,
+    scales whose significand is all ones or a power of two over 2^±80, ±0, tiny quotients, a NaN
+    scale; and a tile holding a scale outside ``[2^-90, 2^90]`` (``outside``), which divides."""
+    g = torch.Generator().manual_seed(1)
+    n, d = 32, 64
+    scale = ((1 + torch.randint(0, 2**23, (n,), generator=g) / 2**23)
+             * torch.exp2(torch.randint(-80, 81, (n,), generator=g).float())).float()
+    scale[:4] = (2 - 2.0**-23) * torch.exp2(torch.randint(-80, 81, (4,), generator=g).float())
+    scale[4:8] = torch.exp2(torch.randint(-80, 81, (4,), generator=g).float())
+    half = torch.floor(torch.rand(n, d, generator=g, dtype=torch.float64) * 896 - 448) + 0.5
+    ulps = torch.randint(-3, 4, (n, d), generator=g) * 2.0**-23 * half.abs().clamp(min=1)
+    quotient = torch.where(torch.rand(n, d, generator=g) < 0.25, half, half + ulps)
+    quotient[:, :8] *= torch.exp2(-torch.randint(10, 40, (n, 8), generator=g).double())
+    x = (quotient * scale.double()[:, None]).float()
+    x[:, 8], x[:, 9] = 0.0, -0.0
+    scale[30] = float("nan")
+    if outside is not None:
+        scale[31] = outside
+    out = torch.empty_like(x)
+    _divided_kernel[(1,)](x, scale, out, True, n, d)
+    want = x / scale[:, None]
+    exact = (want.abs() >= 2.0**-11) | want.isnan() | (outside is not None)
+    assert torch.equal(_bits(out[exact]), _bits(want[exact]))
+    # below 2^-11 the residual may underflow: the same sign, below E4M3's first tie (code ±0)
+    assert torch.equal(out[~exact].signbit(), want[~exact].signbit())
+    assert bool((out[~exact].abs() < 2.0**-10).all())
+    assert outside is not None or int((~exact).sum()) > n  # the case is there

@@ -173,13 +173,37 @@ def _boolean_mask(mask):
     return TensorHandle(mask.data.astype(np.bool_), mask.dtype)
 
 
+def fma_fp32(x, y, z):
+    """``x·y + z`` of fp32 arrays rounded once to fp32, as a GPU's fused multiply-add: the product
+    is exact in fp64, the sum is rounded to odd there (its error from a two-sum), and 53 bits ≥
+    2·24 + 2 make the final rounding to fp32 correct. NaN and Inf as IEEE gives them."""
+    import numpy as np
+
+    x, y, z = np.broadcast_arrays(*(np.asarray(t, dtype=np.float64) for t in (x, y, z)))
+    p = x * y
+    s = p + z
+    bp = s - z
+    err = (p - bp) + (z - (s - bp))
+    even = (s.view(np.int64) & 1) == 0
+    with np.errstate(invalid="ignore"):
+        s = np.where((err != 0) & even & np.isfinite(s),
+                     np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
+    with np.errstate(over="ignore"):
+        return s.astype(np.float32)
+
+
 @functools.lru_cache(maxsize=None)
 def patch_interpreter() -> None:
     """Make the interpreter's masked loads and stores take integer masks (see
-    :func:`_boolean_mask`); once per process, on every Triton (a no-op for boolean masks)."""
-    from triton.runtime.interpreter import InterpreterBuilder
+    :func:`_boolean_mask`), and its fp32 ``fma`` round once (:func:`fma_fp32`; Triton 3.4 to 3.6
+    multiply and then add, two roundings, which a kernel that takes a division's residual by an
+    ``fma`` cannot survive); once per process, on every Triton (a no-op for boolean masks and
+    where ``fma`` already rounds once)."""
+    import numpy as np
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
 
     load, store = InterpreterBuilder.create_masked_load, InterpreterBuilder.create_masked_store
+    fma = InterpreterBuilder.create_fma
 
     def create_masked_load(self, ptrs, mask, other, *args, **kwargs):
         return load(self, ptrs, _boolean_mask(mask), other, *args, **kwargs)
@@ -187,13 +211,19 @@ def patch_interpreter() -> None:
     def create_masked_store(self, ptrs, value, mask, *args, **kwargs):
         return store(self, ptrs, value, _boolean_mask(mask), *args, **kwargs)
 
+    def create_fma(self, x, y, z):
+        if z.data.dtype != np.float32:
+            return fma(self, x, y, z)
+        return TensorHandle(fma_fp32(x.data, y.data, z.data), z.dtype.scalar)
+
     InterpreterBuilder.create_masked_load = create_masked_load
     InterpreterBuilder.create_masked_store = create_masked_store
+    InterpreterBuilder.create_fma = create_fma
 
 
 __all__ = [
     "GLUON_SERIES", "GluonUnavailable", "OLDEST", "PINNED", "TESTED", "TORCH_TRITON",
-    "check_triton_series",
+    "check_triton_series", "fma_fp32",
     "gluon_available", "gluon_refusal", "parts", "patch_interpreter", "require_gluon", "series",
     "triton_installed",
 ]

@@ -284,17 +284,17 @@ def _int8_program(
     N, D, GROUP, scale_multiplier,
     GRAN: tl.constexpr, CENTER: tl.constexpr, BALANCE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
-    RECIPROCAL: tl.constexpr,
+    RESIDUAL: tl.constexpr,
 ):
     """Token block ``pid_n`` of one (batch, head) quantized, its scales stored (``GRAN``,
-    ``RECIPROCAL``: see ``quant.tile.quantize_int8_tile``)."""
+    ``RESIDUAL``: see ``quant.tile.quantize_int8_tile``)."""
     sob, soh, son, sod = out_strides
     ssb, ssh, ssn = scale_strides
     start, n = seq_span(CU, b, N, VARLEN)
     if pid_n * BLOCK_N < n:
         q, scale, rows, offs_d, mask = quantize_int8_tile(
             X, CENTER_PTR, AQ, AK, b, h, start, pid_n, n, x_strides, c_strides, aq_strides,
-            ak_strides, D, GROUP, GRAN, CENTER, BALANCE, BLOCK_N, BLOCK_D, RECIPROCAL,
+            ak_strides, D, GROUP, GRAN, CENTER, BALANCE, BLOCK_N, BLOCK_D, RESIDUAL,
         )
         if GRAN == 1:
             tl.store(SCALE + b * ssb + h * ssh + (start + rows) * ssn, scale * scale_multiplier,
@@ -328,7 +328,7 @@ def _convert_v_program(
     X, OUT, CENTER_PTR, AMAX, SCALE, CU, pid_n, b, h, x_strides, out_strides, c_strides, N, D,
     FP8: tl.constexpr, SCALED: tl.constexpr, CENTER: tl.constexpr, EXACT_FP8: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
-    PERMUTED: tl.constexpr = False, RECIPROCAL: tl.constexpr = False,
+    PERMUTED: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
 ):
     """``c_strides``: (batch, head, dim) of the ``[B, H, D]`` channel vectors (center, amax,
     scale). ``PERMUTED`` (E4M3, dense): key ``k`` stored at ``key_position(k)``, and the keys up to
@@ -355,7 +355,7 @@ def _convert_v_program(
             CENTER, BLOCK_N, BLOCK_D,
         )
         if FP8:
-            y = to_e4m3(divided(x, s[None, :], RECIPROCAL), EXACT_FP8)
+            y = to_e4m3(divided(x, s[None, :], RESIDUAL), EXACT_FP8)
         elif SCALED:
             y = (x * inverse[None, :]).to(tl.float16)
         else:
@@ -394,7 +394,7 @@ def _quantize_kernel(
     HAS_V: tl.constexpr, FP8: tl.constexpr, V_SCALED: tl.constexpr, V_CENTER: tl.constexpr,
     EXACT_FP8: tl.constexpr,
     V_BLOCK_N: tl.constexpr, V_PERMUTED: tl.constexpr,
-    BLOCK_D: tl.constexpr, VARLEN: tl.constexpr, RECIPROCAL: tl.constexpr = False,
+    BLOCK_D: tl.constexpr, VARLEN: tl.constexpr, RESIDUAL: tl.constexpr = False,
 ):
     """INT8 quantization of K (the first INT8 part) and/or Q (the second, ``Q…`` arguments, its
     own sequences ``CU_Q``/``N_Q``) and/or V's conversion, in one launch: program ``(pid_n, pid)``
@@ -416,7 +416,7 @@ def _quantize_kernel(
         _int8_program(
             X, OUT, SCALE, CENTER_PTR, AQ, AK, CU, pid_n, b, h, x_strides, out_strides,
             scale_strides, c_strides, aq_strides, ak_strides, N, D, GROUP, scale_multiplier,
-            GRAN, CENTER, BALANCE, BLOCK_N, BLOCK_D, VARLEN, RECIPROCAL,
+            GRAN, CENTER, BALANCE, BLOCK_N, BLOCK_D, VARLEN, RESIDUAL,
         )
     elif HAS_Q and pid < n_int8 + n_q:
         b, h = batch_head(pid - n_int8, HQ)
@@ -424,28 +424,28 @@ def _quantize_kernel(
             QX, QOUT, QSCALE, QCENTER, QAQ, QAK, CU_Q, pid_n, b, h, qx_strides, qout_strides,
             qscale_strides, qc_strides, qaq_strides, qak_strides, N_Q, D, QGROUP,
             q_scale_multiplier, Q_GRAN, Q_CENTER, Q_BALANCE, Q_BLOCK_N, BLOCK_D, VARLEN,
-            RECIPROCAL,
+            RESIDUAL,
         )
     elif HAS_V:
         b, h = batch_head(pid - n_int8 - n_q, HV)
         _convert_v_program(
             VX, VOUT, VCENTER, VAMAX, VSCALE, CU, pid_n, b, h, vx_strides, vout_strides,
             vc_strides, N, D, FP8, V_SCALED, V_CENTER, EXACT_FP8, V_BLOCK_N, BLOCK_D, VARLEN,
-            V_PERMUTED, RECIPROCAL,
+            V_PERMUTED, RESIDUAL,
         )
 
 
 class QuantSchedule(NamedTuple):
     """The quantizing launch's tiling: ``rows`` per program of each part whose scales leave its
     tile free (per-token INT8 without block means, and V), ``None`` keeping each part's own (the
-    request's block; 64 for V); ``num_warps`` (``None``: :func:`_warps`); ``reciprocal``: each
-    value times its scale's reciprocal (``quant.tile.divided``: not the twins' bits). The default
-    is the production one; the others are candidates for a GPU run to time
-    (``benchmarks/probes/prep_speed.py``)."""
+    request's block; 64 for V); ``num_warps`` (``None``: :func:`_warps`); ``residual``: each
+    quotient from its scale's reciprocal and one correction, two ``fma`` instead of a division
+    per value (``quant.tile.divided``: the same bits). The default is the production one; the
+    others are candidates for a GPU run to time (``benchmarks/probes/prep_speed.py``)."""
 
     rows: int | None = None
     num_warps: int | None = None
-    reciprocal: bool = False
+    residual: bool = False
 
 
 def _warps(rows: int, d: int) -> int:
@@ -655,7 +655,7 @@ def quantize(
     _quantize_kernel[(blocks, seqs.batch * heads)](
         **args_i, **args_q, **args_v, CU=seqs.cu_seqlens, N=seqs.max_len, D=d,
         **const_i, **const_q, **const_v, EXACT_FP8=exact_fp8(),
-        BLOCK_D=next_pow2(d), VARLEN=seqs.packed, RECIPROCAL=schedule.reciprocal,
+        BLOCK_D=next_pow2(d), VARLEN=seqs.packed, RESIDUAL=schedule.residual,
         num_warps=schedule.num_warps or _warps(max(block_rows), d),
     )
     return (outs_i, outs_v) if q is None else (outs_i, outs_v, outs_q)

@@ -15,6 +15,12 @@ from lowbit_attn.quant import int8_naive
 
 _ALPHA_MIN = tl.constexpr(int8_naive.ALPHA_MIN)
 _ALPHA_MAX = tl.constexpr(int8_naive.ALPHA_MAX)
+# Scales whose quotients ``divided(RESIDUAL=True)`` takes from the reciprocal. From 2^-90 the
+# residual of a quotient ≥ 2^-11 is a multiple of 2^-149, so exact, and the quotient is div_rn's:
+# every code's boundary is there (INT8's from 0.5, E4M3's from 2^-10); a smaller quotient keeps
+# its sign and stays below 2^-10, its code ±0 either way. To 2^90 the reciprocal is normal.
+_RESIDUAL_MIN = tl.constexpr(2.0**-90)
+_RESIDUAL_MAX = tl.constexpr(2.0**90)
 
 
 @triton.jit
@@ -58,25 +64,39 @@ def line_amax(x, AXIS: tl.constexpr):
 
 
 @triton.jit
-def divided(x, scale, RECIPROCAL: tl.constexpr = False):
-    """``x / scale`` rounded to nearest (``div_rn``, the twins' division). ``RECIPROCAL``:
-    ``x · div_rn(1, scale)``, one division per scale rather than per value (a candidate of the
-    quantizing launch, ``quant.int8.QuantSchedule``: within a rounding of the quotient, not the
-    twins' bits)."""
-    if RECIPROCAL:
-        return x * tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
-    return tl.div_rn(x, scale)
+def divided(x, scale, RESIDUAL: tl.constexpr = False):
+    """``x / scale`` rounded to nearest (``div_rn``, the twins' division); ``scale`` broadcast to
+    ``x`` (a ``[n, 1]`` or ``[1, d]`` tile). ``RESIDUAL``: the same quotient from the scale's
+    reciprocal ``r`` and one correction, ``q = x·r``, ``q + (x − q·scale)·r`` (two ``fma``; the
+    residual is exact and the correction rounds to ``div_rn``'s bits, Markstein's theorem; below
+    2^-11 the same code), so one division per scale rather than per value, while every scale of
+    the tile lies in ``[2^-90, 2^90]`` (or is NaN): below it the residual can underflow, above it
+    the reciprocal; a tile with such a scale divides. (A candidate of the quantizing launch,
+    ``quant.int8.QuantSchedule``.)"""
+    if RESIDUAL:
+        inside = ((scale >= _RESIDUAL_MIN) & (scale <= _RESIDUAL_MAX)) | (scale != scale)
+        if tl.min(inside.to(tl.int32)) == 1:
+            r = tl.broadcast_to(tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), x.shape)
+            s = tl.broadcast_to(scale, x.shape)
+            q = x * r
+            # q·s − x exact; times −r, not negated (Triton's −e is 0 − e: −0 would turn +0)
+            out = tl.fma(tl.fma(q, s, -x), -r, q)
+        else:
+            out = tl.div_rn(x, scale)
+    else:
+        out = tl.div_rn(x, scale)
+    return out
 
 
 @triton.jit
-def int8_lines(x, AXIS: tl.constexpr, RECIPROCAL: tl.constexpr = False):
+def int8_lines(x, AXIS: tl.constexpr, RESIDUAL: tl.constexpr = False):
     """An fp32 tile → ``(int8 values, fp32 scales)`` with one scale per row (``AXIS`` 1) or per
     column (``AXIS`` 0): ``amax/127`` (1 for an all-zero line, NaN for a non-finite one),
     ``div_rn``, round half to even. Twin: ``quantize_int8(granularity="per_token")`` (of the
     transposed tile for ``AXIS`` 0)."""
     scale = line_amax(x, AXIS) * (1.0 / 127.0)
     scale = tl.where(scale == 0.0, 1.0, scale)
-    return to_int8(divided(x, tl.expand_dims(scale, AXIS), RECIPROCAL)), scale
+    return to_int8(divided(x, tl.expand_dims(scale, AXIS), RESIDUAL)), scale
 
 
 @triton.jit
@@ -148,12 +168,12 @@ def thread_group_scales(x, GRAN: tl.constexpr, BLOCK_N: tl.constexpr):
 def quantize_int8_tile(
     X, CENTER_PTR, AQ, AK, b, h, start, pid_n, n, x_strides, c_strides, aq_strides, ak_strides,
     D, GROUP, GRAN: tl.constexpr, CENTER: tl.constexpr, BALANCE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, RECIPROCAL: tl.constexpr = False,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, RESIDUAL: tl.constexpr = False,
 ):
     """``(q, scale, rows, offs_d, mask)``: the tile's INT8 values and its dequantization scale:
     ``GRAN`` 0, one for the tile; 1, one per row; 2 and 3, each row's per-thread group scale of
     Q or K (:func:`thread_group_scales`). NaN/Inf in a group poison its scale.
-    ``BALANCE``: 0 none, 1 Q's factors, 2 K's. ``RECIPROCAL``: see :func:`divided`."""
+    ``BALANCE``: 0 none, 1 Q's factors, 2 K's. ``RESIDUAL``: see :func:`divided`."""
     x, rows, offs_d, mask = load_centered(
         X, CENTER_PTR, b, h, start, pid_n, n, x_strides, c_strides, D, CENTER, BLOCK_N, BLOCK_D,
     )
@@ -162,13 +182,13 @@ def quantize_int8_tile(
                                   BALANCE, BLOCK_D)
         x = x * mult[None, :]
     if GRAN == 1:
-        q, scale = int8_lines(x, 1, RECIPROCAL)
+        q, scale = int8_lines(x, 1, RESIDUAL)
     elif GRAN >= 2:
         scale = thread_group_scales(x, GRAN, BLOCK_N)
-        q = to_int8(divided(x, scale[:, None], RECIPROCAL))
+        q = to_int8(divided(x, scale[:, None], RESIDUAL))
     else:
         amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0) + tl.sum(tl.sum(x * 0.0, axis=1), axis=0)
         scale = amax * (1.0 / 127.0)
         scale = tl.where(scale == 0.0, 1.0, scale)
-        q = to_int8(divided(x, scale, RECIPROCAL))
+        q = to_int8(divided(x, tl.broadcast_to(scale, (1, 1)), RESIDUAL))
     return q, scale, rows, offs_d, mask
