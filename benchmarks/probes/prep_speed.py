@@ -89,7 +89,7 @@ def requests(q, k, v):
     found = dict(zip(wanted, quant.channel_stats_many(*stats)))
     k_args, q_args, v_args = prepare.quant_args(recipe, q.shape[-1] ** -0.5, found)
     return (stats, quant.Int8Request(k, **k_args), quant.Int8Request(q, **q_args),
-            quant.VRequest(v, **v_args, scaled=v_args["amax"] is not None))
+            quant.VRequest(v, **v_args))
 
 
 def main(argv: list[str]) -> None:

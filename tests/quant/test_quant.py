@@ -431,7 +431,7 @@ def test_the_quantizing_launch_s_candidates_give_the_production_values(schedule)
             *(quant.StatsRequest(*wanted[n], seqs=seqs) for n in wanted))))
         k_args, q_args, v_args = prepare.quant_args(recipe, 0.125, found, permute_v=permute_v)
         return (quant.Int8Request(k, **k_args),
-                quant.VRequest(v, **v_args, scaled=v_args["amax"] is not None)), \
+                quant.VRequest(v, **v_args)), \
             dict(q=quant.Int8Request(q, **q_args), seqs=seqs, seqs_q=seqs)
 
     default = get_recipe("qk_int8_pv_fp8")

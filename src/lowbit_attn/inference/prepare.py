@@ -112,7 +112,7 @@ def quantize_qkv(
     if triton_backend:  # Q joins K's and V's launch
         (k8, k_scale), (vq, v_scale), (q8, q_scale) = quant.quantize(
             quant.Int8Request(k, **k_args),
-            quant.VRequest(v, **v_args, scaled=v_args["amax"] is not None),
+            quant.VRequest(v, **v_args),
             seqs=seqs_k, q=quant.Int8Request(q, **q_args), seqs_q=seqs_q,
         )
     else:

@@ -488,15 +488,14 @@ class Int8Request(NamedTuple):
 
 
 class VRequest(NamedTuple):
-    """V to convert for P·V (see :func:`convert_v`). ``scaled`` (fp16 only; FP8 always is): a
-    power-of-two scale per channel from ``amax``. ``permuted`` (E4M3, dense): the keys in the
+    """V to convert for P·V (see :func:`convert_v`): E4M3 with a scale per channel from ``amax``,
+    or fp16 with a power-of-two one where ``amax`` is given. ``permuted`` (E4M3, dense): the keys in the
     stored order of ``QuantizedQKV.v_permuted``."""
 
     x: torch.Tensor
     pv: str
     center: torch.Tensor | None = None
     amax: torch.Tensor | None = None
-    scaled: bool = True
     permuted: bool = False
 
 
@@ -563,9 +562,9 @@ def _v_part(req: VRequest | None, seqs: Seqs):
         return None, absent, dict(FP8=False, V_SCALED=False, V_CENTER=0, V_BLOCK_N=64,
                                   V_PERMUTED=False)
     x, h, d = req.x, req.x.shape[1], req.x.shape[-1]
-    scaled = req.pv == "fp8" or req.scaled
-    if scaled and req.amax is None:
-        raise ValueError("a scaled V needs its amax")
+    scaled = req.amax is not None
+    if req.pv == "fp8" and not scaled:
+        raise ValueError("an E4M3 V needs its amax")
     if req.permuted and (req.pv != "fp8" or seqs.packed):
         raise ValueError("permuted V is E4M3 and dense only")
     if req.pv == "fp8":
@@ -692,7 +691,7 @@ def convert_v(
     values are stored token-contiguous (``[B, H, D, N']``, returned as a transposed view), the
     operand order FP8 tensor cores need; packed (``seqs``), each sequence from a multiple of 16
     tokens (``[T', H, D]``, see ``QuantizedQKV.v``)."""
-    request = VRequest(x, pv, center, amax, scaled=amax is not None, permuted=permuted)
+    request = VRequest(x, pv, center, amax, permuted=permuted)
     return quantize(v=request, seqs=seqs)[1]
 
 
