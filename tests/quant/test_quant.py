@@ -415,8 +415,8 @@ def test_the_quantizing_launch_s_candidates_give_the_production_values(schedule)
     the production launch's codes and scales bit for bit: the requests a call of the default
     recipe makes (``prepare.stats_requests``, ``prepare.quant_args``: K smoothed, Q and K
     balanced, per-token scales, V to E4M3) with a NaN and an Inf in their own rows, and with V
-    permuted (its zero keys too); packed sequences with an empty one; per-block Q and K, whose
-    tiles their scales fix (only V's tile changes); and quotients from the scales' reciprocals
+    permuted (its zero keys too); packed sequences with an empty one; per-block and per-thread
+    Q and K, whose tiles their scales fix (only V's tile changes); and quotients from the scales' reciprocals
     (``residual``), a tile with a scale outside ``[2^-90, 2^90]`` divided, bit for bit too."""
     from lowbit_attn.core.operands import Seqs
     from lowbit_attn.core.recipes import Recipe, get_recipe
@@ -441,12 +441,15 @@ def test_the_quantizing_launch_s_candidates_give_the_production_values(schedule)
     packed = [torch.randn(211, 3, 72, generator=g) for _ in range(3)]
     seqs = Seqs(batch=3, max_len=150, cu_seqlens=torch.tensor([0, 61, 61, 211], dtype=torch.int32))
     blocky = Recipe(name="blocky", qk="int8", pv="fp8", granularity="per_block")
+    thread = get_recipe("qk_int8_pv_fp8").replace(granularity="per_thread", block_q=64,
+                                                  block_k=128)
     tiny = [x.clone() for x in (q, k, v)]
     for x in tiny:  # scales below 2^-90 in some tiles (bf16 keeps them), and tiny quotients
         x[:, :, 64:128] *= 2.0**-100
         x[:, :, 130:140, ::3] *= 2.0**-30
     calls = [call(default, q, k, v), call(default, *(x[:, :, :20] for x in (q, k, v)), True),
-             call(default, *packed, seqs=seqs), call(blocky, q, k, v), call(default, *tiny)]
+             call(default, *packed, seqs=seqs), call(blocky, q, k, v), call(thread, q, k, v),
+             call(default, *tiny)]
     for args, kwargs in calls:
         want = quant.quantize(*args, **kwargs)
         got = quant.quantize(*args, **kwargs, schedule=quant.QuantSchedule(**schedule))
