@@ -488,9 +488,9 @@ class Int8Request(NamedTuple):
 
 
 class VRequest(NamedTuple):
-    """V to convert for P·V (see :func:`convert_v`): E4M3 with a scale per channel from ``amax``,
-    or fp16 with a power-of-two one where ``amax`` is given. ``permuted`` (E4M3, dense): the keys in the
-    stored order of ``QuantizedQKV.v_permuted``."""
+    """V to convert for P·V (see :func:`convert_v`): E4M3 with a scale per channel from
+    ``amax``, or fp16 with a power-of-two one where ``amax`` is given. ``permuted`` (E4M3,
+    dense): the keys in the stored order of ``QuantizedQKV.v_permuted``."""
 
     x: torch.Tensor
     pv: str
