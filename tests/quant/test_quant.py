@@ -416,8 +416,9 @@ def test_the_quantizing_launch_s_candidates_give_the_production_values(schedule)
     recipe makes (``prepare.stats_requests``, ``prepare.quant_args``: K smoothed, Q and K
     balanced, per-token scales, V to E4M3) with a NaN and an Inf in their own rows, and with V
     permuted (its zero keys too); packed sequences with an empty one; per-block and per-thread
-    Q and K, whose tiles their scales fix (only V's tile changes); and quotients from the scales' reciprocals
-    (``residual``), a tile with a scale outside ``[2^-90, 2^90]`` divided, bit for bit too."""
+    Q and K, whose tiles their scales fix (only V's tile changes); and quotients from the
+    scales' reciprocals (``residual``), a tile with a scale outside ``[2^-90, 2^90]`` divided,
+    bit for bit too."""
     from lowbit_attn.core.operands import Seqs
     from lowbit_attn.core.recipes import Recipe, get_recipe
     from lowbit_attn.inference import prepare
