@@ -193,6 +193,40 @@ def test_a_split_is_a_fixed_number_of_pages():
     assert kernel_decode.pages_per_split_for(4096) == 1
 
 
+def test_a_measured_split_is_the_architecture_s(device, monkeypatch):
+    """An entry of ``core.measured.DECODE_SPLITS`` for the family kernels target sets the keys
+    per split of every read (the public call, its plan key's splits, ``DecodeStep``) and of
+    nothing else: another family's entry changes nothing."""
+    from lowbit_attn.core import measured
+    from lowbit_attn.core.arch import get_capability
+    from lowbit_attn.core.triton_helpers import family
+
+    monkeypatch.setenv("LOWBIT_ATTN_BACKEND", "triton")
+    here = family(get_capability())
+    cache, _ = build((40, 7), 2, 64, "kv_int8_fp8", torch.float16, device.name)
+    q = queries(2, 4, 1, 64, torch.float16, device.name)
+    layer = cache.layers[0]
+    monkeypatch.setattr(measured, "DECODE_SPLITS", (measured.DecodeSplit("sm_0", 16, "test"),))
+    assert kernel_decode.pages_per_split_for(PAGE) == kernel_decode.TOKENS_PER_SPLIT // PAGE
+    monkeypatch.setattr(measured, "DECODE_SPLITS", (measured.DecodeSplit(here, 2 * PAGE, "t"),))
+    assert kernel_decode.pages_per_split_for(PAGE) == 2
+    assert kernel_decode.pages_per_split_for(4 * PAGE) == 1
+    assert kernel_decode.splits_of(layer) == 2  # 40 keys in splits of 32
+    seen, launch = [], kernel_decode.launch
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs["pages_per_split"], kwargs["into"].splits))
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(kernel_decode, "launch", spy)
+    out = lowbit_attn.attention_with_kv_cache(q, cache, 0)
+    assert seen == [(2, 2)]
+    want, _ = kernel_decode.attention(q, layer, cache.recipe, scale=64 ** -0.5, pages_per_split=2)
+    assert torch.equal(out, want)
+    step = lowbit_attn.DecodeStep(cache, 0, heads=4, steps=2)
+    assert step.pages_per_split == 2
+
+
 def test_a_sequence_gives_the_same_bits_alone_or_in_a_batch(device):
     """Its splits depend on its own length only (``pages_per_split``), not on the batch: sequence
     0 of a batch of three and the same tokens in a cache of its own give the same bits."""

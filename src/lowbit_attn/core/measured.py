@@ -1,7 +1,8 @@
 """What GPU runs measured best, per architecture: launch configurations used without autotuning
 (issue 43: a new shape's first call compiles and times the one candidate measured best on its
-architecture, not every candidate), and the kernel a placement variable's default runs
-(:data:`KERNEL_CHOICES`).
+architecture, not every candidate), the kernel a placement variable's default runs
+(:data:`KERNEL_CHOICES`), and the keys per split of the KV-cache decode kernel
+(:data:`DECODE_SPLITS`).
 
 Each :class:`Measured` names an autotuned kernel (its ``@triton.jit`` function), the architecture
 family of its ``CONFIGS`` (``core.triton_helpers.family``), the launch arguments a call must have
@@ -87,11 +88,33 @@ KERNEL_CHOICES = (
 )
 
 
+@dataclass(frozen=True)
+class DecodeSplit:
+    """The keys per split of the KV-cache decode kernel (``kvcache/kernel_decode.py``) on
+    ``family``, in place of its ``TOKENS_PER_SPLIT``; ``source``: the GPU run that decided it.
+    One number per architecture, never per batch: a sequence's splits then depend on its own
+    length only, so its result is the same alone or in any batch."""
+
+    family: str
+    tokens: int
+    source: str
+
+
+# None measured yet: ``bench_decode.py --splits`` times the candidates (decide2's decode step),
+# and an entry comes from its rows (NOTES §13d).
+DECODE_SPLITS: tuple[DecodeSplit, ...] = ()
+
+
 def kernel_choice(option: str, family: str | None) -> str | None:
     """The kernel :data:`KERNEL_CHOICES` names for ``option`` on ``family``, or ``None`` (no
     measurement: the option's portable kernel)."""
     return next((c.kernel for c in KERNEL_CHOICES if c.option == option and c.family == family),
                 None)
+
+
+def decode_tokens_per_split(family: str | None) -> int | None:
+    """The keys per split :data:`DECODE_SPLITS` names for ``family``, or ``None``."""
+    return next((c.tokens for c in DECODE_SPLITS if c.family == family), None)
 
 
 def measured(kernel: str, family: str | None, args: dict) -> Measured | None:
@@ -100,4 +123,5 @@ def measured(kernel: str, family: str | None, args: dict) -> Measured | None:
     return next((m for m in MEASURED if m.applies(kernel, family, args)), None)
 
 
-__all__ = ["KERNEL_CHOICES", "MEASURED", "KernelChoice", "Measured", "kernel_choice", "measured"]
+__all__ = ["DECODE_SPLITS", "KERNEL_CHOICES", "MEASURED", "DecodeSplit", "KernelChoice", "Measured",
+           "decode_tokens_per_split", "kernel_choice", "measured"]

@@ -58,6 +58,7 @@ from dataclasses import dataclass
 import torch
 
 from lowbit_attn.core import measured
+from lowbit_attn.core.arch import ENV
 
 DQ_MODES = ("recompute", "atomic")
 BWD_KERNELS = ("measured", "triton", "sm90")
@@ -72,8 +73,6 @@ VARIABLES = {"train_dq": ("LOWBIT_ATTN_TRAIN_DQ", DQ_MODES),
              "compile": ("LOWBIT_ATTN_COMPILE", COMPILE_MODES)}
 
 
-# os.environ's own table, read directly: os.environ.get costs ~1 µs a name (it encodes the name)
-ENV = os.environ._data
 
 
 def env_names(names) -> tuple:

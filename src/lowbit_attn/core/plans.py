@@ -39,7 +39,8 @@ from typing import Callable
 import torch
 
 from lowbit_attn.core import arch
-from lowbit_attn.core.options import ENV, KernelOptions, env_names
+from lowbit_attn.core.arch import ENV
+from lowbit_attn.core.options import KernelOptions, env_names
 from lowbit_attn.core.plan_check import check
 from lowbit_attn.core.plan_launches import Plan, capture, compile_ahead, launch_state, replay
 

@@ -31,19 +31,21 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit_attn.core.arch import interpreter_enabled
+from lowbit_attn.core.arch import get_capability, interpreter_enabled
+from lowbit_attn.core import measured
 from lowbit_attn.core.operands import LOG2E
 from lowbit_attn.core.triton_helpers import (
-    LN2, exact_fp8, next_pow2, online_max, p_offset, softcap_scores, strides, to_e4m3,
+    LN2, exact_fp8, family, next_pow2, online_max, p_offset, softcap_scores, strides, to_e4m3,
 )
 from lowbit_attn.core.variants import cap_args
 from lowbit_attn.kvcache.pages import PagedLayer
 from lowbit_attn.kvcache.recipes import KVRecipe
 from lowbit_attn.quant.tile import balance_multiplier, int8_lines
 
-# Keys per split (rounded down to whole pages, at least one): a split's pages depend only on its
-# own sequence's length, never on the batch around it, so a sequence's result is the same alone
-# or in any batch. 512 keys: at N = 32k, 64 splits per (sequence, KV head); at 1k, 2.
+# Keys per split (rounded down to whole pages, at least one) where no GPU run measured another for
+# the architecture (``core.measured.DECODE_SPLITS``): a split's pages depend only on its own
+# sequence's length, never on the batch around it, so a sequence's result is the same alone or
+# in any batch. 512 keys: at N = 32k, 64 splits per (sequence, KV head); at 1k, 2.
 TOKENS_PER_SPLIT = 512
 # Splits the merge reads per step. Fixed, not sized to the launch: its sums are then the same tree
 # whatever the number of splits of the batch (empty splits add exact zeros).
@@ -328,8 +330,10 @@ def split_launch(rows: int, block_d: int, open_mode: int,
 
 
 def pages_per_split_for(page_size: int) -> int:
-    """Pages per split: :data:`TOKENS_PER_SPLIT` keys, at least one page."""
-    return max(1, TOKENS_PER_SPLIT // page_size)
+    """Pages per split: the keys per split measured for the architecture kernels target
+    (``core.measured.DECODE_SPLITS``), else :data:`TOKENS_PER_SPLIT`; at least one page."""
+    tokens = measured.DECODE_SPLITS and measured.decode_tokens_per_split(family(get_capability()))
+    return max(1, (tokens or TOKENS_PER_SPLIT) // page_size)
 
 
 class Buffers(NamedTuple):
