@@ -29,6 +29,13 @@ in appends of at most ``WINDOW_APPEND`` (and W) tokens, so it holds its window a
 append brings, and
 ``kv_int8_fp8 last W+1``, a full layer given only the W + 1 tokens the window sees: the cost the
 window should have. Both are checked against exact attention over those W + 1 tokens.
+
+With ``--splits P,...`` (issue 43: the decode kernel's keys per split, measured per
+architecture), each configuration times only SDPA fp16 and the launcher
+(``kvcache.kernel_decode.attention``: the split and merge launches) with ``P`` pages per split
+(``kv_int8_fp8 split P``; ``production`` marks the current default's), saved as ``splits-*``.
+The keys per split that wins every row becomes the architecture's entry in
+``core/measured.py`` ``DECODE_SPLITS``.
 """
 
 from __future__ import annotations
@@ -97,6 +104,8 @@ def main(argv=None) -> int:
     ap.add_argument("--window", type=int,
                     help="also time a sliding-window layer of this many tokens against a full "
                          "layer of the tokens it sees (module docstring; 64 without CUDA)")
+    ap.add_argument("--splits", help="pages per split to time, e.g. 1,2,4,8,16 (module "
+                                     "docstring): only these rows and SDPA's")
     ap.add_argument("--host", action="store_true",
                     help="only the host path: µs per eager decode call and one-token append "
                          "(N = 8k, batch 16, GQA 4:1 unless given; without a GPU, through "
@@ -125,23 +134,25 @@ def main(argv=None) -> int:
     bandwidth = copy_bandwidth(timer) if cuda else COPY_BANDWIDTH
     print(f"floor: the copy bandwidth, {bandwidth / 1e12:.2f} TB/s"
           f"{' (measured)' if cuda else ' (the H100s, not measured here)'}", file=sys.stderr)
-    meta = make_metadata(device=device, mode="decode",
+    splits = [int(p) for p in args.splits.split(",")] if args.splits else None
+    kind = "decode" if splits is None else "splits"
+    meta = make_metadata(device=device, mode=kind,
                          protocol={"kv_heads": kv_heads, "d": d, "page": page,
                                    "bandwidth_floor": bandwidth})
     rows = []
 
     def save(more=()):  # after every row: a run cut short keeps what it measured
         table = render([*rows, *more])
-        save_script_results(args.out, "decode", {**meta, "rows": [*rows, *more]}, table)
+        save_script_results(args.out, kind, {**meta, "rows": [*rows, *more]}, table)
         return table
 
-    for n in seqlens:
-        for batch in batches:
+    for batch in batches:  # the bars' batch (1) first
+        for n in seqlens:
             for group in groups:
                 config_rows = []
                 try:
                     configuration(n, batch, group, kv_heads, d, page, device, timer, bandwidth,
-                                  window, rows=config_rows, on_row=save)
+                                  window, rows=config_rows, on_row=save, splits=splits)
                 except Exception as exc:  # noqa: BLE001 - the next configurations still run
                     config_rows.append({"N": n, "batch": batch, "gqa": f"{group}:1",
                                         "method": "*", "status": "error outside a row: "
@@ -173,10 +184,11 @@ def host_main(args, seqlens, batches, groups) -> int:
 
 
 def configuration(n, batch, group, kv_heads, d, page, device, timer, bandwidth,
-                  window=None, *, rows=None, on_row=None) -> list[dict]:
+                  window=None, *, rows=None, on_row=None, splits=None) -> list[dict]:
     """The rows of one (N, batch, GQA) configuration: SDPA on fp16 K/V, then the 8-bit cache
     (and with ``window``, a sliding-window layer and the full one it should cost as), appended
-    to ``rows`` (a new list by default) and returned; ``on_row(rows)`` after each row."""
+    to ``rows`` (a new list by default) and returned; ``on_row(rows)`` after each row. With
+    ``splits`` (pages per split), SDPA and the launcher at each of them only (:func:`split_rows`)."""
     base = {"N": n, "batch": batch, "gqa": f"{group}:1"}
     g = torch.Generator(device=device).manual_seed(n + batch + group)
     shape = (batch, kv_heads, n, d)
@@ -230,6 +242,9 @@ def configuration(n, batch, group, kv_heads, d, page, device, timer, bandwidth,
         cache = lowbit_attn.QuantizedKVCache(1, batch, kv_heads, d, max_tokens=n, page_size=page,
                                              dtype=torch.float16, device=device)
         cache.append(0, k, v)
+        if splits is not None:
+            split_rows(record, q, cache, splits, cache_bytes(batch, n, kv_heads, d, page))
+            return rows
         record("kv_int8_fp8", lambda: lowbit_attn.attention_with_kv_cache(q, cache, 0),
                cache_bytes(batch, n, kv_heads, d, page))
         rows[-1]["cache_nbytes"] = cache.nbytes()
@@ -312,6 +327,22 @@ def replays(cache, q) -> bool:
 
     key = planned.read_key(q, cache, 0, None, False)
     return key is not None and cache.plans.ready(key) is not None
+
+
+def split_rows(record, q, cache, splits, nbytes) -> None:
+    """Record ``kv_int8_fp8 split P`` for each ``P`` of ``splits``: layer 0 of ``cache`` read by
+    ``q`` through the launcher with ``P`` pages per split (the split and merge launches, no
+    checks), with ``record(method, step, nbytes)``; the row of the default's ``P`` says
+    ``production``, each its keys per split."""
+    from lowbit_attn.kvcache import kernel_decode
+
+    layer, recipe, scale = cache.layers[0], cache.recipe, q.shape[-1] ** -0.5
+    default = kernel_decode.pages_per_split_for(layer.page_size)
+    for pps in splits:
+        row = record(f"kv_int8_fp8 split {pps}", lambda pps=pps: kernel_decode.attention(
+            q, layer, recipe, scale=scale, pages_per_split=pps)[0], nbytes)
+        row.update(pages_per_split=pps, keys_per_split=pps * layer.page_size,
+                   production=pps == default)
 
 
 def window_rows(record, q, k, v, window, page) -> None:

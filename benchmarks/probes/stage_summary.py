@@ -9,7 +9,7 @@ after every step, so a run cut short still leaves it. No torch import: it runs i
 
 STEPS.tsv: one line per step, ``name<TAB>limit s<TAB>started at s<TAB>took s<TAB>exit status``
 (``skipped`` for a step with no time left); ``admission-*.json`` (benchmarks/probes/
-admission_time.py) and ``{forward,train,vsa,decode,prep,first}-*.json`` / ``.md`` are read from the
+admission_time.py) and ``{forward,train,vsa,decode,splits,prep,first}-*.json`` / ``.md`` are read from the
 RESULT_DIRs, the newest of each kind.
 """
 
@@ -24,7 +24,7 @@ FIRST_CALL_BAR = 2.0  # s: what admission adds to a first call (issue 43)
 TRAIN_BAR = 1.0  # × SDPA flash, forward + backward, D=128, N ≥ 4k
 DECODE_BAR = 1.0  # × SDPA (fp16 K/V), one decode step, batch 1, N = 8k and 32k
 WINDOW_BAR = 1.2  # a sliding-window layer's step ÷ a full layer of what it sees (issue 44)
-KINDS = ("forward", "train", "vsa", "decode", "prep", "first")
+KINDS = ("forward", "train", "vsa", "decode", "splits", "prep", "first")
 
 
 def _bar(name, value, target, higher=True) -> dict:
@@ -89,6 +89,38 @@ def decode_bars(data: dict) -> list[dict]:
         out.append(_bar(f"decode window {window} at N={n // 1024}k batch {batch} ÷ its last "
                         f"{int(window) + 1} tokens alone (worst GQA)", ratio, WINDOW_BAR,
                         higher=False))
+    return out
+
+
+def split_rows(data: dict) -> list[dict]:
+    """Per (N, batch, GQA) of ``bench_decode.py --splits``: the production split's ms and × SDPA
+    fp16, the fastest candidate's keys per split, ms and × production; then the keys per split
+    fastest on every row, if one is (no target: it becomes the architecture's
+    ``DECODE_SPLITS`` entry, NOTES §13d)."""
+    ok = [r for r in data.get("rows", []) if r.get("status") == "ok" and "ms" in r]
+    out, winners = [], []
+    for config in dict.fromkeys((r["N"], r["batch"], r["gqa"]) for r in ok):
+        here = [r for r in ok if (r["N"], r["batch"], r["gqa"]) == config]
+        tried = [r for r in here if "keys_per_split" in r]
+        if not tried:
+            continue
+        name = f"decode split, N={config[0] // 1024}k batch {config[1]} GQA {config[2]}"
+        sdpa = [r["ms"] for r in here if r["method"] == "sdpa_fp16"]
+        made = [r for r in tried if r.get("production")]
+        if made:
+            speed = f", {sdpa[0] / made[0]['ms']:.2f}x SDPA" if sdpa else ""
+            out.append({"bar": f"{name}: production ({made[0]['keys_per_split']} keys) ms{speed}",
+                        "value": made[0]["ms"], "target": None, "met": None})
+        best = min(tried, key=lambda r: r["ms"])
+        winners.append(best["keys_per_split"])
+        gain = f", {made[0]['ms'] / best['ms']:.2f}x production" if made else ""
+        speed = f", {sdpa[0] / best['ms']:.2f}x SDPA" if sdpa else ""
+        out.append({"bar": f"{name}: fastest, {best['keys_per_split']} keys per split, "
+                           f"ms{gain}{speed}", "value": best["ms"], "target": None, "met": None})
+    if winners:
+        every = winners[0] if len(set(winners)) == 1 else "none"
+        out.append({"bar": f"decode split: keys per split fastest on every row: {every}",
+                    "value": None, "target": None, "met": None})
     return out
 
 
@@ -167,7 +199,7 @@ def summarize(stage: str, outdir: Path, steps_file: Path, command: str,
         summary["results"][kind] = data
         summary["device"] = summary["device"] or data.get("device_name")
         summary["bars"] += {"forward": lambda x: x.get("bars", []), "train": train_bars,
-                            "decode": decode_bars, "vsa": lambda x: [],
+                            "decode": decode_bars, "splits": split_rows, "vsa": lambda x: [],
                             "prep": prep_rows, "first": first_bars}[kind](data)
         table = path.with_suffix(".md")
         if table.exists():

@@ -40,6 +40,8 @@ if args[:1] == ["-c"] or args[:1] == ["-"]:
 kinds = {{"bench_forward.py": "forward", "bench_train.py": "train", "bench_vsa.py": "vsa",
          "bench_decode.py": "decode"}}
 kind = kinds.get(Path(args[0]).name) if args else None
+if kind == "decode" and "--splits" in args:
+    kind = "splits"
 if args and Path(args[0]).name == "prep_speed.py":  # its own file, named by the script
     Path(args[1]).write_text(json.dumps({{"device": "stub GPU", "rows": []}}))
     Path(args[1]).with_suffix(".md").write_text("prep table\\n")
@@ -57,7 +59,13 @@ if kind:
         "vsa": [], "decode": [
         {{"N": 8192, "batch": 1, "gqa": "4:1", "method": "sdpa_fp16", "status": "ok", "ms": 1.0}},
         {{"N": 8192, "batch": 1, "gqa": "4:1", "method": "kv_int8_fp8", "status": "ok",
-         "ms": 0.5}}]}}[kind]
+         "ms": 0.5}}],
+        "splits": [
+        {{"N": 8192, "batch": 1, "gqa": "4:1", "method": "sdpa_fp16", "status": "ok", "ms": 1.0}},
+        {{"N": 8192, "batch": 1, "gqa": "4:1", "method": "kv_int8_fp8 split 2", "status": "ok",
+         "ms": 0.5, "keys_per_split": 128, "production": False}},
+        {{"N": 8192, "batch": 1, "gqa": "4:1", "method": "kv_int8_fp8 split 8", "status": "ok",
+         "ms": 2.0, "keys_per_split": 512, "production": True}}]}}[kind]
     bars = [{{"bar": "kernel alone TOP/s, D=128 N=16k", "value": None, "target": 850.0,
              "met": None}}] if kind == "forward" else []
     for out in outs:
@@ -123,10 +131,11 @@ def test_a_stage_runs_its_steps_in_order_within_its_budget(tmp_path, stage, budg
         assert any(b["bar"].startswith("kernel alone") for b in summary["bars"])
     else:
         assert [s["step"] for s in steps] == ["sm90-backward-tests", "sm90-backward-admission",
-                                             "train", "vsa", "decode", "first-call",
-                                             "plan-tests"]
-        assert "first_call.py" in text[5]
-        assert "tests/test_gpu_plans.py" in text[6] and commands[6]["launch"] == "plan"
+                                             "train", "vsa", "decode", "decode-splits",
+                                             "first-call", "plan-tests"]
+        assert "--splits 1,2,4,8,16" in text[5] and "--batches 1,16" in text[5]
+        assert "first_call.py" in text[6]
+        assert "tests/test_gpu_plans.py" in text[7] and commands[7]["launch"] == "plan"
         assert "sm90_backward" in text[0] and "admission_time.py bwd" in text[1]
         assert "bench_train.py --dims 128" in text[2] and "sdpa_flash" in text[2]
         assert "bench_decode.py --seqlens 32k,8k --batches 1 " in text[4]
@@ -139,7 +148,11 @@ def test_a_stage_runs_its_steps_in_order_within_its_budget(tmp_path, stage, budg
         first = bars["first call of a new shape, cold Triton cache, D=128, "
                      "LOWBIT_ATTN_COMPILE=parallel, s"]
         assert first["value"] == pytest.approx(1.5) and first["met"] is True
-        assert set(summary["results"]) == {"train", "vsa", "decode", "first"}  # not in $OUT
+        split = bars["decode split, N=8k batch 1 GQA 4:1: fastest, 128 keys per split, ms, 4.00x "
+                     "production, 2.00x SDPA"]
+        assert split["value"] == pytest.approx(0.5)
+        assert "decode split: keys per split fastest on every row: 128" in bars
+        assert set(summary["results"]) == {"train", "vsa", "decode", "splits", "first"}
     table = (out / f"{stage}.md").read_text()
     assert "| bar (issues 43, 44) | value | target | met |" in table and "stub GPU" in table
     assert not any(p.name.startswith("stub") for p in (ROOT / "benchmarks" / "results").iterdir())
@@ -191,6 +204,33 @@ def test_the_decode_bars_read_the_attention_rows_and_the_window_rows():
     sixteen = bars["decode window 4096 at N=32k batch 16 ÷ its last 4097 tokens alone "
                    "(worst GQA)"]
     assert sixteen["value"] == pytest.approx(50 / 49) and sixteen["met"] is True
+
+
+def test_the_split_rows_name_each_configuration_s_fastest_split():
+    """decide2's summary of ``bench_decode.py --splits``: per configuration the production
+    split's ms and × SDPA, the fastest candidate's keys per split, ms and × production (a failed
+    row left out); then the keys per split fastest on every row, or "none"."""
+    def row(n, batch, method, ms, pps=None, **more):
+        r = {"N": n, "batch": batch, "gqa": "4:1", "method": method, "status": "ok", "ms": ms}
+        if pps is not None:
+            r.update(keys_per_split=64 * pps, production=pps == 8)
+        return {**r, **more}
+
+    rows = [row(8192, 1, "sdpa_fp16", 0.02), row(8192, 1, "kv_int8_fp8 split 2", 0.01, 2),
+            row(8192, 1, "kv_int8_fp8 split 8", 0.04, 8),
+            row(8192, 1, "kv_int8_fp8 split 1", 0.001, 1, status="error: x"),
+            row(32768, 16, "kv_int8_fp8 split 2", 0.5, 2),
+            row(32768, 16, "kv_int8_fp8 split 8", 0.4, 8)]
+    stage_summary = script_module("benchmarks/probes/stage_summary.py")
+    bars = {b["bar"]: b["value"] for b in stage_summary.split_rows({"rows": rows})}
+    assert bars == {
+        "decode split, N=8k batch 1 GQA 4:1: production (512 keys) ms, 0.50x SDPA": 0.04,
+        "decode split, N=8k batch 1 GQA 4:1: fastest, 128 keys per split, ms, 4.00x "
+        "production, 2.00x SDPA": 0.01,
+        "decode split, N=32k batch 16 GQA 4:1: production (512 keys) ms": 0.4,
+        "decode split, N=32k batch 16 GQA 4:1: fastest, 512 keys per split, ms, 1.00x "
+        "production": 0.4,
+        "decode split: keys per split fastest on every row: none": None}
 
 
 def test_the_preparation_rows_name_each_launch_s_fastest_candidate():
