@@ -168,6 +168,16 @@ def test_a_budget_too_small_skips_the_later_steps_and_still_leaves_the_files(tmp
     assert (out / "decide.md").exists() and len(list(out.iterdir())) <= 8
 
 
+def test_decide2_skips_the_backward_tests_rather_than_cut_them_short(tmp_path):
+    """With 380 s (the H200's decide2 of 2026-11-29), the backward's GPU tests would get 40 s of
+    the 70 they need: skipped, and every later step runs."""
+    rc, out, calls, done = run_stage(tmp_path, "decide2", budget=380)
+    assert rc == 0, done.stderr[-3000:]
+    steps = json.loads((out / "decide2.json").read_text())["steps"]
+    assert steps[0]["step"] == "sm90-backward-tests" and steps[0]["exit"] == "skipped"
+    assert [s["exit"] for s in steps[1:]] == ["0"] * 7
+
+
 def test_the_decode_bars_read_the_attention_rows_and_the_window_rows():
     """decide2's decode bars from bench_decode.py's rows: ``SDPA ms / ours ms`` of the attention
     alone at batch 1 (the whole steps, timed by their loop only and without ``ms``, and the
