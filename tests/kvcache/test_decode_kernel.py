@@ -193,6 +193,27 @@ def test_a_split_is_a_fixed_number_of_pages():
     assert kernel_decode.pages_per_split_for(4096) == 1
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("lengths, kv_heads, group, head_dim, n, dtype", [CASES[1], CASES[4],
+                                                                          CASES[6]])
+def test_a_sequence_in_parts_matches_the_twin(device, recipe, lengths, kv_heads, group,
+                                              head_dim, n, dtype):
+    """``parts``: each sequence's pages (each block's, from its first visible one) in that many
+    splits, at least one page each: against the twin as every split size is, and the grid no
+    larger than ``parts``."""
+    cache, vmax = build(lengths, kv_heads, head_dim, recipe, dtype, device.name)
+    q = queries(len(lengths), kv_heads * group, n, head_dim, dtype, device.name)
+    layer, scale = cache.layers[0], head_dim ** -0.5
+    ref, ref_lse = attention_with_kv_cache_naive(q, layer, cache.recipe, scale=scale)
+    for parts in (2, 3, 8):
+        assert kernel_decode.splits_of(layer, 1, n, parts=parts) == min(
+            parts, -(-max(lengths) // PAGE))
+        out, lse = kernel_decode.attention(q, layer, cache.recipe, scale=scale,
+                                           pages_per_split=1, parts=parts)
+        check_against_twin(out, lse, ref, ref_lse, bar=BARS[recipe], vmax=vmax, dtype=dtype,
+                           name=f"parts={parts}")
+
+
 def test_a_measured_split_is_the_architecture_s(device, monkeypatch):
     """An entry of ``core.measured.DECODE_SPLITS`` for the family kernels target sets the keys
     per split of every read (the public call, its plan key's splits, ``DecodeStep``) and of
@@ -224,17 +245,30 @@ def test_a_measured_split_is_the_architecture_s(device, monkeypatch):
     want, _ = kernel_decode.attention(q, layer, cache.recipe, scale=64 ** -0.5, pages_per_split=2)
     assert torch.equal(out, want)
     step = lowbit_attn.DecodeStep(cache, 0, heads=4, steps=2)
-    assert step.pages_per_split == 2
+    assert (step.pages_per_split, step.parts) == (2, 0)
+    # an entry in parts: every sequence's pages in that many splits
+    monkeypatch.setattr(measured, "DECODE_SPLITS", (measured.DecodeSplit(here, None, "t", 2),))
+    assert kernel_decode.split_for(PAGE) == (kernel_decode.TOKENS_PER_SPLIT // PAGE, 2)
+    seen.clear()
+    out = lowbit_attn.attention_with_kv_cache(q, cache, 0)
+    assert seen == [(kernel_decode.TOKENS_PER_SPLIT // PAGE, 2)]
+    want, _ = kernel_decode.attention(q, layer, cache.recipe, scale=64 ** -0.5,
+                                      pages_per_split=1, parts=2)
+    assert torch.equal(out, want)
+    step = lowbit_attn.DecodeStep(cache, 0, heads=4, steps=2)
+    assert (step.parts, step.buffers.splits) == (2, 2)
 
 
-def test_a_sequence_gives_the_same_bits_alone_or_in_a_batch(device):
-    """Its splits depend on its own length only (``pages_per_split``), not on the batch: sequence
-    0 of a batch of three and the same tokens in a cache of its own give the same bits."""
-    lengths = (40, 7, 33)
+@pytest.mark.parametrize("per_split, parts", [(1, 0), (1, 2), (1, 3)])
+def test_a_sequence_gives_the_same_bits_alone_or_in_a_batch(device, per_split, parts):
+    """Its splits depend on its own length only (``pages_per_split`` pages each, or its pages in
+    ``parts`` splits), not on the batch: sequence 0 of a batch of three (whose longest has more
+    pages, so more splits) and the same tokens in a cache of its own give the same bits."""
+    lengths = (40, 60, 7)
     g = torch.Generator().manual_seed(3)
-    k = torch.randn(3, 2, 40, 64, generator=g) + 2.0 * torch.randn(3, 2, 1, 64, generator=g)
-    v = torch.randn(3, 2, 40, 64, generator=g)
-    valid = torch.arange(40)[None, :] < torch.tensor(lengths)[:, None]
+    k = torch.randn(3, 2, 60, 64, generator=g) + 2.0 * torch.randn(3, 2, 1, 64, generator=g)
+    v = torch.randn(3, 2, 60, 64, generator=g)
+    valid = torch.arange(60)[None, :] < torch.tensor(lengths)[:, None]
     q = queries(3, 8, 1, 64, torch.float16, device.name)
     results = []
     for rows in (slice(0, 3), slice(0, 1)):
@@ -244,7 +278,8 @@ def test_a_sequence_gives_the_same_bits_alone_or_in_a_batch(device):
         cache.append(0, *(x[rows].to(device.name, torch.float16) for x in (k, v)),
                      valid=valid[rows].to(device.name))
         results.append(kernel_decode.attention(q[rows], cache.layers[0], cache.recipe,
-                                               scale=0.125, pages_per_split=1))
+                                               scale=0.125, pages_per_split=per_split,
+                                               parts=parts))
     (both, both_lse), (one, one_lse) = results
     assert torch.equal(both[:1], one) and torch.equal(both_lse[:1], one_lse)
 

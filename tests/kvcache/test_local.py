@@ -253,7 +253,8 @@ BARS = {"kv_int8_fp8": 0.015, "kv_int8_int8": 2e-4}
 @pytest.mark.parametrize("case", CASES)
 def test_the_kernel_matches_the_twin(device, recipe, case):
     """Two sequences of unequal lengths, prompt then decode steps past the window, one and
-    several splits (``pages_per_split`` 1 and 2): every read's rows against the twin's."""
+    several splits (``pages_per_split`` 1 and 2, and the window's pages in 2 ``parts``): every
+    read's rows against the twin's."""
     dev = device.name
     hq, n = 4, 34
     q, k, v = data(n, batch=2, hq=hq, seed=5)
@@ -277,11 +278,12 @@ def test_the_kernel_matches_the_twin(device, recipe, case):
             continue
         ref, ref_lse = attention_with_kv_cache_naive(rows, layer, cache.recipe, scale=32 ** -0.5,
                                                      **opts)
-        for per_split in (1, 2):
+        for per_split, parts in ((1, 0), (2, 0), (1, 2)):
             out, lse = kernel_decode.attention(rows, layer, cache.recipe, scale=32 ** -0.5,
-                                               pages_per_split=per_split, **opts)
-            assert_close(out, ref, atol=BARS[recipe] * 4.0, rtol=0, name=f"out {per_split}")
-            assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5, name=f"lse {per_split}")
+                                               pages_per_split=per_split, parts=parts, **opts)
+            name = f"{per_split} {parts}"
+            assert_close(out, ref, atol=BARS[recipe] * 4.0, rtol=0, name=f"out {name}")
+            assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5, name=f"lse {name}")
     if layer.local:  # the grid covers the window's pages, counted from its first: not all
         assert kernel_decode.splits_of(layer, 1) < -(-max(layer.host_lengths) // PAGE)
 

@@ -90,14 +90,16 @@ KERNEL_CHOICES = (
 
 @dataclass(frozen=True)
 class DecodeSplit:
-    """The keys per split of the KV-cache decode kernel (``kvcache/kernel_decode.py``) on
-    ``family``, in place of its ``TOKENS_PER_SPLIT``; ``source``: the GPU run that decided it.
-    One number per architecture, never per batch: a sequence's splits then depend on its own
+    """How the KV-cache decode kernel (``kvcache/kernel_decode.py``) splits a sequence's keys on
+    ``family``: ``tokens`` keys per split in place of its ``TOKENS_PER_SPLIT`` or, with
+    ``parts`` > 0, each sequence's pages in ``parts`` splits; ``source``: the GPU run that
+    decided it. Per architecture, never per batch: a sequence's splits then depend on its own
     length only, so its result is the same alone or in any batch."""
 
     family: str
-    tokens: int
+    tokens: int | None
     source: str
+    parts: int = 0
 
 
 # None measured yet: ``bench_decode.py --splits`` times the candidates (decide2's decode step),
@@ -112,9 +114,9 @@ def kernel_choice(option: str, family: str | None) -> str | None:
                 None)
 
 
-def decode_tokens_per_split(family: str | None) -> int | None:
-    """The keys per split :data:`DECODE_SPLITS` names for ``family``, or ``None``."""
-    return next((c.tokens for c in DECODE_SPLITS if c.family == family), None)
+def decode_split(family: str | None) -> DecodeSplit | None:
+    """The entry of :data:`DECODE_SPLITS` for ``family``, or ``None``."""
+    return next((c for c in DECODE_SPLITS if c.family == family), None)
 
 
 def measured(kernel: str, family: str | None, args: dict) -> Measured | None:
@@ -124,4 +126,4 @@ def measured(kernel: str, family: str | None, args: dict) -> Measured | None:
 
 
 __all__ = ["DECODE_SPLITS", "KERNEL_CHOICES", "MEASURED", "DecodeSplit", "KernelChoice", "Measured",
-           "decode_tokens_per_split", "kernel_choice", "measured"]
+           "decode_split", "kernel_choice", "measured"]

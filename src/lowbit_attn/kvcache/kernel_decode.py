@@ -98,14 +98,16 @@ def _decode_split_kernel(
     pages_per_split, ADDED, ROW_BLOCKS,
     D: tl.constexpr, PAGE: tl.constexpr, PV_FP8: tl.constexpr, EXACT_FP8: tl.constexpr,
     OPEN_MODE: tl.constexpr, EMU_FP32: tl.constexpr, STAGES: tl.constexpr,
-    LOCAL: tl.constexpr, SOFTCAP: tl.constexpr,
+    LOCAL: tl.constexpr, SOFTCAP: tl.constexpr, PARTS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """``Q`` (batch, head, token, dim) with ``q_strides``; contiguous: the statistics ``AQ``,
     ``AK`` ``[B, HKV, D]``; the pools ``K``, ``V`` ``[pages, HKV, PAGE, D]``, ``KS``
     ``[pages, HKV, PAGE]``, ``VS`` ``[pages, HKV, D]``; the open pages ``VO`` ``[B, HKV, PAGE, D]``;
     ``BT`` ``[B, MAX_PAGES]``; the workspace ``WACC`` ``[B, HKV, splits, GROUP·N, D]``, ``WM`` and
-    ``WL`` ``[B, HKV, splits, GROUP·N]``. ``ADDED``: tokens stored since ``LEN`` was last
+    ``WL`` ``[B, HKV, splits, GROUP·N]``. A split covers ``pages_per_split`` pages or, with
+    ``PARTS`` > 0, the block's pages (from its first visible one) in ``PARTS`` splits of at least
+    one page each. ``ADDED``: tokens stored since ``LEN`` was last
     advanced (a decode step's, ``kvcache/step.py``; 0 otherwise). Axis 0 of the grid: sequence
     × ``ROW_BLOCKS`` blocks of ``BLOCK_R`` rows (more than one for long query chunks).
     ``LOCAL`` (a window or chunked layer): row ``r`` sees keys from ``max(p - LEFT, p - p % CHUNK)``
@@ -136,14 +138,18 @@ def _decode_split_kernel(
     if LOCAL:  # and j >= first_key: the splits start at the block's first page of keys
         first_key = tl.maximum(limit - LEFT, limit - limit % CHUNK)
         start_page = tl.min(tl.where(rmask, first_key, MAX_PAGES * PAGE), axis=0) // PAGE
-        first = start_page + split * pages_per_split
     else:
         first_key = limit
-        first = split * pages_per_split  # past the sequence's pages: an empty split
+        start_page = 0
+    per_split = pages_per_split
+    first = start_page + split * per_split  # past the sequence's pages: an empty split
     # and no page past the block's last visible key (a long query chunk is causal): those would
     # only add masked scores, exact zeros
     seen_pages = tl.cdiv(length - N + tl.max(tl.where(rmask, token, 0), axis=0) + 1, PAGE)
-    last = tl.minimum(tl.minimum(first + pages_per_split, pages), seen_pages)
+    if PARTS > 0:  # the block's pages in PARTS splits: a function of its own length only
+        per_split = tl.maximum(tl.cdiv(seen_pages - start_page, PARTS), 1)
+        first = start_page + split * per_split
+    last = tl.minimum(tl.minimum(first + per_split, pages), seen_pages)
     full_pages = length // PAGE
     full_last = tl.minimum(last, full_pages)
 
@@ -329,11 +335,19 @@ def split_launch(rows: int, block_d: int, open_mode: int,
     return block_r, {"num_warps": 4}
 
 
+def split_for(page_size: int) -> tuple[int, int]:
+    """``(pages per split, parts)`` of a read on the architecture kernels target: what
+    ``core.measured.DECODE_SPLITS`` measured for it, else :data:`TOKENS_PER_SPLIT` keys per
+    split (at least one page) and ``parts`` 0; ``parts`` > 0: each sequence's pages in that many
+    splits instead (:func:`attention`)."""
+    entry = measured.DECODE_SPLITS and measured.decode_split(family(get_capability()))
+    tokens = (entry.tokens if entry else None) or TOKENS_PER_SPLIT
+    return max(1, tokens // page_size), entry.parts if entry else 0
+
+
 def pages_per_split_for(page_size: int) -> int:
-    """Pages per split: the keys per split measured for the architecture kernels target
-    (``core.measured.DECODE_SPLITS``), else :data:`TOKENS_PER_SPLIT`; at least one page."""
-    tokens = measured.DECODE_SPLITS and measured.decode_tokens_per_split(family(get_capability()))
-    return max(1, (tokens or TOKENS_PER_SPLIT) // page_size)
+    """Pages per split (:func:`split_for`)."""
+    return split_for(page_size)[0]
 
 
 class Buffers(NamedTuple):
@@ -375,40 +389,47 @@ def splits_for(tokens: int, page_size: int, pages_per_split: int) -> int:
 
 
 def splits_of(layer: PagedLayer, pages_per_split: int | None = None, n: int = 1,
-              longest: int | None = None) -> int:
-    """Splits of a read of ``n`` query tokens of ``layer``: enough for its longest sequence
-    (``longest``, by default the host mirror's now); in a local layer, for the pages that the
-    rows' keys can touch (its reach and the ``n`` rows, one page more for where they start)."""
+              longest: int | None = None, parts: int = 0) -> int:
+    """Splits of a read of ``n`` query tokens of ``layer`` (by default the architecture's:
+    :func:`split_for`): enough for its longest sequence (``longest``, by default the host
+    mirror's now); in a local layer, for the pages that the rows' keys can touch (its reach and
+    the ``n`` rows, one page more for where they start). With ``parts``, at most that many."""
     if pages_per_split is None:
-        pages_per_split = pages_per_split_for(layer.page_size)
+        pages_per_split, parts = split_for(layer.page_size)
     tokens = max(layer.host_lengths) if longest is None else longest
     back = layer.reach()
     if back is not None:
         tokens = min(tokens, back + n + layer.page_size)
+    if parts:
+        return min(parts, splits_for(tokens, layer.page_size, 1))
     return splits_for(tokens, layer.page_size, pages_per_split)
 
 
 def attention(q: torch.Tensor, layer: PagedLayer, recipe: KVRecipe, *, scale: float,
               softcap: float | None = None, sinks: torch.Tensor | None = None,
-              pages_per_split: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              pages_per_split: int | None = None, parts: int = 0,
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q [B, Hq, n, D]`` (``n ≥ 1``) against one layer of the cache, the twin's
-    arguments (``kvcache.naive.attention_with_kv_cache_naive``) plus ``pages_per_split``
-    (default: :func:`pages_per_split_for` the page size): split ``s`` of a sequence covers its
-    pages ``s·pages_per_split`` onwards (from its window's first page in a local layer), so the
-    result of a sequence does not depend on the batch. Returns ``(out [B, Hq, n, D] in q's
-    dtype, lse fp32 [B, Hq, n])``."""
+    arguments (``kvcache.naive.attention_with_kv_cache_naive``) plus ``pages_per_split`` and
+    ``parts`` (default: the architecture's, :func:`split_for`): split ``s`` of a sequence covers
+    its pages ``s·pages_per_split`` onwards (from its window's first page in a local layer) or,
+    with ``parts`` > 0, the ``s``-th of ``parts`` runs of ``ceil(pages / parts)`` of them; either
+    way the result of a sequence does not depend on the batch. Returns ``(out [B, Hq, n, D] in
+    q's dtype, lse fp32 [B, Hq, n])``."""
     if pages_per_split is None:
-        pages_per_split = pages_per_split_for(layer.page_size)
-    splits = splits_of(layer, pages_per_split, q.shape[2])  # the grid, from the host: no sync
+        pages_per_split, parts = split_for(layer.page_size)
+    # the grid, from the host: no sync
+    splits = splits_of(layer, pages_per_split, q.shape[2], parts=parts)
     found = buffers(q.shape, q.dtype, q.device, layer.k.shape[1], splits)
     launch(q, layer, recipe, scale=scale, softcap=softcap, sinks=sinks,
-           pages_per_split=pages_per_split, into=found)
+           pages_per_split=pages_per_split, parts=parts, into=found)
     return found.out, found.lse
 
 
 def launch(q: torch.Tensor, layer: PagedLayer, recipe: KVRecipe, *, scale: float,
            pages_per_split: int, into: Buffers, added: int = 0, replayable: bool = False,
-           softcap: float | None = None, sinks: torch.Tensor | None = None) -> None:
+           softcap: float | None = None, sinks: torch.Tensor | None = None,
+           parts: int = 0) -> None:
     """The split and merge launches of :func:`attention`, writing ``into``'s tensors. A decode
     step's (``replayable``, ``kvcache/step.py``): the last ``added`` tokens were just stored
     and ``layer.lengths`` does not count them yet; the merge advances it, and a sequence whose
@@ -445,6 +466,7 @@ def launch(q: torch.Tensor, layer: PagedLayer, recipe: KVRecipe, *, scale: float
         MAX_PAGES=layer.block_table.shape[1], pages_per_split=pages_per_split, ADDED=added,
         ROW_BLOCKS=row_blocks, PAGE=page, PV_FP8=pv_fp8, EXACT_FP8=exact_fp8(), OPEN_MODE=open_mode,
         EMU_FP32=interpreted, STAGES=STAGES, LOCAL=layer.local, SOFTCAP=softcap is not None,
+        PARTS=parts,
         BLOCK_R=block_r,
         BLOCK_P=next_pow2(page, 32 if pv_fp8 else 16), BLOCK_D=block_d,
         **options,

@@ -114,9 +114,9 @@ class DecodeStep:
         if self.triton:
             from lowbit_attn.kvcache import kernel_decode  # Triton only where it runs
 
-            self.pages_per_split = kernel_decode.pages_per_split_for(cache.page_size)
+            self.pages_per_split, self.parts = kernel_decode.split_for(cache.page_size)
             splits = kernel_decode.splits_of(store, self.pages_per_split, tokens,
-                                             longest=max(self.capacity))
+                                             longest=max(self.capacity), parts=self.parts)
             work = cache.shared_workspace(kernel_decode.workspace_size(shape, cache.kv_heads,
                                                                        splits))
             self.buffers = kernel_decode.buffers(shape, cache.dtype, cache.device,
@@ -179,7 +179,8 @@ class DecodeStep:
 
         kernel_append.append(store, cache.recipe, k, v, None, replayable=True)
         kernel_decode.launch(q, store, cache.recipe, scale=self.scale,
-                             pages_per_split=self.pages_per_split, into=self.buffers,
+                             pages_per_split=self.pages_per_split, parts=self.parts,
+                             into=self.buffers,
                              added=self.tokens, replayable=True, softcap=self.softcap,
                              sinks=self.sinks)
         if capturing:  # replays will advance the lengths where the host does not see them
