@@ -30,11 +30,12 @@ append brings, and
 ``kv_int8_fp8 last W+1``, a full layer given only the W + 1 tokens the window sees: the cost the
 window should have. Both are checked against exact attention over those W + 1 tokens.
 
-With ``--splits P,...`` (issue 43: the decode kernel's keys per split, measured per
+With ``--splits P,...`` (issue 43: how the decode kernel splits a sequence, measured per
 architecture), each configuration times only SDPA fp16 and the launcher
 (``kvcache.kernel_decode.attention``: the split and merge launches) with ``P`` pages per split
-(``kv_int8_fp8 split P``; ``production`` marks the current default's), saved as ``splits-*``.
-The keys per split that wins every row becomes the architecture's entry in
+(``kv_int8_fp8 split P``; ``production`` marks the current default's) and, with ``--parts
+S,...``, with each sequence's pages in ``S`` splits (``kv_int8_fp8 parts S``), saved as
+``splits-*``. The split that wins every row becomes the architecture's entry in
 ``core/measured.py`` ``DECODE_SPLITS``.
 """
 
@@ -106,6 +107,8 @@ def main(argv=None) -> int:
                          "layer of the tokens it sees (module docstring; 64 without CUDA)")
     ap.add_argument("--splits", help="pages per split to time, e.g. 1,2,4,8,16 (module "
                                      "docstring): only these rows and SDPA's")
+    ap.add_argument("--parts", help="with --splits: also each sequence in this many splits, "
+                                    "e.g. 32,64,128")
     ap.add_argument("--host", action="store_true",
                     help="only the host path: µs per eager decode call and one-token append "
                          "(N = 8k, batch 16, GQA 4:1 unless given; without a GPU, through "
@@ -134,7 +137,10 @@ def main(argv=None) -> int:
     bandwidth = copy_bandwidth(timer) if cuda else COPY_BANDWIDTH
     print(f"floor: the copy bandwidth, {bandwidth / 1e12:.2f} TB/s"
           f"{' (measured)' if cuda else ' (the H100s, not measured here)'}", file=sys.stderr)
-    splits = [int(p) for p in args.splits.split(",")] if args.splits else None
+    splits = None
+    if args.splits:  # (pages per split, parts) candidates
+        splits = [(int(p), 0) for p in args.splits.split(",")]
+        splits += [(1, int(p)) for p in (args.parts or "").split(",") if p]
     kind = "decode" if splits is None else "splits"
     meta = make_metadata(device=device, mode=kind,
                          protocol={"kv_heads": kv_heads, "d": d, "page": page,
@@ -330,19 +336,22 @@ def replays(cache, q) -> bool:
 
 
 def split_rows(record, q, cache, splits, nbytes) -> None:
-    """Record ``kv_int8_fp8 split P`` for each ``P`` of ``splits``: layer 0 of ``cache`` read by
-    ``q`` through the launcher with ``P`` pages per split (the split and merge launches, no
-    checks), with ``record(method, step, nbytes)``; the row of the default's ``P`` says
-    ``production``, each its keys per split."""
+    """Record, for each ``(P, S)`` of ``splits``, layer 0 of ``cache`` read by ``q`` through the
+    launcher (the split and merge launches, no checks) with ``P`` pages per split (``S`` 0:
+    ``kv_int8_fp8 split P``) or each sequence's pages in ``S`` splits (``kv_int8_fp8 parts S``),
+    with ``record(method, step, nbytes)``; each row says its split (``split_label``), the
+    default's ``production``."""
     from lowbit_attn.kvcache import kernel_decode
 
     layer, recipe, scale = cache.layers[0], cache.recipe, q.shape[-1] ** -0.5
-    default = kernel_decode.pages_per_split_for(layer.page_size)
-    for pps in splits:
-        row = record(f"kv_int8_fp8 split {pps}", lambda pps=pps: kernel_decode.attention(
-            q, layer, recipe, scale=scale, pages_per_split=pps)[0], nbytes)
-        row.update(pages_per_split=pps, keys_per_split=pps * layer.page_size,
-                   production=pps == default)
+    default = kernel_decode.split_for(layer.page_size)
+    for pps, parts in splits:
+        method = f"kv_int8_fp8 parts {parts}" if parts else f"kv_int8_fp8 split {pps}"
+        row = record(method, lambda pps=pps, parts=parts: kernel_decode.attention(
+            q, layer, recipe, scale=scale, pages_per_split=pps, parts=parts)[0], nbytes)
+        label = f"{parts} parts" if parts else f"{pps * layer.page_size} keys per split"
+        row.update(pages_per_split=pps, parts=parts, split_label=label,
+                   production=parts == default[1] and (parts > 0 or pps == default[0]))
 
 
 def window_rows(record, q, k, v, window, page) -> None:

@@ -23,8 +23,9 @@
 # bench_decode.py (N=32k then 8k at batch 1, the bars' batch; GQA 4:1, each read and eager step
 # also replayed by its launch plan, and issue 44's 4096-token sliding window against a full layer
 # of the 4097 tokens it sees; saved after every row; at most 90 s), the decode kernel's pages
-# per split (bench_decode.py --splits 1,2,4,8,16 at N=32k and 8k, batch 1 then 16: the launcher
-# alone against SDPA, the candidates for core/measured.py DECODE_SPLITS; at most 50 s), the first
+# per split (bench_decode.py --splits 1,2,4,8,16 --parts 32,64,128 at N=32k and 8k, batch 1 then
+# 16: the launcher alone against SDPA, the candidates for core/measured.py DECODE_SPLITS; at most
+# 70 s), the first
 # call of a new shape on a cold Triton cache with the kernels compiled one after another and side
 # by side (benchmarks/probes/first_call.py, LOWBIT_ATTN_COMPILE=parallel then serial, D=128 and
 # 64, a process each; at most 45 s), then the launch plans' GPU tests with LOWBIT_ATTN_LAUNCH=plan (tests/test_gpu_plans.py) in the time left (~85 s: on the
@@ -424,13 +425,13 @@ if [[ "$STAGE" == decide || "$STAGE" == decide2 ]]; then
         limit 75 45
         step vsa "$BENCHLOG" "$PY" benchmarks/bench_vsa.py --sparsities 0.875 --out "$WORK" \
             "${RESULTS[@]}" || rc_bench=$?
-        limit 90 205
+        limit 90 225
         step decode "$BENCHLOG" "$PY" benchmarks/bench_decode.py --seqlens 32k,8k --batches 1 \
             --groups 4 --window 4096 --out "$WORK" "${RESULTS[@]}" || rc_bench=$?
-        limit 50 155
+        limit 70 155
         step decode-splits "$BENCHLOG" "$PY" benchmarks/bench_decode.py --seqlens 32k,8k \
-            --batches 1,16 --groups 4 --splits 1,2,4,8,16 --out "$WORK" "${RESULTS[@]}" \
-            || rc_bench=$?
+            --batches 1,16 --groups 4 --splits 1,2,4,8,16 --parts 32,64,128 --out "$WORK" \
+            "${RESULTS[@]}" || rc_bench=$?
         limit 45 85
         step first-call "$BENCHLOG" "$PY" benchmarks/probes/first_call.py "$WORK" \
             || rc_bench=$?

@@ -94,14 +94,14 @@ def decode_bars(data: dict) -> list[dict]:
 
 def split_rows(data: dict) -> list[dict]:
     """Per (N, batch, GQA) of ``bench_decode.py --splits``: the production split's ms and × SDPA
-    fp16, the fastest candidate's keys per split, ms and × production; then the keys per split
-    fastest on every row, if one is (no target: it becomes the architecture's
+    fp16, the fastest candidate's split (keys per split, or parts), ms and × production; then
+    the split fastest on every row, if one is (no target: it becomes the architecture's
     ``DECODE_SPLITS`` entry, NOTES §13d)."""
     ok = [r for r in data.get("rows", []) if r.get("status") == "ok" and "ms" in r]
     out, winners = [], []
     for config in dict.fromkeys((r["N"], r["batch"], r["gqa"]) for r in ok):
         here = [r for r in ok if (r["N"], r["batch"], r["gqa"]) == config]
-        tried = [r for r in here if "keys_per_split" in r]
+        tried = [r for r in here if "split_label" in r]
         if not tried:
             continue
         name = f"decode split, N={config[0] // 1024}k batch {config[1]} GQA {config[2]}"
@@ -109,17 +109,17 @@ def split_rows(data: dict) -> list[dict]:
         made = [r for r in tried if r.get("production")]
         if made:
             speed = f", {sdpa[0] / made[0]['ms']:.2f}x SDPA" if sdpa else ""
-            out.append({"bar": f"{name}: production ({made[0]['keys_per_split']} keys) ms{speed}",
+            out.append({"bar": f"{name}: production ({made[0]['split_label']}) ms{speed}",
                         "value": made[0]["ms"], "target": None, "met": None})
         best = min(tried, key=lambda r: r["ms"])
-        winners.append(best["keys_per_split"])
+        winners.append(best["split_label"])
         gain = f", {made[0]['ms'] / best['ms']:.2f}x production" if made else ""
         speed = f", {sdpa[0] / best['ms']:.2f}x SDPA" if sdpa else ""
-        out.append({"bar": f"{name}: fastest, {best['keys_per_split']} keys per split, "
-                           f"ms{gain}{speed}", "value": best["ms"], "target": None, "met": None})
+        out.append({"bar": f"{name}: fastest, {best['split_label']}, ms{gain}{speed}",
+                    "value": best["ms"], "target": None, "met": None})
     if winners:
         every = winners[0] if len(set(winners)) == 1 else "none"
-        out.append({"bar": f"decode split: keys per split fastest on every row: {every}",
+        out.append({"bar": f"decode split fastest on every row: {every}",
                     "value": None, "target": None, "met": None})
     return out
 

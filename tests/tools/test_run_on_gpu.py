@@ -63,9 +63,9 @@ if kind:
         "splits": [
         {{"N": 8192, "batch": 1, "gqa": "4:1", "method": "sdpa_fp16", "status": "ok", "ms": 1.0}},
         {{"N": 8192, "batch": 1, "gqa": "4:1", "method": "kv_int8_fp8 split 2", "status": "ok",
-         "ms": 0.5, "keys_per_split": 128, "production": False}},
+         "ms": 0.5, "split_label": "128 keys per split", "production": False}},
         {{"N": 8192, "batch": 1, "gqa": "4:1", "method": "kv_int8_fp8 split 8", "status": "ok",
-         "ms": 2.0, "keys_per_split": 512, "production": True}}]}}[kind]
+         "ms": 2.0, "split_label": "512 keys per split", "production": True}}]}}[kind]
     bars = [{{"bar": "kernel alone TOP/s, D=128 N=16k", "value": None, "target": 850.0,
              "met": None}}] if kind == "forward" else []
     for out in outs:
@@ -133,7 +133,7 @@ def test_a_stage_runs_its_steps_in_order_within_its_budget(tmp_path, stage, budg
         assert [s["step"] for s in steps] == ["sm90-backward-tests", "sm90-backward-admission",
                                              "train", "vsa", "decode", "decode-splits",
                                              "first-call", "plan-tests"]
-        assert "--splits 1,2,4,8,16" in text[5] and "--batches 1,16" in text[5]
+        assert "--splits 1,2,4,8,16 --parts 32,64,128" in text[5] and "--batches 1,16" in text[5]
         assert "first_call.py" in text[6]
         assert "tests/test_gpu_plans.py" in text[7] and commands[7]["launch"] == "plan"
         assert "sm90_backward" in text[0] and "admission_time.py bwd" in text[1]
@@ -151,7 +151,7 @@ def test_a_stage_runs_its_steps_in_order_within_its_budget(tmp_path, stage, budg
         split = bars["decode split, N=8k batch 1 GQA 4:1: fastest, 128 keys per split, ms, 4.00x "
                      "production, 2.00x SDPA"]
         assert split["value"] == pytest.approx(0.5)
-        assert "decode split: keys per split fastest on every row: 128" in bars
+        assert "decode split fastest on every row: 128 keys per split" in bars
         assert set(summary["results"]) == {"train", "vsa", "decode", "splits", "first"}
     table = (out / f"{stage}.md").read_text()
     assert "| bar (issues 43, 44) | value | target | met |" in table and "stub GPU" in table
@@ -223,24 +223,26 @@ def test_the_split_rows_name_each_configuration_s_fastest_split():
     def row(n, batch, method, ms, pps=None, **more):
         r = {"N": n, "batch": batch, "gqa": "4:1", "method": method, "status": "ok", "ms": ms}
         if pps is not None:
-            r.update(keys_per_split=64 * pps, production=pps == 8)
+            r.update(split_label=f"{64 * pps} keys per split", production=pps == 8)
         return {**r, **more}
 
     rows = [row(8192, 1, "sdpa_fp16", 0.02), row(8192, 1, "kv_int8_fp8 split 2", 0.01, 2),
             row(8192, 1, "kv_int8_fp8 split 8", 0.04, 8),
             row(8192, 1, "kv_int8_fp8 split 1", 0.001, 1, status="error: x"),
             row(32768, 16, "kv_int8_fp8 split 2", 0.5, 2),
-            row(32768, 16, "kv_int8_fp8 split 8", 0.4, 8)]
+            row(32768, 16, "kv_int8_fp8 split 8", 0.4, 8),
+            row(32768, 16, "kv_int8_fp8 parts 64", 0.45, split_label="64 parts")]
     stage_summary = script_module("benchmarks/probes/stage_summary.py")
     bars = {b["bar"]: b["value"] for b in stage_summary.split_rows({"rows": rows})}
     assert bars == {
-        "decode split, N=8k batch 1 GQA 4:1: production (512 keys) ms, 0.50x SDPA": 0.04,
+        "decode split, N=8k batch 1 GQA 4:1: production (512 keys per split) ms, 0.50x SDPA":
+            0.04,
         "decode split, N=8k batch 1 GQA 4:1: fastest, 128 keys per split, ms, 4.00x "
         "production, 2.00x SDPA": 0.01,
-        "decode split, N=32k batch 16 GQA 4:1: production (512 keys) ms": 0.4,
+        "decode split, N=32k batch 16 GQA 4:1: production (512 keys per split) ms": 0.4,
         "decode split, N=32k batch 16 GQA 4:1: fastest, 512 keys per split, ms, 1.00x "
         "production": 0.4,
-        "decode split: keys per split fastest on every row: none": None}
+        "decode split fastest on every row: none": None}
 
 
 def test_the_preparation_rows_name_each_launch_s_fastest_candidate():
