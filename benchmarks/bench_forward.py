@@ -44,9 +44,10 @@ operands quantized once):
 ``--decide`` (issue 43): first one configuration per bar (D=128 N=16k, N=1k at B×H=16×32,
 D=64 N=16k, N=1k; causal D=128 N=16k, issue 44's window), then N=8k (B×H=4×32) at D=128 and 64
 and causal D=64 N=16k; only the rows that decide: SDPA cuDNN, e2e sm90 thread and token, kernel
-sm90 thread and token, e2e Triton, SageAttention, and last ``e2e sm90 thread plan`` (with
+sm90 thread and token, e2e Triton, SageAttention, ``e2e sm90 thread plan`` (with
 ``LOWBIT_ATTN_LAUNCH=plan``: the host path launch plans would save; not counted in the bars,
-which are the default launch path's).
+which are the default launch path's), then at D=128 not causal the kernel variants ``… thread
+k2``, ``… thread r168``, ``… token r168`` (the kernel bar takes the fastest ``kernel sm90`` row).
 
 Every output is checked against exact attention in float64 on batch 0, heads 0–1 (cosine,
 relative L1); a row under cosine 0.998 fails. Each row records ``first_call_s``: the wall time
@@ -105,6 +106,7 @@ DECIDE_CONFIGS = [(128, 16384, False), (128, 1024, False), (64, 16384, False), (
                   (128, 16384, True), (128, 8192, False), (64, 8192, False), (64, 16384, True)]
 DECIDE_ROWS = ("sdpa cudnn", "e2e sm90 thread", "e2e sm90 token", "kernel sm90 thread",
                "kernel sm90 token", "e2e triton token", "sage 1.0.6", "e2e sm90 thread plan",
+               "kernel sm90 thread k2", "kernel sm90 thread r168", "kernel sm90 token r168",
                "e2e sm90 thread win512", "e2e triton thread win512", "e2e triton token win512",
                "kernel triton token causal", "kernel triton token win512")
 # Issue 44's bar: a 512-token causal window over N=16k runs >= 8x faster than full causal (the
@@ -204,6 +206,12 @@ def rows_of_config(base, q, k, v, causal, record, gluon_ok: str | None,
         record(base, "e2e triton token", ours("qk_int8_pv_fp8"), note=autotune_choice)
         record(base, "sage 1.0.6", sage(q, k, v, causal))
         record(base, "e2e sm90 thread plan", ours(THREAD, "sm90", "plan"))
+        if not causal and (q.shape[-1] == 128 or not cuda):  # the kernel bar's head dim (a
+            # CPU: skipped rows): the variants no GPU has timed, two K buffers and 3 programs
+            # per SM (NOTES §17)
+            sm90_rows([("kernel sm90 thread k2", THREAD, {"k_stages": 2}),
+                       ("kernel sm90 thread r168", THREAD, {"maxnreg": 168}),
+                       ("kernel sm90 token r168", TOKEN, {"maxnreg": 168})])
         if causal:  # issue 44: a 512-token window, sm90 and Triton, against full causal above
             for name, kernel in (("e2e sm90 thread win512", "sm90"),
                                  ("e2e triton thread win512", "triton")):
