@@ -46,8 +46,9 @@ D=64 N=16k, N=1k; causal D=128 N=16k, issue 44's window), then N=8k (B×H=4×32)
 and causal D=64 N=16k; only the rows that decide: SDPA cuDNN, e2e sm90 thread and token, kernel
 sm90 thread and token, e2e Triton, SageAttention, ``e2e sm90 thread plan`` (with
 ``LOWBIT_ATTN_LAUNCH=plan``: the host path launch plans would save; not counted in the bars,
-which are the default launch path's), then at D=128 not causal the kernel variants ``… thread
-k2``, ``… thread r168``, ``… token r168`` (the kernel bar takes the fastest ``kernel sm90`` row).
+which are the default launch path's); after every configuration, the kernel's variants alone
+at D=128 N=16k (``… thread k2``, ``… thread r168``, ``… token r168``: the kernel bar takes the
+fastest ``kernel sm90`` row).
 
 Every output is checked against exact attention in float64 on batch 0, heads 0–1 (cosine,
 relative L1); a row under cosine 0.998 fails. Each row records ``first_call_s``: the wall time
@@ -106,9 +107,16 @@ DECIDE_CONFIGS = [(128, 16384, False), (128, 1024, False), (64, 16384, False), (
                   (128, 16384, True), (128, 8192, False), (64, 8192, False), (64, 16384, True)]
 DECIDE_ROWS = ("sdpa cudnn", "e2e sm90 thread", "e2e sm90 token", "kernel sm90 thread",
                "kernel sm90 token", "e2e triton token", "sage 1.0.6", "e2e sm90 thread plan",
-               "kernel sm90 thread k2", "kernel sm90 thread r168", "kernel sm90 token r168",
                "e2e sm90 thread win512", "e2e triton thread win512", "e2e triton token win512",
-               "kernel triton token causal", "kernel triton token win512")
+               "kernel triton token causal", "kernel triton token win512",
+               "kernel sm90 thread k2", "kernel sm90 thread r168", "kernel sm90 token r168")
+# The one-warpgroup kernel's variants (NOTES §17: two K buffers; 168 registers, 3 programs per
+# SM), and --decide's last pass: them alone at the kernel bar's configuration, after every
+# decisive row (no GPU has timed them).
+KERNEL_VARIANTS = [("kernel sm90 thread k2", THREAD, {"k_stages": 2}),
+                   ("kernel sm90 thread r168", THREAD, {"maxnreg": 168}),
+                   ("kernel sm90 token r168", TOKEN, {"maxnreg": 168})]
+DECIDE_VARIANTS = (128, 16384, False)
 # Issue 44's bar: a 512-token causal window over N=16k runs >= 8x faster than full causal (the
 # "win512" rows of the causal configurations against "e2e sm90 thread", and the default path's
 # "e2e triton token win512" against "e2e triton token"; TOP/s counted as causal).
@@ -165,6 +173,17 @@ def permuted_stages(q, k, v, causal, recipe, launcher):
     return prepare, attention
 
 
+def sm90_rows(base, q, k, v, causal, record, gluon_ok: str | None, rows) -> None:
+    """The one-warpgroup kernel alone, one row per ``(name, recipe, launcher options)`` of
+    ``rows`` (skipped, saying why, where the Gluon kernels cannot run)."""
+    for name, recipe, options in rows:
+        if gluon_ok is not None:
+            record(base, name, None, skip=gluon_ok)
+            continue
+        record(base, name, None, build=lambda recipe=recipe, options=options: permuted_stages(
+            q, k, v, causal, recipe, sm90_launcher(**options))[1])
+
+
 def rows_of_config(base, q, k, v, causal, record, gluon_ok: str | None,
                    decide: bool = False) -> None:
     """Every row of one configuration (module docstring), most decisive first; ``gluon_ok``:
@@ -183,13 +202,7 @@ def rows_of_config(base, q, k, v, causal, record, gluon_ok: str | None,
                 return TORCH_SDPA(qb, kb, vb, is_causal=causal)
         return fn
 
-    def sm90_rows(rows):
-        for name, recipe, options in rows:
-            if gluon_ok is not None:
-                record(base, name, None, skip=gluon_ok)
-                continue
-            record(base, name, None, build=lambda recipe=recipe, options=options: permuted_stages(
-                q, k, v, causal, recipe, sm90_launcher(**options))[1])
+    sm90 = functools.partial(sm90_rows, base, q, k, v, causal, record, gluon_ok)
 
     def ours(recipe, kernel="triton", launch=None, **variant):  # the rows name their kernel
         def fn():
@@ -202,16 +215,10 @@ def rows_of_config(base, q, k, v, causal, record, gluon_ok: str | None,
         record(base, name, ours(recipe, "sm90"),
                note=lambda: sm90_check.verdict(q.device) or "admitted", admission=True)
     if decide:
-        sm90_rows([("kernel sm90 thread", THREAD, {}), ("kernel sm90 token", TOKEN, {})])
+        sm90([("kernel sm90 thread", THREAD, {}), ("kernel sm90 token", TOKEN, {})])
         record(base, "e2e triton token", ours("qk_int8_pv_fp8"), note=autotune_choice)
         record(base, "sage 1.0.6", sage(q, k, v, causal))
         record(base, "e2e sm90 thread plan", ours(THREAD, "sm90", "plan"))
-        if not causal and (q.shape[-1] == 128 or not cuda):  # the kernel bar's head dim (a
-            # CPU: skipped rows): the variants no GPU has timed, two K buffers and 3 programs
-            # per SM (NOTES §17)
-            sm90_rows([("kernel sm90 thread k2", THREAD, {"k_stages": 2}),
-                       ("kernel sm90 thread r168", THREAD, {"maxnreg": 168}),
-                       ("kernel sm90 token r168", TOKEN, {"maxnreg": 168})])
         if causal:  # issue 44: a 512-token window, sm90 and Triton, against full causal above
             for name, kernel in (("e2e sm90 thread win512", "sm90"),
                                  ("e2e triton thread win512", "triton")):
@@ -231,11 +238,8 @@ def rows_of_config(base, q, k, v, causal, record, gluon_ok: str | None,
     record(base, "tuned triton token", tuned(ours("qk_int8_pv_fp8")), note=autotune_choice)
     record(base, "sdpa flash", sdpa(SDPBackend.FLASH_ATTENTION))
     record(base, "sage 1.0.6", sage(q, k, v, causal))
-    sm90_rows([("kernel sm90 thread", THREAD, {}),
-               ("kernel sm90 thread k2", THREAD, {"k_stages": 2}),
-               ("kernel sm90 thread r168", THREAD, {"maxnreg": 168}),
-               ("kernel sm90 token", TOKEN, {}),
-               ("kernel sm90 token r168", TOKEN, {"maxnreg": 168}),
+    sm90([("kernel sm90 thread", THREAD, {}), *KERNEL_VARIANTS[:2],
+               ("kernel sm90 token", TOKEN, {}), *KERNEL_VARIANTS[2:],
                ("kernel sm90 fp16 thread", THREAD_FP16, {})])
     record(base, "kernel triton token", stage_fns(q, k, v, causal)[1], note=autotune_choice)
     record(base, "kernel triton thread", stage_fns(q, k, v, causal, THREAD)[1],
@@ -251,7 +255,7 @@ def rows_of_config(base, q, k, v, causal, record, gluon_ok: str | None,
     record(base, "prepare permuted", permuted_stages(q, k, v, causal, THREAD, sm90_launcher())[0],
            check=False)
     if q.shape[-1] == 64:  # where the MUFU binds (NOTES §17); last, the least likely to decide
-        sm90_rows([("kernel sm90 thread poly16", THREAD, {"poly_exp2": 16}),
+        sm90([("kernel sm90 thread poly16", THREAD, {"poly_exp2": 16}),
                    ("kernel sm90 thread poly8", THREAD, {"poly_exp2": 8})])
 
 
@@ -380,7 +384,12 @@ def main(argv=None) -> int:
                             table)
         return table
 
-    for d, n, causal in configs:
+    passes = [(config, functools.partial(rows_of_config, decide=args.decide))
+              for config in configs]
+    if args.decide:  # last, the kernel's variants (on a CPU, skipped rows: the script checked)
+        passes.append((DECIDE_VARIANTS if cuda else configs[0],
+                       functools.partial(sm90_rows, rows=KERNEL_VARIANTS)))
+    for (d, n, causal), rows_fn in passes:
         b, h = batch_heads[n]
         base = {"B": b, "H": h, "N": n, "D": d, "causal": causal}
         if args.time_budget is not None and time.monotonic() - start > args.time_budget:
@@ -389,8 +398,7 @@ def main(argv=None) -> int:
         q, k, v = make_inputs(b, h, n, d, device=device)
         exact, _ = exact_attention(q[:1, :2], k[:1, :2], v[:1, :2], scale=d ** -0.5,
                                    causal_offset=0 if causal else None)
-        rows_of_config({**base, "exact": exact}, q, k, v, causal, record, gluon_ok,
-                       decide=args.decide)
+        rows_fn({**base, "exact": exact}, q, k, v, causal, record, gluon_ok)
         del q, k, v, exact
         if cuda:
             torch.cuda.empty_cache()
