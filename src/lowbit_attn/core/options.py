@@ -73,8 +73,6 @@ VARIABLES = {"train_dq": ("LOWBIT_ATTN_TRAIN_DQ", DQ_MODES),
              "compile": ("LOWBIT_ATTN_COMPILE", COMPILE_MODES)}
 
 
-
-
 def env_names(names) -> tuple:
     """``names`` as :data:`ENV` keys them."""
     return tuple(map(os.environ.encodekey, names))

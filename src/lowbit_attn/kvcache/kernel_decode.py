@@ -31,8 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit_attn.core.arch import get_capability, interpreter_enabled
 from lowbit_attn.core import measured
+from lowbit_attn.core.arch import get_capability, interpreter_enabled
 from lowbit_attn.core.operands import LOG2E
 from lowbit_attn.core.triton_helpers import (
     LN2, exact_fp8, family, next_pow2, online_max, p_offset, softcap_scores, strides, to_e4m3,
