@@ -425,10 +425,10 @@ if [[ "$STAGE" == decide || "$STAGE" == decide2 ]]; then
         limit 75 45
         step vsa "$BENCHLOG" "$PY" benchmarks/bench_vsa.py --sparsities 0.875 --out "$WORK" \
             "${RESULTS[@]}" || rc_bench=$?
-        limit 90 225
+        limit 90 160  # after it: the splits (~40 s), the first call (45) and the plan tests
         step decode "$BENCHLOG" "$PY" benchmarks/bench_decode.py --seqlens 32k,8k --batches 1 \
             --groups 4 --window 4096 --out "$WORK" "${RESULTS[@]}" || rc_bench=$?
-        limit 70 155
+        limit 70 130
         step decode-splits "$BENCHLOG" "$PY" benchmarks/bench_decode.py --seqlens 32k,8k \
             --batches 1,16 --groups 4 --splits 1,2,4,8,16 --parts 32,64,128 --out "$WORK" \
             "${RESULTS[@]}" || rc_bench=$?
