@@ -194,7 +194,8 @@ def configuration(n, batch, group, kv_heads, d, page, device, timer, bandwidth,
     """The rows of one (N, batch, GQA) configuration: SDPA on fp16 K/V, then the 8-bit cache
     (and with ``window``, a sliding-window layer and the full one it should cost as), appended
     to ``rows`` (a new list by default) and returned; ``on_row(rows)`` after each row. With
-    ``splits`` (pages per split), SDPA and the launcher at each of them only (:func:`split_rows`)."""
+    ``splits`` (``(pages per split, parts)`` pairs), SDPA and the launcher at each of them only
+    (:func:`split_rows`)."""
     base = {"N": n, "batch": batch, "gqa": f"{group}:1"}
     g = torch.Generator(device=device).manual_seed(n + batch + group)
     shape = (batch, kv_heads, n, d)

@@ -25,10 +25,10 @@
 # of the 4097 tokens it sees; saved after every row; at most 90 s), the decode kernel's pages
 # per split (bench_decode.py --splits 1,2,4,8,16 --parts 32,64,128 at N=32k and 8k, batch 1 then
 # 16: the launcher alone against SDPA, the candidates for core/measured.py DECODE_SPLITS; at most
-# 70 s), the first
-# call of a new shape on a cold Triton cache with the kernels compiled one after another and side
-# by side (benchmarks/probes/first_call.py, LOWBIT_ATTN_COMPILE=parallel then serial, D=128 and
-# 64, a process each; at most 45 s), then the launch plans' GPU tests with LOWBIT_ATTN_LAUNCH=plan (tests/test_gpu_plans.py) in the time left (~85 s: on the
+# 70 s), the first call of a new shape on a cold Triton cache with the kernels compiled one after
+# another and side by side (benchmarks/probes/first_call.py, LOWBIT_ATTN_COMPILE=parallel then
+# serial, D=128 and 64, a process each; at most 45 s), then the launch plans' GPU tests with
+# LOWBIT_ATTN_LAUNCH=plan (tests/test_gpu_plans.py) in the time left (~85 s: on the
 # H200 of 2026-11-29 60 s in decide left 3 of them unreached, those waiting for the Gluon
 # forward's cold admission check; plans are opt-in, so they come after what decides defaults).
 # Each step runs under `timeout` with the smaller of its cap and what TOTAL_BUDGET leaves after

@@ -9,8 +9,8 @@ after every step, so a run cut short still leaves it. No torch import: it runs i
 
 STEPS.tsv: one line per step, ``name<TAB>limit s<TAB>started at s<TAB>took s<TAB>exit status``
 (``skipped`` for a step with no time left); ``admission-*.json`` (benchmarks/probes/
-admission_time.py) and ``{forward,train,vsa,decode,splits,prep,first}-*.json`` / ``.md`` are read from the
-RESULT_DIRs, the newest of each kind.
+admission_time.py) and ``{forward,train,vsa,decode,splits,prep,first}-*.json`` / ``.md`` are
+read from the RESULT_DIRs, the newest of each kind.
 """
 
 from __future__ import annotations
