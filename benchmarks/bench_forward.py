@@ -239,8 +239,8 @@ def rows_of_config(base, q, k, v, causal, record, gluon_ok: str | None,
     record(base, "sdpa flash", sdpa(SDPBackend.FLASH_ATTENTION))
     record(base, "sage 1.0.6", sage(q, k, v, causal))
     sm90([("kernel sm90 thread", THREAD, {}), *KERNEL_VARIANTS[:2],
-               ("kernel sm90 token", TOKEN, {}), *KERNEL_VARIANTS[2:],
-               ("kernel sm90 fp16 thread", THREAD_FP16, {})])
+          ("kernel sm90 token", TOKEN, {}), *KERNEL_VARIANTS[2:],
+          ("kernel sm90 fp16 thread", THREAD_FP16, {})])
     record(base, "kernel triton token", stage_fns(q, k, v, causal)[1], note=autotune_choice)
     record(base, "kernel triton thread", stage_fns(q, k, v, causal, THREAD)[1],
            note=autotune_choice)
@@ -256,7 +256,7 @@ def rows_of_config(base, q, k, v, causal, record, gluon_ok: str | None,
            check=False)
     if q.shape[-1] == 64:  # where the MUFU binds (NOTES §17); last, the least likely to decide
         sm90([("kernel sm90 thread poly16", THREAD, {"poly_exp2": 16}),
-                   ("kernel sm90 thread poly8", THREAD, {"poly_exp2": 8})])
+              ("kernel sm90 thread poly8", THREAD, {"poly_exp2": 8})])
 
 
 def compiled_facts() -> list[dict]:

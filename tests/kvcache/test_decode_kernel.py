@@ -188,9 +188,9 @@ def test_the_public_function_runs_the_kernel_on_the_triton_backend(device, monke
 
 
 def test_a_split_is_a_fixed_number_of_pages():
-    assert kernel_decode.pages_per_split_for(64) == kernel_decode.TOKENS_PER_SPLIT // 64
-    assert kernel_decode.pages_per_split_for(16) == kernel_decode.TOKENS_PER_SPLIT // 16
-    assert kernel_decode.pages_per_split_for(4096) == 1
+    assert kernel_decode.split_for(64) == (kernel_decode.TOKENS_PER_SPLIT // 64, 0)
+    assert kernel_decode.split_for(16) == (kernel_decode.TOKENS_PER_SPLIT // 16, 0)
+    assert kernel_decode.split_for(4096) == (1, 0)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -215,9 +215,9 @@ def test_a_sequence_in_parts_matches_the_twin(device, recipe, lengths, kv_heads,
 
 
 def test_a_measured_split_is_the_architecture_s(device, monkeypatch):
-    """An entry of ``core.measured.DECODE_SPLITS`` for the family kernels target sets the keys
-    per split of every read (the public call, its plan key's splits, ``DecodeStep``) and of
-    nothing else: another family's entry changes nothing."""
+    """An entry of ``core.measured.DECODE_SPLITS`` for the family kernels target sets the split
+    (keys per split, or parts) of every read (the public call, its plan key's splits,
+    ``DecodeStep``): another family's entry changes nothing."""
     from lowbit_attn.core import measured
     from lowbit_attn.core.arch import get_capability
     from lowbit_attn.core.triton_helpers import family
@@ -228,10 +228,10 @@ def test_a_measured_split_is_the_architecture_s(device, monkeypatch):
     q = queries(2, 4, 1, 64, torch.float16, device.name)
     layer = cache.layers[0]
     monkeypatch.setattr(measured, "DECODE_SPLITS", (measured.DecodeSplit("sm_0", 16, "test"),))
-    assert kernel_decode.pages_per_split_for(PAGE) == kernel_decode.TOKENS_PER_SPLIT // PAGE
+    assert kernel_decode.split_for(PAGE) == (kernel_decode.TOKENS_PER_SPLIT // PAGE, 0)
     monkeypatch.setattr(measured, "DECODE_SPLITS", (measured.DecodeSplit(here, 2 * PAGE, "t"),))
-    assert kernel_decode.pages_per_split_for(PAGE) == 2
-    assert kernel_decode.pages_per_split_for(4 * PAGE) == 1
+    assert kernel_decode.split_for(PAGE) == (2, 0)
+    assert kernel_decode.split_for(4 * PAGE) == (1, 0)
     assert kernel_decode.splits_of(layer) == 2  # 40 keys in splits of 32
     seen, launch = [], kernel_decode.launch
 

@@ -345,11 +345,6 @@ def split_for(page_size: int) -> tuple[int, int]:
     return max(1, tokens // page_size), entry.parts if entry else 0
 
 
-def pages_per_split_for(page_size: int) -> int:
-    """Pages per split (:func:`split_for`)."""
-    return split_for(page_size)[0]
-
-
 class Buffers(NamedTuple):
     """What one launch writes: the output and LSE, and the splits' workspace (the accumulators,
     the row maxima, the row sums, views of one allocation), for ``splits`` splits."""
