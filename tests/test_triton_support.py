@@ -243,3 +243,94 @@ def test_a_triton_that_does_not_import_is_named_with_what_it_raised():
     assert "needs numpy: pip install numpy" in lines[0]
     (row,) = [line for line in lines if line.lstrip().startswith("triton ")]
     assert "not installed" not in row and "ModuleNotFoundError" in row, row
+
+
+def _key_stand_in(release):
+    """A module like Triton's, whose ``triton_key`` (an ``lru_cache``) counts its calls and, on
+    the hashing thread alone, waits for ``release``."""
+    import functools
+    import threading
+    import types
+
+    module = types.ModuleType("stand_in_cache")
+    module.calls = 0
+
+    @functools.lru_cache()
+    def triton_key():
+        module.calls += 1
+        if threading.current_thread().name == triton_support.HASH_THREAD:
+            assert release.wait(30)
+        return "3.x-key"
+
+    module.triton_key = triton_key
+    return module
+
+
+def test_a_compile_during_the_hash_waits_for_it_and_the_key_is_computed_once():
+    import threading
+
+    release = threading.Event()
+    module = _key_stand_in(release)
+    original = module.triton_key
+    thread = triton_support.hash_ahead(module)
+    assert thread is not None and module.triton_key is not original
+    got = []
+    caller = threading.Thread(target=lambda: got.append(module.triton_key()))
+    caller.start()
+    caller.join(0.2)
+    assert caller.is_alive() and not got  # waits rather than hashing again
+    release.set()
+    caller.join(10)
+    thread.join(10)
+    assert got == ["3.x-key"] and module.calls == 1
+    assert module.triton_key is original  # the stand-in is gone once the key is computed
+    assert triton_support.hash_ahead(module) is None  # already computed: nothing to do
+
+
+def test_a_process_forked_during_the_hash_computes_the_key_itself():
+    import os
+    import threading
+    import time
+
+    release = threading.Event()
+    module = _key_stand_in(release)
+    original = module.triton_key
+    thread = triton_support.hash_ahead(module)
+    pid = os.fork()
+    if pid == 0:  # the child: no hashing thread here to wait for
+        ok = module.triton_key is original and original() == "3.x-key"
+        os._exit(0 if ok else 1)
+    try:
+        deadline = time.monotonic() + 20
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if done[0] == 0:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0, "the child hung or failed"
+    finally:
+        release.set()
+        thread.join(10)
+
+
+def test_the_installed_triton_s_key_is_hashed_ahead_to_the_same_value():
+    module = triton_support.key_module()
+    assert module is not None, f"no triton_key in {triton_support.KEY_MODULES} on {triton.__version__}"
+    original = module.triton_key
+    want = original.__wrapped__()  # computed here, not cached
+    original.cache_clear()
+    thread = triton_support.hash_ahead()
+    thread.join(60)
+    assert not thread.is_alive() and module.triton_key is original
+    assert original.cache_info().currsize == 1 and original() == want
+    assert want.startswith(triton.__version__)
+
+
+@pytest.mark.parametrize("cuda,interpret,wanted", [("12.8", "", True), ("12.8", "1", False),
+                                                    (None, "", False)])
+def test_the_import_hashes_ahead_on_a_gpu_build_outside_the_interpreter(monkeypatch, cuda,
+                                                                        interpret, wanted):
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    assert triton_support.hash_ahead_wanted() is wanted

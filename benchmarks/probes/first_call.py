@@ -6,12 +6,15 @@ first ``attention()`` call (synchronized) and the second, each timed. Cases most
 (D = 128 and 64 compiled side by side, then one after another); the JSON is rewritten after each.
 
     python benchmarks/probes/first_call.py OUTDIR [--dims 128,64] [--modes parallel,serial]
-        [--cpu]
+        [--cpu [--ahead]] [--warm]
 
 Writes ``OUTDIR/first-<gpu>-<date>.json`` and ``.md`` (read by ``stage_summary.py``). ``--cpu``:
 the same on a machine without a GPU, CPU tensors under the stand-in launches of
 ``tools/bench/host.py`` with each kernel compiled for real for sm_90a (``compile=True``): the
-compiles' share of a first call on this CPU, nothing launched (the name says ``cpu-sm_90a``).
+compiles' share of a first call on this CPU, nothing launched (the name says ``cpu-sm_90a``);
+with ``--ahead`` the child starts ``triton_support.hash_ahead`` after the import, as the import
+itself does on a GPU build of torch. ``--warm``: each case's cache filled first by a process of
+its own, then measured (a later process's first call; rows ``"cache": "warm"``, no bar).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -32,7 +36,7 @@ SHAPE = (2, 16, 4096)  # batch, heads, tokens (D from --dims): compiles do not d
 CHILD_TIMEOUT_S = 120
 
 
-def child(d: int, cpu: bool) -> dict:
+def child(d: int, cpu: bool, start_ahead: bool = False) -> dict:
     """One case, in this (fresh) process."""
     t0 = time.perf_counter()
     import torch
@@ -40,6 +44,11 @@ def child(d: int, cpu: bool) -> dict:
     import lowbit_attn
 
     imported = time.perf_counter() - t0
+    from lowbit_attn.core import triton_support
+
+    if start_ahead:
+        triton_support.hash_ahead()
+    ahead = any(t.name == triton_support.HASH_THREAD for t in threading.enumerate())
     t0 = time.perf_counter()
     b, h, n = SHAPE
     device = "cpu" if cpu else "cuda"
@@ -61,20 +70,28 @@ def child(d: int, cpu: bool) -> dict:
             sync()
             times.append(time.perf_counter() - t0)
     name = "cpu-sm_90a" if cpu else torch.cuda.get_device_name()
+    # Triton's own key, hashed again here: what a first call would wait for without hash_ahead
+    module = triton_support.key_module()
+    t0 = time.perf_counter()
+    if module is not None:
+        module.triton_key.__wrapped__()
     return {"import_s": imported, "context_s": context, "first_call_s": times[0],
             "second_call_s": times[1], "device_name": name, "torch": torch.__version__,
-            "triton": __import__("triton").__version__}
+            "triton": __import__("triton").__version__, "hash_ahead": ahead,
+            "triton_key_s": time.perf_counter() - t0 if module is not None else None}
 
 
-def run_case(d: int, mode: str, cpu: bool) -> dict:
-    row = {"d": d, "mode": mode, "shape": list(SHAPE)}
+def run_case(d: int, mode: str, cpu: bool, ahead: bool = False, warm: bool = False) -> dict:
+    row = {"d": d, "mode": mode, "shape": list(SHAPE), "cache": "warm" if warm else "cold"}
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "TRITON_CACHE_DIR": cache, "LOWBIT_ATTN_COMPILE": mode}
         env.pop("TRITON_INTERPRET", None)  # compiled kernels
-        command = [sys.executable, __file__, "--child", str(d)] + (["--cpu"] if cpu else [])
+        command = ([sys.executable, __file__, "--child", str(d)] + (["--cpu"] if cpu else [])
+                   + (["--ahead"] if ahead else []))
         try:
-            done = subprocess.run(command, env=env, capture_output=True, text=True,
-                                  timeout=CHILD_TIMEOUT_S)
+            for _ in range(1 + warm):  # warm: the first process fills the cache
+                done = subprocess.run(command, env=env, capture_output=True, text=True,
+                                      timeout=CHILD_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             return {**row, "status": f"timed out after {CHILD_TIMEOUT_S} s"}
     lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
@@ -84,16 +101,21 @@ def run_case(d: int, mode: str, cpu: bool) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| D | LOWBIT_ATTN_COMPILE | first call s | second call s | import s | CUDA context s "
-             "| ≤ 2 s |", "|---|---|---|---|---|---|---|"]
+    lines = ["| D | LOWBIT_ATTN_COMPILE | cache | first call s | second call s | import s "
+             "| CUDA context s | Triton's key s (hashed ahead) | ≤ 2 s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        cache = r.get("cache", "cold")
         if r["status"] != "ok":
-            lines.append(f"| {r['d']} | {r['mode']} | {r['status']} | | | | |")
+            lines.append(f"| {r['d']} | {r['mode']} | {cache} | {r['status']} | | | | | |")
             continue
         met = "yes" if r["first_call_s"] <= BAR_S else "no"
-        lines.append(f"| {r['d']} | {r['mode']} | {r['first_call_s']:.2f} | "
+        met = met if cache == "cold" else "—"
+        key = r.get("triton_key_s")
+        key = "—" if key is None else f"{key:.2f} ({'yes' if r.get('hash_ahead') else 'no'})"
+        lines.append(f"| {r['d']} | {r['mode']} | {cache} | {r['first_call_s']:.2f} | "
                      f"{r['second_call_s']:.4f} | {r['import_s']:.2f} | {r['context_s']:.2f} | "
-                     f"{met} |")
+                     f"{key} | {met} |")
     return "\n".join(lines) + "\n"
 
 
@@ -103,10 +125,12 @@ def main(argv=None) -> int:
     parser.add_argument("--dims", default="128,64")
     parser.add_argument("--modes", default="parallel,serial")
     parser.add_argument("--cpu", action="store_true")
+    parser.add_argument("--ahead", action="store_true")
+    parser.add_argument("--warm", action="store_true")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print("RESULT " + json.dumps(child(args.child, args.cpu)), flush=True)
+        print("RESULT " + json.dumps(child(args.child, args.cpu, args.ahead)), flush=True)
         return 0
     rows: list[dict] = []
     date = dt.date.today().isoformat()
@@ -114,7 +138,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     for mode in args.modes.split(","):
         for d in (int(x) for x in args.dims.split(",")):
-            rows.append(run_case(d, mode, args.cpu))
+            rows.append(run_case(d, mode, args.cpu, args.ahead, args.warm))
             gpu = next((r["device_name"] for r in rows if "device_name" in r), "unknown")
             stem = out / f"first-{gpu.lower().replace(' ', '-')}-{date}"
             data = {"device_name": gpu, "date": date, "command": " ".join(sys.argv),

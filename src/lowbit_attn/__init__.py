@@ -29,6 +29,10 @@ for _name, _module in (("fp4", fp4), ("parallel", parallel), ("tiles", tiles)):
     sys.modules[f"{__name__}.{_name}"] = _module
 del _name, _module
 
+# Triton's own cache key, hashed while the caller gets ready (its first compile would wait for it)
+if _triton_support.hash_ahead_wanted():
+    _triton_support.hash_ahead()
+
 __all__ = [
     "attention",
     "attention_varlen",

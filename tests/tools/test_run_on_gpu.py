@@ -304,3 +304,21 @@ def test_the_preparation_probe_runs_every_row_on_a_cpu(tmp_path):
     table = (tmp_path / "prep-speed.md").read_text()
     assert table.startswith("# cpu (smoke); ") and "command: python benchmarks/probes/prep" in table
     assert table.count("\n") == len(rows) + 4  # the header, a blank line, the table's two heads
+
+
+def test_a_warm_first_call_is_reported_without_the_cold_bar():
+    """first_call.py's ``--warm`` rows (a later process's first call) show in its table with no
+    verdict and give ``stage_summary`` no bar; the cold rows keep the 2 s bar."""
+    rows = [{"d": 128, "mode": "serial", "cache": "cold", "status": "ok", "first_call_s": 2.3,
+             "second_call_s": 0.001, "import_s": 1.2, "context_s": 0.3, "triton_key_s": 0.34,
+             "hash_ahead": True},
+            {"d": 128, "mode": "serial", "cache": "warm", "status": "ok", "first_call_s": 0.19,
+             "second_call_s": 0.001, "import_s": 1.2, "context_s": 0.3, "triton_key_s": 0.34,
+             "hash_ahead": False}]
+    first_call = script_module("benchmarks/probes/first_call.py")
+    lines = first_call.table(rows).splitlines()
+    assert lines[2].endswith("| 0.34 (yes) | no |") and "| cold | 2.30 |" in lines[2]
+    assert lines[3].endswith("| 0.34 (no) | — |") and "| warm | 0.19 |" in lines[3]
+    stage_summary = script_module("benchmarks/probes/stage_summary.py")
+    bars = stage_summary.first_bars({"rows": rows})
+    assert [(b["value"], b["met"]) for b in bars] == [(2.3, False)]

@@ -13,6 +13,8 @@ what differs between Triton versions.
   (``inference.gluon_check``) has admitted them.
 - :func:`patch_interpreter` fixes what the Triton interpreter gets wrong on some releases, so the
   kernels compute the same under ``TRITON_INTERPRET=1`` on each of them.
+- :func:`hash_ahead` computes Triton's own cache key (a hash of its library, once per process) in
+  a thread from the package's import on, where each release keeps it (:func:`key_module`).
 
 :mod:`lowbit_attn.tools.triton_compat` keeps the ahead-of-time tooling's reads of Triton internals.
 """
@@ -20,7 +22,9 @@ what differs between Triton versions.
 from __future__ import annotations
 
 import functools
+import importlib
 import os
+import threading
 
 # The series the suite runs on: all the metadata admits, 3.4 up to 3.9 (the Triton of every torch
 # from 2.8 to 2.15, below)
@@ -221,9 +225,92 @@ def patch_interpreter() -> None:
     InterpreterBuilder.create_fma = create_fma
 
 
+# Where Triton's compile path finds ``triton_key``: 3.4 defines it in the compiler, later
+# releases in the cache module (each calls it by its module's global name).
+KEY_MODULES = ("triton.runtime.cache", "triton.compiler.compiler")
+HASH_THREAD = "lowbit_attn-triton-key"
+
+
+def key_module():
+    """The module of :data:`KEY_MODULES` that defines the ``triton_key`` its compile path calls
+    (an ``lru_cache`` of no arguments), or ``None`` (no such function on this Triton)."""
+    for name in KEY_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        found = getattr(module, "triton_key", None)
+        if getattr(found, "__module__", None) == name and hasattr(found, "cache_info"):
+            return module
+    return None
+
+
+def hash_ahead_wanted() -> bool:
+    """Whether the package's import starts :func:`hash_ahead`: Triton installed, not its
+    interpreter (which compiles nothing), and a torch built for a GPU (CUDA or ROCm: elsewhere
+    Triton compiles only for the ahead-of-time tools)."""
+    import torch
+
+    from lowbit_attn.core.arch import interpreter_enabled
+
+    gpu_build = torch.version.cuda is not None or getattr(torch.version, "hip", None) is not None
+    return gpu_build and not interpreter_enabled() and triton_installed()
+
+
+def hash_ahead(module=None) -> threading.Thread | None:
+    """Compute Triton's own cache key in a daemon thread, and return the thread (``None`` where
+    there is nothing to do: no :func:`key_module`, or the key already computed).
+
+    Every process's first compile, and its first read of a compiled kernel from Triton's cache,
+    computes ``triton_key()``: a SHA-256 of Triton's ~400 MB library and its sources (0.35–0.45 s
+    on this project's 2-core CPU, Triton 3.6: most of a first call's time when the kernels are
+    cached, 0.49 s). Started at the package's import, it runs while the caller loads a model or
+    creates its CUDA context (the hash releases the GIL). Until it is done the module's
+    ``triton_key`` is a stand-in that waits for it and returns the same cached value, so that a
+    compile started meanwhile (or several, side by side) waits for the rest rather than hashing
+    again; then the stand-in is gone. A process forked meanwhile gets the function back and
+    computes the key itself. If the hash raises, the first compile computes it again and raises
+    there. ``module``: where ``triton_key`` lives (default :func:`key_module`)."""
+    module = module if module is not None else key_module()
+    if module is None:
+        return None
+    original = module.triton_key
+    if original.cache_info().currsize:
+        return None
+    done = threading.Event()
+    parent = os.getpid()
+
+    def stand_in():
+        if os.getpid() == parent:  # a forked child has no hashing thread to wait for
+            done.wait()
+        return original()
+
+    stand_in.__wrapped__ = original
+    stand_in.cache_info, stand_in.cache_clear = original.cache_info, original.cache_clear
+
+    def restore():
+        if module.triton_key is stand_in:
+            module.triton_key = original
+
+    def run():
+        try:
+            original()
+        except Exception:  # noqa: BLE001 - computed again, and raised, by the first compile
+            pass
+        finally:
+            restore()
+            done.set()
+
+    module.triton_key = stand_in
+    os.register_at_fork(after_in_child=restore)
+    thread = threading.Thread(target=run, name=HASH_THREAD, daemon=True)
+    thread.start()
+    return thread
+
+
 __all__ = [
-    "GLUON_SERIES", "GluonUnavailable", "OLDEST", "PINNED", "TESTED", "TORCH_TRITON",
-    "check_triton_series", "fma_fp32",
-    "gluon_available", "gluon_refusal", "parts", "patch_interpreter", "require_gluon", "series",
-    "triton_installed",
+    "GLUON_SERIES", "GluonUnavailable", "HASH_THREAD", "KEY_MODULES", "OLDEST", "PINNED", "TESTED",
+    "TORCH_TRITON", "check_triton_series", "fma_fp32",
+    "gluon_available", "gluon_refusal", "hash_ahead", "hash_ahead_wanted", "key_module", "parts",
+    "patch_interpreter", "require_gluon", "series", "triton_installed",
 ]
