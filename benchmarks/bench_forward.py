@@ -48,7 +48,9 @@ sm90 thread and token, e2e Triton, SageAttention, ``e2e sm90 thread plan`` (with
 ``LOWBIT_ATTN_LAUNCH=plan``: the host path launch plans would save; not counted in the bars,
 which are the default launch path's); after every configuration, the kernel's variants alone
 at D=128 N=16k (``… thread k2``, ``… thread r168``, ``… token r168``: the kernel bar takes the
-fastest ``kernel sm90`` row).
+fastest ``kernel sm90`` row); last, ``tuned triton token win512`` at D=128 N=16k causal (the
+windowed call autotuned, against ``e2e triton token win512``, which runs the candidate measured
+without a window).
 
 Every output is checked against exact attention in float64 on batch 0, heads 0–1 (cosine,
 relative L1); a row under cosine 0.998 fails. Each row records ``first_call_s``: the wall time
@@ -109,7 +111,8 @@ DECIDE_ROWS = ("sdpa cudnn", "e2e sm90 thread", "e2e sm90 token", "kernel sm90 t
                "kernel sm90 token", "e2e triton token", "sage 1.0.6", "e2e sm90 thread plan",
                "e2e sm90 thread win512", "e2e triton thread win512", "e2e triton token win512",
                "kernel triton token causal", "kernel triton token win512",
-               "kernel sm90 thread k2", "kernel sm90 thread r168", "kernel sm90 token r168")
+               "kernel sm90 thread k2", "kernel sm90 thread r168", "kernel sm90 token r168",
+               "tuned triton token win512")
 # The one-warpgroup kernel's variants (NOTES §17: two K buffers; 168 registers, 3 programs per
 # SM), and --decide's last pass: them alone at the kernel bar's configuration, after every
 # decisive row (no GPU has timed them).
@@ -117,6 +120,10 @@ KERNEL_VARIANTS = [("kernel sm90 thread k2", THREAD, {"k_stages": 2}),
                    ("kernel sm90 thread r168", THREAD, {"maxnreg": 168}),
                    ("kernel sm90 token r168", TOKEN, {"maxnreg": 168})]
 DECIDE_VARIANTS = (128, 16384, False)
+# --decide's very last row, at D=128 N=16k causal: the windowed default call autotuned
+# (LOWBIT_ATTN_AUTOTUNE=all), against its "e2e triton token win512" row, which runs the candidate
+# measured without a window (core.measured.SAME_TILES): whether that inference holds.
+DECIDE_WINDOW_TUNED = (128, 16384, True)
 # Issue 44's bar: a 512-token causal window over N=16k runs >= 8x faster than full causal (the
 # "win512" rows of the causal configurations against "e2e sm90 thread", and the default path's
 # "e2e triton token win512" against "e2e triton token"; TOP/s counted as causal).
@@ -184,6 +191,18 @@ def sm90_rows(base, q, k, v, causal, record, gluon_ok: str | None, rows) -> None
             q, k, v, causal, recipe, sm90_launcher(**options))[1])
 
 
+def tuned_window_row(base, q, k, v, causal, record, gluon_ok: str | None) -> None:
+    """``tuned triton token win512``: the default recipe's windowed call on the Triton kernel
+    under ``LOWBIT_ATTN_AUTOTUNE=all`` (the note: the autotuner's choice)."""
+    def call():
+        with environment(LOWBIT_ATTN_KERNEL="triton"):
+            return lowbit_attn.attention(q, k, v, recipe="qk_int8_pv_fp8", is_causal=causal,
+                                         window=WINDOW)
+
+    record(base, "tuned triton token win512", tuned(call), check=False,
+           note=lambda: f"window {WINDOW}, LOWBIT_ATTN_AUTOTUNE=all: {autotune_choice()}")
+
+
 def rows_of_config(base, q, k, v, causal, record, gluon_ok: str | None,
                    decide: bool = False) -> None:
     """Every row of one configuration (module docstring), most decisive first; ``gluon_ok``:
@@ -225,7 +244,8 @@ def rows_of_config(base, q, k, v, causal, record, gluon_ok: str | None,
                 record(base, name, ours(THREAD, kernel, window=WINDOW), check=False,
                        note=lambda: f"window {WINDOW}: time against e2e sm90 thread")
             record(base, "e2e triton token win512", ours("qk_int8_pv_fp8", window=WINDOW),
-                   check=False, note=lambda: f"window {WINDOW}: time against e2e triton token")
+                   check=False, note=lambda: f"window {WINDOW}: time against e2e triton token; "
+                                             f"{autotune_choice()}")
             # the attention kernel alone, full causal and windowed: what a window saves where
             # the quantization (the same for any window) is not counted
             record(base, "kernel triton token causal", stage_fns(q, k, v, causal)[1],
@@ -389,6 +409,8 @@ def main(argv=None) -> int:
     if args.decide:  # last, the kernel's variants (on a CPU, skipped rows: the script checked)
         passes.append((DECIDE_VARIANTS if cuda else configs[0],
                        functools.partial(sm90_rows, rows=KERNEL_VARIANTS)))
+        passes.append((DECIDE_WINDOW_TUNED if cuda else next(c for c in configs if c[2]),
+                       tuned_window_row))
     for (d, n, causal), rows_fn in passes:
         b, h = batch_heads[n]
         base = {"B": b, "H": h, "N": n, "D": d, "causal": causal}

@@ -25,6 +25,7 @@ import triton.language as tl
 from lowbit_attn.tools import aot, sass
 from lowbit_attn.inference import kernel_int8 as attn_fwd_int8
 from lowbit_attn.core.recipes import get_recipe
+from lowbit_attn.core.variants import Variant
 
 pytestmark = pytest.mark.aot
 
@@ -414,7 +415,8 @@ def test_a_measured_launch_runs_its_measured_candidate_alone(monkeypatch, mode):
     """``LOWBIT_ATTN_AUTOTUNE=measured`` (the default): the INT8 forward as users call it on
     Hopper (qk_int8_pv_fp8, D = 128 and 64) keeps only the candidate ``core.measured`` names (8
     warps, 3 stages, pipelined: the H100's and the H200's), so Triton compiles and times that one
-    only; a launch no entry covers (D = 96, per-thread scales) keeps every candidate; ``all``
+    only, and so do its windowed, softcapped and packed launches (``SAME_TILES``); a launch no
+    entry covers (D = 96, per-thread scales, windowed or not) keeps every candidate; ``all``
     keeps every candidate; ``first`` the first."""
     from lowbit_attn.core.measured import MEASURED
 
@@ -424,15 +426,24 @@ def test_a_measured_launch_runs_its_measured_candidate_alone(monkeypatch, mode):
     else:
         monkeypatch.setenv("LOWBIT_ATTN_AUTOTUNE", mode)
 
-    def kept(recipe, d):
-        launch = aot.record_launches(recipe, head_dim=d)[-1]
+    def kept(recipe, d, **call):
+        launch = [x for x in aot.record_launches(recipe, head_dim=d, **call)
+                  if x.name == "_attn_fwd_int8_kernel"][-1]
         return [(c.num_warps, c.num_stages, c.kwargs)
                 for c in aot.launch_candidates(launch, "sm_90a")]
 
-    default = kept(get_recipe("qk_int8_pv_fp8"), 128)
-    thread = kept(get_recipe("qk_int8_pv_fp8").replace(granularity="per_thread"), 128)
-    small = kept(get_recipe("qk_int8_pv_fp8"), 64)
-    odd = kept(get_recipe("qk_int8_pv_fp8"), 96)
+    token = get_recipe("qk_int8_pv_fp8")
+    default = kept(token, 128)
+    thread = kept(token.replace(granularity="per_thread"), 128)
+    small = kept(token, 64)
+    odd = kept(token, 96)
+    # launches an entry matches but for core.measured.SAME_TILES (a window, softcap, packed)
+    near = [kept(token, 128, causal=True, variant=Variant(left=511, right=0)),
+            kept(token, 64, variant=Variant(softcap=30.0)), kept(token, 128, varlen=True),
+            kept(token, 64, varlen=True, causal=True,
+                 variant=Variant(left=127, right=0, softcap=30.0))]
+    thread_window = kept(token.replace(granularity="per_thread"), 128, causal=True,
+                         variant=Variant(left=511, right=0))
     entries = [m for m in MEASURED if m.kernel == "_attn_fwd_int8_kernel"]
     assert sorted(dict(m.match)["D"] for m in entries) == [64, 128]
     if mode in (None, "measured"):
@@ -440,10 +451,11 @@ def test_a_measured_launch_runs_its_measured_candidate_alone(monkeypatch, mode):
             assert [(entry.num_warps, entry.num_stages, dict(entry.meta))] == [
                 (8, 3, {"PIPELINE": True})]
         assert default == small == [(8, 3, {"PIPELINE": True})]
-        assert len(thread) > 1 and len(odd) > 1
+        assert all(one == [(8, 3, {"PIPELINE": True})] for one in near), near
+        assert len(thread) > 1 and len(odd) > 1 and len(thread_window) > 1
     elif mode == "all":
         assert len(default) == 5 and (8, 3, {"PIPELINE": True}) in default
-        assert len(thread) > 1 and len(small) > 1
+        assert len(thread) > 1 and len(small) > 1 and all(len(one) > 1 for one in near)
     else:
         assert len(default) == len(thread) == len(small) == len(odd) == 1
         assert default != [(8, 3, {"PIPELINE": True})]  # the first is not the measured one

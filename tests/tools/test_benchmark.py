@@ -546,14 +546,17 @@ def test_forward_benchmark_decide_runs_the_decisive_rows_with_the_bars(tmp_path,
     methods = list(dict.fromkeys(r["method"] for r in data["rows"]))
     assert methods == list(bench.DECIDE_ROWS)
     # last: launch plans (not in the bars), issue 44's windows, then a pass of the kernel's
-    # variants alone (at the kernel bar's configuration on a GPU)
-    assert methods[-9:] == ["e2e sm90 thread plan", "e2e sm90 thread win512",
-                            "e2e triton thread win512", "e2e triton token win512",
-                            "kernel triton token causal", "kernel triton token win512",
-                            "kernel sm90 thread k2", "kernel sm90 thread r168",
-                            "kernel sm90 token r168"]
-    assert [r["method"] for r in data["rows"][-3:]] == methods[-3:]
+    # variants alone (at the kernel bar's configuration on a GPU), then the windowed call
+    # autotuned (at the causal one)
+    assert methods[-10:] == ["e2e sm90 thread plan", "e2e sm90 thread win512",
+                             "e2e triton thread win512", "e2e triton token win512",
+                             "kernel triton token causal", "kernel triton token win512",
+                             "kernel sm90 thread k2", "kernel sm90 thread r168",
+                             "kernel sm90 token r168", "tuned triton token win512"]
+    assert [r["method"] for r in data["rows"][-4:]] == methods[-4:]
+    assert data["rows"][-1]["causal"] and "LOWBIT_ATTN_AUTOTUNE=all" in data["rows"][-1]["note"]
     assert bench.DECIDE_VARIANTS == (128, 16384, False)
+    assert bench.DECIDE_WINDOW_TUNED == (128, 16384, True)
     ran = [r for r in data["rows"] if r["status"] == "ok"]
     assert ran and all(r["first_call_s"] > 0 for r in ran)
     windowed = [r for r in data["rows"] if r["method"].endswith("win512")]

@@ -8,9 +8,9 @@ Each :class:`Measured` names an autotuned kernel (its ``@triton.jit`` function),
 family of its ``CONFIGS`` (``core.triton_helpers.family``), the launch arguments a call must have
 for it to apply (the constexprs of its autotuning key, as the kernel's prune filter sees them),
 the candidate (warps, stages, meta-parameters) and the run that measured it. A launch that no
-entry matches is autotuned as before. ``LOWBIT_ATTN_AUTOTUNE=all`` autotunes every launch (what
-the benchmarks' ``tuned`` rows do to measure the next entries); ``first`` gives each kernel its
-first candidate alone (test runs).
+entry matches, even but for :data:`SAME_TILES`, is autotuned as before.
+``LOWBIT_ATTN_AUTOTUNE=all`` autotunes every launch (what the benchmarks' ``tuned`` rows do to
+measure the next entries); ``first`` gives each kernel its first candidate alone (test runs).
 
 Data, not code: an entry is added or changed only from a GPU run's table, with the run named in
 ``source``; ``benchmarks/NOTES.md`` ("Measured defaults") says which rows each came from.
@@ -34,9 +34,12 @@ class Measured:
     meta: tuple  # (meta-parameter name, value) pairs, as LaunchConfig.meta
     source: str
 
-    def applies(self, kernel: str, family: str, args: dict) -> bool:
+    def applies(self, kernel: str, family: str, args: dict, ignoring: tuple = ()) -> bool:
+        """Whether a launch of ``kernel`` on ``family`` with ``args`` has every value of
+        ``match`` (those named in ``ignoring`` aside)."""
         return (kernel == self.kernel and family == self.family
-                and all(args.get(name) == value for name, value in self.match))
+                and all(args.get(name) == value for name, value in self.match
+                        if name not in ignoring))
 
 
 # The INT8 forward as users call it on Hopper (qk_int8_pv_fp8: per-token scales, 64-key blocks,
@@ -62,6 +65,17 @@ MEASURED = (
              ".md, rows 'e2e triton token' at D = 64, N = 1k, 8k, 16k and causal 16k (the "
              "autotuner's choice in 'note', 4 of 4)"),
 )
+
+
+# Launch arguments that change what a program masks or adds on the same tiles, not the tiles: a
+# window's or a chunk's key range and per-row limits, softcap's tanh of each score, packed
+# sequences' offsets. A launch that an entry matches on everything but these runs the entry's
+# candidate, as causal launches run the non-causal rows' (IS_CAUSAL is in no match: the H100 and
+# the H200 chose the same candidate causal or not, in all 12 rows), rather than autotuning each
+# new length (autotuning a windowed launch took 10.7 and 17.0 s of its first call on the H200 of
+# 2026-11-29, per-thread scales, D = 128 and 64); an entry of its own, from a run that times
+# such launches, takes precedence (NOTES §23).
+SAME_TILES = ("WINDOWED", "SOFTCAP", "VARLEN")
 
 
 @dataclass(frozen=True)
@@ -120,10 +134,11 @@ def decode_split(family: str | None) -> DecodeSplit | None:
 
 
 def measured(kernel: str, family: str | None, args: dict) -> Measured | None:
-    """The entry of :data:`MEASURED` for a launch of ``kernel`` on ``family`` with ``args``, or
-    ``None``."""
-    return next((m for m in MEASURED if m.applies(kernel, family, args)), None)
+    """The entry of :data:`MEASURED` for a launch of ``kernel`` on ``family`` with ``args``: one
+    that matches it, else one that matches it but for :data:`SAME_TILES`; or ``None``."""
+    return next((m for m in MEASURED if m.applies(kernel, family, args)),
+                next((m for m in MEASURED if m.applies(kernel, family, args, SAME_TILES)), None))
 
 
-__all__ = ["DECODE_SPLITS", "KERNEL_CHOICES", "MEASURED", "DecodeSplit", "KernelChoice", "Measured",
-           "decode_split", "kernel_choice", "measured"]
+__all__ = ["DECODE_SPLITS", "KERNEL_CHOICES", "MEASURED", "SAME_TILES", "DecodeSplit",
+           "KernelChoice", "Measured", "decode_split", "kernel_choice", "measured"]
