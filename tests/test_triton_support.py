@@ -287,6 +287,25 @@ def test_a_compile_during_the_hash_waits_for_it_and_the_key_is_computed_once():
     assert triton_support.hash_ahead(module) is None  # already computed: nothing to do
 
 
+def test_a_compile_waits_for_the_hash_a_bounded_time(monkeypatch):
+    """A hashing thread that does not finish (it waits for what the caller holds, say) keeps a
+    compile waiting ``HASH_WAIT_S`` at most; then the caller computes the key itself."""
+    import threading
+    import time
+
+    monkeypatch.setattr(triton_support, "HASH_WAIT_S", 0.2)
+    release = threading.Event()
+    module = _key_stand_in(release)
+    thread = triton_support.hash_ahead(module)
+    try:
+        start = time.monotonic()
+        assert module.triton_key() == "3.x-key"
+        assert 0.15 < time.monotonic() - start < 5 and module.calls == 2  # its own, beside
+    finally:
+        release.set()
+        thread.join(10)
+
+
 def test_a_process_forked_during_the_hash_computes_the_key_itself():
     import os
     import threading
@@ -307,7 +326,7 @@ def test_a_process_forked_during_the_hash_computes_the_key_itself():
         if done[0] == 0:
             os.kill(pid, 9)
             os.waitpid(pid, 0)
-        assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0, "the child hung or failed"
+        assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0, "the child hung/failed"
     finally:
         release.set()
         thread.join(10)
@@ -315,7 +334,7 @@ def test_a_process_forked_during_the_hash_computes_the_key_itself():
 
 def test_the_installed_triton_s_key_is_hashed_ahead_to_the_same_value():
     module = triton_support.key_module()
-    assert module is not None, f"no triton_key in {triton_support.KEY_MODULES} on {triton.__version__}"
+    assert module is not None, (triton_support.KEY_MODULES, triton.__version__)
     original = module.triton_key
     want = original.__wrapped__()  # computed here, not cached
     original.cache_clear()

@@ -229,6 +229,9 @@ def patch_interpreter() -> None:
 # releases in the cache module (each calls it by its module's global name).
 KEY_MODULES = ("triton.runtime.cache", "triton.compiler.compiler")
 HASH_THREAD = "lowbit_attn-triton-key"
+# How long a compile waits for the hashing thread before it hashes too (~0.4 s is the usual
+# whole; the bound only keeps a caller that holds a lock the thread needs from waiting forever).
+HASH_WAIT_S = 10.0
 
 
 def key_module():
@@ -268,9 +271,10 @@ def hash_ahead(module=None) -> threading.Thread | None:
     creates its CUDA context (the hash releases the GIL). Until it is done the module's
     ``triton_key`` is a stand-in that waits for it and returns the same cached value, so that a
     compile started meanwhile (or several, side by side) waits for the rest rather than hashing
-    again; then the stand-in is gone. A process forked meanwhile gets the function back and
-    computes the key itself. If the hash raises, the first compile computes it again and raises
-    there. ``module``: where ``triton_key`` lives (default :func:`key_module`)."""
+    again (at most :data:`HASH_WAIT_S`); then the stand-in is gone. A process forked meanwhile
+    gets the function back and computes the key itself. If the hash raises, the first compile
+    computes it again and raises there. ``module``: where ``triton_key`` lives (default
+    :func:`key_module`)."""
     module = module if module is not None else key_module()
     if module is None:
         return None
@@ -282,7 +286,7 @@ def hash_ahead(module=None) -> threading.Thread | None:
 
     def stand_in():
         if os.getpid() == parent:  # a forked child has no hashing thread to wait for
-            done.wait()
+            done.wait(HASH_WAIT_S)
         return original()
 
     stand_in.__wrapped__ = original
@@ -309,8 +313,8 @@ def hash_ahead(module=None) -> threading.Thread | None:
 
 
 __all__ = [
-    "GLUON_SERIES", "GluonUnavailable", "HASH_THREAD", "KEY_MODULES", "OLDEST", "PINNED", "TESTED",
-    "TORCH_TRITON", "check_triton_series", "fma_fp32",
+    "GLUON_SERIES", "GluonUnavailable", "HASH_THREAD", "HASH_WAIT_S", "KEY_MODULES", "OLDEST",
+    "PINNED", "TESTED", "TORCH_TRITON", "check_triton_series", "fma_fp32",
     "gluon_available", "gluon_refusal", "hash_ahead", "hash_ahead_wanted", "key_module", "parts",
     "patch_interpreter", "require_gluon", "series", "triton_installed",
 ]
