@@ -140,15 +140,14 @@ CASES = [
     ("sageattn_qk_int8_pv_fp16_triton", {"smooth_k": False, "quantization_backend": "cuda"},
      R("qk_int8_pv_fp16").replace(smooth_k=False)),
     ("sageattn_qk_int8_pv_fp16_cuda", {}, R("qk_int8_pv_fp16").replace(
-        granularity="per_thread", block_q=64, block_k=128)),
+        granularity="per_thread", block_k=128)),
     ("sageattn_qk_int8_pv_fp16_cuda",
      {"qk_quant_gran": "per_warp", "pv_accum_dtype": "fp16", "smooth_v": True},
      R("qk_int8_pv_fp16").replace(granularity="per_block", smooth_v=True)),
     ("sageattn_qk_int8_pv_fp8_cuda", {}, R("qk_int8_pv_fp8").replace(
-        granularity="per_thread", block_q=64, block_k=128)),
+        granularity="per_thread", block_k=128)),
     ("sageattn_qk_int8_pv_fp8_cuda", {"pv_accum_dtype": "fp32", "smooth_v": True},
-     R("qk_int8_pv_fp8").replace(smooth_v=True, granularity="per_thread", block_q=64,
-                                 block_k=128)),
+     R("qk_int8_pv_fp8").replace(smooth_v=True, granularity="per_thread", block_k=128)),
     ("sageattn_qk_int8_pv_fp8_cuda_sm90", {"qk_quant_gran": "per_warp"},
      R("qk_int8_pv_fp8").replace(granularity="per_block")),
 ]

@@ -66,6 +66,25 @@ def test_kernel_matches_reference_on_the_same_quantized_inputs(b, hq, hkv, nq, n
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("b,hq,hkv,nq,nk,d", CASES)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_per_thread_scales_do_not_depend_on_the_query_block(b, hq, hkv, nq, nk, d, causal,
+                                                             monkeypatch):
+    """Per-thread groups are fixed by 16-row slices and 128-key blocks, not by ``block_q``: 64-
+    and 128-row query blocks give the same bits, in the twin and the Triton kernel (so the
+    SageAttention shim's per-thread calls can run 128-row blocks, half the instructions per score
+    of 64-row ones on sm_90a: ``benchmarks/NOTES.md`` §17)."""
+    q, k, v = channel_biased((b, hq, nq, d), (b, hkv, nk, d), seed=nq + 2 * nk)
+    for backend in ("reference", "triton"):
+        monkeypatch.setenv("LOWBIT_ATTN_BACKEND", backend)
+        got = [lowbit_attn.attention(q, k, v, is_causal=causal, return_lse=True,
+                                     recipe=get_recipe("qk_int8_pv_fp8").replace(
+                                         granularity="per_thread", block_q=block_q, block_k=128))
+               for block_q in (64, 128)]
+        assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1]), backend
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("b,hq,hkv,nq,nk,d", CASES)
 @pytest.mark.parametrize("granularity", ["per_token", "per_thread"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_permuted_v_changes_no_bit(b, hq, hkv, nq, nk, d, granularity, causal):

@@ -52,9 +52,11 @@ PV_ACCUM_FP16 = ("fp32", "fp16+fp32", "fp16")
 PV_ACCUM_FP8 = ("fp32", "fp32+fp32", "fp32+fp16")
 PV_ACCUM_FP8_SM90 = ("fp32", "fp32+fp32")
 # SageAttention's INT8 scale groups → ours: per thread → our per-thread groups, their sm90 layout
-# (Q's rows r, r + 8 of 16-row slices; K's keys 2c, 2c + 1 mod 8 of 128-key blocks), with its
-# 64-row and 128-key blocks; a warp's 16-32 query rows → per block.
-GRANULARITY = {"per_thread": {"granularity": "per_thread", "block_q": 64, "block_k": 128},
+# (Q's rows r, r + 8 of 16-row slices; K's keys 2c, 2c + 1 mod 8 of 128-key blocks), with
+# 128-key blocks and our 128-row query blocks (their kernel's are 64 rows; the groups, and so
+# the results, do not depend on it, and the Triton kernel runs half the instructions per score
+# with 128, NOTES §17); a warp's 16-32 query rows → per block.
+GRANULARITY = {"per_thread": {"granularity": "per_thread", "block_k": 128},
                "per_warp": {"granularity": "per_block"}}
 
 # The functions for SageAttention's CUDA INT8 kernels: the recipe they run, their
@@ -402,8 +404,8 @@ def sageattn_qk_int8_pv_fp16_cuda(
         v: as for :func:`sageattn`.
         tensor_layout: as for :func:`sageattn`.
         is_causal: as for :func:`sageattn`.
-        qk_quant_gran: ``"per_thread"`` → ``granularity="per_thread"`` with 64-row and 128-key
-            blocks (their sm90 groups; on sm80/sm89 theirs are 4 query rows and 16 keys);
+        qk_quant_gran: ``"per_thread"`` → ``granularity="per_thread"`` with 128-key blocks
+            (their sm90 groups; on sm80/sm89 theirs are 4 query rows and 16 keys);
             ``"per_warp"`` → ``granularity="per_block"`` (one scale per 128 query rows and 64 key
             rows; their warp groups are 16-32 query rows, 64 keys).
         sm_scale: as for :func:`sageattn`.
@@ -461,8 +463,8 @@ def sageattn_qk_int8_pv_fp8_cuda(
         tensor_layout: as for :func:`sageattn`.
         is_causal: as for :func:`sageattn`.
         qk_quant_gran: as :func:`sageattn_qk_int8_pv_fp16_cuda`: ``"per_thread"`` →
-            ``granularity="per_thread"`` with 64-row and 128-key blocks (their sm90 groups; their
-            sm89 kernel's blocks are 128 query rows and 64 keys); ``"per_warp"`` →
+            ``granularity="per_thread"`` with 128-key blocks (their sm90 groups; their sm89
+            kernel's blocks are 128 query rows and 64 keys); ``"per_warp"`` →
             ``granularity="per_block"``.
         sm_scale: as for :func:`sageattn`.
         pv_accum_dtype: ``"fp32"``, ``"fp32+fp32"`` or ``"fp32+fp16"``: checked; ours adds each
