@@ -242,7 +242,8 @@ def rows_of_config(base, q, k, v, causal, record, gluon_ok: str | None,
             for name, kernel in (("e2e sm90 thread win512", "sm90"),
                                  ("e2e triton thread win512", "triton")):
                 record(base, name, ours(THREAD, kernel, window=WINDOW), check=False,
-                       note=lambda: f"window {WINDOW}: time against e2e sm90 thread")
+                       note=lambda kernel=kernel: f"window {WINDOW}: time against e2e sm90 "
+                       f"thread" + (f"; {autotune_choice()}" if kernel == "triton" else ""))
             record(base, "e2e triton token win512", ours("qk_int8_pv_fp8", window=WINDOW),
                    check=False, note=lambda: f"window {WINDOW}: time against e2e triton token; "
                                              f"{autotune_choice()}")
