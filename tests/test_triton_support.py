@@ -349,7 +349,9 @@ def test_the_installed_triton_s_key_is_hashed_ahead_to_the_same_value():
                                                     (None, "", False)])
 def test_the_import_hashes_ahead_on_a_gpu_build_outside_the_interpreter(monkeypatch, cuda,
                                                                         interpret, wanted):
+    from lowbit_attn.core import arch
+
     monkeypatch.setattr(torch.version, "cuda", cuda)
     monkeypatch.setattr(torch.version, "hip", None, raising=False)
     monkeypatch.setenv("TRITON_INTERPRET", interpret)
-    assert triton_support.hash_ahead_wanted() is wanted
+    assert triton_support.hash_ahead_wanted(arch.interpreter_enabled()) is wanted

@@ -30,7 +30,7 @@ for _name, _module in (("fp4", fp4), ("parallel", parallel), ("tiles", tiles)):
 del _name, _module
 
 # Triton's own cache key, hashed while the caller gets ready (its first compile would wait for it)
-if _triton_support.hash_ahead_wanted():
+if _triton_support.hash_ahead_wanted(_arch.interpreter_enabled()):
     _triton_support.hash_ahead()
 
 __all__ = [

@@ -248,16 +248,15 @@ def key_module():
     return None
 
 
-def hash_ahead_wanted() -> bool:
+def hash_ahead_wanted(interpreter: bool) -> bool:
     """Whether the package's import starts :func:`hash_ahead`: Triton installed, not its
-    interpreter (which compiles nothing), and a torch built for a GPU (CUDA or ROCm: elsewhere
-    Triton compiles only for the ahead-of-time tools)."""
+    interpreter (``interpreter``: ``arch.interpreter_enabled()``; it compiles nothing), and a
+    torch built for a GPU (CUDA or ROCm: elsewhere Triton compiles only for the ahead-of-time
+    tools)."""
     import torch
 
-    from lowbit_attn.core.arch import interpreter_enabled
-
     gpu_build = torch.version.cuda is not None or getattr(torch.version, "hip", None) is not None
-    return gpu_build and not interpreter_enabled() and triton_installed()
+    return gpu_build and not interpreter and triton_installed()
 
 
 def hash_ahead(module=None) -> threading.Thread | None:
