@@ -136,8 +136,10 @@ def decode_split(family: str | None) -> DecodeSplit | None:
 def measured(kernel: str, family: str | None, args: dict) -> Measured | None:
     """The entry of :data:`MEASURED` for a launch of ``kernel`` on ``family`` with ``args``: one
     that matches it, else one that matches it but for :data:`SAME_TILES`; or ``None``."""
-    return next((m for m in MEASURED if m.applies(kernel, family, args)),
-                next((m for m in MEASURED if m.applies(kernel, family, args, SAME_TILES)), None))
+    exact = next((m for m in MEASURED if m.applies(kernel, family, args)), None)
+    if exact is not None:
+        return exact
+    return next((m for m in MEASURED if m.applies(kernel, family, args, SAME_TILES)), None)
 
 
 __all__ = ["DECODE_SPLITS", "KERNEL_CHOICES", "MEASURED", "SAME_TILES", "DecodeSplit",
