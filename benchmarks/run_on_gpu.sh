@@ -19,7 +19,9 @@
 # decide2 (470 s): the sm90 backward's GPU tests with its admission check (at most 120 s; skipped
 # when under 70 s are left for them, rather than cut short), the
 # same four admission times (90 s), bench_train.py (D=128, N=8k,4k,16k, SDPA flash against
-# sagebwd_int8 on the Triton backward and on the sm90 loops; 130 s), bench_vsa.py (0.875; 75 s),
+# sagebwd_int8 on the Triton backward and on the sm90 loops; 130 s), train_speed.py --quick (each
+# launch of the default training call, the sm90 loops' among them, against its tensor-core floor,
+# N=16k; 75 s, its lines in decide2.log; video sparse attention's sm90 rows of 2026-11-29 stand),
 # bench_decode.py (N=32k then 8k at batch 1, the bars' batch; GQA 4:1, each read and eager step
 # also replayed by its launch plan, and issue 44's 4096-token sliding window against a full layer
 # of the 4097 tokens it sees; saved after every row; at most 90 s), the decode kernel's pages
@@ -422,9 +424,9 @@ if [[ "$STAGE" == decide || "$STAGE" == decide2 ]]; then
         step train "$BENCHLOG" "$PY" benchmarks/bench_train.py --dims 128 --ns 8192,4096,16384 \
             --methods sdpa_flash,sagebwd_int8,sagebwd_int8_sm90 --out "$WORK" "${RESULTS[@]}" \
             --time-budget $((LIMIT - 40)) || rc_bench=$?
-        limit 75 45
-        step vsa "$BENCHLOG" "$PY" benchmarks/bench_vsa.py --sparsities 0.875 --out "$WORK" \
-            "${RESULTS[@]}" || rc_bench=$?
+        limit 75 45  # where the training call's time goes, launch by launch (into $STAGE.log)
+        step train-probe "$BENCHLOG" "$PY" benchmarks/probes/train_speed.py --quick \
+            || rc_bench=$?
         limit 90 160  # after it: the splits (~40 s), the first call (45) and the plan tests
         step decode "$BENCHLOG" "$PY" benchmarks/bench_decode.py --seqlens 32k,8k --batches 1 \
             --groups 4 --window 4096 --out "$WORK" "${RESULTS[@]}" || rc_bench=$?

@@ -13,6 +13,9 @@ Per (N, causal), B = 2, H = 16, D = 128, bf16, ``sagebwd_int8``:
   ``training/kernel_bwd_sm90.py``) whole and launch by launch against the same floors, with P
   and dS per tile (the recipe's) and per row (``backward_granularity="per_row"``, whole: on the
   Triton kernels and on the sm90 loops).
+
+``--quick`` (``run_on_gpu.sh decide2``, ~1 minute): N = 16k non-causal only, no forced
+candidates, P and dS per tile only: where the default training call's time goes on Hopper.
 """
 import re
 import sys
@@ -25,6 +28,7 @@ from lowbit_attn.training import kernel_bwd, kernel_fwd
 from lowbit_attn.training.prepare import prepare, prepare_grad
 
 CONFIGS = [(4096, False), (16384, False), (4096, True)]
+QUICK_CONFIGS = [(16384, False)]
 B, H, D = 2, 16, 128
 # matmuls per launch, in units u = 2·N²·D per head: (INT8, 16-bit) (NOTES §8)
 WORK = {"_train_fwd_kernel": (2, 0), "_train_dq_kernel/delta": (1, 1), "_train_dkdv_kernel": (3, 1),
@@ -67,7 +71,7 @@ def name_of(kernel, kwargs) -> str:
     return jit.__name__ + ("/delta" if kwargs.get("DELTA_PASS") else "")
 
 
-def probe(n: int, causal: bool, int8_peak: float, bf16_peak: float) -> None:
+def probe(n: int, causal: bool, int8_peak: float, bf16_peak: float, quick: bool = False) -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = (torch.randn(B, H, n, D, device="cuda", generator=g, dtype=torch.bfloat16)
                    for _ in range(4))
@@ -100,14 +104,15 @@ def probe(n: int, causal: bool, int8_peak: float, bf16_peak: float) -> None:
         print(f"  {name}: {t * 1e6:.1f} us, floor {floor * 1e6:.1f} us "
               f"({floor / t:.0%} of the tensor-core floor); autotuner: {best}", flush=True)
         configs = getattr(kernel, "configs", [])
-        for config in configs if len(configs) > 1 else []:
+        for config in configs if len(configs) > 1 and not quick else []:
             try:
                 ct = do_bench(lambda: kernel.fn[grid](**kwargs, **config.all_kwargs()))
                 print(f"    forced {config}: {ct * 1e3:.1f} us", flush=True)
             except Exception as exc:  # noqa: BLE001 - a failing candidate is a line
                 print(f"    forced {config}: failed {exc!r}"[:200], flush=True)
         print("\n".join(compiled_facts(kernel)), flush=True)
-    sm90(ops, grad, lse, dq, dk, dv, offset, scale, recipe, q, k, v, do, u, int8_peak, bf16_peak)
+    sm90(ops, grad, lse, dq, dk, dv, offset, scale, recipe, q, k, v, do, u, int8_peak, bf16_peak,
+         granularities=("per_tile",) if quick else ("per_tile", "per_row"))
 
 
 def floor_of(name: str, u: float, int8_peak: float, bf16_peak: float) -> float:
@@ -116,12 +121,12 @@ def floor_of(name: str, u: float, int8_peak: float, bf16_peak: float) -> float:
 
 
 def sm90(ops, grad, lse, dq, dk, dv, offset, scale, recipe, q, k, v, do, u, int8_peak,
-         bf16_peak) -> None:
+         bf16_peak, granularities=("per_tile", "per_row")) -> None:
     """The backward on the sm90 loops, whole (per tile and per row, beside the Triton kernels)
     and launch by launch (the recipe's granularity)."""
     from lowbit_attn.core import triton_support
 
-    for granularity in ("per_tile", "per_row"):
+    for granularity in granularities:
         r = recipe.replace(backward_granularity=granularity)
         ops_g, grad_g = prepare(q, k, v, r, scale, "triton"), prepare_grad(do, r, "triton")
         for kernel in ("triton", "sm90"):
@@ -144,15 +149,16 @@ def sm90(ops, grad, lse, dq, dk, dv, offset, scale, recipe, q, k, v, do, u, int8
         print("\n".join(compiled_facts(kernel)), flush=True)
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    quick = "--quick" in (sys.argv[1:] if argv is None else argv)
     if not torch.cuda.is_available():
         print("train_speed.py needs a CUDA GPU", file=sys.stderr)
         return 2
     int8_peak, bf16_peak = ceilings()
     print(f"ceilings: INT8 {int8_peak:.0f} TOP/s, bf16 {bf16_peak:.0f} TFLOP/s (8192^3)",
           flush=True)
-    for n, causal in CONFIGS:
-        probe(n, causal, int8_peak, bf16_peak)
+    for n, causal in QUICK_CONFIGS if quick else CONFIGS:
+        probe(n, causal, int8_peak, bf16_peak, quick)
         torch.cuda.empty_cache()
     return 0
 

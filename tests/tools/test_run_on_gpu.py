@@ -131,7 +131,7 @@ def test_a_stage_runs_its_steps_in_order_within_its_budget(tmp_path, stage, budg
         assert any(b["bar"].startswith("kernel alone") for b in summary["bars"])
     else:
         assert [s["step"] for s in steps] == ["sm90-backward-tests", "sm90-backward-admission",
-                                             "train", "vsa", "decode", "decode-splits",
+                                             "train", "train-probe", "decode", "decode-splits",
                                              "first-call", "plan-tests"]
         assert "--splits 1,2,4,8,16 --parts 32,64,128" in text[5] and "--batches 1,16" in text[5]
         assert "first_call.py" in text[6]
@@ -152,7 +152,8 @@ def test_a_stage_runs_its_steps_in_order_within_its_budget(tmp_path, stage, budg
                      "production, 2.00x SDPA"]
         assert split["value"] == pytest.approx(0.5)
         assert "decode split fastest on every row: 128 keys per split" in bars
-        assert set(summary["results"]) == {"train", "vsa", "decode", "splits", "first"}
+        assert "train_speed.py --quick" in text[3]
+        assert set(summary["results"]) == {"train", "decode", "splits", "first"}
     table = (out / f"{stage}.md").read_text()
     assert "| bar (issues 43, 44) | value | target | met |" in table and "stub GPU" in table
     assert not any(p.name.startswith("stub") for p in (ROOT / "benchmarks" / "results").iterdir())
