@@ -461,40 +461,6 @@ def test_a_measured_launch_runs_its_measured_candidate_alone(monkeypatch, mode):
         assert default != [(8, 3, {"PIPELINE": True})]  # the first is not the measured one
 
 
-@triton.jit
-def _copy_kernel(x, y, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(y + offs, tl.load(x + offs, mask=offs < n), mask=offs < n)
-
-
-def test_a_candidate_kept_alone_is_not_timed(monkeypatch):
-    """``triton_helpers.lone_untimed`` (the INT8 forward's autotuner): a launch whose prune
-    filter keeps one candidate runs it untimed (Triton 3.6 would time it: ~0.1 s of a new
-    shape's first call); one that keeps several times each, as before."""
-    from triton.runtime import autotuner
-
-    from lowbit_attn.core import triton_helpers
-    from lowbit_attn.core.triton_helpers import lone_untimed
-
-    assert type(attn_fwd_int8._attn_fwd_int8) is triton_helpers._LoneUntimed  # the forward's
-    timed, keep = [], [1]
-    monkeypatch.setattr(autotuner.Autotuner, "_bench",
-                        lambda self, *args, config, **meta: timed.append(config.kwargs["BLOCK"])
-                        or [float(config.kwargs["BLOCK"])] * 3)
-    tuner = lone_untimed(triton.autotune(
-        configs=[triton.Config({"BLOCK": b}) for b in (32, 64, 128)], key=["n"],
-        prune_configs_by={"early_config_prune": lambda configs, nargs, **kw: configs[:keep[0]]},
-    )(_copy_kernel))
-    x = torch.arange(100, dtype=torch.float32)
-    y = torch.zeros(100)
-    tuner[lambda meta: (triton.cdiv(100, meta["BLOCK"]),)](x, y, 100)
-    assert timed == [] and torch.equal(y, x)
-    keep[0] = 3
-    y.zero_()
-    tuner[lambda meta: (triton.cdiv(99, meta["BLOCK"]),)](x, y, 99)  # a new key: three kept
-    assert timed == [32, 64, 128] and torch.equal(y[:99], x[:99]) and y[99] == 0
-
-
 def test_every_measured_entry_is_a_candidate_of_its_kernel():
     """Each entry of ``core.measured.MEASURED`` names a kernel of the package, a family of its
     ``CONFIGS`` and a candidate in that family's list, matches only the kernel's own launch

@@ -34,15 +34,21 @@ import json, sys
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import autotuner
 import lowbit_attn
 from lowbit_attn.core import plan_launches
+from lowbit_attn.core.triton_helpers import tuned
 from lowbit_attn.tools.bench.host import stubbed_launches
 
-@triton.autotune(configs=[triton.Config({"BLOCK": b}) for b in (32, 64, 128)], key=["n"])
 @triton.jit
-def _copy(x, y, n, BLOCK: tl.constexpr):
+def _copy_kernel(x, y, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     tl.store(y + offs, tl.load(x + offs, mask=offs < n), mask=offs < n)
+
+_configs = [triton.Config({"BLOCK": b}) for b in (32, 64, 128)]
+_copy = triton.autotune(configs=_configs, key=["n"])(_copy_kernel)
+_tuned = tuned(triton.autotune(configs=_configs, key=["n"])(_copy_kernel))
+keep_on_disk = autotuner.Autotuner.check_disk_cache  # the stand-ins keep nothing on disk
 
 def described(arg):
     if isinstance(arg, torch.Tensor):
@@ -70,6 +76,19 @@ with stubbed_launches((9, 0)) as sink:
         found.update(launched=len(sink), choices=len(_copy.cache), compiled_on=threads(_copy.fn))
         call()
         found.update(then_launched=len(sink), then_compiled=len(threads(_copy.fn)))
+    elif sys.argv[1].startswith("disk"):  # the package's autotuner, with its choice on disk
+        autotuner.Autotuner.check_disk_cache = keep_on_disk
+        timed = []
+        autotuner.Autotuner._bench = lambda self, *a, config, **m: (
+            timed.append(config.kwargs["BLOCK"]) or [abs(config.kwargs["BLOCK"] - 64) + 1.0] * 3)
+        x, y = torch.zeros(1000), torch.empty(1000)
+        call = lambda: _tuned[lambda meta: (triton.cdiv(1000, meta["BLOCK"]),)](x, y, 1000)
+        if sys.argv[1] == "disk-ahead":
+            found["why"] = plan_launches.compile_ahead(call)
+            found.update(compiled=len(threads(_tuned.fn)), choices=len(_tuned.cache))
+        call()
+        found.update(timed=timed, chose=_tuned.best_config.kwargs["BLOCK"],
+                     then_compiled=len(threads(_tuned.fn)))
     else:
         lowbit_attn.attention(q, k, v, is_causal=True)
         found["first"] = launches(sink)
@@ -118,6 +137,19 @@ def test_an_autotuner_compiles_its_candidates_ahead_and_keeps_no_choice(tmp_path
     assert all(t.startswith("lowbit_attn-compile") for t in found["compiled_on"])
     # the call then times them and launches its choice, compiling nothing more
     assert found["then_launched"] == 1 and found["then_compiled"] == 3
+
+
+@needs_async_compiles
+def test_an_autotuner_with_its_choice_on_disk_compiles_that_alone_ahead(tmp_path):
+    """A later process's dry pass (the package's autotuner, which keeps its timings in Triton's
+    cache) compiles the candidate an earlier process chose, not all three; fails if the dry
+    pass ignores the disk."""
+    cache = {"TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    first = _child(tmp_path, "disk-fill", **cache)
+    assert first["timed"] == [32, 64, 128] and first["chose"] == 64
+    later = _child(tmp_path, "disk-ahead", **cache)
+    assert later["why"] is None and later["choices"] == 1 and later["compiled"] == 1
+    assert later["timed"] == [] and later["chose"] == 64 and later["then_compiled"] == 1
 
 
 @needs_async_compiles

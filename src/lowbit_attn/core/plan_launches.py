@@ -123,10 +123,32 @@ def _recorded_run(self, *args, grid, warmup, **kwargs):
     return kernel
 
 
+class _NotTimed(Exception):
+    """What a dry pass's stand-in for the autotuner's timing raises."""
+
+
+def _on_disk(tuner, key: tuple, kept: list):
+    """The candidate an autotuner that keeps its timings on disk (``cache_results``: the
+    package's ``triton_helpers.tuned``) chose for ``key`` among ``kept`` in an earlier process,
+    now also its choice in memory; ``None`` where it has none (nothing is timed)."""
+    if not getattr(tuner, "cache_results", False):
+        return None
+
+    def not_timed():
+        raise _NotTimed
+
+    try:
+        tuner.check_disk_cache(key, kept, not_timed)
+    except _NotTimed:
+        return None
+    return tuner.cache.get(key)
+
+
 def _tuner_run(self, *args, **kwargs):
     """``Autotuner.run``, which in a thread's dry pass (:func:`compile_ahead`) times nothing and
-    keeps nothing: it compiles the candidate it keeps for a key it has timed, or else every
-    candidate its prune filter keeps (those its real call will time)."""
+    keeps nothing: it compiles the candidate it keeps for a key it has timed (in this process or,
+    on disk, an earlier one), or else every candidate its prune filter keeps (those its real
+    call will time)."""
     if not getattr(_recording, "ahead", False):
         return _original_run[1](self, *args, **kwargs)
     self.nargs = dict(zip(self.arg_names, args))
@@ -137,7 +159,10 @@ def _tuner_run(self, *args, **kwargs):
             key = tuple([named[k] for k in self.keys if k in named]
                         + [str(v.dtype) for v in named.values() if hasattr(v, "dtype")])
             chosen = self.cache.get(key)
-            configs = [chosen] if chosen is not None else self.prune_configs(kwargs)
+            if chosen is None:
+                configs = self.prune_configs(kwargs)
+                chosen = _on_disk(self, key, configs)
+            configs = [chosen] if chosen is not None else configs
         for config in configs:
             self.fn.run(*args, **kwargs, **config.all_kwargs())
     finally:

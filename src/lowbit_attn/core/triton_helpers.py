@@ -84,7 +84,7 @@ def choose(kept: list, kernel: str, args: dict) -> list:
     """What a prune filter returns of the candidates it keeps for a launch of ``kernel`` with
     ``args``, ``kept``: under ``LOWBIT_ATTN_AUTOTUNE=measured`` (the default), the candidate
     that an entry of :data:`~lowbit_attn.core.measured.MEASURED` names for this machine's family,
-    alone (Triton then compiles that one only: :func:`lone_untimed`), where one applies and is
+    alone (Triton then compiles that one only: :func:`tuned`), where one applies and is
     kept; under ``first`` the first kept (a head dim whose candidates are not the family's
     first, D = 256 in ``inference/kernel_int8.py``, gets its own first); else all of them."""
     mode = autotune_mode()
@@ -104,12 +104,19 @@ def choose(kept: list, kernel: str, args: dict) -> list:
     return kept
 
 
-class _LoneUntimed(triton.runtime.Autotuner):
-    """An autotuner that does not time a candidate its prune filter keeps alone."""
+class _Tuner(triton.runtime.Autotuner):
+    """The package's autotuner. A candidate its prune filter keeps alone is not timed. Under
+    ``LOWBIT_ATTN_AUTOTUNE=measured`` (the default) the timings of a launch it chose among
+    several candidates are kept on disk, in Triton's cache (Triton's own ``cache_results``,
+    keyed by Triton, the backend, the kernel's source, the autotuning key and the candidates),
+    so that a later process runs the choice without compiling and timing each candidate again;
+    ``all`` times every new key anew and keeps nothing; in the interpreter nothing is kept."""
 
     def prune_configs(self, kwargs):
         kept = super().prune_configs(kwargs)
         self.lone = len(kept) == 1
+        self.cache_results = (len(kept) > 1 and autotune_mode() == "measured"
+                              and not interpreter_enabled())
         return kept
 
     def _bench(self, *args, config, **meta):
@@ -118,23 +125,25 @@ class _LoneUntimed(triton.runtime.Autotuner):
         return super()._bench(*args, config=config, **meta)
 
 
-def lone_untimed(tuner):
-    """``tuner`` (a ``triton.autotune`` result whose prune filter ends in :func:`choose`), made
-    not to time the candidate its filter keeps alone (a measured one, or ``first``'s): Triton 3.6
-    times it all the same (``do_bench``: ~0.1 s of a new shape's first call), 3.9 does not."""
-    tuner.__class__ = _LoneUntimed
+def tuned(tuner):
+    """``tuner`` (a ``triton.autotune`` result) made the package's :class:`_Tuner`: a candidate
+    its prune filter keeps alone (a measured one, or ``first``'s) is not timed (Triton 3.6
+    times it all the same, ``do_bench``: ~0.1 s of a new shape's first call; 3.9 does not), and
+    its choices among several are kept on disk for later processes."""
+    tuner.__class__ = _Tuner
     return tuner
 
 
 def autotuned(configs: dict[str, list[LaunchConfig]], **options):
     """``triton.autotune`` over :func:`triton_configs` of ``configs`` (``options``: its other
-    arguments), for a kernel whose candidates are not its module's ``CONFIGS``: the autotuner
-    keeps ``configs`` as ``family_configs``, where the AOT compiler (``tools/aot.py``) reads
-    them."""
+    arguments), for a kernel whose candidates are not its module's ``CONFIGS``: a :func:`tuned`
+    autotuner that keeps ``configs`` as ``family_configs``, where the AOT compiler
+    (``tools/aot.py``) reads them."""
     from lowbit_attn.core.arch import get_capability
 
     def wrap(fn):
-        tuner = triton.autotune(configs=triton_configs(configs, get_capability()), **options)(fn)
+        tuner = tuned(triton.autotune(configs=triton_configs(configs, get_capability()),
+                                      **options)(fn))
         tuner.family_configs = configs
         return tuner
 

@@ -18,9 +18,9 @@ from lowbit_attn.core.operands import QuantizedQKV, Seqs, dense_seqs
 from lowbit_attn.core.variants import PLAIN, Variant
 from lowbit_attn.core.triton_helpers import (
     LOG2E, LaunchConfig, add_sink, bhnd_strides, exact_fp8,
-    finish_rows, finish_scores, choose, key_block_bounds, key_position, lone_untimed, next_pow2,
+    finish_rows, finish_scores, choose, key_block_bounds, key_position, next_pow2,
     next_power_of_2, online_max, p_offset, packed_v_start, program_heads, row_strides, seq_span,
-    store_lse, strides, to_e4m3, triton_configs, window_block_bounds,
+    store_lse, strides, to_e4m3, triton_configs, tuned, window_block_bounds,
 )
 from lowbit_attn.core.variants import cap_args, sink_logits
 from lowbit_attn.quant.tile import thread_group
@@ -367,7 +367,7 @@ def _prune(configs, named_args, **kwargs):
     return choose(kept or valid, "_attn_fwd_int8_kernel", args)
 
 
-_attn_fwd_int8 = lone_untimed(triton.autotune(
+_attn_fwd_int8 = tuned(triton.autotune(
     configs=triton_configs(CONFIGS, get_capability(), pruned=True),
     prune_configs_by={"early_config_prune": _prune},
     # N_BUCKET (a power of two of the key length, unused by the kernel): tune per length range.

@@ -115,7 +115,7 @@ def stubbed_launches(capability: tuple[int, int], scratch: dict[str, int] | None
     stub's ``name`` is the kernel's; ``scratch``: the kernels, by name, that need global scratch,
     and how many bytes a program; ``thread``: the thread that built it, a pool's under Triton's
     asynchronous compiles, as Triton's own compiles); autotuners time no candidate (they take
-    the first), and the inference op and the KV cache take their Triton paths on CPU tensors.
+    the first) and keep nothing on disk, and the inference op and the KV cache take their Triton paths on CPU tensors.
     ``compile``: each stub is built after a real compile of its kernel for ``capability``
     (Triton's cache applies; the compiled kernel is not kept), so that the block takes a
     compile's time. The stand-in driver is ``triton.runtime.driver.active`` meanwhile.
@@ -157,18 +157,22 @@ def stubbed_launches(capability: tuple[int, int], scratch: dict[str, int] | None
         keep(kernel)
         return kernel
 
-    saved = (jit.JITFunction._do_compile, autotuner.Autotuner._bench)
+    saved = (jit.JITFunction._do_compile, autotuner.Autotuner._bench,
+             autotuner.Autotuner.check_disk_cache)
     saved_backends = [m.backend_for for m in chosen]
     previous_driver = jit.driver._active  # None until a driver was asked for
     jit.driver.set_active(_StubDriver(GPUTarget("cuda", capability[0] * 10 + capability[1], 32)))
     jit.JITFunction._do_compile = stub_compile
     autotuner.Autotuner._bench = lambda self, *args, config, **meta: [1.0, 1.0, 1.0]
+    # these timings are not kept on disk (a GPU's later processes would take them)
+    autotuner.Autotuner.check_disk_cache = lambda self, key, configs, bench: bench() or False
     for module in chosen:
         module.backend_for = lambda device: "triton"
     try:
         yield sink
     finally:
-        jit.JITFunction._do_compile, autotuner.Autotuner._bench = saved
+        (jit.JITFunction._do_compile, autotuner.Autotuner._bench,
+         autotuner.Autotuner.check_disk_cache) = saved
         for module, backend_for in zip(chosen, saved_backends):
             module.backend_for = backend_for
         jit.driver.set_active(previous_driver)
