@@ -115,7 +115,8 @@ def stubbed_launches(capability: tuple[int, int], scratch: dict[str, int] | None
     stub's ``name`` is the kernel's; ``scratch``: the kernels, by name, that need global scratch,
     and how many bytes a program; ``thread``: the thread that built it, a pool's under Triton's
     asynchronous compiles, as Triton's own compiles); autotuners time no candidate (they take
-    the first) and keep nothing on disk, and the inference op and the KV cache take their Triton paths on CPU tensors.
+    the first) and keep nothing on disk, and the inference op and the KV cache take their
+    Triton paths on CPU tensors.
     ``compile``: each stub is built after a real compile of its kernel for ``capability``
     (Triton's cache applies; the compiled kernel is not kept), so that the block takes a
     compile's time. The stand-in driver is ``triton.runtime.driver.active`` meanwhile.
