@@ -136,9 +136,9 @@ def tuned(tuner):
 
 def autotuned(configs: dict[str, list[LaunchConfig]], **options):
     """``triton.autotune`` over :func:`triton_configs` of ``configs`` (``options``: its other
-    arguments), for a kernel whose candidates are not its module's ``CONFIGS``: a :func:`tuned`
-    autotuner that keeps ``configs`` as ``family_configs``, where the AOT compiler
-    (``tools/aot.py``) reads them."""
+    arguments), made :func:`tuned`; it keeps ``configs`` as ``family_configs``, where the AOT
+    compiler (``tools/aot.py``) reads them (a kernel whose candidates are not its module's
+    ``CONFIGS``)."""
     from lowbit_attn.core.arch import get_capability
 
     def wrap(fn):

@@ -37,7 +37,7 @@ from lowbit_attn.core.operands import FP4_GROUP, P_TWO_LEVEL_PEAK, QuantizedFP4
 from lowbit_attn.core.variants import PLAIN, Variant, cap_args, sink_logits
 from lowbit_attn.core.triton_helpers import (
     LOG2E, LaunchConfig, add_sink, finish_scores, key_block_bounds, next_power_of_2,
-    normalize_rows, online_max, program_heads, store_lse, strides, triton_configs, tuned,
+    normalize_rows, online_max, program_heads, store_lse, strides, autotuned,
     window_block_bounds,
 )
 from lowbit_attn.quant.fp4 import (
@@ -341,8 +341,8 @@ def _attn_fwd_fp4_kernel(
                   m_i, l_i, 0.0, mmask, HAS_LSH)
 
 
-_attn_fwd_fp4 = tuned(triton.autotune(
-    configs=triton_configs(CONFIGS, get_capability()),
+_attn_fwd_fp4 = autotuned(
+    CONFIGS,
     # N_BUCKET (a power of two of the key length, unused by the kernel): tune per length range.
     key=["N_BUCKET", "BLOCK_D", "IS_CAUSAL", "NV", "TWO_LEVEL", "BLOCK_M", "BLOCK_N",
          "WINDOWED", "SOFTCAP"],
@@ -356,7 +356,7 @@ _attn_fwd_fp4 = tuned(triton.autotune(
             "WRITE_LSE": lambda a: a["LSE"] is not None,
         }
     )(_attn_fwd_fp4_kernel)
-))
+)
 
 
 def _pair(x: torch.Tensor | None) -> tuple[int, int]:

@@ -11,12 +11,12 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit_attn.core.arch import get_capability, interpreter_enabled
+from lowbit_attn.core.arch import interpreter_enabled
 from lowbit_attn.core.operands import TRAIN_BLOCK, TrainOperands
 from lowbit_attn.core.triton_helpers import (
     LaunchConfig, finish_scores, key_block_bounds, mm, next_pow2, next_power_of_2, online_max,
-    normalize_rows, operand, program_heads, round_half_even, strides, token_major, triton_configs,
-    tuned, window_block_bounds,
+    normalize_rows, operand, program_heads, round_half_even, strides, token_major,
+    autotuned, window_block_bounds,
 )
 from lowbit_attn.core.variants import PLAIN, Variant, variant_args
 
@@ -154,12 +154,12 @@ def _train_fwd_kernel(
     tl.store(LSE + b * slb + h * slh + offs_m * sln, m_i + tl.log2(l_i), mask=mmask)
 
 
-_train_fwd = tuned(triton.autotune(
-    configs=triton_configs(CONFIGS, get_capability()),
+_train_fwd = autotuned(
+    CONFIGS,
     key=["N_BUCKET", "BLOCK_D", "IS_CAUSAL", "QK_INT8", "PV_INT8", "HAS_DS", "BLOCK_M",
          "WINDOWED", "SOFTCAP", "HAS_RS"],
 )(triton.heuristics({"HAS_DS": lambda a: a["DS"] is not None,
-                     "HAS_RS": lambda a: a["RS"] is not None})(_train_fwd_kernel)))
+                     "HAS_RS": lambda a: a["RS"] is not None})(_train_fwd_kernel))
 
 
 def launch_args(ops: TrainOperands, out: torch.Tensor, lse: torch.Tensor, causal_offset,

@@ -14,11 +14,11 @@ import triton
 import triton.language as tl
 
 from lowbit_attn.core import triton_support
-from lowbit_attn.core.arch import get_capability, interpreter_enabled
+from lowbit_attn.core.arch import interpreter_enabled
 from lowbit_attn.core.operands import QuantizedQKV
 from lowbit_attn.core.triton_helpers import (
     LaunchConfig, batch_head, exact_fp8, finish_rows, mm, next_pow2, online_max, p_offset,
-    strides, to_e4m3, triton_configs, tuned,
+    strides, to_e4m3, autotuned,
 )
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -223,14 +223,11 @@ def _vsa_dkdv_kernel(
 
 
 _KEY = ["TS", "BLOCK_D"]
-_fwd = tuned(triton.autotune(configs=triton_configs(CONFIGS, get_capability()),
-                             key=_KEY + ["INT8_QK", "PV_FP8"])(
+_fwd = autotuned(CONFIGS, key=_KEY + ["INT8_QK", "PV_FP8"])(
     triton.heuristics({"HAS_VSCALE": lambda a: a["VS"] is not None,
-                       "HAS_VMEAN": lambda a: a["VM"] is not None})(_vsa_fwd_kernel)))
-_dq = tuned(triton.autotune(configs=triton_configs(CONFIGS, get_capability()),
-                            key=_KEY)(_vsa_dq_kernel))
-_dkdv = tuned(triton.autotune(configs=triton_configs(CONFIGS, get_capability()),
-                              key=_KEY)(_vsa_dkdv_kernel))
+                       "HAS_VMEAN": lambda a: a["VM"] is not None})(_vsa_fwd_kernel))
+_dq = autotuned(CONFIGS, key=_KEY)(_vsa_dq_kernel)
+_dkdv = autotuned(CONFIGS, key=_KEY)(_vsa_dkdv_kernel)
 
 
 def _consts(d: int):
