@@ -18,10 +18,9 @@ from triton.runtime.jit import JITFunction
 
 from lowbit_attn.core import triton_helpers
 from lowbit_attn.core.triton_helpers import tuned
-from lowbit_attn.inference import kernel_int8
+from lowbit_attn.inference import kernel_fp4, kernel_int8
 from lowbit_attn.training import kernel_bwd, kernel_fwd
 from lowbit_attn.vsa import kernel_fine
-from lowbit_attn.inference import kernel_fp4
 
 
 @triton.jit
