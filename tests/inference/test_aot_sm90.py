@@ -284,3 +284,22 @@ def test_a_window_with_sinks_costs_at_its_edges(compiled, d, granularity, max_re
     assert windowed.spills == 0 and windowed.registers <= max_regs, windowed.registers
     assert _loops(sunk) == [plain_loop, causal_diagonal]
     assert sunk.registers == causal.registers and sunk.spills == 0
+
+
+@pytest.mark.parametrize("nk", [1, 2, 17])
+@pytest.mark.parametrize("granularity", kernel_int8_sm90.GRANULARITIES)
+def test_one_key_packs_p_from_what_it_computed(granularity, nk):
+    """The one-key failure (H200, 2026-11-30: NaN rows at Nq 96, Nk 1, D 64): NK = 1 compiled
+    as a constant folded P̃'s masked columns into one value, and ptxas 12.8 packed its E4M3 bytes
+    with a register it never wrote (``sass.stale_merges``). NK is not specialized now: the one-key
+    launch compiles the kernel every other key count runs."""
+    r = aot.compile_launch(aot.record_sm90_launch(head_dim=64, seq_len=96, seq_len_k=nk,
+                                                  return_lse=True, granularity=granularity),
+                           "sm_90a")
+    assert r.ok, r.error
+    assert sass.stale_merges(sass.listing(r.cubin)) == []
+
+
+def test_query_and_key_counts_are_not_specialized():
+    params = {p.name: p for p in kernel_int8_sm90._attn_fwd_sm90_kernel.params}
+    assert params["NK"].do_not_specialize and params["NQ"].do_not_specialize

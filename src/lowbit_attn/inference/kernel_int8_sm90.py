@@ -82,7 +82,11 @@ _KEYS = gl.constexpr(gl.BlockedLayout([1], [32], [NUM_WARPS], [0]))
 
 
 
-@gluon.jit
+# NK and NQ are never specialized: a launch with one key (NK == 1, a constant to Triton) compiled
+# a variant whose masked key columns all hold one P̃ value, and ptxas 12.8 (Triton 3.6's) packs
+# those E4M3 bytes from a register it never wrote (F2FP ... MERGE_C over a stale register: a
+# Q scale's low bits), NaN rows on an H200 (NOTES, the one-key failure).
+@gluon.jit(do_not_specialize=["NQ", "NK"])
 def _attn_fwd_sm90_kernel(
     q, k, V, VS, VM, LSH, O, LSE, SINK,
     v_strides, vs_strides, lsh_strides, o_strides, lse_strides,

@@ -787,19 +787,22 @@ def record_gluon_launch(*, head_dim: int = 128, causal: bool = False, block_k: i
 
 def record_sm90_launch(*, head_dim: int = 128, causal: bool = False, return_lse: bool = False,
                        seq_len: int = 1024, dtype: torch.dtype = torch.float16,
-                       granularity: str = "per_thread", pv: str = "fp8", **launcher) -> Launch:
+                       granularity: str = "per_thread", pv: str = "fp8",
+                       seq_len_k: int | None = None, **launcher) -> Launch:
     """The launch of the one-warpgroup Hopper forward (``inference.kernel_int8_sm90``) on the
     operands of a dense ``[1, 2, seq_len, head_dim]`` ``qk_int8_pv_{pv}`` call with 128-key
     blocks and ``granularity`` scales (E4M3 V permuted), as the quantization launch allocates
     them (nothing runs on a device). ``launcher``: the launcher's candidate options
-    (``k_stages``, ``maxnreg``)."""
+    (``k_stages``, ``maxnreg``); ``seq_len_k``: the keys (default ``seq_len``)."""
     from lowbit_attn.core.recipes import get_recipe
     from lowbit_attn.inference import kernel_int8_sm90
     from lowbit_attn.inference.prepare import quantize_qkv
 
     recipe = get_recipe(f"qk_int8_pv_{pv}").replace(block_k=kernel_int8_sm90.BLOCK_N,
                                                     granularity=granularity)
-    q, k, v = (torch.zeros(1, 2, seq_len, head_dim, dtype=dtype) for _ in range(3))
+    nk = seq_len if seq_len_k is None else seq_len_k
+    q = torch.zeros(1, 2, seq_len, head_dim, dtype=dtype)
+    k, v = (torch.zeros(1, 2, nk, head_dim, dtype=dtype) for _ in range(2))
     with _recording():
         qz = quantize_qkv(q, k, v, recipe, head_dim ** -0.5, need_lse_shift=return_lse,
                           backend="triton", permute_v=pv == "fp8")

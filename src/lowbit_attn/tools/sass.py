@@ -372,6 +372,29 @@ def a_register_hazards(listing: list[tuple[int, str, str]]) -> ARegisterCheck:
     return ARegisterCheck(len(register_a), tuple(ordered))
 
 
+# --- E4M3 packs -------------------------------------------------------------------------------
+#
+# ``F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C Rd, Ra, Rb, Rc`` writes two E4M3 bytes of Ra, Rb in
+# Rd's low half and Rc's low half in its high half: four bytes take two, the first with Rc = RZ.
+# ptxas 12.8 (Triton 3.6's) has packed a kernel's constant-folded P̃ (one key: every masked column
+# one value) from an Rc it never wrote (a Q scale's low bits: NaN rows, NOTES' one-key failure).
+
+def stale_merges(listing: list[tuple[int, str, str]]) -> list[tuple[int, str, str | None]]:
+    """``(address, instruction, Rc's last writer)`` of each ``F2FP ... MERGE_C`` whose Rc (not
+    ``RZ``) was last written, in listing order, by something other than an ``F2FP`` or a
+    ``PRMT`` (or by nothing). The packs are straight-line code: listing order is enough."""
+    last: dict[int, str] = {}
+    found = []
+    for address, _, text in listing:
+        if text.startswith("F2FP") and "MERGE_C" in text:
+            c = _REGISTER.match(_operands(text)[3])
+            if c and not last.get(int(c.group(1)), "").startswith(("F2FP", "PRMT")):
+                found.append((address, text, last.get(int(c.group(1)))))
+        for r in _written(text):
+            last[r] = text
+    return found
+
+
 @dataclass(frozen=True)
 class QKInterleave:
     """What sits among a loop's Q·Kᵀ ``mma.sync`` instructions (``OMMA`` on sm_120): strictly

@@ -8,6 +8,8 @@ sm_90a: the gate ``lowbit-attn inspect --kernel sm90`` prints and
 - no instruction writes a register an in-flight wgmma reads as its A operand, before the wait
   that retires it (``sass.a_register_hazards``, over the whole kernel): Triton leaves a register
   A operand out of the wait's dependencies, so nothing else checks it;
+- no E4M3 pack merges a register that no pack wrote (``sass.stale_merges``: ptxas 12.8 did so
+  in a one-key launch's constant-folded P̃, NOTES §27);
 - no spills;
 - at most :data:`MAX_PER_SCORE` instructions per score in that loop (per thread: the loop's
   instructions over the 64 scores a thread holds per 64×128 tile);
@@ -92,10 +94,12 @@ def gates(report) -> dict | None:
         "shared_stores": ops.get("STS", 0), "local_memory": ops.get("LDL", 0) + ops.get("STL", 0),
         "pv_from_registers": pv_from_registers(report.ptx), "ctas_per_sm": ctas,
         "spills": report.spills, "a_register": a_register_gate(listing),
+        "stale_merges": len(sass.stale_merges(listing)),
     }
     found["checks"] = {
         "P̃·V from registers": found["pv_from_registers"] is True,
         "no A-register hazard": not found["a_register"]["hazards"],
+        "no stale E4M3 merge": found["stale_merges"] == 0,
         "no shared-memory store in the main loop": found["shared_stores"] == 0,
         "0 spills": report.spills == 0,
         f"<= {MAX_PER_SCORE} instructions per score": per_score <= MAX_PER_SCORE,
