@@ -1,6 +1,7 @@
 """Where the 8-bit forward's preparation spends its time, launch by launch, against its floor
 (issue 43; the H200 of 2026-11-29 measured the two launches at 2.0 ms for N = 16k, D = 128,
-B·H = 64, against a 0.36 ms floor, and 60 % of the GPU time at N = 1k):
+B·H = 64, against a 0.42 ms floor, and 60 % of the GPU time at N = 1k; the tilings the H200 of
+2026-11-30 measured fastest replaced them, NOTES §27):
 
     python benchmarks/probes/prep_speed.py OUT.json            # a GPU
     python benchmarks/probes/prep_speed.py OUT.json --smoke    # any machine: one tiny shape
@@ -9,17 +10,10 @@ Per shape (bf16 Q, K, V ``[B, H, N, D]``; the default recipe ``qk_int8_pv_fp8``:
 per-token scales, FP8 V), each timed with ``triton.testing.do_bench`` (on a CPU, ``--smoke``, one
 wall-clock call):
 
-- ``stats``: the statistics launch as a call makes it (Q's amax, K's mean and amax, V's amax),
-  with its production tiling and with each candidate of :data:`STATS_CANDIDATES`
-  (``quant.int8.StatsSchedule``: tile sums, channel tiles, warps, and the rows split over 8 or
-  16 programs per (batch, head) reduced by a second launch, for the 768 programs of 256 serial
-  row blocks at N = 16k, B·H = 64); ``torch stats``: the same statistics by PyTorch reductions;
-- ``quantize``: the quantizing launch as a call makes it (K and Q to INT8, V to E4M3), with its
-  production tiling and with each candidate of :data:`QUANT_CANDIDATES`
-  (``quant.int8.QuantSchedule``: rows per program, warps, each quotient from its scale's
-  reciprocal and one correction rather than a division, the same bits: NOTES §26 counts the
-  instructions), then each part alone
-  (``K``, ``Q``, ``V``: which part is slow);
+- ``stats``: the statistics launch as a call makes it (Q's amax, K's mean and amax, V's amax);
+  ``torch stats``: the same statistics by PyTorch reductions;
+- ``quantize``: the quantizing launch as a call makes it (K and Q to INT8, V to E4M3), then each
+  part alone (``K``, ``Q``, ``V``: which part is slow);
 - ``copy``: a device-to-device copy of Q, K and V, the card's bandwidth as this run sees it.
 
 Each row: ms, bytes read and written, GB/s, and the floor (the bytes at the copy's bandwidth).
@@ -43,29 +37,6 @@ from lowbit_attn.quant import int8 as quant
 
 SHAPES = [(2, 32, 16384, 128), (16, 32, 1024, 128), (2, 32, 16384, 64), (16, 32, 1024, 64)]
 SMOKE_SHAPES = [(1, 2, 80, 64)]
-STATS_CANDIDATES = [
-    quant.StatsSchedule(tile_sums=True),
-    quant.StatsSchedule(tile_sums=True, block_d=64),
-    quant.StatsSchedule(tile_sums=True, block_d=128, block_n=32),
-    quant.StatsSchedule(tile_sums=True, block_d=128, block_n=64, num_warps=8),
-    quant.StatsSchedule(block_d=64),
-    quant.StatsSchedule(block_d=128, block_n=32, num_warps=8),
-    quant.StatsSchedule(splits=8),
-    quant.StatsSchedule(tile_sums=True, block_d=64, splits=8),
-    quant.StatsSchedule(tile_sums=True, block_d=128, block_n=32, splits=16),
-]
-QUANT_CANDIDATES = [
-    quant.QuantSchedule(rows=64),
-    quant.QuantSchedule(rows=64, num_warps=4),
-    quant.QuantSchedule(rows=32, num_warps=4),
-    quant.QuantSchedule(rows=32, num_warps=2),
-    quant.QuantSchedule(num_warps=4),
-    quant.QuantSchedule(rows=128, num_warps=8),
-    quant.QuantSchedule(residual=True),
-    quant.QuantSchedule(rows=64, num_warps=4, residual=True),
-    quant.QuantSchedule(rows=32, num_warps=2, residual=True),
-]
-
 
 def timer(smoke: bool):
     if smoke:
@@ -125,7 +96,7 @@ def main(argv: list[str]) -> None:
         def row(name, fn, nbytes):
             try:
                 ms = bench(fn)
-            except Exception as exc:  # noqa: BLE001 - a candidate that fails is a row too
+            except Exception as exc:  # noqa: BLE001 - a launch that fails is a row too
                 doc["rows"].append({"shape": list(shape), "name": name,
                                     "error": f"{type(exc).__name__}: {exc}"[:300],
                                     "ms": float("nan"), "mb": nbytes / 1e6, "gbs": float("nan")})
@@ -138,20 +109,12 @@ def main(argv: list[str]) -> None:
 
         row("copy Q, K, V", lambda: (q.clone(), k.clone(), v.clone()), 2 * 3 * elem * 2)
         stats_bytes = len(stats) * elem * 2  # each tensor read once
-        row("stats (production)", lambda: quant.channel_stats_many(*stats), stats_bytes)
-        for cand in STATS_CANDIDATES:
-            row(f"stats {cand._asdict()}",
-                lambda cand=cand: quant.channel_stats_many(*stats, schedule=cand), stats_bytes)
+        row("stats", lambda: quant.channel_stats_many(*stats), stats_bytes)
         row("torch stats", lambda: (q.float().abs().amax(dim=2), k.float().mean(dim=2),
                                     k.float().aminmax(dim=2), v.float().abs().amax(dim=2)),
             stats_bytes)
         # read bf16, write one byte per element (scales are small)
-        row("quantize K, Q, V (production)",
-            lambda: quant.quantize(k_req, v_req, q=q_req), 3 * elem * 3)
-        for cand in QUANT_CANDIDATES:
-            row(f"quantize {cand._asdict()}",
-                lambda cand=cand: quant.quantize(k_req, v_req, q=q_req, schedule=cand),
-                3 * elem * 3)
+        row("quantize K, Q, V", lambda: quant.quantize(k_req, v_req, q=q_req), 3 * elem * 3)
         row("quantize K", lambda: quant.quantize(k_req), elem * 3)
         row("quantize Q", lambda: quant.quantize(q=q_req), elem * 3)
         row("quantize V", lambda: quant.quantize(None, v_req), elem * 3)

@@ -126,29 +126,12 @@ def split_rows(data: dict) -> list[dict]:
 
 
 def prep_rows(data: dict) -> list[dict]:
-    """Per shape of ``prep_speed.py`` and per launch (statistics, quantizing): the production
-    tiling's ms and × its floor, then its fastest candidate's ms and speed-up. No target: the
-    candidate that wins every shape replaces the production tiling (NOTES §26)."""
+    """Per shape of ``prep_speed.py``: each launch's ms (statistics, quantizing), with × its floor.
+    No target: issue 43's end-to-end bars hold them."""
     timed = [r for r in data.get("rows", []) if "error" not in r and r.get("ms") == r.get("ms")]
-    out = []
-    for shape in dict.fromkeys(tuple(r["shape"]) for r in timed):
-        here = [r for r in timed if tuple(r["shape"]) == shape]
-        for launch in ("stats", "quantize"):
-            made = [r for r in here if r["name"].startswith(launch) and "(production)" in r["name"]]
-            if not made:
-                continue
-            prod = made[0]
-            out.append({"bar": f"{launch} {list(shape)}: production ms (x its floor "
-                               f"{prod.get('x_floor', float('nan')):.1f})",
-                        "value": prod["ms"], "target": None, "met": None})
-            tried = [r for r in here if r["name"].startswith(launch + " {")]
-            if tried:
-                best = min(tried, key=lambda r: r["ms"])
-                out.append({"bar": f"{launch} {list(shape)}: fastest candidate "
-                                   f"{best['name'][len(launch) + 1:]} ms "
-                                   f"({prod['ms'] / best['ms']:.2f}x production)",
-                            "value": best["ms"], "target": None, "met": None})
-    return out
+    return [{"bar": f"{r['name']} {r['shape']}: ms (x its floor {r.get('x_floor', float('nan')):.1f})",
+             "value": r["ms"], "target": None, "met": None}
+            for r in timed if r["name"] in ("stats", "quantize K, Q, V")]
 
 
 def admission_bars(data: dict) -> list[dict]:

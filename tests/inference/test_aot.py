@@ -94,9 +94,9 @@ def test_a_call_launches_three_kernels(recipe):
     """Statistics of Q, K and V in one launch; K, Q and V quantized in one more; the attention."""
     recorded = aot.record_launches(get_recipe(recipe), head_dim=64, seq_len=1024)
     assert [launch.name for launch in recorded] == LAUNCHES
-    # one program per 64-token block (K's and V's; Q's 128-row blocks take every other one) and
-    # per (batch, head) of K, then of Q, then of V
-    assert recorded[1].grid == (1024 // 64, 2 * 3)
+    # one program per 32-token block (quant.int8.QUANT_ROWS: K's, Q's and V's, per-token scales)
+    # and per (batch, head) of K, then of Q, then of V
+    assert recorded[1].grid == (1024 // 32, 2 * 3)
 
 
 @pytest.mark.parametrize("recipe,pv_form", [("qk_int8_pv_fp8", FP8_WGMMA),

@@ -246,28 +246,23 @@ def test_the_split_rows_name_each_configuration_s_fastest_split():
         "decode split fastest on every row: none": None}
 
 
-def test_the_preparation_rows_name_each_launch_s_fastest_candidate():
-    """decide's summary of prep_speed.py: per shape and launch, the production tiling's ms (with
-    × its floor) and the fastest candidate's (a failed candidate and the parts' rows left out)."""
+def test_the_preparation_rows_give_each_launch_s_time():
+    """decide's summary of prep_speed.py: per shape, the statistics and quantizing launches' ms
+    (with × its floor); a failed row, the copy and the parts' rows left out."""
     def row(name, ms, shape=(2, 32, 16384, 128), **more):
         return {"shape": list(shape), "name": name, "ms": ms, "mb": 1.0, "gbs": 1.0, **more}
 
-    rows = [row("copy Q, K, V", 0.3), row("stats (production)", 1.2, x_floor=7.0),
-            row("stats {'tile_sums': True}", 0.4), row("stats {'splits': 8}", 0.6),
-            row("quantize K, Q, V (production)", 0.8, x_floor=3.2),
-            row("quantize {'rows': 64}", float("nan"), error="OutOfResources"),
-            row("quantize {'num_warps': 4}", 0.5), row("quantize K", 0.1),
-            row("stats (production)", 0.2, shape=(16, 32, 1024, 128), x_floor=4.0)]
+    rows = [row("copy Q, K, V", 0.3), row("stats", 1.2, x_floor=7.0),
+            row("torch stats", 2.6, x_floor=13.0),
+            row("quantize K, Q, V", 0.8, x_floor=3.2), row("quantize K", 0.1),
+            row("stats", float("nan"), shape=(1, 1, 1, 1), error="OutOfResources"),
+            row("stats", 0.2, shape=(16, 32, 1024, 128), x_floor=4.0)]
     stage_summary = script_module("benchmarks/probes/stage_summary.py")
     got = [(b["bar"], b["value"]) for b in stage_summary.prep_rows({"rows": rows})]
     big = "[2, 32, 16384, 128]"
-    assert got == [
-        (f"stats {big}: production ms (x its floor 7.0)", 1.2),
-        (f"stats {big}: fastest candidate {{'tile_sums': True}} ms (3.00x production)", 0.4),
-        (f"quantize {big}: production ms (x its floor 3.2)", 0.8),
-        (f"quantize {big}: fastest candidate {{'num_warps': 4}} ms (1.60x production)", 0.5),
-        ("stats [16, 32, 1024, 128]: production ms (x its floor 4.0)", 0.2),
-    ]
+    assert got == [(f"stats {big}: ms (x its floor 7.0)", 1.2),
+                   (f"quantize K, Q, V {big}: ms (x its floor 3.2)", 0.8),
+                   ("stats [16, 32, 1024, 128]: ms (x its floor 4.0)", 0.2)]
 
 
 def test_the_admission_probe_leaves_its_verdict_for_the_next_steps(tmp_path):
@@ -292,15 +287,15 @@ def test_the_admission_probe_leaves_its_verdict_for_the_next_steps(tmp_path):
 
 @pytest.mark.interpreter
 def test_the_preparation_probe_runs_every_row_on_a_cpu(tmp_path):
-    """benchmarks/probes/prep_speed.py --smoke: every launch and candidate of the GPU probe at a
-    tiny shape on the interpreter (a candidate that fails to compile would be a row with an
-    error on the GPU: here it fails the test)."""
+    """benchmarks/probes/prep_speed.py --smoke: every launch of the GPU probe at a tiny shape on
+    the interpreter (a launch that fails to compile would be a row with an error on the GPU:
+    here it fails the test)."""
     probe = script_module("benchmarks/probes/prep_speed.py")
     probe.main([str(tmp_path / "prep-speed.json"), "--smoke"])
     rows = json.loads((tmp_path / "prep-speed.json").read_text())["rows"]
     names = [r["name"] for r in rows]
-    assert names[:2] == ["copy Q, K, V", "stats (production)"]
-    assert len(names) == 2 + len(probe.STATS_CANDIDATES) + len(probe.QUANT_CANDIDATES) + 5
+    assert names == ["copy Q, K, V", "stats", "torch stats", "quantize K, Q, V", "quantize K",
+                     "quantize Q", "quantize V"]
     assert not [r for r in rows if "error" in r]
     table = (tmp_path / "prep-speed.md").read_text()
     assert table.startswith("# cpu (smoke); ") and "command: python benchmarks/probes/prep" in table

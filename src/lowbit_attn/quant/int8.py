@@ -32,83 +32,56 @@ _KEEP_HI = tl.constexpr(FP16_V_KEEP_HI)
 _V_MIN_KEYS = tl.constexpr(V_PERMUTED_MIN_KEYS)
 
 
+# The statistics launch's tiling (H200, 2026-11-30, `decide`'s `prep` step: 3.4-4.6x faster than
+# the previous one, 32 channels with four reductions across warps per step, at every shape timed;
+# NOTES §27): each program sums, maxima and minima element by element in a tile of 64 rows × 64
+# channels, reduced across rows once after its loop; 4 warps.
+STATS_BLOCK_D = 64
+STATS_BLOCK_N = 64
+STATS_WARPS = 4
+
+
 @triton.jit
 def _stats_program(
-    X, MEAN, AMAX, CU, PART, b, h, pid_d, split, x_strides, mean_strides, amax_strides,
-    part_strides, N, D, CHUNK,
+    X, MEAN, AMAX, CU, b, h, pid_d, x_strides, mean_strides, amax_strides, N, D,
     CENTER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
-    TILE_SUMS: tl.constexpr = False, PHASE: tl.constexpr = 0, SPLITS: tl.constexpr = 1,
 ):
     """Channel statistics of ``BLOCK_D`` channels of one (batch, head): the amax about the
     ``CENTER`` (0 none, 1 the mean, 2 each block's mean), and the mean(s) when centering.
     Strides: (batch, head, token, dim) of ``X``, (batch, head, block, dim) of ``MEAN``, (batch,
-    head, dim) of ``AMAX``, (batch, head, split, statistic, dim) of ``PART``. ``TILE_SUMS``
-    (CENTER 0 and 1; a candidate that no GPU has timed): the sums, maxima, minima and the NaN
-    probe kept element-wise in ``[BLOCK_N, BLOCK_D]`` tiles and reduced across the rows once
-    after the loop, instead of four reductions across warps per block of rows (the same values
-    up to the sum's order). ``PHASE`` (CENTER 0 and 1; a candidate too): 0 the whole sequence;
-    1 rows ``split·CHUNK`` to ``(split + 1)·CHUNK`` only, their (sum, max, min, NaN probe) stored
-    to ``PART``; 2 those of the ``SPLITS`` splits reduced in split order, then stored as 0
-    stores them."""
+    head, dim) of ``AMAX``. Centers 0 and 1 keep sums, maxima, minima and the NaN probe element
+    by element (``_tile_sums``); a block mean reduces each block of rows as it goes."""
     sxb, sxh, sxn, sxd = x_strides
     smb, smh, smk, smd = mean_strides
     sab, sah, sad = amax_strides
-    spb, sph, sps, spk, spd = part_strides
     start, n = seq_span(CU, b, N, VARLEN)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     base = X + b * sxb + h * sxh
-    if PHASE != 0:
-        part = PART + b * spb + h * sph + offs_d * spd
-    total = tl.zeros([BLOCK_D], dtype=tl.float32)
-    hi = tl.full([BLOCK_D], float("-inf"), tl.float32)
-    lo = tl.full([BLOCK_D], float("inf"), tl.float32)
-    amax = tl.zeros([BLOCK_D], dtype=tl.float32)
-    poison = tl.zeros([BLOCK_D], dtype=tl.float32)
-    first = 0
-    last = n
-    if PHASE == 1:
-        first = split * CHUNK
-        last = tl.minimum(n, first + CHUNK)
-    if PHASE == 2:
-        for s in range(SPLITS):  # in split order: the sum's order is the same on every run
-            total += tl.load(part + s * sps, mask=dmask, other=0.0)
-            hi = tl.maximum(hi, tl.load(part + s * sps + spk, mask=dmask, other=0.0))
-            lo = tl.minimum(lo, tl.load(part + s * sps + 2 * spk, mask=dmask, other=0.0))
-            poison += tl.load(part + s * sps + 3 * spk, mask=dmask, other=0.0)
-    elif TILE_SUMS and CENTER != 2:
-        total, hi, lo, poison = _tile_sums(base, start, first, last, offs_d, dmask, sxn, sxd,
-                                           BLOCK_N, BLOCK_D)
-    else:
-        for i in range(first, last, BLOCK_N):
-            x, mask = _rows(base, start, i, last, offs_d, dmask, sxn, sxd, BLOCK_N)
+    if CENTER == 2:
+        amax = tl.zeros([BLOCK_D], dtype=tl.float32)
+        poison = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for i in range(0, n, BLOCK_N):
+            x, mask = _rows(base, start, i, n, offs_d, dmask, sxn, sxd, BLOCK_N)
             poison += tl.sum(x * 0.0, axis=0)
-            if CENTER == 2:
-                count = tl.minimum(n - i, BLOCK_N).to(tl.float32)
-                bmean = tl.sum(x, axis=0) / count
-                bhi = tl.max(tl.where(mask, x, float("-inf")), axis=0)
-                blo = tl.min(tl.where(mask, x, float("inf")), axis=0)
-                amax = tl.maximum(amax, tl.maximum(bhi - bmean, bmean - blo))
-                tl.store(MEAN + b * smb + h * smh + (i // BLOCK_N) * smk + offs_d * smd, bmean,
-                         mask=dmask)
-            else:
-                total += tl.sum(x, axis=0)
-                hi = tl.maximum(hi, tl.max(tl.where(mask, x, float("-inf")), axis=0))
-                lo = tl.minimum(lo, tl.min(tl.where(mask, x, float("inf")), axis=0))
-    if PHASE == 1:
-        tl.store(part + split * sps, total, mask=dmask)
-        tl.store(part + split * sps + spk, hi, mask=dmask)
-        tl.store(part + split * sps + 2 * spk, lo, mask=dmask)
-        tl.store(part + split * sps + 3 * spk, poison, mask=dmask)
+            count = tl.minimum(n - i, BLOCK_N).to(tl.float32)
+            bmean = tl.sum(x, axis=0) / count
+            bhi = tl.max(tl.where(mask, x, float("-inf")), axis=0)
+            blo = tl.min(tl.where(mask, x, float("inf")), axis=0)
+            amax = tl.maximum(amax, tl.maximum(bhi - bmean, bmean - blo))
+            tl.store(MEAN + b * smb + h * smh + (i // BLOCK_N) * smk + offs_d * smd, bmean,
+                     mask=dmask)
     else:
+        total, hi, lo, poison = _tile_sums(base, start, n, offs_d, dmask, sxn, sxd, BLOCK_N,
+                                           BLOCK_D)
         if CENTER == 1:
             mean = total / tl.maximum(n, 1)  # an empty sequence's mean is 0, as its amax
             amax = tl.maximum(hi - mean, mean - lo)
             tl.store(MEAN + b * smb + h * smh + offs_d * smd, mean, mask=dmask)
-        elif CENTER == 0:
+        else:
             amax = tl.maximum(hi, -lo)
-        amax = tl.where(n > 0, amax, 0.0)  # not -inf: no token, no magnitude
-        tl.store(AMAX + b * sab + h * sah + offs_d * sad, amax + poison, mask=dmask)
+    amax = tl.where(n > 0, amax, 0.0)  # not -inf: no token, no magnitude
+    tl.store(AMAX + b * sab + h * sah + offs_d * sad, amax + poison, mask=dmask)
 
 
 @triton.jit
@@ -124,16 +97,15 @@ def _rows(base, start, i, n, offs_d, dmask, sxn, sxd, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _tile_sums(base, start, first, n, offs_d, dmask, sxn, sxd, BLOCK_N: tl.constexpr,
+def _tile_sums(base, start, n, offs_d, dmask, sxn, sxd, BLOCK_N: tl.constexpr,
                BLOCK_D: tl.constexpr):
-    """``_stats_program``'s loop with ``TILE_SUMS``: ``(sum, max, min, 0·sum)`` of rows ``first``
-    to ``n``, each column's, from tiles accumulated element by element (masked rows: 0, -inf,
-    +inf, 0)."""
+    """``(sum, max, min, 0·sum)`` of rows 0 to ``n``, each column's, from tiles accumulated
+    element by element (masked rows: 0, -inf, +inf, 0) and reduced across rows once."""
     acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     top = tl.full([BLOCK_N, BLOCK_D], float("-inf"), tl.float32)
     bottom = tl.full([BLOCK_N, BLOCK_D], float("inf"), tl.float32)
     probe = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    for i in range(first, n, BLOCK_N):
+    for i in range(0, n, BLOCK_N):
         x, mask = _rows(base, start, i, n, offs_d, dmask, sxn, sxd, BLOCK_N)
         acc += x
         probe += x * 0.0
@@ -145,55 +117,33 @@ def _tile_sums(base, start, first, n, offs_d, dmask, sxn, sxd, BLOCK_N: tl.const
 
 @triton.jit
 def _channel_stats_kernel(
-    X0, MEAN0, AMAX0, CU0, PART0, x_strides0, mean_strides0, amax_strides0, part_strides0, N0,
-    H0,
-    X1, MEAN1, AMAX1, CU1, PART1, x_strides1, mean_strides1, amax_strides1, part_strides1, N1,
-    H1,
-    X2, MEAN2, AMAX2, CU2, PART2, x_strides2, mean_strides2, amax_strides2, part_strides2, N2,
-    H2,
-    NB, D, CHUNK,
+    X0, MEAN0, AMAX0, CU0, x_strides0, mean_strides0, amax_strides0, N0, H0,
+    X1, MEAN1, AMAX1, CU1, x_strides1, mean_strides1, amax_strides1, N1, H1,
+    X2, MEAN2, AMAX2, CU2, x_strides2, mean_strides2, amax_strides2, N2, H2,
+    NB, D,
     CENTER0: tl.constexpr, CENTER1: tl.constexpr, CENTER2: tl.constexpr,
     BLOCK_N0: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_N2: tl.constexpr,
-    BLOCK_D: tl.constexpr, VARLEN: tl.constexpr, TILE_SUMS: tl.constexpr = False,
-    PHASE: tl.constexpr = 0, SPLITS: tl.constexpr = 1,
+    BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """Statistics of up to three tensors in one launch (``CENTERi`` -1: no tensor ``i``); program
     ``pid`` of axis 0 runs (batch, head) ``pid`` of the first tensor, then of the second, ...;
-    axis 1 the channels, axis 2 (``PHASE`` 1) the split of the rows."""
+    axis 1 the channels."""
     pid = tl.program_id(0)
     pid_d = tl.program_id(1)
-    split = tl.program_id(2)
     n0 = NB * H0
     n1 = NB * H1
     if CENTER0 >= 0 and pid < n0:
         b, h = batch_head(pid, H0)
-        _stats_program(X0, MEAN0, AMAX0, CU0, PART0, b, h, pid_d, split, x_strides0,
-                       mean_strides0, amax_strides0, part_strides0, N0, D, CHUNK, CENTER0,
-                       BLOCK_N0, BLOCK_D, VARLEN, TILE_SUMS, PHASE, SPLITS)
+        _stats_program(X0, MEAN0, AMAX0, CU0, b, h, pid_d, x_strides0, mean_strides0,
+                       amax_strides0, N0, D, CENTER0, BLOCK_N0, BLOCK_D, VARLEN)
     elif CENTER1 >= 0 and pid < n0 + n1:
         b, h = batch_head(pid - n0, H1)
-        _stats_program(X1, MEAN1, AMAX1, CU1, PART1, b, h, pid_d, split, x_strides1,
-                       mean_strides1, amax_strides1, part_strides1, N1, D, CHUNK, CENTER1,
-                       BLOCK_N1, BLOCK_D, VARLEN, TILE_SUMS, PHASE, SPLITS)
+        _stats_program(X1, MEAN1, AMAX1, CU1, b, h, pid_d, x_strides1, mean_strides1,
+                       amax_strides1, N1, D, CENTER1, BLOCK_N1, BLOCK_D, VARLEN)
     elif CENTER2 >= 0:
         b, h = batch_head(pid - n0 - n1, H2)
-        _stats_program(X2, MEAN2, AMAX2, CU2, PART2, b, h, pid_d, split, x_strides2,
-                       mean_strides2, amax_strides2, part_strides2, N2, D, CHUNK, CENTER2,
-                       BLOCK_N2, BLOCK_D, VARLEN, TILE_SUMS, PHASE, SPLITS)
-
-
-class StatsSchedule(NamedTuple):
-    """The statistics launch's tiling: ``block_d`` channels and ``block_n`` rows per step
-    (``block_n`` of the centers 0 and 1: a block mean's rows are its block), ``num_warps``,
-    ``tile_sums`` (``_stats_program``), ``splits``: programs per (batch, head, channel block)
-    that each take one slice of the rows, reduced by a second launch (centers 0 and 1; with a
-    block mean in the launch, 1). The default is the production one."""
-
-    block_d: int = 32
-    block_n: int = 64
-    num_warps: int = 4
-    tile_sums: bool = False
-    splits: int = 1
+        _stats_program(X2, MEAN2, AMAX2, CU2, b, h, pid_d, x_strides2, mean_strides2,
+                       amax_strides2, N2, D, CENTER2, BLOCK_N2, BLOCK_D, VARLEN)
 
 
 class StatsRequest(NamedTuple):
@@ -205,14 +155,13 @@ class StatsRequest(NamedTuple):
     seqs: Seqs | None = None
 
 
-def _stats_args(req: StatsRequest | None, part: int, block_n: int = 64, splits: int = 1):
+def _stats_args(req: StatsRequest | None, part: int):
     """Buffers, keyword arguments and constexprs of part ``part`` (0, 1, 2) of
-    ``_channel_stats_kernel`` (``splits`` > 1: with the partial statistics' buffer)."""
+    ``_channel_stats_kernel``."""
     if req is None:
-        args = dict(X=None, MEAN=None, AMAX=None, CU=None, PART=None, x_strides=(0,) * 4,
-                    mean_strides=(0,) * 4, amax_strides=(0,) * 3, part_strides=(0,) * 5, N=1,
-                    H=0)
-        return None, {f"{name}{part}": value for name, value in args.items()}, -1, 64
+        args = dict(X=None, MEAN=None, AMAX=None, CU=None, x_strides=(0,) * 4,
+                    mean_strides=(0,) * 4, amax_strides=(0,) * 3, N=1, H=0)
+        return None, {f"{name}{part}": value for name, value in args.items()}, -1, STATS_BLOCK_N
     seqs = req.seqs or dense_seqs(req.x)
     x, h, d = req.x, req.x.shape[1], req.x.shape[-1]
     mode = CENTERS[req.center]
@@ -227,45 +176,30 @@ def _stats_args(req: StatsRequest | None, part: int, block_n: int = 64, splits: 
     else:
         mean = None
         mstrides = (0, 0, 0, 0)
-    stats = (torch.empty((seqs.batch, h, splits, 4, d), device=x.device, dtype=torch.float32)
-             if splits > 1 else None)  # (sum, max, min, NaN probe) of each split's rows
-    args = dict(X=x, MEAN=mean, AMAX=amax, CU=seqs.cu_seqlens, PART=stats,
+    args = dict(X=x, MEAN=mean, AMAX=amax, CU=seqs.cu_seqlens,
                 x_strides=bhnd_strides(x, seqs.packed), mean_strides=mstrides,
-                amax_strides=amax.stride(),
-                part_strides=stats.stride() if stats is not None else (0,) * 5,
-                N=seqs.max_len, H=h)
+                amax_strides=amax.stride(), N=seqs.max_len, H=h)
     return ((mean, amax), {f"{name}{part}": value for name, value in args.items()}, mode,
-            req.block if mode == 2 else block_n)
+            req.block if mode == 2 else STATS_BLOCK_N)
 
 
-def channel_stats_many(*requests: StatsRequest, schedule: StatsSchedule = StatsSchedule()
-                       ) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
-    """``(mean, amax)`` of one to three tensors (same batch, head dim and layout) in one launch.
-    ``schedule``: the launch's tiling (the default is what every call runs; the others are
-    candidates for a GPU run to time: ``benchmarks/probes/prep_speed.py``)."""
+def channel_stats_many(*requests: StatsRequest) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
+    """``(mean, amax)`` of one to three tensors (same batch, head dim and layout) in one launch."""
     if not 1 <= len(requests) <= 3:
         raise ValueError(f"channel_stats_many: 1 to 3 tensors, got {len(requests)}")
     first = requests[0]
     seqs = first.seqs or dense_seqs(first.x)
-    splits = schedule.splits
-    if splits > 1 and any(CENTERS[r.center] == 2 for r in requests):
-        splits = 1  # a block mean's blocks are its own
-    parts = [_stats_args(requests[i] if i < len(requests) else None, i, schedule.block_n, splits)
-             for i in range(3)]
+    parts = [_stats_args(requests[i] if i < len(requests) else None, i) for i in range(3)]
     d = first.x.shape[-1]
     assert all((r.seqs is not None and r.seqs.packed) == seqs.packed for r in requests[1:])
-    block_d = min(schedule.block_d, next_pow2(d))
+    block_d = min(STATS_BLOCK_D, next_pow2(d))
     grid = (sum(r.x.shape[1] for r in requests) * seqs.batch, triton.cdiv(d, block_d))
-    # each split's rows: a whole number of row blocks
-    chunk = triton.cdiv(triton.cdiv(seqs.max_len, splits), schedule.block_n) * schedule.block_n
-    for phase in (1, 2) if splits > 1 else (0,):
-        _channel_stats_kernel[grid + (splits if phase == 1 else 1,)](
-            **parts[0][1], **parts[1][1], **parts[2][1], NB=seqs.batch, D=d, CHUNK=chunk,
-            CENTER0=parts[0][2], CENTER1=parts[1][2], CENTER2=parts[2][2],
-            BLOCK_N0=parts[0][3], BLOCK_N1=parts[1][3], BLOCK_N2=parts[2][3],
-            BLOCK_D=block_d, VARLEN=seqs.packed, TILE_SUMS=schedule.tile_sums, PHASE=phase,
-            SPLITS=splits, num_warps=schedule.num_warps,
-        )
+    _channel_stats_kernel[grid](
+        **parts[0][1], **parts[1][1], **parts[2][1], NB=seqs.batch, D=d,
+        CENTER0=parts[0][2], CENTER1=parts[1][2], CENTER2=parts[2][2],
+        BLOCK_N0=parts[0][3], BLOCK_N1=parts[1][3], BLOCK_N2=parts[2][3],
+        BLOCK_D=block_d, VARLEN=seqs.packed, num_warps=STATS_WARPS,
+    )
     return [p[0] for p in parts[: len(requests)]]
 
 
@@ -435,17 +369,14 @@ def _quantize_kernel(
         )
 
 
-class QuantSchedule(NamedTuple):
-    """The quantizing launch's tiling: ``rows`` per program of each part whose scales leave its
-    tile free (per-token INT8 without block means, and V), ``None`` keeping each part's own (the
-    request's block; 64 for V); ``num_warps`` (``None``: :func:`_warps`); ``residual``: each
-    quotient from its scale's reciprocal and one correction, two ``fma`` instead of a division
-    per value (``quant.tile.divided``: the same bits). The default is the production one; the
-    others are candidates for a GPU run to time (``benchmarks/probes/prep_speed.py``)."""
-
-    rows: int | None = None
-    num_warps: int | None = None
-    residual: bool = False
+# The quantizing launch's tiling (H200, 2026-11-30, `decide`'s `prep` step: 1.9-3.7x faster than
+# the previous one, 64 or 128 rows on 4 or 8 warps with a division per value, at every shape
+# timed; NOTES §27): at D ≤ 128, the parts whose scales leave the tile free (per-token INT8
+# without block means, and V) take 32 rows per program; a launch whose parts all do (a call of the default
+# recipe) runs 2 warps and takes each quotient from its scale's reciprocal and one correction
+# (``quant.tile.divided``: the division's bits). Launches with larger tiles (per-block and
+# per-thread scales: their blocks fix them) keep a division per value and :func:`_warps`.
+QUANT_ROWS = 32
 
 
 def _warps(rows: int, d: int) -> int:
@@ -621,10 +552,9 @@ def _q_part(req: Int8Request | None, seqs: Seqs):
 def quantize(
     int8: Int8Request | None = None, v: VRequest | None = None, *, seqs: Seqs | None = None,
     q: Int8Request | None = None, seqs_q: Seqs | None = None,
-    schedule: QuantSchedule = QuantSchedule(),
 ) -> tuple:
     """Quantize a tensor to INT8 (K) and/or Q to INT8 and/or convert V, in one launch (``seqs``:
-    K's and V's sequences, ``seqs_q`` Q's; ``schedule``: the launch's tiling). Returns
+    K's and V's sequences, ``seqs_q`` Q's). Returns
     ``(values, scale)`` for ``int8`` and ``v`` (``None`` when not asked), and with ``q`` also
     ``(values, scale)`` for it."""
     present = [r for r in (int8, q, v) if r is not None]
@@ -634,18 +564,16 @@ def quantize(
     outs_i, args_i, const_i = _int8_part(int8, seqs)
     outs_q, args_q, const_q = _q_part(q, seqs_q)
     outs_v, args_v, const_v = _v_part(v, seqs)
-    if schedule.rows is not None:  # per-token scales and V's: one per row, whatever the tile
-        if schedule.rows not in (16, 32, 64, 128, 256):
-            raise ValueError(f"QuantSchedule.rows must be 16, 32, 64, 128 or 256, got "
-                             f"{schedule.rows!r}")
+    d = first.shape[-1]
+    if next_pow2(d) <= 128:  # the head dims measured; one scale per row, whatever the tile
         for const, key in ((const_i, ""), (const_q, "Q_")):
             if const[f"{key}GRAN"] == 1 and const[f"{key}CENTER"] != 2:
-                const[f"{key}BLOCK_N"] = schedule.rows
-        const_v["V_BLOCK_N"] = schedule.rows
+                const[f"{key}BLOCK_N"] = QUANT_ROWS
+        const_v["V_BLOCK_N"] = QUANT_ROWS
     heads = sum(r.x.shape[1] for r in present)
     block_rows = [c for c, given in ((const_i["BLOCK_N"], int8), (const_q["Q_BLOCK_N"], q),
                                      (const_v["V_BLOCK_N"], v)) if given is not None]
-    d = first.shape[-1]
+    narrow = max(block_rows) <= QUANT_ROWS
     # axis 0 covers the smaller blocks (and permuted V's zeros); programs past a part's own blocks
     # do nothing
     rows = max(seqs.max_len, seqs_q.max_len,
@@ -654,8 +582,8 @@ def quantize(
     _quantize_kernel[(blocks, seqs.batch * heads)](
         **args_i, **args_q, **args_v, CU=seqs.cu_seqlens, N=seqs.max_len, D=d,
         **const_i, **const_q, **const_v, EXACT_FP8=exact_fp8(),
-        BLOCK_D=next_pow2(d), VARLEN=seqs.packed, RESIDUAL=schedule.residual,
-        num_warps=schedule.num_warps or _warps(max(block_rows), d),
+        BLOCK_D=next_pow2(d), VARLEN=seqs.packed, RESIDUAL=narrow,
+        num_warps=2 if narrow else _warps(max(block_rows), d),
     )
     return (outs_i, outs_v) if q is None else (outs_i, outs_v, outs_q)
 
@@ -804,6 +732,6 @@ def lse_shift(
 
 
 __all__ = [
-    "Seqs", "StatsRequest", "StatsSchedule", "Int8Request", "VRequest", "channel_stats", "channel_stats_many",
+    "Seqs", "StatsRequest", "Int8Request", "VRequest", "channel_stats", "channel_stats_many",
     "quantize", "quantize_int8", "convert_v", "delta_s", "lse_shift",
 ]

@@ -71,16 +71,18 @@ def divided(x, scale, RESIDUAL: tl.constexpr = False):
     residual is exact and the correction rounds to ``div_rn``'s bits, Markstein's theorem; below
     2^-11 the same code), so one division per scale rather than per value, while every scale of
     the tile lies in ``[2^-90, 2^90]`` (or is NaN): below it the residual can underflow, above it
-    the reciprocal; a tile with such a scale divides. (A candidate of the quantizing launch,
-    ``quant.int8.QuantSchedule``.)"""
+    the reciprocal; a tile with such a scale divides. (What the quantizing launch,
+    ``quant.int8.quantize``, runs.)"""
     if RESIDUAL:
         inside = ((scale >= _RESIDUAL_MIN) & (scale <= _RESIDUAL_MAX)) | (scale != scale)
         if tl.min(inside.to(tl.int32)) == 1:
             r = tl.broadcast_to(tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), x.shape)
             s = tl.broadcast_to(scale, x.shape)
             q = x * r
-            # q·s − x exact; times −r, not negated (Triton's −e is 0 − e: −0 would turn +0)
-            out = tl.fma(tl.fma(q, s, -x), -r, q)
+            # q·s − x exact; times −r, not negated (Triton's −e is 0 − e: −0 would turn +0).
+            # An infinite x (with a finite scale: one given, not measured) keeps q, ±inf, as the
+            # division does: its residual is NaN
+            out = tl.where(tl.abs(q) == float("inf"), q, tl.fma(tl.fma(q, s, -x), -r, q))
         else:
             out = tl.div_rn(x, scale)
     else:
