@@ -16,11 +16,11 @@ graphs: the larger of host and GPU); ``cosine`` compares each output with exact 
 float64 on the same fp16 tokens. Two more rows per configuration time a whole decode step by the
 loop: ``sdpa_fp16+write`` (the new token written into a preallocated fp16 cache, then SDPA) and
 ``kv_int8_fp8+append`` (the new token appended to the 8-bit cache, then our attention); on a
-GPU, the same two replayed by CUDA graphs (``… (graph)``: ``lowbit_attn.DecodeStep`` for ours),
-and ours again with ``LOWBIT_ATTN_LAUNCH=plan`` (``kv_int8_fp8 plan``, ``kv_int8_fp8+append
-plan``: each launch replayed by its launch plan, the host path plans would give the default once
-their GPU tests pass; ``plan_replayed`` says whether the plan was replayed, not turned off by its
-first-use check). Without CUDA it times the PyTorch reference on a tiny size and says so.
+GPU, the same two replayed by CUDA graphs (``… (graph)``: ``lowbit_attn.DecodeStep`` for ours).
+Our rows launch through Triton's own path (``LOWBIT_ATTN_LAUNCH=triton``), and on a GPU again
+with launch plans, the default (``kv_int8_fp8 plan``, ``kv_int8_fp8+append plan``: each launch
+replayed by its launch plan; ``plan_replayed`` says whether the plan was replayed, not turned
+off by its first-use check). Without CUDA it times the PyTorch reference on a tiny size and says so.
 
 With ``--window W`` (issue 44: "decode with a 4096 window at N = 32k costs what N = 4096 costs
 within 20 %"), each configuration with N > W + 1 adds two rows: ``kv_int8_fp8 window W``, one
@@ -243,7 +243,9 @@ def configuration(n, batch, group, kv_heads, d, page, device, timer, bandwidth,
                     "loop_ms": loop_ms}
         return row_of(method, measure)
 
-    with torch.no_grad():
+    # our rows launch through Triton's own path (plans are the default since 2026-11-30), the
+    # rows named "plan" replay their launch plans
+    with torch.no_grad(), environment(LOWBIT_ATTN_LAUNCH="triton"):
         record("sdpa_fp16", lambda: torch.nn.functional.scaled_dot_product_attention(
             q, k, v, enable_gqa=True), fp16_bytes(batch, n, kv_heads, d))
         cache = lowbit_attn.QuantizedKVCache(1, batch, kv_heads, d, max_tokens=n, page_size=page,

@@ -50,7 +50,7 @@ CALLS = {
 @pytest.mark.parametrize("call", list(CALLS))
 def test_a_bad_placement_value_raises_on_every_call(monkeypatch, call):
     monkeypatch.setenv("LOWBIT_ATTN_LAUNCH", "plans")
-    with pytest.raises(ValueError, match=r"LOWBIT_ATTN_LAUNCH must be one of \('triton', 'plan'\), "
+    with pytest.raises(ValueError, match=r"LOWBIT_ATTN_LAUNCH must be one of \('plan', 'triton'\), "
                                          r"got 'plans'"):
         CALLS[call]()
 

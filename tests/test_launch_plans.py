@@ -170,26 +170,30 @@ def scratch(sink):
             "last_replayed": isinstance(sink[-1][1][9], int)}
 
 
-def default_off(sink):
-    """Without ``LOWBIT_ATTN_LAUNCH`` (plans are opt-in), a key is never captured: every call
-    takes Triton's launch path; ``plan`` turns them on, a value that is no mode raises."""
+def default_on(sink):
+    """Without ``LOWBIT_ATTN_LAUNCH`` plans are on (the default since their GPU tests passed): a
+    key is captured and replayed; ``triton`` turns them off (every call takes Triton's launch
+    path, nothing captured); a value that is no mode raises."""
     from lowbit_attn.core.options import KernelOptions
 
     os.environ.pop("LOWBIT_ATTN_LAUNCH")
     try:
         table = plans.Table()
-        rows = calls(table, "k", two_steps, sink)
-        off = {"rows": rows, "state": str(table.state("k")),
-               "default": KernelOptions.from_env().launch, "plannable": plans.plannable("triton")}
+        found = {"rows": calls(table, "k", two_steps, sink), "state": str(table.state("k")),
+                 "default": KernelOptions.from_env().launch,
+                 "plannable": plans.plannable("triton")}
+        os.environ["LOWBIT_ATTN_LAUNCH"] = "triton"
+        table = plans.Table()
+        found.update(off_rows=calls(table, "k", two_steps, sink), off_state=str(table.state("k")),
+                     off_plannable=plans.plannable("triton"))
         os.environ["LOWBIT_ATTN_LAUNCH"] = "Plan"
         try:
             plans.plannable("triton")
         except ValueError as exc:
-            off["bad"] = str(exc)
+            found["bad"] = str(exc)
     finally:
         os.environ["LOWBIT_ATTN_LAUNCH"] = "plan"
-    off["on"] = plans.plannable("triton")
-    return off
+    return found
 
 
 def check_policy(sink):
@@ -384,7 +388,7 @@ def lock(sink):
 
 
 SCENARIOS = {f.__name__: f for f in (scratch, check_policy, stale_address, raising, unseen_launch,
-                                     poisoned, launch_context, refused, lock, default_off)}
+                                     poisoned, launch_context, refused, lock, default_on)}
 with host.stubbed_launches((9, 0), scratch={"scratchy": 128}) as sink:
     print_scenarios(SCENARIOS, json.loads(sys.argv[1]), sink, plans.reset)
 '''
@@ -399,7 +403,7 @@ def scenarios(tmp_path_factory) -> dict:
     env.update(LOWBIT_ATTN_ARCH="sm_90", PLAN_KERNELS=str(where), LOWBIT_ATTN_LAUNCH="plan",
                LOWBIT_ATTN_TESTS=os.path.dirname(os.path.abspath(__file__)))
     names = ["scratch", "check_policy", "stale_address", "raising", "unseen_launch", "poisoned",
-             "launch_context", "refused", "lock", "default_off"]
+             "launch_context", "refused", "lock", "default_on"]
     done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(names)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -479,11 +483,15 @@ def test_a_waiting_capture_holds_up_no_other_thread(scenarios):
     assert row["seconds"] < 5, row
 
 
-def test_plans_are_off_unless_asked_for(scenarios):
-    """Issue 43 (4): no GPU has replayed a plan, so the default is Triton's launch path; a key's
-    every call launches normally (two launches, the right result), none is captured."""
-    row = scenarios["default_off"]
+def test_plans_are_on_by_default_and_off_with_triton(scenarios):
+    """Issue 43 (4): plans are the default since their GPU tests passed (H200, 2026-11-30): a
+    key's third call is checked and its later calls replayed; ``LOWBIT_ATTN_LAUNCH=triton``
+    launches every call normally (two launches, the right result) and captures none."""
+    row = scenarios["default_on"]
     assert "raised" not in row, row
-    assert row["default"] == "triton" and row["plannable"] is False and row["on"] is True, row
-    assert row["rows"] == [[2, True]] * 5 and row["state"] == "seen", row
-    assert "LOWBIT_ATTN_LAUNCH must be one of ('triton', 'plan'), got 'Plan'" in row["bad"], row
+    assert row["default"] == "plan" and row["plannable"] is True, row
+    assert [n for n, _ in row["rows"]] == [2, 2, 4, 2, 2] and row["state"].startswith("Plan("), row
+    assert all(right for _, right in row["rows"]), row
+    assert row["off_plannable"] is False, row
+    assert row["off_rows"] == [[2, True]] * 5 and row["off_state"] == "seen", row
+    assert "LOWBIT_ATTN_LAUNCH must be one of ('plan', 'triton'), got 'Plan'" in row["bad"], row

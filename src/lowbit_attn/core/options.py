@@ -36,15 +36,15 @@ anywhere: :func:`check_env`) and passed down explicitly.
   the CPU model ``tools/gluon_cpu.py`` only: none is the default. On a CPU (the interpreter) each
   is accepted and changes nothing: Triton has no Gluon interpreter.
 
-- ``LOWBIT_ATTN_LAUNCH``: ``triton`` (default: every launch through Triton's own launch path) or
-  ``plan`` (an eager call replays its configuration's recorded launches from the third call on:
-  ``core/plans.py``). No GPU has replayed a plan yet: not the default.
-- ``LOWBIT_ATTN_COMPILE``: ``serial`` (default: each kernel compiles at its first launch, one
-  after another) or ``parallel`` (the first eager ``attention()`` call of a configuration first
-  runs as a dry pass that compiles all its kernels side by side in threads and launches nothing,
-  ``core/plan_launches.py`` ``compile_ahead``; then it runs). For the first call of a new shape
-  (2.67 s on an H200, 2026-11-29, three kernels at D = 128); no GPU has measured it: not the
-  default.
+- ``LOWBIT_ATTN_LAUNCH``: ``plan`` (default: an eager call replays its configuration's recorded
+  launches from the third call on: ``core/plans.py``; its GPU tests passed on an H200,
+  2026-11-30) or ``triton`` (every launch through Triton's own launch path).
+- ``LOWBIT_ATTN_COMPILE``: ``parallel`` (default: the first eager ``attention()`` call of a
+  configuration first runs as a dry pass that compiles all its kernels side by side in threads
+  and launches nothing, ``core/plan_launches.py`` ``compile_ahead``; then it runs; on an H200,
+  2026-11-30, a new shape's first call on a cold cache took 3.36 s at D = 128 against 5.31 s
+  compiled one after another, 3.65 against 4.93 at D = 64) or ``serial`` (each kernel compiles
+  at its first launch, one after another).
 
 Why the defaults are what they are: ``benchmarks/NOTES.md``. Each option is used on the Triton
 backend only; the PyTorch twins take the object and compute the same values.
@@ -63,8 +63,8 @@ from lowbit_attn.core.arch import ENV
 DQ_MODES = ("recompute", "atomic")
 BWD_KERNELS = ("measured", "triton", "sm90")
 KERNELS = ("measured", "triton", "gluon", "sm90")
-LAUNCH_MODES = ("triton", "plan")
-COMPILE_MODES = ("serial", "parallel")
+LAUNCH_MODES = ("plan", "triton")
+COMPILE_MODES = ("parallel", "serial")
 # Each option's field → (its environment variable, its modes, the default first)
 VARIABLES = {"train_dq": ("LOWBIT_ATTN_TRAIN_DQ", DQ_MODES),
              "bwd_kernel": ("LOWBIT_ATTN_BWD_KERNEL", BWD_KERNELS),

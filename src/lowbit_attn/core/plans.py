@@ -13,9 +13,9 @@ caller replays the plan before any check, since the key holds everything they lo
 first plan of each kernel signature in a table is checked once before it is replayed (its
 key's third call: :mod:`lowbit_attn.core.plan_check`); a failed check, or an exception in it,
 turns plans off in the process, with one warning. ``LOWBIT_ATTN_LAUNCH``
-(:class:`~lowbit_attn.core.options.KernelOptions`' ``launch``): ``triton`` (default: every
-launch through Triton's own path) or ``plan``; no GPU has replayed a plan yet, so plans are
-opt-in. Plans apply to eager calls (see
+(:class:`~lowbit_attn.core.options.KernelOptions`' ``launch``): ``plan`` (the default since
+their GPU tests passed on an H200, 2026-11-30) or ``triton`` (every launch through Triton's own
+path). Plans apply to eager calls (see
 :func:`eager`) on the Triton backend outside the interpreter, while no Triton launch hook is
 set.
 

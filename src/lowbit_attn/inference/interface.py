@@ -27,12 +27,13 @@ def attention(
     """Low-bit attention ``softmax(q·kᵀ·scale)·v``.
 
     On a CUDA GPU the Triton kernels run; on a CPU the PyTorch reference with the same numerics.
-    With ``LOWBIT_ATTN_LAUNCH=plan`` (opt-in), an eager call whose configuration was seen twice
-    replays its launches (:mod:`lowbit_attn.inference.planned`). The caller's tensors are never
-    modified. NaN or Inf in an input is never hidden: it reaches the outputs that depend on it,
-    and may reach more (K smoothing and the per-head scales spread one in Q or K over its head,
-    and Q/K balancing over the query heads that share its KV head; one in V reaches the rows
-    that mask its key too, a zero weight times NaN, as in PyTorch's math SDPA).
+    With launch plans (``LOWBIT_ATTN_LAUNCH=plan``, the default), an eager call whose
+    configuration was seen twice replays its launches (:mod:`lowbit_attn.inference.planned`).
+    The caller's tensors are never modified. NaN or Inf in an input is never hidden: it reaches
+    the outputs that depend on it, and may reach more (K smoothing and the per-head scales
+    spread one in Q or K over its head, and Q/K balancing over the query heads that share its
+    KV head; one in V reaches the rows that mask its key too, a zero weight times NaN, as in
+    PyTorch's math SDPA).
 
     Args:
         q: ``[B, Hq, Nq, D]`` (layout ``"HND"``) or ``[B, Nq, Hq, D]`` (``"NHD"``); float16, bfloat16

@@ -1,8 +1,8 @@
 """The public functions of the KV cache: argument checks, then the split-KV Triton kernel
 (``kernel_decode``; on CUDA tensors, or on CPU tensors under ``LOWBIT_ATTN_BACKEND=triton`` with
 the interpreter) or its twin (``naive``), chosen here by ``core.arch.backend_for``, with the same
-arguments. With ``LOWBIT_ATTN_LAUNCH=plan`` (opt-in), an eager call whose configuration was seen
-twice replays its launches (``kvcache/planned.py``)."""
+arguments. With launch plans (``LOWBIT_ATTN_LAUNCH=plan``, the default), an eager call whose
+configuration was seen twice replays its launches (``kvcache/planned.py``)."""
 
 from __future__ import annotations
 
