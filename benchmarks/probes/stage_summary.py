@@ -129,7 +129,8 @@ def prep_rows(data: dict) -> list[dict]:
     """Per shape of ``prep_speed.py``: each launch's ms (statistics, quantizing), with × its floor.
     No target: issue 43's end-to-end bars hold them."""
     timed = [r for r in data.get("rows", []) if "error" not in r and r.get("ms") == r.get("ms")]
-    return [{"bar": f"{r['name']} {r['shape']}: ms (x its floor {r.get('x_floor', float('nan')):.1f})",
+    return [{"bar": f"{r['name']} {r['shape']}: ms "
+                    f"(x its floor {r.get('x_floor', float('nan')):.1f})",
              "value": r["ms"], "target": None, "met": None}
             for r in timed if r["name"] in ("stats", "quantize K, Q, V")]
 

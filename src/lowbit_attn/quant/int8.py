@@ -372,10 +372,11 @@ def _quantize_kernel(
 # The quantizing launch's tiling (H200, 2026-11-30, `decide`'s `prep` step: 1.9-3.7x faster than
 # the previous one, 64 or 128 rows on 4 or 8 warps with a division per value, at every shape
 # timed; NOTES §27): at D ≤ 128, the parts whose scales leave the tile free (per-token INT8
-# without block means, and V) take 32 rows per program; a launch whose parts all do (a call of the default
-# recipe) runs 2 warps and takes each quotient from its scale's reciprocal and one correction
-# (``quant.tile.divided``: the division's bits). Launches with larger tiles (per-block and
-# per-thread scales: their blocks fix them) keep a division per value and :func:`_warps`.
+# without block means, and V) take 32 rows per program; a launch whose parts all do (a call of
+# the default recipe) runs 2 warps and takes each quotient from its scale's reciprocal and one
+# correction (``quant.tile.divided``: the division's bits). Launches with larger tiles
+# (per-block and per-thread scales: their blocks fix them) keep a division per value and
+# :func:`_warps`.
 QUANT_ROWS = 32
 
 
