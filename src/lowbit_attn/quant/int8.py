@@ -289,7 +289,7 @@ def _convert_v_program(
             CENTER, BLOCK_N, BLOCK_D,
         )
         if FP8:
-            y = to_e4m3(divided(x, s[None, :], RESIDUAL), EXACT_FP8)
+            y = to_e4m3(divided(x, s[None, :], RESIDUAL, GIVEN=True), EXACT_FP8)
         elif SCALED:
             y = (x * inverse[None, :]).to(tl.float16)
         else:

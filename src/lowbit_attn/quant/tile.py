@@ -64,25 +64,27 @@ def line_amax(x, AXIS: tl.constexpr):
 
 
 @triton.jit
-def divided(x, scale, RESIDUAL: tl.constexpr = False):
+def divided(x, scale, RESIDUAL: tl.constexpr = False, GIVEN: tl.constexpr = False):
     """``x / scale`` rounded to nearest (``div_rn``, the twins' division); ``scale`` broadcast to
     ``x`` (a ``[n, 1]`` or ``[1, d]`` tile). ``RESIDUAL``: the same quotient from the scale's
     reciprocal ``r`` and one correction, ``q = x·r``, ``q + (x − q·scale)·r`` (two ``fma``; the
     residual is exact and the correction rounds to ``div_rn``'s bits, Markstein's theorem; below
     2^-11 the same code), so one division per scale rather than per value, while every scale of
     the tile lies in ``[2^-90, 2^90]`` (or is NaN): below it the residual can underflow, above it
-    the reciprocal; a tile with such a scale divides. (What the quantizing launch,
-    ``quant.int8.quantize``, runs.)"""
+    the reciprocal; a tile with such a scale divides. ``GIVEN``: the scale was not measured from
+    ``x`` (V's, from a given amax), so an infinite ``x`` may meet a finite one: it keeps its
+    ±inf quotient (the residual is NaN there); a scale measured from the tile is infinite with
+    it, and its tile divides. (What the quantizing launch, ``quant.int8.quantize``, runs.)"""
     if RESIDUAL:
         inside = ((scale >= _RESIDUAL_MIN) & (scale <= _RESIDUAL_MAX)) | (scale != scale)
         if tl.min(inside.to(tl.int32)) == 1:
             r = tl.broadcast_to(tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), x.shape)
             s = tl.broadcast_to(scale, x.shape)
             q = x * r
-            # q·s − x exact; times −r, not negated (Triton's −e is 0 − e: −0 would turn +0).
-            # An infinite x (with a finite scale: one given, not measured) keeps q, ±inf, as the
-            # division does: its residual is NaN
-            out = tl.where(tl.abs(q) == float("inf"), q, tl.fma(tl.fma(q, s, -x), -r, q))
+            # q·s − x exact; times −r, not negated (Triton's −e is 0 − e: −0 would turn +0)
+            out = tl.fma(tl.fma(q, s, -x), -r, q)
+            if GIVEN:  # an infinite x keeps q, ±inf, as the division does: its residual is NaN
+                out = tl.where(tl.abs(q) == float("inf"), q, out)
         else:
             out = tl.div_rn(x, scale)
     else:
