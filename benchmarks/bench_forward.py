@@ -1,16 +1,16 @@
 #!/usr/bin/env python
 """The 8-bit forward's candidates on Hopper in one sweep (issue 36): the one-warpgroup Gluon
-kernel (``LOWBIT_ATTN_KERNEL=sm90``) at each of its options, the Triton kernel, the Gluon
-ping-pong kernel, against SDPA cuDNN and flash and SageAttention 1.0.6; kernel alone and end to
-end; per-token and per-thread scales.
+kernel (``LOWBIT_ATTN_KERNEL=sm90``) at each of its options and the Triton kernel, against SDPA
+cuDNN and flash and SageAttention 1.0.6; kernel alone and end to end; per-token and per-thread
+scales.
 
     python benchmarks/bench_forward.py --out DIR --time-budget 330      # a GPU
     python benchmarks/bench_forward.py --quick                           # D=128, N=1k,16k
     python benchmarks/bench_forward.py --decide --out DIR --time-budget 150   # run_on_gpu.sh decide
 
 Without CUDA it runs the same rows at a tiny size (D=64, N=160, B×H=1×2) on the backend the
-environment selects (the Triton interpreter in the tests), SDPA on its math backend, the Gluon
-kernels' rows skipped, and says so: a check of the script, not a benchmark.
+environment selects (the Triton interpreter in the tests), SDPA on its math backend, the sm90
+kernel-alone rows skipped, and says so: a check of the script, not a benchmark.
 
 Configurations, most decisive first (each saved as soon as it is measured, so a run cut short
 keeps what it measured): D ∈ {128, 64} × N ∈ {16k, 1k, 4k} × causal or not, with B×H = 2×32 at
@@ -36,7 +36,6 @@ operands quantized once):
 - ``kernel sm90 thread``, ``… k2`` (two K buffers), ``… r168`` (``maxnreg=168``: 3 programs per
   SM), ``kernel sm90 token``, ``… token r168``, and ``kernel sm90 fp16 thread``
   (``qk_int8_pv_fp16``);
-- ``kernel gluon pingpong`` (128-key blocks, per token);
 - ``prepare permuted``: the quantization stage that the sm90 rows take;
 - at D = 64 only, last: ``kernel sm90 thread poly16`` / ``poly8`` (one key group in 16 or 8
   takes its exp2 on the FMA pipe: ``poly_exp2``).
@@ -182,7 +181,7 @@ def permuted_stages(q, k, v, causal, recipe, launcher):
 
 def sm90_rows(base, q, k, v, causal, record, gluon_ok: str | None, rows) -> None:
     """The one-warpgroup kernel alone, one row per ``(name, recipe, launcher options)`` of
-    ``rows`` (skipped, saying why, where the Gluon kernels cannot run)."""
+    ``rows`` (skipped, saying why, where the Gluon kernel cannot run)."""
     for name, recipe, options in rows:
         if gluon_ok is not None:
             record(base, name, None, skip=gluon_ok)
@@ -206,7 +205,7 @@ def tuned_window_row(base, q, k, v, causal, record, gluon_ok: str | None) -> Non
 def rows_of_config(base, q, k, v, causal, record, gluon_ok: str | None,
                    decide: bool = False) -> None:
     """Every row of one configuration (module docstring), most decisive first; ``gluon_ok``:
-    ``None`` where the Gluon kernels can run, else why their kernel-alone rows are skipped;
+    ``None`` where the sm90 kernel can run, else why its kernel-alone rows are skipped;
     ``decide``: only :data:`DECIDE_ROWS`."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -266,13 +265,6 @@ def rows_of_config(base, q, k, v, causal, record, gluon_ok: str | None,
     record(base, "kernel triton thread", stage_fns(q, k, v, causal, THREAD)[1],
            note=autotune_choice)
     record(base, "e2e triton thread", ours(THREAD))
-    if gluon_ok is not None:
-        record(base, "kernel gluon pingpong", None, skip=gluon_ok)
-    else:
-        from lowbit_attn.inference import kernel_int8_gluon
-
-        record(base, "kernel gluon pingpong",
-               stage_fns(q, k, v, causal, TOKEN, kernel_int8_gluon.attention)[1])
     record(base, "prepare permuted", permuted_stages(q, k, v, causal, THREAD, sm90_launcher())[0],
            check=False)
     if q.shape[-1] == 64:  # where the MUFU binds (NOTES §17); last, the least likely to decide
@@ -432,7 +424,7 @@ def main(argv=None) -> int:
 
 
 def gluon_available() -> str | None:
-    """``None`` if the Gluon Hopper kernels (ping-pong and sm90) can run here, else why not."""
+    """``None`` if the one-warpgroup Gluon kernel (sm90) can run here, else why not."""
     from lowbit_attn.core import triton_support
     from lowbit_attn.inference import gluon_check
 

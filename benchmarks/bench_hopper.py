@@ -6,7 +6,6 @@ end, with each output checked against SDPA flash fp16 (cosine, relative L1).
     python benchmarks/bench_hopper.py                 # D=128,64; N=1k,8k,16k; causal and not (a GPU)
     python benchmarks/bench_hopper.py --quick         # D=128; N=1k,16k
     python benchmarks/bench_hopper.py --out DIR --time-budget 500
-    python benchmarks/bench_hopper.py --gluon         # Triton vs Gluon vs SDPA, N up to 32k
 
 Rows per (D, N, causal): ``sdpa_cudnn_bf16``; ``ours`` (``qk_int8_pv_fp8`` as users call it:
 autotuned, the default options); ``ours
@@ -15,15 +14,9 @@ autotuner's candidates one at a time: warps, stages, plain or pipelined loop); `
 ``attention`` (the two stages of ``ours`` timed apart). The last table says, per
 configuration, where ``ours`` stands against the issue's bars (1.25× cuDNN at D=128, N ≥ 8k;
 1.15× at D=64, N ≥ 8k; 1.0× at N=1k). Without CUDA it runs the same rows at a tiny size on whatever backend the
-environment selects (the Triton interpreter in the tests) and says so.
-
-``--gluon`` (issue 16; default N=1k,8k,16k,32k) times other rows: ``sdpa_cudnn_bf16`` and
-``sdpa_flash_bf16``; ``ours`` (the Triton kernel, default autotuning with the pipelined loop among
-its candidates); ``ours kernel=gluon`` (``LOWBIT_ATTN_KERNEL=gluon``: the Gluon sm_90a ping-pong
-forward once its first-use check passed; the row's ``gluon`` field says ``admitted`` or why not)
-and the same with ``block_k=128``; and the attention kernels alone on the same operands
-(``attention``: Triton, ``attention gluon pingpong``, each also with ``k=128``). JSON, markdown
-and a chart (PNG, with matplotlib).
+environment selects (the Triton interpreter in the tests) and says so. JSON and markdown.
+``bench_forward.py`` times the one-warpgroup Gluon forward (``LOWBIT_ATTN_KERNEL=sm90``, what
+``LOWBIT_ATTN_KERNEL=gluon`` runs on Hopper).
 """
 
 from __future__ import annotations
@@ -42,15 +35,13 @@ except ImportError:  # a source checkout that is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import lowbit_attn
 from lowbit_attn.integrations.sdpa import TORCH_SDPA
-from lowbit_attn.tools.bench.calls import (ADMISSION_WAIT_S, autotune_choice, environment,
-                                          reference_output)
+from lowbit_attn.tools.bench.calls import autotune_choice, reference_output
 from lowbit_attn.tools.bench.command import parse_seqlens
 from lowbit_attn.tools.bench.flops import tops
 from lowbit_attn.tools.bench.measure import compare
 from lowbit_attn.tools.bench.metadata import make_metadata
 from lowbit_attn.tools.bench.protocol import BATCH, HEADS, MIN_COSINE, make_inputs
-from lowbit_attn.tools.bench.plots import plot_results
-from lowbit_attn.tools.bench.save import save_script_results, slug
+from lowbit_attn.tools.bench.save import save_script_results
 from lowbit_attn.tools.bench.tables import seqlen_label
 from lowbit_attn.tools.bench.timers import timer_for
 from lowbit_attn.core.arch import backend_for
@@ -104,12 +95,11 @@ def describe(c: LaunchConfig) -> str:
     return f"{c.num_warps}w{c.num_stages}s-{loop}"
 
 
-def stage_fns(q, k, v, causal, recipe=None, kernel=None, window=None):
-    """``(prepare, attention)``: the two stages of the public call, as ``inference.op.run`` runs
-    them; ``kernel``: the attention launcher (default: the Triton kernel's); ``window``:
-    ``(left, right)`` keys seen around each query, as ``attention(window=)`` (causal: right 0)."""
+def stage_fns(q, k, v, causal, recipe=None, window=None):
+    """``(prepare, attention)``: the two stages of the public call on the Triton kernel, as
+    ``inference.op.run`` runs them; ``window``: ``(left, right)`` keys seen around each query, as
+    ``attention(window=)`` (causal: right 0)."""
     recipe = recipe or get_recipe(RECIPE)
-    kernel = kernel or attn_fwd_int8.attention
     scale = q.shape[-1] ** -0.5
 
     def prepare():
@@ -125,9 +115,9 @@ def stage_fns(q, k, v, causal, recipe=None, kernel=None, window=None):
         extra["variant"] = Variant(left=window[0], right=window[1])
 
     def attention():
-        kernel(qz, out=out, pv=recipe.pv, granularity=recipe.granularity, block_q=recipe.block_q,
-               block_k=recipe.block_k, causal_offset=0 if causal else None, return_lse=False,
-               **extra)
+        attn_fwd_int8.attention(qz, out=out, pv=recipe.pv, granularity=recipe.granularity,
+                                block_q=recipe.block_q, block_k=recipe.block_k,
+                                causal_offset=0 if causal else None, return_lse=False, **extra)
         return out
 
     return prepare, attention
@@ -137,9 +127,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="D=128 and N=1k,16k only")
     ap.add_argument("--dims", default="128,64", help="in this order (the D=128 bars first)")
-    ap.add_argument("--seqlens", default=None, help="default 1k,8k,16k (--gluon: 1k,8k,16k,32k)")
-    ap.add_argument("--gluon", action="store_true",
-                    help="Triton vs the Gluon sm_90a forward vs SDPA cuDNN/flash (issue 16)")
+    ap.add_argument("--seqlens", default="1k,8k,16k", help="in this order")
     ap.add_argument("--batch", type=int, default=BATCH)
     ap.add_argument("--heads", type=int, default=HEADS)
     ap.add_argument("--time-budget", type=float, default=None,
@@ -149,8 +137,7 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     dims = [128] if args.quick else [int(x) for x in args.dims.split(",")]
-    default_seqlens = "1k,8k,16k,32k" if args.gluon else "1k,8k,16k"
-    seqlens = [1024, 16384] if args.quick else parse_seqlens(args.seqlens or default_seqlens)
+    seqlens = [1024, 16384] if args.quick else parse_seqlens(args.seqlens)
     batch, heads = args.batch, args.heads
     if not cuda:
         print("NO CUDA: tiny sizes on the CPU (not a kernel benchmark)", file=sys.stderr)
@@ -178,7 +165,7 @@ def main(argv=None) -> int:
         rows.append(row)
         print({k: row[k] for k in row if k not in ("max_abs_err",)}, file=sys.stderr, flush=True)
 
-    kind = "hopper-gluon" if args.gluon else "hopper"
+    kind = "hopper"
     meta = make_metadata(device=device, mode=kind, protocol={
         "recipe": RECIPE, "batch": batch, "heads": heads, "dims": dims, "seqlens": seqlens,
         "inputs": "fp16 q, k, v (bf16 copies for SDPA); k += 4·N(0,1) per channel",
@@ -215,12 +202,6 @@ def main(argv=None) -> int:
                     return lowbit_attn.attention(q, k, v, recipe=RECIPE, is_causal=causal)
 
                 record(base, "sdpa_cudnn_bf16", cudnn, ref)
-                if args.gluon:
-                    gluon_rows(base, q, k, v, causal, ref, cuda, triton_path, record, rows)
-                    del q, k, v, qb, kb, vb, ref
-                    if cuda:
-                        torch.cuda.empty_cache()
-                    continue
                 with forced(None):
                     record(base, "ours", ours, ref)
                     rows[-1]["autotune"] = autotune_choice()
@@ -242,69 +223,16 @@ def main(argv=None) -> int:
                     torch.cuda.empty_cache()
 
     table = save(complete=True)
-    if args.gluon:
-        for out in args.out:
-            plot_results({"metadata": meta, "rows": rows},
-                         Path(out) / f"{kind}-{slug(meta['device_name'])}-{meta['date']}.png")
     print(table)
     ok = all(r["status"] in ("ok", "skipped") and r.get("check", "pass") == "pass" for r in rows)
     return 0 if ok else 1
-
-
-def gluon_rows(base, q, k, v, causal, ref, cuda, triton_path, record, rows) -> None:
-    """The ``--gluon`` rows of one configuration after ``sdpa_cudnn_bf16`` (module docstring)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from lowbit_attn.core import triton_support
-    from lowbit_attn.inference import gluon_check
-
-    qb, kb, vb = (x.to(torch.bfloat16) for x in (q, k, v))
-
-    def flash():
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION if cuda else SDPBackend.MATH):
-            return TORCH_SDPA(qb, kb, vb, is_causal=causal)
-
-    def ours(recipe=RECIPE):
-        return lambda: lowbit_attn.attention(q, k, v, recipe=recipe, is_causal=causal)
-
-    wide = get_recipe(RECIPE).replace(block_k=128)
-    record(base, "sdpa_flash_bf16", flash, ref)
-    with environment(LOWBIT_ATTN_KERNEL=None), forced(None):
-        record(base, "ours", ours(), ref)
-        rows[-1]["autotune"] = autotune_choice()
-    for name, recipe in (("ours kernel=gluon", RECIPE), ("ours kernel=gluon block_k=128", wide)):
-        with environment(LOWBIT_ATTN_KERNEL="gluon"), forced(None):
-            ours(recipe)()  # starts the admission check: the row measures what it admits
-            gluon_check.wait_for_admission(timeout=ADMISSION_WAIT_S)
-            record(base, name, ours(recipe), ref)
-            rows[-1]["gluon"] = gluon_check.verdict(q.device) or "admitted"
-    if not triton_path:
-        return
-    with forced(None):
-        _, attention = stage_fns(q, k, v, causal)
-        record(base, "attention", attention, ref)
-    skip = None
-    if not triton_support.gluon_available("hopper"):
-        skip = triton_support.gluon_refusal("hopper", "the Gluon forward")
-    elif not (cuda and gluon_check.applies(q.device)):
-        skip = "needs a capability 9.0 GPU"
-    else:
-        from lowbit_attn.inference import kernel_int8_gluon
-    for name, recipe in (("attention gluon pingpong", get_recipe(RECIPE)),
-                         ("attention gluon pingpong k=128", wide)):
-        if skip is not None:
-            rows.append({**base, "method": name, "kind": "ours", "label": name,
-                         "status": "skipped", "reason": skip})
-            continue
-        _, attention = stage_fns(q, k, v, causal, recipe, kernel_int8_gluon.attention)
-        record(base, name, attention, ref)
 
 
 def render(rows: list[dict]) -> str:
     """Every row, then per configuration ``ours`` against cuDNN and the bar."""
     cudnn = {(r["D"], r["N"], r["causal"]): r for r in rows
              if r["method"] == "sdpa_cudnn_bf16" and r["status"] == "ok"}
-    lines = ["| D | N | causal | method | ms | TOP/s | × cuDNN | cosine | rel L1 | autotune, gluon |",
+    lines = ["| D | N | causal | method | ms | TOP/s | × cuDNN | cosine | rel L1 | autotune |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         head = (f"| {r['D']} | {seqlen_label(r['N'])} | {'yes' if r['causal'] else 'no'} | "
@@ -317,11 +245,11 @@ def render(rows: list[dict]) -> str:
         cos = f"{r['cosine']:.5f}" if "cosine" in r else ""
         rel = f"{r['rel_l1']:.4f}" if "rel_l1" in r else ""
         lines.append(f"{head} {r['ms']:.3f} | {r['tops']:.0f} | {speed} | {cos} | {rel} | "
-                     f"{r.get('autotune') or r.get('gluon') or ''} |")
+                     f"{r.get('autotune') or ''} |")
     lines += ["", "| D | N | causal | method | × cuDNN | bar | met |",
               "|---|---|---|---|---|---|---|"]
     for r in rows:
-        if not (r["method"] == "ours" or "kernel=gluon" in r["method"]) or r["status"] != "ok":
+        if r["method"] != "ours" or r["status"] != "ok":
             continue
         base = cudnn.get((r["D"], r["N"], r["causal"]))
         bar = bar_for(r["D"], r["N"])

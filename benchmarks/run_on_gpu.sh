@@ -3,7 +3,7 @@
 # environment report, GPU correctness tests (pytest -m gpu), then the full benchmark of
 # DESIGN.md ("Benchmark protocol"), its short table printed last.
 #
-#   bash benchmarks/run_on_gpu.sh [all|tests|bench|quick|fp4|train|vsa|hopper|gluon|decode|forward|
+#   bash benchmarks/run_on_gpu.sh [all|tests|bench|quick|fp4|train|vsa|hopper|decode|forward|
 #                                  decide|decide2]   (default: all)
 #
 # decide (issue 43; TOTAL_BUDGET 470 s by default, one call of <= 9 minutes with the machine's
@@ -45,10 +45,10 @@
 # forward: the 8-bit forward's candidates (issue 36): the one-warpgroup kernel's GPU tests
 # (pytest -m gpu -k sm90, at most FORWARD_TEST_TIMEOUT, default 120 s: against the twin, every
 # option, its opt-in check), then benchmarks/bench_forward.py (the sm90 kernel per thread and per
-# token, K buffers, register cap, fp16 P.V; the Triton kernel; the Gluon ping-pong kernel;
-# kernel alone and end to end; SDPA cuDNN and flash, SageAttention 1.0.6; D=128,64 x
-# N=16k,1k,4k x causal, most decisive first), then, in the last NCU_RESERVE seconds (default 45),
-# ncu's stall reasons for one launch (benchmarks/probes/forward_ncu.py; --clock-control none).
+# token, K buffers, register cap, fp16 P.V; the Triton kernel; kernel alone and end to end; SDPA
+# cuDNN and flash, SageAttention 1.0.6; D=128,64 x N=16k,1k,4k x causal, most decisive first),
+# then, in the last NCU_RESERVE seconds (default 45), ncu's stall reasons for one launch
+# (benchmarks/probes/forward_ncu.py; --clock-control none).
 #
 # fp4: the FP4 recipes alone (GPU tests -k fp4, the Gluon sm_100a forward's among them, then a
 # quick benchmark of qk_fp4_pv_fp4 and qk_mxfp4_pv_mxfp4 against SDPA cuDNN, with the default
@@ -67,13 +67,6 @@
 # hopper: the INT8/FP8 forward's speed work (the 8-bit forward's GPU tests, then bench_hopper.py:
 # every autotuning candidate, Q quantized in the kernel or in a pass, the two stages apart, against
 # SDPA cuDNN bf16 at D=64,128, N=1k,8k,16k, causal and not; HOPPER_ARGS adds options, e.g. --quick).
-# gluon: the Gluon sm_90a ping-pong forward against the Triton kernel (issue 16): the Gluon GPU
-# tests (pytest -m gpu -k gluon: FP8 and fp16 P.V, against the twin, and the opt-ins' checks;
-# GLUON_TEST_TIMEOUT, default 150 s), then the public-call INT8 GPU tests again with
-# LOWBIT_ATTN_KERNEL=gluon (60 s), then bench_hopper.py --gluon: Triton (default autotuning) vs
-# Gluon ping-pong (end to end and kernel alone, 64- and 128-key blocks) vs SDPA cuDNN and flash
-# bf16 at D=128,64,
-# N=1k,8k,16k,32k, causal and not (JSON, markdown, PNG), in the time left.
 # vsa: video sparse attention in at most 450 s (GPU tests -k "vsa or video", at most
 # TEST_TIMEOUT_VSA, default 120 s, then benchmarks/bench_vsa.py: T=16, H=W=48, D=128, VSA_ARGS
 # (default --sparsities 0.875,0.5) against SDPA cuDNN dense, the fine kernel's FLOP rate, the
@@ -279,41 +272,6 @@ fi
 [[ "$STAGE" == hopper ]] && tests_then_bench "Hopper speed" "not fp4 and not trainable and not vsa and not video" \
     benchmarks/bench_hopper.py \
     --time-budget $((TOTAL_BUDGET - SECONDS - TEST_TIMEOUT - 40)) ${HOPPER_ARGS:-}
-
-if [[ "$STAGE" == gluon ]]; then
-    # The Gluon tests first (FP8/fp16 P.V x D x key block x causal: ~18 compiles),
-    # then the public-call tests with the option on; the Triton candidates are the hopper stage's.
-    log "Gluon GPU tests: pytest -m gpu -k gluon (at most ${GLUON_TEST_TIMEOUT:-150} s)"
-    timeout -k 10 "${GLUON_TEST_TIMEOUT:-150}" "${PYTEST[@]}" -m gpu -k "gluon" \
-        >"$OUT/pytest-gpu-gluon.log" 2>&1
-    rc_tests=$?
-    tail -n 25 "$OUT/pytest-gpu-gluon.log"
-    log "INT8 public-call GPU tests with LOWBIT_ATTN_KERNEL=gluon (at most 60 s)"
-    LOWBIT_ATTN_KERNEL=gluon timeout -k 10 60 "$PY" -m pytest -m gpu tests/test_gpu.py tests/inference \
-        -k "not fp4 and not trainable and not vsa and not video and not autotuning_candidate" \
-        -q -p no:cacheprovider >"$OUT/pytest-gpu-gluon-optin.log" 2>&1
-    rc_optin=$?
-    tail -n 25 "$OUT/pytest-gpu-gluon-optin.log"
-    log "benchmark: bench_hopper.py --gluon (log in \$OUT/bench_hopper_gluon.log)"
-    outs=(--out "$OUT")
-    if "$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
-        outs+=(--out benchmarks/results)  # kernel results only, never CPU timings
-    fi
-    limit=$((TOTAL_BUDGET - SECONDS - 10))
-    if ((limit < 60)); then limit=60; fi  # timeout -k 10 0 would mean no limit
-    # configurations stop starting 90 s before the limit: one N=32k configuration takes about that
-    timeout -k 10 "$limit" "$PY" benchmarks/bench_hopper.py --gluon "${outs[@]}" \
-        --time-budget $((limit - 90)) >"$OUT/bench_hopper_gluon-table.md" \
-        2>"$OUT/bench_hopper_gluon.log"
-    rc_bench=$?
-    tail -n 40 "$OUT/bench_hopper_gluon.log"
-    log "summary: Gluon/Triton GPU tests exit $rc_tests, opt-in tests exit $rc_optin, benchmark exit $rc_bench, ${SECONDS} s"
-    cat "$OUT/bench_hopper_gluon-table.md"
-    for rc in "$rc_tests" "$rc_optin"; do
-        if ((rc != 0 && rc != 5)); then exit "$rc"; fi
-    done
-    exit "$rc_bench"
-fi
 
 if [[ "$STAGE" == forward ]]; then
     log "one-warpgroup forward GPU tests: pytest -m gpu -k sm90 (at most ${FORWARD_TEST_TIMEOUT:-120} s)"

@@ -86,88 +86,6 @@ def test_every_autotuning_candidate_matches_the_reference(name, granularity, d, 
         tuner.cache.clear()
 
 
-# --- the Gluon sm_90a forward (LOWBIT_ATTN_KERNEL=gluon) ---------------------------------------
-
-
-def _needs_gluon(fp4: bool = False):
-    """Skip unless the Gluon forward can run here: compute capability 9.0 (with ``fp4``: the FP4
-    forward, 10.x) and a Triton whose Gluon it is written for; its module."""
-    import importlib
-
-    capability = torch.cuda.get_device_capability()
-    if fp4 and capability[0] != 10:
-        pytest.skip("the Gluon FP4 forward is written for sm_100a (compute capability 10.x)")
-    if not fp4 and capability != (9, 0):
-        pytest.skip("the Gluon forward is written for sm_90a (compute capability 9.0)")
-    try:
-        module = importlib.import_module("lowbit_attn.inference."
-                                         + ("kernel_fp4_gluon" if fp4 else "kernel_int8_gluon"))
-    except RuntimeError as exc:  # triton_support.GluonUnavailable: another Triton
-        pytest.skip(str(exc))
-    return module
-
-
-@pytest.mark.parametrize("d,block_k", [pytest.param(d, n, id=f"D{d}-k{n}")
-                                       for d in (64, 128) for n in (64, 128)])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("pv", ["fp8", "fp16"])
-def test_gluon_forward_matches_the_reference(d, block_k, causal, pv):
-    """The Gluon forward (FP8 and fp16 P·V) against the twin on the same quantized
-    operands (the Triton pass's: E4M3 V token-contiguous, as the TMA needs), GPU-sized: many query and key blocks, partial ones at
-    both ends, GQA 8:4, a causal diagonal off the block grid; within the compiled Triton kernel's
-    own bounds (tests/inference/test_attention_kernel.py's, widened by tests/helpers.py
-    ON_CUDA)."""
-    from helpers import ON_CUDA, Bound, assert_within
-
-    kernel_int8_gluon = _needs_gluon()
-    recipe = get_recipe(f"qk_int8_pv_{pv}").replace(block_k=block_k)
-    q, k, v = (x.cuda() for x in channel_biased((2, 8, 700, d), (2, 4, 1100, d), seed=d + block_k,
-                                                 dtype=torch.float16))
-    offset = 400 if causal else None
-    qz = quantize_qkv(q, k, v, recipe, d**-0.5, need_lse_shift=True, backend="triton")
-    want, want_lse = quantized_attention(qz, pv=recipe.pv, granularity=recipe.granularity,
-                                         block_q=recipe.block_q, block_k=block_k,
-                                         causal_offset=offset)
-    got = torch.full(q.shape, float("nan"), device="cuda", dtype=torch.float32)
-    got_lse = kernel_int8_gluon.attention(qz, out=got, pv=recipe.pv,
-                                          granularity=recipe.granularity, block_q=recipe.block_q,
-                                          block_k=block_k, causal_offset=offset, return_lse=True)
-    out_bound = ON_CUDA[f"int8 out {pv}"].widened(Bound(atol=4e-3, cos=0.999999))
-    assert_within(got, want.float(), out_bound, name="out")
-    assert_within(got_lse, want_lse.float(), ON_CUDA["lse"], name="lse")
-
-
-def test_gluon_opt_in_passes_its_check_and_runs_in_the_public_call(monkeypatch):
-    """``LOWBIT_ATTN_KERNEL=gluon``: the first call starts the check of the Gluon forward against the Triton kernel in the background and runs the Triton kernel; once
-    the check passes (no warning) calls run the Gluon forward, within the check's bounds of the
-    default (Triton) call's."""
-    import warnings
-
-    from lowbit_attn.inference import gluon_check
-
-    kernel_int8_gluon = _needs_gluon()
-    monkeypatch.setattr(gluon_check, "_verdicts", {})
-    ran = []
-    launcher = kernel_int8_gluon.attention
-    monkeypatch.setattr(kernel_int8_gluon, "attention",
-                        lambda qz, **kw: ran.append(qz.q.shape) or launcher(qz, **kw))
-    q, k, v = (x.cuda() for x in channel_biased((2, 8, 2000, 128), (2, 4, 2000, 128), seed=3,
-                                                 dtype=torch.float16))
-    want = lowbit_attn.attention(q, k, v, recipe="qk_int8_pv_fp8", is_causal=True)
-    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "gluon")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="LOWBIT_ATTN_KERNEL")
-        first = lowbit_attn.attention(q, k, v, recipe="qk_int8_pv_fp8", is_causal=True)
-        assert ran == []  # the check started in the background; this call ran the Triton kernel
-        assert torch.equal(first, want)
-        gluon_check.wait_for_admission()
-        got = lowbit_attn.attention(q, k, v, recipe="qk_int8_pv_fp8", is_causal=True)
-    assert gluon_check.verdict(q.device) is None
-    assert ran == [q.shape]  # the check ran in a process of its own
-    assert float((got.float() - want.float()).abs().max()) <= gluon_check.CHECK_ATOL
-    assert lowbit_attn.errors(got, want).cosine >= gluon_check.CHECK_COSINE
-
-
 # --- the one-warpgroup sm_90a forward (LOWBIT_ATTN_KERNEL=sm90) -----------------------------------
 
 
@@ -319,8 +237,8 @@ def test_sm90_opt_in_passes_its_check_and_runs_in_the_public_call(monkeypatch, g
     # may replay its launches (core/plans.py)
     assert len(ran) >= 2 and all(ran)
     for got in outs:
-        assert float((got.float() - want.float()).abs().max()) <= gluon_check.CHECK_ATOL
-        assert lowbit_attn.errors(got, want).cosine >= gluon_check.CHECK_COSINE
+        assert float((got.float() - want.float()).abs().max()) <= sm90_check.CHECK_ATOL
+        assert lowbit_attn.errors(got, want).cosine >= sm90_check.CHECK_COSINE
         assert torch.equal(got, outs[0])
 
 
@@ -365,7 +283,7 @@ def test_sm90_operands_at_few_keys_are_the_twins(nk, granularity):
     from lowbit_attn.inference.gluon_check import Case
 
     case = Case(1, 4, 2, 96, nk, 64, 128, causal=False, lse=True, granularity=granularity)
-    q, k, v, _, _ = gluon_check.case_inputs(case, torch.device("cuda"))
+    q, k, v, _ = gluon_check.case_inputs(case, torch.device("cuda"))
     recipe = get_recipe("qk_int8_pv_fp8").replace(block_k=128, granularity=granularity)
     got, want = (quantize_qkv(*(x.to(dev) for x in (q, k, v)), recipe, 64**-0.5,
                               need_lse_shift=True, backend=backend, permute_v=True)
@@ -402,6 +320,19 @@ def test_sm90_forward_admission_check_passes():
 # --- the Gluon sm_100a FP4 forward (LOWBIT_ATTN_KERNEL=gluon, FP4 recipes) ----------------------
 
 
+def _needs_gluon_fp4():
+    """Skip unless the Gluon FP4 forward can run here (compute capability 10.x, a Triton whose
+    Gluon it is written for); its module."""
+    import importlib
+
+    if torch.cuda.get_device_capability()[0] != 10:
+        pytest.skip("the Gluon FP4 forward is written for sm_100a (compute capability 10.x)")
+    try:
+        return importlib.import_module("lowbit_attn.inference.kernel_fp4_gluon")
+    except RuntimeError as exc:  # triton_support.GluonUnavailable: another Triton
+        pytest.skip(str(exc))
+
+
 @pytest.mark.parametrize("recipe", ["qk_fp4_pv_fp4", "qk_mxfp4_pv_mxfp4"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("two_level", [True, False], ids=["two-level", "one-level"])
@@ -415,7 +346,7 @@ def test_gluon_fp4_forward_matches_the_reference(recipe, causal, two_level):
     from lowbit_attn.inference.naive import fp4_attention
     from lowbit_attn.inference.prepare import quantize_qkv_fp4
 
-    kernel_fp4_gluon = _needs_gluon(fp4=True)
+    kernel_fp4_gluon = _needs_gluon_fp4()
     r = get_recipe(recipe).replace(two_level_p=two_level)
     q, k, v = (x.cuda() for x in channel_biased((2, 8, 700, 128), (2, 4, 1100, 128), seed=5,
                                                  dtype=torch.float16))
@@ -441,7 +372,7 @@ def test_gluon_fp4_opt_in_passes_its_check_and_runs_in_the_public_call(monkeypat
 
     from lowbit_attn.inference import gluon_check, gluon_fp4_check
 
-    kernel_fp4_gluon = _needs_gluon(fp4=True)
+    kernel_fp4_gluon = _needs_gluon_fp4()
     monkeypatch.setattr(gluon_check, "_verdicts", {})
     ran = []
     launcher = kernel_fp4_gluon.attention

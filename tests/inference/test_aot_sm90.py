@@ -303,3 +303,38 @@ def test_one_key_packs_p_from_what_it_computed(granularity, nk):
 def test_query_and_key_counts_are_not_specialized():
     params = {p.name: p for p in kernel_int8_sm90._attn_fwd_sm90_kernel.params}
     assert params["NK"].do_not_specialize and params["NQ"].do_not_specialize
+
+
+def test_the_triton_version_is_pinned():
+    kernel_int8_sm90.check_version()
+    for version in ("3.6.1+git1a2b3c", "3.8.0", "3.9.0"):
+        kernel_int8_sm90.check_version(version)
+    for version in ("3.5.1", "3.7.0", "3.10.0", "3.60.0"):
+        with pytest.raises(RuntimeError, match=rf"Hopper API of Triton 3\.6\.x, 3\.8\.x, "
+                                               rf"3\.9\.x, found Triton {version}"):
+            kernel_int8_sm90.check_version(version)
+
+
+def test_the_tma_load_is_the_installed_tritons():
+    """Triton 3.9 renamed Gluon's TMA load (``async_load``; ``async_copy_global_to_shared``
+    before, which 3.9 keeps only to raise): ``gluon_blocks.tma_load`` calls the installed one."""
+    from lowbit_attn.core import triton_support
+
+    assert [triton_support.tma_load_renamed(v) for v in ("3.6.0", "3.8.1", "3.9.0", "3.10.0")] \
+        == [False, False, True, True]
+
+
+def test_retiring_wait_counts_groups_committed_since():
+    """Groups complete in order: Q·Kᵀ (issued first) is retired by ``wait(1)``, P·V by
+    ``wait(0)``."""
+    body = ["IGMMA.64x64x32.S8.S8 R88, gdesc[UR12], RZ, !UPT",
+            "IGMMA.64x64x32.S8.S8 R88, gdesc[UR16], R88, gsb0",
+            "QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR36], R24, gsb0",
+            "WARPGROUP.DEPBAR.LE gsb0, 0x1",
+            "MUFU.EX2 R1, R1",
+            "WARPGROUP.DEPBAR.LE gsb0, 0x0",
+            "MUFU.EX2 R2, R2"]
+    assert sass.retiring_wait(body, 1) == 3
+    assert sass.retiring_wait(body, 2) == 5
+    assert sass.exp2_under_mma(body, "QGMMA") == sass.Exp2Placement(0, 1, 1, span=2)
+    assert sass.exp2_under_mma(body, "IGMMA") == sass.Exp2Placement(0, 0, 2, span=2)

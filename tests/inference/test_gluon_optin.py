@@ -1,15 +1,14 @@
-"""``LOWBIT_ATTN_KERNEL=gluon``: which forward a call runs (``inference/gluon_check.py``).
+"""``LOWBIT_ATTN_KERNEL=sm90`` and ``gluon``: which forward a call runs (``inference/sm90_check.py``,
+``inference/gluon_fp4_check.py``, their machinery ``inference/gluon_check.py``).
 
-What a CPU can check is the selection logic, not the Gluon kernel (there is no Gluon interpreter):
-the option's parsing; that the Gluon launcher is never reached on CPU tensors or under the
-interpreter; and, with the device condition faked and the Gluon launcher replaced by a stand-in
-that raises, returns wrong values or returns the Triton kernel's, that the one-time check admits
-or drops it, warns once, and that every call still gets the Triton kernel's result. The real
-kernel against the Triton kernel and the twin: tests/test_gpu.py (``-k gluon``, sm_90 only).
-
-The same for the FP4 recipes (``inference/gluon_fp4_check.py``, capability 10.x, ``gluon`` only),
-and the real Gluon FP4 kernel, run by the CPU model, through its whole check; on a GPU:
-tests/test_gpu.py (``-k gluon_fp4``, sm_100 only).
+What a CPU can check is the selection logic, not the Gluon kernels (there is no Gluon
+interpreter): the option's parsing; that a Gluon launcher is never reached on CPU tensors or under
+the interpreter; and, with the device condition faked and the Gluon launcher replaced by a
+stand-in that raises, returns wrong values or returns the Triton kernel's, that the one-time
+check admits or drops it, warns once, and that every call still gets the Triton kernel's result.
+``gluon`` sends the INT8 recipes to the one-warpgroup Hopper forward (as ``sm90``) and the FP4
+recipes to the Blackwell one (capability 10.x), whose real kernel, run by the CPU model, passes
+its whole check here. The real kernels on a GPU: tests/test_gpu.py.
 """
 
 from __future__ import annotations
@@ -30,13 +29,12 @@ require_gluon("hopper", "blackwell")  # before importing Gluon code
 
 from lowbit_attn.core.recipes import get_recipe
 from lowbit_attn.inference import (
-    gluon_check, gluon_fp4_check, kernel_fp4, kernel_fp4_gluon, kernel_int8, kernel_int8_gluon,
-    kernel_int8_sm90, sm90_check,
+    gluon_check, gluon_fp4_check, kernel_fp4, kernel_fp4_gluon, kernel_int8, kernel_int8_sm90,
+    sm90_check,
 )
 
-# One small check case instead of gluon_check.CASES: the interpreter runs the Triton side.
-TINY = (gluon_check.Case(1, 2, 1, 40, 70, 64, 64, causal=True, lse=True),)
-# The same for the one-warpgroup forward (128-key blocks, per-thread scales, permuted V).
+# One small check case instead of sm90_check.CASES (the interpreter runs the Triton side): 128-key
+# blocks, per-thread scales, permuted V.
 TINY_SM90 = (gluon_check.Case(1, 2, 1, 40, 70, 64, 128, causal=True, lse=True,
                               granularity="per_thread"),)
 SM90_RECIPE = get_recipe("qk_int8_pv_fp8").replace(granularity="per_thread", block_k=128)
@@ -46,7 +44,7 @@ TINY_FP4 = (gluon_fp4_check.Case(1, 2, 1, 40, 70, "nvfp4", causal=True, lse=True
 
 @dataclass(frozen=True)
 class Route:
-    """One opt-in route of ``LOWBIT_ATTN_KERNEL=gluon``: its check module, the Gluon launcher's
+    """One opt-in route of ``LOWBIT_ATTN_KERNEL``: its check module, the Gluon launcher's
     module, the Triton kernel's module, a recipe it routes, its tiny check cases, and the reason
     a stand-in with wrong rows is refused with."""
 
@@ -60,12 +58,12 @@ class Route:
 
 
 ROUTES = {
-    "int8-sm90": Route(gluon_check, kernel_int8_gluon, kernel_int8, "qk_int8_pv_fp8", TINY,
-                       "max |gluon - triton|"),
+    "int8-sm90": Route(sm90_check, kernel_int8_sm90, kernel_int8, SM90_RECIPE, TINY_SM90,
+                       "max |gluon - triton|", "sm90"),
+    "int8-sm90-gluon": Route(sm90_check, kernel_int8_sm90, kernel_int8, SM90_RECIPE, TINY_SM90,
+                             "max |gluon - triton|"),
     "fp4-sm100": Route(gluon_fp4_check, kernel_fp4_gluon, kernel_fp4, "qk_fp4_pv_fp4", TINY_FP4,
                        "cosine"),
-    "int8-sm90-warpgroup": Route(sm90_check, kernel_int8_sm90, kernel_int8, SM90_RECIPE,
-                                 TINY_SM90, "max |gluon - triton|", "sm90"),
 }
 
 
@@ -97,7 +95,7 @@ def test_the_kernel_option_is_read_and_checked(monkeypatch):
     for value in ("triton", "gluon", "sm90"):
         monkeypatch.setenv("LOWBIT_ATTN_KERNEL", value)
         assert KernelOptions.from_env().forward_kernel(cpu) == value
-    # gluon-pingpong is not a value: gluon runs the ping-pong forward on Hopper
+    # gluon-pingpong is not a value (its kernel is deleted): gluon runs the sm90 forward on Hopper
     for value in ("cudnn", "gluon-pingpong"):
         monkeypatch.setenv("LOWBIT_ATTN_KERNEL", value)
         with pytest.raises(ValueError, match=r"LOWBIT_ATTN_KERNEL must be one of \('measured', "
@@ -106,8 +104,7 @@ def test_the_kernel_option_is_read_and_checked(monkeypatch):
 
 
 @pytest.mark.parametrize("route,written_for", [("int8-sm90", {(9, 0)}),
-                                                ("fp4-sm100", {(10, 0), (10, 3)}),
-                                                ("int8-sm90-warpgroup", {(9, 0)})])
+                                                ("fp4-sm100", {(10, 0), (10, 3)})])
 def test_applies_only_to_compiled_kernels_on_the_capability_it_is_written_for(monkeypatch, route,
                                                                                written_for):
     check = ROUTES[route].check
@@ -141,12 +138,6 @@ def _fresh(monkeypatch, route: Route):
     monkeypatch.delenv("LOWBIT_ATTN_KERNEL", raising=False)
     q, k, v = _inputs()
     return (q, k, v), _call(q, k, v, route.recipe)
-
-
-@pytest.fixture
-def fresh(monkeypatch, triton_backend):
-    """:func:`_fresh` for the INT8 route."""
-    return _fresh(monkeypatch, ROUTES["int8-sm90"])
 
 
 @pytest.fixture(params=list(ROUTES))
@@ -271,40 +262,14 @@ def test_another_triton_version_is_refused_with_the_pin_as_reason(routed, monkey
 
 
 @pytest.mark.interpreter
-def test_a_passed_check_admits_the_gluon_forward_for_what_it_takes(fresh, monkeypatch):
-    """A stand-in with the Triton kernel's results passes; later calls go to it, and what it
-    refuses (ValueError before launching, as the real launcher does for D=32) to the Triton
-    kernel."""
-    inputs, want = fresh
-
-    def in_scope(qz, **kw):
-        if qz.q.shape[-1] not in (64, 128):
-            raise ValueError("head dim must be one of (64, 128) for the Gluon kernel")
-        return kernel_int8.attention(qz, **kw)
-
-    monkeypatch.setattr(gluon_check, "applies", lambda device: True)
-    fake, calls = _counting(in_scope)
-    monkeypatch.setattr(kernel_int8_gluon, "attention", fake)
-    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "gluon")
-    with no_gluon_warning():
-        _same(_call(*inputs), want)
-        assert gluon_check.verdict(torch.device("cpu")) is None
-        assert calls == [64, 64]  # the check, then the call
-        _same(_call(*inputs), want)
-        assert len(calls) == 3
-        q32, k32, v32 = _inputs(d=32)
-        got = _call(q32, k32, v32)
-    assert len(calls) == 4  # tried, refused
-    monkeypatch.delenv("LOWBIT_ATTN_KERNEL")
-    _same(got, _call(q32, k32, v32))
-
-
-@pytest.mark.interpreter
-def test_a_passed_check_admits_the_sm90_forward_with_permuted_v(monkeypatch, triton_backend):
-    """``LOWBIT_ATTN_KERNEL=sm90``: a stand-in with the Triton kernel's results passes the check;
-    calls it covers then quantize V permuted and reach it (the same bits as the default path);
-    calls it does not cover (D=32, 64-key blocks) never quantize for it or reach it."""
-    route = ROUTES["int8-sm90-warpgroup"]
+@pytest.mark.parametrize("value", ["sm90", "gluon"])
+def test_a_passed_check_admits_the_sm90_forward_with_permuted_v(monkeypatch, triton_backend,
+                                                                value):
+    """``LOWBIT_ATTN_KERNEL=sm90`` (or ``gluon``): a stand-in with the Triton kernel's results
+    passes the check; calls it covers then quantize V permuted and reach it (the same bits as the
+    default path); calls it does not cover (D=32, 64-key blocks, packed sequences) never quantize
+    for it or reach it."""
+    route = ROUTES["int8-sm90"]
     inputs, want = _fresh(monkeypatch, route)
     seen = []
 
@@ -314,7 +279,7 @@ def test_a_passed_check_admits_the_sm90_forward_with_permuted_v(monkeypatch, tri
 
     monkeypatch.setattr(sm90_check, "applies", lambda device: True)
     monkeypatch.setattr(kernel_int8_sm90, "attention", stand_in)
-    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", "sm90")
+    monkeypatch.setenv("LOWBIT_ATTN_KERNEL", value)
     with no_gluon_warning():
         _same(_call(*inputs, SM90_RECIPE), want)
         assert sm90_check.verdict(torch.device("cpu")) is None
@@ -322,10 +287,15 @@ def test_a_passed_check_admits_the_sm90_forward_with_permuted_v(monkeypatch, tri
         q32, k32, v32 = _inputs(d=32)
         got32 = _call(q32, k32, v32, SM90_RECIPE)
         got64 = _call(*inputs, SM90_RECIPE.replace(block_k=64))
+        packed = [x[0].transpose(0, 1) for x in inputs]  # one sequence, [total, H, D]
+        cu_q, cu_k = (torch.tensor([0, x.shape[0]], dtype=torch.int32) for x in packed[:2])
+        varlen = (*packed, cu_q, cu_k, packed[0].shape[0], packed[1].shape[0])
+        got_packed = lowbit_attn.attention_varlen(*varlen, recipe=SM90_RECIPE)
     assert seen == [True, True]
     monkeypatch.delenv("LOWBIT_ATTN_KERNEL")
     _same(got32, _call(q32, k32, v32, SM90_RECIPE))
     _same(got64, _call(*inputs, SM90_RECIPE.replace(block_k=64)))
+    assert torch.equal(got_packed, lowbit_attn.attention_varlen(*varlen, recipe=SM90_RECIPE))
 
 
 @pytest.mark.interpreter
@@ -343,29 +313,6 @@ def test_the_sm90_check_builds_its_inputs(monkeypatch, case):
 
     monkeypatch.setattr(kernel_int8_sm90, "attention", wrong)
     assert "max |gluon - triton|" in sm90_check._compare(case, torch.device("cpu"))
-
-
-@pytest.mark.interpreter
-@pytest.mark.parametrize("case", [
-    gluon_check.Case(2, 2, 1, 0, 0, 64, 64, causal=True, lse=True, granularity="per_block",
-                     lengths=((1, 20), (40, 70))),
-    gluon_check.Case(1, 2, 1, 30, 45, 64, 64, causal=False, lse=True, granularity="per_block"),
-    gluon_check.Case(1, 2, 1, 30, 45, 64, 64, causal=True, lse=True, granularity="per_block",
-                     pv="fp16"),
-], ids=str)
-def test_the_check_builds_packed_and_per_block_inputs(monkeypatch, case):
-    """The check's packed, per-block and fp16 P·V cases run end to end on the interpreter, the Triton kernel
-    standing in for the Gluon one: agreement gives no reason, a wrong output row gives one."""
-    monkeypatch.setattr(kernel_int8_gluon, "attention", kernel_int8.attention)
-    assert gluon_check._compare(case, torch.device("cpu")) is None
-
-    def wrong(qz, *, out, **kw):
-        lse = kernel_int8.attention(qz, out=out, **kw)
-        out[0] += 0.5
-        return lse
-
-    monkeypatch.setattr(kernel_int8_gluon, "attention", wrong)
-    assert "max |gluon - triton|" in gluon_check._compare(case, torch.device("cpu"))
 
 
 # --- the FP4 recipes: the Gluon FP4 forward for sm_100a (inference/gluon_fp4_check.py) ----------
@@ -482,24 +429,3 @@ def test_a_cuda_check_runs_in_a_process_of_its_own(monkeypatch):
     ran = []
     assert gluon_check.checker(torch.device("cpu"), lambda d, s: ran.append((d, s)), "x")() is None
     assert ran == [(torch.device("cpu"), "x")]  # elsewhere (the CPU stand-ins): in this process
-
-
-def test_packed_calls_run_the_triton_kernel(monkeypatch):
-    """Packed sequences never reach the Gluon forward (it faulted on them on an H100), whether
-    or not it was admitted; the check has no packed case any more."""
-    from lowbit_attn.core.operands import Seqs
-
-    monkeypatch.setattr(gluon_check, "applies", lambda device: True)
-    monkeypatch.setattr(gluon_check, "admitted", lambda device: True)
-    def never(*args, **kwargs):
-        raise AssertionError("the Gluon forward ran a packed call")
-
-    monkeypatch.setattr(kernel_int8_gluon, "attention", never)
-    ran = []
-    monkeypatch.setattr(kernel_int8, "attention", lambda qz, **kw: ran.append(kw["seqs_q"]))
-    seqs = Seqs(1, 4, torch.tensor([0, 4], dtype=torch.int32))
-    gluon_check.attention(None, out=torch.empty(4, 2, 64), pv="fp8", granularity="per_token",
-                          block_q=128, block_k=64, causal_offset=None, return_lse=False,
-                          seqs_q=seqs, seqs_k=seqs)
-    assert ran == [seqs]
-    assert not any(case.lengths for case in gluon_check.CASES)

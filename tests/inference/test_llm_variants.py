@@ -465,21 +465,21 @@ def test_aot_compiles_the_variants():
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("kernel", ["sm90", "gluon"])
-def test_gluon_and_sm90_forwards_route_variants(kernel, monkeypatch):
-    """With the Gluon or sm90 forward chosen (and applying, as on an H100): the Gluon forward
-    takes no variant, the sm90 forward a window, chunk or sinks but not softcap (a tanh per
-    score); the rest runs the Triton kernel, never a forward with the variant dropped."""
-    from lowbit_attn.inference import gluon_check, gluon_fp4_check, kernel_int8, sm90_check
+def test_the_sm90_forward_routes_variants(kernel, monkeypatch):
+    """With the sm90 forward chosen (``sm90``, or ``gluon``: Hopper's Gluon forward is the sm90
+    one) and applying, as on an H100: it takes a window, chunk or sinks but not softcap (a tanh
+    per score); softcap runs the Triton kernel, never a forward with the variant dropped."""
+    from lowbit_attn.inference import gluon_fp4_check, kernel_int8, sm90_check
 
     taken = []
 
     def boom(*args, **kwargs):
-        if kernel == "sm90" and "variant" in kwargs:
+        if "variant" in kwargs:
             taken.append(kwargs["variant"])
             return None
-        raise AssertionError(f"the {kernel} forward ran for a variant")
+        raise AssertionError(f"the {kernel} forward ran without the variant")
 
-    for mod in (sm90_check, gluon_check, gluon_fp4_check):
+    for mod in (sm90_check, gluon_fp4_check):
         monkeypatch.setattr(mod, "attention", boom)
     monkeypatch.setattr(sm90_check, "applies", lambda device: True)
     monkeypatch.setattr(sm90_check, "wanted", lambda *a, **k: True)
@@ -493,12 +493,11 @@ def test_gluon_and_sm90_forwards_route_variants(kernel, monkeypatch):
     for kw in (dict(window=(4, 0)), dict(softcap=5.0), dict(sinks=torch.zeros(2)),
                dict(chunk=8)):
         lowbit_attn.attention(q, k, v, recipe="qk_int8_pv_fp8", **kw)
-        if kernel == "sm90" and "softcap" not in kw:
+        if "softcap" not in kw:
             assert not taken[-1].plain and taken[-1].softcap == 0
         else:
             assert not ran[-1]["variant"].plain
-    if kernel == "sm90":
-        assert len(taken) == 3 and len(ran) == 1
+    assert len(taken) == 3 and len(ran) == 1
 
 
 @pytest.mark.parametrize("recipe", ["exact", "qk_int8_pv_fp16", "qk_int8_pv_fp8"])

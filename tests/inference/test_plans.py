@@ -160,12 +160,12 @@ def gluon(sink, kernel):
     # Triton's scratch, here from the CPU): every call launches what Triton's path launches,
     # each attention launch with scratch from the Gluon launcher's allocator
     from lowbit_attn.core.recipes import get_recipe
-    from lowbit_attn.inference import (gluon_check, gluon_fp4_check, kernel_fp4_gluon,
-                                       kernel_int8_gluon, kernel_int8_sm90, sm90_check)
+    from lowbit_attn.inference import (gluon_fp4_check, kernel_fp4_gluon, kernel_int8_sm90,
+                                       sm90_check)
 
-    gluon_check.applies = gluon_fp4_check.applies = sm90_check.applies = lambda device: True
-    gluon_check.admitted = gluon_fp4_check.admitted = sm90_check.admitted = lambda device: True
-    kernel_int8_gluon.tma_scratch = kernel_int8_sm90.tma_scratch = kernel_fp4_gluon._scratch = (
+    gluon_fp4_check.applies = sm90_check.applies = lambda device: True
+    gluon_fp4_check.admitted = sm90_check.admitted = lambda device: True
+    kernel_int8_sm90.tma_scratch = kernel_fp4_gluon._scratch = (
         lambda size, alignment, stream: torch.empty(size, dtype=torch.int8))
     os.environ["LOWBIT_ATTN_KERNEL"] = "gluon" if kernel == "fp4" else kernel
     recipes = {"fp4": "qk_fp4_pv_fp4", "sm90": get_recipe("qk_int8_pv_fp8").replace(
@@ -183,9 +183,8 @@ def gluon(sink, kernel):
 
 SCENARIOS = {"shared_storage": shared_storage, "graph_capture": graph_capture}
 SCENARIOS.update({f"gluon-{k}": lambda sink, k=k: gluon(sink, k)
-                  for k in ("gluon", "fp4", "sm90")})
-SCRATCH = {"_attn_fwd_int8_pingpong_kernel": 128, "_attn_fwd_fp4_gluon_kernel": 128,
-           "_attn_fwd_sm90_kernel": 128}
+                  for k in ("fp4", "sm90")})
+SCRATCH = {"_attn_fwd_fp4_gluon_kernel": 128, "_attn_fwd_sm90_kernel": 128}
 with stubbed_launches(arch.get_capability(), SCRATCH) as sink:
     print_scenarios(SCENARIOS, json.loads(sys.argv[1]), sink, planned.clear)
 """
@@ -280,8 +279,6 @@ def test_calls_sharing_storage_otherwise_launch_what_triton_would(context_rows):
 
 PLANNED = ["triton", "triton", "check", "plan"]
 GLUON_FORWARDS = [
-    pytest.param("gluon-gluon", "sm_90", PLANNED, marks=needs_gluon("hopper"),
-                 id="int8-pingpong"),
     pytest.param("gluon-sm90", "sm_90", PLANNED, marks=needs_gluon("hopper"), id="int8-sm90"),
     # FP4 calls get no plan (their quantization zeroes a buffer): Triton's way every time
     pytest.param("gluon-fp4", "sm_100", ["triton"] * 4, marks=needs_gluon("blackwell"), id="fp4"),
@@ -291,7 +288,7 @@ GLUON_FORWARDS = [
 @pytest.mark.slow
 @pytest.mark.parametrize("scenario,arch,ways", GLUON_FORWARDS)
 def test_gluon_forwards_replay_under_their_scratch_allocator(scenario, arch, ways):
-    """Issue 37 (1): with ``LOWBIT_ATTN_KERNEL=gluon`` (or ``sm90``) the attention
+    """Issue 37 (1): with ``LOWBIT_ATTN_KERNEL=sm90`` (or ``gluon`` for FP4) the attention
     launch needs global scratch (TMA descriptors made on the device): every call, its check's
     replay and later replays too, launches what Triton's path launches and takes the scratch
     from the Gluon launcher's allocator (without it: "no allocator was set")."""
@@ -299,7 +296,7 @@ def test_gluon_forwards_replay_under_their_scratch_allocator(scenario, arch, way
     assert "raised" not in row, row
     assert row["rows"] == ways, row
     gluon = [name for name in row["names"]
-             if any(k in name for k in ("gluon", "pingpong", "sm90"))]
+             if any(k in name for k in ("gluon", "sm90"))]
     # the last call: Triton's path, then the plan's (the sink holds the latter's launches)
     assert gluon and row["scratch"] == 2 * len(gluon), row
 

@@ -468,32 +468,11 @@ def test_hopper_benchmark_runs_every_variant_on_the_interpreter(tmp_path, monkey
                        "attention", "ours cfg=4w1s-plain", "ours cfg=4w1s-pipelined"}
     assert all(r["status"] == "ok" for r in rows)
     assert all(r["cosine"] > 0.998 for r in rows if not r["method"].startswith("prepare"))
+    assert not any("gluon" in m for m in methods)  # bench_forward.py times the Gluon forward
     table = (tmp_path / result.name.replace(".json", ".md")).read_text()
     assert "| method | × cuDNN | bar | met |" in table
-
-
-def test_hopper_gluon_benchmark_runs_on_the_interpreter_without_the_gluon_kernel(tmp_path,
-                                                                                 monkeypatch):
-    """``bench_hopper.py --gluon`` on the interpreter (tiny size): the SDPA and Triton rows run;
-    the public call with ``LOWBIT_ATTN_KERNEL=gluon`` runs the Triton kernel (no Gluon interpreter:
-    its row says the Gluon forward was never checked); the Gluon kernel-only rows are skipped."""
-    monkeypatch.setenv("LOWBIT_ATTN_BACKEND", "triton")
-    bench = script_module("benchmarks/bench_hopper.py")
-    assert bench.main(["--gluon", "--out", str(tmp_path)]) == 0
-    (result,) = tmp_path.glob("hopper-gluon-*.json")
-    data = json.loads(result.read_text())
-    assert data["complete"] is True
-    rows = {r["method"]: r for r in data["rows"] if not r["causal"]}
-    public = [f"ours kernel=gluon{k}" for k in ("", " block_k=128")]
-    alone = [f"attention gluon pingpong{k}" for k in ("", " k=128")]
-    assert set(rows) == {"sdpa_cudnn_bf16", "sdpa_flash_bf16", "ours", "attention", *public,
-                         *alone}
-    for name in public:
-        assert rows[name]["status"] == "ok" and rows[name]["gluon"] == "not checked"
-    assert rows["ours kernel=gluon"]["cosine"] == rows["ours"]["cosine"]  # the same kernel
-    assert all(rows[name]["status"] == "skipped" for name in alone)
-    table = (tmp_path / result.name.replace(".json", ".md")).read_text()
-    assert "| 64 | 160 | no | ours kernel=gluon |" in table
+    with pytest.raises(SystemExit):  # no --gluon rows: the forward they timed is deleted
+        bench.main(["--gluon", "--out", str(tmp_path)])
 
 
 @pytest.mark.triton_internals
@@ -501,7 +480,7 @@ def test_forward_benchmark_runs_on_the_interpreter_without_the_gluon_kernels(tmp
                                                                             monkeypatch):
     """``benchmarks/bench_forward.py`` (issue 36's sweep) on the interpreter (tiny size): the SDPA
     and Triton rows run and pass their check against exact attention; ``LOWBIT_ATTN_KERNEL=sm90``
-    runs the Triton kernel (the one-warpgroup kernel never checked on a CPU); the Gluon
+    runs the Triton kernel (the one-warpgroup kernel never checked on a CPU); the sm90
     kernel-alone rows are skipped with the reason; JSON and markdown are written."""
     import sys
 
@@ -520,8 +499,9 @@ def test_forward_benchmark_runs_on_the_interpreter_without_the_gluon_kernels(tmp
         assert rows[name]["status"] == "ok", (name, rows[name])
     for name in ("e2e sm90 thread", "e2e sm90 token"):
         assert rows[name]["note"] == "not checked" and rows[name]["check"] == "pass"
-    skipped = [r for r in rows.values() if r["method"].startswith(("kernel sm90", "kernel gluon"))]
-    assert len(skipped) == 9 and all(r["status"] == "skipped" for r in skipped)
+    skipped = [r for r in rows.values() if r["method"].startswith("kernel sm90")]
+    assert len(skipped) == 8 and all(r["status"] == "skipped" for r in skipped)
+    assert not any("gluon" in name for name in rows)
     table = (tmp_path / result.name.replace(".json", ".md")).read_text()
     assert "| 64 | 160 | no | 1×2 | e2e sm90 thread |" in table
     assert "| D | N | causal | best sm90 e2e | × cuDNN | bar | met | × SageAttention |" in table

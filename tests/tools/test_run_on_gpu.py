@@ -102,6 +102,14 @@ def test_the_script_parses():
     subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
 
 
+def test_gluon_is_no_stage(tmp_path):
+    """The ``gluon`` stage went with the Hopper forward it timed: ``gluon`` runs no tests and no
+    benchmark (the sm90 forward's are in the ``forward`` and ``decide`` stages)."""
+    rc, out, calls, done = run_stage(tmp_path, "gluon")
+    assert rc == 0, done.stderr[-3000:]
+    assert _commands(calls) == []
+
+
 @pytest.mark.parametrize("stage,budget", [("decide", 470), ("decide2", 470)])
 def test_a_stage_runs_its_steps_in_order_within_its_budget(tmp_path, stage, budget):
     rc, out, calls, done = run_stage(tmp_path, stage)

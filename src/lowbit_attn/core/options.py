@@ -20,21 +20,22 @@ anywhere: :func:`check_env`) and passed down explicitly.
 - ``LOWBIT_ATTN_KERNEL``: ``measured`` (default: the forward a GPU run measured fastest on the
   device's architecture and that passed its GPU tests there, ``core/measured.py``
   ``KERNEL_CHOICES``; none yet, so the Triton kernels everywhere), ``triton`` (the Triton
-  attention kernels), ``gluon`` (the
-  Gluon forward of the device's architecture: for Hopper the warp-specialized ping-pong forward,
-  ``inference/kernel_int8_gluon.py``, where it applies: a CUDA device of capability 9.0, the INT8
-  recipes (FP8 or fp16 P·V), D = 64 or 128; for Blackwell the Gluon FP4 forward,
-  ``inference/kernel_fp4_gluon.py``, where it applies: a CUDA device of capability 10.x
-  (sm_100a), the FP4 recipes (NVFP4, MXFP4), D = 128, the default 128-row query and 64-key
-  blocks; the Triton kernels elsewhere) or ``sm90`` (the one-warpgroup Hopper forward,
+  attention kernels), ``sm90`` (the one-warpgroup Hopper forward,
   ``inference/kernel_int8_sm90.py``, where it applies: capability 9.0, dense INT8 recipes with
   per-token or per-thread scales, 128-key blocks, no Q smoothing, D = 64 or 128; FP4 recipes keep
-  the Triton kernel under it).
+  the Triton kernel under it) or ``gluon`` (the Gluon forward of the device's architecture: on
+  Hopper the ``sm90`` forward; on Blackwell the Gluon FP4 forward,
+  ``inference/kernel_fp4_gluon.py``, where it applies: a CUDA device of capability 10.x
+  (sm_100a), the FP4 recipes (NVFP4, MXFP4), D = 128, the default 128-row query and 64-key
+  blocks; the Triton kernels elsewhere).
   Admitted on a device only after a one-time check against the Triton kernel there
-  (``inference/gluon_check.py``, ``inference/gluon_fp4_check.py``, ``inference/sm90_check.py``).
-  The Gluon Hopper forward has run on an H100 once (2026-11-25); the FP4 one and ``sm90`` run on
-  the CPU model ``tools/gluon_cpu.py`` only: none is the default. On a CPU (the interpreter) each
-  is accepted and changes nothing: Triton has no Gluon interpreter.
+  (``inference/sm90_check.py``, ``inference/gluon_fp4_check.py``, the machinery
+  ``inference/gluon_check.py``). Neither is the default: ``sm90`` has run on an H200 (2026-11-30:
+  kernel alone 1.08–1.29× SDPA cuDNN at N ≥ 8k) but not yet passed its check on one; the FP4
+  one runs on the CPU model ``tools/gluon_cpu.py`` only. On a CPU (the interpreter) each is
+  accepted and changes nothing: Triton has no Gluon interpreter. (The Gluon ping-pong Hopper
+  forward ``gluon`` ran before 2026-12-01 is deleted: end to end it was slower than the Triton
+  kernels on every row of the H200 run of 2026-11-27.)
 
 - ``LOWBIT_ATTN_LAUNCH``: ``plan`` (default: an eager call replays its configuration's recorded
   launches from the third call on: ``core/plans.py``; its GPU tests passed on an H200,
@@ -125,9 +126,9 @@ class KernelOptions:
     def forward_kernel(self, device: torch.device) -> str:
         """``kernel`` for a call on ``device``, ``measured`` resolved: the kernel
         ``core.measured.KERNEL_CHOICES`` names for the device's architecture, else ``triton``.
-        ``gluon``: the Gluon forward of the device's architecture where it applies (the INT8
-        recipes to the Hopper one, the FP4 recipes to the Blackwell one); ``sm90``: INT8 calls to
-        the one-warpgroup Hopper forward where it applies."""
+        ``sm90``: INT8 calls to the one-warpgroup Hopper forward where it applies; ``gluon``:
+        the Gluon forward of the device's architecture where it applies (INT8 calls to the
+        ``sm90`` forward, FP4 calls to the Blackwell one)."""
         if self.kernel != "measured":
             return self.kernel
         if device.type != "cuda" or not any(c.option == "kernel" for c in measured.KERNEL_CHOICES):

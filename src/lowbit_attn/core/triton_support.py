@@ -38,8 +38,8 @@ TORCH_TRITON = {"2.8": "3.4", "2.9": "3.5", "2.10": "3.6", "2.11": "3.6", "2.12"
                 "2.13": "3.7", "2.14": "3.8", "2.15": "3.9"}
 
 # Gluon's API by the modules that use it: the series each compiles against (none on 3.4, 3.5 or
-# 3.7: there the Gluon modules refuse to import and their tests skip). The Hopper forwards
-# (kernel_int8_gluon, kernel_int8_sm90, gluon_blocks: wgmma, TMA, warp specialization,
+# 3.7: there the Gluon modules refuse to import and their tests skip). The Hopper kernels
+# (kernel_int8_sm90, kernel_bwd_sm90, gluon_blocks: wgmma, TMA, warp specialization,
 # mbarriers) compile on 3.6, 3.8 and 3.9 (3.9 renamed the TMA load: gluon_blocks.tma_load calls
 # the installed one). The Blackwell FP4 forward needs 3.6's tensor-memory layout function
 # (get_tmem_reg_layout), which 3.8 dropped. The CPU model of Gluon kernels (tools.gluon_cpu, for

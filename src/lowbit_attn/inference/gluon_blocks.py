@@ -1,6 +1,6 @@
-"""The ``@gluon.jit`` pieces the Hopper Gluon kernels share (the ping-pong forward,
-``kernel_int8_gluon``, the one-warpgroup forward, ``kernel_int8_sm90``, and the backward loops,
-``training/kernel_bwd_sm90``): one key block's online-softmax step, its K scales, and the TMA
+"""The ``@gluon.jit`` pieces the Hopper Gluon kernels share (the one-warpgroup forward,
+``kernel_int8_sm90``, and the backward loops, ``training/kernel_bwd_sm90``; some also serve the
+Blackwell FP4 forward): one key block's online-softmax step, its K scales, and the TMA
 descriptors over one (batch, head).
 
 The numerics are those of ``kernel_int8._softmax_pv`` through the same ``core.triton_helpers``

@@ -1,58 +1,35 @@
-"""The INT8 attention forward a call on the Triton path runs under ``LOWBIT_ATTN_KERNEL=gluon``:
-the Gluon forward for Hopper (:mod:`~lowbit_attn.inference.kernel_int8_gluon`, the ping-pong
-schedule) where it applies and has passed a check on this device, the Triton kernel
-(:mod:`~lowbit_attn.inference.kernel_int8`) everywhere else, without error.
+"""When an opt-in Gluon kernel runs instead of the Triton kernels: the admission machinery the
+Gluon kernels share (the one-warpgroup Hopper forward, :mod:`~lowbit_attn.inference.sm90_check`;
+the Blackwell FP4 forward, :mod:`~lowbit_attn.inference.gluon_fp4_check`; the Hopper backward
+loops, :mod:`~lowbit_attn.training.sm90_check`). Each of those modules holds its kernel's own
+part (where it applies, its check's cases and tolerances); a call takes the Gluon kernel only
+where
 
-The Gluon forward has run on one GPU (an H100, 2026-11-25), so it is opt-in and earns its place
-on each machine. A call uses it only where
+1. it applies (:func:`applies` for Hopper: CUDA tensors on a device of capability 9.0, compiled
+   kernels, not the Triton interpreter: Triton has no Gluon interpreter, so on a CPU the options
+   change nothing);
+2. the kernel has passed its check against the Triton kernels on a device like this one, with
+   this driver, software and source (:func:`admit`): the verdict stored on disk by an earlier
+   process (:func:`verdict_dir`), else the check started at the first call that gets here, in a
+   process of its own (:func:`isolated`: a kernel that faults would leave the caller's CUDA
+   context unusable) and in the background, so that a first call pays a file read or a
+   process's spawn, never the check: calls run the Triton kernels until its verdict is in
+   (:func:`wait_for_admission` waits for it). A mismatch, a crash or any exception (a module
+   failing to import, a Triton version pin, a compile or launch error: :func:`run_cases`) warns
+   once, naming the reason, and the Triton kernels run for the rest of the process on that
+   device. A call made while a CUDA graph is being captured or ``torch.compile`` traces starts
+   nothing: it runs the Triton kernels, and the check waits for a call outside;
+3. the Gluon launcher takes the call (:func:`dispatch`): it raises ``ValueError`` before launching
+   anything for what it does not cover, and such a call runs the Triton kernels; a call it fails
+   to compile, before any launch, refuses the kernel for the rest of the process with one warning
+   (:func:`refuse`).
 
-1. :func:`applies`: CUDA tensors on a device of capability 9.0 (sm_90a, the only target it is
-   written for), compiled kernels (not the Triton interpreter: Triton has no Gluon interpreter, so
-   on a CPU the option changes nothing);
-2. it has passed the check :func:`self_check` against the Triton kernel on the small inputs of
-   :data:`CASES` (partial blocks, causal, GQA, LSE, both key blocks, per-block scales, fp16
-   P·V) on a device like this one, with this driver, software and source (:func:`admit`): the
-   verdict stored on disk by an earlier process (:func:`verdict_dir`), else the check started
-   at the first call that gets here, in a process of its own (:func:`isolated`: a kernel that
-   faults would leave the caller's CUDA context unusable) and in the background: calls run the
-   Triton kernel until its verdict is in (:func:`wait_for_admission` waits for it). A mismatch,
-   a crash or any exception (the module failing to import, the Triton version pin of
-   ``kernel_int8_gluon.check_version``, a compile or launch error) warns once, naming the
-   reason, and the Triton kernel runs for the rest of the process on that device. A call made
-   while a CUDA graph is being captured or ``torch.compile`` traces starts nothing: it runs the
-   Triton kernel, and the check waits for a call outside;
-3. the Gluon launcher takes the call: it raises ``ValueError`` before launching anything for what
-   it does not cover (D other than 64 and 128, ΔS, operands TMA cannot
-   read); such a call runs the Triton kernel (and a call it fails to compile, before any launch,
-   refuses it for the rest of the process with one warning: :func:`refuse`). Per-block scales
-   and fp16 P·V are covered, and so is each in :data:`CASES`. Packed (varlen) calls run the
-   Triton kernel: on an H100 (2026-11-25) the kernel raised "an illegal instruction was
-   encountered" on the packed
-   case the check had (``(1, 37), (77, 77), (260, 301)`` tokens, D=64), while the six dense
-   cases agreed with the Triton kernel. Their indexing is right on the CPU model
-   (tests/inference/test_gluon_schedule.py), which does not model TMA's alignment rules: the
-   per-token scale vectors of a sequence starting at token 37 begin 148 bytes in, not on the
-   16 bytes a TMA descriptor's base needs, the likely cause (not yet confirmed).
+:func:`compare_outputs` holds a Gluon kernel's outputs to the Triton kernel's bounds: a layout or
+indexing mistake moves whole rows or tiles and lands far outside them.
 
-Tolerances of the check: on a GPU the compiled Triton kernel is held within ``atol 4e-3`` and
-cosine ``0.99999`` of the twin on the same FP8 P·V operands (unit-variance V; the kernel test's
-bound for an exp2 that moves one E4M3 P̃ across a rounding boundary, widened by tests/helpers.py
-``ON_CUDA "int8 out fp8"``), its LSE within ``1e-3``; tests/test_gpu.py holds the Gluon forward to
-the same. The fp16 P·V case is held to the same bounds (looser than that recipe needs: they are
-there to catch layout and indexing mistakes, not last bits). Two kernels that both meet that bound differ by at most twice it (triangle inequality;
-for the cosine, angles add: ``arccos 0.99999 = 4.47e-3`` rad, twice that is cosine ``0.99996``). A
-layout or indexing mistake moves whole rows or tiles and lands far outside these bounds.
-
-The admit / refuse / warn-once / fall-back machinery is shared with the Gluon FP4 forward for
-sm_100a (:mod:`~lowbit_attn.inference.gluon_fp4_check`), the one-warpgroup Hopper forward
-(:mod:`~lowbit_attn.inference.sm90_check`) and the Hopper backward loops
-(:mod:`~lowbit_attn.training.sm90_check`): :func:`admit` (one verdict per process,
-device and kernel; stored on disk for later processes; the check in the background, so a first
-call pays a file read or a process's spawn, never the check; none started during a capture),
-:func:`wait_for_admission`, :func:`run_cases` (any exception is a reason),
-:func:`compare_outputs` and :func:`dispatch` (the launcher's ``ValueError`` → the Triton kernel;
-a failure to compile a call the check did not cover → the Triton kernels for the rest of the
-process, with one warning: :func:`refuse`).
+The Gluon ping-pong Hopper forward this module first admitted is deleted (2026-12-01, by the
+H200 rows of 2026-11-27: end to end it was slower than the Triton kernels on every row;
+``benchmarks/NOTES.md`` §28).
 """
 
 from __future__ import annotations
@@ -77,25 +54,16 @@ import triton
 
 from lowbit_attn.core.arch import graph_capturing, interpreter_enabled
 from lowbit_attn.core.metrics import cosine_similarity
-from lowbit_attn.core.operands import Seqs
-from lowbit_attn.core.recipes import get_recipe
 from lowbit_attn.core.variants import Variant
-from lowbit_attn.inference import kernel_int8
-from lowbit_attn.inference.prepare import quantize_qkv
 
-CAPABILITY = (9, 0)  # sm_90a
-KERNEL = "gluon"  # the Gluon Hopper forward's key among the verdicts
-CHECK_ATOL = 8e-3  # 2 × 4e-3: max |Gluon - Triton| of the outputs
-CHECK_COSINE = 0.99996  # cos(2·arccos 0.99999)
-CHECK_LSE_ATOL = 2e-3  # 2 × 1e-3
+CAPABILITY = (9, 0)  # sm_90a, the Hopper kernels
 
 
 @dataclass(frozen=True)
 class Case:
-    """One input of the check: ``[b, hq, nq, d]`` queries against ``[b, hkv, nk, d]`` keys and
+    """One input of a check: ``[b, hq, nq, d]`` queries against ``[b, hkv, nk, d]`` keys and
     values, ``block_k`` keys per block, causal (aligned bottom-right) or not, with LSE or not,
-    scales per token or per block. With ``lengths`` (``(nq, nk)`` per sequence) the sequences are
-    packed ``[total, H, D]`` instead (``b``, ``nq`` and ``nk`` then only seed the inputs)."""
+    the scales' granularity, P·V's type, a window and sinks."""
 
     b: int
     hq: int
@@ -107,7 +75,6 @@ class Case:
     causal: bool
     lse: bool
     granularity: str = "per_token"
-    lengths: tuple[tuple[int, int], ...] = ()
     pv: str = "fp8"
     window: tuple[int, int] | None = None
     sinks: bool = False
@@ -118,33 +85,19 @@ class Case:
         flags += " sinks" if self.sinks else ""
         flags += "" if self.granularity == "per_token" else f" {self.granularity}"
         flags += "" if self.pv == "fp8" else f" pv {self.pv}"
-        shape = (f"packed {list(self.lengths)}" if self.lengths
-                 else f"B{self.b} Nq{self.nq} Nk{self.nk}")
-        return f"{shape} H{self.hq}:{self.hkv} D{self.d} keys {self.block_k}{flags}"
+        return f"B{self.b} Nq{self.nq} Nk{self.nk} H{self.hq}:{self.hkv} D{self.d} keys {self.block_k}{flags}"
 
-
-# Every row count and key count leaves a partial block; D 64 and 128, both key blocks, GQA, causal
-# with a diagonal that is not the block grid's, LSE with the K-smoothing shift; per-block scales;
-# packed sequences (one token, a partial tile, several tiles; bases not 16-aligned).
-CASES = (
-    Case(1, 2, 2, 200, 200, 64, 64, causal=False, lse=False),
-    Case(1, 4, 2, 300, 333, 128, 64, causal=True, lse=True),
-    Case(2, 2, 1, 130, 257, 128, 128, causal=True, lse=False),
-    Case(1, 2, 1, 129, 300, 64, 128, causal=False, lse=True),
-    Case(1, 2, 1, 150, 170, 128, 64, causal=True, lse=True, granularity="per_block"),
-    Case(1, 4, 2, 200, 260, 128, 128, causal=True, lse=True, granularity="per_block", pv="fp16"),
-)
 
 _lock = threading.Lock()
 # (process id, device index, kernel) → None (admitted), why not, or the check under way (a
-# _Pending); a forked child checks again. The kernel: the Gluon Hopper forward's KERNEL or another
-# Gluon forward's name ("fp4", gluon_fp4_check; "sm90", "sm90-bwd").
+# _Pending); a forked child checks again. The kernel: its checking module's KERNEL ("sm90",
+# "sm90-bwd", "fp4").
 _verdicts: dict[tuple[int, int | None, str], object] = {}
 RUNNING = "its check is running"  # verdict() while the check runs in the background
 
 
 def applies(device: torch.device) -> bool:
-    """Whether the Gluon forward can run on ``device`` at all (see the module docstring, 1)."""
+    """Whether a Hopper Gluon kernel can run on ``device`` at all (module docstring, 1)."""
     return (device.type == "cuda" and not interpreter_enabled()
             and torch.cuda.get_device_capability(device) == CAPABILITY)
 
@@ -156,8 +109,8 @@ def _key(device: torch.device, kernel: str) -> tuple[int, int | None, str]:
     return os.getpid(), index, kernel
 
 
-def verdict(device: torch.device, kernel: str = KERNEL) -> str | None:
-    """``None`` if ``kernel`` (a key of the verdicts; by default the Gluon Hopper forward's) was
+def verdict(device: torch.device, kernel: str) -> str | None:
+    """``None`` if ``kernel`` (a key of the verdicts) was
     admitted on ``device`` in this process, else why not (``"not checked"`` before the first
     check, :data:`RUNNING` while it runs)."""
     key = _key(device, kernel)
@@ -166,14 +119,6 @@ def verdict(device: torch.device, kernel: str = KERNEL) -> str | None:
         if isinstance(state, _Pending):
             state = _settle(key, state, block=False)
         return RUNNING if isinstance(state, _Pending) else state
-
-
-def admitted(device: torch.device) -> bool:
-    """Whether the Gluon forward has passed its check on ``device``: the verdict on disk, or the
-    check started in the background at the first call in this process (:func:`admit`)."""
-    return admit(device, KERNEL, checker(device, self_check),
-                 "LOWBIT_ATTN_KERNEL=gluon: the Gluon attention forward (sm_90a)",
-                 "the Triton kernel")
 
 
 def admit(device: torch.device, kernel: str, check: Checker, what: str, triton: str) -> bool:
@@ -505,13 +450,6 @@ def isolated(device: torch.device, check: Callable[..., str | None], *args: str)
     return _Child(device, check, args, None, None).result(block=True)[1]
 
 
-def self_check(device: torch.device) -> str | None:
-    """Run :data:`CASES` through both kernels on ``device``: ``None`` if every output (and LSE)
-    agrees within the module's tolerances, else the first reason it does not (a mismatch, or the
-    exception raised)."""
-    return run_cases(device, CASES, lambda case: _compare(case, device))
-
-
 def run_cases(device: torch.device, cases, compare: Callable[[object], str | None]) -> str | None:
     """``compare(case)`` for each case on ``device`` (no grad): the first reason, naming its case,
     or the exception one raised (any exception: a kernel that fails to import, compile or launch
@@ -624,70 +562,18 @@ def case_variant(case: Case, device: torch.device) -> tuple:
 
 
 def case_inputs(case: Case, device: torch.device) -> tuple:
-    """``(q, k, v, seqs, causal_offset)`` of a :class:`Case`: fp16 inputs with channel-biased K
-    (dense ``[B, H, N, D]``, or packed ``[total, H, D]`` with ``seqs`` holding ``seqs_q`` and
-    ``seqs_k``), seeded by the case's sizes."""
+    """``(q, k, v, causal_offset)`` of a :class:`Case`: fp16 ``[B, H, N, D]`` inputs with
+    channel-biased K, seeded by the case's sizes."""
     g = torch.Generator(device=device).manual_seed(case.b * 10**6 + case.nq * 1000 + case.nk)
-    rows = ([(1, nq, nk) for nq, nk in case.lengths] if case.lengths
-            else [(case.b, case.nq, case.nk)])
-    parts = []
-    for b, nq, nk in rows:
-        q = torch.randn(b, case.hq, nq, case.d, generator=g, device=device)
-        k = torch.randn(b, case.hkv, nk, case.d, generator=g, device=device)
-        k += 4 * torch.randn(b, case.hkv, 1, case.d, generator=g, device=device)  # channel bias
-        v = torch.randn(b, case.hkv, nk, case.d, generator=g, device=device)
-        parts.append(tuple(x.to(torch.float16) for x in (q, k, v)))
-    seqs = {}
-    if case.lengths:  # packed [total, H, D]; each sequence causal bottom-right
-        q, k, v = (torch.cat([p[i][0].transpose(0, 1) for p in parts]) for i in range(3))
-        for name, n in (("seqs_q", [nq for nq, _ in case.lengths]),
-                        ("seqs_k", [nk for _, nk in case.lengths])):
-            cu = torch.tensor([0, *n], device=device).cumsum(0).to(torch.int32)
-            seqs[name] = Seqs(len(n), max(max(n), 1), cu)
-        offset = 0 if case.causal else None
-    else:
-        q, k, v = parts[0]
-        offset = case.nk - case.nq if case.causal else None
-    return q, k, v, seqs, offset
+    q = torch.randn(case.b, case.hq, case.nq, case.d, generator=g, device=device)
+    k = torch.randn(case.b, case.hkv, case.nk, case.d, generator=g, device=device)
+    k += 4 * torch.randn(case.b, case.hkv, 1, case.d, generator=g, device=device)  # channel bias
+    v = torch.randn(case.b, case.hkv, case.nk, case.d, generator=g, device=device)
+    q, k, v = (x.to(torch.float16) for x in (q, k, v))
+    return q, k, v, case.nk - case.nq if case.causal else None
 
 
-def _compare(case: Case, device: torch.device) -> str | None:
-    q, k, v, seqs, offset = case_inputs(case, device)
-    recipe = get_recipe(f"qk_int8_pv_{case.pv}").replace(block_k=case.block_k,
-                                                         granularity=case.granularity)
-    qz = quantize_qkv(q, k, v, recipe, case.d**-0.5, need_lse_shift=case.lse, backend="triton",
-                      **seqs)
-    kw = dict(pv=recipe.pv, granularity=recipe.granularity, block_q=recipe.block_q,
-              block_k=case.block_k, causal_offset=offset, return_lse=case.lse, **seqs)
-    from lowbit_attn.inference import kernel_int8_gluon  # an import failure is a reason too
-
-    want, got = torch.empty_like(q), torch.full_like(q, float("nan"))
-    want_lse = kernel_int8.attention(qz, out=want, **kw)
-    got_lse = kernel_int8_gluon.attention(qz, out=got, **kw)
-    return compare_outputs(got, want, got_lse, want_lse if case.lse else None, atol=CHECK_ATOL,
-                           cosine=CHECK_COSINE, lse_atol=CHECK_LSE_ATOL)
-
-
-def attention(qz, *, out: torch.Tensor, pv: str, granularity: str, block_q: int, block_k: int,
-              causal_offset: int | None, return_lse: bool, seqs_q=None,
-              seqs_k=None) -> torch.Tensor | None:
-    """``kernel_int8.attention``'s arguments and result, run by the Gluon forward where it
-    applies, is admitted on ``out``'s device and takes the call, else by the Triton kernel."""
-    kw = dict(out=out, pv=pv, granularity=granularity, block_q=block_q, block_k=block_k,
-              causal_offset=causal_offset, return_lse=return_lse, seqs_q=seqs_q, seqs_k=seqs_k)
-    if seqs_q is not None:  # packed: the kernel faults on an H100 (module docstring, 3)
-        return kernel_int8.attention(qz, **kw)
-
-    def gluon():
-        from lowbit_attn.inference import kernel_int8_gluon
-
-        return kernel_int8_gluon.attention(qz, **kw)
-
-    return dispatch(out.device, KERNEL, applies, admitted, gluon,
-                    lambda: kernel_int8.attention(qz, **kw))
-
-
-__all__ = ["CASES", "KERNEL", "RUNNING", "Case", "Checker", "admit", "admitted", "applies",
-           "attention", "case_inputs", "checker", "compare_outputs", "dispatch", "isolated", "load_verdict",
-           "refuse", "run_cases", "self_check", "store_verdict", "verdict", "verdict_dir",
+__all__ = ["CAPABILITY", "COMPILE_ERRORS", "RUNNING", "Case", "Checker", "admit", "applies",
+           "case_inputs", "case_variant", "checker", "compare_outputs", "dispatch", "isolated",
+           "load_verdict", "refuse", "run_cases", "store_verdict", "verdict", "verdict_dir",
            "wait_for_admission"]

@@ -28,10 +28,9 @@ def kernel(q, k, v, *, out: torch.Tensor, recipe: Recipe, scale: float, causal_o
            sinks: torch.Tensor | None = None) -> torch.Tensor | None:
     """The Triton path: quantizers and attention kernel (INT8 dense or packed, FP4 dense), or
     :func:`naive` for what has no kernel (the exact recipe). Arguments and result: :func:`run`.
-    With ``options.kernel`` ``"gluon"`` the INT8 attention goes through
-    :func:`lowbit_attn.inference.gluon_check.attention` (the Gluon forward on sm_90 where it
-    applies and passed its check, the Triton kernel otherwise), with ``"sm90"`` through
-    :func:`lowbit_attn.inference.sm90_check.attention` (likewise); with ``"gluon"`` the FP4
+    With ``options.kernel`` ``"sm90"`` or ``"gluon"`` the INT8 attention goes through
+    :func:`lowbit_attn.inference.sm90_check.attention` (the one-warpgroup Hopper forward where it
+    applies and passed its check, the Triton kernel otherwise); with ``"gluon"`` the FP4
     attention goes through :func:`lowbit_attn.inference.gluon_fp4_check.attention` (the Gluon
     FP4 forward on sm_100 likewise). A ``variant`` other than plain attention runs on the
     Triton kernels, but for the sm90 forward, which takes windows, chunks and sinks (not
@@ -71,30 +70,18 @@ def kernel(q, k, v, *, out: torch.Tensor, recipe: Recipe, scale: float, causal_o
     # The one-warpgroup Hopper forward where it covers the call and is admitted on this device:
     # decided before quantizing, because it takes V's keys permuted.
     chosen = options.forward_kernel(q.device)
-    sm90 = (variant.softcap == 0 and chosen == "sm90" and sm90_check.applies(q.device)
+    sm90 = (variant.softcap == 0 and chosen in ("sm90", "gluon") and sm90_check.applies(q.device)
             and sm90_check.wanted(recipe, q.shape[-1], packed=seqs is not None)
             and sm90_check.admitted(q.device))
     qz = quantize_qkv(
         q, k, v, recipe, scale, need_lse_shift=need_shift, backend="triton", seqs_q=seqs_q,
         seqs_k=seqs_k, permute_v=sm90 and recipe.pv == "fp8",
     )
-    forward = kernel_int8.attention
-    if sm90 or not variant.plain:  # the sm90 forward: windows, chunks, sinks; Triton: all
-        if sm90:
-            forward = sm90_check.attention
-        return forward(
-            qz, out=out, pv=recipe.pv, granularity=recipe.granularity, block_q=recipe.block_q,
-            block_k=recipe.block_k, causal_offset=causal_offset, return_lse=return_lse,
-            seqs_q=seqs_q, seqs_k=seqs_k, variant=variant, sinks=sinks,
-        )
-    if chosen == "gluon":  # the Gluon forward where it applies and passed its check here
-        from lowbit_attn.inference import gluon_check
-
-        forward = gluon_check.attention
+    forward = sm90_check.attention if sm90 else kernel_int8.attention
     return forward(
         qz, out=out, pv=recipe.pv, granularity=recipe.granularity, block_q=recipe.block_q,
         block_k=recipe.block_k, causal_offset=causal_offset, return_lse=return_lse,
-        seqs_q=seqs_q, seqs_k=seqs_k,
+        seqs_q=seqs_q, seqs_k=seqs_k, variant=variant, sinks=sinks,
     )
 
 

@@ -30,8 +30,14 @@ it only where
    of the process, with one warning: ``gluon_check.refuse``; this call and later ones run the
    Triton kernel).
 
-Tolerances: :mod:`~lowbit_attn.inference.gluon_check`'s (twice the Triton kernel's bound against
-the twin on a GPU).
+Tolerances of the check: on a GPU the compiled Triton kernel is held within ``atol 4e-3`` and
+cosine ``0.99999`` of the twin on the same FP8 P·V operands (unit-variance V; the kernel test's
+bound for an exp2 that moves one E4M3 P̃ across a rounding boundary, widened by tests/helpers.py
+``ON_CUDA "int8 out fp8"``), its LSE within ``1e-3``; tests/test_gpu.py holds this kernel to the
+same. The fp16 P·V cases are held to the same bounds (looser than that recipe needs: they are
+there to catch layout and indexing mistakes, not last bits). Two kernels that both meet that
+bound differ by at most twice it (triangle inequality; for the cosine, angles add:
+``arccos 0.99999 = 4.47e-3`` rad, twice that is cosine ``0.99996``).
 """
 
 from __future__ import annotations
@@ -45,6 +51,9 @@ from lowbit_attn.inference.gluon_check import Case
 from lowbit_attn.inference.prepare import quantize_qkv
 
 KERNEL = "sm90"  # its key among gluon_check's verdicts
+CHECK_ATOL = 8e-3  # 2 × 4e-3: max |sm90 - Triton| of the outputs
+CHECK_COSINE = 0.99996  # cos(2·arccos 0.99999)
+CHECK_LSE_ATOL = 2e-3  # 2 × 1e-3
 BLOCK_N = 128  # kernel_int8_sm90.BLOCK_N (that module imports Gluon: not imported here)
 HEAD_DIMS = (64, 128)
 GRANULARITIES = ("per_token", "per_thread")
@@ -110,7 +119,7 @@ def self_check(device: torch.device) -> str | None:
 
 
 def _compare(case: Case, device: torch.device) -> str | None:
-    q, k, v, _, offset = gluon_check.case_inputs(case, device)
+    q, k, v, offset = gluon_check.case_inputs(case, device)
     recipe = get_recipe(f"qk_int8_pv_{case.pv}").replace(block_k=case.block_k,
                                                          granularity=case.granularity)
     qz = quantize_qkv(q, k, v, recipe, case.d**-0.5, need_lse_shift=case.lse or case.sinks,
@@ -126,8 +135,8 @@ def _compare(case: Case, device: torch.device) -> str | None:
     want_lse = kernel_int8.attention(qz, out=want, **kw)
     got_lse = kernel_int8_sm90.attention(qz, out=got, **kw)
     return gluon_check.compare_outputs(
-        got, want, got_lse, want_lse if case.lse else None, atol=gluon_check.CHECK_ATOL,
-        cosine=gluon_check.CHECK_COSINE, lse_atol=gluon_check.CHECK_LSE_ATOL)
+        got, want, got_lse, want_lse if case.lse else None, atol=CHECK_ATOL, cosine=CHECK_COSINE,
+        lse_atol=CHECK_LSE_ATOL)
 
 
 def attention(qz, *, out: torch.Tensor, pv: str, granularity: str, block_q: int, block_k: int,
@@ -150,4 +159,5 @@ def attention(qz, *, out: torch.Tensor, pv: str, granularity: str, block_q: int,
                                                               **kw))
 
 
-__all__ = ["CASES", "admitted", "applies", "attention", "self_check", "verdict", "wanted"]
+__all__ = ["CASES", "CHECK_ATOL", "CHECK_COSINE", "CHECK_LSE_ATOL", "KERNEL", "admitted", "applies",
+           "attention", "self_check", "verdict", "wanted"]

@@ -737,54 +737,6 @@ def compile_decode(recipe: str = "kv_int8_fp8", arch: str = "sm_90a", head_dim: 
                         normalize_arch(arch), 0)
 
 
-def record_gluon_launch(*, head_dim: int = 128, causal: bool = False, block_k: int = 64,
-                        return_lse: bool = False, seq_len: int = 1024,
-                        dtype: torch.dtype = torch.float16, varlen: bool = False,
-                        granularity: str = "per_token", pv: str = "fp8") -> Launch:
-    """The launch of the Gluon Hopper forward (``inference.kernel_int8_gluon``) on the operands a
-    dense ``[1, 2, seq_len, head_dim]`` ``qk_int8_pv_fp8`` call (per token, ``block_k`` keys,
-    ``dtype`` inputs and output) hands the Triton kernel: that call is recorded, then the Gluon
-    launcher runs on its operands (nothing runs on a device). ``varlen``: the same tokens as two
-    packed sequences (``[total, H, D]`` views, per-token vectors ``[H, total]``, ``cu_seqlens``);
-    ``granularity="per_block"``: the recipe's per-block scales (dense only here); ``pv="fp16"``:
-    the ``qk_int8_pv_fp16`` recipe's operands (fp16 P̃ and V) instead of ``qk_int8_pv_fp8``'s."""
-    from lowbit_attn.core.operands import QuantizedQKV
-    from lowbit_attn.core.recipes import get_recipe
-    from lowbit_attn.inference import kernel_int8_gluon
-
-    recipe = get_recipe(f"qk_int8_pv_{pv}").replace(block_k=block_k, granularity=granularity)
-    if varlen and granularity != "per_token":
-        raise ValueError("record_gluon_launch: varlen is recorded with per-token scales only")
-    triton_launch = record_launches(recipe, head_dim=head_dim, causal=causal, seq_len=seq_len,
-                                    return_lse=return_lse, dtype=dtype)[-1]
-    kw = triton_launch.kwargs
-    qz = QuantizedQKV(q=kw["q"][0], q_scale=kw["q"][1], k=kw["k"][0], k_scale=kw["k"][1],
-                      v=kw["V"], v_scale=kw["VS"], v_mean=kw["VM"], delta_s=kw["DS"],
-                      lse_shift=kw["LSH"])
-    out, seqs = kw["O"], {}
-    if varlen:
-        from lowbit_attn.core.operands import Seqs
-
-        cu = torch.tensor([0, seq_len // 3, seq_len], dtype=torch.int32)
-        seq = Seqs(batch=2, max_len=seq_len - seq_len // 3, cu_seqlens=cu)
-        seqs = dict(seqs_q=seq, seqs_k=seq)
-        tokens = (lambda x: x[0].transpose(0, 1))  # [1, H, N, ·] → [N, H, ·]
-        vec = (lambda x: None if x is None else torch.cat([x, x]))  # one per sequence
-        qz = QuantizedQKV(q=tokens(qz.q), q_scale=qz.q_scale[0], k=tokens(qz.k),
-                          k_scale=qz.k_scale[0], v=tokens(qz.v), v_scale=vec(qz.v_scale),
-                          v_mean=vec(qz.v_mean), delta_s=None,
-                          lse_shift=None if qz.lse_shift is None else qz.lse_shift[0])
-        out = tokens(out)
-    with _recording() as sink:
-        kernel_int8_gluon.attention(
-            qz, out=out, pv=recipe.pv, granularity=recipe.granularity,
-            block_q=recipe.block_q, block_k=block_k, causal_offset=0 if causal else None,
-            return_lse=return_lse, **seqs,
-        )
-    (launch,) = sink
-    return launch
-
-
 def record_sm90_launch(*, head_dim: int = 128, causal: bool = False, return_lse: bool = False,
                        seq_len: int = 1024, dtype: torch.dtype = torch.float16,
                        granularity: str = "per_thread", pv: str = "fp8",
@@ -887,7 +839,7 @@ def ptxas_version(arch: str) -> str:
 __all__ = [
     "ARCHS", "GPU_CONSTEXPRS", "KernelReport", "Launch", "compile_recipe", "compile_launch",
     "kernel_modules",
-    "compile_train", "record_train_launches", "record_gluon_launch", "record_fp4_gluon_launch", "compile_vsa", "record_vsa_launches",
+    "compile_train", "record_train_launches", "record_fp4_gluon_launch", "compile_vsa", "record_vsa_launches",
     "record_launches", "normalize_arch", "config_family", "autotune_configs", "candidates",
     "launch_candidates", "record_decode_launches", "compile_decode",
     "tensor_core_instructions",

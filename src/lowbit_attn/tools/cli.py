@@ -85,13 +85,11 @@ def _add_inspect(sub) -> None:
                    "autotuner may pick for the call (its prune filter, keyed by head dim; "
                    "default 0)")
     p.add_argument("--kernel", choices=KERNELS, default="triton",
-                   help="triton (default): every kernel of one call; gluon: the Gluon ping-pong "
-                   "forward for sm_90a (qk_int8_pv_fp8 or qk_int8_pv_fp16, D 64 or 128) at both "
-                   "key blocks, with its gates for each consumer warpgroup (spills, ptxas "
-                   "warnings, instructions per tile and per score of the main loop, exp2 under "
-                   "P·V), or with an FP4 recipe the Gluon FP4 forward for sm_100a (D 128) with "
-                   "its gates (the softmax partition's loop, how long each product runs under "
-                   "it, the MMA warp); sm90: the one-warpgroup forward for sm_90a (qk_int8_pv_fp8 or "
+                   help="triton (default): every kernel of one call; gluon: with an INT8 "
+                   "recipe as sm90, with an FP4 recipe the Gluon FP4 forward for sm_100a "
+                   "(D 128) with its gates (the softmax partition's loop, "
+                   "how long each product runs under it, the MMA warp); sm90: the one-warpgroup "
+                   "forward for sm_90a (qk_int8_pv_fp8 or "
                    "qk_int8_pv_fp16, D 64 or 128, 128-key blocks) with per-thread and per-token "
                    "scales, each with its gate (P̃·V from registers, no shared-memory store in "
                    "the loop, no spills, at most 8.0 instructions per score, at least 2 CTAs "
@@ -218,9 +216,7 @@ def _inspect(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> in
             parser.error(triton_support.gluon_refusal(api, f"--kernel {args.kernel}"))
         if fp4 is not None:
             return _inspect_gluon_fp4(args, parser, fp4)
-        if args.kernel == "sm90":
-            return _inspect_sm90(args, parser)
-        return _inspect_gluon(args, parser)
+        return _inspect_sm90(args, parser)  # gluon: Hopper's Gluon forward is the sm90 one
     gated = False  # the training and VSA kernels get the wide-wgmma gate's line
     try:
         if args.recipe == VSA:
@@ -392,7 +388,7 @@ def _gluon_scope_error(args: argparse.Namespace) -> str | None:
     ``None``."""
     from lowbit_attn.core.arch import parse_arch
     from lowbit_attn.core.recipes import QK_INT8_PV_FP8, QK_INT8_PV_FP16, RECIPES, resolve
-    from lowbit_attn.inference.kernel_int8_gluon import HEAD_DIMS
+    from lowbit_attn.inference.sm90_check import HEAD_DIMS
 
     if args.arch != "sm_90a":
         return (f"--kernel {args.kernel}: the Gluon forward is written for sm_90a only, got --arch "
@@ -409,53 +405,6 @@ def _gluon_scope_error(args: argparse.Namespace) -> str | None:
         return (f"--kernel {args.kernel}: the Gluon forward has one launch configuration, got --config "
                 f"{args.config}")
     return None
-
-
-def gluon_gates(report) -> dict | None:
-    """What ``inspect --kernel gluon`` prints of the compiled Gluon Hopper forward beyond the
-    common report: ``c7514`` (whether ptxas serialized a wgmma) and, under ``loops``, for the
-    unmasked key-block loop of each consumer warpgroup, its instructions per tile and per score
-    and where its exp2s sit against the P·V wgmma (``QGMMA`` for FP8, ``HGMMA`` for fp16);
-    ``None`` when it did not compile."""
-    from lowbit_attn.tools import sass
-
-    if not report.ok or not report.cubin:
-        return None
-    c = report.constexprs
-    bodies = sass.key_block_loops(sass.disassemble(report.cubin))
-    # The unmasked loop comes first, then the masked one, in each consumer's copy.
-    mains = [("consumer 0", bodies[0]), ("consumer 1", bodies[2])]
-    rows = c["BLOCK_M"] // 2  # per consumer
-    loops = []
-    for partition, body in mains:
-        loop = sass.MainLoop(body, rows * c["BLOCK_N"] // (32 * report.num_warps))
-        pv = sass.exp2_under_mma(loop.body, "QGMMA" if c["PV_FP8"] else "HGMMA")
-        loops.append({"partition": partition, "per_tile": loop.per_tile,
-                      "per_score": round(loop.per_score, 2), "scores_per_thread": loop.scores,
-                      "exp2_under_pv": None if pv is None else pv.under,
-                      "exp2": None if pv is None else pv.total,
-                      "span_under_pv": None if pv is None else pv.span})
-    return {"c7514": any("C7514" in w for w in report.ptxas_warnings), "loops": loops}
-
-
-def _format_gluon_gates(report, gates: dict | None) -> list[str]:
-    if report.ptxas_warnings:
-        warned = [f"  ptxas warning {'C7514 (wgmma serialized): ' if 'C7514' in w else ''}{w}"
-                  for w in report.ptxas_warnings]
-    else:
-        warned = ["  ptxas warnings  none (no C7514)"]
-    if gates is None:
-        return warned
-    lines = warned
-    for g in gates["loops"]:
-        who = f"{g['partition']}: "
-        lines += [
-            f"  {who}main loop     {g['per_tile']} instructions per tile, {g['per_score']:.2f} "
-            f"per score ({g['scores_per_thread']} scores per thread)",
-            f"  {who}exp2 under P·V: {g['exp2_under_pv']} of {g['exp2']} ({g['span_under_pv']} "
-            "instructions between the P·V wgmma's issue and its wait)",
-        ]
-    return lines
 
 
 def _show_gated(args: argparse.Namespace, heading: str, reports: list, gates: list, titles: list,
@@ -480,34 +429,9 @@ def _show_gated(args: argparse.Namespace, heading: str, reports: list, gates: li
     return 1 if any(not r.ok for r in reports) else 0
 
 
-def _inspect_gluon(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """``inspect --kernel gluon`` with an INT8 recipe: the Gluon Hopper forward at each key
-    block, with its gates."""
-    import torch
-
-    from lowbit_attn.core.arch import parse_arch
-    from lowbit_attn.core.recipes import resolve
-    from lowbit_attn.inference.kernel_int8_gluon import BLOCK_NS
-    from lowbit_attn.tools import aot
-
-    error = _gluon_scope_error(args)
-    if error is not None:
-        parser.error(error)
-    recipe = resolve(args.recipe, parse_arch(args.arch))
-    reports = [aot.compile_launch(aot.record_gluon_launch(
-        head_dim=args.head_dim, causal=args.causal, block_k=block_k, return_lse=args.return_lse,
-        dtype=getattr(torch, args.dtype), pv=recipe.pv, granularity=recipe.granularity),
-        args.arch) for block_k in BLOCK_NS]
-    mode = "causal" if args.causal else "non-causal"
-    heading = (f"{recipe.name} for {args.arch}, Gluon ping-pong forward (head dim "
-               f"{args.head_dim}, {mode}, {args.dtype})")
-    return _show_gated(args, heading, reports, [gluon_gates(r) for r in reports],
-                       [""] * len(reports), _format_gluon_gates)
-
-
 def _inspect_sm90(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """``inspect --kernel sm90``: the one-warpgroup Hopper forward with per-thread and per-token
-    scales, each with its gate (``tools/sm90_gates.py``)."""
+    """``inspect --kernel sm90`` (or ``gluon``) with an INT8 recipe: the one-warpgroup Hopper
+    forward with per-thread and per-token scales, each with its gate (``tools/sm90_gates.py``)."""
     import torch
 
     from lowbit_attn.core.arch import parse_arch

@@ -1,6 +1,6 @@
 """Run a Gluon kernel's own code on CPU tensors, one program after another: a sequential model of
-the part of Gluon the Hopper forwards (``inference/kernel_int8_gluon.py``, ``kernel_int8_sm90.py``)
-and the Blackwell FP4 forward (``inference/kernel_fp4_gluon.py``) use, and of
+the part of Gluon the Hopper kernels (``inference/kernel_int8_sm90.py``,
+``training/kernel_bwd_sm90.py``) and the Blackwell FP4 forward (``inference/kernel_fp4_gluon.py``) use, and of
 ``gl.warp_specialize``.
 
 Triton 3.6 has no Gluon interpreter. This module executes the kernel's Python function itself
@@ -10,7 +10,7 @@ arithmetic, the TMA coordinates, the masks and the arithmetic are the kernel's o
 copy. What stands in for the hardware:
 
 - tensors are torch CPU tensors; distributed layouts are ignored (``convert_layout`` is the
-  identity): the Gluon compiler checks them (``tests/inference/test_aot_gluon.py``);
+  identity): the Gluon compiler checks them (``tests/inference/test_aot_sm90.py``);
 - shared memory holds logical tiles (no swizzle), poisoned at allocation (NaN E4M3, -128 INT8);
 - a TMA load gathers its box at issue, with zero fill outside the descriptor's shape, and lands
   only when a ``mbarrier.wait`` on its barrier completes the phase (the latest it may land);
