@@ -111,7 +111,7 @@ DECIDE_ROWS = ("sdpa cudnn", "e2e sm90 thread", "e2e sm90 token", "kernel sm90 t
                "e2e sm90 thread win512", "e2e triton thread win512", "e2e triton token win512",
                "kernel triton token causal", "kernel triton token win512",
                "kernel sm90 thread k2", "kernel sm90 thread r168", "kernel sm90 token r168",
-               "tuned triton token win512")
+               "kernel sm90 thread win512", "tuned triton token win512")
 # The one-warpgroup kernel's variants (NOTES §17: two K buffers; 168 registers, 3 programs per
 # SM), and --decide's last pass: them alone at the kernel bar's configuration, after every
 # decisive row (no GPU has timed them).
@@ -127,6 +127,12 @@ DECIDE_WINDOW_TUNED = (128, 16384, True)
 # "win512" rows of the causal configurations against "e2e sm90 thread", and the default path's
 # "e2e triton token win512" against "e2e triton token"; TOP/s counted as causal).
 WINDOW = (511, 0)
+# Then issue 44's window on the sm90 kernel alone at D=128 N=16k causal (its "kernel sm90
+# thread" row there the full causal one): whether a window costs in proportion on it, where
+# 64-row programs, 2 per SM, hide one's prologue under another's loop (NOTES §29). After every
+# decisive row: no GPU has run its windowed loop.
+WINDOW_VARIANTS = [("kernel sm90 thread win512", THREAD, {"window": WINDOW})]
+DECIDE_WINDOW_SM90 = (128, 16384, True)
 # Issues 36 and 43's GPU bars: (D, N range, causal) → × SDPA cuDNN end to end.
 BARS = [(128, (8192, None), False, 1.15), (64, (8192, None), False, 1.0),
         (64, (1024, 1024), False, 0.9), (128, (1024, 1024), False, 0.9)]
@@ -156,9 +162,11 @@ def sm90_launcher(**options):
     return functools.partial(kernel_int8_sm90.attention, **options)
 
 
-def permuted_stages(q, k, v, causal, recipe, launcher):
+def permuted_stages(q, k, v, causal, recipe, launcher, window=None):
     """``(prepare, attention)`` of a call whose V is quantized permuted (the sm90 kernel's
-    operands), as ``inference.op.kernel`` runs them under ``LOWBIT_ATTN_KERNEL=sm90``."""
+    operands), as ``inference.op.kernel`` runs them under ``LOWBIT_ATTN_KERNEL=sm90``;
+    ``window``: ``(left, right)``, as ``attention(window=)``."""
+    from lowbit_attn.core.variants import PLAIN, Variant
     from lowbit_attn.inference.prepare import quantize_qkv
 
     scale = q.shape[-1] ** -0.5
@@ -169,11 +177,12 @@ def permuted_stages(q, k, v, causal, recipe, launcher):
 
     qz = prepare()
     out = torch.empty_like(q)
+    variant = PLAIN if window is None else Variant(left=window[0], right=window[1])
 
     def attention():
         launcher(qz, out=out, pv=recipe.pv, granularity=recipe.granularity,
                  block_q=recipe.block_q, block_k=recipe.block_k,
-                 causal_offset=0 if causal else None, return_lse=False)
+                 causal_offset=0 if causal else None, return_lse=False, variant=variant)
         return out
 
     return prepare, attention
@@ -181,13 +190,19 @@ def permuted_stages(q, k, v, causal, recipe, launcher):
 
 def sm90_rows(base, q, k, v, causal, record, gluon_ok: str | None, rows) -> None:
     """The one-warpgroup kernel alone, one row per ``(name, recipe, launcher options)`` of
-    ``rows`` (skipped, saying why, where the Gluon kernel cannot run)."""
+    ``rows`` (skipped, saying why, where the Gluon kernel cannot run); an option ``window`` is
+    the call's (that row unchecked against exact attention without it)."""
     for name, recipe, options in rows:
         if gluon_ok is not None:
             record(base, name, None, skip=gluon_ok)
             continue
-        record(base, name, None, build=lambda recipe=recipe, options=options: permuted_stages(
-            q, k, v, causal, recipe, sm90_launcher(**options))[1])
+        options = dict(options)
+        window = options.pop("window", None)
+        record(base, name, None, check=window is None,
+               note=None if window is None else f"window {window}: time against kernel sm90 "
+                                                f"thread causal",
+               build=lambda recipe=recipe, options=options, window=window: permuted_stages(
+                   q, k, v, causal, recipe, sm90_launcher(**options), window)[1])
 
 
 def tuned_window_row(base, q, k, v, causal, record, gluon_ok: str | None) -> None:
@@ -402,6 +417,8 @@ def main(argv=None) -> int:
     if args.decide:  # last, the kernel's variants (on a CPU, skipped rows: the script checked)
         passes.append((DECIDE_VARIANTS if cuda else configs[0],
                        functools.partial(sm90_rows, rows=KERNEL_VARIANTS)))
+        passes.append((DECIDE_WINDOW_SM90 if cuda else next(c for c in configs if c[2]),
+                       functools.partial(sm90_rows, rows=WINDOW_VARIANTS)))
         passes.append((DECIDE_WINDOW_TUNED if cuda else next(c for c in configs if c[2]),
                        tuned_window_row))
     for (d, n, causal), rows_fn in passes:

@@ -27,9 +27,10 @@
 # of the 4097 tokens it sees; saved after every row; at most 90 s), the decode kernel's pages
 # per split (bench_decode.py --splits 1,2,4,8,16 --parts 32,64,128 at N=32k and 8k, batch 1 then
 # 16: the launcher alone against SDPA, the candidates for core/measured.py DECODE_SPLITS; at most
-# 70 s), the first call of a new shape on a cold Triton cache with the kernels compiled one after
-# another and side by side (benchmarks/probes/first_call.py, LOWBIT_ATTN_COMPILE=parallel then
-# serial, D=128 and 64, a process each; at most 45 s), then the launch plans' GPU tests with
+# 70 s), the first call of a new shape with the kernels compiled side by side (the default), on a
+# cold Triton cache, then on one an earlier process filled at another length
+# (benchmarks/probes/first_call.py --caches cold,warm, D=128 and 64, a process each; at most
+# 45 s), then the launch plans' GPU tests with
 # LOWBIT_ATTN_LAUNCH=plan (tests/test_gpu_plans.py) in the time left (~85 s: on the
 # H200 of 2026-11-29 60 s in decide left 3 of them unreached, those waiting for the Gluon
 # forward's cold admission check; plans are opt-in, so they come after what decides defaults).
@@ -394,7 +395,7 @@ if [[ "$STAGE" == decide || "$STAGE" == decide2 ]]; then
             "${RESULTS[@]}" || rc_bench=$?
         limit 45 85
         step first-call "$BENCHLOG" "$PY" benchmarks/probes/first_call.py "$WORK" \
-            || rc_bench=$?
+            --modes parallel --caches cold,warm || rc_bench=$?
         limit 600 5
         step plan-tests "$TESTLOG" env LOWBIT_ATTN_LAUNCH=plan "${PYTEST[@]}" -m gpu \
             tests/test_gpu_plans.py || rc_tests=$((rc_tests && rc_tests != 5 ? rc_tests : $?))

@@ -6,15 +6,17 @@ first ``attention()`` call (synchronized) and the second, each timed. Cases most
 (D = 128 and 64 compiled side by side, then one after another); the JSON is rewritten after each.
 
     python benchmarks/probes/first_call.py OUTDIR [--dims 128,64] [--modes parallel,serial]
-        [--cpu [--ahead]] [--warm]
+        [--caches cold,warm] [--cpu [--ahead]]
 
 Writes ``OUTDIR/first-<gpu>-<date>.json`` and ``.md`` (read by ``stage_summary.py``). ``--cpu``:
 the same on a machine without a GPU, CPU tensors under the stand-in launches of
 ``tools/bench/host.py`` with each kernel compiled for real for sm_90a (``compile=True``): the
 compiles' share of a first call on this CPU, nothing launched (the name says ``cpu-sm_90a``);
 with ``--ahead`` the child starts ``triton_support.hash_ahead`` after the import, as the import
-itself does on a GPU build of torch. ``--warm``: each case's cache filled first by a process of
-its own, then measured (a later process's first call; rows ``"cache": "warm"``, no bar).
+itself does on a GPU build of torch. ``--caches``: ``cold`` (the default) and or ``warm``: each
+warm case's cache filled first by a process of its own at another length (:data:`FILL_TOKENS`),
+then measured: the first call of a new shape in a later process on a machine that has run the
+package before (rows ``"cache": "warm"``, no bar). ``--warm`` is ``--caches warm``.
 """
 
 from __future__ import annotations
@@ -33,11 +35,12 @@ from pathlib import Path
 
 BAR_S = 2.0  # issue 43: the first call of a new shape
 SHAPE = (2, 16, 4096)  # batch, heads, tokens (D from --dims): compiles do not depend on them
+FILL_TOKENS = 1024  # a warm case's filling process: another length, the same specializations
 CHILD_TIMEOUT_S = 120
 
 
-def child(d: int, cpu: bool, start_ahead: bool = False) -> dict:
-    """One case, in this (fresh) process."""
+def child(d: int, cpu: bool, start_ahead: bool = False, tokens: int = SHAPE[2]) -> dict:
+    """One case, in this (fresh) process, at ``tokens`` tokens."""
     t0 = time.perf_counter()
     import torch
 
@@ -50,7 +53,7 @@ def child(d: int, cpu: bool, start_ahead: bool = False) -> dict:
         triton_support.hash_ahead()
     ahead = any(t.name == triton_support.HASH_THREAD for t in threading.enumerate())
     t0 = time.perf_counter()
-    b, h, n = SHAPE
+    b, h, n = *SHAPE[:2], tokens
     device = "cpu" if cpu else "cuda"
     q, k, v = (torch.randn(b, h, n, d, dtype=torch.float16, device=device) for _ in range(3))
     sync = (lambda: None) if cpu else torch.cuda.synchronize
@@ -88,9 +91,10 @@ def run_case(d: int, mode: str, cpu: bool, ahead: bool = False, warm: bool = Fal
         env.pop("TRITON_INTERPRET", None)  # compiled kernels
         command = ([sys.executable, __file__, "--child", str(d)] + (["--cpu"] if cpu else [])
                    + (["--ahead"] if ahead else []))
-        try:
-            for _ in range(1 + warm):  # warm: the first process fills the cache
-                done = subprocess.run(command, env=env, capture_output=True, text=True,
+        fill = [command + ["--tokens", str(FILL_TOKENS)]] if warm else []
+        try:  # warm: the first process fills the cache at another length
+            for argv in [*fill, command]:
+                done = subprocess.run(argv, env=env, capture_output=True, text=True,
                                       timeout=CHILD_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             return {**row, "status": f"timed out after {CHILD_TIMEOUT_S} s"}
@@ -126,26 +130,33 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", default="parallel,serial")
     parser.add_argument("--cpu", action="store_true")
     parser.add_argument("--ahead", action="store_true")
+    parser.add_argument("--caches", default="cold")
     parser.add_argument("--warm", action="store_true")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--tokens", type=int, default=SHAPE[2], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print("RESULT " + json.dumps(child(args.child, args.cpu, args.ahead)), flush=True)
+        print("RESULT " + json.dumps(child(args.child, args.cpu, args.ahead, args.tokens)),
+              flush=True)
         return 0
+    caches = ["warm"] if args.warm else args.caches.split(",")
+    if not set(caches) <= {"cold", "warm"}:
+        parser.error(f"--caches: cold and/or warm, got {args.caches!r}")
     rows: list[dict] = []
     date = dt.date.today().isoformat()
     out = Path(args.outdir)
     out.mkdir(parents=True, exist_ok=True)
-    for mode in args.modes.split(","):
-        for d in (int(x) for x in args.dims.split(",")):
-            rows.append(run_case(d, mode, args.cpu, args.ahead, args.warm))
-            gpu = next((r["device_name"] for r in rows if "device_name" in r), "unknown")
-            stem = out / f"first-{gpu.lower().replace(' ', '-')}-{date}"
-            data = {"device_name": gpu, "date": date, "command": " ".join(sys.argv),
-                    "bar_s": BAR_S, "rows": rows}
-            stem.with_suffix(".json").write_text(json.dumps(data, indent=1))
-            stem.with_suffix(".md").write_text(table(rows))
-            print(table(rows), flush=True)
+    cases = [(cache, mode, int(d)) for cache in caches for mode in args.modes.split(",")
+             for d in args.dims.split(",")]
+    for cache, mode, d in cases:
+        rows.append(run_case(d, mode, args.cpu, args.ahead, cache == "warm"))
+        gpu = next((r["device_name"] for r in rows if "device_name" in r), "unknown")
+        stem = out / f"first-{gpu.lower().replace(' ', '-')}-{date}"
+        data = {"device_name": gpu, "date": date, "command": " ".join(sys.argv),
+                "bar_s": BAR_S, "rows": rows}
+        stem.with_suffix(".json").write_text(json.dumps(data, indent=1))
+        stem.with_suffix(".md").write_text(table(rows))
+        print(table(rows), flush=True)
     return 0
 
 

@@ -34,7 +34,7 @@ def _bar(name, value, target, higher=True) -> dict:
 
 def first_bars(data: dict) -> list[dict]:
     """Each case of ``first_call.py``: a cold first call per head dim and LOWBIT_ATTN_COMPILE
-    (its ``--warm`` rows, a later process's, have no bar)."""
+    (its warm rows, a new shape in a later process, have no bar)."""
     return [_bar(f"first call of a new shape, cold Triton cache, D={r['d']}, "
                  f"LOWBIT_ATTN_COMPILE={r['mode']}, s", r.get("first_call_s"), FIRST_CALL_BAR,
                  higher=False)

@@ -526,21 +526,23 @@ def test_forward_benchmark_decide_runs_the_decisive_rows_with_the_bars(tmp_path,
     methods = list(dict.fromkeys(r["method"] for r in data["rows"]))
     assert methods == list(bench.DECIDE_ROWS)
     # last: launch plans (not in the bars), issue 44's windows, then a pass of the kernel's
-    # variants alone (at the kernel bar's configuration on a GPU), then the windowed call
-    # autotuned (at the causal one)
-    assert methods[-10:] == ["e2e sm90 thread plan", "e2e sm90 thread win512",
+    # variants alone (at the kernel bar's configuration on a GPU), then the window on the sm90
+    # kernel alone and the windowed call autotuned (at the causal one)
+    assert methods[-11:] == ["e2e sm90 thread plan", "e2e sm90 thread win512",
                              "e2e triton thread win512", "e2e triton token win512",
                              "kernel triton token causal", "kernel triton token win512",
                              "kernel sm90 thread k2", "kernel sm90 thread r168",
-                             "kernel sm90 token r168", "tuned triton token win512"]
-    assert [r["method"] for r in data["rows"][-4:]] == methods[-4:]
+                             "kernel sm90 token r168", "kernel sm90 thread win512",
+                             "tuned triton token win512"]
+    assert [r["method"] for r in data["rows"][-5:]] == methods[-5:]
     assert data["rows"][-1]["causal"] and "LOWBIT_ATTN_AUTOTUNE=all" in data["rows"][-1]["note"]
     assert bench.DECIDE_VARIANTS == (128, 16384, False)
-    assert bench.DECIDE_WINDOW_TUNED == (128, 16384, True)
+    assert bench.DECIDE_WINDOW_TUNED == bench.DECIDE_WINDOW_SM90 == (128, 16384, True)
     ran = [r for r in data["rows"] if r["status"] == "ok"]
     assert ran and all(r["first_call_s"] > 0 for r in ran)
     windowed = [r for r in data["rows"] if r["method"].endswith("win512")]
-    assert windowed and all(r["status"] == "ok" for r in windowed), windowed
+    assert windowed and all(r["status"] == "ok" for r in windowed
+                            if not r["method"].startswith("kernel sm90")), windowed
     bars = {b["bar"]: b for b in data["bars"]}
     assert bars["kernel alone TOP/s, D=128 N=16k"]["target"] == 850.0
     assert bars["e2e sm90 cosine (worst)"]["target"] == 0.9992

@@ -142,7 +142,7 @@ def test_a_stage_runs_its_steps_in_order_within_its_budget(tmp_path, stage, budg
                                              "train", "train-probe", "decode", "decode-splits",
                                              "first-call", "plan-tests"]
         assert "--splits 1,2,4,8,16 --parts 32,64,128" in text[5] and "--batches 1,16" in text[5]
-        assert "first_call.py" in text[6]
+        assert "first_call.py" in text[6] and "--modes parallel --caches cold,warm" in text[6]
         assert "tests/test_gpu_plans.py" in text[7] and commands[7]["launch"] == "plan"
         assert "sm90_backward" in text[0] and "admission_time.py bwd" in text[1]
         assert "bench_train.py --dims 128" in text[2] and "sdpa_flash" in text[2]
@@ -326,3 +326,26 @@ def test_a_warm_first_call_is_reported_without_the_cold_bar():
     stage_summary = script_module("benchmarks/probes/stage_summary.py")
     bars = stage_summary.first_bars({"rows": rows})
     assert [(b["value"], b["met"]) for b in bars] == [(2.3, False)]
+
+
+def test_a_warm_first_call_is_a_new_shape(monkeypatch):
+    """A warm case's cache is filled by a process at another length than the one measured (the
+    first call of a new shape on a machine that ran the package before); a cold case runs one
+    process; ``--caches`` orders the cases cold first."""
+    import subprocess
+
+    first_call = script_module("benchmarks/probes/first_call.py")
+    runs = []
+
+    def run(argv, **kw):
+        runs.append((argv, kw["env"]["TRITON_CACHE_DIR"]))
+        return subprocess.CompletedProcess(argv, 0, 'RESULT {"first_call_s": 1.0}\n', "")
+
+    monkeypatch.setattr(first_call.subprocess, "run", run)
+    assert first_call.run_case(128, "parallel", cpu=True, warm=True)["cache"] == "warm"
+    (fill, cache), (measured, same) = runs
+    assert fill[-2:] == ["--tokens", str(first_call.FILL_TOKENS)] and "--tokens" not in measured
+    assert cache == same and first_call.FILL_TOKENS != first_call.SHAPE[2]
+    runs.clear()
+    assert first_call.run_case(64, "parallel", cpu=True)["cache"] == "cold" and len(runs) == 1
+
