@@ -248,7 +248,7 @@ MUTATIONS = [
      "s_int = warpgroup_mma_wait(0, deps=[s_tok])\n    if K_STAGES == 1:",
      "if K_STAGES == 1:", "any"),
     ("V-phase-off", k90._step, "mbarrier.wait(v_bar, j & 1)", "mbarrier.wait(v_bar, 0)", "any"),
-    ("V(j+1)-one-block-late", k90._step, "v_box(blk + 1, v_col", "v_box(blk + 2, v_col", "wrong"),
+    ("V(j+1)-one-block-late", k90._step, "v_box(blk + 1, BN", "v_box(blk + 2, BN", "wrong"),
     ("P̃-not-permuted", gb.a_fragment_order, "(0, 1, 3, 2, 4)", "(0, 1, 2, 3, 4)", "wrong"),
     ("per-thread-K-group-of-the-next-block", k90._step, "ks = gl.load(ks_ptr)",
      "ks = gl.load(ks_ptr + 4)", "any"),

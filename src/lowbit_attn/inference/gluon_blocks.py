@@ -24,8 +24,7 @@ from triton.language.core import PropagateNan
 
 from lowbit_attn.core.operands import V_PERMUTED_MIN_KEYS
 from lowbit_attn.core.triton_helpers import (
-    batch_head, finish_rows, finish_scores, online_max, p_offset, packed_v_start, seq_span,
-    store_lse, to_e4m3, window_limits,
+    finish_rows, finish_scores, online_max, p_offset, store_lse, to_e4m3, window_limits,
 )
 from lowbit_attn.inference.naive import EXP2_ROUND, POLY_EXP2
 
@@ -94,45 +93,18 @@ def tile_offsets(pid_m, nq, D, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
 
 
 @gluon.jit
-def program_sequence(CUQ, CUK, NQ, NK, HQ, GROUP, causal_offset, VARLEN: gl.constexpr):
-    """What one program works on: ``(pid_m, b, h, hk, q_start, nq, k_start, nk, causal_offset)``,
-    its query block, batch, query head and K/V head (GQA), and its sequence's first tokens and
-    lengths (packed: from ``CUQ``/``CUK``, each sequence's causal mask aligned bottom-right; dense:
-    0 and ``NQ``/``NK``)."""
-    pid_m = gl.program_id(0)
-    b, h = batch_head(gl.program_id(1), HQ)
-    hk = h // GROUP
-    if VARLEN:
-        q_start, nq = seq_span(CUQ, b, NQ, True)
-        k_start, nk = seq_span(CUK, b, NK, True)
-        causal_offset = nk - nq  # each sequence aligned bottom-right
-    else:
-        q_start = 0
-        k_start = 0
-        nq = NQ
-        nk = NK
-    return pid_m, b, h, hk, q_start, nq, k_start, nk, causal_offset
-
-
-@gluon.jit
-def scales_of_rows(QS, KS, b, h, hk, pid_m, q_start, k_start, offs_m, mmask, sqsb, sqsh, sqsn,
-                   sksb, sksh, sksn, BLOCK_N: gl.constexpr, KEYS: gl.constexpr,
-                   VARLEN: gl.constexpr, PER_TOKEN: gl.constexpr):
+def scales_of_rows(QS, KS, b, h, hk, pid_m, offs_m, mmask, sqsb, sqsh, sqsn, sksb, sksh, sksn,
+                   BLOCK_N: gl.constexpr, KEYS: gl.constexpr, PER_TOKEN: gl.constexpr):
     """``(qs, ks_base)``: the rows' Q scales and the address of the first key block's K scales
     for :func:`key_scales` (per token: one key per thread in ``KEYS``); per block, the query
-    block's one scale and the K scales' first block (``[B, H, blocks]`` in both layouts)."""
-    if not PER_TOKEN:
-        qs = gl.load(QS + b * sqsb + h * sqsh + pid_m * sqsn)
-        ks_base = KS + b * sksb + hk * sksh
-    elif VARLEN:
-        qs = gl.load(QS + h * sqsh + (q_start + offs_m) * sqsn, mask=mmask, other=1.0)
-        ks_base = KS + hk * sksh + k_start * sksn
-    else:
+    block's one scale and the K scales' first block (``[B, H, blocks]``)."""
+    ks_base = KS + b * sksb + hk * sksh
+    if PER_TOKEN:  # the rows' scales; each thread's key's address (see key_scales)
         qs = gl.load(QS + b * sqsb + h * sqsh + offs_m.to(gl.int64) * sqsn, mask=mmask,
                      other=1.0)
-        ks_base = KS + b * sksb + hk * sksh
-    if PER_TOKEN:  # each thread's key's address (see key_scales)
         ks_base = ks_base + gl.arange(0, BLOCK_N, layout=KEYS) * sksn
+    else:
+        qs = gl.load(QS + b * sqsb + h * sqsh + pid_m * sqsn)
     return qs, ks_base
 
 
@@ -326,11 +298,11 @@ def register_operand(p, a_layout: gl.constexpr, PV_FP8: gl.constexpr):
 
 
 @gluon.jit
-def v_box(j, v_col, BLOCK_N: gl.constexpr, PV_FP8: gl.constexpr):
+def v_box(j, BLOCK_N: gl.constexpr, PV_FP8: gl.constexpr):
     """The TMA coordinates of key block ``j``'s V tile: E4M3 V is stored ``[D, N']`` (the box
-    ``[BLOCK_D, BLOCK_N]`` at column ``v_col + j·BLOCK_N``), fp16 V ``[N, D]``."""
+    ``[BLOCK_D, BLOCK_N]`` at column ``j·BLOCK_N``), fp16 V ``[N, D]``."""
     if PV_FP8:
-        return 0, v_col + j * BLOCK_N
+        return 0, j * BLOCK_N
     else:
         return j * BLOCK_N, 0
 
@@ -370,58 +342,38 @@ def key_scales(ks_ptr, start_n, offs_n, nk, KEYS: gl.constexpr, MASKED: gl.const
 
 
 @gluon.jit
-def descriptors(Q, K, V, b, h, hk, q_start, nq, k_start, nk, D, sqb, sqh, sqn, skb, skh, skn, svb,
-                svh, svn, svd, VARLEN: gl.constexpr, Q_ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-                BLOCK_D: gl.constexpr, q_layout: gl.constexpr, k_layout: gl.constexpr,
-                v_layout: gl.constexpr, PV_FP8: gl.constexpr = True,
-                V_PERMUTED: gl.constexpr = False):
-    """TMA descriptors over one (batch, head)'s tokens of Q (boxes of ``Q_ROWS`` rows), K and V
-    (E4M3 stored ``[D, N']``, boxes ``[BLOCK_D, BLOCK_N]``; fp16 ``[N, D]``, boxes
-    ``[BLOCK_N, BLOCK_D]``), rows past the sequence reading as 0, and ``v_col``, the column of
-    E4M3 V's descriptor where the sequence's first key sits (0 for fp16).
-    ``nq``/``nk``: the sequence's lengths; ``q_start``/``k_start`` its first tokens when packed.
-    ``V_PERMUTED`` (dense E4M3 V whose keys are permuted in groups of 16): V's descriptor spans
-    every stored key (``core.operands.permuted_v_keys``: the keys padded to 16, where the last
-    keys are stored, and to at least one key block).
-
-    Packed (``VARLEN``): Q's and K's token strides are multiples of 16 bytes, so their sequence's
-    first token is a TMA base; so is E4M3 V's, stored from a multiple of 16 tokens
-    (``packed_v_start``, ``QuantizedQKV``): ``v_col`` is 0."""
-    v_col = 0
-    if VARLEN:
-        q_desc = tma.make_tensor_descriptor(Q + h * sqh + q_start * sqn, [nq, D], [sqn, 1],
-                                            [Q_ROWS, BLOCK_D], q_layout)
-        k_desc = tma.make_tensor_descriptor(K + hk * skh + k_start * skn, [nk, D], [skn, 1],
-                                            [BLOCK_N, BLOCK_D], k_layout)
-        if PV_FP8:
-            v_desc = tma.make_tensor_descriptor(V + hk * svh + packed_v_start(k_start, b),
-                                                [D, nk], [svd, 1], [BLOCK_D, BLOCK_N], v_layout)
-        else:
-            v_desc = tma.make_tensor_descriptor(V + hk * svh + k_start * svn, [nk, D], [svn, 1],
-                                                [BLOCK_N, BLOCK_D], v_layout)
+def descriptors(Q, K, V, b, h, hk, nq, nk, D, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, svd,
+                Q_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+                q_layout: gl.constexpr, k_layout: gl.constexpr, v_layout: gl.constexpr,
+                PV_FP8: gl.constexpr = True, V_PERMUTED: gl.constexpr = False):
+    """TMA descriptors over one (batch, head)'s ``nq`` queries (boxes of ``Q_ROWS`` rows) and
+    ``nk`` keys of K and V (E4M3 stored ``[D, N']``, boxes ``[BLOCK_D, BLOCK_N]``; fp16
+    ``[N, D]``, boxes ``[BLOCK_N, BLOCK_D]``), rows past them reading as 0. ``V_PERMUTED``
+    (E4M3 V whose keys are permuted in groups of 16): V's descriptor spans every stored key
+    (``core.operands.permuted_v_keys``: the keys padded to 16, where the last keys are stored,
+    and to at least one key block)."""
+    q_desc = tma.make_tensor_descriptor(Q + b * sqb + h * sqh, [nq, D], [sqn, 1],
+                                        [Q_ROWS, BLOCK_D], q_layout)
+    k_desc = tma.make_tensor_descriptor(K + b * skb + hk * skh, [nk, D], [skn, 1],
+                                        [BLOCK_N, BLOCK_D], k_layout)
+    if PV_FP8:
+        v_keys = nk
+        if V_PERMUTED:
+            v_keys = gl.maximum(gl.cdiv(nk, 16) * 16, _V_MIN_KEYS)
+        v_desc = tma.make_tensor_descriptor(V + b * svb + hk * svh, [D, v_keys], [svd, 1],
+                                            [BLOCK_D, BLOCK_N], v_layout)
     else:
-        q_desc = tma.make_tensor_descriptor(Q + b * sqb + h * sqh, [nq, D], [sqn, 1],
-                                            [Q_ROWS, BLOCK_D], q_layout)
-        k_desc = tma.make_tensor_descriptor(K + b * skb + hk * skh, [nk, D], [skn, 1],
-                                            [BLOCK_N, BLOCK_D], k_layout)
-        if PV_FP8:
-            v_keys = nk
-            if V_PERMUTED:
-                v_keys = gl.maximum(gl.cdiv(nk, 16) * 16, _V_MIN_KEYS)
-            v_desc = tma.make_tensor_descriptor(V + b * svb + hk * svh, [D, v_keys], [svd, 1],
-                                                [BLOCK_D, BLOCK_N], v_layout)
-        else:
-            v_desc = tma.make_tensor_descriptor(V + b * svb + hk * svh, [nk, D], [svn, 1],
-                                                [BLOCK_N, BLOCK_D], v_layout)
-    return q_desc, k_desc, v_desc, v_col
+        v_desc = tma.make_tensor_descriptor(V + b * svb + hk * svh, [nk, D], [svn, 1],
+                                            [BLOCK_N, BLOCK_D], v_layout)
+    return q_desc, k_desc, v_desc
 
 
 @gluon.jit
-def write_rows(acc, m_i, l_i, O, LSE, LSH, VS, VM, CUQ, b, h, hk, nq, NQ, offs_m, offs_mo, offs_d,
-               dmask, svsb, svsh, svsd, sob, soh, son, sod, seb, seh, sen, slb, slh, sln,
-               rows_o: gl.constexpr, VARLEN: gl.constexpr, WRITE_LSE: gl.constexpr,
-               HAS_VSCALE: gl.constexpr, HAS_VMEAN: gl.constexpr, HAS_LSH: gl.constexpr,
-               PV_FP8: gl.constexpr = True, vm_weight=None, SINK: gl.constexpr = False):
+def write_rows(acc, m_i, l_i, O, LSE, LSH, VS, VM, b, h, hk, nq, offs_m, offs_mo, offs_d, dmask,
+               svsb, svsh, svsd, sob, soh, son, sod, seb, seh, sen, slb, slh, sln,
+               rows_o: gl.constexpr, WRITE_LSE: gl.constexpr, HAS_VSCALE: gl.constexpr,
+               HAS_VMEAN: gl.constexpr, HAS_LSH: gl.constexpr, PV_FP8: gl.constexpr = True,
+               vm_weight=None, SINK: gl.constexpr = False):
     """The epilogue of a tile's rows: ``acc / l`` (V's scale and mean applied, ``finish_rows``;
     with ``SINK`` V's mean times the keys' share ``vm_weight`` of each row's sum, in ``rows_o``)
     stored to ``O`` and, with ``WRITE_LSE``, the natural-log LSE; ``offs_m``/``offs_mo`` the
@@ -429,29 +381,16 @@ def write_rows(acc, m_i, l_i, O, LSE, LSH, VS, VM, CUQ, b, h, hk, nq, NQ, offs_m
     or of a strided view of one, passes 2^31), as the Triton kernels' are."""
     out = finish_rows(acc, gl.convert_layout(l_i, rows_o), VS, VM, b * svsb + hk * svsh, offs_d,
                       dmask, svsd, HAS_VSCALE, HAS_VMEAN, vm_weight, SINK)
-    if VARLEN:
-        # The sequence's first row read again rather than kept live through the loops (at D=128
-        # with 128-key blocks, causal, those registers spill 20 B).
-        q_start, nq = seq_span(CUQ, b, NQ, True)
-        o_rows = q_start + offs_mo
-        gl.store(O + h * soh + o_rows[:, None] * son + offs_d[None, :] * sod,
-                 out.to(O.dtype.element_ty), mask=(offs_mo < nq)[:, None] & dmask[None, :])
-        if WRITE_LSE:
-            rows = q_start + offs_m
-            store_lse(LSE, h * seh + rows * sen, LSH, h * slh + rows * sln, m_i, l_i,
-                      p_offset(PV_FP8), offs_m < nq, HAS_LSH)
-    else:
-        o_rows = offs_mo.to(gl.int64)
-        gl.store(O + b * sob + h * soh + o_rows[:, None] * son + offs_d[None, :] * sod,
-                 out.to(O.dtype.element_ty), mask=(offs_mo < nq)[:, None] & dmask[None, :])
-        if WRITE_LSE:
-            rows = offs_m.to(gl.int64)
-            store_lse(LSE, b * seb + h * seh + rows * sen, LSH, b * slb + h * slh + rows * sln,
-                      m_i, l_i, p_offset(PV_FP8), offs_m < nq, HAS_LSH)
+    o_rows = offs_mo.to(gl.int64)
+    gl.store(O + b * sob + h * soh + o_rows[:, None] * son + offs_d[None, :] * sod,
+             out.to(O.dtype.element_ty), mask=(offs_mo < nq)[:, None] & dmask[None, :])
+    if WRITE_LSE:
+        rows = offs_m.to(gl.int64)
+        store_lse(LSE, b * seb + h * seh + rows * sen, LSH, b * slb + h * slh + rows * sln,
+                  m_i, l_i, p_offset(PV_FP8), offs_m < nq, HAS_LSH)
 
 
 __all__ = ["E4M3X4_CONSTRAINTS", "E4M3X4_PTX", "a_fragment_order", "check_tma_operands",
-           "cta_barrier", "descriptors", "key_scales", "max_nan", "poly_exp2",
-           "program_sequence", "register_operand", "scales_of_rows", "softmax_block",
-           "thread_view", "tile_offsets", "tma_load", "tma_scratch", "v_box", "v_operand",
-           "write_rows"]
+           "cta_barrier", "descriptors", "key_scales", "max_nan", "poly_exp2", "register_operand",
+           "scales_of_rows", "softmax_block", "thread_view", "tile_offsets", "tma_load",
+           "tma_scratch", "v_box", "v_operand", "write_rows"]

@@ -59,13 +59,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from lowbit_attn.core.operands import V_PERMUTED_MIN_KEYS, QuantizedQKV, Seqs, permuted_v_keys
 from lowbit_attn.core.triton_helpers import (
-    LOG2E, add_sink, bhnd_strides, key_block_bounds, p_offset, row_strides, strides,
-    window_block_bounds,
+    LOG2E, add_sink, bhnd_strides, key_block_bounds, p_offset, program_heads, row_strides,
+    strides, window_block_bounds,
 )
 from lowbit_attn.core.variants import PLAIN, Variant, sink_logits
 from lowbit_attn.inference.gluon_blocks import (
-    check_tma_operands, descriptors, key_scales, program_sequence, register_operand, scales_of_rows,
-    softmax_block, thread_view, tile_offsets, tma_load, tma_scratch, v_box, v_operand, write_rows,
+    check_tma_operands, descriptors, key_scales, register_operand, scales_of_rows, softmax_block,
+    thread_view, tile_offsets, tma_load, tma_scratch, v_box, v_operand, write_rows,
 )
 from lowbit_attn.inference.naive import POLY_SHARES
 from lowbit_attn.quant.tile import thread_group
@@ -136,18 +136,18 @@ def _attn_fwd_sm90_kernel(
     V_TILE: gl.constexpr = [BLOCK_D, BN] if PV_FP8 else [BN, BLOCK_D]
     v_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(V_TILE, PV_TYPE)
 
-    pid_m, b, h, hk, q_start, nq, k_start, nk, causal_offset = program_sequence(
-        None, None, NQ, NK, HQ, GROUP, causal_offset, False)
+    pid_m, b, h, hk = program_heads(HQ, GROUP)
+    nq = NQ
+    nk = NK
     if pid_m * BM >= nq:
         return
 
     offs_m, offs_n, offs_d, mmask, dmask = tile_offsets(pid_m, nq, D, BM, BN, BLOCK_D, rows_s,
                                                         cols_s, cols_o)
 
-    q_desc, k_desc, v_desc, v_col = descriptors(
-        Q, K, V, b, h, hk, q_start, nq, k_start, nk, D, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn,
-        svd, False, BM, BN, BLOCK_D, q_smem_layout, k_smem_layout, v_smem_layout, PV_FP8,
-        PV_FP8)
+    q_desc, k_desc, v_desc = descriptors(
+        Q, K, V, b, h, hk, nq, nk, D, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, svd, BM, BN,
+        BLOCK_D, q_smem_layout, k_smem_layout, v_smem_layout, PV_FP8, PV_FP8)
     q_smem = gl.allocate_shared_memory(gl.int8, [BM, BLOCK_D], q_smem_layout)
     k_smem = gl.allocate_shared_memory(gl.int8, [K_STAGES, BN, BLOCK_D], k_smem_layout)
     v_smem = gl.allocate_shared_memory(PV_TYPE, V_TILE, v_smem_layout)
@@ -171,8 +171,8 @@ def _attn_fwd_sm90_kernel(
         ks_ptr = KS + b * sksb + hk * sksh + gl.arange(0, 4, layout=gl.SliceLayout(0, pair)) * sksn
         ks_step = 4 * sksn
     else:
-        qs, ks_ptr = scales_of_rows(QS, KS, b, h, hk, pid_m, q_start, k_start, offs_m, mmask,
-                                    sqsb, sqsh, sqsn, sksb, sksh, sksn, BN, _KEYS, False, True)
+        qs, ks_ptr = scales_of_rows(QS, KS, b, h, hk, pid_m, offs_m, mmask, sqsb, sqsh, sqsn,
+                                    sksb, sksh, sksn, BN, _KEYS, True)
         ks_step = BN * sksn
 
     m_i = gl.full([BM], float("-inf"), gl.float32, layout=rows_s)
@@ -208,7 +208,7 @@ def _attn_fwd_sm90_kernel(
             mbarrier.expect(k_bars.index(i), k_bytes, pred=more)
             tma_load(k_desc, [(first + i) * BN, 0], k_bars.index(i), k_smem.index(i), pred=more)
         mbarrier.expect(v_bar, v_bytes)
-        v0, v1 = v_box(first, v_col, BN, PV_FP8)
+        v0, v1 = v_box(first, BN, PV_FP8)
         tma_load(v_desc, [v0, v1], v_bar, v_smem)
         mbarrier.wait(q_bar, 0)
         if WINDOWED:  # the window's first edge
@@ -216,18 +216,18 @@ def _attn_fwd_sm90_kernel(
                 acc, m_i, l_i, ks_ptr = _step(
                     j, first, acc, m_i, l_i, qs, ks_ptr, ks_step, offs_m, offs_n, nk,
                     causal_offset, n_blocks, q_smem, k_smem, v_smem, k_bars, v_bar, k_desc,
-                    v_desc, v_col, zero_s, zero_o, a_layout, True, IS_CAUSAL, PER_THREAD, PV_FP8,
+                    v_desc, zero_s, zero_o, a_layout, True, IS_CAUSAL, PER_THREAD, PV_FP8,
                     BN, BLOCK_D, cols_s, K_STAGES, POLY, window, WINDOWED)
         for j in range(n_lo, n_full):
             acc, m_i, l_i, ks_ptr = _step(
                 j, first, acc, m_i, l_i, qs, ks_ptr, ks_step, offs_m, offs_n, nk, causal_offset,
-                n_blocks, q_smem, k_smem, v_smem, k_bars, v_bar, k_desc, v_desc, v_col, zero_s,
+                n_blocks, q_smem, k_smem, v_smem, k_bars, v_bar, k_desc, v_desc, zero_s,
                 zero_o, a_layout, False, IS_CAUSAL, PER_THREAD, PV_FP8, BN, BLOCK_D, cols_s,
                 K_STAGES, POLY, window, WINDOWED)
         for j in range(n_full, n_blocks):
             acc, m_i, l_i, ks_ptr = _step(
                 j, first, acc, m_i, l_i, qs, ks_ptr, ks_step, offs_m, offs_n, nk, causal_offset,
-                n_blocks, q_smem, k_smem, v_smem, k_bars, v_bar, k_desc, v_desc, v_col, zero_s,
+                n_blocks, q_smem, k_smem, v_smem, k_bars, v_bar, k_desc, v_desc, zero_s,
                 zero_o, a_layout, True, IS_CAUSAL, PER_THREAD, PV_FP8, BN, BLOCK_D, cols_s,
                 K_STAGES, POLY, window, WINDOWED)
 
@@ -247,14 +247,14 @@ def _attn_fwd_sm90_kernel(
                                     gl.convert_layout(l_i, rows_o), sink, p_offset(PV_FP8))
         m_i = gl.convert_layout(m_o, rows_s)
         l_i = gl.convert_layout(l_o, rows_s)
-    write_rows(acc, m_i, l_i, O, LSE, LSH, VS, VM, None, b, h, hk, nq, NQ, offs_m, offs_mo, offs_d,
-               dmask, svsb, svsh, svsd, sob, soh, son, sod, seb, seh, sen, slb, slh, sln, rows_o,
-               False, WRITE_LSE, HAS_VSCALE, HAS_VMEAN, HAS_LSH, PV_FP8, w, HAS_SINK)
+    write_rows(acc, m_i, l_i, O, LSE, LSH, VS, VM, b, h, hk, nq, offs_m, offs_mo, offs_d, dmask,
+               svsb, svsh, svsd, sob, soh, son, sod, seb, seh, sen, slb, slh, sln, rows_o,
+               WRITE_LSE, HAS_VSCALE, HAS_VMEAN, HAS_LSH, PV_FP8, w, HAS_SINK)
 
 
 @gluon.jit
 def _step(j, first, acc, m_i, l_i, qs, ks_ptr, ks_step, offs_m, offs_n, nk, causal_offset,
-          n_blocks, q_smem, k_smem, v_smem, k_bars, v_bar, k_desc, v_desc, v_col, zero_s, zero_o,
+          n_blocks, q_smem, k_smem, v_smem, k_bars, v_bar, k_desc, v_desc, zero_s, zero_o,
           a_layout: gl.constexpr, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr,
           PER_THREAD: gl.constexpr, PV_FP8: gl.constexpr, BN: gl.constexpr,
           BLOCK_D: gl.constexpr, cols_s: gl.constexpr, K_STAGES: gl.constexpr,
@@ -296,7 +296,7 @@ def _step(j, first, acc, m_i, l_i, qs, ks_ptr, ks_step, offs_m, offs_n, nk, caus
     mbarrier.expect(v_bar, BLOCK_D * BN if PV_FP8 else 2 * BLOCK_D * BN, pred=more_v)
     if K_STAGES == 2:
         tma_load(k_desc, [(blk + 2) * BN, 0], k_bar, k_smem.index(stage), pred=more_k)
-    v0, v1 = v_box(blk + 1, v_col, BN, PV_FP8)
+    v0, v1 = v_box(blk + 1, BN, PV_FP8)
     tma_load(v_desc, [v0, v1], v_bar, v_smem, pred=more_v)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, zero_o.type.layout))[:, None] + pv
     return acc, m_i, l_i, ks_ptr + ks_step
