@@ -551,5 +551,42 @@ def test_forward_benchmark_decide_runs_the_decisive_rows_with_the_bars(tmp_path,
     first = bars["first call of a new shape, s (slowest e2e row)"]
     assert first["target"] == 2.0 and first["value"] > 0
     table = (tmp_path / result.name.replace(".json", ".md")).read_text()
-    assert "| bar (issue 43) | value | target | met |" in table and "first call s" in table
+    assert "| bar (issues 43, 44) | value | target | met |" in table and "first call s" in table
+    # on the interpreter the window rows ran (the sm90 ones are skipped): the bars say so
+    assert bars["window 512 x full causal, e2e triton token, D=128 N=16k (issue 44)"]["target"] \
+        == 8.0
+    assert bars["admitted e2e sm90 x e2e triton token (worst configuration)"]["value"] is None
+    sys.modules.pop("bench_hopper", None)
+
+
+def test_forward_bars_decide_the_sm90_default_and_the_window(monkeypatch):
+    """The decision rows of ``bench_forward.bars``: the admitted sm90 forward's best e2e row
+    against the default path's, worst over configurations (rows not admitted do not count);
+    issue 44's window end to end and kernels alone at D=128 N=16k causal."""
+    import sys
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bench = script_module("benchmarks/bench_forward.py")
+
+    def row(d, n, causal, method, ms, note=None):
+        return {"D": d, "N": n, "causal": causal, "method": method, "ms": ms, "status": "ok",
+                "note": note, "tops": 1.0}
+
+    rows = [row(128, 16384, False, "e2e sm90 thread", 8.0, "admitted"),
+            row(128, 16384, False, "e2e sm90 token", 9.0, "admitted"),
+            row(128, 16384, False, "e2e triton token", 10.0),
+            row(128, 1024, False, "e2e sm90 thread", 1.2, "admitted"),
+            row(128, 1024, False, "e2e triton token", 1.0),
+            row(64, 1024, False, "e2e sm90 thread", 0.5, "its check failed"),
+            row(64, 1024, False, "e2e triton token", 1.0),
+            row(128, 16384, True, "e2e triton token", 9.0),
+            row(128, 16384, True, "e2e triton token win512", 3.0),
+            row(128, 16384, True, "kernel triton token causal", 8.0),
+            row(128, 16384, True, "kernel triton token win512", 1.0),
+            row(128, 16384, True, "kernel sm90 thread", 6.0)]
+    found = {b["bar"]: b for b in bench.bars(rows)}
+    sm90 = found["admitted e2e sm90 x e2e triton token (worst configuration)"]
+    assert abs(sm90["value"] - 1.0 / 1.2) < 1e-12 and sm90["met"] is False  # 1k loses
+    windows = [(v["value"], v["met"]) for k, v in found.items() if k.startswith("window")]
+    assert windows == [(3.0, False), (8.0, True), (None, None)]  # e2e, Triton, sm90 (no row)
     sys.modules.pop("bench_hopper", None)
