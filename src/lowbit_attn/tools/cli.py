@@ -87,13 +87,12 @@ def _add_inspect(sub) -> None:
     p.add_argument("--kernel", choices=KERNELS, default="triton",
                    help="triton (default): every kernel of one call; gluon: with an INT8 "
                    "recipe as sm90, with an FP4 recipe the Gluon FP4 forward for sm_100a "
-                   "(D 128) with its gates (the softmax partition's loop, "
-                   "how long each product runs under it, the MMA warp); sm90: the one-warpgroup "
-                   "forward for sm_90a (qk_int8_pv_fp8 or "
-                   "qk_int8_pv_fp16, D 64 or 128, 128-key blocks) with per-thread and per-token "
-                   "scales, each with its gate (P̃·V from registers, no shared-memory store in "
-                   "the loop, no spills, at most 8.0 instructions per score, at least 2 CTAs "
-                   "per SM); with --recipe sagebwd_int8 or vsa, sm90 also "
+                   "(D 128) with its gates (the softmax partition's loop, how long each product "
+                   "runs under it, the MMA warp); sm90: the one-warpgroup forward for sm_90a "
+                   "(qk_int8_pv_fp8 or qk_int8_pv_fp16, D 64 or 128, 128-key blocks) with "
+                   "per-thread and per-token scales, each with its gate (P̃·V from registers, no "
+                   "shared-memory store in the loop, no spills, at most 8.0 instructions per "
+                   "score, at least 2 CTAs per SM); with --recipe sagebwd_int8 or vsa, sm90 also "
                    "means the Gluon backward loops for sm_90a (LOWBIT_ATTN_BWD_KERNEL=sm90), "
                    "each with its issue and tensor cycles per tile")
     p.add_argument("--window", type=_window_arg, metavar="LEFT,RIGHT",
