@@ -16,7 +16,8 @@ with ``--ahead`` the child starts ``triton_support.hash_ahead`` after the import
 itself does on a GPU build of torch. ``--caches``: ``cold`` (the default) and or ``warm``: each
 warm case's cache filled first by a process of its own at another length (:data:`FILL_TOKENS`),
 then measured: the first call of a new shape in a later process on a machine that has run the
-package before (rows ``"cache": "warm"``, no bar). ``--warm`` is ``--caches warm``.
+package before (rows ``"cache": "warm"``, no bar). ``--warm`` is ``--caches warm`` (before
+2026-12-01 its filling process ran the measured length itself: NOTES §25's warm rows).
 """
 
 from __future__ import annotations
