@@ -47,7 +47,9 @@ sm90 thread and token, e2e Triton, SageAttention, ``e2e sm90 thread plan`` (with
 ``LOWBIT_ATTN_LAUNCH=plan``: the host path launch plans would save; not counted in the bars,
 which are the default launch path's); after every configuration, the kernel's variants alone
 at D=128 N=16k (``… thread k2``, ``… thread r168``, ``… token r168``: the kernel bar takes the
-fastest ``kernel sm90`` row); last, ``tuned triton token win512`` at D=128 N=16k causal (the
+fastest ``kernel sm90`` row); at D=128 N=16k causal the sm90 kernel's window and register cap,
+then the Triton kernel alone on its first trial candidate (``kernel triton token causal m64``,
+``… win512 m64``: 64-row programs, two per SM); last, ``tuned triton token win512`` there (the
 windowed call autotuned, against ``e2e triton token win512``, which runs the candidate measured
 without a window).
 
@@ -78,7 +80,7 @@ try:
 except ImportError:  # a source checkout that is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import lowbit_attn
-from bench_hopper import stage_fns
+from bench_hopper import forced, stage_fns
 from lowbit_attn.core.recipes import get_recipe
 from lowbit_attn.inference.naive import exact_attention
 from lowbit_attn.integrations.sdpa import TORCH_SDPA
@@ -111,7 +113,8 @@ DECIDE_ROWS = ("sdpa cudnn", "e2e sm90 thread", "e2e sm90 token", "kernel sm90 t
                "e2e sm90 thread win512", "e2e triton thread win512", "e2e triton token win512",
                "kernel triton token causal", "kernel triton token win512",
                "kernel sm90 thread k2", "kernel sm90 thread r168", "kernel sm90 token r168",
-               "kernel sm90 thread win512", "tuned triton token win512")
+               "kernel sm90 thread win512", "kernel triton token causal m64",
+               "kernel triton token win512 m64", "tuned triton token win512")
 # The one-warpgroup kernel's variants (NOTES §17: two K buffers; 168 registers, 3 programs per
 # SM), and --decide's last pass: them alone at the kernel bar's configuration, after every
 # decisive row (no GPU has timed them).
@@ -135,6 +138,10 @@ WINDOW = (511, 0)
 CAUSAL_VARIANTS = [("kernel sm90 thread win512", THREAD, {"window": WINDOW}),
                    ("kernel sm90 thread r168", THREAD, {"maxnreg": 168})]
 DECIDE_CAUSAL_VARIANTS = (128, 16384, True)
+# Then, there too, the Triton kernel alone on its first trial candidate (kernel_int8.TRIALS:
+# 64-row programs on one warpgroup, two per SM), full causal (checked: no GPU has run it) and
+# windowed, against "kernel triton token causal" and "… win512" (NOTES §30).
+TRIAL_ROWS = [("kernel triton token causal m64", None), ("kernel triton token win512 m64", WINDOW)]
 # Issues 36 and 43's GPU bars: (D, N range, causal) → × SDPA cuDNN end to end.
 BARS = [(128, (8192, None), False, 1.15), (64, (8192, None), False, 1.0),
         (64, (1024, 1024), False, 0.9), (128, (1024, 1024), False, 0.9)]
@@ -206,6 +213,19 @@ def sm90_rows(base, q, k, v, causal, record, gluon_ok: str | None, rows) -> None
                                                 f"thread causal",
                build=lambda recipe=recipe, options=options, window=window: permuted_stages(
                    q, k, v, causal, recipe, sm90_launcher(**options), window)[1])
+
+
+def trial_rows(base, q, k, v, causal, record, gluon_ok: str | None) -> None:
+    """:data:`TRIAL_ROWS`: the attention launch alone with the autotuner held to
+    ``kernel_int8.TRIALS[0]`` (``LOWBIT_ATTN_AUTOTUNE=all``, which lets a trial through)."""
+    from lowbit_attn.inference import kernel_int8
+
+    for name, window in TRIAL_ROWS:
+        with forced(kernel_int8.TRIALS[0]), environment(LOWBIT_ATTN_AUTOTUNE="all"):
+            record(base, name, stage_fns(q, k, v, causal, window=window)[1],
+                   check=window is None, note=lambda window=window: f"{autotune_choice()}" + (
+                       "" if window is None else f"; window {window}: time against kernel "
+                                                 f"triton token causal (m64)"))
 
 
 def tuned_window_row(base, q, k, v, causal, record, gluon_ok: str | None) -> None:
@@ -422,6 +442,8 @@ def main(argv=None) -> int:
                        functools.partial(sm90_rows, rows=KERNEL_VARIANTS)))
         passes.append((DECIDE_CAUSAL_VARIANTS if cuda else next(c for c in configs if c[2]),
                        functools.partial(sm90_rows, rows=CAUSAL_VARIANTS)))
+        passes.append((DECIDE_CAUSAL_VARIANTS if cuda else next(c for c in configs if c[2]),
+                       trial_rows))
         passes.append((DECIDE_WINDOW_TUNED if cuda else next(c for c in configs if c[2]),
                        tuned_window_row))
     for (d, n, causal), rows_fn in passes:
@@ -519,9 +541,14 @@ def bars(rows: list[dict]) -> list[dict]:
                                  ("kernel alone, triton token", "kernel triton token causal",
                                   "kernel triton token win512"),
                                  ("kernel alone, sm90 thread", "kernel sm90 thread",
-                                  "kernel sm90 thread win512")):
-        speedup = (causal[full]["ms"] / causal[windowed]["ms"]
-                   if full in causal and windowed in causal else None)
+                                  "kernel sm90 thread win512"),
+                                 ("kernel alone, triton token m64",
+                                  ("kernel triton token causal", "kernel triton token causal m64"),
+                                  "kernel triton token win512 m64")):
+        fulls = [causal[name]["ms"] for name in ((full,) if isinstance(full, str) else full)
+                 if name in causal]  # the m64 window against the faster full causal kernel
+        speedup = (min(fulls) / causal[windowed]["ms"]
+                   if fulls and windowed in causal else None)
         out.append(bar(f"window 512 x full causal, {what}, D=128 N=16k (issue 44)", speedup,
                        WINDOW_BAR))
     return out

@@ -85,7 +85,7 @@ def candidates(cuda: bool, d: int) -> list[LaunchConfig]:
     if cuda:
         cap = torch.cuda.get_device_capability()
         return [c for c in configs_for(attn_fwd_int8.CONFIGS, cap)
-                if attn_fwd_int8.fits(c.num_warps, d)]
+                if attn_fwd_int8.fits(c.num_warps, d) and c not in attn_fwd_int8.TRIALS]
     plain = attn_fwd_int8.CONFIGS["interpreter"][0]
     return [plain, LaunchConfig(plain.num_warps, plain.num_stages, (("PIPELINE", True),))]
 

@@ -51,9 +51,11 @@ CANDIDATE_CASES = [
 
 @pytest.mark.parametrize("name,granularity,d", CANDIDATE_CASES)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_every_autotuning_candidate_matches_the_reference(name, granularity, d, causal):
-    """Each candidate the autotuner may pick (plain and pipelined loops, every stage count), forced
-    alone, against the reference on the same quantized operands."""
+def test_every_autotuning_candidate_matches_the_reference(name, granularity, d, causal,
+                                                         monkeypatch):
+    """Each candidate the autotuner may pick (plain and pipelined loops, every stage count, the
+    trials that ``LOWBIT_ATTN_AUTOTUNE=all`` lets through), forced alone, against the reference on
+    the same quantized operands."""
     from lowbit_attn.inference import kernel_int8 as attn_fwd_int8
     from lowbit_attn.core.triton_helpers import triton_configs
 
@@ -66,13 +68,15 @@ def test_every_autotuning_candidate_matches_the_reference(name, granularity, d, 
     want, _ = quantized_attention(qz, pv=recipe.pv, granularity=granularity,
                                   block_q=recipe.block_q, block_k=recipe.block_k,
                                   causal_offset=offset)
+    monkeypatch.setenv("LOWBIT_ATTN_AUTOTUNE", "all")
     tuner = attn_fwd_int8._attn_fwd_int8
     saved = tuner.configs
     try:
         for config in _gpu_candidates():
             if not attn_fwd_int8.fits(config.num_warps, d, recipe.block_k,
                                       bool(config.kwargs.get("PIPELINE")),
-                                      config.kwargs.get("M_SPLIT", 1)):
+                                      config.kwargs.get("M_SPLIT", 1), recipe.block_q,
+                                      config.num_stages):
                 continue
             tuner.configs = triton_configs({"interpreter": [config]}, None)
             tuner.cache.clear()

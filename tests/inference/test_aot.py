@@ -213,6 +213,26 @@ def test_pipelined_candidate_runs_the_softmax_under_the_next_qk_wgmma(granularit
     assert len(main_loops[pipelined]) < len(main_loops[plain])
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_a_window_edge_block_costs_little_more_than_a_whole_one(d):
+    """A 512-token window (issue 44's row) on sm_90a, the measured candidate (8 warps, 3 stages,
+    pipelined): its key-block loops are the window's left edge (masked), the whole blocks and the
+    diagonal (masked); each masked tile runs at most 1.5× the instructions of a whole one, its
+    mask two compares per score against limits found once per row (``window_limits``).
+    2026-12-01: 682 / 474 / 668 at D = 128, 581 / 404 / 570 at D = 64; the per-score rule it
+    replaced, 908 / 464 / 890 and 818 / 406 / 794 (NOTES §30)."""
+    attention = aot.record_launches(get_recipe("qk_int8_pv_fp8"), head_dim=d, causal=True,
+                                    seq_len=16384, variant=Variant(left=511, right=0))[-1]
+    measured = attn_fwd_int8.LaunchConfig(8, 3, (("PIPELINE", True),))
+    report = aot.compile_launch(attention, "sm_90a",
+                                config=attn_fwd_int8.CONFIGS["sm_90"].index(measured))
+    assert (report.num_warps, report.num_stages, report.constexprs["WINDOWED"]) == (8, 3, True)
+    edge, whole, diagonal = (len(body) for body in
+                             sass.key_block_loops(sass.disassemble(report.cubin)))
+    assert max(edge, diagonal) <= 1.5 * whole, (edge, whole, diagonal)
+    assert report.spills == 0
+
+
 def test_hopper_quantizers_use_no_tensor_cores_and_do_not_spill(compiled):
     for r in compiled("qk_int8_pv_fp8", "sm_90a"):
         if r.kernel != ATTENTION:
@@ -454,11 +474,42 @@ def test_a_measured_launch_runs_its_measured_candidate_alone(monkeypatch, mode):
         assert all(one == [(8, 3, {"PIPELINE": True})] for one in near), near
         assert len(thread) > 1 and len(odd) > 1 and len(thread_window) > 1
     elif mode == "all":
-        assert len(default) == 5 and (8, 3, {"PIPELINE": True}) in default
+        assert len(default) == 7 and (8, 3, {"PIPELINE": True}) in default  # TRIALS too
         assert len(thread) > 1 and len(small) > 1 and all(len(one) > 1 for one in near)
     else:
         assert len(default) == len(thread) == len(small) == len(odd) == 1
         assert default != [(8, 3, {"PIPELINE": True})]  # the first is not the measured one
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_trial_candidates_are_tried_only_when_asked_and_do_not_spill(monkeypatch, d):
+    """``kernel_int8.TRIALS`` (64-row programs on one warpgroup, no GPU has timed them): the
+    autotuner tries them under ``LOWBIT_ATTN_AUTOTUNE=all`` only, for dense launches at D ≤ 128
+    (packed ones spill 8 to 24 B at D = 128); compiled for sm_90a, windowed or not, 64-row
+    programs of 4 warps with wgmma and no spills, in at most 255 registers (two programs per
+    SM: 2 × 128 threads × 256 ≤ 65 536)."""
+    _on_hopper(monkeypatch)
+    token = get_recipe("qk_int8_pv_fp8")
+    launches = [[x for x in aot.record_launches(token, head_dim=d, causal=True, seq_len=4096,
+                                                 variant=variant, varlen=varlen)
+                 if x.name == ATTENTION][-1]
+                for variant, varlen in ((None, False), (Variant(left=511, right=0), False),
+                                        (None, True))]
+    monkeypatch.setenv("LOWBIT_ATTN_AUTOTUNE", "all")
+    tried = [aot.launch_candidates(launch, "sm_90a") for launch in launches]
+    trials = [(c.num_warps, c.num_stages, c.kwargs) for c in attn_fwd_int8.TRIALS]
+    for dense in tried[:2]:
+        assert [(c.num_warps, c.num_stages, c.kwargs) for c in dense[-2:]] == trials
+    assert not any(attn_fwd_int8._trial(c) for c in tried[2])  # packed
+    for launch in launches[:2]:
+        for index in (len(tried[0]) - 2, len(tried[0]) - 1):
+            r = aot.compile_launch(launch, "sm_90a", config=index)
+            assert r.ok and r.num_warps == 4 and r.constexprs["BLOCK_M"] == 64, describe(r)
+            assert any(f.startswith("wgmma") for f in r.instructions), describe(r)
+            assert r.spills == 0 and r.registers <= 255, describe(r)
+    monkeypatch.setenv("LOWBIT_ATTN_AUTOTUNE", "measured")
+    assert not any(attn_fwd_int8._trial(c) for launch in launches
+                   for c in aot.launch_candidates(launch, "sm_90a"))
 
 
 def test_every_measured_entry_is_a_candidate_of_its_kernel():

@@ -41,6 +41,23 @@ def _kernel_attention(qz, recipe, causal_offset, return_lse=True):
     return out, lse
 
 
+def _whole_and_halves(qz, recipe, causal_offset, monkeypatch, **variant):
+    """``(out, lse)`` of the kernel on whole 128-row query blocks, then on halves (``M_SPLIT``
+    2), the autotuner held to each in turn (``variant``: ``attention``'s)."""
+    from lowbit_attn.inference import kernel_int8 as attn_fwd_int8
+
+    results = []
+    for m_split in (1, 2):
+        config = attn_fwd_int8.LaunchConfig(4, 1, (("PIPELINE", False), ("M_SPLIT", m_split)))
+        monkeypatch.setattr(attn_fwd_int8._attn_fwd_int8, "configs",
+                            attn_fwd_int8.triton_configs({"interpreter": [config]}, None))
+        out = torch.empty(qz.q.shape, dtype=torch.float32, device=qz.q.device)
+        results += [out, attn_fwd_int8.attention(
+            qz, out=out, pv=recipe.pv, granularity=recipe.granularity, block_q=recipe.block_q,
+            block_k=recipe.block_k, causal_offset=causal_offset, return_lse=True, **variant)]
+    return results
+
+
 @pytest.mark.parametrize("b,hq,hkv,nq,nk,d", CASES + GPU_CASES)
 @pytest.mark.parametrize("name", RECIPES)
 @pytest.mark.parametrize("granularity", ["per_block", "per_token", "per_thread"])
@@ -442,8 +459,6 @@ def test_head_dim_256_in_half_blocks_gives_the_same_bits(name, granularity, smoo
     ``kernel_int8.CONFIGS``; whole blocks spill): rows are independent and per-block scales and
     ΔS are read by query block, so the same bits as whole blocks (the interpreter's config), and
     both the twin's to rounding. Nq = 150: two query blocks, three programs of 64 rows."""
-    from lowbit_attn.inference import kernel_int8 as attn_fwd_int8
-
     recipe = get_recipe(name).replace(granularity=granularity, smooth_q=smooth_q)
     q, k, v = channel_biased((1, 2, 150, 256), (1, 1, 100, 256), seed=256)
     offset = -20 if causal else None  # the first 20 rows see no key
@@ -453,15 +468,30 @@ def test_head_dim_256_in_half_blocks_gives_the_same_bits(name, granularity, smoo
         qz, pv=recipe.pv, granularity=granularity, block_q=recipe.block_q,
         block_k=recipe.block_k, causal_offset=offset,
     )
-    tuner = attn_fwd_int8._attn_fwd_int8
-    results = []
-    for m_split in (1, 2):
-        config = attn_fwd_int8.LaunchConfig(4, 1, (("PIPELINE", False), ("M_SPLIT", m_split)))
-        monkeypatch.setattr(tuner, "configs", attn_fwd_int8.triton_configs(
-            {"interpreter": [config]}, None))
-        results.append(_kernel_attention(qz, recipe, offset))
-    (whole, whole_lse), (halves, halves_lse) = results
+    whole, whole_lse, halves, halves_lse = _whole_and_halves(qz, recipe, offset, monkeypatch)
     assert torch.equal(whole, halves) and torch.equal(whole_lse, halves_lse)
     out_bound = Bound(atol=3e-4 if recipe.pv == "fp16" else 4e-3, cos=0.999999)
     assert_within(halves, want, out_bound, name="out")
     assert_within(halves_lse, want_lse, Bound(atol=1e-5, rtol=1e-5), name="lse")
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("name,granularity", [("qk_int8_pv_fp8", "per_token"),
+                                              ("qk_int8_pv_fp8", "per_thread"),
+                                              ("qk_int8_pv_fp16", "per_block")])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("window", [None, (40, 0)], ids=["causal", "window"])
+def test_trial_64_row_programs_give_the_same_bits(name, granularity, d, window, monkeypatch):
+    """``kernel_int8.TRIALS`` (64-row programs at D ≤ 128, two per SM on a GPU): each program
+    takes half of a 128-row query block, as at D = 256, so the same bits as whole blocks, causal
+    or windowed (the window's limits are per row). Nq = 150: three programs of 64 rows."""
+    from lowbit_attn.core.variants import Variant
+
+    recipe = get_recipe(name).replace(granularity=granularity)
+    q, k, v = channel_biased((1, 2, 150, d), (1, 1, 170, d), seed=d)
+    qz = quantize_qkv(q, k, v, recipe, d**-0.5, need_lse_shift=True, backend="reference")
+    variant = Variant() if window is None else Variant(left=window[0], right=window[1])
+    whole, whole_lse, halves, halves_lse = _whole_and_halves(qz, recipe, 20, monkeypatch,
+                                                             variant=variant)
+    assert torch.equal(whole, halves) and torch.equal(whole_lse, halves_lse)
+    assert whole.isfinite().all()

@@ -527,16 +527,24 @@ def test_forward_benchmark_decide_runs_the_decisive_rows_with_the_bars(tmp_path,
     assert methods == list(bench.DECIDE_ROWS)
     # last: launch plans (not in the bars), issue 44's windows, then a pass of the kernel's
     # variants alone (at the kernel bar's configuration on a GPU), then the window on the sm90
-    # kernel alone and the windowed call autotuned (at the causal one)
-    assert methods[-11:] == ["e2e sm90 thread plan", "e2e sm90 thread win512",
+    # kernel alone, the Triton kernel's trial candidate and the windowed call autotuned (at the
+    # causal one)
+    assert methods[-13:] == ["e2e sm90 thread plan", "e2e sm90 thread win512",
                              "e2e triton thread win512", "e2e triton token win512",
                              "kernel triton token causal", "kernel triton token win512",
                              "kernel sm90 thread k2", "kernel sm90 thread r168",
                              "kernel sm90 token r168", "kernel sm90 thread win512",
+                             "kernel triton token causal m64", "kernel triton token win512 m64",
                              "tuned triton token win512"]
-    assert [r["method"] for r in data["rows"][-3:]] == ["kernel sm90 thread win512",
+    assert [r["method"] for r in data["rows"][-5:]] == ["kernel sm90 thread win512",
                                                           "kernel sm90 thread r168",
+                                                          "kernel triton token causal m64",
+                                                          "kernel triton token win512 m64",
                                                           "tuned triton token win512"]
+    trial = {r["method"]: r for r in data["rows"][-3:-1]}
+    # the trial candidate ran (on the interpreter, its meta-parameters) and was checked
+    assert all(r["status"] == "ok" and "M_SPLIT: 2" in r["note"] for r in trial.values()), trial
+    assert "cosine" in trial["kernel triton token causal m64"]
     assert data["rows"][-1]["causal"] and "LOWBIT_ATTN_AUTOTUNE=all" in data["rows"][-1]["note"]
     assert bench.DECIDE_VARIANTS == (128, 16384, False)
     assert bench.DECIDE_WINDOW_TUNED == bench.DECIDE_CAUSAL_VARIANTS == (128, 16384, True)
@@ -583,10 +591,13 @@ def test_forward_bars_decide_the_sm90_default_and_the_window(monkeypatch):
             row(128, 16384, True, "e2e triton token win512", 3.0),
             row(128, 16384, True, "kernel triton token causal", 8.0),
             row(128, 16384, True, "kernel triton token win512", 1.0),
-            row(128, 16384, True, "kernel sm90 thread", 6.0)]
+            row(128, 16384, True, "kernel sm90 thread", 6.0),
+            row(128, 16384, True, "kernel triton token causal m64", 6.4),
+            row(128, 16384, True, "kernel triton token win512 m64", 0.8)]
     found = {b["bar"]: b for b in bench.bars(rows)}
     sm90 = found["admitted e2e sm90 x e2e triton token (worst configuration)"]
     assert abs(sm90["value"] - 1.0 / 1.2) < 1e-12 and sm90["met"] is False  # 1k loses
     windows = [(v["value"], v["met"]) for k, v in found.items() if k.startswith("window")]
-    assert windows == [(3.0, False), (8.0, True), (None, None)]  # e2e, Triton, sm90 (no row)
+    # e2e, Triton, sm90 (no row), Triton's trial against the faster full causal (its own)
+    assert windows == [(3.0, False), (8.0, True), (None, None), (8.0, True)]
     sys.modules.pop("bench_hopper", None)

@@ -38,7 +38,7 @@ from lowbit_attn.core.variants import PLAIN, Variant, cap_args, sink_logits
 from lowbit_attn.core.triton_helpers import (
     LOG2E, LaunchConfig, add_sink, finish_scores, key_block_bounds, next_power_of_2,
     normalize_rows, online_max, program_heads, store_lse, strides, autotuned,
-    window_block_bounds,
+    window_block_bounds, window_limits,
 )
 from lowbit_attn.quant.fp4 import (
     e2m1_code, e2m1_pack, e2m1_value, e4m3_value, e8m0_value, p_group_scale, scale_operand,
@@ -260,7 +260,7 @@ def _attn_fwd_fp4_kernel(
     if HAS_DS:
         ds_base = DS + b * sdb + h * sdh + pid_m * sdq
 
-    window = (left, right, chunk)
+    window = window_limits(offs_m, causal_offset, left, right, chunk, NK)
     shift = tl.zeros([BLOCK_M], dtype=tl.float32)  # K smoothing's row shift, base 2
     if (SOFTCAP or HAS_SINK) and HAS_LSH:
         shift = tl.load(LSH + b * slb + h * slh + offs_m * sln, mask=mmask, other=0.0) * LOG2E

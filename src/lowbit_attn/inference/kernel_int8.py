@@ -17,10 +17,10 @@ from lowbit_attn.core.arch import get_capability
 from lowbit_attn.core.operands import QuantizedQKV, Seqs, dense_seqs
 from lowbit_attn.core.variants import PLAIN, Variant
 from lowbit_attn.core.triton_helpers import (
-    LOG2E, LaunchConfig, add_sink, bhnd_strides, exact_fp8,
+    LOG2E, LaunchConfig, add_sink, autotune_mode, bhnd_strides, exact_fp8,
     finish_rows, finish_scores, choose, key_block_bounds, key_position, next_pow2,
     next_power_of_2, online_max, p_offset, packed_v_start, program_heads, row_strides, seq_span,
-    store_lse, strides, to_e4m3, triton_configs, tuned, window_block_bounds,
+    store_lse, strides, to_e4m3, triton_configs, tuned, window_block_bounds, window_limits,
 )
 from lowbit_attn.core.variants import cap_args, sink_logits
 from lowbit_attn.quant.tile import thread_group
@@ -34,7 +34,8 @@ GRANULARITY_CODES = {"per_block": 0, "per_token": 1, "per_thread": 2}
 # rows. Warps, pipeline depth and M_SPLIT are tuned; ``fits`` (the prune filter, keyed by head dim)
 # says which candidates the autotuner tries for a launch.
 # ``PIPELINE`` (see the kernel) is a candidate only on Hopper, where Q·Kᵀ is an asynchronous wgmma;
-# the autotuner keeps it where it pays. ``M_SPLIT`` 2 is for D = 256 alone (BLOCK_D 256).
+# the autotuner keeps it where it pays. ``M_SPLIT`` 2 is for D = 256 (BLOCK_D 256), and for
+# :data:`TRIALS`.
 _PLAIN = (("PIPELINE", False),)
 _PIPELINED = (("PIPELINE", True),)
 _PLAIN_HALVES = (("PIPELINE", False), ("M_SPLIT", 2))
@@ -54,6 +55,14 @@ CONFIGS = {
               LaunchConfig(8, 2, _PLAIN_HALVES), LaunchConfig(8, 2, _PIPELINED_HALVES),
               LaunchConfig(8, 3, _PLAIN_HALVES), LaunchConfig(8, 3, _PIPELINED_HALVES)],
 }
+# Candidates no GPU has timed (NOTES §30): 64-row programs on one warpgroup at D ≤ 128, so that
+# two programs share an SM (sm_90a: 255 registers or fewer at D = 128, 230 at D = 64, none
+# spilled) and one's prologue, pipeline fills and epilogue run under the other's loop (a
+# 512-token window's program is half fixed cost, §29). Only ``LOWBIT_ATTN_AUTOTUNE=all`` (the
+# benchmarks' tuned and forced rows) tries them; a GPU run's rows make one a measured default or
+# delete them.
+TRIALS = (LaunchConfig(4, 3, _PIPELINED_HALVES), LaunchConfig(4, 3, _PLAIN_HALVES))
+CONFIGS["sm_90"] += TRIALS
 
 
 @triton.jit
@@ -247,7 +256,7 @@ def _attn_fwd_int8_kernel(
     if HAS_DS:
         ds_base = DS + b * sdb + h * sdh + (pid_m // M_SPLIT) * sdq
     offset = p_offset(PV_FP8)
-    window = (left, right, chunk)
+    window = window_limits(offs_m, causal_offset, left, right, chunk, nk)
     shift = tl.zeros([BLOCK_M], dtype=tl.float32)  # K smoothing's row shift, base 2
     if (SOFTCAP or HAS_SINK) and HAS_LSH:
         shift = tl.load(LSH + b * slb + h * slh + (q_start + offs_m) * sln, mask=mmask,
@@ -342,12 +351,17 @@ def fits(num_warps: int, block_d: int, block_n: int = 64, pipeline: bool = False
     sm_89): programs of at most 64 rows (``block_q / m_split``) on 8 warps, whose 256
     accumulator columns the two warpgroups share, the pipelined one with 64-key blocks at most,
     and at 2 stages for packed sequences (``varlen``: 3 spill 8 B with FP8 P·V on sm_90a).
+    :data:`TRIALS`' 64-row programs on 4 warps at D ≤ 128: 3 stages, 64-key blocks at D = 128,
+    not packed (at 2 stages, or packed, 8 to 24 B spill at D = 128 on sm_90a).
     The autotuner does not try the others."""
     if block_d > 128:
         return (num_warps >= 8 and block_q // m_split <= 64
                 and not (pipeline and block_n * block_d > 16384)
                 and not (pipeline and varlen and num_stages > 2))
-    return (m_split == 1 and (num_warps >= 8 or block_d <= 64)
+    if m_split > 1:
+        return (num_warps == 4 and block_q // m_split == 64 and num_stages >= 3 and not varlen
+                and block_n * block_d <= 8192)
+    return ((num_warps >= 8 or block_d <= 64)
             and not (pipeline and block_n * block_d > 8192))
 
 
@@ -357,10 +371,17 @@ def can_split(block_q: int, m_split: int) -> bool:
     return m_split == 1 or (block_q % m_split == 0 and block_q // m_split >= 64)
 
 
+def _trial(config) -> bool:
+    """Whether a ``triton.Config`` is one of :data:`TRIALS`."""
+    return LaunchConfig(config.num_warps, config.num_stages,
+                        tuple(config.kwargs.items())) in TRIALS
+
+
 def _prune(configs, named_args, **kwargs):
     args = {**named_args, **kwargs}
     block_d, block_n, block_q = args["BLOCK_D"], args["BLOCK_N"], args["BLOCK_Q"]
-    valid = [c for c in configs if can_split(block_q, c.kwargs.get("M_SPLIT", 1))]
+    valid = [c for c in configs if can_split(block_q, c.kwargs.get("M_SPLIT", 1))
+             and (autotune_mode() == "all" or not _trial(c))]
     kept = [c for c in valid
             if fits(c.num_warps, block_d, block_n, bool(c.kwargs.get("PIPELINE")),
                     c.kwargs.get("M_SPLIT", 1), block_q, c.num_stages, args["VARLEN"])]

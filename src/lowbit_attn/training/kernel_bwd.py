@@ -22,7 +22,7 @@ from lowbit_attn.core.arch import get_capability, interpreter_enabled, tensor_me
 from lowbit_attn.core.operands import TRAIN_BLOCK, GradOperands, TrainOperands
 from lowbit_attn.core.triton_helpers import (
     LaunchConfig, autotuned, batch_head, mm, next_pow2, next_power_of_2, operand, program_heads,
-    quantize_tile, softcap_scores, strides, token_major, window_block_bounds, window_ok,
+    quantize_tile, softcap_scores, strides, token_major, window_block_bounds, window_limits,
     window_query_bounds,
 )
 from lowbit_attn.core.variants import PLAIN, Variant, variant_args
@@ -114,10 +114,16 @@ def _tile_p_dp(
         s = softcap_scores(s, cap[0], cap[1], sh)
         t = (s + sh) * cap[2]
         slope = 1.0 - t * t
-    valid = (r < NQ) & (c < NK)
-    if WINDOWED:
-        valid = valid & window_ok(r, c, causal_offset, window[0], window[1], window[2])
-    elif IS_CAUSAL:
+    if WINDOWED:  # each row's first and last key (the end included): two compares per score
+        first, last = window_limits(rows, causal_offset, window[0], window[1], window[2], NK)
+        if TRANS:
+            first, last = first[None, :], last[None, :]
+        else:
+            first, last = first[:, None], last[:, None]
+        valid = (r < NQ) & (c >= first) & (c <= last)
+    else:
+        valid = (r < NQ) & (c < NK)
+    if IS_CAUSAL:
         valid = valid & (c <= r + causal_offset)
     s = tl.where(valid, s, float("-inf"))
     lse = tl.where(lse == float("-inf"), 0.0, lse)

@@ -16,7 +16,7 @@ from lowbit_attn.core.operands import TRAIN_BLOCK, TrainOperands
 from lowbit_attn.core.triton_helpers import (
     LaunchConfig, finish_scores, key_block_bounds, mm, next_pow2, next_power_of_2, online_max,
     normalize_rows, operand, program_heads, round_half_even, strides, token_major,
-    autotuned, window_block_bounds,
+    autotuned, window_block_bounds, window_limits,
 )
 from lowbit_attn.core.variants import PLAIN, Variant, variant_args
 
@@ -122,7 +122,7 @@ def _train_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    window = (left, right, chunk)
+    window = window_limits(offs_m, causal_offset, left, right, chunk, NK)
     if HAS_RS:
         srb, srh, srn = rs_strides
         shift = tl.load(RS + b * srb + h * srh + offs_m * srn, mask=mmask, other=0.0)
