@@ -45,11 +45,12 @@ D=64 N=16k, N=1k; causal D=128 N=16k, issue 44's window), then N=8k (B×H=4×32)
 and causal D=64 N=16k; only the rows that decide: SDPA cuDNN, e2e sm90 thread and token, kernel
 sm90 thread and token, e2e Triton, SageAttention, ``e2e sm90 thread plan`` (with
 ``LOWBIT_ATTN_LAUNCH=plan``: the host path launch plans would save; not counted in the bars,
-which are the default launch path's); after every configuration, the kernel's variants alone
-at D=128 N=16k (``… thread k2``, ``… thread r168``, ``… token r168``: the kernel bar takes the
-fastest ``kernel sm90`` row); at D=128 N=16k causal the sm90 kernel's window and register cap,
-then the Triton kernel alone on its first trial candidate (``kernel triton token causal m64``,
-``… win512 m64``: 64-row programs, two per SM); last, ``tuned triton token win512`` there (the
+which are the default launch path's); after each bar's first configuration (before the
+second ones), the kernel's variants alone at D=128 N=16k (``… thread k2``, ``… thread r168``,
+``… token r168``: the kernel bar takes the fastest ``kernel sm90`` row), at D=128 N=16k causal
+the sm90 kernel's window and register cap, then the Triton kernel alone on its first trial
+candidate (``kernel triton token causal m64``, ``… win512 m64``: 64-row programs, two per SM);
+last, ``tuned triton token win512`` at D=128 N=16k causal (the
 windowed call autotuned, against ``e2e triton token win512``, which runs the candidate measured
 without a window).
 
@@ -108,6 +109,10 @@ THREAD_FP16 = get_recipe("qk_int8_pv_fp16").replace(granularity="per_thread", bl
 # short by its budget still has a row for every bar.
 DECIDE_CONFIGS = [(128, 16384, False), (128, 1024, False), (64, 16384, False), (64, 1024, False),
                   (128, 16384, True), (128, 8192, False), (64, 8192, False), (64, 16384, True)]
+# The candidates' passes (the kernel's variants, the window on it, the Triton kernel's trial)
+# run after each bar's first configuration and before its second, which two runs have measured
+# already (on 2026-11-30 the sweep's budget ended before the passes after the last one).
+DECIDE_FIRST = 5
 DECIDE_ROWS = ("sdpa cudnn", "e2e sm90 thread", "e2e sm90 token", "kernel sm90 thread",
                "kernel sm90 token", "e2e triton token", "sage 1.0.6", "e2e sm90 thread plan",
                "e2e sm90 thread win512", "e2e triton thread win512", "e2e triton token win512",
@@ -116,8 +121,7 @@ DECIDE_ROWS = ("sdpa cudnn", "e2e sm90 thread", "e2e sm90 token", "kernel sm90 t
                "kernel sm90 thread win512", "kernel triton token causal m64",
                "kernel triton token win512 m64", "tuned triton token win512")
 # The one-warpgroup kernel's variants (NOTES §17: two K buffers; 168 registers, 3 programs per
-# SM), and --decide's last pass: them alone at the kernel bar's configuration, after every
-# decisive row (no GPU has timed them).
+# SM), alone at the kernel bar's configuration, after each bar's first configuration.
 KERNEL_VARIANTS = [("kernel sm90 thread k2", THREAD, {"k_stages": 2}),
                    ("kernel sm90 thread r168", THREAD, {"maxnreg": 168}),
                    ("kernel sm90 token r168", TOKEN, {"maxnreg": 168})]
@@ -133,8 +137,7 @@ WINDOW = (511, 0)
 # Then at D=128 N=16k causal the sm90 kernel alone (its "kernel sm90 thread" row there the full
 # causal one) with issue 44's window: whether a window costs in proportion on it, where 64-row
 # programs, 2 per SM, hide one's prologue under another's loop; and with the 168-register cap,
-# which won the kernel bar's row (NOTES §29), where causal compiles spill more. After every
-# decisive row: no GPU has run the windowed loop.
+# which won the kernel bar's row (NOTES §29), where causal compiles spill more.
 CAUSAL_VARIANTS = [("kernel sm90 thread win512", THREAD, {"window": WINDOW}),
                    ("kernel sm90 thread r168", THREAD, {"maxnreg": 168})]
 DECIDE_CAUSAL_VARIANTS = (128, 16384, True)
@@ -437,15 +440,15 @@ def main(argv=None) -> int:
 
     passes = [(config, functools.partial(rows_of_config, decide=args.decide))
               for config in configs]
-    if args.decide:  # last, the kernel's variants (on a CPU, skipped rows: the script checked)
-        passes.append((DECIDE_VARIANTS if cuda else configs[0],
-                       functools.partial(sm90_rows, rows=KERNEL_VARIANTS)))
-        passes.append((DECIDE_CAUSAL_VARIANTS if cuda else next(c for c in configs if c[2]),
-                       functools.partial(sm90_rows, rows=CAUSAL_VARIANTS)))
-        passes.append((DECIDE_CAUSAL_VARIANTS if cuda else next(c for c in configs if c[2]),
-                       trial_rows))
-        passes.append((DECIDE_WINDOW_TUNED if cuda else next(c for c in configs if c[2]),
-                       tuned_window_row))
+    if args.decide:  # the candidates after each bar's first configuration, before its second
+        # (on a CPU, after both tiny ones: the sm90 rows skipped, the script checked)
+        causal_config = DECIDE_CAUSAL_VARIANTS if cuda else next(c for c in configs if c[2])
+        passes[DECIDE_FIRST:DECIDE_FIRST] = [
+            (DECIDE_VARIANTS if cuda else configs[0],
+             functools.partial(sm90_rows, rows=KERNEL_VARIANTS)),
+            (causal_config, functools.partial(sm90_rows, rows=CAUSAL_VARIANTS)),
+            (causal_config, trial_rows)]
+        passes.append((DECIDE_WINDOW_TUNED if cuda else causal_config, tuned_window_row))
     for (d, n, causal), rows_fn in passes:
         b, h = batch_heads[n]
         base = {"B": b, "H": h, "N": n, "D": d, "causal": causal}

@@ -520,6 +520,7 @@ def test_forward_benchmark_decide_runs_the_decisive_rows_with_the_bars(tmp_path,
     assert bench.DECIDE_CONFIGS[:5] == [(128, 16384, False), (128, 1024, False),
                                         (64, 16384, False), (64, 1024, False), (128, 16384, True)]
     assert bench.BATCH_HEADS[1024] == (16, 32)
+    assert bench.DECIDE_FIRST == 5  # the candidates' passes come next, before the second ones
     assert bench.main(["--decide", "--out", str(tmp_path)]) == 0
     (result,) = tmp_path.glob("forward-*.json")
     data = json.loads(result.read_text())
