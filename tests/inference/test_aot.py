@@ -213,6 +213,7 @@ def test_pipelined_candidate_runs_the_softmax_under_the_next_qk_wgmma(granularit
     assert len(main_loops[pipelined]) < len(main_loops[plain])
 
 
+@pytest.mark.pinned_codegen
 @pytest.mark.parametrize("d", [64, 128])
 def test_a_window_edge_block_costs_little_more_than_a_whole_one(d):
     """A 512-token window (issue 44's row) on sm_90a, the measured candidate (8 warps, 3 stages,
@@ -481,6 +482,7 @@ def test_a_measured_launch_runs_its_measured_candidate_alone(monkeypatch, mode):
         assert default != [(8, 3, {"PIPELINE": True})]  # the first is not the measured one
 
 
+@pytest.mark.pinned_codegen  # Triton 3.9 spills 8 B at D = 128: a GPU run's Triton is 3.6
 @pytest.mark.parametrize("d", [64, 128])
 def test_trial_candidates_are_tried_only_when_asked_and_do_not_spill(monkeypatch, d):
     """``kernel_int8.TRIALS`` (64-row programs on one warpgroup, no GPU has timed them): the
